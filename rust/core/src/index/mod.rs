@@ -1,0 +1,424 @@
+//! The block index: which instance holds which block, in which tier.
+//!
+//! This is the conductor's global view of the cluster-wide KVCache pool. Keys are
+//! [`BlockHash`]es; values are the holders of that block, each an (instance, tier) pair.
+//! Because block hashes are chained, "instance I holds the first n blocks of a prompt"
+//! is answered by n point lookups, with no tree.
+//!
+//! Concurrency: the map is split into shards, each behind its own `RwLock`; a lookup
+//! holds one shard lock at a time, for one probe. The instance table (instance id ↔ dense
+//! slot) has its own lock, taken shared by every operation and exclusively only by
+//! `remove_instance`, so a slot is never reused while an operation still refers to it.
+//! Lock order: instances, then one shard.
+
+mod holders;
+mod instances;
+
+use std::hash::{BuildHasher, Hasher};
+
+use hashbrown::HashMap;
+use parking_lot::RwLock;
+
+use crate::error::{Categorized, ErrorCategory};
+use crate::hash::BlockHash;
+use holders::{Holder, Slot2, SpillSlab};
+use instances::Instances;
+
+/// An instance id as the caller names it (any u64).
+pub type InstanceId = u64;
+
+/// Where a holder keeps the block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum Tier {
+    Dram = 0,
+    Ssd = 1,
+}
+
+impl Tier {
+    pub fn parse(name: &str) -> Result<Self, IndexError> {
+        match name {
+            "dram" => Ok(Tier::Dram),
+            "ssd" => Ok(Tier::Ssd),
+            other => Err(IndexError::UnknownTier(other.to_string())),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::Dram => "dram",
+            Tier::Ssd => "ssd",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IndexError {
+    #[error("unknown tier {0:?}; expected \"dram\" or \"ssd\"")]
+    UnknownTier(String),
+    #[error("too many instances in one index (at most {0})")]
+    TooManyInstances(u32),
+}
+
+impl Categorized for IndexError {
+    fn category(&self) -> ErrorCategory {
+        ErrorCategory::InvalidArgument
+    }
+}
+
+/// How many leading blocks of a prompt one instance holds, split by tier.
+/// A block held in both tiers counts as DRAM (the faster copy is the one used).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixMatch {
+    pub instance: InstanceId,
+    pub dram: usize,
+    pub ssd: usize,
+}
+
+impl PrefixMatch {
+    pub fn total(&self) -> usize {
+        self.dram + self.ssd
+    }
+}
+
+/// Sizes, for monitoring and the memory target.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct IndexStats {
+    /// Distinct blocks.
+    pub blocks: usize,
+    /// (block, holder) pairs.
+    pub entries: usize,
+    pub instances: usize,
+    /// Heap bytes held by the index's tables.
+    pub memory_bytes: usize,
+    /// (instance, dram entries, ssd entries), sorted by instance.
+    pub per_instance: Vec<(InstanceId, usize, usize)>,
+}
+
+/// Block hashes are already uniform, but simulator traces use small integer ids, so the
+/// key is mixed once (a folded 64×64→128 multiply) rather than hashed with SipHash.
+#[derive(Clone, Copy, Default)]
+struct MixBuild;
+
+struct MixHasher(u64);
+
+#[inline]
+fn mix(key: u128) -> u64 {
+    let x = (key as u64) ^ ((key >> 64) as u64).rotate_left(29);
+    let m = (x as u128).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835);
+    (m as u64) ^ ((m >> 64) as u64)
+}
+
+impl Hasher for MixHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, _bytes: &[u8]) {
+        unreachable!("the index only hashes u128 keys")
+    }
+    fn write_u128(&mut self, key: u128) {
+        self.0 = mix(key);
+    }
+}
+
+impl BuildHasher for MixBuild {
+    type Hasher = MixHasher;
+    fn build_hasher(&self) -> MixHasher {
+        MixHasher(0)
+    }
+}
+
+#[derive(Default)]
+struct Shard {
+    map: HashMap<BlockHash, Slot2, MixBuild>,
+    slab: SpillSlab,
+    entries: usize,
+}
+
+const SHARD_BITS: u32 = 6;
+const SHARDS: usize = 1 << SHARD_BITS;
+
+#[inline]
+fn shard_of(key: BlockHash) -> usize {
+    // Bits 50..56 of the mix: disjoint from the bucket bits of any table below 2^50
+    // buckets and from hashbrown's 7-bit tag (the top bits).
+    ((mix(key) >> 50) as usize) & (SHARDS - 1)
+}
+
+/// Holders of one block copied out of a shard, so the lock is held only for the probe.
+type HolderBuf = Vec<Holder>;
+
+pub struct BlockIndex {
+    shards: Box<[RwLock<Shard>]>,
+    instances: RwLock<Instances>,
+}
+
+impl Default for BlockIndex {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl BlockIndex {
+    pub fn new() -> Self {
+        BlockIndex {
+            shards: (0..SHARDS).map(|_| RwLock::new(Shard::default())).collect(),
+            instances: RwLock::new(Instances::default()),
+        }
+    }
+
+    /// Records that `instance` holds `hashes` in `tier`. Returns how many entries are new.
+    pub fn insert(&self, instance: InstanceId, hashes: &[BlockHash], tier: Tier) -> Result<usize, IndexError> {
+        loop {
+            {
+                let instances = self.instances.read();
+                if let Some(slot) = instances.slot_of(instance) {
+                    // The shared lock is held for the whole call, so the slot cannot be
+                    // freed (and reused by another instance) under us.
+                    let holder = Holder::new(slot, tier);
+                    let mut added = 0;
+                    for &h in hashes {
+                        let mut shard = self.shards[shard_of(h)].write();
+                        let shard = &mut *shard;
+                        let value = shard.map.entry(h).or_insert_with(Slot2::empty);
+                        if value.insert(&mut shard.slab, holder) {
+                            shard.entries += 1;
+                            added += 1;
+                        }
+                    }
+                    return Ok(added);
+                }
+            }
+            self.instances.write().get_or_add(instance)?;
+        }
+    }
+
+    /// Forgets that `instance` holds `hashes` (in `tier`, or in any tier when `None`).
+    /// Returns how many entries were removed; unknown instances or blocks remove nothing.
+    pub fn remove(&self, instance: InstanceId, hashes: &[BlockHash], tier: Option<Tier>) -> usize {
+        let instances = self.instances.read();
+        let Some(slot) = instances.slot_of(instance) else {
+            return 0;
+        };
+        let mut removed = 0;
+        for &h in hashes {
+            let mut shard = self.shards[shard_of(h)].write();
+            removed += Self::remove_in_shard(&mut shard, h, |x| {
+                x.slot() == slot && tier.is_none_or(|t| x.tier() == t)
+            });
+        }
+        removed
+    }
+
+    fn remove_in_shard(shard: &mut Shard, h: BlockHash, pred: impl FnMut(Holder) -> bool) -> usize {
+        let Shard { map, slab, entries } = shard;
+        let Some(value) = map.get_mut(&h) else {
+            return 0;
+        };
+        let n = value.remove_where(slab, pred);
+        if value.is_empty() {
+            map.remove(&h);
+        }
+        *entries -= n;
+        n
+    }
+
+    /// Drops every entry of `instance` (a scan of the whole index). Returns how many.
+    pub fn remove_instance(&self, instance: InstanceId) -> usize {
+        let mut instances = self.instances.write();
+        let Some(slot) = instances.slot_of(instance) else {
+            return 0;
+        };
+        let mut removed = 0;
+        for shard in self.shards.iter() {
+            let mut shard = shard.write();
+            let Shard { map, slab, entries } = &mut *shard;
+            map.retain(|_, value| {
+                let n = value.remove_where(slab, |x| x.slot() == slot);
+                *entries -= n;
+                removed += n;
+                !value.is_empty()
+            });
+        }
+        instances.remove(instance);
+        removed
+    }
+
+    fn holders_raw(&self, h: BlockHash, out: &mut HolderBuf) {
+        out.clear();
+        let shard = self.shards[shard_of(h)].read();
+        if let Some(v) = shard.map.get(&h) {
+            v.for_each(&shard.slab, |x| out.push(x));
+        }
+    }
+
+    /// Every (instance, tier) that holds `h`, sorted.
+    pub fn holders(&self, h: BlockHash) -> Vec<(InstanceId, Tier)> {
+        let instances = self.instances.read();
+        let mut buf = Vec::new();
+        self.holders_raw(h, &mut buf);
+        let mut out: Vec<_> = buf
+            .iter()
+            .filter_map(|x| instances.id_of(x.slot()).map(|id| (id, x.tier())))
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// For every instance that holds at least `hashes[0]`: how many leading blocks it
+    /// holds without a gap, split by tier. Sorted by instance id. Empty for no hashes.
+    pub fn match_prefix(&self, hashes: &[BlockHash]) -> Vec<PrefixMatch> {
+        let mut out = Vec::new();
+        self.match_prefix_into(hashes, &mut out);
+        out
+    }
+
+    /// [`match_prefix`](Self::match_prefix) into a caller-owned buffer (no allocation
+    /// once the buffers have grown), for the conductor's hot path.
+    pub fn match_prefix_into(&self, hashes: &[BlockHash], out: &mut Vec<PrefixMatch>) {
+        out.clear();
+        let Some((&first, rest)) = hashes.split_first() else {
+            return;
+        };
+        let instances = self.instances.read();
+        // Candidates: (slot, dram, ssd, still matching).
+        let mut cands: Vec<(u32, usize, usize, bool)> = Vec::new();
+        let mut buf = HolderBuf::with_capacity(8);
+        self.holders_raw(first, &mut buf);
+        buf.sort_unstable(); // by slot, then DRAM before SSD
+        for x in &buf {
+            match cands.last_mut() {
+                Some(c) if c.0 == x.slot() => {} // the same instance's second tier
+                _ => {
+                    let dram = (x.tier() == Tier::Dram) as usize;
+                    cands.push((x.slot(), dram, 1 - dram, true));
+                }
+            }
+        }
+        let mut alive = cands.len();
+        for &h in rest {
+            if alive == 0 {
+                break;
+            }
+            self.holders_raw(h, &mut buf);
+            for c in cands.iter_mut().filter(|c| c.3) {
+                let mut best: Option<Tier> = None;
+                for x in buf.iter().filter(|x| x.slot() == c.0) {
+                    best = Some(best.map_or(x.tier(), |b| b.min(x.tier())));
+                }
+                match best {
+                    Some(Tier::Dram) => c.1 += 1,
+                    Some(Tier::Ssd) => c.2 += 1,
+                    None => {
+                        c.3 = false;
+                        alive -= 1;
+                    }
+                }
+            }
+        }
+        out.extend(cands.iter().filter_map(|c| {
+            instances.id_of(c.0).map(|instance| PrefixMatch { instance, dram: c.1, ssd: c.2 })
+        }));
+        out.sort_unstable_by_key(|m| m.instance);
+    }
+
+    /// The instance with the longest match (ties: more DRAM blocks, then lowest id).
+    pub fn best_prefix(&self, hashes: &[BlockHash]) -> Option<PrefixMatch> {
+        best_of(&self.match_prefix(hashes))
+    }
+
+    /// Number of distinct blocks.
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|s| s.read().map.len()).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn instances(&self) -> Vec<InstanceId> {
+        self.instances.read().ids()
+    }
+
+    pub fn stats(&self) -> IndexStats {
+        let instances = self.instances.read();
+        let mut per_slot: HashMap<u32, (usize, usize)> = HashMap::new();
+        let mut stats = IndexStats {
+            instances: instances.len(),
+            memory_bytes: instances.heap_bytes() + std::mem::size_of::<Self>(),
+            ..Default::default()
+        };
+        for shard in self.shards.iter() {
+            let shard = shard.read();
+            stats.blocks += shard.map.len();
+            stats.entries += shard.entries;
+            stats.memory_bytes += shard.map.allocation_size() + shard.slab.heap_bytes();
+            for v in shard.map.values() {
+                v.for_each(&shard.slab, |x| {
+                    let e = per_slot.entry(x.slot()).or_default();
+                    match x.tier() {
+                        Tier::Dram => e.0 += 1,
+                        Tier::Ssd => e.1 += 1,
+                    }
+                });
+            }
+        }
+        stats.per_instance = per_slot
+            .into_iter()
+            .filter_map(|(slot, (d, s))| instances.id_of(slot).map(|id| (id, d, s)))
+            .collect();
+        stats.per_instance.sort_unstable();
+        stats
+    }
+
+    /// Checks every internal invariant; tests call it after random operation sequences.
+    pub fn check_integrity(&self) -> Result<(), String> {
+        let instances = self.instances.read();
+        instances.check()?;
+        for (i, shard) in self.shards.iter().enumerate() {
+            let shard = shard.read();
+            let mut entries = 0;
+            for (&h, v) in shard.map.iter() {
+                if shard_of(h) != i {
+                    return Err(format!("block {h:#x} in shard {i}, belongs in {}", shard_of(h)));
+                }
+                if v.is_empty() {
+                    return Err(format!("block {h:#x} has no holders but is still indexed"));
+                }
+                let mut seen = Vec::new();
+                v.for_each(&shard.slab, |x| seen.push(x));
+                entries += seen.len();
+                for x in &seen {
+                    if instances.id_of(x.slot()).is_none() {
+                        return Err(format!("block {h:#x} held by a freed slot {}", x.slot()));
+                    }
+                }
+                seen.sort_unstable();
+                seen.dedup();
+                if seen.len() != v.len(&shard.slab) {
+                    return Err(format!("block {h:#x} lists a holder twice"));
+                }
+            }
+            if entries != shard.entries {
+                return Err(format!("shard {i} counts {} entries, holds {entries}", shard.entries));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The longest match (ties: more DRAM, then the lowest instance id).
+pub fn best_of(matches: &[PrefixMatch]) -> Option<PrefixMatch> {
+    matches
+        .iter()
+        .copied()
+        .max_by(|a, b| {
+            a.total()
+                .cmp(&b.total())
+                .then(a.dram.cmp(&b.dram))
+                .then(b.instance.cmp(&a.instance))
+        })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,18 @@
+//! Pure-Rust core of mooncake_rs.
+//!
+//! Nothing in this crate knows about Python: the PyO3 glue lives in `rust/python`, and
+//! everything here is tested with `cargo test` alone. See `DESIGN.md` (shared) and the
+//! top-level README for the architecture.
+//!
+//! Modules, one role each:
+//! - [`hash`]: chained 128-bit hashes of full token blocks.
+//! - [`index`]: which instance holds which block, in which tier; longest-prefix matching.
+//! - [`error`]: the error categories every module's error enum maps to.
+
+pub mod error;
+pub mod hash;
+pub mod index;
+
+pub use error::{Categorized, ErrorCategory};
+pub use hash::{BlockHash, HashAlgorithm, HashError, PrefixHasher};
+pub use index::{BlockIndex, IndexError, IndexStats, InstanceId, PrefixMatch, Tier};

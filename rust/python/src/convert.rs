@@ -1,0 +1,285 @@
+//! Conversions at the Python boundary: token sequences (lists or any buffer) and
+//! 128-bit block hashes (Python ints).
+
+use std::ffi::CStr;
+use std::os::raw::c_int;
+
+use mooncake_core::BlockHash;
+use pyo3::exceptions::PyOverflowError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+
+use crate::errors::invalid;
+
+/// A read-only, C-contiguous buffer export, released on drop (with the GIL held: it
+/// never leaves the calling thread, so it cannot outlive the attached section).
+pub struct BufferView {
+    view: ffi::Py_buffer,
+}
+
+impl BufferView {
+    /// Exports `obj`'s buffer, or `None` if it has no buffer protocol.
+    pub fn get(obj: &Bound<'_, PyAny>, flags: c_int) -> PyResult<Option<Self>> {
+        // SAFETY: `view` is plain data that PyObject_GetBuffer fills; on failure it is
+        // left unexported and we do not release it.
+        unsafe {
+            if ffi::PyObject_CheckBuffer(obj.as_ptr()) == 0 {
+                return Ok(None);
+            }
+            let mut view: ffi::Py_buffer = std::mem::zeroed();
+            if ffi::PyObject_GetBuffer(obj.as_ptr(), &mut view, flags) != 0 {
+                return Err(PyErr::fetch(obj.py()));
+            }
+            Ok(Some(BufferView { view }))
+        }
+    }
+
+    pub fn len_bytes(&self) -> usize {
+        self.view.len as usize
+    }
+
+    pub fn ndim(&self) -> usize {
+        self.view.ndim as usize
+    }
+
+    pub fn itemsize(&self) -> usize {
+        self.view.itemsize as usize
+    }
+
+    pub fn as_ptr(&self) -> *const u8 {
+        self.view.buf as *const u8
+    }
+
+    /// The struct-module format string ("B" when the exporter gave none).
+    pub fn format(&self) -> &str {
+        if self.view.format.is_null() {
+            return "B";
+        }
+        // SAFETY: a non-null format is a NUL-terminated string owned by the exporter
+        // and valid while the view is held.
+        unsafe { CStr::from_ptr(self.view.format) }.to_str().unwrap_or("?")
+    }
+
+    /// The bytes of the buffer.
+    pub fn bytes(&self) -> &[u8] {
+        if self.view.len == 0 {
+            return &[];
+        }
+        // SAFETY: the exporter guarantees `len` readable bytes at `buf` while the view is
+        // held; the view lives as long as `self`.
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len_bytes()) }
+    }
+}
+
+impl Drop for BufferView {
+    fn drop(&mut self) {
+        // SAFETY: the view was exported by PyObject_GetBuffer and is released once;
+        // BufferView is created and dropped while attached to the interpreter.
+        unsafe { ffi::PyBuffer_Release(&mut self.view) }
+    }
+}
+
+/// Integer element types a token buffer may hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IntKind {
+    Signed(usize),
+    Unsigned(usize),
+}
+
+/// Parses a struct-module format for one integer element in native or little-endian
+/// byte order; `None` for anything else. (Big-endian hosts are not supported: hashes
+/// are defined over little-endian tokens.)
+fn int_kind(format: &str, itemsize: usize) -> Option<IntKind> {
+    if cfg!(target_endian = "big") {
+        return None;
+    }
+    let code = match format.as_bytes() {
+        [c] => *c,
+        [b'@' | b'=', c] => *c,
+        [b'<', c] => *c,
+        _ => return None,
+    };
+    match code {
+        b'b' | b'h' | b'i' | b'l' | b'q' | b'n' => Some(IntKind::Signed(itemsize)),
+        b'B' | b'H' | b'I' | b'L' | b'Q' | b'N' => Some(IntKind::Unsigned(itemsize)),
+        _ => None,
+    }
+}
+
+/// Tokens as the caller gave them: borrowed from a buffer when its layout allows,
+/// converted otherwise.
+pub enum Tokens {
+    /// A buffer of 32-bit integers, read in place (i32 values are range-checked).
+    Buffer { view: BufferView, kind: IntKind },
+    Owned(Vec<u32>),
+}
+
+fn out_of_range(py: Python<'_>, index: usize, value: i128) -> PyErr {
+    invalid(py, format!("token at position {index} is {value}, outside 0..2^32-1"))
+}
+
+impl Tokens {
+    pub fn extract(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let py = obj.py();
+        if let Ok(list) = obj.cast::<PyList>() {
+            return Self::from_items(py, list.iter());
+        }
+        if let Ok(tuple) = obj.cast::<PyTuple>() {
+            return Self::from_items(py, tuple.iter());
+        }
+        let flags = ffi::PyBUF_FORMAT | ffi::PyBUF_C_CONTIGUOUS;
+        let view = match BufferView::get(obj, flags) {
+            Ok(Some(v)) => v,
+            Ok(None) => {
+                let type_name = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+                return Err(invalid(
+                    py,
+                    format!("tokens must be a list of ints or a 1-D integer array, got {type_name}"),
+                ));
+            }
+            Err(e) => {
+                return Err(invalid(py, format!("tokens must be a C-contiguous 1-D integer array ({e})")))
+            }
+        };
+        if view.ndim() != 1 {
+            return Err(invalid(py, format!("tokens must be 1-D, got a {}-D array", view.ndim())));
+        }
+        let Some(kind) = int_kind(view.format(), view.itemsize()) else {
+            return Err(invalid(
+                py,
+                format!("tokens must be integers, got array format {:?} (e.g. a float array)", view.format()),
+            ));
+        };
+        let tokens = Tokens::Buffer { view, kind };
+        tokens.validate(py)?;
+        Ok(tokens)
+    }
+
+    fn from_items<'py>(py: Python<'py>, items: impl Iterator<Item = Bound<'py, PyAny>>) -> PyResult<Self> {
+        let mut out = Vec::with_capacity(items.size_hint().0);
+        for (i, item) in items.enumerate() {
+            match item.extract::<i64>() {
+                Ok(v) if (0..=u32::MAX as i64).contains(&v) => out.push(v as u32),
+                Ok(v) => return Err(out_of_range(py, i, v as i128)),
+                Err(_) => {
+                    let shown = item.repr().map(|r| r.to_string()).unwrap_or_default();
+                    return Err(invalid(py, format!("token at position {i} is {shown}, not an int in 0..2^32-1")));
+                }
+            }
+        }
+        Ok(Tokens::Owned(out))
+    }
+
+    /// Number of tokens.
+    pub fn len(&self) -> usize {
+        match self {
+            Tokens::Buffer { view, kind } => view.len_bytes() / kind.size(),
+            Tokens::Owned(v) => v.len(),
+        }
+    }
+
+    /// Element `i` widened to i128 (the buffer is read with unaligned loads: a sliced
+    /// array need not be aligned).
+    fn get(&self, i: usize) -> i128 {
+        match self {
+            Tokens::Owned(v) => v[i] as i128,
+            Tokens::Buffer { view, kind } => {
+                let size = kind.size();
+                let b = &view.bytes()[i * size..(i + 1) * size];
+                let mut raw = [0u8; 8];
+                raw[..size].copy_from_slice(b);
+                // Tokens are only accepted in native little-endian order (see `int_kind`).
+                let unsigned = u64::from_le_bytes(raw);
+                match kind {
+                    IntKind::Unsigned(_) => unsigned as i128,
+                    IntKind::Signed(s) => {
+                        let shift = 64 - 8 * (*s as u32);
+                        (((unsigned << shift) as i64) >> shift) as i128
+                    }
+                }
+            }
+        }
+    }
+
+    fn validate(&self, py: Python<'_>) -> PyResult<()> {
+        if let Tokens::Buffer { kind: IntKind::Unsigned(1..=4), .. } = self {
+            return Ok(()); // every value fits
+        }
+        for i in 0..self.len() {
+            let v = self.get(i);
+            if !(0..=u32::MAX as i128).contains(&v) {
+                return Err(out_of_range(py, i, v));
+            }
+        }
+        Ok(())
+    }
+
+    /// The tokens as u32, in place when the buffer already holds 4-byte integers.
+    pub fn with_u32<R>(&self, f: impl FnOnce(&[u32]) -> R) -> R {
+        match self {
+            Tokens::Owned(v) => f(v),
+            Tokens::Buffer { view, kind: IntKind::Signed(4) | IntKind::Unsigned(4) }
+                if (view.as_ptr() as usize) % 4 == 0 =>
+            {
+                // SAFETY: the buffer holds len/4 four-byte integers at a 4-aligned
+                // address, all validated to be in 0..2^32 (so the i32 bit pattern equals
+                // the u32 value), and it stays exported while `view` lives.
+                let s = unsafe { std::slice::from_raw_parts(view.as_ptr() as *const u32, self.len()) };
+                f(s)
+            }
+            Tokens::Buffer { .. } => {
+                let v: Vec<u32> = (0..self.len()).map(|i| self.get(i) as u32).collect();
+                f(&v)
+            }
+        }
+    }
+
+    /// An owned copy (for work done with the GIL released).
+    pub fn to_vec(&self) -> Vec<u32> {
+        self.with_u32(|s| s.to_vec())
+    }
+}
+
+impl IntKind {
+    fn size(self) -> usize {
+        match self {
+            IntKind::Signed(s) | IntKind::Unsigned(s) => s,
+        }
+    }
+}
+
+/// A block hash → Python int.
+pub fn hash_to_py(py: Python<'_>, h: BlockHash) -> PyResult<Bound<'_, PyAny>> {
+    Ok(h.into_pyobject(py)?.into_any())
+}
+
+/// A list of block hashes → a Python list of ints.
+pub fn hashes_to_list<'py>(py: Python<'py>, hs: &[BlockHash]) -> PyResult<Bound<'py, PyList>> {
+    let items = hs.iter().map(|&h| hash_to_py(py, h)).collect::<PyResult<Vec<_>>>()?;
+    PyList::new(py, items)
+}
+
+/// A Python int → block hash; anything outside 0..2^128 is `InvalidArgument`.
+pub fn hash_from_py(obj: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
+    obj.extract::<u128>().map_err(|e| {
+        let shown = obj.repr().map(|r| r.to_string()).unwrap_or_default();
+        let why = if e.is_instance_of::<PyOverflowError>(obj.py()) { "outside 0..2^128" } else { "not an int" };
+        invalid(obj.py(), format!("block hash {shown} is {why}"))
+    })
+}
+
+/// A sequence of Python ints → block hashes.
+pub fn hashes_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockHash>> {
+    if let Ok(list) = obj.cast::<PyList>() {
+        return list.iter().map(|x| hash_from_py(&x)).collect();
+    }
+    let mut out = Vec::new();
+    let iter = obj
+        .try_iter()
+        .map_err(|_| invalid(obj.py(), "block hashes must be a list of ints"))?;
+    for x in iter {
+        out.push(hash_from_py(&x?)?);
+    }
+    Ok(out)
+}

@@ -1,0 +1,39 @@
+//! Core errors → the Python exception tree defined in `mooncake_rs/errors.py`.
+//!
+//! The classes live in Python (so `InvalidArgument` can also subclass `ValueError`);
+//! the glue looks each one up by its category name once and caches it.
+
+use mooncake_core::{Categorized, ErrorCategory};
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyType;
+
+static ERRORS_MODULE: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
+
+fn class(py: Python<'_>, category: ErrorCategory) -> PyResult<Bound<'_, PyType>> {
+    let module = ERRORS_MODULE.get_or_try_init(py, || -> PyResult<_> {
+        Ok(py.import("mooncake_rs.errors")?.unbind())
+    })?;
+    Ok(module.bind(py).getattr(category.name())?.cast_into::<PyType>()?)
+}
+
+/// A Python exception of the class that matches `category`, with `message`.
+pub fn new_err(py: Python<'_>, category: ErrorCategory, message: impl Into<String>) -> PyErr {
+    let message = message.into();
+    match class(py, category) {
+        Ok(cls) => PyErr::from_type(cls, message),
+        // The errors module failed to import: still raise, with the category in the text.
+        Err(_) => PyRuntimeError::new_err(format!("{category}: {message}")),
+    }
+}
+
+/// Converts any core error.
+pub fn to_pyerr<E: Categorized + ?Sized>(py: Python<'_>, e: &E) -> PyErr {
+    new_err(py, e.category(), e.to_string())
+}
+
+/// Shorthand for the most common case.
+pub fn invalid(py: Python<'_>, message: impl Into<String>) -> PyErr {
+    new_err(py, ErrorCategory::InvalidArgument, message)
+}

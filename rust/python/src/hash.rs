@@ -1,0 +1,98 @@
+//! `PrefixHasher`: chained block hashes of token sequences.
+
+use mooncake_core::{HashAlgorithm, PrefixHasher};
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+use crate::convert::{hash_from_py, hashes_to_list, Tokens};
+use crate::errors::{invalid, to_pyerr};
+use crate::gil::detached;
+
+#[pyclass(name = "PrefixHasher", module = "mooncake_rs._core", frozen)]
+pub struct PyPrefixHasher {
+    pub inner: PrefixHasher,
+}
+
+#[pymethods]
+impl PyPrefixHasher {
+    #[new]
+    #[pyo3(signature = (block_size, seed = 0, extra = None, algorithm = "xxh3"))]
+    fn new(py: Python<'_>, block_size: i64, seed: u64, extra: Option<Vec<u8>>, algorithm: &str) -> PyResult<Self> {
+        if block_size < 1 {
+            return Err(invalid(py, format!("block_size must be >= 1, got {block_size}")));
+        }
+        let algorithm = HashAlgorithm::parse(algorithm).map_err(|e| to_pyerr(py, &e))?;
+        let inner = PrefixHasher::new(block_size as usize, seed, extra.as_deref(), algorithm)
+            .map_err(|e| to_pyerr(py, &e))?;
+        Ok(PyPrefixHasher { inner })
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.block_size()
+    }
+
+    #[getter]
+    fn seed(&self) -> u64 {
+        self.inner.seed()
+    }
+
+    #[getter]
+    fn algorithm(&self) -> &'static str {
+        self.inner.algorithm().name()
+    }
+
+    /// The implicit parent of the first block.
+    #[getter]
+    fn root(&self) -> u128 {
+        self.inner.root()
+    }
+
+    /// One chained hash per full block of `tokens`.
+    #[pyo3(signature = (tokens, parent = None))]
+    fn hash<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+        parent: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let parent = parent.map(hash_from_py).transpose()?;
+        let tokens = Tokens::extract(tokens)?;
+        let hashes = tokens.with_u32(|t| self.inner.hash_tokens(t, parent));
+        hashes_to_list(py, &hashes)
+    }
+
+    /// `hash` of every sequence, in one call with the GIL released.
+    fn hash_many<'py>(&self, py: Python<'py>, sequences: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyList>>> {
+        let mut owned = Vec::new();
+        for (i, seq) in sequences
+            .try_iter()
+            .map_err(|_| invalid(py, "hash_many takes a list of token sequences"))?
+            .enumerate()
+        {
+            let seq = seq?;
+            let tokens = Tokens::extract(&seq).map_err(|e| {
+                invalid(py, format!("sequence {i}: {}", e.value(py)))
+            })?;
+            owned.push(tokens.to_vec());
+        }
+        let hasher = self.inner.clone();
+        let all = detached(py, move || {
+            Ok::<_, mooncake_core::HashError>(owned.iter().map(|t| hasher.hash_tokens(t, None)).collect::<Vec<_>>())
+        })?;
+        all.iter().map(|h| hashes_to_list(py, h)).collect()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "PrefixHasher(block_size={}, seed={}, algorithm={:?})",
+            self.inner.block_size(),
+            self.inner.seed(),
+            self.inner.algorithm().name()
+        )
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyPrefixHasher>()
+}

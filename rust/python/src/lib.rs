@@ -1,0 +1,23 @@
+//! `mooncake_rs._core`: the PyO3 glue. The only crate that knows about Python.
+//!
+//! One file per exposed part of the core; shared plumbing in `errors` (core errors →
+//! the Python exception tree), `gil` (release the GIL around blocking core calls),
+//! `convert` (token buffers, 128-bit ints) and `logging` (`MOONCAKE_LOG`).
+
+use pyo3::prelude::*;
+
+mod convert;
+mod errors;
+mod gil;
+mod hash;
+mod index;
+mod logging;
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    logging::init_from_env();
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    hash::register(m)?;
+    index::register(m)?;
+    Ok(())
+}
