@@ -7,11 +7,13 @@
 //! Modules, one role each:
 //! - [`hash`]: chained 128-bit hashes of full token blocks.
 //! - [`index`]: which instance holds which block, in which tier; longest-prefix matching.
+//! - [`mem`]: page-aligned private or shared-memory mappings (store arenas, transfer regions).
 //! - [`error`]: the error categories every module's error enum maps to.
 
 pub mod error;
 pub mod hash;
 pub mod index;
+pub mod mem;
 
 pub use error::{Categorized, ErrorCategory};
 pub use hash::{BlockHash, HashAlgorithm, HashError, PrefixHasher};
