@@ -13,11 +13,12 @@ def test_demo_runs_and_cache_aware_routing_wins(capsys):
     assert main(["demo", "--conversations", "30", "--turns", "3", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "prefix hit rate" in out
-    # The demo's own numbers: cache-aware beats random overall.
+    # The demo's own numbers: cache-aware routing beats random overall.
     from mooncake_rs import demo
 
     r_random, r_aware = demo.run(conversations=30, turns=3, progress=False)
     assert r_aware.rate() > r_random.rate()
+    assert sum(r_aware.requests.values()) == sum(r_random.requests.values()) == 90
 
 
 def test_python_dash_m_entry_point():

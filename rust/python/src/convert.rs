@@ -5,7 +5,7 @@ use std::ffi::CStr;
 use std::os::raw::c_int;
 
 use mooncake_core::BlockHash;
-use pyo3::exceptions::PyOverflowError;
+use pyo3::exceptions::PyTypeError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
@@ -202,37 +202,67 @@ impl Tokens {
         }
     }
 
-    fn validate(&self, py: Python<'_>) -> PyResult<()> {
-        if let Tokens::Buffer { kind: IntKind::Unsigned(1..=4), .. } = self {
-            return Ok(()); // every value fits
+    /// The buffer as a typed slice, when it is aligned for `T` and `T` has its size.
+    fn typed<T>(&self) -> Option<&[T]> {
+        let Tokens::Buffer { view, kind } = self else { return None };
+        if kind.size() != std::mem::size_of::<T>() || (view.as_ptr() as usize) % std::mem::align_of::<T>() != 0 {
+            return None;
         }
-        for i in 0..self.len() {
-            let v = self.get(i);
-            if !(0..=u32::MAX as i128).contains(&v) {
-                return Err(out_of_range(py, i, v));
-            }
-        }
-        Ok(())
+        // SAFETY: the exported buffer holds len() elements of T's size at an address
+        // aligned for T, every bit pattern is a valid integer, and it stays exported
+        // (unmodified by Rust) while `view` lives.
+        Some(unsafe { std::slice::from_raw_parts(view.as_ptr() as *const T, self.len()) })
     }
 
-    /// The tokens as u32, in place when the buffer already holds 4-byte integers.
-    pub fn with_u32<R>(&self, f: impl FnOnce(&[u32]) -> R) -> R {
+    fn first_out_of_range(&self) -> Option<(usize, i128)> {
+        let check = |ok: &dyn Fn(usize) -> bool| -> Option<(usize, i128)> {
+            (0..self.len()).find(|&i| !ok(i)).map(|i| (i, self.get(i)))
+        };
         match self {
-            Tokens::Owned(v) => f(v),
-            Tokens::Buffer { view, kind: IntKind::Signed(4) | IntKind::Unsigned(4) }
-                if (view.as_ptr() as usize) % 4 == 0 =>
-            {
-                // SAFETY: the buffer holds len/4 four-byte integers at a 4-aligned
-                // address, all validated to be in 0..2^32 (so the i32 bit pattern equals
-                // the u32 value), and it stays exported while `view` lives.
-                let s = unsafe { std::slice::from_raw_parts(view.as_ptr() as *const u32, self.len()) };
-                f(s)
-            }
-            Tokens::Buffer { .. } => {
-                let v: Vec<u32> = (0..self.len()).map(|i| self.get(i) as u32).collect();
-                f(&v)
-            }
+            Tokens::Owned(_) => None,
+            Tokens::Buffer { kind: IntKind::Unsigned(1..=4), .. } => None, // every value fits
+            Tokens::Buffer { kind: IntKind::Signed(4), .. } => match self.typed::<i32>() {
+                // A branch-free (vectorised) OR of sign bits first; the slow path only
+                // finds the position of a bad value.
+                Some(s) if s.iter().fold(0i32, |acc, &x| acc | x) >= 0 => None,
+                _ => check(&|i| self.get(i) >= 0),
+            },
+            Tokens::Buffer { kind: IntKind::Signed(8), .. } => match self.typed::<i64>() {
+                Some(s) if s.iter().fold(0u64, |acc, &x| acc | x as u64) <= u32::MAX as u64 => None,
+                _ => check(&|i| (0..=u32::MAX as i128).contains(&self.get(i))),
+            },
+            Tokens::Buffer { kind: IntKind::Unsigned(8), .. } => match self.typed::<u64>() {
+                Some(s) if s.iter().fold(0u64, |acc, &x| acc | x) <= u32::MAX as u64 => None,
+                _ => check(&|i| self.get(i) <= u32::MAX as i128),
+            },
+            Tokens::Buffer { .. } => check(&|i| (0..=u32::MAX as i128).contains(&self.get(i))),
         }
+    }
+
+    fn validate(&self, py: Python<'_>) -> PyResult<()> {
+        match self.first_out_of_range() {
+            Some((i, v)) => Err(out_of_range(py, i, v)),
+            None => Ok(()),
+        }
+    }
+
+    /// The tokens as u32: in place when the buffer holds aligned 4-byte integers,
+    /// converted otherwise (values are already validated to fit).
+    pub fn with_u32<R>(&self, f: impl FnOnce(&[u32]) -> R) -> R {
+        if let Tokens::Owned(v) = self {
+            return f(v);
+        }
+        if let Some(s) = self.typed::<u32>() {
+            return f(s); // i32 and u32 buffers: validated i32 values have the u32 bit pattern
+        }
+        let v: Vec<u32> = if let Some(s) = self.typed::<i64>() {
+            s.iter().map(|&x| x as u32).collect()
+        } else if let Some(s) = self.typed::<u64>() {
+            s.iter().map(|&x| x as u32).collect()
+        } else {
+            (0..self.len()).map(|i| self.get(i) as u32).collect()
+        };
+        f(&v)
     }
 
     /// An owned copy (for work done with the GIL released).
@@ -251,7 +281,7 @@ impl IntKind {
 
 /// A block hash → Python int.
 pub fn hash_to_py(py: Python<'_>, h: BlockHash) -> PyResult<Bound<'_, PyAny>> {
-    Ok(h.into_pyobject(py)?.into_any())
+    crate::pyint::u128_to_py(py, h)
 }
 
 /// A list of block hashes → a Python list of ints.
@@ -262,9 +292,9 @@ pub fn hashes_to_list<'py>(py: Python<'py>, hs: &[BlockHash]) -> PyResult<Bound<
 
 /// A Python int → block hash; anything outside 0..2^128 is `InvalidArgument`.
 pub fn hash_from_py(obj: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
-    obj.extract::<u128>().map_err(|e| {
+    crate::pyint::u128_from_py(obj).map_err(|e| {
         let shown = obj.repr().map(|r| r.to_string()).unwrap_or_default();
-        let why = if e.is_instance_of::<PyOverflowError>(obj.py()) { "outside 0..2^128" } else { "not an int" };
+        let why = if e.is_instance_of::<PyTypeError>(obj.py()) { "not an int" } else { "outside 0..2^128" };
         invalid(obj.py(), format!("block hash {shown} is {why}"))
     })
 }

@@ -2,7 +2,7 @@
 //!
 //! One file per exposed part of the core; shared plumbing in `errors` (core errors →
 //! the Python exception tree), `gil` (release the GIL around blocking core calls),
-//! `convert` (token buffers, 128-bit ints) and `logging` (`MOONCAKE_LOG`).
+//! `convert` (token buffers, hash lists), `pyint` (fast 128-bit ints) and `logging` (`MOONCAKE_LOG`).
 
 use pyo3::prelude::*;
 
@@ -12,6 +12,7 @@ mod gil;
 mod hash;
 mod index;
 mod logging;
+mod pyint;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -17,7 +17,7 @@ mod instances;
 use std::hash::{BuildHasher, Hasher};
 
 use hashbrown::HashMap;
-use parking_lot::RwLock;
+use parking_lot::{RwLock, RwLockReadGuard};
 
 use crate::error::{Categorized, ErrorCategory};
 use crate::hash::BlockHash;
@@ -273,49 +273,87 @@ impl BlockIndex {
         out
     }
 
-    /// [`match_prefix`](Self::match_prefix) into a caller-owned buffer (no allocation
-    /// once the buffers have grown), for the conductor's hot path.
+    /// [`match_prefix`](Self::match_prefix) into a caller-owned buffer, for the
+    /// conductor's hot path.
+    ///
+    /// Speed comes from memory-level parallelism: with a large index every probe is a
+    /// cache miss, and a lock acquisition per probe (an atomic read-modify-write, which
+    /// orders memory) would serialise those misses. So the shard read locks a chunk needs
+    /// are taken first, then the chunk's probes run back to back with no atomics between
+    /// them and the CPU overlaps their misses. Locks are taken with `read_recursive`, so a
+    /// waiting writer never blocks a reader that already holds other shards (writers hold
+    /// one shard at a time and wait on nothing else, so there is no cycle); all are
+    /// released when the call returns.
     pub fn match_prefix_into(&self, hashes: &[BlockHash], out: &mut Vec<PrefixMatch>) {
+        const CHUNK: usize = 16;
         out.clear();
-        let Some((&first, rest)) = hashes.split_first() else {
+        if hashes.is_empty() {
             return;
-        };
+        }
         let instances = self.instances.read();
+        let mut guards: [Option<RwLockReadGuard<'_, Shard>>; SHARDS] = [const { None }; SHARDS];
         // Candidates: (slot, dram, ssd, still matching).
         let mut cands: Vec<(u32, usize, usize, bool)> = Vec::new();
+        let mut alive = 0usize;
         let mut buf = HolderBuf::with_capacity(8);
-        self.holders_raw(first, &mut buf);
-        buf.sort_unstable(); // by slot, then DRAM before SSD
-        for x in &buf {
-            match cands.last_mut() {
-                Some(c) if c.0 == x.slot() => {} // the same instance's second tier
-                _ => {
-                    let dram = (x.tier() == Tier::Dram) as usize;
-                    cands.push((x.slot(), dram, 1 - dram, true));
+        for (c, chunk) in hashes.chunks(CHUNK).enumerate() {
+            let mut shard_ids = [0usize; CHUNK];
+            for (sid, &h) in shard_ids.iter_mut().zip(chunk) {
+                *sid = shard_of(h);
+                if guards[*sid].is_none() {
+                    guards[*sid] = Some(self.shards[*sid].read_recursive());
                 }
             }
-        }
-        let mut alive = cands.len();
-        for &h in rest {
-            if alive == 0 {
-                break;
-            }
-            self.holders_raw(h, &mut buf);
-            for c in cands.iter_mut().filter(|c| c.3) {
-                let mut best: Option<Tier> = None;
-                for x in buf.iter().filter(|x| x.slot() == c.0) {
-                    best = Some(best.map_or(x.tier(), |b| b.min(x.tier())));
-                }
-                match best {
-                    Some(Tier::Dram) => c.1 += 1,
-                    Some(Tier::Ssd) => c.2 += 1,
-                    None => {
-                        c.3 = false;
-                        alive -= 1;
+            let mut values = [Slot2::empty(); CHUNK];
+            for ((v, &h), &sid) in values.iter_mut().zip(chunk).zip(&shard_ids) {
+                if let Some(g) = &guards[sid] {
+                    if let Some(found) = g.map.get(&h) {
+                        *v = *found;
                     }
                 }
             }
+            for (j, (v, &sid)) in values.iter().zip(&shard_ids).take(chunk.len()).enumerate() {
+                buf.clear();
+                if let Some(g) = &guards[sid] {
+                    v.for_each(&g.slab, |x| buf.push(x));
+                }
+                if c == 0 && j == 0 {
+                    buf.sort_unstable(); // by slot, then DRAM before SSD
+                    for x in &buf {
+                        match cands.last_mut() {
+                            Some(c) if c.0 == x.slot() => {} // the same instance's second tier
+                            _ => {
+                                let dram = (x.tier() == Tier::Dram) as usize;
+                                cands.push((x.slot(), dram, 1 - dram, true));
+                            }
+                        }
+                    }
+                    alive = cands.len();
+                    continue;
+                }
+                for cand in cands.iter_mut().filter(|c| c.3) {
+                    let mut best: Option<Tier> = None;
+                    for x in buf.iter().filter(|x| x.slot() == cand.0) {
+                        best = Some(best.map_or(x.tier(), |b| b.min(x.tier())));
+                    }
+                    match best {
+                        Some(Tier::Dram) => cand.1 += 1,
+                        Some(Tier::Ssd) => cand.2 += 1,
+                        None => {
+                            cand.3 = false;
+                            alive -= 1;
+                        }
+                    }
+                }
+                if alive == 0 {
+                    break;
+                }
+            }
+            if alive == 0 {
+                break;
+            }
         }
+        drop(guards);
         out.extend(cands.iter().filter_map(|c| {
             instances.id_of(c.0).map(|instance| PrefixMatch { instance, dram: c.1, ssd: c.2 })
         }));
