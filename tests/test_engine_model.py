@@ -87,3 +87,12 @@ def test_same_seed_same_weights():
     c = Engine(ModelConfig.tiny(), seed=4, num_pages=64)
     assert torch.equal(a.model.w.layers[1].qkv, b.model.w.layers[1].qkv)
     assert not torch.equal(a.model.w.layers[1].qkv, c.model.w.layers[1].qkv)
+
+
+def test_engine_is_imported_lazily():
+    import subprocess
+    import sys
+
+    code = ("import sys, mooncake_rs; assert 'torch' not in sys.modules; "
+            "E = mooncake_rs.engine.Engine; assert 'torch' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

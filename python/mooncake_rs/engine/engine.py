@@ -31,7 +31,7 @@ __all__ = ["Engine"]
 
 log = logging.getLogger("mooncake_rs.engine")
 
-_CPU_KV_BYTES = 256 * 1024 * 1024  # default pool size on CPU
+_CPU_KV_BYTES = 64 * 1024 * 1024  # default pool size on CPU
 _GPU_KV_FRACTION = 0.85  # default share of free device memory for the pool
 
 
@@ -42,7 +42,7 @@ class Engine(HandoffMixin):
     ``"llama-3-8b"``, ...) or a :class:`ModelConfig` (seeded random weights).
     ``block_size``: tokens per store block (the hash block); ``page_size`` (default: the
     largest divisor of ``block_size`` up to 16) must divide it. ``num_pages``: KV pool
-    size (default: 256 MiB on CPU, 85% of free memory on CUDA).
+    size (default: 64 MiB on CPU, 85% of free memory on CUDA).
     """
 
     def __init__(self, model: str | Path | ModelConfig, *, dtype: str = "float32", device: str = "cpu",
