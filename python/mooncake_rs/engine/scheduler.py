@@ -174,7 +174,9 @@ class Scheduler:
             if req.staged is not None:
                 need = sum(self.cache.pages_for(n) for n, _ in req.staged)
                 if need > self.cache.num_free:
-                    break
+                    if self.running or not self._reclaim_waiting(keep=req):
+                        break
+                    continue
                 self._load_staged(req)
             n = self._want(req, budget)
             if not self._grow(req, n):
