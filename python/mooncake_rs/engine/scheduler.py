@@ -77,15 +77,6 @@ class ScheduledBatch:
     num_new: list[int]
     preempted: list[Request]
 
-    def token_slice(self, start: int, end: int) -> list[int]:
-        """Tokens ``start:end`` of prompt + output, without building the whole list."""
-        plen = len(self.prompt_token_ids)
-        if start >= plen:
-            return self.output_token_ids[start - plen:end - plen]
-        if end <= plen:
-            return self.prompt_token_ids[start:end]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - plen]
-
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new)

@@ -79,9 +79,9 @@ class BatchMeta:
                 kvp.append(kvp[-1] + npg)
                 idx.extend(table[:npg])
                 last.append(kv - (npg - 1) * p)
-            i32 = dict(dtype=torch.int32, device=self.device)
-            self._csr = (torch.tensor(qo, **i32), torch.tensor(kvp, **i32), torch.tensor(idx, **i32),
-                         torch.tensor(last, **i32))
+            dev, i32 = self.device, torch.int32
+            self._csr = (torch.tensor(qo, dtype=i32, device=dev), torch.tensor(kvp, dtype=i32, device=dev),
+                         torch.tensor(idx, dtype=i32, device=dev), torch.tensor(last, dtype=i32, device=dev))
         return self._csr
 
     @property
