@@ -136,9 +136,7 @@ impl EvictionPolicy for S3Fifo {
             budget -= 1;
             let from_small = self.small.len() > self.small_target || self.main.len() == 0;
             let queue = if from_small { Queue::Small } else { Queue::Main };
-            let Some((node, key)) = self.list(queue).back() else {
-                return None;
-            };
+            let (node, key) = self.list(queue).back()?;
             let freq = self.meta.get(&key).map_or(0, |m| m.freq);
             if freq > 0 {
                 // Accessed since it entered its queue: promote (small) or reinsert (main).
