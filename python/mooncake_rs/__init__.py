@@ -8,7 +8,20 @@ package is its Python API. ``import mooncake_rs`` never imports torch: the engin
 from __future__ import annotations
 
 from . import _logging
-from ._core import BlockCache, BlockIndex, IndexStats, PrefixHasher, PrefixMatch, __version__
+from ._core import (
+    Block,
+    BlockCache,
+    BlockIndex,
+    IndexStats,
+    PrefixHasher,
+    PrefixMatch,
+    Store,
+    StoreEvent,
+    StoreRegion,
+    StoreStats,
+    WritableBlock,
+    __version__,
+)
 from .errors import (
     BlockNotFound,
     InternalError,
@@ -31,6 +44,12 @@ __all__ = [
     "PrefixMatch",
     "IndexStats",
     # tiered store
+    "Store",
+    "Block",
+    "WritableBlock",
+    "StoreEvent",
+    "StoreStats",
+    "StoreRegion",
     "BlockCache",
     # errors
     "MooncakeError",

@@ -13,6 +13,8 @@ mod gil;
 mod hash;
 mod index;
 mod logging;
+mod store;
+mod store_block;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -21,5 +23,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     hash::register(m)?;
     index::register(m)?;
     block_cache::register(m)?;
+    store::register(m)?;
     Ok(())
 }
