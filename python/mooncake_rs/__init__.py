@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from . import _logging
 from ._core import (
+    Block,
+    BlockCache,
     BlockIndex,
     Conductor,
     ConductorConfig,
@@ -22,7 +24,12 @@ from ._core import (
     PrefixHasher,
     PrefixMatch,
     ReplicationHint,
+    Store,
+    StoreEvent,
+    StoreRegion,
+    StoreStats,
     TransferCostModel,
+    WritableBlock,
     __version__,
 )
 from .errors import (
@@ -57,6 +64,14 @@ __all__ = [
     "PrefillCostModel",
     "TransferCostModel",
     "DecodeCostModel",
+    # tiered store
+    "Store",
+    "Block",
+    "WritableBlock",
+    "StoreEvent",
+    "StoreStats",
+    "StoreRegion",
+    "BlockCache",
     # errors
     "MooncakeError",
     "InvalidArgument",

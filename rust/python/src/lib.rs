@@ -9,6 +9,7 @@ use pyo3::prelude::*;
 mod conductor;
 mod conductor_cost;
 mod conductor_types;
+mod block_cache;
 mod convert;
 mod errors;
 mod gil;
@@ -16,6 +17,8 @@ mod hash;
 mod index;
 mod logging;
 mod pyint;
+mod store;
+mod store_block;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -24,5 +27,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     hash::register(m)?;
     index::register(m)?;
     conductor::register(m)?;
+    block_cache::register(m)?;
+    store::register(m)?;
     Ok(())
 }
