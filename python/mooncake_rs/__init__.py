@@ -9,6 +9,16 @@ from __future__ import annotations
 
 from . import _logging
 from ._core import BlockIndex, IndexStats, PrefixHasher, PrefixMatch, __version__
+from ._core import (
+    Batch,
+    Peer,
+    Region,
+    TransferEngine,
+    TransferRegistry,
+    TransferRequest,
+    TransferStats,
+    TransferStatus,
+)
 from .errors import (
     BlockNotFound,
     InternalError,
@@ -30,6 +40,15 @@ __all__ = [
     "BlockIndex",
     "PrefixMatch",
     "IndexStats",
+    # transfer engine
+    "TransferEngine",
+    "TransferRegistry",
+    "TransferRequest",
+    "TransferStatus",
+    "TransferStats",
+    "Region",
+    "Peer",
+    "Batch",
     # errors
     "MooncakeError",
     "InvalidArgument",

@@ -12,6 +12,7 @@ mod gil;
 mod hash;
 mod index;
 mod logging;
+mod transfer;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -19,5 +20,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     hash::register(m)?;
     index::register(m)?;
+    transfer::register(m)?;
     Ok(())
 }
