@@ -157,6 +157,7 @@ pub struct PyTransferRequest {
 #[pymethods]
 impl PyTransferRequest {
     #[new]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         op: &str,

@@ -43,10 +43,13 @@ struct Shared {
     conns: Mutex<HashMap<u64, TcpStream>>,
 }
 
+/// A bound endpoint and its accept thread.
+type Listener = (SocketAddr, TcpListener, Option<JoinHandle<()>>);
+
 /// The listeners of one engine.
 pub struct Server {
     shared: Arc<Shared>,
-    listeners: Mutex<Vec<(SocketAddr, TcpListener, Option<JoinHandle<()>>)>>,
+    listeners: Mutex<Vec<Listener>>,
 }
 
 impl Server {
