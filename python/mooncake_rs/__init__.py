@@ -8,7 +8,23 @@ package is its Python API. ``import mooncake_rs`` never imports torch: the engin
 from __future__ import annotations
 
 from . import _logging
-from ._core import BlockIndex, IndexStats, PrefixHasher, PrefixMatch, __version__
+from ._core import (
+    BlockIndex,
+    Conductor,
+    ConductorConfig,
+    ConductorSnapshot,
+    Decision,
+    DecodeCostModel,
+    DecodeLoad,
+    IndexStats,
+    PrefillCostModel,
+    PrefillLoad,
+    PrefixHasher,
+    PrefixMatch,
+    ReplicationHint,
+    TransferCostModel,
+    __version__,
+)
 from .errors import (
     BlockNotFound,
     InternalError,
@@ -30,6 +46,17 @@ __all__ = [
     "BlockIndex",
     "PrefixMatch",
     "IndexStats",
+    # the conductor (global scheduler)
+    "Conductor",
+    "ConductorConfig",
+    "Decision",
+    "ReplicationHint",
+    "ConductorSnapshot",
+    "PrefillLoad",
+    "DecodeLoad",
+    "PrefillCostModel",
+    "TransferCostModel",
+    "DecodeCostModel",
     # errors
     "MooncakeError",
     "InvalidArgument",

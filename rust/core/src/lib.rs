@@ -8,8 +8,10 @@
 //! - [`hash`]: chained 128-bit hashes of full token blocks.
 //! - [`index`]: which instance holds which block, in which tier; longest-prefix matching.
 //! - [`mem`]: page-aligned private or shared-memory mappings (store arenas, transfer regions).
+//! - [`conductor`]: global scheduling (Algorithm 1 and better), admission, replica hints.
 //! - [`error`]: the error categories every module's error enum maps to.
 
+pub mod conductor;
 pub mod error;
 pub mod hash;
 pub mod index;

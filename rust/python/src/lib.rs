@@ -6,6 +6,9 @@
 
 use pyo3::prelude::*;
 
+mod conductor;
+mod conductor_cost;
+mod conductor_types;
 mod convert;
 mod errors;
 mod gil;
@@ -20,5 +23,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     hash::register(m)?;
     index::register(m)?;
+    conductor::register(m)?;
     Ok(())
 }
