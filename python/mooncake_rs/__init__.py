@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from . import _logging
 from ._core import (
+    BlockCache,
     BlockIndex,
     Conductor,
     ConductorConfig,
@@ -57,6 +58,8 @@ __all__ = [
     "PrefillCostModel",
     "TransferCostModel",
     "DecodeCostModel",
+    # tiered store
+    "BlockCache",
     # errors
     "MooncakeError",
     "InvalidArgument",

@@ -9,6 +9,7 @@ use pyo3::prelude::*;
 mod conductor;
 mod conductor_cost;
 mod conductor_types;
+mod block_cache;
 mod convert;
 mod errors;
 mod gil;
@@ -24,5 +25,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     hash::register(m)?;
     index::register(m)?;
     conductor::register(m)?;
+    block_cache::register(m)?;
     Ok(())
 }
