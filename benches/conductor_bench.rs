@@ -2,8 +2,8 @@
 //! the index. Criterion reports means; `percentiles` then times every call of a long
 //! run itself and prints p50 / p99 / p99.9 (the targets are percentiles).
 //!
-//! Steady state: about 512 requests in flight (each scheduled request is finished
-//! 512 calls later, outside the timed section), so queues and decode batches are
+//! Steady state: about 512 requests in flight (each scheduled request finishes prefill
+//! 48 calls and decode 512 calls later, outside the timed section), so queues and decode batches are
 //! non-empty and the predictive admission scans real batches.
 
 use std::hint::black_box;
@@ -18,6 +18,7 @@ const INSTANCES: u64 = 16;
 const BLOCKS: usize = 64;
 const CHAINS: usize = 1_000_000 / BLOCKS; // 1M distinct blocks
 const IN_FLIGHT: u64 = 512;
+const PREFILL_LAG: u64 = 48;
 
 fn chain_block(chain: usize, i: usize) -> u128 {
     ((chain as u128) << 64) | i as u128
@@ -34,7 +35,7 @@ fn setup(policy: PolicyKind, rejection: RejectionKind) -> Setup {
     let c = Conductor::new(cfg).expect("config");
     for i in 0..INSTANCES {
         c.add_prefill(i, PrefillSpec::default()).expect("add");
-        c.add_decode(100 + i, DecodeSpec::default()).expect("add");
+        c.add_decode(100 + i, DecodeSpec { max_batch: 256, kv_capacity_tokens: 8_000_000 }).expect("add");
     }
     let mut rng = SmallRng::seed_from_u64(1);
     let mut buf = Vec::with_capacity(BLOCKS);
@@ -83,16 +84,20 @@ impl Setup {
         if d.is_err() {
             panic!("schedule failed: {d:?}");
         }
+        // Prefill of the request from PREFILL_LAG calls ago finishes (so queues stay a
+        // few requests deep per instance); decode of the one from IN_FLIGHT calls ago.
+        if rid >= PREFILL_LAG {
+            let _ = self.c.on_prefill_finished(rid - PREFILL_LAG, None);
+        }
         if rid >= IN_FLIGHT {
-            let old = rid - IN_FLIGHT;
-            let _ = self.c.on_prefill_finished(old, None);
-            let _ = self.c.on_decode_finished(old, 200, None);
+            let _ = self.c.on_decode_finished(rid - IN_FLIGHT, 200, None);
         }
         dt
     }
 }
 
-const CASES: [(PolicyKind, RejectionKind); 3] = [
+const CASES: [(PolicyKind, RejectionKind); 4] = [
+    (PolicyKind::LocalCacheAware, RejectionKind::None),
     (PolicyKind::Mooncake, RejectionKind::None),
     (PolicyKind::Mooncake, RejectionKind::Predictive),
     (PolicyKind::TtftOptimal, RejectionKind::Predictive),
@@ -114,6 +119,23 @@ fn bench(c: &mut Criterion) {
 }
 
 fn percentiles() {
+    {
+        // The prefix match alone (the index's share of a schedule call).
+        let s = setup(PolicyKind::Mooncake, RejectionKind::None);
+        let mut out = Vec::new();
+        let mut v: Vec<Duration> = (0..200_000)
+            .map(|i| {
+                let t = Instant::now();
+                s.c.index().match_prefix_into(&s.prompts[i % s.prompts.len()], &mut out);
+                let dt = t.elapsed();
+                black_box(&out);
+                dt
+            })
+            .collect();
+        v.sort_unstable();
+        let q = |p: f64| v[((v.len() as f64 * p) as usize).min(v.len() - 1)].as_secs_f64() * 1e6;
+        println!("percentiles match_prefix_into alone: p50 {:.2} us  p99 {:.2} us", q(0.5), q(0.99));
+    }
     for (policy, rejection) in CASES {
         let mut s = setup(policy, rejection);
         for _ in 0..2 * IN_FLIGHT {
@@ -138,7 +160,10 @@ fn percentiles() {
 criterion_group!(benches, bench);
 
 fn main() {
-    benches();
-    criterion::Criterion::default().configure_from_args().final_summary();
+    // CONDUCTOR_PERCENTILES_ONLY=1 skips the criterion part.
+    if std::env::var_os("CONDUCTOR_PERCENTILES_ONLY").is_none() {
+        benches();
+        criterion::Criterion::default().configure_from_args().final_summary();
+    }
     percentiles();
 }
