@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from . import _logging
 from ._core import (
+    Block,
     BlockCache,
     BlockIndex,
     Conductor,
@@ -23,7 +24,12 @@ from ._core import (
     PrefixHasher,
     PrefixMatch,
     ReplicationHint,
+    Store,
+    StoreEvent,
+    StoreRegion,
+    StoreStats,
     TransferCostModel,
+    WritableBlock,
     __version__,
 )
 from .errors import (
@@ -59,6 +65,12 @@ __all__ = [
     "TransferCostModel",
     "DecodeCostModel",
     # tiered store
+    "Store",
+    "Block",
+    "WritableBlock",
+    "StoreEvent",
+    "StoreStats",
+    "StoreRegion",
     "BlockCache",
     # errors
     "MooncakeError",
