@@ -47,7 +47,7 @@ def make_caches(cfg: SimConfig, n: int, trace: Sequence[Request]) -> list[BlockC
     return [BlockCache(max(cap, 1), cfg.eviction) for _ in range(n)]
 
 
-class _State:
+class State:
     """Per-request results, filled in as the run goes (lists indexed by request)."""
 
     def __init__(self, n: int) -> None:
@@ -105,7 +105,7 @@ class _Run:
         self.seq = 0
         bt = cfg.block_tokens
         self.keys = [r.hash_ids[: r.input_length // bt] for r in trace]
-        self.s = _State(len(trace))
+        self.s = State(len(trace))
         self.hits: Counter[int] = Counter()
         self.compute_s = 0.0
         self.counters = {"fetches": 0, "fetch_fallbacks": 0, "replicated_blocks": 0, "decode_waits": 0}
@@ -309,36 +309,47 @@ class _Run:
         return self.report(samples, time.perf_counter() - wall0)
 
     def report(self, samples: list[HotSample], wall: float) -> Report:
-        s = self.s
-        cfg = self.cfg
-        rows = []
-        for i, r in enumerate(self.trace):
-            rows.append(
-                RequestResult(
-                    id=i,
-                    arrival_s=r.arrival_s / cfg.speedup,
-                    input_length=r.input_length,
-                    output_length=r.output_length,
-                    prompt_blocks=len(self.keys[i]),
-                    rejected=s.rejected[i],
-                    prefill_instance=s.prefill[i],
-                    decode_instance=s.decode[i],
-                    reused_blocks=s.reused[i],
-                    fetched_blocks=s.fetched[i],
-                    prefill_start_s=s.start[i],
-                    ttft_s=s.ttft[i],
-                    tbt_s=s.tbt[i],
-                    finish_s=s.finish[i],
-                )
-            )
-        return Report(
-            requests=rows,
-            ttft_slo_s=cfg.ttft_slo_s,
-            tbt_slo_s=cfg.tbt_slo_s,
-            prefill_compute_s=self.compute_s,
-            hot_samples=samples,
-            config=cfg.to_dict(),
-            wall_s=wall,
-            peak_rss_mb=_peak_rss_mb(),
-            counters=dict(self.counters),
+        return build_report(self.cfg, self.trace, self.keys, self.s, self.compute_s, samples, wall, self.counters)
+
+
+def build_report(
+    cfg: SimConfig,
+    trace: Sequence[Request],
+    keys: Sequence[Sequence[int]],
+    s: State,
+    compute_s: float,
+    samples: list[HotSample],
+    wall: float,
+    counters: dict[str, int],
+) -> Report:
+    """The :class:`Report` of a finished run."""
+    rows = [
+        RequestResult(
+            id=i,
+            arrival_s=r.arrival_s / cfg.speedup,
+            input_length=r.input_length,
+            output_length=r.output_length,
+            prompt_blocks=len(keys[i]),
+            rejected=s.rejected[i],
+            prefill_instance=s.prefill[i],
+            decode_instance=s.decode[i],
+            reused_blocks=s.reused[i],
+            fetched_blocks=s.fetched[i],
+            prefill_start_s=s.start[i],
+            ttft_s=s.ttft[i],
+            tbt_s=s.tbt[i],
+            finish_s=s.finish[i],
         )
+        for i, r in enumerate(trace)
+    ]
+    return Report(
+        requests=rows,
+        ttft_slo_s=cfg.ttft_slo_s,
+        tbt_slo_s=cfg.tbt_slo_s,
+        prefill_compute_s=compute_s,
+        hot_samples=samples,
+        config=cfg.to_dict(),
+        wall_s=wall,
+        peak_rss_mb=_peak_rss_mb(),
+        counters=dict(counters),
+    )
