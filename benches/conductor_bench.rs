@@ -4,7 +4,8 @@
 //!
 //! Steady state: about 512 requests in flight (each scheduled request finishes prefill
 //! 48 calls and decode 512 calls later, outside the timed section), so queues and decode batches are
-//! non-empty and the predictive admission scans real batches.
+//! non-empty and the predictive admission scans real batches. The replica a fetch makes
+//! is evicted when its request finishes (bounded DRAM), so replicas do not pile up.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -28,6 +29,8 @@ struct Setup {
     c: Conductor,
     prompts: Vec<Vec<u128>>,
     next: u64,
+    /// Per in-flight request: (prefill instance, fetched block range) of its replica.
+    fetched: Vec<Option<(u64, usize, usize)>>,
 }
 
 fn setup(policy: PolicyKind, rejection: RejectionKind) -> Setup {
@@ -61,7 +64,7 @@ fn setup(policy: PolicyKind, rejection: RejectionKind) -> Setup {
                 .collect()
         })
         .collect();
-    Setup { c, prompts, next: 0 }
+    Setup { c, prompts, next: 0, fetched: vec![None; IN_FLIGHT as usize] }
 }
 
 impl Setup {
@@ -81,16 +84,28 @@ impl Setup {
         let t = Instant::now();
         let d = black_box(self.c.schedule(&req));
         let dt = t.elapsed();
-        if d.is_err() {
-            panic!("schedule failed: {d:?}");
-        }
+        let d = match d {
+            Ok(d) => d,
+            Err(e) => panic!("schedule failed: {e:?}"),
+        };
         // Prefill of the request from PREFILL_LAG calls ago finishes (so queues stay a
         // few requests deep per instance); decode of the one from IN_FLIGHT calls ago.
         if rid >= PREFILL_LAG {
             let _ = self.c.on_prefill_finished(rid - PREFILL_LAG, None);
         }
+        // The replica a fetch made lives as long as its request (instances have finite
+        // DRAM; without eviction every chain would end up replicated everywhere).
+        let slot = (rid % IN_FLIGHT) as usize;
         if rid >= IN_FLIGHT {
-            let _ = self.c.on_decode_finished(rid - IN_FLIGHT, 200, None);
+            let old = rid - IN_FLIGHT;
+            let _ = self.c.on_decode_finished(old, 200, None);
+            if let Some((inst, a, b)) = self.fetched[slot].take() {
+                let hs = &self.prompts[(old as usize) % self.prompts.len()][a..b];
+                let _ = self.c.on_blocks_evicted(inst, hs, None);
+            }
+        }
+        if d.fetch_blocks > 0 {
+            self.fetched[slot] = Some((d.prefill, d.reused_blocks - d.fetch_blocks, d.reused_blocks));
         }
         dt
     }
