@@ -71,6 +71,9 @@ class SimConfig:
     decode_kv_capacity_tokens: int = 1_500_000
     #: pass each request's true output length to the conductor (an oracle predictor)
     oracle_output_len: bool = False
+    #: ours (beyond the paper): index a prompt's blocks on its prefill instance when it is
+    #: scheduled, not when its prefill ends, so later requests with that prefix see it
+    eager_index: bool = False
     #: act on the conductor's replication hints every this many seconds (None: never)
     replicate_every_s: float | None = None
     architecture: str = "disaggregated"

@@ -157,7 +157,7 @@ class _Coupled:
             r = self.trace[rid]
             self.kv_used[k] -= r.input_length + r.output_length
             self.conductor.on_decode_finished(rid, r.output_length, t)
-            self.s.tbt[rid] = (t - join_t) / tokens if tokens else 0.0
+            self.s.tbt[rid] = (t - self.s.first[rid]) / tokens if tokens else 0.0
             self.s.finish[rid] = t
 
     def iter_end(self, k: int, version: int, t: float) -> None:
@@ -178,6 +178,7 @@ class _Coupled:
                 if evicted:
                     c.on_blocks_evicted(k, evicted)
             self.s.ttft[i] = t - r.arrival_s / self.cfg.speedup
+            self.s.first[i] = t
             c.on_decode_started(i, t)
             if r.output_length <= 1:
                 self.kv_used[k] -= r.input_length + r.output_length

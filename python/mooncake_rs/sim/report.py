@@ -16,7 +16,9 @@ __all__ = ["Report", "RequestResult", "HotSample"]
 class RequestResult:
     """One request. Times are virtual seconds from the start of the trace; the timing
     fields are None for a rejected request. ``tbt_s`` is the mean gap between the
-    request's decoded tokens (0.0 when it decodes at most one token)."""
+    request's tokens, from the first (the end of its prefill) to the last: the KV
+    transfer and any wait for room in a decode batch count in it (0.0 when the request
+    produces at most one token)."""
 
     id: int
     arrival_s: float

@@ -61,6 +61,8 @@ class State:
         self.start: list[float | None] = [None] * n
         self.stream_t = [0.0] * n
         self.ttft: list[float | None] = [None] * n
+        #: when the first token came out (the end of the prefill)
+        self.first = [0.0] * n
         self.tbt: list[float | None] = [None] * n
         self.finish: list[float | None] = [None] * n
 
@@ -129,6 +131,10 @@ class _Run:
         s.decode[i] = d.decode
         s.fetch_from[i] = d.fetch_from
         s.planned[i] = d.reused_blocks
+        if cfg.eager_index and self.keys[i]:
+            # ours: the instance will hold the prompt's blocks once this prefill ends, and
+            # anything routed there later runs after it (FIFO): tell the conductor now
+            self.conductor.on_blocks_stored(d.prefill, self.keys[i])
         self.queues[d.prefill].append(i)
         if not self.busy[d.prefill]:
             self.start_prefill(d.prefill, t)
@@ -177,6 +183,7 @@ class _Run:
             self.start_prefill(p, t)
         r = self.trace[i]
         self.s.ttft[i] = t - r.arrival_s / self.cfg.speedup
+        self.s.first[i] = t
         # the KV streams layer by layer while the prefill computes
         ready = max(t, self.s.stream_t[i] + self.tm.fetch(r.input_length, 0.0))
         d = self.s.decode[i]
@@ -243,7 +250,9 @@ class _Run:
             r = self.trace[rid]
             self.kv_used[k] -= r.input_length + r.output_length
             self.conductor.on_decode_finished(rid, r.output_length, t)
-            self.s.tbt[rid] = (t - join_t) / tokens if tokens else 0.0
+            # the gaps run from the first token (prefill end): KV transfer and any wait
+            # for room in the batch count in the first gap
+            self.s.tbt[rid] = (t - self.s.first[rid]) / tokens if tokens else 0.0
             self.s.finish[rid] = t
         if self.pending[k]:
             self.waiting[k].extend(self.pending[k])
