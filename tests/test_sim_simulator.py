@@ -185,3 +185,28 @@ def test_synthetic_policies_order():
     tr = load_trace(SYNTHETIC)
     ttft = {p: Simulator(SimConfig(policy=p, speedup=8.0)).run(tr).mean_ttft_s for p in ("random", "load_balance", "local_cache_aware", "mooncake")}
     assert ttft["random"] > ttft["load_balance"] > ttft["local_cache_aware"] > ttft["mooncake"]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(capacity_tokens_per_instance=40 * 512),
+        dict(capacity_tokens_per_instance=40 * 512, eviction="s3fifo", eager_index=True),
+        dict(capacity_tokens_per_instance=40 * 512, cache="local", replicate_every_s=1.0),
+        dict(capacity_tokens_per_instance=40 * 512, architecture="coupled", policy="local_cache_aware"),
+    ],
+)
+def test_index_matches_the_caches_after_a_run(kw):
+    tr = generate_trace(250, seed=7, rate=25.0)
+    sim = Simulator(SimConfig(prefill=3, decode=2, **kw))
+    rep = sim.run(tr)
+    c, caches = sim.conductor, sim.caches
+    assert c is not None and caches is not None
+    c.check_integrity()
+    assert c.snapshot().requests == 0  # every request finished and left the conductor
+    assert all(r.finish_s is not None for r in rep.requests)
+    index = c.index
+    for key in {k for r in tr for k in r.full_blocks()}:
+        holders = {inst for inst, _ in index.holders(key)}
+        assert holders == {p for p, cache in enumerate(caches) if key in cache}, key
+    assert all(len(cache) <= 40 for cache in caches)

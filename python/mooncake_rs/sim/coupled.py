@@ -27,7 +27,7 @@ from ..errors import Overloaded
 from .batching import ContinuousBatch
 from .config import SimConfig
 from .report import Report
-from .simulator import Progress, State, build_report, make_caches
+from .simulator import Progress, State, build_report, make_caches, store_chain
 from .trace import Request
 
 __all__ = ["run_coupled"]
@@ -173,10 +173,7 @@ class _Coupled:
             c = self.conductor
             c.on_prefill_finished(i, t)
             if self.caches is not None and self.keys[i]:
-                evicted = self.caches[k].insert(self.keys[i])
-                c.on_blocks_stored(k, self.keys[i])
-                if evicted:
-                    c.on_blocks_evicted(k, evicted)
+                store_chain(c, self.caches[k], k, self.keys[i])
             self.s.ttft[i] = t - r.arrival_s / self.cfg.speedup
             self.s.first[i] = t
             c.on_decode_started(i, t)

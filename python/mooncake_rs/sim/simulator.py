@@ -47,6 +47,17 @@ def make_caches(cfg: SimConfig, n: int, trace: Sequence[Request]) -> list[BlockC
     return [BlockCache(max(cap, 1), cfg.eviction) for _ in range(n)]
 
 
+def store_chain(conductor: Conductor, cache: BlockCache, instance: int, keys: Sequence[int]) -> None:
+    """Puts ``keys`` in ``instance``'s cache and tells the conductor what changed. A key
+    evicted by an earlier key of the same chain and stored again later in it is in the
+    cache at the end: only what is finally absent is reported evicted."""
+    evicted = cache.insert(keys)
+    if evicted:
+        conductor.on_blocks_evicted(instance, [k for k in evicted if k not in cache])
+        keys = [k for k in keys if k in cache]
+    conductor.on_blocks_stored(instance, keys)
+
+
 class State:
     """Per-request results, filled in as the run goes (lists indexed by request)."""
 
@@ -72,13 +83,21 @@ class Simulator:
 
     def __init__(self, config: SimConfig | None = None) -> None:
         self.config = config or SimConfig()
+        #: the conductor and the per-instance caches of the last run (for inspection)
+        self.conductor: Conductor | None = None
+        self.caches: list[BlockCache] | None = None
 
     def run(self, trace: Sequence[Request], progress: Progress | None = None) -> Report:
+        """Replays ``trace``; ``progress(done, total)`` is called as arrivals go by."""
         if self.config.architecture == "coupled":
-            from .coupled import run_coupled
+            from .coupled import _Coupled
 
-            return run_coupled(self.config, trace, progress)
-        return _Run(self.config, trace, progress).go()
+            c = _Coupled(self.config, trace, progress)
+            self.conductor, self.caches = c.conductor, c.caches
+            return c.go()
+        r = _Run(self.config, trace, progress)
+        self.conductor, self.caches = r.conductor, r.caches
+        return r.go()
 
 
 class _Run:
@@ -174,10 +193,7 @@ class _Run:
         c.on_prefill_finished(i, t)
         keys = self.keys[i]
         if keys:
-            evicted = self.caches[p].insert(keys)
-            c.on_blocks_stored(p, keys)
-            if evicted:
-                c.on_blocks_evicted(p, evicted)
+            store_chain(c, self.caches[p], p, keys)
         self.busy[p] = False
         if self.queues[p]:
             self.start_prefill(p, t)
@@ -269,10 +285,7 @@ class _Run:
 
     def replicate(self, t: float) -> None:
         for h in self.conductor.replication_hints(t):
-            evicted = self.caches[h.to_instance].insert(h.blocks)
-            self.conductor.on_blocks_stored(h.to_instance, h.blocks)
-            if evicted:
-                self.conductor.on_blocks_evicted(h.to_instance, evicted)
+            store_chain(self.conductor, self.caches[h.to_instance], h.to_instance, h.blocks)
             self.counters["replicated_blocks"] += len(h.blocks)
 
     # --- the loop ---
