@@ -129,7 +129,7 @@ class _Run:
         self.s = State(len(trace))
         self.hits: Counter[int] = Counter()
         self.compute_s = 0.0
-        self.counters = {"fetches": 0, "fetch_fallbacks": 0, "replicated_blocks": 0, "decode_waits": 0}
+        self.counters = {"fetches": 0, "fetch_fallbacks": 0, "replicated_blocks": 0}
 
     def push(self, t: float, kind: int, a: int, b: int = 0, c: int = 0) -> None:
         self.seq += 1
@@ -246,8 +246,6 @@ class _Run:
             self.kv_used[k] += need
             b.add(i, r.input_length, r.output_length - 1)
             self.conductor.on_decode_started(i, t)
-        if w:
-            self.counters["decode_waits"] += len(w)
 
     def schedule_boundary(self, k: int) -> None:
         b = self.batches[k]
