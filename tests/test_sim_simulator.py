@@ -210,3 +210,29 @@ def test_index_matches_the_caches_after_a_run(kw):
         holders = {inst for inst, _ in index.holders(key)}
         assert holders == {p for p, cache in enumerate(caches) if key in cache}, key
     assert all(len(cache) <= 40 for cache in caches)
+
+
+def test_worst_gap_sees_a_whole_stall_and_chunking_shortens_it():
+    a = Request(0.0, 1024, 200, (1, 2))
+    b = Request(500.0, 60_000, 1, tuple(range(10, 10 + 118)))
+    base = dict(prefill=1, decode=1, policy="load_balance")
+    dis = Simulator(SimConfig(**base)).run([a, b]).requests[0]
+    cpl = Simulator(SimConfig(architecture="coupled", **base)).run([a, b]).requests[0]
+    chk = Simulator(SimConfig(architecture="coupled", chunked_prefill=True, **base)).run([a, b]).requests[0]
+    # alone on its decode instance, A's longest gap is its last step (context grown)
+    assert dis.max_gap_s == pytest.approx(DM.predict(1, 1024 + 198), rel=1e-9)
+    # coupled: one gap holds B's whole prefill (plus the step after it)
+    stall = PM.predict(60_000, 0)
+    assert stall < cpl.max_gap_s < stall + 0.05
+    # chunked: no gap is longer than one 2048-token chunk plus a step
+    assert chk.max_gap_s < PM.predict(60_000, 60_000 - 2047) + 0.05 < stall
+    assert dis.max_gap_s < chk.max_gap_s
+
+
+def test_capacity_at_other_slos():
+    tr = generate_trace(150, seed=3, rate=20.0)
+    rep = Simulator(SimConfig(prefill=2, decode=2, architecture="coupled", policy="local_cache_aware")).run(tr)
+    assert rep.capacity_at(rep.tbt_slo_s) == rep.effective_request_capacity
+    assert rep.capacity_at(0.1, worst_gap=True) <= rep.capacity_at(0.1)
+    assert rep.capacity_at(1e9, ttft_slo_s=1e9) == 1.0
+    assert all(r.max_gap_s is not None and r.max_gap_s + 1e-12 >= (r.tbt_s or 0.0) for r in rep.requests)

@@ -25,7 +25,7 @@ __all__ = ["ContinuousBatch"]
 class ContinuousBatch:
     """One instance's running decode batch. Times are virtual seconds."""
 
-    __slots__ = ("base", "per_seq", "per_tok", "steps", "t0", "n", "ctx0", "members", "finish", "version")
+    __slots__ = ("base", "per_seq", "per_tok", "steps", "t0", "n", "ctx0", "members", "finish", "version", "gaps", "stalled")
 
     def __init__(self, model: DecodeCostModel) -> None:
         self.base = model.base_s
@@ -37,12 +37,16 @@ class ContinuousBatch:
         self.n = 0
         #: context at global step s is ctx0 + n * s
         self.ctx0 = 0.0
-        #: rid -> (join step, join time, prompt tokens)
-        self.members: dict[int, tuple[int, float, int]] = {}
+        #: rid -> (join step, join time, prompt tokens, index into gaps, first step time)
+        self.members: dict[int, tuple[int, float, int, int, float]] = {}
         #: (finish step, rid)
         self.finish: list[tuple[int, int]] = []
         #: bumped whenever scheduled boundary events become stale
         self.version = 0
+        #: the longest token gap of each closed segment (for per-request worst gaps)
+        self.gaps: list[float] = []
+        #: time the batch has stood still since its last step (added to the next gap)
+        self.stalled = 0.0
 
     # --- the closed form ---
 
@@ -93,6 +97,11 @@ class ContinuousBatch:
         """Runs the batch to global ``step``; returns the wall time reached."""
         k = step - self.steps
         if k > 0:
+            a = self._alpha()
+            # step times grow within a segment: the last is the longest, unless the
+            # first carries a stall
+            self.gaps.append(max(a + self.stalled, a + self.per_tok * self.n * (k - 1)))
+            self.stalled = 0.0
             self.t0 += self.span(k)
             self.steps = step
         return self.t0
@@ -101,6 +110,8 @@ class ContinuousBatch:
         """One step that also carries ``extra_s`` of other work (a chunked-prefill
         iteration); returns its duration."""
         d = self._alpha() + extra_s
+        self.gaps.append(d + self.stalled)
+        self.stalled = 0.0
         self.t0 += d
         self.steps += 1
         return d
@@ -109,6 +120,8 @@ class ContinuousBatch:
         """The instance does something else for ``seconds`` (a prefill iteration):
         members wait, their token gaps include it."""
         self.t0 += seconds
+        if self.n:
+            self.stalled += seconds
 
     def idle_until(self, t: float) -> None:
         """With no members, the next segment starts at ``t``."""
@@ -117,20 +130,27 @@ class ContinuousBatch:
 
     def add(self, rid: int, prompt_tokens: int, tokens: int) -> None:
         """Adds a sequence at the current boundary that will decode ``tokens`` tokens."""
-        self.members[rid] = (self.steps, self.t0, prompt_tokens)
+        if self.stalled and self.n:
+            # the members already here see the stall in their next gap; the newcomer's
+            # first token came after it
+            self.gaps.append(self.stalled + self._alpha())
+        self.stalled = 0.0
         self.n += 1
         self.ctx0 += prompt_tokens - self.steps
+        self.members[rid] = (self.steps, self.t0, prompt_tokens, len(self.gaps), self._alpha())
         heapq.heappush(self.finish, (self.steps + tokens, rid))
 
-    def pop_finished(self) -> list[tuple[int, float, int]]:
-        """Sequences done at the current boundary: (rid, join time, tokens decoded)."""
+    def pop_finished(self) -> list[tuple[int, float, int, float, float]]:
+        """Sequences done at the current boundary: (rid, join time, tokens decoded,
+        longest gap between two of its decoded tokens, duration of its first step)."""
         out = []
         while self.finish and self.finish[0][0] <= self.steps:
             _, rid = heapq.heappop(self.finish)
-            join_step, join_t, prompt = self.members.pop(rid)
+            join_step, join_t, prompt, gi, first = self.members.pop(rid)
             self.n -= 1
             self.ctx0 -= prompt - join_step
-            out.append((rid, join_t, self.steps - join_step))
+            worst = max(self.gaps[gi:], default=0.0)
+            out.append((rid, join_t, self.steps - join_step, worst, first))
         if self.n == 0:
             self.ctx0 = 0.0
         return out

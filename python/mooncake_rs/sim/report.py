@@ -34,6 +34,8 @@ class RequestResult:
     ttft_s: float | None
     tbt_s: float | None
     finish_s: float | None
+    #: the longest gap between two of its tokens (a stall counts whole here)
+    max_gap_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +109,24 @@ class Report:
         return _quantile(self.tbts, 0.9)
 
     @property
+    def p90_max_gap_s(self) -> float:
+        """90th percentile over requests of each one's longest token gap."""
+        return _quantile([r.max_gap_s for r in self.requests if r.max_gap_s is not None and r.output_length > 1], 0.9)
+
+    def capacity_at(self, tbt_slo_s: float, ttft_slo_s: float | None = None, worst_gap: bool = False) -> float:
+        """Effective request capacity under other SLOs; ``worst_gap`` judges each
+        request by its longest token gap instead of its mean."""
+        ttft = self.ttft_slo_s if ttft_slo_s is None else ttft_slo_s
+        if not self.requests:
+            return math.nan
+        ok = 0
+        for r in self.requests:
+            if r.rejected is None and r.ttft_s is not None and r.ttft_s <= ttft:
+                g = (r.max_gap_s if worst_gap else r.tbt_s) or 0.0
+                ok += g <= tbt_slo_s
+        return ok / len(self.requests)
+
+    @property
     def rejected(self) -> int:
         return sum(1 for r in self.requests if r.rejected is not None)
 
@@ -146,6 +166,7 @@ class Report:
             "p99_ttft_s": self.p99_ttft_s,
             "mean_tbt_s": self.mean_tbt_s,
             "p90_tbt_s": self.p90_tbt_s,
+            "p90_max_gap_s": self.p90_max_gap_s,
             "effective_request_capacity": self.effective_request_capacity,
             "cache_hit_rate": self.cache_hit_rate,
             "prefill_compute_s": self.prefill_compute_s,

@@ -75,6 +75,7 @@ class State:
         #: when the first token came out (the end of the prefill)
         self.first = [0.0] * n
         self.tbt: list[float | None] = [None] * n
+        self.max_gap: list[float | None] = [None] * n
         self.finish: list[float | None] = [None] * n
 
 
@@ -215,6 +216,7 @@ class _Run:
             c.on_decode_started(i, t)
             c.on_decode_finished(i, r.output_length, t)
             self.s.tbt[i] = 0.0
+            self.s.max_gap[i] = 0.0
             self.s.finish[i] = t
             return
         b = self.batches[k]
@@ -260,13 +262,15 @@ class _Run:
         if version != b.version:
             return
         t = b.advance_to(step)
-        for rid, join_t, tokens in b.pop_finished():
+        for rid, join_t, tokens, worst, first in b.pop_finished():
             r = self.trace[rid]
             self.kv_used[k] -= r.input_length + r.output_length
             self.conductor.on_decode_finished(rid, r.output_length, t)
             # the gaps run from the first token (prefill end): KV transfer and any wait
             # for room in the batch count in the first gap
             self.s.tbt[rid] = (t - self.s.first[rid]) / tokens if tokens else 0.0
+            # the first gap runs from the first token (prefill end) to the first step's end
+            self.s.max_gap[rid] = max(worst, join_t - self.s.first[rid] + first) if tokens else 0.0
             self.s.finish[rid] = t
         if self.pending[k]:
             self.waiting[k].extend(self.pending[k])
@@ -358,6 +362,7 @@ def build_report(
             prefill_start_s=s.start[i],
             ttft_s=s.ttft[i],
             tbt_s=s.tbt[i],
+            max_gap_s=s.max_gap[i],
             finish_s=s.finish[i],
         )
         for i, r in enumerate(trace)
