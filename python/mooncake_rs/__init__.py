@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from . import _logging
 from ._core import (
+    Batch,
     Block,
     BlockCache,
     BlockIndex,
@@ -19,16 +20,23 @@ from ._core import (
     DecodeCostModel,
     DecodeLoad,
     IndexStats,
+    Peer,
     PrefillCostModel,
     PrefillLoad,
     PrefixHasher,
     PrefixMatch,
+    Region,
     ReplicationHint,
     Store,
     StoreEvent,
     StoreRegion,
     StoreStats,
     TransferCostModel,
+    TransferEngine,
+    TransferRegistry,
+    TransferRequest,
+    TransferStats,
+    TransferStatus,
     WritableBlock,
     __version__,
 )
@@ -72,6 +80,15 @@ __all__ = [
     "StoreStats",
     "StoreRegion",
     "BlockCache",
+    # transfer engine
+    "TransferEngine",
+    "TransferRegistry",
+    "TransferRequest",
+    "TransferStatus",
+    "TransferStats",
+    "Region",
+    "Peer",
+    "Batch",
     # errors
     "MooncakeError",
     "InvalidArgument",
@@ -83,3 +100,12 @@ __all__ = [
     "Overloaded",
     "InternalError",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # The engine imports torch: load it on first use only (``mooncake_rs.engine``).
+    if name == "engine":
+        import importlib
+
+        return importlib.import_module(".engine", __name__)
+    raise AttributeError(f"module 'mooncake_rs' has no attribute {name!r}")

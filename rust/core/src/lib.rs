@@ -9,6 +9,7 @@
 //! - [`index`]: which instance holds which block, in which tier; longest-prefix matching.
 //! - [`mem`]: page-aligned private or shared-memory mappings (store arenas, transfer regions).
 //! - [`conductor`]: global scheduling (Algorithm 1 and better), admission, replica hints.
+//! - [`transfer`]: batch transfers between registered memory (local, shm, tcp).
 //! - [`error`]: the error categories every module's error enum maps to.
 
 pub mod conductor;
@@ -17,7 +18,9 @@ pub mod hash;
 pub mod index;
 pub mod mem;
 pub mod store;
+pub mod transfer;
 
 pub use error::{Categorized, ErrorCategory};
 pub use hash::{BlockHash, HashAlgorithm, HashError, PrefixHasher};
 pub use index::{BlockIndex, IndexError, IndexStats, InstanceId, PrefixMatch, Tier};
+pub use transfer::{Engine as TransferEngine, TransferError};
