@@ -23,6 +23,12 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replay(args: argparse.Namespace) -> int:
+    from .sim.cli import replay
+
+    return replay(args)
+
+
 def _version(args: argparse.Namespace) -> int:
     from . import __version__
 
@@ -42,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--no-progress", action="store_true", help="hide progress bars")
     demo.set_defaults(func=_demo)
+
+    from .sim.cli import add_replay_arguments
+
+    replay = sub.add_parser("replay", help="replay a Mooncake-format trace on a simulated cluster")
+    add_replay_arguments(replay)
+    replay.set_defaults(func=_replay)
 
     version = sub.add_parser("version", help="print the version")
     version.set_defaults(func=_version)

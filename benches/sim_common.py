@@ -1,0 +1,44 @@
+"""Shared helpers of the simulator reproduction scripts (benches/sim_*.py)."""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+from typing import Any
+
+from mooncake_rs.sim import Report, SimConfig, Simulator, load_trace
+
+TRACE = os.environ.get("MOONCAKE_TRACE", "/work/shared/traces/synthetic_trace.jsonl")
+
+
+def trace():
+    """The shared synthetic trace, read from its path (never copied into the repo)."""
+    if not os.path.exists(TRACE):
+        print(f"trace {TRACE} not found; set MOONCAKE_TRACE to a Mooncake JSONL trace", file=sys.stderr)
+        raise SystemExit(0)
+    return load_trace(TRACE)
+
+
+def run(tr, **kw: Any) -> Report:
+    return Simulator(SimConfig(**kw)).run(tr)
+
+
+def table(header: list[str], rows: list[list[Any]]) -> None:
+    def f(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    cells = [header] + [[f(c) for c in r] for r in rows]
+    w = [max(len(r[j]) for r in cells) for j in range(len(header))]
+    print("| " + " | ".join(c.ljust(w[j]) for j, c in enumerate(cells[0])) + " |")
+    print("| " + " | ".join("-" * w[j] for j in range(len(header))) + " |")
+    for r in cells[1:]:
+        print("| " + " | ".join(c.ljust(w[j]) for j, c in enumerate(r)) + " |")
+
+
+def footer(t0: float) -> None:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    print(f"\n(wall {time.perf_counter() - t0:.1f} s, peak RSS {rss:.0f} MiB; trace {TRACE})")

@@ -1,0 +1,228 @@
+"""The coupled baseline (vLLM-like): every instance prefills and decodes.
+
+``prefill + decode`` instances (the same GPU count as the disaggregated cluster), each
+with one continuous batch. Without chunked prefill a waiting prompt runs as its own
+iteration as soon as the current step ends, and the running batch stalls for it (the
+interference that disaggregation removes). With ``chunked_prefill`` every iteration
+decodes one token for each running sequence and adds up to ``chunk_tokens - batch``
+prompt tokens of the oldest waiting prompt (its cost on top of the decode step). With
+``prefix_caching`` each instance keeps a local ``BlockCache`` (the store's eviction
+code) and reuses the prefix it holds; it never fetches from another instance.
+
+Routing is the real conductor: ``policy`` over the instances' prefill queues (use
+``"local_cache_aware"`` with prefix caching, ``"load_balance"`` without). Each instance
+is registered as a prefill instance; its decode side is a stand-in decode entry that
+only keeps the conductor's bookkeeping (rejection, when enabled, reads it).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from .._core import Conductor
+from ..errors import Overloaded
+from .batching import ContinuousBatch
+from .config import SimConfig
+from .report import Report
+from .simulator import Progress, State, build_report, make_caches, store_chain
+from .trace import Request
+
+__all__ = ["run_coupled"]
+
+_IDLE, _DECODE, _ITER = 0, 1, 2
+_ITER_END, _BOUNDARY = 0, 1
+
+
+class _Coupled:
+    def __init__(self, cfg: SimConfig, trace: Sequence[Request], progress: Progress | None) -> None:
+        self.cfg = cfg
+        self.trace = trace
+        self.progress = progress
+        self.pm, self.tm, self.dm = cfg.models()
+        n = cfg.prefill + cfg.decode
+        self.n = n
+        self.conductor = Conductor(cfg.conductor_config())
+        for k in range(n):
+            self.conductor.add_prefill(k)
+            self.conductor.add_decode(n + k, max_batch=cfg.decode_max_batch, kv_capacity_tokens=cfg.decode_kv_capacity_tokens)
+        self.caches = make_caches(cfg, n, trace) if cfg.prefix_caching else None
+        self.waiting: list[deque[int]] = [deque() for _ in range(n)]
+        self.batch = [ContinuousBatch(self.dm) for _ in range(n)]
+        self.mode = [_IDLE] * n
+        self.kv_used = [0] * n
+        #: (request, tokens of its prompt already in the KV cache) of the prompt in progress
+        self.current: list[tuple[int, int] | None] = [None] * n
+        self.boundary_pending = [False] * n
+        self.heap: list[tuple[float, int, int, int, int, int]] = []
+        self.seq = 0
+        bt = cfg.block_tokens
+        self.keys = [r.hash_ids[: r.input_length // bt] for r in trace]
+        self.s = State(len(trace))
+        self.compute_s = 0.0
+        self.counters = {"prefill_iterations": 0}
+
+    def push(self, t: float, kind: int, k: int, a: int = 0, b: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, k, a, b))
+
+    def arrive(self, i: int, t: float) -> None:
+        r = self.trace[i]
+        cfg = self.cfg
+        try:
+            d = self.conductor.schedule(i, self.keys[i], r.input_length, t, r.output_length if cfg.oracle_output_len else None)
+        except Overloaded as e:
+            self.s.rejected[i] = e.reason or "overloaded"
+            return
+        k = d.prefill
+        self.s.prefill[i] = k
+        self.s.decode[i] = k
+        self.waiting[k].append(i)
+        if self.mode[k] == _IDLE:
+            self.batch[k].idle_until(t)
+            self.kick(k, t)
+        elif self.mode[k] == _DECODE and not self.boundary_pending[k]:
+            # the prompt starts at the end of the step in flight
+            b = self.batch[k]
+            step, tb = b.boundary_after(t)
+            b.version += 1
+            self.boundary_pending[k] = True
+            self.push(tb, _BOUNDARY, k, b.version, step)
+
+    def room(self, k: int, i: int) -> bool:
+        r = self.trace[i]
+        b = self.batch[k]
+        if b.n == 0:
+            return True
+        return b.n < self.cfg.decode_max_batch and self.kv_used[k] + r.input_length + r.output_length <= self.cfg.decode_kv_capacity_tokens
+
+    def begin_prompt(self, k: int, i: int, t: float) -> int:
+        """Starts request ``i``'s prefill on ``k``; returns the tokens it reuses."""
+        self.conductor.on_prefill_started(i, t)
+        reused = self.caches[k].lookup_prefix(self.keys[i]) if self.caches is not None else 0
+        self.s.reused[i] = reused
+        self.s.start[i] = t
+        r = self.trace[i]
+        self.kv_used[k] += r.input_length + r.output_length
+        return min(reused * self.cfg.block_tokens, r.input_length)
+
+    def kick(self, k: int, t: float) -> None:
+        """At a step boundary of instance ``k`` (time ``t``): start the next iteration."""
+        b = self.batch[k]
+        w = self.waiting[k]
+        pm = self.pm
+        if self.current[k] is None and w and self.room(k, w[0]):
+            i = w.popleft()
+            self.current[k] = (i, self.begin_prompt(k, i, t))
+        cur = self.current[k]
+        if cur is not None:
+            i, done = cur
+            L = self.trace[i].input_length
+            self.counters["prefill_iterations"] += 1
+            if self.cfg.chunked_prefill:
+                chunk = max(1, min(L - done, self.cfg.chunk_tokens - b.n))
+                cost = pm.predict(done + chunk, done)
+                self.compute_s += cost
+                if b.n > 0:
+                    d = b.run_one(cost - pm.c0)
+                else:
+                    d = cost
+                    b.idle_until(t + d)
+                self.current[k] = (i, done + chunk)
+            else:
+                d = pm.predict(L, done)
+                self.compute_s += d
+                if b.n > 0:
+                    b.stall(d)
+                else:
+                    b.idle_until(t + d)
+                self.current[k] = (i, L)
+            self.mode[k] = _ITER
+            b.version += 1
+            self.push(t + d, _ITER_END, k, b.version)
+            return
+        step = b.next_finish_step()
+        if step is None:
+            self.mode[k] = _IDLE
+            return
+        self.mode[k] = _DECODE
+        b.version += 1
+        self.boundary_pending[k] = False
+        self.push(b.time_of(step), _BOUNDARY, k, b.version, step)
+
+    def finish_decoded(self, k: int, t: float) -> None:
+        for rid, join_t, tokens, worst, first in self.batch[k].pop_finished():
+            r = self.trace[rid]
+            self.kv_used[k] -= r.input_length + r.output_length
+            self.conductor.on_decode_finished(rid, r.output_length, t)
+            self.s.tbt[rid] = (t - self.s.first[rid]) / tokens if tokens else 0.0
+            # the first gap runs from the first token (prefill end) to the first step's end
+            self.s.max_gap[rid] = max(worst, join_t - self.s.first[rid] + first) if tokens else 0.0
+            self.s.finish[rid] = t
+
+    def iter_end(self, k: int, version: int, t: float) -> None:
+        b = self.batch[k]
+        if version != b.version:
+            return
+        self.finish_decoded(k, t)
+        cur = self.current[k]
+        if cur is not None and cur[1] >= self.trace[cur[0]].input_length:
+            i = cur[0]
+            self.current[k] = None
+            r = self.trace[i]
+            c = self.conductor
+            c.on_prefill_finished(i, t)
+            if self.caches is not None and self.keys[i]:
+                store_chain(c, self.caches[k], k, self.keys[i])
+            self.s.ttft[i] = t - r.arrival_s / self.cfg.speedup
+            self.s.first[i] = t
+            c.on_decode_started(i, t)
+            if r.output_length <= 1:
+                self.kv_used[k] -= r.input_length + r.output_length
+                c.on_decode_finished(i, r.output_length, t)
+                self.s.tbt[i] = 0.0
+                self.s.max_gap[i] = 0.0
+                self.s.finish[i] = t
+            else:
+                b.add(i, r.input_length, r.output_length - 1)
+        self.kick(k, t)
+
+    def boundary(self, k: int, version: int, step: int) -> None:
+        b = self.batch[k]
+        if version != b.version:
+            return
+        t = b.advance_to(step)
+        self.boundary_pending[k] = False
+        self.finish_decoded(k, t)
+        self.kick(k, t)
+
+    def go(self) -> Report:
+        wall0 = time.perf_counter()
+        trace = self.trace
+        n = len(trace)
+        arrivals = [r.arrival_s / self.cfg.speedup for r in trace]
+        heap = self.heap
+        ai = 0
+        tick = max(1, n // 100)
+        inf = float("inf")
+        while ai < n or heap:
+            ta = arrivals[ai] if ai < n else inf
+            if heap and heap[0][0] < ta:
+                t, _, kind, k, a, b = heapq.heappop(heap)
+                if kind == _ITER_END:
+                    self.iter_end(k, a, t)
+                else:
+                    self.boundary(k, a, b)
+                continue
+            self.arrive(ai, ta)
+            ai += 1
+            if self.progress is not None and (ai % tick == 0 or ai == n):
+                self.progress(ai, n)
+        return build_report(self.cfg, trace, self.keys, self.s, self.compute_s, [], time.perf_counter() - wall0, self.counters)
+
+
+def run_coupled(cfg: SimConfig, trace: Sequence[Request], progress: Progress | None = None) -> Report:
+    """Replays ``trace`` on coupled instances (see the module docs)."""
+    return _Coupled(cfg, trace, progress).go()
