@@ -11,6 +11,7 @@ blocks. The trace is read from its shared path, never copied.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import json
 import time
 
@@ -37,7 +38,7 @@ def replay(requests: list[list[int]], capacity: int, policy: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--trace", default="/work/shared/traces/synthetic_trace.jsonl")
+    ap.add_argument("--trace", default=str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"))
     args = ap.parse_args()
     requests = load(args.trace)
     distinct = len({k for r in requests for k in r})

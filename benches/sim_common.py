@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import resource
 import sys
 import time
@@ -10,7 +11,8 @@ from typing import Any
 
 from mooncake_rs.sim import Report, SimConfig, Simulator, load_trace
 
-TRACE = os.environ.get("MOONCAKE_TRACE", "/work/shared/traces/synthetic_trace.jsonl")
+SHARED = Path(__file__).resolve().parents[2] / "shared"  # beside the checkout
+TRACE = os.environ.get("MOONCAKE_TRACE", str(SHARED / "traces" / "synthetic_trace.jsonl"))
 
 
 def trace():

@@ -19,6 +19,7 @@ import argparse
 import glob
 import json
 import os
+from pathlib import Path
 import statistics
 import subprocess
 import tempfile
@@ -29,7 +30,7 @@ import numpy as np
 import mooncake_rs as mr
 
 KiB, MiB = 1 << 10, 1 << 20
-PEER_DIR = "/work/shared/peers/mooncake"
+PEER_DIR = os.environ.get("MOONCAKE_PEER_DIR", str(Path(__file__).resolve().parents[2] / "shared" / "peers" / "mooncake"))
 PEER_PY = os.environ.get("MC_PEER_VENV", "/tmp/peer-mc") + "/bin/python"
 
 

@@ -20,6 +20,7 @@ import argparse
 import glob
 import json
 import os
+from pathlib import Path
 import socket
 import statistics
 import subprocess
@@ -33,7 +34,7 @@ import mooncake_rs as mc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEER = os.path.join(HERE, "..", "tests", "transfer_peer.py")
-MOONCAKE = "/work/shared/peers/mooncake"
+MOONCAKE = os.environ.get("MOONCAKE_PEER_DIR", str(Path(__file__).resolve().parents[2] / "shared" / "peers" / "mooncake"))
 MiB = 1 << 20
 WS = 256 * MiB
 

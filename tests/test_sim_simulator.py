@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -11,7 +12,11 @@ from mooncake_rs import DecodeCostModel, InvalidArgument, PrefillCostModel, Tran
 from mooncake_rs.sim import Request, SimConfig, Simulator, generate_trace, load_trace
 
 PM, TM, DM = PrefillCostModel(), TransferCostModel(), DecodeCostModel()
-SYNTHETIC = "/work/shared/traces/synthetic_trace.jsonl"
+# The public trace lives in shared/ beside the checkout (never copied into the repo).
+SYNTHETIC = os.environ.get(
+    "MOONCAKE_TRACE",
+    str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"),
+)
 
 
 def req(t_s, blocks, out=1, extra=0):

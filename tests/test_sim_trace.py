@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
 from mooncake_rs import InvalidArgument
 from mooncake_rs.sim import Request, generate_trace, hit_rate_curve, load_trace, save_trace
 
-SYNTHETIC = "/work/shared/traces/synthetic_trace.jsonl"
+# The public trace lives in shared/ beside the checkout (never copied into the repo).
+SYNTHETIC = os.environ.get(
+    "MOONCAKE_TRACE",
+    str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"),
+)
 
 
 def _line(ts, inp, out, ids):
