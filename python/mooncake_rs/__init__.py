@@ -41,3 +41,12 @@ __all__ = [
     "Overloaded",
     "InternalError",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # The engine imports torch: load it on first use only (``mooncake_rs.engine``).
+    if name == "engine":
+        import importlib
+
+        return importlib.import_module(".engine", __name__)
+    raise AttributeError(f"module 'mooncake_rs' has no attribute {name!r}")

@@ -1,0 +1,220 @@
+"""The device KV cache: a pool of pages, and the byte layout of a store block.
+
+Pages: per layer, one K and one V tensor of shape ``[num_pages, page_size, kv_heads,
+head_dim]`` (the NHD layout FlashInfer accepts). All layers live in one allocation
+``[layers, 2, num_pages, page_size, kv_heads, head_dim]``. A sequence owns a list of page
+ids (its block table); token ``t`` of the sequence lives in page ``table[t // page_size]``
+at row ``t % page_size``.
+
+Store blocks: a store block holds the KV of ``block_size`` tokens (a multiple of the page
+size) for every layer, laid out as described by :class:`BlockLayout`. The save/load
+methods copy between pages and such a byte buffer (a store slot).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import InvalidArgument
+from .config import ModelConfig
+from .weights import torch_dtype
+
+__all__ = ["BlockLayout", "LayerSpan", "KVCache", "as_byte_tensor"]
+
+
+@dataclass(frozen=True)
+class LayerSpan:
+    """Where one layer's part of a block lives inside the block's bytes."""
+
+    layer: int
+    offset: int
+    nbytes: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """The byte layout of one store block (the KV of ``block_size`` tokens, all layers).
+
+    Layer ``l`` occupies bytes ``[l * layer_nbytes, (l + 1) * layer_nbytes)``. Inside a
+    layer: K then V, each ``[block_size, num_kv_heads, head_dim]`` row-major (token-major,
+    NHD) in ``dtype``. A partial block (fewer than ``block_size`` tokens) uses the same
+    layout; rows past its token count are left as they were.
+    """
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        for f in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
+            if int(getattr(self, f)) <= 0:
+                raise InvalidArgument(f"BlockLayout.{f} must be positive")
+        torch_dtype(self.dtype)
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, block_size: int, dtype: str) -> "BlockLayout":
+        return cls(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+
+    @property
+    def dtype_size(self) -> int:
+        return torch.empty((), dtype=torch_dtype(self.dtype)).element_size()
+
+    @property
+    def token_nbytes(self) -> int:
+        """Bytes of one token's K (or V) in one layer."""
+        return self.num_kv_heads * self.head_dim * self.dtype_size
+
+    @property
+    def layer_nbytes(self) -> int:
+        return 2 * self.block_size * self.token_nbytes
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.num_layers * self.layer_nbytes
+
+    def layer_span(self, layer: int) -> LayerSpan:
+        if not 0 <= layer < self.num_layers:
+            raise InvalidArgument(f"layer {layer} out of range 0..{self.num_layers - 1}")
+        return LayerSpan(layer, layer * self.layer_nbytes, self.layer_nbytes)
+
+    def spans(self) -> list[LayerSpan]:
+        return [self.layer_span(l) for l in range(self.num_layers)]
+
+
+def as_byte_tensor(buf: Any, *, writable: bool) -> torch.Tensor:
+    """A 1-D uint8 CPU tensor sharing memory with ``buf`` (no copy).
+
+    ``buf``: a contiguous CPU torch tensor, a numpy array, or any object with the buffer
+    protocol (memoryview, bytearray, a store slot view).
+    """
+    if isinstance(buf, torch.Tensor):
+        if buf.device.type != "cpu" or not buf.is_contiguous():
+            raise InvalidArgument("a tensor buffer must be a contiguous CPU tensor")
+        return buf.reshape(-1).view(torch.uint8)
+    try:
+        arr = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(f"buffer must support the buffer protocol: {e}") from None
+    if not arr.flags.c_contiguous:
+        raise InvalidArgument("buffer must be C-contiguous")
+    arr = arr.reshape(-1).view(np.uint8)
+    if writable and not arr.flags.writeable:
+        raise InvalidArgument("buffer is read-only; saving KV needs a writable buffer")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only sources are only read
+        return torch.from_numpy(arr)
+
+
+class KVCache:
+    """Device page pool for K and V of every layer, with a free-page allocator."""
+
+    def __init__(self, cfg: ModelConfig, *, num_pages: int, page_size: int, dtype: str,
+                 device: str | torch.device) -> None:
+        if num_pages <= 0 or page_size <= 0:
+            raise InvalidArgument("num_pages and page_size must be positive")
+        self.cfg = cfg
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.dtype = torch_dtype(dtype)
+        self.device = torch.device(device)
+        self.data = torch.zeros(cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
+                                dtype=self.dtype, device=self.device)
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack: pops low ids first
+
+    # ---- pages
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise InvalidArgument(f"cannot allocate {n} pages, {len(self._free)} free")
+        out = self._free[-n:] if n else []
+        del self._free[len(self._free) - n:]
+        return out[::-1]
+
+    def free(self, pages: Sequence[int]) -> None:
+        self._free.extend(reversed(pages))
+
+    def k(self, layer: int) -> torch.Tensor:
+        return self.data[layer, 0]
+
+    def v(self, layer: int) -> torch.Tensor:
+        return self.data[layer, 1]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores new K/V rows ``[T, kv_heads, head_dim]`` at flat slots ``page * page_size + row``."""
+        h, d = self.cfg.num_kv_heads, self.cfg.head_dim
+        self.data[layer, 0].view(-1, h, d).index_copy_(0, slots, k)
+        self.data[layer, 1].view(-1, h, d).index_copy_(0, slots, v)
+
+    # ---- blocks <-> bytes
+    def _block_view(self, layout: BlockLayout, buf: torch.Tensor, layer: int | None, num_tokens: int,
+                    ) -> tuple[torch.Tensor, slice]:
+        """The typed view of ``buf`` for ``layer`` (or all layers) and the layer slice."""
+        dt = self.dtype
+        if torch_dtype(layout.dtype) != dt:
+            raise InvalidArgument(f"block layout dtype {layout.dtype} differs from the cache's {dt}")
+        h, d, b = self.cfg.num_kv_heads, self.cfg.head_dim, layout.block_size
+        if layer is None:
+            if buf.numel() != layout.block_nbytes:
+                raise InvalidArgument(f"buffer holds {buf.numel()} bytes, a block needs {layout.block_nbytes}")
+            view = buf.view(dt).view(layout.num_layers, 2, b, h, d)
+            return view[:, :, :num_tokens], slice(None)
+        span = layout.layer_span(layer)
+        if buf.numel() == layout.block_nbytes:
+            buf = buf[span.offset:span.end]
+        elif buf.numel() != layout.layer_nbytes:
+            raise InvalidArgument(f"buffer holds {buf.numel()} bytes; expected a whole block "
+                                  f"({layout.block_nbytes}) or one layer ({layout.layer_nbytes})")
+        view = buf.view(dt).view(1, 2, b, h, d)
+        return view[:, :, :num_tokens], slice(layer, layer + 1)
+
+    def _block_pages(self, layout: BlockLayout, pages: Sequence[int], num_tokens: int) -> torch.Tensor:
+        if layout.block_size % self.page_size:
+            raise InvalidArgument(f"block_size {layout.block_size} is not a multiple of page_size {self.page_size}")
+        if not 0 < num_tokens <= layout.block_size:
+            raise InvalidArgument(f"num_tokens {num_tokens} out of range 1..{layout.block_size}")
+        need = self.pages_for(num_tokens)
+        if len(pages) < need:
+            raise InvalidArgument(f"block of {num_tokens} tokens needs {need} pages, got {len(pages)}")
+        return torch.tensor(list(pages[:need]), dtype=torch.long, device=self.device)
+
+    def save_block(self, layout: BlockLayout, pages: Sequence[int], num_tokens: int, buf: Any,
+                   layer: int | None = None) -> None:
+        """Copies the KV of ``num_tokens`` tokens held in ``pages`` into ``buf`` (bytes of a block)."""
+        idx = self._block_pages(layout, pages, num_tokens)
+        dst, ls = self._block_view(layout, as_byte_tensor(buf, writable=True), layer, num_tokens)
+        src = self.data[ls].index_select(2, idx)  # [L, 2, npages, page, h, d]
+        src = src.reshape(src.shape[0], 2, -1, *src.shape[-2:])[:, :, :num_tokens]
+        dst.copy_(src)
+
+    def load_block(self, layout: BlockLayout, pages: Sequence[int], num_tokens: int, buf: Any,
+                   layer: int | None = None) -> None:
+        """Copies the KV of ``num_tokens`` tokens from ``buf`` (bytes of a block) into ``pages``."""
+        idx = self._block_pages(layout, pages, num_tokens)
+        src, ls = self._block_view(layout, as_byte_tensor(buf, writable=False), layer, num_tokens)
+        p = self.page_size
+        npg = idx.numel()
+        full = npg * p
+        if num_tokens != full:  # pad the last page with what it holds now
+            cur = self.data[ls].index_select(2, idx).reshape(src.shape[0], 2, full, *src.shape[-2:])
+            cur[:, :, :num_tokens] = src.to(self.device)
+            src = cur
+        src = src.to(self.device).reshape(src.shape[0], 2, npg, p, *src.shape[-2:])
+        target = self.data[ls]
+        target.index_copy_(2, idx, src)

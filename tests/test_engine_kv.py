@@ -1,0 +1,125 @@
+"""Paged KV cache, block layout and the attention backends (CPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from mooncake_rs import InvalidArgument  # noqa: E402
+from mooncake_rs.engine import BlockLayout, KVCache, ModelConfig  # noqa: E402
+from mooncake_rs.engine.attention import BatchMeta, TorchAttention, make_backend  # noqa: E402
+
+CFG = ModelConfig.tiny()
+
+
+def _dense_attention(q, k, v, q_len, kv_len, scale):
+    """Causal attention for one sequence, by hand: q [n, Hq, d], k/v [kv, Hkv, d]."""
+    rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(rep, dim=1)
+    v = v.repeat_interleave(rep, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    qpos = torch.arange(kv_len - q_len, kv_len)[:, None]
+    s = s.masked_fill(torch.arange(kv_len)[None, :] > qpos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_paged_attention_equals_dense(page_size):
+    g = torch.Generator().manual_seed(0)
+    h, hkv, d = 4, 2, 16
+    cache = KVCache(CFG, num_pages=200, page_size=page_size, dtype="float32", device="cpu")
+    # a decode, a chunk after a prefix, a whole prompt, a one-token prompt
+    q_lens, kv_lens = [1, 5, 9, 1], [23, 17, 9, 1]
+    perm = torch.randperm(200, generator=g).tolist()
+    tables, dense_k, dense_v = [], [], []
+    for kv in kv_lens:
+        npg = -(-kv // page_size)
+        tables.append([perm.pop() for _ in range(npg)])
+        k = torch.randn(kv, hkv, d, generator=g)
+        v = torch.randn(kv, hkv, d, generator=g)
+        slots = torch.tensor([tables[-1][t // page_size] * page_size + t % page_size for t in range(kv)])
+        cache.write(0, slots, k, v)
+        dense_k.append(k)
+        dense_v.append(v)
+    meta = BatchMeta.build(q_lens, kv_lens, tables, page_size, torch.device("cpu"))
+    q = torch.randn(sum(q_lens), h, d, generator=g)
+    backend = TorchAttention(h, hkv, d, torch.float32, torch.device("cpu"))
+    backend.plan(meta)
+    out = backend.forward(q, cache.k(0), cache.v(0))
+    start = 0
+    for i, (n, kv) in enumerate(zip(q_lens, kv_lens)):
+        ref = _dense_attention(q[start:start + n], dense_k[i], dense_v[i], n, kv, d ** -0.5)
+        torch.testing.assert_close(out[start:start + n], ref, rtol=1e-5, atol=1e-5)
+        start += n
+    # the single-prompt fast path too
+    meta1 = BatchMeta.build([9], [9], [tables[2]], page_size, torch.device("cpu"))
+    backend.plan(meta1)
+    torch.testing.assert_close(backend.forward(q[6:15], cache.k(0), cache.v(0)),
+                               _dense_attention(q[6:15], dense_k[2], dense_v[2], 9, 9, d ** -0.5),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_block_layout_offsets():
+    lay = BlockLayout.for_model(CFG, 16, "bfloat16")
+    assert lay.layer_nbytes == 2 * 16 * CFG.num_kv_heads * CFG.head_dim * 2
+    assert lay.block_nbytes == CFG.num_layers * lay.layer_nbytes
+    spans = lay.spans()
+    assert [s.offset for s in spans] == [i * lay.layer_nbytes for i in range(CFG.num_layers)]
+    assert spans[-1].end == lay.block_nbytes
+    with pytest.raises(InvalidArgument):
+        lay.layer_span(CFG.num_layers)
+
+
+@pytest.mark.parametrize("page_size", [2, 8])
+def test_save_load_block_round_trip(page_size):
+    g = torch.Generator().manual_seed(1)
+    b = 8
+    lay = BlockLayout.for_model(CFG, b, "float32")
+    cache = KVCache(CFG, num_pages=32, page_size=page_size, dtype="float32", device="cpu")
+    cache.data.copy_(torch.randn(cache.data.shape, generator=g))
+    pages = cache.allocate(b // page_size)
+    whole = np.zeros(lay.block_nbytes, dtype=np.uint8)
+    cache.save_block(lay, pages, b, whole)
+    # the layout: layer l, K then V, [block, heads, dim]
+    view = torch.from_numpy(whole).view(torch.float32).view(CFG.num_layers, 2, b, CFG.num_kv_heads, CFG.head_dim)
+    for l in range(CFG.num_layers):
+        got = cache.data[l, :, pages].reshape(2, b, CFG.num_kv_heads, CFG.head_dim)
+        assert torch.equal(view[l], got)
+    # per layer into a layer-sized buffer and into the layer's span of a block buffer
+    for l in range(CFG.num_layers):
+        one = bytearray(lay.layer_nbytes)
+        cache.save_block(lay, pages, b, one, layer=l)
+        s = lay.layer_span(l)
+        assert bytes(one) == whole[s.offset:s.end].tobytes()
+    # load into other pages (all layers, then one layer from a torch tensor), then compare
+    other = cache.allocate(b // page_size)
+    cache.load_block(lay, other, b, memoryview(whole.tobytes()))
+    assert torch.equal(cache.data[:, :, other], cache.data[:, :, pages])
+    third = cache.allocate(b // page_size)
+    cache.load_block(lay, third, b, torch.from_numpy(whole), layer=1)
+    assert torch.equal(cache.data[1, :, third], cache.data[1, :, pages])
+    # a partial block touches only its rows
+    part = np.zeros(lay.block_nbytes, dtype=np.uint8)
+    cache.save_block(lay, pages, 3, part)
+    pv = torch.from_numpy(part).view(torch.float32).view(view.shape)
+    assert torch.equal(pv[:, :, :3], view[:, :, :3]) and not pv[:, :, 3:].any()
+    with pytest.raises(InvalidArgument, match="bytes"):
+        cache.save_block(lay, pages, b, bytearray(10))
+    with pytest.raises(InvalidArgument, match="read-only"):
+        cache.save_block(lay, pages, b, bytes(lay.block_nbytes))
+
+
+def test_allocator_and_backend_choice():
+    cache = KVCache(CFG, num_pages=4, page_size=4, dtype="float32", device="cpu")
+    a = cache.allocate(3)
+    assert len(set(a)) == 3 and cache.num_free == 1
+    with pytest.raises(InvalidArgument):
+        cache.allocate(2)
+    cache.free(a)
+    assert cache.num_free == 4
+    # auto on CPU is the torch reference; flashinfer on CPU is refused with a clear message
+    assert make_backend("auto", 4, 2, 16, torch.float32, torch.device("cpu")).name == "torch"
+    with pytest.raises(InvalidArgument, match="flashinfer"):
+        make_backend("flashinfer", 4, 2, 16, torch.float32, torch.device("cpu"))
