@@ -8,7 +8,7 @@ package is its Python API. ``import mooncake_rs`` never imports torch: the engin
 from __future__ import annotations
 
 from . import _logging
-from ._core import BlockIndex, IndexStats, PrefixHasher, PrefixMatch, __version__
+from ._core import BlockCache, BlockIndex, IndexStats, PrefixHasher, PrefixMatch, __version__
 from .errors import (
     BlockNotFound,
     InternalError,
@@ -30,6 +30,8 @@ __all__ = [
     "BlockIndex",
     "PrefixMatch",
     "IndexStats",
+    # tiered store
+    "BlockCache",
     # errors
     "MooncakeError",
     "InvalidArgument",

@@ -14,6 +14,7 @@ pub mod error;
 pub mod hash;
 pub mod index;
 pub mod mem;
+pub mod store;
 
 pub use error::{Categorized, ErrorCategory};
 pub use hash::{BlockHash, HashAlgorithm, HashError, PrefixHasher};

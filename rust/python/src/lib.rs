@@ -6,6 +6,7 @@
 
 use pyo3::prelude::*;
 
+mod block_cache;
 mod convert;
 mod errors;
 mod gil;
@@ -20,5 +21,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     hash::register(m)?;
     index::register(m)?;
+    block_cache::register(m)?;
     Ok(())
 }

@@ -1,0 +1,144 @@
+//! Store events (for the conductor's index) and the counters behind `stats()`.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+
+use crate::hash::BlockHash;
+use crate::index::Tier;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EventKind {
+    /// A block was committed to DRAM (put / reserve+commit).
+    Stored,
+    /// A block left a tier to make room (from DRAM: it may still be demoted to SSD).
+    Evicted,
+    /// A block evicted from DRAM reached the SSD tier.
+    Demoted,
+    /// An SSD block was read back into a DRAM slot.
+    Promoted,
+    /// `remove()` (or a corrupt SSD slot) dropped the block from this tier.
+    Removed,
+}
+
+impl EventKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            EventKind::Stored => "stored",
+            EventKind::Evicted => "evicted",
+            EventKind::Demoted => "demoted",
+            EventKind::Promoted => "promoted",
+            EventKind::Removed => "removed",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreEvent {
+    pub kind: EventKind,
+    pub key: BlockHash,
+    /// The tier the event happened in (for `Demoted`/`Promoted`: the tier it arrived in).
+    pub tier: Tier,
+}
+
+/// A bounded FIFO of events; when full the oldest is dropped and counted.
+pub struct EventLog {
+    queue: Mutex<VecDeque<StoreEvent>>,
+    cap: usize,
+    pub dropped: AtomicU64,
+}
+
+impl EventLog {
+    pub fn new(cap: usize) -> Self {
+        EventLog { queue: Mutex::new(VecDeque::new()), cap, dropped: AtomicU64::new(0) }
+    }
+
+    pub fn push(&self, kind: EventKind, key: BlockHash, tier: Tier) {
+        if self.cap == 0 {
+            return;
+        }
+        let mut q = self.queue.lock();
+        if q.len() >= self.cap {
+            q.pop_front();
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+        q.push_back(StoreEvent { kind, key, tier });
+    }
+
+    pub fn drain(&self) -> Vec<StoreEvent> {
+        self.queue.lock().drain(..).collect()
+    }
+}
+
+/// Monotonic counters, updated without locks.
+#[derive(Default)]
+pub struct Counters {
+    pub puts: AtomicU64,
+    pub hits_dram: AtomicU64,
+    pub hits_ssd: AtomicU64,
+    pub misses: AtomicU64,
+    pub evictions_dram: AtomicU64,
+    pub evictions_ssd: AtomicU64,
+    pub demotions: AtomicU64,
+    pub demotions_dropped: AtomicU64,
+    pub demotion_failures: AtomicU64,
+    pub promotions: AtomicU64,
+    pub corrupt_dropped: AtomicU64,
+    pub recovered: AtomicU64,
+}
+
+pub(crate) fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// A snapshot of the store's counters and occupancy.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StoreStats {
+    pub puts: u64,
+    pub hits_dram: u64,
+    pub hits_ssd: u64,
+    /// Gets that found the block in neither tier.
+    pub misses: u64,
+    pub evictions_dram: u64,
+    pub evictions_ssd: u64,
+    /// Blocks written to the SSD tier after DRAM eviction.
+    pub demotions: u64,
+    /// Blocks dropped because the demotion queue was full (never reached SSD).
+    pub demotions_dropped: u64,
+    /// Demotion writes that failed (I/O error; reported by the next `flush()`).
+    pub demotion_failures: u64,
+    pub promotions: u64,
+    /// SSD slots found torn or corrupted (at recovery or on read), dropped, never served.
+    pub corrupt_dropped: u64,
+    /// Blocks recovered from the SSD tier when the store was opened.
+    pub recovered: u64,
+    pub events_dropped: u64,
+    pub blocks_dram: u64,
+    pub blocks_ssd: u64,
+    pub bytes_dram: u64,
+    pub bytes_ssd: u64,
+    pub slots_dram: u64,
+    pub slots_ssd: u64,
+    pub pinned: u64,
+    /// Demotions waiting in the queue.
+    pub demotion_queue: u64,
+}
+
+impl Counters {
+    pub fn fill(&self, s: &mut StoreStats) {
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        s.puts = g(&self.puts);
+        s.hits_dram = g(&self.hits_dram);
+        s.hits_ssd = g(&self.hits_ssd);
+        s.misses = g(&self.misses);
+        s.evictions_dram = g(&self.evictions_dram);
+        s.evictions_ssd = g(&self.evictions_ssd);
+        s.demotions = g(&self.demotions);
+        s.demotions_dropped = g(&self.demotions_dropped);
+        s.demotion_failures = g(&self.demotion_failures);
+        s.promotions = g(&self.promotions);
+        s.corrupt_dropped = g(&self.corrupt_dropped);
+        s.recovered = g(&self.recovered);
+    }
+}

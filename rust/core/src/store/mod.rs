@@ -1,0 +1,32 @@
+//! The tiered block store: DRAM slots in one arena, an SSD tier of slot files,
+//! eviction, leases and pins, checksums and recovery; plus [`BlockCache`], its
+//! metadata-only twin for the simulator. See `docs/store.md`.
+//!
+//! - [`arena`]: the DRAM arena, slot reference counts, [`Lease`] and [`Reservation`].
+//! - `table`: key -> slot, sharded.
+//! - [`eviction`]: the policies, one file each.
+//! - `slotfile` / `ssd`: the SSD tier (slot file format, recovery, demotion writer).
+//! - `tiered`: [`Store`], tying them together.
+
+pub mod arena;
+mod cache;
+mod config;
+mod error;
+mod events;
+pub mod eviction;
+mod inspect;
+mod slotfile;
+mod ssd;
+mod table;
+mod tiered;
+
+pub use arena::{Lease, Reservation};
+pub use cache::{BlockCache, CacheEvent};
+pub use config::StoreConfig;
+pub use error::StoreError;
+pub use events::{EventKind, StoreEvent, StoreStats};
+pub use slotfile::{FILE_NAME as SSD_FILE_NAME, SLOT_HEADER as SSD_SLOT_HEADER};
+pub use tiered::{BlockRef, Store};
+
+#[cfg(test)]
+mod tests;

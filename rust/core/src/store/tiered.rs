@@ -1,0 +1,437 @@
+//! `Store`: the tiered block store of one instance.
+//!
+//! Lock order: the DRAM policy, then one table shard (eviction is the only path that
+//! holds both); the event log and the free list are leaves. Copies and file I/O run with
+//! no lock held: a slot being written belongs to its reservation alone, a slot being
+//! read is protected by its lease's reference.
+
+use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use parking_lot::Mutex;
+
+use super::arena::{Arena, Lease, Reservation};
+use super::config::StoreConfig;
+use super::error::StoreError;
+use super::events::{bump, Counters, EventKind, EventLog, StoreEvent};
+use super::eviction::{policy_by_name, EvictionPolicy, Verdict};
+use super::ssd::{Job, SsdTier};
+use super::table::{Entry, Table};
+use crate::hash::BlockHash;
+use crate::index::Tier;
+use crate::mem::MappedMemory;
+
+/// The bytes a `get` returned: a leased DRAM slot (zero-copy), or a private copy read
+/// straight from SSD (`promote = false`, or no DRAM slot could be freed).
+pub enum BlockRef {
+    Slot(Lease),
+    Owned(Vec<u8>),
+}
+
+impl BlockRef {
+    pub fn bytes(&self) -> &[u8] {
+        match self {
+            BlockRef::Slot(l) => l.bytes(),
+            BlockRef::Owned(v) => v,
+        }
+    }
+
+    pub fn tier(&self) -> Tier {
+        match self {
+            BlockRef::Slot(_) => Tier::Dram,
+            BlockRef::Owned(_) => Tier::Ssd,
+        }
+    }
+}
+
+pub struct Store {
+    pub(super) cfg: StoreConfig,
+    pub(super) arena: Arc<Arena>,
+    pub(super) table: Table,
+    pub(super) policy: Mutex<Box<dyn EvictionPolicy>>,
+    pub(super) ssd: Option<Arc<SsdTier>>,
+    pub(super) jobs: Option<SyncSender<Job>>,
+    pub(super) writer: Option<JoinHandle<()>>,
+    pub(super) log: Arc<EventLog>,
+    pub(super) counters: Arc<Counters>,
+}
+
+impl Store {
+    pub fn open(cfg: StoreConfig) -> Result<Self, StoreError> {
+        let slots = cfg.validate()?;
+        let arena = Arena::new(cfg.block_bytes, slots, cfg.shared_memory)
+            .map_err(|e| StoreError::Invalid(format!("cannot map a {}-byte DRAM arena: {e}", cfg.dram_bytes)))?;
+        let policy = policy_by_name(&cfg.eviction, slots)
+            .ok_or_else(|| StoreError::Invalid(format!("unknown eviction policy {:?}", cfg.eviction)))?;
+        let log = Arc::new(EventLog::new(cfg.max_events));
+        let counters = Arc::new(Counters::default());
+        let (mut ssd, mut jobs, mut writer) = (None, None, None);
+        if let Some(dir) = &cfg.ssd_path {
+            let tier =
+                Arc::new(SsdTier::open(dir, cfg.block_bytes, cfg.ssd_bytes, &cfg.eviction, log.clone(), counters.clone())?);
+            let (tx, rx) = sync_channel(cfg.demotion_queue);
+            let t = tier.clone();
+            let handle = std::thread::Builder::new()
+                .name("mooncake-demote".into())
+                .spawn(move || t.run_writer(rx))
+                .map_err(|e| StoreError::io("starting the demotion thread", e))?;
+            ssd = Some(tier);
+            jobs = Some(tx);
+            writer = Some(handle);
+        }
+        Ok(Store {
+            table: Table::new(cfg.shards),
+            arena: Arc::new(arena),
+            policy: Mutex::new(policy),
+            cfg,
+            ssd,
+            jobs,
+            writer,
+            log,
+            counters,
+        })
+    }
+
+    pub fn config(&self) -> &StoreConfig {
+        &self.cfg
+    }
+
+    pub fn block_bytes(&self) -> usize {
+        self.cfg.block_bytes
+    }
+
+    pub fn slots(&self) -> usize {
+        self.arena.slots()
+    }
+
+    /// The DRAM arena (for registering it with a transfer engine).
+    pub fn arena(&self) -> Arc<MappedMemory> {
+        self.arena.memory().clone()
+    }
+
+    /// Byte offset of `key`'s DRAM slot in the arena, if it is in DRAM.
+    pub fn slot_offset(&self, key: BlockHash) -> Option<usize> {
+        self.table.shard(key).get(&key).map(|e| self.arena.offset(e.slot))
+    }
+
+    fn check_len(&self, len: usize) -> Result<(), StoreError> {
+        if len != self.cfg.block_bytes {
+            return Err(StoreError::Invalid(format!(
+                "a block must be exactly block_bytes={} bytes, got {len}",
+                self.cfg.block_bytes
+            )));
+        }
+        Ok(())
+    }
+
+    /// In DRAM or in the SSD tier.
+    pub fn contains(&self, key: BlockHash) -> bool {
+        self.table.shard(key).contains_key(&key) || self.ssd.as_ref().is_some_and(|s| s.contains(key))
+    }
+
+    /// The fastest tier holding `key`.
+    pub fn tier_of(&self, key: BlockHash) -> Option<Tier> {
+        if self.table.shard(key).contains_key(&key) {
+            Some(Tier::Dram)
+        } else if self.ssd.as_ref().is_some_and(|s| s.contains(key)) {
+            Some(Tier::Ssd)
+        } else {
+            None
+        }
+    }
+
+    /// A slot for new bytes, owned by the caller: a free one, or the policy's victim.
+    fn alloc_slot(&self) -> Result<u32, StoreError> {
+        if let Some(s) = self.arena.pop_free() {
+            return Ok(s);
+        }
+        let mut slot = None;
+        let victim = {
+            let mut policy = self.policy.lock();
+            policy.evict(&mut |k| {
+                let mut shard = self.table.shard(k);
+                match shard.get(&k) {
+                    None => Verdict::Gone,
+                    Some(e) if e.pins > 0 || self.arena.refs(e.slot) > 1 => Verdict::Keep,
+                    Some(e) => {
+                        slot = Some(e.slot);
+                        shard.remove(&k);
+                        Verdict::Evicted
+                    }
+                }
+            })
+        };
+        match (victim, slot) {
+            (Some(key), Some(slot)) => {
+                self.evicted(key, slot);
+                Ok(slot)
+            }
+            // A lease may have been released meanwhile.
+            _ => self.arena.pop_free().ok_or(StoreError::Full { slots: self.slots() }),
+        }
+    }
+
+    /// After `key` left DRAM: count it, and queue its demotion. The caller now owns
+    /// `slot` (its table reference).
+    fn evicted(&self, key: BlockHash, slot: u32) {
+        bump(&self.counters.evictions_dram);
+        self.log.push(EventKind::Evicted, key, Tier::Dram);
+        let (Some(ssd), Some(jobs)) = (&self.ssd, &self.jobs) else { return };
+        if ssd.contains(key) {
+            return; // already on SSD (it was promoted from there)
+        }
+        // SAFETY: the caller owns `slot` (removed from the table with count 1).
+        let data = Arc::new(unsafe { self.arena.bytes(slot) }.to_vec());
+        ssd.add_pending(key, data.clone());
+        match jobs.try_send(Job::Write(key, data)) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
+                ssd.drop_pending(key);
+                bump(&self.counters.demotions_dropped);
+            }
+        }
+    }
+
+    /// A writable slot for `key`, committed with [`commit`](Self::commit).
+    pub fn reserve(&self, key: BlockHash) -> Result<Reservation, StoreError> {
+        let slot = self.alloc_slot()?;
+        Ok(Reservation { arena: self.arena.clone(), slot, key, done: false })
+    }
+
+    /// Publishes a reservation; false (and the slot is freed) if `key` is already stored.
+    pub fn commit(&self, mut r: Reservation, position: u32) -> bool {
+        self.publish(&mut r, position, EventKind::Stored)
+    }
+
+    fn publish(&self, r: &mut Reservation, position: u32, kind: EventKind) -> bool {
+        let key = r.key;
+        if kind == EventKind::Stored && self.ssd.as_ref().is_some_and(|s| s.contains(key)) {
+            return false;
+        }
+        {
+            let mut shard = self.table.shard(key);
+            if shard.contains_key(&key) {
+                return false;
+            }
+            shard.insert(key, Entry { slot: r.slot, pins: 0 });
+            r.done = true; // the table owns the reference now
+        }
+        {
+            let mut p = self.policy.lock();
+            p.begin_access();
+            p.insert(key, position);
+        }
+        if kind == EventKind::Stored {
+            bump(&self.counters.puts);
+        }
+        self.log.push(kind, key, Tier::Dram);
+        true
+    }
+
+    /// Stores a copy of `data`; false if `key` is already stored (nothing changes).
+    pub fn put(&self, key: BlockHash, data: &[u8]) -> Result<bool, StoreError> {
+        self.put_at(key, data, 0)
+    }
+
+    fn put_at(&self, key: BlockHash, data: &[u8], position: u32) -> Result<bool, StoreError> {
+        self.check_len(data.len())?;
+        if self.contains(key) {
+            return Ok(false);
+        }
+        let mut r = self.reserve(key)?;
+        r.bytes_mut().copy_from_slice(data);
+        Ok(self.commit(r, position))
+    }
+
+    /// Stores a chain of blocks (positions 0..n for the prefix-aware policy). Stops at
+    /// the first error; the blocks before it stay stored.
+    pub fn put_many(&self, items: &[(BlockHash, &[u8])]) -> Result<Vec<bool>, StoreError> {
+        for (_, d) in items {
+            self.check_len(d.len())?;
+        }
+        let mut out = Vec::with_capacity(items.len());
+        for (i, (k, d)) in items.iter().enumerate() {
+            out.push(self.put_at(*k, d, i.min(u32::MAX as usize) as u32)?);
+        }
+        Ok(out)
+    }
+
+    fn lease_dram(&self, key: BlockHash) -> Option<Lease> {
+        let shard = self.table.shard(key);
+        shard.get(&key).map(|e| Lease::acquire(&self.arena, e.slot))
+    }
+
+    /// A view of `key`. From SSD the block is promoted into a DRAM slot, unless
+    /// `promote` is false (or no slot can be freed): then it is read into a private copy.
+    pub fn get(&self, key: BlockHash, promote: bool) -> Result<Option<BlockRef>, StoreError> {
+        let got = self.get_batch(&[key], promote)?;
+        Ok(got.into_iter().next().flatten())
+    }
+
+    /// [`get`](Self::get) for many keys, touching the DRAM hits as one access.
+    pub fn get_batch(&self, keys: &[BlockHash], promote: bool) -> Result<Vec<Option<BlockRef>>, StoreError> {
+        let mut out: Vec<Option<BlockRef>> = keys.iter().map(|&k| self.lease_dram(k).map(BlockRef::Slot)).collect();
+        let hits = out.iter().filter(|o| o.is_some()).count();
+        if hits > 0 {
+            let mut p = self.policy.lock();
+            p.begin_access();
+            for (k, o) in keys.iter().zip(&out) {
+                if o.is_some() {
+                    p.touch(*k);
+                }
+            }
+        }
+        self.counters.hits_dram.fetch_add(hits as u64, std::sync::atomic::Ordering::Relaxed);
+        for (k, o) in keys.iter().zip(out.iter_mut()) {
+            if o.is_none() {
+                *o = self.get_lower(*k, promote)?;
+                if o.is_none() {
+                    bump(&self.counters.misses);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// A DRAM miss: try the SSD tier.
+    fn get_lower(&self, key: BlockHash, promote: bool) -> Result<Option<BlockRef>, StoreError> {
+        let Some(ssd) = &self.ssd else { return Ok(None) };
+        if !ssd.contains(key) {
+            return Ok(None);
+        }
+        if promote {
+            if let Ok(mut r) = self.reserve(key) {
+                if !ssd.read(key, r.bytes_mut())? {
+                    return Ok(None);
+                }
+                bump(&self.counters.hits_ssd);
+                // The caller's lease exists before the block is visible, so it cannot be
+                // evicted between publishing and returning.
+                let lease = Lease::acquire(&self.arena, r.slot);
+                if self.publish(&mut r, 0, EventKind::Promoted) {
+                    bump(&self.counters.promotions);
+                    return Ok(Some(BlockRef::Slot(lease)));
+                }
+                // promoted (or put) concurrently: serve the DRAM copy
+                drop(lease);
+                drop(r);
+                return Ok(self.lease_dram(key).map(BlockRef::Slot));
+            }
+        }
+        let mut buf = vec![0u8; self.cfg.block_bytes];
+        if ssd.read(key, &mut buf)? {
+            bump(&self.counters.hits_ssd);
+            Ok(Some(BlockRef::Owned(buf)))
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// Copies `key` into `out`; false if absent.
+    pub fn get_into(&self, key: BlockHash, out: &mut [u8], promote: bool) -> Result<bool, StoreError> {
+        self.check_len(out.len())?;
+        if let Some(l) = self.lease_dram(key) {
+            {
+                let mut p = self.policy.lock();
+                p.begin_access();
+                p.touch(key);
+            }
+            bump(&self.counters.hits_dram);
+            out.copy_from_slice(l.bytes());
+            return Ok(true);
+        }
+        if !promote {
+            if let Some(ssd) = &self.ssd {
+                if ssd.read(key, out)? {
+                    bump(&self.counters.hits_ssd);
+                    return Ok(true);
+                }
+            }
+            bump(&self.counters.misses);
+            return Ok(false);
+        }
+        match self.get_lower(key, true)? {
+            Some(b) => {
+                out.copy_from_slice(b.bytes());
+                Ok(true)
+            }
+            None => {
+                bump(&self.counters.misses);
+                Ok(false)
+            }
+        }
+    }
+
+    /// Forgets `key` in every tier; live views keep their bytes until dropped.
+    pub fn remove(&self, key: BlockHash) -> bool {
+        let mut policy = self.policy.lock();
+        let entry = self.table.shard(key).remove(&key);
+        policy.remove(key);
+        drop(policy);
+        let in_dram = match entry {
+            Some(e) => {
+                self.arena.release(e.slot);
+                self.log.push(EventKind::Removed, key, Tier::Dram);
+                true
+            }
+            None => false,
+        };
+        let in_ssd = self.ssd.as_ref().is_some_and(|s| s.remove(key));
+        if in_ssd {
+            self.log.push(EventKind::Removed, key, Tier::Ssd);
+        }
+        in_dram || in_ssd
+    }
+
+    /// Pins `key` in DRAM (promoting it from SSD if needed); returns its pin count.
+    pub fn pin(&self, key: BlockHash) -> Result<u32, StoreError> {
+        for _ in 0..3 {
+            if let Some(e) = self.table.shard(key).get_mut(&key) {
+                e.pins += 1;
+                return Ok(e.pins);
+            }
+            match self.get_lower(key, true)? {
+                Some(BlockRef::Slot(_)) => continue,
+                Some(BlockRef::Owned(_)) => return Err(StoreError::Full { slots: self.slots() }),
+                None => return Err(StoreError::NotFound(key)),
+            }
+        }
+        Err(StoreError::NotFound(key))
+    }
+
+    /// Drops one pin; returns the pins left.
+    pub fn unpin(&self, key: BlockHash) -> Result<u32, StoreError> {
+        match self.table.shard(key).get_mut(&key) {
+            Some(e) if e.pins > 0 => {
+                e.pins -= 1;
+                Ok(e.pins)
+            }
+            Some(_) => Err(StoreError::Invalid(format!("block {key:#x} is not pinned"))),
+            None => Err(StoreError::NotFound(key)),
+        }
+    }
+
+    pub fn drain_events(&self) -> Vec<StoreEvent> {
+        self.log.drain()
+    }
+
+    /// Waits until every queued demotion is on disk (and synced); reports the first
+    /// write error since the last flush as `StoreError::Io`.
+    pub fn flush(&self) -> Result<(), StoreError> {
+        let Some(jobs) = &self.jobs else { return Ok(()) };
+        let (tx, rx) = sync_channel(1);
+        jobs.send(Job::Flush(tx)).map_err(|_| StoreError::Io("the demotion thread is gone".into()))?;
+        rx.recv().map_err(|_| StoreError::Io("the demotion thread is gone".into()))?
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        // Closing the queue lets the writer finish what is queued, then exit.
+        self.jobs = None;
+        if let Some(w) = self.writer.take() {
+            let _ = w.join();
+        }
+    }
+}
