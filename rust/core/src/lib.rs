@@ -8,6 +8,7 @@
 //! - [`hash`]: chained 128-bit hashes of full token blocks.
 //! - [`index`]: which instance holds which block, in which tier; longest-prefix matching.
 //! - [`mem`]: page-aligned private or shared-memory mappings (store arenas, transfer regions).
+//! - [`transfer`]: batch transfers between registered memory (local, shm, tcp).
 //! - [`error`]: the error categories every module's error enum maps to.
 
 pub mod error;
@@ -15,7 +16,9 @@ pub mod hash;
 pub mod index;
 pub mod mem;
 pub mod store;
+pub mod transfer;
 
 pub use error::{Categorized, ErrorCategory};
 pub use hash::{BlockHash, HashAlgorithm, HashError, PrefixHasher};
 pub use index::{BlockIndex, IndexError, IndexStats, InstanceId, PrefixMatch, Tier};
+pub use transfer::{Engine as TransferEngine, TransferError};

@@ -1,0 +1,203 @@
+//! `submit`: validates the local side of each request, then hands each request to its
+//! path — memcpy (local peer or mapped shm region), TCP slices, or (for a same-host
+//! region not yet known) a resolver thread that looks it up and then picks shm or TCP.
+//! Nothing here waits on the network.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use hashbrown::HashMap;
+
+use super::batch::Batch;
+use super::engine::{EngineInner, PeerKind};
+use super::local::{CopyJob, Span, INLINE_COPY_BYTES};
+use super::region::Region;
+use super::shm::{self, Lookup, ShmPeer};
+use super::tcp::client::{Slice, TcpPeer};
+use super::{Op, Request, TransferError};
+
+/// A request whose local side has been checked.
+struct Checked {
+    index: usize,
+    req: Request,
+    local: Arc<Region>,
+}
+
+fn check_local(inner: &EngineInner, index: usize, req: Request) -> Result<Checked, TransferError> {
+    let local = inner.regions.get(req.local).ok_or_else(|| {
+        TransferError::InvalidRequest(format!("request {index}: local region {} is not registered here", req.local))
+    })?;
+    local.check(req.local_offset, req.length, req.op == Op::Read).map_err(|e| {
+        TransferError::InvalidRequest(format!(
+            "request {index}: local range {}+{} of region {} (length {}): {e}",
+            req.local_offset,
+            req.length,
+            req.local,
+            local.len()
+        ))
+    })?;
+    if req.length > usize::MAX as u64 / 2 {
+        return Err(TransferError::InvalidRequest(format!("request {index}: length {} too large", req.length)));
+    }
+    Ok(Checked { index, req, local })
+}
+
+fn local_copy(batch: &Arc<Batch>, c: &Checked, target: &EngineInner) -> Result<CopyJob, TransferError> {
+    let r = &c.req;
+    let remote = target.regions.resolve(r.remote_region, r.remote_offset, r.length, r.op == Op::Write).map_err(|reason| {
+        target.counters.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        TransferError::Refused { side: "peer", region: r.remote_region, reason }
+    })?;
+    let (l, rm) = (Span::region(&c.local, r.local_offset), Span::region(&remote, r.remote_offset));
+    let (src, dst) = match r.op {
+        Op::Read => (rm, l),
+        Op::Write => (l, rm),
+    };
+    Ok(CopyJob { batch: batch.clone(), index: c.index, src, dst, len: r.length })
+}
+
+fn slices(slice_size: usize, batch: &Arc<Batch>, c: &Checked) -> Vec<Slice> {
+    let r = &c.req;
+    let step = slice_size as u64;
+    let n = r.length.div_ceil(step) as usize;
+    batch.set_slices(c.index, n);
+    (0..n as u64)
+        .map(|k| {
+            let off = k * step;
+            Slice {
+                batch: batch.clone(),
+                index: c.index,
+                op: r.op,
+                local: Span::region(&c.local, r.local_offset + off),
+                remote_region: r.remote_region,
+                remote_offset: r.remote_offset + off,
+                len: (r.length - off).min(step) as usize,
+                attempts: 0,
+            }
+        })
+        .collect()
+}
+
+fn run_copies(inner: &EngineInner, batch: &Arc<Batch>, jobs: Vec<CopyJob>, inline: bool) {
+    if inline {
+        for j in jobs {
+            j.run();
+        }
+        return;
+    }
+    for j in jobs {
+        let index = j.index;
+        let chunks = j.chunks();
+        batch.set_slices(index, chunks.len());
+        for c in chunks {
+            inner.pool.spawn(c);
+        }
+    }
+}
+
+pub(crate) fn submit(inner: &EngineInner, requests: Vec<Request>, timeout: Duration) -> Result<Arc<Batch>, TransferError> {
+    let checked = requests
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| check_local(inner, i, r))
+        .collect::<Result<Vec<_>, _>>()?;
+    let batch = Arc::new(Batch::new(checked.len(), timeout));
+    let mut copies = Vec::new();
+    let mut copy_bytes = 0u64;
+    let mut tcp: HashMap<*const TcpPeer, (Arc<TcpPeer>, Vec<Slice>)> = HashMap::new();
+    let mut deferred: Vec<Checked> = Vec::new();
+    for c in checked {
+        if c.req.length == 0 {
+            batch.set_slices(c.index, 0);
+            continue;
+        }
+        match &c.req.peer.kind {
+            PeerKind::Local(w) => {
+                let Some(target) = w.upgrade().filter(|t| !t.is_closed()) else {
+                    batch.fail(c.index, TransferError::Closed);
+                    continue;
+                };
+                match local_copy(&batch, &c, &target) {
+                    Ok(j) => {
+                        copy_bytes += j.len;
+                        copies.push(j);
+                    }
+                    Err(e) => batch.fail(c.index, e),
+                }
+            }
+            PeerKind::Remote { tcp: t, shm } => {
+                let lookup = shm.as_ref().map(|s| s.lookup(c.req.remote_region)).unwrap_or(Lookup::NotShared);
+                match lookup {
+                    Lookup::Mapped(m) => {
+                        let r = &c.req;
+                        match shm::copy_job(&batch, c.index, r.op, &c.local, r.local_offset, &m, r.remote_offset, r.length) {
+                            Ok(j) => {
+                                copy_bytes += j.len;
+                                copies.push(j);
+                            }
+                            Err(e) => batch.fail(c.index, e),
+                        }
+                    }
+                    Lookup::NotShared => {
+                        let s = slices(inner.cfg.slice_size, &batch, &c);
+                        tcp.entry(Arc::as_ptr(t)).or_insert_with(|| (t.clone(), Vec::new())).1.extend(s);
+                    }
+                    Lookup::Unknown => deferred.push(c),
+                }
+            }
+        }
+    }
+    for (_, (peer, s)) in tcp {
+        peer.submit(s);
+    }
+    run_copies(inner, &batch, copies, copy_bytes <= INLINE_COPY_BYTES);
+    if !deferred.is_empty() {
+        spawn_resolver(inner, batch.clone(), deferred);
+    }
+    Ok(batch)
+}
+
+/// Looks up not-yet-known remote regions of same-host peers off the submitting thread,
+/// then copies (shm) or sends (TCP).
+fn spawn_resolver(inner: &EngineInner, batch: Arc<Batch>, deferred: Vec<Checked>) {
+    let slice_size = inner.cfg.slice_size;
+    let ctx = Resolver { slice_size };
+    let b2 = batch.clone();
+    let spawned = std::thread::Builder::new().name("mc-shm-resolve".into()).spawn(move || {
+        for c in deferred {
+            ctx.resolve_one(&b2, c);
+        }
+    });
+    if spawned.is_err() {
+        for i in 0..batch.len() {
+            if !batch.is_finished(i) {
+                batch.fail(i, TransferError::Io("cannot start a resolver thread".into()));
+            }
+        }
+    }
+}
+
+struct Resolver {
+    slice_size: usize,
+}
+
+impl Resolver {
+    fn resolve_one(&self, batch: &Arc<Batch>, c: Checked) {
+        if batch.is_finished(c.index) {
+            return;
+        }
+        let PeerKind::Remote { tcp, shm: Some(shm) } = &c.req.peer.kind else { return };
+        let shm: &ShmPeer = shm;
+        let r = &c.req;
+        match shm.resolve(tcp, r.remote_region) {
+            Some(m) => match shm::copy_job(batch, c.index, r.op, &c.local, r.local_offset, &m, r.remote_offset, r.length) {
+                Ok(j) => j.run(),
+                Err(e) => batch.fail(c.index, e),
+            },
+            None => {
+                let s = slices(self.slice_size, batch, &c);
+                tcp.submit(s);
+            }
+        }
+    }
+}

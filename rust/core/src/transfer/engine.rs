@@ -1,0 +1,445 @@
+//! The engine: configuration, region registry, peers, submit, close.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use super::auth::{self, AuthKey};
+use super::batch::Batch;
+use super::local::CopyPool;
+use super::region::{Region, RegionId, RegionTable};
+use super::registry::EngineRegistry;
+use super::shm::ShmPeer;
+use super::tcp::client::{ClientConfig, TcpPeer};
+use super::tcp::server::{ServeCtx, Server};
+use super::{Request, TransferError};
+use crate::mem::MappedMemory;
+
+/// Which paths an engine may use (as initiator) and offer (as server).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Transports {
+    pub local: bool,
+    pub shm: bool,
+    pub tcp: bool,
+}
+
+impl Default for Transports {
+    fn default() -> Self {
+        Transports { local: true, shm: true, tcp: true }
+    }
+}
+
+impl Transports {
+    pub fn parse<'a>(names: impl IntoIterator<Item = &'a str>) -> Result<Transports, TransferError> {
+        let mut t = Transports { local: false, shm: false, tcp: false };
+        for n in names {
+            match n {
+                "local" => t.local = true,
+                "shm" => t.shm = true,
+                "tcp" => t.tcp = true,
+                other => {
+                    return Err(TransferError::InvalidRequest(format!(
+                        "unknown transport {other:?}; use \"local\", \"shm\" or \"tcp\""
+                    )))
+                }
+            }
+        }
+        Ok(t)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub name: String,
+    /// Addresses to listen on (`host:port`, port 0 = any); one endpoint each.
+    pub listen: Vec<String>,
+    pub auth_token: Option<String>,
+    pub transports: Transports,
+    /// TCP requests are cut into slices of at most this many bytes.
+    pub slice_size: usize,
+    pub connect_timeout: Duration,
+    /// A peer that neither reads nor answers for this long is declared dead.
+    pub io_timeout: Duration,
+    pub connections_per_endpoint: usize,
+    pub window: usize,
+    pub max_attempts: u32,
+    pub copy_threads: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            name: String::new(),
+            listen: vec!["127.0.0.1:0".into()],
+            auth_token: None,
+            transports: Transports::default(),
+            slice_size: 1 << 20,
+            connect_timeout: Duration::from_secs(5),
+            io_timeout: Duration::from_secs(10),
+            connections_per_endpoint: 1,
+            window: 16,
+            max_attempts: 3,
+            copy_threads: 2,
+        }
+    }
+}
+
+impl EngineConfig {
+    pub fn validate(&self) -> Result<(), TransferError> {
+        let bad = |m: String| Err(TransferError::InvalidRequest(m));
+        if self.name.is_empty() || self.name.len() > super::protocol::MAX_NAME {
+            return bad(format!("engine name must be 1..=255 bytes, got {:?}", self.name));
+        }
+        if self.slice_size == 0 || self.slice_size > super::protocol::MAX_DATA {
+            return bad(format!("slice_size must be in 1..={}, got {}", super::protocol::MAX_DATA, self.slice_size));
+        }
+        if self.io_timeout.is_zero() || self.connect_timeout.is_zero() {
+            return bad("timeouts must be positive".into());
+        }
+        if !(1..=64).contains(&self.connections_per_endpoint) || self.window == 0 || self.max_attempts == 0 {
+            return bad("connections_per_endpoint must be 1..=64, window and max_attempts >= 1".into());
+        }
+        if self.auth_token.as_deref() == Some("") {
+            return bad("auth_token must not be empty (use None for no authentication)".into());
+        }
+        Ok(())
+    }
+}
+
+/// Counters of one engine (serving and initiating sides).
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub auth_failures: AtomicU64,
+    pub bad_frames: AtomicU64,
+    pub refused: AtomicU64,
+    pub connections: AtomicU64,
+    pub bytes_served: AtomicU64,
+    pub retries: AtomicU64,
+}
+
+/// A snapshot of [`Counters`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EngineStats {
+    pub auth_failures: u64,
+    pub bad_frames: u64,
+    pub refused: u64,
+    pub connections: u64,
+    pub bytes_served: u64,
+    pub retries: u64,
+    pub regions: u64,
+}
+
+/// A peer as seen by the initiator.
+pub struct Peer {
+    pub name: String,
+    pub(crate) kind: PeerKind,
+}
+
+pub(crate) enum PeerKind {
+    /// This engine or another engine of this process: memcpy.
+    Local(Weak<EngineInner>),
+    Remote { tcp: Arc<TcpPeer>, shm: Option<ShmPeer> },
+}
+
+impl std::fmt::Debug for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Peer").field("name", &self.name).field("transport", &self.transport()).finish()
+    }
+}
+
+impl Peer {
+    /// "local", "shm" (same host; shm used where the region allows) or "tcp".
+    pub fn transport(&self) -> &'static str {
+        match &self.kind {
+            PeerKind::Local(_) => "local",
+            PeerKind::Remote { shm: Some(_), .. } => "shm",
+            PeerKind::Remote { shm: None, .. } => "tcp",
+        }
+    }
+
+    /// TCP connections up (0 for a local peer).
+    pub fn connections(&self) -> usize {
+        match &self.kind {
+            PeerKind::Local(_) => 0,
+            PeerKind::Remote { tcp, .. } => tcp.alive(),
+        }
+    }
+
+    pub(crate) fn close(&self) {
+        if let PeerKind::Remote { tcp, shm } = &self.kind {
+            tcp.close();
+            if let Some(s) = shm {
+                s.clear();
+            }
+        }
+    }
+}
+
+pub struct EngineInner {
+    pub(crate) name: String,
+    pub(crate) cfg: EngineConfig,
+    pub(crate) regions: Arc<RegionTable>,
+    pub(crate) counters: Arc<Counters>,
+    pub(crate) pool: CopyPool,
+    server: Mutex<Option<Server>>,
+    addresses: Vec<SocketAddr>,
+    peers: Mutex<Vec<Arc<Peer>>>,
+    key: Option<AuthKey>,
+    host: [u8; 16],
+    closed: AtomicBool,
+    registry: Option<Arc<EngineRegistry>>,
+    me: Weak<EngineInner>,
+}
+
+impl EngineInner {
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn address(&self) -> String {
+        self.addresses.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(",")
+    }
+}
+
+/// A transfer engine. Dropping it closes it.
+pub struct Engine {
+    inner: Arc<EngineInner>,
+}
+
+fn parse_endpoints(address: &str) -> Result<Vec<SocketAddr>, TransferError> {
+    let mut out = Vec::new();
+    for part in address.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let mut addrs = part
+            .to_socket_addrs()
+            .map_err(|e| TransferError::InvalidRequest(format!("bad peer address {part:?} ({e}); use host:port")))?;
+        out.extend(addrs.next());
+    }
+    if out.is_empty() {
+        return Err(TransferError::InvalidRequest(format!(
+            "peer address {address:?} has no endpoint; use \"host:port[,host:port...]\""
+        )));
+    }
+    Ok(out)
+}
+
+impl Engine {
+    /// Starts an engine; it joins `registry` (if any) under its name.
+    pub fn new(cfg: EngineConfig, registry: Option<Arc<EngineRegistry>>) -> Result<Engine, TransferError> {
+        cfg.validate()?;
+        let regions = Arc::new(RegionTable::default());
+        let counters = Arc::new(Counters::default());
+        let key = cfg.auth_token.as_deref().map(AuthKey::from_token);
+        let host = auth::host_id();
+        let server = if cfg.transports.tcp && !cfg.listen.is_empty() {
+            let ctx = ServeCtx {
+                name: cfg.name.clone(),
+                regions: regions.clone(),
+                key: key.clone(),
+                host,
+                counters: counters.clone(),
+                io_timeout: cfg.io_timeout,
+                share_shm: cfg.transports.shm,
+            };
+            Some(Server::bind(&cfg.listen, ctx)?)
+        } else {
+            None
+        };
+        let addresses = server.as_ref().map(|s| s.addresses()).unwrap_or_default();
+        let inner = Arc::new_cyclic(|me| EngineInner {
+            name: cfg.name.clone(),
+            pool: CopyPool::new(cfg.copy_threads),
+            cfg,
+            regions,
+            counters,
+            server: Mutex::new(server),
+            addresses,
+            peers: Mutex::new(Vec::new()),
+            key,
+            host,
+            closed: AtomicBool::new(false),
+            registry: registry.clone(),
+            me: me.clone(),
+        });
+        if let Some(r) = &registry {
+            if let Err(e) = r.insert(&inner.name, Arc::downgrade(&inner)) {
+                Engine { inner }.close();
+                return Err(e);
+            }
+        }
+        Ok(Engine { inner })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// Comma-separated TCP endpoints ("" without the tcp transport).
+    pub fn address(&self) -> String {
+        self.inner.address()
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.cfg
+    }
+
+    fn check_open(&self) -> Result<(), TransferError> {
+        if self.inner.is_closed() {
+            Err(TransferError::Closed)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Registers a mapping (store arena, shared memory). Shared mappings can be reached
+    /// by same-host peers through the shm path.
+    pub fn register_mapped(&self, mem: Arc<MappedMemory>, readonly: bool) -> Result<RegionId, TransferError> {
+        self.check_open()?;
+        Ok(self.inner.regions.register_mapped(mem, readonly).id)
+    }
+
+    /// Registers caller memory kept alive by `owner`.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must stay valid (and writable unless `readonly`) while `owner` lives.
+    pub unsafe fn register_raw(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        readonly: bool,
+        owner: Box<dyn std::any::Any + Send + Sync>,
+    ) -> Result<RegionId, TransferError> {
+        self.check_open()?;
+        // SAFETY: forwarded contract.
+        Ok(unsafe { self.inner.regions.register_raw(ptr, len, readonly, owner) }?.id)
+    }
+
+    /// A new registered region of zero-filled shared memory.
+    pub fn allocate(&self, len: usize, readonly: bool) -> Result<Arc<Region>, TransferError> {
+        self.check_open()?;
+        if len == 0 {
+            return Err(TransferError::InvalidRequest("allocate() needs a length > 0".into()));
+        }
+        let mem = MappedMemory::shared(len).map_err(TransferError::io)?;
+        Ok(self.inner.regions.register_mapped(Arc::new(mem), readonly))
+    }
+
+    pub fn region(&self, id: RegionId) -> Option<Arc<Region>> {
+        self.inner.regions.get(id)
+    }
+
+    /// Removes a region; transfers in flight keep its memory alive until they end.
+    pub fn unregister(&self, id: RegionId) -> bool {
+        self.inner.regions.unregister(id)
+    }
+
+    /// Connects to a peer: this engine or an engine of this process (by name, through
+    /// the registry) goes the local path; anything else is reached at `address`.
+    pub fn connect(&self, peer_name: &str, address: Option<&str>) -> Result<Arc<Peer>, TransferError> {
+        self.check_open()?;
+        let inner = &self.inner;
+        let t = inner.cfg.transports;
+        let local_target = if peer_name == inner.name {
+            Some(inner.me.clone())
+        } else {
+            inner
+                .registry
+                .as_ref()
+                .and_then(|r| r.get(peer_name))
+                .filter(|e| address.is_none_or(|a| a.is_empty() || a == e.address()))
+                .map(|e| Arc::downgrade(&e))
+        };
+        let peer = match local_target {
+            Some(w) if t.local => Peer { name: peer_name.into(), kind: PeerKind::Local(w) },
+            _ => {
+                if !t.tcp {
+                    return Err(TransferError::InvalidRequest(format!(
+                        "peer {peer_name:?} is not in this process and the tcp transport is disabled"
+                    )));
+                }
+                let address = match address {
+                    Some(a) if !a.is_empty() => a.to_string(),
+                    _ => inner.registry.as_ref().and_then(|r| r.address_of(peer_name)).ok_or_else(|| {
+                        TransferError::InvalidRequest(format!("no address known for peer {peer_name:?}; pass one"))
+                    })?,
+                };
+                let cfg = ClientConfig {
+                    connect_timeout: inner.cfg.connect_timeout,
+                    io_timeout: inner.cfg.io_timeout,
+                    connections_per_endpoint: inner.cfg.connections_per_endpoint,
+                    window: inner.cfg.window,
+                    max_attempts: inner.cfg.max_attempts,
+                };
+                let tcp = TcpPeer::connect(
+                    &inner.name,
+                    parse_endpoints(&address)?,
+                    inner.key.clone(),
+                    cfg,
+                    inner.counters.clone(),
+                )?;
+                let same_host = tcp.hello.host == inner.host && inner.host != [0u8; 16];
+                let shm = (t.shm && same_host).then(ShmPeer::default);
+                Peer { name: peer_name.into(), kind: PeerKind::Remote { tcp, shm } }
+            }
+        };
+        let peer = Arc::new(peer);
+        inner.peers.lock().push(peer.clone());
+        Ok(peer)
+    }
+
+    /// Submits a batch and returns at once (copies of small local batches are done
+    /// inline). A malformed request (unknown local region, local range out of bounds,
+    /// read into a read-only local region, a peer of another engine) fails the whole
+    /// call; everything the remote decides is a per-request status.
+    pub fn submit(&self, requests: Vec<Request>, timeout: Duration) -> Result<Arc<Batch>, TransferError> {
+        self.check_open()?;
+        super::dispatch::submit(&self.inner, requests, timeout)
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        let c = &self.inner.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        EngineStats {
+            auth_failures: l(&c.auth_failures),
+            bad_frames: l(&c.bad_frames),
+            refused: l(&c.refused),
+            connections: l(&c.connections),
+            bytes_served: l(&c.bytes_served),
+            retries: l(&c.retries),
+            regions: self.inner.regions.len() as u64,
+        }
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.inner.is_closed()
+    }
+
+    /// Stops serving, closes peers (their pending requests fail as `Closed`) and drops
+    /// the region table. Idempotent.
+    pub fn close(&self) {
+        let inner = &self.inner;
+        if inner.closed.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        if let Some(s) = inner.server.lock().take() {
+            s.close();
+        }
+        let peers = std::mem::take(&mut *inner.peers.lock());
+        for p in peers {
+            p.close();
+        }
+        inner.pool.shutdown();
+        inner.regions.clear();
+        if let Some(r) = &inner.registry {
+            r.remove(&inner.name, &inner.me);
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.close();
+    }
+}

@@ -1,0 +1,114 @@
+//! The shared-memory path: a peer on this host whose region is a shared mapping. The
+//! initiator asks the peer once for the region's segment name (over the authenticated
+//! control connection), maps it, and from then on copies with one memcpy — the peer's
+//! CPU is not involved. Regions that are not shared (or cannot be mapped) fall back to
+//! TCP. Bounds and read-only are checked against what the peer reported.
+
+use std::sync::Arc;
+
+use hashbrown::HashMap;
+use parking_lot::Mutex;
+
+use super::batch::Batch;
+use super::local::{CopyJob, Keep, Span};
+use super::region::{Region, RegionId};
+use super::tcp::client::TcpPeer;
+use super::{AccessError, Op, TransferError};
+use crate::mem::MappedMemory;
+
+/// A peer's region mapped into this process.
+pub struct ShmRegion {
+    pub id: RegionId,
+    pub mem: Arc<MappedMemory>,
+    pub readonly: bool,
+}
+
+impl ShmRegion {
+    pub fn check(&self, offset: u64, len: u64, write: bool) -> Result<(), AccessError> {
+        let end = offset.checked_add(len).ok_or(AccessError::OutOfBounds)?;
+        if end > self.mem.len() as u64 {
+            return Err(AccessError::OutOfBounds);
+        }
+        if write && self.readonly {
+            return Err(AccessError::ReadOnly);
+        }
+        Ok(())
+    }
+}
+
+/// What is known about one remote region.
+pub enum Lookup {
+    Mapped(Arc<ShmRegion>),
+    NotShared,
+    Unknown,
+}
+
+/// Per-peer cache of mapped regions (region ids are never reused by an engine).
+#[derive(Default)]
+pub struct ShmPeer {
+    cache: Mutex<HashMap<RegionId, Option<Arc<ShmRegion>>>>,
+}
+
+impl ShmPeer {
+    pub fn lookup(&self, id: RegionId) -> Lookup {
+        match self.cache.lock().get(&id) {
+            Some(Some(r)) => Lookup::Mapped(r.clone()),
+            Some(None) => Lookup::NotShared,
+            None => Lookup::Unknown,
+        }
+    }
+
+    /// Asks the peer and maps the segment (blocking: never called from `submit`).
+    /// `None` means "use TCP".
+    pub fn resolve(&self, tcp: &TcpPeer, id: RegionId) -> Option<Arc<ShmRegion>> {
+        if let Lookup::Mapped(r) = self.lookup(id) {
+            return Some(r);
+        }
+        let info = match tcp.query_region(id) {
+            Ok(info) => info,
+            // Unknown region or lost control connection: let TCP report the verdict.
+            Err(_) => return None,
+        };
+        let mapped = info.shm.as_deref().and_then(|name| match MappedMemory::open_shared(name, info.len as usize) {
+            Ok(m) => Some(Arc::new(ShmRegion { id, mem: Arc::new(m), readonly: info.readonly })),
+            Err(e) => {
+                tracing::debug!(%name, error = %e, "cannot map the peer's segment; using TCP");
+                None
+            }
+        });
+        self.cache.lock().insert(id, mapped.clone());
+        mapped
+    }
+
+    /// Unmaps everything (peer closed).
+    pub fn clear(&self) {
+        self.cache.lock().clear();
+    }
+}
+
+/// The copy that performs `op` between a local region and a mapped remote one, after
+/// checking the remote range against what the peer reported.
+#[allow(clippy::too_many_arguments)]
+pub fn copy_job(
+    batch: &Arc<Batch>,
+    index: usize,
+    op: Op,
+    local: &Arc<Region>,
+    local_offset: u64,
+    remote: &Arc<ShmRegion>,
+    remote_offset: u64,
+    len: u64,
+) -> Result<CopyJob, TransferError> {
+    remote
+        .check(remote_offset, len, op == Op::Write)
+        .map_err(|reason| TransferError::Refused { side: "peer", region: remote.id, reason })?;
+    // SAFETY: check() bounded remote_offset + len by the mapping's length.
+    let rptr = unsafe { remote.mem.as_ptr().add(remote_offset as usize) };
+    let rspan = Span { keep: Keep::Mapping(remote.mem.clone()), ptr: rptr };
+    let lspan = Span::region(local, local_offset);
+    let (src, dst) = match op {
+        Op::Read => (rspan, lspan),
+        Op::Write => (lspan, rspan),
+    };
+    Ok(CopyJob { batch: batch.clone(), index, src, dst, len })
+}

@@ -1,0 +1,433 @@
+//! Initiator side: a peer's connections (one or more per endpoint) pull slices from one
+//! shared queue, so large requests spread over every path. Each connection has a sender
+//! thread (frames out, at most `window` slices unanswered) and a receiver thread
+//! (responses in, payloads straight into local memory). When a connection fails, its
+//! unanswered slices go back to the queue for another connection, up to `max_attempts`
+//! tries; with no connection left, the peer's requests fail at once.
+
+use std::collections::VecDeque;
+use std::io::{BufReader, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use hashbrown::HashMap;
+use parking_lot::{Condvar, Mutex};
+
+use super::super::auth::AuthKey;
+use super::super::batch::Batch;
+use super::super::engine::Counters;
+use super::super::local::Span;
+use super::super::protocol::{encode, Msg};
+use super::super::{AccessError, Op, TransferError};
+use super::handshake::{self, ServerHello};
+use super::{read_control, read_header, read_msg_body, write_frame, ConnError};
+
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    pub connect_timeout: Duration,
+    pub io_timeout: Duration,
+    pub connections_per_endpoint: usize,
+    /// Unanswered slices per connection.
+    pub window: usize,
+    pub max_attempts: u32,
+}
+
+/// A piece of one request, sent as one frame.
+#[derive(Clone)]
+pub struct Slice {
+    pub batch: Arc<Batch>,
+    pub index: usize,
+    pub op: Op,
+    pub local: Span,
+    pub remote_region: u64,
+    pub remote_offset: u64,
+    pub len: usize,
+    pub attempts: u32,
+}
+
+struct Conn {
+    stream: TcpStream,
+    dead: AtomicBool,
+    inflight: Mutex<HashMap<u64, Slice>>,
+    room: Condvar,
+}
+
+/// What a region query answers (for the shm path).
+#[derive(Debug, Clone)]
+pub struct RemoteRegionInfo {
+    pub len: u64,
+    pub readonly: bool,
+    pub shm: Option<String>,
+}
+
+pub struct TcpPeer {
+    pub hello: ServerHello,
+    endpoints: Vec<SocketAddr>,
+    local_name: String,
+    key: Option<AuthKey>,
+    cfg: ClientConfig,
+    counters: Arc<Counters>,
+    queue: Mutex<VecDeque<Slice>>,
+    work: Condvar,
+    conns: Mutex<Vec<Arc<Conn>>>,
+    alive: AtomicUsize,
+    closed: AtomicBool,
+    next_id: AtomicU64,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    control: Mutex<Option<(BufReader<TcpStream>, TcpStream)>>,
+}
+
+fn open(
+    addr: SocketAddr,
+    key: Option<&AuthKey>,
+    name: &str,
+    cfg: &ClientConfig,
+) -> Result<(TcpStream, ServerHello), TransferError> {
+    let mut s = TcpStream::connect_timeout(&addr, cfg.connect_timeout)
+        .map_err(|e| TransferError::Connect(format!("{addr}: {e}")))?;
+    let _ = s.set_nodelay(true);
+    s.set_read_timeout(Some(cfg.io_timeout)).map_err(TransferError::io)?;
+    s.set_write_timeout(Some(cfg.io_timeout)).map_err(TransferError::io)?;
+    let hello = handshake::client(&mut s, key, name)?;
+    Ok((s, hello))
+}
+
+impl TcpPeer {
+    /// Connects to every endpoint (`connections_per_endpoint` each). Succeeds if at
+    /// least one connection is up; a refused token fails at once.
+    pub fn connect(
+        local_name: &str,
+        endpoints: Vec<SocketAddr>,
+        key: Option<AuthKey>,
+        cfg: ClientConfig,
+        counters: Arc<Counters>,
+    ) -> Result<Arc<TcpPeer>, TransferError> {
+        let mut streams = Vec::new();
+        let mut hello = None;
+        let mut last_err = None;
+        for &addr in &endpoints {
+            for _ in 0..cfg.connections_per_endpoint.max(1) {
+                match open(addr, key.as_ref(), local_name, &cfg) {
+                    Ok((s, h)) => {
+                        hello.get_or_insert(h);
+                        streams.push(s);
+                    }
+                    Err(e @ TransferError::Unauthorized(_)) => return Err(e),
+                    Err(e) => last_err = Some(e),
+                }
+            }
+        }
+        let Some(hello) = hello else {
+            return Err(last_err.unwrap_or_else(|| TransferError::Connect("no endpoint given".into())));
+        };
+        let peer = Arc::new(TcpPeer {
+            hello,
+            endpoints,
+            local_name: local_name.to_string(),
+            key,
+            cfg,
+            counters,
+            queue: Mutex::new(VecDeque::new()),
+            work: Condvar::new(),
+            conns: Mutex::new(Vec::new()),
+            alive: AtomicUsize::new(0),
+            closed: AtomicBool::new(false),
+            next_id: AtomicU64::new(1),
+            threads: Mutex::new(Vec::new()),
+            control: Mutex::new(None),
+        });
+        for s in streams {
+            peer.start_conn(s)?;
+        }
+        Ok(peer)
+    }
+
+    fn start_conn(self: &Arc<Self>, stream: TcpStream) -> Result<(), TransferError> {
+        let read_half = stream.try_clone().map_err(TransferError::io)?;
+        // Ticks of half the I/O timeout let the receiver notice a silent peer.
+        let _ = read_half.set_read_timeout(Some(self.cfg.io_timeout / 2));
+        let conn = Arc::new(Conn {
+            stream,
+            dead: AtomicBool::new(false),
+            inflight: Mutex::new(HashMap::new()),
+            room: Condvar::new(),
+        });
+        self.conns.lock().push(conn.clone());
+        self.alive.fetch_add(1, Ordering::SeqCst);
+        let (p1, c1, p2, c2) = (self.clone(), conn.clone(), self.clone(), conn);
+        let mut threads = self.threads.lock();
+        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| std::thread::Builder::new().name(name.into()).spawn(f);
+        threads.push(spawn("mc-tcp-send", Box::new(move || p1.sender(&c1))).map_err(TransferError::io)?);
+        threads.push(spawn("mc-tcp-recv", Box::new(move || p2.receiver(&c2, read_half))).map_err(TransferError::io)?);
+        Ok(())
+    }
+
+    pub fn endpoints(&self) -> &[SocketAddr] {
+        &self.endpoints
+    }
+
+    /// Connections still up.
+    pub fn alive(&self) -> usize {
+        self.alive.load(Ordering::SeqCst)
+    }
+
+    /// Queues slices; never blocks on the network.
+    pub fn submit(&self, slices: Vec<Slice>) {
+        if self.alive() == 0 || self.closed.load(Ordering::SeqCst) {
+            for s in slices {
+                s.batch.fail(s.index, self.gone());
+            }
+            return;
+        }
+        self.queue.lock().extend(slices);
+        self.work.notify_all();
+        if self.alive() == 0 {
+            self.drain_fail();
+        }
+    }
+
+    fn gone(&self) -> TransferError {
+        if self.closed.load(Ordering::SeqCst) {
+            TransferError::Closed
+        } else {
+            TransferError::ConnectionLost(format!("no connection left to peer {:?}", self.hello.name))
+        }
+    }
+
+    fn drain_fail(&self) {
+        let drained: Vec<Slice> = self.queue.lock().drain(..).collect();
+        for s in drained {
+            s.batch.fail(s.index, self.gone());
+        }
+    }
+
+    fn retry_or_fail(&self, mut s: Slice, why: &str) {
+        let retry = !self.closed.load(Ordering::SeqCst)
+            && s.attempts + 1 < self.cfg.max_attempts
+            && self.alive() > 0
+            && !s.batch.is_finished(s.index);
+        if !retry {
+            let e = if self.closed.load(Ordering::SeqCst) {
+                TransferError::Closed
+            } else {
+                TransferError::ConnectionLost(why.to_string())
+            };
+            s.batch.fail(s.index, e);
+            return;
+        }
+        s.attempts += 1;
+        self.counters.retries.fetch_add(1, Ordering::Relaxed);
+        self.queue.lock().push_front(s);
+        self.work.notify_all();
+        if self.alive() == 0 {
+            self.drain_fail();
+        }
+    }
+
+    fn kill(&self, conn: &Conn, why: &str) {
+        let taken = {
+            let mut inf = conn.inflight.lock();
+            if conn.dead.swap(true, Ordering::SeqCst) {
+                return;
+            }
+            std::mem::take(&mut *inf)
+        };
+        conn.room.notify_all();
+        let _ = conn.stream.shutdown(Shutdown::Both);
+        self.alive.fetch_sub(1, Ordering::SeqCst);
+        if !self.closed.load(Ordering::SeqCst) {
+            tracing::warn!(peer = %self.hello.name, %why, "a connection to the peer failed");
+        }
+        drop(self.queue.lock());
+        self.work.notify_all();
+        for (_, s) in taken {
+            self.retry_or_fail(s, why);
+        }
+        if self.alive() == 0 {
+            self.drain_fail();
+        }
+    }
+
+    fn sender(&self, conn: &Conn) {
+        loop {
+            let slice = {
+                let mut q = self.queue.lock();
+                loop {
+                    if conn.dead.load(Ordering::SeqCst) || self.closed.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    if let Some(s) = q.pop_front() {
+                        break s;
+                    }
+                    self.work.wait(&mut q);
+                }
+            };
+            if slice.batch.is_finished(slice.index) {
+                continue;
+            }
+            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            {
+                let mut inf = conn.inflight.lock();
+                while !conn.dead.load(Ordering::SeqCst) && inf.len() >= self.cfg.window.max(1) {
+                    conn.room.wait(&mut inf);
+                }
+                if conn.dead.load(Ordering::SeqCst) {
+                    drop(inf);
+                    self.retry_or_fail(slice, "connection closed");
+                    return;
+                }
+                inf.insert(id, slice.clone());
+            }
+            let (region, offset, len) = (slice.remote_region, slice.remote_offset, slice.len);
+            let mut w = &conn.stream;
+            let sent = match slice.op {
+                Op::Read => w.write_all(&encode(&Msg::ReadReq { id, region, offset, len: len as u64 })),
+                Op::Write => {
+                    let head = encode(&Msg::WriteReq { id, region, offset, data_len: len });
+                    // SAFETY: the request's local range was bounds-checked at submit and the
+                    // span keeps the region mapped.
+                    let data = unsafe { std::slice::from_raw_parts(slice.local.ptr as *const u8, len) };
+                    write_frame(&mut w, &head, data)
+                }
+            };
+            if let Err(e) = sent {
+                self.kill(conn, &format!("send failed: {e}"));
+                return;
+            }
+        }
+    }
+
+    fn receiver(&self, conn: &Conn, stream: TcpStream) {
+        let mut r = BufReader::with_capacity(256 << 10, stream);
+        let mut stalled = 0u32;
+        loop {
+            if conn.dead.load(Ordering::SeqCst) {
+                return;
+            }
+            let h = match read_header(&mut r) {
+                Ok(Some(h)) => h,
+                Ok(None) => {
+                    if conn.inflight.lock().is_empty() {
+                        stalled = 0;
+                        continue;
+                    }
+                    stalled += 1;
+                    if stalled >= 2 {
+                        self.kill(conn, &format!("peer sent nothing for {:?}", self.cfg.io_timeout));
+                        return;
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    self.kill(conn, &e.to_string());
+                    return;
+                }
+            };
+            stalled = 0;
+            if let Err(e) = self.on_frame(conn, &mut r, h) {
+                self.kill(conn, &e);
+                return;
+            }
+        }
+    }
+
+    fn on_frame(&self, conn: &Conn, r: &mut BufReader<TcpStream>, h: super::super::protocol::Header) -> Result<(), String> {
+        let msg = read_msg_body(r, h).map_err(|e| e.to_string())?;
+        let (id, status, data_len) = match msg {
+            Msg::ReadResp { id, status, data_len } => (id, status, Some(data_len)),
+            Msg::WriteResp { id, status } => (id, status, None),
+            other => return Err(format!("unexpected frame {other:?}")),
+        };
+        let slice = conn.inflight.lock().remove(&id).ok_or_else(|| format!("response to unknown request {id}"))?;
+        conn.room.notify_one();
+        let refused = |reason: AccessError| TransferError::Refused { side: "peer", region: slice.remote_region, reason };
+        match (status, data_len) {
+            (Err(reason), _) => slice.batch.fail(slice.index, refused(reason)),
+            (Ok(()), Some(n)) => {
+                if n != slice.len || slice.op != Op::Read {
+                    let why = format!("read response of {n} bytes for a {}-byte slice", slice.len);
+                    self.retry_or_fail(slice, &why);
+                    return Err(why);
+                }
+                // SAFETY: the local range was bounds-checked at submit (and checked
+                // writable); the span keeps the memory mapped while we receive into it.
+                let dst = unsafe { std::slice::from_raw_parts_mut(slice.local.ptr, n) };
+                if let Err(e) = r.read_exact(dst) {
+                    let why = ConnError::from(e).to_string();
+                    self.retry_or_fail(slice, &why);
+                    return Err(why);
+                }
+                slice.batch.slice_done(slice.index, n as u64);
+            }
+            (Ok(()), None) => slice.batch.slice_done(slice.index, slice.len as u64),
+        }
+        Ok(())
+    }
+
+    /// Asks the peer about one region (synchronously, on a separate control connection).
+    pub fn query_region(&self, region: u64) -> Result<RemoteRegionInfo, TransferError> {
+        let mut guard = self.control.lock();
+        if guard.is_none() {
+            let mut last = TransferError::Connect("no endpoint".into());
+            for &addr in &self.endpoints {
+                match open(addr, self.key.as_ref(), &self.local_name, &self.cfg) {
+                    Ok((s, _)) => {
+                        let r = BufReader::new(s.try_clone().map_err(TransferError::io)?);
+                        *guard = Some((r, s));
+                        break;
+                    }
+                    Err(e) => last = e,
+                }
+            }
+            if guard.is_none() {
+                return Err(last);
+            }
+        }
+        let Some((r, s)) = guard.as_mut() else { return Err(TransferError::Closed) };
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let res = s
+            .write_all(&encode(&Msg::QueryRegion { id, region }))
+            .map_err(ConnError::from)
+            .and_then(|_| read_control(r));
+        match res {
+            Ok(Msg::RegionInfo { id: rid, status, len, readonly, shm }) if rid == id => match status {
+                Ok(()) => Ok(RemoteRegionInfo { len, readonly, shm }),
+                Err(reason) => Err(TransferError::Refused { side: "peer", region, reason }),
+            },
+            Ok(other) => {
+                *guard = None;
+                Err(TransferError::Protocol(format!("unexpected reply {other:?}")))
+            }
+            Err(e) => {
+                *guard = None;
+                Err(TransferError::ConnectionLost(e.to_string()))
+            }
+        }
+    }
+
+    /// Closes every connection and joins the threads; queued requests fail as `Closed`.
+    pub fn close(&self) {
+        if self.closed.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let conns: Vec<Arc<Conn>> = self.conns.lock().drain(..).collect();
+        for c in &conns {
+            self.kill(c, "closed");
+        }
+        self.drain_fail();
+        self.work.notify_all();
+        if let Some((_, s)) = self.control.lock().take() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        let threads = std::mem::take(&mut *self.threads.lock());
+        let me = std::thread::current().id();
+        for t in threads {
+            if t.thread().id() != me {
+                let _ = t.join();
+            }
+        }
+    }
+}

@@ -1,0 +1,238 @@
+//! Serving side: accepts connections, authenticates them, and answers requests against
+//! the engine's region table. Each request is checked (region id, bounds, read-only)
+//! before any byte moves; a refused write's payload is read and discarded, so memory
+//! stays untouched and the connection stays usable. A bad frame closes that connection.
+
+use std::io::{BufReader, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use hashbrown::HashMap;
+use parking_lot::Mutex;
+
+use super::super::auth::AuthKey;
+use super::super::engine::Counters;
+use super::super::protocol::{encode, Header, Msg, MAX_DATA};
+use super::super::region::RegionTable;
+use super::super::{AccessError, TransferError};
+use super::handshake::{self, Refusal};
+use super::{discard, read_header, read_msg_body, write_frame, ConnError};
+
+/// Most connections served at once (each costs a thread).
+pub const MAX_CONNECTIONS: usize = 256;
+
+pub struct ServeCtx {
+    pub name: String,
+    pub regions: Arc<RegionTable>,
+    pub key: Option<AuthKey>,
+    pub host: [u8; 16],
+    pub counters: Arc<Counters>,
+    pub io_timeout: Duration,
+    /// Whether peers may learn shm names (the engine allows the shm transport).
+    pub share_shm: bool,
+}
+
+struct Shared {
+    ctx: ServeCtx,
+    closed: AtomicBool,
+    next_conn: AtomicU64,
+    conns: Mutex<HashMap<u64, TcpStream>>,
+}
+
+/// The listeners of one engine.
+pub struct Server {
+    shared: Arc<Shared>,
+    listeners: Mutex<Vec<(SocketAddr, TcpListener, Option<JoinHandle<()>>)>>,
+}
+
+impl Server {
+    /// Binds every address in `listen` (each a `host:port`).
+    pub fn bind(listen: &[String], ctx: ServeCtx) -> Result<Server, TransferError> {
+        let shared = Arc::new(Shared {
+            ctx,
+            closed: AtomicBool::new(false),
+            next_conn: AtomicU64::new(0),
+            conns: Mutex::new(HashMap::new()),
+        });
+        let mut listeners = Vec::new();
+        for addr in listen {
+            let l = TcpListener::bind(addr.as_str())
+                .map_err(|e| TransferError::InvalidRequest(format!("cannot listen on {addr:?}: {e}")))?;
+            let local = l.local_addr().map_err(TransferError::io)?;
+            let clone = l.try_clone().map_err(TransferError::io)?;
+            let sh = shared.clone();
+            let h = std::thread::Builder::new()
+                .name(format!("mc-accept-{}", local.port()))
+                .spawn(move || accept_loop(clone, sh))
+                .map_err(TransferError::io)?;
+            listeners.push((local, l, Some(h)));
+        }
+        Ok(Server { shared, listeners: Mutex::new(listeners) })
+    }
+
+    pub fn addresses(&self) -> Vec<SocketAddr> {
+        self.listeners.lock().iter().map(|(a, _, _)| *a).collect()
+    }
+
+    /// Stops accepting, closes every served connection and joins the accept threads.
+    pub fn close(&self) {
+        self.shared.closed.store(true, Ordering::SeqCst);
+        let mut ls = self.listeners.lock();
+        for (_, l, _) in ls.iter() {
+            // SAFETY: shutting down our own listening socket wakes its blocked accept().
+            unsafe { libc::shutdown(l.as_raw_fd(), libc::SHUT_RDWR) };
+        }
+        for (_, _, h) in ls.iter_mut() {
+            if let Some(h) = h.take() {
+                let _ = h.join();
+            }
+        }
+        for (_, s) in self.shared.conns.lock().drain() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+fn accept_loop(l: TcpListener, sh: Arc<Shared>) {
+    for stream in l.incoming() {
+        if sh.closed.load(Ordering::SeqCst) {
+            break;
+        }
+        let Ok(stream) = stream else { continue };
+        if sh.conns.lock().len() >= MAX_CONNECTIONS {
+            continue; // dropped: closes it
+        }
+        let id = sh.next_conn.fetch_add(1, Ordering::Relaxed);
+        let Ok(clone) = stream.try_clone() else { continue };
+        sh.conns.lock().insert(id, clone);
+        let sh2 = sh.clone();
+        let spawned = std::thread::Builder::new().name("mc-serve".into()).spawn(move || {
+            serve(stream, &sh2);
+            sh2.conns.lock().remove(&id);
+        });
+        if spawned.is_err() {
+            sh.conns.lock().remove(&id);
+        }
+    }
+}
+
+fn serve(mut stream: TcpStream, sh: &Shared) {
+    let ctx = &sh.ctx;
+    let _ = stream.set_nodelay(true);
+    let _ = stream.set_read_timeout(Some(ctx.io_timeout));
+    let _ = stream.set_write_timeout(Some(ctx.io_timeout));
+    match handshake::server(&mut stream, ctx.key.as_ref(), ctx.host, &ctx.name) {
+        Ok(_) => {}
+        Err(Refusal::BadToken) => {
+            ctx.counters.auth_failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(engine = %ctx.name, "refused a connection: wrong auth token");
+            return;
+        }
+        Err(Refusal::Other(why)) => {
+            ctx.counters.bad_frames.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(engine = %ctx.name, %why, "handshake failed");
+            return;
+        }
+    }
+    ctx.counters.connections.fetch_add(1, Ordering::Relaxed);
+    // After the handshake a connection may sit idle as long as it likes.
+    let _ = stream.set_read_timeout(None);
+    let Ok(read_half) = stream.try_clone() else { return };
+    let mut r = BufReader::with_capacity(64 << 10, read_half);
+    loop {
+        if sh.closed.load(Ordering::SeqCst) {
+            return;
+        }
+        let result = read_header(&mut r).and_then(|h| match h {
+            Some(h) => handle(h, &mut r, &mut stream, ctx),
+            None => Ok(()),
+        });
+        match result {
+            Ok(()) => {}
+            Err(ConnError::Eof) => return,
+            Err(ConnError::Frame(e)) => {
+                ctx.counters.bad_frames.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(engine = %ctx.name, error = %e, "closing a connection after a bad frame");
+                return;
+            }
+            Err(ConnError::Io(e)) => {
+                tracing::debug!(engine = %ctx.name, error = %e, "connection ended");
+                return;
+            }
+        }
+    }
+}
+
+fn refuse(ctx: &ServeCtx, e: AccessError) -> Result<(), AccessError> {
+    ctx.counters.refused.fetch_add(1, Ordering::Relaxed);
+    Err(e)
+}
+
+fn handle(h: Header, r: &mut BufReader<TcpStream>, w: &mut TcpStream, ctx: &ServeCtx) -> Result<(), ConnError> {
+    use std::io::Read;
+    match read_msg_body(r, h)? {
+        Msg::ReadReq { id, region, offset, len } => {
+            let checked = if len > MAX_DATA as u64 {
+                Err(AccessError::TooLarge)
+            } else {
+                ctx.regions.resolve(region, offset, len, false)
+            };
+            match checked {
+                Ok(reg) => {
+                    let head = encode(&Msg::ReadResp { id, status: Ok(()), data_len: len as usize });
+                    // SAFETY: resolve() checked offset+len against the region, which `reg`
+                    // keeps mapped while we send.
+                    let data = unsafe { std::slice::from_raw_parts(reg.at(offset), len as usize) };
+                    write_frame(w, &head, data)?;
+                    ctx.counters.bytes_served.fetch_add(len, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    let _ = refuse(ctx, e);
+                    w.write_all(&encode(&Msg::ReadResp { id, status: Err(e), data_len: 0 }))?
+                }
+            }
+        }
+        Msg::WriteReq { id, region, offset, data_len } => {
+            let status = match ctx.regions.resolve(region, offset, data_len as u64, true) {
+                Ok(reg) => {
+                    // SAFETY: resolve() checked the range and that the region is writable;
+                    // `reg` keeps it mapped while we receive into it.
+                    let dst = unsafe { std::slice::from_raw_parts_mut(reg.at(offset), data_len) };
+                    r.read_exact(dst)?;
+                    ctx.counters.bytes_served.fetch_add(data_len as u64, Ordering::Relaxed);
+                    Ok(())
+                }
+                Err(e) => {
+                    discard(r, data_len)?;
+                    refuse(ctx, e)
+                }
+            };
+            w.write_all(&encode(&Msg::WriteResp { id, status }))?;
+        }
+        Msg::QueryRegion { id, region } => {
+            let reply = match ctx.regions.get(region) {
+                Some(reg) => Msg::RegionInfo {
+                    id,
+                    status: Ok(()),
+                    len: reg.len() as u64,
+                    readonly: reg.readonly,
+                    shm: if ctx.share_shm { reg.shm().map(|(n, _)| n.to_string()) } else { None },
+                },
+                None => Msg::RegionInfo { id, status: Err(AccessError::NoSuchRegion), len: 0, readonly: false, shm: None },
+            };
+            w.write_all(&encode(&reply))?;
+        }
+        _ => return Err(ConnError::Frame(super::super::protocol::FrameError::Malformed)),
+    }
+    Ok(())
+}
