@@ -8,7 +8,24 @@ package is its Python API. ``import mooncake_rs`` never imports torch: the engin
 from __future__ import annotations
 
 from . import _logging
-from ._core import BlockCache, BlockIndex, IndexStats, PrefixHasher, PrefixMatch, __version__
+from ._core import (
+    BlockCache,
+    BlockIndex,
+    Conductor,
+    ConductorConfig,
+    ConductorSnapshot,
+    Decision,
+    DecodeCostModel,
+    DecodeLoad,
+    IndexStats,
+    PrefillCostModel,
+    PrefillLoad,
+    PrefixHasher,
+    PrefixMatch,
+    ReplicationHint,
+    TransferCostModel,
+    __version__,
+)
 from .errors import (
     BlockNotFound,
     InternalError,
@@ -32,6 +49,17 @@ __all__ = [
     "IndexStats",
     # tiered store
     "BlockCache",
+    # the conductor (global scheduler)
+    "Conductor",
+    "ConductorConfig",
+    "Decision",
+    "ReplicationHint",
+    "ConductorSnapshot",
+    "PrefillLoad",
+    "DecodeLoad",
+    "PrefillCostModel",
+    "TransferCostModel",
+    "DecodeCostModel",
     # errors
     "MooncakeError",
     "InvalidArgument",

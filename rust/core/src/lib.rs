@@ -9,8 +9,10 @@
 //! - [`index`]: which instance holds which block, in which tier; longest-prefix matching.
 //! - [`mem`]: page-aligned private or shared-memory mappings (store arenas, transfer regions).
 //! - [`transfer`]: batch transfers between registered memory (local, shm, tcp).
+//! - [`conductor`]: global scheduling (Algorithm 1 and better), admission, replica hints.
 //! - [`error`]: the error categories every module's error enum maps to.
 
+pub mod conductor;
 pub mod error;
 pub mod hash;
 pub mod index;

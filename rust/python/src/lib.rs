@@ -7,6 +7,9 @@
 use pyo3::prelude::*;
 
 mod block_cache;
+mod conductor;
+mod conductor_cost;
+mod conductor_types;
 mod convert;
 mod errors;
 mod gil;
@@ -22,5 +25,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     hash::register(m)?;
     index::register(m)?;
     block_cache::register(m)?;
+    conductor::register(m)?;
     Ok(())
 }

@@ -1,0 +1,150 @@
+//! Admission: picking the decode instance, the rejection rules, and the output-length
+//! estimate the decode-side predictions use.
+//!
+//! - `none`: never reject; the decode instance is the one with the lowest predicted TBT
+//!   among those with room (or among all, when none has room).
+//! - `early`: the decode batch is everything assigned to the instance now plus this
+//!   request; reject when the TTFT or that TBT exceeds its SLO, or no instance has room.
+//! - `predictive`: the batch is what is predicted to be decoding on the instance when
+//!   this request arrives there (`now + est_ttft`): requests whose prefill is predicted to
+//!   finish by then join, those predicted to finish decoding by then have left.
+
+use hashbrown::HashMap;
+
+use super::config::RejectionKind;
+use super::cost::DecodeCostModel;
+use super::state::DecodeInst;
+use crate::hash::BlockHash;
+
+/// Why a request was rejected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RejectReason {
+    NoPrefillInstance,
+    NoDecodeInstance,
+    TtftSlo,
+    TbtSlo,
+}
+
+impl RejectReason {
+    pub fn name(self) -> &'static str {
+        match self {
+            RejectReason::NoPrefillInstance => "no_prefill_instance",
+            RejectReason::NoDecodeInstance => "no_decode_instance",
+            RejectReason::TtftSlo => "ttft_slo",
+            RejectReason::TbtSlo => "tbt_slo",
+        }
+    }
+}
+
+impl std::fmt::Display for RejectReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The decode side of one request, as the admission sees it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DecodeAsk {
+    pub prompt_len: usize,
+    pub out_pred: f64,
+    /// When the request is predicted to reach decode.
+    pub arrive_t: f64,
+}
+
+impl DecodeAsk {
+    pub fn kv_tokens(&self) -> usize {
+        self.prompt_len + self.out_pred.ceil() as usize
+    }
+    pub fn ctx(&self) -> f64 {
+        self.prompt_len as f64 + self.out_pred / 2.0
+    }
+}
+
+/// (batch without this request, context tokens without it) on `d` as `kind` predicts.
+fn predicted_load(d: &DecodeInst, kind: RejectionKind, at: f64) -> (usize, f64) {
+    match kind {
+        RejectionKind::Predictive => {
+            let mut n = 0;
+            let mut ctx = 0.0;
+            for m in &d.members {
+                if m.arrive_t <= at && at < m.end_t {
+                    n += 1;
+                    ctx += m.ctx;
+                }
+            }
+            (n, ctx)
+        }
+        _ => (d.members.len(), d.ctx_tokens),
+    }
+}
+
+/// Chosen decode instance (index) and its predicted TBT with this request. With
+/// rejection on and no instance with room, the TBT is infinite. None without instances.
+pub(crate) fn select_decode(
+    decode: &[DecodeInst],
+    kind: RejectionKind,
+    model: &DecodeCostModel,
+    ask: &DecodeAsk,
+) -> Option<(usize, f64)> {
+    let mut fit: Option<(usize, f64)> = None;
+    let mut any: Option<(usize, f64)> = None;
+    for (i, d) in decode.iter().enumerate() {
+        let (n, ctx) = predicted_load(d, kind, ask.arrive_t);
+        let tbt = model.predict(n + 1, ctx + ask.ctx());
+        let room = n < d.spec.max_batch && d.kv_reserved + ask.kv_tokens() <= d.spec.kv_capacity_tokens;
+        if room && fit.is_none_or(|f| tbt < f.1) {
+            fit = Some((i, tbt));
+        }
+        if any.is_none_or(|f| tbt < f.1) {
+            any = Some((i, tbt));
+        }
+    }
+    match (fit, kind) {
+        (Some(f), _) => Some(f),
+        (None, RejectionKind::None) => any,
+        (None, _) => any.map(|(i, _)| (i, f64::INFINITY)),
+    }
+}
+
+/// Output length per prompt family (the first block's hash, which carries the
+/// deployment's salt: tenant, LoRA, system prompt), as an exponential moving average,
+/// with a global average as fallback and a fixed default before any history.
+#[derive(Debug, Clone)]
+pub struct OutputLenEstimator {
+    per_key: HashMap<BlockHash, f64>,
+    global: Option<f64>,
+    default: f64,
+    weight: f64,
+    capacity: usize,
+}
+
+impl OutputLenEstimator {
+    pub fn new(default: usize, weight: f64, capacity: usize) -> Self {
+        OutputLenEstimator { per_key: HashMap::new(), global: None, default: default as f64, weight, capacity }
+    }
+
+    pub fn predict(&self, key: Option<BlockHash>) -> f64 {
+        key.and_then(|k| self.per_key.get(&k).copied()).or(self.global).unwrap_or(self.default)
+    }
+
+    pub fn record(&mut self, key: Option<BlockHash>, output_len: usize) {
+        let x = output_len as f64;
+        let w = self.weight;
+        self.global = Some(self.global.map_or(x, |g| g + w * (x - g)));
+        if let Some(k) = key {
+            if self.per_key.len() >= self.capacity && !self.per_key.contains_key(&k) {
+                self.per_key.clear(); // bounded memory; history rebuilds quickly
+            }
+            let e = self.per_key.entry(k).or_insert(x);
+            *e += w * (x - *e);
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.per_key.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.per_key.is_empty()
+    }
+}

@@ -1,0 +1,291 @@
+//! The conductor: `schedule` (policy, decode selection, admission, commit) and the
+//! types it returns. Registry, progress events and snapshots are in `events.rs`.
+//!
+//! Concurrency: one `Mutex` over the scheduling state; the prefix match runs before it
+//! is taken (the index has its own sharded locks). Lock order: state, then the index,
+//! then the hot-prefix table. A rejected or failed `schedule` changes nothing: all
+//! estimates are computed first and the state is written only once the request is
+//! admitted.
+
+use std::cell::RefCell;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::admission::{select_decode, DecodeAsk, OutputLenEstimator, RejectReason};
+use super::config::{ConductorConfig, RejectionKind};
+use super::policy::{self, Candidate, PolicyInput};
+use super::replication::HotTable;
+use super::state::{Member, Req, Stage, State};
+use super::{ConductorError, RequestId};
+use crate::hash::BlockHash;
+use crate::index::{best_of, BlockIndex, InstanceId, PrefixMatch, Tier};
+
+/// Where a request goes, and the estimates behind the choice.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Decision {
+    pub prefill: InstanceId,
+    pub decode: InstanceId,
+    /// Leading prompt blocks the prefill instance will use (local + fetched).
+    pub reused_blocks: usize,
+    /// Blocks to pull from `fetch_from` first (0 and None when none).
+    pub fetch_blocks: usize,
+    pub fetch_from: Option<InstanceId>,
+    pub est_queue_s: f64,
+    pub est_prefill_s: f64,
+    pub est_transfer_s: f64,
+    pub est_ttft_s: f64,
+    pub est_tbt_s: f64,
+}
+
+/// The arguments of `schedule`.
+#[derive(Debug, Clone, Copy)]
+pub struct ScheduleRequest<'a> {
+    pub request_id: RequestId,
+    /// Hashes of the prompt's full blocks, in order.
+    pub block_hashes: &'a [BlockHash],
+    pub prompt_len: usize,
+    /// Current time, seconds (a virtual clock in simulation).
+    pub now: f64,
+    pub expected_output_len: Option<usize>,
+}
+
+/// One prefill instance's load, read-only.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrefillLoad {
+    pub id: InstanceId,
+    pub speed: f64,
+    pub queued: usize,
+    pub running: usize,
+    pub queue_s: f64,
+}
+
+/// One decode instance's load, read-only.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DecodeLoad {
+    pub id: InstanceId,
+    pub max_batch: usize,
+    pub kv_capacity_tokens: usize,
+    /// Requests assigned (decoding or on their way).
+    pub batch: usize,
+    pub decoding: usize,
+    pub kv_reserved_tokens: usize,
+    /// Predicted step time with the assigned batch.
+    pub est_tbt_s: f64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Snapshot {
+    pub now: f64,
+    pub prefill: Vec<PrefillLoad>,
+    pub decode: Vec<DecodeLoad>,
+    pub requests: usize,
+}
+
+pub struct Conductor {
+    pub(crate) config: ConductorConfig,
+    pub(crate) index: Arc<BlockIndex>,
+    pub(crate) state: Mutex<State>,
+    pub(crate) outlen: Mutex<OutputLenEstimator>,
+    pub(crate) hot: Mutex<HotTable>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<(Vec<PrefixMatch>, Vec<Candidate>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+pub(crate) fn check_time(now: f64) -> Result<(), ConductorError> {
+    if now.is_finite() {
+        Ok(())
+    } else {
+        Err(ConductorError::InvalidArgument(format!("now must be a finite time in seconds, got {now}")))
+    }
+}
+
+impl Conductor {
+    /// A conductor with its own, empty block index.
+    pub fn new(config: ConductorConfig) -> Result<Self, ConductorError> {
+        Self::with_index(config, Arc::new(BlockIndex::new()))
+    }
+
+    /// A conductor over a shared block index.
+    pub fn with_index(config: ConductorConfig, index: Arc<BlockIndex>) -> Result<Self, ConductorError> {
+        config.validate()?;
+        Ok(Conductor {
+            state: Mutex::new(State::new(config.seed)),
+            outlen: Mutex::new(OutputLenEstimator::new(config.default_output_len, config.output_len_ewma, 1 << 16)),
+            hot: Mutex::new(HotTable::new(config.hot_half_life_s, config.hot_capacity)),
+            index,
+            config,
+        })
+    }
+
+    pub fn config(&self) -> &ConductorConfig {
+        &self.config
+    }
+
+    pub fn index(&self) -> &Arc<BlockIndex> {
+        &self.index
+    }
+
+    /// Chooses the prefill and decode instances of a request and admits it (it then
+    /// counts in their loads), or rejects it with `Overloaded` and changes nothing.
+    pub fn schedule(&self, req: &ScheduleRequest<'_>) -> Result<Decision, ConductorError> {
+        self.decide(req, true)
+    }
+
+    /// What `schedule` would decide now, without admitting anything.
+    pub fn preview(&self, req: &ScheduleRequest<'_>) -> Result<Decision, ConductorError> {
+        self.decide(req, false)
+    }
+
+    fn validate(&self, req: &ScheduleRequest<'_>) -> Result<(), ConductorError> {
+        check_time(req.now)?;
+        if req.prompt_len == 0 {
+            return Err(ConductorError::InvalidArgument("prompt_len must be > 0".into()));
+        }
+        if req.block_hashes.len().saturating_mul(self.config.block_size) > req.prompt_len {
+            return Err(ConductorError::InvalidArgument(format!(
+                "{} full blocks of {} tokens do not fit in prompt_len {}",
+                req.block_hashes.len(),
+                self.config.block_size,
+                req.prompt_len
+            )));
+        }
+        Ok(())
+    }
+
+    fn decide(&self, req: &ScheduleRequest<'_>, commit: bool) -> Result<Decision, ConductorError> {
+        self.validate(req)?;
+        SCRATCH.with(|s| {
+            let mut s = s.borrow_mut();
+            let (matches, cands) = &mut *s;
+            self.index.match_prefix_into(req.block_hashes, matches);
+            self.decide_with(req, commit, matches, cands)
+        })
+    }
+
+    fn decide_with(
+        &self,
+        req: &ScheduleRequest<'_>,
+        commit: bool,
+        matches: &[PrefixMatch],
+        cands: &mut Vec<Candidate>,
+    ) -> Result<Decision, ConductorError> {
+        let cfg = &self.config;
+        let now = req.now;
+        let mut st = self.state.lock();
+        if st.reqs.contains_key(&req.request_id) {
+            return Err(ConductorError::DuplicateRequest(req.request_id));
+        }
+        cands.clear();
+        let mut mi = 0;
+        for p in &st.prefill {
+            while mi < matches.len() && matches[mi].instance < p.id {
+                mi += 1;
+            }
+            let (dram, ssd) = match matches.get(mi) {
+                Some(m) if m.instance == p.id => (m.dram, m.ssd),
+                _ => (0, 0),
+            };
+            cands.push(Candidate { id: p.id, queue_s: p.queue_s(now), speed: p.spec.speed, dram, ssd });
+        }
+        let input = PolicyInput {
+            prompt_len: req.prompt_len,
+            block_size: cfg.block_size,
+            cands,
+            matches,
+            best: best_of(matches),
+            cost: &cfg.cost,
+            balancing_threshold: cfg.balancing_threshold,
+        };
+        let mut rng = st.rng;
+        let overloaded = |reason: RejectReason, detail: String, est: Option<Decision>| ConductorError::Overloaded {
+            reason,
+            detail,
+            estimates: est.map(Box::new),
+        };
+        let Some(choice) = policy::choose(cfg.policy, &input, &mut rng) else {
+            return Err(overloaded(RejectReason::NoPrefillInstance, "no prefill instance registered".into(), None));
+        };
+        let key = req.block_hashes.first().copied();
+        let out_pred = match req.expected_output_len {
+            Some(n) => n as f64,
+            None => self.outlen.lock().predict(key),
+        };
+        let ttft = choice.ttft();
+        let ask = DecodeAsk { prompt_len: req.prompt_len, out_pred, arrive_t: now + ttft };
+        let Some((di, tbt)) = select_decode(&st.decode, cfg.rejection, &cfg.cost.decode, &ask) else {
+            return Err(overloaded(RejectReason::NoDecodeInstance, "no decode instance registered".into(), None));
+        };
+        let prefill_id = cands[choice.idx].id;
+        let decision = Decision {
+            prefill: prefill_id,
+            decode: st.decode[di].id,
+            reused_blocks: choice.reused_blocks,
+            fetch_blocks: choice.fetch_blocks,
+            fetch_from: choice.fetch_from,
+            est_queue_s: choice.queue_s,
+            est_prefill_s: choice.prefill_s,
+            est_transfer_s: choice.transfer_s,
+            est_ttft_s: ttft,
+            est_tbt_s: tbt,
+        };
+        if cfg.rejection != RejectionKind::None {
+            if ttft > cfg.ttft_slo_s {
+                let d = format!("estimated TTFT {ttft:.4}s exceeds the SLO {}s", cfg.ttft_slo_s);
+                return Err(overloaded(RejectReason::TtftSlo, d, Some(decision)));
+            }
+            if tbt > cfg.tbt_slo_s {
+                let d = format!("predicted TBT {tbt:.4}s exceeds the SLO {}s", cfg.tbt_slo_s);
+                return Err(overloaded(RejectReason::TbtSlo, d, Some(decision)));
+            }
+        }
+        if !commit {
+            return Ok(decision);
+        }
+        // Admitted: record the replica the fetch creates, then the loads.
+        if choice.fetch_blocks > 0 {
+            let local = choice.reused_blocks - choice.fetch_blocks;
+            self.index.insert(prefill_id, &req.block_hashes[local..choice.reused_blocks], Tier::Dram)?;
+        }
+        let work_s = choice.transfer_s + choice.prefill_s;
+        let pi = choice.idx;
+        st.prefill[pi].queued_s += work_s;
+        st.prefill[pi].queued_n += 1;
+        let member = Member { rid: req.request_id, arrive_t: ask.arrive_t, end_t: ask.arrive_t + out_pred * tbt_or(tbt, cfg), ctx: ask.ctx() };
+        let d = &mut st.decode[di];
+        d.members.push(member);
+        d.kv_reserved += ask.kv_tokens();
+        d.ctx_tokens += member.ctx;
+        st.reqs.insert(
+            req.request_id,
+            Req {
+                prefill: prefill_id,
+                decode: decision.decode,
+                stage: Stage::Queued,
+                work_s,
+                kv_tokens: ask.kv_tokens(),
+                out_pred,
+                tbt_s: tbt_or(tbt, cfg),
+                key,
+            },
+        );
+        st.rng = rng;
+        st.clock = st.clock.max(now);
+        drop(st);
+        if choice.reused_blocks > 0 {
+            self.hot.lock().record(&req.block_hashes[..choice.reused_blocks], now);
+        }
+        Ok(decision)
+    }
+}
+
+/// A finite TBT for load predictions (an over-full instance under `none` still decodes).
+fn tbt_or(tbt: f64, cfg: &ConductorConfig) -> f64 {
+    if tbt.is_finite() {
+        tbt
+    } else {
+        cfg.tbt_slo_s
+    }
+}

@@ -1,0 +1,244 @@
+//! The conductor's instance registry, progress events, cache events, snapshots and
+//! replica hints. Every method validates before it changes anything.
+
+use super::conductor::{check_time, Conductor, DecodeLoad, PrefillLoad, Snapshot};
+use super::config::{DecodeSpec, PrefillSpec};
+use super::replication::ReplicationHint;
+use super::state::{DecodeInst, PrefillInst, Req, Stage, State};
+use super::{ConductorError, RequestId};
+use crate::hash::BlockHash;
+use crate::index::{InstanceId, Tier};
+
+impl Conductor {
+    pub fn add_prefill(&self, id: InstanceId, spec: PrefillSpec) -> Result<(), ConductorError> {
+        spec.validate()?;
+        let mut st = self.state.lock();
+        if st.knows(id) {
+            return Err(ConductorError::DuplicateInstance(id));
+        }
+        let pos = st.prefill_pos(id).unwrap_err();
+        st.prefill.insert(pos, PrefillInst::new(id, spec));
+        Ok(())
+    }
+
+    pub fn add_decode(&self, id: InstanceId, spec: DecodeSpec) -> Result<(), ConductorError> {
+        spec.validate()?;
+        let mut st = self.state.lock();
+        if st.knows(id) {
+            return Err(ConductorError::DuplicateInstance(id));
+        }
+        let pos = st.decode_pos(id).unwrap_err();
+        st.decode.insert(pos, DecodeInst::new(id, spec));
+        Ok(())
+    }
+
+    /// Removes an instance, its cache entries, and every in-flight request that used it
+    /// (their ids are returned, sorted, so the caller can retry them).
+    pub fn remove_instance(&self, id: InstanceId) -> Result<Vec<RequestId>, ConductorError> {
+        let mut st = self.state.lock();
+        if !st.knows(id) {
+            return Err(ConductorError::UnknownInstance(id));
+        }
+        let mut dropped: Vec<RequestId> =
+            st.reqs.iter().filter(|(_, r)| r.prefill == id || r.decode == id).map(|(&k, _)| k).collect();
+        dropped.sort_unstable();
+        for rid in &dropped {
+            if let Some(r) = st.reqs.remove(rid) {
+                st.leave_prefill(*rid, &r);
+                st.leave_decode(*rid, &r);
+            }
+        }
+        if let Ok(i) = st.prefill_pos(id) {
+            st.prefill.remove(i);
+        }
+        if let Ok(i) = st.decode_pos(id) {
+            st.decode.remove(i);
+        }
+        self.index.remove_instance(id);
+        Ok(dropped)
+    }
+
+    /// Records that `instance` now holds `hashes` in `tier`; returns how many are new.
+    pub fn on_blocks_stored(&self, instance: InstanceId, hashes: &[BlockHash], tier: Tier) -> Result<usize, ConductorError> {
+        let st = self.state.lock();
+        if !st.knows(instance) {
+            return Err(ConductorError::UnknownInstance(instance));
+        }
+        Ok(self.index.insert(instance, hashes, tier)?)
+    }
+
+    /// Records that `instance` dropped `hashes` (from `tier`, or every tier).
+    pub fn on_blocks_evicted(&self, instance: InstanceId, hashes: &[BlockHash], tier: Option<Tier>) -> Result<usize, ConductorError> {
+        let st = self.state.lock();
+        if !st.knows(instance) {
+            return Err(ConductorError::UnknownInstance(instance));
+        }
+        Ok(self.index.remove(instance, hashes, tier))
+    }
+
+    /// Runs `f` on a request after validating the time; the clock moves only on success.
+    fn event<T>(
+        &self,
+        rid: RequestId,
+        now: Option<f64>,
+        f: impl FnOnce(&mut State, f64, Req) -> Result<(Option<Req>, T), ConductorError>,
+    ) -> Result<T, ConductorError> {
+        if let Some(t) = now {
+            check_time(t)?;
+        }
+        let mut st = self.state.lock();
+        let t = now.unwrap_or(st.clock);
+        let req = st.reqs.get(&rid).cloned().ok_or(ConductorError::UnknownRequest(rid))?;
+        let (keep, out) = f(&mut st, t, req)?;
+        match keep {
+            Some(r) => {
+                st.reqs.insert(rid, r);
+            }
+            None => {
+                st.reqs.remove(&rid);
+            }
+        }
+        st.clock = st.clock.max(t);
+        Ok(out)
+    }
+
+    pub fn on_prefill_started(&self, rid: RequestId, now: Option<f64>) -> Result<(), ConductorError> {
+        self.event(rid, now, |st, t, mut r| {
+            if r.stage != Stage::Queued {
+                return Err(ConductorError::InvalidArgument(format!("request {rid} already started prefill")));
+            }
+            st.leave_prefill(rid, &r);
+            if let Ok(i) = st.prefill_pos(r.prefill) {
+                st.prefill[i].running.push((rid, t, r.work_s));
+            }
+            r.stage = Stage::Prefilling;
+            Ok((Some(r), ()))
+        })
+    }
+
+    pub fn on_prefill_finished(&self, rid: RequestId, now: Option<f64>) -> Result<(), ConductorError> {
+        self.event(rid, now, |st, t, mut r| {
+            if r.stage > Stage::Prefilling {
+                return Err(ConductorError::InvalidArgument(format!("request {rid} already finished prefill")));
+            }
+            st.leave_prefill(rid, &r);
+            if let Some(m) = st.member_mut(rid, r.decode) {
+                m.arrive_t = t;
+                m.end_t = t + r.out_pred * r.tbt_s;
+            }
+            r.stage = Stage::PrefillDone;
+            Ok((Some(r), ()))
+        })
+    }
+
+    pub fn on_decode_started(&self, rid: RequestId, now: Option<f64>) -> Result<(), ConductorError> {
+        self.event(rid, now, |st, t, mut r| {
+            if r.stage == Stage::Decoding {
+                return Err(ConductorError::InvalidArgument(format!("request {rid} already started decoding")));
+            }
+            st.leave_prefill(rid, &r);
+            if let Some(m) = st.member_mut(rid, r.decode) {
+                m.arrive_t = t;
+                m.end_t = t + r.out_pred * r.tbt_s;
+            }
+            r.stage = Stage::Decoding;
+            Ok((Some(r), ()))
+        })
+    }
+
+    /// The request is done; its real output length feeds the output-length history.
+    pub fn on_decode_finished(&self, rid: RequestId, output_len: usize, now: Option<f64>) -> Result<(), ConductorError> {
+        self.event(rid, now, |st, _, r| {
+            st.leave_prefill(rid, &r);
+            st.leave_decode(rid, &r);
+            self.outlen.lock().record(r.key, output_len);
+            Ok((None, ()))
+        })
+    }
+
+    /// Drops a request wherever it is (client gone, failure), without recording history.
+    pub fn cancel(&self, rid: RequestId) -> Result<(), ConductorError> {
+        self.event(rid, None, |st, _, r| {
+            st.leave_prefill(rid, &r);
+            st.leave_decode(rid, &r);
+            Ok((None, ()))
+        })
+    }
+
+    /// Read-only loads at `now` (default: the latest time seen).
+    pub fn snapshot(&self, now: Option<f64>) -> Result<Snapshot, ConductorError> {
+        if let Some(t) = now {
+            check_time(t)?;
+        }
+        let st = self.state.lock();
+        let t = now.unwrap_or(st.clock);
+        let model = &self.config.cost.decode;
+        Ok(Snapshot {
+            now: t,
+            prefill: st
+                .prefill
+                .iter()
+                .map(|p| PrefillLoad { id: p.id, speed: p.spec.speed, queued: p.queued_n, running: p.running.len(), queue_s: p.queue_s(t) })
+                .collect(),
+            decode: st
+                .decode
+                .iter()
+                .map(|d| DecodeLoad {
+                    id: d.id,
+                    max_batch: d.spec.max_batch,
+                    kv_capacity_tokens: d.spec.kv_capacity_tokens,
+                    batch: d.members.len(),
+                    decoding: d.members.iter().filter(|m| st.reqs.get(&m.rid).is_some_and(|r| r.stage == Stage::Decoding)).count(),
+                    kv_reserved_tokens: d.kv_reserved,
+                    est_tbt_s: if d.members.is_empty() { 0.0 } else { model.predict(d.members.len(), d.ctx_tokens) },
+                })
+                .collect(),
+            requests: st.reqs.len(),
+        })
+    }
+
+    /// Output length the conductor would assume for a prompt starting with `first_block`.
+    pub fn predicted_output_len(&self, first_block: Option<BlockHash>) -> f64 {
+        self.outlen.lock().predict(first_block)
+    }
+
+    /// Replicas worth making now (the paper's hotspot migration), hottest first.
+    pub fn replication_hints(&self, now: Option<f64>) -> Result<Vec<ReplicationHint>, ConductorError> {
+        if let Some(t) = now {
+            check_time(t)?;
+        }
+        let (t, queues) = {
+            let st = self.state.lock();
+            let t = now.unwrap_or(st.clock);
+            (t, st.prefill.iter().map(|p| (p.id, p.queue_s(t))).collect::<Vec<_>>())
+        };
+        let hot = self.hot.lock().hot(t, self.config.hot_min_hits);
+        let busy = self.config.hot_busy_fraction * self.config.ttft_slo_s;
+        let mut hints = Vec::new();
+        for (blocks, hits) in hot {
+            let matches = self.index.match_prefix(&blocks);
+            let full = |id: InstanceId| matches.iter().any(|m| m.instance == id && m.total() == blocks.len());
+            let holders: Vec<(InstanceId, f64)> = queues.iter().copied().filter(|&(id, _)| full(id)).collect();
+            let Some(&(from, from_q)) = holders.iter().min_by(|a, b| a.1.total_cmp(&b.1)) else {
+                continue;
+            };
+            if from_q <= busy {
+                continue; // some holder still has time for it
+            }
+            let target = queues.iter().copied().filter(|&(id, _)| !full(id)).min_by(|a, b| a.1.total_cmp(&b.1));
+            if let Some((to, to_q)) = target {
+                if to_q < from_q {
+                    hints.push(ReplicationHint { blocks, from_instance: from, to_instance: to, hits, from_queue_s: from_q, to_queue_s: to_q });
+                }
+            }
+        }
+        Ok(hints)
+    }
+
+    /// Checks every invariant of the state, the hot table and the index.
+    pub fn check_integrity(&self) -> Result<(), String> {
+        self.state.lock().check()?;
+        self.hot.lock().check()?;
+        self.index.check_integrity()
+    }
+}

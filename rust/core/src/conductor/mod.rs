@@ -1,0 +1,87 @@
+//! The conductor: KVCache-centric global scheduling (Algorithm 1 of the Mooncake paper
+//! and better policies), SLO-aware admission with early and predictive rejection, and
+//! hot-prefix replication decisions.
+//!
+//! - [`conductor`]: the instance registry, `schedule`, progress events, snapshots.
+//! - [`policy`]: one file per prefill-selection policy.
+//! - [`cost`]: fitted cost models (prefill, KV transfer, decode step).
+//! - [`admission`]: decode selection, rejection rules, output-length estimates.
+//! - [`replication`]: hot-prefix counters and replica hints.
+//! - [`config`]: configuration and its validation.
+//!
+//! See `docs/conductor.md` for the design and its limits.
+
+pub mod admission;
+pub mod config;
+#[allow(clippy::module_inception)]
+pub mod conductor;
+pub mod cost;
+mod events;
+pub mod policy;
+pub mod replication;
+mod state;
+
+pub use admission::{OutputLenEstimator, RejectReason};
+pub use config::{ConductorConfig, DecodeSpec, PolicyKind, PrefillSpec, RejectionKind};
+pub use conductor::{Conductor, Decision, DecodeLoad, PrefillLoad, ScheduleRequest, Snapshot};
+pub use cost::{CostModels, DecodeCostModel, FitError, PrefillCostModel, TransferCostModel};
+pub use replication::ReplicationHint;
+
+use crate::error::{Categorized, ErrorCategory};
+use crate::index::{IndexError, InstanceId};
+
+/// A request id as the caller names it.
+pub type RequestId = u64;
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConductorError {
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(String),
+    #[error("unknown instance {0}; add it with add_prefill/add_decode first")]
+    UnknownInstance(InstanceId),
+    #[error("instance {0} is already registered")]
+    DuplicateInstance(InstanceId),
+    #[error("unknown request {0} (never scheduled, or already finished)")]
+    UnknownRequest(RequestId),
+    #[error("request {0} is already scheduled")]
+    DuplicateRequest(RequestId),
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    #[error("request rejected ({reason}): {detail}")]
+    Overloaded { reason: RejectReason, detail: String, estimates: Option<Box<Decision>> },
+    #[error(transparent)]
+    Index(#[from] IndexError),
+}
+
+impl Categorized for ConductorError {
+    fn category(&self) -> ErrorCategory {
+        match self {
+            ConductorError::Overloaded { .. } => ErrorCategory::Overloaded,
+            ConductorError::Index(e) => e.category(),
+            _ => ErrorCategory::InvalidArgument,
+        }
+    }
+}
+
+/// Finite and >= 0, or an error naming the field.
+pub(crate) fn check_nonneg(name: &str, v: f64) -> Result<(), ConductorError> {
+    if v.is_finite() && v >= 0.0 {
+        Ok(())
+    } else {
+        Err(ConductorError::InvalidConfig(format!("{name} must be finite and >= 0, got {v}")))
+    }
+}
+
+/// Finite and > 0.
+pub(crate) fn check_pos(name: &str, v: f64) -> Result<(), ConductorError> {
+    if v.is_finite() && v > 0.0 {
+        Ok(())
+    } else {
+        Err(ConductorError::InvalidConfig(format!("{name} must be finite and > 0, got {v}")))
+    }
+}
+
+#[cfg(test)]
+mod tests;
+#[cfg(test)]
+mod proptests;

@@ -1,0 +1,127 @@
+//! Prefill-instance selection, one file per policy. Every policy sees the same
+//! [`PolicyInput`] (each prefill instance's queue and local prefix, every holder of the
+//! prompt's prefix) and returns a [`Choice`] with its estimates; `schedule` then picks a
+//! decode instance and applies admission. A policy's estimated TTFT of an instance is
+//! `queue_s + transfer_s + prefill_s` of the option it would use there.
+
+mod load_balance;
+mod local_cache_aware;
+mod mooncake;
+mod random;
+mod ttft_optimal;
+
+use super::config::PolicyKind;
+use super::cost::CostModels;
+use crate::index::{InstanceId, PrefixMatch};
+
+/// One prefill instance as a policy sees it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Candidate {
+    pub id: InstanceId,
+    /// Estimated seconds before it can start this request.
+    pub queue_s: f64,
+    /// Relative speed (prefill time is divided by it).
+    pub speed: f64,
+    /// Leading prompt blocks it holds, by tier.
+    pub dram: usize,
+    pub ssd: usize,
+}
+
+impl Candidate {
+    pub fn local(&self) -> usize {
+        self.dram + self.ssd
+    }
+}
+
+pub struct PolicyInput<'a> {
+    pub prompt_len: usize,
+    pub block_size: usize,
+    /// Sorted by id.
+    pub cands: &'a [Candidate],
+    /// Every instance (prefill or not) that holds at least the first block, sorted by id.
+    pub matches: &'a [PrefixMatch],
+    /// The longest of `matches` (ties: more DRAM, then lowest id).
+    pub best: Option<PrefixMatch>,
+    pub cost: &'a CostModels,
+    pub balancing_threshold: f64,
+}
+
+impl PolicyInput<'_> {
+    /// Prefill seconds on candidate `c` reusing `blocks` leading blocks.
+    #[inline]
+    pub fn prefill_s(&self, c: &Candidate, blocks: usize) -> f64 {
+        self.cost.prefill.predict(self.prompt_len, self.tokens(blocks)) / c.speed
+    }
+
+    #[inline]
+    pub fn tokens(&self, blocks: usize) -> usize {
+        (blocks * self.block_size).min(self.prompt_len)
+    }
+
+    /// The choice that reuses `c`'s local prefix and fetches nothing.
+    pub fn local_choice(&self, idx: usize) -> Choice {
+        let c = &self.cands[idx];
+        Choice {
+            idx,
+            reused_blocks: c.local(),
+            fetch_blocks: 0,
+            fetch_from: None,
+            queue_s: c.queue_s,
+            prefill_s: self.prefill_s(c, c.local()),
+            transfer_s: 0.0,
+        }
+    }
+}
+
+/// What a policy decided for the prefill side.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Choice {
+    /// Index into `PolicyInput::cands`.
+    pub idx: usize,
+    pub reused_blocks: usize,
+    pub fetch_blocks: usize,
+    pub fetch_from: Option<InstanceId>,
+    pub queue_s: f64,
+    pub prefill_s: f64,
+    pub transfer_s: f64,
+}
+
+impl Choice {
+    #[inline]
+    pub fn ttft(&self) -> f64 {
+        self.queue_s + self.transfer_s + self.prefill_s
+    }
+}
+
+/// Keeps the option with the strictly lowest TTFT (so ties go to the first seen).
+#[inline]
+pub(crate) fn keep_best(best: &mut Option<Choice>, c: Choice) {
+    if best.is_none_or(|b| c.ttft() < b.ttft()) {
+        *best = Some(c);
+    }
+}
+
+/// Runs `kind`; `rng` is the random policy's state. None only without candidates.
+pub fn choose(kind: PolicyKind, input: &PolicyInput<'_>, rng: &mut u64) -> Option<Choice> {
+    if input.cands.is_empty() {
+        return None;
+    }
+    Some(match kind {
+        PolicyKind::Random => random::choose(input, rng),
+        PolicyKind::LoadBalance => load_balance::choose(input),
+        PolicyKind::LocalCacheAware => local_cache_aware::choose(input),
+        PolicyKind::Mooncake => mooncake::choose(input),
+        PolicyKind::TtftOptimal => ttft_optimal::choose(input),
+    })
+}
+
+/// The TTFT `kind` estimates for candidate `idx` (the quantity it minimises; for
+/// random and load_balance, the TTFT of the local-prefix choice). For tests and
+/// simulator reports.
+pub fn estimate_for(kind: PolicyKind, input: &PolicyInput<'_>, idx: usize) -> Choice {
+    match kind {
+        PolicyKind::Mooncake => mooncake::option_for(input, idx),
+        PolicyKind::TtftOptimal => ttft_optimal::option_for(input, idx),
+        _ => input.local_choice(idx),
+    }
+}

@@ -1,0 +1,53 @@
+//! `ttft_optimal` (ours): the lowest estimated TTFT over every way to serve the prefix,
+//! with the tiers priced in and no balancing threshold.
+//!
+//! On each instance it compares: recomputing everything; reusing its local prefix
+//! (paying the SSD load of its SSD-resident blocks); and fetching the longer prefix of
+//! every other holder (network time, at SSD speed for the share the holder keeps on SSD,
+//! plus the local SSD load). Algorithm 1 instead looks only at the single best holder,
+//! counts SSD blocks as free, and needs a hand-tuned threshold to avoid hot spots; here
+//! the queue term alone balances the load, because a fetch is chosen only where it wins.
+
+use super::{keep_best, Choice, PolicyInput};
+
+pub(super) fn option_for(input: &PolicyInput<'_>, idx: usize) -> Choice {
+    let c = &input.cands[idx];
+    let t = &input.cost.transfer;
+    let l = c.local();
+    let local_ssd_s = t.local_ssd(input.tokens(l) - input.tokens(c.dram.min(l)));
+    let mut best = None;
+    keep_best(
+        &mut best,
+        Choice { reused_blocks: 0, prefill_s: input.prefill_s(c, 0), ..input.local_choice(idx) },
+    );
+    keep_best(&mut best, Choice { transfer_s: local_ssd_s, ..input.local_choice(idx) });
+    for h in input.matches {
+        let b = h.total();
+        if h.instance == c.id || b <= l {
+            continue;
+        }
+        let ssd_fraction = h.ssd as f64 / b as f64;
+        let fetch_tokens = input.tokens(b) - input.tokens(l);
+        keep_best(
+            &mut best,
+            Choice {
+                idx,
+                reused_blocks: b,
+                fetch_blocks: b - l,
+                fetch_from: Some(h.instance),
+                queue_s: c.queue_s,
+                prefill_s: input.prefill_s(c, b),
+                transfer_s: local_ssd_s + t.fetch(fetch_tokens, ssd_fraction),
+            },
+        );
+    }
+    best.unwrap_or_else(|| input.local_choice(idx))
+}
+
+pub(super) fn choose(input: &PolicyInput<'_>) -> Choice {
+    let mut best = None;
+    for i in 0..input.cands.len() {
+        keep_best(&mut best, option_for(input, i));
+    }
+    best.unwrap_or_else(|| input.local_choice(0))
+}

@@ -1,0 +1,204 @@
+//! The conductor's mutable state: instances, in-flight requests, and their load sums.
+
+use hashbrown::HashMap;
+
+use super::config::{DecodeSpec, PrefillSpec};
+use super::RequestId;
+use crate::hash::BlockHash;
+use crate::index::InstanceId;
+
+#[derive(Debug, Clone)]
+pub(crate) struct PrefillInst {
+    pub id: InstanceId,
+    pub spec: PrefillSpec,
+    /// Sum of the estimated work (transfer + prefill, seconds) of queued, not started requests.
+    pub queued_s: f64,
+    pub queued_n: usize,
+    /// Started requests: (request, start time, estimated work).
+    pub running: Vec<(RequestId, f64, f64)>,
+}
+
+impl PrefillInst {
+    pub fn new(id: InstanceId, spec: PrefillSpec) -> Self {
+        PrefillInst { id, spec, queued_s: 0.0, queued_n: 0, running: Vec::new() }
+    }
+
+    /// Estimated seconds until this instance could start a new request at `now`.
+    #[inline]
+    pub fn queue_s(&self, now: f64) -> f64 {
+        let running: f64 = self.running.iter().map(|&(_, start, est)| (est - (now - start)).max(0.0)).sum();
+        self.queued_s.max(0.0) + running
+    }
+}
+
+/// One request in a decode instance's batch (or on its way there).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Member {
+    pub rid: RequestId,
+    /// Predicted (or, once known, actual) time the request joins the decode batch.
+    pub arrive_t: f64,
+    /// Predicted time it leaves.
+    pub end_t: f64,
+    /// Context tokens it adds to each decode step (prompt + half its output).
+    pub ctx: f64,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct DecodeInst {
+    pub id: InstanceId,
+    pub spec: DecodeSpec,
+    pub members: Vec<Member>,
+    /// KV tokens reserved by the members (prompt + predicted output).
+    pub kv_reserved: usize,
+    pub ctx_tokens: f64,
+}
+
+impl DecodeInst {
+    pub fn new(id: InstanceId, spec: DecodeSpec) -> Self {
+        DecodeInst { id, spec, members: Vec::new(), kv_reserved: 0, ctx_tokens: 0.0 }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Stage {
+    Queued,
+    Prefilling,
+    PrefillDone,
+    Decoding,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct Req {
+    pub prefill: InstanceId,
+    pub decode: InstanceId,
+    pub stage: Stage,
+    /// Estimated transfer + prefill seconds (what it adds to its prefill queue).
+    pub work_s: f64,
+    pub kv_tokens: usize,
+    pub out_pred: f64,
+    pub tbt_s: f64,
+    /// Output-length history key (first block of the prompt), if any.
+    pub key: Option<BlockHash>,
+}
+
+#[derive(Debug)]
+pub(crate) struct State {
+    /// Sorted by id.
+    pub prefill: Vec<PrefillInst>,
+    /// Sorted by id.
+    pub decode: Vec<DecodeInst>,
+    pub reqs: HashMap<RequestId, Req>,
+    pub rng: u64,
+    /// Latest `now` seen (the clock events without a time use).
+    pub clock: f64,
+}
+
+impl State {
+    pub fn new(seed: u64) -> Self {
+        State { prefill: Vec::new(), decode: Vec::new(), reqs: HashMap::new(), rng: seed, clock: 0.0 }
+    }
+
+    pub fn prefill_pos(&self, id: InstanceId) -> Result<usize, usize> {
+        self.prefill.binary_search_by_key(&id, |p| p.id)
+    }
+
+    pub fn decode_pos(&self, id: InstanceId) -> Result<usize, usize> {
+        self.decode.binary_search_by_key(&id, |d| d.id)
+    }
+
+    pub fn knows(&self, id: InstanceId) -> bool {
+        self.prefill_pos(id).is_ok() || self.decode_pos(id).is_ok()
+    }
+
+    /// Takes a request out of its prefill queue (queued or running).
+    pub fn leave_prefill(&mut self, rid: RequestId, req: &Req) {
+        if let Ok(i) = self.prefill_pos(req.prefill) {
+            let p = &mut self.prefill[i];
+            match req.stage {
+                Stage::Queued => {
+                    p.queued_n -= 1;
+                    p.queued_s = if p.queued_n == 0 { 0.0 } else { p.queued_s - req.work_s };
+                }
+                Stage::Prefilling => p.running.retain(|r| r.0 != rid),
+                _ => {}
+            }
+        }
+    }
+
+    /// Takes a request out of its decode instance's batch.
+    pub fn leave_decode(&mut self, rid: RequestId, req: &Req) {
+        if let Ok(i) = self.decode_pos(req.decode) {
+            let d = &mut self.decode[i];
+            if let Some(k) = d.members.iter().position(|m| m.rid == rid) {
+                let m = d.members.swap_remove(k);
+                d.kv_reserved -= req.kv_tokens;
+                d.ctx_tokens = if d.members.is_empty() { 0.0 } else { d.ctx_tokens - m.ctx };
+            }
+        }
+    }
+
+    pub fn member_mut(&mut self, rid: RequestId, decode: InstanceId) -> Option<&mut Member> {
+        let i = self.decode_pos(decode).ok()?;
+        self.decode[i].members.iter_mut().find(|m| m.rid == rid)
+    }
+
+    /// Every load sum equals what the request table says it should be.
+    pub fn check(&self) -> Result<(), String> {
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * (1.0 + a.abs().max(b.abs()));
+        if !self.prefill.windows(2).all(|w| w[0].id < w[1].id) || !self.decode.windows(2).all(|w| w[0].id < w[1].id) {
+            return Err("instance tables not sorted by id".into());
+        }
+        for p in &self.prefill {
+            let queued: Vec<&Req> =
+                self.reqs.values().filter(|r| r.prefill == p.id && r.stage == Stage::Queued).collect();
+            let sum: f64 = queued.iter().map(|r| r.work_s).sum();
+            if queued.len() != p.queued_n || !close(sum, p.queued_s) {
+                return Err(format!("prefill {} queue: {} / {}s recorded, {} / {sum}s in the table", p.id, p.queued_n, p.queued_s, queued.len()));
+            }
+            let running = self.reqs.values().filter(|r| r.prefill == p.id && r.stage == Stage::Prefilling).count();
+            if running != p.running.len() {
+                return Err(format!("prefill {} runs {} requests, the table says {running}", p.id, p.running.len()));
+            }
+            for &(rid, start, est) in &p.running {
+                let ok = self.reqs.get(&rid).is_some_and(|r| r.stage == Stage::Prefilling && r.prefill == p.id);
+                if !ok || !start.is_finite() || !est.is_finite() {
+                    return Err(format!("prefill {} lists request {rid} as running", p.id));
+                }
+            }
+        }
+        for d in &self.decode {
+            let mine: Vec<(&RequestId, &Req)> = self.reqs.iter().filter(|(_, r)| r.decode == d.id).collect();
+            if mine.len() != d.members.len() {
+                return Err(format!("decode {} has {} members, the table says {}", d.id, d.members.len(), mine.len()));
+            }
+            let kv: usize = mine.iter().map(|(_, r)| r.kv_tokens).sum();
+            let ctx: f64 = d.members.iter().map(|m| m.ctx).sum();
+            if kv != d.kv_reserved || !close(ctx, d.ctx_tokens) {
+                return Err(format!("decode {} reserves {} tokens / ctx {}, members say {kv} / {ctx}", d.id, d.kv_reserved, d.ctx_tokens));
+            }
+            for m in &d.members {
+                if !self.reqs.get(&m.rid).is_some_and(|r| r.decode == d.id) {
+                    return Err(format!("decode {} lists unknown request {}", d.id, m.rid));
+                }
+            }
+        }
+        for (rid, r) in &self.reqs {
+            if self.prefill_pos(r.prefill).is_err() || self.decode_pos(r.decode).is_err() {
+                return Err(format!("request {rid} refers to a removed instance"));
+            }
+            if !(r.work_s.is_finite() && r.work_s >= 0.0 && r.out_pred.is_finite()) {
+                return Err(format!("request {rid} has a non-finite estimate"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// splitmix64: the `random` policy's generator (state advanced only on acceptance).
+pub(crate) fn next_rand(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}

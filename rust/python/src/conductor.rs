@@ -1,0 +1,212 @@
+//! `Conductor`: the global scheduler (policies, admission, replica hints).
+//!
+//! `schedule` and the progress events are a few microseconds of work, so they run with
+//! the GIL held (releasing it would cost more than the call); bulk cache events and
+//! `remove_instance` release it.
+
+use std::sync::Arc;
+
+use mooncake_core::conductor::{Conductor, ConductorError, DecodeSpec, PrefillSpec, ScheduleRequest};
+use mooncake_core::{ErrorCategory, InstanceId, Tier};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::conductor_types::{PyConductorConfig, PyDecision, PyReplicationHint, PySnapshot};
+use crate::convert::{hash_from_py, hashes_from_py};
+use crate::errors::{new_err, to_pyerr};
+use crate::gil::DETACH_THRESHOLD;
+use crate::index::PyBlockIndex;
+
+#[pyclass(name = "Conductor", module = "mooncake_rs._core", frozen)]
+pub struct PyConductor {
+    inner: Arc<Conductor>,
+}
+
+/// `Overloaded(message, reason=..., estimates=Decision | None)`; other errors as usual.
+fn map_err(py: Python<'_>, e: ConductorError) -> PyErr {
+    let ConductorError::Overloaded { reason, estimates, .. } = &e else {
+        return to_pyerr(py, &e);
+    };
+    let build = || -> PyResult<PyErr> {
+        let cls = py.import("mooncake_rs.errors")?.getattr("Overloaded")?;
+        let kwargs = PyDict::new(py);
+        kwargs.set_item("reason", reason.name())?;
+        kwargs.set_item("estimates", estimates.as_ref().map(|d| PyDecision::from(**d)))?;
+        Ok(PyErr::from_value(cls.call((e.to_string(),), Some(&kwargs))?))
+    };
+    build().unwrap_or_else(|_| to_pyerr(py, &e))
+}
+
+fn parse_tier(py: Python<'_>, tier: &str) -> PyResult<Tier> {
+    Tier::parse(tier).map_err(|e| to_pyerr(py, &e))
+}
+
+#[pymethods]
+impl PyConductor {
+    #[new]
+    #[pyo3(signature = (config = None, index = None))]
+    fn new(py: Python<'_>, config: Option<&PyConductorConfig>, index: Option<&PyBlockIndex>) -> PyResult<Self> {
+        let cfg = config.map(|c| c.inner.clone()).unwrap_or_default();
+        let c = match index {
+            Some(ix) => Conductor::with_index(cfg, ix.inner.clone()),
+            None => Conductor::new(cfg),
+        };
+        Ok(PyConductor { inner: Arc::new(c.map_err(|e| map_err(py, e))?) })
+    }
+
+    #[getter]
+    fn config(&self) -> PyConductorConfig {
+        PyConductorConfig { inner: self.inner.config().clone() }
+    }
+
+    /// The block index the conductor reads (shared with whoever passed it in).
+    #[getter]
+    fn index(&self) -> PyBlockIndex {
+        PyBlockIndex { inner: self.inner.index().clone() }
+    }
+
+    #[pyo3(signature = (id, speed = 1.0))]
+    fn add_prefill(&self, py: Python<'_>, id: InstanceId, speed: f64) -> PyResult<()> {
+        self.inner.add_prefill(id, PrefillSpec { speed }).map_err(|e| map_err(py, e))
+    }
+
+    #[pyo3(signature = (id, max_batch = 256, kv_capacity_tokens = 1_000_000))]
+    fn add_decode(&self, py: Python<'_>, id: InstanceId, max_batch: usize, kv_capacity_tokens: usize) -> PyResult<()> {
+        self.inner.add_decode(id, DecodeSpec { max_batch, kv_capacity_tokens }).map_err(|e| map_err(py, e))
+    }
+
+    /// Removes the instance and its cache entries; returns the ids of the in-flight
+    /// requests that used it (dropped from the conductor; retry them).
+    fn remove_instance(&self, py: Python<'_>, id: InstanceId) -> PyResult<Vec<u64>> {
+        let inner = &self.inner;
+        py.detach(|| inner.remove_instance(id)).map_err(|e| map_err(py, e))
+    }
+
+    #[pyo3(signature = (request_id, block_hashes, prompt_len, now, expected_output_len = None))]
+    fn schedule(
+        &self,
+        py: Python<'_>,
+        request_id: u64,
+        block_hashes: &Bound<'_, PyAny>,
+        prompt_len: usize,
+        now: f64,
+        expected_output_len: Option<usize>,
+    ) -> PyResult<PyDecision> {
+        let hashes = hashes_from_py(block_hashes)?;
+        let r = ScheduleRequest { request_id, block_hashes: &hashes, prompt_len, now, expected_output_len };
+        self.inner.schedule(&r).map(PyDecision::from).map_err(|e| map_err(py, e))
+    }
+
+    /// What `schedule` would decide now, admitting nothing.
+    #[pyo3(signature = (request_id, block_hashes, prompt_len, now, expected_output_len = None))]
+    fn preview(
+        &self,
+        py: Python<'_>,
+        request_id: u64,
+        block_hashes: &Bound<'_, PyAny>,
+        prompt_len: usize,
+        now: f64,
+        expected_output_len: Option<usize>,
+    ) -> PyResult<PyDecision> {
+        let hashes = hashes_from_py(block_hashes)?;
+        let r = ScheduleRequest { request_id, block_hashes: &hashes, prompt_len, now, expected_output_len };
+        self.inner.preview(&r).map(PyDecision::from).map_err(|e| map_err(py, e))
+    }
+
+    #[pyo3(signature = (request_id, now = None))]
+    fn on_prefill_started(&self, py: Python<'_>, request_id: u64, now: Option<f64>) -> PyResult<()> {
+        self.inner.on_prefill_started(request_id, now).map_err(|e| map_err(py, e))
+    }
+
+    #[pyo3(signature = (request_id, now = None))]
+    fn on_prefill_finished(&self, py: Python<'_>, request_id: u64, now: Option<f64>) -> PyResult<()> {
+        self.inner.on_prefill_finished(request_id, now).map_err(|e| map_err(py, e))
+    }
+
+    #[pyo3(signature = (request_id, now = None))]
+    fn on_decode_started(&self, py: Python<'_>, request_id: u64, now: Option<f64>) -> PyResult<()> {
+        self.inner.on_decode_started(request_id, now).map_err(|e| map_err(py, e))
+    }
+
+    #[pyo3(signature = (request_id, output_len, now = None))]
+    fn on_decode_finished(&self, py: Python<'_>, request_id: u64, output_len: usize, now: Option<f64>) -> PyResult<()> {
+        self.inner.on_decode_finished(request_id, output_len, now).map_err(|e| map_err(py, e))
+    }
+
+    /// Drops an in-flight request without recording its output length.
+    fn cancel(&self, py: Python<'_>, request_id: u64) -> PyResult<()> {
+        self.inner.cancel(request_id).map_err(|e| map_err(py, e))
+    }
+
+    #[pyo3(signature = (instance, hashes, tier = "dram"))]
+    fn on_blocks_stored(&self, py: Python<'_>, instance: InstanceId, hashes: &Bound<'_, PyAny>, tier: &str) -> PyResult<usize> {
+        let tier = parse_tier(py, tier)?;
+        let hashes = hashes_from_py(hashes)?;
+        let inner = &self.inner;
+        let r = if hashes.len() >= DETACH_THRESHOLD {
+            py.detach(|| inner.on_blocks_stored(instance, &hashes, tier))
+        } else {
+            inner.on_blocks_stored(instance, &hashes, tier)
+        };
+        r.map_err(|e| map_err(py, e))
+    }
+
+    #[pyo3(signature = (instance, hashes, tier = None))]
+    fn on_blocks_evicted(&self, py: Python<'_>, instance: InstanceId, hashes: &Bound<'_, PyAny>, tier: Option<&str>) -> PyResult<usize> {
+        let tier = tier.map(|t| parse_tier(py, t)).transpose()?;
+        let hashes = hashes_from_py(hashes)?;
+        let inner = &self.inner;
+        let r = if hashes.len() >= DETACH_THRESHOLD {
+            py.detach(|| inner.on_blocks_evicted(instance, &hashes, tier))
+        } else {
+            inner.on_blocks_evicted(instance, &hashes, tier)
+        };
+        r.map_err(|e| map_err(py, e))
+    }
+
+    /// Replicas worth making now, hottest first.
+    #[pyo3(signature = (now = None))]
+    fn replication_hints(&self, py: Python<'_>, now: Option<f64>) -> PyResult<Vec<PyReplicationHint>> {
+        let inner = &self.inner;
+        let hints = py.detach(|| inner.replication_hints(now)).map_err(|e| map_err(py, e))?;
+        Ok(hints.into_iter().map(|inner| PyReplicationHint { inner }).collect())
+    }
+
+    /// Read-only per-instance queue and load estimates at `now` (default: latest time seen).
+    #[pyo3(signature = (now = None))]
+    fn snapshot(&self, py: Python<'_>, now: Option<f64>) -> PyResult<PySnapshot> {
+        let s = self.inner.snapshot(now).map_err(|e| map_err(py, e))?;
+        PySnapshot::build(py, s)
+    }
+
+    /// Output length assumed for a prompt whose first block hash is `first_block`.
+    #[pyo3(signature = (first_block = None))]
+    fn predicted_output_len(&self, first_block: Option<&Bound<'_, PyAny>>) -> PyResult<f64> {
+        let key = first_block.map(hash_from_py).transpose()?;
+        Ok(self.inner.predicted_output_len(key))
+    }
+
+    /// Raises `InternalError` if an invariant is broken (for tests).
+    fn check_integrity(&self, py: Python<'_>) -> PyResult<()> {
+        let inner = &self.inner;
+        py.detach(|| inner.check_integrity()).map_err(|msg| new_err(py, ErrorCategory::Internal, msg))
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let s = self.inner.snapshot(None).map_err(|e| map_err(py, e))?;
+        Ok(format!(
+            "Conductor(policy={:?}, prefill={}, decode={}, requests={})",
+            self.inner.config().policy.name(),
+            s.prefill.len(),
+            s.decode.len(),
+            s.requests
+        ))
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyConductor>()?;
+    crate::conductor_types::register(m)?;
+    crate::conductor_cost::register(m)?;
+    Ok(())
+}

@@ -1,0 +1,303 @@
+//! The conductor's configuration and result classes (`ConductorConfig`, `Decision`,
+//! `ReplicationHint`, `ConductorSnapshot`, `PrefillLoad`, `DecodeLoad`).
+
+use mooncake_core::conductor::{
+    ConductorConfig, Decision, DecodeLoad, PolicyKind, PrefillLoad, RejectionKind, ReplicationHint, Snapshot,
+};
+use mooncake_core::InstanceId;
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+use crate::conductor_cost::{PyDecodeCostModel, PyPrefillCostModel, PyTransferCostModel};
+use crate::convert::hashes_to_list;
+use crate::errors::to_pyerr;
+
+#[pyclass(name = "ConductorConfig", module = "mooncake_rs._core", frozen)]
+#[derive(Clone)]
+pub struct PyConductorConfig {
+    pub inner: ConductorConfig,
+}
+
+#[pymethods]
+impl PyConductorConfig {
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (
+        block_size = 512, ttft_slo_s = 10.0, tbt_slo_s = 0.1, policy = "mooncake",
+        balancing_threshold = 2.0, rejection = "none", seed = 0, prefill_model = None,
+        transfer_model = None, decode_model = None, default_output_len = 256,
+        output_len_ewma = 0.2, hot_min_hits = 4.0, hot_half_life_s = 60.0,
+        hot_busy_fraction = 0.25, hot_capacity = 4096,
+    ))]
+    fn new(
+        py: Python<'_>,
+        block_size: usize,
+        ttft_slo_s: f64,
+        tbt_slo_s: f64,
+        policy: &str,
+        balancing_threshold: f64,
+        rejection: &str,
+        seed: u64,
+        prefill_model: Option<PyPrefillCostModel>,
+        transfer_model: Option<PyTransferCostModel>,
+        decode_model: Option<PyDecodeCostModel>,
+        default_output_len: usize,
+        output_len_ewma: f64,
+        hot_min_hits: f64,
+        hot_half_life_s: f64,
+        hot_busy_fraction: f64,
+        hot_capacity: usize,
+    ) -> PyResult<Self> {
+        let mut inner = ConductorConfig {
+            block_size,
+            ttft_slo_s,
+            tbt_slo_s,
+            policy: PolicyKind::parse(policy).map_err(|e| to_pyerr(py, &e))?,
+            balancing_threshold,
+            rejection: RejectionKind::parse(rejection).map_err(|e| to_pyerr(py, &e))?,
+            seed,
+            default_output_len,
+            output_len_ewma,
+            hot_min_hits,
+            hot_half_life_s,
+            hot_busy_fraction,
+            hot_capacity,
+            ..Default::default()
+        };
+        if let Some(m) = prefill_model {
+            inner.cost.prefill = m.inner;
+        }
+        if let Some(m) = transfer_model {
+            inner.cost.transfer = m.inner;
+        }
+        if let Some(m) = decode_model {
+            inner.cost.decode = m.inner;
+        }
+        inner.validate().map_err(|e| to_pyerr(py, &e))?;
+        Ok(PyConductorConfig { inner })
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.block_size
+    }
+    #[getter]
+    fn ttft_slo_s(&self) -> f64 {
+        self.inner.ttft_slo_s
+    }
+    #[getter]
+    fn tbt_slo_s(&self) -> f64 {
+        self.inner.tbt_slo_s
+    }
+    #[getter]
+    fn policy(&self) -> &'static str {
+        self.inner.policy.name()
+    }
+    #[getter]
+    fn balancing_threshold(&self) -> f64 {
+        self.inner.balancing_threshold
+    }
+    #[getter]
+    fn rejection(&self) -> &'static str {
+        self.inner.rejection.name()
+    }
+    #[getter]
+    fn seed(&self) -> u64 {
+        self.inner.seed
+    }
+    #[getter]
+    fn prefill_model(&self) -> PyPrefillCostModel {
+        PyPrefillCostModel { inner: self.inner.cost.prefill }
+    }
+    #[getter]
+    fn transfer_model(&self) -> PyTransferCostModel {
+        PyTransferCostModel { inner: self.inner.cost.transfer }
+    }
+    #[getter]
+    fn decode_model(&self) -> PyDecodeCostModel {
+        PyDecodeCostModel { inner: self.inner.cost.decode }
+    }
+    #[getter]
+    fn default_output_len(&self) -> usize {
+        self.inner.default_output_len
+    }
+    #[getter]
+    fn output_len_ewma(&self) -> f64 {
+        self.inner.output_len_ewma
+    }
+    #[getter]
+    fn hot_min_hits(&self) -> f64 {
+        self.inner.hot_min_hits
+    }
+    #[getter]
+    fn hot_half_life_s(&self) -> f64 {
+        self.inner.hot_half_life_s
+    }
+    #[getter]
+    fn hot_busy_fraction(&self) -> f64 {
+        self.inner.hot_busy_fraction
+    }
+    #[getter]
+    fn hot_capacity(&self) -> usize {
+        self.inner.hot_capacity
+    }
+
+    fn __repr__(&self) -> String {
+        let c = &self.inner;
+        format!(
+            "ConductorConfig(block_size={}, ttft_slo_s={}, tbt_slo_s={}, policy={:?}, balancing_threshold={}, rejection={:?}, seed={})",
+            c.block_size, c.ttft_slo_s, c.tbt_slo_s, c.policy.name(), c.balancing_threshold, c.rejection.name(), c.seed
+        )
+    }
+}
+
+/// Where a request goes and the estimates behind the choice.
+#[pyclass(name = "Decision", module = "mooncake_rs._core", frozen, get_all, eq)]
+#[derive(Clone, PartialEq)]
+pub struct PyDecision {
+    pub prefill: InstanceId,
+    pub decode: InstanceId,
+    pub reused_blocks: usize,
+    pub fetch_blocks: usize,
+    pub fetch_from: Option<InstanceId>,
+    pub est_queue_s: f64,
+    pub est_prefill_s: f64,
+    pub est_transfer_s: f64,
+    pub est_ttft_s: f64,
+    pub est_tbt_s: f64,
+}
+
+impl From<Decision> for PyDecision {
+    fn from(d: Decision) -> Self {
+        PyDecision {
+            prefill: d.prefill,
+            decode: d.decode,
+            reused_blocks: d.reused_blocks,
+            fetch_blocks: d.fetch_blocks,
+            fetch_from: d.fetch_from,
+            est_queue_s: d.est_queue_s,
+            est_prefill_s: d.est_prefill_s,
+            est_transfer_s: d.est_transfer_s,
+            est_ttft_s: d.est_ttft_s,
+            est_tbt_s: d.est_tbt_s,
+        }
+    }
+}
+
+#[pymethods]
+impl PyDecision {
+    fn __repr__(&self) -> String {
+        format!(
+            "Decision(prefill={}, decode={}, reused_blocks={}, fetch_blocks={}, fetch_from={:?}, est_ttft_s={:.6}, est_tbt_s={:.6})",
+            self.prefill, self.decode, self.reused_blocks, self.fetch_blocks, self.fetch_from, self.est_ttft_s, self.est_tbt_s
+        )
+    }
+}
+
+/// A proposed copy of a hot prefix from a busy holder to a less busy prefill instance.
+#[pyclass(name = "ReplicationHint", module = "mooncake_rs._core", frozen)]
+pub struct PyReplicationHint {
+    pub inner: ReplicationHint,
+}
+
+#[pymethods]
+impl PyReplicationHint {
+    #[getter]
+    fn blocks<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        hashes_to_list(py, &self.inner.blocks)
+    }
+    #[getter]
+    fn from_instance(&self) -> InstanceId {
+        self.inner.from_instance
+    }
+    #[getter]
+    fn to_instance(&self) -> InstanceId {
+        self.inner.to_instance
+    }
+    #[getter]
+    fn hits(&self) -> f64 {
+        self.inner.hits
+    }
+    #[getter]
+    fn from_queue_s(&self) -> f64 {
+        self.inner.from_queue_s
+    }
+    #[getter]
+    fn to_queue_s(&self) -> f64 {
+        self.inner.to_queue_s
+    }
+    fn __repr__(&self) -> String {
+        let h = &self.inner;
+        format!(
+            "ReplicationHint(blocks=<{}>, from_instance={}, to_instance={}, hits={:.2})",
+            h.blocks.len(), h.from_instance, h.to_instance, h.hits
+        )
+    }
+}
+
+#[pyclass(name = "PrefillLoad", module = "mooncake_rs._core", frozen, get_all)]
+pub struct PyPrefillLoad {
+    pub id: InstanceId,
+    pub speed: f64,
+    pub queued: usize,
+    pub running: usize,
+    pub queue_s: f64,
+}
+
+#[pyclass(name = "DecodeLoad", module = "mooncake_rs._core", frozen, get_all)]
+pub struct PyDecodeLoad {
+    pub id: InstanceId,
+    pub max_batch: usize,
+    pub kv_capacity_tokens: usize,
+    pub batch: usize,
+    pub decoding: usize,
+    pub kv_reserved_tokens: usize,
+    pub est_tbt_s: f64,
+}
+
+/// Read-only per-instance loads at one time.
+#[pyclass(name = "ConductorSnapshot", module = "mooncake_rs._core", frozen, get_all)]
+pub struct PySnapshot {
+    pub now: f64,
+    pub prefill: Vec<Py<PyPrefillLoad>>,
+    pub decode: Vec<Py<PyDecodeLoad>>,
+    pub requests: usize,
+}
+
+impl PySnapshot {
+    pub fn build(py: Python<'_>, s: Snapshot) -> PyResult<Self> {
+        let p = |l: &PrefillLoad| {
+            Py::new(py, PyPrefillLoad { id: l.id, speed: l.speed, queued: l.queued, running: l.running, queue_s: l.queue_s })
+        };
+        let d = |l: &DecodeLoad| {
+            Py::new(
+                py,
+                PyDecodeLoad {
+                    id: l.id,
+                    max_batch: l.max_batch,
+                    kv_capacity_tokens: l.kv_capacity_tokens,
+                    batch: l.batch,
+                    decoding: l.decoding,
+                    kv_reserved_tokens: l.kv_reserved_tokens,
+                    est_tbt_s: l.est_tbt_s,
+                },
+            )
+        };
+        Ok(PySnapshot {
+            now: s.now,
+            prefill: s.prefill.iter().map(p).collect::<PyResult<_>>()?,
+            decode: s.decode.iter().map(d).collect::<PyResult<_>>()?,
+            requests: s.requests,
+        })
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyConductorConfig>()?;
+    m.add_class::<PyDecision>()?;
+    m.add_class::<PyReplicationHint>()?;
+    m.add_class::<PyPrefillLoad>()?;
+    m.add_class::<PyDecodeLoad>()?;
+    m.add_class::<PySnapshot>()?;
+    Ok(())
+}
