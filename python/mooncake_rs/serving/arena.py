@@ -1,0 +1,166 @@
+"""The block store of one serving instance: a DRAM arena cut into fixed slots.
+
+The serving layer stores KV blocks through this small slot store (content-addressed by
+block hash, LRU eviction, leases, reserve-then-commit, stored/evicted events). With
+``shm_name`` the arena is a file in ``/dev/shm`` that other instances on the host map,
+so a peer reads or writes a block with one copy (the shared-memory transport's path).
+
+It follows the API of ``mooncake_rs.Store`` (issue 3) in the subset serving needs; it
+exists because the store's Python glue was not merged when the serving layer was
+written (see docs/serving.md).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from ..errors import InvalidArgument, StoreFull
+
+__all__ = ["ArenaStore", "map_shared", "SHM_DIR", "SHM_PREFIX"]
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "mooncake_rs."
+_ALIGN = 64
+
+
+def map_shared(name: str) -> np.ndarray:
+    """Maps an arena another instance created (read-write, the whole file)."""
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return np.frombuffer(mm, dtype=np.uint8)
+
+
+class ArenaStore:
+    """``dram_bytes // slot_bytes`` slots of ``block_bytes`` each (thread-safe).
+
+    Slots are identified by index; ``offset(slot)`` is its byte offset in :attr:`buf`.
+    A slot is *free*, *reserved* (being filled, invisible to lookups) or *committed*
+    under a key. Committed slots with no lease are evicted in LRU order when a
+    reservation finds no free slot; a lease (``lookup`` / ``pin``) keeps a slot in place.
+    """
+
+    def __init__(self, block_bytes: int, dram_bytes: int, *, shm_name: str | None = None) -> None:
+        if block_bytes < 1:
+            raise InvalidArgument("block_bytes must be >= 1")
+        self.block_bytes = int(block_bytes)
+        self.slot_bytes = -(-self.block_bytes // _ALIGN) * _ALIGN
+        self.num_slots = int(dram_bytes) // self.slot_bytes
+        if self.num_slots < 2:
+            raise InvalidArgument(f"dram_bytes {dram_bytes} holds fewer than 2 blocks of {block_bytes} bytes; raise it")
+        size = self.num_slots * self.slot_bytes
+        self.shm_name = shm_name
+        self._path: str | None = None
+        if shm_name is not None:
+            if not shm_name.startswith(SHM_PREFIX) or "/" in shm_name:
+                raise InvalidArgument(f"shm_name must start with {SHM_PREFIX!r} and hold no '/'")
+            self._path = os.path.join(SHM_DIR, shm_name)
+            fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+            self.buf = np.frombuffer(mm, dtype=np.uint8)
+        else:
+            self.buf = np.zeros(size, dtype=np.uint8)
+        self._lock = threading.Lock()
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._by_key: OrderedDict[int, int] = OrderedDict()  # LRU order, oldest first
+        self._key_of: dict[int, int] = {}
+        self._leases: dict[int, int] = {}
+        self._events: list[tuple[str, int]] = []
+        self.evictions = 0
+
+    # ---- slots
+    def offset(self, slot: int) -> int:
+        return slot * self.slot_bytes
+
+    def view(self, slot: int) -> np.ndarray:
+        o = slot * self.slot_bytes
+        return self.buf[o:o + self.block_bytes]
+
+    def reserve(self) -> int:
+        """A free slot to fill (evicting the least recently used unleased block if needed)."""
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            for key, slot in self._by_key.items():
+                if not self._leases.get(slot):
+                    del self._by_key[key]
+                    del self._key_of[slot]
+                    self._events.append(("evicted", key))
+                    self.evictions += 1
+                    return slot
+        raise StoreFull(f"all {self.num_slots} slots are leased or reserved; raise dram_bytes_per_instance")
+
+    def commit(self, slot: int, key: int, *, lease: bool = False) -> int:
+        """Publishes a reserved slot under ``key``; returns the slot that holds ``key`` (an
+        existing copy wins: the reserved slot is then freed)."""
+        with self._lock:
+            have = self._by_key.get(key)
+            if have is not None:
+                self._free.append(slot)
+                slot = have
+                self._by_key.move_to_end(key)
+            else:
+                self._by_key[key] = slot
+                self._key_of[slot] = key
+                self._events.append(("stored", key))
+            if lease:
+                self._leases[slot] = self._leases.get(slot, 0) + 1
+            return slot
+
+    def abandon(self, slot: int) -> None:
+        """Frees a reserved, uncommitted slot."""
+        with self._lock:
+            self._free.append(slot)
+
+    def lookup(self, key: int) -> int | None:
+        """The slot of ``key`` with a lease taken (``release`` it), or None."""
+        with self._lock:
+            slot = self._by_key.get(key)
+            if slot is None:
+                return None
+            self._by_key.move_to_end(key)
+            self._leases[slot] = self._leases.get(slot, 0) + 1
+            return slot
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            n = self._leases.get(slot, 0) - 1
+            if n > 0:
+                self._leases[slot] = n
+            else:
+                self._leases.pop(slot, None)
+
+    def contains(self, key: int) -> bool:
+        with self._lock:
+            return key in self._by_key
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_key)
+
+    def drain_events(self) -> list[tuple[str, int]]:
+        with self._lock:
+            ev, self._events = self._events, []
+            return ev
+
+    def close(self) -> None:
+        """Removes the shared-memory file (mappings stay valid until dropped)."""
+        if self._path is not None:
+            try:
+                os.unlink(self._path)
+            except FileNotFoundError:
+                pass
+            self._path = None
