@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import os
 import queue
 import socket
@@ -29,18 +28,16 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .. import Conductor, ConductorConfig, DecodeCostModel, PrefillCostModel, PrefixHasher, TransferCostModel
-from ..errors import InvalidArgument, MooncakeError, Overloaded, TransferFailed
+from ..errors import InvalidArgument, MooncakeError, Overloaded
 from .arena import SHM_DIR, SHM_PREFIX
 from .control import Msg, QueueChannel, SocketChannel, send_frame
 from .handle import RequestHandle
 from .instance import Instance, InstanceSpec
-from .metrics import ClusterMetrics, RequestMetrics, tbt_of
+from .metrics import ClusterMetrics, RequestMetrics
 
 __all__ = ["Cluster"]
 
 log = logging.getLogger("mooncake_rs.serving")
-
-_POLICIES = ("mooncake", "random", "load", "cache")
 
 
 @dataclass
@@ -93,8 +90,6 @@ class Cluster:
             raise InvalidArgument("a cluster needs prefill >= 1 and decode >= 1 instances")
         if not isinstance(block_size, int) or block_size < 1:
             raise InvalidArgument(f"block_size must be an int >= 1, got {block_size!r}")
-        if policy not in _POLICIES:
-            raise InvalidArgument(f"policy must be one of {_POLICIES}, got {policy!r}")
         if ssd_path is not None:
             log.warning("serving: ssd_path is accepted but the serving store has no SSD tier yet (DRAM only)")
         self.block_size = block_size
@@ -114,7 +109,7 @@ class Cluster:
         self._token = uuid.uuid4().hex[:8]
         self._registry: dict[str, Any] = {}
         self._members: dict[int, _Member] = {}
-        self._cfg_args = dict(block_size=block_size, ttft_slo_s=float(ttft_slo_s), tbt_slo_s=float(tbt_slo_s),
+        self._cfg_args: dict[str, Any] = dict(block_size=block_size, ttft_slo_s=float(ttft_slo_s), tbt_slo_s=float(tbt_slo_s),
                               policy=policy, rejection=rejection, seed=seed)
         self.prefill_ids = list(range(prefill))
         self.decode_ids = list(range(prefill, prefill + decode))
@@ -239,6 +234,7 @@ class Cluster:
             raise
         req = _Req(rid, toks, params, keys, d, RequestHandle(rid, toks), time.monotonic())
         req.metrics.prefill_instance, req.metrics.decode_instance = d.prefill, d.decode
+        req.handle.prefill_instance, req.handle.decode_instance = d.prefill, d.decode
         req.metrics.prompt_tokens = len(toks)
         with self._lock:
             self._reqs[rid] = req

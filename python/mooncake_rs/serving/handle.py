@@ -20,6 +20,8 @@ class RequestHandle:
     def __init__(self, request_id: int, prompt: list[int]) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt
+        self.prefill_instance = -1  # where the conductor sent it
+        self.decode_instance = -1
         self._q: queue.Queue[Any] = queue.Queue()
         self._done = threading.Event()
         self._output: Any = None

@@ -14,6 +14,7 @@ conductor index) and the cluster is told ``prefilled``.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -107,7 +108,7 @@ class PrefillRole:
         stream = inst.spec.stream_layers
         inst.engine.add_request(prompt, msg["params"], request_id=str(rid),
                                 restored_kv=[store.view(s) for s in slots], prefill_only=True, hold_kv=True,
-                                on_layer=(lambda ev, st=st: self._on_layer(st, ev)) if stream else None)
+                                on_layer=functools.partial(self._on_layer, st) if stream else None)
         inst.ch.send({"op": "prefill_started", "rid": rid})
 
     def _send(self, st: _PState, block: int, src: np.ndarray, src_off: int, span_off: int, n: int) -> None:
