@@ -181,3 +181,24 @@ def test_measure_prefill():
     assert all(p.seconds > 0 for p in pts) and e.num_free_pages == 256
     with pytest.raises(InvalidArgument):
         e.measure_prefill([(0, 4)])
+
+
+def test_restored_prefix_staged_when_pool_is_full(reference):
+    src = engine()
+    prompt = PROMPTS[3]  # 41 tokens, 5 full blocks
+    rid = src.add_request(prompt, SamplingParams(max_tokens=1), hold_kv=True)
+    while src.has_unfinished():
+        src.step()
+    blocks = _save_all(src, rid, len(prompt))[:5]
+    e = engine(num_pages=16)
+    first = e.add_request(prompt, GREEDY)
+    e.step()  # the first request now holds 11 of the 16 pages
+    second = e.add_request(prompt, GREEDY, restored_kv=blocks)
+    assert e._requests[second].staged is not None  # no room now: a host copy waits for admission
+    for b in blocks:
+        b[:] = 0  # the caller's buffers may be reused at once
+    outs = {}
+    while e.has_unfinished():
+        outs.update({o.request_id: o for o in e.step() if o.finished})
+    assert outs[first].token_ids == outs[second].token_ids == reference[tuple(prompt)]
+    assert outs[second].num_cached_tokens == 40

@@ -239,6 +239,10 @@ class Engine(HandoffMixin):
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling step; returns the outputs of requests that got a token or finished."""
+        with torch.inference_mode():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         if not batch.requests:
@@ -248,17 +252,21 @@ class Engine(HandoffMixin):
         for req, n in zip(batch.requests, batch.num_new):
             starts.append(req.num_computed)
             req.kv_end = req.num_computed + n
-            tokens.extend(req.all_token_ids[req.num_computed:req.kv_end])
+            tokens.extend(req.token_slice(req.num_computed, req.kv_end))
             kv_lens.append(req.kv_end)
             tables.append(req.pages)
-        meta = BatchMeta.build(batch.num_new, kv_lens, tables, self.page_size, self.device)
+        meta = BatchMeta.build(batch.num_new, kv_lens, tables, self.page_size, self.device, tokens)
         sampling = [i for i, r in enumerate(batch.requests) if r.kv_end == r.num_tokens]
-        ends = list(itertools.accumulate(batch.num_new))
-        rows = torch.tensor([ends[i] - 1 for i in sampling], dtype=torch.long, device=self.device)
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        rows: torch.Tensor | slice | None = None
+        if len(sampling) == len(batch.requests) and meta.is_decode:
+            rows = slice(None)  # every row samples
+        elif sampling:
+            ends = list(itertools.accumulate(batch.num_new))
+            rows = torch.tensor([ends[i] - 1 for i in sampling], dtype=torch.long, device=self.device)
+        ids = meta.token_ids
+        assert ids is not None
         hook = self._layer_hook(batch.requests, starts)
-        with torch.inference_mode():
-            logits = self.model.forward(ids, meta, self.cache, self.attn, rows if sampling else None, hook)
+        logits = self.model.forward(ids, meta, self.cache, self.attn, rows, hook)
         for req in batch.requests:
             req.num_computed = req.kv_end
         if logits is not None:

@@ -23,21 +23,45 @@ from .outputs import PrefillTiming
 from .sampler import SamplingParams
 
 if TYPE_CHECKING:
-    from .engine import Engine
-    from .scheduler import Request
+    from .config import ModelConfig
+    from .kv_cache import BlockLayout, KVCache
+    from .model import LlamaModel
+    from .attention import AttentionBackend
+    from .outputs import RequestOutput
+    from .scheduler import Request, Scheduler
 
 __all__ = ["HandoffMixin"]
 
 
 class HandoffMixin:
+    """Methods of :class:`~.engine.Engine` that move KV in and out (split off for size)."""
+
+    if TYPE_CHECKING:  # provided by Engine
+        config: ModelConfig
+        device: torch.device
+        block_size: int
+        page_size: int
+        layout: BlockLayout
+        cache: KVCache
+        model: LlamaModel
+        attn: AttentionBackend
+        scheduler: Scheduler
+        max_num_batched_tokens: int
+        _requests: dict[str, Request]
+        _pending: list[RequestOutput]
+
+        def _check_prompt(self, prompt: Sequence[int], params: SamplingParams) -> list[int]: ...
+        def _new_request(self, prompt: list[int], params: SamplingParams, request_id: str | None) -> Request: ...
+        def _stop_reason(self, req: Request, tok: int) -> str | None: ...
+        def _output(self, req: Request, new: list[int]) -> RequestOutput: ...
     # ---- loading restored KV
-    def _block_bytes(self: "Engine", buf: Any, what: str) -> torch.Tensor:
+    def _block_bytes(self, buf: Any, what: str) -> torch.Tensor:
         t = as_byte_tensor(buf, writable=False)
         if t.numel() != self.layout.block_nbytes:
             raise InvalidArgument(f"{what}: buffer holds {t.numel()} bytes, a block needs {self.layout.block_nbytes}")
         return t
 
-    def _restore(self: "Engine", req: "Request", blocks: list[tuple[int, Any]]) -> None:
+    def _restore(self, req: "Request", blocks: list[tuple[int, Any]]) -> None:
         """Loads ``(tokens, buffer)`` blocks (prompt order) into new pages now, or, when the
         pool lacks free pages, keeps a host copy to load when the request is admitted."""
         if not blocks:
@@ -50,7 +74,7 @@ class HandoffMixin:
         else:
             req.staged = [(n, t.clone()) for n, t in staged]
 
-    def _load_staged(self: "Engine", req: "Request") -> None:
+    def _load_staged(self, req: "Request") -> None:
         assert req.staged is not None and not req.pages
         per_block = self.block_size // self.page_size
         total = 0
@@ -66,7 +90,7 @@ class HandoffMixin:
         req.num_computed = total
         req.staged = None
 
-    def add_decode_request(self: "Engine", prompt_token_ids: Sequence[int], first_token_id: int,
+    def add_decode_request(self, prompt_token_ids: Sequence[int], first_token_id: int,
                            params: SamplingParams | None, kv_blocks: Sequence[Any], *,
                            request_id: str | None = None) -> str:
         """Adds a request whose prompt was prefilled elsewhere, straight into the decode batch.
@@ -106,7 +130,7 @@ class HandoffMixin:
         return req.request_id
 
     # ---- saving KV
-    def save_block(self: "Engine", request_id: str, block_index: int, buf: Any, layer: int | None = None) -> int:
+    def save_block(self, request_id: str, block_index: int, buf: Any, layer: int | None = None) -> int:
         """Copies block ``block_index`` of a request (layer ``layer``, or all layers) into ``buf``.
 
         ``buf``: a writable buffer of one whole block (:attr:`layout`.block_nbytes; the
@@ -131,7 +155,7 @@ class HandoffMixin:
         return n
 
     # ---- measurements
-    def _standalone_prefill(self: "Engine", token_ids: list[int], cached: int,
+    def _standalone_prefill(self, token_ids: list[int], cached: int,
                             all_logits: bool) -> torch.Tensor | None:
         """Prefills ``token_ids[cached:]`` in budget-sized chunks on pages of its own (the
         first ``cached`` tokens' KV is whatever the pages hold); frees the pages after."""
@@ -151,14 +175,14 @@ class HandoffMixin:
             self.cache.free(pages)
         return torch.cat([c for c in chunks if c is not None]) if chunks else None
 
-    def prompt_logits(self: "Engine", prompt_token_ids: Sequence[int]) -> torch.Tensor:
+    def prompt_logits(self, prompt_token_ids: Sequence[int]) -> torch.Tensor:
         """float32 logits ``[len(prompt), vocab]`` of every prompt position."""
         toks = self._check_prompt(prompt_token_ids, SamplingParams(max_tokens=1))
         out = self._standalone_prefill(toks, 0, all_logits=True)
         assert out is not None
         return out
 
-    def measure_prefill(self: "Engine", points: Sequence[tuple[int, int]], *, repeats: int = 3,
+    def measure_prefill(self, points: Sequence[tuple[int, int]], *, repeats: int = 3,
                         warmup: int = 1) -> list[PrefillTiming]:
         """Median prefill time of each ``(new_tokens, cached_tokens)`` point, chunked as the
         scheduler would chunk it. Run it on an idle engine (it borrows free pages)."""

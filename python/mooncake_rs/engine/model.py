@@ -71,7 +71,7 @@ class LlamaModel:
         return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
 
     def forward(self, token_ids: torch.Tensor, meta: BatchMeta, cache: KVCache, attn: AttentionBackend,
-                logits_rows: torch.Tensor | None,
+                logits_rows: torch.Tensor | slice | None,
                 on_layer: Callable[[int], None] | None = None) -> torch.Tensor | None:
         """Runs the new tokens of one step; returns float32 logits of ``logits_rows``
         (row indices into the flat batch; ``None`` skips the LM head)."""

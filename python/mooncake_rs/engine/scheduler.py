@@ -53,6 +53,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens ``start:end`` of prompt + output, without building the whole list."""
+        plen = len(self.prompt_token_ids)
+        if start >= plen:
+            return self.output_token_ids[start - plen:end - plen]
+        if end <= plen:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - plen]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -90,7 +99,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _grow(self, req: Request, new_tokens: int) -> bool:
-        need = self.cache.pages_for(req.num_computed + new_tokens) - len(req.pages)
+        need = -(-(req.num_computed + new_tokens) // self.cache.page_size) - len(req.pages)
         if need <= 0:
             return True
         if need > self.cache.num_free:
@@ -135,7 +144,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._want(req, budget)
+            n = min(req.num_tokens - req.num_computed, budget)
             while not self._grow(req, n):
                 if self._reclaim_waiting(keep=None):
                     continue
@@ -156,7 +165,9 @@ class Scheduler:
             if req.staged is not None:
                 need = sum(self.cache.pages_for(n) for n, _ in req.staged)
                 if need > self.cache.num_free:
-                    break
+                    if self.running or not self._reclaim_waiting(keep=req):
+                        break
+                    continue
                 self._load_staged(req)
             n = self._want(req, budget)
             if not self._grow(req, n):

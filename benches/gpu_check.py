@@ -1,0 +1,191 @@
+"""GPU check of the engine (one prepared script for a session that is lent a GPU).
+
+1. FlashInfer against the torch reference on random paged inputs (bf16): decode and
+   mixed prefill batches; relative error must stay within bf16 bounds (<= 2e-2).
+2. Llama-3-8B dimensions with dummy bf16 weights: prefill timings, and decode at batch
+   1..64, tokens/s next to the HBM-bandwidth bound
+   ``batch / ((weight bytes + KV bytes read per step) / measured copy bandwidth)``.
+
+Without CUDA it runs the CPU-safe part (the torch reference against itself on a paged vs
+contiguous layout) and exits 0 with a clear message. Results also go to
+``$OUT/gpu_check.json`` when ``OUT`` is set.
+
+    python benches/gpu_check.py [--batches 1,2,4,8,16,32,64] [--context 1024] [--steps 16]
+
+FlashInfer is not installed on the device machine: carry pinned wheels of
+``flashinfer-python`` and what it needs (see docs/engine.md, "GPU check").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from mooncake_rs.engine import Engine, ModelConfig, SamplingParams
+from mooncake_rs.engine.attention import BatchMeta, TorchAttention, flashinfer_available
+
+RESULTS: dict[str, object] = {}
+
+
+def random_paged(b_q, b_kv, page, hq, hkv, d, dtype, dev, seed=0):
+    """Random caches, shuffled page tables, queries, and the step's BatchMeta."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    npages = sum(-(-kv // page) for kv in b_kv) + 8
+    k = torch.randn(npages, page, hkv, d, generator=g, device=dev).to(dtype)
+    v = torch.randn(npages, page, hkv, d, generator=g, device=dev).to(dtype)
+    perm = torch.randperm(npages, generator=g, device=dev).tolist()
+    tables = [[perm.pop() for _ in range(-(-kv // page))] for kv in b_kv]
+    meta = BatchMeta.build(b_q, b_kv, tables, page, torch.device(dev))
+    q = torch.randn(sum(b_q), hq, d, generator=g, device=dev).to(dtype)
+    return q, k, v, meta
+
+
+def rel_err(a, b):
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def check_reference_cpu() -> None:
+    """CPU-safe: the paged reference on shuffled pages equals it on one contiguous page run."""
+    q, k, v, meta = random_paged([1, 7, 1], [37, 20, 5], 4, 8, 2, 64, torch.float32, "cpu")
+    ref = TorchAttention(8, 2, 64, torch.float32, torch.device("cpu"))
+    ref.plan(meta)
+    out = ref.forward(q, k, v)
+    # same KV rewritten into pages 0.. in order
+    rows = torch.cat([k[t].reshape(-1, 2, 64)[:kv] for t, kv in zip(meta.page_tables, meta.kv_lens)])
+    vrows = torch.cat([v[t].reshape(-1, 2, 64)[:kv] for t, kv in zip(meta.page_tables, meta.kv_lens)])
+    n = rows.shape[0]
+    k2 = torch.zeros(n + 8, 1, 2, 64)
+    v2 = torch.zeros(n + 8, 1, 2, 64)
+    k2[:n, 0], v2[:n, 0] = rows, vrows
+    starts, acc = [], 0
+    for kv in meta.kv_lens:
+        starts.append(acc)
+        acc += kv
+    meta2 = BatchMeta.build(meta.q_lens, meta.kv_lens, [list(range(s, s + kv)) for s, kv in zip(starts, meta.kv_lens)],
+                            1, torch.device("cpu"))
+    ref.plan(meta2)
+    err = rel_err(ref.forward(q, k2, v2), out)
+    RESULTS["cpu_reference_paged_vs_contiguous_rel_err"] = err
+    print(f"[cpu] torch reference, paged vs contiguous: rel err {err:.2e}")
+    assert err < 1e-5
+
+
+def check_flashinfer() -> None:
+    from mooncake_rs.engine.attention import FlashInferAttention
+
+    dev = torch.device("cuda")
+    cases = {"decode": ([1] * 16, [int(x) for x in torch.randint(1, 900, (16,)).tolist()]),
+             "prefill+decode": ([300, 1, 77, 1, 128], [300, 513, 200, 64, 1000])}
+    worst = 0.0
+    for name, (ql, kvl) in cases.items():
+        for hq, hkv, d in ((32, 8, 128), (64, 8, 128)):
+            q, k, v, meta = random_paged(ql, kvl, 16, hq, hkv, d, torch.bfloat16, "cuda")
+            ref = TorchAttention(hq, hkv, d, torch.bfloat16, dev)
+            fi = FlashInferAttention(hq, hkv, d, torch.bfloat16, dev)
+            ref.plan(meta)
+            fi.plan(meta)
+            err = rel_err(fi.forward(q, k, v), ref.forward(q, k, v))
+            worst = max(worst, err)
+            print(f"[gpu] flashinfer vs torch, {name:15s} heads {hq}/{hkv}: rel err {err:.2e}")
+    RESULTS["flashinfer_rel_err_max"] = worst
+    print(f"[gpu] worst relative error {worst:.2e} (bf16 bound 2e-2): {'OK' if worst <= 2e-2 else 'FAIL'}")
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + written)."""
+    n = 2 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    reps = 10
+    for _ in range(reps):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    bw = 2 * n * reps / (time.perf_counter() - t0)
+    del a, b
+    torch.cuda.empty_cache()
+    return bw
+
+
+def bench_8b(batches: list[int], context: int, steps: int, backend: str) -> None:
+    cfg = ModelConfig.preset("llama-3-8b")
+    bw = copy_bandwidth()
+    RESULTS["copy_bandwidth_GBps"] = bw / 1e9
+    print(f"[gpu] measured copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
+    tokens_needed = max(batches) * (context + steps + 8)
+    num_pages = tokens_needed // 16 + 64
+    eng = Engine(cfg, dtype="bfloat16", device="cuda", num_pages=num_pages, max_num_seqs=max(batches),
+                 max_num_batched_tokens=8192, attention_backend=backend, seed=0)
+    wbytes = eng.model.w.nbytes()
+    kv_tok = cfg.kv_bytes_per_token(2)
+    print(f"[gpu] llama-3-8b dims, dummy bf16 weights {wbytes / 1e9:.1f} GB, backend {eng.attention_backend}")
+    pts = eng.measure_prefill([(512, 0), (2048, 0), (512, 1536), (4096, 0)], repeats=3)
+    RESULTS["prefill"] = [p.__dict__ for p in pts]
+    for p in pts:
+        print(f"[gpu] prefill new={p.new_tokens:5d} cached={p.cached_tokens:5d}: {p.seconds * 1e3:8.2f} ms  "
+              f"{p.new_tokens / p.seconds:9.0f} tokens/s")
+    rows = []
+    for b in batches:
+        ids = [eng.add_request([(13 * i + j) % cfg.vocab_size for j in range(context)],
+                               SamplingParams(max_tokens=steps + 4, ignore_eos=True)) for i in range(b)]
+        while any(eng._requests[i].in_prefill for i in ids):  # prefill everything first
+            eng.step()
+        eng.step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+        dt = (time.perf_counter() - t0) / steps
+        for i in ids:
+            eng.abort(i)
+        eng.step()
+        kv_read = b * (context + steps) * kv_tok
+        bound = (wbytes + kv_read) / (bw / 2)  # each byte read once: half of read+write copy traffic
+        row = {"batch": b, "step_ms": dt * 1e3, "tokens_per_s": b / dt, "bound_tokens_per_s": b / bound,
+               "ratio_to_bound": dt / bound}
+        rows.append(row)
+        print(f"[gpu] decode batch {b:3d}: step {dt * 1e3:7.2f} ms  {b / dt:9.0f} tokens/s  "
+              f"bound {b / bound:9.0f} tokens/s  ({dt / bound:.2f}x the bound)")
+    RESULTS["decode"] = rows
+    last = rows[-1]
+    print(f"[gpu] target: decode at batch {last['batch']} within 2x of the bound: "
+          f"{'MET' if last['ratio_to_bound'] <= 2 else 'MISSED'} ({last['ratio_to_bound']:.2f}x)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="engine GPU check")
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=16)
+    a = ap.parse_args()
+    check_reference_cpu()
+    if not torch.cuda.is_available():
+        print("no CUDA device: the GPU part of this check was skipped (run it on a machine with a GPU)")
+        return 0
+    RESULTS["device"] = torch.cuda.get_device_name()
+    print(f"[gpu] {RESULTS['device']}, torch {torch.__version__}")
+    if flashinfer_available():
+        check_flashinfer()
+        backend = "flashinfer"
+    else:
+        print("[gpu] flashinfer is not importable: skipping its check; timing the torch reference backend")
+        backend = "torch"
+    bench_8b([int(x) for x in a.batches.split(",")], a.context, a.steps, backend)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "gpu_check.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
