@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from . import _logging
 from ._core import (
+    Block,
     BlockCache,
     BlockIndex,
     Conductor,
@@ -23,7 +24,12 @@ from ._core import (
     PrefixHasher,
     PrefixMatch,
     ReplicationHint,
+    Store,
+    StoreEvent,
+    StoreRegion,
+    StoreStats,
     TransferCostModel,
+    WritableBlock,
     __version__,
 )
 from .errors import (
@@ -48,6 +54,12 @@ __all__ = [
     "PrefixMatch",
     "IndexStats",
     # tiered store
+    "Store",
+    "Block",
+    "WritableBlock",
+    "StoreEvent",
+    "StoreStats",
+    "StoreRegion",
     "BlockCache",
     # the conductor (global scheduler)
     "Conductor",

@@ -35,6 +35,36 @@ impl BufferView {
         }
     }
 
+    /// Exports `obj`'s buffer as a writable, C-contiguous byte range; `InvalidArgument`
+    /// (saying what to pass) if it has no buffer, is read-only or is not contiguous.
+    pub fn get_writable(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Self> {
+        let flags = ffi::PyBUF_WRITABLE | ffi::PyBUF_C_CONTIGUOUS;
+        match Self::get(obj, flags) {
+            Ok(Some(v)) => Ok(v),
+            Ok(None) => Err(invalid(obj.py(), format!("{what} must be a writable buffer (e.g. a numpy array or bytearray)"))),
+            Err(e) => Err(invalid(obj.py(), format!("{what} must be a writable, C-contiguous buffer ({e})"))),
+        }
+    }
+
+    /// Exports `obj`'s buffer as a C-contiguous byte range (read access); `InvalidArgument`
+    /// if it has none or is not contiguous.
+    pub fn get_contiguous(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Self> {
+        match Self::get(obj, ffi::PyBUF_C_CONTIGUOUS) {
+            Ok(Some(v)) => Ok(v),
+            Ok(None) => {
+                let t = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+                Err(invalid(obj.py(), format!("{what} must support the buffer protocol (bytes, numpy array, ...), got {t}")))
+            }
+            Err(e) => Err(invalid(obj.py(), format!("{what} must be a C-contiguous buffer ({e})"))),
+        }
+    }
+
+    /// Start of the buffer for writing; only meaningful for a view from
+    /// [`get_writable`](Self::get_writable) (which refuses read-only exporters).
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        self.view.buf as *mut u8
+    }
+
     pub fn len_bytes(&self) -> usize {
         self.view.len as usize
     }

@@ -17,6 +17,8 @@ mod hash;
 mod index;
 mod logging;
 mod pyint;
+mod store;
+mod store_block;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -26,5 +28,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     index::register(m)?;
     block_cache::register(m)?;
     conductor::register(m)?;
+    store::register(m)?;
     Ok(())
 }

@@ -1,0 +1,431 @@
+//! `Store`: the tiered block store; `StoreRegion` (what a transfer engine registers),
+//! `StoreEvent`, `StoreStats`. The views (`Block`, `WritableBlock`) are in
+//! `store_block.rs`.
+
+use std::sync::Arc;
+
+use mooncake_core::mem::MappedMemory;
+use mooncake_core::store::{BlockRef, Store, StoreConfig, StoreError, StoreEvent, StoreStats};
+use mooncake_core::BlockHash;
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+use crate::convert::{hash_from_py, hash_to_py, hashes_from_py, BufferView};
+use crate::errors::{invalid, to_pyerr};
+use crate::store_block::{PyBlock, PyWritableBlock};
+
+/// Copies at least this large release the GIL.
+const DETACH_BYTES: usize = 1 << 16;
+
+/// The tiered block store (DRAM slots, optional SSD tier).
+#[pyclass(name = "Store", module = "mooncake_rs._core", frozen)]
+pub struct PyStore {
+    /// Shared with the views it hands out (a `WritableBlock` commits through it).
+    pub inner: Arc<Store>,
+}
+
+/// The store's DRAM arena, for registering with a transfer engine. Keeps it mapped.
+#[pyclass(name = "StoreRegion", module = "mooncake_rs._core", frozen)]
+pub struct PyStoreRegion {
+    /// Bytes of the arena.
+    #[pyo3(get)]
+    length: usize,
+    /// POSIX shm name (another process maps it with it), or None for private memory.
+    #[pyo3(get)]
+    shm_name: Option<String>,
+    #[pyo3(get)]
+    block_bytes: usize,
+    #[pyo3(get)]
+    slots: usize,
+    /// Bytes between the starts of two slots (block_bytes rounded up to a page).
+    #[pyo3(get)]
+    slot_stride: usize,
+    memory: Arc<MappedMemory>,
+}
+
+impl PyStoreRegion {
+    /// The mapping behind this region (what the transfer engine registers).
+    pub fn memory(&self) -> Arc<MappedMemory> {
+        self.memory.clone()
+    }
+}
+
+#[pymethods]
+impl PyStoreRegion {
+    fn __repr__(&self) -> String {
+        format!(
+            "StoreRegion(length={}, shm_name={:?}, block_bytes={}, slots={})",
+            self.length, self.shm_name, self.block_bytes, self.slots
+        )
+    }
+}
+
+/// One store event, for the conductor's index.
+#[pyclass(name = "StoreEvent", module = "mooncake_rs._core", frozen, eq)]
+#[derive(PartialEq)]
+pub struct PyStoreEvent {
+    /// "stored", "evicted", "demoted", "promoted" or "removed".
+    #[pyo3(get)]
+    kind: &'static str,
+    key: BlockHash,
+    /// "dram" or "ssd": the tier the event happened in.
+    #[pyo3(get)]
+    tier: &'static str,
+}
+
+#[pymethods]
+impl PyStoreEvent {
+    #[getter]
+    fn key<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        hash_to_py(py, self.key)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("StoreEvent(kind={:?}, key={:#x}, tier={:?})", self.kind, self.key, self.tier)
+    }
+}
+
+impl From<StoreEvent> for PyStoreEvent {
+    fn from(e: StoreEvent) -> Self {
+        PyStoreEvent { kind: e.kind.name(), key: e.key, tier: e.tier.name() }
+    }
+}
+
+macro_rules! stats_class {
+    ($($field:ident),* $(,)?) => {
+        /// Counters and occupancy of a store (see docs/store.md for each field).
+        #[pyclass(name = "StoreStats", module = "mooncake_rs._core", frozen, get_all)]
+        pub struct PyStoreStats { $($field: u64,)* }
+
+        impl From<StoreStats> for PyStoreStats {
+            fn from(s: StoreStats) -> Self {
+                PyStoreStats { $($field: s.$field,)* }
+            }
+        }
+
+        #[pymethods]
+        impl PyStoreStats {
+            /// The fields as a dict.
+            fn as_dict(&self) -> std::collections::BTreeMap<&'static str, u64> {
+                [$((stringify!($field), self.$field),)*].into_iter().collect()
+            }
+
+            fn __repr__(&self) -> String {
+                let parts: Vec<String> = vec![$(format!("{}={}", stringify!($field), self.$field),)*];
+                format!("StoreStats({})", parts.join(", "))
+            }
+        }
+    };
+}
+
+stats_class!(
+    puts, hits_dram, hits_ssd, misses, evictions_dram, evictions_ssd, demotions, demotions_dropped,
+    demotion_failures, promotions, corrupt_dropped, recovered, events_dropped, blocks_dram, blocks_ssd,
+    bytes_dram, bytes_ssd, slots_dram, slots_ssd, pinned, demotion_queue,
+);
+
+struct SendPtr(*const u8, usize);
+// SAFETY: used only inside a detached call while the Python buffer that owns the range
+// stays exported by the caller.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    /// # Safety
+    /// The range is valid for the lifetime the caller picks (an export it holds).
+    unsafe fn slice<'a>(&self) -> &'a [u8] {
+        std::slice::from_raw_parts(self.0, self.1)
+    }
+}
+
+struct SendMut(*mut u8, usize);
+// SAFETY: as SendPtr, for a writable export.
+unsafe impl Send for SendMut {}
+
+fn core<T>(py: Python<'_>, r: Result<T, StoreError>) -> PyResult<T> {
+    r.map_err(|e| to_pyerr(py, &e))
+}
+
+impl PyStore {
+    fn block(&self, key: BlockHash, b: Option<BlockRef>) -> Option<PyBlock> {
+        b.map(|b| PyBlock::new(key, b))
+    }
+
+    fn run<T: Send>(&self, py: Python<'_>, bytes: usize, f: impl FnOnce(&Store) -> T + Send) -> T {
+        let s = &*self.inner;
+        if bytes >= DETACH_BYTES {
+            py.detach(|| f(s))
+        } else {
+            f(s)
+        }
+    }
+}
+
+#[pymethods]
+impl PyStore {
+    #[new]
+    #[pyo3(signature = (block_bytes, dram_bytes, ssd_path = None, ssd_bytes = 0, eviction = "lru",
+                        shared_memory = false, demotion_queue = 64))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        block_bytes: usize,
+        dram_bytes: usize,
+        ssd_path: Option<std::path::PathBuf>,
+        ssd_bytes: u64,
+        eviction: &str,
+        shared_memory: bool,
+        demotion_queue: usize,
+    ) -> PyResult<Self> {
+        let cfg = StoreConfig {
+            block_bytes,
+            dram_bytes,
+            ssd_path,
+            ssd_bytes,
+            eviction: eviction.to_string(),
+            shared_memory,
+            demotion_queue,
+            ..Default::default()
+        };
+        let store = core(py, py.detach(|| Store::open(cfg)))?;
+        Ok(PyStore { inner: Arc::new(store) })
+    }
+
+    #[getter]
+    fn block_bytes(&self) -> usize {
+        self.inner.block_bytes()
+    }
+
+    /// DRAM slots.
+    #[getter]
+    fn slots(&self) -> usize {
+        self.inner.slots()
+    }
+
+    #[getter]
+    fn eviction(&self) -> String {
+        self.inner.config().eviction.clone()
+    }
+
+    /// Stores a copy of `data` (exactly block_bytes); False if `key` exists already.
+    fn put(&self, py: Python<'_>, key: &Bound<'_, PyAny>, data: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let key = hash_from_py(key)?;
+        let view = BufferView::get_contiguous(data, "data")?;
+        let p = SendPtr(view.as_ptr(), view.len_bytes());
+        // SAFETY: `view` keeps the export alive across the call.
+        let r = self.run(py, p.1, move |s| s.put(key, unsafe { p.slice() }));
+        core(py, r)
+    }
+
+    /// Stores a chain of blocks (chain positions 0..n). `datas` is a sequence of
+    /// buffers, or one buffer of len(keys) * block_bytes bytes.
+    fn put_many(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, datas: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+        let keys = hashes_from_py(keys)?;
+        let bb = self.inner.block_bytes();
+        let mut views = Vec::new();
+        let mut ptrs: Vec<SendPtr> = Vec::with_capacity(keys.len());
+        if let Ok(Some(one)) = BufferView::get(datas, pyo3::ffi::PyBUF_C_CONTIGUOUS) {
+            if one.len_bytes() != keys.len() * bb {
+                return Err(invalid(
+                    py,
+                    format!("datas has {} bytes; {} keys need {} (block_bytes each)", one.len_bytes(), keys.len(), keys.len() * bb),
+                ));
+            }
+            for i in 0..keys.len() {
+                // SAFETY: i * bb < len: inside the export.
+                ptrs.push(SendPtr(unsafe { one.as_ptr().add(i * bb) }, bb));
+            }
+            views.push(one);
+        } else {
+            let items: Vec<Bound<'_, PyAny>> = datas
+                .try_iter()
+                .map_err(|_| invalid(py, "datas must be a sequence of buffers or one buffer"))?
+                .collect::<PyResult<_>>()?;
+            if items.len() != keys.len() {
+                return Err(invalid(py, format!("{} keys but {} datas", keys.len(), items.len())));
+            }
+            for it in &items {
+                let v = BufferView::get_contiguous(it, "each data")?;
+                ptrs.push(SendPtr(v.as_ptr(), v.len_bytes()));
+                views.push(v);
+            }
+        }
+        let total = ptrs.len() * bb;
+        let r = self.run(py, total, move |s| {
+            // SAFETY: every range belongs to an export held in `views` for the call.
+            let items: Vec<(BlockHash, &[u8])> =
+                keys.iter().zip(&ptrs).map(|(k, p)| (*k, unsafe { p.slice() })).collect();
+            s.put_many(&items)
+        });
+        drop(views);
+        core(py, r)
+    }
+
+    /// A writable slot for `key` to fill in place; publish it with `.commit()`.
+    fn reserve(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<PyWritableBlock> {
+        let key = hash_from_py(key)?;
+        let r = core(py, self.inner.reserve(key))?;
+        Ok(PyWritableBlock::new(self.inner.clone(), r))
+    }
+
+    /// A read-only view of `key`, or None. From SSD it is promoted into DRAM unless
+    /// `promote=False` (a direct read into a private copy).
+    #[pyo3(signature = (key, promote = true))]
+    fn get(&self, py: Python<'_>, key: &Bound<'_, PyAny>, promote: bool) -> PyResult<Option<PyBlock>> {
+        let key = hash_from_py(key)?;
+        let s = &*self.inner;
+        // A DRAM hit copies nothing; with an SSD tier a miss may read the disk.
+        let r = if s.config().ssd_path.is_some() { py.detach(|| s.get(key, promote)) } else { s.get(key, promote) };
+        Ok(self.block(key, core(py, r)?))
+    }
+
+    /// `get` for many keys (one policy access for the DRAM hits).
+    #[pyo3(signature = (keys, promote = true))]
+    fn get_many<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>, promote: bool) -> PyResult<Bound<'py, PyList>> {
+        let keys = hashes_from_py(keys)?;
+        let s = &*self.inner;
+        let got = if s.config().ssd_path.is_some() {
+            py.detach(|| s.get_batch(&keys, promote))
+        } else {
+            s.get_batch(&keys, promote)
+        };
+        let got = core(py, got)?;
+        let items: Vec<Option<PyBlock>> = keys.iter().zip(got).map(|(k, b)| self.block(*k, b)).collect();
+        let objs = items
+            .into_iter()
+            .map(|b| match b {
+                Some(b) => Ok(Bound::new(py, b)?.into_any()),
+                None => Ok(py.None().into_bound(py)),
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        PyList::new(py, objs)
+    }
+
+    /// Copies `key` into the writable buffer `out` (block_bytes); False if absent.
+    #[pyo3(signature = (key, out, promote = true))]
+    fn get_into(&self, py: Python<'_>, key: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>, promote: bool) -> PyResult<bool> {
+        let key = hash_from_py(key)?;
+        let view = BufferView::get_writable(out, "out")?;
+        let p = SendMut(view.as_mut_ptr(), view.len_bytes());
+        let r = self.run(py, p.1, move |s| {
+            let p = p;
+            // SAFETY: `view` keeps the writable export alive across the call.
+            s.get_into(key, unsafe { std::slice::from_raw_parts_mut(p.0, p.1) }, promote)
+        });
+        core(py, r)
+    }
+
+    /// Copies each key's block into row i of `out` (len(keys) * block_bytes bytes);
+    /// returns which were found (rows of missing keys are left as they were).
+    #[pyo3(signature = (keys, out, promote = true))]
+    fn get_many_into(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>, promote: bool) -> PyResult<Vec<bool>> {
+        let keys = hashes_from_py(keys)?;
+        let view = BufferView::get_writable(out, "out")?;
+        let bb = self.inner.block_bytes();
+        if view.len_bytes() != keys.len() * bb {
+            return Err(invalid(py, format!("out has {} bytes; {} keys need {}", view.len_bytes(), keys.len(), keys.len() * bb)));
+        }
+        let p = SendMut(view.as_mut_ptr(), view.len_bytes());
+        let r = self.run(py, p.1, move |s| {
+            let p = p;
+            // SAFETY: `view` keeps the writable export (len(keys) * bb bytes) alive.
+            let all = unsafe { std::slice::from_raw_parts_mut(p.0, p.1) };
+            keys.iter()
+                .zip(all.chunks_exact_mut(bb.max(1)))
+                .map(|(k, row)| s.get_into(*k, row, promote))
+                .collect::<Result<Vec<bool>, StoreError>>()
+        });
+        core(py, r)
+    }
+
+    /// In DRAM or on SSD.
+    fn contains(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.inner.contains(hash_from_py(key)?))
+    }
+
+    fn __contains__(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+        self.contains(key)
+    }
+
+    /// "dram", "ssd" or None.
+    fn tier_of(&self, key: &Bound<'_, PyAny>) -> PyResult<Option<&'static str>> {
+        Ok(self.inner.tier_of(hash_from_py(key)?).map(|t| t.name()))
+    }
+
+    /// Forgets `key` in every tier (live views keep their bytes); False if absent.
+    fn remove(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.inner.remove(hash_from_py(key)?))
+    }
+
+    /// Pins `key` in DRAM (never evicted); returns its pin count.
+    fn pin(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let key = hash_from_py(key)?;
+        core(py, self.inner.pin(key))
+    }
+
+    /// Drops one pin; returns the pins left.
+    fn unpin(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let key = hash_from_py(key)?;
+        core(py, self.inner.unpin(key))
+    }
+
+    /// The DRAM arena, for a transfer engine to register.
+    fn region(&self) -> PyStoreRegion {
+        let mem = self.inner.arena();
+        PyStoreRegion {
+            length: mem.len(),
+            shm_name: mem.shm_name().map(str::to_string),
+            block_bytes: self.inner.block_bytes(),
+            slots: self.inner.slots(),
+            slot_stride: mooncake_core::mem::page_align(self.inner.block_bytes()),
+            memory: mem,
+        }
+    }
+
+    /// Byte offset of `key`'s slot in `region()`, or None if it is not in DRAM.
+    fn slot_offset(&self, key: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+        Ok(self.inner.slot_offset(hash_from_py(key)?))
+    }
+
+    fn drain_events(&self) -> Vec<PyStoreEvent> {
+        self.inner.drain_events().into_iter().map(PyStoreEvent::from).collect()
+    }
+
+    fn stats(&self) -> PyStoreStats {
+        self.inner.stats().into()
+    }
+
+    /// Waits until queued demotions are on disk; StoreIOError if a write failed.
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        let s = &*self.inner;
+        core(py, py.detach(|| s.flush()))
+    }
+
+    /// Raises InternalError if an invariant is broken (call when no other thread works).
+    fn check_integrity(&self, py: Python<'_>) -> PyResult<()> {
+        self.inner
+            .check_integrity()
+            .map_err(|m| crate::errors::new_err(py, mooncake_core::ErrorCategory::Internal, m))
+    }
+
+    fn __repr__(&self) -> String {
+        let c = self.inner.config();
+        format!(
+            "Store(block_bytes={}, slots={}, eviction={:?}, ssd_path={:?})",
+            c.block_bytes,
+            self.inner.slots(),
+            c.eviction,
+            c.ssd_path
+        )
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyStore>()?;
+    m.add_class::<PyBlock>()?;
+    m.add_class::<PyWritableBlock>()?;
+    m.add_class::<PyStoreRegion>()?;
+    m.add_class::<PyStoreEvent>()?;
+    m.add_class::<PyStoreStats>()?;
+    Ok(())
+}

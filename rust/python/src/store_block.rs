@@ -1,0 +1,275 @@
+//! `Block` (read-only view of a stored block, holding its lease) and `WritableBlock`
+//! (a reserved slot to fill in place, then commit). Both export the buffer protocol
+//! without a copy; each keeps its slot alive while any exported view exists.
+
+use std::os::raw::c_int;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use mooncake_core::store::{BlockRef, Reservation, Store};
+use mooncake_core::BlockHash;
+use parking_lot::Mutex;
+use pyo3::exceptions::PyBufferError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+use crate::convert::{hash_to_py, BufferView};
+use crate::errors::invalid;
+
+/// Fills `view` over `len` bytes at `buf`, owned by `owner` (a new reference).
+///
+/// # Safety
+/// `view` is the pointer CPython passed to `__getbuffer__`; `buf..buf+len` stays valid
+/// until the matching `__releasebuffer__`.
+unsafe fn fill(owner: &Bound<'_, PyAny>, view: *mut ffi::Py_buffer, buf: *mut u8, len: usize, readonly: bool, flags: c_int) -> PyResult<()> {
+    if view.is_null() {
+        return Err(PyBufferError::new_err("null view"));
+    }
+    let rc = ffi::PyBuffer_FillInfo(view, owner.as_ptr(), buf.cast(), len as ffi::Py_ssize_t, c_int::from(readonly), flags);
+    if rc != 0 {
+        return Err(PyErr::fetch(owner.py()));
+    }
+    Ok(())
+}
+
+/// A read-only view of one block. While it (or any memoryview / array made from it)
+/// is alive, the block holds a lease: it is not evicted, moved or overwritten.
+#[pyclass(name = "Block", module = "mooncake_rs._core", frozen)]
+pub struct PyBlock {
+    key: BlockHash,
+    tier: &'static str,
+    len: usize,
+    data: Mutex<Option<BlockRef>>,
+    exports: AtomicUsize,
+    /// `release()` was called while views were exported: drop at the last release.
+    closing: std::sync::atomic::AtomicBool,
+}
+
+impl PyBlock {
+    pub fn new(key: BlockHash, data: BlockRef) -> Self {
+        PyBlock {
+            key,
+            tier: data.tier().name(),
+            len: data.bytes().len(),
+            data: Mutex::new(Some(data)),
+            exports: AtomicUsize::new(0),
+            closing: false.into(),
+        }
+    }
+}
+
+#[pymethods]
+impl PyBlock {
+    #[getter]
+    fn key<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        hash_to_py(py, self.key)
+    }
+
+    /// Where the bytes are: "dram" (a leased slot) or "ssd" (a private copy read
+    /// directly, without promotion).
+    #[getter]
+    fn tier(&self) -> &'static str {
+        self.tier
+    }
+
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.len
+    }
+
+    fn __len__(&self) -> usize {
+        self.len
+    }
+
+    /// True once `release()` (or the `with` block) ended the view.
+    #[getter]
+    fn released(&self) -> bool {
+        self.data.lock().is_none() || self.closing.load(Ordering::Acquire)
+    }
+
+    /// Ends the view: the lease goes as soon as no exported memoryview/array remains.
+    fn release(&self) {
+        self.closing.store(true, Ordering::Release);
+        let mut d = self.data.lock();
+        if self.exports.load(Ordering::Acquire) == 0 {
+            d.take();
+        }
+    }
+
+    /// A copy of the bytes.
+    fn tobytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+        let d = self.data.lock();
+        match d.as_ref() {
+            Some(b) => Ok(pyo3::types::PyBytes::new(py, b.bytes())),
+            None => Err(invalid(py, "this Block was released")),
+        }
+    }
+
+    fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.release();
+        false
+    }
+
+    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+        let me = slf.get();
+        let d = me.data.lock();
+        let ptr = match d.as_ref() {
+            Some(b) if !me.closing.load(Ordering::Acquire) => b.bytes().as_ptr() as *mut u8,
+            _ => return Err(PyBufferError::new_err("this Block was released")),
+        };
+        // SAFETY: the bytes live in `data`, which is kept until the export count falls to
+        // zero (release() defers while views exist); PyBuffer_FillInfo refuses writable
+        // requests on a read-only export.
+        unsafe { fill(slf.as_any(), view, ptr, me.len, true, flags)? };
+        me.exports.fetch_add(1, Ordering::AcqRel);
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {
+        let mut d = self.data.lock();
+        if self.exports.fetch_sub(1, Ordering::AcqRel) == 1 && self.closing.load(Ordering::Acquire) {
+            d.take();
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Block(key={:#x}, nbytes={}, tier={:?}, released={})", self.key, self.len, self.tier, self.released())
+    }
+}
+
+/// A reserved slot for `key`, writable in place; `commit()` publishes it. Dropped (or
+/// `abort()`ed, or left by a `with` block) uncommitted, the slot is freed.
+#[pyclass(name = "WritableBlock", module = "mooncake_rs._core", frozen)]
+pub struct PyWritableBlock {
+    store: Arc<Store>,
+    key: BlockHash,
+    len: usize,
+    res: Mutex<Option<Reservation>>,
+    exports: AtomicUsize,
+}
+
+impl PyWritableBlock {
+    pub fn new(store: Arc<Store>, r: Reservation) -> Self {
+        PyWritableBlock { key: r.key(), len: r.len(), store, res: Mutex::new(Some(r)), exports: AtomicUsize::new(0) }
+    }
+}
+
+struct SendPtr(*mut u8, *const u8, usize);
+// SAFETY: the pointers are used only inside the detached call, while the objects that
+// own both ranges (a held reservation, an exported buffer) outlive it.
+unsafe impl Send for SendPtr {}
+
+#[pymethods]
+impl PyWritableBlock {
+    #[getter]
+    fn key<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        hash_to_py(py, self.key)
+    }
+
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.len
+    }
+
+    fn __len__(&self) -> usize {
+        self.len
+    }
+
+    /// True once committed or aborted.
+    #[getter]
+    fn done(&self) -> bool {
+        self.res.lock().is_none()
+    }
+
+    /// Copies `data` into the slot at byte `offset` (e.g. one layer of the block).
+    #[pyo3(signature = (data, offset = 0))]
+    fn write(&self, py: Python<'_>, data: &Bound<'_, PyAny>, offset: usize) -> PyResult<()> {
+        let src = BufferView::get_contiguous(data, "data")?;
+        let n = src.len_bytes();
+        if offset.checked_add(n).is_none_or(|end| end > self.len) {
+            return Err(invalid(py, format!("{n} bytes at offset {offset} do not fit a {}-byte block", self.len)));
+        }
+        let r = self.res.lock();
+        let Some(r) = r.as_ref() else {
+            return Err(invalid(py, "this WritableBlock was already committed or aborted"));
+        };
+        // SAFETY: offset + n <= len, inside the reserved slot.
+        let p = SendPtr(unsafe { r.as_mut_ptr().add(offset) }, src.as_ptr(), n);
+        let copy = move || {
+            let p = p;
+            // SAFETY: the reservation is the slot's only owner (its lock is held), the
+            // source export is held by `src`; the ranges cannot overlap (a slot is never
+            // exported read-only while reserved).
+            unsafe { std::ptr::copy_nonoverlapping(p.1, p.0, p.2) };
+        };
+        if n >= 1 << 16 {
+            py.detach(copy);
+        } else {
+            copy();
+        }
+        Ok(())
+    }
+
+    /// Publishes the block; False if the key was stored meanwhile (the slot is freed).
+    /// Every memoryview/array of this WritableBlock must be released first.
+    fn commit(&self, py: Python<'_>) -> PyResult<bool> {
+        if self.exports.load(Ordering::Acquire) > 0 {
+            return Err(invalid(py, "release every memoryview/array of this WritableBlock before commit()"));
+        }
+        let r = self.res.lock().take();
+        match r {
+            Some(r) => Ok(self.store.commit(r, 0)),
+            None => Err(invalid(py, "this WritableBlock was already committed or aborted")),
+        }
+    }
+
+    /// Frees the slot without publishing (every exported view must be released first).
+    fn abort(&self, py: Python<'_>) -> PyResult<()> {
+        if self.exports.load(Ordering::Acquire) > 0 {
+            return Err(invalid(py, "release every memoryview/array of this WritableBlock before abort()"));
+        }
+        self.res.lock().take();
+        Ok(())
+    }
+
+    fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
+        slf
+    }
+
+    /// Leaving a `with` block aborts what was not committed.
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        // With views still exported the slot stays reserved; it is freed when the
+        // object goes (its views hold references to it).
+        if self.exports.load(Ordering::Acquire) == 0 {
+            self.res.lock().take();
+        }
+        false
+    }
+
+    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+        let me = slf.get();
+        let r = me.res.lock();
+        let Some(res) = r.as_ref() else {
+            return Err(PyBufferError::new_err("this WritableBlock was already committed or aborted"));
+        };
+        // SAFETY: the reservation stays in `res` while exports > 0 (commit refuses, abort
+        // through __exit__ waits), so the slot is valid and only this writer's.
+        unsafe { fill(slf.as_any(), view, res.as_mut_ptr(), me.len, false, flags)? };
+        me.exports.fetch_add(1, Ordering::AcqRel);
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {
+        self.exports.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    fn __repr__(&self) -> String {
+        format!("WritableBlock(key={:#x}, nbytes={}, done={})", self.key, self.len, self.done())
+    }
+}
