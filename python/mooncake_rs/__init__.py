@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from . import _logging
 from ._core import (
+    Batch,
     Block,
     BlockCache,
     BlockIndex,
@@ -19,16 +20,23 @@ from ._core import (
     DecodeCostModel,
     DecodeLoad,
     IndexStats,
+    Peer,
     PrefillCostModel,
     PrefillLoad,
     PrefixHasher,
     PrefixMatch,
+    Region,
     ReplicationHint,
     Store,
     StoreEvent,
     StoreRegion,
     StoreStats,
     TransferCostModel,
+    TransferEngine,
+    TransferRegistry,
+    TransferRequest,
+    TransferStats,
+    TransferStatus,
     WritableBlock,
     __version__,
 )
@@ -72,6 +80,17 @@ __all__ = [
     "PrefillCostModel",
     "TransferCostModel",
     "DecodeCostModel",
+    # transfer engine
+    "TransferEngine",
+    "TransferRegistry",
+    "TransferRequest",
+    "TransferStatus",
+    "TransferStats",
+    "Region",
+    "Peer",
+    "Batch",
+    # serving (lazy: see __getattr__)
+    "Cluster",
     # errors
     "MooncakeError",
     "InvalidArgument",

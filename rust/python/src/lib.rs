@@ -19,6 +19,7 @@ mod logging;
 mod pyint;
 mod store;
 mod store_block;
+mod transfer;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -29,5 +30,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     block_cache::register(m)?;
     conductor::register(m)?;
     store::register(m)?;
+    transfer::register(m)?;
     Ok(())
 }

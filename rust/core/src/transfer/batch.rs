@@ -127,6 +127,22 @@ impl Batch {
         }
     }
 
+    /// Several slices done at once (one lock for a whole inline-copied batch).
+    pub(crate) fn slices_done(&self, done: &[(usize, u64)]) {
+        let mut s = self.state.lock();
+        for &(i, bytes) in done {
+            let Some(slot) = s.slots.get_mut(i) else { continue };
+            if slot.status.is_finished() {
+                continue;
+            }
+            slot.bytes += bytes;
+            slot.slices_left = slot.slices_left.saturating_sub(1);
+            if slot.slices_left == 0 {
+                Self::finish(&mut s, i, None, &self.cv);
+            }
+        }
+    }
+
     /// Request `i` failed (the first error wins; a finished request stays as it is).
     pub(crate) fn fail(&self, i: usize, error: TransferError) {
         let mut s = self.state.lock();

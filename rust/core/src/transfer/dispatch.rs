@@ -11,10 +11,10 @@ use hashbrown::HashMap;
 use super::batch::Batch;
 use super::engine::{EngineInner, PeerKind};
 use super::local::{CopyJob, Span, INLINE_COPY_BYTES};
-use super::region::Region;
+use super::region::{Region, RegionId, RegionTable};
 use super::shm::{self, Lookup, ShmPeer};
 use super::tcp::client::{Slice, TcpPeer};
-use super::{Op, Request, TransferError};
+use super::{AccessError, Op, Request, TransferError};
 
 /// A request whose local side has been checked.
 struct Checked {
@@ -23,8 +23,28 @@ struct Checked {
     local: Arc<Region>,
 }
 
-fn check_local(inner: &EngineInner, index: usize, req: Request) -> Result<Checked, TransferError> {
-    let local = inner.regions.get(req.local).ok_or_else(|| {
+/// Region lookups of one submit (batches reuse a few regions many times).
+#[derive(Default)]
+struct RegionCache {
+    entries: Vec<(*const RegionTable, RegionId, Arc<Region>)>,
+}
+
+impl RegionCache {
+    fn get(&mut self, table: &RegionTable, id: RegionId) -> Option<Arc<Region>> {
+        let key = table as *const RegionTable;
+        if let Some((_, _, r)) = self.entries.iter().find(|(t, i, _)| *t == key && *i == id) {
+            return Some(r.clone());
+        }
+        let r = table.get(id)?;
+        if self.entries.len() < 8 {
+            self.entries.push((key, id, r.clone()));
+        }
+        Some(r)
+    }
+}
+
+fn check_local(inner: &EngineInner, cache: &mut RegionCache, index: usize, req: Request) -> Result<Checked, TransferError> {
+    let local = cache.get(&inner.regions, req.local).ok_or_else(|| {
         TransferError::InvalidRequest(format!("request {index}: local region {} is not registered here", req.local))
     })?;
     local.check(req.local_offset, req.length, req.op == Op::Read).map_err(|e| {
@@ -42,9 +62,13 @@ fn check_local(inner: &EngineInner, index: usize, req: Request) -> Result<Checke
     Ok(Checked { index, req, local })
 }
 
-fn local_copy(batch: &Arc<Batch>, c: &Checked, target: &EngineInner) -> Result<CopyJob, TransferError> {
+fn local_copy(batch: &Arc<Batch>, cache: &mut RegionCache, c: &Checked, target: &EngineInner) -> Result<CopyJob, TransferError> {
     let r = &c.req;
-    let remote = target.regions.resolve(r.remote_region, r.remote_offset, r.length, r.op == Op::Write).map_err(|reason| {
+    let checked = cache
+        .get(&target.regions, r.remote_region)
+        .ok_or(AccessError::NoSuchRegion)
+        .and_then(|reg| reg.check(r.remote_offset, r.length, r.op == Op::Write).map(|_| reg));
+    let remote = checked.map_err(|reason| {
         target.counters.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         TransferError::Refused { side: "peer", region: r.remote_region, reason }
     })?;
@@ -80,9 +104,14 @@ fn slices(slice_size: usize, batch: &Arc<Batch>, c: &Checked) -> Vec<Slice> {
 
 fn run_copies(inner: &EngineInner, batch: &Arc<Batch>, jobs: Vec<CopyJob>, inline: bool) {
     if inline {
+        let mut done = Vec::with_capacity(jobs.len());
         for j in jobs {
-            j.run();
+            // SAFETY: as in CopyJob::run: both spans were bounds-checked for `len` bytes
+            // and are kept mapped by `j`; the batch is fresh, so nothing ended it yet.
+            unsafe { std::ptr::copy(j.src.ptr as *const u8, j.dst.ptr, j.len as usize) };
+            done.push((j.index, j.len));
         }
+        batch.slices_done(&done);
         return;
     }
     for j in jobs {
@@ -96,16 +125,18 @@ fn run_copies(inner: &EngineInner, batch: &Arc<Batch>, jobs: Vec<CopyJob>, inlin
 }
 
 pub(crate) fn submit(inner: &EngineInner, requests: Vec<Request>, timeout: Duration) -> Result<Arc<Batch>, TransferError> {
+    let mut cache = RegionCache::default();
     let checked = requests
         .into_iter()
         .enumerate()
-        .map(|(i, r)| check_local(inner, i, r))
+        .map(|(i, r)| check_local(inner, &mut cache, i, r))
         .collect::<Result<Vec<_>, _>>()?;
     let batch = Arc::new(Batch::new(checked.len(), timeout));
     let mut copies = Vec::new();
     let mut copy_bytes = 0u64;
     let mut tcp: HashMap<*const TcpPeer, (Arc<TcpPeer>, Vec<Slice>)> = HashMap::new();
     let mut deferred: Vec<Checked> = Vec::new();
+    let mut last_target: Option<(*const std::sync::Weak<EngineInner>, Arc<EngineInner>)> = None;
     for c in checked {
         if c.req.length == 0 {
             batch.set_slices(c.index, 0);
@@ -113,11 +144,16 @@ pub(crate) fn submit(inner: &EngineInner, requests: Vec<Request>, timeout: Durat
         }
         match &c.req.peer.kind {
             PeerKind::Local(w) => {
-                let Some(target) = w.upgrade().filter(|t| !t.is_closed()) else {
+                let target = match &last_target {
+                    Some((p, t)) if std::ptr::eq(*p, w) => Some(t.clone()),
+                    _ => w.upgrade().filter(|t| !t.is_closed()),
+                };
+                let Some(target) = target else {
                     batch.fail(c.index, TransferError::Closed);
                     continue;
                 };
-                match local_copy(&batch, &c, &target) {
+                last_target = Some((w as *const _, target.clone()));
+                match local_copy(&batch, &mut cache, &c, &target) {
                     Ok(j) => {
                         copy_bytes += j.len;
                         copies.push(j);

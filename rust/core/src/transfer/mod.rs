@@ -14,6 +14,7 @@
 
 pub mod auth;
 pub mod batch;
+pub mod config;
 mod dispatch;
 pub mod engine;
 pub mod local;

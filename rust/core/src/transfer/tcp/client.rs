@@ -301,7 +301,7 @@ impl TcpPeer {
     }
 
     fn receiver(&self, conn: &Conn, stream: TcpStream) {
-        let mut r = BufReader::with_capacity(256 << 10, stream);
+        let mut r = BufReader::with_capacity(8 << 10, stream);
         let mut stalled = 0u32;
         loop {
             if conn.dead.load(Ordering::SeqCst) {

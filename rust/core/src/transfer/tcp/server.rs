@@ -148,7 +148,7 @@ fn serve(mut stream: TcpStream, sh: &Shared) {
     // After the handshake a connection may sit idle as long as it likes.
     let _ = stream.set_read_timeout(None);
     let Ok(read_half) = stream.try_clone() else { return };
-    let mut r = BufReader::with_capacity(64 << 10, read_half);
+    let mut r = BufReader::with_capacity(8 << 10, read_half);
     loop {
         if sh.closed.load(Ordering::SeqCst) {
             return;

@@ -1,0 +1,319 @@
+#!/usr/bin/env python3
+"""Transfer engine benchmark, side by side with the physical references, in one run.
+
+  python benches/transfer_bench.py [--budget 0.6] [--rounds 3] [--peer]
+
+* shm: 4 MiB requests x 64 (256 MiB working set) to a peer process, vs np.copyto of the
+  same 256 MiB;
+* TCP loopback: 64 KiB / 512 KiB / 4 MiB requests in batches of 32 and 64 to a peer
+  process, vs a plain Python socket stream between two processes moving the same bytes;
+* latency of one 4 KiB TCP write (submit + wait) vs a plain 4 KiB -> 8 B socket ping-pong;
+* Python overhead of submit + wait of 64 local 64-byte transfers;
+* --peer: also runs Mooncake's te_bench.py (peers/mooncake, needs /tmp/peer-mc).
+
+Every child is started by this script and stopped by it (or by its own alarm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+
+import mooncake_rs as mc
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PEER = os.path.join(HERE, "..", "tests", "transfer_peer.py")
+MOONCAKE = "/work/shared/peers/mooncake"
+MiB = 1 << 20
+WS = 256 * MiB
+
+
+def med(xs):
+    return statistics.median(xs)
+
+
+def timed(fn, budget, min_reps=3, max_reps=2000):
+    out = []
+    t_end = time.perf_counter() + budget
+    while len(out) < min_reps or (time.perf_counter() < t_end and len(out) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def start_peer(**cfg):
+    cfg.setdefault("lifetime_s", 240)
+    p = subprocess.Popen([sys.executable, PEER, json.dumps(cfg)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return p, json.loads(p.stdout.readline())
+
+
+def stop(p):
+    try:
+        p.stdin.write("quit\n")
+        p.stdin.flush()
+        p.wait(10)
+    except Exception:
+        p.kill()
+        p.wait()
+
+
+# ---- plain socket reference (child process) -------------------------------------------
+
+SOCK_CHILD = textwrap.dedent(
+    """
+    import socket, sys, signal
+    signal.alarm(240)
+    srv = socket.create_server(("127.0.0.1", 0))
+    print(srv.getsockname()[1], flush=True)
+    c, _ = srv.accept()
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = memoryview(bytearray(WS_BYTES))
+    def recv_exact(n, off=0):
+        got = 0
+        while got < n:
+            k = c.recv_into(buf[(off + got) % len(buf):][: n - got])
+            if k == 0:
+                sys.exit(0)
+            got += k
+    while True:
+        hdr = bytearray(16)
+        got = 0
+        while got < 16:
+            k = c.recv_into(memoryview(hdr)[got:])
+            if k == 0:
+                sys.exit(0)
+            got += k
+        mode, n = int.from_bytes(hdr[:8], "little"), int.from_bytes(hdr[8:], "little")
+        if mode == 0:          # stream: receive n bytes in chunks, ack once
+            chunk = int.from_bytes(hdr[8:], "little") >> 40
+            total = n & ((1 << 40) - 1)
+            off = 0
+            while off < total:
+                k = min(chunk, total - off)
+                recv_exact(k, off % (len(buf) - chunk))
+                off += k
+            c.sendall(b"a")
+        else:                  # ping-pong: n rounds of 4 KiB -> 8 B
+            for _ in range(n):
+                recv_exact(4096)
+                c.sendall(b"12345678")
+    """
+).replace("WS_BYTES", str(WS))
+
+
+class SocketRef:
+    def __init__(self):
+        self.p = subprocess.Popen([sys.executable, "-c", SOCK_CHILD], stdout=subprocess.PIPE, text=True)
+        port = int(self.p.stdout.readline())
+        self.s = socket.create_connection(("127.0.0.1", port))
+        self.s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.data = memoryview(np.random.default_rng(0).integers(0, 256, WS, dtype=np.uint8))
+
+    def stream(self, chunk, total):
+        self.s.sendall((0).to_bytes(8, "little") + ((chunk << 40) | total).to_bytes(8, "little"))
+        off = 0
+        while off < total:
+            k = min(chunk, total - off)
+            o = off % (WS - chunk)
+            self.s.sendall(self.data[o : o + k])
+            off += k
+        assert self.s.recv(1) == b"a"
+
+    def pingpong(self, n):
+        self.s.sendall((1).to_bytes(8, "little") + n.to_bytes(8, "little"))
+        lat = []
+        msg = self.data[:4096]
+        ack = bytearray(8)
+        for _ in range(n):
+            t0 = time.perf_counter()
+            self.s.sendall(msg)
+            got = 0
+            while got < 8:
+                got += self.s.recv_into(memoryview(ack)[got:])
+            lat.append(time.perf_counter() - t0)
+        return lat
+
+    def close(self):
+        self.s.close()
+        self.p.wait(10)
+
+
+# ---- cases ---------------------------------------------------------------------------
+
+
+def bench_overhead(budget):
+    with mc.TransferEngine("bench-local", transports=["local"], registry=mc.TransferRegistry()) as e:
+        src, dst = e.allocate(MiB), e.register(bytearray(4096))
+        me = e.connect("bench-local")
+        reqs = [mc.TransferRequest("read", dst, i * 64, me, src.id, i * 64, 64) for i in range(64)]
+        for _ in range(300):
+            e.submit(reqs).wait()
+        n = 5000
+        reps = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                e.submit(reqs).wait()
+            reps.append((time.perf_counter() - t0) / n * 1e6)
+    return {"submit_wait_64_local_us": med(reps)}
+
+
+def bench_shm(budget):
+    peer, info = start_peer(name="bench-shm", regions=[{"name": "r", "length": WS, "fill": False}])
+    out = {}
+    try:
+        with mc.TransferEngine("bench-shm-init", registry=mc.TransferRegistry()) as e:
+            p = e.connect("bench-shm", info["address"])
+            assert p.transport == "shm"
+            mine = e.allocate(WS)
+            np.asarray(mine)[:] = 1
+            rid = info["regions"]["r"]
+            for op in ("write", "read"):
+                reqs = [mc.TransferRequest(op, mine, i * 4 * MiB, p, rid, i * 4 * MiB, 4 * MiB) for i in range(64)]
+                assert all(s.ok for s in e.submit(reqs).wait())  # maps + faults the pages in
+                lat = timed(lambda: e.submit(reqs).wait(), budget)
+                out[f"shm_{op}_GBps"] = WS / med(lat) / 1e9
+        a = np.ones(WS, dtype=np.uint8)
+        b = np.zeros(WS, dtype=np.uint8)
+        np.copyto(b, a)
+        out["copyto_GBps"] = WS / med(timed(lambda: np.copyto(b, a), budget)) / 1e9
+    finally:
+        stop(peer)
+    return out
+
+
+def bench_tcp(budget, sizes, batches, rounds):
+    peer, info = start_peer(name="bench-tcp", regions=[{"name": "r", "length": WS, "fill": False}], transports=["tcp"])
+    ref = SocketRef()
+    out = {}
+    try:
+        with mc.TransferEngine("bench-tcp-init", transports=["tcp"], registry=mc.TransferRegistry()) as e:
+            p = e.connect("bench-tcp", info["address"])
+            mine = e.allocate(WS)
+            np.asarray(mine)[:] = 1
+            rid = info["regions"]["r"]
+            # fault in the peer's pages once (tmpfs allocates on first touch)
+            for op in ("write", "read"):
+                warm = [mc.TransferRequest(op, mine, i * 4 * MiB, p, rid, i * 4 * MiB, 4 * MiB) for i in range(64)]
+                assert all(s.ok for s in e.submit(warm, timeout_s=60).wait())
+            acc: dict[str, list[float]] = {}
+            for _ in range(rounds):  # cases interleaved, ours next to the reference, per round
+                for size in sizes:
+                    for nb in batches:
+                        total = size * nb
+                        ref_lat = timed(lambda: ref.stream(size, total), budget)
+                        acc.setdefault(f"sock_{size}_{nb}_GBps", []).append(total / med(ref_lat) / 1e9)
+                        for op in ("write", "read"):
+                            k = [0]
+
+                            def one():
+                                base = (k[0] * total) % (WS - total + 1)
+                                k[0] += 1
+                                reqs = [
+                                    mc.TransferRequest(op, mine, base + i * size, p, rid, base + i * size, size)
+                                    for i in range(nb)
+                                ]
+                                st = e.submit(reqs, timeout_s=60).wait()
+                                assert all(s.ok for s in st), st[0]
+
+                            one()
+                            acc.setdefault(f"tcp_{op}_{size}_{nb}_GBps", []).append(total / med(timed(one, budget)) / 1e9)
+            out.update({key: med(v) for key, v in acc.items()})
+            # latency of one 4 KiB write
+            small = [mc.TransferRequest("write", mine, 0, p, rid, 0, 4096)]
+            for _ in range(200):
+                e.submit(small).wait()
+            lat = []
+            for _ in range(2000):
+                t0 = time.perf_counter()
+                e.submit(small).wait()
+                lat.append(time.perf_counter() - t0)
+            out["tcp_4k_write_p50_us"] = med(lat) * 1e6
+            out["tcp_4k_write_p99_us"] = sorted(lat)[int(len(lat) * 0.99)] * 1e6
+        ref.pingpong(200)
+        pp = ref.pingpong(2000)
+        out["sock_pingpong_p50_us"] = med(pp) * 1e6
+    finally:
+        ref.close()
+        stop(peer)
+    return out
+
+
+def run_peer():
+    py = os.environ.get("MC_PEER_VENV", "/tmp/peer-mc") + "/bin/python"
+    if not os.path.exists(py):
+        print("peer venv missing: skipping te_bench.py")
+        return None
+    res = os.environ.setdefault("MCPEER_RESULTS", "/tmp/mcpeer-results")
+    env = dict(os.environ, MCPEER_NO_NETNS=os.environ.get("MCPEER_NO_NETNS", "1"))
+    r = subprocess.run([py, os.path.join(MOONCAKE, "te_bench.py"), "--rounds", "1", "--batches", "32"],
+                       env=env, capture_output=True, text=True, timeout=200)
+    print(r.stdout[-3000:])
+    files = sorted(glob.glob(os.path.join(res, "te_bench-*.json")))
+    if r.returncode != 0 or not files:
+        print("te_bench failed:", r.stderr[-2000:])
+        return None
+    data = json.load(open(files[-1]))
+    out = {}
+    for c in data["cases"]:
+        if c["mode"] == "sync" and c["batch"] == 32:
+            out[f"te_{c['op']}_{c['block']}_GBps"] = c["round_GBps_median"]
+        if c["mode"] == "single" and c["op"] == "write":
+            out["te_4k_write_p50_us"] = c["median_us"]
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--budget", type=float, default=0.6, help="seconds per case")
+    ap.add_argument("--peer", action="store_true", help="also run Mooncake's te_bench.py")
+    ap.add_argument("--batches", default="32,64")
+    ap.add_argument("--rounds", type=int, default=3, help="TCP rounds (median of rounds)")
+    args = ap.parse_args()
+    sizes = [64 << 10, 512 << 10, 4 << 20]
+    batches = [int(b) for b in args.batches.split(",")]
+    t0 = time.time()
+    r = {}
+    r.update(bench_overhead(args.budget))
+    r.update(bench_shm(args.budget))
+    r.update(bench_tcp(args.budget, sizes, batches, args.rounds))
+    peer = run_peer() if args.peer else None
+    if peer:
+        r.update(peer)
+    print(f"\n== transfer engine ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {time.time() - t0:.0f} s)")
+    print(f"python overhead, submit+wait of 64 local transfers: {r['submit_wait_64_local_us']:.1f} us (target <= 20)")
+    c = r["copyto_GBps"]
+    for op in ("write", "read"):
+        v = r[f"shm_{op}_GBps"]
+        print(f"shm 4 MiB x 64 {op:5s}: {v:6.2f} GB/s  vs np.copyto {c:6.2f} GB/s  ratio {v / c:.2f} (target >= 0.8)")
+    for size in sizes:
+        for nb in batches:
+            s = r[f"sock_{size}_{nb}_GBps"]
+            line = f"tcp {size >> 10:5d} KiB x {nb}: socket {s:5.2f} GB/s"
+            for op in ("write", "read"):
+                v = r[f"tcp_{op}_{size}_{nb}_GBps"]
+                line += f" | {op} {v:5.2f} GB/s ({v / s:.2f}x)"
+            if peer and f"te_write_{size}_GBps" in peer and nb == 32:
+                line += f" | mooncake TE write {peer[f'te_write_{size}_GBps']:.2f} read {peer[f'te_read_{size}_GBps']:.2f}"
+            print(line + "  (target >= 0.9x)")
+    print(
+        f"4 KiB write latency p50: {r['tcp_4k_write_p50_us']:.1f} us (p99 {r['tcp_4k_write_p99_us']:.1f}) vs socket ping-pong "
+        f"{r['sock_pingpong_p50_us']:.1f} us: {r['tcp_4k_write_p50_us'] / r['sock_pingpong_p50_us']:.2f}x (target <= 2x)"
+        + (f"; mooncake TE {peer['te_4k_write_p50_us']:.1f} us" if peer and "te_4k_write_p50_us" in peer else "")
+    )
+    print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+//! Engine configuration (validated) and counters.
+
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use super::TransferError;
+
+/// Which paths an engine may use (as initiator) and offer (as server).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Transports {
+    pub local: bool,
+    pub shm: bool,
+    pub tcp: bool,
+}
+
+impl Default for Transports {
+    fn default() -> Self {
+        Transports { local: true, shm: true, tcp: true }
+    }
+}
+
+impl Transports {
+    pub fn parse<'a>(names: impl IntoIterator<Item = &'a str>) -> Result<Transports, TransferError> {
+        let mut t = Transports { local: false, shm: false, tcp: false };
+        for n in names {
+            match n {
+                "local" => t.local = true,
+                "shm" => t.shm = true,
+                "tcp" => t.tcp = true,
+                other => {
+                    return Err(TransferError::InvalidRequest(format!(
+                        "unknown transport {other:?}; use \"local\", \"shm\" or \"tcp\""
+                    )))
+                }
+            }
+        }
+        Ok(t)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub name: String,
+    /// Addresses to listen on (`host:port`, port 0 = any); one endpoint each.
+    pub listen: Vec<String>,
+    pub auth_token: Option<String>,
+    pub transports: Transports,
+    /// TCP requests are cut into slices of at most this many bytes.
+    pub slice_size: usize,
+    pub connect_timeout: Duration,
+    /// A peer that neither reads nor answers for this long is declared dead.
+    pub io_timeout: Duration,
+    pub connections_per_endpoint: usize,
+    pub window: usize,
+    pub max_attempts: u32,
+    pub copy_threads: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            name: String::new(),
+            listen: vec!["127.0.0.1:0".into()],
+            auth_token: None,
+            transports: Transports::default(),
+            slice_size: 1 << 20,
+            connect_timeout: Duration::from_secs(5),
+            io_timeout: Duration::from_secs(10),
+            connections_per_endpoint: 1,
+            window: 16,
+            max_attempts: 3,
+            copy_threads: 2,
+        }
+    }
+}
+
+impl EngineConfig {
+    pub fn validate(&self) -> Result<(), TransferError> {
+        let bad = |m: String| Err(TransferError::InvalidRequest(m));
+        if self.name.is_empty() || self.name.len() > super::protocol::MAX_NAME {
+            return bad(format!("engine name must be 1..=255 bytes, got {:?}", self.name));
+        }
+        if self.slice_size == 0 || self.slice_size > super::protocol::MAX_DATA {
+            return bad(format!("slice_size must be in 1..={}, got {}", super::protocol::MAX_DATA, self.slice_size));
+        }
+        if self.io_timeout.is_zero() || self.connect_timeout.is_zero() {
+            return bad("timeouts must be positive".into());
+        }
+        if !(1..=64).contains(&self.connections_per_endpoint) || self.window == 0 || self.max_attempts == 0 {
+            return bad("connections_per_endpoint must be 1..=64, window and max_attempts >= 1".into());
+        }
+        if self.auth_token.as_deref() == Some("") {
+            return bad("auth_token must not be empty (use None for no authentication)".into());
+        }
+        Ok(())
+    }
+}
+
+/// Counters of one engine (serving and initiating sides).
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub auth_failures: AtomicU64,
+    pub bad_frames: AtomicU64,
+    pub refused: AtomicU64,
+    pub connections: AtomicU64,
+    pub bytes_served: AtomicU64,
+    pub retries: AtomicU64,
+}
+
+/// A snapshot of [`Counters`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EngineStats {
+    pub auth_failures: u64,
+    pub bad_frames: u64,
+    pub refused: u64,
+    pub connections: u64,
+    pub bytes_served: u64,
+    pub retries: u64,
+    pub regions: u64,
+}

@@ -1,0 +1,590 @@
+//! `TransferEngine`, `Region`, `Peer`, `TransferRequest`, `Batch`, `TransferStatus`,
+//! `TransferStats`, `TransferRegistry`: the transfer engine's Python API.
+
+use std::ffi::c_void;
+use std::os::raw::c_int;
+use std::sync::Arc;
+use std::time::Duration;
+
+use mooncake_core::transfer::{
+    Batch, Engine, EngineConfig, EngineRegistry, Op, Peer, Region, RegionId, Request, RequestStatus, TransferError,
+    Transports,
+};
+use mooncake_core::{Categorized, ErrorCategory};
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+
+use crate::errors::{invalid, new_err, to_pyerr};
+use crate::gil::detached;
+
+/// A Python buffer export held for as long as a registered region lives.
+struct HeldBuffer {
+    view: ffi::Py_buffer,
+}
+
+// SAFETY: the view is only released (in Drop, with the GIL held); its memory is what the
+// region points to, which the engine accesses under its own discipline.
+unsafe impl Send for HeldBuffer {}
+// SAFETY: as above; nothing is mutated through &HeldBuffer.
+unsafe impl Sync for HeldBuffer {}
+
+impl Drop for HeldBuffer {
+    fn drop(&mut self) {
+        // SAFETY: checking whether the interpreter still runs has no preconditions.
+        if unsafe { ffi::Py_IsInitialized() } == 0 {
+            return; // interpreter gone: nothing left to release into
+        }
+        // SAFETY: the view was exported once by PyObject_GetBuffer and is released once,
+        // with the GIL held (the last region reference may drop on an engine thread).
+        Python::attach(|_| unsafe { ffi::PyBuffer_Release(&mut self.view) });
+    }
+}
+
+fn dur(py: Python<'_>, what: &str, secs: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(secs)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| invalid(py, format!("{what} must be a positive number of seconds, got {secs}")))
+}
+
+/// A registered region of memory; exports its bytes through the buffer protocol.
+#[pyclass(name = "Region", module = "mooncake_rs._core", frozen)]
+pub struct PyRegion {
+    pub region: Arc<Region>,
+    /// Whether Python may write through the exported buffer.
+    writable: bool,
+}
+
+#[pymethods]
+impl PyRegion {
+    #[getter]
+    fn id(&self) -> RegionId {
+        self.region.id
+    }
+    #[getter]
+    fn length(&self) -> usize {
+        self.region.len()
+    }
+    /// Peers may read this region but never write it.
+    #[getter]
+    fn readonly(&self) -> bool {
+        self.region.readonly
+    }
+    /// Whether same-host peers can reach it through shared memory.
+    #[getter]
+    fn shared(&self) -> bool {
+        self.region.shm().is_some()
+    }
+    fn __len__(&self) -> usize {
+        self.region.len()
+    }
+    fn __repr__(&self) -> String {
+        format!("Region(id={}, length={}, readonly={})", self.region.id, self.region.len(), self.region.readonly)
+    }
+
+    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+        let me = slf.get();
+        if !me.writable && (flags & ffi::PyBUF_WRITABLE) != 0 {
+            return Err(pyo3::exceptions::PyBufferError::new_err("this region's memory is read-only"));
+        }
+        // SAFETY: the exported object (slf) holds the Arc<Region> that keeps the memory
+        // mapped for as long as the view exists; FillInfo takes its own reference.
+        let rc = unsafe {
+            ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                me.region.ptr() as *mut c_void,
+                me.region.len() as ffi::Py_ssize_t,
+                (!me.writable) as c_int,
+                flags,
+            )
+        };
+        if rc != 0 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+}
+
+/// A connected peer (from `TransferEngine.connect`).
+#[pyclass(name = "Peer", module = "mooncake_rs._core", frozen)]
+pub struct PyPeer {
+    peer: Arc<Peer>,
+}
+
+#[pymethods]
+impl PyPeer {
+    #[getter]
+    fn name(&self) -> &str {
+        &self.peer.name
+    }
+    /// "local", "shm" (same host) or "tcp".
+    #[getter]
+    fn transport(&self) -> &'static str {
+        self.peer.transport()
+    }
+    /// TCP connections up.
+    #[getter]
+    fn connections(&self) -> usize {
+        self.peer.connections()
+    }
+    fn __repr__(&self) -> String {
+        format!("Peer(name={:?}, transport={:?})", self.peer.name, self.peer.transport())
+    }
+}
+
+fn region_id(obj: &Bound<'_, PyAny>) -> PyResult<RegionId> {
+    if let Ok(r) = obj.cast::<PyRegion>() {
+        return Ok(r.get().region.id);
+    }
+    obj.extract::<RegionId>()
+        .map_err(|_| invalid(obj.py(), "remote_region must be a region id (int) or a Region"))
+}
+
+/// One transfer: `op` "read" pulls remote bytes into `local`, "write" pushes them.
+#[pyclass(name = "TransferRequest", module = "mooncake_rs._core", frozen)]
+pub struct PyTransferRequest {
+    op: Op,
+    local: Py<PyRegion>,
+    local_offset: u64,
+    peer: Py<PyPeer>,
+    remote_region: RegionId,
+    remote_offset: u64,
+    length: u64,
+}
+
+#[pymethods]
+impl PyTransferRequest {
+    #[new]
+    fn new(
+        py: Python<'_>,
+        op: &str,
+        local: Py<PyRegion>,
+        local_offset: u64,
+        peer: Py<PyPeer>,
+        remote_region: &Bound<'_, PyAny>,
+        remote_offset: u64,
+        length: u64,
+    ) -> PyResult<Self> {
+        let op = Op::parse(op).map_err(|e| to_pyerr(py, &e))?;
+        Ok(PyTransferRequest { op, local, local_offset, peer, remote_region: region_id(remote_region)?, remote_offset, length })
+    }
+    #[getter]
+    fn op(&self) -> &'static str {
+        self.op.name()
+    }
+    #[getter]
+    fn local(&self, py: Python<'_>) -> Py<PyRegion> {
+        self.local.clone_ref(py)
+    }
+    #[getter]
+    fn local_offset(&self) -> u64 {
+        self.local_offset
+    }
+    #[getter]
+    fn peer(&self, py: Python<'_>) -> Py<PyPeer> {
+        self.peer.clone_ref(py)
+    }
+    #[getter]
+    fn remote_region(&self) -> RegionId {
+        self.remote_region
+    }
+    #[getter]
+    fn remote_offset(&self) -> u64 {
+        self.remote_offset
+    }
+    #[getter]
+    fn length(&self) -> u64 {
+        self.length
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "TransferRequest(op={:?}, local_offset={}, remote_region={}, remote_offset={}, length={})",
+            self.op.name(),
+            self.local_offset,
+            self.remote_region,
+            self.remote_offset,
+            self.length
+        )
+    }
+}
+
+/// The outcome of one request.
+#[pyclass(name = "TransferStatus", module = "mooncake_rs._core", frozen, get_all)]
+pub struct PyTransferStatus {
+    /// "pending", "done" or "failed".
+    state: &'static str,
+    ok: bool,
+    /// What went wrong (None unless failed).
+    error: Option<String>,
+    /// Stable error code: "out_of_bounds", "no_such_region", "read_only", "timeout", ...
+    code: Option<&'static str>,
+    bytes: u64,
+    /// The exception class `raise_for_error` raises ("TransferFailed", "TransferTimeout").
+    category: Option<&'static str>,
+}
+
+#[pymethods]
+impl PyTransferStatus {
+    /// Raises the matching `TransferFailed` / `TransferTimeout` if this request failed.
+    fn raise_for_error(&self, py: Python<'_>) -> PyResult<()> {
+        match (self.error.as_ref(), self.category) {
+            (Some(e), Some(cat)) => {
+                let category = match cat {
+                    "TransferTimeout" => ErrorCategory::TransferTimeout,
+                    "InvalidArgument" => ErrorCategory::InvalidArgument,
+                    _ => ErrorCategory::TransferFailed,
+                };
+                Err(new_err(py, category, e.clone()))
+            }
+            _ => Ok(()),
+        }
+    }
+    fn __repr__(&self) -> String {
+        match &self.error {
+            Some(e) => format!("TransferStatus(failed: {e}, bytes={})", self.bytes),
+            None => format!("TransferStatus({}, bytes={})", self.state, self.bytes),
+        }
+    }
+}
+
+fn status_to_py(s: &RequestStatus) -> PyTransferStatus {
+    let (state, error): (&'static str, Option<&TransferError>) = match s {
+        RequestStatus::Pending => ("pending", None),
+        RequestStatus::Done { .. } => ("done", None),
+        RequestStatus::Failed { error, .. } => ("failed", Some(error)),
+    };
+    PyTransferStatus {
+        state,
+        ok: s.is_ok(),
+        error: error.map(|e| e.to_string()),
+        code: error.map(|e| e.code()),
+        bytes: s.bytes(),
+        category: error.map(|e| e.category().name()),
+    }
+}
+
+/// Statuses as a list. Statuses are immutable values, so equal "done" statuses in a row
+/// share one object (a batch of equal-sized requests builds one, not one per request).
+fn statuses(py: Python<'_>, v: Vec<RequestStatus>) -> PyResult<Bound<'_, PyList>> {
+    let mut items: Vec<Bound<'_, PyAny>> = Vec::with_capacity(v.len());
+    let mut last: Option<(u64, Bound<'_, PyAny>)> = None;
+    for s in &v {
+        if let RequestStatus::Done { bytes } = s {
+            if let Some((b, obj)) = &last {
+                if b == bytes {
+                    items.push(obj.clone());
+                    continue;
+                }
+            }
+            let obj = Bound::new(py, status_to_py(s))?.into_any();
+            last = Some((*bytes, obj.clone()));
+            items.push(obj);
+        } else {
+            items.push(Bound::new(py, status_to_py(s))?.into_any());
+        }
+    }
+    PyList::new(py, items)
+}
+
+/// A submitted batch.
+#[pyclass(name = "Batch", module = "mooncake_rs._core", frozen)]
+pub struct PyBatch {
+    batch: Arc<Batch>,
+}
+
+#[pymethods]
+impl PyBatch {
+    /// Waits until every request ended (or the batch deadline, or `timeout_s`).
+    #[pyo3(signature = (timeout_s = None))]
+    fn wait<'py>(&self, py: Python<'py>, timeout_s: Option<f64>) -> PyResult<Bound<'py, PyList>> {
+        let t = timeout_s.map(|s| if s <= 0.0 { Ok(Duration::ZERO) } else { dur(py, "timeout_s", s) }).transpose()?;
+        let b = &self.batch;
+        let v = if b.is_done() { b.status() } else { py.detach(|| b.wait(t)) };
+        statuses(py, v)
+    }
+    /// Current statuses, without waiting.
+    fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        statuses(py, self.batch.status())
+    }
+    /// Ends every unfinished request as cancelled.
+    fn cancel(&self) {
+        self.batch.cancel()
+    }
+    #[getter]
+    fn done(&self) -> bool {
+        self.batch.is_done()
+    }
+    fn __len__(&self) -> usize {
+        self.batch.len()
+    }
+    /// `await batch`: waits in the event loop's default executor.
+    fn __await__(slf: Bound<'_, Self>) -> PyResult<Bound<'_, PyAny>> {
+        let py = slf.py();
+        let lp = py.import("asyncio")?.call_method0("get_running_loop")?;
+        let fut = lp.call_method1("run_in_executor", (py.None(), slf.getattr("wait")?))?;
+        fut.call_method0("__await__")
+    }
+}
+
+/// Counters of one engine.
+#[pyclass(name = "TransferStats", module = "mooncake_rs._core", frozen, get_all)]
+pub struct PyTransferStats {
+    auth_failures: u64,
+    bad_frames: u64,
+    refused: u64,
+    connections: u64,
+    bytes_served: u64,
+    retries: u64,
+    regions: u64,
+}
+
+/// Engines of one process that can find each other by name.
+#[pyclass(name = "TransferRegistry", module = "mooncake_rs._core", frozen)]
+pub struct PyTransferRegistry {
+    inner: Arc<EngineRegistry>,
+}
+
+#[pymethods]
+impl PyTransferRegistry {
+    #[new]
+    fn new() -> Self {
+        PyTransferRegistry { inner: EngineRegistry::new() }
+    }
+    /// The process-wide registry engines join by default.
+    #[staticmethod]
+    fn default() -> Self {
+        PyTransferRegistry { inner: EngineRegistry::global() }
+    }
+    fn names(&self) -> Vec<String> {
+        self.inner.names()
+    }
+    fn address_of(&self, name: &str) -> Option<String> {
+        self.inner.address_of(name)
+    }
+}
+
+#[pyclass(name = "TransferEngine", module = "mooncake_rs._core", frozen)]
+pub struct PyTransferEngine {
+    engine: Engine,
+}
+
+#[pymethods]
+impl PyTransferEngine {
+    #[new]
+    #[pyo3(signature = (name, listen = "127.0.0.1:0", auth_token = None, transports = None, *, registry = None,
+        slice_size = 1_048_576, io_timeout_s = 10.0, connect_timeout_s = 5.0, connections_per_endpoint = 1, copy_threads = 2))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        name: &str,
+        listen: &str,
+        auth_token: Option<String>,
+        transports: Option<Vec<String>>,
+        registry: Option<PyRef<'_, PyTransferRegistry>>,
+        slice_size: usize,
+        io_timeout_s: f64,
+        connect_timeout_s: f64,
+        connections_per_endpoint: usize,
+        copy_threads: usize,
+    ) -> PyResult<Self> {
+        let transports = match &transports {
+            Some(t) => Transports::parse(t.iter().map(String::as_str)).map_err(|e| to_pyerr(py, &e))?,
+            None => Transports::default(),
+        };
+        let cfg = EngineConfig {
+            name: name.to_string(),
+            listen: listen.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect(),
+            auth_token,
+            transports,
+            slice_size,
+            connect_timeout: dur(py, "connect_timeout_s", connect_timeout_s)?,
+            io_timeout: dur(py, "io_timeout_s", io_timeout_s)?,
+            connections_per_endpoint,
+            copy_threads,
+            ..EngineConfig::default()
+        };
+        let reg = registry.map(|r| r.inner.clone()).unwrap_or_else(EngineRegistry::global);
+        let engine = detached(py, || Engine::new(cfg, Some(reg)))?;
+        Ok(PyTransferEngine { engine })
+    }
+
+    #[getter]
+    fn name(&self) -> &str {
+        self.engine.name()
+    }
+    /// What a peer passes to `connect` ("host:port[,host:port...]"; "" without tcp).
+    #[getter]
+    fn address(&self) -> String {
+        self.engine.address()
+    }
+    #[getter]
+    fn closed(&self) -> bool {
+        self.engine.is_closed()
+    }
+
+    fn stats(&self) -> PyTransferStats {
+        let s = self.engine.stats();
+        PyTransferStats {
+            auth_failures: s.auth_failures,
+            bad_frames: s.bad_frames,
+            refused: s.refused,
+            connections: s.connections,
+            bytes_served: s.bytes_served,
+            retries: s.retries,
+            regions: s.regions,
+        }
+    }
+
+    /// Registers any buffer-protocol object (kept alive while registered) or a Region.
+    #[pyo3(signature = (buffer, readonly = false))]
+    fn register(&self, py: Python<'_>, buffer: &Bound<'_, PyAny>, readonly: bool) -> PyResult<PyRegion> {
+        let e = &self.engine;
+        let err = |x: TransferError| to_pyerr(py, &x);
+        if let Ok(r) = buffer.cast::<PyRegion>() {
+            let r = r.get();
+            let id = match r.region.mapping() {
+                Some(m) => e.register_mapped(m.clone(), readonly).map_err(err)?,
+                // SAFETY: the region's memory stays valid while the Arc<Region> owner lives.
+                None => unsafe {
+                    e.register_raw(r.region.ptr(), r.region.len(), readonly || !r.writable, Box::new(r.region.clone()))
+                }
+                .map_err(err)?,
+            };
+            return self.wrap(py, id, r.writable);
+        }
+        // SAFETY: `view` is filled by PyObject_GetBuffer; on failure it is not exported.
+        let (view, writable) = unsafe {
+            if ffi::PyObject_CheckBuffer(buffer.as_ptr()) == 0 {
+                let t = buffer.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+                return Err(invalid(py, format!("register() needs a buffer (bytearray, numpy array, ...) or a Region, got {t}")));
+            }
+            let mut view: ffi::Py_buffer = std::mem::zeroed();
+            let mut flags = ffi::PyBUF_C_CONTIGUOUS | ffi::PyBUF_WRITABLE;
+            let mut writable = true;
+            if ffi::PyObject_GetBuffer(buffer.as_ptr(), &mut view, flags) != 0 {
+                let first = PyErr::fetch(py);
+                if !readonly {
+                    return Err(invalid(py, format!(
+                        "register() needs a writable C-contiguous buffer ({first}); pass readonly=True for read-only memory"
+                    )));
+                }
+                flags = ffi::PyBUF_C_CONTIGUOUS;
+                writable = false;
+                if ffi::PyObject_GetBuffer(buffer.as_ptr(), &mut view, flags) != 0 {
+                    return Err(invalid(py, format!("register() needs a C-contiguous buffer ({})", PyErr::fetch(py))));
+                }
+            }
+            (view, writable)
+        };
+        let (ptr, len) = (view.buf as *mut u8, view.len as usize);
+        let held = HeldBuffer { view };
+        // SAFETY: the exported buffer stays valid (and writable if `writable`) until `held`
+        // releases it; the region's owner is `held`; a non-writable buffer is registered
+        // read-only and is never a destination of a local read.
+        let id = unsafe { e.register_raw(ptr, len, readonly || !writable, Box::new(held)) }.map_err(err)?;
+        self.wrap(py, id, writable)
+    }
+
+    /// A new region of zero-filled shared memory (reachable by same-host peers via shm).
+    #[pyo3(signature = (length, readonly = false))]
+    fn allocate(&self, py: Python<'_>, length: usize, readonly: bool) -> PyResult<PyRegion> {
+        let e = &self.engine;
+        let region = detached(py, || e.allocate(length, readonly))?;
+        Ok(PyRegion { region, writable: true })
+    }
+
+    /// Unregisters a region (a Region or its id); returns whether it was registered.
+    fn unregister(&self, region: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.engine.unregister(region_id(region)?))
+    }
+
+    /// Connects to a peer by name (an engine of this process) or at `address`.
+    #[pyo3(signature = (peer_name, address = None))]
+    fn connect(&self, py: Python<'_>, peer_name: &str, address: Option<&str>) -> PyResult<PyPeer> {
+        let e = &self.engine;
+        let peer = detached(py, || e.connect(peer_name, address))?;
+        Ok(PyPeer { peer })
+    }
+
+    /// Submits a batch of TransferRequests; returns at once.
+    #[pyo3(signature = (requests, timeout_s = 30.0))]
+    fn submit(&self, py: Python<'_>, requests: &Bound<'_, PyAny>, timeout_s: f64) -> PyResult<PyBatch> {
+        let timeout = dur(py, "timeout_s", timeout_s)?;
+        let mut reqs = Vec::new();
+        let mut push = |item: &Bound<'_, PyAny>| -> PyResult<()> {
+            let r = item.cast::<PyTransferRequest>().map_err(|_| invalid(py, "submit() takes a list of TransferRequest"))?;
+            let r = r.get();
+            reqs.push(Request {
+                op: r.op,
+                local: r.local.get().region.id,
+                local_offset: r.local_offset,
+                peer: r.peer.get().peer.clone(),
+                remote_region: r.remote_region,
+                remote_offset: r.remote_offset,
+                length: r.length,
+            });
+            Ok(())
+        };
+        if let Ok(list) = requests.cast::<PyList>() {
+            for item in list.iter() {
+                push(&item)?;
+            }
+        } else if let Ok(t) = requests.cast::<PyTuple>() {
+            for item in t.iter() {
+                push(&item)?;
+            }
+        } else {
+            for item in requests.try_iter()? {
+                push(&item?)?;
+            }
+        }
+        let e = &self.engine;
+        let batch = if reqs.len() <= 64 {
+            e.submit(reqs, timeout).map_err(|x| to_pyerr(py, &x))?
+        } else {
+            detached(py, || e.submit(reqs, timeout))?
+        };
+        Ok(PyBatch { batch })
+    }
+
+    /// Stops serving and closes peers; pending requests fail. Idempotent.
+    fn close(&self, py: Python<'_>) {
+        let e = &self.engine;
+        py.detach(|| e.close())
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, PyTuple>) -> bool {
+        self.close(py);
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        format!("TransferEngine(name={:?}, address={:?})", self.engine.name(), self.engine.address())
+    }
+}
+
+impl PyTransferEngine {
+    fn wrap(&self, py: Python<'_>, id: RegionId, writable: bool) -> PyResult<PyRegion> {
+        let region = self.engine.region(id).ok_or_else(|| new_err(py, ErrorCategory::Internal, "region vanished"))?;
+        Ok(PyRegion { region, writable })
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyTransferEngine>()?;
+    m.add_class::<PyRegion>()?;
+    m.add_class::<PyPeer>()?;
+    m.add_class::<PyTransferRequest>()?;
+    m.add_class::<PyBatch>()?;
+    m.add_class::<PyTransferStatus>()?;
+    m.add_class::<PyTransferStats>()?;
+    m.add_class::<PyTransferRegistry>()?;
+    Ok(())
+}
