@@ -3,8 +3,8 @@
 Workload (as benches/conductor_bench.rs): 16 prefill + 16 decode instances, 1M distinct
 blocks in the index (15,625 chains of 64 blocks, each on one instance, half of them with
 a second replica of a prefix elsewhere, 30% on SSD), 64-block prompts whose cached prefix
-has a random length, ~512 requests in flight (each request finishes 512 calls after it
-was scheduled). Both sides run the "mooncake" policy with the same cost models and no
+has a random length, ~512 requests in flight (prefill finishes 48 calls and decode 512
+calls after scheduling; the replica a fetch made is evicted when its request finishes). Both sides run the "mooncake" policy with the same cost models and no
 rejection; the bench reports per-call p50/p99 from Python, decisions/s of each, their
 ratio, and how often the two chose the same prefill instance.
 
@@ -25,6 +25,7 @@ BLOCKS = 64
 BLOCK_SIZE = 512
 CHAINS = 1_000_000 // BLOCKS
 IN_FLIGHT = 512
+PREFILL_LAG = 48
 PROMPT_LEN = BLOCKS * BLOCK_SIZE + 100
 
 
@@ -35,13 +36,15 @@ class PyAlgorithm1:
         p, t, d = cfg.prefill_model, cfg.transfer_model, cfg.decode_model
         self.p = (p.c0, p.c_new, p.c_new2, p.c_cross)
         self.t = (t.bytes_per_token, t.network_bandwidth, t.latency_s)
+        self.ssd_bw = t.ssd_bandwidth
         self.d = (d.base_s, d.per_seq_s, d.per_token_s)
         self.bs = cfg.block_size
         self.threshold = cfg.balancing_threshold
         self.holders: dict[int, set[int]] = {}
         self.queue = {i: 0.0 for i in range(N_INST)}
+        self.queued = {i: 0 for i in range(N_INST)}  # to reset the sum to exactly 0 when empty
         self.dec = {100 + i: [0, 0.0] for i in range(N_INST)}  # batch, context tokens
-        self.reqs: dict[int, tuple[int, int, float, float]] = {}
+        self.reqs: dict[int, tuple[int, int, float | None, float]] = {}
 
     def store(self, inst: int, hashes: list[int]) -> None:
         for h in hashes:
@@ -71,19 +74,23 @@ class PyAlgorithm1:
             if prefix[i] > best_len:
                 best_inst, best_len = i, prefix[i]
         bpt, bw, lat = self.t
+        ssd_bw = self.ssd_bw
         ttft, choice = float("inf"), None
         for inst in range(N_INST):
+            # The same float operations, in the same order, as the Rust policy, so that
+            # near-ties resolve identically and the decisions can be compared one by one.
             local = prefix.get(inst, 0)
             t_queue = self.queue[inst]
             t_local = self.prefill_time(prompt_len, min(local * self.bs, prompt_len))
-            t_pre, fetch = t_local, 0
+            best = (t_queue + 0.0 + t_local, 0, t_local)
             if best_inst is not None and best_inst != inst and best_len > local and best_len > self.threshold * local:
                 tokens = min(best_len * self.bs, prompt_len) - min(local * self.bs, prompt_len)
-                t_fetch = lat + tokens * bpt / bw + self.prefill_time(prompt_len, min(best_len * self.bs, prompt_len))
-                if t_fetch < t_local:
-                    t_pre, fetch = t_fetch, best_len - local
-            if t_queue + t_pre < ttft:
-                ttft, choice = t_queue + t_pre, (inst, fetch, t_pre)
+                t_transfer = lat + tokens * bpt * ((1.0 - 0.0) / bw + 0.0 / min(bw, ssd_bw))
+                t_pre = self.prefill_time(prompt_len, min(best_len * self.bs, prompt_len))
+                if t_queue + t_transfer + t_pre < best[0]:
+                    best = (t_queue + t_transfer + t_pre, best_len - local, t_transfer + t_pre)
+            if best[0] < ttft:
+                ttft, choice = best[0], (inst, best[1], best[2])
         inst, fetch, work = choice
         # SelectDecodingInstance: lowest predicted step time.
         base, per_seq, per_tok = self.d
@@ -96,14 +103,33 @@ class PyAlgorithm1:
         if fetch:
             self.store(inst, hashes[best_len - fetch : best_len])
         self.queue[inst] += work
+        self.queued[inst] += 1
         self.dec[dec][0] += 1
         self.dec[dec][1] += ctx
         self.reqs[rid] = (inst, dec, work, ctx)
         return inst, dec, ttft, tbt
 
+    def evict(self, inst: int, hashes: list[int]) -> None:
+        for h in hashes:
+            hs = self.holders.get(h)
+            if hs is not None:
+                hs.discard(inst)
+                if not hs:
+                    del self.holders[h]
+
+    def _dequeue(self, inst: int, work: float) -> None:
+        self.queued[inst] -= 1
+        self.queue[inst] = self.queue[inst] - work if self.queued[inst] else 0.0
+
+    def prefill_done(self, rid: int) -> None:
+        inst, dec, work, ctx = self.reqs[rid]
+        self._dequeue(inst, work)
+        self.reqs[rid] = (inst, dec, None, ctx)
+
     def finish(self, rid: int) -> None:
         inst, dec, work, ctx = self.reqs.pop(rid)
-        self.queue[inst] -= work
+        if work is not None:
+            self._dequeue(inst, work)
         self.dec[dec][0] -= 1
         self.dec[dec][1] -= ctx
 
@@ -140,6 +166,7 @@ def run(calls: int) -> None:
     print(f"setup: {len(ours.index):,} blocks indexed in {time.perf_counter() - t0:.1f} s")
     out_len = 256.0
     lat, agree = [], 0
+    fetched: list[tuple[int, list[int]] | None] = [None] * IN_FLIGHT
     t_ours = t_ref = 0.0
     clock = time.perf_counter_ns
     for rid in range(calls):
@@ -154,10 +181,21 @@ def run(calls: int) -> None:
         t_ours += (b - a) / 1e9
         t_ref += (e - b) / 1e9
         agree += d.prefill == r[0]
+        if rid >= PREFILL_LAG:
+            ours.on_prefill_finished(rid - PREFILL_LAG)
+            ref.prefill_done(rid - PREFILL_LAG)
+        slot = rid % IN_FLIGHT
         if rid >= IN_FLIGHT:
             old = rid - IN_FLIGHT
             ours.on_decode_finished(old, 256)
             ref.finish(old)
+            if fetched[slot] is not None:  # the replica lives as long as its request
+                inst, blocks = fetched[slot]
+                ours.on_blocks_evicted(inst, blocks)
+                ref.evict(inst, blocks)
+                fetched[slot] = None
+        if d.fetch_blocks:
+            fetched[slot] = (d.prefill, hs[d.reused_blocks - d.fetch_blocks : d.reused_blocks])
     lat.sort()
     p50 = lat[len(lat) // 2] / 1e3
     p99 = lat[int(len(lat) * 0.99)] / 1e3

@@ -201,6 +201,7 @@ pub struct PyReplicationHint {
 }
 
 #[pymethods]
+#[allow(clippy::wrong_self_convention)] // Python getter names
 impl PyReplicationHint {
     #[getter]
     fn blocks<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {

@@ -281,8 +281,9 @@ fn solve(mut a: Vec<Vec<f64>>) -> Option<Vec<f64>> {
         for r in 0..m {
             if r != col {
                 let f = a[r][col] / a[col][col];
-                for k in col..=m {
-                    a[r][k] -= f * a[col][k];
+                let pivot_row = a[col].clone();
+                for (x, p) in a[r][col..].iter_mut().zip(&pivot_row[col..]) {
+                    *x -= f * p;
                 }
             }
         }

@@ -57,8 +57,8 @@ proptest! {
         // ttft_optimal never estimates worse than recomputing or using the local prefix.
         let mut rng = 0;
         let t = policy::choose(PolicyKind::TtftOptimal, &input, &mut rng).unwrap();
-        for i in 0..cands.len() {
-            prop_assert!(t.ttft() <= input.local_choice(i).ttft() + cost.transfer.local_ssd(cands[i].ssd * bs) + 1e-12);
+        for (i, c) in cands.iter().enumerate() {
+            prop_assert!(t.ttft() <= input.local_choice(i).ttft() + cost.transfer.local_ssd(c.ssd * bs) + 1e-12);
         }
     }
 

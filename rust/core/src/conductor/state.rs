@@ -177,7 +177,7 @@ impl State {
                 return Err(format!("decode {} reserves {} tokens / ctx {}, members say {kv} / {ctx}", d.id, d.kv_reserved, d.ctx_tokens));
             }
             for m in &d.members {
-                if !self.reqs.get(&m.rid).is_some_and(|r| r.decode == d.id) {
+                if self.reqs.get(&m.rid).is_none_or(|r| r.decode != d.id) {
                     return Err(format!("decode {} lists unknown request {}", d.id, m.rid));
                 }
             }

@@ -328,8 +328,7 @@ fn replication_hint_for_hot_prefix_on_busy_instance() {
 
 #[test]
 fn bad_input_changes_nothing() {
-    let mut cfg = ConductorConfig::default();
-    cfg.ttft_slo_s = f64::NAN;
+    let mut cfg = ConductorConfig { ttft_slo_s: f64::NAN, ..Default::default() };
     assert!(matches!(Conductor::new(cfg.clone()), Err(ConductorError::InvalidConfig(_))));
     cfg.ttft_slo_s = 1.0;
     cfg.cost.prefill.c_new = -1.0;
