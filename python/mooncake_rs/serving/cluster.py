@@ -278,6 +278,20 @@ class Cluster:
         gauges["prefix_hit_rate"] = self.metrics.prefix_hit_rate
         return self.metrics.prometheus(gauges)
 
+    def instance_stats(self, timeout_s: float = 30.0) -> dict[int, dict[str, float]]:
+        """Per live instance: bytes its transport copied (``copied_bytes``), seconds its
+        copy thread was busy (``copy_busy_s``), blocks held, evictions. Call it idle."""
+        out = {}
+        for i, m in self._members.items():
+            if not m.alive:
+                continue
+            m.ch.to_instance({"op": "stats"})
+            try:
+                out[i] = self._measured.get(timeout=timeout_s)["stats"]
+            except (queue.Empty, KeyError):
+                raise MooncakeError(f"instance {m.spec.name} did not report its stats") from None
+        return out
+
     def calibrate(self, points: Sequence[tuple[int, int]] | None = None, *, repeats: int = 3,
                   timeout_s: float = 300.0) -> Any:
         """Measures real prefill times on a prefill instance (``(new, cached)`` token

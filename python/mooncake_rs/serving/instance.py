@@ -97,6 +97,11 @@ class Instance:
             elif op == "unpin":
                 for slot in self._pins.pop(msg["rid"], []):
                     self.store.release(slot)
+            elif op == "stats":
+                t = self.transport
+                self.ch.send({"op": "measured", "stats": {"copied_bytes": t.total_bytes, "copy_busy_s": t.busy_s,
+                                                          "blocks": len(self.store),
+                                                          "evictions": self.store.evictions}})
             elif op == "measure":
                 timings = self.engine.measure_prefill(msg["points"], repeats=msg.get("repeats", 3))
                 self.ch.send({"op": "measured", "timings": [(t.new_tokens, t.cached_tokens, t.seconds)
