@@ -121,9 +121,12 @@ def test_overloaded_raised_and_reported():
 
 
 def test_calibrate_fits_the_prefill_model(cluster):
-    model = cluster.calibrate([(BLOCK, 0), (4 * BLOCK, 0), (8 * BLOCK, 0), (4 * BLOCK, 4 * BLOCK),
-                               (8 * BLOCK, 8 * BLOCK)], repeats=2)
-    assert model.predict(8 * BLOCK, 0) > model.predict(BLOCK, 0) > 0
+    points = [(BLOCK, 0), (8 * BLOCK, 0), (32 * BLOCK, 0), (4 * BLOCK, 4 * BLOCK), (8 * BLOCK, 16 * BLOCK)]
+    model = cluster.calibrate(points, repeats=2)
+    assert [(n - c, c) for n, c, _ in cluster.calibration] == points
+    assert all(s > 0 for _, _, s in cluster.calibration)
+    assert min(model.c0, model.c_new, model.c_new2, model.c_cross) >= 0
+    assert model.predict(32 * BLOCK, 0) >= model.predict(BLOCK, 0) > 0
     assert cluster.conductor.config.prefill_model.c_new == model.c_new
     # the cluster keeps serving, with the same index
     assert cluster.generate([[1, 2, 3]], GREEDY)[0].token_ids == reference_outputs([[1, 2, 3]], GREEDY, seed=3)[0]
