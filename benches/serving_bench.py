@@ -43,14 +43,18 @@ def med(xs):
     return statistics.median(xs)
 
 
-def bench_ttft(reps: int) -> None:
-    print("== TTFT: prefix reuse vs full recompute (tiny model, CPU, block 16)")
+MODELS = {"tiny": "tiny", "8-layer": EIGHT_LAYERS, "wide": WIDE}
+
+
+def bench_ttft(reps: int, model_name: str = "tiny") -> None:
+    model = MODELS[model_name]
+    print(f"== TTFT: prefix reuse vs full recompute ({model_name} model, CPU, block 16)")
     rng = random.Random(0)
-    eng = Engine("tiny", block_size=BS, seed=0)
+    eng = Engine(model, block_size=BS, seed=0)
     print(f"{'blocks':>6} {'cached':>6} {'reuse ms':>9} {'recompute ms':>12} {'speedup':>8} {'expected':>9} "
           f"{'tokens ratio':>12}")
-    with Cluster("tiny", prefill=1, decode=1, block_size=BS, seed=0) as warm, \
-            Cluster("tiny", prefill=1, decode=1, block_size=BS, seed=0, prefix_reuse=False) as cold:
+    with Cluster(model, prefill=1, decode=1, block_size=BS, seed=0) as warm, \
+            Cluster(model, prefill=1, decode=1, block_size=BS, seed=0, prefix_reuse=False) as cold:
         for c in (warm, cold):  # warm up both
             c.generate([[1] * 64], ONE)
         for nb in (8, 16, 32):
@@ -70,15 +74,16 @@ def bench_ttft(reps: int) -> None:
                     t_cold.append(cold.generate([prompt], ONE)[0].metrics.ttft_s)
                 new = n - min(cached, (n - 1) // BS * BS)
                 full, part = eng.measure_prefill([(n, 0), (new, n - new)], repeats=reps)
-                print(f"{nb:6d} {cached / n:6.0%} {med(t_reuse) * 1e3:9.2f} {med(t_cold) * 1e3:12.2f} "
+                print(f"{nb:6d} {(n - new) / n:6.0%} {med(t_reuse) * 1e3:9.2f} {med(t_cold) * 1e3:12.2f} "
                       f"{med(t_cold) / med(t_reuse):8.2f} {full.seconds / part.seconds:9.2f} {n / new:12.2f}")
 
 
-def bench_stream(reps: int) -> None:
-    print("== prefill start -> decode-ready: layer-wise streaming vs send after prefill (8-layer model, CPU)")
+def bench_stream(reps: int, link: float | None) -> None:
+    where = "memcpy" if link is None else f"emulated {link / 1e6:.0f} MB/s link"
+    print(f"== prefill start -> decode-ready: layer-wise streaming vs send after prefill (8-layer model, CPU, {where})")
     rng = random.Random(1)
     print(f"{'blocks':>6} {'layer-wise ms':>13} {'after ms':>9} {'ratio':>6}")
-    kw = dict(prefill=1, decode=1, block_size=BS, seed=0, prefix_reuse=False,
+    kw = dict(prefill=1, decode=1, block_size=BS, seed=0, prefix_reuse=False, link_bandwidth=link,
               engine_kwargs={"max_num_batched_tokens": 256})
     with Cluster(EIGHT_LAYERS, stream_layers=True, **kw) as a, Cluster(EIGHT_LAYERS, stream_layers=False, **kw) as b:
         for c in (a, b):
@@ -125,12 +130,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", choices=("ttft", "stream", "transfer"))
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--model", choices=sorted(MODELS), default="tiny", help="model of the TTFT benchmark")
     ap.add_argument("--budget", type=float, default=3.0)
     args = ap.parse_args()
     if args.only in (None, "ttft"):
-        bench_ttft(args.reps)
+        bench_ttft(args.reps, args.model)
     if args.only in (None, "stream"):
-        bench_stream(args.reps)
+        bench_stream(args.reps, None)
+        bench_stream(args.reps, 50e6)
     if args.only in (None, "transfer"):
         bench_transfer(args.budget)
 

@@ -49,7 +49,14 @@ class ArenaStore:
     reservation finds no free slot; a lease (``lookup`` / ``pin``) keeps a slot in place.
     """
 
-    def __init__(self, block_bytes: int, dram_bytes: int, *, shm_name: str | None = None) -> None:
+    @staticmethod
+    def arena_bytes(block_bytes: int, dram_bytes: int) -> int:
+        """Bytes of the arena ``ArenaStore(block_bytes, dram_bytes)`` uses."""
+        slot = -(-int(block_bytes) // _ALIGN) * _ALIGN
+        return max(int(dram_bytes) // slot, 0) * slot
+
+    def __init__(self, block_bytes: int, dram_bytes: int, *, shm_name: str | None = None,
+                 buf: np.ndarray | None = None) -> None:
         if block_bytes < 1:
             raise InvalidArgument("block_bytes must be >= 1")
         self.block_bytes = int(block_bytes)
@@ -60,7 +67,11 @@ class ArenaStore:
         size = self.num_slots * self.slot_bytes
         self.shm_name = shm_name
         self._path: str | None = None
-        if shm_name is not None:
+        if buf is not None:  # memory registered elsewhere (a transfer engine's region)
+            if buf.dtype != np.uint8 or buf.nbytes < size:
+                raise InvalidArgument(f"buf must be a uint8 buffer of at least {size} bytes")
+            self.buf = buf[:size]
+        elif shm_name is not None:
             if not shm_name.startswith(SHM_PREFIX) or "/" in shm_name:
                 raise InvalidArgument(f"shm_name must start with {SHM_PREFIX!r} and hold no '/'")
             self._path = os.path.join(SHM_DIR, shm_name)

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from .. import Conductor, ConductorConfig, DecodeCostModel, PrefillCostModel, PrefixHasher, TransferCostModel
+from .. import (Conductor, ConductorConfig, DecodeCostModel, PrefillCostModel, PrefixHasher, TransferCostModel,
+               TransferRegistry)
 from ..errors import InvalidArgument, MooncakeError, Overloaded
 from .arena import SHM_DIR, SHM_PREFIX
 from .control import Msg, QueueChannel, SocketChannel, send_frame
@@ -35,7 +36,23 @@ from .handle import RequestHandle
 from .instance import Instance, InstanceSpec
 from .metrics import ClusterMetrics, RequestMetrics
 
-__all__ = ["Cluster"]
+__all__ = ["Cluster", "remove_segments_of"]
+
+
+def remove_segments_of(pid: int) -> None:
+    """Unlinks the shared-memory segments a (gone) worker process created: its transfer
+    engine's regions are ``/dev/shm/mooncake_rs.<pid>.<n>``."""
+    mark = f"{SHM_PREFIX}{pid}."
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for n in names:
+        if n.startswith(mark):
+            try:
+                os.unlink(os.path.join(SHM_DIR, n))
+            except OSError:
+                pass
 
 log = logging.getLogger("mooncake_rs.serving")
 
@@ -78,14 +95,16 @@ class Cluster:
     store arenas in /dev/shm (KV moves over shared memory) and a control socket each.
     Extra keywords: ``rejection`` ("none", "early", "predictive"), ``prefix_reuse``
     (False: no KV reuse, every prompt computed), ``stream_layers`` (False: KV is sent
-    after the whole prefill), ``engine_kwargs`` (passed to each Engine).
+    after the whole prefill), ``engine_kwargs`` (passed to each Engine), ``link_bandwidth``
+    (bytes/s: emulate a network link between instances, for benchmarks).
     """
 
     def __init__(self, model: Any = "tiny", prefill: int = 2, decode: int = 1, block_size: int = 16,
                  dram_bytes_per_instance: int = 64 << 20, ssd_path: str | None = None, policy: str = "mooncake",
                  ttft_slo_s: float = 30.0, tbt_slo_s: float = 1.0, processes: bool = False, seed: int = 0, *,
                  rejection: str = "none", prefix_reuse: bool = True, stream_layers: bool = True,
-                 engine_kwargs: dict[str, Any] | None = None, start_timeout_s: float = 180.0) -> None:
+                 engine_kwargs: dict[str, Any] | None = None, start_timeout_s: float = 180.0,
+                 link_bandwidth: float | None = None) -> None:
         if not isinstance(prefill, int) or not isinstance(decode, int) or prefill < 1 or decode < 1:
             raise InvalidArgument("a cluster needs prefill >= 1 and decode >= 1 instances")
         if not isinstance(block_size, int) or block_size < 1:
@@ -107,7 +126,7 @@ class Cluster:
         self.metrics = ClusterMetrics()
         self._closed = False
         self._token = uuid.uuid4().hex[:8]
-        self._registry: dict[str, Any] = {}
+        self._registry = TransferRegistry()  # in-process: how the instances' engines find each other
         self._members: dict[int, _Member] = {}
         self._cfg_args: dict[str, Any] = dict(block_size=block_size, ttft_slo_s=float(ttft_slo_s), tbt_slo_s=float(tbt_slo_s),
                               policy=policy, rejection=rejection, seed=seed)
@@ -122,8 +141,8 @@ class Cluster:
                 role = "prefill" if i in self.prefill_ids else "decode"
                 name = f"{role}-{i if role == 'prefill' else i - prefill}"
                 spec = InstanceSpec(i, role, name, model, block_size, int(dram_bytes_per_instance), seed,
-                                    f"{SHM_PREFIX}{os.getpid()}.{self._token}.{i}" if self.processes else None,
-                                    stream_layers, dict(engine_kwargs or {}))
+                                    None,
+                                    stream_layers, link_bandwidth, dict(engine_kwargs or {}))
                 self._spawn(spec)
             deadline = time.monotonic() + start_timeout_s
             for m in self._members.values():
@@ -353,17 +372,9 @@ class Cluster:
         self._cleanup_shm()
 
     def _cleanup_shm(self) -> None:
-        mark = f"{SHM_PREFIX}{os.getpid()}.{self._token}."
-        try:
-            names = os.listdir(SHM_DIR)
-        except OSError:
-            return
-        for n in names:
-            if n.startswith(mark):
-                try:
-                    os.unlink(os.path.join(SHM_DIR, n))
-                except OSError:
-                    pass
+        for m in self._members.values():
+            if m.proc is not None:
+                remove_segments_of(m.proc.pid)
 
     def __del__(self) -> None:
         try:

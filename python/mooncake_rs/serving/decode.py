@@ -68,7 +68,7 @@ class DecodeRole:
             self.inst.ch.send({"op": "failed", "rid": rid, "error": f"StoreFull: {e}"})
             return
         blocks = [None if i in st.have else store.offset(st.reserved[i]) for i in range(len(st.keys))]
-        self.inst.ch.send({"op": "expected", "rid": rid, "arena": self.inst.arena_name, "blocks": blocks,
+        self.inst.ch.send({"op": "expected", "rid": rid, "arena": self.inst.endpoint, "blocks": blocks,
                            "partial": None if st.partial is None else store.offset(st.partial)})
 
     def _decode(self, msg: Msg) -> None:

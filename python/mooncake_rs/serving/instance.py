@@ -11,12 +11,11 @@ The role-specific behaviour is in prefill.py and decode.py.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from .arena import ArenaStore
 from .control import Msg
@@ -40,11 +39,12 @@ class InstanceSpec:
     seed: int = 0
     shm_name: str | None = None
     stream_layers: bool = True
+    link_bandwidth: float | None = None
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 class Instance:
-    def __init__(self, spec: InstanceSpec, channel: Any, registry: dict[str, np.ndarray] | None = None) -> None:
+    def __init__(self, spec: InstanceSpec, channel: Any, registry: Any = None) -> None:
         from ..engine import Engine
         from .decode import DecodeRole
         from .prefill import PrefillRole
@@ -54,18 +54,17 @@ class Instance:
         model = spec.model if not isinstance(spec.model, Path) else str(spec.model)
         self.engine = Engine(model, block_size=spec.block_size, seed=spec.seed, **spec.engine_kwargs)
         self.layout = self.engine.layout
-        self.store = ArenaStore(self.layout.block_nbytes, spec.dram_bytes, shm_name=spec.shm_name)
-        self.arena_name = spec.shm_name or f"local:{spec.name}"
-        if registry is not None:
-            registry[self.arena_name] = self.store.buf
-        self.transport = Transport(registry)
+        size = ArenaStore.arena_bytes(self.layout.block_nbytes, spec.dram_bytes)
+        self.transport = Transport(spec.name, max(size, 1), registry, spec.link_bandwidth)
+        self.store = ArenaStore(self.layout.block_nbytes, spec.dram_bytes, buf=self.transport.buf)
+        self.endpoint = self.transport.endpoint
         self.role = PrefillRole(self) if spec.role == "prefill" else DecodeRole(self)
         self._pins: dict[int, list[int]] = {}
         self.stopped = False
 
     # ---- the loop
     def run(self) -> None:
-        self.ch.send({"op": "ready", "arena": self.arena_name, "block_bytes": self.layout.block_nbytes,
+        self.ch.send({"op": "ready", "arena": self.endpoint, "pid": os.getpid(), "block_bytes": self.layout.block_nbytes,
                       "slots": self.store.num_slots})
         try:
             while not self.stopped:
@@ -82,7 +81,7 @@ class Instance:
                 if self.engine.has_unfinished():
                     self.role.on_outputs(self.engine.step())
                 self.role.poll()
-                self._flush_store_events()
+                self.flush_store_events()
         finally:
             self.transport.close()
             self.store.close()
@@ -121,10 +120,10 @@ class Instance:
                 break
             slots.append(s)
         self._pins.setdefault(msg["rid"], []).extend(slots)
-        self.ch.send({"op": "exported", "rid": msg["rid"], "arena": self.arena_name,
+        self.ch.send({"op": "exported", "rid": msg["rid"], "arena": self.endpoint,
                       "offsets": [self.store.offset(s) for s in slots]})
 
-    def _flush_store_events(self) -> None:
+    def flush_store_events(self) -> None:
         ev = self.store.drain_events()
         if ev and self.spec.role == "prefill":
             self.ch.send({"op": "store", "events": ev})

@@ -19,11 +19,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from ..errors import StoreFull
+from ..errors import MooncakeError
 from .control import Msg
-from .transport import CopyJob
+from .transport import Span
 
 if TYPE_CHECKING:
     from ..engine import LayerEvent, RequestOutput
@@ -38,12 +36,11 @@ class _PState:
     keys: list[int]
     prompt_len: int
     dest: dict[str, Any] | None
-    dst_buf: np.ndarray | None
     t_start: float
     leases: list[int] = field(default_factory=list)
     new_slots: dict[int, int] = field(default_factory=dict)  # block -> reserved slot
-    private: dict[int, np.ndarray] = field(default_factory=dict)  # blocks without a slot
-    partial: np.ndarray | None = None
+    partial: int | None = None  # slot of the partial last block (request-scoped, never committed)
+    error: str | None = None
     reused: int = 0
     fetched: int = 0
     first: int | None = None
@@ -73,7 +70,7 @@ class PrefillRole:
         rid, keys, prompt = msg["rid"], list(msg["keys"]), msg["prompt"]
         bs = inst.spec.block_size
         dest = msg.get("dest")
-        st = _PState(rid, keys, len(prompt), dest, inst.transport.peer(dest["arena"]) if dest else None, inst.now())
+        st = _PState(rid, keys, len(prompt), dest, inst.now())
         self.reqs[rid] = st
         slots: list[int] = []
         for k in keys[:msg.get("local", 0)]:
@@ -83,15 +80,18 @@ class PrefillRole:
             slots.append(s)
         fetch = msg.get("fetch")
         if fetch and len(slots) == msg.get("local", 0):
-            src = inst.transport.peer(fetch["arena"])
             for k, off in zip(fetch["keys"], fetch["offsets"]):
                 s = store.lookup(k)
                 if s is None:
                     try:
                         s = store.reserve()
-                    except StoreFull:
+                    except MooncakeError:
                         break
-                    inst.transport.copy_now(CopyJob(rid, store.buf, store.offset(s), src, off, store.block_bytes))
+                    try:
+                        inst.transport.read_now(rid, fetch["arena"], [Span(store.offset(s), off, store.block_bytes)])
+                    except (MooncakeError, OSError):  # the holder is gone: compute the rest
+                        store.abandon(s)
+                        break
                     s = store.commit(s, k, lease=True)
                     st.fetched += 1
                 slots.append(s)
@@ -103,58 +103,56 @@ class PrefillRole:
         slots = slots[:usable]
         st.leases, st.reused = slots, len(slots)
         st.fetched = min(st.fetched, st.reused)
+        spans: list[Span] = []
         for i, s in enumerate(slots):  # reused blocks travel right away, while the rest computes
-            self._send(st, i, store.buf, store.offset(s), 0, store.block_bytes)
+            self._span(st, i, store.offset(s), 0, store.block_bytes, spans)
+        self._write(st, spans)
         stream = inst.spec.stream_layers
         inst.engine.add_request(prompt, msg["params"], request_id=str(rid),
                                 restored_kv=[store.view(s) for s in slots], prefill_only=True, hold_kv=True,
                                 on_layer=functools.partial(self._on_layer, st) if stream else None)
         inst.ch.send({"op": "prefill_started", "rid": rid})
 
-    def _send(self, st: _PState, block: int, src: np.ndarray, src_off: int, span_off: int, n: int) -> None:
-        if st.dest is None or st.dst_buf is None:
+    def _span(self, st: _PState, block: int, src_off: int, span_off: int, n: int, out: list[Span]) -> None:
+        if st.dest is None:
             return
-        if block < len(st.keys):
-            off = st.dest["blocks"][block]
-        else:
-            off = st.dest.get("partial")
-        if off is None:  # the decode instance already holds this block
-            return
-        self.inst.transport.submit(CopyJob(st.rid, st.dst_buf, off + span_off, src, src_off + span_off, n))
+        off = st.dest["blocks"][block] if block < len(st.keys) else st.dest.get("partial")
+        if off is not None:  # None: the decode instance already holds this block
+            out.append(Span(src_off + span_off, off + span_off, n))
 
-    def _block_buf(self, st: _PState, i: int) -> tuple[np.ndarray, int]:
-        store = self.inst.store
-        if i in st.new_slots:
-            return store.buf, store.offset(st.new_slots[i])
-        if i in st.private:
-            return st.private[i], 0
-        try:
-            s = store.reserve()
-        except StoreFull:
-            st.private[i] = np.empty(store.block_bytes, dtype=np.uint8)
-            return st.private[i], 0
-        st.new_slots[i] = s
-        return store.buf, store.offset(s)
+    def _write(self, st: _PState, spans: list[Span]) -> None:
+        if spans and st.dest is not None:
+            self.inst.transport.write(st.rid, st.dest["arena"], spans)
+
+    def _slot(self, st: _PState, i: int) -> int:
+        if i < len(st.keys):
+            if i not in st.new_slots:
+                st.new_slots[i] = self.inst.store.reserve()
+            return st.new_slots[i]
+        if st.partial is None:
+            st.partial = self.inst.store.reserve()
+        return st.partial
 
     def _save(self, st: _PState, blocks: tuple[int, ...] | range, partial: int | None, layer: int | None) -> None:
-        inst = self.inst
+        inst, store = self.inst, self.inst.store
         layout = inst.layout
         span_off, n = (0, layout.block_nbytes) if layer is None else (layout.layer_span(layer).offset,
                                                                     layout.layer_nbytes)
-        for i in blocks:
-            if i < st.reused:
-                continue
-            buf, off = self._block_buf(st, i)
-            inst.engine.save_block(str(st.rid), i, buf[off:off + layout.block_nbytes], layer)
-            self._send(st, i, buf, off, span_off, n)
-        if partial is not None:
-            if st.partial is None:
-                st.partial = np.zeros(layout.block_nbytes, dtype=np.uint8)
-            inst.engine.save_block(str(st.rid), partial, st.partial, layer)
-            self._send(st, partial, st.partial, 0, span_off, n)
+        spans: list[Span] = []
+        todo = [i for i in blocks if i >= st.reused] + ([partial] if partial is not None else [])
+        for i in todo:
+            s = self._slot(st, i)
+            inst.engine.save_block(str(st.rid), i, store.view(s), layer)
+            self._span(st, i, store.offset(s), span_off, n, spans)
+        self._write(st, spans)
 
     def _on_layer(self, st: _PState, ev: "LayerEvent") -> None:
-        self._save(st, ev.blocks, ev.partial_block, ev.layer)
+        if st.error is not None:
+            return
+        try:
+            self._save(st, ev.blocks, ev.partial_block, ev.layer)
+        except Exception as e:  # noqa: BLE001 - never break the engine's step; fail the request
+            st.error = f"{type(e).__name__}: {e}"
 
     # ---- engine outputs and completion
     def on_outputs(self, outs: list["RequestOutput"]) -> None:
@@ -169,7 +167,10 @@ class PrefillRole:
             if not self.inst.spec.stream_layers and st.finish == "prefill":
                 nfull = st.prompt_len // bs
                 partial = nfull if st.prompt_len % bs else None
-                self._save(st, range(nfull), partial, None)
+                try:
+                    self._save(st, range(nfull), partial, None)
+                except Exception as e:  # noqa: BLE001 - fail the request, not the instance
+                    st.error = f"{type(e).__name__}: {e}"
             st.done = True
 
     def poll(self) -> None:
@@ -178,11 +179,22 @@ class PrefillRole:
 
     def _complete(self, st: _PState) -> None:
         inst, store = self.inst, self.inst.store
+        err = st.error or inst.transport.error(st.rid)
         for i, s in st.new_slots.items():
-            store.commit(s, st.keys[i]) if i < len(st.keys) else store.abandon(s)
+            if err is None:
+                store.commit(s, st.keys[i])
+            else:
+                store.abandon(s)
+        if st.partial is not None:
+            store.abandon(st.partial)
         for s in st.leases:
             store.release(s)
         inst.engine.release(str(st.rid))
+        if err is not None:
+            inst.transport.take_bytes(st.rid)
+            inst.ch.send({"op": "failed", "rid": st.rid, "error": f"KV hand-off failed: {err}"})
+            return
+        inst.flush_store_events()  # the index learns the new blocks before the request ends
         inst.ch.send({"op": "prefilled", "rid": st.rid, "first": st.first, "finish": st.finish,
                       "reused_blocks": st.reused, "fetched_blocks": st.fetched,
                       "bytes": inst.transport.take_bytes(st.rid), "t_start": st.t_start,
@@ -199,6 +211,8 @@ class PrefillRole:
             time.sleep(0.001)
         for s in st.new_slots.values():
             inst.store.abandon(s)
+        if st.partial is not None:
+            inst.store.abandon(st.partial)
         for s in st.leases:
             inst.store.release(s)
         inst.transport.take_bytes(rid)

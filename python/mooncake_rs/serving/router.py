@@ -237,14 +237,10 @@ class Router:
             elif r.wait_fetch and d.fetch_from == inst:
                 r.wait_fetch = False
                 self._maybe_dispatch(r)
-        if m.spec.shm_name:
-            import os
+        if m.proc is not None and m.proc.poll() is not None:
+            from .cluster import remove_segments_of
 
-            from .arena import SHM_DIR
-            try:
-                os.unlink(os.path.join(SHM_DIR, m.spec.shm_name))
-            except OSError:
-                pass
+            remove_segments_of(m.proc.pid)
 
     def _watch(self) -> None:
         for i, m in self.c._members.items():
