@@ -79,7 +79,7 @@ def bench_ttft(reps: int, model_name: str = "tiny") -> None:
 
 
 def bench_stream(reps: int, link: float | None) -> None:
-    where = "memcpy" if link is None else f"emulated {link / 1e6:.0f} MB/s link"
+    where = "local path, no link limit" if link is None else f"emulated {link / 1e6:.0f} MB/s link"
     print(f"== prefill start -> decode-ready: layer-wise streaming vs send after prefill (8-layer model, CPU, {where})")
     rng = random.Random(1)
     print(f"{'blocks':>6} {'layer-wise ms':>13} {'after ms':>9} {'ratio':>6}")

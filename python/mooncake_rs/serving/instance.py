@@ -58,6 +58,7 @@ class Instance:
         self.transport = Transport(spec.name, max(size, 1), registry, spec.link_bandwidth)
         self.store = ArenaStore(self.layout.block_nbytes, spec.dram_bytes, buf=self.transport.buf)
         self.endpoint = self.transport.endpoint
+        self.store.buf[::4096] = 0  # fault the arena's pages in now, not during the first transfers
         self.role = PrefillRole(self) if spec.role == "prefill" else DecodeRole(self)
         self._pins: dict[int, list[int]] = {}
         self.stopped = False

@@ -21,6 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fd", type=int, required=True)
     args = ap.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the cluster decides when we stop
+    # the engine thread holds the GIL between torch ops; a short switch interval lets the
+    # transfer waiter and the control reader run promptly in between
+    sys.setswitchinterval(float(os.environ.get("MOONCAKE_WORKER_SWITCH_S", "0.0005")))
     sock = socket.socket(fileno=args.fd)
     from .control import SocketChannel, recv_frame
 
