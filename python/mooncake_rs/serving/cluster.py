@@ -298,8 +298,8 @@ class Cluster:
         return self.metrics.prometheus(gauges)
 
     def instance_stats(self, timeout_s: float = 30.0) -> dict[int, dict[str, float]]:
-        """Per live instance: bytes its transport copied (``copied_bytes``), seconds its
-        copy thread was busy (``copy_busy_s``), blocks held, evictions. Call it idle."""
+        """Per live instance: bytes its transfer engine moved (``copied_bytes``), seconds its
+        transfers were in flight (``copy_busy_s``), blocks held, evictions. Call it idle."""
         out = {}
         for i, m in self._members.items():
             if not m.alive:
