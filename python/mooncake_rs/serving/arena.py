@@ -1,19 +1,16 @@
 """The block store of one serving instance: a DRAM arena cut into fixed slots.
 
 The serving layer stores KV blocks through this small slot store (content-addressed by
-block hash, LRU eviction, leases, reserve-then-commit, stored/evicted events). With
-``shm_name`` the arena is a file in ``/dev/shm`` that other instances on the host map,
-so a peer reads or writes a block with one copy (the shared-memory transport's path).
-
-It follows the API of ``mooncake_rs.Store`` (issue 3) in the subset serving needs; it
-exists because the store's Python glue was not merged when the serving layer was
-written (see docs/serving.md).
+block hash, LRU eviction, leases, reserve-then-commit, stored/evicted events) over an
+arena that is the instance's transfer-engine region, so peers read and write slots by
+(region, offset). It follows ``mooncake_rs.Store`` (issue 3) in the subset serving needs;
+serving does not use ``Store`` itself yet because a reserved block's slot offset is not
+exposed there (see docs/serving.md, Limits). The ``SHM_*`` names locate the transfer
+engine's shared-memory segments (``/dev/shm/mooncake_rs.<pid>.<n>``).
 """
 
 from __future__ import annotations
 
-import mmap
-import os
 import threading
 from collections import OrderedDict
 
@@ -21,23 +18,11 @@ import numpy as np
 
 from ..errors import InvalidArgument, StoreFull
 
-__all__ = ["ArenaStore", "map_shared", "SHM_DIR", "SHM_PREFIX"]
+__all__ = ["ArenaStore", "SHM_DIR", "SHM_PREFIX"]
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "mooncake_rs."
 _ALIGN = 64
-
-
-def map_shared(name: str) -> np.ndarray:
-    """Maps an arena another instance created (read-write, the whole file)."""
-    path = os.path.join(SHM_DIR, name)
-    fd = os.open(path, os.O_RDWR)
-    try:
-        size = os.fstat(fd).st_size
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    return np.frombuffer(mm, dtype=np.uint8)
 
 
 class ArenaStore:
@@ -55,8 +40,7 @@ class ArenaStore:
         slot = -(-int(block_bytes) // _ALIGN) * _ALIGN
         return max(int(dram_bytes) // slot, 0) * slot
 
-    def __init__(self, block_bytes: int, dram_bytes: int, *, shm_name: str | None = None,
-                 buf: np.ndarray | None = None) -> None:
+    def __init__(self, block_bytes: int, dram_bytes: int, *, buf: np.ndarray | None = None) -> None:
         if block_bytes < 1:
             raise InvalidArgument("block_bytes must be >= 1")
         self.block_bytes = int(block_bytes)
@@ -65,23 +49,10 @@ class ArenaStore:
         if self.num_slots < 2:
             raise InvalidArgument(f"dram_bytes {dram_bytes} holds fewer than 2 blocks of {block_bytes} bytes; raise it")
         size = self.num_slots * self.slot_bytes
-        self.shm_name = shm_name
-        self._path: str | None = None
         if buf is not None:  # memory registered elsewhere (a transfer engine's region)
             if buf.dtype != np.uint8 or buf.nbytes < size:
                 raise InvalidArgument(f"buf must be a uint8 buffer of at least {size} bytes")
             self.buf = buf[:size]
-        elif shm_name is not None:
-            if not shm_name.startswith(SHM_PREFIX) or "/" in shm_name:
-                raise InvalidArgument(f"shm_name must start with {SHM_PREFIX!r} and hold no '/'")
-            self._path = os.path.join(SHM_DIR, shm_name)
-            fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, size)
-                mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
-                os.close(fd)
-            self.buf = np.frombuffer(mm, dtype=np.uint8)
         else:
             self.buf = np.zeros(size, dtype=np.uint8)
         self._lock = threading.Lock()
@@ -166,12 +137,3 @@ class ArenaStore:
         with self._lock:
             ev, self._events = self._events, []
             return ev
-
-    def close(self) -> None:
-        """Removes the shared-memory file (mappings stay valid until dropped)."""
-        if self._path is not None:
-            try:
-                os.unlink(self._path)
-            except FileNotFoundError:
-                pass
-            self._path = None

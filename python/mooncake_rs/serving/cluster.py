@@ -141,7 +141,6 @@ class Cluster:
                 role = "prefill" if i in self.prefill_ids else "decode"
                 name = f"{role}-{i if role == 'prefill' else i - prefill}"
                 spec = InstanceSpec(i, role, name, model, block_size, int(dram_bytes_per_instance), seed,
-                                    None,
                                     stream_layers, link_bandwidth, dict(engine_kwargs or {}))
                 self._spawn(spec)
             deadline = time.monotonic() + start_timeout_s

@@ -37,7 +37,6 @@ class InstanceSpec:
     block_size: int
     dram_bytes: int
     seed: int = 0
-    shm_name: str | None = None
     stream_layers: bool = True
     link_bandwidth: float | None = None
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -85,7 +84,6 @@ class Instance:
                 self.flush_store_events()
         finally:
             self.transport.close()
-            self.store.close()
 
     def handle(self, msg: Msg) -> None:
         op = msg["op"]
