@@ -172,3 +172,27 @@ def test_random_batches_match_a_numpy_model(ops):
             else:
                 mx[lo : lo + n] = my[ro : ro + n]
         assert np.array_equal(np.asarray(rx), mx) and np.array_equal(np.asarray(ry), my)
+
+
+def test_store_arena_registers_and_receives_a_transfer():
+    """TransferEngine.register(store): bytes pushed into a reserved slot commit intact."""
+    import numpy as np
+
+    from mooncake_rs import Store, TransferEngine, TransferRequest
+
+    block = 4096
+    store = Store(block, 8 * block)
+    with TransferEngine("arena-a") as a:
+        src = a.allocate(block)
+        payload = np.random.default_rng(3).integers(0, 256, block, dtype=np.uint8)
+        np.asarray(src)[:] = payload
+        dst = a.register(store)
+        assert dst.length >= 8 * block
+        w = store.reserve(77)
+        peer = a.connect("arena-a")
+        req = TransferRequest("write", src, 0, peer, dst.id, w.offset, block)
+        assert all(s.ok for s in a.submit([req], timeout_s=5).wait())
+        w.commit()
+        assert store.slot_offset(77) == req.remote_offset
+        assert bytes(memoryview(store.get(77))) == payload.tobytes()
+        assert not np.asarray(dst).flags.writeable  # the arena is not writable from Python

@@ -61,14 +61,6 @@ __all__ = [
     "BlockIndex",
     "PrefixMatch",
     "IndexStats",
-    # tiered store
-    "Store",
-    "Block",
-    "WritableBlock",
-    "StoreEvent",
-    "StoreStats",
-    "StoreRegion",
-    "BlockCache",
     # the conductor (global scheduler)
     "Conductor",
     "ConductorConfig",
@@ -80,6 +72,14 @@ __all__ = [
     "PrefillCostModel",
     "TransferCostModel",
     "DecodeCostModel",
+    # tiered store
+    "Store",
+    "Block",
+    "WritableBlock",
+    "StoreEvent",
+    "StoreStats",
+    "StoreRegion",
+    "BlockCache",
     # transfer engine
     "TransferEngine",
     "TransferRegistry",
@@ -110,7 +110,7 @@ def __getattr__(name: str) -> object:
         import importlib
 
         return importlib.import_module(".engine", __name__)
-    # The serving layer (Cluster) imports the engine, hence torch: load it on first use too.
+    # The serving layer (Cluster) imports the engine, hence torch, when a Cluster is built.
     if name in ("Cluster", "serving"):
         import importlib
 

@@ -8,8 +8,8 @@
 //! - [`hash`]: chained 128-bit hashes of full token blocks.
 //! - [`index`]: which instance holds which block, in which tier; longest-prefix matching.
 //! - [`mem`]: page-aligned private or shared-memory mappings (store arenas, transfer regions).
-//! - [`transfer`]: batch transfers between registered memory (local, shm, tcp).
 //! - [`conductor`]: global scheduling (Algorithm 1 and better), admission, replica hints.
+//! - [`transfer`]: batch transfers between registered memory (local, shm, tcp).
 //! - [`error`]: the error categories every module's error enum maps to.
 
 pub mod conductor;

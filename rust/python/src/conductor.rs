@@ -13,8 +13,6 @@ use pyo3::types::PyDict;
 
 use crate::conductor_types::{PyConductorConfig, PyDecision, PyReplicationHint, PySnapshot};
 use crate::convert::{hash_from_py, hashes_from_py};
-use pyo3::ffi;
-use pyo3::types::PyList;
 use crate::errors::{new_err, to_pyerr};
 use crate::gil::DETACH_THRESHOLD;
 use crate::index::PyBlockIndex;
@@ -37,47 +35,6 @@ fn map_err(py: Python<'_>, e: ConductorError) -> PyErr {
         Ok(PyErr::from_value(cls.call((e.to_string(),), Some(&kwargs))?))
     };
     build().unwrap_or_else(|_| to_pyerr(py, &e))
-}
-
-/// One Python int -> block hash through the stable C API (two calls for a 128-bit
-/// value, no Python-level dispatch); anything unusual goes to `hash_from_py`, which
-/// raises the proper `InvalidArgument`.
-fn fast_hash(obj: &Bound<'_, PyAny>) -> PyResult<u128> {
-    let p = obj.as_ptr();
-    // SAFETY: `p` is a live object (borrowed from `obj`); every error these calls set is
-    // cleared before returning, and the one new reference (`hi`, `sixty_four`) is released.
-    unsafe {
-        if ffi::PyLong_Check(p) != 0 {
-            let lo = ffi::PyLong_AsUnsignedLongLong(p);
-            if lo != u64::MAX || ffi::PyErr_Occurred().is_null() {
-                return Ok(lo as u128);
-            }
-            ffi::PyErr_Clear();
-            let sixty_four = ffi::PyLong_FromLong(64);
-            if !sixty_four.is_null() {
-                let hi_obj = ffi::PyNumber_Rshift(p, sixty_four);
-                ffi::Py_DecRef(sixty_four);
-                if !hi_obj.is_null() {
-                    let hi = ffi::PyLong_AsUnsignedLongLong(hi_obj);
-                    ffi::Py_DecRef(hi_obj);
-                    if hi != u64::MAX || ffi::PyErr_Occurred().is_null() {
-                        let lo = ffi::PyLong_AsUnsignedLongLongMask(p);
-                        return Ok(((hi as u128) << 64) | lo as u128);
-                    }
-                }
-            }
-            ffi::PyErr_Clear();
-        }
-    }
-    hash_from_py(obj)
-}
-
-/// Block hashes for `schedule` (the hot path): lists go through `fast_hash`.
-fn hashes_fast(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u128>> {
-    match obj.cast::<PyList>() {
-        Ok(list) => list.iter().map(|x| fast_hash(&x)).collect(),
-        Err(_) => hashes_from_py(obj),
-    }
 }
 
 fn parse_tier(py: Python<'_>, tier: &str) -> PyResult<Tier> {
@@ -135,7 +92,7 @@ impl PyConductor {
         now: f64,
         expected_output_len: Option<usize>,
     ) -> PyResult<PyDecision> {
-        let hashes = hashes_fast(block_hashes)?;
+        let hashes = hashes_from_py(block_hashes)?;
         let r = ScheduleRequest { request_id, block_hashes: &hashes, prompt_len, now, expected_output_len };
         self.inner.schedule(&r).map(PyDecision::from).map_err(|e| map_err(py, e))
     }
@@ -151,7 +108,7 @@ impl PyConductor {
         now: f64,
         expected_output_len: Option<usize>,
     ) -> PyResult<PyDecision> {
-        let hashes = hashes_fast(block_hashes)?;
+        let hashes = hashes_from_py(block_hashes)?;
         let r = ScheduleRequest { request_id, block_hashes: &hashes, prompt_len, now, expected_output_len };
         self.inner.preview(&r).map(PyDecision::from).map_err(|e| map_err(py, e))
     }

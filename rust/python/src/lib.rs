@@ -6,10 +6,10 @@
 
 use pyo3::prelude::*;
 
-mod block_cache;
 mod conductor;
 mod conductor_cost;
 mod conductor_types;
+mod block_cache;
 mod convert;
 mod errors;
 mod gil;
@@ -27,8 +27,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     hash::register(m)?;
     index::register(m)?;
-    block_cache::register(m)?;
     conductor::register(m)?;
+    block_cache::register(m)?;
     store::register(m)?;
     transfer::register(m)?;
     Ok(())

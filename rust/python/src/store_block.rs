@@ -180,6 +180,16 @@ impl PyWritableBlock {
         self.len
     }
 
+    /// Byte offset of this slot in the store's arena (`Store.region()`), for a
+    /// transfer that fills it in place before `commit()`.
+    #[getter]
+    fn offset(&self, py: Python<'_>) -> PyResult<usize> {
+        match self.res.lock().as_ref() {
+            Some(r) => Ok(r.offset()),
+            None => Err(invalid(py, "this WritableBlock was already committed or aborted")),
+        }
+    }
+
     /// True once committed or aborted.
     #[getter]
     fn done(&self) -> bool {

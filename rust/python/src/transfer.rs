@@ -157,6 +157,7 @@ pub struct PyTransferRequest {
 #[pymethods]
 impl PyTransferRequest {
     #[new]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         op: &str,
@@ -442,6 +443,21 @@ impl PyTransferEngine {
     fn register(&self, py: Python<'_>, buffer: &Bound<'_, PyAny>, readonly: bool) -> PyResult<PyRegion> {
         let e = &self.engine;
         let err = |x: TransferError| to_pyerr(py, &x);
+        // A store's arena (or its `region()`): registered as the mapping itself, so a
+        // shared-memory arena is eligible for the shm path.
+        let arena = if let Ok(s) = buffer.cast::<crate::store::PyStore>() {
+            Some(s.get().inner.arena())
+        } else if let Ok(r) = buffer.cast::<crate::store::PyStoreRegion>() {
+            Some(r.get().memory())
+        } else {
+            None
+        };
+        if let Some(arena) = arena {
+            let id = e.register_mapped(arena, readonly).map_err(err)?;
+            // Python sees the arena read-only through this Region: slots are written
+            // through the store (reserve/commit), which owns the lease discipline.
+            return self.wrap(py, id, false);
+        }
         if let Ok(r) = buffer.cast::<PyRegion>() {
             let r = r.get();
             let id = match r.region.mapping() {

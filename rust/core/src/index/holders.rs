@@ -52,8 +52,12 @@ impl SpillSlab {
 }
 
 impl Slot2 {
+    pub(crate) const EMPTY: Slot2 = Slot2([EMPTY, EMPTY]);
+    /// A placeholder that counts as occupied, for a bucket about to be removed.
+    pub(crate) const PENDING_REMOVAL: Slot2 = Slot2([0, EMPTY]);
+
     pub(crate) fn empty() -> Self {
-        Slot2([EMPTY, EMPTY])
+        Self::EMPTY
     }
 
     pub(crate) fn is_empty(&self) -> bool {

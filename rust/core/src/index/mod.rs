@@ -13,8 +13,7 @@
 
 mod holders;
 mod instances;
-
-use std::hash::{BuildHasher, Hasher};
+mod table;
 
 use hashbrown::HashMap;
 use parking_lot::{RwLock, RwLockReadGuard};
@@ -23,6 +22,7 @@ use crate::error::{Categorized, ErrorCategory};
 use crate::hash::BlockHash;
 use holders::{Holder, Slot2, SpillSlab};
 use instances::Instances;
+use table::BlockTable;
 
 /// An instance id as the caller names it (any u64).
 pub type InstanceId = u64;
@@ -96,12 +96,7 @@ pub struct IndexStats {
 }
 
 /// Block hashes are already uniform, but simulator traces use small integer ids, so the
-/// key is mixed once (a folded 64×64→128 multiply) rather than hashed with SipHash.
-#[derive(Clone, Copy, Default)]
-struct MixBuild;
-
-struct MixHasher(u64);
-
+/// key is mixed once (a folded 64×64→128 multiply) before it picks a shard and a bucket.
 #[inline]
 fn mix(key: u128) -> u64 {
     let x = (key as u64) ^ ((key >> 64) as u64).rotate_left(29);
@@ -109,28 +104,9 @@ fn mix(key: u128) -> u64 {
     (m as u64) ^ ((m >> 64) as u64)
 }
 
-impl Hasher for MixHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, _bytes: &[u8]) {
-        unreachable!("the index only hashes u128 keys")
-    }
-    fn write_u128(&mut self, key: u128) {
-        self.0 = mix(key);
-    }
-}
-
-impl BuildHasher for MixBuild {
-    type Hasher = MixHasher;
-    fn build_hasher(&self) -> MixHasher {
-        MixHasher(0)
-    }
-}
-
 #[derive(Default)]
 struct Shard {
-    map: HashMap<BlockHash, Slot2, MixBuild>,
+    map: BlockTable,
     slab: SpillSlab,
     entries: usize,
 }
@@ -140,8 +116,8 @@ const SHARDS: usize = 1 << SHARD_BITS;
 
 #[inline]
 fn shard_of(key: BlockHash) -> usize {
-    // Bits 50..56 of the mix: disjoint from the bucket bits of any table below 2^50
-    // buckets and from hashbrown's 7-bit tag (the top bits).
+    // Bits 50..56 of the mix: disjoint from the bucket bits (the low bits) of any
+    // shard table below 2^50 buckets.
     ((mix(key) >> 50) as usize) & (SHARDS - 1)
 }
 
@@ -180,8 +156,8 @@ impl BlockIndex {
                     for &h in hashes {
                         let mut shard = self.shards[shard_of(h)].write();
                         let shard = &mut *shard;
-                        let value = shard.map.entry(h).or_insert_with(Slot2::empty);
-                        if value.insert(&mut shard.slab, holder) {
+                        let Shard { map, slab, .. } = shard;
+                        if map.update(h, |value| value.insert(slab, holder)) {
                             shard.entries += 1;
                             added += 1;
                         }
@@ -212,13 +188,7 @@ impl BlockIndex {
 
     fn remove_in_shard(shard: &mut Shard, h: BlockHash, pred: impl FnMut(Holder) -> bool) -> usize {
         let Shard { map, slab, entries } = shard;
-        let Some(value) = map.get_mut(&h) else {
-            return 0;
-        };
-        let n = value.remove_where(slab, pred);
-        if value.is_empty() {
-            map.remove(&h);
-        }
+        let n = map.update(h, |value| if value.is_empty() { 0 } else { value.remove_where(slab, pred) });
         *entries -= n;
         n
     }
@@ -233,11 +203,10 @@ impl BlockIndex {
         for shard in self.shards.iter() {
             let mut shard = shard.write();
             let Shard { map, slab, entries } = &mut *shard;
-            map.retain(|_, value| {
+            map.for_each_mut(|value| {
                 let n = value.remove_where(slab, |x| x.slot() == slot);
                 *entries -= n;
                 removed += n;
-                !value.is_empty()
             });
         }
         instances.remove(instance);
@@ -247,7 +216,7 @@ impl BlockIndex {
     fn holders_raw(&self, h: BlockHash, out: &mut HolderBuf) {
         out.clear();
         let shard = self.shards[shard_of(h)].read();
-        if let Some(v) = shard.map.get(&h) {
+        if let Some(v) = shard.map.get(h) {
             v.for_each(&shard.slab, |x| out.push(x));
         }
     }
@@ -304,10 +273,15 @@ impl BlockIndex {
                     guards[*sid] = Some(self.shards[*sid].read_recursive());
                 }
             }
+            for (&h, &sid) in chunk.iter().zip(&shard_ids) {
+                if let Some(g) = &guards[sid] {
+                    g.map.prefetch(h);
+                }
+            }
             let mut values = [Slot2::empty(); CHUNK];
             for ((v, &h), &sid) in values.iter_mut().zip(chunk).zip(&shard_ids) {
                 if let Some(g) = &guards[sid] {
-                    if let Some(found) = g.map.get(&h) {
+                    if let Some(found) = g.map.get(h) {
                         *v = *found;
                     }
                 }
@@ -391,7 +365,7 @@ impl BlockIndex {
             stats.blocks += shard.map.len();
             stats.entries += shard.entries;
             stats.memory_bytes += shard.map.allocation_size() + shard.slab.heap_bytes();
-            for v in shard.map.values() {
+            for (_, v) in shard.map.iter() {
                 v.for_each(&shard.slab, |x| {
                     let e = per_slot.entry(x.slot()).or_default();
                     match x.tier() {
@@ -416,7 +390,8 @@ impl BlockIndex {
         for (i, shard) in self.shards.iter().enumerate() {
             let shard = shard.read();
             let mut entries = 0;
-            for (&h, v) in shard.map.iter() {
+            shard.map.check()?;
+            for (h, v) in shard.map.iter() {
                 if shard_of(h) != i {
                     return Err(format!("block {h:#x} in shard {i}, belongs in {}", shard_of(h)));
                 }

@@ -199,3 +199,23 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn table_survives_growth_and_backward_shift_deletion() {
+    // Small sequential keys (as in traces) and many removals exercise probe runs,
+    // wrap-around and the backward shift.
+    let idx = BlockIndex::new();
+    let keys: Vec<BlockHash> = (0..20_000).collect();
+    idx.insert(1, &keys, Tier::Dram).unwrap();
+    let odd: Vec<BlockHash> = keys.iter().copied().filter(|k| k % 2 == 1).collect();
+    assert_eq!(idx.remove(1, &odd, None), 10_000);
+    idx.check_integrity().unwrap();
+    for k in (0..20_000u128).step_by(997) {
+        assert_eq!(idx.holders(k).is_empty(), k % 2 == 1, "key {k}");
+    }
+    idx.insert(2, &odd, Tier::Ssd).unwrap();
+    assert_eq!(idx.remove_instance(1), 10_000);
+    idx.check_integrity().unwrap();
+    assert_eq!(idx.len(), 10_000);
+    assert_eq!(idx.match_prefix(&[1, 3, 5, 6]), vec![PrefixMatch { instance: 2, dram: 0, ssd: 3 }]);
+}

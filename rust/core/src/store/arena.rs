@@ -118,6 +118,12 @@ impl Lease {
         self.slot
     }
 
+    /// Byte offset of the leased slot in the arena (what a transfer engine that
+    /// registered the arena reads to send this block).
+    pub fn offset(&self) -> usize {
+        self.arena.offset(self.slot)
+    }
+
     pub fn as_ptr(&self) -> *const u8 {
         self.arena.ptr(self.slot)
     }
@@ -160,6 +166,12 @@ impl Reservation {
 
     pub fn slot(&self) -> u32 {
         self.slot
+    }
+
+    /// Byte offset of the reserved slot in the arena (where a transfer engine that
+    /// registered the arena writes this block before `commit`).
+    pub fn offset(&self) -> usize {
+        self.arena.offset(self.slot)
     }
 
     pub fn as_mut_ptr(&self) -> *mut u8 {

@@ -337,7 +337,10 @@ pub fn encode(msg: &Msg) -> Vec<u8> {
 
 /// Decodes one whole frame from the front of `buf`: the message, its payload (data
 /// frames) and the bytes consumed. `Ok(None)` when `buf` holds only part of a frame.
-pub fn decode_frame(buf: &[u8]) -> Result<Option<(Msg, &[u8], usize)>, FrameError> {
+/// A whole decoded frame: the message, its payload, and the bytes it took.
+pub type Decoded<'a> = (Msg, &'a [u8], usize);
+
+pub fn decode_frame(buf: &[u8]) -> Result<Option<Decoded<'_>>, FrameError> {
     let Some(hb) = buf.get(..HEADER_LEN) else { return Ok(None) };
     let mut arr = [0u8; HEADER_LEN];
     arr.copy_from_slice(hb);

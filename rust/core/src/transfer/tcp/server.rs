@@ -43,10 +43,13 @@ struct Shared {
     conns: Mutex<HashMap<u64, TcpStream>>,
 }
 
+/// A bound endpoint and its accept thread.
+type Listener = (SocketAddr, TcpListener, Option<JoinHandle<()>>);
+
 /// The listeners of one engine.
 pub struct Server {
     shared: Arc<Shared>,
-    listeners: Mutex<Vec<(SocketAddr, TcpListener, Option<JoinHandle<()>>)>>,
+    listeners: Mutex<Vec<Listener>>,
 }
 
 impl Server {
@@ -193,8 +196,9 @@ fn handle(h: Header, r: &mut BufReader<TcpStream>, w: &mut TcpStream, ctx: &Serv
                     // SAFETY: resolve() checked offset+len against the region, which `reg`
                     // keeps mapped while we send.
                     let data = unsafe { std::slice::from_raw_parts(reg.at(offset), len as usize) };
-                    write_frame(w, &head, data)?;
+                    // Counted before sending, so a peer that saw the data sees the count.
                     ctx.counters.bytes_served.fetch_add(len, Ordering::Relaxed);
+                    write_frame(w, &head, data)?;
                 }
                 Err(e) => {
                     let _ = refuse(ctx, e);
