@@ -11,9 +11,9 @@ continuous batch) and stream the tokens of each step back to the cluster.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ..errors import StoreFull
+from ..errors import MooncakeError, StoreFull
 from .control import Msg
 
 if TYPE_CHECKING:
@@ -26,9 +26,9 @@ __all__ = ["DecodeRole"]
 @dataclass
 class _DState:
     keys: list[int]
-    have: dict[int, int] = field(default_factory=dict)  # block -> leased slot already held
-    reserved: dict[int, int] = field(default_factory=dict)  # block -> slot being filled
-    partial: int | None = None
+    have: dict[int, Any] = field(default_factory=dict)  # block -> Block already held (leased)
+    reserved: dict[int, Any] = field(default_factory=dict)  # block -> WritableBlock being filled
+    partial: Any = None  # WritableBlock of the partial last block (request-scoped)
 
 
 class DecodeRole:
@@ -60,9 +60,9 @@ class DecodeRole:
                 if s is not None:
                     st.have[i] = s
                 else:
-                    st.reserved[i] = store.reserve()
+                    st.reserved[i] = store.reserve(k)
             if msg["partial"]:
-                st.partial = store.reserve()
+                st.partial = store.reserve_scratch(rid)
         except StoreFull as e:
             self._cancel(rid)
             self.inst.ch.send({"op": "failed", "rid": rid, "error": f"StoreFull: {e}"})
@@ -75,19 +75,21 @@ class DecodeRole:
         inst, store = self.inst, self.inst.store
         rid = msg["rid"]
         st = self.waiting.pop(rid)
-        slots = []
+        blocks = []
         for i, k in enumerate(st.keys):
-            slots.append(st.have[i] if i in st.have else store.commit(st.reserved[i], k, lease=True))
-        views = [store.view(s) for s in slots]
-        if st.partial is not None:
-            views.append(store.view(st.partial))
+            b = st.have[i] if i in st.have else store.commit(st.reserved.pop(i), lease=True)
+            if b is None:
+                raise MooncakeError(f"block {i} was evicted before decode started; raise dram_bytes_per_instance")
+            blocks.append(b)
+        st.have = dict(enumerate(blocks))
         try:
-            inst.engine.add_decode_request(msg["prompt"], msg["first"], msg["params"], views, request_id=str(rid))
-        finally:
-            for s in slots:
-                store.release(s)
+            views = [store.view(b) for b in blocks]
             if st.partial is not None:
-                store.abandon(st.partial)
+                views.append(store.view(st.partial))
+            inst.engine.add_decode_request(msg["prompt"], msg["first"], msg["params"], views, request_id=str(rid))
+            del views  # the engine copied the KV into its pages
+        finally:
+            self._free(st)
         self.active.add(rid)
         inst.ch.send({"op": "decode_started", "rid": rid, "t": inst.now()})
 
@@ -104,16 +106,20 @@ class DecodeRole:
     def poll(self) -> None:
         pass
 
+    @staticmethod
+    def _free(st: _DState) -> None:
+        for b in st.have.values():
+            b.release()
+        for wb in st.reserved.values():
+            wb.abort()
+        if st.partial is not None:
+            st.partial.abort()
+        st.have, st.reserved, st.partial = {}, {}, None
+
     def _cancel(self, rid: int) -> None:
-        store = self.inst.store
         st = self.waiting.pop(rid, None)
         if st is not None:
-            for s in st.have.values():
-                store.release(s)
-            for s in st.reserved.values():
-                store.abandon(s)
-            if st.partial is not None:
-                store.abandon(st.partial)
+            self._free(st)
         if rid in self.active:
             self.inst.engine.abort(str(rid))
             self.active.discard(rid)

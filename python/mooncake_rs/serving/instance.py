@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .arena import ArenaStore
+from .arena import StoreSlots
 from .control import Msg
 from .transport import Transport
 
@@ -53,19 +53,18 @@ class Instance:
         model = spec.model if not isinstance(spec.model, Path) else str(spec.model)
         self.engine = Engine(model, block_size=spec.block_size, seed=spec.seed, **spec.engine_kwargs)
         self.layout = self.engine.layout
-        size = ArenaStore.arena_bytes(self.layout.block_nbytes, spec.dram_bytes)
-        self.transport = Transport(spec.name, max(size, 1), registry, spec.link_bandwidth)
-        self.store = ArenaStore(self.layout.block_nbytes, spec.dram_bytes, buf=self.transport.buf)
+        self.store = StoreSlots(self.layout.block_nbytes, spec.dram_bytes, shared_memory=registry is None,
+                                scope=spec.id)
+        self.transport = Transport(spec.name, self.store.store, registry, spec.link_bandwidth)
         self.endpoint = self.transport.endpoint
-        self.store.buf[::4096] = 0  # fault the arena's pages in now, not during the first transfers
         self.role = PrefillRole(self) if spec.role == "prefill" else DecodeRole(self)
-        self._pins: dict[int, list[int]] = {}
+        self._pins: dict[int, list[Any]] = {}
         self.stopped = False
 
     # ---- the loop
     def run(self) -> None:
         self.ch.send({"op": "ready", "arena": self.endpoint, "pid": os.getpid(), "block_bytes": self.layout.block_nbytes,
-                      "slots": self.store.num_slots})
+                      "slots": self.store.store.slots})
         try:
             while not self.stopped:
                 if self.engine.has_unfinished():
@@ -93,8 +92,8 @@ class Instance:
             elif op == "export":
                 self._export(msg)
             elif op == "unpin":
-                for slot in self._pins.pop(msg["rid"], []):
-                    self.store.release(slot)
+                for blk in self._pins.pop(msg["rid"], []):
+                    blk.release()
             elif op == "stats":
                 t = self.transport
                 self.ch.send({"op": "measured", "stats": {"copied_bytes": t.total_bytes, "copy_busy_s": t.busy_s,
@@ -112,15 +111,15 @@ class Instance:
 
     def _export(self, msg: Msg) -> None:
         """Pins the longest held prefix of ``keys`` and names its slots' offsets."""
-        slots = []
+        blocks = []
         for k in msg["keys"]:
-            s = self.store.lookup(k)
-            if s is None:
+            b = self.store.lookup(k)
+            if b is None:
                 break
-            slots.append(s)
-        self._pins.setdefault(msg["rid"], []).extend(slots)
+            blocks.append(b)
+        self._pins.setdefault(msg["rid"], []).extend(blocks)
         self.ch.send({"op": "exported", "rid": msg["rid"], "arena": self.endpoint,
-                      "offsets": [self.store.offset(s) for s in slots]})
+                      "offsets": [self.store.offset(b) for b in blocks]})
 
     def flush_store_events(self) -> None:
         ev = self.store.drain_events()

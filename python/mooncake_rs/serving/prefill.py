@@ -37,9 +37,9 @@ class _PState:
     prompt_len: int
     dest: dict[str, Any] | None
     t_start: float
-    leases: list[int] = field(default_factory=list)
-    new_slots: dict[int, int] = field(default_factory=dict)  # block -> reserved slot
-    partial: int | None = None  # slot of the partial last block (request-scoped, never committed)
+    leases: list[Any] = field(default_factory=list)  # Blocks held (reused prefix)
+    new_slots: dict[int, Any] = field(default_factory=dict)  # block -> WritableBlock being filled
+    partial: Any = None  # WritableBlock of the partial last block (request-scoped, never committed)
     error: str | None = None
     reused: int = 0
     fetched: int = 0
@@ -72,7 +72,7 @@ class PrefillRole:
         dest = msg.get("dest")
         st = _PState(rid, keys, len(prompt), dest, inst.now())
         self.reqs[rid] = st
-        slots: list[int] = []
+        slots: list[Any] = []
         for k in keys[:msg.get("local", 0)]:
             s = store.lookup(k)
             if s is None:
@@ -84,22 +84,24 @@ class PrefillRole:
                 s = store.lookup(k)
                 if s is None:
                     try:
-                        s = store.reserve()
+                        wb = store.reserve(k)
                     except MooncakeError:
                         break
                     try:
-                        inst.transport.read_now(rid, fetch["arena"], [Span(store.offset(s), off, store.block_bytes)])
+                        inst.transport.read_now(rid, fetch["arena"], [Span(wb.offset, off, store.block_bytes)])
                     except (MooncakeError, OSError):  # the holder is gone: compute the rest
-                        store.abandon(s)
+                        wb.abort()
                         break
-                    s = store.commit(s, k, lease=True)
+                    s = store.commit(wb, lease=True)
+                    if s is None:
+                        break
                     st.fetched += 1
                 slots.append(s)
         if fetch:
             inst.ch.send({"op": "fetched", "rid": rid, "holder": fetch["holder"]})
         usable = (len(prompt) - 1) // bs
         for s in slots[usable:]:
-            store.release(s)
+            s.release()
         slots = slots[:usable]
         st.leases, st.reused = slots, len(slots)
         st.fetched = min(st.fetched, st.reused)
@@ -124,13 +126,13 @@ class PrefillRole:
         if spans and st.dest is not None:
             self.inst.transport.write(st.rid, st.dest["arena"], spans)
 
-    def _slot(self, st: _PState, i: int) -> int:
+    def _slot(self, st: _PState, i: int) -> Any:
         if i < len(st.keys):
             if i not in st.new_slots:
-                st.new_slots[i] = self.inst.store.reserve()
+                st.new_slots[i] = self.inst.store.reserve(st.keys[i])
             return st.new_slots[i]
         if st.partial is None:
-            st.partial = self.inst.store.reserve()
+            st.partial = self.inst.store.reserve_scratch(st.rid)
         return st.partial
 
     def _save(self, st: _PState, blocks: tuple[int, ...] | range, partial: int | None, layer: int | None) -> None:
@@ -180,15 +182,15 @@ class PrefillRole:
     def _complete(self, st: _PState) -> None:
         inst, store = self.inst, self.inst.store
         err = st.error or inst.transport.error(st.rid)
-        for i, s in st.new_slots.items():
+        for wb in st.new_slots.values():
             if err is None:
-                store.commit(s, st.keys[i])
+                store.commit(wb)
             else:
-                store.abandon(s)
+                wb.abort()
         if st.partial is not None:
-            store.abandon(st.partial)
+            st.partial.abort()
         for s in st.leases:
-            store.release(s)
+            s.release()
         inst.engine.release(str(st.rid))
         if err is not None:
             inst.transport.take_bytes(st.rid)
@@ -209,10 +211,10 @@ class PrefillRole:
         inst.engine.release(str(rid))
         while inst.transport.pending(rid):  # copies from our slots must end before reuse
             time.sleep(0.001)
-        for s in st.new_slots.values():
-            inst.store.abandon(s)
+        for wb in st.new_slots.values():
+            wb.abort()
         if st.partial is not None:
-            inst.store.abandon(st.partial)
+            st.partial.abort()
         for s in st.leases:
-            inst.store.release(s)
+            s.release()
         inst.transport.take_bytes(rid)

@@ -1,7 +1,8 @@
 """KV movement between instances through each instance's ``mooncake_rs.TransferEngine``.
 
-Every instance allocates its store arena as a registered region of its own transfer
-engine (``TransferEngine.allocate``: shared memory a peer on this host can map). A copy
+Every instance registers its store's arena with its own transfer engine
+(``TransferEngine.register(store)``; shared memory a peer on this host can map when the
+store was opened with ``shared_memory=True``). A copy
 is a ``TransferRequest``: ``write`` pushes a span of the local arena into a peer's arena
 (prefill -> decode, layer by layer), ``read`` pulls a peer's block into the local arena
 (a prefix fetch). In-process the engines share a ``TransferRegistry`` and the path is a
@@ -22,8 +23,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from .. import TransferEngine, TransferRegistry, TransferRequest
 from ..errors import TransferFailed
 
@@ -40,12 +39,11 @@ class Span:
 
 
 class Transport:
-    def __init__(self, name: str, length: int, registry: TransferRegistry | None = None,
+    def __init__(self, name: str, store: Any, registry: TransferRegistry | None = None,
                  link_bandwidth: float | None = None) -> None:
         self._in_process = registry is not None
         self.te = TransferEngine(name, registry=registry) if registry is not None else TransferEngine(name)
-        self.region = self.te.allocate(length)
-        self.buf = np.asarray(self.region)
+        self.region = self.te.register(store)  # the store's arena: peers address its slots
         self.endpoint = {"name": name, "address": self.te.address, "region": self.region.id}
         self._link = link_bandwidth
         self._link_free = 0.0
