@@ -1,5 +1,6 @@
-"""One serving instance: an Engine, a block store (ArenaStore) and a Transport, driven by
-a loop that reads control messages, steps the engine and reports back.
+"""One serving instance: an Engine, a Store (``StoreSlots``) and a TransferEngine
+(``Transport``), driven by a loop that reads control messages, steps the engine and
+reports back.
 
 The same class runs inside the cluster's process (a thread per instance,
 ``processes=False``) and inside a worker process (``processes=True``, see worker.py).
