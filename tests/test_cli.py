@@ -9,8 +9,8 @@ import pytest
 from mooncake_rs import InvalidArgument
 
 
-def test_demo_runs_and_cache_aware_routing_wins(capsys):
-    assert main(["demo", "--conversations", "30", "--turns", "3", "--no-progress"]) == 0
+def test_index_demo_runs_and_cache_aware_routing_wins(capsys):
+    assert main(["demo", "--index-only", "--conversations", "30", "--turns", "3", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "prefix hit rate" in out
     # The demo's own numbers: cache-aware routing beats random overall.
@@ -38,3 +38,13 @@ def test_workload_is_deterministic_and_prefix_shaped():
             assert nxt.prompt[: len(prev.prompt)] == prev.prompt
     with pytest.raises(InvalidArgument):
         ChatWorkload(turns=0)
+
+
+def test_cluster_demo_is_the_default(capsys):
+    pytest.importorskip("torch")
+    assert main(["demo", "--conversations", "3", "--turns", "2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "2 prefill + 1 decode" in out
+    assert "TTFT  p50" in out and "TBT   p50" in out and "prefix hit rate" in out
+    assert "== prefix reuse: 6/6 requests" in out and "== no prefix reuse: 6/6 requests" in out
+    assert "reused 0 tokens" in out  # the run without reuse reuses nothing

@@ -89,6 +89,8 @@ __all__ = [
     "Region",
     "Peer",
     "Batch",
+    # serving (lazy: see __getattr__)
+    "Cluster",
     # errors
     "MooncakeError",
     "InvalidArgument",
@@ -108,4 +110,10 @@ def __getattr__(name: str) -> object:
         import importlib
 
         return importlib.import_module(".engine", __name__)
+    # The serving layer (Cluster) imports the engine, hence torch, when a Cluster is built.
+    if name in ("Cluster", "serving"):
+        import importlib
+
+        serving = importlib.import_module(".serving", __name__)
+        return serving if name == "serving" else serving.Cluster
     raise AttributeError(f"module 'mooncake_rs' has no attribute {name!r}")

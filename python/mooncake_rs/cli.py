@@ -10,15 +10,33 @@ from .errors import MooncakeError
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from . import demo
+    if args.index_only:
+        from . import demo
 
-    demo.run(
-        instances=args.instances,
-        conversations=args.conversations,
-        turns=args.turns,
-        block_size=args.block_size,
+        demo.run(
+            instances=args.instances,
+            conversations=args.conversations or 200,
+            turns=args.turns or 5,
+            block_size=args.block_size,
+            seed=args.seed,
+            progress=not args.no_progress,
+        )
+        return 0
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("mooncake-rs demo: the cluster demo needs torch (pip install \"mooncake-rs[torch]\"); "
+              "`mooncake-rs demo --index-only` runs without it", file=sys.stderr)
+        return 2
+    from .serving import demo as serving_demo
+
+    serving_demo.run(
+        conversations=args.conversations or 32,
+        turns=args.turns or 5,
         seed=args.seed,
+        processes=args.processes,
         progress=not args.no_progress,
+        compare=not args.no_compare,
     )
     return 0
 
@@ -40,10 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mooncake-rs", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="run the embedded demo")
-    demo.add_argument("--instances", type=int, default=4)
-    demo.add_argument("--conversations", type=int, default=200)
-    demo.add_argument("--turns", type=int, default=5)
+    demo = sub.add_parser("demo", help="run the embedded cluster demo (2 prefill + 1 decode, tiny model, CPU)")
+    demo.add_argument("--index-only", action="store_true",
+                      help="the hashing and block-index routing demo instead (no torch needed)")
+    demo.add_argument("--processes", action="store_true", help="one worker process per instance")
+    demo.add_argument("--no-compare", action="store_true", help="skip the run without prefix reuse")
+    demo.add_argument("--instances", type=int, default=4, help="--index-only: instances")
+    demo.add_argument("--conversations", type=int, default=None, help="default: 32 (cluster), 200 (index-only)")
+    demo.add_argument("--turns", type=int, default=None, help="default: 5 (cluster), 5 (index-only)")
     demo.add_argument("--block-size", type=int, default=16)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--no-progress", action="store_true", help="hide progress bars")

@@ -1,0 +1,10 @@
+"""Disaggregated serving: prefill and decode instances, layer-wise KV streaming, the
+``Cluster`` API (see docs/serving.md). Imports torch (through the engine)."""
+
+from __future__ import annotations
+
+from .cluster import Cluster
+from .handle import RequestHandle
+from .metrics import ClusterMetrics, RequestMetrics
+
+__all__ = ["Cluster", "RequestHandle", "RequestMetrics", "ClusterMetrics"]

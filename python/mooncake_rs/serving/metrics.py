@@ -1,0 +1,129 @@
+"""Per-request metrics, cluster totals and the Prometheus text exposition."""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+
+__all__ = ["RequestMetrics", "ClusterMetrics", "tbt_of", "percentile"]
+
+
+def tbt_of(intervals: list[float]) -> float:
+    """The paper's TBT: the mean of the longest 10% of token intervals (0 with none)."""
+    if not intervals:
+        return 0.0
+    k = max(1, math.ceil(len(intervals) * 0.1))
+    top = sorted(intervals, reverse=True)[:k]
+    return sum(top) / k
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-quantile (0..1) by nearest rank; NaN for no values."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+@dataclass
+class RequestMetrics:
+    """What one request cost and where it ran (``RequestOutput.metrics``).
+
+    ``reused_tokens``: prompt tokens whose KV came from a store (this instance's or
+    fetched); ``fetched_tokens``: the part fetched from another instance;
+    ``computed_tokens``: prompt tokens prefilled here; ``transferred_bytes``: KV bytes
+    moved for it (prefix fetch + prefill -> decode). ``kv_ready_s``: from prefill start to
+    the decode instance having every block.
+    """
+
+    ttft_s: float = math.nan
+    tbt_s: float = 0.0
+    reused_tokens: int = 0
+    fetched_tokens: int = 0
+    computed_tokens: int = 0
+    transferred_bytes: int = 0
+    prefill_instance: int = -1
+    decode_instance: int = -1
+    kv_ready_s: float = math.nan
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    token_intervals: list[float] = field(default_factory=list, repr=False)
+
+
+class ClusterMetrics:
+    """Totals over a cluster's lifetime (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests = 0
+        self.finished = 0
+        self.rejected = 0
+        self.failed = 0
+        self.prompt_tokens = 0
+        self.output_tokens = 0
+        self.reused_tokens = 0
+        self.fetched_tokens = 0
+        self.computed_tokens = 0
+        self.transferred_bytes = 0
+        self.ttft: list[float] = []
+        self.tbt: list[float] = []
+
+    def count(self, what: str, n: int = 1) -> None:
+        with self._lock:
+            setattr(self, what, getattr(self, what) + n)
+
+    def add(self, m: RequestMetrics) -> None:
+        with self._lock:
+            self.finished += 1
+            self.prompt_tokens += m.prompt_tokens
+            self.output_tokens += m.output_tokens
+            self.reused_tokens += m.reused_tokens
+            self.fetched_tokens += m.fetched_tokens
+            self.computed_tokens += m.computed_tokens
+            self.transferred_bytes += m.transferred_bytes
+            if not math.isnan(m.ttft_s):
+                self.ttft.append(m.ttft_s)
+            if m.token_intervals:
+                self.tbt.append(m.tbt_s)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def prometheus(self, gauges: dict[str, float] | None = None) -> str:
+        with self._lock:
+            lines: list[str] = []
+
+            def metric(name: str, kind: str, help_: str, value: float, labels: str = "") -> None:
+                lines.append(f"# HELP mooncake_{name} {help_}")
+                lines.append(f"# TYPE mooncake_{name} {kind}")
+                lines.append(f"mooncake_{name}{labels} {value:g}")
+
+            metric("requests_total", "counter", "Requests submitted.", self.requests)
+            metric("requests_finished_total", "counter", "Requests finished.", self.finished)
+            metric("requests_rejected_total", "counter", "Requests rejected by the conductor (Overloaded).",
+                   self.rejected)
+            metric("requests_failed_total", "counter", "Requests failed (instance lost, error).", self.failed)
+            metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.", self.prompt_tokens)
+            metric("output_tokens_total", "counter", "Generated tokens of finished requests.", self.output_tokens)
+            metric("reused_tokens_total", "counter", "Prompt tokens whose KV came from a store.", self.reused_tokens)
+            metric("fetched_tokens_total", "counter", "Reused prompt tokens fetched from another instance.",
+                   self.fetched_tokens)
+            metric("computed_tokens_total", "counter", "Prompt tokens prefilled.", self.computed_tokens)
+            metric("kv_transferred_bytes_total", "counter", "KV bytes moved between instances.",
+                   self.transferred_bytes)
+            for name, vals, help_ in (("ttft_seconds", self.ttft, "Time to first token."),
+                                      ("tbt_seconds", self.tbt, "Per-request TBT (mean of the longest 10% intervals).")):
+                lines.append(f"# HELP mooncake_{name} {help_}")
+                lines.append(f"# TYPE mooncake_{name} summary")
+                for q in (0.5, 0.9, 0.99):
+                    v = percentile(vals, q)
+                    lines.append(f'mooncake_{name}{{quantile="{q}"}} {0.0 if math.isnan(v) else v:g}')
+                lines.append(f"mooncake_{name}_sum {sum(vals):g}")
+                lines.append(f"mooncake_{name}_count {len(vals)}")
+            for k, v in (gauges or {}).items():
+                name, _, labels = k.partition("{")
+                lines.append(f"# TYPE mooncake_{name} gauge")
+                lines.append(f"mooncake_{name}{'{' + labels if labels else ''} {v:g}")
+            return "\n".join(lines) + "\n"
