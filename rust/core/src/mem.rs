@@ -51,10 +51,21 @@ pub fn page_align(n: usize) -> usize {
     n.div_ceil(p) * p
 }
 
+/// Maps with `MAP_POPULATE`: page tables (and, for new memory, the pages) are set up
+/// now, so the first copy into a store slot or a transfer region does not take a page
+/// fault per 4 KiB on the hot path. The cost is paid once, at creation, in proportion to
+/// the size, and the memory is resident from the start (a cache pool wants that).
 fn map(len: usize, fd: libc::c_int, flags: libc::c_int) -> io::Result<NonNull<u8>> {
     // SAFETY: a fresh mapping at a kernel-chosen address; the result is checked.
     let p = unsafe {
-        libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags, fd, 0)
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            flags | libc::MAP_POPULATE,
+            fd,
+            0,
+        )
     };
     if p == libc::MAP_FAILED {
         return Err(io::Error::last_os_error());
