@@ -35,6 +35,20 @@ _CPU_KV_BYTES = 64 * 1024 * 1024  # default pool size on CPU
 _GPU_KV_FRACTION = 0.85  # default share of free device memory for the pool
 
 
+
+def prompt_tokens(prompt: Sequence[int], params: SamplingParams) -> list[int]:
+    """The prompt as a list of ints, with the checks that need no model (the engine adds
+    vocabulary, length and page checks); the cluster uses it before routing."""
+    if not isinstance(params, SamplingParams):
+        raise InvalidArgument(f"params must be SamplingParams, got {type(params).__name__}")
+    try:
+        toks = [int(t) for t in prompt]
+    except (TypeError, ValueError):
+        raise InvalidArgument("a prompt must be a list of int token ids") from None
+    if not toks:
+        raise InvalidArgument("a prompt needs at least one token")
+    return toks
+
 class Engine(HandoffMixin):
     """One instance's inference engine (see docs/engine.md).
 
@@ -121,14 +135,7 @@ class Engine(HandoffMixin):
 
     # ---- requests
     def _check_prompt(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
-        if not isinstance(params, SamplingParams):
-            raise InvalidArgument(f"params must be SamplingParams, got {type(params).__name__}")
-        try:
-            toks = [int(t) for t in prompt]
-        except (TypeError, ValueError):
-            raise InvalidArgument("a prompt must be a list of int token ids") from None
-        if not toks:
-            raise InvalidArgument("a prompt needs at least one token")
+        toks = prompt_tokens(prompt, params)
         v = self.config.vocab_size
         if min(toks) < 0 or max(toks) >= v:
             raise InvalidArgument(f"token ids must be in 0..{v - 1}")

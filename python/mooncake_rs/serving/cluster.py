@@ -229,18 +229,12 @@ class Cluster:
     def submit(self, prompt: Sequence[int], params: Any = None) -> RequestHandle:
         """Admits one request and returns its handle; raises ``Overloaded`` when rejected."""
         from ..engine import SamplingParams
+        from ..engine.engine import prompt_tokens
 
         if self._closed:
             raise InvalidArgument("the cluster is closed")
         params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidArgument(f"params must be SamplingParams, got {type(params).__name__}")
-        try:
-            toks = [int(t) for t in prompt]
-        except (TypeError, ValueError):
-            raise InvalidArgument("a prompt must be a list of int token ids") from None
-        if not toks:
-            raise InvalidArgument("a prompt needs at least one token")
+        toks = prompt_tokens(prompt, params)
         keys = self._hasher.hash(toks)
         rid = next(self._ids)
         self.metrics.count("requests")

@@ -132,9 +132,19 @@ impl EvictionPolicy for S3Fifo {
         // re-queued as if accessed. Bound the walk so a store where everything is
         // leased ends with None instead of spinning.
         let mut budget = 2 * (self.len() + 1) * (MAX_FREQ as usize + 2);
+        // Blocks kept (leased or pinned) in a row from each queue: once a queue has been
+        // walked round without a victim, the other queue is tried, so a small queue full
+        // of leased blocks cannot hide an evictable block in main (or the reverse).
+        let (mut kept_small, mut kept_main) = (0usize, 0usize);
         while budget > 0 {
             budget -= 1;
-            let from_small = self.small.len() > self.small_target || self.main.len() == 0;
+            let small_done = kept_small >= self.small.len();
+            let main_done = kept_main >= self.main.len();
+            if small_done && main_done {
+                return None;
+            }
+            let prefer_small = self.small.len() > self.small_target || self.main.len() == 0;
+            let from_small = if prefer_small { !small_done } else { main_done };
             let queue = if from_small { Queue::Small } else { Queue::Main };
             let (node, key) = self.list(queue).back()?;
             let freq = self.meta.get(&key).map_or(0, |m| m.freq);
@@ -142,10 +152,19 @@ impl EvictionPolicy for S3Fifo {
                 // Accessed since it entered its queue: promote (small) or reinsert (main).
                 let f = if queue == Queue::Small { 0 } else { freq - 1 };
                 self.requeue(key, node, queue, Queue::Main, f);
+                // Main changed (a newcomer, or a block that must be judged again): its
+                // round of kept blocks starts over. The budget still bounds the walk.
+                kept_main = 0;
                 continue;
             }
             match judge(key) {
-                Verdict::Keep => self.requeue(key, node, queue, queue, 0),
+                Verdict::Keep => {
+                    match queue {
+                        Queue::Small => kept_small += 1,
+                        Queue::Main => kept_main += 1,
+                    }
+                    self.requeue(key, node, queue, queue, 0)
+                }
                 v => {
                     self.list(queue).unlink(node);
                     self.meta.remove(&key);
