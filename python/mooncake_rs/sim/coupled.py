@@ -22,12 +22,10 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from .._core import Conductor
-from ..errors import Overloaded
 from .batching import ContinuousBatch
 from .config import SimConfig
 from .report import Report
-from .simulator import Progress, State, build_report, make_caches, store_chain
+from .simulator import EventLoop, Progress, build_report, make_caches, store_chain
 from .trace import Request
 
 __all__ = ["run_coupled"]
@@ -36,15 +34,11 @@ _IDLE, _DECODE, _ITER = 0, 1, 2
 _ITER_END, _BOUNDARY = 0, 1
 
 
-class _Coupled:
+class _Coupled(EventLoop):
     def __init__(self, cfg: SimConfig, trace: Sequence[Request], progress: Progress | None) -> None:
-        self.cfg = cfg
-        self.trace = trace
-        self.progress = progress
-        self.pm, self.tm, self.dm = cfg.models()
+        super().__init__(cfg, trace, progress)
         n = cfg.prefill + cfg.decode
         self.n = n
-        self.conductor = Conductor(cfg.conductor_config())
         for k in range(n):
             self.conductor.add_prefill(k)
             self.conductor.add_decode(n + k, max_batch=cfg.decode_max_batch, kv_capacity_tokens=cfg.decode_kv_capacity_tokens)
@@ -56,25 +50,11 @@ class _Coupled:
         #: (request, tokens of its prompt already in the KV cache) of the prompt in progress
         self.current: list[tuple[int, int] | None] = [None] * n
         self.boundary_pending = [False] * n
-        self.heap: list[tuple[float, int, int, int, int, int]] = []
-        self.seq = 0
-        bt = cfg.block_tokens
-        self.keys = [r.hash_ids[: r.input_length // bt] for r in trace]
-        self.s = State(len(trace))
-        self.compute_s = 0.0
         self.counters = {"prefill_iterations": 0}
 
-    def push(self, t: float, kind: int, k: int, a: int = 0, b: int = 0) -> None:
-        self.seq += 1
-        heapq.heappush(self.heap, (t, self.seq, kind, k, a, b))
-
     def arrive(self, i: int, t: float) -> None:
-        r = self.trace[i]
-        cfg = self.cfg
-        try:
-            d = self.conductor.schedule(i, self.keys[i], r.input_length, t, r.output_length if cfg.oracle_output_len else None)
-        except Overloaded as e:
-            self.s.rejected[i] = e.reason or "overloaded"
+        d = self.schedule_or_reject(i, t)
+        if d is None:
             return
         k = d.prefill
         self.s.prefill[i] = k

@@ -17,6 +17,7 @@ import resource
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from .._core import BlockCache, Conductor
 from ..errors import Overloaded
@@ -101,13 +102,43 @@ class Simulator:
         return r.go()
 
 
-class _Run:
+class EventLoop:
+    """What both architectures' runs share: the virtual clock's event heap, the real
+    Conductor, the requests' block keys, and admission through ``Conductor.schedule``."""
+
     def __init__(self, cfg: SimConfig, trace: Sequence[Request], progress: Progress | None) -> None:
         self.cfg = cfg
         self.trace = trace
         self.progress = progress
         self.pm, self.tm, self.dm = cfg.models()
         self.conductor = Conductor(cfg.conductor_config())
+        self.heap: list[tuple[float, int, int, int, int, int]] = []
+        self.seq = 0
+        bt = cfg.block_tokens
+        # Only full blocks are scheduled, cached and counted (see docs/sim.md).
+        self.keys = [r.hash_ids[: r.input_length // bt] for r in trace]
+        self.s = State(len(trace))
+        self.compute_s = 0.0
+
+    def push(self, t: float, kind: int, a: int, b: int = 0, c: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, a, b, c))
+
+    def schedule_or_reject(self, i: int, t: float) -> Any:
+        """The conductor's Decision for request ``i`` arriving at ``t``, or None when it
+        was rejected (the reason is recorded)."""
+        r = self.trace[i]
+        expected = r.output_length if self.cfg.oracle_output_len else None
+        try:
+            return self.conductor.schedule(i, self.keys[i], r.input_length, t, expected)
+        except Overloaded as e:
+            self.s.rejected[i] = e.reason or "overloaded"
+            return None
+
+
+class _Run(EventLoop):
+    def __init__(self, cfg: SimConfig, trace: Sequence[Request], progress: Progress | None) -> None:
+        super().__init__(cfg, trace, progress)
         self.index = self.conductor.index
         P, D = cfg.prefill, cfg.decode
         self.pids = list(range(P))
@@ -123,29 +154,17 @@ class _Run:
         self.pending: list[list[int]] = [[] for _ in self.dids]  # arrived, waiting for a step boundary
         self.waiting: list[deque[int]] = [deque() for _ in self.dids]  # no room in the batch yet
         self.kv_used = [0] * D
-        self.heap: list[tuple[float, int, int, int, int, int]] = []
-        self.seq = 0
-        bt = cfg.block_tokens
-        self.keys = [r.hash_ids[: r.input_length // bt] for r in trace]
-        self.s = State(len(trace))
         self.hits: Counter[int] = Counter()
-        self.compute_s = 0.0
         self.counters = {"fetches": 0, "fetch_fallbacks": 0, "replicated_blocks": 0}
-
-    def push(self, t: float, kind: int, a: int, b: int = 0, c: int = 0) -> None:
-        self.seq += 1
-        heapq.heappush(self.heap, (t, self.seq, kind, a, b, c))
 
     # --- prefill ---
 
     def arrive(self, i: int, t: float) -> None:
+        d = self.schedule_or_reject(i, t)
+        if d is None:
+            return
         r = self.trace[i]
         cfg = self.cfg
-        try:
-            d = self.conductor.schedule(i, self.keys[i], r.input_length, t, r.output_length if cfg.oracle_output_len else None)
-        except Overloaded as e:
-            self.s.rejected[i] = e.reason or "overloaded"
-            return
         s = self.s
         s.prefill[i] = d.prefill
         s.decode[i] = d.decode
