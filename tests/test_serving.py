@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from mooncake_rs import Overloaded  # noqa: E402
+from mooncake_rs import Overloaded, PrefixHasher  # noqa: E402
 from mooncake_rs.engine import ModelConfig, SamplingParams  # noqa: E402
 from serving_helpers import BLOCK, reference_outputs, shared_prefix_prompts  # noqa: E402
 
@@ -139,3 +139,30 @@ def test_bad_arguments():
         Cluster("tiny", prefill=0)
     with pytest.raises(InvalidArgument):
         Cluster("tiny", block_size=0)
+
+
+def test_ssd_tier_serves_blocks_evicted_from_dram(tmp_path):
+    """A prefill store too small for two prompts demotes the first one's blocks to its
+    SSD tier; asking for that prompt again reuses them from SSD (promoted back), and the
+    conductor's index followed the tiers."""
+    import time
+
+    from mooncake_rs import Cluster
+
+    rng = random.Random(11)
+    a = [rng.randrange(256) for _ in range(10 * BLOCK)] + [1]
+    b = [rng.randrange(256) for _ in range(10 * BLOCK)] + [2]
+    ref = reference_outputs([a, b], GREEDY, seed=3)
+    with Cluster(ModelConfig.tiny(), prefill=1, decode=1, block_size=BLOCK, dram_bytes_per_instance=16 * 8192,
+                 ssd_path=str(tmp_path), seed=3) as c:
+        assert c.generate([a], GREEDY)[0].token_ids == ref[0]
+        assert c.generate([b], GREEDY)[0].token_ids == ref[1]
+        first_block = PrefixHasher(BLOCK).hash(a)[0]
+        deadline = time.monotonic() + 20
+        while (0, "ssd") not in c.conductor.index.holders(first_block):
+            assert time.monotonic() < deadline, c.conductor.index.holders(first_block)
+            time.sleep(0.05)
+        again = c.generate([a], GREEDY)[0]
+        assert again.token_ids == ref[0]
+        assert again.metrics.reused_tokens > 0
+    assert any((tmp_path / "prefill-0").iterdir())  # the tier lives in the instance's own directory

@@ -28,8 +28,10 @@ _SCRATCH = 0x5C8A_7C11 << 96  # high bits of the synthetic keys of request-scope
 
 
 class StoreSlots:
-    def __init__(self, block_bytes: int, dram_bytes: int, *, shared_memory: bool, scope: int) -> None:
-        self.store = Store(block_bytes, dram_bytes, shared_memory=shared_memory)
+    def __init__(self, block_bytes: int, dram_bytes: int, *, shared_memory: bool, scope: int,
+                 ssd_path: str | None = None, ssd_bytes: int = 0) -> None:
+        self.store = Store(block_bytes, dram_bytes, ssd_path=ssd_path, ssd_bytes=ssd_bytes,
+                           shared_memory=shared_memory)
         self.block_bytes = block_bytes
         self._scope = scope
 
@@ -65,13 +67,16 @@ class StoreSlots:
     def view(h: Any) -> np.ndarray:
         return np.asarray(h)
 
-    def drain_events(self) -> list[tuple[str, int]]:
+    def drain_events(self) -> list[tuple[str, int, str]]:
+        """(``"stored"`` | ``"evicted"``, key, tier) in store order, for the conductor's index:
+        a demotion stores the block in the SSD tier, a promotion in DRAM; an eviction or a
+        removal drops it from the tier it names."""
         out = []
         for e in self.store.drain_events():
-            if e.kind == "stored" and e.tier == "dram":
-                out.append(("stored", e.key))
-            elif e.kind in ("evicted", "removed") and e.tier == "dram":
-                out.append(("evicted", e.key))
+            if e.kind in ("stored", "promoted", "demoted"):
+                out.append(("stored", e.key, e.tier))
+            elif e.kind in ("evicted", "removed"):
+                out.append(("evicted", e.key, e.tier))
         return out
 
     def __len__(self) -> int:

@@ -104,13 +104,18 @@ class Cluster:
                  ttft_slo_s: float = 30.0, tbt_slo_s: float = 1.0, processes: bool = False, seed: int = 0, *,
                  rejection: str = "none", prefix_reuse: bool = True, stream_layers: bool = True,
                  engine_kwargs: dict[str, Any] | None = None, start_timeout_s: float = 180.0,
-                 link_bandwidth: float | None = None) -> None:
+                 link_bandwidth: float | None = None, ssd_bytes_per_instance: int | None = None) -> None:
         if not isinstance(prefill, int) or not isinstance(decode, int) or prefill < 1 or decode < 1:
             raise InvalidArgument("a cluster needs prefill >= 1 and decode >= 1 instances")
         if not isinstance(block_size, int) or block_size < 1:
             raise InvalidArgument(f"block_size must be an int >= 1, got {block_size!r}")
+        if ssd_bytes_per_instance is not None and (not isinstance(ssd_bytes_per_instance, int) or ssd_bytes_per_instance < 0):
+            raise InvalidArgument(f"ssd_bytes_per_instance must be an int >= 0, got {ssd_bytes_per_instance!r}")
         if ssd_path is not None:
-            log.warning("serving: ssd_path is accepted but the serving store has no SSD tier yet (DRAM only)")
+            # Each instance's store gets its own SSD tier under ssd_path/<instance name>.
+            os.makedirs(ssd_path, exist_ok=True)
+        ssd_bytes = 0 if ssd_path is None else (
+            4 * int(dram_bytes_per_instance) if ssd_bytes_per_instance is None else ssd_bytes_per_instance)
         self.block_size = block_size
         self.processes = bool(processes)
         self.prefix_reuse = bool(prefix_reuse)
@@ -141,7 +146,9 @@ class Cluster:
                 role = "prefill" if i in self.prefill_ids else "decode"
                 name = f"{role}-{i if role == 'prefill' else i - prefill}"
                 spec = InstanceSpec(i, role, name, model, block_size, int(dram_bytes_per_instance), seed,
-                                    stream_layers, link_bandwidth, dict(engine_kwargs or {}))
+                                    stream_layers, link_bandwidth, dict(engine_kwargs or {}),
+                                    ssd_path=None if ssd_path is None else os.path.join(ssd_path, name),
+                                    ssd_bytes=ssd_bytes)
                 self._spawn(spec)
             deadline = time.monotonic() + start_timeout_s
             for m in self._members.values():

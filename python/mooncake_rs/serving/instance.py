@@ -41,6 +41,9 @@ class InstanceSpec:
     stream_layers: bool = True
     link_bandwidth: float | None = None
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: the store's SSD tier (a directory of this instance's own), or None for DRAM only
+    ssd_path: str | None = None
+    ssd_bytes: int = 0
 
 
 class Instance:
@@ -55,6 +58,7 @@ class Instance:
         self.engine = Engine(model, block_size=spec.block_size, seed=spec.seed, **spec.engine_kwargs)
         self.layout = self.engine.layout
         self.store = StoreSlots(self.layout.block_nbytes, spec.dram_bytes, shared_memory=registry is None,
+                                ssd_path=spec.ssd_path, ssd_bytes=spec.ssd_bytes,
                                 scope=spec.id)
         self.transport = Transport(spec.name, self.store.store, registry, spec.link_bandwidth)
         self.endpoint = self.transport.endpoint

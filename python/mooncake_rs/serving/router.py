@@ -248,21 +248,22 @@ class Router:
                 self._dead(i, None)
 
     # ---- conductor feed
-    def _store_events(self, inst: int, events: list[tuple[str, int]]) -> None:
+    def _store_events(self, inst: int, events: list[tuple[str, int, str]]) -> None:
         if not self.c.prefix_reuse or not self.c._members[inst].alive:
             return
-        stored: list[int] = []
-        evicted: list[int] = []
-        for kind, key in events:
-            (stored if kind == "stored" else evicted).append(key)
-            if kind == "stored" and key in evicted:
-                evicted.remove(key)
-            elif kind == "evicted" and key in stored:
-                stored.remove(key)
-        if stored:
-            self.c.conductor.on_blocks_stored(inst, stored)
-        if evicted:
-            self.c.conductor.on_blocks_evicted(inst, evicted)
+        # Consecutive events of one kind and tier go to the conductor as one call, in order
+        # (a block may be stored, evicted and stored again within one batch).
+        run: list[int] = []
+        run_kind: tuple[str, str] | None = None
+        for kind, key, tier in list(events) + [("end", 0, "")]:
+            if (kind, tier) != run_kind and run and run_kind is not None:
+                if run_kind[0] == "stored":
+                    self.c.conductor.on_blocks_stored(inst, run, run_kind[1])
+                else:
+                    self.c.conductor.on_blocks_evicted(inst, run, run_kind[1])
+                run = []
+            run_kind = (kind, tier)
+            run.append(key)
 
     def _conductor(self, method: str, *args: Any) -> None:
         try:
