@@ -17,7 +17,6 @@ only keeps the conductor's bookkeeping (rejection, when enabled, reads it).
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -178,29 +177,16 @@ class _Coupled(EventLoop):
         self.finish_decoded(k, t)
         self.kick(k, t)
 
+    def handle(self, t: float, kind: int, k: int, a: int, b: int) -> None:
+        if kind == _ITER_END:
+            self.iter_end(k, a, t)
+        else:
+            self.boundary(k, a, b)
+
     def go(self) -> Report:
         wall0 = time.perf_counter()
-        trace = self.trace
-        n = len(trace)
-        arrivals = [r.arrival_s / self.cfg.speedup for r in trace]
-        heap = self.heap
-        ai = 0
-        tick = max(1, n // 100)
-        inf = float("inf")
-        while ai < n or heap:
-            ta = arrivals[ai] if ai < n else inf
-            if heap and heap[0][0] < ta:
-                t, _, kind, k, a, b = heapq.heappop(heap)
-                if kind == _ITER_END:
-                    self.iter_end(k, a, t)
-                else:
-                    self.boundary(k, a, b)
-                continue
-            self.arrive(ai, ta)
-            ai += 1
-            if self.progress is not None and (ai % tick == 0 or ai == n):
-                self.progress(ai, n)
-        return build_report(self.cfg, trace, self.keys, self.s, self.compute_s, [], time.perf_counter() - wall0, self.counters)
+        self.drive()
+        return build_report(self.cfg, self.trace, self.keys, self.s, self.compute_s, [], time.perf_counter() - wall0, self.counters)
 
 
 def run_coupled(cfg: SimConfig, trace: Sequence[Request], progress: Progress | None = None) -> Report:

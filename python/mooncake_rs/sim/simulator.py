@@ -124,6 +124,37 @@ class EventLoop:
         self.seq += 1
         heapq.heappush(self.heap, (t, self.seq, kind, a, b, c))
 
+    def handle(self, t: float, kind: int, a: int, b: int, c: int) -> None:
+        """Runs one event popped from the heap (each architecture has its own kinds)."""
+        raise NotImplementedError
+
+    def arrive(self, i: int, t: float) -> None:
+        raise NotImplementedError
+
+    def before_arrival(self, t: float) -> None:
+        """A hook run before each arrival (periodic sampling, replication)."""
+
+    def drive(self) -> None:
+        """Merges the trace's arrivals with the event heap in time order (an event due
+        strictly before the next arrival runs first) until both are exhausted."""
+        trace, n = self.trace, len(self.trace)
+        arrivals = [r.arrival_s / self.cfg.speedup for r in trace]
+        heap = self.heap
+        ai = 0
+        tick = max(1, n // 100)
+        inf = float("inf")
+        while ai < n or heap:
+            ta = arrivals[ai] if ai < n else inf
+            if heap and heap[0][0] < ta:
+                t, _, kind, a, b, c = heapq.heappop(heap)
+                self.handle(t, kind, a, b, c)
+                continue
+            self.before_arrival(ta)
+            self.arrive(ai, ta)
+            ai += 1
+            if self.progress is not None and (ai % tick == 0 or ai == n):
+                self.progress(ai, n)
+
     def schedule_or_reject(self, i: int, t: float) -> Any:
         """The conductor's Decision for request ``i`` arriving at ``t``, or None when it
         was rejected (the reason is recorded)."""
@@ -311,45 +342,36 @@ class _Run(EventLoop):
 
     # --- the loop ---
 
+    def handle(self, t: float, kind: int, a: int, b: int, c: int) -> None:
+        if kind == _PREFILL_DONE:
+            self.prefill_done(a, b, t)
+        elif kind == _KV_READY:
+            self.kv_ready(a, b, t)
+        else:
+            self.boundary(a, b, c)
+
+    def before_arrival(self, t: float) -> None:
+        cfg = self.cfg
+        if t >= self._next_sample and cfg.hot_top_k:
+            self._samples.append(self.sample_hot(t))
+            self._next_sample = t + self._sample_every
+        if t >= self._next_repl:
+            self.replicate(t)
+            self._next_repl = t + (cfg.replicate_every_s or float("inf"))
+
     def go(self) -> Report:
         wall0 = time.perf_counter()
         cfg = self.cfg
-        trace = self.trace
-        n = len(trace)
-        arrivals = [r.arrival_s / cfg.speedup for r in trace]
-        span = arrivals[-1] if n else 0.0
-        sample_every = max(cfg.hot_sample_every_s, span / 64.0)
-        next_sample = 0.0
-        next_repl = cfg.replicate_every_s if cfg.replicate_every_s is not None else float("inf")
-        samples: list[HotSample] = []
-        heap = self.heap
-        ai = 0
-        tick = max(1, n // 100)
-        inf = float("inf")
-        while ai < n or heap:
-            ta = arrivals[ai] if ai < n else inf
-            if heap and heap[0][0] < ta:
-                t, _, kind, a, b, c = heapq.heappop(heap)
-                if kind == _PREFILL_DONE:
-                    self.prefill_done(a, b, t)
-                elif kind == _KV_READY:
-                    self.kv_ready(a, b, t)
-                else:
-                    self.boundary(a, b, c)
-                continue
-            if ta >= next_sample and cfg.hot_top_k:
-                samples.append(self.sample_hot(ta))
-                next_sample = ta + sample_every
-            if ta >= next_repl:
-                self.replicate(ta)
-                next_repl = ta + (cfg.replicate_every_s or inf)
-            self.arrive(ai, ta)
-            ai += 1
-            if self.progress is not None and (ai % tick == 0 or ai == n):
-                self.progress(ai, n)
+        n = len(self.trace)
+        span = self.trace[-1].arrival_s / cfg.speedup if n else 0.0
+        self._sample_every = max(cfg.hot_sample_every_s, span / 64.0)
+        self._next_sample = 0.0
+        self._next_repl = cfg.replicate_every_s if cfg.replicate_every_s is not None else float("inf")
+        self._samples: list[HotSample] = []
+        self.drive()
         if cfg.hot_top_k and n:
-            samples.append(self.sample_hot(max(f for f in self.s.finish if f is not None) if any(self.s.finish) else span))
-        return self.report(samples, time.perf_counter() - wall0)
+            self._samples.append(self.sample_hot(max(f for f in self.s.finish if f is not None) if any(self.s.finish) else span))
+        return self.report(self._samples, time.perf_counter() - wall0)
 
     def report(self, samples: list[HotSample], wall: float) -> Report:
         return build_report(self.cfg, self.trace, self.keys, self.s, self.compute_s, samples, wall, self.counters)
