@@ -57,6 +57,14 @@ def recv_frame(sock: socket.socket) -> Msg | None:
     return msg
 
 
+def _get(q: "queue.Queue[Msg]", timeout: float | None) -> Msg | None:
+    """The next message of ``q``: waits up to ``timeout`` (None: forever, 0: not at all)."""
+    try:
+        return q.get(timeout=timeout) if timeout != 0 else q.get_nowait()
+    except queue.Empty:
+        return None
+
+
 class QueueChannel:
     """In-process: the instance reads ``inbox``; what it sends lands in the cluster's queue."""
 
@@ -67,10 +75,7 @@ class QueueChannel:
 
     # instance side
     def recv(self, timeout: float | None) -> Msg | None:
-        try:
-            return self.inbox.get(timeout=timeout) if timeout != 0 else self.inbox.get_nowait()
-        except queue.Empty:
-            return None
+        return _get(self.inbox, timeout)
 
     def send(self, msg: Msg) -> None:
         self._events.put((self.instance_id, msg))
@@ -119,10 +124,7 @@ class SocketChannel:
 
     # worker side (inbox) and cluster side (events) share the framing
     def recv(self, timeout: float | None) -> Msg | None:
-        try:
-            return self.inbox.get(timeout=timeout) if timeout != 0 else self.inbox.get_nowait()
-        except queue.Empty:
-            return None
+        return _get(self.inbox, timeout)
 
     def send(self, msg: Msg) -> None:
         self._send(msg)

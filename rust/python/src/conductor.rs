@@ -37,6 +37,11 @@ fn map_err(py: Python<'_>, e: ConductorError) -> PyErr {
     build().unwrap_or_else(|_| to_pyerr(py, &e))
 }
 
+/// A core decision (or rejection) as Python sees it.
+fn decide(py: Python<'_>, d: Result<mooncake_core::conductor::Decision, ConductorError>) -> PyResult<PyDecision> {
+    d.map(PyDecision::from).map_err(|e| map_err(py, e))
+}
+
 fn parse_tier(py: Python<'_>, tier: &str) -> PyResult<Tier> {
     Tier::parse(tier).map_err(|e| to_pyerr(py, &e))
 }
@@ -94,7 +99,7 @@ impl PyConductor {
     ) -> PyResult<PyDecision> {
         let hashes = hashes_from_py(block_hashes)?;
         let r = ScheduleRequest { request_id, block_hashes: &hashes, prompt_len, now, expected_output_len };
-        self.inner.schedule(&r).map(PyDecision::from).map_err(|e| map_err(py, e))
+        decide(py, self.inner.schedule(&r))
     }
 
     /// What `schedule` would decide now, admitting nothing.
@@ -110,7 +115,7 @@ impl PyConductor {
     ) -> PyResult<PyDecision> {
         let hashes = hashes_from_py(block_hashes)?;
         let r = ScheduleRequest { request_id, block_hashes: &hashes, prompt_len, now, expected_output_len };
-        self.inner.preview(&r).map(PyDecision::from).map_err(|e| map_err(py, e))
+        decide(py, self.inner.preview(&r))
     }
 
     #[pyo3(signature = (request_id, now = None))]

@@ -102,11 +102,23 @@ impl BufferView {
     }
 }
 
+// SAFETY: the view is only released in Drop, which attaches to the interpreter first, so
+// a BufferView may be kept by an owner on another thread (a transfer region's keep-alive).
+// Nothing is mutated through &BufferView.
+unsafe impl Send for BufferView {}
+// SAFETY: as above.
+unsafe impl Sync for BufferView {}
+
 impl Drop for BufferView {
     fn drop(&mut self) {
-        // SAFETY: the view was exported by PyObject_GetBuffer and is released once;
-        // BufferView is created and dropped while attached to the interpreter.
-        unsafe { ffi::PyBuffer_Release(&mut self.view) }
+        // SAFETY: checking whether the interpreter still runs has no preconditions.
+        if unsafe { ffi::Py_IsInitialized() } == 0 {
+            return; // interpreter gone: nothing left to release into
+        }
+        // SAFETY: the view was exported by PyObject_GetBuffer and is released once, while
+        // attached (cheap when the caller already is; needed when the last owner of a
+        // registered region drops it on an engine thread).
+        Python::attach(|_| unsafe { ffi::PyBuffer_Release(&mut self.view) });
     }
 }
 

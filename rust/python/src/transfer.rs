@@ -15,31 +15,9 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
+use crate::convert::BufferView;
 use crate::errors::{invalid, new_err, to_pyerr};
 use crate::gil::detached;
-
-/// A Python buffer export held for as long as a registered region lives.
-struct HeldBuffer {
-    view: ffi::Py_buffer,
-}
-
-// SAFETY: the view is only released (in Drop, with the GIL held); its memory is what the
-// region points to, which the engine accesses under its own discipline.
-unsafe impl Send for HeldBuffer {}
-// SAFETY: as above; nothing is mutated through &HeldBuffer.
-unsafe impl Sync for HeldBuffer {}
-
-impl Drop for HeldBuffer {
-    fn drop(&mut self) {
-        // SAFETY: checking whether the interpreter still runs has no preconditions.
-        if unsafe { ffi::Py_IsInitialized() } == 0 {
-            return; // interpreter gone: nothing left to release into
-        }
-        // SAFETY: the view was exported once by PyObject_GetBuffer and is released once,
-        // with the GIL held (the last region reference may drop on an engine thread).
-        Python::attach(|_| unsafe { ffi::PyBuffer_Release(&mut self.view) });
-    }
-}
 
 fn dur(py: Python<'_>, what: &str, secs: f64) -> PyResult<Duration> {
     Duration::try_from_secs_f64(secs)
@@ -470,32 +448,24 @@ impl PyTransferEngine {
             };
             return self.wrap(py, id, r.writable);
         }
-        // SAFETY: `view` is filled by PyObject_GetBuffer; on failure it is not exported.
-        let (view, writable) = unsafe {
-            if ffi::PyObject_CheckBuffer(buffer.as_ptr()) == 0 {
-                let t = buffer.get_type().name().map(|n| n.to_string()).unwrap_or_default();
-                return Err(invalid(py, format!("register() needs a buffer (bytearray, numpy array, ...) or a Region, got {t}")));
+        let t = buffer.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+        let no_buffer = || invalid(py, format!("register() needs a buffer (bytearray, numpy array, ...) or a Region, got {t}"));
+        let (view, writable) = match BufferView::get(buffer, ffi::PyBUF_C_CONTIGUOUS | ffi::PyBUF_WRITABLE) {
+            Ok(Some(v)) => (v, true),
+            Ok(None) => return Err(no_buffer()),
+            Err(first) if !readonly => {
+                return Err(invalid(py, format!(
+                    "register() needs a writable C-contiguous buffer ({first}); pass readonly=True for read-only memory"
+                )))
             }
-            let mut view: ffi::Py_buffer = std::mem::zeroed();
-            let mut flags = ffi::PyBUF_C_CONTIGUOUS | ffi::PyBUF_WRITABLE;
-            let mut writable = true;
-            if ffi::PyObject_GetBuffer(buffer.as_ptr(), &mut view, flags) != 0 {
-                let first = PyErr::fetch(py);
-                if !readonly {
-                    return Err(invalid(py, format!(
-                        "register() needs a writable C-contiguous buffer ({first}); pass readonly=True for read-only memory"
-                    )));
-                }
-                flags = ffi::PyBUF_C_CONTIGUOUS;
-                writable = false;
-                if ffi::PyObject_GetBuffer(buffer.as_ptr(), &mut view, flags) != 0 {
-                    return Err(invalid(py, format!("register() needs a C-contiguous buffer ({})", PyErr::fetch(py))));
-                }
-            }
-            (view, writable)
+            Err(_) => match BufferView::get(buffer, ffi::PyBUF_C_CONTIGUOUS) {
+                Ok(Some(v)) => (v, false),
+                Ok(None) => return Err(no_buffer()),
+                Err(e) => return Err(invalid(py, format!("register() needs a C-contiguous buffer ({e})"))),
+            },
         };
-        let (ptr, len) = (view.buf as *mut u8, view.len as usize);
-        let held = HeldBuffer { view };
+        let (ptr, len) = (view.as_mut_ptr(), view.len_bytes());
+        let held = view;
         // SAFETY: the exported buffer stays valid (and writable if `writable`) until `held`
         // releases it; the region's owner is `held`; a non-writable buffer is registered
         // read-only and is never a destination of a local read.
