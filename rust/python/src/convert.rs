@@ -247,7 +247,7 @@ impl Tokens {
     /// The buffer as a typed slice, when it is aligned for `T` and `T` has its size.
     fn typed<T>(&self) -> Option<&[T]> {
         let Tokens::Buffer { view, kind } = self else { return None };
-        if kind.size() != std::mem::size_of::<T>() || (view.as_ptr() as usize) % std::mem::align_of::<T>() != 0 {
+        if kind.size() != std::mem::size_of::<T>() || !(view.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()) {
             return None;
         }
         // SAFETY: the exported buffer holds len() elements of T's size at an address

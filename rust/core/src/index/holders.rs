@@ -56,10 +56,6 @@ impl Slot2 {
     /// A placeholder that counts as occupied, for a bucket about to be removed.
     pub(crate) const PENDING_REMOVAL: Slot2 = Slot2([0, EMPTY]);
 
-    pub(crate) fn empty() -> Self {
-        Self::EMPTY
-    }
-
     pub(crate) fn is_empty(&self) -> bool {
         self.0[0] == EMPTY
     }
@@ -173,7 +169,7 @@ mod tests {
     #[test]
     fn inline_spill_and_fold_back() {
         let mut slab = SpillSlab::default();
-        let mut v = Slot2::empty();
+        let mut v = Slot2::EMPTY;
         let hs: Vec<Holder> = (0..5).map(|s| Holder::new(s, Tier::Dram)).collect();
         for h in &hs {
             assert!(v.insert(&mut slab, *h));

@@ -278,7 +278,7 @@ impl BlockIndex {
                     g.map.prefetch(h);
                 }
             }
-            let mut values = [Slot2::empty(); CHUNK];
+            let mut values = [Slot2::EMPTY; CHUNK];
             for ((v, &h), &sid) in values.iter_mut().zip(chunk).zip(&shard_ids) {
                 if let Some(g) = &guards[sid] {
                     if let Some(found) = g.map.get(h) {

@@ -33,15 +33,10 @@ fn join(k: [u64; 2]) -> BlockHash {
     k[0] as u128 | (k[1] as u128) << 64
 }
 
+#[derive(Default)]
 pub(crate) struct BlockTable {
     buckets: Vec<Bucket>,
     len: usize,
-}
-
-impl Default for BlockTable {
-    fn default() -> Self {
-        BlockTable { buckets: Vec::new(), len: 0 }
-    }
 }
 
 impl BlockTable {
