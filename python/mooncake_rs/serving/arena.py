@@ -18,11 +18,7 @@ import numpy as np
 
 from .. import Block, Store, WritableBlock
 
-__all__ = ["StoreSlots", "SHM_DIR", "SHM_PREFIX"]
-
-#: where the core's shared-memory segments live: ``/dev/shm/mooncake_rs.<pid>.<n>``
-SHM_DIR = "/dev/shm"
-SHM_PREFIX = "mooncake_rs."
+__all__ = ["StoreSlots"]
 
 _SCRATCH = 0x5C8A_7C11 << 96  # high bits of the synthetic keys of request-scoped slots
 

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 from .. import (Conductor, ConductorConfig, DecodeCostModel, PrefillCostModel, PrefixHasher, TransferCostModel,
                TransferRegistry)
 from ..errors import InvalidArgument, MooncakeError, Overloaded
-from .arena import SHM_DIR, SHM_PREFIX
+from .._core import remove_shm_segments_of
 from .control import Msg, QueueChannel, SocketChannel, send_frame
 from .handle import RequestHandle
 from .instance import Instance, InstanceSpec
@@ -41,18 +41,9 @@ __all__ = ["Cluster", "remove_segments_of"]
 
 def remove_segments_of(pid: int) -> None:
     """Unlinks the shared-memory segments a (gone) worker process created: its transfer
-    engine's regions are ``/dev/shm/mooncake_rs.<pid>.<n>``."""
-    mark = f"{SHM_PREFIX}{pid}."
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return
-    for n in names:
-        if n.startswith(mark):
-            try:
-                os.unlink(os.path.join(SHM_DIR, n))
-            except OSError:
-                pass
+    engine's regions and store arena, ``/dev/shm/mooncake_rs.<pid>.<n>``."""
+    remove_shm_segments_of(pid)
+
 
 log = logging.getLogger("mooncake_rs.serving")
 

@@ -196,9 +196,9 @@ impl std::fmt::Debug for MappedMemory {
     }
 }
 
-/// Unlinks `/dev/shm/mooncake_rs.<pid>.*` segments whose creating process is gone.
+/// Unlinks every `/dev/shm/mooncake_rs.<pid>.*` segment for which `dead(pid)` holds.
 /// Returns how many were removed.
-pub fn sweep_stale_segments() -> usize {
+fn remove_segments_where(mut dead: impl FnMut(i32) -> bool) -> usize {
     let Ok(dir) = std::fs::read_dir("/dev/shm") else {
         return 0;
     };
@@ -211,14 +211,28 @@ pub fn sweep_stale_segments() -> usize {
         let Some(pid) = rest.split('.').next().and_then(|p| p.parse::<i32>().ok()) else {
             continue;
         };
-        // SAFETY: kill with signal 0 only checks for existence.
-        let alive = unsafe { libc::kill(pid, 0) } == 0
-            || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
-        if !alive && std::fs::remove_file(entry.path()).is_ok() {
+        if dead(pid) && std::fs::remove_file(entry.path()).is_ok() {
             removed += 1;
         }
     }
     removed
+}
+
+/// Unlinks `/dev/shm/mooncake_rs.<pid>.*` segments whose creating process is gone.
+/// Returns how many were removed.
+pub fn sweep_stale_segments() -> usize {
+    remove_segments_where(|pid| {
+        // SAFETY: kill with signal 0 only checks for existence.
+        let alive = unsafe { libc::kill(pid, 0) } == 0
+            || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+        !alive
+    })
+}
+
+/// Unlinks the segments created by process `pid` (one known to be gone, e.g. a worker
+/// that was killed before it could drop its mappings). Returns how many were removed.
+pub fn remove_segments_of(pid: i32) -> usize {
+    remove_segments_where(|p| p == pid)
 }
 
 #[cfg(test)]
@@ -250,5 +264,20 @@ mod tests {
         drop(a);
         assert!(MappedMemory::open_shared(&name, 8192).is_err(), "name unlinked");
         assert!(MappedMemory::open_shared("no-slash", 10).is_err());
+    }
+
+    #[test]
+    fn segments_of_a_pid_are_removed_and_only_those() {
+        // Fake segments of two pids that cannot be running (pid_max is far below them),
+        // so no live mapping of this test process is touched.
+        let path = |pid: i32| format!("/dev/shm/{SHM_PREFIX}{pid}.0");
+        let (gone, other) = (i32::MAX - 1, i32::MAX);
+        std::fs::write(path(gone), b"x").unwrap();
+        std::fs::write(path(other), b"x").unwrap();
+        assert_eq!(remove_segments_of(gone), 1);
+        assert!(!std::path::Path::new(&path(gone)).exists());
+        assert!(std::path::Path::new(&path(other)).exists(), "another pid's segment stays");
+        assert!(sweep_stale_segments() >= 1, "a dead pid's segment is swept");
+        assert!(!std::path::Path::new(&path(other)).exists());
     }
 }

@@ -16,6 +16,7 @@ mod gil;
 mod hash;
 mod index;
 mod logging;
+mod mem;
 mod pyint;
 mod store;
 mod store_block;
@@ -31,5 +32,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     block_cache::register(m)?;
     store::register(m)?;
     transfer::register(m)?;
+    mem::register(m)?;
     Ok(())
 }
