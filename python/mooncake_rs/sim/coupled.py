@@ -132,14 +132,7 @@ class _Coupled(EventLoop):
         self.push(b.time_of(step), _BOUNDARY, k, b.version, step)
 
     def finish_decoded(self, k: int, t: float) -> None:
-        for rid, join_t, tokens, worst, first in self.batch[k].pop_finished():
-            r = self.trace[rid]
-            self.kv_used[k] -= r.input_length + r.output_length
-            self.conductor.on_decode_finished(rid, r.output_length, t)
-            self.s.tbt[rid] = (t - self.s.first[rid]) / tokens if tokens else 0.0
-            # the first gap runs from the first token (prefill end) to the first step's end
-            self.s.max_gap[rid] = max(worst, join_t - self.s.first[rid] + first) if tokens else 0.0
-            self.s.finish[rid] = t
+        self.finish_requests(self.batch[k], k, t)
 
     def iter_end(self, k: int, version: int, t: float) -> None:
         b = self.batch[k]

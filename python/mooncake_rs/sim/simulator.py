@@ -134,6 +134,20 @@ class EventLoop:
     def before_arrival(self, t: float) -> None:
         """A hook run before each arrival (periodic sampling, replication)."""
 
+    def finish_requests(self, batch: ContinuousBatch, k: int, t: float) -> None:
+        """Records the requests that ``batch`` (on instance ``k``) finished at ``t``: frees
+        their KV, tells the conductor, and computes TBT and the worst token gap. The gaps
+        run from the first token (prefill end), so a KV transfer and any wait for room in
+        the batch count in the first gap, which ends with the first step."""
+        s = self.s
+        for rid, join_t, tokens, worst, first in batch.pop_finished():
+            r = self.trace[rid]
+            self.kv_used[k] -= r.input_length + r.output_length
+            self.conductor.on_decode_finished(rid, r.output_length, t)
+            s.tbt[rid] = (t - s.first[rid]) / tokens if tokens else 0.0
+            s.max_gap[rid] = max(worst, join_t - s.first[rid] + first) if tokens else 0.0
+            s.finish[rid] = t
+
     def drive(self) -> None:
         """Merges the trace's arrivals with the event heap in time order (an event due
         strictly before the next arrival runs first) until both are exhausted."""
@@ -312,16 +326,7 @@ class _Run(EventLoop):
         if version != b.version:
             return
         t = b.advance_to(step)
-        for rid, join_t, tokens, worst, first in b.pop_finished():
-            r = self.trace[rid]
-            self.kv_used[k] -= r.input_length + r.output_length
-            self.conductor.on_decode_finished(rid, r.output_length, t)
-            # the gaps run from the first token (prefill end): KV transfer and any wait
-            # for room in the batch count in the first gap
-            self.s.tbt[rid] = (t - self.s.first[rid]) / tokens if tokens else 0.0
-            # the first gap runs from the first token (prefill end) to the first step's end
-            self.s.max_gap[rid] = max(worst, join_t - self.s.first[rid] + first) if tokens else 0.0
-            self.s.finish[rid] = t
+        self.finish_requests(b, k, t)
         if self.pending[k]:
             self.waiting[k].extend(self.pending[k])
             self.pending[k].clear()
