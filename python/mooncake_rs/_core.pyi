@@ -152,7 +152,10 @@ class ConductorConfig:
         hot_half_life_s: float = 60.0,
         hot_busy_fraction: float = 0.25,
         hot_capacity: int = 4096,
+        max_output_len: int = 1048576,
     ) -> ConductorConfig: ...
+    @property
+    def max_output_len(self) -> int: ...
     @property
     def block_size(self) -> int: ...
     @property

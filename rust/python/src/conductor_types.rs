@@ -27,7 +27,7 @@ impl PyConductorConfig {
         balancing_threshold = 2.0, rejection = "none", seed = 0, prefill_model = None,
         transfer_model = None, decode_model = None, default_output_len = 256,
         output_len_ewma = 0.2, hot_min_hits = 4.0, hot_half_life_s = 60.0,
-        hot_busy_fraction = 0.25, hot_capacity = 4096,
+        hot_busy_fraction = 0.25, hot_capacity = 4096, max_output_len = 1 << 20,
     ))]
     fn new(
         py: Python<'_>,
@@ -47,6 +47,7 @@ impl PyConductorConfig {
         hot_half_life_s: f64,
         hot_busy_fraction: f64,
         hot_capacity: usize,
+        max_output_len: usize,
     ) -> PyResult<Self> {
         let mut inner = ConductorConfig {
             block_size,
@@ -62,6 +63,7 @@ impl PyConductorConfig {
             hot_half_life_s,
             hot_busy_fraction,
             hot_capacity,
+            max_output_len,
             ..Default::default()
         };
         if let Some(m) = prefill_model {
@@ -124,6 +126,10 @@ impl PyConductorConfig {
     #[getter]
     fn output_len_ewma(&self) -> f64 {
         self.inner.output_len_ewma
+    }
+    #[getter]
+    fn max_output_len(&self) -> usize {
+        self.inner.max_output_len
     }
     #[getter]
     fn hot_min_hits(&self) -> f64 {

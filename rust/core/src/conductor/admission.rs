@@ -116,19 +116,33 @@ pub struct OutputLenEstimator {
     default: f64,
     weight: f64,
     capacity: usize,
+    /// Upper bound of any sample and so of any estimate.
+    max_len: f64,
 }
 
 impl OutputLenEstimator {
-    pub fn new(default: usize, weight: f64, capacity: usize) -> Self {
-        OutputLenEstimator { per_key: HashMap::new(), global: None, default: default as f64, weight, capacity }
+    pub fn new(default: usize, weight: f64, capacity: usize, max_len: usize) -> Self {
+        let max_len = max_len.max(1) as f64;
+        OutputLenEstimator {
+            per_key: HashMap::new(),
+            global: None,
+            default: (default as f64).min(max_len),
+            weight,
+            capacity,
+            max_len,
+        }
     }
 
     pub fn predict(&self, key: Option<BlockHash>) -> f64 {
         key.and_then(|k| self.per_key.get(&k).copied()).or(self.global).unwrap_or(self.default)
     }
 
+    /// Feeds one finished request's output length. The caller has already refused
+    /// lengths beyond the configured `max_output_len`; the sample is clamped to it again
+    /// here so that no observation can push an estimate past what a request can produce
+    /// (one absurd length would otherwise make admission reject every later request).
     pub fn record(&mut self, key: Option<BlockHash>, output_len: usize) {
-        let x = output_len as f64;
+        let x = (output_len as f64).min(self.max_len);
         let w = self.weight;
         self.global = Some(self.global.map_or(x, |g| g + w * (x - g)));
         if let Some(k) = key {

@@ -113,7 +113,7 @@ impl Conductor {
         config.validate()?;
         Ok(Conductor {
             state: Mutex::new(State::new(config.seed)),
-            outlen: Mutex::new(OutputLenEstimator::new(config.default_output_len, config.output_len_ewma, 1 << 16)),
+            outlen: Mutex::new(OutputLenEstimator::new(config.default_output_len, config.output_len_ewma, 1 << 16, config.max_output_len)),
             hot: Mutex::new(HotTable::new(config.hot_half_life_s, config.hot_capacity)),
             index,
             config,
@@ -210,6 +210,12 @@ impl Conductor {
         };
         let key = req.block_hashes.first().copied();
         let out_pred = match req.expected_output_len {
+            Some(n) if n > cfg.max_output_len => {
+                return Err(ConductorError::InvalidArgument(format!(
+                    "expected_output_len {n} exceeds max_output_len {} (ConductorConfig)",
+                    cfg.max_output_len
+                )));
+            }
             Some(n) => n as f64,
             None => self.outlen.lock().predict(key),
         };

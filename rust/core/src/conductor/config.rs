@@ -94,6 +94,11 @@ pub struct ConductorConfig {
     pub default_output_len: usize,
     /// Weight of a new sample in the per-prefix output-length average (0 < w <= 1).
     pub output_len_ewma: f64,
+    /// Longest output a request can produce (the model's context window is a safe
+    /// value). `on_decode_finished` refuses longer lengths and `expected_output_len`
+    /// above it is refused at schedule time, so no single observation can poison the
+    /// output-length estimate that admission relies on.
+    pub max_output_len: usize,
     /// Replication: a prefix is hot after this many (decayed) hits.
     pub hot_min_hits: f64,
     /// Replication: hit counts halve every this many seconds.
@@ -117,6 +122,7 @@ impl Default for ConductorConfig {
             cost: CostModels::default(),
             default_output_len: 256,
             output_len_ewma: 0.2,
+            max_output_len: 1 << 20,
             hot_min_hits: 4.0,
             hot_half_life_s: 60.0,
             hot_busy_fraction: 0.25,
@@ -142,6 +148,15 @@ impl ConductorConfig {
             return Err(ConductorError::InvalidConfig(format!(
                 "output_len_ewma must be in (0, 1], got {}",
                 self.output_len_ewma
+            )));
+        }
+        if self.max_output_len == 0 {
+            return Err(ConductorError::InvalidConfig("max_output_len must be > 0".into()));
+        }
+        if self.default_output_len > self.max_output_len {
+            return Err(ConductorError::InvalidConfig(format!(
+                "default_output_len ({}) must not exceed max_output_len ({})",
+                self.default_output_len, self.max_output_len
             )));
         }
         check_nonneg("hot_min_hits", self.hot_min_hits)?;

@@ -13,6 +13,8 @@ pub enum FitError {
     TooFewSamples { need: usize, got: usize },
     #[error("sample {0} is not finite or is negative")]
     BadSample(usize),
+    #[error("the samples fit a model that predicts zero time for every input (all samples 0 s?); measure real timings")]
+    Degenerate,
 }
 
 impl From<FitError> for ConductorError {
@@ -76,6 +78,7 @@ impl PrefillCostModel {
             })
             .collect::<Result<_, _>>()?;
         let c = nonneg_lstsq(&rows)?;
+        reject_zero_model(&c)?;
         Ok(PrefillCostModel { c0: c[0], c_new: c[1], c_new2: c[2], c_cross: c[3] })
     }
 }
@@ -194,6 +197,7 @@ impl DecodeCostModel {
             })
             .collect::<Result<_, _>>()?;
         let c = nonneg_lstsq(&rows)?;
+        reject_zero_model(&c)?;
         Ok(DecodeCostModel { base_s: c[0], per_seq_s: c[1], per_token_s: c[2] })
     }
 }
@@ -217,7 +221,20 @@ impl CostModels {
 /// Least squares with every coefficient >= 0: solve, drop the terms that came out
 /// negative, solve again on the rest (at most K rounds). Columns are scaled to unit norm
 /// first so n² (~1e8) and 1 live in one well-conditioned system.
+/// A fitted model whose every coefficient is zero estimates every request at 0 s, which
+/// would make the conductor admit anything and route blindly: refuse it.
+fn reject_zero_model<const K: usize>(c: &[f64; K]) -> Result<(), FitError> {
+    if c.iter().all(|&v| v == 0.0) {
+        return Err(FitError::Degenerate);
+    }
+    Ok(())
+}
+
 fn nonneg_lstsq<const K: usize>(rows: &[([f64; K], f64)]) -> Result<[f64; K], FitError> {
+    // No samples is no information: an all-zero model would price every request at 0 s.
+    if rows.is_empty() {
+        return Err(FitError::TooFewSamples { need: 1, got: 0 });
+    }
     let mut active = [true; K];
     let mut scale = [0.0f64; K];
     for (x, _) in rows {

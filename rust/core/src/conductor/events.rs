@@ -147,7 +147,16 @@ impl Conductor {
     }
 
     /// The request is done; its real output length feeds the output-length history.
+    /// A length above `max_output_len` is refused (`InvalidArgument`) and the request
+    /// stays registered, so the caller can report it again correctly or cancel it.
     pub fn on_decode_finished(&self, rid: RequestId, output_len: usize, now: Option<f64>) -> Result<(), ConductorError> {
+        let max = self.config.max_output_len;
+        if output_len > max {
+            return Err(ConductorError::InvalidArgument(format!(
+                "output_len {output_len} of request {rid} exceeds max_output_len {max} (ConductorConfig); \
+                 report the number of tokens the request really produced"
+            )));
+        }
         self.event(rid, now, |st, _, r| {
             st.leave_prefill(rid, &r);
             st.leave_decode(rid, &r);

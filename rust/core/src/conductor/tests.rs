@@ -147,16 +147,19 @@ fn ttft_optimal_prices_ssd() {
 }
 
 fn conductor(policy: PolicyKind, rejection: RejectionKind) -> Conductor {
-    let cfg = ConductorConfig {
+    Conductor::new(ConductorConfig { policy, ..conductor_cfg(rejection) }).unwrap()
+}
+
+fn conductor_cfg(rejection: RejectionKind) -> ConductorConfig {
+    ConductorConfig {
         block_size: 10,
         ttft_slo_s: 1.0,
         tbt_slo_s: 0.05,
-        policy,
+        policy: PolicyKind::LoadBalance,
         rejection,
         cost: unit_costs(),
         ..Default::default()
-    };
-    Conductor::new(cfg).unwrap()
+    }
 }
 
 fn req(id: u64, hashes: &[u128], prompt_len: usize, now: f64, out: Option<usize>) -> ScheduleRequest<'_> {
@@ -410,4 +413,49 @@ fn cost_fits_recover_the_models() {
     // A negative fitted term is dropped: data with t = 0.5 - tiny slope stays >= 0.
     let neg = PrefillCostModel::fit(&[(100, 0, 0.5), (200, 0, 0.49), (300, 0, 0.48), (400, 0, 0.47)]).unwrap();
     assert!(neg.c_new >= 0.0 && neg.c_new2 >= 0.0 && neg.c0 > 0.0);
+}
+
+// Issue 17 item 7: one impossible output length used to drive the estimate to 1.8e19 and
+// make early/predictive admission reject every later request.
+#[test]
+fn an_impossible_output_length_cannot_poison_admission() {
+    let cfg = ConductorConfig { max_output_len: 4096, ..conductor_cfg(RejectionKind::Early) };
+    let c = Conductor::new(cfg).unwrap();
+    c.add_prefill(1, PrefillSpec::default()).unwrap();
+    c.add_decode(10, DecodeSpec::default()).unwrap();
+    c.schedule(&req(1, &HASHES[..1], 20, 0.0, None)).unwrap();
+    let err = c.on_decode_finished(1, usize::MAX, None).unwrap_err();
+    assert!(matches!(&err, ConductorError::InvalidArgument(m) if m.contains("max_output_len")), "{err:?}");
+    // The request is still registered, so a correct report (or a cancel) goes through.
+    c.on_decode_finished(1, 8, None).unwrap();
+    for i in 2..52 {
+        c.schedule(&req(i, &HASHES[..1], 20, 0.0, None)).unwrap();
+        c.cancel(i).unwrap();
+    }
+    assert!(c.predicted_output_len(Some(1)) <= 4096.0);
+    // A caller's own expectation is bounded the same way.
+    assert!(matches!(c.schedule(&req(99, &[], 20, 0.0, Some(4097))), Err(ConductorError::InvalidArgument(_))));
+    // An estimator fed the bound itself never predicts past it, per family or globally.
+    let mut e = OutputLenEstimator::new(256, 1.0, 4, 100);
+    e.record(Some(7), usize::MAX);
+    assert_eq!((e.predict(Some(7)), e.predict(None)), (100.0, 100.0));
+    c.check_integrity().unwrap();
+}
+
+#[test]
+fn config_refuses_unbounded_output_lengths() {
+    let bad = ConductorConfig { max_output_len: 0, ..Default::default() };
+    assert!(Conductor::new(bad).is_err());
+    let bad = ConductorConfig { max_output_len: 10, default_output_len: 11, ..Default::default() };
+    assert!(Conductor::new(bad).is_err());
+}
+
+#[test]
+fn fits_without_information_are_refused() {
+    assert!(matches!(PrefillCostModel::fit(&[]), Err(FitError::TooFewSamples { got: 0, .. })));
+    assert!(matches!(DecodeCostModel::fit(&[]), Err(FitError::TooFewSamples { got: 0, .. })));
+    assert!(TransferCostModel::default().fit(&[]).is_err());
+    // Every sample 0 s: the fit would price every request at 0 s.
+    let zeros = [(100, 0, 0.0), (200, 0, 0.0), (300, 50, 0.0), (400, 100, 0.0), (500, 0, 0.0)];
+    assert!(matches!(PrefillCostModel::fit(&zeros), Err(FitError::Degenerate)));
 }
