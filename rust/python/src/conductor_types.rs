@@ -27,7 +27,7 @@ impl PyConductorConfig {
         balancing_threshold = 2.0, rejection = "none", seed = 0, prefill_model = None,
         transfer_model = None, decode_model = None, default_output_len = 256,
         output_len_ewma = 0.2, hot_min_hits = 4.0, hot_half_life_s = 60.0,
-        hot_busy_fraction = 0.25, hot_capacity = 4096, max_output_len = 1 << 20,
+        hot_busy_fraction = 0.25, hot_capacity = 4096, max_output_len = 1048576,
     ))]
     fn new(
         py: Python<'_>,

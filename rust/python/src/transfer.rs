@@ -316,6 +316,7 @@ pub struct PyTransferStats {
     connections: u64,
     bytes_served: u64,
     retries: u64,
+    late_responses: u64,
     regions: u64,
 }
 
@@ -412,6 +413,7 @@ impl PyTransferEngine {
             connections: s.connections,
             bytes_served: s.bytes_served,
             retries: s.retries,
+            late_responses: s.late_responses,
             regions: s.regions,
         }
     }

@@ -4,6 +4,13 @@
 //! slices are, failed at its first failed slice. The batch deadline is enforced by
 //! whoever looks (`wait`, `status`): past it, unfinished requests become `Timeout`.
 //! Workers skip slices of requests that already ended, so no timer thread is needed.
+//!
+//! The fence: a transport that touches a request's local memory (a memcpy, a TCP
+//! receive into it, a TCP send from it) brackets that with `begin_io` / `end_io`. A
+//! request that fails, times out or is cancelled while such an access is running is not
+//! reported final until the access ends, and no access begins once it is final. So after
+//! a batch reports any final status for a request, no byte lands in (or is read from)
+//! that request's buffers: the caller may reuse them at once.
 
 use std::time::{Duration, Instant};
 
@@ -47,6 +54,10 @@ struct Slot {
     status: RequestStatus,
     slices_left: usize,
     bytes: u64,
+    /// Accesses to the request's local memory in progress (`begin_io` .. `end_io`).
+    io: u32,
+    /// A failure that arrived while `io > 0`: applied when the last access ends.
+    deferred: Option<TransferError>,
 }
 
 struct State {
@@ -71,7 +82,7 @@ impl Batch {
     pub(crate) fn new(n: usize, timeout: Duration) -> Batch {
         let now = Instant::now();
         let deadline = now.checked_add(timeout).unwrap_or(now + Duration::from_secs(86400 * 365));
-        let slots = (0..n).map(|_| Slot { status: RequestStatus::Pending, slices_left: 1, bytes: 0 }).collect();
+        let slots = (0..n).map(|_| Slot { status: RequestStatus::Pending, slices_left: 1, bytes: 0, io: 0, deferred: None }).collect();
         Batch { state: Mutex::new(State { slots, pending: n }), cv: Condvar::new(), deadline }
     }
 
@@ -101,6 +112,14 @@ impl Batch {
     fn finish(s: &mut State, i: usize, error: Option<TransferError>, cv: &Condvar) {
         let Some(slot) = s.slots.get_mut(i) else { return };
         if slot.status.is_finished() {
+            return;
+        }
+        if slot.io > 0 {
+            // Memory of this request is being accessed right now: report the failure
+            // only once that access has ended (see the fence in the module docs).
+            if let Some(e) = error {
+                slot.deferred.get_or_insert(e);
+            }
             return;
         }
         slot.status = match error {
@@ -149,6 +168,36 @@ impl Batch {
         Self::finish(&mut s, i, Some(error), &self.cv);
     }
 
+    /// A transport is about to access request `i`'s local memory. `false`: the request
+    /// ended (or its deadline passed, or a failure is pending): touch nothing.
+    pub(crate) fn begin_io(&self, i: usize) -> bool {
+        if Instant::now() >= self.deadline {
+            return false;
+        }
+        let mut s = self.state.lock();
+        match s.slots.get_mut(i) {
+            Some(slot) if !slot.status.is_finished() && slot.deferred.is_none() => {
+                slot.io += 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The access that `begin_io` allowed has ended; a failure that came meanwhile
+    /// is reported now.
+    pub(crate) fn end_io(&self, i: usize) {
+        let mut s = self.state.lock();
+        let Some(slot) = s.slots.get_mut(i) else { return };
+        slot.io = slot.io.saturating_sub(1);
+        if slot.io == 0 {
+            if let Some(e) = slot.deferred.take() {
+                Self::finish(&mut s, i, Some(e), &self.cv);
+            }
+            self.cv.notify_all();
+        }
+    }
+
     /// Whether request `i` already ended (workers skip its remaining slices). Also true
     /// past the deadline.
     pub(crate) fn is_finished(&self, i: usize) -> bool {
@@ -195,7 +244,14 @@ impl Batch {
         while s.pending > 0 && Instant::now() < until {
             self.cv.wait_until(&mut s, until);
         }
-        self.snapshot(&mut s)
+        let mut out = self.snapshot(&mut s);
+        // At the deadline, a request whose memory is still being accessed becomes final
+        // as soon as that access ends (one slice: bounded by the connection's I/O timeout).
+        while Instant::now() >= self.deadline && s.slots.iter().any(|x| x.deferred.is_some()) {
+            self.cv.wait_for(&mut s, Duration::from_millis(20));
+            out = self.snapshot(&mut s);
+        }
+        out
     }
 
     /// Ends every unfinished request as `Cancelled`. Slices already on the wire finish

@@ -105,6 +105,8 @@ pub struct Counters {
     pub connections: AtomicU64,
     pub bytes_served: AtomicU64,
     pub retries: AtomicU64,
+    /// Answers that arrived after their request had ended (payload dropped, unread).
+    pub late_responses: AtomicU64,
 }
 
 /// A snapshot of [`Counters`].
@@ -116,5 +118,6 @@ pub struct EngineStats {
     pub connections: u64,
     pub bytes_served: u64,
     pub retries: u64,
+    pub late_responses: u64,
     pub regions: u64,
 }

@@ -138,8 +138,10 @@ pub(crate) fn submit(inner: &EngineInner, requests: Vec<Request>, timeout: Durat
     let mut deferred: Vec<Checked> = Vec::new();
     let mut last_target: Option<(*const std::sync::Weak<EngineInner>, Arc<EngineInner>)> = None;
     for c in checked {
-        if c.req.length == 0 {
-            batch.set_slices(c.index, 0);
+        // The whole remote range must be addressable before anything moves: no path
+        // computes `remote_offset + k` on a request that wraps past 2^64.
+        if c.req.remote_offset.checked_add(c.req.length).is_none() {
+            batch.fail(c.index, refused(&c.req, AccessError::OutOfBounds));
             continue;
         }
         match &c.req.peer.kind {
@@ -174,10 +176,14 @@ pub(crate) fn submit(inner: &EngineInner, requests: Vec<Request>, timeout: Durat
                             Err(e) => batch.fail(c.index, e),
                         }
                     }
-                    Lookup::NotShared => {
-                        let s = slices(inner.cfg.slice_size, &batch, &c);
-                        tcp.entry(Arc::as_ptr(t)).or_insert_with(|| (t.clone(), Vec::new())).1.extend(s);
-                    }
+                    Lookup::NotShared => match tcp_plan(t, inner.cfg.slice_size, &c.req) {
+                        TcpPlan::Send => {
+                            let s = slices(inner.cfg.slice_size, &batch, &c);
+                            tcp.entry(Arc::as_ptr(t)).or_insert_with(|| (t.clone(), Vec::new())).1.extend(s);
+                        }
+                        TcpPlan::Refuse(e) => batch.fail(c.index, e),
+                        TcpPlan::Resolve => deferred.push(c),
+                    },
                     Lookup::Unknown => deferred.push(c),
                 }
             }
@@ -191,6 +197,34 @@ pub(crate) fn submit(inner: &EngineInner, requests: Vec<Request>, timeout: Durat
         spawn_resolver(inner, batch.clone(), deferred);
     }
     Ok(batch)
+}
+
+fn refused(r: &Request, reason: AccessError) -> TransferError {
+    TransferError::Refused { side: "peer", region: r.remote_region, reason }
+}
+
+/// How a TCP request goes out. The peer checks each slice before it moves a byte, so a
+/// request of one slice is all-or-nothing there; a longer (or empty) one is checked
+/// whole here first, against what the peer said of the region, so that a request that
+/// runs past the end is refused before any of its slices is written.
+enum TcpPlan {
+    Send,
+    Refuse(TransferError),
+    /// The region's size is not known yet: ask the peer off the submitting thread.
+    Resolve,
+}
+
+fn tcp_plan(peer: &TcpPeer, slice_size: usize, r: &Request) -> TcpPlan {
+    if r.length > 0 && r.length <= slice_size as u64 {
+        return TcpPlan::Send;
+    }
+    match peer.known_region(r.remote_region) {
+        Some(info) => match info.check(r.remote_offset, r.length, r.op == Op::Write) {
+            Ok(()) => TcpPlan::Send,
+            Err(e) => TcpPlan::Refuse(refused(r, e)),
+        },
+        None => TcpPlan::Resolve,
+    }
 }
 
 /// Looks up not-yet-known remote regions of same-host peers off the submitting thread,
@@ -222,18 +256,35 @@ impl Resolver {
         if batch.is_finished(c.index) {
             return;
         }
-        let PeerKind::Remote { tcp, shm: Some(shm) } = &c.req.peer.kind else { return };
-        let shm: &ShmPeer = shm;
+        let PeerKind::Remote { tcp, shm } = &c.req.peer.kind else { return };
         let r = &c.req;
-        match shm.resolve(tcp, r.remote_region) {
-            Some(m) => match shm::copy_job(batch, c.index, r.op, &c.local, r.local_offset, &m, r.remote_offset, r.length) {
-                Ok(j) => j.run(),
-                Err(e) => batch.fail(c.index, e),
+        if let Some(shm) = shm {
+            let shm: &ShmPeer = shm;
+            if let Some(m) = shm.resolve(tcp, r.remote_region) {
+                match shm::copy_job(batch, c.index, r.op, &c.local, r.local_offset, &m, r.remote_offset, r.length) {
+                    Ok(j) => j.run(),
+                    Err(e) => batch.fail(c.index, e),
+                }
+                return;
+            }
+        }
+        let plan = match tcp_plan(tcp, self.slice_size, r) {
+            TcpPlan::Resolve => match tcp.query_region(r.remote_region) {
+                Ok(info) => match info.check(r.remote_offset, r.length, r.op == Op::Write) {
+                    Ok(()) => TcpPlan::Send,
+                    Err(e) => TcpPlan::Refuse(refused(r, e)),
+                },
+                Err(e) => TcpPlan::Refuse(e),
             },
-            None => {
+            plan => plan,
+        };
+        match plan {
+            TcpPlan::Send => {
                 let s = slices(self.slice_size, batch, &c);
                 tcp.submit(s);
             }
+            TcpPlan::Refuse(e) => batch.fail(c.index, e),
+            TcpPlan::Resolve => batch.fail(c.index, TransferError::Protocol("the peer's region size is still unknown".into())),
         }
     }
 }

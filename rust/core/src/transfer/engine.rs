@@ -295,6 +295,7 @@ impl Engine {
             connections: l(&c.connections),
             bytes_served: l(&c.bytes_served),
             retries: l(&c.retries),
+            late_responses: l(&c.late_responses),
             regions: self.inner.regions.len() as u64,
         }
     }

@@ -53,12 +53,13 @@ pub struct CopyJob {
 
 impl CopyJob {
     pub fn run(self) {
-        if self.batch.is_finished(self.index) {
-            return;
+        if !self.batch.begin_io(self.index) {
+            return; // the request ended: its buffers are the caller's again
         }
         // SAFETY: both spans were bounds-checked for `len` bytes against memory their
         // `keep` holds mapped; `ptr::copy` tolerates overlap (a copy inside one region).
         unsafe { std::ptr::copy(self.src.ptr as *const u8, self.dst.ptr, self.len as usize) };
+        self.batch.end_io(self.index);
         self.batch.slice_done(self.index, self.len);
     }
 

@@ -23,7 +23,7 @@ use super::super::local::Span;
 use super::super::protocol::{encode, Msg};
 use super::super::{AccessError, Op, TransferError};
 use super::handshake::{self, ServerHello};
-use super::{read_control, read_header, read_msg_body, write_frame, ConnError};
+use super::{discard, read_control, read_header, read_msg_body, write_frame, ConnError};
 
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
@@ -63,6 +63,20 @@ pub struct RemoteRegionInfo {
     pub shm: Option<String>,
 }
 
+impl RemoteRegionInfo {
+    /// The same check the peer makes, on the whole request.
+    pub fn check(&self, offset: u64, len: u64, write: bool) -> Result<(), AccessError> {
+        let end = offset.checked_add(len).ok_or(AccessError::OutOfBounds)?;
+        if end > self.len {
+            return Err(AccessError::OutOfBounds);
+        }
+        if write && self.readonly {
+            return Err(AccessError::ReadOnly);
+        }
+        Ok(())
+    }
+}
+
 pub struct TcpPeer {
     pub hello: ServerHello,
     endpoints: Vec<SocketAddr>,
@@ -78,6 +92,9 @@ pub struct TcpPeer {
     next_id: AtomicU64,
     threads: Mutex<Vec<JoinHandle<()>>>,
     control: Mutex<Option<(BufReader<TcpStream>, TcpStream)>>,
+    /// What `query_region` learned (region ids are never reused by an engine), so a
+    /// request of several slices is checked whole before its first slice is sent.
+    regions: Mutex<HashMap<u64, RemoteRegionInfo>>,
 }
 
 fn open(
@@ -138,6 +155,7 @@ impl TcpPeer {
             next_id: AtomicU64::new(1),
             threads: Mutex::new(Vec::new()),
             control: Mutex::new(None),
+            regions: Mutex::new(HashMap::new()),
         });
         for s in streams {
             peer.start_conn(s)?;
@@ -286,11 +304,20 @@ impl TcpPeer {
             let sent = match slice.op {
                 Op::Read => w.write_all(&encode(&Msg::ReadReq { id, region, offset, len: len as u64 })),
                 Op::Write => {
+                    if !slice.batch.begin_io(slice.index) {
+                        // Ended while queued: its buffer is the caller's again, send nothing.
+                        conn.inflight.lock().remove(&id);
+                        conn.room.notify_one();
+                        continue;
+                    }
                     let head = encode(&Msg::WriteReq { id, region, offset, data_len: len });
                     // SAFETY: the request's local range was bounds-checked at submit and the
-                    // span keeps the region mapped.
+                    // span keeps the region mapped; begin_io keeps the request from being
+                    // reported final (and its buffer reused) while we read it.
                     let data = unsafe { std::slice::from_raw_parts(slice.local.ptr as *const u8, len) };
-                    write_frame(&mut w, &head, data)
+                    let r = write_frame(&mut w, &head, data);
+                    slice.batch.end_io(slice.index);
+                    r
                 }
             };
             if let Err(e) = sent {
@@ -352,10 +379,20 @@ impl TcpPeer {
                     self.retry_or_fail(slice, &why);
                     return Err(why);
                 }
+                if !slice.batch.begin_io(slice.index) {
+                    // A late answer: the request already ended (timeout, cancel, another
+                    // slice failed) and its buffer may be in use again. Drop the payload.
+                    self.counters.late_responses.fetch_add(1, Ordering::Relaxed);
+                    discard(r, n).map_err(|e| e.to_string())?;
+                    return Ok(());
+                }
                 // SAFETY: the local range was bounds-checked at submit (and checked
-                // writable); the span keeps the memory mapped while we receive into it.
+                // writable); the span keeps the memory mapped while we receive into it,
+                // and begin_io keeps the request from being reported final meanwhile.
                 let dst = unsafe { std::slice::from_raw_parts_mut(slice.local.ptr, n) };
-                if let Err(e) = r.read_exact(dst) {
+                let got = r.read_exact(dst);
+                slice.batch.end_io(slice.index);
+                if let Err(e) = got {
                     let why = ConnError::from(e).to_string();
                     self.retry_or_fail(slice, &why);
                     return Err(why);
@@ -365,6 +402,11 @@ impl TcpPeer {
             (Ok(()), None) => slice.batch.slice_done(slice.index, slice.len as u64),
         }
         Ok(())
+    }
+
+    /// What an earlier `query_region` learned about `region`, if anything.
+    pub fn known_region(&self, region: u64) -> Option<RemoteRegionInfo> {
+        self.regions.lock().get(&region).cloned()
     }
 
     /// Asks the peer about one region (synchronously, on a separate control connection).
@@ -394,7 +436,11 @@ impl TcpPeer {
             .and_then(|_| read_control(r));
         match res {
             Ok(Msg::RegionInfo { id: rid, status, len, readonly, shm }) if rid == id => match status {
-                Ok(()) => Ok(RemoteRegionInfo { len, readonly, shm }),
+                Ok(()) => {
+                    let info = RemoteRegionInfo { len, readonly, shm };
+                    self.regions.lock().insert(region, info.clone());
+                    Ok(info)
+                }
                 Err(reason) => Err(TransferError::Refused { side: "peer", region, reason }),
             },
             Ok(other) => {
