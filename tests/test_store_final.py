@@ -69,14 +69,18 @@ def test_lookup_prefix_matches_reference_and_leases() -> None:
 
 def test_lookup_prefix_bad_keys() -> None:
     s = mr.Store(BB, 4 * BB)
-    with pytest.raises(mr.InvalidArgument, match="16-byte"):
-        s.lookup_prefix(np.arange(4, dtype=np.int64))  # not 16-byte keys: refused, not misread
+    s.put(2, data(2))
+    # an int64 array is int keys (one per item), never reinterpreted as raw key bytes
+    assert [b.key for b in s.lookup_prefix(np.array([2, 3], dtype=np.int64))] == [2]
+    with pytest.raises(mr.InvalidArgument):
+        s.lookup_prefix(np.array([-1], dtype=np.int64))
     with pytest.raises(mr.InvalidArgument, match="whole number"):
         s.lookup_prefix(b"x" * 17)
     with pytest.raises(mr.InvalidArgument):
         s.lookup_prefix([-1])
     assert s.lookup_prefix([]) == [] and s.lookup_prefix(b"") == []
     # the other batch calls take key buffers too
+    s.remove(2)
     s.put_many(key_buffer([1, 2]), np.stack([data(1), data(2)]))
     out = np.zeros((2, BB), np.uint8)
     assert s.get_many_into(key_buffer([1, 2]), out) == [True, True]

@@ -382,7 +382,10 @@ impl PyStore {
     /// Pins `key` in DRAM (never evicted); returns its pin count.
     fn pin(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<u32> {
         let key = hash_from_py(key)?;
-        core(py, self.inner.pin(key))
+        let s = &*self.inner;
+        // Pinning an SSD block promotes it: a disk read, so without the GIL.
+        let r = if s.config().ssd_path.is_some() { py.detach(|| s.pin(key)) } else { s.pin(key) };
+        core(py, r)
     }
 
     /// Drops one pin; returns the pins left.

@@ -1,6 +1,7 @@
 //! Block keys for the store's batch calls: a list of Python ints, or any buffer of
 //! 16-byte little-endian keys (a `(n, 16)` uint8 numpy array, `n * 16` bytes, or a
-//! `BlockHashes` buffer), read without building a Python int per key.
+//! `BlockHashes` buffer), read without building a Python int per key. A buffer of other
+//! items (an int64 array) is read as int values, one key each.
 
 use mooncake_core::BlockHash;
 use pyo3::ffi;
@@ -24,18 +25,12 @@ pub fn keys_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockHash>> {
         Ok(None) => return hashes_from_py(obj),
         Err(e) => return Err(invalid(obj.py(), format!("keys must be a list of ints or a C-contiguous buffer of 16-byte keys ({e})"))),
     };
-    // Bytes (itemsize 1) or one 16-byte item per key; an int64 array of small keys
-    // would silently read as half as many wrong keys, so it is refused.
+    // Bytes (itemsize 1) or one 16-byte item per key are raw keys. Any other item size
+    // (an int64 array of keys, say) is a sequence of int values, as before key buffers.
     let item = view.itemsize();
     if item != 1 && item != KEY_BYTES {
-        return Err(invalid(
-            obj.py(),
-            format!(
-                "a key buffer holds 16-byte little-endian keys (uint8 of shape (n, 16), or bytes); got items of \
-                 {item} bytes (format {:?}): pass a list of ints instead",
-                view.format()
-            ),
-        ));
+        drop(view);
+        return hashes_from_py(obj);
     }
     let bytes = view.bytes();
     if bytes.len() % KEY_BYTES != 0 {
