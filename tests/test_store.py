@@ -114,7 +114,9 @@ def test_writable_block_commit_and_drop() -> None:
     with pytest.raises(mr.InvalidArgument, match="release"):
         w.commit()
     m.release()
-    assert w.commit() is True and w.done
+    committed = w.commit()
+    assert isinstance(committed, mr.Block) and w.done and committed.offset == s.slot_offset(5)
+    del committed
     assert np.array_equal(np.asarray(s.get(5)), data(5))
     with pytest.raises(mr.InvalidArgument):
         w.commit()

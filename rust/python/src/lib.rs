@@ -20,6 +20,7 @@ mod mem;
 mod pyint;
 mod store;
 mod store_block;
+mod store_keys;
 mod transfer;
 
 #[pymodule]

@@ -10,7 +10,8 @@ use mooncake_core::BlockHash;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use crate::convert::{hash_from_py, hash_to_py, hashes_from_py, BufferView};
+use crate::convert::{hash_from_py, hash_to_py, BufferView};
+use crate::store_keys::keys_from_py;
 use crate::errors::{invalid, to_pyerr};
 use crate::store_block::{PyBlock, PyWritableBlock};
 
@@ -220,7 +221,7 @@ impl PyStore {
     /// Stores a chain of blocks (chain positions 0..n). `datas` is a sequence of
     /// buffers, or one buffer of len(keys) * block_bytes bytes.
     fn put_many(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, datas: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
-        let keys = hashes_from_py(keys)?;
+        let keys = keys_from_py(keys)?;
         let bb = self.inner.block_bytes();
         let mut views = Vec::new();
         let mut ptrs: Vec<SendPtr> = Vec::with_capacity(keys.len());
@@ -282,7 +283,7 @@ impl PyStore {
     /// `get` for many keys (one policy access for the DRAM hits).
     #[pyo3(signature = (keys, promote = true))]
     fn get_many<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>, promote: bool) -> PyResult<Bound<'py, PyList>> {
-        let keys = hashes_from_py(keys)?;
+        let keys = keys_from_py(keys)?;
         let s = &*self.inner;
         let got = if s.config().ssd_path.is_some() {
             py.detach(|| s.get_batch(&keys, promote))
@@ -319,7 +320,7 @@ impl PyStore {
     /// returns which were found (rows of missing keys are left as they were).
     #[pyo3(signature = (keys, out, promote = true))]
     fn get_many_into(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>, promote: bool) -> PyResult<Vec<bool>> {
-        let keys = hashes_from_py(keys)?;
+        let keys = keys_from_py(keys)?;
         let view = BufferView::get_writable(out, "out")?;
         let bb = self.inner.block_bytes();
         if view.len_bytes() != keys.len() * bb {
@@ -352,15 +353,39 @@ impl PyStore {
         Ok(self.inner.tier_of(hash_from_py(key)?).map(|t| t.name()))
     }
 
-    /// Forgets `key` in every tier (live views keep their bytes); False if absent.
-    fn remove(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
-        Ok(self.inner.remove(hash_from_py(key)?))
+    /// Forgets `key` in every tier, for good (live views keep their bytes); False if
+    /// absent. InvalidArgument if it is pinned.
+    fn remove(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let key = hash_from_py(key)?;
+        let s = &*self.inner;
+        // With an SSD tier a removal clears the slot header on disk.
+        let r = if s.config().ssd_path.is_some() { py.detach(|| s.remove(key)) } else { s.remove(key) };
+        core(py, r)
+    }
+
+    /// Leased views of the longest leading run of `keys` held (list of ints, or a buffer
+    /// of 16-byte little-endian keys), each with its arena `.offset`. SSD blocks are
+    /// promoted into DRAM (the run ends at one that cannot be); `promote=False`: DRAM only.
+    #[pyo3(signature = (keys, promote = true))]
+    fn lookup_prefix<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>, promote: bool) -> PyResult<Bound<'py, PyList>> {
+        let keys = keys_from_py(keys)?;
+        let s = &*self.inner;
+        let leases = core(py, py.detach(|| s.lookup_prefix(&keys, promote)))?;
+        let objs = keys
+            .iter()
+            .zip(leases)
+            .map(|(k, l)| Ok(Bound::new(py, PyBlock::new(*k, BlockRef::Slot(l)))?.into_any()))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyList::new(py, objs)
     }
 
     /// Pins `key` in DRAM (never evicted); returns its pin count.
     fn pin(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<u32> {
         let key = hash_from_py(key)?;
-        core(py, self.inner.pin(key))
+        let s = &*self.inner;
+        // Pinning an SSD block promotes it: a disk read, so without the GIL.
+        let r = if s.config().ssd_path.is_some() { py.detach(|| s.pin(key)) } else { s.pin(key) };
+        core(py, r)
     }
 
     /// Drops one pin; returns the pins left.

@@ -39,6 +39,8 @@ pub struct PyBlock {
     key: BlockHash,
     tier: &'static str,
     len: usize,
+    /// Arena offset of the leased slot (None for a private copy read from SSD).
+    offset: Option<usize>,
     data: Mutex<Option<BlockRef>>,
     exports: AtomicUsize,
     /// `release()` was called while views were exported: drop at the last release.
@@ -47,10 +49,15 @@ pub struct PyBlock {
 
 impl PyBlock {
     pub fn new(key: BlockHash, data: BlockRef) -> Self {
+        let offset = match &data {
+            BlockRef::Slot(l) => Some(l.offset()),
+            BlockRef::Owned(_) => None,
+        };
         PyBlock {
             key,
             tier: data.tier().name(),
             len: data.bytes().len(),
+            offset,
             data: Mutex::new(Some(data)),
             exports: AtomicUsize::new(0),
             closing: false.into(),
@@ -79,6 +86,18 @@ impl PyBlock {
 
     fn __len__(&self) -> usize {
         self.len
+    }
+
+    /// Byte offset of the leased slot in the store's arena (`Store.region()`), what a
+    /// transfer engine that registered the arena reads to send this block; None for a
+    /// private copy read from SSD (`tier == "ssd"`). Valid while the lease is held:
+    /// InvalidArgument once released.
+    #[getter]
+    fn offset(&self, py: Python<'_>) -> PyResult<Option<usize>> {
+        if self.released() {
+            return Err(invalid(py, "this Block was released; its slot may hold another block now"));
+        }
+        Ok(self.offset)
     }
 
     /// True once `release()` (or the `with` block) ended the view.
@@ -149,13 +168,47 @@ pub struct PyWritableBlock {
     store: Arc<Store>,
     key: BlockHash,
     len: usize,
+    /// Held only for short checks with the GIL held, never across a GIL release.
     res: Mutex<Option<Reservation>>,
+    /// Exported buffers; changed and checked under `res`.
     exports: AtomicUsize,
+    /// `write()` copies in flight with the GIL released; changed and checked under `res`.
+    /// While one runs, commit/abort are refused and the reservation stays put.
+    writes: AtomicUsize,
 }
 
 impl PyWritableBlock {
     pub fn new(store: Arc<Store>, r: Reservation) -> Self {
-        PyWritableBlock { key: r.key(), len: r.len(), store, res: Mutex::new(Some(r)), exports: AtomicUsize::new(0) }
+        PyWritableBlock {
+            key: r.key(),
+            len: r.len(),
+            store,
+            res: Mutex::new(Some(r)),
+            exports: AtomicUsize::new(0),
+            writes: AtomicUsize::new(0),
+        }
+    }
+
+    /// Takes the reservation if no view and no write is outstanding (checked under the
+    /// lock that `__getbuffer__` and `write()` take to add one, so none can slip in).
+    fn take(&self, py: Python<'_>, what: &str) -> PyResult<Option<Reservation>> {
+        let mut r = self.res.lock();
+        if self.exports.load(Ordering::Acquire) > 0 {
+            return Err(invalid(py, format!("release every memoryview/array of this WritableBlock before {what}")));
+        }
+        if self.writes.load(Ordering::Acquire) > 0 {
+            return Err(invalid(py, format!("a write() to this WritableBlock is running on another thread; {what} after it")));
+        }
+        Ok(r.take())
+    }
+}
+
+/// Ends a `write()` in flight, also when the copy panics.
+struct WriteGuard<'a>(&'a AtomicUsize);
+
+impl Drop for WriteGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -204,18 +257,26 @@ impl PyWritableBlock {
         if offset.checked_add(n).is_none_or(|end| end > self.len) {
             return Err(invalid(py, format!("{n} bytes at offset {offset} do not fit a {}-byte block", self.len)));
         }
-        let r = self.res.lock();
-        let Some(r) = r.as_ref() else {
-            return Err(invalid(py, "this WritableBlock was already committed or aborted"));
+        // The lock covers only finding the slot and counting this write; the copy runs
+        // without it (and, when large, without the GIL), so another thread touching this
+        // block never waits on a lock whose holder waits for the GIL.
+        let dst = {
+            let r = self.res.lock();
+            let Some(r) = r.as_ref() else {
+                return Err(invalid(py, "this WritableBlock was already committed or aborted"));
+            };
+            self.writes.fetch_add(1, Ordering::AcqRel);
+            // SAFETY: offset + n <= len, inside the reserved slot.
+            unsafe { r.as_mut_ptr().add(offset) }
         };
-        // SAFETY: offset + n <= len, inside the reserved slot.
-        let p = SendPtr(unsafe { r.as_mut_ptr().add(offset) }, src.as_ptr(), n);
+        let _guard = WriteGuard(&self.writes);
+        let p = SendPtr(dst, src.as_ptr(), n);
         let copy = move || {
             let p = p;
-            // SAFETY: the reservation is the slot's only owner (its lock is held), the
-            // source export is held by `src`; the ranges cannot overlap (a slot is never
-            // exported read-only while reserved).
-            unsafe { std::ptr::copy_nonoverlapping(p.1, p.0, p.2) };
+            // SAFETY: while `writes` > 0 the reservation is neither committed nor aborted
+            // (take() refuses), so the slot stays this writer's; the source export is held
+            // by `src`. `copy` (memmove) because `data` may be a view of this very slot.
+            unsafe { std::ptr::copy(p.1, p.0, p.2) };
         };
         if n >= 1 << 16 {
             py.detach(copy);
@@ -225,25 +286,23 @@ impl PyWritableBlock {
         Ok(())
     }
 
-    /// Publishes the block; False if the key was stored meanwhile (the slot is freed).
-    /// Every memoryview/array of this WritableBlock must be released first.
-    fn commit(&self, py: Python<'_>) -> PyResult<bool> {
-        if self.exports.load(Ordering::Acquire) > 0 {
-            return Err(invalid(py, "release every memoryview/array of this WritableBlock before commit()"));
-        }
-        let r = self.res.lock().take();
-        match r {
-            Some(r) => Ok(self.store.commit(r, 0)),
+    /// Publishes the block and returns it as a leased, read-only `Block` (its `.offset`
+    /// is this slot's), without a second lookup by key; None if the key was stored
+    /// meanwhile (the slot is freed; `Store.get(key)` returns the stored one). Every
+    /// memoryview/array of this WritableBlock must be released first.
+    fn commit(&self, py: Python<'_>) -> PyResult<Option<PyBlock>> {
+        match self.take(py, "commit()")? {
+            Some(r) => {
+                let key = r.key();
+                Ok(self.store.commit_leased(r, 0).map(|l| PyBlock::new(key, BlockRef::Slot(l))))
+            }
             None => Err(invalid(py, "this WritableBlock was already committed or aborted")),
         }
     }
 
     /// Frees the slot without publishing (every exported view must be released first).
     fn abort(&self, py: Python<'_>) -> PyResult<()> {
-        if self.exports.load(Ordering::Acquire) > 0 {
-            return Err(invalid(py, "release every memoryview/array of this WritableBlock before abort()"));
-        }
-        self.res.lock().take();
+        self.take(py, "abort()")?;
         Ok(())
     }
 
@@ -254,10 +313,11 @@ impl PyWritableBlock {
     /// Leaving a `with` block aborts what was not committed.
     #[pyo3(signature = (*_args))]
     fn __exit__(&self, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
-        // With views still exported the slot stays reserved; it is freed when the
-        // object goes (its views hold references to it).
-        if self.exports.load(Ordering::Acquire) == 0 {
-            self.res.lock().take();
+        // With views still exported (or a write running) the slot stays reserved; it is
+        // freed when the object goes (its views hold references to it).
+        let mut r = self.res.lock();
+        if self.exports.load(Ordering::Acquire) == 0 && self.writes.load(Ordering::Acquire) == 0 {
+            r.take();
         }
         false
     }

@@ -62,6 +62,9 @@ impl StoreConfig {
         if !POLICY_NAMES.contains(&self.eviction.as_str()) {
             return bad(format!("unknown eviction policy {:?}; expected one of {POLICY_NAMES:?}", self.eviction));
         }
+        if self.ssd_path.as_ref().is_some_and(|p| p.as_os_str().is_empty()) {
+            return bad("ssd_path is empty; give the SSD tier a directory (or None for DRAM only)".into());
+        }
         if self.ssd_path.is_some() && self.ssd_bytes == 0 {
             return bad("ssd_path is set but ssd_bytes is 0; give the SSD tier a size".into());
         }

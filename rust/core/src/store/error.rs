@@ -12,6 +12,12 @@ pub enum StoreError {
     NotFound(u128),
     #[error("SSD tier I/O failed: {0}")]
     Io(String),
+    /// The SSD tier file is held by another open store.
+    #[error("SSD tier file locked: {0}")]
+    Locked(String),
+    /// The SSD tier file's header failed its checksum.
+    #[error("SSD tier file corrupt: {0}")]
+    Corrupt(String),
 }
 
 impl StoreError {
@@ -26,7 +32,7 @@ impl Categorized for StoreError {
             StoreError::Invalid(_) => ErrorCategory::InvalidArgument,
             StoreError::Full { .. } => ErrorCategory::StoreFull,
             StoreError::NotFound(_) => ErrorCategory::BlockNotFound,
-            StoreError::Io(_) => ErrorCategory::StoreIo,
+            StoreError::Io(_) | StoreError::Locked(_) | StoreError::Corrupt(_) => ErrorCategory::StoreIo,
         }
     }
 }

@@ -15,6 +15,7 @@ mod error;
 mod events;
 pub mod eviction;
 mod inspect;
+mod read;
 mod slotfile;
 mod ssd;
 mod table;
@@ -30,3 +31,5 @@ pub use tiered::{BlockRef, Store};
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_final;

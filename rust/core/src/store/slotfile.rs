@@ -105,6 +105,56 @@ fn free_bytes(dir: &Path) -> Option<u64> {
     }
 }
 
+/// Takes an exclusive `flock` on the tier file (released when the file closes): a second
+/// store on the same file, in this process or another, would overwrite the first one's
+/// slots, so its open is refused.
+fn lock_exclusive(file: &File, path: &Path) -> Result<(), StoreError> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock on a file descriptor this `File` owns; no memory is involved.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc == 0 {
+        return Ok(());
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        return Err(StoreError::Locked(format!(
+            "{} is in use by another Store (in this or another process); an SSD tier file has one \
+             owner: close that store or give this one another ssd_path",
+            path.display()
+        )));
+    }
+    Err(StoreError::io(&format!("locking {}", path.display()), e))
+}
+
+/// Why an existing, non-empty file header is not the one this store would write: a
+/// damaged header (its checksum fails), a file that is not a tier file, or one made with
+/// another geometry (says which).
+fn header_mismatch(path: &Path, head: &[u8; 40], block_bytes: usize, slots: u32, stride: u64) -> StoreError {
+    let u64_at = |i: usize| u64::from_le_bytes(head[i..i + 8].try_into().unwrap_or([0; 8]));
+    let p = path.display();
+    // A flipped bit or two in the magic is damage; a wholly different one, another file.
+    let magic_bits = (u64_at(0) ^ FILE_MAGIC).count_ones();
+    if xxh3_64(&head[0..32]) != u64_at(32) {
+        if magic_bits > 8 {
+            return StoreError::Invalid(format!("{p} is not an SSD tier file (unknown magic); use a new ssd_path"));
+        }
+        return StoreError::Corrupt(format!(
+            "the file header of {p} is damaged (its checksum does not match): the file cannot be trusted; \
+             delete it or use a new ssd_path"
+        ));
+    }
+    if magic_bits != 0 {
+        return StoreError::Invalid(format!("{p} is not an SSD tier file of this version; use a new ssd_path"));
+    }
+    StoreError::Invalid(format!(
+        "{p} was made with block_bytes={}, {} slots of {} bytes; this store asks for block_bytes={block_bytes}, \
+         {slots} slots of {stride} bytes: open it with the same block_bytes / ssd_bytes or use a new ssd_path",
+        u64_at(8),
+        u64_at(16),
+        u64_at(24)
+    ))
+}
+
 impl SlotFile {
     /// The stride of one slot for `block_bytes`.
     pub fn stride_for(block_bytes: usize) -> u64 {
@@ -131,17 +181,21 @@ impl SlotFile {
             .truncate(false)
             .open(&path)
             .map_err(|e| StoreError::io(&format!("opening {}", path.display()), e))?;
+        lock_exclusive(&file, &path)?;
         let want = file_header(block_bytes, slots, stride);
         let total = FILE_HEADER + slots as u64 * stride;
         let mut head = [0u8; 40];
         let len = file.metadata().map_err(|e| StoreError::io("stat", e))?.len();
+        if existed && len > 0 && len < 40 {
+            return Err(StoreError::Invalid(format!(
+                "{} is not an SSD tier file ({len} bytes, shorter than its header); use a new ssd_path",
+                path.display()
+            )));
+        }
         if existed && len >= 40 {
             file.read_exact_at(&mut head, 0).map_err(|e| StoreError::io("reading the file header", e))?;
             if head != want && head.iter().any(|&b| b != 0) {
-                return Err(StoreError::Invalid(format!(
-                    "{} was made with another block_bytes / ssd_bytes; open it with the same ones or use a new ssd_path",
-                    path.display()
-                )));
+                return Err(header_mismatch(&path, &head, block_bytes, slots, stride));
             }
         }
         let needed = total.saturating_sub(len);
@@ -181,6 +235,12 @@ impl SlotFile {
         let off = self.offset(slot);
         self.file.write_all_at(data, off + SLOT_HEADER as u64)?;
         self.file.write_all_at(&h.encode(), off)
+    }
+
+    /// Clears `slot`'s header (a never-written slot to recovery): a removed block is not
+    /// recovered at the next open.
+    pub fn erase(&self, slot: u32) -> std::io::Result<()> {
+        self.file.write_all_at(&[0u8; SLOT_HEADER], self.offset(slot))
     }
 
     /// Reads the header of `slot`.

@@ -5,7 +5,15 @@
 //! (so gets still find it) and offers it to a bounded queue. **A full queue drops the
 //! block** (counted as `demotions_dropped`): eviction never waits for the disk. The
 //! writer thread takes jobs in order; `flush()` queues a marker behind them and waits.
-//! Lock order: `pending`, then `state`; neither is held during file I/O.
+//! Lock order: `pending`, then `state`; neither is held during file I/O. Both are leaves
+//! below the store's table shards: a key's membership in this tier changes only under
+//! its table shard lock (eviction claims a pending entry there, `remove` drops it there),
+//! or under `pending` (the writer moving a pending block onto disk), so a removed key
+//! cannot come back through a demotion or promotion in flight.
+//!
+//! Removal is durable: the slot header of a removed block is zeroed on disk before the
+//! slot is reused (and a block removed while being written is zeroed by the writer), so a
+//! reopen after `remove()` + `flush()` does not recover it.
 
 use std::path::Path;
 use std::sync::mpsc::{Receiver, SyncSender};
@@ -37,7 +45,9 @@ struct State {
 pub struct SsdTier {
     file: SlotFile,
     state: Mutex<State>,
-    pending: Mutex<HashMap<BlockHash, Arc<Vec<u8>>>>,
+    /// Blocks on their way to disk. `None`: claimed by an eviction that is still copying
+    /// the bytes out of its DRAM slot (not readable yet).
+    pending: Mutex<HashMap<BlockHash, Option<Arc<Vec<u8>>>>>,
     /// The first write error since the last flush.
     io_error: Mutex<Option<String>>,
     log: Arc<EventLog>,
@@ -88,6 +98,13 @@ impl SsdTier {
         }
         counters.recovered.fetch_add(index.len() as u64, std::sync::atomic::Ordering::Relaxed);
         counters.corrupt_dropped.fetch_add(rec.corrupt, std::sync::atomic::Ordering::Relaxed);
+        // Older copies of a key found twice: clear their headers, so removing the newest
+        // copy later cannot bring an older one back at the next open.
+        for (slot, h) in &intact {
+            if index.get(&h.key).is_some_and(|(s, _)| s != slot) {
+                file.erase(*slot).map_err(|e| StoreError::io("clearing a superseded SSD slot", e))?;
+            }
+        }
         let free = (0..slots).rev().filter(|&s| !used[s as usize]).collect();
         Ok(SsdTier {
             file,
@@ -118,7 +135,8 @@ impl SsdTier {
 
     fn locate(&self, key: BlockHash) -> Option<Location> {
         if let Some(d) = self.pending.lock().get(&key) {
-            return Some(Location::Pending(d.clone()));
+            // A claimed entry has no bytes yet: a miss for this read.
+            return d.clone().map(Location::Pending);
         }
         let mut st = self.state.lock();
         let loc = st.index.get(&key).copied()?;
@@ -154,29 +172,62 @@ impl SsdTier {
         }
     }
 
-    /// Records `data` as waiting for the writer (before it is queued).
-    pub fn add_pending(&self, key: BlockHash, data: Arc<Vec<u8>>) {
-        self.pending.lock().insert(key, data);
+    /// Claims a pending entry for a block leaving DRAM (called under its table shard
+    /// lock); false if the tier holds it already (nothing to write).
+    pub fn claim_pending(&self, key: BlockHash) -> bool {
+        let mut pending = self.pending.lock();
+        if pending.contains_key(&key) || self.state.lock().index.contains_key(&key) {
+            return false;
+        }
+        pending.insert(key, None);
+        true
+    }
+
+    /// Gives a claimed entry its bytes; false if it was removed meanwhile (drop them).
+    pub fn fill_pending(&self, key: BlockHash, data: Arc<Vec<u8>>) -> bool {
+        match self.pending.lock().get_mut(&key) {
+            Some(slot @ None) => {
+                *slot = Some(data);
+                true
+            }
+            _ => false,
+        }
     }
 
     pub fn drop_pending(&self, key: BlockHash) {
         self.pending.lock().remove(&key);
     }
 
-    /// Forgets `key` in this tier; returns whether it was there.
-    pub fn remove(&self, key: BlockHash) -> bool {
+    /// Forgets `key` in this tier (called under its table shard lock, so no demotion or
+    /// promotion of it is half-way). Returns whether it was there, and the disk slot
+    /// whose header the caller must clear with [`erase`](Self::erase) (no lock held).
+    pub fn remove(&self, key: BlockHash) -> (bool, Option<u32>) {
         let mut pending = self.pending.lock();
         let was_pending = pending.remove(&key).is_some();
         let mut st = self.state.lock();
-        let on_disk = match st.index.remove(&key) {
+        match st.index.remove(&key) {
             Some((slot, _)) => {
                 st.policy.remove(key);
-                st.free.push(slot);
-                true
+                (true, Some(slot))
             }
-            None => false,
-        };
-        was_pending || on_disk
+            None => (was_pending, None),
+        }
+    }
+
+    /// Zeroes the header of a removed block's slot (durable at the next flush), then
+    /// frees the slot. A failed write is reported by the next `flush()`.
+    pub fn erase(&self, slot: u32) {
+        if let Err(e) = self.file.erase(slot) {
+            self.note_error(&e);
+        }
+        self.state.lock().free.push(slot);
+    }
+
+    fn note_error(&self, e: &std::io::Error) {
+        let mut err = self.io_error.lock();
+        if err.is_none() {
+            *err = Some(format!("writing {}: {e}", self.file.path().display()));
+        }
     }
 
     /// A slot for a new write (evicting the policy's victim when none is free).
@@ -209,9 +260,16 @@ impl SsdTier {
 
     /// The writer's handling of one demotion.
     fn write(&self, key: BlockHash, data: &[u8]) {
-        if self.state.lock().index.contains_key(&key) {
-            self.drop_pending(key);
-            return;
+        {
+            let pending = self.pending.lock();
+            if !pending.contains_key(&key) {
+                return; // removed before its turn
+            }
+            if self.state.lock().index.contains_key(&key) {
+                drop(pending);
+                self.drop_pending(key);
+                return;
+            }
         }
         let Some((slot, gen)) = self.take_slot() else {
             self.drop_pending(key);
@@ -221,17 +279,16 @@ impl SsdTier {
             self.state.lock().free.push(slot);
             self.drop_pending(key);
             bump(&self.counters.demotion_failures);
-            let mut err = self.io_error.lock();
-            if err.is_none() {
-                *err = Some(format!("writing {}: {e}", self.file.path().display()));
-            }
+            self.note_error(&e);
             return;
         }
         let mut pending = self.pending.lock();
         let mut st = self.state.lock();
         if pending.remove(&key).is_none() {
-            // removed while it was being written
-            st.free.push(slot);
+            // Removed while it was being written: its header is on disk now, clear it.
+            drop(st);
+            drop(pending);
+            self.erase(slot);
             return;
         }
         st.index.insert(key, (slot, gen));

@@ -102,8 +102,8 @@ fn remove_with_live_view_and_reservation_drop() {
     let s = dram(2, "lru");
     s.put(1, &block(1, 0)).unwrap();
     let view = s.get(1, true).unwrap().unwrap();
-    assert!(s.remove(1));
-    assert!(!s.remove(1));
+    assert!(s.remove(1).unwrap());
+    assert!(!s.remove(1).unwrap());
     assert!(s.get(1, true).unwrap().is_none());
     s.put(2, &block(2, 0)).unwrap();
     // the removed block's slot is still held by the view
@@ -221,7 +221,7 @@ fn threads_see_only_what_was_put() {
                         assert_eq!(b.bytes(), &block((k * 3) % 200, 0)[..]);
                     }
                     if i % 97 == 0 {
-                        s.remove(k);
+                        s.remove(k).unwrap();
                     }
                 }
             });
@@ -257,7 +257,7 @@ proptest! {
                     }
                     None => { model.remove(&k); }
                 },
-                3 => { s.remove(k); model.remove(&k); }
+                3 => { s.remove(k).unwrap(); model.remove(&k); }
                 4 => { views.clear(); }
                 _ => { if s.pin(k).is_ok() { let _ = s.unpin(k); } }
             }

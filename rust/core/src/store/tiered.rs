@@ -115,7 +115,7 @@ impl Store {
         self.table.shard(key).get(&key).map(|e| self.arena.offset(e.slot))
     }
 
-    fn check_len(&self, len: usize) -> Result<(), StoreError> {
+    pub(super) fn check_len(&self, len: usize) -> Result<(), StoreError> {
         if len != self.cfg.block_bytes {
             return Err(StoreError::Invalid(format!(
                 "a block must be exactly block_bytes={} bytes, got {len}",
@@ -147,6 +147,7 @@ impl Store {
             return Ok(s);
         }
         let mut slot = None;
+        let mut demote = false;
         let victim = {
             let mut policy = self.policy.lock();
             policy.evict(&mut |k| {
@@ -157,6 +158,10 @@ impl Store {
                     Some(e) => {
                         slot = Some(e.slot);
                         shard.remove(&k);
+                        // Leaving DRAM and entering the SSD tier's pending set is one step
+                        // under the shard lock, so a concurrent remove() sees it in one
+                        // tier or the other, never in neither to come back later.
+                        demote = self.ssd.as_ref().is_some_and(|s| s.claim_pending(k));
                         Verdict::Evicted
                     }
                 }
@@ -164,7 +169,7 @@ impl Store {
         };
         match (victim, slot) {
             (Some(key), Some(slot)) => {
-                self.evicted(key, slot);
+                self.evicted(key, slot, demote);
                 Ok(slot)
             }
             // A lease may have been released meanwhile.
@@ -172,18 +177,21 @@ impl Store {
         }
     }
 
-    /// After `key` left DRAM: count it, and queue its demotion. The caller now owns
-    /// `slot` (its table reference).
-    fn evicted(&self, key: BlockHash, slot: u32) {
+    /// After `key` left DRAM: count it, and queue its demotion if the eviction claimed a
+    /// pending SSD entry for it (`demote`: not on SSD already, e.g. promoted from there).
+    /// The caller now owns `slot` (its table reference).
+    fn evicted(&self, key: BlockHash, slot: u32, demote: bool) {
         bump(&self.counters.evictions_dram);
         self.log.push(EventKind::Evicted, key, Tier::Dram);
         let (Some(ssd), Some(jobs)) = (&self.ssd, &self.jobs) else { return };
-        if ssd.contains(key) {
-            return; // already on SSD (it was promoted from there)
+        if !demote {
+            return;
         }
         // SAFETY: the caller owns `slot` (removed from the table with count 1).
         let data = Arc::new(unsafe { self.arena.bytes(slot) }.to_vec());
-        ssd.add_pending(key, data.clone());
+        if !ssd.fill_pending(key, data.clone()) {
+            return; // removed while its bytes were being copied
+        }
         match jobs.try_send(Job::Write(key, data)) {
             Ok(()) => {}
             Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
@@ -204,15 +212,34 @@ impl Store {
         self.publish(&mut r, position, EventKind::Stored)
     }
 
-    fn publish(&self, r: &mut Reservation, position: u32, kind: EventKind) -> bool {
-        let key = r.key;
-        if kind == EventKind::Stored && self.ssd.as_ref().is_some_and(|s| s.contains(key)) {
-            return false;
+    /// [`commit`](Self::commit), returning a lease on the published slot (taken before
+    /// the block became visible, so it cannot be evicted in between); `None` if `key`
+    /// was stored meanwhile (the reservation's slot is freed).
+    pub fn commit_leased(&self, mut r: Reservation, position: u32) -> Option<Lease> {
+        let lease = Lease::acquire(&self.arena, r.slot);
+        if self.publish(&mut r, position, EventKind::Stored) {
+            Some(lease)
+        } else {
+            drop(lease);
+            None
         }
+    }
+
+    /// Inserts the reservation's slot into the table. For a promotion the SSD tier must
+    /// still hold the key, checked under the shard lock that `remove` holds: a block
+    /// removed while it was being read back is not resurrected.
+    pub(super) fn publish(&self, r: &mut Reservation, position: u32, kind: EventKind) -> bool {
+        let key = r.key;
         {
             let mut shard = self.table.shard(key);
             if shard.contains_key(&key) {
                 return false;
+            }
+            let on_ssd = self.ssd.as_ref().is_some_and(|s| s.contains(key));
+            match kind {
+                EventKind::Stored if on_ssd => return false, // content-addressed: stored already
+                EventKind::Promoted if !on_ssd => return false, // removed (or evicted) meanwhile
+                _ => {}
             }
             shard.insert(key, Entry { slot: r.slot, pins: 0 });
             r.done = true; // the table owns the reference now
@@ -257,118 +284,29 @@ impl Store {
         Ok(out)
     }
 
-    fn lease_dram(&self, key: BlockHash) -> Option<Lease> {
-        let shard = self.table.shard(key);
-        shard.get(&key).map(|e| Lease::acquire(&self.arena, e.slot))
-    }
-
-    /// A view of `key`. From SSD the block is promoted into a DRAM slot, unless
-    /// `promote` is false (or no slot can be freed): then it is read into a private copy.
-    pub fn get(&self, key: BlockHash, promote: bool) -> Result<Option<BlockRef>, StoreError> {
-        let got = self.get_batch(&[key], promote)?;
-        Ok(got.into_iter().next().flatten())
-    }
-
-    /// [`get`](Self::get) for many keys, touching the DRAM hits as one access.
-    pub fn get_batch(&self, keys: &[BlockHash], promote: bool) -> Result<Vec<Option<BlockRef>>, StoreError> {
-        let mut out: Vec<Option<BlockRef>> = keys.iter().map(|&k| self.lease_dram(k).map(BlockRef::Slot)).collect();
-        let hits = out.iter().filter(|o| o.is_some()).count();
-        if hits > 0 {
-            let mut p = self.policy.lock();
-            p.begin_access();
-            for (k, o) in keys.iter().zip(&out) {
-                if o.is_some() {
-                    p.touch(*k);
+    /// Forgets `key` in every tier; live views keep their bytes until dropped. Final:
+    /// no demotion or promotion in flight brings it back, and its SSD slot header is
+    /// cleared (durable at the next `flush()`), so a reopen does not recover it. A pinned
+    /// block is refused (`Invalid`): its pinner relies on it; unpin it first.
+    pub fn remove(&self, key: BlockHash) -> Result<bool, StoreError> {
+        let (entry, (in_ssd, erase)) = {
+            let mut policy = self.policy.lock();
+            let mut shard = self.table.shard(key);
+            if let Some(e) = shard.get(&key) {
+                if e.pins > 0 {
+                    return Err(StoreError::Invalid(format!(
+                        "block {key:#x} is pinned ({} pins); unpin it before remove()",
+                        e.pins
+                    )));
                 }
             }
-        }
-        self.counters.hits_dram.fetch_add(hits as u64, std::sync::atomic::Ordering::Relaxed);
-        for (k, o) in keys.iter().zip(out.iter_mut()) {
-            if o.is_none() {
-                *o = self.get_lower(*k, promote)?;
-                if o.is_none() {
-                    bump(&self.counters.misses);
-                }
-            }
-        }
-        Ok(out)
-    }
-
-    /// A DRAM miss: try the SSD tier.
-    fn get_lower(&self, key: BlockHash, promote: bool) -> Result<Option<BlockRef>, StoreError> {
-        let Some(ssd) = &self.ssd else { return Ok(None) };
-        if !ssd.contains(key) {
-            return Ok(None);
-        }
-        if promote {
-            if let Ok(mut r) = self.reserve(key) {
-                if !ssd.read(key, r.bytes_mut())? {
-                    return Ok(None);
-                }
-                bump(&self.counters.hits_ssd);
-                // The caller's lease exists before the block is visible, so it cannot be
-                // evicted between publishing and returning.
-                let lease = Lease::acquire(&self.arena, r.slot);
-                if self.publish(&mut r, 0, EventKind::Promoted) {
-                    bump(&self.counters.promotions);
-                    return Ok(Some(BlockRef::Slot(lease)));
-                }
-                // promoted (or put) concurrently: serve the DRAM copy
-                drop(lease);
-                drop(r);
-                return Ok(self.lease_dram(key).map(BlockRef::Slot));
-            }
-        }
-        let mut buf = vec![0u8; self.cfg.block_bytes];
-        if ssd.read(key, &mut buf)? {
-            bump(&self.counters.hits_ssd);
-            Ok(Some(BlockRef::Owned(buf)))
-        } else {
-            Ok(None)
-        }
-    }
-
-    /// Copies `key` into `out`; false if absent.
-    pub fn get_into(&self, key: BlockHash, out: &mut [u8], promote: bool) -> Result<bool, StoreError> {
-        self.check_len(out.len())?;
-        if let Some(l) = self.lease_dram(key) {
-            {
-                let mut p = self.policy.lock();
-                p.begin_access();
-                p.touch(key);
-            }
-            bump(&self.counters.hits_dram);
-            out.copy_from_slice(l.bytes());
-            return Ok(true);
-        }
-        if !promote {
-            if let Some(ssd) = &self.ssd {
-                if ssd.read(key, out)? {
-                    bump(&self.counters.hits_ssd);
-                    return Ok(true);
-                }
-            }
-            bump(&self.counters.misses);
-            return Ok(false);
-        }
-        match self.get_lower(key, true)? {
-            Some(b) => {
-                out.copy_from_slice(b.bytes());
-                Ok(true)
-            }
-            None => {
-                bump(&self.counters.misses);
-                Ok(false)
-            }
-        }
-    }
-
-    /// Forgets `key` in every tier; live views keep their bytes until dropped.
-    pub fn remove(&self, key: BlockHash) -> bool {
-        let mut policy = self.policy.lock();
-        let entry = self.table.shard(key).remove(&key);
-        policy.remove(key);
-        drop(policy);
+            let entry = shard.remove(&key);
+            policy.remove(key);
+            // Both tiers under the shard lock: an eviction hands a key from DRAM to the
+            // SSD tier, and a promotion publishes one, only under this same lock.
+            let ssd = self.ssd.as_ref().map_or((false, None), |s| s.remove(key));
+            (entry, ssd)
+        };
         let in_dram = match entry {
             Some(e) => {
                 self.arena.release(e.slot);
@@ -377,11 +315,13 @@ impl Store {
             }
             None => false,
         };
-        let in_ssd = self.ssd.as_ref().is_some_and(|s| s.remove(key));
+        if let (Some(ssd), Some(slot)) = (&self.ssd, erase) {
+            ssd.erase(slot); // file I/O, no lock held
+        }
         if in_ssd {
             self.log.push(EventKind::Removed, key, Tier::Ssd);
         }
-        in_dram || in_ssd
+        Ok(in_dram || in_ssd)
     }
 
     /// Pins `key` in DRAM (promoting it from SSD if needed); returns its pin count.
