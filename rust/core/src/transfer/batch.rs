@@ -56,8 +56,9 @@ struct Slot {
     bytes: u64,
     /// Accesses to the request's local memory in progress (`begin_io` .. `end_io`).
     io: u32,
-    /// A failure that arrived while `io > 0`: applied when the last access ends.
-    deferred: Option<TransferError>,
+    /// An end (`None`: success, `Some`: the failure) that arrived while `io > 0`:
+    /// applied when the last access ends.
+    deferred: Option<Option<TransferError>>,
 }
 
 struct State {
@@ -115,11 +116,10 @@ impl Batch {
             return;
         }
         if slot.io > 0 {
-            // Memory of this request is being accessed right now: report the failure
-            // only once that access has ended (see the fence in the module docs).
-            if let Some(e) = error {
-                slot.deferred.get_or_insert(e);
-            }
+            // Memory of this request is being accessed right now: report the end only
+            // once that access has ended (see the fence in the module docs). The first
+            // end wins, as below.
+            slot.deferred.get_or_insert(error);
             return;
         }
         slot.status = match error {
@@ -191,8 +191,8 @@ impl Batch {
         let Some(slot) = s.slots.get_mut(i) else { return };
         slot.io = slot.io.saturating_sub(1);
         if slot.io == 0 {
-            if let Some(e) = slot.deferred.take() {
-                Self::finish(&mut s, i, Some(e), &self.cv);
+            if let Some(end) = slot.deferred.take() {
+                Self::finish(&mut s, i, end, &self.cv);
             }
             self.cv.notify_all();
         }

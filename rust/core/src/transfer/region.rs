@@ -130,7 +130,12 @@ impl RegionTable {
     }
 
     pub fn unregister(&self, id: RegionId) -> bool {
-        self.regions.write().remove(&id).is_some()
+        // Take the region out under the lock but drop it after the guard is
+        // gone: the last reference may own a Python buffer whose release
+        // needs the GIL, and a thread holding the GIL may be waiting on this
+        // lock (`get` from an attached call) -- dropping inside would deadlock.
+        let removed = self.regions.write().remove(&id);
+        removed.is_some()
     }
 
     pub fn get(&self, id: RegionId) -> Option<Arc<Region>> {
@@ -153,6 +158,8 @@ impl RegionTable {
     }
 
     pub fn clear(&self) {
-        self.regions.write().clear();
+        // Same reason as `unregister`: release the buffers outside the lock.
+        let drained: Vec<Arc<Region>> = self.regions.write().drain().map(|(_, r)| r).collect();
+        drop(drained);
     }
 }
