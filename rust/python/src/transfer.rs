@@ -317,6 +317,7 @@ pub struct PyTransferStats {
     bytes_served: u64,
     retries: u64,
     late_responses: u64,
+    handshakes_evicted: u64,
     regions: u64,
 }
 
@@ -414,6 +415,7 @@ impl PyTransferEngine {
             bytes_served: s.bytes_served,
             retries: s.retries,
             late_responses: s.late_responses,
+            handshakes_evicted: s.handshakes_evicted,
             regions: s.regions,
         }
     }

@@ -39,6 +39,13 @@ impl AuthKey {
     pub fn server_proof(&self, server_nonce: &[u8; NONCE_LEN], client_nonce: &[u8; NONCE_LEN]) -> [u8; MAC_LEN] {
         self.mac(b"server", client_nonce, server_nonce)
     }
+
+    /// The frame keys of one connection, `(client -> server, server -> client)`: fresh
+    /// for every pair of nonces, different per direction, and unlike the proofs never
+    /// sent, so a relay that saw the handshake still cannot tag a frame.
+    pub fn frame_keys(&self, server_nonce: &[u8; NONCE_LEN], client_nonce: &[u8; NONCE_LEN]) -> ([u8; 32], [u8; 32]) {
+        (self.mac(b"frames c2s", server_nonce, client_nonce), self.mac(b"frames s2c", server_nonce, client_nonce))
+    }
 }
 
 /// Constant-time equality (blake3's `Hash` compares in constant time).
@@ -91,5 +98,9 @@ mod tests {
         assert!(!mac_eq(&p, &k.client_proof(&c, &s)));
         assert!(!mac_eq(&p, &k.server_proof(&s, &c)));
         assert!(!p.windows(6).any(|w| w == b"secret"));
+        let (c2s, s2c) = k.frame_keys(&s, &c);
+        assert_ne!(c2s, s2c);
+        assert!(c2s != p && s2c != p && s2c != k.server_proof(&s, &c));
+        assert_ne!(k.frame_keys(&s, &nonce().unwrap()).0, c2s);
     }
 }

@@ -107,6 +107,8 @@ pub struct Counters {
     pub retries: AtomicU64,
     /// Answers that arrived after their request had ended (payload dropped, unread).
     pub late_responses: AtomicU64,
+    /// Handshakes cut short to make room for a new connection (all slots were taken).
+    pub handshakes_evicted: AtomicU64,
 }
 
 /// A snapshot of [`Counters`].
@@ -119,5 +121,6 @@ pub struct EngineStats {
     pub bytes_served: u64,
     pub retries: u64,
     pub late_responses: u64,
+    pub handshakes_evicted: u64,
     pub regions: u64,
 }

@@ -89,6 +89,37 @@ impl EngineInner {
     pub(crate) fn address(&self) -> String {
         self.addresses.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(",")
     }
+
+    /// `connect` to a peer we already reach at the same endpoints returns that peer, so
+    /// calling it again (the documented recovery, or just a habit) never piles up
+    /// connections on the peer. A peer of that name with no connection left is closed
+    /// and forgotten, so the caller gets fresh connections.
+    fn reuse_peer(&self, name: &str, endpoints: &[SocketAddr]) -> Option<Arc<Peer>> {
+        let mut dead = Vec::new();
+        let found = {
+            let mut peers = self.peers.lock();
+            let mut found = None;
+            peers.retain(|p| {
+                let PeerKind::Remote { tcp, .. } = &p.kind else { return true };
+                if p.name != name {
+                    return true;
+                }
+                if tcp.alive() == 0 {
+                    dead.push(p.clone());
+                    return false;
+                }
+                if found.is_none() && tcp.endpoints() == endpoints {
+                    found = Some(p.clone());
+                }
+                true
+            });
+            found
+        };
+        for p in dead {
+            p.close();
+        }
+        found
+    }
 }
 
 /// A transfer engine. Dropping it closes it.
@@ -135,6 +166,14 @@ impl Engine {
             None
         };
         let addresses = server.as_ref().map(|s| s.addresses()).unwrap_or_default();
+        if server.is_some() && key.is_none() {
+            tracing::warn!(
+                engine = %cfg.name,
+                address = ?addresses,
+                "transfer engine listening with no auth_token: any process that can reach {addresses:?} can read \
+                 and write its registered regions; pass auth_token, or listen=\"\" when no other process needs it"
+            );
+        }
         let inner = Arc::new_cyclic(|me| EngineInner {
             name: cfg.name.clone(),
             pool: CopyPool::new(cfg.copy_threads),
@@ -252,6 +291,10 @@ impl Engine {
                         TransferError::InvalidRequest(format!("no address known for peer {peer_name:?}; pass one"))
                     })?,
                 };
+                let endpoints = parse_endpoints(&address)?;
+                if let Some(p) = inner.reuse_peer(peer_name, &endpoints) {
+                    return Ok(p);
+                }
                 let cfg = ClientConfig {
                     connect_timeout: inner.cfg.connect_timeout,
                     io_timeout: inner.cfg.io_timeout,
@@ -261,7 +304,7 @@ impl Engine {
                 };
                 let tcp = TcpPeer::connect(
                     &inner.name,
-                    parse_endpoints(&address)?,
+                    endpoints,
                     inner.key.clone(),
                     cfg,
                     inner.counters.clone(),
@@ -296,6 +339,7 @@ impl Engine {
             bytes_served: l(&c.bytes_served),
             retries: l(&c.retries),
             late_responses: l(&c.late_responses),
+            handshakes_evicted: l(&c.handshakes_evicted),
             regions: self.inner.regions.len() as u64,
         }
     }

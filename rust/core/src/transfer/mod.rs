@@ -173,3 +173,5 @@ impl Categorized for TransferError {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_adversarial;

@@ -35,6 +35,8 @@ pub enum FrameError {
     Malformed,
     #[error("bad status code {0}")]
     BadStatus(u8),
+    #[error("frame tag does not match (forged, replayed or corrupted frame)")]
+    BadTag,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -11,7 +11,7 @@ use rand::{Rng, SeedableRng};
 use super::protocol::{self, decode_frame, encode, Msg};
 use super::*;
 
-fn cfg(name: &str, transports: &[&str]) -> EngineConfig {
+pub(super) fn cfg(name: &str, transports: &[&str]) -> EngineConfig {
     EngineConfig {
         name: name.into(),
         transports: Transports::parse(transports.iter().copied()).unwrap(),
@@ -20,11 +20,11 @@ fn cfg(name: &str, transports: &[&str]) -> EngineConfig {
     }
 }
 
-fn engine(name: &str, transports: &[&str]) -> Engine {
+pub(super) fn engine(name: &str, transports: &[&str]) -> Engine {
     Engine::new(cfg(name, transports), None).unwrap()
 }
 
-fn fill(e: &Engine, id: RegionId, seed: u64) -> Vec<u8> {
+pub(super) fn fill(e: &Engine, id: RegionId, seed: u64) -> Vec<u8> {
     let r = e.region(id).unwrap();
     let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
     let v: Vec<u8> = (0..r.len()).map(|_| rng.gen()).collect();
@@ -33,20 +33,20 @@ fn fill(e: &Engine, id: RegionId, seed: u64) -> Vec<u8> {
     v
 }
 
-fn bytes(e: &Engine, id: RegionId) -> Vec<u8> {
+pub(super) fn bytes(e: &Engine, id: RegionId) -> Vec<u8> {
     let r = e.region(id).unwrap();
     // SAFETY: as above; read after the batch completed.
     unsafe { std::slice::from_raw_parts(r.ptr(), r.len()) }.to_vec()
 }
 
-fn req(op: Op, local: RegionId, lo: u64, peer: &Arc<Peer>, remote: RegionId, ro: u64, len: u64) -> Request {
+pub(super) fn req(op: Op, local: RegionId, lo: u64, peer: &Arc<Peer>, remote: RegionId, ro: u64, len: u64) -> Request {
     Request { op, local, local_offset: lo, peer: peer.clone(), remote_region: remote, remote_offset: ro, length: len }
 }
 
-const T: Duration = Duration::from_secs(10);
+pub(super) const T: Duration = Duration::from_secs(10);
 
 /// Writes the first half of `a`'s region into `b`, reads `b`'s second half back, checks.
-fn roundtrip(a: &Engine, b: &Engine, peer: &Arc<Peer>, len: usize) {
+pub(super) fn roundtrip(a: &Engine, b: &Engine, peer: &Arc<Peer>, len: usize) {
     let la = a.allocate(len, false).unwrap().id;
     let rb = b.allocate(len, false).unwrap().id;
     let va = fill(a, la, 1);
@@ -381,7 +381,7 @@ fn late_peer(delay: Duration, fill: u8) -> (String, std::thread::JoinHandle<()>)
             let Ok(Msg::ReadReq { id, len, .. }) = tcp::read_msg_body(&mut r, h) else { return };
             std::thread::sleep(delay);
             let head = encode(&Msg::ReadResp { id, status: Ok(()), data_len: len as usize });
-            if tcp::write_frame(&mut s, &head, &vec![fill; len as usize]).is_err() {
+            if tcp::seal::FrameWriter::new(&s, None).send(&head, &vec![fill; len as usize]).is_err() {
                 return;
             }
         }

@@ -6,7 +6,7 @@
 //! tries; with no connection left, the peer's requests fail at once.
 
 use std::collections::VecDeque;
-use std::io::{BufReader, Read, Write};
+use std::io::{BufReader, Read};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -23,7 +23,8 @@ use super::super::local::Span;
 use super::super::protocol::{encode, Msg};
 use super::super::{AccessError, Op, TransferError};
 use super::handshake::{self, ServerHello};
-use super::{discard, read_control, read_header, read_msg_body, write_frame, ConnError};
+use super::seal::{FrameKeys, FrameReader, FrameWriter};
+use super::{discard, read_control, read_header, read_msg_body, ConnError};
 
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
@@ -77,6 +78,8 @@ impl RemoteRegionInfo {
     }
 }
 
+type Reader = FrameReader<BufReader<TcpStream>>;
+
 pub struct TcpPeer {
     pub hello: ServerHello,
     endpoints: Vec<SocketAddr>,
@@ -91,7 +94,7 @@ pub struct TcpPeer {
     closed: AtomicBool,
     next_id: AtomicU64,
     threads: Mutex<Vec<JoinHandle<()>>>,
-    control: Mutex<Option<(BufReader<TcpStream>, TcpStream)>>,
+    control: Mutex<Option<(Reader, FrameWriter<TcpStream>)>>,
     /// What `query_region` learned (region ids are never reused by an engine), so a
     /// request of several slices is checked whole before its first slice is sent.
     regions: Mutex<HashMap<u64, RemoteRegionInfo>>,
@@ -102,14 +105,14 @@ fn open(
     key: Option<&AuthKey>,
     name: &str,
     cfg: &ClientConfig,
-) -> Result<(TcpStream, ServerHello), TransferError> {
+) -> Result<(TcpStream, ServerHello, FrameKeys), TransferError> {
     let mut s = TcpStream::connect_timeout(&addr, cfg.connect_timeout)
         .map_err(|e| TransferError::Connect(format!("{addr}: {e}")))?;
     let _ = s.set_nodelay(true);
     s.set_read_timeout(Some(cfg.io_timeout)).map_err(TransferError::io)?;
     s.set_write_timeout(Some(cfg.io_timeout)).map_err(TransferError::io)?;
-    let hello = handshake::client(&mut s, key, name)?;
-    Ok((s, hello))
+    let (hello, keys) = handshake::client(&mut s, key, name)?;
+    Ok((s, hello, keys))
 }
 
 impl TcpPeer {
@@ -128,9 +131,9 @@ impl TcpPeer {
         for &addr in &endpoints {
             for _ in 0..cfg.connections_per_endpoint.max(1) {
                 match open(addr, key.as_ref(), local_name, &cfg) {
-                    Ok((s, h)) => {
+                    Ok((s, h, keys)) => {
                         hello.get_or_insert(h);
-                        streams.push(s);
+                        streams.push((s, keys));
                     }
                     Err(e @ TransferError::Unauthorized(_)) => return Err(e),
                     Err(e) => last_err = Some(e),
@@ -157,13 +160,13 @@ impl TcpPeer {
             control: Mutex::new(None),
             regions: Mutex::new(HashMap::new()),
         });
-        for s in streams {
-            peer.start_conn(s)?;
+        for (s, keys) in streams {
+            peer.start_conn(s, keys)?;
         }
         Ok(peer)
     }
 
-    fn start_conn(self: &Arc<Self>, stream: TcpStream) -> Result<(), TransferError> {
+    fn start_conn(self: &Arc<Self>, stream: TcpStream, keys: FrameKeys) -> Result<(), TransferError> {
         let read_half = stream.try_clone().map_err(TransferError::io)?;
         // Ticks of half the I/O timeout let the receiver notice a silent peer.
         let _ = read_half.set_read_timeout(Some(self.cfg.io_timeout / 2));
@@ -178,8 +181,9 @@ impl TcpPeer {
         let (p1, c1, p2, c2) = (self.clone(), conn.clone(), self.clone(), conn);
         let mut threads = self.threads.lock();
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| std::thread::Builder::new().name(name.into()).spawn(f);
-        threads.push(spawn("mc-tcp-send", Box::new(move || p1.sender(&c1))).map_err(TransferError::io)?);
-        threads.push(spawn("mc-tcp-recv", Box::new(move || p2.receiver(&c2, read_half))).map_err(TransferError::io)?);
+        let reader = FrameReader::new(BufReader::with_capacity(8 << 10, read_half), keys.recv);
+        threads.push(spawn("mc-tcp-send", Box::new(move || p1.sender(&c1, keys.send))).map_err(TransferError::io)?);
+        threads.push(spawn("mc-tcp-recv", Box::new(move || p2.receiver(&c2, reader))).map_err(TransferError::io)?);
         Ok(())
     }
 
@@ -269,7 +273,8 @@ impl TcpPeer {
         }
     }
 
-    fn sender(&self, conn: &Conn) {
+    fn sender(&self, conn: &Conn, key: Option<[u8; 32]>) {
+        let mut w = FrameWriter::new(&conn.stream, key);
         loop {
             let slice = {
                 let mut q = self.queue.lock();
@@ -300,9 +305,8 @@ impl TcpPeer {
                 inf.insert(id, slice.clone());
             }
             let (region, offset, len) = (slice.remote_region, slice.remote_offset, slice.len);
-            let mut w = &conn.stream;
             let sent = match slice.op {
-                Op::Read => w.write_all(&encode(&Msg::ReadReq { id, region, offset, len: len as u64 })),
+                Op::Read => w.send(&encode(&Msg::ReadReq { id, region, offset, len: len as u64 }), &[]),
                 Op::Write => {
                     if !slice.batch.begin_io(slice.index) {
                         // Ended while queued: its buffer is the caller's again, send nothing.
@@ -315,7 +319,7 @@ impl TcpPeer {
                     // span keeps the region mapped; begin_io keeps the request from being
                     // reported final (and its buffer reused) while we read it.
                     let data = unsafe { std::slice::from_raw_parts(slice.local.ptr as *const u8, len) };
-                    let r = write_frame(&mut w, &head, data);
+                    let r = w.send(&head, data);
                     slice.batch.end_io(slice.index);
                     r
                 }
@@ -327,8 +331,7 @@ impl TcpPeer {
         }
     }
 
-    fn receiver(&self, conn: &Conn, stream: TcpStream) {
-        let mut r = BufReader::with_capacity(8 << 10, stream);
+    fn receiver(&self, conn: &Conn, mut r: Reader) {
         let mut stalled = 0u32;
         loop {
             if conn.dead.load(Ordering::SeqCst) {
@@ -361,13 +364,22 @@ impl TcpPeer {
         }
     }
 
-    fn on_frame(&self, conn: &Conn, r: &mut BufReader<TcpStream>, h: super::super::protocol::Header) -> Result<(), String> {
+    /// Handles one response. Nothing is acted on before the frame's tag verified (with
+    /// a token); a read's payload lands in the request's buffer first and the request
+    /// is reported done only after the tag matched.
+    fn on_frame(&self, conn: &Conn, r: &mut Reader, h: super::super::protocol::Header) -> Result<(), String> {
         let msg = read_msg_body(r, h).map_err(|e| e.to_string())?;
         let (id, status, data_len) = match msg {
             Msg::ReadResp { id, status, data_len } => (id, status, Some(data_len)),
             Msg::WriteResp { id, status } => (id, status, None),
             other => return Err(format!("unexpected frame {other:?}")),
         };
+        // A frame with a payload is verified after it (below), any other one now.
+        let payload = matches!((&status, data_len), (Ok(()), Some(n)) if n > 0);
+        if !payload {
+            r.end_frame().map_err(|e| e.to_string())?;
+        }
+        let end_payload = |r: &mut Reader| if payload { r.end_frame() } else { Ok(()) };
         let slice = conn.inflight.lock().remove(&id).ok_or_else(|| format!("response to unknown request {id}"))?;
         conn.room.notify_one();
         let refused = |reason: AccessError| TransferError::Refused { side: "peer", region: slice.remote_region, reason };
@@ -384,16 +396,16 @@ impl TcpPeer {
                     // slice failed) and its buffer may be in use again. Drop the payload.
                     self.counters.late_responses.fetch_add(1, Ordering::Relaxed);
                     discard(r, n).map_err(|e| e.to_string())?;
-                    return Ok(());
+                    return end_payload(r).map_err(|e| e.to_string());
                 }
                 // SAFETY: the local range was bounds-checked at submit (and checked
                 // writable); the span keeps the memory mapped while we receive into it,
                 // and begin_io keeps the request from being reported final meanwhile.
                 let dst = unsafe { std::slice::from_raw_parts_mut(slice.local.ptr, n) };
-                let got = r.read_exact(dst);
+                let got = r.read_exact(dst).map_err(ConnError::from).and_then(|()| end_payload(r));
                 slice.batch.end_io(slice.index);
                 if let Err(e) = got {
-                    let why = ConnError::from(e).to_string();
+                    let why = e.to_string();
                     self.retry_or_fail(slice, &why);
                     return Err(why);
                 }
@@ -416,9 +428,9 @@ impl TcpPeer {
             let mut last = TransferError::Connect("no endpoint".into());
             for &addr in &self.endpoints {
                 match open(addr, self.key.as_ref(), &self.local_name, &self.cfg) {
-                    Ok((s, _)) => {
-                        let r = BufReader::new(s.try_clone().map_err(TransferError::io)?);
-                        *guard = Some((r, s));
+                    Ok((s, _, keys)) => {
+                        let r = FrameReader::new(BufReader::new(s.try_clone().map_err(TransferError::io)?), keys.recv);
+                        *guard = Some((r, FrameWriter::new(s, keys.send)));
                         break;
                     }
                     Err(e) => last = e,
@@ -431,9 +443,10 @@ impl TcpPeer {
         let Some((r, s)) = guard.as_mut() else { return Err(TransferError::Closed) };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let res = s
-            .write_all(&encode(&Msg::QueryRegion { id, region }))
+            .send(&encode(&Msg::QueryRegion { id, region }), &[])
             .map_err(ConnError::from)
-            .and_then(|_| read_control(r));
+            .and_then(|_| read_control(r))
+            .and_then(|m| r.end_frame().map(|()| m));
         match res {
             Ok(Msg::RegionInfo { id: rid, status, len, readonly, shm }) if rid == id => match status {
                 Ok(()) => {
@@ -466,7 +479,7 @@ impl TcpPeer {
         self.drain_fail();
         self.work.notify_all();
         if let Some((_, s)) = self.control.lock().take() {
-            let _ = s.shutdown(Shutdown::Both);
+            let _ = s.get_ref().shutdown(Shutdown::Both);
         }
         let threads = std::mem::take(&mut *self.threads.lock());
         let me = std::thread::current().id();

@@ -1,11 +1,13 @@
 //! Connection setup: version check and challenge-response authentication (see
-//! [`auth`](super::super::auth)). No request is served before it succeeds.
+//! [`auth`](super::super::auth)). No request is served before it succeeds. With a
+//! token, both ends leave it holding the connection's frame keys ([`seal`](super::seal)).
 
 use std::io::{Read, Write};
 
 use super::super::auth::{self, AuthKey};
 use super::super::protocol::{encode, Msg, VERSION};
 use super::super::TransferError;
+use super::seal::FrameKeys;
 use super::{read_control, ConnError};
 
 /// What the client learns about the server.
@@ -20,7 +22,11 @@ fn lost(e: ConnError) -> TransferError {
 }
 
 /// The client side. A wrong token (on either side) is `Unauthorized`.
-pub fn client<S: Read + Write>(s: &mut S, key: Option<&AuthKey>, name: &str) -> Result<ServerHello, TransferError> {
+pub fn client<S: Read + Write>(
+    s: &mut S,
+    key: Option<&AuthKey>,
+    name: &str,
+) -> Result<(ServerHello, FrameKeys), TransferError> {
     let cn = auth::nonce().map_err(TransferError::io)?;
     s.write_all(&encode(&Msg::Hello { version: VERSION, nonce: cn, name: name.into() })).map_err(|e| lost(e.into()))?;
     let (sn, host, server_name, server_auth) = match read_control(s).map_err(lost)? {
@@ -49,7 +55,11 @@ pub fn client<S: Read + Write>(s: &mut S, key: Option<&AuthKey>, name: &str) -> 
                     return Err(TransferError::Unauthorized("the peer's proof does not match our token".into()));
                 }
             }
-            Ok(ServerHello { name: server_name, host })
+            let keys = key.map_or(FrameKeys::default(), |k| {
+                let (c2s, s2c) = k.frame_keys(&sn, &cn);
+                FrameKeys { send: Some(c2s), recv: Some(s2c) }
+            });
+            Ok((ServerHello { name: server_name, host }, keys))
         }
         Ok(Msg::Refused { reason }) => Err(TransferError::Unauthorized(reason)),
         Ok(other) => Err(TransferError::Protocol(format!("expected welcome, got {other:?}"))),
@@ -70,13 +80,13 @@ pub enum Refusal {
     Other(String),
 }
 
-/// The server side; returns the client's name.
+/// The server side; returns the client's name and the frame keys.
 pub fn server<S: Read + Write>(
     s: &mut S,
     key: Option<&AuthKey>,
     host: [u8; 16],
     name: &str,
-) -> Result<String, Refusal> {
+) -> Result<(String, FrameKeys), Refusal> {
     let other = |e: ConnError| Refusal::Other(e.to_string());
     let (cn, client_name) = match read_control(s).map_err(other)? {
         Msg::Hello { version, nonce, name } if version == VERSION => (nonce, name),
@@ -94,14 +104,17 @@ pub fn server<S: Read + Write>(
         Msg::Proof { mac } => mac,
         m => return Err(Refusal::Other(format!("expected proof, got {m:?}"))),
     };
-    let reply = match key {
+    let (reply, keys) = match key {
         Some(k) if !auth::mac_eq(&mac, &k.client_proof(&sn, &cn)) => {
             let _ = s.write_all(&encode(&Msg::Refused { reason: "wrong auth token".into() }));
             return Err(Refusal::BadToken);
         }
-        Some(k) => k.server_proof(&sn, &cn),
-        None => [0u8; 32],
+        Some(k) => {
+            let (c2s, s2c) = k.frame_keys(&sn, &cn);
+            (k.server_proof(&sn, &cn), FrameKeys { send: Some(s2c), recv: Some(c2s) })
+        }
+        None => ([0u8; 32], FrameKeys::default()),
     };
     s.write_all(&encode(&Msg::Welcome { mac: reply })).map_err(|e| other(e.into()))?;
-    Ok(client_name)
+    Ok((client_name, keys))
 }

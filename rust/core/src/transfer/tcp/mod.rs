@@ -7,9 +7,10 @@
 
 pub mod client;
 pub mod handshake;
+pub mod seal;
 pub mod server;
 
-use std::io::{self, IoSlice, Read, Write};
+use std::io::{self, Read};
 
 use super::protocol::{self, FrameError, Header, Msg, HEADER_LEN, MAX_CONTROL};
 
@@ -84,27 +85,6 @@ pub fn read_control(r: &mut impl Read) -> Result<Msg, ConnError> {
         Some(_) => Err(ConnError::Frame(FrameError::Malformed)),
         None => Err(ConnError::Io(io::ErrorKind::TimedOut.into())),
     }
-}
-
-/// Writes `head` then `data` with as few syscalls as the kernel allows.
-pub fn write_frame(w: &mut impl Write, head: &[u8], data: &[u8]) -> io::Result<()> {
-    if data.is_empty() {
-        return w.write_all(head);
-    }
-    let (mut h, mut d) = (head, data);
-    while !h.is_empty() {
-        let n = w.write_vectored(&[IoSlice::new(h), IoSlice::new(d)])?;
-        if n == 0 {
-            return Err(io::ErrorKind::WriteZero.into());
-        }
-        if n < h.len() {
-            h = &h[n..];
-        } else {
-            d = &d[n - h.len()..];
-            h = &[];
-        }
-    }
-    w.write_all(d)
 }
 
 /// Reads and throws away `n` bytes (the payload of a refused write).

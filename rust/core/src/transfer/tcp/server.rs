@@ -1,15 +1,25 @@
 //! Serving side: accepts connections, authenticates them, and answers requests against
 //! the engine's region table. Each request is checked (region id, bounds, read-only)
 //! before any byte moves; a refused write's payload is read and discarded, so memory
-//! stays untouched and the connection stays usable. A bad frame closes that connection.
+//! stays untouched and the connection stays usable. A bad frame (or, with a token, a bad
+//! frame tag: see [`seal`](super::seal)) closes that connection.
+//!
+//! Unauthenticated peers cannot crowd out authenticated ones: a connection in its
+//! handshake holds one of [`MAX_HANDSHAKES`] slots, separate from the
+//! [`MAX_CONNECTIONS`] slots of authenticated connections, and must finish the whole
+//! handshake within a deadline from accept (not per read, so a peer that trickles a
+//! byte at a time gains nothing). When every handshake slot is taken, a new connection
+//! evicts the oldest handshake: an honest client's handshake takes one round trip, an
+//! idle or trickling one is the oldest and goes first.
 
-use std::io::{BufReader, Write};
+use std::collections::BTreeMap;
+use std::io::{self, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hashbrown::HashMap;
 use parking_lot::Mutex;
@@ -20,10 +30,15 @@ use super::super::protocol::{encode, Header, Msg, MAX_DATA};
 use super::super::region::RegionTable;
 use super::super::{AccessError, TransferError};
 use super::handshake::{self, Refusal};
-use super::{discard, read_header, read_msg_body, write_frame, ConnError};
+use super::seal::{FrameReader, FrameWriter};
+use super::{discard, read_header, read_msg_body, ConnError};
 
-/// Most connections served at once (each costs a thread).
+/// Most authenticated connections served at once (each costs a thread).
 pub const MAX_CONNECTIONS: usize = 256;
+/// Most connections in their handshake at once (each costs a thread).
+pub const MAX_HANDSHAKES: usize = 64;
+/// The longest a handshake may take from accept (the I/O timeout, if shorter).
+pub const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(3);
 
 pub struct ServeCtx {
     pub name: String,
@@ -40,7 +55,10 @@ struct Shared {
     ctx: ServeCtx,
     closed: AtomicBool,
     next_conn: AtomicU64,
+    /// Authenticated connections (to shut them down on close).
     conns: Mutex<HashMap<u64, TcpStream>>,
+    /// Connections in their handshake, by accept order (the first is the oldest).
+    handshaking: Mutex<BTreeMap<u64, TcpStream>>,
 }
 
 /// A bound endpoint and its accept thread.
@@ -60,6 +78,7 @@ impl Server {
             closed: AtomicBool::new(false),
             next_conn: AtomicU64::new(0),
             conns: Mutex::new(HashMap::new()),
+            handshaking: Mutex::new(BTreeMap::new()),
         });
         let mut listeners = Vec::new();
         for addr in listen {
@@ -97,6 +116,9 @@ impl Server {
         for (_, s) in self.shared.conns.lock().drain() {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
+        for (_, s) in std::mem::take(&mut *self.shared.handshaking.lock()) {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
     }
 }
 
@@ -112,30 +134,71 @@ fn accept_loop(l: TcpListener, sh: Arc<Shared>) {
             break;
         }
         let Ok(stream) = stream else { continue };
-        if sh.conns.lock().len() >= MAX_CONNECTIONS {
-            continue; // dropped: closes it
-        }
         let id = sh.next_conn.fetch_add(1, Ordering::Relaxed);
         let Ok(clone) = stream.try_clone() else { continue };
-        sh.conns.lock().insert(id, clone);
+        {
+            let mut hs = sh.handshaking.lock();
+            if hs.len() >= MAX_HANDSHAKES {
+                if let Some((_, oldest)) = hs.pop_first() {
+                    sh.ctx.counters.handshakes_evicted.fetch_add(1, Ordering::Relaxed);
+                    let _ = oldest.shutdown(std::net::Shutdown::Both);
+                }
+            }
+            hs.insert(id, clone);
+        }
         let sh2 = sh.clone();
-        let spawned = std::thread::Builder::new().name("mc-serve".into()).spawn(move || {
-            serve(stream, &sh2);
-            sh2.conns.lock().remove(&id);
-        });
+        let spawned = std::thread::Builder::new().name("mc-serve".into()).spawn(move || serve(stream, id, &sh2));
         if spawned.is_err() {
-            sh.conns.lock().remove(&id);
+            sh.handshaking.lock().remove(&id);
         }
     }
 }
 
-fn serve(mut stream: TcpStream, sh: &Shared) {
+/// A stream whose every read and write must end by `until` (the handshake deadline).
+struct Deadline<'a> {
+    s: &'a TcpStream,
+    until: Instant,
+}
+
+impl Deadline<'_> {
+    fn left(&self) -> io::Result<Duration> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            Err(io::Error::new(io::ErrorKind::TimedOut, "handshake deadline passed"))
+        } else {
+            Ok(left)
+        }
+    }
+}
+
+impl Read for Deadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.s.set_read_timeout(Some(self.left()?))?;
+        (&mut &*self.s).read(buf)
+    }
+}
+
+impl Write for Deadline<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.s.set_write_timeout(Some(self.left()?))?;
+        (&mut &*self.s).write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+fn serve(stream: TcpStream, id: u64, sh: &Shared) {
     let ctx = &sh.ctx;
     let _ = stream.set_nodelay(true);
-    let _ = stream.set_read_timeout(Some(ctx.io_timeout));
-    let _ = stream.set_write_timeout(Some(ctx.io_timeout));
-    match handshake::server(&mut stream, ctx.key.as_ref(), ctx.host, &ctx.name) {
-        Ok(_) => {}
+    let until = Instant::now() + HANDSHAKE_DEADLINE.min(ctx.io_timeout);
+    let shook = handshake::server(&mut Deadline { s: &stream, until }, ctx.key.as_ref(), ctx.host, &ctx.name);
+    if sh.handshaking.lock().remove(&id).is_none() {
+        return; // evicted (or the server closed) meanwhile
+    }
+    let keys = match shook {
+        Ok((_, keys)) => keys,
         Err(Refusal::BadToken) => {
             ctx.counters.auth_failures.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(engine = %ctx.name, "refused a connection: wrong auth token");
@@ -146,18 +209,38 @@ fn serve(mut stream: TcpStream, sh: &Shared) {
             tracing::debug!(engine = %ctx.name, %why, "handshake failed");
             return;
         }
+    };
+    {
+        let mut conns = sh.conns.lock();
+        if conns.len() >= MAX_CONNECTIONS || sh.closed.load(Ordering::SeqCst) {
+            tracing::warn!(engine = %ctx.name, "refused an authenticated connection: {MAX_CONNECTIONS} already served");
+            return;
+        }
+        match stream.try_clone() {
+            Ok(c) => conns.insert(id, c),
+            Err(_) => return,
+        };
     }
     ctx.counters.connections.fetch_add(1, Ordering::Relaxed);
+    serve_frames(stream, keys, ctx, &sh.closed);
+    sh.conns.lock().remove(&id);
+}
+
+/// The authenticated part of a connection: one request at a time, in order.
+fn serve_frames(stream: TcpStream, keys: super::seal::FrameKeys, ctx: &ServeCtx, closed: &AtomicBool) {
     // After the handshake a connection may sit idle as long as it likes.
     let _ = stream.set_read_timeout(None);
+    let _ = stream.set_write_timeout(Some(ctx.io_timeout));
     let Ok(read_half) = stream.try_clone() else { return };
-    let mut r = BufReader::with_capacity(8 << 10, read_half);
+    let mut r = FrameReader::new(BufReader::with_capacity(8 << 10, read_half), keys.recv);
+    let mut w = FrameWriter::new(stream, keys.send);
+    let mut stage = Vec::new();
     loop {
-        if sh.closed.load(Ordering::SeqCst) {
+        if closed.load(Ordering::SeqCst) {
             return;
         }
         let result = read_header(&mut r).and_then(|h| match h {
-            Some(h) => handle(h, &mut r, &mut stream, ctx),
+            Some(h) => handle(h, &mut r, &mut w, &mut stage, ctx),
             None => Ok(()),
         });
         match result {
@@ -181,10 +264,14 @@ fn refuse(ctx: &ServeCtx, e: AccessError) -> Result<(), AccessError> {
     Err(e)
 }
 
-fn handle(h: Header, r: &mut BufReader<TcpStream>, w: &mut TcpStream, ctx: &ServeCtx) -> Result<(), ConnError> {
-    use std::io::Read;
+type Reader = FrameReader<BufReader<TcpStream>>;
+
+/// Serves one frame. Nothing is acted on before the frame's tag verified (with a
+/// token), so a forged request reads, writes and answers nothing.
+fn handle(h: Header, r: &mut Reader, w: &mut FrameWriter<TcpStream>, stage: &mut Vec<u8>, ctx: &ServeCtx) -> Result<(), ConnError> {
     match read_msg_body(r, h)? {
         Msg::ReadReq { id, region, offset, len } => {
+            r.end_frame()?;
             let checked = if len > MAX_DATA as u64 {
                 Err(AccessError::TooLarge)
             } else {
@@ -198,11 +285,11 @@ fn handle(h: Header, r: &mut BufReader<TcpStream>, w: &mut TcpStream, ctx: &Serv
                     let data = unsafe { std::slice::from_raw_parts(reg.at(offset), len as usize) };
                     // Counted before sending, so a peer that saw the data sees the count.
                     ctx.counters.bytes_served.fetch_add(len, Ordering::Relaxed);
-                    write_frame(w, &head, data)?;
+                    w.send(&head, data)?;
                 }
                 Err(e) => {
                     let _ = refuse(ctx, e);
-                    w.write_all(&encode(&Msg::ReadResp { id, status: Err(e), data_len: 0 }))?
+                    w.send(&encode(&Msg::ReadResp { id, status: Err(e), data_len: 0 }), &[])?
                 }
             }
         }
@@ -212,18 +299,31 @@ fn handle(h: Header, r: &mut BufReader<TcpStream>, w: &mut TcpStream, ctx: &Serv
                     // SAFETY: resolve() checked the range and that the region is writable;
                     // `reg` keeps it mapped while we receive into it.
                     let dst = unsafe { std::slice::from_raw_parts_mut(reg.at(offset), data_len) };
-                    r.read_exact(dst)?;
+                    if r.keyed() {
+                        // Stage, verify, then land: an unverified byte never reaches `dst`.
+                        stage.resize(data_len, 0);
+                        r.read_exact(stage)?;
+                        r.end_frame()?;
+                        dst.copy_from_slice(stage);
+                        if stage.capacity() > 4 * (1 << 20) {
+                            *stage = Vec::new(); // bound what an idle connection holds
+                        }
+                    } else {
+                        r.read_exact(dst)?;
+                    }
                     ctx.counters.bytes_served.fetch_add(data_len as u64, Ordering::Relaxed);
                     Ok(())
                 }
                 Err(e) => {
                     discard(r, data_len)?;
+                    r.end_frame()?;
                     refuse(ctx, e)
                 }
             };
-            w.write_all(&encode(&Msg::WriteResp { id, status }))?;
+            w.send(&encode(&Msg::WriteResp { id, status }), &[])?;
         }
         Msg::QueryRegion { id, region } => {
+            r.end_frame()?;
             let reply = match ctx.regions.get(region) {
                 Some(reg) => Msg::RegionInfo {
                     id,
@@ -234,7 +334,7 @@ fn handle(h: Header, r: &mut BufReader<TcpStream>, w: &mut TcpStream, ctx: &Serv
                 },
                 None => Msg::RegionInfo { id, status: Err(AccessError::NoSuchRegion), len: 0, readonly: false, shm: None },
             };
-            w.write_all(&encode(&reply))?;
+            w.send(&encode(&reply), &[])?;
         }
         _ => return Err(ConnError::Frame(super::super::protocol::FrameError::Malformed)),
     }
