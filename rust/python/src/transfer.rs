@@ -20,10 +20,12 @@ use crate::errors::{invalid, new_err, to_pyerr};
 use crate::gil::detached;
 
 fn dur(py: Python<'_>, what: &str, secs: f64) -> PyResult<Duration> {
-    Duration::try_from_secs_f64(secs)
-        .ok()
-        .filter(|d| !d.is_zero())
-        .ok_or_else(|| invalid(py, format!("{what} must be a positive number of seconds, got {secs}")))
+    // NaN, zero and negative are refused; anything too large to represent (1e300, inf)
+    // means "no deadline" and is clamped (users of the Duration add it checked).
+    if secs.is_nan() || secs <= 0.0 {
+        return Err(invalid(py, format!("{what} must be a positive number of seconds, got {secs}")));
+    }
+    Ok(Duration::try_from_secs_f64(secs).ok().filter(|d| !d.is_zero()).unwrap_or(Duration::MAX))
 }
 
 /// A registered region of memory; exports its bytes through the buffer protocol.
@@ -421,8 +423,9 @@ impl PyTransferEngine {
     }
 
     /// Registers any buffer-protocol object (kept alive while registered) or a Region.
-    #[pyo3(signature = (buffer, readonly = false))]
-    fn register(&self, py: Python<'_>, buffer: &Bound<'_, PyAny>, readonly: bool) -> PyResult<PyRegion> {
+    /// `readonly`: nobody writes it; `remote_readonly`: peers may only read it.
+    #[pyo3(signature = (buffer, readonly = false, *, remote_readonly = false))]
+    fn register(&self, py: Python<'_>, buffer: &Bound<'_, PyAny>, readonly: bool, remote_readonly: bool) -> PyResult<PyRegion> {
         let e = &self.engine;
         let err = |x: TransferError| to_pyerr(py, &x);
         // A store's arena (or its `region()`): registered as the mapping itself, so a
@@ -435,7 +438,7 @@ impl PyTransferEngine {
             None
         };
         if let Some(arena) = arena {
-            let id = e.register_mapped(arena, readonly).map_err(err)?;
+            let id = e.register_mapped(arena, readonly, remote_readonly).map_err(err)?;
             // Python sees the arena read-only through this Region: slots are written
             // through the store (reserve/commit), which owns the lease discipline.
             return self.wrap(py, id, false);
@@ -443,10 +446,16 @@ impl PyTransferEngine {
         if let Ok(r) = buffer.cast::<PyRegion>() {
             let r = r.get();
             let id = match r.region.mapping() {
-                Some(m) => e.register_mapped(m.clone(), readonly).map_err(err)?,
+                Some(m) => e.register_mapped(m.clone(), readonly, remote_readonly).map_err(err)?,
                 // SAFETY: the region's memory stays valid while the Arc<Region> owner lives.
                 None => unsafe {
-                    e.register_raw(r.region.ptr(), r.region.len(), readonly || !r.writable, Box::new(r.region.clone()))
+                    e.register_raw(
+                        r.region.ptr(),
+                        r.region.len(),
+                        readonly || !r.writable,
+                        remote_readonly,
+                        Box::new(r.region.clone()),
+                    )
                 }
                 .map_err(err)?,
             };
@@ -473,7 +482,7 @@ impl PyTransferEngine {
         // SAFETY: the exported buffer stays valid (and writable if `writable`) until `held`
         // releases it; the region's owner is `held`; a non-writable buffer is registered
         // read-only and is never a destination of a local read.
-        let id = unsafe { e.register_raw(ptr, len, readonly || !writable, Box::new(held)) }.map_err(err)?;
+        let id = unsafe { e.register_raw(ptr, len, readonly || !writable, remote_readonly, Box::new(held)) }.map_err(err)?;
         self.wrap(py, id, writable)
     }
 

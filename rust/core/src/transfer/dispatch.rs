@@ -67,7 +67,7 @@ fn local_copy(batch: &Arc<Batch>, cache: &mut RegionCache, c: &Checked, target: 
     let checked = cache
         .get(&target.regions, r.remote_region)
         .ok_or(AccessError::NoSuchRegion)
-        .and_then(|reg| reg.check(r.remote_offset, r.length, r.op == Op::Write).map(|_| reg));
+        .and_then(|reg| reg.check_remote(r.remote_offset, r.length, r.op == Op::Write).map(|_| reg));
     let remote = checked.map_err(|reason| {
         target.counters.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         TransferError::Refused { side: "peer", region: r.remote_region, reason }

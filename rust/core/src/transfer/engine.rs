@@ -221,9 +221,10 @@ impl Engine {
 
     /// Registers a mapping (store arena, shared memory). Shared mappings can be reached
     /// by same-host peers through the shm path.
-    pub fn register_mapped(&self, mem: Arc<MappedMemory>, readonly: bool) -> Result<RegionId, TransferError> {
+    /// `remote_readonly`: peers may only read it (this engine may still write it).
+    pub fn register_mapped(&self, mem: Arc<MappedMemory>, readonly: bool, remote_readonly: bool) -> Result<RegionId, TransferError> {
         self.check_open()?;
-        Ok(self.inner.regions.register_mapped(mem, readonly).id)
+        Ok(self.inner.regions.register_mapped(mem, readonly, remote_readonly).id)
     }
 
     /// Registers caller memory kept alive by `owner`.
@@ -235,11 +236,12 @@ impl Engine {
         ptr: *mut u8,
         len: usize,
         readonly: bool,
+        remote_readonly: bool,
         owner: Box<dyn std::any::Any + Send + Sync>,
     ) -> Result<RegionId, TransferError> {
         self.check_open()?;
         // SAFETY: forwarded contract.
-        Ok(unsafe { self.inner.regions.register_raw(ptr, len, readonly, owner) }?.id)
+        Ok(unsafe { self.inner.regions.register_raw(ptr, len, readonly, remote_readonly, owner) }?.id)
     }
 
     /// A new registered region of zero-filled shared memory.
@@ -249,7 +251,7 @@ impl Engine {
             return Err(TransferError::InvalidRequest("allocate() needs a length > 0".into()));
         }
         let mem = MappedMemory::shared(len).map_err(TransferError::io)?;
-        Ok(self.inner.regions.register_mapped(Arc::new(mem), readonly))
+        Ok(self.inner.regions.register_mapped(Arc::new(mem), readonly, false))
     }
 
     pub fn region(&self, id: RegionId) -> Option<Arc<Region>> {

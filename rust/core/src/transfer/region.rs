@@ -27,7 +27,11 @@ pub struct Region {
     pub id: RegionId,
     ptr: *mut u8,
     len: usize,
+    /// Nobody (neither this engine nor a peer) may write it.
     pub readonly: bool,
+    /// Peers may only read it; this engine may still write (a region that peers only
+    /// fetch from, like a prefill instance's arena).
+    pub remote_readonly: bool,
     owner: RegionOwner,
 }
 
@@ -78,6 +82,20 @@ impl Region {
         Ok(())
     }
 
+    /// The check of an access by a peer (the remote side of any request, on every path).
+    pub fn check_remote(&self, offset: u64, len: u64, write: bool) -> Result<(), AccessError> {
+        self.check(offset, len, write)?;
+        if write && self.remote_readonly {
+            return Err(AccessError::ReadOnly);
+        }
+        Ok(())
+    }
+
+    /// Whether peers see it read-only.
+    pub fn readonly_to_peers(&self) -> bool {
+        self.readonly || self.remote_readonly
+    }
+
     /// Pointer to `offset` (call [`check`](Region::check) first).
     pub fn at(&self, offset: u64) -> *mut u8 {
         debug_assert!(offset as usize <= self.len);
@@ -88,7 +106,12 @@ impl Region {
 
 impl std::fmt::Debug for Region {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Region").field("id", &self.id).field("len", &self.len).field("readonly", &self.readonly).finish()
+        f.debug_struct("Region")
+            .field("id", &self.id)
+            .field("len", &self.len)
+            .field("readonly", &self.readonly)
+            .field("remote_readonly", &self.remote_readonly)
+            .finish()
     }
 }
 
@@ -100,16 +123,16 @@ pub struct RegionTable {
 }
 
 impl RegionTable {
-    fn insert(&self, ptr: *mut u8, len: usize, readonly: bool, owner: RegionOwner) -> Arc<Region> {
+    fn insert(&self, ptr: *mut u8, len: usize, readonly: bool, remote_readonly: bool, owner: RegionOwner) -> Arc<Region> {
         let id = self.next.fetch_add(1, Ordering::Relaxed) + 1;
-        let region = Arc::new(Region { id, ptr, len, readonly, owner });
+        let region = Arc::new(Region { id, ptr, len, readonly, remote_readonly, owner });
         self.regions.write().insert(id, region.clone());
         region
     }
 
-    pub fn register_mapped(&self, mem: Arc<MappedMemory>, readonly: bool) -> Arc<Region> {
+    pub fn register_mapped(&self, mem: Arc<MappedMemory>, readonly: bool, remote_readonly: bool) -> Arc<Region> {
         let (ptr, len) = (mem.as_ptr(), mem.len());
-        self.insert(ptr, len, readonly, RegionOwner::Mapped(mem))
+        self.insert(ptr, len, readonly, remote_readonly, RegionOwner::Mapped(mem))
     }
 
     /// Registers caller memory.
@@ -121,12 +144,13 @@ impl RegionTable {
         ptr: *mut u8,
         len: usize,
         readonly: bool,
+        remote_readonly: bool,
         owner: Box<dyn Any + Send + Sync>,
     ) -> Result<Arc<Region>, TransferError> {
         if ptr.is_null() && len > 0 {
             return Err(TransferError::InvalidRequest("null pointer for a non-empty region".into()));
         }
-        Ok(self.insert(ptr, len, readonly, RegionOwner::Foreign(owner)))
+        Ok(self.insert(ptr, len, readonly, remote_readonly, RegionOwner::Foreign(owner)))
     }
 
     pub fn unregister(&self, id: RegionId) -> bool {
@@ -145,7 +169,7 @@ impl RegionTable {
     /// The serving-side check of one remote access.
     pub fn resolve(&self, id: RegionId, offset: u64, len: u64, write: bool) -> Result<Arc<Region>, AccessError> {
         let region = self.get(id).ok_or(AccessError::NoSuchRegion)?;
-        region.check(offset, len, write)?;
+        region.check_remote(offset, len, write)?;
         Ok(region)
     }
 

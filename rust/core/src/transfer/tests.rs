@@ -118,7 +118,7 @@ fn shm_path_copies_without_the_server() {
     // A registered non-shared region falls back to TCP.
     let mut keep = vec![7u8; 4096];
     // SAFETY: `keep` outlives both engines (closed before it is dropped below).
-    let rid = unsafe { b.register_raw(keep.as_mut_ptr(), 4096, false, Box::new(())) }.unwrap();
+    let rid = unsafe { b.register_raw(keep.as_mut_ptr(), 4096, false, false, Box::new(())) }.unwrap();
     let l = a.allocate(4096, false).unwrap().id;
     let st = a.submit(vec![req(Op::Read, l, 0, &p, rid, 0, 4096)], T).unwrap().wait(None);
     assert!(st[0].is_ok(), "{st:?}");

@@ -329,7 +329,7 @@ fn handle(h: Header, r: &mut Reader, w: &mut FrameWriter<TcpStream>, stage: &mut
                     id,
                     status: Ok(()),
                     len: reg.len() as u64,
-                    readonly: reg.readonly,
+                    readonly: reg.readonly_to_peers(),
                     shm: if ctx.share_shm { reg.shm().map(|(n, _)| n.to_string()) } else { None },
                 },
                 None => Msg::RegionInfo { id, status: Err(AccessError::NoSuchRegion), len: 0, readonly: false, shm: None },
