@@ -41,6 +41,8 @@ from .._core import remove_shm_segments_of
 from .control import Msg, QueueChannel, SocketChannel, send_frame
 from .handle import RequestHandle, wait_seconds
 from .instance import Instance, InstanceSpec
+from .limits import Limits
+from .liveness import watch
 from .metrics import ClusterMetrics, RequestMetrics
 
 __all__ = ["Cluster", "remove_segments_of"]
@@ -148,10 +150,9 @@ class Cluster:
                               policy=policy, rejection=rejection, seed=seed)
         self.prefill_ids = list(range(prefill))
         self.decode_ids = list(range(prefill, prefill + decode))
-        self._model_cfg = self._model_config(model)
         self._layout_bytes = self._block_bytes(model, block_size)
         self._heartbeat_timeout_s = None if heartbeat_timeout_s is None or not self.processes else float(heartbeat_timeout_s)
-        self._kv_tokens = self._store_slots = 0  # the smallest instance's capacities, once all are ready
+        self._limits = Limits(self._model_config(model), block_size)  # instance capacities, once all are ready
         self.conductor = self._new_conductor(PrefillCostModel(c0=0.002, c_new=2e-5, c_new2=0.0, c_cross=0.0))
         self._router = threading.Thread(target=self._route, name="mooncake-router", daemon=True)
         self._router.start()
@@ -170,13 +171,13 @@ class Cluster:
             for m in self._members.values():
                 if not m.ready.wait(max(0.0, deadline - time.monotonic())) or m.error:
                     raise MooncakeError(f"instance {m.spec.name} did not start: {m.error or 'timeout'}")
-            self._kv_tokens = min(int(m.info.get("kv_tokens", 0)) for m in self._members.values())
-            self._store_slots = min(int(m.info.get("slots", 0)) for m in self._members.values())
+            self._limits.learn([m.info for m in self._members.values()])
         except BaseException:
             self.close()
             raise
         if self._heartbeat_timeout_s is not None:
-            threading.Thread(target=self._watchdog, name="mooncake-watchdog", daemon=True).start()
+            threading.Thread(target=watch, args=(self, self._heartbeat_timeout_s), name="mooncake-watchdog",
+                             daemon=True).start()
 
     # ---- construction
     @staticmethod
@@ -271,7 +272,7 @@ class Cluster:
         wait = wait_seconds(timeout_s, "timeout_s")
         if wait is not None and wait <= 0:
             raise InvalidArgument(f"timeout_s must be positive (or None for no deadline), got {timeout_s!r}")
-        self._check_fits(toks, params)
+        self._limits.check(toks, params)
         keys = self._hasher.hash(toks)
         rid = next(self._ids)
         self.metrics.count("requests")
@@ -290,27 +291,6 @@ class Cluster:
             self._reqs[rid] = req
         self._events.put((-1, {"op": "new", "rid": rid}))
         return req.handle
-
-    def _check_fits(self, toks: list[int], params: Any) -> None:
-        """Refuses at submit what every instance would refuse later: token ids outside the
-        vocabulary, a prompt that reaches the model's context, or one that needs more KV
-        pages or store slots than an instance has (the engines' and stores' own limits)."""
-        cfg = self._model_cfg
-        lo, hi = min(toks), max(toks)
-        if lo < 0 or hi >= cfg.vocab_size:
-            bad = lo if lo < 0 else hi
-            raise InvalidArgument(f"token id {bad} is outside the vocabulary 0..{cfg.vocab_size - 1}")
-        if len(toks) >= cfg.max_position_embeddings:
-            raise InvalidArgument(f"prompt of {len(toks)} tokens reaches the model's context "
-                                  f"(max_position_embeddings {cfg.max_position_embeddings})")
-        if self._kv_tokens and len(toks) + params.max_tokens > self._kv_tokens:
-            raise InvalidArgument(f"prompt ({len(toks)} tokens) + max_tokens ({params.max_tokens}) exceeds an "
-                                  f"instance's KV pool of {self._kv_tokens} tokens; lower max_tokens or raise "
-                                  "engine_kwargs['num_pages']")
-        blocks = -(-len(toks) // self.block_size)
-        if self._store_slots and blocks > self._store_slots:
-            raise InvalidArgument(f"prompt of {len(toks)} tokens needs {blocks} store blocks at once, an instance's "
-                                  f"store has {self._store_slots} slots; raise dram_bytes_per_instance")
 
     def _cancel(self, rid: int, error: BaseException) -> None:
         """RequestHandle.cancel: the router ends the request everywhere (see Router._fail)."""
@@ -454,29 +434,6 @@ class Cluster:
             self.close(timeout_s=2.0)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
-
-    # ---- liveness
-    def _watchdog(self) -> None:
-        """Kills a ready worker whose control socket has been silent (no heartbeat, no
-        message) for ``heartbeat_timeout_s``: a stopped or wedged process. Killing it is
-        the fence: a worker that came back later could still write into slots the cluster
-        has handed to other requests. Its socket then closes and the router's death path
-        (``Router._dead``) drops it from the conductor and fails its requests."""
-        limit = self._heartbeat_timeout_s
-        assert limit is not None
-        while not self._stop_watch.wait(min(0.25, limit / 4)):
-            now = time.monotonic()
-            for m in list(self._members.values()):
-                if (not m.alive or m.proc is None or not m.ready.is_set() or m.error is not None
-                        or m.down_reason is not None or m.proc.poll() is not None):
-                    continue
-                silent = now - m.ch.last_seen
-                if silent <= limit:
-                    continue
-                m.down_reason = (f"stopped responding (no heartbeat for {silent:.1f}s, heartbeat_timeout_s={limit:g}) "
-                                 "and was killed")
-                log.info("serving: instance %s (pid %d) %s", m.spec.name, m.proc.pid, m.down_reason)
-                m.proc.kill()  # a stopped process dies too; the socket's EOF tells the router
 
     # ---- the router
     def _route(self) -> None:

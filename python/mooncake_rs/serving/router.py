@@ -246,10 +246,11 @@ class Router:
         code = m.proc.poll() if m.proc is not None else None
         why = f"exit code {code}" if code is not None and code >= 0 else (
             f"signal {-code}" if code is not None else (error or "lost"))
-        if m.down_reason is not None:  # the watchdog killed it (see Cluster._watchdog)
+        if m.down_reason is not None:  # the watchdog killed it (see liveness.py)
             what = m.down_reason
             try:
-                m.proc.wait(5)  # type: ignore[union-attr] - SIGKILLed: reap it so its segments go now
+                if m.proc is not None:
+                    m.proc.wait(5)  # SIGKILLed: reap it so its segments go now
             except Exception:  # noqa: BLE001 - swept at close() then
                 pass
         else:
@@ -288,10 +289,11 @@ class Router:
                 self._dead(i, None)
         now = time.monotonic()
         with self.c._lock:
-            late = [r for r in self.c._reqs.values() if r.deadline is not None and now > r.deadline]
-        for r in late:
-            self._fail(r.rid, TransferTimeout(f"request {r.rid} passed its deadline "
-                                              f"({r.deadline - r.t_submit:.3g}s after submit); it was cancelled"))
+            late = [(r.rid, r.deadline - r.t_submit) for r in self.c._reqs.values()
+                    if r.deadline is not None and now > r.deadline]
+        for rid, after in late:
+            self._fail(rid, TransferTimeout(f"request {rid} passed its deadline ({after:.3g}s after submit); "
+                                            "it was cancelled"))
 
     # ---- conductor feed
     def _store_events(self, inst: int, events: list[tuple[str, int, str]]) -> None:
