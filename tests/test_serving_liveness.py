@@ -110,6 +110,18 @@ def test_result_timeout_and_submit_deadline_cancel(cluster):
     assert_drained(c)
 
 
+def test_in_process_deadline_cancels_too():
+    from mooncake_rs import Cluster
+
+    with Cluster(ModelConfig.tiny(), prefill=1, decode=1, block_size=BLOCK, seed=5) as c:
+        with pytest.raises(TransferTimeout):
+            c.generate([list(range(2 * BLOCK + 3)), [9] * 50], ENDLESS, timeout_s=0.3)
+        assert_drained(c)
+        eventually(lambda: c.metrics.failed == 2, "both requests ended")
+        prompts = shared_prefix_prompts(2, seed=7)
+        assert [o.token_ids for o in c.generate(prompts, GREEDY)] == reference_outputs(prompts, GREEDY, seed=5)
+
+
 def _stop_and_expect_down(c, victim: int, handles) -> None:
     pid = c.pid_of(victim)
     os.kill(pid, signal.SIGSTOP)

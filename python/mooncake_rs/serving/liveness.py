@@ -26,8 +26,18 @@ log = logging.getLogger("mooncake_rs.serving")
 
 def watch(cluster: "Cluster", limit_s: float) -> None:
     """Runs until the cluster closes (its ``_stop_watch`` event)."""
-    while not cluster._stop_watch.wait(min(0.25, limit_s / 4)):
+    period = min(0.25, limit_s / 4)
+    last = quiet_until = time.monotonic()
+    while not cluster._stop_watch.wait(period):
         now = time.monotonic()
+        if now - last > limit_s / 2:
+            # This process itself was not running (stopped, suspended, starved): the
+            # workers' beats are still queued in the sockets. Let the readers catch up
+            # for a beat period before judging anyone.
+            quiet_until = now + limit_s / 4 + period
+        last = now
+        if now < quiet_until:
+            continue
         for m in list(cluster._members.values()):
             if (not m.alive or m.proc is None or not m.ready.is_set() or m.error is not None
                     or m.down_reason is not None or m.proc.poll() is not None):
