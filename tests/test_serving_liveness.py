@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -171,6 +173,41 @@ def test_stopped_decode_worker_fails_its_requests_and_the_rest_go_on(cluster):
     assert {o.metrics.decode_instance for o in outs} == {5 - victim}
     assert [o.token_ids for o in outs] == reference_outputs(prompts, GREEDY, seed=5)
     assert_drained(c)
+
+
+_PAUSED_CLUSTER = """
+import sys, time
+from mooncake_rs import Cluster
+from mooncake_rs.engine import ModelConfig, SamplingParams
+c = Cluster(ModelConfig.tiny(), prefill=1, decode=1, block_size=16, seed=5, processes=True, heartbeat_timeout_s=1.0)
+print("ready", flush=True)
+sys.stdin.readline()  # the test stops and resumes this process meanwhile
+time.sleep(1.0)
+out = c.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0]
+print("alive", len(c.instances()), len(out.token_ids), flush=True)
+c.close()
+"""
+
+
+def test_a_paused_cluster_does_not_kill_its_healthy_workers():
+    # the cluster's own process stopped longer than heartbeat_timeout_s: the beats were
+    # queued, not missing, so no worker may be declared down when it resumes
+    p = subprocess.Popen([sys.executable, "-c", _PAUSED_CLUSTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        os.kill(p.pid, signal.SIGSTOP)
+        time.sleep(3.0)
+        os.kill(p.pid, signal.SIGCONT)
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline().split() == ["alive", "2", "4"]
+        assert p.wait(60) == 0
+    finally:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+            p.wait(10)
 
 
 def test_close_after_hung_workers_is_clean(cluster):
