@@ -36,7 +36,7 @@ from typing import Any, Sequence
 
 from .. import (Conductor, ConductorConfig, DecodeCostModel, PrefillCostModel, PrefixHasher, TransferCostModel,
                TransferRegistry)
-from ..errors import InvalidArgument, MooncakeError, Overloaded, TransferTimeout
+from ..errors import InvalidArgument, MooncakeError, Overloaded
 from .._core import remove_shm_segments_of
 from .control import Msg, QueueChannel, SocketChannel, send_frame
 from .handle import RequestHandle, wait_seconds
