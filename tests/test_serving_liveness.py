@@ -124,6 +124,28 @@ def test_in_process_deadline_cancels_too():
         assert [o.token_ids for o in c.generate(prompts, GREEDY)] == reference_outputs(prompts, GREEDY, seed=5)
 
 
+def test_cancel_at_any_point_leaves_nothing_and_corrupts_nothing():
+    # cancelled at different points of their life (routing, prefix fetch, prefill while KV
+    # streams into the decode slots, decode): afterwards nothing is held anywhere and the
+    # shared prefix they stored or fetched still gives the reference output
+    import random
+
+    from mooncake_rs import Cluster
+
+    rng = random.Random(41)
+    prefix = [rng.randrange(256) for _ in range(20 * BLOCK)]
+    prompts = [prefix + [rng.randrange(256) for _ in range(rng.randrange(1, 40))] for _ in range(8)]
+    with Cluster(ModelConfig.tiny(), prefill=2, decode=1, block_size=BLOCK, seed=5) as c:
+        for i, p in enumerate(prompts):
+            h = c.submit(p, ENDLESS)
+            time.sleep(0.004 * i)
+            h.cancel()
+        assert_drained(c)
+        check = [prompts[0], prefix + [1, 2, 3]]
+        assert [o.token_ids for o in c.generate(check, GREEDY)] == reference_outputs(check, GREEDY, seed=5)
+        assert_drained(c)
+
+
 def _stop_and_expect_down(c, victim: int, handles) -> None:
     pid = c.pid_of(victim)
     os.kill(pid, signal.SIGSTOP)
