@@ -25,6 +25,7 @@ from .model import LlamaModel
 from .outputs import LayerEvent, RequestOutput, TokenEvent
 from .sampler import Sampler, SamplingParams
 from .scheduler import Request, RequestStatus, Scheduler
+from .tokens import token_id
 from .weights import load_hf_dir, random_weights, torch_dtype
 
 __all__ = ["Engine"]
@@ -41,9 +42,11 @@ def prompt_tokens(prompt: Sequence[int], params: SamplingParams) -> list[int]:
     vocabulary, length and page checks); the cluster uses it before routing."""
     if not isinstance(params, SamplingParams):
         raise InvalidArgument(f"params must be SamplingParams, got {type(params).__name__}")
+    if isinstance(prompt, (str, bytes)):
+        raise InvalidArgument("a prompt must be a list of int token ids, not a string (tokenize it first)")
     try:
-        toks = [int(t) for t in prompt]
-    except (TypeError, ValueError):
+        toks = [token_id(t) for t in prompt]
+    except TypeError:
         raise InvalidArgument("a prompt must be a list of int token ids") from None
     if not toks:
         raise InvalidArgument("a prompt needs at least one token")

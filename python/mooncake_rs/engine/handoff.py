@@ -21,6 +21,7 @@ from .attention import BatchMeta
 from .kv_cache import as_byte_tensor
 from .outputs import PrefillTiming
 from .sampler import SamplingParams
+from .tokens import token_id
 
 if TYPE_CHECKING:
     from .config import ModelConfig
@@ -106,7 +107,8 @@ class HandoffMixin:
         nblocks = -(-len(prompt) // b)
         if len(kv_blocks) != nblocks:
             raise InvalidArgument(f"a prompt of {len(prompt)} tokens needs {nblocks} KV blocks, got {len(kv_blocks)}")
-        if not 0 <= int(first_token_id) < self.config.vocab_size:
+        first_token_id = token_id(first_token_id)
+        if not 0 <= first_token_id < self.config.vocab_size:
             raise InvalidArgument(f"first_token_id must be in 0..{self.config.vocab_size - 1}")
         sizes = [b] * (nblocks - 1) + [len(prompt) - (nblocks - 1) * b]
         req = self._new_request(prompt, params, request_id)
@@ -116,7 +118,7 @@ class HandoffMixin:
             del self._requests[req.request_id]
             raise
         req.num_cached_tokens = len(prompt)
-        tok = int(first_token_id)
+        tok = first_token_id
         req.output_token_ids.append(tok)
         reason = self._stop_reason(req, tok) if not req.prefill_only else None
         if reason is not None:

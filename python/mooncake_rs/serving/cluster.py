@@ -9,12 +9,19 @@ source and the destination slots. Prefill streams KV into those slots layer by l
 and reports ``prefilled`` with the first token; the router then starts the decode
 instance, whose tokens it forwards to the request's handle. Store events go to the
 conductor's index, progress to its load model.
+
+Liveness (``processes=True``): workers send heartbeats on their control socket; the
+watchdog thread here kills a worker silent for ``heartbeat_timeout_s`` (a stopped or
+wedged process), and the router's usual death path then drops it from the conductor and
+fails its requests. A request's deadline (``timeout_s``) or ``RequestHandle.cancel``
+cancels it on every instance it lives on.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import queue
 import socket
@@ -32,8 +39,10 @@ from .. import (Conductor, ConductorConfig, DecodeCostModel, PrefillCostModel, P
 from ..errors import InvalidArgument, MooncakeError, Overloaded
 from .._core import remove_shm_segments_of
 from .control import Msg, QueueChannel, SocketChannel, send_frame
-from .handle import RequestHandle
+from .handle import RequestHandle, wait_seconds
 from .instance import Instance, InstanceSpec
+from .limits import Limits
+from .liveness import watch
 from .metrics import ClusterMetrics, RequestMetrics
 
 __all__ = ["Cluster", "remove_segments_of"]
@@ -61,6 +70,8 @@ class _Req:
     fetch: Msg | None = None
     wait_fetch: bool = False
     dispatched: bool = False
+    prefilled: bool = False  # the prefill instance reported every byte sent (it holds nothing more)
+    deadline: float | None = None  # time.monotonic() past which the router cancels it
     tokens: list[int] = field(default_factory=list)
     t_last: float = 0.0
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
@@ -75,6 +86,8 @@ class _Member:
         self.alive = True
         self.arena = ""
         self.error: str | None = None
+        self.info: Msg = {}  # the instance's "ready" message (capacities)
+        self.down_reason: str | None = None  # set by the watchdog before it kills a hung worker
 
 
 class Cluster:
@@ -87,7 +100,9 @@ class Cluster:
     Extra keywords: ``rejection`` ("none", "early", "predictive"), ``prefix_reuse``
     (False: no KV reuse, every prompt computed), ``stream_layers`` (False: KV is sent
     after the whole prefill), ``engine_kwargs`` (passed to each Engine), ``link_bandwidth``
-    (bytes/s: emulate a network link between instances, for benchmarks).
+    (bytes/s: emulate a network link between instances, for benchmarks),
+    ``heartbeat_timeout_s`` (worker processes: how long a silent worker may go before it
+    is declared down, killed and its requests failed; None disables the watchdog).
     """
 
     def __init__(self, model: Any = "tiny", prefill: int = 2, decode: int = 1, block_size: int = 16,
@@ -95,13 +110,19 @@ class Cluster:
                  ttft_slo_s: float = 30.0, tbt_slo_s: float = 1.0, processes: bool = False, seed: int = 0, *,
                  rejection: str = "none", prefix_reuse: bool = True, stream_layers: bool = True,
                  engine_kwargs: dict[str, Any] | None = None, start_timeout_s: float = 180.0,
-                 link_bandwidth: float | None = None, ssd_bytes_per_instance: int | None = None) -> None:
+                 link_bandwidth: float | None = None, ssd_bytes_per_instance: int | None = None,
+                 heartbeat_timeout_s: float | None = 10.0) -> None:
         if not isinstance(prefill, int) or not isinstance(decode, int) or prefill < 1 or decode < 1:
             raise InvalidArgument("a cluster needs prefill >= 1 and decode >= 1 instances")
         if not isinstance(block_size, int) or block_size < 1:
             raise InvalidArgument(f"block_size must be an int >= 1, got {block_size!r}")
         if ssd_bytes_per_instance is not None and (not isinstance(ssd_bytes_per_instance, int) or ssd_bytes_per_instance < 0):
             raise InvalidArgument(f"ssd_bytes_per_instance must be an int >= 0, got {ssd_bytes_per_instance!r}")
+        if heartbeat_timeout_s is not None and (
+                isinstance(heartbeat_timeout_s, bool) or not isinstance(heartbeat_timeout_s, (int, float))
+                or not 0 < heartbeat_timeout_s < math.inf):
+            raise InvalidArgument(f"heartbeat_timeout_s must be a positive number of seconds or None, "
+                                  f"got {heartbeat_timeout_s!r}")
         if ssd_path is not None:
             # Each instance's store gets its own SSD tier under ssd_path/<instance name>.
             os.makedirs(ssd_path, exist_ok=True)
@@ -121,6 +142,7 @@ class Cluster:
         self._measured: queue.Queue[Msg] = queue.Queue()
         self.metrics = ClusterMetrics()
         self._closed = False
+        self._stop_watch = threading.Event()
         self._token = uuid.uuid4().hex[:8]
         self._registry = TransferRegistry()  # in-process: how the instances' engines find each other
         self._members: dict[int, _Member] = {}
@@ -129,6 +151,8 @@ class Cluster:
         self.prefill_ids = list(range(prefill))
         self.decode_ids = list(range(prefill, prefill + decode))
         self._layout_bytes = self._block_bytes(model, block_size)
+        self._heartbeat_timeout_s = None if heartbeat_timeout_s is None or not self.processes else float(heartbeat_timeout_s)
+        self._limits = Limits(self._model_config(model), block_size)  # instance capacities, once all are ready
         self.conductor = self._new_conductor(PrefillCostModel(c0=0.002, c_new=2e-5, c_new2=0.0, c_cross=0.0))
         self._router = threading.Thread(target=self._route, name="mooncake-router", daemon=True)
         self._router.start()
@@ -139,31 +163,40 @@ class Cluster:
                 spec = InstanceSpec(i, role, name, model, block_size, int(dram_bytes_per_instance), seed,
                                     stream_layers, link_bandwidth, dict(engine_kwargs or {}),
                                     ssd_path=None if ssd_path is None else os.path.join(ssd_path, name),
-                                    ssd_bytes=ssd_bytes)
+                                    ssd_bytes=ssd_bytes,
+                                    # a few beats per timeout, so one late beat is no false alarm
+                                    heartbeat_s=(self._heartbeat_timeout_s or 0.0) / 4)
                 self._spawn(spec)
             deadline = time.monotonic() + start_timeout_s
             for m in self._members.values():
                 if not m.ready.wait(max(0.0, deadline - time.monotonic())) or m.error:
                     raise MooncakeError(f"instance {m.spec.name} did not start: {m.error or 'timeout'}")
+            self._limits.learn([m.info for m in self._members.values()])
         except BaseException:
             self.close()
             raise
+        if self._heartbeat_timeout_s is not None:
+            threading.Thread(target=watch, args=(self, self._heartbeat_timeout_s), name="mooncake-watchdog",
+                             daemon=True).start()
 
     # ---- construction
     @staticmethod
-    def _block_bytes(model: Any, block_size: int) -> int:
+    def _model_config(model: Any) -> Any:
         from ..engine import ModelConfig
-        from ..engine.kv_cache import BlockLayout
 
         if isinstance(model, ModelConfig):
-            cfg = model
-        elif isinstance(model, (str, Path)) and Path(model).is_dir():
+            return model
+        if isinstance(model, (str, Path)) and Path(model).is_dir():
             import json
 
-            cfg = ModelConfig.from_hf_config(json.loads((Path(model) / "config.json").read_text()))
-        else:
-            cfg = ModelConfig.preset(str(model))
-        return BlockLayout.for_model(cfg, block_size, "float32").block_nbytes
+            return ModelConfig.from_hf_config(json.loads((Path(model) / "config.json").read_text()))
+        return ModelConfig.preset(str(model))
+
+    @classmethod
+    def _block_bytes(cls, model: Any, block_size: int) -> int:
+        from ..engine.kv_cache import BlockLayout
+
+        return BlockLayout.for_model(cls._model_config(model), block_size, "float32").block_nbytes
 
     def _new_conductor(self, prefill_model: Any, index: Any = None) -> Conductor:
         per_token = self._layout_bytes / self.block_size
@@ -224,8 +257,11 @@ class Cluster:
         m = self._members.get(instance)
         return m.proc.pid if m is not None and m.proc is not None else None
 
-    def submit(self, prompt: Sequence[int], params: Any = None) -> RequestHandle:
-        """Admits one request and returns its handle; raises ``Overloaded`` when rejected."""
+    def submit(self, prompt: Sequence[int], params: Any = None, *, timeout_s: float | None = None) -> RequestHandle:
+        """Admits one request and returns its handle; raises ``Overloaded`` when rejected
+        and ``InvalidArgument`` for a prompt no instance could serve. ``timeout_s``: a
+        deadline from now; past it the request is cancelled on every instance and fails
+        with ``TransferTimeout`` (None: no deadline)."""
         from ..engine import SamplingParams
         from ..engine.engine import prompt_tokens
 
@@ -233,6 +269,10 @@ class Cluster:
             raise InvalidArgument("the cluster is closed")
         params = params or SamplingParams()
         toks = prompt_tokens(prompt, params)
+        wait = wait_seconds(timeout_s, "timeout_s")
+        if wait is not None and wait <= 0:
+            raise InvalidArgument(f"timeout_s must be positive (or None for no deadline), got {timeout_s!r}")
+        self._limits.check(toks, params)
         keys = self._hasher.hash(toks)
         rid = next(self._ids)
         self.metrics.count("requests")
@@ -242,7 +282,8 @@ class Cluster:
         except Overloaded:
             self.metrics.count("rejected")
             raise
-        req = _Req(rid, toks, params, keys, d, RequestHandle(rid, toks), time.monotonic())
+        req = _Req(rid, toks, params, keys, d, RequestHandle(rid, toks, self._cancel), time.monotonic())
+        req.deadline = None if wait is None else req.t_submit + wait
         req.metrics.prefill_instance, req.metrics.decode_instance = d.prefill, d.decode
         req.handle.prefill_instance, req.handle.decode_instance = d.prefill, d.decode
         req.metrics.prompt_tokens = len(toks)
@@ -251,13 +292,23 @@ class Cluster:
         self._events.put((-1, {"op": "new", "rid": rid}))
         return req.handle
 
+    def _cancel(self, rid: int, error: BaseException) -> None:
+        """RequestHandle.cancel: the router ends the request everywhere (see Router._fail)."""
+        self._events.put((-1, {"op": "cancel_request", "rid": rid, "error": error}))
+
     def generate(self, prompts: Sequence[Sequence[int]], params: Any = None, *,
                  on_reject: str = "raise", timeout_s: float | None = None) -> list[Any]:
         """Runs the prompts to completion; outputs in order. A rejected prompt raises
         ``Overloaded`` (``on_reject="raise"``) or yields an output with
-        ``finish_reason="rejected"`` (``on_reject="report"``)."""
+        ``finish_reason="rejected"`` (``on_reject="report"``). ``timeout_s`` bounds the
+        whole call: what has not finished by then is cancelled on the instances and
+        ``TransferTimeout`` is raised. Whatever ends the call early (a rejection, a
+        timeout, a failed request, KeyboardInterrupt) cancels the requests still running."""
         from ..engine import RequestOutput, SamplingParams
 
+        wait = wait_seconds(timeout_s, "timeout_s")
+        if wait is not None and wait <= 0:
+            raise InvalidArgument(f"timeout_s must be positive (or None to wait forever), got {timeout_s!r}")
         if on_reject not in ("raise", "report"):
             raise InvalidArgument("on_reject must be 'raise' or 'report'")
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
@@ -266,15 +317,25 @@ class Cluster:
             else list(params)
         if len(plist) != len(prompts):
             raise InvalidArgument(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
+        end = None if wait is None else time.monotonic() + wait
         handles: list[RequestHandle | RequestOutput] = []
-        for p, sp in zip(prompts, plist):
-            try:
-                handles.append(self.submit(p, sp))
-            except Overloaded:
-                if on_reject == "raise":
-                    raise
-                handles.append(RequestOutput("rejected", [int(t) for t in p], [], "rejected", metrics=RequestMetrics()))
-        return [h.result(timeout_s) if isinstance(h, RequestHandle) else h for h in handles]
+        try:
+            for p, sp in zip(prompts, plist):
+                left = None if end is None else max(end - time.monotonic(), 1e-3)
+                try:
+                    handles.append(self.submit(p, sp, timeout_s=left))
+                except Overloaded:
+                    if on_reject == "raise":
+                        raise
+                    handles.append(RequestOutput("rejected", [int(t) for t in p], [], "rejected",
+                                                 metrics=RequestMetrics()))
+            return [h.result(None if end is None else max(end - time.monotonic(), 0.0))
+                    if isinstance(h, RequestHandle) else h for h in handles]
+        except BaseException:
+            for h in handles:
+                if isinstance(h, RequestHandle):
+                    h.cancel()
+            raise
 
     def metrics_text(self) -> str:
         """Prometheus text exposition of the cluster's totals and instance gauges."""
@@ -339,6 +400,7 @@ class Cluster:
         if self._closed:
             return
         self._closed = True
+        self._stop_watch.set()
         for m in self._members.values():
             if m.alive:
                 m.ch.to_instance({"op": "stop"})

@@ -5,6 +5,9 @@ a channel is a pair of queues; with ``processes=True`` it is a local stream sock
 (a ``socketpair`` shared with the worker at spawn) carrying length-prefixed pickles.
 The cluster's side posts every message it receives, tagged with the instance id, into
 one event queue; a closed socket posts ``{"op": "dead"}`` (how a dead worker is noticed).
+A worker also sends ``{"op": "beat"}`` every few seconds (see worker.py): the reader
+thread only stamps ``last_seen`` for it, which the cluster's watchdog compares with
+``heartbeat_timeout_s`` (how a hung worker is noticed).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import queue
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
 __all__ = ["QueueChannel", "SocketChannel", "send_frame", "recv_frame"]
@@ -97,6 +101,8 @@ class SocketChannel:
         self._send_lock = threading.Lock()
         self.inbox: queue.Queue[Msg] = queue.Queue()
         self._events = events
+        #: time.monotonic() of the last frame received (any op): the peer's liveness
+        self.last_seen = time.monotonic()
         self._reader = threading.Thread(target=self._read, name=f"mooncake-ctl-{instance_id}", daemon=True)
         self._reader.start()
 
@@ -108,6 +114,10 @@ class SocketChannel:
                 msg = None
             if msg is None:
                 msg = {"op": "dead"}
+            else:
+                self.last_seen = time.monotonic()
+                if msg["op"] == "beat":
+                    continue
             if self._events is not None:
                 self._events.put((self.instance_id, msg))
             else:

@@ -40,6 +40,10 @@ class DecodeRole:
     def busy(self) -> bool:
         return False
 
+    def tracked(self) -> int:
+        """Requests this role still holds state (reserved slots, a running sequence) for."""
+        return len(self.waiting) + len(self.active)
+
     def handle(self, msg: Msg) -> None:
         op = msg["op"]
         if op == "expect":

@@ -3,44 +3,72 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import queue
 import threading
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
-__all__ = ["RequestHandle"]
+from ..errors import InvalidArgument, MooncakeError, TransferTimeout
+
+__all__ = ["RequestHandle", "wait_seconds"]
 
 _END = object()
+
+
+def wait_seconds(timeout: Any, what: str = "timeout") -> float | None:
+    """A caller's timeout as what ``threading`` accepts: None (or +inf) waits forever;
+    any positive finite value is accepted and clamped to ``threading.TIMEOUT_MAX``
+    (``1e300`` means "practically forever", not an error). Zero or less means "do not
+    wait"; NaN, bools and non-numbers are refused."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise InvalidArgument(f"{what} must be a number of seconds or None, got {timeout!r}")
+    t = float(timeout)
+    if math.isnan(t):
+        raise InvalidArgument(f"{what} must be a number of seconds or None, got nan")
+    if t == math.inf:
+        return None
+    return min(max(t, 0.0), threading.TIMEOUT_MAX)
 
 
 class RequestHandle:
     """One submitted request. Iterate it (``for tok in h`` / ``async for tok in h``) for
     its token ids as they come; :meth:`result` waits for the :class:`RequestOutput`.
-    A failed request raises its error from the iteration and from ``result``."""
+    A failed request raises its error from the iteration and from ``result``.
+    :meth:`cancel` ends the request wherever it runs; so does a ``result`` that times out."""
 
-    def __init__(self, request_id: int, prompt: list[int]) -> None:
+    def __init__(self, request_id: int, prompt: list[int],
+                 on_cancel: Callable[[int, BaseException], None] | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt
+        self._on_cancel = on_cancel  # the cluster: frees the request's slots, pages and conductor entry
         self.prefill_instance = -1  # where the conductor sent it
         self.decode_instance = -1
         self._q: queue.Queue[Any] = queue.Queue()
         self._done = threading.Event()
         self._output: Any = None
         self._error: BaseException | None = None
+        self._end = threading.Lock()  # the router (finish/fail) and a cancelling caller race to end it
 
     # ---- producer side (the cluster)
     def _token(self, tok: int) -> None:
         self._q.put(tok)
 
     def _finish(self, output: Any) -> None:
-        self._output = output
-        self._done.set()
+        with self._end:
+            if self._done.is_set():  # cancelled (or failed) first: that is what the caller saw
+                return
+            self._output = output
+            self._done.set()
         self._q.put(_END)
 
     def _fail(self, error: BaseException) -> None:
-        if self._done.is_set():
-            return
-        self._error = error
-        self._done.set()
+        with self._end:
+            if self._done.is_set():
+                return
+            self._error = error
+            self._done.set()
         self._q.put(_END)
 
     # ---- consumer side
@@ -48,9 +76,27 @@ class RequestHandle:
     def done(self) -> bool:
         return self._done.is_set()
 
+    def cancel(self, error: BaseException | None = None) -> bool:
+        """Cancels the request on every instance it lives on (the cluster frees its slots
+        and pages and tells the conductor); iteration and ``result`` then raise ``error``
+        (default: ``MooncakeError("... was cancelled")``). False if it had already ended."""
+        if self._done.is_set():
+            return False
+        err = error if error is not None else MooncakeError(f"request {self.request_id} was cancelled")
+        if self._on_cancel is not None:
+            self._on_cancel(self.request_id, err)
+        self._fail(err)
+        return True
+
     def result(self, timeout: float | None = None) -> Any:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.request_id} did not finish within {timeout}s")
+        """The ``RequestOutput``, waiting up to ``timeout`` seconds (None: forever). A
+        request that does not finish in time is cancelled (it does not keep running) and
+        ``TransferTimeout`` (a ``TimeoutError``) is raised; poll with :attr:`done` instead
+        to wait without a deadline."""
+        wait = wait_seconds(timeout)
+        if not self._done.wait(wait):
+            self.cancel(TransferTimeout(f"request {self.request_id} did not finish within {timeout}s; "
+                                        "it was cancelled"))
         if self._error is not None:
             raise self._error
         return self._output

@@ -44,6 +44,8 @@ class InstanceSpec:
     #: the store's SSD tier (a directory of this instance's own), or None for DRAM only
     ssd_path: str | None = None
     ssd_bytes: int = 0
+    #: seconds between heartbeats of a worker process (0: none; in-process instances send none)
+    heartbeat_s: float = 0.0
 
 
 class Instance:
@@ -68,8 +70,9 @@ class Instance:
 
     # ---- the loop
     def run(self) -> None:
+        cache = self.engine.cache
         self.ch.send({"op": "ready", "arena": self.endpoint, "pid": os.getpid(), "block_bytes": self.layout.block_nbytes,
-                      "slots": self.store.store.slots})
+                      "slots": self.store.store.slots, "kv_tokens": cache.num_pages * cache.page_size})
         try:
             while not self.stopped:
                 if self.engine.has_unfinished():
@@ -103,7 +106,12 @@ class Instance:
                 t = self.transport
                 self.ch.send({"op": "measured", "stats": {"copied_bytes": t.total_bytes, "copy_busy_s": t.busy_s,
                                                           "blocks": len(self.store),
-                                                          "evictions": self.store.evictions}})
+                                                          "evictions": self.store.evictions,
+                                                          # what a finished or cancelled request must not leave behind
+                                                          "requests": self.role.tracked(),
+                                                          "pinned_requests": len(self._pins),
+                                                          "free_pages": self.engine.num_free_pages,
+                                                          "pages": self.engine.cache.num_pages}})
             elif op == "measure":
                 timings = self.engine.measure_prefill(msg["points"], repeats=msg.get("repeats", 3))
                 self.ch.send({"op": "measured", "timings": [(t.new_tokens, t.cached_tokens, t.seconds)

@@ -57,6 +57,10 @@ class PrefillRole:
     def busy(self) -> bool:
         return any(st.done for st in self.reqs.values())
 
+    def tracked(self) -> int:
+        """Requests this role still holds state (pages, leases, slots) for."""
+        return len(self.reqs)
+
     # ---- messages
     def handle(self, msg: Msg) -> None:
         op = msg["op"]
@@ -203,6 +207,14 @@ class PrefillRole:
                       "t_compute": st.t_compute, "t_ready": inst.now()})
 
     def _cancel(self, rid: int) -> None:
+        try:
+            self._drop(rid)
+        finally:
+            # The router holds back the decode instance's cancel (which frees the slots we
+            # write into) and the holder's unpin (of the slots we read) until this ack.
+            self.inst.ch.send({"op": "cancelled", "rid": rid})
+
+    def _drop(self, rid: int) -> None:
         st = self.reqs.pop(rid, None)
         if st is None:
             return

@@ -6,6 +6,12 @@ to the prefill instance -> ``prefilled`` (first token; KV all sent) -> ``decode`
 decode instance -> ``tokens`` ... -> finished. A ``dead`` instance fails the requests it
 was serving (prefill or decode) at once, the conductor drops it, the rest go on; a
 holder that dies before answering ``export`` just means no fetch.
+
+Ending a request early (failure, deadline, ``RequestHandle.cancel``) cancels it on every
+instance, in an order that keeps slots safe: while its prefill may still be copying KV
+into the decode instance's reserved slots (or reading the holder's pinned ones), the
+prefill instance is cancelled first and the decode cancel and holder unpin wait for its
+``cancelled`` ack (or its death), so no slot is freed while a peer still touches it.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import queue
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..errors import MooncakeError, TransferFailed
+from ..errors import MooncakeError, TransferFailed, TransferTimeout
 from .control import Msg
 from .metrics import tbt_of
 
@@ -32,6 +38,8 @@ _WATCH_S = 0.25  # how often worker processes are polled for an exit the socket 
 class Router:
     def __init__(self, cluster: "Cluster") -> None:
         self.c = cluster
+        # rid -> (prefill instance, messages held back until it acks the cancel)
+        self._after_cancel: dict[int, tuple[int, list[tuple[int, Msg]]]] = {}
 
     def run(self) -> None:
         last_watch = time.monotonic()
@@ -70,6 +78,7 @@ class Router:
         if op == "ready":
             m = c._members[inst]
             m.arena = msg["arena"]
+            m.info = msg
             m.ready.set()
             return
         if op == "init_failed":
@@ -90,8 +99,13 @@ class Router:
         if op == "failed" and rid is None:
             c._measured.put({"error": msg.get("error")})
             return
+        if op == "cancelled":
+            self._release_after_cancel(rid)
+            return
         req = self._req(rid)
         if req is None:
+            if op == "exported":  # the request ended while its holder was pinning: unpin
+                self._send(inst, {"op": "unpin", "rid": rid})
             return
         getattr(self, "_on_" + op)(req, inst, msg)
 
@@ -141,6 +155,7 @@ class Router:
         c, bs, m = self.c, self.c.block_size, req.metrics
         now = time.monotonic()
         self._conductor("on_prefill_finished", req.rid, c._now())
+        req.prefilled = True
         m.reused_tokens = msg["reused_blocks"] * bs
         m.fetched_tokens = msg["fetched_blocks"] * bs
         m.computed_tokens = len(req.prompt) - m.reused_tokens
@@ -170,6 +185,9 @@ class Router:
             req.handle._token(t)
         if msg["finish"] is not None:
             self._finish(req, msg["finish"])
+
+    def _on_cancel_request(self, req: "_Req", inst: int, msg: Msg) -> None:
+        self._fail(req.rid, msg["error"])
 
     def _on_failed(self, req: "_Req", inst: int, msg: Msg) -> None:
         self._fail(req.rid, MooncakeError(f"request {req.rid} failed on {self.c._members[inst].spec.name}: "
@@ -201,10 +219,17 @@ class Router:
             return
         req.finished = True
         d = req.decision
-        for i in {d.prefill, d.decode}:
-            self._send(i, {"op": "cancel", "rid": rid})
+        later: list[tuple[int, Msg]] = [(d.decode, {"op": "cancel", "rid": rid})]
         if req.fetch is not None:
-            self._send(req.fetch["holder"], {"op": "unpin", "rid": rid})
+            later.append((req.fetch["holder"], {"op": "unpin", "rid": rid}))
+        pm = c._members.get(d.prefill)
+        if req.dispatched and not req.prefilled and pm is not None and pm.alive:
+            self._after_cancel[rid] = (d.prefill, later)  # see the module docstring
+            self._send(d.prefill, {"op": "cancel", "rid": rid})
+        else:
+            self._send(d.prefill, {"op": "cancel", "rid": rid})
+            for i, m in later:
+                self._send(i, m)
         self._conductor("cancel", rid)
         c.metrics.count("failed")
         req.handle._fail(error)
@@ -221,13 +246,24 @@ class Router:
         code = m.proc.poll() if m.proc is not None else None
         why = f"exit code {code}" if code is not None and code >= 0 else (
             f"signal {-code}" if code is not None else (error or "lost"))
+        if m.down_reason is not None:  # the watchdog killed it (see liveness.py)
+            what = m.down_reason
+            try:
+                if m.proc is not None:
+                    m.proc.wait(5)  # SIGKILLed: reap it so its segments go now
+            except Exception:  # noqa: BLE001 - swept at close() then
+                pass
+        else:
+            what = f"died ({why})"
         if not c._closed:
-            log.warning("serving: instance %s died (%s); failing its requests", m.spec.name, why)
+            log.warning("serving: instance %s %s; failing its requests", m.spec.name, what)
         try:
             c.conductor.remove_instance(inst)
         except Exception:  # noqa: BLE001 - already gone
             pass
-        err = TransferFailed(f"instance {m.spec.name} died ({why}); its in-flight requests failed")
+        for rid in [r for r, (p, _) in self._after_cancel.items() if p == inst]:
+            self._release_after_cancel(rid)  # a dead prefill copies nothing more
+        err = TransferFailed(f"instance {m.spec.name} {what}; its in-flight requests failed")
         with c._lock:
             reqs = list(c._reqs.values())
         for r in reqs:
@@ -242,10 +278,22 @@ class Router:
 
             remove_segments_of(m.proc.pid)
 
+    def _release_after_cancel(self, rid: Any) -> None:
+        _, later = self._after_cancel.pop(rid, (None, []))
+        for i, m in later:
+            self._send(i, m)
+
     def _watch(self) -> None:
         for i, m in self.c._members.items():
             if m.alive and m.proc is not None and m.proc.poll() is not None:
                 self._dead(i, None)
+        now = time.monotonic()
+        with self.c._lock:
+            late = [(r.rid, r.deadline - r.t_submit) for r in self.c._reqs.values()
+                    if r.deadline is not None and now > r.deadline]
+        for rid, after in late:
+            self._fail(rid, TransferTimeout(f"request {rid} passed its deadline ({after:.3g}s after submit); "
+                                            "it was cancelled"))
 
     # ---- conductor feed
     def _store_events(self, inst: int, events: list[tuple[str, int, str]]) -> None:

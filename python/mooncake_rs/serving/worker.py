@@ -5,6 +5,11 @@ of a socketpair as fd N. The first message is ``{"op": "init", "spec": InstanceS
 then the instance loop runs until ``stop`` or until the control socket closes (the
 cluster died), so a worker never outlives its cluster. The arena lives in /dev/shm and
 is unlinked on the way out (the cluster also removes it if this process is killed).
+
+A heartbeat thread sends ``{"op": "beat"}`` every ``spec.heartbeat_s`` seconds. It runs
+apart from the instance loop on purpose: a long engine step is not a hang, but a process
+that is stopped (SIGSTOP), starved or wedged with the GIL held sends no beats, and the
+cluster's watchdog then kills it and fails its requests (see cluster.py).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,14 +43,23 @@ def main(argv: list[str] | None = None) -> int:
     from .instance import Instance
 
     ch = SocketChannel(sock, spec.id)
+    stop = threading.Event()
+    if spec.heartbeat_s > 0:
+        threading.Thread(target=_beat, args=(ch, spec.heartbeat_s, stop), name="mooncake-beat", daemon=True).start()
     try:
         inst = Instance(spec, ch)
     except Exception as e:  # tell the cluster why, then exit
         ch.send({"op": "init_failed", "error": f"{type(e).__name__}: {e}"})
         return 1
     inst.run()
+    stop.set()
     ch.close()
     return 0
+
+
+def _beat(ch: object, every_s: float, stop: threading.Event) -> None:
+    while not stop.wait(every_s):
+        ch.send({"op": "beat"})  # type: ignore[attr-defined]
 
 
 if __name__ == "__main__":
