@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import queue
+import secrets
 import socket
 import subprocess
 import sys
@@ -144,6 +145,7 @@ class Cluster:
         self._closed = False
         self._stop_watch = threading.Event()
         self._token = uuid.uuid4().hex[:8]
+        self._transfer_token = secrets.token_hex(32)  # the workers' transfer engines share it
         self._registry = TransferRegistry()  # in-process: how the instances' engines find each other
         self._members: dict[int, _Member] = {}
         self._cfg_args: dict[str, Any] = dict(block_size=block_size, ttft_slo_s=float(ttft_slo_s), tbt_slo_s=float(tbt_slo_s),
@@ -235,7 +237,9 @@ class Cluster:
         proc = subprocess.Popen([sys.executable, "-m", "mooncake_rs.serving.worker", "--fd", str(child.fileno())],
                                 pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
         child.close()
-        send_frame(parent, {"op": "init", "spec": spec})
+        # The token travels on the private socketpair, never on a command line or in
+        # the environment, where other local users could read it.
+        send_frame(parent, {"op": "init", "spec": spec, "auth_token": self._transfer_token})
         self._members[spec.id] = _Member(spec, SocketChannel(parent, spec.id, self._events), proc=proc)
 
     # ---- the public API

@@ -49,7 +49,8 @@ class InstanceSpec:
 
 
 class Instance:
-    def __init__(self, spec: InstanceSpec, channel: Any, registry: Any = None) -> None:
+    def __init__(self, spec: InstanceSpec, channel: Any, registry: Any = None,
+                 auth_token: str | None = None) -> None:
         from ..engine import Engine
         from .decode import DecodeRole
         from .prefill import PrefillRole
@@ -62,7 +63,8 @@ class Instance:
         self.store = StoreSlots(self.layout.block_nbytes, spec.dram_bytes, shared_memory=registry is None,
                                 ssd_path=spec.ssd_path, ssd_bytes=spec.ssd_bytes,
                                 scope=spec.id)
-        self.transport = Transport(spec.name, self.store.store, registry, spec.link_bandwidth)
+        self.transport = Transport(spec.name, self.store.store, registry, spec.link_bandwidth,
+                                   auth_token=auth_token, peers_write=spec.role == "decode")
         self.endpoint = self.transport.endpoint
         self.role = PrefillRole(self) if spec.role == "prefill" else DecodeRole(self)
         self._pins: dict[int, list[Any]] = {}

@@ -40,10 +40,20 @@ class Span:
 
 class Transport:
     def __init__(self, name: str, store: Any, registry: TransferRegistry | None = None,
-                 link_bandwidth: float | None = None) -> None:
+                 link_bandwidth: float | None = None, *, auth_token: str | None = None,
+                 peers_write: bool = True) -> None:
         self._in_process = registry is not None
-        self.te = TransferEngine(name, registry=registry) if registry is not None else TransferEngine(name)
-        self.region = self.te.register(store)  # the store's arena: peers address its slots
+        if registry is not None:
+            # In-process, the peers are in this process: no listener at all, so no other
+            # process can reach the arenas (issue 17, item 1).
+            self.te = TransferEngine(name, listen="", registry=registry)
+        else:
+            # A worker: listens on loopback for its cluster's peers, which prove the
+            # cluster's private token (and tag every frame with keys derived from it).
+            self.te = TransferEngine(name, auth_token=auth_token)
+        # The store's arena: peers address its slots. A prefill arena is only read by
+        # peers (prefix fetches); a decode arena is written by the prefill instances.
+        self.region = self.te.register(store, remote_readonly=not peers_write)
         self.endpoint = {"name": name, "address": self.te.address, "region": self.region.id}
         self._link = link_bandwidth
         self._link_free = 0.0

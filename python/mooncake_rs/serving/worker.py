@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     if spec.heartbeat_s > 0:
         threading.Thread(target=_beat, args=(ch, spec.heartbeat_s, stop), name="mooncake-beat", daemon=True).start()
     try:
-        inst = Instance(spec, ch)
+        inst = Instance(spec, ch, auth_token=init.get("auth_token"))
     except Exception as e:  # tell the cluster why, then exit
         ch.send({"op": "init_failed", "error": f"{type(e).__name__}: {e}"})
         return 1
