@@ -4,7 +4,7 @@ and session:
 * put / get_into of 4 MiB blocks vs ``np.copyto`` of the same bytes (target >= 0.8x);
 * the cost of ``get`` (a view) for 4 KiB vs 4 MiB blocks (should be the same);
 * 1 KiB put+get pairs/s in batch calls (target >= 300k/s);
-* Mooncake Store (``/work/shared/peers/mooncake/store_bench.py``, ``local`` topology,
+* Mooncake Store (``../shared/peers/mooncake/store_bench.py``, ``local`` topology,
   run as a subprocess right after ours) at 512 KiB / 4 MiB and small keys
   (targets: >= 1.5x its bytes/s, >= 50x its small-key ops/s).
 
@@ -31,7 +31,7 @@ import mooncake_rs as mr
 
 KiB, MiB = 1 << 10, 1 << 20
 PEER_DIR = os.environ.get("MOONCAKE_PEER_DIR", str(Path(__file__).resolve().parents[2] / "shared" / "peers" / "mooncake"))
-PEER_PY = os.environ.get("MC_PEER_VENV", "/tmp/peer-mc") + "/bin/python"
+PEER_PY = os.environ.get("MC_PEER_VENV", os.path.join(tempfile.gettempdir(), "peer-mc")) + "/bin/python"
 
 
 def med(xs: list[float]) -> float:

@@ -9,7 +9,7 @@
   process, vs a plain Python socket stream between two processes moving the same bytes;
 * latency of one 4 KiB TCP write (submit + wait) vs a plain 4 KiB -> 8 B socket ping-pong;
 * Python overhead of submit + wait of 64 local 64-byte transfers;
-* --peer: also runs Mooncake's te_bench.py (peers/mooncake, needs /tmp/peer-mc).
+* --peer: also runs Mooncake's te_bench.py (peers/mooncake, needs the peer venv in $MC_PEER_VENV).
 
 Every child is started by this script and stopped by it (or by its own alarm).
 """
@@ -20,6 +20,7 @@ import argparse
 import glob
 import json
 import os
+import tempfile
 from pathlib import Path
 import socket
 import statistics
@@ -252,7 +253,7 @@ def bench_tcp(budget, sizes, batches, rounds):
 
 
 def run_peer():
-    py = os.environ.get("MC_PEER_VENV", "/tmp/peer-mc") + "/bin/python"
+    py = os.environ.get("MC_PEER_VENV", os.path.join(tempfile.gettempdir(), "peer-mc")) + "/bin/python"
     if not os.path.exists(py):
         print("peer venv missing: skipping te_bench.py")
         return None
