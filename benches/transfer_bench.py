@@ -257,7 +257,7 @@ def run_peer():
     if not os.path.exists(py):
         print("peer venv missing: skipping te_bench.py")
         return None
-    res = os.environ.setdefault("MCPEER_RESULTS", "/tmp/mcpeer-results")
+    res = os.environ.setdefault("MCPEER_RESULTS", os.path.join(tempfile.gettempdir(), "mcpeer-results"))
     env = dict(os.environ, MCPEER_NO_NETNS=os.environ.get("MCPEER_NO_NETNS", "1"))
     r = subprocess.run([py, os.path.join(MOONCAKE, "te_bench.py"), "--rounds", "1", "--batches", "32"],
                        env=env, capture_output=True, text=True, timeout=200)
