@@ -10,6 +10,19 @@ use parking_lot::RwLock;
 use super::{AccessError, TransferError};
 use crate::mem::MappedMemory;
 
+/// The one bounds-and-rights rule of every path: `offset..offset+len` (checked, so it
+/// cannot wrap) inside `region_len`, and no write to a read-only region.
+pub fn check_access(offset: u64, len: u64, region_len: u64, readonly: bool, write: bool) -> Result<(), AccessError> {
+    let end = offset.checked_add(len).ok_or(AccessError::OutOfBounds)?;
+    if end > region_len {
+        return Err(AccessError::OutOfBounds);
+    }
+    if write && readonly {
+        return Err(AccessError::ReadOnly);
+    }
+    Ok(())
+}
+
 /// Engine-unique id of a registered region (never reused by that engine).
 pub type RegionId = u64;
 
@@ -72,23 +85,12 @@ impl Region {
 
     /// Checks `offset..offset+len` against the bounds (and `write` against read-only).
     pub fn check(&self, offset: u64, len: u64, write: bool) -> Result<(), AccessError> {
-        let end = offset.checked_add(len).ok_or(AccessError::OutOfBounds)?;
-        if end > self.len as u64 {
-            return Err(AccessError::OutOfBounds);
-        }
-        if write && self.readonly {
-            return Err(AccessError::ReadOnly);
-        }
-        Ok(())
+        check_access(offset, len, self.len as u64, self.readonly, write)
     }
 
     /// The check of an access by a peer (the remote side of any request, on every path).
     pub fn check_remote(&self, offset: u64, len: u64, write: bool) -> Result<(), AccessError> {
-        self.check(offset, len, write)?;
-        if write && self.remote_readonly {
-            return Err(AccessError::ReadOnly);
-        }
-        Ok(())
+        check_access(offset, len, self.len as u64, self.readonly_to_peers(), write)
     }
 
     /// Whether peers see it read-only.

@@ -25,14 +25,7 @@ pub struct ShmRegion {
 
 impl ShmRegion {
     pub fn check(&self, offset: u64, len: u64, write: bool) -> Result<(), AccessError> {
-        let end = offset.checked_add(len).ok_or(AccessError::OutOfBounds)?;
-        if end > self.mem.len() as u64 {
-            return Err(AccessError::OutOfBounds);
-        }
-        if write && self.readonly {
-            return Err(AccessError::ReadOnly);
-        }
-        Ok(())
+        super::region::check_access(offset, len, self.mem.len() as u64, self.readonly, write)
     }
 }
 

@@ -67,14 +67,7 @@ pub struct RemoteRegionInfo {
 impl RemoteRegionInfo {
     /// The same check the peer makes, on the whole request.
     pub fn check(&self, offset: u64, len: u64, write: bool) -> Result<(), AccessError> {
-        let end = offset.checked_add(len).ok_or(AccessError::OutOfBounds)?;
-        if end > self.len {
-            return Err(AccessError::OutOfBounds);
-        }
-        if write && self.readonly {
-            return Err(AccessError::ReadOnly);
-        }
-        Ok(())
+        super::super::region::check_access(offset, len, self.len, self.readonly, write)
     }
 }
 

@@ -77,8 +77,9 @@ fn write_all_parts(w: &mut impl Write, parts: &mut [&[u8]; 3]) -> io::Result<()>
             first += 1;
             continue;
         }
-        let slices: Vec<IoSlice<'_>> = parts[first..].iter().map(|p| IoSlice::new(p)).collect();
-        let mut n = match w.write_vectored(&slices) {
+        // No allocation per frame: at most three slices, on the stack.
+        let slices = [IoSlice::new(parts[0]), IoSlice::new(parts[1]), IoSlice::new(parts[2])];
+        let mut n = match w.write_vectored(&slices[first..]) {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
