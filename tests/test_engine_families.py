@@ -1,0 +1,270 @@
+"""Qwen2, Qwen3, Mistral (and Llama with attention bias) against transformers (CPU, float32).
+
+Each family is a random tiny model built with transformers' own config and model classes,
+saved with ``save_pretrained`` (safetensors) and loaded by our Engine from that directory.
+Biases (zero at transformers' init) and norm weights (one at init) are redrawn, so a
+missing bias or norm changes the logits.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import numpy as np  # noqa: E402
+
+from mooncake_rs import InvalidArgument  # noqa: E402
+from mooncake_rs.engine import Engine, ModelConfig, SamplingParams  # noqa: E402
+from mooncake_rs.engine.config import SUPPORTED_ARCHITECTURES  # noqa: E402
+
+B = 4  # block size: prompts span several blocks
+PROMPTS = [[5, 17, 99, 3, 42, 8, 61, 27, 11, 90, 4], [7, 7, 100, 12],
+           [(13 * j + 5) % 128 for j in range(23)]]
+N_NEW = 24
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.3,
+            eos_token_id=None, bos_token_id=None, pad_token_id=0)
+
+# family -> (config class name, model class name, overrides of TINY)
+FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_parameters={"rope_type": "default",
+                                                                       "rope_theta": 1e6})),
+    "qwen2_tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    # head_dim 32 with hidden 64 and 4 heads: q is wider than the residual stream
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
+    "qwen3_bias_tied": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, attention_bias=True,
+                                                                 tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=24, sliding_window=None)),
+    # a window no shorter than the context never masks: full attention, accepted
+    "mistral_long_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=4096)),
+    "llama_bias": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True)),
+}
+
+
+def make_family(path, family, *, seed=0, dtype=None, **over):
+    cfg_cls, model_cls, fam_over = FAMILIES[family]
+    cfg = getattr(transformers, cfg_cls)(**{**TINY, **fam_over, **over})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # input/post/final norms and Qwen3's q_norm/k_norm
+                p.uniform_(0.7, 1.3)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(path)
+    return model
+
+
+def hf_generate(model, prompt, n):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_logits(model, prompt):
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float()
+
+
+def check_logits(ours, ref, rel=1e-4):
+    assert ours.shape == ref.shape
+    scale = float(ref.abs().max())
+    err = float((ours - ref).abs().max())
+    assert err <= rel * scale, (err, scale)
+
+
+def engine(path, **kw):
+    return Engine(str(path), block_size=B, **{"max_num_batched_tokens": 16, **kw})
+
+
+GREEDY = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_matches_transformers(tmp_path, family):
+    model = make_family(tmp_path, family)
+    e = engine(tmp_path)
+    cfg = e.config
+    assert cfg.architecture == FAMILIES[family][1]
+    assert cfg.num_params() == sum(p.numel() for p in model.parameters())
+    assert cfg.tie_word_embeddings == model.config.tie_word_embeddings
+    for p in PROMPTS:  # prefill logits (23 tokens: chunked under the 16-token budget)
+        check_logits(e.prompt_logits(p), hf_logits(model, p))
+    outs = e.generate(PROMPTS, GREEDY)  # batched, paged decode
+    for p, o in zip(PROMPTS, outs):
+        assert o.token_ids == hf_generate(model, p, N_NEW), p
+        assert o.finish_reason == "length"
+
+
+def _save_blocks(e, rid, n_tokens):
+    bufs = []
+    for i in range(-(-n_tokens // B)):
+        buf = np.zeros(e.layout.block_nbytes, dtype=np.uint8)
+        e.save_block(rid, i, buf)
+        bufs.append(buf)
+    return bufs
+
+
+def _run(e, rid):
+    out = None
+    while e.has_unfinished():
+        for o in e.step():
+            out = o if o.request_id == rid and o.finished else out
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_bias_tied", "mistral"])
+def test_restored_prefix_and_split_decode(tmp_path, family):
+    """KV computed by one engine (q/k already biased and normed) is reused by another:
+    a restored prefix, then a prefill-only / decode-side split; greedy tokens stay equal."""
+    model = make_family(tmp_path, family, seed=1)
+    prompt = PROMPTS[2]  # 23 tokens: 5 full blocks and a partial one
+    want = hf_generate(model, prompt, N_NEW)
+    src = engine(tmp_path)
+    rid = src.add_request(prompt, SamplingParams(max_tokens=1), hold_kv=True)
+    _run(src, rid)
+    blocks = _save_blocks(src, rid, len(prompt))
+    src.release(rid)
+
+    dst = engine(tmp_path, max_num_batched_tokens=5)
+    out = _run(dst, dst.add_request(prompt, GREEDY, restored_kv=blocks[:5]))
+    assert out.token_ids == want and out.num_cached_tokens == 20
+    # a different prompt sharing the first two blocks reuses them
+    other = prompt[:8] + [3, 1, 4, 1, 5]
+    out = _run(dst, dst.add_request(other, GREEDY, restored_kv=blocks[:2]))
+    assert out.token_ids == hf_generate(model, other, N_NEW) and out.num_cached_tokens == 8
+
+    # the decode side gets every prompt block (the last partial) and the first token
+    pre = engine(tmp_path)
+    first = _run(pre, pre.add_request(prompt, GREEDY, prefill_only=True, hold_kv=True, request_id="p"))
+    assert first.finish_reason == "prefill" and first.token_ids == want[:1]
+    kv = _save_blocks(pre, "p", len(prompt))
+    pre.release("p")
+    dec = engine(tmp_path)
+    out = _run(dec, dec.add_decode_request(prompt, first.token_ids[0], GREEDY, kv))
+    assert out.token_ids == want
+
+
+def test_bfloat16_checkpoint(tmp_path):
+    """A bfloat16 checkpoint loads bit for bit in bfloat16 and computes close to float32."""
+    model = make_family(tmp_path, "qwen3_bias_tied", dtype=torch.bfloat16)
+    assert json.loads((tmp_path / "config.json").read_text()).get("dtype") == "bfloat16"
+    e = engine(tmp_path, dtype="bfloat16")
+    lw, att = e.model.w.layers[1], model.model.layers[1].self_attn
+    assert lw.qkv.dtype == torch.bfloat16
+    assert torch.equal(lw.q_norm, att.q_norm.weight) and torch.equal(lw.k_norm, att.k_norm.weight)
+    assert torch.equal(lw.qkv_bias, torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]))
+    assert torch.equal(lw.o_bias, att.o_proj.bias)
+    ref_model = model.float()
+    for p in PROMPTS:
+        check_logits(e.prompt_logits(p), hf_logits(ref_model, p), rel=5e-2)
+
+
+def test_random_weights_with_family_switches():
+    """A ModelConfig with the switches gets random biases and q/k norms that change the output."""
+    base = ModelConfig.tiny()
+    plain = Engine(base, seed=3, num_pages=64)
+    qwen3 = Engine(base.replace(qkv_bias=True, o_bias=True, qk_norm=True), seed=3, num_pages=64)
+    lw = qwen3.model.w.layers[0]
+    assert lw.qkv_bias.shape == (base.q_size + 2 * base.kv_size,) and lw.o_bias.shape == (base.hidden_size,)
+    assert lw.q_norm.shape == lw.k_norm.shape == (base.head_dim,)
+    assert plain.model.w.layers[0].qkv_bias is None
+    assert torch.equal(plain.model.w.layers[0].qkv, lw.qkv)  # drawn in the same order as before
+    p = PROMPTS[0]
+    assert not torch.allclose(plain.prompt_logits(p), qwen3.prompt_logits(p))
+    assert len(qwen3.generate([p], SamplingParams(max_tokens=5))[0].token_ids) == 5
+    cfg = base.replace(qkv_bias=True, o_bias=True, qk_norm=True)
+    assert cfg.num_params() == base.num_params() + base.num_layers * (
+        base.q_size + 2 * base.kv_size + base.hidden_size + 2 * base.head_dim)
+
+
+def _hf_dict(family, **over):
+    cfg_cls, _, fam_over = FAMILIES[family]
+    return getattr(transformers, cfg_cls)(**{**TINY, **fam_over, **over}).to_dict()
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    for cfg in ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, {"model_type": "gemma"},
+                {**_hf_dict("qwen2"), "architectures": ["Qwen2MoeForCausalLM"]}):
+        with pytest.raises(InvalidArgument) as ei:
+            ModelConfig.from_hf_config(cfg)
+        for a in SUPPORTED_ARCHITECTURES:
+            assert a in str(ei.value)
+    (tmp_path / "config.json").write_text(json.dumps({**_hf_dict("qwen2"), "architectures": ["PhiForCausalLM"]}))
+    with pytest.raises(InvalidArgument, match="PhiForCausalLM.*supported architectures.*Qwen3ForCausalLM"):
+        Engine(str(tmp_path))
+    # without architectures the model_type decides; with neither, Llama (older hand-written configs)
+    d = _hf_dict("qwen3")
+    d.pop("architectures", None)
+    assert ModelConfig.from_hf_config(d).qk_norm
+    bare = {k: v for k, v in _hf_dict("llama_bias").items() if k not in ("architectures", "model_type")}
+    assert ModelConfig.from_hf_config(bare).architecture == "LlamaForCausalLM"
+
+
+def test_sliding_window_is_refused(tmp_path):
+    make_family(tmp_path, "mistral", sliding_window=16)  # 16 < 512 positions
+    with pytest.raises(InvalidArgument, match="sliding-window attention is not supported"):
+        Engine(str(tmp_path))
+    for d in (_hf_dict("qwen2", use_sliding_window=True, sliding_window=32, max_window_layers=1),
+              _hf_dict("qwen3", use_sliding_window=True, sliding_window=32, max_window_layers=0)):
+        assert "sliding_attention" in d["layer_types"]
+        with pytest.raises(InvalidArgument, match="sliding-window"):
+            ModelConfig.from_hf_config(d)
+        # the same without layer_types (transformers 4.x files): use_sliding_window decides
+        with pytest.raises(InvalidArgument, match="sliding-window"):
+            ModelConfig.from_hf_config({k: v for k, v in d.items() if k != "layer_types"})
+    # Qwen checkpoints carry a sliding_window even when it is off
+    qwen = {**_hf_dict("qwen2"), "sliding_window": 32, "use_sliding_window": False}
+    qwen.pop("layer_types")
+    assert ModelConfig.from_hf_config(qwen).qkv_bias
+    with pytest.raises(InvalidArgument, match="layer_types"):
+        ModelConfig.from_hf_config({**_hf_dict("qwen3"), "layer_types": ["linear_attention"] * 2})
+
+
+def test_checkpoint_config_mismatch(tmp_path):
+    """Qwen2 tensors under a Llama config.json: the biases are left over, an error."""
+    make_family(tmp_path, "qwen2")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"],
+                                                      "model_type": "llama"}))
+    with pytest.raises(InvalidArgument, match="does not use.*q_proj.bias"):
+        Engine(str(tmp_path))
+    # and Qwen3 without its q/k norms in the file
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["Qwen3ForCausalLM"],
+                                                      "model_type": "qwen3", "head_dim": 16}))
+    with pytest.raises(InvalidArgument, match="q_norm"):
+        Engine(str(tmp_path))
+    # a head_dim that does not match the tensors
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "head_dim": 8}))
+    with pytest.raises(InvalidArgument, match="shape"):
+        Engine(str(tmp_path))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["torch", "flashinfer"])
+def test_cuda_qwen3_matches_transformers(tmp_path, backend):
+    """The CUDA path applies the biases and q/k norms too (they precede attention)."""
+    from mooncake_rs.engine.attention import flashinfer_available
+
+    if backend == "flashinfer" and not flashinfer_available():
+        pytest.skip("needs flashinfer")
+    model = make_family(tmp_path, "qwen3_bias_tied", head_dim=64)  # a head size FlashInfer compiles
+    dtype = "float32" if backend == "torch" else "bfloat16"
+    e = engine(tmp_path, device="cuda", dtype=dtype, attention_backend=backend, num_pages=128)
+    rel = 1e-3 if backend == "torch" else 5e-2
+    for p in PROMPTS:
+        check_logits(e.prompt_logits(p).cpu(), hf_logits(model, p), rel=rel)
+    if backend == "torch":
+        outs = e.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == [hf_generate(model, p, N_NEW) for p in PROMPTS]
