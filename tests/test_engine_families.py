@@ -1,5 +1,7 @@
 """Qwen2, Qwen3, Mistral (and Llama with attention bias) against transformers (CPU, float32).
 
+Sliding windows (one window on every layer) included; windows on some layers only refused.
+
 Each family is a random tiny model built with transformers' own config and model classes,
 saved with ``save_pretrained`` (safetensors) and loaded by our Engine from that directory.
 Biases (zero at transformers' init) and norm weights (one at init) are redrawn, so a
@@ -43,6 +45,10 @@ FAMILIES = {
     # a window no shorter than the context never masks: full attention, accepted
     "mistral_long_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=4096)),
     "llama_bias": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True)),
+    # sliding windows shorter than the prompts (23 tokens) and the generations
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=5)),
+    "qwen2_window": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=7,
+                                                             max_window_layers=0)),
 }
 
 
@@ -123,7 +129,7 @@ def _run(e, rid):
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3_bias_tied", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_bias_tied", "mistral", "mistral_window"])
 def test_restored_prefix_and_split_decode(tmp_path, family):
     """KV computed by one engine (q/k already biased and normed) is reused by another:
     a restored prefix, then a prefill-only / decode-side split; greedy tokens stay equal."""
@@ -211,24 +217,32 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     assert ModelConfig.from_hf_config(bare).architecture == "LlamaForCausalLM"
 
 
-def test_sliding_window_is_refused(tmp_path):
-    make_family(tmp_path, "mistral", sliding_window=16)  # 16 < 512 positions
-    with pytest.raises(InvalidArgument, match="sliding-window attention is not supported"):
-        Engine(str(tmp_path))
-    for d in (_hf_dict("qwen2", use_sliding_window=True, sliding_window=32, max_window_layers=1),
-              _hf_dict("qwen3", use_sliding_window=True, sliding_window=32, max_window_layers=0)):
-        assert "sliding_attention" in d["layer_types"]
-        with pytest.raises(InvalidArgument, match="sliding-window"):
-            ModelConfig.from_hf_config(d)
-        # the same without layer_types (transformers 4.x files): use_sliding_window decides
-        with pytest.raises(InvalidArgument, match="sliding-window"):
-            ModelConfig.from_hf_config({k: v for k, v in d.items() if k != "layer_types"})
+def test_sliding_window_config():
+    assert ModelConfig.from_hf_config(_hf_dict("mistral_window")).sliding_window == 5
+    assert ModelConfig.from_hf_config(_hf_dict("qwen2_window")).sliding_window == 7
+    assert ModelConfig.from_hf_config(_hf_dict("mistral_long_window")).sliding_window is None  # 4096 >= 512
+    assert ModelConfig.tiny().replace(sliding_window=10**6).sliding_window is None
+    with pytest.raises(InvalidArgument, match="sliding_window"):
+        ModelConfig.tiny().replace(sliding_window=0)
+    with pytest.raises(InvalidArgument, match="sliding_window"):
+        ModelConfig.from_hf_config({**_hf_dict("mistral"), "sliding_window": -3})
     # Qwen checkpoints carry a sliding_window even when it is off
     qwen = {**_hf_dict("qwen2"), "sliding_window": 32, "use_sliding_window": False}
     qwen.pop("layer_types")
-    assert ModelConfig.from_hf_config(qwen).qkv_bias
+    assert ModelConfig.from_hf_config(qwen).sliding_window is None
     with pytest.raises(InvalidArgument, match="layer_types"):
         ModelConfig.from_hf_config({**_hf_dict("qwen3"), "layer_types": ["linear_attention"] * 2})
+
+
+def test_window_on_some_layers_is_refused(tmp_path):
+    make_family(tmp_path, "qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    with pytest.raises(InvalidArgument, match="sliding-window attention on some layers only"):
+        Engine(str(tmp_path))
+    d = _hf_dict("qwen3", use_sliding_window=True, sliding_window=32, max_window_layers=1)
+    assert d["layer_types"] == ["full_attention", "sliding_attention"]
+    # the same without layer_types (transformers 4.x files): max_window_layers decides
+    with pytest.raises(InvalidArgument, match="some layers only"):
+        ModelConfig.from_hf_config({k: v for k, v in d.items() if k != "layer_types"})
 
 
 def test_checkpoint_config_mismatch(tmp_path):
@@ -253,13 +267,14 @@ def test_checkpoint_config_mismatch(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backend", ["torch", "flashinfer"])
-def test_cuda_qwen3_matches_transformers(tmp_path, backend):
-    """The CUDA path applies the biases and q/k norms too (they precede attention)."""
+@pytest.mark.parametrize("family", ["qwen3_bias_tied", "mistral_window"])
+def test_cuda_family_matches_transformers(tmp_path, backend, family):
+    """The CUDA path applies the biases, q/k norms (they precede attention) and the window."""
     from mooncake_rs.engine.attention import flashinfer_available
 
     if backend == "flashinfer" and not flashinfer_available():
         pytest.skip("needs flashinfer")
-    model = make_family(tmp_path, "qwen3_bias_tied", head_dim=64)  # a head size FlashInfer compiles
+    model = make_family(tmp_path, family, head_dim=64)  # a head size FlashInfer compiles
     dtype = "float32" if backend == "torch" else "bfloat16"
     e = engine(tmp_path, device="cuda", dtype=dtype, attention_backend=backend, num_pages=128)
     rel = 1e-3 if backend == "torch" else 5e-2
@@ -268,3 +283,30 @@ def test_cuda_qwen3_matches_transformers(tmp_path, backend):
     if backend == "torch":
         outs = e.generate(PROMPTS, GREEDY)
         assert [o.token_ids for o in outs] == [hf_generate(model, p, N_NEW) for p in PROMPTS]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flashinfer_window_matches_reference():
+    """FlashInfer's window_left against the torch reference's window mask, prefill and decode."""
+    from mooncake_rs.engine.attention import BatchMeta, FlashInferAttention, TorchAttention, flashinfer_available
+
+    if not flashinfer_available():
+        pytest.skip("needs flashinfer")
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    q_lens, kv_lens = [1, 33, 1, 200], [70, 33, 513, 260]
+    npages = sum(-(-kv // 16) for kv in kv_lens) + 4
+    k = torch.randn(npages, 16, 2, 128, generator=g, device=dev).bfloat16()
+    v = torch.randn(npages, 16, 2, 128, generator=g, device=dev).bfloat16()
+    perm = torch.randperm(npages, generator=g, device=dev).tolist()
+    tables = [[perm.pop() for _ in range(-(-kv // 16))] for kv in kv_lens]
+    q = torch.randn(sum(q_lens), 8, 128, generator=g, device=dev).bfloat16()
+    for ql in (q_lens, [1, 1, 1, 1]):
+        q_ = q[:sum(ql)]
+        meta = BatchMeta.build(ql, kv_lens, tables, 16, dev)
+        ref, fi = TorchAttention(8, 2, 128, torch.bfloat16, dev), FlashInferAttention(8, 2, 128, torch.bfloat16, dev)
+        ref.plan(meta, 37)
+        fi.plan(meta, 37)
+        a, b = fi.forward(q_, k, v).float(), ref.forward(q_, k, v).float()
+        assert (a - b).abs().max() / b.abs().max() < 2e-2

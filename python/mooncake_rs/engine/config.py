@@ -41,7 +41,10 @@ class ModelConfig:
     ``qkv_bias``: the q, k and v projections add a bias (Qwen2, Llama/Qwen3 with
     ``attention_bias``); ``o_bias``: the output projection does (Llama/Qwen3 with
     ``attention_bias``); ``qk_norm``: q and k get a per-head RMSNorm over ``head_dim``
-    before RoPE (Qwen3). ``architecture`` is informational (the Hugging Face class name).
+    before RoPE (Qwen3). ``sliding_window``: every layer attends to its last
+    ``sliding_window`` positions only (Mistral); ``None`` (or a window no shorter than
+    ``max_position_embeddings``, which never masks) is full causal attention.
+    ``architecture`` is informational (the Hugging Face class name).
     """
 
     vocab_size: int
@@ -62,6 +65,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    sliding_window: int | None = None
     architecture: str = "LlamaForCausalLM"
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -89,6 +93,12 @@ class ModelConfig:
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
         for f in ("qkv_bias", "o_bias", "qk_norm", "tie_word_embeddings"):
             object.__setattr__(self, f, bool(getattr(self, f)))
+        w = self.sliding_window
+        if w is not None:
+            if isinstance(w, bool) or not isinstance(w, int) or w <= 0:
+                raise InvalidArgument(f"sliding_window must be None or a positive int, got {w!r}")
+            if w >= self.max_position_embeddings:  # never masks anything: full attention
+                object.__setattr__(self, "sliding_window", None)
         if self.rope_scaling is not None:
             rs = dict(self.rope_scaling)
             kind = rs.get("rope_type", rs.get("type", "default"))
@@ -154,7 +164,7 @@ class ModelConfig:
             raise InvalidArgument("mlp_bias is not supported (MLP projections without bias only)")
         heads = int(cfg["num_attention_heads"])
         max_pos = int(cfg.get("max_position_embeddings", 2048))
-        _check_no_sliding_window(arch, cfg, max_pos)
+        window = _sliding_window(arch, cfg, max_pos)
         attention_bias = bool(cfg.get("attention_bias", False))
         if arch == "Qwen2ForCausalLM":  # q/k/v always carry a bias, o never (attention_bias is not read)
             qkv_bias, o_bias = True, False
@@ -192,6 +202,7 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=window,
             architecture=arch,
         )
 
@@ -218,34 +229,41 @@ def _architecture(cfg: dict[str, Any]) -> str:
                           f"{', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
-def _check_no_sliding_window(arch: str, cfg: dict[str, Any], max_pos: int) -> None:
-    """Refuses a config whose attention is windowed anywhere (the engine attends to the whole
-    prefix). A window at least ``max_position_embeddings`` long never masks anything, so it
-    is full attention and accepted."""
+def _sliding_window(arch: str, cfg: dict[str, Any], max_pos: int) -> int | None:
+    """The window every layer attends within, or ``None`` for full attention.
+
+    A window at least ``max_position_embeddings`` long never masks anything, so it is full
+    attention. Windows on some layers only (Qwen's ``max_window_layers`` / ``layer_types``
+    mixes) are refused: the engine plans one attention pattern for all layers."""
     window = cfg.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        # Qwen configs carry a sliding_window even when it is off: use_sliding_window and the
-        # per-layer layer_types decide (transformers windows the layers from max_window_layers on)
-        types = cfg.get("layer_types")
-        if types is not None:
-            other = sorted({str(t) for t in types if t != "full_attention"})
-            if set(other) - {"sliding_attention"}:
-                raise InvalidArgument(f"{arch}: layer_types {other} are not supported (full_attention only)")
-            if other and window is not None and int(window) < max_pos:
-                raise InvalidArgument(
-                    f"{arch} with layer_types {other}: sliding-window attention (window {window}) is not "
-                    "supported; only full attention (use_sliding_window=false)")
-            return
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+        raise InvalidArgument(f"{arch}: sliding_window must be null or a positive int, got {window!r}")
+    types = cfg.get("layer_types")
+    if types is not None:
+        kinds = {str(t) for t in types}
+        if kinds - {"full_attention", "sliding_attention"}:
+            raise InvalidArgument(f"{arch}: layer_types {sorted(kinds)} are not supported "
+                                  "(full_attention and sliding_attention only)")
+    if window is None or window >= max_pos:
+        return None
+    if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        return int(window)
+    # Qwen configs carry a sliding_window even when it is off: use_sliding_window and the
+    # per-layer layer_types decide (transformers windows the layers from max_window_layers on)
+    n = int(cfg["num_hidden_layers"])
+    if types is None:
         if not cfg.get("use_sliding_window"):
-            return
-        n = int(cfg["num_hidden_layers"])
-        if int(cfg.get("max_window_layers", n)) >= n:
-            return
-    if window is not None and int(window) < max_pos:
-        raise InvalidArgument(
-            f"{arch} with sliding_window={window} (< max_position_embeddings {max_pos}): sliding-window "
-            "attention is not supported; set sliding_window to null (full attention) if the model was "
-            "trained that way, or use a checkpoint without a window")
+            return None
+        first = int(cfg.get("max_window_layers", n))
+        types = ["full_attention" if i < first else "sliding_attention" for i in range(n)]
+    kinds = {str(t) for t in types}
+    if kinds == {"full_attention"}:
+        return None
+    if kinds == {"sliding_attention"}:
+        return int(window)
+    raise InvalidArgument(
+        f"{arch}: sliding-window attention on some layers only (layer_types {list(types)}, window {window}) "
+        "is not supported; the engine supports full attention or one window on every layer")
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

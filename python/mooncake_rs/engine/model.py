@@ -3,7 +3,8 @@
 One forward serves every supported family (Llama, Mistral, Qwen2, Qwen3): the config's
 switches add the q/k/v (and o) projection biases and Qwen3's per-head q/k RMSNorm. Both
 happen before RoPE and the cache write, so the attention backends (torch reference and
-FlashInfer alike) see ordinary q/k/v and need no family knowledge.
+FlashInfer alike) see ordinary q/k/v and need no family knowledge; the one thing they are
+told is a sliding window (Mistral), which they apply as a mask.
 
 Plain functions over :class:`~.weights.LlamaWeights`; a forward pass runs over a flat
 batch of new tokens (any mix of prefill chunks and decodes), writes their K/V into the
@@ -87,7 +88,7 @@ class LlamaModel:
         eps = cfg.rms_norm_eps
         x = w.embed[token_ids]
         cos, sin = self.rope(meta.positions)
-        attn.plan(meta)
+        attn.plan(meta, cfg.sliding_window)
         for l, lw in enumerate(w.layers):
             h = rms_norm(x, lw.attn_norm, eps)
             qkv = F.linear(h, lw.qkv, lw.qkv_bias)
