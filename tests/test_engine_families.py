@@ -310,3 +310,45 @@ def test_flashinfer_window_matches_reference():
         fi.plan(meta, 37)
         a, b = fi.forward(q_, k, v).float(), ref.forward(q_, k, v).float()
         assert (a - b).abs().max() / b.abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("window", [1, 3, 6, 40])
+def test_torch_window_mask_equals_dense(page_size, window):
+    """The reference backend's window against attention by hand, in a mixed step (a decode,
+    a chunk after a cached prefix, a whole prompt, one token) and on the single-prompt path."""
+    from mooncake_rs.engine.attention import BatchMeta, TorchAttention
+    from mooncake_rs.engine.kv_cache import KVCache
+
+    g = torch.Generator().manual_seed(window)
+    cfg = ModelConfig.tiny()
+    h, hkv, d = 4, 2, 16
+    cache = KVCache(cfg, num_pages=200, page_size=page_size, dtype="float32", device="cpu")
+    q_lens, kv_lens = [1, 5, 8, 1], [23, 17, 8, 1]
+    perm = torch.randperm(200, generator=g).tolist()
+    tables, ks, vs = [], [], []
+    for kv in kv_lens:
+        tables.append([perm.pop() for _ in range(-(-kv // page_size))])
+        k, v = torch.randn(kv, hkv, d, generator=g), torch.randn(kv, hkv, d, generator=g)
+        slots = torch.tensor([tables[-1][t // page_size] * page_size + t % page_size for t in range(kv)])
+        cache.write(0, slots, k, v)
+        ks.append(k)
+        vs.append(v)
+
+    def dense(q, k, v, n, kv):
+        k, v = k.repeat_interleave(h // hkv, dim=1), v.repeat_interleave(h // hkv, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q, k) * d ** -0.5
+        qpos, kpos = torch.arange(kv - n, kv)[:, None], torch.arange(kv)[None, :]
+        s = s.masked_fill((kpos > qpos) | (kpos <= qpos - window), float("-inf"))
+        return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+    q = torch.randn(sum(q_lens), h, d, generator=g)
+    att = TorchAttention(h, hkv, d, torch.float32, torch.device("cpu"))
+    for ql, kvl, idx in ((q_lens, kv_lens, [0, 1, 2, 3]), ([1, 1], [23, 17], [0, 1]), ([8], [8], [2])):
+        meta = BatchMeta.build(ql, kvl, [tables[i] for i in idx], page_size, torch.device("cpu"))
+        att.plan(meta, window)
+        out, start = att.forward(q[:sum(ql)], cache.k(0), cache.v(0)), 0
+        for n, kv, i in zip(ql, kvl, idx):
+            ref = dense(q[start:start + n], ks[i], vs[i], n, kv)
+            torch.testing.assert_close(out[start:start + n], ref, rtol=1e-5, atol=1e-5)
+            start += n
