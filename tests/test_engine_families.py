@@ -352,3 +352,22 @@ def test_torch_window_mask_equals_dense(page_size, window):
             ref = dense(q[start:start + n], ks[i], vs[i], n, kv)
             torch.testing.assert_close(out[start:start + n], ref, rtol=1e-5, atol=1e-5)
             start += n
+
+
+@pytest.mark.parametrize("family", ["qwen3_bias_tied", "mistral_window"])
+def test_cluster_serves_a_family_directory(tmp_path, family):
+    """The embedded cluster (prefill instances, a decode instance, KV through the stores)
+    built from a family's directory gives transformers' greedy tokens, also when the
+    second round reuses the stored prefix blocks."""
+    from mooncake_rs import Cluster
+
+    model = make_family(tmp_path, family, seed=2)
+    shared = PROMPTS[2][:16]
+    prompts = [shared + [9, 8, 7], shared + [1, 2], PROMPTS[0]]
+    want = [hf_generate(model, p, 12) for p in prompts]
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    with Cluster(str(tmp_path), prefill=1, decode=1, block_size=B, dram_bytes_per_instance=4 << 20) as c:
+        assert [o.token_ids for o in c.generate(prompts, sp)] == want
+        again = c.generate(prompts, sp)
+        assert [o.token_ids for o in again] == want
+        assert sum(o.metrics.reused_tokens for o in again) > 0
