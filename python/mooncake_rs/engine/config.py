@@ -265,6 +265,7 @@ def _sliding_window(arch: str, cfg: dict[str, Any], max_pos: int) -> int | None:
         f"{arch}: sliding-window attention on some layers only (layer_types {list(types)}, window {window}) "
         "is not supported; the engine supports full attention or one window on every layer")
 
+
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
