@@ -234,6 +234,38 @@ def test_sliding_window_config():
         ModelConfig.from_hf_config({**_hf_dict("qwen3"), "layer_types": ["linear_attention"] * 2})
 
 
+def test_transformers_4x_style_configs():
+    """Keys as transformers 4.x wrote them: rope_theta and torch_dtype at the top level, no
+    layer_types, Qwen's sliding_window present but switched off by use_sliding_window."""
+    qwen25 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+              "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+              "num_key_value_heads": 2, "max_position_embeddings": 32768, "max_window_layers": 21,
+              "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "sliding_window": 32768, "use_sliding_window": False,
+              "tie_word_embeddings": True, "torch_dtype": "bfloat16", "vocab_size": 151936,
+              "eos_token_id": 151643, "bos_token_id": 151643}
+    c = ModelConfig.from_hf_config(qwen25)
+    assert (c.head_dim, c.qkv_bias, c.o_bias, c.qk_norm, c.sliding_window) == (64, True, False, False, None)
+    assert (c.rope_theta, c.dtype, c.tie_word_embeddings, c.eos_token_ids) == (1e6, "bfloat16", True, (151643,))
+    # a dormant window shorter than the context stays off too
+    assert ModelConfig.from_hf_config({**qwen25, "sliding_window": 4096}).sliding_window is None
+    with pytest.raises(InvalidArgument, match="some layers only"):  # layers 21..23 windowed
+        ModelConfig.from_hf_config({**qwen25, "sliding_window": 4096, "use_sliding_window": True})
+    qwen3 = {**qwen25, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+             "num_attention_heads": 16, "num_key_value_heads": 8, "attention_bias": False, "sliding_window": None}
+    c = ModelConfig.from_hf_config(qwen3)  # no head_dim key: Qwen3's default 128, not 1024 // 16
+    assert (c.head_dim, c.qkv_bias, c.qk_norm, c.q_size) == (128, False, True, 2048)
+    mistral = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_act": "silu",
+               "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+               "num_key_value_heads": 8, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
+               "rope_theta": 10000.0, "sliding_window": 4096, "torch_dtype": "bfloat16", "vocab_size": 32000}
+    c = ModelConfig.from_hf_config(mistral)
+    assert (c.sliding_window, c.head_dim, c.qkv_bias, c.rms_norm_eps) == (4096, 128, False, 1e-5)
+    assert ModelConfig.from_hf_config({**mistral, "sliding_window": None}).sliding_window is None
+    with pytest.raises(InvalidArgument, match="rope_scaling"):  # the opt-in YaRN long context
+        ModelConfig.from_hf_config({**qwen25, "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                                               "original_max_position_embeddings": 32768}})
+
+
 def test_window_on_some_layers_is_refused(tmp_path):
     make_family(tmp_path, "qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
     with pytest.raises(InvalidArgument, match="sliding-window attention on some layers only"):
