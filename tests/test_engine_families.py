@@ -266,6 +266,19 @@ def test_transformers_4x_style_configs():
                                                                "original_max_position_embeddings": 32768}})
 
 
+def test_malformed_config_is_invalid(tmp_path):
+    d = _hf_dict("qwen2")
+    with pytest.raises(InvalidArgument, match="lacks the key 'num_attention_heads'"):
+        ModelConfig.from_hf_config({k: v for k, v in d.items() if k != "num_attention_heads"})
+    with pytest.raises(InvalidArgument, match="wrong kind"):
+        ModelConfig.from_hf_config({**d, "vocab_size": "many"})
+    with pytest.raises(InvalidArgument, match="JSON object"):
+        ModelConfig.from_hf_config([d])  # type: ignore[arg-type]
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(InvalidArgument, match="not readable JSON"):
+        Engine(str(tmp_path))
+
+
 def test_window_on_some_layers_is_refused(tmp_path):
     make_family(tmp_path, "qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
     with pytest.raises(InvalidArgument, match="sliding-window attention on some layers only"):

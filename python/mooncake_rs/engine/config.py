@@ -156,7 +156,21 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
         """From a Hugging Face ``config.json`` (transformers 4.x or 5.x keys) of one of
-        :data:`SUPPORTED_ARCHITECTURES`; anything else raises :class:`InvalidArgument`."""
+        :data:`SUPPORTED_ARCHITECTURES`; anything else, a missing key or a value of the
+        wrong kind raises :class:`InvalidArgument`."""
+        if not isinstance(cfg, dict):
+            raise InvalidArgument(f"a config.json must hold a JSON object, got {type(cfg).__name__}")
+        try:
+            return cls._from_hf(cfg)
+        except InvalidArgument:  # already says what to fix (it is a ValueError too)
+            raise
+        except KeyError as e:
+            raise InvalidArgument(f"config.json lacks the key {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:  # int("x"), float(None), ...
+            raise InvalidArgument(f"config.json has a value of the wrong kind: {e}") from None
+
+    @classmethod
+    def _from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         arch = _architecture(cfg)
         if cfg.get("hidden_act", "silu") != "silu":
             raise InvalidArgument(f"hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)")

@@ -154,7 +154,11 @@ def load_hf_dir(path: str | Path, *, dtype: str | None = None,
     p = Path(path)
     if not (p / "config.json").is_file():
         raise InvalidArgument(f"{p} is not a model directory (no config.json); nothing is downloaded")
-    cfg = ModelConfig.from_hf_config(json.loads((p / "config.json").read_text()))
+    try:
+        raw = json.loads((p / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidArgument(f"{p / 'config.json'} is not readable JSON: {e}") from None
+    cfg = ModelConfig.from_hf_config(raw)
     dt = torch_dtype(dtype or cfg.dtype)
     cfg = cfg.replace(dtype=dtype or cfg.dtype)
     tensors: dict[str, torch.Tensor] = {}
