@@ -44,7 +44,7 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=24, sliding_window=None)),
     # a window no shorter than the context never masks: full attention, accepted
     "mistral_long_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=4096)),
-    "llama_bias": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True)),
+    "llama_bias": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, mlp_bias=True)),
     # sliding windows shorter than the prompts (23 tokens) and the generations
     "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=5)),
     "qwen2_window": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=7,
@@ -180,7 +180,7 @@ def test_random_weights_with_family_switches():
     """A ModelConfig with the switches gets random biases and q/k norms that change the output."""
     base = ModelConfig.tiny()
     plain = Engine(base, seed=3, num_pages=64)
-    qwen3 = Engine(base.replace(qkv_bias=True, o_bias=True, qk_norm=True), seed=3, num_pages=64)
+    qwen3 = Engine(base.replace(qkv_bias=True, o_bias=True, qk_norm=True, mlp_bias=True), seed=3, num_pages=64)
     lw = qwen3.model.w.layers[0]
     assert lw.qkv_bias.shape == (base.q_size + 2 * base.kv_size,) and lw.o_bias.shape == (base.hidden_size,)
     assert lw.q_norm.shape == lw.k_norm.shape == (base.head_dim,)
@@ -189,9 +189,11 @@ def test_random_weights_with_family_switches():
     p = PROMPTS[0]
     assert not torch.allclose(plain.prompt_logits(p), qwen3.prompt_logits(p))
     assert len(qwen3.generate([p], SamplingParams(max_tokens=5))[0].token_ids) == 5
-    cfg = base.replace(qkv_bias=True, o_bias=True, qk_norm=True)
+    assert lw.gate_up_bias.shape == (2 * base.intermediate_size,) and lw.down_bias.shape == (base.hidden_size,)
+    cfg = base.replace(qkv_bias=True, o_bias=True, qk_norm=True, mlp_bias=True)
     assert cfg.num_params() == base.num_params() + base.num_layers * (
-        base.q_size + 2 * base.kv_size + base.hidden_size + 2 * base.head_dim)
+        base.q_size + 2 * base.kv_size + base.hidden_size + 2 * base.head_dim + 2 * base.intermediate_size
+        + base.hidden_size)
 
 
 def _hf_dict(family, **over):

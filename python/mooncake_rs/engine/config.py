@@ -41,7 +41,8 @@ class ModelConfig:
     ``qkv_bias``: the q, k and v projections add a bias (Qwen2, Llama/Qwen3 with
     ``attention_bias``); ``o_bias``: the output projection does (Llama/Qwen3 with
     ``attention_bias``); ``qk_norm``: q and k get a per-head RMSNorm over ``head_dim``
-    before RoPE (Qwen3). ``sliding_window``: every layer attends to its last
+    before RoPE (Qwen3); ``mlp_bias``: the gate, up and down projections add a bias
+    (Llama with ``mlp_bias``). ``sliding_window``: every layer attends to its last
     ``sliding_window`` positions only (Mistral); ``None`` (or a window no shorter than
     ``max_position_embeddings``, which never masks) is full causal attention.
     ``architecture`` is informational (the Hugging Face class name).
@@ -65,6 +66,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    mlp_bias: bool = False
     sliding_window: int | None = None
     architecture: str = "LlamaForCausalLM"
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -91,7 +93,7 @@ class ModelConfig:
         if self.dtype not in DTYPES:
             raise InvalidArgument(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
-        for f in ("qkv_bias", "o_bias", "qk_norm", "tie_word_embeddings"):
+        for f in ("qkv_bias", "o_bias", "qk_norm", "mlp_bias", "tie_word_embeddings"):
             object.__setattr__(self, f, bool(getattr(self, f)))
         w = self.sliding_window
         if w is not None:
@@ -129,7 +131,7 @@ class ModelConfig:
         h, i, l = self.hidden_size, self.intermediate_size, self.num_layers
         per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
         per_layer += (self.q_size + 2 * self.kv_size) * self.qkv_bias + h * self.o_bias
-        per_layer += 2 * self.head_dim * self.qk_norm
+        per_layer += 2 * self.head_dim * self.qk_norm + (2 * i + h) * self.mlp_bias
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return l * per_layer + emb + h
 
@@ -174,8 +176,9 @@ class ModelConfig:
         arch = _architecture(cfg)
         if cfg.get("hidden_act", "silu") != "silu":
             raise InvalidArgument(f"hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)")
-        if cfg.get("mlp_bias"):
-            raise InvalidArgument("mlp_bias is not supported (MLP projections without bias only)")
+        mlp_bias = bool(cfg.get("mlp_bias", False))
+        if mlp_bias and arch != "LlamaForCausalLM":
+            raise InvalidArgument(f"{arch} with mlp_bias is not supported (LlamaForCausalLM only)")
         heads = int(cfg["num_attention_heads"])
         max_pos = int(cfg.get("max_position_embeddings", 2048))
         window = _sliding_window(arch, cfg, max_pos)
@@ -216,6 +219,7 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             qk_norm=arch == "Qwen3ForCausalLM",
+            mlp_bias=mlp_bias,
             sliding_window=window,
             architecture=arch,
         )

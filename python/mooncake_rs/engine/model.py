@@ -1,10 +1,10 @@
 """The decoder: RMSNorm, RoPE (theta, linear / llama3 scaling), GQA, SwiGLU.
 
 One forward serves every supported family (Llama, Mistral, Qwen2, Qwen3): the config's
-switches add the q/k/v (and o) projection biases and Qwen3's per-head q/k RMSNorm. Both
-happen before RoPE and the cache write, so the attention backends (torch reference and
-FlashInfer alike) see ordinary q/k/v and need no family knowledge; the one thing they are
-told is a sliding window (Mistral), which they apply as a mask.
+switches add projection biases (q/k/v, o, MLP) and Qwen3's per-head q/k RMSNorm. The
+q/k/v ones happen before RoPE and the cache write, so the attention backends (torch
+reference and FlashInfer alike) see ordinary q/k/v and need no family knowledge; the one
+thing they are told is a sliding window (Mistral), which they apply as a mask.
 
 Plain functions over :class:`~.weights.LlamaWeights`; a forward pass runs over a flat
 batch of new tokens (any mix of prefill chunks and decodes), writes their K/V into the
@@ -104,9 +104,9 @@ class LlamaModel:
             o = attn.forward(q, cache.k(l), cache.v(l))
             x = x + F.linear(o.reshape(t, qs), lw.o, lw.o_bias)
             h = rms_norm(x, lw.mlp_norm, eps)
-            gu = F.linear(h, lw.gate_up)
+            gu = F.linear(h, lw.gate_up, lw.gate_up_bias)
             g, u = gu.chunk(2, dim=-1)
-            x = x + F.linear(F.silu(g) * u, lw.down)
+            x = x + F.linear(F.silu(g) * u, lw.down, lw.down_bias)
             if on_layer is not None:
                 on_layer(l)
         if logits_rows is None:

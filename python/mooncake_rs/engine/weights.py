@@ -42,11 +42,14 @@ class LayerWeights:
     o_bias: torch.Tensor | None = None  # [hidden] when cfg.o_bias
     q_norm: torch.Tensor | None = None  # [head_dim] when cfg.qk_norm
     k_norm: torch.Tensor | None = None  # [head_dim] when cfg.qk_norm
+    gate_up_bias: torch.Tensor | None = None  # [2 * intermediate] when cfg.mlp_bias
+    down_bias: torch.Tensor | None = None  # [hidden] when cfg.mlp_bias
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the layer holds (the optional ones only when present)."""
         ts = [self.attn_norm, self.qkv, self.o, self.mlp_norm, self.gate_up, self.down]
-        return ts + [t for t in (self.qkv_bias, self.o_bias, self.q_norm, self.k_norm) if t is not None]
+        extra = (self.qkv_bias, self.o_bias, self.q_norm, self.k_norm, self.gate_up_bias, self.down_bias)
+        return ts + [t for t in extra if t is not None]
 
     def to(self, device: str | torch.device) -> "LayerWeights":
         def mv(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -55,7 +58,8 @@ class LayerWeights:
         return LayerWeights(attn_norm=self.attn_norm.to(device), qkv=self.qkv.to(device), o=self.o.to(device),
                             mlp_norm=self.mlp_norm.to(device), gate_up=self.gate_up.to(device),
                             down=self.down.to(device), qkv_bias=mv(self.qkv_bias), o_bias=mv(self.o_bias),
-                            q_norm=mv(self.q_norm), k_norm=mv(self.k_norm))
+                            q_norm=mv(self.q_norm), k_norm=mv(self.k_norm),
+                            gate_up_bias=mv(self.gate_up_bias), down_bias=mv(self.down_bias))
 
 
 @dataclass
@@ -117,6 +121,8 @@ def random_weights(cfg: ModelConfig, *, seed: int = 0, dtype: str = "float32",
             lw.o_bias = bias(h)
         if cfg.qk_norm:
             lw.q_norm, lw.k_norm = norm(cfg.head_dim), norm(cfg.head_dim)
+        if cfg.mlp_bias:
+            lw.gate_up_bias, lw.down_bias = bias(2 * cfg.intermediate_size), bias(h)
         return lw
 
     h = cfg.hidden_size
@@ -146,7 +152,8 @@ def load_hf_dir(path: str | Path, *, dtype: str | None = None,
 
     Tensor names are those of transformers' ``*ForCausalLM`` classes: per layer
     ``self_attn.{q,k,v,o}_proj.weight`` (and ``.bias`` when the family has one),
-    ``self_attn.{q,k}_norm.weight`` (Qwen3), ``mlp.{gate,up,down}_proj.weight`` and the two
+    ``self_attn.{q,k}_norm.weight`` (Qwen3), ``mlp.{gate,up,down}_proj.weight`` (and
+    ``.bias`` with Llama's ``mlp_bias``) and the two
     layer norms. A tensor the config does not account for is an error (a config/checkpoint
     mismatch would otherwise load silently and compute garbage)."""
     from safetensors import safe_open
@@ -204,6 +211,11 @@ def load_hf_dir(path: str | Path, *, dtype: str | None = None,
         if cfg.qk_norm:
             lw.q_norm = put(shaped(att + "q_norm.weight", (hd,)))
             lw.k_norm = put(shaped(att + "k_norm.weight", (hd,)))
+        if cfg.mlp_bias:
+            mi = cfg.intermediate_size
+            lw.gate_up_bias = put(torch.cat([shaped(pre + "mlp.gate_proj.bias", (mi,)),
+                                             shaped(pre + "mlp.up_proj.bias", (mi,))]))
+            lw.down_bias = put(shaped(pre + "mlp.down_proj.bias", (h,)))
         layers.append(lw)
     embed = put(shaped("model.embed_tokens.weight", (cfg.vocab_size, h)))
     final = put(shaped("model.norm.weight", (h,)))
