@@ -32,10 +32,10 @@ def _free_port() -> int:
 class EtcdServer:
     """One etcd member; ``stop()`` / ``start()`` keep its ports and data (an outage)."""
 
-    def __init__(self, binary: str, data_dir: Path) -> None:
+    def __init__(self, binary: str, data_dir: Path, host: str = "127.0.0.1") -> None:
         self.binary, self.data_dir = binary, data_dir
         self.client_port, self.peer_port = _free_port(), _free_port()
-        self.url = f"http://127.0.0.1:{self.client_port}"
+        self.url = f"http://{host}:{self.client_port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 15.0) -> None:
