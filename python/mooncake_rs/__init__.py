@@ -46,6 +46,7 @@ from .errors import (
     InvalidArgument,
     MooncakeError,
     Overloaded,
+    ServiceUnavailable,
     StoreFull,
     StoreIOError,
     TransferFailed,
@@ -100,6 +101,7 @@ __all__ = [
     "TransferFailed",
     "TransferTimeout",
     "Overloaded",
+    "ServiceUnavailable",
     "InternalError",
 ]
 

@@ -16,6 +16,7 @@ __all__ = [
     "TransferFailed",
     "TransferTimeout",
     "Overloaded",
+    "ServiceUnavailable",
     "InternalError",
 ]
 
@@ -59,6 +60,11 @@ class Overloaded(MooncakeError):
         super().__init__(message)
         self.reason = reason
         self.estimates = estimates
+
+
+class ServiceUnavailable(MooncakeError, ConnectionError):
+    """A service the deployment depends on (etcd, a remote conductor) cannot be reached or
+    refused the call; what was running keeps its last known state."""
 
 
 class InternalError(MooncakeError):
