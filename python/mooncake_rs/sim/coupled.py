@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from .batching import ContinuousBatch
 from .config import SimConfig
 from .report import Report
-from .simulator import EventLoop, Progress, build_report, make_caches, store_chain
+from .loop import EventLoop, Progress, build_report, make_caches, store_chain
 from .trace import Request
 
 __all__ = ["run_coupled"]
