@@ -16,6 +16,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Sequence
 
+from .._core import BlockCache
 from .batching import ContinuousBatch
 from .config import SimConfig
 from .loop import EventLoop, Progress, build_report, make_caches, store_chain
@@ -43,7 +44,7 @@ class _Run(EventLoop):
             self.conductor.add_prefill(p)
         for d in self.dids:
             self.conductor.add_decode(d, max_batch=cfg.decode_max_batch, kv_capacity_tokens=cfg.decode_kv_capacity_tokens)
-        self.caches = make_caches(cfg, P, trace)
+        self.caches: list[BlockCache] = make_caches(cfg, P, trace)
         self.queues: list[deque[int]] = [deque() for _ in self.pids]
         self.busy = [False] * P
         self.batches = [ContinuousBatch(self.dm) for _ in self.dids]
@@ -52,6 +53,11 @@ class _Run(EventLoop):
         self.kv_used = [0] * D
         self.hits: Counter[int] = Counter()
         self.counters = {"fetches": 0, "fetch_fallbacks": 0, "replicated_blocks": 0}
+        # hot-block sampling and replication times (set by go)
+        self._sample_every = 0.0
+        self._next_sample = 0.0
+        self._next_repl = float("inf")
+        self._samples: list[HotSample] = []
 
     # --- prefill ---
 
@@ -223,7 +229,7 @@ class _Run(EventLoop):
         self._sample_every = max(cfg.hot_sample_every_s, span / 64.0)
         self._next_sample = 0.0
         self._next_repl = cfg.replicate_every_s if cfg.replicate_every_s is not None else float("inf")
-        self._samples: list[HotSample] = []
+        self._samples = []
         self.drive()
         if cfg.hot_top_k and n:
             self._samples.append(self.sample_hot(max(f for f in self.s.finish if f is not None) if any(self.s.finish) else span))

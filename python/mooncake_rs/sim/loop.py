@@ -114,9 +114,9 @@ class EventLoop(ABC):
         heapq.heappush(self.heap, (t, self.seq, kind, a, b, c))
 
     @abstractmethod
-    def handle(self, t: float, kind: int, a: int, b: int, c: int) -> None:
+    def handle(self, t: float, kind: int, a: int, b: int, c: int, /) -> None:
         """Runs one event popped from the heap (each architecture has its own kinds;
-        ``a``, ``b``, ``c`` are what :meth:`push` was given)."""
+        ``a``, ``b``, ``c`` are what :meth:`push` was given, named as a subclass likes)."""
 
     @abstractmethod
     def arrive(self, i: int, t: float) -> None:
