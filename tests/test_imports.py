@@ -196,20 +196,34 @@ def test_no_import_cycles():
     assert cycle is None, f"import cycle in python/{PKG}:\n  {_fmt(cycle or [])}"
 
 
+def _reaches(edges: list[Edge], src: str, dst: str) -> bool:
+    out: dict[str, set[str]] = {}
+    for e in edges:
+        out.setdefault(e.src, set()).add(e.dst)
+    seen, todo = {src}, [src]
+    while todo:
+        for n in out.get(todo.pop(), ()):
+            if n == dst:
+                return True
+            if n not in seen:
+                seen.add(n)
+                todo.append(n)
+    return False
+
+
 def test_pending_cycles():
-    """The serving cycles another branch removes: skipped while present; once they are
-    gone this fails until ``_PENDING_CYCLES`` is emptied, so the set stays exact."""
+    """The serving cycles another branch removes: skipped while they are there. An entry
+    of ``_PENDING_CYCLES`` that no longer closes a cycle (the edge is gone, or nothing
+    leads back) fails this test until it is removed, so the set stays exact."""
     if not _PENDING_CYCLES:
         return
     mods, edges = import_graph()
-    pending = [e for e in edges if (e.src, e.dst) in _PENDING_CYCLES]
+    pairs = {(e.src, e.dst) for e in edges}
+    stale = sorted(p for p in _PENDING_CYCLES if p not in pairs or not _reaches(edges, p[1], p[0]))
+    assert not stale, f"no longer in an import cycle; remove from _PENDING_CYCLES in tests/test_imports.py: {stale}"
     cycle = find_cycle(mods, edges)
-    if cycle is not None and any((e.src, e.dst) in _PENDING_CYCLES for e in cycle):
-        pytest.skip("known serving import cycles, removed by the serving rewrite (issue 11); empty "
-                    f"_PENDING_CYCLES in tests/test_imports.py after merging it. One of them:\n  {_fmt(cycle)}")
-    present = {(e.src, e.dst) for e in pending}
-    assert False, ("the pending import cycles are gone; empty _PENDING_CYCLES in tests/test_imports.py "
-                   f"(edges still present, now acyclic: {sorted(present)})")
+    pytest.skip("known serving import cycles, removed by the serving rewrite (issue 11); empty "
+                f"_PENDING_CYCLES in tests/test_imports.py after merging it. One of them:\n  {_fmt(cycle or [])}")
 
 
 def _importable_modules() -> list[str]:
