@@ -175,3 +175,25 @@ def test_torch_free_types_agree_with_the_engine():
     assert mooncake_rs.SamplingParams is SamplingParams and mooncake_rs.RequestOutput is RequestOutput
     assert mooncake_rs.BlockLayout is BlockLayout and mooncake_rs.ModelConfig is ModelConfig
     assert mooncake_rs.engine.Engine is engine.Engine and mooncake_rs.engine.KVCache is kv_cache.KVCache
+
+
+def test_engine_submodules_still_resolve_as_attributes():
+    """``import mooncake_rs.engine`` used to load every submodule; attribute access to
+    them (and to ``Engine``) still works, now loading them on first use."""
+    pytest.importorskip("torch")
+    code = textwrap.dedent("""
+        import sys
+        import mooncake_rs.engine as e
+        assert "torch" not in sys.modules
+        assert e.sampler.Sampler and e.kv_cache.KVCache is e.KVCache and e.Engine is e.engine.Engine
+        assert e.attention.make_backend and "torch" in sys.modules
+        assert {"Engine", "sampler", "SamplingParams"} <= set(dir(e))
+        try:
+            e.no_such_name
+        except AttributeError as err:
+            assert "no_such_name" in str(err)
+        else:
+            raise AssertionError("unknown attribute resolved")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
