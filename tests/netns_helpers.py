@@ -57,6 +57,10 @@ class TestHosts:
     def __enter__(self) -> "TestHosts":
         try:
             _ip("link", "add", "name", self.bridge, "type", "bridge")
+            # a fixed address: a bridge otherwise takes the lowest of its ports' MACs, and
+            # cutting that port would change the gateway's MAC under the other hosts'
+            # ARP caches (they would lose the gateway too, for the ARP timeout)
+            _ip("link", "set", self.bridge, "address", f"02:6d:72:00:{self.octet:02x}:01")
             _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
             for i, (ns, veth) in enumerate(zip(self.names, self._veths)):
