@@ -51,6 +51,7 @@ from .errors import (
     StoreIOError,
     TransferFailed,
     TransferTimeout,
+    Unauthorized,
 )
 
 _logging.configure()
@@ -102,6 +103,7 @@ __all__ = [
     "TransferTimeout",
     "Overloaded",
     "ServiceUnavailable",
+    "Unauthorized",
     "InternalError",
 ]
 
