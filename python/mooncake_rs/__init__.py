@@ -53,6 +53,7 @@ from .errors import (
     StoreIOError,
     TransferFailed,
     TransferTimeout,
+    Unauthorized,
 )
 
 if TYPE_CHECKING:  # loaded on first access (see __getattr__); torch-free either way
@@ -114,6 +115,7 @@ __all__ = [
     "TransferTimeout",
     "Overloaded",
     "ServiceUnavailable",
+    "Unauthorized",
     "InternalError",
     # client types (torch-free; lazy: see __getattr__)
     "SamplingParams",

@@ -17,6 +17,7 @@ __all__ = [
     "TransferTimeout",
     "Overloaded",
     "ServiceUnavailable",
+    "Unauthorized",
     "InternalError",
 ]
 
@@ -65,6 +66,11 @@ class Overloaded(MooncakeError):
 class ServiceUnavailable(MooncakeError, ConnectionError):
     """A service the deployment depends on (etcd, a remote conductor) cannot be reached or
     refused the call; what was running keeps its last known state."""
+
+
+class Unauthorized(MooncakeError, PermissionError):
+    """The peer does not hold the cluster token (or this side does not hold the peer's):
+    the connection was refused before any message was exchanged."""
 
 
 class InternalError(MooncakeError):

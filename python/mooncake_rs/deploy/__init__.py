@@ -10,6 +10,8 @@
 - ``membership.py``: the live set of workers as the conductor sees it (watch + resync,
   last known view while etcd is down).
 - ``election.py``: leader election among ``serve`` processes.
+- ``auth_socket.py``: TCP control connections authenticated by the cluster token
+  (mutual HMAC challenge-response).
 
 See docs/deploy.md.
 """
