@@ -7,6 +7,8 @@ package is its Python API. ``import mooncake_rs`` never imports torch: the engin
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from . import _logging
 from ._core import (
     Batch,
@@ -46,13 +48,25 @@ from .errors import (
     InvalidArgument,
     MooncakeError,
     Overloaded,
+    ServiceUnavailable,
     StoreFull,
     StoreIOError,
     TransferFailed,
     TransferTimeout,
+    Unauthorized,
 )
 
+if TYPE_CHECKING:  # loaded on first access (see __getattr__); torch-free either way
+    from .engine.config import ModelConfig
+    from .engine.layout import BlockLayout
+    from .engine.outputs import RequestOutput
+    from .engine.params import SamplingParams
+
 _logging.configure()
+
+#: client types (torch-free modules of the engine package), loaded on first access
+_CLIENT_TYPES = {"SamplingParams": ".engine.params", "RequestOutput": ".engine.outputs",
+                 "BlockLayout": ".engine.layout", "ModelConfig": ".engine.config"}
 
 __all__ = [
     "__version__",
@@ -100,7 +114,14 @@ __all__ = [
     "TransferFailed",
     "TransferTimeout",
     "Overloaded",
+    "ServiceUnavailable",
+    "Unauthorized",
     "InternalError",
+    # client types (torch-free; lazy: see __getattr__)
+    "SamplingParams",
+    "RequestOutput",
+    "BlockLayout",
+    "ModelConfig",
 ]
 
 
@@ -116,4 +137,8 @@ def __getattr__(name: str) -> object:
 
         serving = importlib.import_module(".serving", __name__)
         return serving if name == "serving" else serving.Cluster
+    if name in _CLIENT_TYPES:
+        import importlib
+
+        return getattr(importlib.import_module(_CLIENT_TYPES[name], __name__), name)
     raise AttributeError(f"module 'mooncake_rs' has no attribute {name!r}")

@@ -16,6 +16,8 @@ __all__ = [
     "TransferFailed",
     "TransferTimeout",
     "Overloaded",
+    "ServiceUnavailable",
+    "Unauthorized",
     "InternalError",
 ]
 
@@ -59,6 +61,16 @@ class Overloaded(MooncakeError):
         super().__init__(message)
         self.reason = reason
         self.estimates = estimates
+
+
+class ServiceUnavailable(MooncakeError, ConnectionError):
+    """A service the deployment depends on (etcd, a remote conductor) cannot be reached or
+    refused the call; what was running keeps its last known state."""
+
+
+class Unauthorized(MooncakeError, PermissionError):
+    """The peer does not hold the cluster token (or this side does not hold the peer's):
+    the connection was refused before any message was exchanged."""
 
 
 class InternalError(MooncakeError):

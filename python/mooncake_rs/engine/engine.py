@@ -25,7 +25,7 @@ from .model import LlamaModel
 from .outputs import LayerEvent, RequestOutput, TokenEvent
 from .sampler import Sampler, SamplingParams
 from .scheduler import Request, RequestStatus, Scheduler
-from .tokens import token_id
+from .tokens import prompt_tokens, token_id  # prompt_tokens: re-exported, its old home
 from .weights import load_hf_dir, random_weights, torch_dtype
 
 __all__ = ["Engine"]
@@ -35,22 +35,6 @@ log = logging.getLogger("mooncake_rs.engine")
 _CPU_KV_BYTES = 64 * 1024 * 1024  # default pool size on CPU
 _GPU_KV_FRACTION = 0.85  # default share of free device memory for the pool
 
-
-
-def prompt_tokens(prompt: Sequence[int], params: SamplingParams) -> list[int]:
-    """The prompt as a list of ints, with the checks that need no model (the engine adds
-    vocabulary, length and page checks); the cluster uses it before routing."""
-    if not isinstance(params, SamplingParams):
-        raise InvalidArgument(f"params must be SamplingParams, got {type(params).__name__}")
-    if isinstance(prompt, (str, bytes)):
-        raise InvalidArgument("a prompt must be a list of int token ids, not a string (tokenize it first)")
-    try:
-        toks = [token_id(t) for t in prompt]
-    except TypeError:
-        raise InvalidArgument("a prompt must be a list of int token ids") from None
-    if not toks:
-        raise InvalidArgument("a prompt needs at least one token")
-    return toks
 
 class Engine(HandoffMixin):
     """One instance's inference engine (see docs/engine.md).

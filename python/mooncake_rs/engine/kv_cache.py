@@ -8,13 +8,13 @@ at row ``t % page_size``.
 
 Store blocks: a store block holds the KV of ``block_size`` tokens (a multiple of the page
 size) for every layer, laid out as described by :class:`BlockLayout`. The save/load
-methods copy between pages and such a byte buffer (a store slot).
+methods copy between pages and such a byte buffer (a store slot). The layout types are
+torch-free (:mod:`.layout`) so a client can size blocks without importing torch.
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -22,74 +22,11 @@ import torch
 
 from ..errors import InvalidArgument
 from .config import ModelConfig
+# BlockLayout and LayerSpan live in the torch-free .layout; re-exported from here, their old home.
+from .layout import BlockLayout, LayerSpan
 from .weights import torch_dtype
 
 __all__ = ["BlockLayout", "LayerSpan", "KVCache", "as_byte_tensor"]
-
-
-@dataclass(frozen=True)
-class LayerSpan:
-    """Where one layer's part of a block lives inside the block's bytes."""
-
-    layer: int
-    offset: int
-    nbytes: int
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.nbytes
-
-
-@dataclass(frozen=True)
-class BlockLayout:
-    """The byte layout of one store block (the KV of ``block_size`` tokens, all layers).
-
-    Layer ``l`` occupies bytes ``[l * layer_nbytes, (l + 1) * layer_nbytes)``. Inside a
-    layer: K then V, each ``[block_size, num_kv_heads, head_dim]`` row-major (token-major,
-    NHD) in ``dtype``. A partial block (fewer than ``block_size`` tokens) uses the same
-    layout; rows past its token count are left as they were.
-    """
-
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-
-    def __post_init__(self) -> None:
-        for f in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
-            if int(getattr(self, f)) <= 0:
-                raise InvalidArgument(f"BlockLayout.{f} must be positive")
-        torch_dtype(self.dtype)
-
-    @classmethod
-    def for_model(cls, cfg: ModelConfig, block_size: int, dtype: str) -> "BlockLayout":
-        return cls(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
-
-    @property
-    def dtype_size(self) -> int:
-        return torch.empty((), dtype=torch_dtype(self.dtype)).element_size()
-
-    @property
-    def token_nbytes(self) -> int:
-        """Bytes of one token's K (or V) in one layer."""
-        return self.num_kv_heads * self.head_dim * self.dtype_size
-
-    @property
-    def layer_nbytes(self) -> int:
-        return 2 * self.block_size * self.token_nbytes
-
-    @property
-    def block_nbytes(self) -> int:
-        return self.num_layers * self.layer_nbytes
-
-    def layer_span(self, layer: int) -> LayerSpan:
-        if not 0 <= layer < self.num_layers:
-            raise InvalidArgument(f"layer {layer} out of range 0..{self.num_layers - 1}")
-        return LayerSpan(layer, layer * self.layer_nbytes, self.layer_nbytes)
-
-    def spans(self) -> list[LayerSpan]:
-        return [self.layer_span(l) for l in range(self.num_layers)]
 
 
 def as_byte_tensor(buf: Any, *, writable: bool) -> torch.Tensor:

@@ -1,53 +1,23 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seed.
+"""The sampler: greedy, temperature, top-k, top-p, per-request seed.
 
 A request with a ``seed`` draws the noise for its ``n``-th generated token from a
 generator seeded with ``(seed, n)``: the same request gives the same tokens whatever it
 is batched with, after a preemption (recompute), and when its first token is sampled on a
-prefill instance and the rest on a decode instance.
+prefill instance and the rest on a decode instance. :class:`SamplingParams` lives in the
+torch-free :mod:`.params` and is re-exported here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from ..errors import InvalidArgument
+from .params import SamplingParams  # re-exported: its home before it moved out of torch's way
 
 __all__ = ["SamplingParams", "Sampler", "filtered_probs"]
 
 _MASK63 = (1 << 63) - 1
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens. ``temperature == 0`` is greedy (top-k/top-p then do nothing)."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = -1
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = field(default=())
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidArgument(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise InvalidArgument(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or (self.top_k != -1 and self.top_k < 1):
-            raise InvalidArgument(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise InvalidArgument(f"seed must be None or an int >= 0, got {self.seed!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

@@ -184,7 +184,7 @@ class Cluster:
     # ---- construction
     @staticmethod
     def _model_config(model: Any) -> Any:
-        from ..engine import ModelConfig
+        from ..engine.config import ModelConfig
 
         if isinstance(model, ModelConfig):
             return model
@@ -196,7 +196,7 @@ class Cluster:
 
     @classmethod
     def _block_bytes(cls, model: Any, block_size: int) -> int:
-        from ..engine.kv_cache import BlockLayout
+        from ..engine.layout import BlockLayout
 
         return BlockLayout.for_model(cls._model_config(model), block_size, "float32").block_nbytes
 
@@ -266,8 +266,8 @@ class Cluster:
         and ``InvalidArgument`` for a prompt no instance could serve. ``timeout_s``: a
         deadline from now; past it the request is cancelled on every instance and fails
         with ``TransferTimeout`` (None: no deadline)."""
-        from ..engine import SamplingParams
-        from ..engine.engine import prompt_tokens
+        from ..engine.params import SamplingParams
+        from ..engine.tokens import prompt_tokens
 
         if self._closed:
             raise InvalidArgument("the cluster is closed")
@@ -308,7 +308,8 @@ class Cluster:
         whole call: what has not finished by then is cancelled on the instances and
         ``TransferTimeout`` is raised. Whatever ends the call early (a rejection, a
         timeout, a failed request, KeyboardInterrupt) cancels the requests still running."""
-        from ..engine import RequestOutput, SamplingParams
+        from ..engine.outputs import RequestOutput
+        from ..engine.params import SamplingParams
 
         wait = wait_seconds(timeout_s, "timeout_s")
         if wait is not None and wait <= 0:

@@ -21,10 +21,11 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
+from .._core import BlockCache
 from .batching import ContinuousBatch
 from .config import SimConfig
 from .report import Report
-from .simulator import EventLoop, Progress, build_report, make_caches, store_chain
+from .loop import EventLoop, Progress, build_report, make_caches, store_chain
 from .trace import Request
 
 __all__ = ["run_coupled"]
@@ -41,7 +42,7 @@ class _Coupled(EventLoop):
         for k in range(n):
             self.conductor.add_prefill(k)
             self.conductor.add_decode(n + k, max_batch=cfg.decode_max_batch, kv_capacity_tokens=cfg.decode_kv_capacity_tokens)
-        self.caches = make_caches(cfg, n, trace) if cfg.prefix_caching else None
+        self.caches: list[BlockCache] | None = make_caches(cfg, n, trace) if cfg.prefix_caching else None
         self.waiting: list[deque[int]] = [deque() for _ in range(n)]
         self.batch = [ContinuousBatch(self.dm) for _ in range(n)]
         self.mode = [_IDLE] * n
@@ -170,7 +171,7 @@ class _Coupled(EventLoop):
         self.finish_decoded(k, t)
         self.kick(k, t)
 
-    def handle(self, t: float, kind: int, k: int, a: int, b: int) -> None:
+    def handle(self, t: float, kind: int, k: int, a: int, b: int, /) -> None:
         if kind == _ITER_END:
             self.iter_end(k, a, t)
         else:

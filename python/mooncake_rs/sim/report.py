@@ -233,11 +233,11 @@ class Report:
         ax[1][1].set_xlabel("time (s)")
         ax[1][1].set_ylabel("replicas")
         ax[1][1].set_title("replicas of the hottest blocks")
-        s = self.summary()
+        summ = self.summary()
         fig.suptitle(
-            f"{self.config.get('architecture', '')} {self.config.get('policy', '')}: mean TTFT {s['mean_ttft_s']:.2f}s,"
-            f" p90 {s['p90_ttft_s']:.2f}s, mean TBT {s['mean_tbt_s'] * 1000:.1f}ms,"
-            f" capacity {s['effective_request_capacity']:.1%}, hit {s['cache_hit_rate']:.1%}, rejected {s['rejected']}"
+            f"{self.config.get('architecture', '')} {self.config.get('policy', '')}: mean TTFT {summ['mean_ttft_s']:.2f}s,"
+            f" p90 {summ['p90_ttft_s']:.2f}s, mean TBT {summ['mean_tbt_s'] * 1000:.1f}ms,"
+            f" capacity {summ['effective_request_capacity']:.1%}, hit {summ['cache_hit_rate']:.1%}, rejected {summ['rejected']}"
         )
         fig.tight_layout()
         fig.savefig(os.fspath(path), dpi=100)

@@ -11,11 +11,22 @@ use pyo3::types::PyType;
 
 static ERRORS_MODULE: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
 
+fn errors_module(py: Python<'_>) -> PyResult<&Py<PyModule>> {
+    ERRORS_MODULE.get_or_try_init(py, || -> PyResult<_> { Ok(py.import("mooncake_rs.errors")?.unbind()) })
+}
+
+/// Looks the exception classes up while `_core` is being imported, when no lock of ours
+/// is held. A `PyOnceLock` releases the GIL while its first initialisation runs; done
+/// lazily, that would happen at the first error of the process, possibly inside a lock
+/// (a thread that then takes the GIL and waits for that lock deadlocks both). Glue code
+/// still builds errors only after dropping its locks; this keeps the rule from hinging
+/// on that alone. A failure here is not fatal: `class` retries at the first error.
+pub fn init(py: Python<'_>) {
+    let _ = errors_module(py);
+}
+
 fn class(py: Python<'_>, category: ErrorCategory) -> PyResult<Bound<'_, PyType>> {
-    let module = ERRORS_MODULE.get_or_try_init(py, || -> PyResult<_> {
-        Ok(py.import("mooncake_rs.errors")?.unbind())
-    })?;
-    Ok(module.bind(py).getattr(category.name())?.cast_into::<PyType>()?)
+    Ok(errors_module(py)?.bind(py).getattr(category.name())?.cast_into::<PyType>()?)
 }
 
 /// A Python exception of the class that matches `category`, with `message`.

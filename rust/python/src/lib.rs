@@ -26,6 +26,7 @@ mod transfer;
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     logging::init_from_env();
+    errors::init(m.py());
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     hash::register(m)?;
     index::register(m)?;

@@ -117,11 +117,9 @@ impl PyBlock {
 
     /// A copy of the bytes.
     fn tobytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
-        let d = self.data.lock();
-        match d.as_ref() {
-            Some(b) => Ok(pyo3::types::PyBytes::new(py, b.bytes())),
-            None => Err(invalid(py, "this Block was released")),
-        }
+        let copy = self.data.lock().as_ref().map(|b| pyo3::types::PyBytes::new(py, b.bytes()));
+        // the error is built after the lock is dropped (see `PyWritableBlock::take`)
+        copy.ok_or_else(|| invalid(py, "this Block was released"))
     }
 
     fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
@@ -191,16 +189,34 @@ impl PyWritableBlock {
 
     /// Takes the reservation if no view and no write is outstanding (checked under the
     /// lock that `__getbuffer__` and `write()` take to add one, so none can slip in).
+    ///
+    /// The refusal is turned into a Python exception only after the lock is dropped:
+    /// building one may release the GIL (the first error of the process imports the
+    /// exception classes through a `PyOnceLock`, which detaches while it waits), and a
+    /// `write()` on another thread that then takes the GIL and waits for this lock would
+    /// never give the GIL back. The same rule holds for every error in this file.
     fn take(&self, py: Python<'_>, what: &str) -> PyResult<Option<Reservation>> {
-        let mut r = self.res.lock();
-        if self.exports.load(Ordering::Acquire) > 0 {
-            return Err(invalid(py, format!("release every memoryview/array of this WritableBlock before {what}")));
-        }
-        if self.writes.load(Ordering::Acquire) > 0 {
-            return Err(invalid(py, format!("a write() to this WritableBlock is running on another thread; {what} after it")));
-        }
-        Ok(r.take())
+        let taken = {
+            let mut r = self.res.lock();
+            if self.exports.load(Ordering::Acquire) > 0 {
+                Err(Busy::Exported)
+            } else if self.writes.load(Ordering::Acquire) > 0 {
+                Err(Busy::Writing)
+            } else {
+                Ok(r.take())
+            }
+        };
+        taken.map_err(|busy| match busy {
+            Busy::Exported => invalid(py, format!("release every memoryview/array of this WritableBlock before {what}")),
+            Busy::Writing => invalid(py, format!("a write() to this WritableBlock is running on another thread; {what} after it")),
+        })
     }
+}
+
+/// Why `take()` refused.
+enum Busy {
+    Exported,
+    Writing,
 }
 
 /// Ends a `write()` in flight, also when the copy panics.
@@ -237,10 +253,8 @@ impl PyWritableBlock {
     /// transfer that fills it in place before `commit()`.
     #[getter]
     fn offset(&self, py: Python<'_>) -> PyResult<usize> {
-        match self.res.lock().as_ref() {
-            Some(r) => Ok(r.offset()),
-            None => Err(invalid(py, "this WritableBlock was already committed or aborted")),
-        }
+        let offset = self.res.lock().as_ref().map(Reservation::offset);
+        offset.ok_or_else(|| invalid(py, "this WritableBlock was already committed or aborted"))
     }
 
     /// True once committed or aborted.
@@ -262,12 +276,14 @@ impl PyWritableBlock {
         // block never waits on a lock whose holder waits for the GIL.
         let dst = {
             let r = self.res.lock();
-            let Some(r) = r.as_ref() else {
-                return Err(invalid(py, "this WritableBlock was already committed or aborted"));
-            };
-            self.writes.fetch_add(1, Ordering::AcqRel);
-            // SAFETY: offset + n <= len, inside the reserved slot.
-            unsafe { r.as_mut_ptr().add(offset) }
+            r.as_ref().map(|r| {
+                self.writes.fetch_add(1, Ordering::AcqRel);
+                // SAFETY: offset + n <= len, inside the reserved slot.
+                unsafe { r.as_mut_ptr().add(offset) }
+            })
+        };
+        let Some(dst) = dst else {
+            return Err(invalid(py, "this WritableBlock was already committed or aborted"));
         };
         let _guard = WriteGuard(&self.writes);
         let p = SendPtr(dst, src.as_ptr(), n);

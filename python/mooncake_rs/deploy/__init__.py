@@ -1,0 +1,25 @@
+"""Deployment across hosts: membership on etcd (issue 12's foundation).
+
+- ``etcd.py``: a small etcd v3 client over its JSON gateway (leases, keys, a
+  create-if-absent transaction, prefix watches), standard library only.
+- ``records.py``: what a worker announces (``WorkerRecord``, ``ModelFingerprint``) and the
+  key layout under a cluster prefix.
+- ``lease.py``: a lease kept alive by a thread.
+- ``registration.py``: a worker's registration (fingerprint check, unique name, rejoin
+  after an outage).
+- ``membership.py``: the live set of workers as the conductor sees it (watch + resync,
+  last known view while etcd is down).
+- ``election.py``: leader election among ``serve`` processes.
+- ``auth_socket.py``: TCP control connections authenticated by the cluster token
+  (mutual HMAC challenge-response).
+
+See docs/deploy.md.
+"""
+
+from .election import LeaderElection
+from .etcd import EtcdClient
+from .membership import Membership
+from .records import ModelFingerprint, WorkerRecord
+from .registration import WorkerRegistration
+
+__all__ = ["EtcdClient", "LeaderElection", "Membership", "ModelFingerprint", "WorkerRecord", "WorkerRegistration"]

@@ -1,0 +1,217 @@
+"""Authenticated TCP connections for the control plane between hosts.
+
+Both ends hold the cluster token (a shared secret, 16 bytes or more). Before either side
+sends a control message, a mutual challenge-response proves that the other end holds it
+too, without sending the token itself:
+
+    server -> client   MAGIC (4) | version (1) | server nonce (32)
+    client -> server   client nonce (32) | HMAC-SHA256(token, "c" | server nonce | client nonce)
+    server -> client   HMAC-SHA256(token, "s" | client nonce | server nonce)
+
+Fresh nonces on both sides make a recorded handshake useless to replay; the role bytes
+keep one side's proof from being reflected as the other's. A client that fails sees
+:class:`~mooncake_rs.errors.Unauthorized` (wrong token) or
+:class:`~mooncake_rs.errors.ServiceUnavailable` (nothing listening, timeout); the server
+logs the refusal with the peer's address and closes that connection only.
+
+What this does not do: encrypt, or authenticate each frame after the handshake. On a
+network where an attacker can inject into an established TCP stream, run the cluster
+over a VPN/WireGuard or a private network (docs/deploy.md, threat model).
+
+The listener bounds what unauthenticated peers can hold: at most ``max_handshakes``
+handshakes at once (the oldest is dropped to admit a new one), each with a deadline, so a
+peer that connects and stays silent costs one slot for ``handshake_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from ..errors import InvalidArgument, ServiceUnavailable, Unauthorized
+
+__all__ = ["connect", "AuthListener", "MIN_TOKEN_BYTES"]
+
+log = logging.getLogger("mooncake_rs.deploy")
+
+MAGIC = b"MCRS"
+VERSION = 1
+NONCE = 32
+MAC = 32
+MIN_TOKEN_BYTES = 16
+_HELLO = len(MAGIC) + 1 + NONCE
+
+
+def _token_bytes(token: str | bytes) -> bytes:
+    t = token.encode() if isinstance(token, str) else bytes(token)
+    if len(t) < MIN_TOKEN_BYTES:
+        raise InvalidArgument(f"the cluster token must be at least {MIN_TOKEN_BYTES} bytes, got {len(t)} "
+                              "(make one with: python -c 'import secrets; print(secrets.token_hex(32))')")
+    return t
+
+
+def _mac(token: bytes, role: bytes, a: bytes, b: bytes) -> bytes:
+    return hmac.new(token, role + a + b, hashlib.sha256).digest()
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("handshake deadline passed")
+        sock.settimeout(left)
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("closed during the handshake")
+        buf += chunk
+    return bytes(buf)
+
+
+def connect(address: str, token: str | bytes, timeout_s: float = 5.0) -> socket.socket:
+    """An authenticated connection to ``HOST:PORT`` (blocking socket, no timeout set)."""
+    tok = _token_bytes(token)
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise InvalidArgument(f"expected HOST:PORT, got {address!r}")
+    deadline = time.monotonic() + timeout_s
+    try:
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
+    except OSError as e:
+        raise ServiceUnavailable(f"cannot connect to {address}: {e}") from e
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        hello = _recv_exact(sock, _HELLO, deadline)
+        if hello[:4] != MAGIC:
+            raise Unauthorized(f"{address} is not a mooncake_rs control endpoint")
+        if hello[4] != VERSION:
+            raise Unauthorized(f"{address} speaks handshake version {hello[4]}, this build {VERSION}")
+        ns = hello[5:]
+        nc = secrets.token_bytes(NONCE)
+        sock.sendall(nc + _mac(tok, b"c", ns, nc))
+        try:
+            proof = _recv_exact(sock, MAC, deadline)
+        except ConnectionError as e:
+            raise Unauthorized(f"{address} refused the cluster token (wrong token?)") from e
+        if not hmac.compare_digest(proof, _mac(tok, b"s", nc, ns)):
+            raise Unauthorized(f"{address} does not hold the cluster token")
+        sock.settimeout(None)
+        return sock
+    except Unauthorized:  # an OSError (PermissionError) too: re-raised as it is
+        sock.close()
+        raise
+    except (OSError, TimeoutError) as e:
+        sock.close()
+        raise ServiceUnavailable(f"handshake with {address} failed: {e}") from e
+    except BaseException:
+        sock.close()
+        raise
+
+
+class AuthListener:
+    """Accepts connections on ``host:port`` (0: any free port; see ``address``) and hands
+    each authenticated socket to ``on_connection(sock, peer)`` on the handshake's thread."""
+
+    def __init__(self, host: str, port: int, token: str | bytes,
+                 on_connection: Callable[[socket.socket, str], None], *,
+                 handshake_timeout_s: float = 3.0, max_handshakes: int = 64) -> None:
+        if max_handshakes < 1 or not handshake_timeout_s > 0:
+            raise InvalidArgument("max_handshakes >= 1 and handshake_timeout_s > 0 are required")
+        self._token = _token_bytes(token)
+        self._on_connection = on_connection
+        self.handshake_timeout_s, self.max_handshakes = handshake_timeout_s, max_handshakes
+        try:
+            self._sock = socket.create_server((host, port), reuse_port=False)
+        except OSError as e:
+            raise InvalidArgument(f"cannot listen on {host}:{port}: {e}") from e
+        h, p = self._sock.getsockname()[:2]
+        self.address = f"{h}:{p}"
+        self._pending: dict[socket.socket, float] = {}  # handshakes in progress -> start time
+        self._lock = threading.Lock()
+        self._closed = False
+        #: refused handshakes (wrong token, garbage, timeout) and handshakes evicted for room
+        self.refused = 0
+        self.evicted = 0
+        self._thread = threading.Thread(target=self._accept, name=f"mooncake-listen-{p}", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, addr = self._sock.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                if len(self._pending) >= self.max_handshakes:
+                    oldest = min(self._pending, key=self._pending.__getitem__)
+                    self._pending.pop(oldest)
+                    self.evicted += 1
+                    try:
+                        oldest.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                self._pending[conn] = time.monotonic()
+            peer = f"{addr[0]}:{addr[1]}"
+            threading.Thread(target=self._handshake, args=(conn, peer), name="mooncake-handshake", daemon=True).start()
+
+    def _handshake(self, conn: socket.socket, peer: str) -> None:
+        deadline = time.monotonic() + self.handshake_timeout_s
+        ok = False
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            ns = secrets.token_bytes(NONCE)
+            conn.settimeout(self.handshake_timeout_s)
+            conn.sendall(MAGIC + bytes([VERSION]) + ns)
+            reply = _recv_exact(conn, NONCE + MAC, deadline)
+            nc, proof = reply[:NONCE], reply[NONCE:]
+            if not hmac.compare_digest(proof, _mac(self._token, b"c", ns, nc)):
+                log.warning("control connection from %s refused: wrong cluster token", peer)
+            else:
+                conn.sendall(_mac(self._token, b"s", nc, ns))
+                ok = True
+        except (OSError, TimeoutError, ConnectionError) as e:
+            log.warning("control connection from %s dropped during the handshake: %s", peer, e)
+        with self._lock:
+            still = self._pending.pop(conn, None) is not None
+            if not ok:
+                self.refused += 1
+        if not (ok and still):
+            conn.close()
+            return
+        conn.settimeout(None)
+        self._on_connection(conn, peer)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            pending = list(self._pending)
+            self._pending.clear()
+        try:
+            # shutdown wakes the accept() blocked in the listener thread; close alone does not
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
+            self._sock.close()
+        finally:
+            for c in pending:
+                try:
+                    c.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        self._thread.join(timeout=2)
+
+    def __enter__(self) -> "AuthListener":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

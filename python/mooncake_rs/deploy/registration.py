@@ -1,0 +1,123 @@
+"""A worker's registration in etcd: its record under a lease it keeps alive.
+
+``register()`` refuses, with an ``InvalidArgument`` that says what differs, a worker whose
+model fingerprint is not the cluster's (the first registration, or the ``serve`` process,
+records the cluster's fingerprint at ``{prefix}/fingerprint``; it stays when workers come
+and go), and a name another live worker holds. Then the key lives as long as the lease:
+``close()`` revokes it (the worker leaves at once); a crashed worker's key expires with
+its TTL. A lease lost during a long etcd outage is re-granted and the record put again
+when etcd returns, so a worker that outlived an outage rejoins by itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import msgspec
+
+from ..errors import InvalidArgument, ServiceUnavailable
+from .etcd import EtcdClient
+from .lease import KeptLease
+from .records import ModelFingerprint, WorkerRecord, encode_record, worker_key
+
+__all__ = ["WorkerRegistration", "claim_fingerprint"]
+
+log = logging.getLogger("mooncake_rs.deploy")
+
+_RETRY_S = 0.5
+
+
+def _fingerprint_key(prefix: str) -> bytes:
+    return f"{prefix.rstrip('/')}/fingerprint".encode()
+
+
+def claim_fingerprint(client: EtcdClient, prefix: str, fingerprint: ModelFingerprint) -> None:
+    """Records ``fingerprint`` as the cluster's if none is, else checks it is the same
+    (InvalidArgument naming the fields that differ)."""
+    key = _fingerprint_key(prefix)
+    data = msgspec.json.encode(fingerprint)
+    if client.create(key, data):
+        return
+    kv = client.get(key)
+    if kv is None:  # deleted in between by an operator: claim again
+        claim_fingerprint(client, prefix, fingerprint)
+        return
+    try:
+        theirs = msgspec.json.decode(kv.value, type=ModelFingerprint)
+    except msgspec.DecodeError as e:
+        raise InvalidArgument(f"the cluster's fingerprint at {key.decode()} is malformed ({e}); delete it") from e
+    diff = theirs.mismatch(fingerprint)
+    if diff:
+        raise InvalidArgument(f"this worker's model does not match the cluster's ({diff}); "
+                              "start it with the cluster's model, dtype and block size")
+
+
+class WorkerRegistration:
+    """Registers ``record`` under ``prefix`` (e.g. ``/mooncake/<cluster>``) until ``close()``."""
+
+    def __init__(self, client: EtcdClient, prefix: str, record: WorkerRecord, ttl_s: int = 5) -> None:
+        self.client, self.prefix, self.record, self.ttl_s = client, prefix, record, ttl_s
+        self.key = worker_key(prefix, record.name)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._lease: KeptLease | None = None
+        self._rejoin: threading.Thread | None = None
+
+    def register(self) -> "WorkerRegistration":
+        claim_fingerprint(self.client, self.prefix, self.record.fingerprint)
+        with self._lock:
+            self._put()
+        return self
+
+    def _put(self) -> None:
+        lease = KeptLease(self.client, self.ttl_s, on_lost=self._lost, name=f"worker-{self.record.name}")
+        try:
+            created = self.client.create(self.key, encode_record(self.record), lease.id)
+        except BaseException:
+            lease.revoke()
+            raise
+        if not created:
+            lease.revoke()
+            raise InvalidArgument(f"a worker named {self.record.name!r} is already registered in {self.prefix}; "
+                                  "give this one another --name (or wait for the other's lease to expire)")
+        self._lease = lease
+
+    def _lost(self) -> None:
+        log.warning("worker %s: its etcd lease expired (etcd outage?); registering again", self.record.name)
+        self._rejoin = threading.Thread(target=self._rejoin_loop, name="mooncake-rejoin", daemon=True)
+        self._rejoin.start()
+
+    def _rejoin_loop(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                try:
+                    self._put()
+                    log.warning("worker %s registered again", self.record.name)
+                    return
+                except ServiceUnavailable:
+                    pass
+                except InvalidArgument as e:  # another worker took the name meanwhile
+                    log.error("worker %s cannot register again: %s", self.record.name, e)
+                    return
+            threading.Event().wait(_RETRY_S)
+
+    @property
+    def lease_id(self) -> int | None:
+        return self._lease.id if self._lease is not None else None
+
+    def close(self) -> None:
+        """Leaves the cluster now (revokes the lease; idempotent)."""
+        with self._lock:
+            self._closed = True
+            lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.revoke()
+
+    def __enter__(self) -> "WorkerRegistration":
+        return self.register()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,104 @@
+""""Hosts" for tests: network namespaces on a private subnet that the test creates and
+deletes, joined by veth pairs to a bridge in the test's own namespace.
+
+    with TestHosts(2) as hosts:
+        hosts.gateway            # "10.213.N.1": the bridge, reachable from every host
+        hosts.ip(0)              # "10.213.N.10"
+        hosts.popen(0, [...])    # a process "on" host 0
+        hosts.cut(0)             # host 0 vanishes from the network (its cable is cut)
+
+The subnet's third octet comes from the test process id, so concurrent runs do not
+collide; every name carries it too, and ``close()`` removes all of them (also after a
+failed setup). Needs CAP_NET_ADMIN (root here and in CI); ``available()`` says whether
+namespaces can be made, so tests can fall back or skip.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["TestHosts", "available"]
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=10)
+
+
+def available() -> bool:
+    name = f"mrprobe{os.getpid() % 100000}"
+    try:
+        ok = _ip("netns", "add", name, check=False).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    if ok:
+        _ip("netns", "del", name, check=False)
+    return ok
+
+
+class TestHosts:
+    __test__ = False  # not a pytest test class
+
+    def __init__(self, n: int) -> None:
+        tag = os.getpid() % 100000
+        self.octet = 16 + os.getpid() % 200
+        self.n = n
+        self.bridge = f"mrbr{tag}"
+        self.names = [f"mrh{tag}x{i}" for i in range(n)]
+        self._veths = [f"mrv{tag}x{i}" for i in range(n)]
+        self.gateway = f"10.213.{self.octet}.1"
+        self._procs: list[subprocess.Popen[Any]] = []
+
+    def ip(self, i: int) -> str:
+        return f"10.213.{self.octet}.{10 + i}"
+
+    def __enter__(self) -> "TestHosts":
+        try:
+            _ip("link", "add", "name", self.bridge, "type", "bridge")
+            # a fixed address: a bridge otherwise takes the lowest of its ports' MACs, and
+            # cutting that port would change the gateway's MAC under the other hosts'
+            # ARP caches (they would lose the gateway too, for the ARP timeout)
+            _ip("link", "set", self.bridge, "address", f"02:6d:72:00:{self.octet:02x}:01")
+            _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+            _ip("link", "set", self.bridge, "up")
+            for i, (ns, veth) in enumerate(zip(self.names, self._veths)):
+                _ip("netns", "add", ns)
+                _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+                _ip("link", "set", veth, "master", self.bridge, "up")
+                _ip("-n", ns, "addr", "add", f"{self.ip(i)}/24", "dev", "eth0")
+                _ip("-n", ns, "link", "set", "eth0", "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def popen(self, i: int, argv: Sequence[str], **kw: Any) -> "subprocess.Popen[Any]":
+        """Starts ``argv`` inside host ``i``; killed by ``close()`` if still running."""
+        p = subprocess.Popen(["ip", "netns", "exec", self.names[i], *argv], **kw)
+        self._procs.append(p)
+        return p
+
+    def cut(self, i: int) -> None:
+        """Host ``i`` drops off the network: deleting the bridge end of its veth deletes
+        both ends, so its peers see silence, not a closed connection."""
+        _ip("link", "del", self._veths[i], check=False)
+
+    def close(self) -> None:
+        for p in self._procs:
+            if p.poll() is None:
+                p.kill()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for veth in self._veths:
+            _ip("link", "del", veth, check=False)
+        for ns in self.names:
+            _ip("netns", "del", ns, check=False)
+        _ip("link", "del", self.bridge, check=False)
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,242 @@
+"""Every module of the package imports on its own, and the package has no import cycles.
+
+The cycle check is static: it reads every module's AST and takes each ``import`` /
+``from ... import`` statement as an edge, wherever it stands (module level, inside a
+function, under ``if TYPE_CHECKING:``), because a cycle dodged by moving the import into
+a function or behind ``TYPE_CHECKING`` is still a cycle in the design. ``from pkg import
+name`` is an edge to ``pkg.name`` when that is a submodule, else to ``pkg`` itself.
+``importlib.import_module`` calls (the lazy ``__getattr__`` of a package re-exporting its
+children) are not statements and are not counted: a package may re-export lazily what
+its submodules define.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import mooncake_rs
+
+PKG = "mooncake_rs"
+ROOT = Path(mooncake_rs.__file__).resolve().parent
+
+#: Cycles of the serving layer that the serving rewrite of issue 11 removes (router <->
+#: cluster, instance <-> prefill/decode roles, and liveness <-> cluster: the watchdog
+#: types its argument as ``Cluster`` under ``TYPE_CHECKING``). Each pair is one edge ``(importer,
+#: imported)``. They are left out of the strict check below and reported as skipped by
+#: ``test_pending_cycles``; empty this set once that branch is merged.
+_PENDING_CYCLES: set[tuple[str, str]] = {
+    ("mooncake_rs.serving.cluster", "mooncake_rs.serving.router"),
+    ("mooncake_rs.serving.router", "mooncake_rs.serving.cluster"),
+    ("mooncake_rs.serving.instance", "mooncake_rs.serving.prefill"),
+    ("mooncake_rs.serving.prefill", "mooncake_rs.serving.instance"),
+    ("mooncake_rs.serving.instance", "mooncake_rs.serving.decode"),
+    ("mooncake_rs.serving.decode", "mooncake_rs.serving.instance"),
+    ("mooncake_rs.serving.cluster", "mooncake_rs.serving.liveness"),
+    ("mooncake_rs.serving.liveness", "mooncake_rs.serving.cluster"),
+}
+
+
+def module_files() -> dict[str, Path]:
+    """Dotted module name -> source file, for every ``.py`` of the package."""
+    out: dict[str, Path] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = [PKG, *rel.parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+@dataclass(frozen=True)
+class Edge:
+    src: str
+    dst: str
+    line: int
+    where: str  # "module", "function" or "type-checking"
+
+    def __str__(self) -> str:
+        return f"{self.src} -> {self.dst} (line {self.line}, {self.where})"
+
+
+def _type_checking_test(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.Module) -> list[tuple[ast.Import | ast.ImportFrom, str]]:
+    """Every import statement of a module, with where it stands."""
+    found: list[tuple[ast.Import | ast.ImportFrom, str]] = []
+
+    def visit(node: ast.AST, where: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append((child, where))
+                continue
+            inner = where
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                inner = "function"
+            elif isinstance(child, ast.If) and _type_checking_test(child) and where == "module":
+                inner = "type-checking"
+            visit(child, inner)
+
+    visit(tree, "module")
+    return found
+
+
+def import_graph() -> tuple[set[str], list[Edge]]:
+    """The package's modules and the import edges between them (see the module docs)."""
+    files = module_files()
+    mods = set(files)
+    edges: list[Edge] = []
+    for mod, path in files.items():
+        is_pkg = path.name == "__init__.py"
+        # the package a relative import of this module starts from
+        base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+        tree = ast.parse(path.read_text(), str(path))
+        for node, where in _imports(tree):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                if node.level:
+                    up = base[: len(base) - (node.level - 1)]
+                    assert up, f"{mod}: relative import above the package at line {node.lineno}"
+                    origin = ".".join(up + ([node.module] if node.module else []))
+                else:
+                    origin = node.module or ""
+                for a in node.names:
+                    sub = f"{origin}.{a.name}"
+                    targets.append(sub if sub in mods else origin)
+            for t in targets:
+                # ``import mooncake_rs.x.y`` of a name that is not a module: its longest module prefix
+                while t and t not in mods and "." in t:
+                    t = t.rsplit(".", 1)[0]
+                if t in mods and t != mod:
+                    edges.append(Edge(mod, t, node.lineno, where))
+    return mods, edges
+
+
+def find_cycle(mods: set[str], edges: list[Edge]) -> list[Edge] | None:
+    """One cycle of the graph as its list of edges, or None when it has none."""
+    out: dict[str, list[Edge]] = {m: [] for m in mods}
+    for e in edges:
+        out[e.src].append(e)
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[Edge] = []
+
+    def dfs(m: str) -> list[Edge] | None:
+        state[m] = 1
+        for e in sorted(out[m], key=lambda e: (e.dst, e.line)):
+            s = state.get(e.dst, 0)
+            if s == 1:
+                start = next((i for i, p in enumerate(path) if p.src == e.dst), len(path))
+                return path[start:] + [e]
+            if s == 0:
+                path.append(e)
+                found = dfs(e.dst)
+                if found:
+                    return found
+                path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(mods):
+        if not state.get(m):
+            found = dfs(m)
+            if found:
+                return found
+    return None
+
+
+def _fmt(cycle: list[Edge]) -> str:
+    return "\n  ".join(str(e) for e in cycle)
+
+
+def test_the_graph_sees_every_kind_of_import():
+    """The graph builder itself, on edges known to exist in the package."""
+    mods, edges = import_graph()
+    assert {"mooncake_rs", "mooncake_rs.sim.simulator", "mooncake_rs.engine.params"} <= mods
+    got = {(e.src, e.dst, e.where) for e in edges}
+    # module level, relative, ``from .x import y``
+    assert ("mooncake_rs.engine.sampler", "mooncake_rs.engine.params", "module") in got
+    # ``from .. import Name`` of a name defined by the package itself
+    assert ("mooncake_rs.serving.arena", "mooncake_rs", "module") in got
+    # function level
+    assert ("mooncake_rs.serving.cluster", "mooncake_rs.engine.params", "function") in got
+    # under ``if TYPE_CHECKING:``
+    assert ("mooncake_rs.engine", "mooncake_rs.engine.engine", "type-checking") in got
+    # ``from . import name`` where the name is a submodule
+    assert ("mooncake_rs", "mooncake_rs._logging", "module") in got
+
+
+def test_find_cycle_reports_the_cycle():
+    """The checker fails on a made-up cycle and names every edge of it."""
+    mods = {"a", "b", "c", "d"}
+    edges = [Edge("a", "b", 1, "module"), Edge("b", "c", 2, "function"), Edge("c", "a", 3, "type-checking"),
+             Edge("a", "d", 4, "module")]
+    cyc = find_cycle(mods, edges)
+    assert cyc is not None and [(e.src, e.dst) for e in cyc] == [("a", "b"), ("b", "c"), ("c", "a")]
+    assert find_cycle(mods, edges[:2] + edges[3:]) is None
+
+
+def test_no_import_cycles():
+    mods, edges = import_graph()
+    strict = [e for e in edges if (e.src, e.dst) not in _PENDING_CYCLES]
+    cycle = find_cycle(mods, strict)
+    assert cycle is None, f"import cycle in python/{PKG}:\n  {_fmt(cycle or [])}"
+
+
+def _reaches(edges: list[Edge], src: str, dst: str) -> bool:
+    out: dict[str, set[str]] = {}
+    for e in edges:
+        out.setdefault(e.src, set()).add(e.dst)
+    seen, todo = {src}, [src]
+    while todo:
+        for n in out.get(todo.pop(), ()):
+            if n == dst:
+                return True
+            if n not in seen:
+                seen.add(n)
+                todo.append(n)
+    return False
+
+
+def test_pending_cycles():
+    """The serving cycles another branch removes: skipped while they are there. An entry
+    of ``_PENDING_CYCLES`` that no longer closes a cycle (the edge is gone, or nothing
+    leads back) fails this test until it is removed, so the set stays exact."""
+    if not _PENDING_CYCLES:
+        return
+    mods, edges = import_graph()
+    pairs = {(e.src, e.dst) for e in edges}
+    stale = sorted(p for p in _PENDING_CYCLES if p not in pairs or not _reaches(edges, p[1], p[0]))
+    assert not stale, f"no longer in an import cycle; remove from _PENDING_CYCLES in tests/test_imports.py: {stale}"
+    cycle = find_cycle(mods, edges)
+    pytest.skip("known serving import cycles, removed by the serving rewrite (issue 11); empty "
+                f"_PENDING_CYCLES in tests/test_imports.py after merging it. One of them:\n  {_fmt(cycle or [])}")
+
+
+def _importable_modules() -> list[str]:
+    # ``__main__`` runs the CLI when imported; it is imported (and run) by tests/test_cli.py.
+    return [m for m in sorted(module_files()) if not m.endswith(".__main__")]
+
+
+@pytest.mark.parametrize("mod", _importable_modules())
+def test_module_imports_alone(mod):
+    """In a fresh interpreter: an import that works only after some other module was
+    imported first (a hidden order dependency, often a dodged cycle) fails here."""
+    env = dict(os.environ, MOONCAKE_LOG="warn")
+    r = subprocess.run([sys.executable, "-c", f"import {mod}"], capture_output=True, text=True, timeout=120, env=env)
+    if r.returncode and "No module named 'torch'" in r.stderr and importlib.util.find_spec("torch") is None:
+        pytest.skip("needs torch, which is not installed")
+    assert r.returncode == 0, f"`import {mod}` alone failed:\n{r.stderr[-3000:]}"
