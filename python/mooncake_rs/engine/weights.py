@@ -153,9 +153,9 @@ def load_hf_dir(path: str | Path, *, dtype: str | None = None,
     Tensor names are those of transformers' ``*ForCausalLM`` classes: per layer
     ``self_attn.{q,k,v,o}_proj.weight`` (and ``.bias`` when the family has one),
     ``self_attn.{q,k}_norm.weight`` (Qwen3), ``mlp.{gate,up,down}_proj.weight`` (and
-    ``.bias`` with Llama's ``mlp_bias``) and the two
-    layer norms. A tensor the config does not account for is an error (a config/checkpoint
-    mismatch would otherwise load silently and compute garbage)."""
+    ``.bias`` with Llama's ``mlp_bias``) and the two layer norms. A tensor the config does
+    not account for is an error (a config/checkpoint mismatch would otherwise load silently
+    and compute garbage)."""
     from safetensors import safe_open
 
     p = Path(path)
