@@ -1,4 +1,10 @@
-"""The Llama decoder: RMSNorm, RoPE (theta, linear / llama3 scaling), GQA, SwiGLU.
+"""The decoder: RMSNorm, RoPE (theta, linear / llama3 scaling), GQA, SwiGLU.
+
+One forward serves every supported family (Llama, Mistral, Qwen2, Qwen3): the config's
+switches add projection biases (q/k/v, o, MLP) and Qwen3's per-head q/k RMSNorm. The
+q/k/v ones happen before RoPE and the cache write, so the attention backends (torch
+reference and FlashInfer alike) see ordinary q/k/v and need no family knowledge; the one
+thing they are told is a sliding window (Mistral), which they apply as a mask.
 
 Plain functions over :class:`~.weights.LlamaWeights`; a forward pass runs over a flat
 batch of new tokens (any mix of prefill chunks and decodes), writes their K/V into the
@@ -56,7 +62,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaModel:
-    """Forward passes of a Llama decoder over the paged KV cache."""
+    """Forward passes of a decoder (any supported family) over the paged KV cache."""
 
     def __init__(self, cfg: ModelConfig, weights: LlamaWeights) -> None:
         self.cfg = cfg
@@ -82,22 +88,25 @@ class LlamaModel:
         eps = cfg.rms_norm_eps
         x = w.embed[token_ids]
         cos, sin = self.rope(meta.positions)
-        attn.plan(meta)
+        attn.plan(meta, cfg.sliding_window)
         for l, lw in enumerate(w.layers):
             h = rms_norm(x, lw.attn_norm, eps)
-            qkv = F.linear(h, lw.qkv)
+            qkv = F.linear(h, lw.qkv, lw.qkv_bias)
             q = qkv[:, :qs].view(t, nh, hd)
             k = qkv[:, qs:qs + kvs].view(t, nkv, hd)
             v = qkv[:, qs + kvs:].view(t, nkv, hd)
+            if lw.q_norm is not None and lw.k_norm is not None:  # Qwen3: each head's q, k RMSNormed
+                q = rms_norm(q, lw.q_norm, eps)
+                k = rms_norm(k, lw.k_norm, eps)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             cache.write(l, meta.slots, k, v)
             o = attn.forward(q, cache.k(l), cache.v(l))
-            x = x + F.linear(o.reshape(t, qs), lw.o)
+            x = x + F.linear(o.reshape(t, qs), lw.o, lw.o_bias)
             h = rms_norm(x, lw.mlp_norm, eps)
-            gu = F.linear(h, lw.gate_up)
+            gu = F.linear(h, lw.gate_up, lw.gate_up_bias)
             g, u = gu.chunk(2, dim=-1)
-            x = x + F.linear(F.silu(g) * u, lw.down)
+            x = x + F.linear(F.silu(g) * u, lw.down, lw.down_bias)
             if on_layer is not None:
                 on_layer(l)
         if logits_rows is None:

@@ -116,8 +116,11 @@ class AttentionBackend(ABC):
         self.scale = head_dim ** -0.5
 
     @abstractmethod
-    def plan(self, meta: BatchMeta) -> None:
-        """Prepares the step (index tensors, kernel plans); reused by every layer."""
+    def plan(self, meta: BatchMeta, window: int | None = None) -> None:
+        """Prepares the step (index tensors, kernel plans); reused by every layer.
+
+        ``window``: sliding-window attention (Mistral-style) where a query at position
+        ``i`` sees keys ``i - window + 1 .. i``; ``None``: the whole causal prefix."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:

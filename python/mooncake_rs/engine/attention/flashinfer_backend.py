@@ -4,7 +4,8 @@ A step whose sequences all add one token uses ``BatchDecodeWithPagedKVCacheWrapp
 any other step (prefill chunks, possibly mixed with decodes) uses
 ``BatchPrefillWithPagedKVCacheWrapper`` with a causal mask (FlashInfer aligns the new
 queries with the last ``q_len`` keys). Each wrapper is planned once per step and run by
-every layer on the NHD caches ``(k_cache, v_cache)``.
+every layer on the NHD caches ``(k_cache, v_cache)``. A sliding window becomes the
+wrappers' ``window_left``.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ class FlashInferAttention(AttentionBackend):
             self._ws, "NHD", use_tensor_cores=(num_heads // num_kv_heads) >= 4)
         self._active = self._decode
 
-    def plan(self, meta: BatchMeta) -> None:
-        common = dict(q_data_type=self.dtype, kv_data_type=self.dtype)
+    def plan(self, meta: BatchMeta, window: int | None = None) -> None:
+        # FlashInfer's window_left is inclusive (keys i - window_left .. i): window - 1 keys back
+        common = dict(q_data_type=self.dtype, kv_data_type=self.dtype,
+                      window_left=-1 if window is None else window - 1)
         if meta.is_decode:
             self._decode.plan(meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, self.num_heads,
                               self.num_kv_heads, self.head_dim, meta.page_size, **common)

@@ -27,7 +27,7 @@ class TorchAttention(AttentionBackend):
             self._ar = torch.arange(max(n, 1024), device=self.device)
         return self._ar
 
-    def plan(self, meta: BatchMeta) -> None:
+    def plan(self, meta: BatchMeta, window: int | None = None) -> None:
         b = len(meta.q_lens)
         self.max_q = max_q = max(meta.q_lens)
         max_kv = max(meta.kv_lens)
@@ -42,16 +42,22 @@ class TorchAttention(AttentionBackend):
         kv_pos = ar[:max_kv]
         self.batch = b
         self.decode = meta.is_decode
-        # one plain causal prompt filling its pages exactly: no mask needed
-        self.single = b == 1 and meta.q_lens[0] == meta.kv_lens[0] == max_kv
+        # one plain causal prompt filling its pages exactly (and inside the window): no mask needed
+        self.single = (b == 1 and meta.q_lens[0] == meta.kv_lens[0] == max_kv
+                       and (window is None or max_kv <= window))
         if self.decode:
-            self.mask = (kv_pos[None, :] < kv_len[:, None])[:, None, None, :]
+            live = kv_pos[None, :] < kv_len[:, None]
+            if window is not None:  # the query sits at kv_len - 1
+                live &= kv_pos[None, :] >= (kv_len - window)[:, None]
+            self.mask = live[:, None, None, :]
             return
         q_len = torch.tensor(meta.q_lens, device=dev)
         qi = ar[:max_q]
         # query i of sequence s sits at position kv_len - q_len + i
         qpos = (kv_len - q_len)[:, None] + qi[None, :]  # [B, max_q]
         mask = kv_pos[None, None, :] <= qpos[:, :, None]  # causal (and inside kv_len)
+        if window is not None:
+            mask &= kv_pos[None, None, :] > qpos[:, :, None] - window
         mask[:, :, 0] |= qi[None, :] >= q_len[:, None]  # padded rows attend to one key: no NaN
         self.mask = mask[:, None]
         seq = torch.repeat_interleave(torch.arange(b, device=dev), q_len)
