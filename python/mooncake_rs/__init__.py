@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from . import _logging
 from ._core import (
+    AppliedEvents,
     Batch,
     Block,
     BlockCache,
+    BlockHashes,
     BlockIndex,
     Conductor,
     ConductorConfig,
@@ -29,6 +31,7 @@ from ._core import (
     ReplicationHint,
     Store,
     StoreEvent,
+    StoreEvents,
     StoreRegion,
     StoreStats,
     TransferCostModel,
@@ -58,6 +61,7 @@ __all__ = [
     "__version__",
     # hashing and the index
     "PrefixHasher",
+    "BlockHashes",
     "BlockIndex",
     "PrefixMatch",
     "IndexStats",
@@ -77,6 +81,8 @@ __all__ = [
     "Block",
     "WritableBlock",
     "StoreEvent",
+    "StoreEvents",
+    "AppliedEvents",
     "StoreStats",
     "StoreRegion",
     "BlockCache",

@@ -73,6 +73,17 @@ impl BufferView {
         self.view.ndim as usize
     }
 
+    /// The dimensions (empty for a 0-D export; `[len / itemsize]` when the exporter
+    /// gave no shape).
+    pub fn shape(&self) -> Vec<usize> {
+        if self.view.shape.is_null() {
+            return vec![self.len_bytes() / self.itemsize().max(1)];
+        }
+        // SAFETY: a non-null shape has `ndim` entries, owned by the exporter while the
+        // view is held.
+        unsafe { std::slice::from_raw_parts(self.view.shape, self.ndim()) }.iter().map(|&d| d.max(0) as usize).collect()
+    }
+
     pub fn itemsize(&self) -> usize {
         self.view.itemsize as usize
     }

@@ -4,6 +4,7 @@ use mooncake_core::{HashAlgorithm, PrefixHasher};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
+use crate::block_hashes::PyBlockHashes;
 use crate::convert::{hash_from_py, hashes_to_list, Tokens};
 use crate::errors::{invalid, to_pyerr};
 use crate::gil::detached;
@@ -60,6 +61,20 @@ impl PyPrefixHasher {
         let tokens = Tokens::extract(tokens)?;
         let hashes = tokens.with_u32(|t| self.inner.hash_tokens(t, parent));
         hashes_to_list(py, &hashes)
+    }
+
+    /// Like `hash`, as a `BlockHashes` buffer instead of a list of ints: no Python int is
+    /// built per block; the index, the conductor and the store take it as it is.
+    /// Tokens: a list/tuple of ints or a 1-D integer buffer (numpy int32/uint32 is read in
+    /// place); `parent` continues a chain (e.g. `previous[-1]`).
+    #[pyo3(signature = (tokens, parent = None))]
+    fn hash_blocks(&self, tokens: &Bound<'_, PyAny>, parent: Option<&Bound<'_, PyAny>>) -> PyResult<PyBlockHashes> {
+        let parent = parent.map(hash_from_py).transpose()?;
+        let tokens = Tokens::extract(tokens)?;
+        // With the GIL held, as `hash`: a 16k-token prompt at block 16 is ~10-20 us, and
+        // a released GIL would let another thread change a numpy buffer being read.
+        let hashes = tokens.with_u32(|t| self.inner.hash_tokens(t, parent));
+        Ok(PyBlockHashes::from_vec(hashes))
     }
 
     /// `hash` of every sequence, in one call with the GIL released.

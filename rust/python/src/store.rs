@@ -11,9 +11,10 @@ use pyo3::prelude::*;
 use pyo3::types::PyList;
 
 use crate::convert::{hash_from_py, hash_to_py, BufferView};
-use crate::store_keys::keys_from_py;
+use crate::keys::keys_from_py;
 use crate::errors::{invalid, to_pyerr};
 use crate::store_block::{PyBlock, PyWritableBlock};
+use crate::store_events::PyStoreEvents;
 
 /// Copies at least this large release the GIL.
 const DETACH_BYTES: usize = 1 << 16;
@@ -67,11 +68,11 @@ impl PyStoreRegion {
 pub struct PyStoreEvent {
     /// "stored", "evicted", "demoted", "promoted" or "removed".
     #[pyo3(get)]
-    kind: &'static str,
-    key: BlockHash,
+    pub(crate) kind: &'static str,
+    pub(crate) key: BlockHash,
     /// "dram" or "ssd": the tier the event happened in.
     #[pyo3(get)]
-    tier: &'static str,
+    pub(crate) tier: &'static str,
 }
 
 #[pymethods]
@@ -416,6 +417,13 @@ impl PyStore {
         self.inner.drain_events().into_iter().map(PyStoreEvent::from).collect()
     }
 
+    /// Drains the events as one `StoreEvents` batch (no Python object per event), for
+    /// `Conductor.apply_store_events(instance, batch)`; `batch.to_bytes()` carries it to
+    /// another process.
+    fn drain_events_batch(&self) -> PyStoreEvents {
+        PyStoreEvents { events: Arc::new(self.inner.drain_events()) }
+    }
+
     fn stats(&self) -> PyStoreStats {
         self.inner.stats().into()
     }
@@ -452,5 +460,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyStoreRegion>()?;
     m.add_class::<PyStoreEvent>()?;
     m.add_class::<PyStoreStats>()?;
+    crate::store_events::register(m)?;
     Ok(())
 }
