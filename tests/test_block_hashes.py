@@ -161,3 +161,15 @@ def test_every_key_entry_point_takes_block_hashes() -> None:
     assert [b is not None for b in s.get_many(bh[3:7])] == [True, True, False, False]
     assert [blk.key for blk in s.lookup_prefix(bh)] == keys[:5]
     s.check_integrity()
+
+
+def test_token_lists_with_mixed_items() -> None:
+    """The borrowed-item fast path for lists/tuples hands over to the generic route at the
+    first non-int item, with the same results and error positions."""
+    h = mr.PrefixHasher(4)
+    ref = h.hash([1, 2, 3, 1, 5, 6, 7, 8])
+    mixed = [1, 2, np.int64(3), True, 5, np.uint32(6), 7, 8]
+    assert h.hash_blocks(mixed).tolist() == ref == h.hash(mixed) == h.hash_blocks(tuple(mixed)).tolist()
+    for bad, pos in (([1, 2, np.int64(3), -1], 3), ([1, 2**70, 3, 4], 1), ((1, 2, 3, "x"), 3), ([0] * 9 + [-5], 9)):
+        with pytest.raises(mr.InvalidArgument, match=f"position {pos} "):
+            h.hash_blocks(bad)
