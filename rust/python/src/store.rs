@@ -15,6 +15,7 @@ use crate::keys::keys_from_py;
 use crate::errors::{invalid, to_pyerr};
 use crate::store_block::{PyBlock, PyWritableBlock};
 use crate::store_events::PyStoreEvents;
+use crate::store_run::PyLeasedRun;
 
 /// Copies at least this large release the GIL.
 const DETACH_BYTES: usize = 1 << 16;
@@ -380,6 +381,17 @@ impl PyStore {
         PyList::new(py, objs)
     }
 
+    /// `lookup_prefix` as one `LeasedRun`: the run's length, its keys, its leases, and
+    /// its blocks' arena offsets as a u64 buffer, without a Python object per block.
+    #[pyo3(signature = (keys, promote = true))]
+    fn lookup_prefix_run(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, promote: bool) -> PyResult<PyLeasedRun> {
+        let keys = keys_from_py(keys)?;
+        let s = &*self.inner;
+        let leases = core(py, py.detach(|| s.lookup_prefix(&keys, promote)))?;
+        let (data, start, _) = keys.into_shared();
+        Ok(PyLeasedRun::new(data, start, leases))
+    }
+
     /// Pins `key` in DRAM (never evicted); returns its pin count.
     fn pin(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<u32> {
         let key = hash_from_py(key)?;
@@ -461,5 +473,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyStoreEvent>()?;
     m.add_class::<PyStoreStats>()?;
     crate::store_events::register(m)?;
+    m.add_class::<PyLeasedRun>()?;
     Ok(())
 }
