@@ -96,7 +96,8 @@ def test_construction_forms_and_bad_input() -> None:
     raw = le_bytes(BIG)
     for form in (BIG, raw, bytearray(raw), np.frombuffer(raw, np.uint8), np.frombuffer(raw, np.uint8).reshape(-1, 16),
                  np.frombuffer(raw, "V16"), np.frombuffer(raw, "<u8").reshape(-1, 2),
-                 np.frombuffer(raw, "<u4").reshape(-1, 4), mr.BlockHashes(BIG), iter(BIG)):
+                 np.frombuffer(raw, "<u4").reshape(-1, 4), mr.BlockHashes(BIG), iter(BIG), tuple(BIG),
+                 np.array(BIG, dtype=object)):
         assert mr.BlockHashes(form).tolist() == BIG, type(form)
     # an int64 array is one key per item (its value), never raw key bytes
     assert mr.BlockHashes(np.array([3, 4], np.int64)).tolist() == [3, 4]

@@ -67,11 +67,10 @@ impl PyBlockHashes {
         unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<u8>(), std::mem::size_of_val(s)) }
     }
 
-    fn index(&self, py: Python<'_>, i: isize) -> PyResult<usize> {
+    fn index(&self, i: isize) -> PyResult<usize> {
         let n = self.len as isize;
         let j = if i < 0 { i + n } else { i };
         if !(0..n).contains(&j) {
-            let _ = py;
             return Err(PyIndexError::new_err(format!("BlockHashes index {i} out of range for {n} hashes")));
         }
         Ok(j as usize)
@@ -113,7 +112,7 @@ impl PyBlockHashes {
         let i: isize = idx.extract().map_err(|_| {
             pyo3::exceptions::PyTypeError::new_err("BlockHashes indices must be integers or slices")
         })?;
-        let j = self.index(py, i)?;
+        let j = self.index(i)?;
         hash_to_py(py, self.as_slice()[j])
     }
 

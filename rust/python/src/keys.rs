@@ -82,10 +82,10 @@ pub fn keys_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Keys> {
     let flags = ffi::PyBUF_FORMAT | ffi::PyBUF_C_CONTIGUOUS;
     let view = match BufferView::get(obj, flags) {
         Ok(Some(v)) => v,
-        Ok(None) => return hashes_from_py(obj).map(Keys::Owned),
-        Err(e) => {
-            return Err(invalid(py, format!("keys must be a list of ints, a BlockHashes or a C-contiguous buffer of 16-byte keys ({e})")))
-        }
+        // No buffer, or one that cannot be exported C-contiguous with a format (a numpy
+        // object array of big ints, a strided view): read it as an iterable of ints, as
+        // before key buffers existed (its items' errors say what is wrong).
+        Ok(None) | Err(_) => return hashes_from_py(obj).map(Keys::Owned),
     };
     let item = view.itemsize();
     let shape = view.shape();
