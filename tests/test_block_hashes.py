@@ -74,11 +74,12 @@ def test_buffer_protocol_views_without_copy() -> None:
     arr = np.asarray(bh)
     assert arr.shape == (6, 16) and arr.dtype == np.uint8 and not arr.flags.writeable
     assert arr.tobytes() == le_bytes(BIG)
-    v16 = np.frombuffer(bh, dtype="V16")
+    # (numpy's stubs type frombuffer's argument as bytes-like only, hence the ignores)
+    v16 = np.frombuffer(bh, dtype="V16")  # type: ignore[call-overload]
     assert len(v16) == 6 and v16[4].tobytes() == BIG[4].to_bytes(16, "little")
-    lohi = np.frombuffer(bh, dtype="<u8").reshape(-1, 2)
+    lohi = np.frombuffer(bh, dtype="<u8").reshape(-1, 2)  # type: ignore[call-overload]
     assert [int(lo) | (int(hi) << 64) for lo, hi in lohi] == BIG
-    pair = np.frombuffer(bh, dtype=[("lo", "<u8"), ("hi", "<u8")])
+    pair = np.frombuffer(bh, dtype=[("lo", "<u8"), ("hi", "<u8")])  # type: ignore[call-overload]
     assert int(pair["hi"][5]) == 2**64 - 1
     m = memoryview(bh[1:3])
     assert m.readonly and m.shape == (2, 16) and m.nbytes == 32

@@ -62,6 +62,7 @@ def test_matches_reference_for_every_form() -> None:
 def test_empty_and_missing_first() -> None:
     s = mr.Store(BB, 4 * BB)
     s.put(1, data(1))
+    form: object
     for form in ([], b"", mr.BlockHashes([]), np.zeros((0, 16), np.uint8)):
         assert s.lookup_prefix(form) == []
         run = s.lookup_prefix_run(form)
