@@ -33,6 +33,10 @@ def test_hash_blocks_equals_hash_for_every_token_form() -> None:
     b = h.hash_blocks(toks[64:], parent=a[-1])
     assert a.tolist() + b.tolist() == want
     assert h.hash_blocks(toks[:15]) == mr.BlockHashes([]) and len(h.hash_blocks([])) == 0
+    many = h.hash_many_blocks([toks, toks[:40].tolist(), []])
+    assert [m.tolist() for m in many] == h.hash_many([toks, toks[:40].tolist(), []])
+    with pytest.raises(mr.InvalidArgument, match="sequence 1"):
+        h.hash_many_blocks([toks, [1, -2]])
     with pytest.raises(mr.InvalidArgument, match="position 3"):
         h.hash_blocks([1, 2, 3, -1])
     with pytest.raises(mr.InvalidArgument):

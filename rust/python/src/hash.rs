@@ -79,23 +79,22 @@ impl PyPrefixHasher {
 
     /// `hash` of every sequence, in one call with the GIL released.
     fn hash_many<'py>(&self, py: Python<'py>, sequences: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyList>>> {
-        let mut owned = Vec::new();
-        for (i, seq) in sequences
-            .try_iter()
-            .map_err(|_| invalid(py, "hash_many takes a list of token sequences"))?
-            .enumerate()
-        {
-            let seq = seq?;
-            let tokens = Tokens::extract(&seq).map_err(|e| {
-                invalid(py, format!("sequence {i}: {}", e.value(py)))
-            })?;
-            owned.push(tokens.to_vec());
-        }
+        let owned = owned_sequences(py, sequences)?;
         let hasher = self.inner.clone();
         let all = detached(py, move || {
             Ok::<_, mooncake_core::HashError>(owned.iter().map(|t| hasher.hash_tokens(t, None)).collect::<Vec<_>>())
         })?;
         all.iter().map(|h| hashes_to_list(py, h)).collect()
+    }
+
+    /// `hash_many` returning one `BlockHashes` per sequence (GIL released while hashing).
+    fn hash_many_blocks(&self, py: Python<'_>, sequences: &Bound<'_, PyAny>) -> PyResult<Vec<PyBlockHashes>> {
+        let owned = owned_sequences(py, sequences)?;
+        let hasher = self.inner.clone();
+        let all = detached(py, move || {
+            Ok::<_, mooncake_core::HashError>(owned.iter().map(|t| hasher.hash_tokens(t, None)).collect::<Vec<_>>())
+        })?;
+        Ok(all.into_iter().map(PyBlockHashes::from_vec).collect())
     }
 
     fn __repr__(&self) -> String {
@@ -106,6 +105,21 @@ impl PyPrefixHasher {
             self.inner.algorithm().name()
         )
     }
+}
+
+/// Every token sequence of `sequences`, converted (owned, for hashing without the GIL).
+fn owned_sequences(py: Python<'_>, sequences: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
+    let mut owned = Vec::new();
+    for (i, seq) in sequences
+        .try_iter()
+        .map_err(|_| invalid(py, "hash_many takes a list of token sequences"))?
+        .enumerate()
+    {
+        let seq = seq?;
+        let tokens = Tokens::extract(&seq).map_err(|e| invalid(py, format!("sequence {i}: {}", e.value(py))))?;
+        owned.push(tokens.to_vec());
+    }
+    Ok(owned)
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
