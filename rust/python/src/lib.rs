@@ -23,6 +23,7 @@ mod pyint;
 mod store;
 mod store_block;
 mod store_events;
+mod store_keys;
 mod store_run;
 mod transfer;
 
