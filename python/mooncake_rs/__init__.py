@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING
 
 from . import _logging
 from ._core import (
+    AppliedEvents,
     Batch,
     Block,
     BlockCache,
+    BlockHashes,
     BlockIndex,
     Conductor,
     ConductorConfig,
@@ -22,6 +24,7 @@ from ._core import (
     DecodeCostModel,
     DecodeLoad,
     IndexStats,
+    LeasedRun,
     Peer,
     PrefillCostModel,
     PrefillLoad,
@@ -31,6 +34,7 @@ from ._core import (
     ReplicationHint,
     Store,
     StoreEvent,
+    StoreEvents,
     StoreRegion,
     StoreStats,
     TransferCostModel,
@@ -72,6 +76,7 @@ __all__ = [
     "__version__",
     # hashing and the index
     "PrefixHasher",
+    "BlockHashes",
     "BlockIndex",
     "PrefixMatch",
     "IndexStats",
@@ -90,7 +95,10 @@ __all__ = [
     "Store",
     "Block",
     "WritableBlock",
+    "LeasedRun",
     "StoreEvent",
+    "StoreEvents",
+    "AppliedEvents",
     "StoreStats",
     "StoreRegion",
     "BlockCache",

@@ -4,7 +4,8 @@ use mooncake_core::store::BlockCache;
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 
-use crate::convert::{hash_from_py, hashes_from_py, hashes_to_list};
+use crate::convert::{hash_from_py, hashes_to_list};
+use crate::keys::keys_from_py;
 use crate::errors::to_pyerr;
 use crate::gil::DETACH_THRESHOLD;
 
@@ -34,7 +35,7 @@ impl PyBlockCache {
 
     /// Length of the leading run of `keys` already cached; touches them as one access.
     fn lookup_prefix(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
-        let keys = hashes_from_py(keys)?;
+        let keys = keys_from_py(keys)?;
         let inner = &self.inner;
         if keys.len() >= DETACH_THRESHOLD {
             Ok(py.detach(|| inner.lock().lookup_prefix(&keys)))
@@ -46,7 +47,7 @@ impl PyBlockCache {
     /// Stores every key (a chain: position = index), touching those present, in order;
     /// returns the evicted keys.
     fn insert<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<Bound<'py, pyo3::types::PyList>> {
-        let keys = hashes_from_py(keys)?;
+        let keys = keys_from_py(keys)?;
         let inner = &self.inner;
         let evicted = if keys.len() >= DETACH_THRESHOLD {
             py.detach(|| inner.lock().insert(&keys))

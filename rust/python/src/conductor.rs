@@ -12,10 +12,12 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::conductor_types::{PyConductorConfig, PyDecision, PyReplicationHint, PySnapshot};
-use crate::convert::{hash_from_py, hashes_from_py};
+use crate::convert::hash_from_py;
+use crate::keys::keys_from_py;
 use crate::errors::{new_err, to_pyerr};
 use crate::gil::DETACH_THRESHOLD;
 use crate::index::PyBlockIndex;
+use crate::store_events::{events_from_py, PyAppliedEvents};
 
 #[pyclass(name = "Conductor", module = "mooncake_rs._core", frozen)]
 pub struct PyConductor {
@@ -97,7 +99,7 @@ impl PyConductor {
         now: f64,
         expected_output_len: Option<usize>,
     ) -> PyResult<PyDecision> {
-        let hashes = hashes_from_py(block_hashes)?;
+        let hashes = keys_from_py(block_hashes)?;
         let r = ScheduleRequest { request_id, block_hashes: &hashes, prompt_len, now, expected_output_len };
         decide(py, self.inner.schedule(&r))
     }
@@ -113,7 +115,7 @@ impl PyConductor {
         now: f64,
         expected_output_len: Option<usize>,
     ) -> PyResult<PyDecision> {
-        let hashes = hashes_from_py(block_hashes)?;
+        let hashes = keys_from_py(block_hashes)?;
         let r = ScheduleRequest { request_id, block_hashes: &hashes, prompt_len, now, expected_output_len };
         decide(py, self.inner.preview(&r))
     }
@@ -146,7 +148,7 @@ impl PyConductor {
     #[pyo3(signature = (instance, hashes, tier = "dram"))]
     fn on_blocks_stored(&self, py: Python<'_>, instance: InstanceId, hashes: &Bound<'_, PyAny>, tier: &str) -> PyResult<usize> {
         let tier = parse_tier(py, tier)?;
-        let hashes = hashes_from_py(hashes)?;
+        let hashes = keys_from_py(hashes)?;
         let inner = &self.inner;
         let r = if hashes.len() >= DETACH_THRESHOLD {
             py.detach(|| inner.on_blocks_stored(instance, &hashes, tier))
@@ -159,7 +161,7 @@ impl PyConductor {
     #[pyo3(signature = (instance, hashes, tier = None))]
     fn on_blocks_evicted(&self, py: Python<'_>, instance: InstanceId, hashes: &Bound<'_, PyAny>, tier: Option<&str>) -> PyResult<usize> {
         let tier = tier.map(|t| parse_tier(py, t)).transpose()?;
-        let hashes = hashes_from_py(hashes)?;
+        let hashes = keys_from_py(hashes)?;
         let inner = &self.inner;
         let r = if hashes.len() >= DETACH_THRESHOLD {
             py.detach(|| inner.on_blocks_evicted(instance, &hashes, tier))
@@ -167,6 +169,22 @@ impl PyConductor {
             inner.on_blocks_evicted(instance, &hashes, tier)
         };
         r.map_err(|e| map_err(py, e))
+    }
+
+    /// Applies a drained batch of `instance`'s store events to the index (commit,
+    /// demotion, promotion: held in the event's tier; eviction, removal: dropped there),
+    /// in order. `events`: what `Store.drain_events_batch()` or `Store.drain_events()`
+    /// returned, or `StoreEvents.to_bytes()` output from another process.
+    fn apply_store_events(&self, py: Python<'_>, instance: InstanceId, events: &Bound<'_, PyAny>) -> PyResult<PyAppliedEvents> {
+        let events = events_from_py(events)?;
+        let inner = &self.inner;
+        let r = if events.len() >= DETACH_THRESHOLD {
+            py.detach(|| inner.apply_store_events(instance, &events))
+        } else {
+            inner.apply_store_events(instance, &events)
+        };
+        let r = r.map_err(|e| map_err(py, e))?;
+        Ok(PyAppliedEvents { inserted: r.inserted, removed: r.removed })
     }
 
     /// Replicas worth making now, hottest first.

@@ -4,6 +4,7 @@ use mooncake_core::{HashAlgorithm, PrefixHasher};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
+use crate::block_hashes::PyBlockHashes;
 use crate::convert::{hash_from_py, hashes_to_list, Tokens};
 use crate::errors::{invalid, to_pyerr};
 use crate::gil::detached;
@@ -62,25 +63,38 @@ impl PyPrefixHasher {
         hashes_to_list(py, &hashes)
     }
 
+    /// Like `hash`, as a `BlockHashes` buffer instead of a list of ints: no Python int is
+    /// built per block; the index, the conductor and the store take it as it is.
+    /// Tokens: a list/tuple of ints or a 1-D integer buffer (numpy int32/uint32 is read in
+    /// place); `parent` continues a chain (e.g. `previous[-1]`).
+    #[pyo3(signature = (tokens, parent = None))]
+    fn hash_blocks(&self, tokens: &Bound<'_, PyAny>, parent: Option<&Bound<'_, PyAny>>) -> PyResult<PyBlockHashes> {
+        let parent = parent.map(hash_from_py).transpose()?;
+        let tokens = Tokens::extract(tokens)?;
+        // With the GIL held, as `hash`: a 16k-token prompt at block 16 is ~10-20 us, and
+        // a released GIL would let another thread change a numpy buffer being read.
+        let hashes = tokens.with_u32(|t| self.inner.hash_tokens(t, parent));
+        Ok(PyBlockHashes::from_vec(hashes))
+    }
+
     /// `hash` of every sequence, in one call with the GIL released.
     fn hash_many<'py>(&self, py: Python<'py>, sequences: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyList>>> {
-        let mut owned = Vec::new();
-        for (i, seq) in sequences
-            .try_iter()
-            .map_err(|_| invalid(py, "hash_many takes a list of token sequences"))?
-            .enumerate()
-        {
-            let seq = seq?;
-            let tokens = Tokens::extract(&seq).map_err(|e| {
-                invalid(py, format!("sequence {i}: {}", e.value(py)))
-            })?;
-            owned.push(tokens.to_vec());
-        }
+        let owned = owned_sequences(py, sequences)?;
         let hasher = self.inner.clone();
         let all = detached(py, move || {
             Ok::<_, mooncake_core::HashError>(owned.iter().map(|t| hasher.hash_tokens(t, None)).collect::<Vec<_>>())
         })?;
         all.iter().map(|h| hashes_to_list(py, h)).collect()
+    }
+
+    /// `hash_many` returning one `BlockHashes` per sequence (GIL released while hashing).
+    fn hash_many_blocks(&self, py: Python<'_>, sequences: &Bound<'_, PyAny>) -> PyResult<Vec<PyBlockHashes>> {
+        let owned = owned_sequences(py, sequences)?;
+        let hasher = self.inner.clone();
+        let all = detached(py, move || {
+            Ok::<_, mooncake_core::HashError>(owned.iter().map(|t| hasher.hash_tokens(t, None)).collect::<Vec<_>>())
+        })?;
+        Ok(all.into_iter().map(PyBlockHashes::from_vec).collect())
     }
 
     fn __repr__(&self) -> String {
@@ -91,6 +105,21 @@ impl PyPrefixHasher {
             self.inner.algorithm().name()
         )
     }
+}
+
+/// Every token sequence of `sequences`, converted (owned, for hashing without the GIL).
+fn owned_sequences(py: Python<'_>, sequences: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
+    let mut owned = Vec::new();
+    for (i, seq) in sequences
+        .try_iter()
+        .map_err(|_| invalid(py, "hash_many takes a list of token sequences"))?
+        .enumerate()
+    {
+        let seq = seq?;
+        let tokens = Tokens::extract(&seq).map_err(|e| invalid(py, format!("sequence {i}: {}", e.value(py))))?;
+        owned.push(tokens.to_vec());
+    }
+    Ok(owned)
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -6,7 +6,8 @@ use std::sync::Arc;
 use mooncake_core::{BlockIndex, ErrorCategory, IndexError, InstanceId, Tier};
 use pyo3::prelude::*;
 
-use crate::convert::{hash_from_py, hashes_from_py};
+use crate::convert::hash_from_py;
+use crate::keys::keys_from_py;
 use crate::errors::{new_err, to_pyerr};
 use crate::gil::{detached, DETACH_THRESHOLD};
 
@@ -90,7 +91,7 @@ impl PyBlockIndex {
     #[pyo3(signature = (instance, hashes, tier = "dram"))]
     fn insert(&self, py: Python<'_>, instance: InstanceId, hashes: &Bound<'_, PyAny>, tier: &str) -> PyResult<usize> {
         let tier = parse_tier(py, tier)?;
-        let hashes = hashes_from_py(hashes)?;
+        let hashes = keys_from_py(hashes)?;
         let inner = &self.inner;
         if hashes.len() >= DETACH_THRESHOLD {
             detached(py, || inner.insert(instance, &hashes, tier))
@@ -103,7 +104,7 @@ impl PyBlockIndex {
     #[pyo3(signature = (instance, hashes, tier = None))]
     fn remove(&self, py: Python<'_>, instance: InstanceId, hashes: &Bound<'_, PyAny>, tier: Option<&str>) -> PyResult<usize> {
         let tier = tier.map(|t| parse_tier(py, t)).transpose()?;
-        let hashes = hashes_from_py(hashes)?;
+        let hashes = keys_from_py(hashes)?;
         let inner = &self.inner;
         Ok(maybe_detached(py, hashes.len(), || inner.remove(instance, &hashes, tier)))
     }
@@ -123,7 +124,7 @@ impl PyBlockIndex {
     /// {instance: leading blocks of `hashes` it holds without a gap} for every instance
     /// holding at least the first block.
     fn match_prefix(&self, py: Python<'_>, hashes: &Bound<'_, PyAny>) -> PyResult<BTreeMap<InstanceId, usize>> {
-        let hashes = hashes_from_py(hashes)?;
+        let hashes = keys_from_py(hashes)?;
         let inner = &self.inner;
         let m = maybe_detached(py, hashes.len(), || inner.match_prefix(&hashes));
         Ok(m.into_iter().map(|x| (x.instance, x.total())).collect())
@@ -131,7 +132,7 @@ impl PyBlockIndex {
 
     /// Like `match_prefix`, split into DRAM and SSD counts per instance.
     fn match_prefix_tiers(&self, py: Python<'_>, hashes: &Bound<'_, PyAny>) -> PyResult<BTreeMap<InstanceId, PyPrefixMatch>> {
-        let hashes = hashes_from_py(hashes)?;
+        let hashes = keys_from_py(hashes)?;
         let inner = &self.inner;
         let m = maybe_detached(py, hashes.len(), || inner.match_prefix(&hashes));
         Ok(m.into_iter()
@@ -141,7 +142,7 @@ impl PyBlockIndex {
 
     /// (instance, matched blocks) of the longest match, or None.
     fn best_prefix(&self, py: Python<'_>, hashes: &Bound<'_, PyAny>) -> PyResult<Option<(InstanceId, usize)>> {
-        let hashes = hashes_from_py(hashes)?;
+        let hashes = keys_from_py(hashes)?;
         let inner = &self.inner;
         let best = maybe_detached(py, hashes.len(), || inner.best_prefix(&hashes));
         Ok(best.map(|m| (m.instance, m.total())))

@@ -2,7 +2,7 @@
 //!
 //! One file per exposed part of the core; shared plumbing in `errors` (core errors →
 //! the Python exception tree), `gil` (release the GIL around blocking core calls),
-//! `convert` (token buffers, hash lists), `pyint` (fast 128-bit ints) and `logging` (`MOONCAKE_LOG`).
+//! `convert` (token buffers, hash lists), `keys` (the one block-key extractor), `pyint` (fast 128-bit ints) and `logging` (`MOONCAKE_LOG`).
 
 use pyo3::prelude::*;
 
@@ -10,17 +10,21 @@ mod conductor;
 mod conductor_cost;
 mod conductor_types;
 mod block_cache;
+mod block_hashes;
 mod convert;
 mod errors;
 mod gil;
 mod hash;
 mod index;
+mod keys;
 mod logging;
 mod mem;
 mod pyint;
 mod store;
 mod store_block;
+mod store_events;
 mod store_keys;
+mod store_run;
 mod transfer;
 
 #[pymodule]
@@ -29,6 +33,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::init(m.py());
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     hash::register(m)?;
+    block_hashes::register(m)?;
     index::register(m)?;
     conductor::register(m)?;
     block_cache::register(m)?;

@@ -11,9 +11,11 @@ use pyo3::prelude::*;
 use pyo3::types::PyList;
 
 use crate::convert::{hash_from_py, hash_to_py, BufferView};
-use crate::store_keys::keys_from_py;
+use crate::keys::keys_from_py;
 use crate::errors::{invalid, to_pyerr};
 use crate::store_block::{PyBlock, PyWritableBlock};
+use crate::store_events::PyStoreEvents;
+use crate::store_run::PyLeasedRun;
 
 /// Copies at least this large release the GIL.
 const DETACH_BYTES: usize = 1 << 16;
@@ -67,11 +69,11 @@ impl PyStoreRegion {
 pub struct PyStoreEvent {
     /// "stored", "evicted", "demoted", "promoted" or "removed".
     #[pyo3(get)]
-    kind: &'static str,
-    key: BlockHash,
+    pub(crate) kind: &'static str,
+    pub(crate) key: BlockHash,
     /// "dram" or "ssd": the tier the event happened in.
     #[pyo3(get)]
-    tier: &'static str,
+    pub(crate) tier: &'static str,
 }
 
 #[pymethods]
@@ -379,6 +381,17 @@ impl PyStore {
         PyList::new(py, objs)
     }
 
+    /// `lookup_prefix` as one `LeasedRun`: the run's length, its keys, its leases, and
+    /// its blocks' arena offsets as a u64 buffer, without a Python object per block.
+    #[pyo3(signature = (keys, promote = true))]
+    fn lookup_prefix_run(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, promote: bool) -> PyResult<PyLeasedRun> {
+        let keys = keys_from_py(keys)?;
+        let s = &*self.inner;
+        let leases = core(py, py.detach(|| s.lookup_prefix(&keys, promote)))?;
+        let (data, start, _) = keys.into_shared();
+        Ok(PyLeasedRun::new(data, start, leases))
+    }
+
     /// Pins `key` in DRAM (never evicted); returns its pin count.
     fn pin(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<u32> {
         let key = hash_from_py(key)?;
@@ -414,6 +427,13 @@ impl PyStore {
 
     fn drain_events(&self) -> Vec<PyStoreEvent> {
         self.inner.drain_events().into_iter().map(PyStoreEvent::from).collect()
+    }
+
+    /// Drains the events as one `StoreEvents` batch (no Python object per event), for
+    /// `Conductor.apply_store_events(instance, batch)`; `batch.to_bytes()` carries it to
+    /// another process.
+    fn drain_events_batch(&self) -> PyStoreEvents {
+        PyStoreEvents { events: Arc::new(self.inner.drain_events()) }
     }
 
     fn stats(&self) -> PyStoreStats {
@@ -452,5 +472,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyStoreRegion>()?;
     m.add_class::<PyStoreEvent>()?;
     m.add_class::<PyStoreStats>()?;
+    crate::store_events::register(m)?;
+    m.add_class::<PyLeasedRun>()?;
     Ok(())
 }

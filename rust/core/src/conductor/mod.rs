@@ -20,12 +20,14 @@ mod events;
 pub mod policy;
 pub mod replication;
 mod state;
+mod store_events;
 
 pub use admission::{OutputLenEstimator, RejectReason};
 pub use config::{ConductorConfig, DecodeSpec, PolicyKind, PrefillSpec, RejectionKind};
 pub use conductor::{Conductor, Decision, DecodeLoad, PrefillLoad, ScheduleRequest, Snapshot};
 pub use cost::{CostModels, DecodeCostModel, FitError, PrefillCostModel, TransferCostModel};
 pub use replication::ReplicationHint;
+pub use store_events::AppliedEvents;
 
 use crate::error::{Categorized, ErrorCategory};
 use crate::index::{IndexError, InstanceId};

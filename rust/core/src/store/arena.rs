@@ -143,6 +143,14 @@ impl Lease {
     }
 }
 
+/// Another lease on the same slot (one more reference: the slot stays held until every
+/// clone is dropped).
+impl Clone for Lease {
+    fn clone(&self) -> Self {
+        Lease::acquire(&self.arena, self.slot)
+    }
+}
+
 impl Drop for Lease {
     fn drop(&mut self) {
         self.arena.release(self.slot);

@@ -42,6 +42,26 @@ pub struct StoreEvent {
     pub tier: Tier,
 }
 
+/// What a store event means for the conductor's index: the block is now held in a tier,
+/// or no longer held in it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum IndexEffect {
+    Held(Tier),
+    Dropped(Tier),
+}
+
+impl StoreEvent {
+    /// A commit, a demotion (it arrived in SSD) or a promotion (it arrived in DRAM) makes
+    /// the block held in the event's tier; an eviction or a removal drops it from that
+    /// tier. (A DRAM eviction that is then demoted is followed by its `Demoted` event.)
+    pub fn index_effect(&self) -> IndexEffect {
+        match self.kind {
+            EventKind::Stored | EventKind::Demoted | EventKind::Promoted => IndexEffect::Held(self.tier),
+            EventKind::Evicted | EventKind::Removed => IndexEffect::Dropped(self.tier),
+        }
+    }
+}
+
 /// A bounded FIFO of events; when full the oldest is dropped and counted.
 pub struct EventLog {
     queue: Mutex<VecDeque<StoreEvent>>,

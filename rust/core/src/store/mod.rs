@@ -13,6 +13,7 @@ mod cache;
 mod config;
 mod error;
 mod events;
+mod event_wire;
 pub mod eviction;
 mod inspect;
 mod read;
@@ -25,7 +26,8 @@ pub use arena::{Lease, Reservation};
 pub use cache::{BlockCache, CacheEvent};
 pub use config::StoreConfig;
 pub use error::StoreError;
-pub use events::{EventKind, StoreEvent, StoreStats};
+pub use event_wire::{decode_events, encode_events};
+pub use events::{EventKind, IndexEffect, StoreEvent, StoreStats};
 pub use slotfile::{FILE_NAME as SSD_FILE_NAME, SLOT_HEADER as SSD_SLOT_HEADER};
 pub use tiered::{BlockRef, Store};
 

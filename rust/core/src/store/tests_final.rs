@@ -64,6 +64,27 @@ fn lookup_prefix_is_the_leading_run_leased() {
 }
 
 #[test]
+fn a_cloned_lease_holds_the_slot_until_the_last_clone_goes() {
+    let s = dram(2);
+    s.put(1, &block(1)).unwrap();
+    let mut run = s.lookup_prefix(&[1], true).unwrap();
+    let first = run.pop().unwrap();
+    let clone = first.clone();
+    assert_eq!(clone.offset(), first.offset());
+    drop(first);
+    for k in 10..20u128 {
+        s.put(k, &block(k)).unwrap();
+    }
+    assert!(s.contains(1) && clone.bytes() == &block(1)[..]);
+    drop(clone);
+    for k in 20..30u128 {
+        s.put(k, &block(k)).unwrap();
+    }
+    assert!(!s.contains(1));
+    s.check_integrity().unwrap();
+}
+
+#[test]
 fn lookup_prefix_promotes_from_ssd() {
     let dir = tmpdir("lp");
     let s = tiered(&dir, 4, 32, 1024).unwrap();
