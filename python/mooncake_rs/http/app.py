@@ -91,7 +91,7 @@ async def _stream_frames(gen: Generation, shapes: Shapes, req: GenerateRequest, 
     first = True
     try:
         async for d in gen.deltas():
-            if d.text or d.finish_reason is not None or first:
+            if d.text or d.finish_reason is not None or first:  # an empty first chunk marks the first token
                 yield sse(shapes.chunk(d.text, d.finish_reason, first=first, include_usage=req.include_usage))
                 first = False
     except Exception as e:  # noqa: BLE001 - a failure after the headers went out: an error event

@@ -67,8 +67,8 @@ class Generation:
                     self.close("a stop string was reached")
                     yield Delta(text, "stop")
                     return
-                if text:
-                    yield Delta(text)
+                if text or self.completion_tokens == 1:
+                    yield Delta(text)  # the first token goes out at once (TTFT) even if its text is held
             out = self.handle.result(0)
             reason = getattr(out, "finish_reason", None)
             self.finish_reason = reason if reason in ("stop", "length") else "stop"

@@ -95,6 +95,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--processes", action="store_true", help="one worker process per instance")
     p.add_argument("--policy", default="mooncake")
     p.add_argument("--rejection", default="none", help="conductor admission: none, early, predictive")
+    p.add_argument("--no-prefix-reuse", action="store_true", help="compute every prompt (no KV reuse; baselines)")
     p.add_argument("--ttft-slo", type=float, default=30.0, help="seconds")
     p.add_argument("--tbt-slo", type=float, default=1.0, help="seconds")
     p.add_argument("--dram-bytes", type=int, default=64 << 20, help="store DRAM per instance")
@@ -117,7 +118,7 @@ def cluster_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(prefill=args.prefill, decode=args.decode, block_size=args.block_size,
                 dram_bytes_per_instance=args.dram_bytes, ssd_path=args.ssd_path, policy=args.policy,
                 ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo, processes=args.processes, seed=args.seed,
-                rejection=args.rejection, engine_kwargs=engine)
+                rejection=args.rejection, prefix_reuse=not args.no_prefix_reuse, engine_kwargs=engine)
 
 
 def serve(args: argparse.Namespace) -> int:
