@@ -283,9 +283,9 @@ def main() -> None:
         load = prompts(args.requests, 2)
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
         ids = [tok.encode(p) for p in load]
-        cpu0 = server.cpu_s()
+        cpu0, client0 = server.cpu_s(), time.process_time()
         wall_h, chunks = asyncio.run(http_load(server.url, load, args.concurrency, args.max_tokens))
-        cpu_h = server.cpu_s() - cpu0
+        cpu_h, cpu_client = server.cpu_s() - cpu0, time.process_time() - client0
         c0 = time.process_time()
         wall_d = direct_load(cluster, ids, params, args.concurrency)
         cpu_d = time.process_time() - c0
@@ -296,7 +296,8 @@ def main() -> None:
         print(f"{'HTTP streams (httpx client)':<34} {args.requests / wall_h:8.1f} "
               f"{args.requests * args.max_tokens / wall_h:8.0f} {cpu_h / args.requests:10.4f}")
         print(f"HTTP / direct req/s: {wall_d / wall_h:.2f}x; server process CPU (front + its cluster) "
-              f"{cpu_h:.1f} s for {args.requests} requests; {chunks} SSE chunks")
+              f"{cpu_h:.1f} s for {args.requests} requests in {wall_h:.1f} s; the httpx client's CPU "
+              f"{cpu_client:.1f} s; {chunks} SSE chunks")
     finally:
         server.stop()
         cluster.close()

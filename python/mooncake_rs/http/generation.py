@@ -9,6 +9,8 @@ HTTP layer calls it when the client goes away.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -51,23 +53,65 @@ class Generation:
         if not self.handle.done:
             self.handle.cancel(MooncakeError(f"request {self.handle.request_id} cancelled: {reason}"))
 
+    async def _batches(self) -> AsyncIterator[list[int]]:
+        """The handle's tokens, as lists of those that arrived together.
+
+        One thread per request iterates the handle (blocking) and hands each token to the
+        event loop; the loop side takes every token already there at once, so a busy
+        server sends fewer, larger chunks instead of falling behind one frame per token."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[Any] = asyncio.Queue()
+
+        def put(item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the loop is gone (server shutdown): nobody is listening
+                pass
+
+        def pump() -> None:
+            try:
+                for tok in self.handle:
+                    put(tok)
+                put(_END)
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+                put(_Failed(e))
+
+        threading.Thread(target=pump, name=f"mooncake-front-{self.handle.request_id}", daemon=True).start()
+        while True:
+            items = [await q.get()]
+            while not q.empty():
+                items.append(q.get_nowait())
+            toks = [t for t in items if isinstance(t, int)]
+            if toks:
+                yield toks
+            last = items[-1]
+            if last is _END:
+                return
+            if isinstance(last, _Failed):
+                raise last.error
+
     async def deltas(self) -> AsyncIterator[Delta]:
         """Text deltas as tokens arrive; the last one carries ``finish_reason``. Errors of
         the request (an instance lost, a timeout) propagate."""
         try:
-            async for tok in self.handle:
-                self.completion_tokens += 1
-                if self.completion_tokens == 1 and self._on_first is not None:
-                    self._on_first()
-                if tok in self._hidden:
-                    continue  # the request ends with it (the engine stops on these ids)
-                text, hit = self._stops.feed(self._detok.push((tok,)))
-                if hit:
-                    self.finish_reason = "stop"
-                    self.close("a stop string was reached")
-                    yield Delta(text, "stop")
-                    return
-                if text or self.completion_tokens == 1:
+            async for batch in self._batches():
+                parts = []
+                first = self.completion_tokens == 0
+                for tok in batch:
+                    self.completion_tokens += 1
+                    if self.completion_tokens == 1 and self._on_first is not None:
+                        self._on_first()
+                    if tok in self._hidden:
+                        continue  # the request ends with it (the engine stops on these ids)
+                    text, hit = self._stops.feed(self._detok.push((tok,)))
+                    parts.append(text)
+                    if hit:
+                        self.finish_reason = "stop"
+                        self.close("a stop string was reached")
+                        yield Delta("".join(parts), "stop")
+                        return
+                text = "".join(parts)
+                if text or first:
                     yield Delta(text)  # the first token goes out at once (TTFT) even if its text is held
             out = self.handle.result(0)
             reason = getattr(out, "finish_reason", None)
@@ -78,3 +122,11 @@ class Generation:
             yield Delta(tail + ("" if hit else self._stops.flush()), self.finish_reason)
         finally:
             self.close()
+
+
+_END = object()
+
+
+class _Failed:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
