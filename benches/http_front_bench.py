@@ -68,7 +68,8 @@ class Server:
         end = time.monotonic() + 300
         while True:
             if self.proc.poll() is not None:
-                raise SystemExit(f"server exited: {self.proc.stderr.read().decode()[-2000:]}")
+                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                raise SystemExit(f"server exited: {err[-2000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -208,7 +209,7 @@ def serve_profiled(out: str, model_dir: str, port: int) -> None:
 
     import uvicorn
 
-    from mooncake_rs import Cluster
+    from mooncake_rs.serving import Cluster
     from mooncake_rs.http import Frontend, create_app
 
     prof = cProfile.Profile(time.thread_time)
@@ -245,7 +246,7 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true")
     args = ap.parse_args()
 
-    from mooncake_rs import Cluster
+    from mooncake_rs.serving import Cluster
     from mooncake_rs.engine import SamplingParams
     from mooncake_rs.text import Tokenizer
 
@@ -282,12 +283,12 @@ def main() -> None:
 
         load = prompts(args.requests, 2)
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-        ids = [tok.encode(p) for p in load]
+        load_ids = [tok.encode(p) for p in load]
         cpu0, client0 = server.cpu_s(), time.process_time()
         wall_h, chunks = asyncio.run(http_load(server.url, load, args.concurrency, args.max_tokens))
         cpu_h, cpu_client = server.cpu_s() - cpu0, time.process_time() - client0
         c0 = time.process_time()
-        wall_d = direct_load(cluster, ids, params, args.concurrency)
+        wall_d = direct_load(cluster, load_ids, params, args.concurrency)
         cpu_d = time.process_time() - c0
         print(f"\n== {args.requests} requests, {args.concurrency} concurrent streams, {args.max_tokens} tokens each")
         print(f"{'path':<34} {'req/s':>8} {'tok/s':>8} {'CPU s/req':>10}")

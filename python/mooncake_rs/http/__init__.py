@@ -6,6 +6,8 @@ Needs the ``http`` extra (Starlette, uvicorn, tokenizers, jinja2): ``pip install
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from .errors import ApiError
 from .front import Frontend
 from .protocol import GenerateRequest, parse_chat, parse_completion
@@ -13,7 +15,12 @@ from .protocol import GenerateRequest, parse_chat, parse_completion
 __all__ = ["ApiError", "Frontend", "GenerateRequest", "parse_chat", "parse_completion", "create_app", "ServerThread"]
 
 
-def __getattr__(name: str) -> object:
+if TYPE_CHECKING:
+    from .app import create_app
+    from .server import ServerThread
+
+
+def __getattr__(name: str) -> Any:
     # The ASGI parts import Starlette / uvicorn only when asked for.
     if name == "create_app":
         from .app import create_app

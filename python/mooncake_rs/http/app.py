@@ -12,8 +12,6 @@ import asyncio
 import json
 import logging
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.applications import Starlette
@@ -115,17 +113,8 @@ async def _collect(gen: Generation) -> str:
     return "".join(parts)
 
 
-def create_app(front: Frontend, *, max_concurrency: int = 256) -> Starlette:
-    """The OpenAI-compatible app over ``front``. ``max_concurrency`` sizes the thread
-    pool the streams wait for tokens on (one waiting thread per stream at most)."""
-
-    @asynccontextmanager
-    async def lifespan(_: Starlette) -> AsyncIterator[None]:
-        # RequestHandle's async iteration waits for a token on the loop's default
-        # executor; asyncio's default (cpu + 4 threads) would serialize the streams.
-        pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="mooncake-front")
-        asyncio.get_running_loop().set_default_executor(pool)
-        yield
+def create_app(front: Frontend) -> Starlette:
+    """The OpenAI-compatible app over ``front``."""
 
     def endpoint(route: str, fn: Callable[[Request, dict[str, str]], Awaitable[Response]], *,
                  auth: bool = True) -> Callable[[Request], Awaitable[Response]]:
@@ -198,4 +187,4 @@ def create_app(front: Frontend, *, max_concurrency: int = 256) -> Starlette:
         Route("/health", endpoint("/health", health, auth=False), methods=["GET"]),
         Route("/metrics", endpoint("/metrics", metrics, auth=False), methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    return Starlette(routes=routes)

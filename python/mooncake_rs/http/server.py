@@ -28,8 +28,7 @@ class ServerThread:
     accepts connections, ``stop()`` shuts it down (also the context manager's exit).
     The cluster behind ``front`` is the caller's to close."""
 
-    def __init__(self, front: Any, host: str = "127.0.0.1", port: int = 0, *, max_concurrency: int = 256,
-                 log_level: str = "warning") -> None:
+    def __init__(self, front: Any, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning") -> None:
         import uvicorn
 
         from .app import create_app
@@ -39,9 +38,8 @@ class ServerThread:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.host, self.port = host, self._sock.getsockname()[1]
-        config = uvicorn.Config(create_app(front, max_concurrency=max_concurrency), log_level=log_level,
-                                access_log=False, lifespan="on", timeout_graceful_shutdown=2,
-                                backlog=max(2048, max_concurrency))
+        config = uvicorn.Config(create_app(front), log_level=log_level, access_log=False, lifespan="on",
+                                timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
                                         name="mooncake-http", daemon=True)
@@ -104,7 +102,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="engine device (cpu, cuda)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=None, help="seconds a request may run (default: none)")
-    p.add_argument("--max-concurrency", type=int, default=256, help="concurrent streams the front waits on")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
 
 
@@ -146,7 +143,7 @@ def serve(args: argparse.Namespace) -> int:
                                         request_timeout_s=args.request_timeout)
         print(f"mooncake-rs: serving {front.model_name!r} on http://{args.host}:{args.port} "
               f"({args.prefill} prefill + {args.decode} decode instances)", file=sys.stderr, flush=True)
-        uvicorn.run(create_app(front, max_concurrency=args.max_concurrency), host=args.host, port=args.port,
+        uvicorn.run(create_app(front), host=args.host, port=args.port,
                     log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5)
     finally:
         cluster.close()
