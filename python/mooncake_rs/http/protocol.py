@@ -151,7 +151,8 @@ def _common(body: Any, kind: str) -> GenerateRequest:
     return GenerateRequest(
         kind=kind, model=model, max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
+        # top_p 0 asks for the single most likely token; the sampler keeps at least that one
+        top_p=max(_number(body, "top_p", 1.0, 0.0, 1.0), 1e-9),
         top_k=-1 if top_k is None else top_k,
         seed=_int(body, "seed", 0, (1 << 63) - 1),
         stop=stop, stop_token_ids=stop_ids, ignore_eos=_bool(body, "ignore_eos"),
