@@ -185,3 +185,14 @@ def test_random_ascii_stop_sanity():
     text = "".join(rng.choice("ab") for _ in range(200))
     pieces = [text[i:i + 3] for i in range(0, 200, 3)]
     assert _run_stops(["abba", "bbb"], pieces) == _reference(["abba", "bbb"], text)
+
+
+def test_template_list_form_and_side_file(tmp_path):
+    th.make_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "chat_template": [
+        {"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": "{{ messages[0].content }}!"}]}))
+    assert Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "hé"}]) == "hé!"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    (tmp_path / "chat_template.jinja").write_text("[{{ messages | length }}]{{ messages | tojson }}")
+    out = Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "ü<b>"}])
+    assert out == '[1][{"role": "user", "content": "ü<b>"}]'  # tojson keeps the text as is
