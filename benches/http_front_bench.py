@@ -17,6 +17,7 @@ cluster's router and instances are threads of their own.
 from __future__ import annotations
 
 import argparse
+import json
 import asyncio
 import os
 import pstats
@@ -57,10 +58,10 @@ def free_port() -> int:
 class Server:
     """``mooncake-rs serve`` in a subprocess (optionally under cProfile)."""
 
-    def __init__(self, model_dir: Path, profile_to: str | None = None) -> None:
+    def __init__(self, model_dir: Path, profile_to: str | None = None, extra: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         cmd = [sys.executable, "-m", "mooncake_rs", "serve", "--model", str(model_dir), "--port", str(self.port),
-               "--prefill", "2", "--decode", "1", "--no-prefix-reuse"]
+               "--prefill", "2", "--decode", "1", "--no-prefix-reuse", *extra]
         if profile_to:  # the same front and cluster, built by this script so it can profile the loop thread
             cmd = [sys.executable, __file__, "--serve-profiled", profile_to, str(model_dir), str(self.port)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -97,15 +98,34 @@ def body(prompt: str, max_tokens: int) -> dict:
             "stream": True}
 
 
-def http_ttft(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> float:
+def raw_request(port: int, prompt: str, max_tokens: int) -> bytes:
+    """A streaming POST /v1/completions as bytes (Connection: close). The clients here
+    speak HTTP/1.1 on plain sockets, so the client's own CPU stays small next to the
+    server's (httpx's async streaming cost more CPU than the server on this machine)."""
+    payload = json.dumps(body(prompt, max_tokens)).encode()
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n").encode() + payload
+
+
+def http_ttft(port: int, prompt: str, max_tokens: int) -> float:
+    """Seconds from sending the request to the first SSE frame; then reads to the end."""
     t0 = time.perf_counter()
     ttft = None
-    with client.stream("POST", url + "/v1/completions", json=body(prompt, max_tokens)) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and ttft is None:
-                ttft = time.perf_counter() - t0
-    assert ttft is not None
+    buf = b""
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(raw_request(port, prompt, max_tokens))
+        while True:
+            data = s.recv(65536)
+            if not data:
+                break
+            if ttft is None:
+                buf += data
+                if b"data: " in buf:
+                    ttft = time.perf_counter() - t0
+            elif b"data: [DONE]" in data:
+                pass
+        if ttft is None or b" 200 " not in buf.split(b"\r\n", 1)[0]:
+            raise SystemExit(f"bad response: {buf[:300]!r}")
     return ttft
 
 
@@ -119,25 +139,28 @@ def direct_ttft(cluster, ids: list[int], params) -> float:
     return ttft
 
 
-async def http_load(url: str, ps: list[str], concurrency: int, max_tokens: int) -> tuple[float, int]:
+async def http_load(port: int, ps: list[str], concurrency: int, max_tokens: int) -> tuple[float, int]:
+    """``concurrency`` clients, each streaming requests back to back; (seconds, SSE frames)."""
     q: asyncio.Queue[str] = asyncio.Queue()
     for p in ps:
         q.put_nowait(p)
-    tokens = 0
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-        async def worker() -> None:
-            nonlocal tokens
-            while not q.empty():
-                p = q.get_nowait()
-                async with client.stream("POST", url + "/v1/completions", json=body(p, max_tokens)) as r:
-                    r.raise_for_status()
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: {"):
-                            tokens += 1
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return time.perf_counter() - t0, tokens
+    frames = 0
+
+    async def worker() -> None:
+        nonlocal frames
+        while not q.empty():
+            p = q.get_nowait()
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(raw_request(port, p, max_tokens))
+            data = await reader.read()  # to EOF: the server closes after [DONE]
+            writer.close()
+            if b"data: [DONE]" not in data:
+                raise SystemExit(f"incomplete stream: {data[:300]!r}")
+            frames += data.count(b"data: {")
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return time.perf_counter() - t0, frames
 
 
 def direct_load(cluster, ids: list[list[int]], params, concurrency: int) -> float:
@@ -244,6 +267,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--processes", action="store_true",
+                    help="both clusters run one worker process per instance (the front then has its process's "
+                         "GIL to itself and the router)")
     args = ap.parse_args()
 
     from mooncake_rs.serving import Cluster
@@ -253,26 +279,26 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="mooncake-http-bench-"))
     model_dir = th.write_model_dir(tmp / MODEL)
     tok = Tokenizer.from_dir(model_dir)
-    print(f"tiny chat model (vocab {tok.vocab_size}), prefill 2 + decode 1, CPU; noisy shared 2-core VM")
+    mode = "worker processes" if args.processes else "instances as threads"
+    print(f"tiny chat model (vocab {tok.vocab_size}), prefill 2 + decode 1 ({mode}), CPU; noisy shared 2-core VM")
 
-    server = Server(model_dir)
-    cluster = Cluster(str(model_dir), prefill=2, decode=1, seed=0, prefix_reuse=False)
+    server = Server(model_dir, extra=("--processes",) if args.processes else ())
+    cluster = Cluster(str(model_dir), prefill=2, decode=1, seed=0, prefix_reuse=False, processes=args.processes)
     try:
         params1 = SamplingParams(max_tokens=4, ignore_eos=True)
         ps = prompts(args.ttft_prompts, 1)
-        with httpx.Client(timeout=120) as client:
-            for p in prompts(6, 99):  # warm both sides
-                http_ttft(client, server.url, p, 4)
-                direct_ttft(cluster, tok.encode(p), params1)
-            h, d = [], []
-            for i, p in enumerate(ps):  # alternate which side goes first
-                ids = tok.encode(p)
-                if i % 2:
-                    h.append(http_ttft(client, server.url, p, 4))
-                    d.append(direct_ttft(cluster, ids, params1))
-                else:
-                    d.append(direct_ttft(cluster, ids, params1))
-                    h.append(http_ttft(client, server.url, p, 4))
+        for p in prompts(6, 99):  # warm both sides
+            http_ttft(server.port, p, 4)
+            direct_ttft(cluster, tok.encode(p), params1)
+        h, d = [], []
+        for i, p in enumerate(ps):  # alternate which side goes first
+            ids = tok.encode(p)
+            if i % 2:
+                h.append(http_ttft(server.port, p, 4))
+                d.append(direct_ttft(cluster, ids, params1))
+            else:
+                d.append(direct_ttft(cluster, ids, params1))
+                h.append(http_ttft(server.port, p, 4))
         mh, md = statistics.median(h), statistics.median(d)
         print(f"\n== TTFT, one request at a time, {len(ps)} prompts of 13-31 tokens, 4 output tokens")
         print(f"{'path':<34} {'p50 ms':>8} {'p90 ms':>8}")
@@ -285,19 +311,19 @@ def main() -> None:
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
         load_ids = [tok.encode(p) for p in load]
         cpu0, client0 = server.cpu_s(), time.process_time()
-        wall_h, chunks = asyncio.run(http_load(server.url, load, args.concurrency, args.max_tokens))
+        wall_h, chunks = asyncio.run(http_load(server.port, load, args.concurrency, args.max_tokens))
         cpu_h, cpu_client = server.cpu_s() - cpu0, time.process_time() - client0
         c0 = time.process_time()
         wall_d = direct_load(cluster, load_ids, params, args.concurrency)
         cpu_d = time.process_time() - c0
         print(f"\n== {args.requests} requests, {args.concurrency} concurrent streams, {args.max_tokens} tokens each")
         print(f"{'path':<34} {'req/s':>8} {'tok/s':>8} {'CPU s/req':>10}")
-        print(f"{'Cluster.submit (threads)':<34} {args.requests / wall_d:8.1f} "
+        print(f"{'Cluster.submit (64 threads)':<34} {args.requests / wall_d:8.1f} "
               f"{args.requests * args.max_tokens / wall_d:8.0f} {cpu_d / args.requests:10.4f}")
-        print(f"{'HTTP streams (httpx client)':<34} {args.requests / wall_h:8.1f} "
+        print(f"{'HTTP streams (socket client)':<34} {args.requests / wall_h:8.1f} "
               f"{args.requests * args.max_tokens / wall_h:8.0f} {cpu_h / args.requests:10.4f}")
         print(f"HTTP / direct req/s: {wall_d / wall_h:.2f}x; server process CPU (front + its cluster) "
-              f"{cpu_h:.1f} s for {args.requests} requests in {wall_h:.1f} s; the httpx client's CPU "
+              f"{cpu_h:.1f} s for {args.requests} requests in {wall_h:.1f} s; the client's CPU "
               f"{cpu_client:.1f} s; {chunks} SSE chunks")
     finally:
         server.stop()
@@ -307,9 +333,9 @@ def main() -> None:
         prof = str(tmp / "front.prof")
         server = Server(model_dir, profile_to=prof)
         try:
-            asyncio.run(http_load(server.url, prompts(16, 4), 16, args.max_tokens))  # warm-up, not profiled
+            asyncio.run(http_load(server.port, prompts(16, 4), 16, args.max_tokens))  # warm-up, not profiled
             httpx.post(server.url + "/__bench/start")
-            asyncio.run(http_load(server.url, prompts(min(args.requests, 128), 3), args.concurrency, args.max_tokens))
+            asyncio.run(http_load(server.port, prompts(min(args.requests, 128), 3), args.concurrency, args.max_tokens))
             httpx.post(server.url + "/__bench/stop")
         finally:
             server.stop()
