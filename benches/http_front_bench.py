@@ -64,13 +64,15 @@ class Server:
                "--prefill", "2", "--decode", "1", "--no-prefix-reuse", *extra]
         if profile_to:  # the same front and cluster, built by this script so it can profile the loop thread
             cmd = [sys.executable, __file__, "--serve-profiled", profile_to, str(model_dir), str(self.port)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # stderr to a file: a pipe nobody drains would block the server once it fills
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log)
         self.url = f"http://127.0.0.1:{self.port}"
         end = time.monotonic() + 300
         while True:
             if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
-                raise SystemExit(f"server exited: {err[-2000:]}")
+                self.log.seek(0)
+                raise SystemExit(f"server exited: {self.log.read().decode()[-2000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -84,7 +86,13 @@ class Server:
         f = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
+    def errors(self) -> str:
+        self.log.seek(0)
+        return "\n".join(ln for ln in self.log.read().decode(errors="replace").splitlines() if "Error" in ln)
+
     def stop(self) -> None:
+        if self.errors():
+            print(f"server errors:\n{self.errors()[-2000:]}")
         self.proc.send_signal(signal.SIGINT)
         try:
             self.proc.wait(60)

@@ -97,7 +97,7 @@ async def _stream_frames(gen: Generation, shapes: Shapes, req: GenerateRequest, 
         log.warning("stream of %s failed: %s", shapes.id, err.message)
         yield sse(err.body())
     else:
-        if gen.finish_reason == "stop" and gen._stops.stopped is not None:  # noqa: SLF001 - same package
+        if gen.stop_string is not None:
             front.metrics.count("stop_strings")
         if req.include_usage:
             yield sse(shapes.usage_chunk(gen.prompt_tokens, gen.completion_tokens))
@@ -157,7 +157,7 @@ def create_app(front: Frontend) -> Starlette:
             gen.close()
         front.metrics.count("prompt_tokens", gen.prompt_tokens)
         front.metrics.count("completion_tokens", gen.completion_tokens)
-        if gen._stops.stopped is not None:  # noqa: SLF001 - same package
+        if gen.stop_string is not None:
             front.metrics.count("stop_strings")
         return JSONResponse(shapes.full(text, gen.finish_reason, gen.prompt_tokens, gen.completion_tokens),
                             headers=headers)

@@ -44,6 +44,11 @@ class Generation:
         self._on_first = on_first_token
         self._closed = False
 
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the output, if one did."""
+        return self._stops.stopped
+
     def close(self, reason: str = "the client went away") -> None:
         """Cancels the request if it is still running (its slots, pages and conductor entry
         are freed). Idempotent."""
