@@ -207,13 +207,13 @@ def profile_summary(path: str, top: int = 14) -> None:
         elif "mooncake_rs/serving" in f or "mooncake_rs/engine" in f:
             g = "mooncake_rs.serving (submit, handle)"
         elif "/h11/" in f or "uvicorn" in f:
-            g = "uvicorn + h11 (HTTP parsing, writes)"
+            g = "uvicorn (httptools or h11: parsing, writes)"
         elif "starlette" in f or "anyio" in f:
             g = "starlette / anyio"
         elif "/json/" in f:
             g = "json"
         elif "asyncio" in f or "concurrent/futures" in f or "threading" in f or "selectors" in f:
-            g = "asyncio loop, to_thread hops, select"
+            g = "asyncio loop, queues, threads, select"
         elif fn.startswith("<"):
             g = "C calls: " + fn
         else:
