@@ -279,3 +279,21 @@ def test_disconnect_mid_stream_cancels_the_request(served):
     for stats in cluster.instance_stats().values():
         assert stats["requests"] == 0 and stats["pinned_requests"] == 0
         assert stats["free_pages"] == stats["pages"]
+
+
+def test_disconnect_before_a_non_streaming_answer_cancels_too(served):
+    cluster, _, server, _ = served
+    before = httpx.get(server.url + "/metrics").text
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up (closes the connection) before the end
+        httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                   timeout=httpx.Timeout(60, read=1.0))
+
+    def released():
+        t = httpx.get(server.url + "/metrics").text
+        return (metric(t, "mooncake_requests_in_flight") == 0
+                and metric(t, "mooncake_front_client_disconnects_total")
+                == metric(before, "mooncake_front_client_disconnects_total") + 1 and t)
+
+    after = wait_for(released, 60, "the abandoned request to be released")
+    assert metric(after, "mooncake_requests_finished_total") == metric(before, "mooncake_requests_finished_total")
