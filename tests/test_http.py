@@ -297,3 +297,12 @@ def test_disconnect_before_a_non_streaming_answer_cancels_too(served):
 
     after = wait_for(released, 60, "the abandoned request to be released")
     assert metric(after, "mooncake_requests_finished_total") == metric(before, "mooncake_requests_finished_total")
+
+
+def test_oversized_body_is_refused(served, monkeypatch):
+    import mooncake_rs.http.app as app_mod
+
+    monkeypatch.setattr(app_mod, "_MAX_BODY", 1000)
+    r = httpx.post(served[2].url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                   json={"model": MODEL, "prompt": "x" * 2000, "max_tokens": 1})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"

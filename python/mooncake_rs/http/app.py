@@ -135,9 +135,19 @@ def create_app(front: Frontend) -> Starlette:
         return handler
 
     async def body_of(request: Request) -> Any:
-        raw = await request.body()
-        if len(raw) > _MAX_BODY:
-            raise bad_request(f"the request body is larger than {_MAX_BODY} bytes")
+        # read at most _MAX_BODY bytes, whatever Content-Length claims
+        too_big = ApiError(413, f"the request body is larger than {_MAX_BODY} bytes; send a shorter prompt",
+                           code="body_too_large")
+        claimed = request.headers.get("content-length", "")
+        if claimed.isdigit() and int(claimed) > _MAX_BODY:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > _MAX_BODY:
+                raise too_big
+            chunks.append(chunk)
+        raw = b"".join(chunks)
         try:
             return json.loads(raw)
         except ValueError as e:
