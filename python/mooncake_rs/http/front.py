@@ -7,6 +7,7 @@ parameters, and the front's counters. The ASGI app (app.py) only moves bytes.
 
 from __future__ import annotations
 
+import hmac
 import json
 import time
 from pathlib import Path
@@ -86,8 +87,6 @@ class Frontend:
         if self.api_key is None:
             return
         expected = f"Bearer {self.api_key}"
-        import hmac
-
         if authorization is None or not hmac.compare_digest(authorization.encode(), expected.encode()):
             raise ApiError(401, "a valid API key is required: send 'Authorization: Bearer <key>' (the key the "
                                 "server was started with, --api-key)", code="invalid_api_key")
