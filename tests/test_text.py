@@ -145,8 +145,9 @@ def _run_stops(stops, pieces):
 
 
 def _reference(stops, text):
-    hits = [i for i in (text.find(s) for s in stops) if i != -1]
-    return (text[:min(hits)], True) if hits else (text, False)
+    """The text up to the stop string completed first (ties: the one that began first)."""
+    hits = [(i + len(s), i) for s, i in ((s, text.find(s)) for s in stops) if i != -1]
+    return (text[:min(hits)[1]], True) if hits else (text, False)
 
 
 def test_stop_string_spanning_deltas():
@@ -162,8 +163,10 @@ def test_held_back_text_is_released_once_it_cannot_stop():
     assert s.flush() == ""
 
 
-def test_earliest_stop_wins():
+def test_first_completed_stop_wins():
     assert _run_stops(["world", "lo"], ["hello world"]) == ("hel", True)
+    # "é" completes before "aéa" does, in one delta or several
+    assert _run_stops(["é", "aéa"], ["aaéa"]) == _run_stops(["é", "aéa"], ["aa", "é", "a"]) == ("aa", True)
 
 
 @settings(max_examples=200, deadline=None)

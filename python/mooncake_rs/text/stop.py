@@ -44,13 +44,15 @@ class StopStrings:
         if not self.stops:
             return delta, False
         text = self._pending + delta
+        # Generation ends at the first stop string to be completed (of two completed by
+        # the same character, the one that began earlier), whatever the delta sizes.
         # Emitted text never held a stop string's start (its possible starts stay
-        # pending), so searching the pending text finds the earliest stop.
-        first, which = -1, None
+        # pending), so searching the pending text finds it.
+        first, best, which = -1, (0, 0), None
         for s in self.stops:
             i = text.find(s)
-            if i != -1 and (first == -1 or i < first):
-                first, which = i, s
+            if i != -1 and (which is None or (i + len(s), i) < best):
+                first, best, which = i, (i + len(s), i), s
         if which is not None:
             self.stopped = which
             self._pending = ""
