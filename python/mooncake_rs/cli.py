@@ -47,6 +47,16 @@ def _replay(args: argparse.Namespace) -> int:
     return replay(args)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from .http.server import serve
+    except ImportError as e:
+        print(f"mooncake-rs serve: the HTTP front needs the http extra (pip install \"mooncake-rs[http,torch]\"): {e}",
+              file=sys.stderr)
+        return 2
+    return serve(args)
+
+
 def _version(args: argparse.Namespace) -> int:
     from . import __version__
 
@@ -76,6 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
     replay = sub.add_parser("replay", help="replay a Mooncake-format trace on a simulated cluster")
     add_replay_arguments(replay)
     replay.set_defaults(func=_replay)
+
+    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server over an embedded cluster")
+    try:
+        from .http.server import add_serve_arguments
+    except ImportError:  # the http extra is missing: the subcommand says so when run
+        serve.add_argument("rest", nargs=argparse.REMAINDER)
+    else:
+        add_serve_arguments(serve)
+    serve.set_defaults(func=_serve)
 
     version = sub.add_parser("version", help="print the version")
     version.set_defaults(func=_version)

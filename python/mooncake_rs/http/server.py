@@ -1,0 +1,150 @@
+"""Running the front: ``mooncake-rs serve`` and :class:`ServerThread` (tests, benchmarks).
+
+``serve`` starts an embedded :class:`mooncake_rs.Cluster` of the model directory (the
+same defaults as ``Cluster``), builds the :class:`Frontend` over it and runs uvicorn
+until interrupted; the cluster is closed on the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import threading
+from typing import Any
+
+from ..errors import InvalidArgument, MooncakeError
+
+__all__ = ["ServerThread", "add_serve_arguments", "serve", "cluster_kwargs"]
+
+log = logging.getLogger("mooncake_rs.http")
+
+
+class ServerThread:
+    """The app over ``front`` served by uvicorn on a thread of this process, on a socket
+    bound here (``port=0``: a free port; ``url`` says which). ``start()`` waits until it
+    accepts connections, ``stop()`` shuts it down (also the context manager's exit).
+    The cluster behind ``front`` is the caller's to close."""
+
+    def __init__(self, front: Any, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning") -> None:
+        import uvicorn
+
+        from .app import create_app
+
+        self.front = front
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.host, self.port = host, self._sock.getsockname()[1]
+        config = uvicorn.Config(create_app(front), log_level=log_level, access_log=False, lifespan="on",
+                                timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
+                                        name="mooncake-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> "ServerThread":
+        self._thread.start()
+        step = 0.02
+        waited = 0.0
+        while not self.server.started:
+            if not self._thread.is_alive() or waited > timeout_s:
+                raise MooncakeError(f"the HTTP server did not start on {self.url}")
+            threading.Event().wait(step)
+            waited += step
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self.server.force_exit = True
+            self._thread.join(5)
+        self._sock.close()
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True,
+                   help="a Hugging Face model directory (config.json, *.safetensors, tokenizer.json, "
+                        "tokenizer_config.json with the chat template)")
+    p.add_argument("--tokenizer", default=None, help="directory of tokenizer.json / tokenizer_config.json "
+                                                     "(default: --model)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $MOONCAKE_API_KEY, else none)")
+    p.add_argument("--etcd", default=None, help="the front of a multi-host deployment (not available yet)")
+    p.add_argument("--prefill", type=int, default=2, help="prefill instances (default 2)")
+    p.add_argument("--decode", type=int, default=1, help="decode instances (default 1)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--processes", action="store_true", help="one worker process per instance")
+    p.add_argument("--policy", default="mooncake")
+    p.add_argument("--rejection", default="none", help="conductor admission: none, early, predictive")
+    p.add_argument("--no-prefix-reuse", action="store_true", help="compute every prompt (no KV reuse; baselines)")
+    p.add_argument("--ttft-slo", type=float, default=30.0, help="seconds")
+    p.add_argument("--tbt-slo", type=float, default=1.0, help="seconds")
+    p.add_argument("--dram-bytes", type=int, default=64 << 20, help="store DRAM per instance")
+    p.add_argument("--ssd-path", default=None)
+    p.add_argument("--dtype", default=None, help="engine dtype (float32, bfloat16, float16)")
+    p.add_argument("--device", default=None, help="engine device (cpu, cuda)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-timeout", type=float, default=None, help="seconds a request may run (default: none)")
+    p.add_argument("--log-level", default="warning", help="uvicorn's log level")
+
+
+def cluster_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``Cluster`` keywords of parsed ``serve`` arguments."""
+    engine: dict[str, Any] = {}
+    if args.dtype:
+        engine["dtype"] = args.dtype
+    if args.device:
+        engine["device"] = args.device
+    return dict(prefill=args.prefill, decode=args.decode, block_size=args.block_size,
+                dram_bytes_per_instance=args.dram_bytes, ssd_path=args.ssd_path, policy=args.policy,
+                ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo, processes=args.processes, seed=args.seed,
+                rejection=args.rejection, prefix_reuse=not args.no_prefix_reuse, engine_kwargs=engine)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """``mooncake-rs serve``: blocks until Ctrl-C / SIGTERM."""
+    if args.etcd:
+        raise InvalidArgument("--etcd (the front of a multi-host deployment) is not available yet; "
+                              "leave it out for an embedded cluster")
+    if not os.path.isdir(args.model):
+        raise InvalidArgument(f"--model {args.model!r} is not a directory; pass a Hugging Face model directory")
+    import uvicorn
+
+    from ..serving import Cluster
+    from .app import create_app
+    from .front import Frontend
+
+    api_key = args.api_key or os.environ.get("MOONCAKE_API_KEY") or None
+    # The tokenizer first: a directory without one fails in a second, not after the cluster starts.
+    from ..text import Tokenizer
+
+    Tokenizer.from_dir(args.tokenizer or args.model)
+    cluster = Cluster(args.model, **cluster_kwargs(args))
+    try:
+        front = Frontend.from_model_dir(cluster, args.model, tokenizer_dir=args.tokenizer,
+                                        model_name=args.served_model_name, api_key=api_key,
+                                        request_timeout_s=args.request_timeout)
+        print(f"mooncake-rs: serving {front.model_name!r} on http://{args.host}:{args.port} "
+              f"({args.prefill} prefill + {args.decode} decode instances)", file=sys.stderr, flush=True)
+        uvicorn.run(create_app(front), host=args.host, port=args.port,
+                    log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5)
+    finally:
+        cluster.close()
+    return 0

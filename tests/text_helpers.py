@@ -1,0 +1,83 @@
+"""A tiny tokenizer (trained here with the ``tokenizers`` library, non-ASCII included) and
+a tiny random-weight Llama directory that carries it and a chat template: nothing is
+downloaded."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello world, hello mooncake, hello cluster",
+    "a cache of keys and values for every block of the prompt",
+    "prefill and decode run on separate instances",
+    "naïve café crème brûlée, déjà vu, façade",
+    "grüße aus köln, schöne straße",
+    "日本語のテキストと中文的文本",
+    "你好世界 こんにちは 세계",
+    "emoji 😀 🎉 🚀 ✨ are four bytes",
+]
+SPECIALS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('roles are system, user, assistant') }}{% endif %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def make_tokenizer(vocab_size: int = 320):
+    """A byte-level BPE with few merges, so multi-byte characters span several tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    return tok
+
+
+def write_model_dir(path, *, max_position_embeddings: int = 4096, seed: int = 0, chat_template: str = CHAT_TEMPLATE):
+    """Writes tokenizer.json, tokenizer_config.json, config.json and model.safetensors of a
+    2-layer random Llama whose vocabulary is the tokenizer's. Returns the path."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer()
+    tok.save(str(path / "tokenizer.json"))
+    vocab = tok.get_vocab_size()
+    eos = tok.token_to_id("</s>")
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}, "chat_template": chat_template}))
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab, hidden_size=64,
+               intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5, rope_theta=10000.0,
+               eos_token_id=eos, bos_token_id=tok.token_to_id("<s>"), tie_word_embeddings=False,
+               torch_dtype="float32", hidden_act="silu")
+    (path / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(seed)
+
+    def mat(rows, cols):
+        return torch.randn(rows, cols, generator=g) / math.sqrt(cols)
+
+    h, inter, hd = 64, 96, 16
+    t = {"model.embed_tokens.weight": torch.randn(vocab, h, generator=g), "model.norm.weight": torch.ones(h),
+         "lm_head.weight": mat(vocab, h)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        t.update({p + "self_attn.q_proj.weight": mat(4 * hd, h), p + "self_attn.k_proj.weight": mat(2 * hd, h),
+                  p + "self_attn.v_proj.weight": mat(2 * hd, h), p + "self_attn.o_proj.weight": mat(h, 4 * hd),
+                  p + "mlp.gate_proj.weight": mat(inter, h), p + "mlp.up_proj.weight": mat(inter, h),
+                  p + "mlp.down_proj.weight": mat(h, inter), p + "input_layernorm.weight": torch.ones(h),
+                  p + "post_attention_layernorm.weight": torch.ones(h)})
+    save_file({k: v.contiguous() for k, v in t.items()}, str(path / "model.safetensors"))
+    return path
