@@ -10,9 +10,11 @@ from __future__ import annotations
 from . import _logging
 from ._core import (
     Batch,
+    BatchCompletion,
     Block,
     BlockCache,
     BlockIndex,
+    CompletionQueue,
     Conductor,
     ConductorConfig,
     ConductorSnapshot,
@@ -89,6 +91,8 @@ __all__ = [
     "Region",
     "Peer",
     "Batch",
+    "CompletionQueue",
+    "BatchCompletion",
     # serving (lazy: see __getattr__)
     "Cluster",
     # errors

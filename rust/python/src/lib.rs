@@ -22,6 +22,7 @@ mod store;
 mod store_block;
 mod store_keys;
 mod transfer;
+mod transfer_completion;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
