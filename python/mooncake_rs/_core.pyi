@@ -658,6 +658,7 @@ class TransferEngine:
         connect_timeout_s: float = 5.0,
         connections_per_endpoint: int = 1,
         copy_threads: int = 2,
+        inline_send_bytes: int = 16384,
     ) -> TransferEngine: ...
     @property
     def name(self) -> str: ...

@@ -387,7 +387,8 @@ pub struct PyTransferEngine {
 impl PyTransferEngine {
     #[new]
     #[pyo3(signature = (name, listen = "127.0.0.1:0", auth_token = None, transports = None, *, registry = None,
-        slice_size = 1_048_576, io_timeout_s = 10.0, connect_timeout_s = 5.0, connections_per_endpoint = 1, copy_threads = 2))]
+        slice_size = 1_048_576, io_timeout_s = 10.0, connect_timeout_s = 5.0, connections_per_endpoint = 1, copy_threads = 2,
+        inline_send_bytes = 16384))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -401,6 +402,7 @@ impl PyTransferEngine {
         connect_timeout_s: f64,
         connections_per_endpoint: usize,
         copy_threads: usize,
+        inline_send_bytes: usize,
     ) -> PyResult<Self> {
         let transports = match &transports {
             Some(t) => Transports::parse(t.iter().map(String::as_str)).map_err(|e| to_pyerr(py, &e))?,
@@ -416,6 +418,7 @@ impl PyTransferEngine {
             io_timeout: dur(py, "io_timeout_s", io_timeout_s)?,
             connections_per_endpoint,
             copy_threads,
+            inline_send_bytes,
             ..EngineConfig::default()
         };
         let reg = registry.map(|r| r.inner.clone()).unwrap_or_else(EngineRegistry::global);

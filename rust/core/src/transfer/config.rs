@@ -56,6 +56,9 @@ pub struct EngineConfig {
     pub window: usize,
     pub max_attempts: u32,
     pub copy_threads: usize,
+    /// A TCP batch of at most this many bytes is sent by the submitting thread itself
+    /// when a connection to the peer is idle (0: always through the sender threads).
+    pub inline_send_bytes: usize,
 }
 
 impl Default for EngineConfig {
@@ -72,6 +75,7 @@ impl Default for EngineConfig {
             window: 16,
             max_attempts: 3,
             copy_threads: 2,
+            inline_send_bytes: 16 << 10,
         }
     }
 }
@@ -90,6 +94,9 @@ impl EngineConfig {
         }
         if !(1..=64).contains(&self.connections_per_endpoint) || self.window == 0 || self.max_attempts == 0 {
             return bad("connections_per_endpoint must be 1..=64, window and max_attempts >= 1".into());
+        }
+        if self.inline_send_bytes > 1 << 20 {
+            return bad(format!("inline_send_bytes must be at most 1 MiB, got {}", self.inline_send_bytes));
         }
         if self.auth_token.as_deref() == Some("") {
             return bad("auth_token must not be empty (use None for no authentication)".into());

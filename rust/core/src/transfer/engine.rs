@@ -304,6 +304,7 @@ impl Engine {
                     connections_per_endpoint: inner.cfg.connections_per_endpoint,
                     window: inner.cfg.window,
                     max_attempts: inner.cfg.max_attempts,
+                    inline_send_bytes: inner.cfg.inline_send_bytes,
                 };
                 let tcp = TcpPeer::connect(
                     &inner.name,

@@ -34,6 +34,8 @@ pub struct ClientConfig {
     /// Unanswered slices per connection.
     pub window: usize,
     pub max_attempts: u32,
+    /// See `EngineConfig::inline_send_bytes`.
+    pub inline_send_bytes: usize,
 }
 
 /// A piece of one request, sent as one frame.
@@ -77,9 +79,6 @@ impl RemoteRegionInfo {
 
 type Reader = FrameReader<BufReader<TcpStream>>;
 
-/// A batch moving at most this many bytes over TCP may be sent by the submitting thread
-/// itself when a connection is idle (the default socket send buffer takes it whole).
-pub const INLINE_SEND_BYTES: usize = 16 << 10;
 
 pub struct TcpPeer {
     pub hello: ServerHello,
@@ -200,7 +199,7 @@ impl TcpPeer {
     }
 
     /// Queues slices for the sender threads. A small batch to a peer with an idle
-    /// connection is sent right here instead (see [`INLINE_SEND_BYTES`]): that saves
+    /// connection is sent right here instead (`inline_send_bytes`): that saves
     /// the hand-off to the sender thread, a futex wake-up that costs as much as the
     /// round trip itself for a 4 KiB write.
     pub fn submit(&self, slices: Vec<Slice>) {
@@ -286,7 +285,7 @@ impl TcpPeer {
     /// slices back when they must go through the queue.
     fn try_inline(&self, slices: Vec<Slice>) -> Option<Vec<Slice>> {
         let bytes: usize = slices.iter().map(|s| s.len).sum();
-        if bytes > INLINE_SEND_BYTES || slices.len() > self.cfg.window.max(1) || !self.queue.lock().is_empty() {
+        if bytes == 0 || bytes > self.cfg.inline_send_bytes || slices.len() > self.cfg.window.max(1) || !self.queue.lock().is_empty() {
             return Some(slices);
         }
         let conns: Vec<Arc<Conn>> = self.conns.lock().iter().filter(|c| !c.dead.load(Ordering::SeqCst)).cloned().collect();
