@@ -99,10 +99,17 @@ class Transport:
 
     # ---- submitting
     def peer(self, ep: dict[str, Any]) -> Any:
+        """The connected peer of ``ep`` (connects on first use). The first connect also
+        starts looking up the peer's arena in the background (a zero-length read: on the
+        shm path, mapping the peer's segment takes tens of ms for a large arena), so a
+        caller that connects ahead of its first transfer does not pay that in it."""
         p = self._peers.get(ep["name"])
         if p is None:
             p = self.te.connect(ep["name"]) if self._in_process else self.te.connect(ep["name"], ep["address"])
             self._peers[ep["name"]] = p
+            if p.transport != "local":
+                self.te.submit([TransferRequest("read", self.region, 0, p, ep["region"], 0, 0)],
+                               timeout_s=BATCH_TIMEOUT_S)
         return p
 
     def _submit(self, op: str, tag: int, ep: dict[str, Any], spans: list[Span], link: bool) -> None:
