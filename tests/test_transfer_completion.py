@@ -273,3 +273,24 @@ def test_transport_link_emulation_holds_batches_until_the_link_is_free():
     finally:
         a.close()
         b.close()
+
+
+def test_wait_without_limit_returns_when_nothing_is_pending_and_inline_send_is_validated():
+    assert mc.CompletionQueue().wait() == []  # nothing in flight: would otherwise never return
+    with pytest.raises(mc.InvalidArgument, match="inline_send_bytes"):
+        mc.TransferEngine("bad-inline", listen="", inline_send_bytes=2 << 20)
+    # inline_send_bytes=0: every frame goes through the sender thread; same bytes land.
+    reg = mc.TransferRegistry()
+    for inline in (0, 16384):
+        with mc.TransferEngine("ia", transports=["tcp"], registry=reg, inline_send_bytes=inline) as a, \
+                mc.TransferEngine("ib", transports=["tcp"], registry=reg) as b:
+            src, dst = a.allocate(1 << 16), b.allocate(1 << 16)
+            np.asarray(src)[:] = rand(src.length, 7)
+            p = a.connect("ib", b.address)
+            q = mc.CompletionQueue()
+            for i in range(16):
+                a.submit([mc.TransferRequest("write", src, i * 4096, p, dst.id, i * 4096, 4096)], queue=q, tag=i)
+            got = drain(q, 16)
+            assert sorted(c.tag for c in got) == list(range(16)) and all(c.ok for c in got)
+            assert bytes(memoryview(dst)) == bytes(memoryview(src))
+            assert mc.CompletionQueue().wait(None) == []
