@@ -79,7 +79,6 @@ impl RemoteRegionInfo {
 
 type Reader = FrameReader<BufReader<TcpStream>>;
 
-
 pub struct TcpPeer {
     pub hello: ServerHello,
     endpoints: Vec<SocketAddr>,
@@ -285,7 +284,8 @@ impl TcpPeer {
     /// slices back when they must go through the queue.
     fn try_inline(&self, slices: Vec<Slice>) -> Option<Vec<Slice>> {
         let bytes: usize = slices.iter().map(|s| s.len).sum();
-        if bytes == 0 || bytes > self.cfg.inline_send_bytes || slices.len() > self.cfg.window.max(1) || !self.queue.lock().is_empty() {
+        let small = bytes > 0 && bytes <= self.cfg.inline_send_bytes && slices.len() <= self.cfg.window.max(1);
+        if !small || !self.queue.lock().is_empty() {
             return Some(slices);
         }
         let conns: Vec<Arc<Conn>> = self.conns.lock().iter().filter(|c| !c.dead.load(Ordering::SeqCst)).cloned().collect();
