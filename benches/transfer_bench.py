@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
 """Transfer engine benchmark, side by side with the physical references, in one run.
 
-  python benches/transfer_bench.py [--budget 0.6] [--rounds 3] [--peer]
+  python benches/transfer_bench.py [--budget 0.6] [--rounds 3] [--peer] [--only latency]
 
 * shm: 4 MiB requests x 64 (256 MiB working set) to a peer process, vs np.copyto of the
   same 256 MiB;
 * TCP loopback: 64 KiB / 512 KiB / 4 MiB requests in batches of 32 and 64 to a peer
   process, vs a plain Python socket stream between two processes moving the same bytes;
-* latency of one 4 KiB TCP write (submit + wait) vs a plain 4 KiB -> 8 B socket ping-pong;
+* latency of one 4 KiB TCP write (submit + wait) vs a plain 4 KiB -> 8 B socket ping-pong,
+  with and without the inline send and an auth token, each split into its stages by the
+  batch's own timestamps (Python -> engine, engine round trip, waiter wake-up);
 * Python overhead of submit + wait of 64 local 64-byte transfers;
 * --peer: also runs Mooncake's te_bench.py (peers/mooncake, needs the peer venv in $MC_PEER_VENV).
 
@@ -232,23 +234,74 @@ def bench_tcp(budget, sizes, batches, rounds):
                             one()
                             acc.setdefault(f"tcp_{op}_{size}_{nb}_GBps", []).append(total / med(timed(one, budget)) / 1e9)
             out.update({key: med(v) for key, v in acc.items()})
-            # latency of one 4 KiB write
-            small = [mc.TransferRequest("write", mine, 0, p, rid, 0, 4096)]
-            for _ in range(200):
-                e.submit(small).wait()
-            lat = []
-            for _ in range(2000):
-                t0 = time.perf_counter()
-                e.submit(small).wait()
-                lat.append(time.perf_counter() - t0)
-            out["tcp_4k_write_p50_us"] = med(lat) * 1e6
-            out["tcp_4k_write_p99_us"] = sorted(lat)[int(len(lat) * 0.99)] * 1e6
-        ref.pingpong(200)
-        pp = ref.pingpong(2000)
-        out["sock_pingpong_p50_us"] = med(pp) * 1e6
     finally:
         ref.close()
         stop(peer)
+    return out
+
+
+LAT_CASES = (  # (key, what, inline_send_bytes, auth token)
+    ("queued", "submit hands the frame to the sender thread", 0, None),
+    ("inline", "submit sends on the idle connection itself (default)", 16384, None),
+    ("queued_token", "queued, with an auth token (per-frame BLAKE3 tags, as serving runs)", 0, "tok"),
+    ("inline_token", "inline, with an auth token", 16384, "tok"),
+)
+
+
+def bench_latency(rounds, n=500):
+    """One 4 KiB TCP write (submit + wait) against a plain 4 KiB -> 8 B socket ping-pong,
+    interleaved round by round; each of ours split by the batch's own timestamps into
+    Python -> engine (until the batch exists), engine (send, peer, reply, receiver thread)
+    and wake-up (finished -> wait() returned to Python)."""
+    peers = {tok: start_peer(name=f"lat-{tok or 'open'}", regions=[{"name": "r", "length": MiB, "fill": False}],
+                             transports=["tcp"], auth_token=tok) for tok in {c[3] for c in LAT_CASES}}
+    ref = SocketRef()
+    engines = []
+    acc: dict[str, list[float]] = {}
+    try:
+        cases = []
+        for key, _, inline, tok in LAT_CASES:
+            e = mc.TransferEngine(f"lat-init-{key}", transports=["tcp"], registry=mc.TransferRegistry(), auth_token=tok,
+                                  inline_send_bytes=inline)
+            engines.append(e)
+            _, info = peers[tok]
+            p = e.connect(f"lat-{tok or 'open'}", info["address"])
+            mine = e.allocate(MiB)
+            cases.append((key, e, [mc.TransferRequest("write", mine, 0, p, info["regions"]["r"], 0, 4096)]))
+        ref.pingpong(200)
+        for _, e, small in cases:
+            for _ in range(200):
+                e.submit(small).wait()
+        for _ in range(rounds):
+            pp = med(ref.pingpong(n)) * 1e6
+            acc.setdefault("sock_pingpong_p50_us", []).append(pp)
+            for key, e, small in cases:
+                tot, enter, eng, wake = [], [], [], []
+                for _ in range(n):
+                    t0 = time.monotonic_ns()
+                    b = e.submit(small)
+                    b.wait()
+                    t1 = time.monotonic_ns()
+                    s0, s1 = b.submitted_ns, b.finished_ns
+                    tot.append(t1 - t0)
+                    enter.append(s0 - t0)
+                    eng.append(s1 - s0)
+                    wake.append(t1 - s1)
+                for name, v in (("p50", tot), ("enter", enter), ("engine", eng), ("wake", wake)):
+                    acc.setdefault(f"lat_{key}_{name}_us", []).append(med(v) / 1e3)
+                # The load on a shared machine moves between rounds: ratios are taken
+                # within a round (same minute as its ping-pong), then their median.
+                acc.setdefault(f"lat_{key}_ratio", []).append(med(tot) / 1e3 / pp)
+                acc.setdefault(f"lat_{key}_p99_us", []).append(sorted(tot)[int(len(tot) * 0.99)] / 1e3)
+    finally:
+        for e in engines:
+            e.close()
+        ref.close()
+        for p, _ in peers.values():
+            stop(p)
+    out = {k: med(v) for k, v in acc.items()}
+    out["tcp_4k_write_p50_us"] = out["lat_inline_p50_us"]
+    out["tcp_4k_write_p99_us"] = out["lat_inline_p99_us"]
     return out
 
 
@@ -282,18 +335,26 @@ def main():
     ap.add_argument("--peer", action="store_true", help="also run Mooncake's te_bench.py")
     ap.add_argument("--batches", default="32,64")
     ap.add_argument("--rounds", type=int, default=3, help="TCP rounds (median of rounds)")
+    ap.add_argument("--lat-rounds", type=int, default=9, help="latency rounds (median of per-round ratios)")
+    ap.add_argument("--only", choices=("latency",), help="only the 4 KiB write latency (and --peer's)")
     args = ap.parse_args()
     sizes = [64 << 10, 512 << 10, 4 << 20]
     batches = [int(b) for b in args.batches.split(",")]
     t0 = time.time()
     r = {}
-    r.update(bench_overhead(args.budget))
-    r.update(bench_shm(args.budget))
-    r.update(bench_tcp(args.budget, sizes, batches, args.rounds))
+    if args.only != "latency":
+        r.update(bench_overhead(args.budget))
+        r.update(bench_shm(args.budget))
+        r.update(bench_tcp(args.budget, sizes, batches, args.rounds))
+    r.update(bench_latency(args.lat_rounds))
     peer = run_peer() if args.peer else None
     if peer:
         r.update(peer)
     print(f"\n== transfer engine ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {time.time() - t0:.0f} s)")
+    print_latency(r, peer)
+    if args.only == "latency":
+        print(json.dumps(r))
+        return
     print(f"python overhead, submit+wait of 64 local transfers: {r['submit_wait_64_local_us']:.1f} us (target <= 20)")
     c = r["copyto_GBps"]
     for op in ("write", "read"):
@@ -309,12 +370,21 @@ def main():
             if peer and f"te_write_{size}_GBps" in peer and nb == 32:
                 line += f" | mooncake TE write {peer[f'te_write_{size}_GBps']:.2f} read {peer[f'te_read_{size}_GBps']:.2f}"
             print(line + "  (target >= 0.9x)")
-    print(
-        f"4 KiB write latency p50: {r['tcp_4k_write_p50_us']:.1f} us (p99 {r['tcp_4k_write_p99_us']:.1f}) vs socket ping-pong "
-        f"{r['sock_pingpong_p50_us']:.1f} us: {r['tcp_4k_write_p50_us'] / r['sock_pingpong_p50_us']:.2f}x (target <= 2x)"
-        + (f"; mooncake TE {peer['te_4k_write_p50_us']:.1f} us" if peer and "te_4k_write_p50_us" in peer else "")
-    )
     print(json.dumps(r))
+
+
+def print_latency(r, peer):
+    pp = r["sock_pingpong_p50_us"]
+    print(f"4 KiB TCP write, submit + wait, p50 (median of rounds); plain socket ping-pong 4 KiB -> 8 B: {pp:.1f} us")
+    print(f"{'case':14s} {'p50 us':>7s} {'x ping-pong':>11s} {'p99 us':>7s} | {'py->engine':>10s} {'engine':>7s} {'wake-up':>7s}")
+    for key, what, _, _ in LAT_CASES:
+        g = lambda n: r[f"lat_{key}_{n}_us"]  # noqa: E731
+        print(f"{key:14s} {g('p50'):7.1f} {r[f'lat_{key}_ratio']:10.2f}x {g('p99'):7.1f} | {g('enter'):10.1f} "
+              f"{g('engine'):7.1f} {g('wake'):7.1f}   {what}")
+    if peer and "te_4k_write_p50_us" in peer:
+        print(f"mooncake TE, same run: {peer['te_4k_write_p50_us']:.1f} us ({peer['te_4k_write_p50_us'] / pp:.2f}x)")
+    print("x ping-pong: median over rounds of (our p50 / the ping-pong's p50 of the same round); "
+          "target: inline <= 2x")
 
 
 if __name__ == "__main__":

@@ -13,10 +13,12 @@ from . import _logging
 from ._core import (
     AppliedEvents,
     Batch,
+    BatchCompletion,
     Block,
     BlockCache,
     BlockHashes,
     BlockIndex,
+    CompletionQueue,
     Conductor,
     ConductorConfig,
     ConductorSnapshot,
@@ -111,6 +113,8 @@ __all__ = [
     "Region",
     "Peer",
     "Batch",
+    "CompletionQueue",
+    "BatchCompletion",
     # serving (lazy: see __getattr__)
     "Cluster",
     # errors

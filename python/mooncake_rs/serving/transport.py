@@ -6,13 +6,19 @@ store was opened with ``shared_memory=True``). A copy
 is a ``TransferRequest``: ``write`` pushes a span of the local arena into a peer's arena
 (prefill -> decode, layer by layer), ``read`` pulls a peer's block into the local arena
 (a prefix fetch). In-process the engines share a ``TransferRegistry`` and the path is a
-memcpy; across processes the peer is reached by address and the path is shm. Batches
-are submitted without blocking; a waiter thread waits for them in order (the wait
-releases the GIL), so sending overlaps the engine's compute, and it records the time
-transfers were in flight (for the serving bandwidth figure).
+memcpy; across processes the peer is reached by address and the path is shm.
 
-``link_bandwidth`` (bytes/s) emulates a network link for benchmarks: a batch then counts
-as done no earlier than its bytes take at that rate, the link serialised.
+Batches are submitted without blocking, each with the caller's tag, to one
+``CompletionQueue``: the engine itself reports a batch when it has ended (its first
+error, its bytes, its submit and finish times), so there is no waiter thread here and
+nothing in Python counts bytes or in-flight time: ``total_bytes`` and ``busy_s`` are the
+engine's own counters (``TransferEngine.stats()``). ``pending``/``error``/``take_bytes``
+look at the queue when called (it never blocks), so whoever polls them (the instance
+loop) learns of completions; ``wait`` blocks (GIL released) until one arrives.
+
+``link_bandwidth`` (bytes/s) emulates a network link for benchmarks: a write batch then
+counts as done no earlier than its bytes take at that rate, the link serialised, and
+``busy_s`` counts the emulated time.
 """
 
 from __future__ import annotations
@@ -23,10 +29,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .. import TransferEngine, TransferRegistry, TransferRequest
+from .. import BatchCompletion, CompletionQueue, TransferEngine, TransferRegistry, TransferRequest
 from ..errors import TransferFailed
 
 __all__ = ["Transport", "Span"]
+
+#: Deadline of one batch (a transfer that takes longer fails its request with a timeout).
+BATCH_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -58,106 +67,175 @@ class Transport:
         self._link = link_bandwidth
         self._link_free = 0.0
         self._peers: dict[str, Any] = {}
-        self._cv = threading.Condition()
-        self._queue: collections.deque[tuple[int, Any, int, float, float]] = collections.deque()
+        self._cq = CompletionQueue()
+        self._lock = threading.Lock()
+        # Each batch is submitted with a sequence number as its queue tag; this maps it
+        # to the caller's tag and the time the emulated link lets it finish (0: none).
+        self._seq = 0
+        self._meta: dict[int, tuple[int, float]] = {}
+        self._held: list[tuple[float, BatchCompletion]] = []  # ended, waiting for the link
         self._pending: collections.Counter[int] = collections.Counter()
         self._bytes: collections.Counter[int] = collections.Counter()
         self._errors: dict[int, str] = {}
-        self.total_bytes = 0
-        self.busy_s = 0.0  # wall time with at least one batch in flight
+        self._link_busy_s = 0.0
         self._busy_until = 0.0
-        self._stop = False
-        self._thread = threading.Thread(target=self._wait_loop, name=f"mooncake-transfer-{name}", daemon=True)
-        self._thread.start()
 
+    # ---- engine counters
+    @property
+    def total_bytes(self) -> int:
+        """Bytes moved by this instance's transfers that ended ok (the engine's count)."""
+        s = self.te.stats()
+        return s.bytes_written + s.bytes_read
+
+    @property
+    def busy_s(self) -> float:
+        """Wall time with at least one transfer in flight (the engine's count; with an
+        emulated link, the time until the link let the batches finish)."""
+        if self._link:
+            with self._lock:
+                self._drain()
+                return self._link_busy_s
+        return self.te.stats().busy_s
+
+    # ---- submitting
     def peer(self, ep: dict[str, Any]) -> Any:
+        """The connected peer of ``ep`` (connects on first use). The first connect also
+        starts looking up the peer's arena in the background (a zero-length read: on the
+        shm path, mapping the peer's segment takes tens of ms for a large arena), so a
+        caller that connects ahead of its first transfer does not pay that in it."""
         p = self._peers.get(ep["name"])
         if p is None:
             p = self.te.connect(ep["name"]) if self._in_process else self.te.connect(ep["name"], ep["address"])
             self._peers[ep["name"]] = p
+            if p.transport != "local":
+                self.te.submit([TransferRequest("read", self.region, 0, p, ep["region"], 0, 0)],
+                               timeout_s=BATCH_TIMEOUT_S)
         return p
+
+    def _submit(self, op: str, tag: int, ep: dict[str, Any], spans: list[Span], link: bool) -> None:
+        peer = self.peer(ep)
+        region = ep["region"]
+        reqs = [TransferRequest(op, self.region, s.local_off, peer, region, s.remote_off, s.length) for s in spans]
+        ready = 0.0
+        if link and self._link:
+            n = sum(s.length for s in spans)
+            self._link_free = max(self._link_free, time.monotonic()) + n / self._link
+            ready = self._link_free
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+            self._meta[seq] = (tag, ready)
+            self._pending[tag] += 1
+        try:
+            self.te.submit(reqs, timeout_s=BATCH_TIMEOUT_S, queue=self._cq, tag=seq)
+        except BaseException:
+            with self._lock:
+                del self._meta[seq]
+                self._done(tag)
+            raise
 
     def write(self, tag: int, ep: dict[str, Any], spans: list[Span]) -> None:
         """Queues pushes of our spans into the peer's arena (returns at once)."""
-        if not spans:
-            return
-        peer = self.peer(ep)
-        reqs = [TransferRequest("write", self.region, s.local_off, peer, ep["region"], s.remote_off, s.length)
-                for s in spans]
-        n = sum(s.length for s in spans)
-        now = time.monotonic()
-        ready = 0.0
-        if self._link:
-            self._link_free = max(self._link_free, now) + n / self._link
-            ready = self._link_free
-        batch = self.te.submit(reqs, timeout_s=30.0)
-        with self._cv:
-            self._queue.append((tag, batch, n, now, ready))
-            self._pending[tag] += 1
-            self._cv.notify()
+        if spans:
+            self._submit("write", tag, ep, spans, link=True)
+
+    def read(self, tag: int, ep: dict[str, Any], spans: list[Span]) -> None:
+        """Queues pulls of the peer's spans into our arena (returns at once); the end
+        shows up in ``pending``/``error``/``take_bytes`` of ``tag`` like a write's."""
+        if spans:
+            self._submit("read", tag, ep, spans, link=False)
 
     def read_now(self, tag: int, ep: dict[str, Any], spans: list[Span]) -> None:
         """Pulls the peer's spans into our arena and waits (a prefix fetch)."""
         peer = self.peer(ep)
         reqs = [TransferRequest("read", self.region, s.local_off, peer, ep["region"], s.remote_off, s.length)
                 for s in spans]
-        t0 = time.monotonic()
-        for st in self.te.submit(reqs, timeout_s=30.0).wait():
+        for st in self.te.submit(reqs, timeout_s=BATCH_TIMEOUT_S).wait():
             if not st.ok:
                 raise TransferFailed(f"fetch from {ep['name']} failed: {st.error}")
-        n = sum(s.length for s in spans)
-        with self._cv:
-            self._bytes[tag] += n
-            self.total_bytes += n
-            self._account(t0, time.monotonic())
+        with self._lock:
+            self._bytes[tag] += sum(s.length for s in spans)
 
-    def _account(self, t0: float, t1: float) -> None:
-        start = max(t0, self._busy_until)
-        if t1 > start:
-            self.busy_s += t1 - start
-        self._busy_until = max(self._busy_until, t1)
+    # ---- completions (the caller holds self._lock)
+    def _done(self, tag: int) -> None:
+        self._pending[tag] -= 1
+        if self._pending[tag] <= 0:
+            del self._pending[tag]
 
-    def _wait_loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue and not self._stop:
-                    self._cv.wait()
-                if not self._queue:
-                    return
-                tag, batch, n, t0, ready = self._queue[0]
-            statuses = batch.wait()
-            left = ready - time.monotonic()
-            if left > 0:
-                time.sleep(left)
-            t1 = time.monotonic()
-            bad = [s.error for s in statuses if not s.ok]
-            with self._cv:
-                self._queue.popleft()
-                self._account(t0, t1)
-                self.total_bytes += n
-                self._bytes[tag] += n
-                if bad:
-                    self._errors[tag] = str(bad[0])
-                self._pending[tag] -= 1
-                if self._pending[tag] <= 0:
-                    del self._pending[tag]
+    def _finish(self, c: BatchCompletion, ready: float) -> None:
+        tag, _ = self._meta.pop(c.tag)
+        if ready:
+            t0 = c.submitted_ns * 1e-9
+            start = max(t0, self._busy_until)
+            if ready > start:
+                self._link_busy_s += ready - start
+            self._busy_until = max(self._busy_until, ready)
+        self._bytes[tag] += c.bytes
+        if not c.ok:
+            self._errors.setdefault(tag, str(c.error))
+        self._done(tag)
+
+    def _handle(self, done: list[BatchCompletion]) -> None:
+        for c in done:
+            ready = self._meta[c.tag][1]
+            if ready:
+                self._held.append((max(ready, c.finished_ns * 1e-9), c))
+            else:
+                self._finish(c, 0.0)
+        if self._held:
+            now = time.monotonic()
+            keep = []
+            for ready, c in sorted(self._held, key=lambda x: x[0]):
+                if ready <= now:
+                    self._finish(c, ready)
+                else:
+                    keep.append((ready, c))
+            self._held = keep
+
+    def _drain(self) -> None:
+        self._handle(self._cq.poll())
 
     def pending(self, tag: int) -> int:
-        with self._cv:
+        with self._lock:
+            self._drain()
             return self._pending.get(tag, 0)
 
     def error(self, tag: int) -> str | None:
-        with self._cv:
+        with self._lock:
+            self._drain()
             return self._errors.pop(tag, None)
 
     def take_bytes(self, tag: int) -> int:
-        with self._cv:
+        with self._lock:
+            self._drain()
             return self._bytes.pop(tag, 0)
 
+    def wait(self, timeout_s: float) -> bool:
+        """Blocks (GIL released) until a batch ended or ``timeout_s`` passed; whether any
+        did. For a loop that has nothing else to do than wait for its transfers."""
+        with self._lock:
+            self._drain()
+            held = min((r for r, _ in self._held), default=None)
+        if held is not None:  # a batch the emulated link releases at `held`
+            timeout_s = min(timeout_s, max(0.0, held - time.monotonic()))
+        done: list[BatchCompletion] = []
+        if timeout_s > 0 and self._cq.pending:
+            done = self._cq.wait(timeout_s)
+        elif timeout_s > 0 and held is not None:
+            time.sleep(timeout_s)
+        with self._lock:
+            before = sum(self._pending.values())
+            self._handle(done)
+            return sum(self._pending.values()) < before
+
     def close(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-        self._thread.join(timeout=35)
+        """Waits (up to a batch deadline) for the batches still in flight, then closes."""
+        end = time.monotonic() + BATCH_TIMEOUT_S + 5
+        while time.monotonic() < end:
+            with self._lock:
+                self._drain()
+                if not self._pending:
+                    break
+            self.wait(min(0.05, max(0.0, end - time.monotonic())))
         self._peers.clear()
         self.te.close()

@@ -26,6 +26,7 @@ mod store_events;
 mod store_keys;
 mod store_run;
 mod transfer;
+mod transfer_completion;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {

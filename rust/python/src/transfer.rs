@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use mooncake_core::transfer::{
-    Batch, Engine, EngineConfig, EngineRegistry, Op, Peer, Region, RegionId, Request, RequestStatus, TransferError,
-    Transports,
+    Batch, Engine, EngineConfig, EngineRegistry, Op, Peer, Region, RegionId, Request,
+    RequestStatus, TransferError, Transports,
 };
 use mooncake_core::{Categorized, ErrorCategory};
 use pyo3::ffi;
@@ -19,7 +19,7 @@ use crate::convert::BufferView;
 use crate::errors::{invalid, new_err, to_pyerr};
 use crate::gil::detached;
 
-fn dur(py: Python<'_>, what: &str, secs: f64) -> PyResult<Duration> {
+pub(crate) fn dur(py: Python<'_>, what: &str, secs: f64) -> PyResult<Duration> {
     // NaN, zero and negative are refused; anything too large to represent (1e300, inf)
     // means "no deadline" and is clamped (users of the Duration add it checked).
     if secs.is_nan() || secs <= 0.0 {
@@ -272,7 +272,7 @@ fn statuses(py: Python<'_>, v: Vec<RequestStatus>) -> PyResult<Bound<'_, PyList>
 /// A submitted batch.
 #[pyclass(name = "Batch", module = "mooncake_rs._core", frozen)]
 pub struct PyBatch {
-    batch: Arc<Batch>,
+    pub(crate) batch: Arc<Batch>,
 }
 
 #[pymethods]
@@ -296,6 +296,26 @@ impl PyBatch {
     #[getter]
     fn done(&self) -> bool {
         self.batch.is_done()
+    }
+    /// When it was submitted (monotonic ns: the clock of `time.monotonic_ns()`).
+    #[getter]
+    fn submitted_ns(&self) -> u64 {
+        self.batch.submitted_ns()
+    }
+    /// When its last request ended (monotonic ns), None while any is pending.
+    #[getter]
+    fn finished_ns(&self) -> Option<u64> {
+        self.batch.finished_ns()
+    }
+    /// Bytes moved so far by all its requests.
+    #[getter]
+    fn bytes(&self) -> u64 {
+        self.batch.bytes()
+    }
+    /// The sum of its requests' lengths.
+    #[getter]
+    fn requested_bytes(&self) -> u64 {
+        self.batch.requested_bytes()
     }
     fn __len__(&self) -> usize {
         self.batch.len()
@@ -321,6 +341,16 @@ pub struct PyTransferStats {
     late_responses: u64,
     handshakes_evicted: u64,
     regions: u64,
+    /// Batches submitted / ended / in flight now.
+    batches: u64,
+    batches_done: u64,
+    batches_in_flight: u64,
+    /// Bytes moved by write / read requests of this engine that ended ok.
+    bytes_written: u64,
+    bytes_read: u64,
+    requests_failed: u64,
+    /// Seconds with at least one batch of this engine in flight.
+    busy_s: f64,
 }
 
 /// Engines of one process that can find each other by name.
@@ -357,7 +387,8 @@ pub struct PyTransferEngine {
 impl PyTransferEngine {
     #[new]
     #[pyo3(signature = (name, listen = "127.0.0.1:0", auth_token = None, transports = None, *, registry = None,
-        slice_size = 1_048_576, io_timeout_s = 10.0, connect_timeout_s = 5.0, connections_per_endpoint = 1, copy_threads = 2))]
+        slice_size = 1_048_576, io_timeout_s = 10.0, connect_timeout_s = 5.0, connections_per_endpoint = 1, copy_threads = 2,
+        inline_send_bytes = 16384))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -371,6 +402,7 @@ impl PyTransferEngine {
         connect_timeout_s: f64,
         connections_per_endpoint: usize,
         copy_threads: usize,
+        inline_send_bytes: usize,
     ) -> PyResult<Self> {
         let transports = match &transports {
             Some(t) => Transports::parse(t.iter().map(String::as_str)).map_err(|e| to_pyerr(py, &e))?,
@@ -386,6 +418,7 @@ impl PyTransferEngine {
             io_timeout: dur(py, "io_timeout_s", io_timeout_s)?,
             connections_per_endpoint,
             copy_threads,
+            inline_send_bytes,
             ..EngineConfig::default()
         };
         let reg = registry.map(|r| r.inner.clone()).unwrap_or_else(EngineRegistry::global);
@@ -419,6 +452,13 @@ impl PyTransferEngine {
             late_responses: s.late_responses,
             handshakes_evicted: s.handshakes_evicted,
             regions: s.regions,
+            batches: s.batches,
+            batches_done: s.batches_done,
+            batches_in_flight: s.batches_in_flight,
+            bytes_written: s.bytes_written,
+            bytes_read: s.bytes_read,
+            requests_failed: s.requests_failed,
+            busy_s: s.busy_ns as f64 * 1e-9,
         }
     }
 
@@ -507,9 +547,17 @@ impl PyTransferEngine {
         Ok(PyPeer { peer })
     }
 
-    /// Submits a batch of TransferRequests; returns at once.
-    #[pyo3(signature = (requests, timeout_s = 30.0))]
-    fn submit(&self, py: Python<'_>, requests: &Bound<'_, PyAny>, timeout_s: f64) -> PyResult<PyBatch> {
+    /// Submits a batch of TransferRequests; returns at once. With `queue`, the batch is
+    /// reported by that CompletionQueue (with `tag`) when it has ended.
+    #[pyo3(signature = (requests, timeout_s = 30.0, *, queue = None, tag = 0))]
+    fn submit(
+        &self,
+        py: Python<'_>,
+        requests: &Bound<'_, PyAny>,
+        timeout_s: f64,
+        queue: Option<PyRef<'_, crate::transfer_completion::PyCompletionQueue>>,
+        tag: u64,
+    ) -> PyResult<PyBatch> {
         let timeout = dur(py, "timeout_s", timeout_s)?;
         let mut reqs = Vec::new();
         let mut push = |item: &Bound<'_, PyAny>| -> PyResult<()> {
@@ -539,12 +587,14 @@ impl PyTransferEngine {
                 push(&item?)?;
             }
         }
+        let n = reqs.len();
         let e = &self.engine;
-        let batch = if reqs.len() <= 64 {
-            e.submit(reqs, timeout).map_err(|x| to_pyerr(py, &x))?
-        } else {
-            detached(py, || e.submit(reqs, timeout))?
+        let q = queue.map(|q| q.queue());
+        let go = move || match &q {
+            Some(q) => e.submit_to(reqs, timeout, q, tag),
+            None => e.submit(reqs, timeout),
         };
+        let batch = if n <= 64 { go().map_err(|x| to_pyerr(py, &x))? } else { detached(py, go)? };
         Ok(PyBatch { batch })
     }
 
@@ -585,5 +635,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyTransferStatus>()?;
     m.add_class::<PyTransferStats>()?;
     m.add_class::<PyTransferRegistry>()?;
+    crate::transfer_completion::register(m)?;
     Ok(())
 }

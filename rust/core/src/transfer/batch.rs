@@ -12,11 +12,15 @@
 //! a batch reports any final status for a request, no byte lands in (or is read from)
 //! that request's buffers: the caller may reuse them at once.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::TransferError;
+use super::completion::{monotonic_ns, Completion, CompletionQueue};
+use super::config::Counters;
+use super::{Op, TransferError};
 
 /// The state of one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,6 +56,7 @@ impl RequestStatus {
 
 struct Slot {
     status: RequestStatus,
+    op: Op,
     slices_left: usize,
     bytes: u64,
     /// Accesses to the request's local memory in progress (`begin_io` .. `end_io`).
@@ -64,31 +69,131 @@ struct Slot {
 struct State {
     slots: Vec<Slot>,
     pending: usize,
+    /// When the last request ended (monotonic ns).
+    finished_ns: Option<u64>,
 }
+
+/// Where a batch reports its end: the engine's counters and, if the caller asked, a
+/// completion queue.
+#[derive(Default)]
+pub(crate) struct Report {
+    pub counters: Option<Arc<Counters>>,
+    pub queue: Option<Arc<CompletionQueue>>,
+}
+
+static NEXT_BATCH: AtomicU64 = AtomicU64::new(1);
 
 pub struct Batch {
     state: Mutex<State>,
     cv: Condvar,
     deadline: Instant,
+    id: u64,
+    n: usize,
+    submitted_ns: u64,
+    /// `submitted_ns` + the timeout: a timed-out batch ends here, whenever it is noticed.
+    deadline_ns: u64,
+    requested_bytes: u64,
+    report: Report,
 }
 
 impl std::fmt::Debug for Batch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let s = self.state.lock();
-        f.debug_struct("Batch").field("requests", &s.slots.len()).field("pending", &s.pending).finish()
+        f.debug_struct("Batch").field("id", &self.id).field("requests", &s.slots.len()).field("pending", &s.pending).finish()
     }
 }
 
 impl Batch {
-    pub(crate) fn new(n: usize, timeout: Duration) -> Batch {
+    /// A batch of requests given as (op, length), reporting its end to `report`.
+    pub(crate) fn with_report(reqs: impl Iterator<Item = (Op, u64)>, timeout: Duration, report: Report) -> Batch {
         let now = Instant::now();
+        let submitted_ns = monotonic_ns();
         let deadline = now.checked_add(timeout).unwrap_or(now + Duration::from_secs(86400 * 365));
-        let slots = (0..n).map(|_| Slot { status: RequestStatus::Pending, slices_left: 1, bytes: 0, io: 0, deferred: None }).collect();
-        Batch { state: Mutex::new(State { slots, pending: n }), cv: Condvar::new(), deadline }
+        let deadline_ns = submitted_ns.saturating_add(deadline.duration_since(now).as_nanos().min(u64::MAX as u128) as u64);
+        let mut requested_bytes = 0u64;
+        let slots: Vec<Slot> = reqs
+            .map(|(op, len)| {
+                requested_bytes = requested_bytes.saturating_add(len);
+                Slot { status: RequestStatus::Pending, op, slices_left: 1, bytes: 0, io: 0, deferred: None }
+            })
+            .collect();
+        let n = slots.len();
+        if let Some(c) = &report.counters {
+            c.batches.fetch_add(1, Ordering::Relaxed);
+            if n == 0 {
+                c.batches_done.fetch_add(1, Ordering::Relaxed);
+            } else {
+                c.busy.lock().begin(submitted_ns);
+            }
+        }
+        Batch {
+            state: Mutex::new(State { slots, pending: n, finished_ns: (n == 0).then_some(submitted_ns) }),
+            cv: Condvar::new(),
+            deadline,
+            id: NEXT_BATCH.fetch_add(1, Ordering::Relaxed),
+            n,
+            submitted_ns,
+            deadline_ns,
+            requested_bytes,
+            report,
+        }
+    }
+
+    /// Unique in this process.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// When the batch was submitted (monotonic ns, as Python's `time.monotonic_ns()`).
+    pub fn submitted_ns(&self) -> u64 {
+        self.submitted_ns
+    }
+
+    /// When its last request ended (`None` while any is pending).
+    pub fn finished_ns(&self) -> Option<u64> {
+        let mut s = self.state.lock();
+        self.snapshot(&mut s);
+        s.finished_ns
+    }
+
+    /// The sum of the requests' lengths.
+    pub fn requested_bytes(&self) -> u64 {
+        self.requested_bytes
+    }
+
+    /// Bytes moved so far by all requests.
+    pub fn bytes(&self) -> u64 {
+        self.state.lock().slots.iter().map(|x| x.bytes).sum()
+    }
+
+    /// What a completion queue reports of this (ended) batch.
+    pub(crate) fn completion(self: &Arc<Self>, tag: u64) -> Completion {
+        let s = self.state.lock();
+        let mut failed = 0;
+        let mut error = None;
+        let mut bytes = 0;
+        for x in &s.slots {
+            bytes += x.status.bytes();
+            if let RequestStatus::Failed { error: e, .. } = &x.status {
+                failed += 1;
+                error.get_or_insert_with(|| e.clone());
+            }
+        }
+        Completion {
+            tag,
+            requests: s.slots.len(),
+            failed,
+            error,
+            bytes,
+            requested_bytes: self.requested_bytes,
+            submitted_ns: self.submitted_ns,
+            finished_ns: s.finished_ns.unwrap_or(self.submitted_ns),
+            batch: self.clone(),
+        }
     }
 
     pub fn len(&self) -> usize {
-        self.state.lock().slots.len()
+        self.n
     }
 
     pub fn is_empty(&self) -> bool {
@@ -106,11 +211,11 @@ impl Batch {
             slot.slices_left = n;
         }
         if n == 0 {
-            Self::finish(&mut s, i, None, &self.cv);
+            self.finish(&mut s, i, None);
         }
     }
 
-    fn finish(s: &mut State, i: usize, error: Option<TransferError>, cv: &Condvar) {
+    fn finish(&self, s: &mut State, i: usize, error: Option<TransferError>) {
         let Some(slot) = s.slots.get_mut(i) else { return };
         if slot.status.is_finished() {
             return;
@@ -122,13 +227,37 @@ impl Batch {
             slot.deferred.get_or_insert(error);
             return;
         }
+        let timed_out = matches!(error, Some(TransferError::Timeout));
+        let c = self.report.counters.as_deref();
         slot.status = match error {
-            None => RequestStatus::Done { bytes: slot.bytes },
-            Some(error) => RequestStatus::Failed { error, bytes: slot.bytes },
+            None => {
+                if let Some(c) = c {
+                    let to = if slot.op == Op::Write { &c.bytes_written } else { &c.bytes_read };
+                    to.fetch_add(slot.bytes, Ordering::Relaxed);
+                }
+                RequestStatus::Done { bytes: slot.bytes }
+            }
+            Some(error) => {
+                if let Some(c) = c {
+                    c.requests_failed.fetch_add(1, Ordering::Relaxed);
+                }
+                RequestStatus::Failed { error, bytes: slot.bytes }
+            }
         };
         s.pending -= 1;
         if s.pending == 0 {
-            cv.notify_all();
+            // A batch that timed out ended at its deadline, however late it is noticed.
+            let now = monotonic_ns();
+            let end = if timed_out { now.min(self.deadline_ns) } else { now };
+            s.finished_ns = Some(end);
+            if let Some(c) = c {
+                c.batches_done.fetch_add(1, Ordering::Relaxed);
+                c.busy.lock().end(end);
+            }
+            if let Some(q) = &self.report.queue {
+                q.finished(self.id);
+            }
+            self.cv.notify_all();
         }
     }
 
@@ -142,7 +271,7 @@ impl Batch {
         slot.bytes += bytes;
         slot.slices_left = slot.slices_left.saturating_sub(1);
         if slot.slices_left == 0 {
-            Self::finish(&mut s, i, None, &self.cv);
+            self.finish(&mut s, i, None);
         }
     }
 
@@ -157,7 +286,7 @@ impl Batch {
             slot.bytes += bytes;
             slot.slices_left = slot.slices_left.saturating_sub(1);
             if slot.slices_left == 0 {
-                Self::finish(&mut s, i, None, &self.cv);
+                self.finish(&mut s, i, None);
             }
         }
     }
@@ -165,7 +294,7 @@ impl Batch {
     /// Request `i` failed (the first error wins; a finished request stays as it is).
     pub(crate) fn fail(&self, i: usize, error: TransferError) {
         let mut s = self.state.lock();
-        Self::finish(&mut s, i, Some(error), &self.cv);
+        self.finish(&mut s, i, Some(error));
     }
 
     /// A transport is about to access request `i`'s local memory. `false`: the request
@@ -192,7 +321,7 @@ impl Batch {
         slot.io = slot.io.saturating_sub(1);
         if slot.io == 0 {
             if let Some(end) = slot.deferred.take() {
-                Self::finish(&mut s, i, end, &self.cv);
+                self.finish(&mut s, i, end);
             }
             self.cv.notify_all();
         }
@@ -209,7 +338,7 @@ impl Batch {
 
     fn expire_locked(&self, s: &mut State, error: TransferError) {
         for i in 0..s.slots.len() {
-            Self::finish(s, i, Some(error.clone()), &self.cv);
+            self.finish(s, i, Some(error.clone()));
         }
     }
 
@@ -259,5 +388,19 @@ impl Batch {
     pub fn cancel(&self) {
         let mut s = self.state.lock();
         self.expire_locked(&mut s, TransferError::Cancelled);
+    }
+}
+
+impl Drop for Batch {
+    /// A batch nobody holds any more with requests still pending (possible only past its
+    /// deadline: every path ends a request it drops) ends as timed out, so the engine's
+    /// in-flight accounting closes.
+    fn drop(&mut self) {
+        if self.report.counters.is_some() {
+            let s = &mut *self.state.lock();
+            if s.pending > 0 {
+                self.expire_locked(s, TransferError::Timeout);
+            }
+        }
     }
 }

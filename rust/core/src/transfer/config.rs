@@ -3,6 +3,8 @@
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
+use parking_lot::Mutex;
+
 use super::TransferError;
 
 /// Which paths an engine may use (as initiator) and offer (as server).
@@ -54,6 +56,9 @@ pub struct EngineConfig {
     pub window: usize,
     pub max_attempts: u32,
     pub copy_threads: usize,
+    /// A TCP batch of at most this many bytes is sent by the submitting thread itself
+    /// when a connection to the peer is idle (0: always through the sender threads).
+    pub inline_send_bytes: usize,
 }
 
 impl Default for EngineConfig {
@@ -70,6 +75,7 @@ impl Default for EngineConfig {
             window: 16,
             max_attempts: 3,
             copy_threads: 2,
+            inline_send_bytes: 16 << 10,
         }
     }
 }
@@ -88,6 +94,9 @@ impl EngineConfig {
         }
         if !(1..=64).contains(&self.connections_per_endpoint) || self.window == 0 || self.max_attempts == 0 {
             return bad("connections_per_endpoint must be 1..=64, window and max_attempts >= 1".into());
+        }
+        if self.inline_send_bytes > 1 << 20 {
+            return bad(format!("inline_send_bytes must be at most 1 MiB, got {}", self.inline_send_bytes));
         }
         if self.auth_token.as_deref() == Some("") {
             return bad("auth_token must not be empty (use None for no authentication)".into());
@@ -109,6 +118,48 @@ pub struct Counters {
     pub late_responses: AtomicU64,
     /// Handshakes cut short to make room for a new connection (all slots were taken).
     pub handshakes_evicted: AtomicU64,
+    // Initiator side, counted by the batches themselves as they end.
+    /// Batches submitted / batches whose every request ended.
+    pub batches: AtomicU64,
+    pub batches_done: AtomicU64,
+    /// Bytes moved by write / read requests that ended `Done`.
+    pub bytes_written: AtomicU64,
+    pub bytes_read: AtomicU64,
+    /// Requests that ended failed (any cause: refused, lost, timeout, cancelled, closed).
+    pub requests_failed: AtomicU64,
+    /// Wall time with at least one batch of this engine in flight.
+    pub busy: Mutex<Busy>,
+}
+
+/// The union of the in-flight intervals of an engine's batches, kept incrementally: a
+/// batch opens an interval when none is open, the last one to end closes it.
+#[derive(Debug, Default)]
+pub struct Busy {
+    inflight: u64,
+    since_ns: u64,
+    busy_ns: u64,
+}
+
+impl Busy {
+    pub fn begin(&mut self, now_ns: u64) {
+        if self.inflight == 0 {
+            self.since_ns = now_ns;
+        }
+        self.inflight += 1;
+    }
+
+    pub fn end(&mut self, end_ns: u64) {
+        self.inflight = self.inflight.saturating_sub(1);
+        if self.inflight == 0 {
+            self.busy_ns += end_ns.saturating_sub(self.since_ns);
+        }
+    }
+
+    /// Busy nanoseconds so far (an open interval counts up to `now_ns`) and batches in flight.
+    pub fn read(&self, now_ns: u64) -> (u64, u64) {
+        let open = if self.inflight > 0 { now_ns.saturating_sub(self.since_ns) } else { 0 };
+        (self.busy_ns + open, self.inflight)
+    }
 }
 
 /// A snapshot of [`Counters`].
@@ -123,4 +174,12 @@ pub struct EngineStats {
     pub late_responses: u64,
     pub handshakes_evicted: u64,
     pub regions: u64,
+    pub batches: u64,
+    pub batches_done: u64,
+    pub batches_in_flight: u64,
+    pub bytes_written: u64,
+    pub bytes_read: u64,
+    pub requests_failed: u64,
+    /// Wall time with at least one batch in flight (ns).
+    pub busy_ns: u64,
 }

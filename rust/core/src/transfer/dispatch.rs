@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use hashbrown::HashMap;
 
-use super::batch::Batch;
+use super::batch::{Batch, Report};
+use super::completion::CompletionQueue;
 use super::engine::{EngineInner, PeerKind};
 use super::local::{CopyJob, Span, INLINE_COPY_BYTES};
 use super::region::{Region, RegionId, RegionTable};
@@ -124,14 +125,24 @@ fn run_copies(inner: &EngineInner, batch: &Arc<Batch>, jobs: Vec<CopyJob>, inlin
     }
 }
 
-pub(crate) fn submit(inner: &EngineInner, requests: Vec<Request>, timeout: Duration) -> Result<Arc<Batch>, TransferError> {
+pub(crate) fn submit(
+    inner: &EngineInner,
+    requests: Vec<Request>,
+    timeout: Duration,
+    queue: Option<(Arc<CompletionQueue>, u64)>,
+) -> Result<Arc<Batch>, TransferError> {
     let mut cache = RegionCache::default();
     let checked = requests
         .into_iter()
         .enumerate()
         .map(|(i, r)| check_local(inner, &mut cache, i, r))
         .collect::<Result<Vec<_>, _>>()?;
-    let batch = Arc::new(Batch::new(checked.len(), timeout));
+    let report = Report { counters: Some(inner.counters.clone()), queue: queue.as_ref().map(|(q, _)| q.clone()) };
+    let batch = Arc::new(Batch::with_report(checked.iter().map(|c| (c.req.op, c.req.length)), timeout, report));
+    if let Some((q, tag)) = &queue {
+        // Before any request can end, so its end is never missed.
+        q.track(*tag, &batch);
+    }
     let mut copies = Vec::new();
     let mut copy_bytes = 0u64;
     let mut tcp: HashMap<*const TcpPeer, (Arc<TcpPeer>, Vec<Slice>)> = HashMap::new();

@@ -9,6 +9,7 @@ use parking_lot::Mutex;
 
 use super::auth::{self, AuthKey};
 use super::batch::Batch;
+use super::completion::CompletionQueue;
 use super::local::CopyPool;
 use super::region::{Region, RegionId, RegionTable};
 use super::registry::EngineRegistry;
@@ -303,6 +304,7 @@ impl Engine {
                     connections_per_endpoint: inner.cfg.connections_per_endpoint,
                     window: inner.cfg.window,
                     max_attempts: inner.cfg.max_attempts,
+                    inline_send_bytes: inner.cfg.inline_send_bytes,
                 };
                 let tcp = TcpPeer::connect(
                     &inner.name,
@@ -327,12 +329,25 @@ impl Engine {
     /// call; everything the remote decides is a per-request status.
     pub fn submit(&self, requests: Vec<Request>, timeout: Duration) -> Result<Arc<Batch>, TransferError> {
         self.check_open()?;
-        super::dispatch::submit(&self.inner, requests, timeout)
+        super::dispatch::submit(&self.inner, requests, timeout, None)
+    }
+
+    /// `submit`, and when the batch has ended it is reported (with `tag`) by `queue`.
+    pub fn submit_to(
+        &self,
+        requests: Vec<Request>,
+        timeout: Duration,
+        queue: &Arc<CompletionQueue>,
+        tag: u64,
+    ) -> Result<Arc<Batch>, TransferError> {
+        self.check_open()?;
+        super::dispatch::submit(&self.inner, requests, timeout, Some((queue.clone(), tag)))
     }
 
     pub fn stats(&self) -> EngineStats {
         let c = &self.inner.counters;
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let (busy_ns, batches_in_flight) = c.busy.lock().read(super::completion::monotonic_ns());
         EngineStats {
             auth_failures: l(&c.auth_failures),
             bad_frames: l(&c.bad_frames),
@@ -343,6 +358,13 @@ impl Engine {
             late_responses: l(&c.late_responses),
             handshakes_evicted: l(&c.handshakes_evicted),
             regions: self.inner.regions.len() as u64,
+            batches: l(&c.batches),
+            batches_done: l(&c.batches_done),
+            batches_in_flight,
+            bytes_written: l(&c.bytes_written),
+            bytes_read: l(&c.bytes_read),
+            requests_failed: l(&c.requests_failed),
+            busy_ns,
         }
     }
 

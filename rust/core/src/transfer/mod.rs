@@ -14,6 +14,7 @@
 
 pub mod auth;
 pub mod batch;
+pub mod completion;
 pub mod config;
 mod dispatch;
 pub mod engine;
@@ -29,6 +30,7 @@ use std::fmt;
 use crate::error::{Categorized, ErrorCategory};
 
 pub use batch::{Batch, RequestStatus};
+pub use completion::{monotonic_ns, Completion, CompletionQueue};
 pub use engine::{Engine, EngineConfig, EngineStats, Peer, Transports};
 pub use region::{Region, RegionId, RegionOwner};
 pub use registry::EngineRegistry;
@@ -175,3 +177,5 @@ impl Categorized for TransferError {
 mod tests;
 #[cfg(test)]
 mod tests_adversarial;
+#[cfg(test)]
+mod tests_completion;

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use hashbrown::HashMap;
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use super::batch::Batch;
 use super::local::{CopyJob, Keep, Span};
@@ -36,27 +36,67 @@ pub enum Lookup {
     Unknown,
 }
 
+/// What the cache knows of one region.
+enum Entry {
+    Mapped(Arc<ShmRegion>),
+    NotShared,
+    /// A resolver is asking the peer / mapping the segment right now.
+    Resolving,
+}
+
 /// Per-peer cache of mapped regions (region ids are never reused by an engine).
 #[derive(Default)]
 pub struct ShmPeer {
-    cache: Mutex<HashMap<RegionId, Option<Arc<ShmRegion>>>>,
+    cache: Mutex<HashMap<RegionId, Entry>>,
+    resolved: Condvar,
 }
 
 impl ShmPeer {
     pub fn lookup(&self, id: RegionId) -> Lookup {
         match self.cache.lock().get(&id) {
-            Some(Some(r)) => Lookup::Mapped(r.clone()),
-            Some(None) => Lookup::NotShared,
-            None => Lookup::Unknown,
+            Some(Entry::Mapped(r)) => Lookup::Mapped(r.clone()),
+            Some(Entry::NotShared) => Lookup::NotShared,
+            Some(Entry::Resolving) | None => Lookup::Unknown,
         }
     }
 
     /// Asks the peer and maps the segment (blocking: never called from `submit`).
-    /// `None` means "use TCP".
+    /// `None` means "use TCP". Concurrent calls for one region (the first batches to a
+    /// new peer, one resolver each) wait for the first one instead of mapping the
+    /// segment again: mapping a large arena takes tens of milliseconds.
     pub fn resolve(&self, tcp: &TcpPeer, id: RegionId) -> Option<Arc<ShmRegion>> {
-        if let Lookup::Mapped(r) = self.lookup(id) {
-            return Some(r);
+        {
+            let mut c = self.cache.lock();
+            loop {
+                match c.get(&id) {
+                    Some(Entry::Mapped(r)) => return Some(r.clone()),
+                    Some(Entry::NotShared) => return None,
+                    // Bounded: the resolver's query has the connection's I/O timeouts.
+                    Some(Entry::Resolving) => self.resolved.wait(&mut c),
+                    None => break,
+                }
+            }
+            c.insert(id, Entry::Resolving);
         }
+        let mapped = self.query_and_map(tcp, id);
+        let mut c = self.cache.lock();
+        match &mapped {
+            Some(m) => {
+                c.insert(id, Entry::Mapped(m.clone()));
+            }
+            // A failed query is not cached (the next batch asks again), a plain region is.
+            None => {
+                if c.get(&id).is_some_and(|e| matches!(e, Entry::Resolving)) {
+                    c.remove(&id);
+                }
+            }
+        }
+        drop(c);
+        self.resolved.notify_all();
+        mapped
+    }
+
+    fn query_and_map(&self, tcp: &TcpPeer, id: RegionId) -> Option<Arc<ShmRegion>> {
         let info = match tcp.query_region(id) {
             Ok(info) => info,
             // Unknown region or lost control connection: let TCP report the verdict.
@@ -69,7 +109,9 @@ impl ShmPeer {
                 None
             }
         });
-        self.cache.lock().insert(id, mapped.clone());
+        if mapped.is_none() {
+            self.cache.lock().insert(id, Entry::NotShared);
+        }
         mapped
     }
 

@@ -34,6 +34,8 @@ pub struct ClientConfig {
     /// Unanswered slices per connection.
     pub window: usize,
     pub max_attempts: u32,
+    /// See `EngineConfig::inline_send_bytes`.
+    pub inline_send_bytes: usize,
 }
 
 /// A piece of one request, sent as one frame.
@@ -51,6 +53,10 @@ pub struct Slice {
 
 struct Conn {
     stream: TcpStream,
+    /// The sending half. Whoever holds it writes one frame at a time: the connection's
+    /// sender thread, or a submitting thread that found the connection idle (see
+    /// `TcpPeer::submit`). It is held only for the write of one frame.
+    writer: Mutex<FrameWriter<TcpStream>>,
     dead: AtomicBool,
     inflight: Mutex<HashMap<u64, Slice>>,
     room: Condvar,
@@ -161,10 +167,12 @@ impl TcpPeer {
 
     fn start_conn(self: &Arc<Self>, stream: TcpStream, keys: FrameKeys) -> Result<(), TransferError> {
         let read_half = stream.try_clone().map_err(TransferError::io)?;
+        let write_half = stream.try_clone().map_err(TransferError::io)?;
         // Ticks of half the I/O timeout let the receiver notice a silent peer.
         let _ = read_half.set_read_timeout(Some(self.cfg.io_timeout / 2));
         let conn = Arc::new(Conn {
             stream,
+            writer: Mutex::new(FrameWriter::new(write_half, keys.send)),
             dead: AtomicBool::new(false),
             inflight: Mutex::new(HashMap::new()),
             room: Condvar::new(),
@@ -175,7 +183,7 @@ impl TcpPeer {
         let mut threads = self.threads.lock();
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| std::thread::Builder::new().name(name.into()).spawn(f);
         let reader = FrameReader::new(BufReader::with_capacity(8 << 10, read_half), keys.recv);
-        threads.push(spawn("mc-tcp-send", Box::new(move || p1.sender(&c1, keys.send))).map_err(TransferError::io)?);
+        threads.push(spawn("mc-tcp-send", Box::new(move || p1.sender(&c1))).map_err(TransferError::io)?);
         threads.push(spawn("mc-tcp-recv", Box::new(move || p2.receiver(&c2, reader))).map_err(TransferError::io)?);
         Ok(())
     }
@@ -189,7 +197,10 @@ impl TcpPeer {
         self.alive.load(Ordering::SeqCst)
     }
 
-    /// Queues slices; never blocks on the network.
+    /// Queues slices for the sender threads. A small batch to a peer with an idle
+    /// connection is sent right here instead (`inline_send_bytes`): that saves
+    /// the hand-off to the sender thread, a futex wake-up that costs as much as the
+    /// round trip itself for a 4 KiB write.
     pub fn submit(&self, slices: Vec<Slice>) {
         if self.alive() == 0 || self.closed.load(Ordering::SeqCst) {
             for s in slices {
@@ -197,6 +208,7 @@ impl TcpPeer {
             }
             return;
         }
+        let Some(slices) = self.try_inline(slices) else { return };
         self.queue.lock().extend(slices);
         self.work.notify_all();
         if self.alive() == 0 {
@@ -266,8 +278,70 @@ impl TcpPeer {
         }
     }
 
-    fn sender(&self, conn: &Conn, key: Option<[u8; 32]>) {
-        let mut w = FrameWriter::new(&conn.stream, key);
+    /// Sends `slices` on an idle connection from the calling thread, if they are few and
+    /// small, nothing is queued and some connection has nothing in flight (then its send
+    /// buffer is drained, so a write this small does not wait on the peer). Hands the
+    /// slices back when they must go through the queue.
+    fn try_inline(&self, slices: Vec<Slice>) -> Option<Vec<Slice>> {
+        let bytes: usize = slices.iter().map(|s| s.len).sum();
+        let small = bytes > 0 && bytes <= self.cfg.inline_send_bytes && slices.len() <= self.cfg.window.max(1);
+        if !small || !self.queue.lock().is_empty() {
+            return Some(slices);
+        }
+        let conns: Vec<Arc<Conn>> = self.conns.lock().iter().filter(|c| !c.dead.load(Ordering::SeqCst)).cloned().collect();
+        for conn in conns {
+            if !conn.inflight.lock().is_empty() {
+                continue;
+            }
+            // Never wait for the writer here: if the sender thread has it, queue instead.
+            let Some(mut w) = conn.writer.try_lock() else { continue };
+            if conn.dead.load(Ordering::SeqCst) {
+                continue;
+            }
+            let mut rest = slices.into_iter();
+            while let Some(slice) = rest.next() {
+                if slice.batch.is_finished(slice.index) {
+                    continue;
+                }
+                let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+                conn.inflight.lock().insert(id, slice.clone());
+                if let Err(e) = self.send_slice(conn.as_ref(), &mut w, id, &slice) {
+                    drop(w);
+                    self.kill(&conn, &format!("send failed: {e}"));
+                    let left: Vec<Slice> = rest.collect();
+                    return (!left.is_empty()).then_some(left);
+                }
+            }
+            return None;
+        }
+        Some(slices)
+    }
+
+    /// Writes the frame of one slice (already in `conn`'s in-flight table as `id`).
+    fn send_slice(&self, conn: &Conn, w: &mut FrameWriter<TcpStream>, id: u64, slice: &Slice) -> std::io::Result<()> {
+        let (region, offset, len) = (slice.remote_region, slice.remote_offset, slice.len);
+        match slice.op {
+            Op::Read => w.send(&encode(&Msg::ReadReq { id, region, offset, len: len as u64 }), &[]),
+            Op::Write => {
+                if !slice.batch.begin_io(slice.index) {
+                    // Ended while queued: its buffer is the caller's again, send nothing.
+                    conn.inflight.lock().remove(&id);
+                    conn.room.notify_one();
+                    return Ok(());
+                }
+                let head = encode(&Msg::WriteReq { id, region, offset, data_len: len });
+                // SAFETY: the request's local range was bounds-checked at submit and the
+                // span keeps the region mapped; begin_io keeps the request from being
+                // reported final (and its buffer reused) while we read it.
+                let data = unsafe { std::slice::from_raw_parts(slice.local.ptr as *const u8, len) };
+                let r = w.send(&head, data);
+                slice.batch.end_io(slice.index);
+                r
+            }
+        }
+    }
+
+    fn sender(&self, conn: &Conn) {
         loop {
             let slice = {
                 let mut q = self.queue.lock();
@@ -297,26 +371,8 @@ impl TcpPeer {
                 }
                 inf.insert(id, slice.clone());
             }
-            let (region, offset, len) = (slice.remote_region, slice.remote_offset, slice.len);
-            let sent = match slice.op {
-                Op::Read => w.send(&encode(&Msg::ReadReq { id, region, offset, len: len as u64 }), &[]),
-                Op::Write => {
-                    if !slice.batch.begin_io(slice.index) {
-                        // Ended while queued: its buffer is the caller's again, send nothing.
-                        conn.inflight.lock().remove(&id);
-                        conn.room.notify_one();
-                        continue;
-                    }
-                    let head = encode(&Msg::WriteReq { id, region, offset, data_len: len });
-                    // SAFETY: the request's local range was bounds-checked at submit and the
-                    // span keeps the region mapped; begin_io keeps the request from being
-                    // reported final (and its buffer reused) while we read it.
-                    let data = unsafe { std::slice::from_raw_parts(slice.local.ptr as *const u8, len) };
-                    let r = w.send(&head, data);
-                    slice.batch.end_io(slice.index);
-                    r
-                }
-            };
+            // Waits at most for one inline frame (a few KiB) another thread is writing.
+            let sent = self.send_slice(conn, &mut conn.writer.lock(), id, &slice);
             if let Err(e) = sent {
                 self.kill(conn, &format!("send failed: {e}"));
                 return;
