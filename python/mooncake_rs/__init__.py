@@ -44,6 +44,7 @@ from .errors import (
     BlockNotFound,
     InternalError,
     InvalidArgument,
+    MalformedEvent,
     MooncakeError,
     Overloaded,
     StoreFull,
@@ -101,6 +102,7 @@ __all__ = [
     "TransferTimeout",
     "Overloaded",
     "InternalError",
+    "MalformedEvent",
 ]
 
 

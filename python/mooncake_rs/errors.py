@@ -17,6 +17,7 @@ __all__ = [
     "TransferTimeout",
     "Overloaded",
     "InternalError",
+    "MalformedEvent",
 ]
 
 
@@ -63,3 +64,11 @@ class Overloaded(MooncakeError):
 
 class InternalError(MooncakeError):
     """An internal invariant was broken: a bug in mooncake_rs. Please report it."""
+
+
+class MalformedEvent(InvalidArgument):
+    """A KV event message (ZMQ frames or msgpack payload) that cannot be decoded.
+
+    Raised by :mod:`mooncake_rs.interop` for a truncated or malformed frame; the message
+    says which frame or field is wrong.
+    """

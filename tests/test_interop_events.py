@@ -1,0 +1,381 @@
+"""KV events in: the wire decoder, hash mapping into the index, the ZMQ subscriber."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+
+from mooncake_rs import BlockIndex, InvalidArgument, MalformedEvent, MooncakeError, PrefixHasher
+from mooncake_rs.interop import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineHashMap,
+    Ingestor,
+    MediumIndex,
+    TierTarget,
+    canonical_medium,
+    decode_message,
+    decode_payload,
+    encode_batch,
+    encode_message,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+BS = 4
+enc = msgspec.msgpack.Encoder()
+
+
+def norm(ev):  # positional events are subclasses of the public types: compare by content
+    for t in (BlockStored, BlockRemoved, AllBlocksCleared):
+        if isinstance(ev, t):
+            return (t.__name__, msgspec.structs.asdict(ev))
+    raise AssertionError(ev)
+
+
+def sample_events():
+    return [
+        BlockStored([11, 12], None, list(range(8)), BS, None, "GPU", None),
+        BlockStored([b"\x01" * 32], b"\x02" * 32, list(range(4)), BS, 3, "CPU", "sql"),
+        BlockStored([-5, 2**64 - 1], 12, list(range(8)), BS, None, None, None, None, 1),
+        BlockRemoved([11, b"\x01" * 32], "GPU"),
+        BlockRemoved([2**64 - 1], None, 0),
+        AllBlocksCleared(),
+    ]
+
+
+# --- decoding --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["positional", "map"])
+@pytest.mark.parametrize("dp", [None, 2])
+def test_both_payload_forms_round_trip(form, dp):
+    evs = sample_events()
+    b = decode_payload(encode_batch(evs, ts=12.5, dp_rank=dp, form=form))
+    assert b.ts == 12.5 and b.data_parallel_rank == dp and b.unknown == 0
+    assert [norm(e) for e in b.events] == [norm(e) for e in evs]
+
+
+def test_hand_written_positional_and_map_payloads():
+    # Exactly as engines lay them out (not through our encoder), int and bytes hashes.
+    pos = enc.encode([1.0, [["BlockStored", [1, 2], None, [5, 6, 7, 8, 9, 10, 11, 12], 4, None, "GPU"],
+                            ["BlockRemoved", [b"\xaa"], "CPU"], ["AllBlocksCleared"]], 0])
+    mp = enc.encode({"ts": 1.0, "data_parallel_rank": 0, "events": [
+        {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
+         "token_ids": [5, 6, 7, 8, 9, 10, 11, 12], "block_size": 4, "lora_id": None, "medium": "GPU"},
+        {"type": "BlockRemoved", "block_hashes": [b"\xaa"], "medium": "CPU"},
+        {"type": "AllBlocksCleared"}]})
+    a, b = decode_payload(pos), decode_payload(mp)
+    assert [norm(e) for e in a.events] == [norm(e) for e in b.events]
+    assert isinstance(a.events[0], BlockStored) and a.events[0].block_hashes == [1, 2]
+    assert a.events[1].block_hashes == [b"\xaa"] and a.events[1].medium == "CPU"
+    assert isinstance(a.events[2], AllBlocksCleared)
+    # An old two-element batch (no dp rank) and i64 hashes.
+    old = decode_payload(enc.encode([2.0, [["BlockRemoved", [-(2**63), 7], None]]]))
+    assert old.data_parallel_rank is None and old.events[0].block_hashes == [-(2**63), 7]
+
+
+def test_unknown_fields_and_event_types_are_ignored():
+    pos = enc.encode([1.0, [["BlockStored", [1], None, [1, 2, 3, 4], 4, None, "GPU", "lora", [None], 0,
+                             "full_attention", None, "a-future-field", 42],
+                            ["BlockUpdated", [1], "whatever"]], 0])
+    b = decode_payload(pos)
+    assert b.unknown == 1 and len(b.events) == 1
+    ev = b.events[0]
+    assert isinstance(ev, BlockStored) and ev.lora_name == "lora" and ev.group_idx == 0
+    mp = enc.encode({"ts": 1.0, "events": [
+        {"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU", "future": {"x": 1}},
+        {"type": "SomethingNew", "a": 1}], "new_batch_field": [1, 2]})
+    b = decode_payload(mp)
+    assert b.unknown == 1 and norm(b.events[0]) == norm(BlockRemoved([3], "GPU"))
+    # Mixed forms in one batch go through the per-event path.
+    mixed = enc.encode([1.0, [["AllBlocksCleared"], {"type": "BlockRemoved", "block_hashes": [9]}]])
+    b = decode_payload(mixed)
+    assert [norm(e) for e in b.events] == [norm(AllBlocksCleared()), norm(BlockRemoved([9]))]
+
+
+def test_truncated_and_malformed_frames_raise_typed_errors():
+    payload = encode_batch(sample_events())
+    frames = encode_message(7, payload)
+    m = decode_message(frames)
+    assert m.seq == 7 and m.topic == b"" and len(m.batch.events) == 6
+    bad = [
+        frames[:2],  # a frame missing
+        [b"", b"\x00\x00\x07", payload],  # a short sequence frame
+        [b"", frames[1], payload[: len(payload) // 2]],  # truncated payload
+        [b"", frames[1], b""],  # empty payload
+        [b"", frames[1], b"\xc1"],  # not msgpack
+        [b"", frames[1], enc.encode("a string")],  # not a batch
+        [b"", frames[1], enc.encode([1.0, [["BlockStored", "not a list"]]])],  # a broken known event
+        [b"", frames[1], enc.encode({"events": []})],  # no ts
+    ]
+    for f in bad:
+        with pytest.raises(MalformedEvent) as ei:
+            decode_message(f)
+        assert isinstance(ei.value, InvalidArgument) and isinstance(ei.value, MooncakeError)
+        assert str(ei.value)
+
+
+def test_canonical_medium():
+    assert [canonical_medium(m) for m in (None, "GPU", "gpu", "cpu", "CPU_PINNED", "disk", "SSD", "EXTERNAL")] == [
+        "GPU", "GPU", "GPU", "CPU", "CPU", "DISK", "DISK", "EXTERNAL"]
+
+
+def test_vllm_classes_decode_identically():
+    kv = pytest.importorskip("vllm.distributed.kv_events")
+    batch = kv.KVEventBatch(ts=1.0, events=[
+        kv.BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=list(range(8)), block_size=4,
+                       lora_id=None, medium="GPU", lora_name=None),
+        kv.BlockRemoved(block_hashes=[2], medium="GPU"), kv.AllBlocksCleared()], data_parallel_rank=0)
+    ours = decode_payload(msgspec.msgpack.Encoder().encode(batch))
+    assert [norm(e) for e in ours.events] == [
+        norm(BlockStored([1, 2], None, list(range(8)), 4, None, "GPU", None)),
+        norm(BlockRemoved([2], "GPU")), norm(AllBlocksCleared())]
+
+
+# --- hash mapping into the index ---------------------------------------------------
+
+
+def chain(hasher, tokens):
+    return hasher.hash(tokens)
+
+
+def test_ingest_recomputes_our_chained_hashes():
+    hasher = PrefixHasher(BS, seed=7)
+    target = MediumIndex()
+    ing = Ingestor(target, slot=3, hasher=hasher)
+    toks = list(range(100, 116))  # 4 blocks
+    ours = chain(hasher, toks)
+    # Stored in two events, the second chained on the engine's parent hash (bytes).
+    ing.apply(decode_payload(encode_batch([BlockStored([b"e0", b"e1"], None, toks[:8], BS, None, "GPU")])))
+    ing.apply(decode_payload(encode_batch([BlockStored([b"e2", b"e3"], b"e1", toks[8:], BS, None, "GPU")],
+                                          form="map")))
+    gpu = target.indexes["GPU"]
+    assert gpu.match_prefix(ours) == {3: 4}
+    # The same block offloaded to CPU, then evicted from GPU: CPU still has it.
+    ing.apply(decode_payload(encode_batch([BlockStored([b"e0"], None, toks[:4], BS, None, "cpu")])))
+    ing.apply(decode_payload(encode_batch([BlockRemoved([b"e0", b"e1", b"unknown"], "GPU")])))
+    assert gpu.match_prefix(ours) == {}
+    assert target.indexes["CPU"].match_prefix(ours) == {3: 1}
+    assert gpu.holders(ours[2]) == [(3, "dram")]
+    st = ing.stats()
+    assert st.stored_blocks == 5 and st.removed_blocks == 2 and st.unknown_removed == 1
+    # A removed parent is still known, so a re-store below it chains correctly.
+    ing.apply(decode_payload(encode_batch([BlockStored([b"e1"], b"e0", toks[4:8], BS, None, None)])))
+    assert gpu.holders(ours[1]) == [(3, "dram")]
+    # Orphans (unknown parent) and mismatched sizes are counted and skipped.
+    ing.apply(decode_payload(encode_batch([BlockStored([b"x"], b"never-seen", toks[:4], BS, None, "GPU"),
+                                           BlockStored([b"y"], None, toks[:4], 8, None, "GPU"),
+                                           BlockStored([b"z"], None, toks[:6], BS, None, "GPU")])))
+    st = ing.stats()
+    assert st.orphans == 1 and st.mismatched == 2
+    ing.apply(decode_payload(encode_batch([AllBlocksCleared()])))
+    assert all(len(ix) == 0 for ix in target.indexes.values()) and len(ing.map) == 0
+    for ix in target.indexes.values():
+        ix.check_integrity()
+
+
+def test_tier_target_keeps_dram_while_any_fast_medium_holds_it():
+    hasher = PrefixHasher(BS)
+    idx = BlockIndex()
+    ing = Ingestor(TierTarget(idx), slot=1, hasher=hasher)
+    toks = [1, 2, 3, 4]
+    (h,) = hasher.hash(toks)
+    ing.apply(decode_payload(encode_batch([BlockStored([5], None, toks, BS, None, "GPU"),
+                                           BlockStored([5], None, toks, BS, None, "CPU"),
+                                           BlockStored([5], None, toks, BS, None, "disk")])))
+    assert idx.holders(h) == [(1, "dram"), (1, "ssd")]
+    ing.apply(decode_payload(encode_batch([BlockRemoved([5], "GPU")])))
+    assert idx.holders(h) == [(1, "dram"), (1, "ssd")]  # CPU still holds it
+    ing.apply(decode_payload(encode_batch([BlockRemoved([5], "CPU")])))
+    assert idx.holders(h) == [(1, "ssd")]
+    ing.apply(decode_payload(encode_batch([BlockRemoved([5], "DISK")])))
+    assert idx.holders(h) == []
+
+
+def test_hash_map_is_bounded_and_evicted_blocks_leave_the_index():
+    hasher = PrefixHasher(BS)
+    target = MediumIndex()
+    ing = Ingestor(target, slot=0, hasher=hasher, map_capacity=8)
+    rng = random.Random(1)
+    seqs = []
+    for i in range(10):
+        toks = [rng.randrange(50_000) for _ in range(2 * BS)]
+        seqs.append(toks)
+        ing.apply(decode_payload(encode_batch([BlockStored([i * 2, i * 2 + 1], None, toks, BS, None, "GPU")])))
+        assert len(ing.map) <= 8
+    gpu = target.indexes["GPU"]
+    # The index holds exactly the blocks the map still tracks (the newest 8).
+    assert len(gpu) == 8 and ing.stats().evicted == 12
+    for toks in seqs[-4:]:
+        assert gpu.match_prefix(hasher.hash(toks)) == {0: 2}
+    assert gpu.match_prefix(hasher.hash(seqs[0])) == {}
+    with pytest.raises(InvalidArgument):
+        EngineHashMap(0)
+
+
+def test_engine_hash_reuse_replaces_the_old_block():
+    hasher = PrefixHasher(BS)
+    target = MediumIndex()
+    ing = Ingestor(target, slot=0, hasher=hasher)
+    a, b = [1, 2, 3, 4], [5, 6, 7, 8]
+    ing.apply(decode_payload(encode_batch([BlockStored([9], None, a, BS, None, "GPU"),
+                                           BlockStored([9], None, b, BS, None, "GPU")])))
+    gpu = target.indexes["GPU"]
+    assert gpu.match_prefix(hasher.hash(a)) == {} and gpu.match_prefix(hasher.hash(b)) == {0: 1}
+
+
+# --- the ZMQ subscriber --------------------------------------------------------------
+
+zmq = pytest.importorskip("zmq")
+
+from interop_helpers import FakePublisher, pump  # noqa: E402
+
+from mooncake_rs.interop.subscriber import KVEventSubscriber  # noqa: E402
+
+
+def _store(i, toks, parent=None):
+    return encode_batch([BlockStored([1000 + i], parent, toks, BS, None, "GPU")], ts=float(i), dp_rank=0)
+
+
+def _stream(n, seed=0):
+    """n one-block stores chained into one sequence; returns (payloads, our hashes)."""
+    rng = random.Random(seed)
+    toks = [rng.randrange(1000) for _ in range(n * BS)]
+    pays = [_store(i, toks[i * BS:(i + 1) * BS], None if i == 0 else 1000 + i - 1) for i in range(n)]
+    return pays, toks
+
+
+@pytest.fixture
+def pub_replay():
+    p = FakePublisher(replay=True)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def pub_plain():
+    p = FakePublisher(replay=False)
+    yield p
+    p.close()
+
+
+def _subscriber(pub, replay=True):
+    hasher = PrefixHasher(BS)
+    target = MediumIndex()
+    ing = Ingestor(target, slot=5, hasher=hasher)
+    sub = KVEventSubscriber(pub.endpoint, ing, replay_endpoint=pub.replay_endpoint if replay else None,
+                            replay_timeout_s=2.0)
+    pub.wait_subscriber()
+    return sub, ing, target, hasher
+
+
+def test_subscriber_in_order(pub_plain):
+    sub, ing, target, hasher = _subscriber(pub_plain, replay=False)
+    with sub:
+        pays, toks = _stream(6)
+        for i, p in enumerate(pays):
+            pub_plain.publish(i, p)
+        pump(sub, lambda: sub.last_seq == 5)
+        assert target.indexes["GPU"].match_prefix(hasher.hash(toks)) == {5: 6}
+        assert sub.stats.gaps == 0 and sub.stats.messages == 6
+
+
+def test_gap_with_replay_recovers_every_block(pub_replay):
+    sub, ing, target, hasher = _subscriber(pub_replay)
+    with sub:
+        pays, toks = _stream(8)
+        for i, p in enumerate(pays):
+            pub_replay.publish(i, p, send=i not in (3, 4, 5))  # 3..5 lost on the PUB
+        pump(sub, lambda: sub.last_seq == 7)
+        assert pub_replay.replay_requests == [3]
+        assert sub.stats.gaps == 1 and sub.stats.replayed >= 3 and sub.stats.replay_failures == 0
+        assert ing.stats().resets == 0
+        assert target.indexes["GPU"].match_prefix(hasher.hash(toks)) == {5: 8}
+
+
+def test_gap_without_replay_drops_the_instance_and_rebuilds(pub_plain):
+    sub, ing, target, hasher = _subscriber(pub_plain, replay=False)
+    with sub:
+        pays, toks = _stream(6)
+        for i in range(3):
+            pub_plain.publish(i, pays[i])
+        pump(sub, lambda: sub.last_seq == 2)
+        gpu = target.indexes["GPU"]
+        assert gpu.match_prefix(hasher.hash(toks)) == {5: 3}
+        # seq 3 lost; seq 4 chains on block 3, which we never saw: after the reset it is
+        # an orphan; a fresh root store (seq 5) is indexed again.
+        pub_plain.publish(4, pays[4])
+        fresh = [7, 7, 7, 7]
+        pub_plain.publish(5, _store(50, fresh))
+        pump(sub, lambda: sub.last_seq == 5)
+        assert sub.stats.gaps == 1 and sub.stats.replay_failures == 1 and ing.stats().resets == 1
+        assert ing.stats().orphans == 1
+        assert gpu.match_prefix(hasher.hash(toks)) == {}
+        assert gpu.match_prefix(hasher.hash(fresh)) == {5: 1}
+
+
+def test_gap_whose_data_is_gone_from_the_replay_buffer_resets():
+    pub = FakePublisher(replay=True, keep=2)  # the engine keeps only 2 batches
+    try:
+        sub, ing, target, hasher = _subscriber(pub)
+        with sub:
+            pays, toks = _stream(8)
+            pub.publish(0, pays[0])
+            pump(sub, lambda: sub.last_seq == 0)
+            for i in range(1, 8):
+                pub.publish(i, pays[i], send=i == 7)
+            pump(sub, lambda: sub.last_seq == 7)
+            assert sub.stats.gaps == 1 and sub.stats.replay_failures == 1 and ing.stats().resets == 1
+            assert target.indexes["GPU"].match_prefix(hasher.hash(toks)) == {}
+    finally:
+        pub.close()
+
+
+def test_restart_and_malformed_messages(pub_plain):
+    sub, ing, target, hasher = _subscriber(pub_plain, replay=False)
+    with sub:
+        pays, toks = _stream(3)
+        for i in range(3):
+            pub_plain.publish(i, pays[i])
+        pump(sub, lambda: sub.last_seq == 2)
+        pub_plain.send_raw([b"", (3).to_bytes(8, "big"), b"\x93\x01"])  # truncated batch
+        pub_plain.send_raw([b"only one frame"])
+        pump(sub, lambda: sub.stats.malformed == 2)
+        assert sub.last_seq == 3 and ing.stats().resets == 0  # no gap: seq 3 was seen
+        pub_plain.publish(0, _store(0, [9, 9, 9, 9]))  # the engine restarted
+        pump(sub, lambda: sub.stats.restarts == 1)
+        gpu = target.indexes["GPU"]
+        assert ing.stats().resets == 1 and gpu.match_prefix(hasher.hash(toks)) == {}
+        assert gpu.match_prefix(hasher.hash([9, 9, 9, 9])) == {5: 1}
+
+
+def test_background_thread_stops(pub_plain):
+    sub, ing, target, hasher = _subscriber(pub_plain, replay=False)
+    sub.start()
+    try:
+        pays, toks = _stream(4)
+        for i, p in enumerate(pays):
+            pub_plain.publish(i, p)
+        import time
+
+        deadline = time.monotonic() + 5
+        while sub.last_seq != 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert target.indexes["GPU"].match_prefix(hasher.hash(toks)) == {5: 4}
+    finally:
+        sub.stop()
+    assert sub._thread is None
+
+
+def test_subscriber_bad_arguments():
+    ing = Ingestor(MediumIndex(), 0, PrefixHasher(BS))
+    with pytest.raises(InvalidArgument):
+        KVEventSubscriber("", ing)
+    with pytest.raises(InvalidArgument):
+        KVEventSubscriber("not-an-endpoint", ing)
+    with pytest.raises(InvalidArgument):
+        KVEventSubscriber("tcp://127.0.0.1:1", ing, replay_timeout_s=0)
