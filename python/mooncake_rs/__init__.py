@@ -38,6 +38,7 @@ from ._core import (
     TransferStats,
     TransferStatus,
     WritableBlock,
+    Xxh3RollingHasher,
     __version__,
 )
 from .errors import (
@@ -59,6 +60,7 @@ __all__ = [
     "__version__",
     # hashing and the index
     "PrefixHasher",
+    "Xxh3RollingHasher",
     "BlockIndex",
     "PrefixMatch",
     "IndexStats",

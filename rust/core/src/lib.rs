@@ -6,6 +6,7 @@
 //!
 //! Modules, one role each:
 //! - [`hash`]: chained 128-bit hashes of full token blocks.
+//! - [`hash_xxh3`]: the RFC standard rolling XXH3-64 sequence hash (interop with other indexers).
 //! - [`index`]: which instance holds which block, in which tier; longest-prefix matching.
 //! - [`mem`]: page-aligned private or shared-memory mappings (store arenas, transfer regions).
 //! - [`conductor`]: global scheduling (Algorithm 1 and better), admission, replica hints.
@@ -15,6 +16,7 @@
 pub mod conductor;
 pub mod error;
 pub mod hash;
+pub mod hash_xxh3;
 pub mod index;
 pub mod mem;
 pub mod store;
@@ -22,5 +24,6 @@ pub mod transfer;
 
 pub use error::{Categorized, ErrorCategory};
 pub use hash::{BlockHash, HashAlgorithm, HashError, PrefixHasher};
+pub use hash_xxh3::{SeqHash, Xxh3RollingHasher};
 pub use index::{BlockIndex, IndexError, IndexStats, InstanceId, PrefixMatch, Tier};
 pub use transfer::{Engine as TransferEngine, TransferError};

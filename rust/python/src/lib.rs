@@ -14,6 +14,7 @@ mod convert;
 mod errors;
 mod gil;
 mod hash;
+mod hash_xxh3;
 mod index;
 mod logging;
 mod mem;
@@ -28,6 +29,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     logging::init_from_env();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     hash::register(m)?;
+    hash_xxh3::register(m)?;
     index::register(m)?;
     conductor::register(m)?;
     block_cache::register(m)?;
