@@ -178,6 +178,31 @@ def test_ingest_recomputes_our_chained_hashes():
         ix.check_integrity()
 
 
+@pytest.mark.parametrize("form", ["positional", "map"])
+def test_raw_token_path_indexes_the_same_blocks(form):
+    # Ingestion decodes token_ids in Rust (no Python ints): same hashes as the list path.
+    hasher = PrefixHasher(BS, seed=3)
+    rng = random.Random(2)
+    toks = [rng.choice([0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1]) for _ in range(40 * BS)]
+    evs = [BlockStored(list(range(20)), None, toks[:20 * BS], BS, None, "GPU"),
+           BlockStored(list(range(20, 40)), 19, toks[20 * BS:], BS, None, "GPU")]
+    payload = encode_batch(evs, form=form)
+    raw = decode_payload(payload, raw_tokens=True)
+    assert type(raw.events[0].token_ids) is msgspec.Raw
+    a, b = MediumIndex(), MediumIndex()
+    Ingestor(a, 1, hasher).apply(raw)
+    Ingestor(b, 1, hasher).apply(decode_payload(payload))
+    want = hasher.hash(toks)
+    assert a.indexes["GPU"].match_prefix(want) == b.indexes["GPU"].match_prefix(want) == {1: 40}
+    # token_ids that are not u32s: a typed error, nothing indexed.
+    for bad in ([1, 2, 3, -1], [1, 2, 3, 2**32], [1, 2, 3, "x"], [1, 2, 3, 1.5]):
+        p = enc.encode([0.0, [["BlockStored", [1], None, bad, BS, None, "GPU"]]])
+        c = MediumIndex()
+        with pytest.raises(MalformedEvent):
+            Ingestor(c, 1, hasher).apply(decode_payload(p, raw_tokens=True))
+        assert len(c.indexes["GPU"]) == 0
+
+
 def test_tier_target_keeps_dram_while_any_fast_medium_holds_it():
     hasher = PrefixHasher(BS)
     idx = BlockIndex()

@@ -85,6 +85,16 @@ class _AllBlocksClearedPos(AllBlocksCleared, array_like=True, frozen=True, tag="
     pass
 
 
+class _BlockStoredRawPos(BlockStored, array_like=True, frozen=True, tag="BlockStored"):
+    # For ingestion: the tokens stay msgpack bytes, decoded in Rust (``msgpack_tokens``)
+    # without ever becoming Python ints, the largest cost of decoding in Python.
+    token_ids: msgspec.Raw = msgspec.Raw(b"\x90")  # type: ignore[assignment]
+
+
+class _BlockStoredRawMap(BlockStored, frozen=True, tag="BlockStored"):
+    token_ids: msgspec.Raw = msgspec.Raw(b"\x90")  # type: ignore[assignment]
+
+
 KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 _KNOWN_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
 
@@ -131,6 +141,20 @@ class _RawBatchMap(msgspec.Struct, gc=False):
     data_parallel_rank: int | None = None
 
 
+class _BatchRawPos(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[Union[_BlockStoredRawPos, _BlockRemovedPos, _AllBlocksClearedPos]]
+    data_parallel_rank: int | None = None
+
+
+class _BatchRawMap(msgspec.Struct, gc=False):
+    ts: float
+    events: list[Union[_BlockStoredRawMap, BlockRemoved, AllBlocksCleared]]
+    data_parallel_rank: int | None = None
+
+
+_dec_raw_tokens_pos = msgspec.msgpack.Decoder(_BatchRawPos)
+_dec_raw_tokens_map = msgspec.msgpack.Decoder(_BatchRawMap)
 _dec_pos = msgspec.msgpack.Decoder(_BatchPos)
 _dec_map = msgspec.msgpack.Decoder(_BatchMap)
 _dec_raw_pos = msgspec.msgpack.Decoder(_RawBatchPos)
@@ -188,8 +212,13 @@ def _decode_slow(payload: bytes | memoryview, array: bool) -> EventBatch:
     return EventBatch(raw.ts, events, raw.data_parallel_rank, unknown)
 
 
-def decode_payload(payload: bytes | memoryview) -> EventBatch:
-    """Decode one msgpack event batch (either form). Raises :class:`MalformedEvent`."""
+def decode_payload(payload: bytes | memoryview, raw_tokens: bool = False) -> EventBatch:
+    """Decode one msgpack event batch (either form). Raises :class:`MalformedEvent`.
+
+    ``raw_tokens=True`` (what ingestion uses) may leave a ``BlockStored``'s
+    ``token_ids`` as the undecoded msgpack array (a ``msgspec.Raw``), which
+    :class:`~mooncake_rs.interop.Ingestor` decodes in Rust.
+    """
     array = _is_array(payload)
     if array is None:
         raise MalformedEvent(
@@ -197,8 +226,12 @@ def decode_payload(payload: bytes | memoryview) -> EventBatch:
             f"{{ts, events, data_parallel_rank}}; got {len(payload)} bytes starting "
             f"{bytes(payload[:8])!r}"
         )
+    b: Any
     try:
-        b = (_dec_pos if array else _dec_map).decode(payload)
+        if raw_tokens:
+            b = (_dec_raw_tokens_pos if array else _dec_raw_tokens_map).decode(payload)
+        else:
+            b = (_dec_pos if array else _dec_map).decode(payload)
     except msgspec.ValidationError:
         return _decode_slow(payload, array)
     except msgspec.DecodeError as e:  # truncated or not msgpack at all
@@ -217,11 +250,11 @@ def decode_seq(frame: bytes | memoryview) -> int:
     return int.from_bytes(frame, "big")
 
 
-def decode_message(frames: list[bytes] | list[memoryview] | list[Any]) -> EventMessage:
+def decode_message(frames: list[bytes] | list[memoryview] | list[Any], raw_tokens: bool = False) -> EventMessage:
     """Decode ``[topic, seq, payload]``. Raises :class:`MalformedEvent` naming the bad frame."""
     if len(frames) != 3:
         raise MalformedEvent(
             f"a KV event message has 3 frames [topic, seq (8 bytes BE), msgpack payload]; got {len(frames)}"
         )
     topic, seq, payload = frames
-    return EventMessage(bytes(topic), decode_seq(seq), decode_payload(payload))
+    return EventMessage(bytes(topic), decode_seq(seq), decode_payload(payload, raw_tokens))

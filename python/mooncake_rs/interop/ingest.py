@@ -13,9 +13,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
-from ..errors import InvalidArgument
+import msgspec
+
+from .._core import msgpack_tokens
+from ..errors import InvalidArgument, MalformedEvent
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
 from .hashmap import MEDIA_BITS, EngineHashMap
 from .targets import Target, canonical_medium
@@ -30,7 +33,7 @@ class BlockHasher(Protocol):
 
     @property
     def block_size(self) -> int: ...
-    def hash(self, tokens: list[int], parent: int | None = None) -> list[int]: ...
+    def hash(self, tokens: Any, parent: int | None = None) -> list[int]: ...
 
 
 @dataclass
@@ -115,7 +118,13 @@ class Ingestor:
         if n == 0:
             return
         bs = self.block_size
-        if (ev.block_size and ev.block_size != bs) or len(ev.token_ids) != n * bs:
+        tokens: Any = ev.token_ids
+        if type(tokens) is msgspec.Raw:  # left undecoded by decode_payload(raw_tokens=True)
+            try:
+                tokens = memoryview(msgpack_tokens(tokens)).cast("I")
+            except InvalidArgument as e:
+                raise MalformedEvent(f"BlockStored token_ids: {e}") from None
+        if (ev.block_size and ev.block_size != bs) or len(tokens) != n * bs:
             st.mismatched += 1
             return
         parent: int | None = None
@@ -129,7 +138,7 @@ class Ingestor:
             st.media_overflow += 1
             return
         bit, key = med
-        ours = self.hasher.hash(ev.token_ids, parent)
+        ours = self.hasher.hash(tokens, parent)
         replaced = self.map.store(engine, ours, bit)
         if replaced:
             self._remove_masks(replaced)

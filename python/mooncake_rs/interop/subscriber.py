@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import zmq
 
 from ..errors import InvalidArgument, MalformedEvent
-from .events import REPLAY_END, decode_message, decode_payload, decode_seq
+from .events import REPLAY_END, EventBatch, decode_message, decode_payload, decode_seq
 from .ingest import Ingestor
 
 __all__ = ["KVEventSubscriber", "SubscriberStats"]
@@ -110,7 +110,7 @@ class KVEventSubscriber:
     def _handle(self, frames: list[bytes]) -> None:
         self.stats.messages += 1
         try:
-            msg = decode_message(frames)
+            msg = decode_message(frames, raw_tokens=True)
         except MalformedEvent as e:
             # Skip it: we cannot know what it held. Its sequence number, if readable,
             # still counts as seen so the next message is not taken for a gap.
@@ -124,13 +124,13 @@ class KVEventSubscriber:
         s = msg.seq
         sub_last, self._sub_last = self._sub_last, s
         if self._last is None:
-            self.ingestor.apply(msg.batch)
+            self._apply(msg.batch)
             self._last = s
             return
         if sub_last is not None and s <= sub_last:
             self.stats.restarts += 1
             self.ingestor.reset(f"sequence went back from {sub_last} to {s} (publisher restarted)")
-            self.ingestor.apply(msg.batch)
+            self._apply(msg.batch)
             self._last = s
             return
         if s <= self._last:  # already applied from a replay
@@ -142,13 +142,20 @@ class KVEventSubscriber:
                 self.stats.replay_failures += 1
                 self.ingestor.reset(f"missed sequence numbers {self._last + 1}..{s - 1}"
                                     + ("" if self.replay_endpoint else " and no replay endpoint is configured"))
-                self.ingestor.apply(msg.batch)
+                self._apply(msg.batch)
                 self._last = s
                 return
             if s <= self._last:  # the replay already delivered it
                 return
-        self.ingestor.apply(msg.batch)
+        self._apply(msg.batch)
         self._last = s
+
+    def _apply(self, batch: EventBatch) -> None:
+        try:
+            self.ingestor.apply(batch)
+        except MalformedEvent as e:  # an event whose token_ids do not decode: skip the rest
+            self.stats.malformed += 1
+            log.warning("KV events from %s: %s", self.endpoint, e)
 
     def _replay(self, start: int, upto: int) -> bool:
         """Fetch and apply batches ``start..`` from the replay endpoint; True if ``start..upto-1`` arrived."""
@@ -180,7 +187,7 @@ class KVEventSubscriber:
                     # The engine's buffer no longer holds ``expect``: the gap stays.
                     log.warning("KV event replay from %s starts at %d, needed %d", self.replay_endpoint, s, expect)
                     return False
-                self.ingestor.apply(decode_payload(frames[1]))
+                self.ingestor.apply(decode_payload(frames[1], raw_tokens=True))
                 self._last = s
                 self.stats.replayed += 1
                 expect = s + 1

@@ -8,6 +8,7 @@
 //! - [`hash`]: chained 128-bit hashes of full token blocks.
 //! - [`hash_xxh3`]: the RFC standard rolling XXH3-64 sequence hash (interop with other indexers).
 //! - [`index`]: which instance holds which block, in which tier; longest-prefix matching.
+//! - [`interop`]: decoding the parts of other engines' KV event wire format that pay in Rust.
 //! - [`mem`]: page-aligned private or shared-memory mappings (store arenas, transfer regions).
 //! - [`conductor`]: global scheduling (Algorithm 1 and better), admission, replica hints.
 //! - [`transfer`]: batch transfers between registered memory (local, shm, tcp).
@@ -18,6 +19,7 @@ pub mod error;
 pub mod hash;
 pub mod hash_xxh3;
 pub mod index;
+pub mod interop;
 pub mod mem;
 pub mod store;
 pub mod transfer;

@@ -16,6 +16,7 @@ mod gil;
 mod hash;
 mod hash_xxh3;
 mod index;
+mod interop;
 mod logging;
 mod mem;
 mod pyint;
@@ -31,6 +32,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     hash::register(m)?;
     hash_xxh3::register(m)?;
     index::register(m)?;
+    interop::register(m)?;
     conductor::register(m)?;
     block_cache::register(m)?;
     store::register(m)?;
