@@ -120,7 +120,7 @@ def client():
         yield c, indexer
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_answers_match_brute_force_on_random_streams(client, seed):
     c, indexer = client
     rng = random.Random(seed)

@@ -267,11 +267,19 @@ class Indexer:
                 held_cache[(mi, depth)] = got
             return got
 
+        # Slots with any entry in each medium: a cell outside it holds nothing there.
+        present = [set(idx.instances()) for _, idx in media]
+
         def union(cells: Iterable[tuple[int, int]]) -> int:
             """Longest prefix where every block is held by one of the (slot, medium index) cells."""
-            cells = list(cells)
-            depth = max((prefix[mi].get(slot, 0) for slot, mi in cells), default=0)
-            while depth < n and any(slot in held(mi, depth) for slot, mi in cells):
+            live = [(slot, mi, prefix[mi].get(slot, 0)) for slot, mi in cells if slot in present[mi]]
+            depth = max((p for _, _, p in live), default=0)
+            while depth < n:
+                # A cell whose contiguous prefix is ``depth`` is known to lack block ``depth``;
+                # only the shorter ones can still hold it (out of order).
+                maybe = [(slot, mi) for slot, mi, p in live if p < depth]
+                if not maybe or not any(slot in held(mi, depth) for slot, mi in maybe):
+                    break
                 depth += 1
             return depth
 
