@@ -273,7 +273,9 @@ class Indexer:
         def union(cells: Iterable[tuple[int, int]]) -> int:
             """Longest prefix where every block is held by one of the (slot, medium index) cells."""
             live = [(slot, mi, prefix[mi].get(slot, 0)) for slot, mi in cells if slot in present[mi]]
-            depth = max((p for _, _, p in live), default=0)
+            if len(live) <= 1:  # one cell's contiguous prefix is exact (the common case)
+                return live[0][2] if live else 0
+            depth = max(p for _, _, p in live)
             while depth < n:
                 # A cell whose contiguous prefix is ``depth`` is known to lack block ``depth``;
                 # only the shorter ones can still hold it (out of order).
