@@ -73,6 +73,9 @@ def test_hand_written_positional_and_map_payloads():
     assert isinstance(a.events[0], BlockStored) and a.events[0].block_hashes == [1, 2]
     assert a.events[1].block_hashes == [b"\xaa"] and a.events[1].medium == "CPU"
     assert isinstance(a.events[2], AllBlocksCleared)
+    # SGLang's shape: no medium on either event, no dp rank on the batch.
+    sg = decode_payload(enc.encode([3.0, [["BlockStored", [7], None, [1, 2, 3, 4], 4, None], ["BlockRemoved", [7]]]]))
+    assert [norm(e) for e in sg.events] == [norm(BlockStored([7], None, [1, 2, 3, 4], 4)), norm(BlockRemoved([7]))]
     # An old two-element batch (no dp rank) and i64 hashes.
     old = decode_payload(enc.encode([2.0, [["BlockRemoved", [-(2**63), 7], None]]]))
     assert old.data_parallel_rank is None and old.events[0].block_hashes == [-(2**63), 7]
