@@ -407,3 +407,27 @@ def test_subscriber_bad_arguments():
         KVEventSubscriber("not-an-endpoint", ing)
     with pytest.raises(InvalidArgument):
         KVEventSubscriber("tcp://127.0.0.1:1", ing, replay_timeout_s=0)
+
+
+def test_conductor_routes_on_external_engine_events():
+    # Events of an engine we did not write feed the conductor's own index (TierTarget):
+    # the request goes to the instance that holds its prefix, and follows load again
+    # once that instance evicts it.
+    from mooncake_rs import Conductor, ConductorConfig
+
+    bs = 16
+    c = Conductor(ConductorConfig(block_size=bs, policy="local_cache_aware"))
+    for i in (1, 2):
+        c.add_prefill(i)
+    c.add_decode(100)
+    hasher = PrefixHasher(bs)
+    ing = Ingestor(TierTarget(c.index), slot=2, hasher=hasher)
+    toks = list(range(64 * bs))
+    ing.apply(decode_payload(encode_batch([BlockStored(list(range(64)), None, toks, bs, None, "GPU")])))
+    hashes = hasher.hash(toks)
+    d = c.preview(1, hashes, len(toks), 0.0)
+    assert d.prefill == 2 and d.reused_blocks == 64
+    ing.apply(decode_payload(encode_batch([BlockRemoved(list(range(64)), "GPU")])))
+    d = c.preview(2, hashes, len(toks), 0.0)
+    assert d.reused_blocks == 0 and d.prefill == 1  # no cache anywhere: lowest id on a tie
+    c.check_integrity()
