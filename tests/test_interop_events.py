@@ -431,3 +431,35 @@ def test_conductor_routes_on_external_engine_events():
     d = c.preview(2, hashes, len(toks), 0.0)
     assert d.reused_blocks == 0 and d.prefill == 1  # no cache anywhere: lowest id on a tie
     c.check_integrity()
+
+
+def test_random_bytes_only_ever_raise_malformed_event():
+    # Anything off the wire either decodes or raises MalformedEvent: no other exception,
+    # no crash (the Rust token decoder included).
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from mooncake_rs._core import msgpack_tokens
+
+    good = encode_batch(sample_events())
+    ing = Ingestor(MediumIndex(), 0, PrefixHasher(BS))
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.binary(max_size=200), st.integers(0, len(good)), st.integers(0, 255))
+    def check(junk, cut, byte):
+        for data in (junk, good[:cut], good[:cut] + bytes([byte]) + good[cut + 1:]):
+            for raw in (False, True):
+                try:
+                    b = decode_payload(data, raw_tokens=raw)
+                except MalformedEvent:
+                    continue
+                try:
+                    ing.apply(b)
+                except MalformedEvent:
+                    pass
+            try:
+                msgpack_tokens(data)
+            except InvalidArgument:
+                pass
+
+    check()

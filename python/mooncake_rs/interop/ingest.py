@@ -93,7 +93,11 @@ class Ingestor:
         return self._media[medium]
 
     def apply(self, batch: EventBatch) -> None:
-        """Apply one batch's events in order."""
+        """Apply one batch's events in order.
+
+        Raises :class:`MalformedEvent` at a ``BlockStored`` whose token ids are not u32s
+        (the events before it stay applied; the subscriber logs, counts and moves on).
+        """
         st = self._stats
         st.batches += 1
         st.unknown_events += batch.unknown
@@ -138,7 +142,10 @@ class Ingestor:
             st.media_overflow += 1
             return
         bit, key = med
-        ours = self.hasher.hash(tokens, parent)
+        try:
+            ours = self.hasher.hash(tokens, parent)
+        except InvalidArgument as e:  # token ids outside u32
+            raise MalformedEvent(f"BlockStored token_ids: {e}") from None
         replaced = self.map.store(engine, ours, bit)
         if replaced:
             self._remove_masks(replaced)
