@@ -363,6 +363,27 @@ def test_gap_whose_data_is_gone_from_the_replay_buffer_resets():
         pub.close()
 
 
+@pytest.mark.parametrize("keep", [None, 2])
+def test_joining_a_running_engine_catches_up_from_its_replay_buffer(keep):
+    pub = FakePublisher(replay=True, keep=keep)
+    try:
+        pays, toks = _stream(6)
+        for i in range(5):
+            pub.publish(i, pays[i], send=False)  # published before we subscribed
+        sub, ing, target, hasher = _subscriber(pub)
+        with sub:
+            pub.publish(5, pays[5])
+            pump(sub, lambda: sub.last_seq == 5)
+            gpu = target.indexes["GPU"]
+            assert pub.replay_requests == [0] and ing.stats().resets == 0 and sub.stats.gaps == 0
+            if keep is None:
+                assert gpu.match_prefix(hasher.hash(toks)) == {5: 6}
+            else:  # the engine kept only seq 4..5: their parents are unknown to us
+                assert sub.stats.replayed == 2 and ing.stats().orphans == 2 and len(gpu) == 0
+    finally:
+        pub.close()
+
+
 def test_restart_and_malformed_messages(pub_plain):
     sub, ing, target, hasher = _subscriber(pub_plain, replay=False)
     with sub:

@@ -58,6 +58,7 @@ class KVEventSubscriber:
         context: zmq.Context | None = None,  # type: ignore[type-arg]
         replay_timeout_s: float = 2.0,
         rcvhwm: int = 100_000,
+        catch_up: bool = True,
     ) -> None:
         if not endpoint:
             raise InvalidArgument("a KV event subscriber needs an endpoint such as tcp://host:5557")
@@ -67,6 +68,8 @@ class KVEventSubscriber:
         self.replay_endpoint = replay_endpoint or None
         self.ingestor = ingestor
         self.replay_timeout_s = replay_timeout_s
+        self.catch_up = catch_up
+        """On the first message (sequence > 0), replay what the engine still buffers."""
         self._ctx = context or zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
@@ -124,6 +127,15 @@ class KVEventSubscriber:
         s = msg.seq
         sub_last, self._sub_last = self._sub_last, s
         if self._last is None:
+            if s > 0 and self.catch_up and self.replay_endpoint is not None:
+                # Joining a running engine: fetch what it still buffers from before.
+                done = self._replay(0, s, from_start=True)
+                if self._last is not None and s <= self._last:
+                    return
+                if not done and self._last is not None:
+                    # Part of the history came back, then the replay failed: what we
+                    # applied may be missing later removals.
+                    self.ingestor.reset(f"catch-up replay stopped at {self._last}, before {s}")
             self._apply(msg.batch)
             self._last = s
             return
@@ -157,8 +169,12 @@ class KVEventSubscriber:
             self.stats.malformed += 1
             log.warning("KV events from %s: %s", self.endpoint, e)
 
-    def _replay(self, start: int, upto: int) -> bool:
-        """Fetch and apply batches ``start..`` from the replay endpoint; True if ``start..upto-1`` arrived."""
+    def _replay(self, start: int, upto: int, from_start: bool = False) -> bool:
+        """Fetch and apply batches ``start..`` from the replay endpoint; True if ``start..upto-1`` arrived.
+
+        ``from_start``: catching up after joining, so a buffer that begins later than
+        ``start`` is fine (we never had those events anyway): apply what it has.
+        """
         if self.replay_endpoint is None:
             return False
         # A DEALER speaking the REQ envelope (an empty delimiter frame first): a strict
@@ -183,6 +199,8 @@ class KVEventSubscriber:
                     break
                 if s < expect:
                     continue
+                if s > expect and from_start and expect == start:
+                    expect = s  # the engine's buffer starts later: take what it has
                 if s > expect:
                     # The engine's buffer no longer holds ``expect``: the gap stays.
                     log.warning("KV event replay from %s starts at %d, needed %d", self.replay_endpoint, s, expect)
