@@ -204,8 +204,35 @@ def bench_ingest(total: int, per_event: int, per_batch: int, hash_name: str) -> 
         proc.join(10)
 
 
-def bench_query(instances: int, per_instance: int, calls: int) -> None:
+def _http_calls(port: int, body: dict[str, object], calls: int) -> list[float]:
     import httpx
+
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}") as c:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                c.get("/health")
+                break
+            except httpx.TransportError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        for _ in range(20):
+            c.post("/query", json=body)
+        lat = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            r = c.post("/query", json=body)
+            lat.append(time.perf_counter() - t)
+            assert r.status_code == 200
+    return lat
+
+
+def _http_client(port: int, body: dict[str, object], calls: int, conn) -> None:  # type: ignore[no-untyped-def]
+    conn.send(_http_calls(port, body, calls))
+
+
+def bench_query(instances: int, per_instance: int, calls: int) -> None:
     import uvicorn
 
     from mooncake_rs.interop.http import create_app
@@ -266,25 +293,15 @@ def bench_query(instances: int, per_instance: int, calls: int) -> None:
     th = threading.Thread(target=server.run, daemon=True)
     th.start()
     body = {"model": "m", "block_size": BS, "token_ids": prompt}
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}") as c:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                c.get("/health")
-                break
-            except httpx.TransportError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        for _ in range(20):
-            c.post("/query", json=body)
-        lat = []
-        for _ in range(calls):
-            t = time.perf_counter()
-            r = c.post("/query", json=body)
-            lat.append(time.perf_counter() - t)
-            assert r.status_code == 200
-    print(f"  HTTP POST /query (uvicorn + httpx, loopback)   {pct(lat)}")
+    lat = _http_calls(port, body, calls)
+    print(f"  HTTP POST /query (uvicorn + httpx, same process) {pct(lat)}")
+    ctxm = mp.get_context("spawn")
+    parent_conn, child_conn = ctxm.Pipe()
+    proc = ctxm.Process(target=_http_client, args=(port, body, calls, child_conn), daemon=True)
+    proc.start()
+    lat = parent_conn.recv()
+    proc.join(30)
+    print(f"  HTTP POST /query (client in another process)   {pct(lat)}")
     server.should_exit = True
     th.join(10)
 
