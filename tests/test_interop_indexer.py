@@ -298,3 +298,22 @@ def test_cli_indexer_serves_http():
     bad = subprocess.run([sys.executable, "-m", "mooncake_rs", "indexer", "--listen", "nohost"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "HOST:PORT" in bad.stderr
+
+
+def test_mooncake_hash_option_and_bad_options():
+    from mooncake_rs import InvalidArgument, PrefixHasher
+
+    indexer = Indexer(hash="mooncake", seed=5, subscribe=False)
+    with TestClient(create_app(indexer)) as c:
+        assert c.post("/register", json=reg_body("default", "a", 0)).status_code == 200
+        doc = list(range(3 * BS))
+        indexer.ingest("default", "a", 0, decode_payload(encode_batch([BlockStored([1, 2, 3], None, doc, BS)])))
+        want = {"default": {"a": {"longest_matched": 3 * BS, "GPU": 3 * BS, "CPU": 0, "DISK": 0,
+                                  "DP": {"0": 3 * BS}}}}
+        assert c.post("/query", json={"model": MODEL, "block_size": BS, "token_ids": doc}).json() == want
+        ours = PrefixHasher(BS, seed=5).hash(doc)  # 128-bit hashes are accepted in this mode
+        got = c.post("/query_by_hash", json={"model": MODEL, "block_size": BS, "seq_hashes": ours})
+        assert got.json() == want
+    for bad in ({"hash": "md5"}, {"seed": -1}):
+        with pytest.raises(InvalidArgument):
+            Indexer(subscribe=False, **bad)
