@@ -46,12 +46,14 @@ from ._core import (
     TransferStats,
     TransferStatus,
     WritableBlock,
+    Xxh3RollingHasher,
     __version__,
 )
 from .errors import (
     BlockNotFound,
     InternalError,
     InvalidArgument,
+    MalformedEvent,
     MooncakeError,
     Overloaded,
     ServiceUnavailable,
@@ -79,6 +81,7 @@ __all__ = [
     # hashing and the index
     "PrefixHasher",
     "BlockHashes",
+    "Xxh3RollingHasher",
     "BlockIndex",
     "PrefixMatch",
     "IndexStats",
@@ -134,6 +137,7 @@ __all__ = [
     "RequestOutput",
     "BlockLayout",
     "ModelConfig",
+    "MalformedEvent",
 ]
 
 

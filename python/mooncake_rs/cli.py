@@ -57,6 +57,17 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def _indexer(args: argparse.Namespace) -> int:
+    try:
+        from .interop.http import serve
+    except ImportError as e:
+        print(f"mooncake-rs indexer needs the indexer extra (pip install \"mooncake-rs[indexer]\"): {e}",
+              file=sys.stderr)
+        return 2
+    serve(args.listen, hash=args.hash, seed=args.seed, map_capacity=args.map_capacity)
+    return 0
+
+
 def _version(args: argparse.Namespace) -> int:
     from . import __version__
 
@@ -95,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_serve_arguments(serve)
     serve.set_defaults(func=_serve)
+    indexer = sub.add_parser("indexer", help="the Mooncake Conductor Indexer HTTP API: KV events in, prefix hits out")
+    indexer.add_argument("--listen", default="127.0.0.1:8800", help="HOST:PORT to serve on (default 127.0.0.1:8800)")
+    indexer.add_argument("--hash", choices=["rfc", "mooncake"], default="rfc",
+                         help="block hash: the RFC's rolling XXH3-64 (default; /query_by_hash interop) or ours")
+    indexer.add_argument("--seed", type=int, default=0, help="hash seed S (default 0)")
+    indexer.add_argument("--map-capacity", type=int, default=1 << 20,
+                         help="engine-hash map entries kept per publisher (default 1048576)")
+    indexer.set_defaults(func=_indexer)
 
     version = sub.add_parser("version", help="print the version")
     version.set_defaults(func=_version)

@@ -19,6 +19,7 @@ __all__ = [
     "ServiceUnavailable",
     "Unauthorized",
     "InternalError",
+    "MalformedEvent",
 ]
 
 
@@ -75,3 +76,11 @@ class Unauthorized(MooncakeError, PermissionError):
 
 class InternalError(MooncakeError):
     """An internal invariant was broken: a bug in mooncake_rs. Please report it."""
+
+
+class MalformedEvent(InvalidArgument):
+    """A KV event message (ZMQ frames or msgpack payload) that cannot be decoded.
+
+    Raised by :mod:`mooncake_rs.interop` for a truncated or malformed frame; the message
+    says which frame or field is wrong.
+    """

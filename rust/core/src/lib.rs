@@ -6,7 +6,9 @@
 //!
 //! Modules, one role each:
 //! - [`hash`]: chained 128-bit hashes of full token blocks.
+//! - [`hash_xxh3`]: the RFC standard rolling XXH3-64 sequence hash (interop with other indexers).
 //! - [`index`]: which instance holds which block, in which tier; longest-prefix matching.
+//! - [`interop`]: decoding the parts of other engines' KV event wire format that pay in Rust.
 //! - [`mem`]: page-aligned private or shared-memory mappings (store arenas, transfer regions).
 //! - [`conductor`]: global scheduling (Algorithm 1 and better), admission, replica hints.
 //! - [`transfer`]: batch transfers between registered memory (local, shm, tcp).
@@ -15,12 +17,15 @@
 pub mod conductor;
 pub mod error;
 pub mod hash;
+pub mod hash_xxh3;
 pub mod index;
+pub mod interop;
 pub mod mem;
 pub mod store;
 pub mod transfer;
 
 pub use error::{Categorized, ErrorCategory};
 pub use hash::{BlockHash, HashAlgorithm, HashError, PrefixHasher};
+pub use hash_xxh3::{SeqHash, Xxh3RollingHasher};
 pub use index::{BlockIndex, IndexError, IndexStats, InstanceId, PrefixMatch, Tier};
 pub use transfer::{Engine as TransferEngine, TransferError};

@@ -1,0 +1,35 @@
+//! Interop wire helpers (core `interop`): token ids of KV events decoded without Python ints.
+
+use std::cell::RefCell;
+
+use mooncake_core::interop::decode_u32_array;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::convert::BufferView;
+use crate::errors::to_pyerr;
+
+thread_local! {
+    static SCRATCH: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The msgpack array of token ids in `raw` (bytes, or a msgspec `Raw`) as packed
+/// little-endian u32 bytes (view it with `memoryview(b).cast("I")` to hash it in place).
+#[pyfunction]
+fn msgpack_tokens<'py>(py: Python<'py>, raw: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+    let view = BufferView::get_contiguous(raw, "raw")?;
+    SCRATCH.with(|s| {
+        let mut toks = s.borrow_mut();
+        decode_u32_array(view.bytes(), &mut toks).map_err(|e| to_pyerr(py, &e))?;
+        PyBytes::new_with(py, toks.len() * 4, |buf| {
+            for (dst, t) in buf.chunks_exact_mut(4).zip(toks.iter()) {
+                dst.copy_from_slice(&t.to_le_bytes());
+            }
+            Ok(())
+        })
+    })
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(msgpack_tokens, m)?)
+}
