@@ -101,6 +101,10 @@ class _Run(EventLoop):
         L = self.trace[i].input_length
         fetch_s = self.tm.fetch(fetched * bt, 0.0) if fetched else 0.0
         compute = self.pm.predict(L, min(reused * bt, L))
+        if self.factor is not None:
+            f = self.factor[i]
+            fetch_s *= f
+            compute *= f
         self.compute_s += compute
         s.reused[i] = reused
         s.fetched[i] = fetched
@@ -123,7 +127,10 @@ class _Run(EventLoop):
         self.s.ttft[i] = t - r.arrival_s / self.cfg.speedup
         self.s.first[i] = t
         # the KV streams layer by layer while the prefill computes
-        ready = max(t, self.s.stream_t[i] + self.tm.fetch(r.input_length, 0.0))
+        stream = self.tm.fetch(r.input_length, 0.0)
+        if self.factor is not None:
+            stream *= self.factor[i]
+        ready = max(t, self.s.stream_t[i] + stream)
         d = self.s.decode[i]
         assert d is not None
         self.push(ready, _KV_READY, d - self.cfg.prefill, i)
