@@ -130,3 +130,20 @@ def test_time_cannot_go_backwards():
     net.add(5.0, [0], 1.0)
     with pytest.raises(InvalidArgument):
         net.add(4.0, [0], 1.0)
+
+
+def test_extend_moves_only_the_completion():
+    net = Links([10.0])
+    a = net.add(0.0, [0], 10.0)
+    b = net.add(0.0, [0], 100.0)
+    assert net.next_completion() == pytest.approx(2.0)
+    net.extend(1.0, a, 10.0)  # 5 B left at t=1, now 15: done at t=4
+    assert net.next_completion() == pytest.approx(4.0)
+    assert [f.id for f in net.pop_done(4.0)] == [a.id]
+    assert a.sent == pytest.approx(20.0)
+    # b: 20 B by t=4, then alone at 10 B/s
+    assert net.next_completion() == pytest.approx(12.0)
+    net.pop_done(12.0)
+    assert b.sent == pytest.approx(100.0) and net.carried[0] == pytest.approx(120.0)
+    with pytest.raises(InvalidArgument):
+        net.extend(13.0, a, 1.0)

@@ -186,7 +186,9 @@ class _Coupled(EventLoop):
     def go(self) -> Report:
         wall0 = time.perf_counter()
         self.drive()
-        return build_report(self.cfg, self.trace, self.keys, self.s, self.compute_s, [], time.perf_counter() - wall0, self.counters)
+        return build_report(
+            self.cfg, self.trace, self.keys, self.s, self.compute_s, [], time.perf_counter() - wall0, self.counters, 0.0, self.compute_s
+        )
 
 
 def run_coupled(cfg: SimConfig, trace: Sequence[Request], progress: Progress | None = None) -> Report:

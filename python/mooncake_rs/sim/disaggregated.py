@@ -106,6 +106,8 @@ class _Run(EventLoop):
             fetch_s *= f
             compute *= f
         self.compute_s += compute
+        self.io_wait_s += fetch_s
+        self.prefill_busy_s += fetch_s + compute
         s.reused[i] = reused
         s.fetched[i] = fetched
         s.start[i] = t
@@ -243,7 +245,9 @@ class _Run(EventLoop):
         return self.report(self._samples, time.perf_counter() - wall0)
 
     def report(self, samples: list[HotSample], wall: float) -> Report:
-        return build_report(self.cfg, self.trace, self.keys, self.s, self.compute_s, samples, wall, self.counters)
+        return build_report(
+            self.cfg, self.trace, self.keys, self.s, self.compute_s, samples, wall, self.counters, self.io_wait_s, self.prefill_busy_s
+        )
 
 
 def run_disaggregated(cfg: SimConfig, trace: Sequence[Request], progress: Progress | None = None) -> Report:

@@ -9,6 +9,11 @@ moments every flow moves at a constant rate and the next completion is known exa
 the simulator's event loop asks :meth:`Links.next_completion`, jumps there, and calls
 :meth:`Links.advance` / :meth:`Links.pop_done`.
 
+Cost: a change re-solves only the flows connected to it through shared links (a
+storage link with its own reads and writes is a component on its own), and a flow's
+bytes are settled only when its rate changes, so an event costs the size of the
+component it touches, not of the whole network; completions come off a heap.
+
 This module knows nothing of requests: a flow carries an opaque ``tag`` the caller
 reads back when it completes. It is unit-tested on its own (conservation of bytes,
 capacities respected, the max-min property) in tests/test_sim_links.py.
@@ -16,6 +21,7 @@ capacities respected, the max-min property) in tests/test_sim_links.py.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 
@@ -31,18 +37,22 @@ _REL_EPS = 1e-9
 class Flow:
     """One transfer: ``size`` bytes across ``links``; ``rate`` is its current share."""
 
-    __slots__ = ("id", "links", "size", "left", "rate", "tag", "start", "sent")
+    __slots__ = ("id", "links", "size", "left", "rate", "tag", "start", "sent", "t0", "stamp")
 
     def __init__(self, fid: int, links: tuple[int, ...], size: float, tag: object, start: float) -> None:
         self.id = fid
         self.links = links
         self.size = size
+        #: bytes left as of ``t0`` (the last time its rate changed)
         self.left = size
         self.rate = 0.0
         self.tag = tag
         self.start = start
-        #: bytes moved so far (sum of rate x time): equals ``size`` at completion
+        #: bytes moved as of ``t0`` (sum of rate x time): equals ``size`` at completion
         self.sent = 0.0
+        self.t0 = start
+        #: bumped at every rate change: older heap entries of this flow are stale
+        self.stamp = 0
 
 
 class Links:
@@ -50,17 +60,20 @@ class Links:
 
     def __init__(self, capacities: Sequence[float]) -> None:
         for c in capacities:
-            if not (isinstance(c, (int, float)) and c > 0 and not math.isnan(c)):
+            if isinstance(c, bool) or not (isinstance(c, (int, float)) and c > 0 and not math.isnan(c)):
                 raise InvalidArgument(f"a link capacity must be a positive number of bytes/s, got {c!r}")
         self.cap = [float(c) for c in capacities]
         self.flows: dict[int, Flow] = {}
         #: flows on each link
         self.on: list[set[int]] = [set() for _ in self.cap]
-        #: bytes each link has carried (for conservation checks)
+        #: bytes each link has carried, as of the last settlement of its flows
         self.carried = [0.0] * len(self.cap)
         self.t = 0.0
         self._next_id = 0
-        self._dirty = False
+        #: links whose flows changed since the rates were last solved
+        self._dirty: set[int] = set()
+        #: (completion time, stamp, flow id)
+        self._heap: list[tuple[float, int, int]] = []
 
     # --- changes ---
 
@@ -78,117 +91,161 @@ class Links:
         if not (size > 0 and math.isfinite(size)):
             raise InvalidArgument(f"a flow's size must be a positive finite number of bytes, got {size!r}")
         self.advance(t)
-        f = Flow(self._next_id, path, float(size), tag, t)
+        f = Flow(self._next_id, path, float(size), tag, self.t)
         self._next_id += 1
         self.flows[f.id] = f
         for k in path:
             self.on[k].add(f.id)
-        self._dirty = True
+        self._dirty.update(path)
         return f
 
+    def extend(self, t: float, f: Flow, size: float) -> None:
+        """Adds ``size`` bytes to the active flow ``f`` at time ``t`` (a queue of writes
+        nobody waits on, kept as one flow). Rates do not depend on sizes, so nothing is
+        re-solved: only ``f``'s completion moves."""
+        if f.id not in self.flows:
+            raise InvalidArgument(f"flow {f.id} is not active")
+        if not (size > 0 and math.isfinite(size)):
+            raise InvalidArgument(f"a flow's size must be a positive finite number of bytes, got {size!r}")
+        self.advance(t)
+        self._settle(f)
+        f.left += size
+        f.size += size
+        if f.rate > 0 and f.stamp:
+            f.stamp += 1
+            heapq.heappush(self._heap, (self.t + f.left / f.rate, f.stamp, f.id))
+
     def advance(self, t: float) -> None:
-        """Moves every active flow forward to time ``t`` at its current rate."""
-        dt = t - self.t
-        if dt < 0:
-            if dt < -1e-9 * max(1.0, abs(t)):
+        """Moves the clock to ``t`` (flows move at their rates; bytes are settled lazily)."""
+        if t < self.t:
+            if t < self.t - 1e-9 * max(1.0, abs(t)):
                 raise InvalidArgument(f"time went backwards: {t} < {self.t}")
-            dt = 0.0
-        if dt > 0 and self.flows:
-            self.rates()
+            return
+        self.t = t
+
+    def _settle(self, f: Flow) -> None:
+        dt = self.t - f.t0
+        if dt > 0 and f.rate > 0:
+            moved = f.rate * dt
+            if moved > f.left:
+                moved = f.left
+            f.left -= moved
+            f.sent += moved
             carried = self.carried
-            for f in self.flows.values():
-                moved = f.rate * dt
-                if moved > f.left:
-                    moved = f.left
-                f.left -= moved
-                f.sent += moved
-                for k in f.links:
-                    carried[k] += moved
-        if t > self.t:
-            self.t = t
+            for k in f.links:
+                carried[k] += moved
+        f.t0 = self.t
 
     def pop_done(self, t: float) -> list[Flow]:
         """Advances to ``t`` and removes the flows that have completed by then."""
         self.advance(t)
+        self.rates()
+        heap, flows = self._heap, self.flows
+        limit = self.t + 1e-12 * max(1.0, abs(self.t))
         done = []
-        for f in self.flows.values():
-            if f.left <= f.size * _REL_EPS or (f.rate > 0 and f.left / f.rate <= 1e-12 * max(1.0, t)):
-                done.append(f)
-        for f in done:
+        while heap and heap[0][0] <= limit:
+            _, stamp, fid = heapq.heappop(heap)
+            f = flows.get(fid)
+            if f is None or f.stamp != stamp:
+                continue
+            self._settle(f)
             # the crumbs left by rounding count as sent: a flow delivers all its bytes
             for k in f.links:
                 self.carried[k] += f.left
-                self.on[k].discard(f.id)
+                self.on[k].discard(fid)
             f.sent += f.left
             f.left = 0.0
-            del self.flows[f.id]
-        if done:
-            self._dirty = True
+            f.rate = 0.0
+            del flows[fid]
+            self._dirty.update(f.links)
+            done.append(f)
         return done
 
     # --- rates ---
 
     def rates(self) -> None:
-        """Recomputes the max-min fair rates if a flow started or ended since the last time."""
+        """Re-solves the max-min fair rates of the flows connected to a change."""
         if not self._dirty:
             return
-        self._dirty = False
-        flows = self.flows
-        if not flows:
+        flows, on, cap = self.flows, self.on, self.cap
+        # the components touched: links and flows reachable from a changed link
+        comp_links: set[int] = set()
+        comp_flows: set[int] = set()
+        stack = [k for k in self._dirty if on[k]]
+        self._dirty = set()
+        while stack:
+            k = stack.pop()
+            if k in comp_links:
+                continue
+            comp_links.add(k)
+            for fid in on[k]:
+                if fid not in comp_flows:
+                    comp_flows.add(fid)
+                    for j in flows[fid].links:
+                        if j not in comp_links:
+                            stack.append(j)
+        if not comp_flows:
             return
-        on = self.on
-        cap = self.cap
-        left_cap: dict[int, float] = {}
-        n: dict[int, int] = {}
-        for f in flows.values():
-            for k in f.links:
-                if k in n:
-                    n[k] += 1
-                else:
-                    n[k] = 1
-                    left_cap[k] = cap[k]
-        frozen: set[int] = set()
-        while n:
-            # the link whose equal share of what is left is the smallest is the next bottleneck
-            best = -1
-            share = math.inf
-            for k, m in n.items():
-                s = left_cap[k] / m
-                if s < share:
-                    share, best = s, k
-            if share < 0:
-                share = 0.0
-            for fid in on[best]:
-                if fid in frozen:
-                    continue
-                frozen.add(fid)
-                f = flows[fid]
-                f.rate = share
-                for k in f.links:
-                    left_cap[k] -= share
-                    m = n[k] - 1
-                    if m:
-                        n[k] = m
-                    else:
-                        del n[k]
+        settle = self._settle
+        for fid in comp_flows:
+            settle(flows[fid])
+        new: dict[int, float] = {}
+        if len(comp_links) == 1:
+            (k,) = comp_links
+            share = cap[k] / len(comp_flows)
+            for fid in comp_flows:
+                new[fid] = share
+        else:
+            left_cap = {k: cap[k] for k in comp_links}
+            n = {k: len(on[k]) for k in comp_links}
+            while n:
+                # the link whose equal share of what is left is smallest is the next bottleneck
+                best = -1
+                share = math.inf
+                for k, m in n.items():
+                    x = left_cap[k] / m
+                    if x < share:
+                        share, best = x, k
+                if share < 0:
+                    share = 0.0
+                for fid in on[best]:
+                    if fid in new:
+                        continue
+                    new[fid] = share
+                    for k in flows[fid].links:
+                        left_cap[k] -= share
+                        m = n[k] - 1
+                        if m:
+                            n[k] = m
+                        else:
+                            del n[k]
+        heap, t = self._heap, self.t
+        for fid, r in new.items():
+            f = flows[fid]
+            if r == f.rate and f.stamp:
+                continue  # unchanged: its heap entry still holds
+            f.rate = r
+            f.stamp += 1
+            if r > 0:
+                heapq.heappush(heap, (t + f.left / r, f.stamp, fid))
 
     def next_completion(self) -> float | None:
         """When the next active flow completes at the current rates (None: no flow)."""
-        if not self.flows:
-            return None
         self.rates()
-        best = math.inf
-        for f in self.flows.values():
-            if f.rate > 0:
-                x = f.left / f.rate
-                if x < best:
-                    best = x
-        return self.t + best if best < math.inf else None
+        heap, flows = self._heap, self.flows
+        while heap:
+            tc, stamp, fid = heap[0]
+            f = flows.get(fid)
+            if f is not None and f.stamp == stamp:
+                return tc
+            heapq.heappop(heap)
+        return None
 
     def used(self, k: int) -> float:
         """Bytes/s link ``k`` carries now."""
         self.rates()
-        return sum(self.flows[fid].rate for fid in self.on[k])
+        flows = self.flows
+        return sum(flows[fid].rate for fid in self.on[k])
 
     def free(self, k: int) -> float:
         """Bytes/s left on link ``k`` at the current rates (never below 0)."""

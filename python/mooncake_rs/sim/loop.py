@@ -127,6 +127,9 @@ class EventLoop(ABC):
         self.keys = [r.hash_ids[: r.input_length // bt] for r in trace]
         self.s = State(len(trace))
         self.compute_s = 0.0
+        #: prefill seconds spent waiting on KV loads, and waiting + computing
+        self.io_wait_s = 0.0
+        self.prefill_busy_s = 0.0
 
     def push(self, t: float, kind: int, a: int, b: int = 0, c: int = 0) -> None:
         self.seq += 1
@@ -204,6 +207,9 @@ def build_report(
     samples: list[HotSample],
     wall: float,
     counters: dict[str, int],
+    io_wait_s: float = 0.0,
+    prefill_busy_s: float = 0.0,
+    bytes_loaded_per_path: dict[str, int] | None = None,
 ) -> Report:
     """The :class:`Report` of a finished run."""
     rows = [
@@ -236,4 +242,7 @@ def build_report(
         wall_s=wall,
         peak_rss_mb=_peak_rss_mb(),
         counters=dict(counters),
+        io_wait_s=io_wait_s,
+        prefill_busy_s=prefill_busy_s,
+        bytes_loaded_per_path=dict(bytes_loaded_per_path or {}),
     )
