@@ -77,7 +77,7 @@ class _LinkedRun(_Run):
 
     def flow(self, t: float, links: Sequence[int], nbytes: float, kind: int, i: int) -> Flow:
         self._net_touched = True
-        return self.net.add(t, links, nbytes, (kind, i))
+        return self.net.add_unchecked(t, tuple(links), float(nbytes), (kind, i))
 
     def sync_net(self) -> None:
         """After a change: one event at the next completion (older ones go stale)."""

@@ -90,8 +90,12 @@ class Links:
                 raise InvalidArgument(f"link {k} out of range 0..{len(self.cap) - 1}")
         if not (size > 0 and math.isfinite(size)):
             raise InvalidArgument(f"a flow's size must be a positive finite number of bytes, got {size!r}")
+        return self.add_unchecked(t, path, float(size), tag)
+
+    def add_unchecked(self, t: float, path: tuple[int, ...], size: float, tag: object = None) -> Flow:
+        """:meth:`add` for a caller that guarantees valid arguments (the simulator's hot path)."""
         self.advance(t)
-        f = Flow(self._next_id, path, float(size), tag, self.t)
+        f = Flow(self._next_id, path, size, tag, self.t)
         self._next_id += 1
         self.flows[f.id] = f
         for k in path:
@@ -186,9 +190,6 @@ class Links:
                             stack.append(j)
         if not comp_flows:
             return
-        settle = self._settle
-        for fid in comp_flows:
-            settle(flows[fid])
         new: dict[int, float] = {}
         if len(comp_links) == 1:
             (k,) = comp_links
@@ -220,10 +221,12 @@ class Links:
                         else:
                             del n[k]
         heap, t = self._heap, self.t
+        settle = self._settle
         for fid, r in new.items():
             f = flows[fid]
             if r == f.rate and f.stamp:
-                continue  # unchanged: its heap entry still holds
+                continue  # unchanged: its bytes need no settling, its heap entry holds
+            settle(f)  # what it moved at its old rate
             f.rate = r
             f.stamp += 1
             if r > 0:
