@@ -69,13 +69,18 @@ if a.plot:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, _ in steps:
         pts = [r for r in results if r["tool_tokens"] == label]
-        ax.plot([r["bandwidth_gbs"] for r in pts], [r["io_wait_fraction"] for r in pts], marker="o", label=f"hit {pts[0]['hit_rate']:.3f}")
+        ax.plot(
+            [r["bandwidth_gbs"] for r in pts],
+            [r["io_wait_fraction"] for r in pts],
+            marker="o",
+            label=f"{label} new tokens a step (hit {pts[-1]['hit_rate']:.3f})",
+        )
     ax.axhline(0.5, color="grey", linestyle="--", label="half the prefill waiting")
     ax.set_xscale("log")
     ax.set_xlabel("NIC and storage link bandwidth per instance (GB/s)")
     ax.set_ylabel("io_wait_fraction")
     ax.set_title("prefill time waiting on KV loads, agentic trace")
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(a.plot, dpi=100)
 footer(t0)

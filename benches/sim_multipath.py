@@ -29,6 +29,7 @@ from mooncake_rs.sim import SimConfig, Simulator, generate_trace
 ap = argparse.ArgumentParser()
 ap.add_argument("--requests", type=int, default=1500)
 ap.add_argument("--loads", default="1,2,3,4")
+ap.add_argument("--max-load", type=float, default=4.0)
 ap.add_argument("--nic", type=float, default=50.0, help="GB/s")
 ap.add_argument("--storage", type=float, default=12.5, help="GB/s")
 ap.add_argument("--rate", type=float, default=0.25, help="agent tasks per second")
@@ -84,4 +85,15 @@ for s in [float(x) for x in a.loads.split(",")]:
     )
 print("online (single / multi):\n")
 table(["load", "mean TTFT s", "p90 TTFT s", "io_wait_fraction", "eff. capacity", "TTFT single/multi"], rows)
+# online capacity: the highest load on a 0.25x grid still serving >= 90% within the SLOs
+grid = [1.0 + 0.25 * j for j in range(int((a.max_load - 1.0) / 0.25) + 1)]
+best = {}
+for mp in (False, True):
+    ok = [s for s in grid if run(s, mp).effective_request_capacity >= 0.9]
+    best[mp] = max(ok) if ok else 0.0
+print(
+    f"\nonline: highest load with effective capacity >= 0.9 (grid of 0.25x up to {a.max_load:g}x):"
+    f" single-path {best[False]:g}x, multi-path {best[True]:g}x"
+    + (f" ({best[True] / best[False]:.2f}x)" if best[False] else "")
+)
 footer(t0)

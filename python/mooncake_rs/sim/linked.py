@@ -18,8 +18,8 @@ long moving KV takes:
   the peer-DRAM part across every peer holding the range in DRAM, each split in
   proportion to the path's free bandwidth at that moment;
 - the compute starts when every load flow is done (plus the transfer model's latency);
-  the KV streams to the decode instance from the compute's start as one flow (prefill
-  NIC out -> decode NIC in) and is ready at ``max(prefill end, stream end)``.
+  the KV streams to the decode instance from then as one flow (prefill NIC out ->
+  decode NIC in) and is ready at ``max(prefill end, stream end + latency)``.
 
 The conductor estimates with its transfer model (by default an idle link of
 ``nic_bandwidth``/``storage_bandwidth``): it does not see contention. ``estimate_error``
@@ -28,6 +28,7 @@ applies to the compute only here (the links give the transfer times).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from .._core import BlockCache
@@ -42,7 +43,6 @@ from .trace import Request
 __all__ = ["run_linked"]
 
 _NET = 3
-_COMPUTE = 4
 # what a flow is for (its tag is (kind, request))
 _LOAD, _STREAM, _WRITE = 0, 1, 2
 
@@ -71,6 +71,8 @@ class _LinkedRun(_Run):
         self.writes: list[Flow | None] = [None] * cfg.prefill
         self.counters.update(kv_stream_bytes=0, ssd_write_bytes=0, multipath_splits=0)
         self._net_version = 0
+        #: when the pending network event is due (inf: none)
+        self._net_at = math.inf
         self._net_touched = False
 
     # --- the network's clock ---
@@ -80,18 +82,22 @@ class _LinkedRun(_Run):
         return self.net.add_unchecked(t, tuple(links), float(nbytes), (kind, i))
 
     def sync_net(self) -> None:
-        """After a change: one event at the next completion (older ones go stale)."""
+        """After a change: make sure an event comes at the next completion. One already
+        due no later is kept (if it finds nothing done it schedules the next), so a
+        change that only delays completions pushes nothing."""
         if not self._net_touched:
             return
         self._net_touched = False
-        self._net_version += 1
         nxt = self.net.next_completion()
-        if nxt is not None:
+        if nxt is not None and nxt < self._net_at:
+            self._net_version += 1  # the later event goes stale
+            self._net_at = nxt
             self.push(nxt, _NET, self._net_version)
 
     def net_event(self, version: int, t: float) -> None:
         if version != self._net_version:
             return
+        self._net_at = math.inf
         self._net_touched = True
         for f in self.net.pop_done(t):
             kind, i = f.tag  # type: ignore[misc]
@@ -100,7 +106,7 @@ class _LinkedRun(_Run):
                 if self.outstanding[i] == 0:
                     p = self.s.prefill[i]
                     assert p is not None
-                    self.push(t + self.tm.latency_s, _COMPUTE, p, i)
+                    self.compute(p, i, t, self.tm.latency_s)
             elif kind == _STREAM:
                 self.stream_left[i] = False
                 if self.ended[i]:
@@ -109,15 +115,19 @@ class _LinkedRun(_Run):
     def handle(self, t: float, kind: int, a: int, b: int, c: int) -> None:
         if kind == _NET:
             self.net_event(a, t)
-        elif kind == _COMPUTE:
-            self.compute(a, b, t)
+        elif kind == _PREFILL_DONE:
+            self.prefill_done(a, b, t)
+        elif kind == _KV_READY:
+            self.kv_ready(a, b, t)
         else:
-            super().handle(t, kind, a, b, c)
-        self.sync_net()
+            self.boundary(a, b, c)
+        if self._net_touched:
+            self.sync_net()
 
     def arrive(self, i: int, t: float) -> None:
         super().arrive(i, t)
-        self.sync_net()
+        if self._net_touched:
+            self.sync_net()
 
     # --- prefill: load, compute, store ---
 
@@ -210,7 +220,10 @@ class _LinkedRun(_Run):
             self.counters["multipath_splits"] += 1
         return out
 
-    def compute(self, p: int, i: int, t: float) -> None:
+    def compute(self, p: int, i: int, t: float, delay: float = 0.0) -> None:
+        """The loads are done at ``t``; the compute starts ``delay`` later (the transfer
+        setup latency). The KV stream to decode starts at ``t`` (the network cannot
+        take a flow in the future; ``delay`` is a millisecond of a much longer stream)."""
         s = self.s
         start = s.start[i]
         assert start is not None
@@ -219,8 +232,9 @@ class _LinkedRun(_Run):
         if self.factor is not None:
             c *= self.factor[i]
         self.compute_s += c
-        self.io_wait_s += t - start
-        self.prefill_busy_s += t - start + c
+        wait = t + delay - start
+        self.io_wait_s += wait
+        self.prefill_busy_s += wait + c
         s.stream_t[i] = t
         d = s.decode[i]
         assert d is not None
@@ -229,7 +243,7 @@ class _LinkedRun(_Run):
         self.counters["kv_stream_bytes"] += int(nbytes)
         self.stream_left[i] = True
         self.ended[i] = False
-        self.push(t + c, _PREFILL_DONE, p, i)
+        self.push(t + delay + c, _PREFILL_DONE, p, i)
 
     def store(self, p: int, keys: Sequence[int], t: float) -> None:
         demoted = store_tiered(self.conductor, self.caches[p], self.ssd[p], p, keys)

@@ -71,7 +71,7 @@ def store_tiered(conductor: Conductor, dram: BlockCache, ssd: BlockCache | None,
                     conductor.on_blocks_stored(instance, landed, "ssd")
                 demoted = len(landed)
         keys = [k for k in keys if k in dram]
-    if ssd is not None:
+    if ssd is not None and len(ssd):
         # promoted: back in DRAM, so out of SSD (the tiers stay disjoint)
         up = [k for k in keys if k in ssd]
         if up:
