@@ -8,7 +8,7 @@ estimates drift from what happens. A last block of rows keeps the estimates unbi
 request but makes the truth systematically slower (true prefill model 1.2x the
 conductor's) — a cost model fitted on other hardware.
 
-    python benches/sim_fidelity.py [--speedup 10] [--errors 0,0.1,0.25,0.5,1.0]
+    python benches/sim_fidelity.py [--speedup 10] [--errors 0,0.1,0.25,0.5,1.0] [--seeds 3]
 """
 
 import argparse
@@ -23,6 +23,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--speedup", type=float, default=10.0)
 ap.add_argument("--errors", default="0,0.1,0.25,0.5,1.0")
 ap.add_argument("--policies", default="random,load_balance,local_cache_aware,mooncake,ttft_optimal")
+ap.add_argument("--seeds", type=int, default=3, help="runs per cell (seed 0..n-1: error draws, random policy); means")
 a = ap.parse_args()
 t0 = time.perf_counter()
 tr = trace()
@@ -36,9 +37,9 @@ cap: dict[str, list[float]] = {}
 ttft: dict[str, list[float]] = {}
 for name, kw in setups:
     for pol in policies:
-        rep = Simulator(SimConfig(policy=pol, speedup=a.speedup, ttft_slo_s=10.0, **kw)).run(tr)
-        cap.setdefault(name, []).append(rep.effective_request_capacity)
-        ttft.setdefault(name, []).append(rep.mean_ttft_s)
+        reps = [Simulator(SimConfig(policy=pol, speedup=a.speedup, ttft_slo_s=10.0, seed=sd, **kw)).run(tr) for sd in range(a.seeds)]
+        cap.setdefault(name, []).append(sum(r.effective_request_capacity for r in reps) / len(reps))
+        ttft.setdefault(name, []).append(sum(r.mean_ttft_s for r in reps) / len(reps))
 
 
 def ranks(xs: list[float]) -> list[int]:
@@ -49,12 +50,12 @@ def ranks(xs: list[float]) -> list[int]:
     return r
 
 
-print(f"effective request capacity (TTFT SLO 10 s, TBT SLO 0.1 s), 16P+16D, {a.speedup:g}x; (rank)\n")
+print(f"effective request capacity (TTFT SLO 10 s, TBT SLO 0.1 s), 16P+16D, {a.speedup:g}x, mean of {a.seeds} seeds; (rank)\n")
 rows = []
 for name, _ in setups:
     rk = ranks(cap[name])
     rows.append([name] + [f"{c:.3f} ({r})" for c, r in zip(cap[name], rk)])
 table(["setup"] + policies, rows)
-print("\nmean TTFT (s)\n")
+print(f"\nmean TTFT (s), mean of {a.seeds} seeds\n")
 table(["setup"] + policies, [[name] + [f"{x:.2f}" for x in ttft[name]] for name, _ in setups])
 footer(t0)
