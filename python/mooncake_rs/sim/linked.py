@@ -100,7 +100,10 @@ class _LinkedRun(_Run):
         self._net_at = math.inf
         self._net_touched = True
         for f in self.net.pop_done(t):
-            kind, i = f.tag  # type: ignore[misc]
+            tag = f.tag
+            assert isinstance(tag, tuple)
+            kind: int = tag[0]
+            i: int = tag[1]
             if kind == _LOAD:
                 self.outstanding[i] -= 1
                 if self.outstanding[i] == 0:
