@@ -17,7 +17,7 @@ import time
 
 from sim_common import footer, table
 
-from mooncake_rs.sim import SimConfig, Simulator, generate_trace
+from mooncake_rs.sim import MLALayout, SimConfig, Simulator, generate_trace
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--requests", type=int, default=1500)
@@ -25,6 +25,7 @@ ap.add_argument("--bandwidths", default="6.25,12.5,25,50,100", help="GB/s per li
 ap.add_argument("--multipath", action="store_true")
 ap.add_argument("--rate", type=float, default=0.25, help="agent tasks per second")
 ap.add_argument("--dram", type=int, default=8192, help="DRAM tokens per prefill instance")
+ap.add_argument("--layout", choices=("gqa", "mla"), default="gqa", help="gqa: LLaMA3-70B (327,680 B/token); mla: DeepSeek-V3-like (70,272)")
 ap.add_argument("--plot", default=None, help="write a PNG of io_wait_fraction against bandwidth")
 ap.add_argument("--json", default=None, help="write the rows as JSON")
 a = ap.parse_args()
@@ -48,6 +49,7 @@ for label, tool in steps:
                 capacity_tokens_per_instance=a.dram,
                 ssd_capacity_tokens_per_instance=4_000_000,
                 multipath=a.multipath,
+                layout=MLALayout(num_layers=61, block_size=512) if a.layout == "mla" else None,
             )
         ).run(tr)
         hit = rep.cache_hit_rate
@@ -55,7 +57,7 @@ for label, tool in steps:
         results.append(dict(tool_tokens=label, hit_rate=hit, bandwidth_gbs=bw, io_wait_fraction=rep.io_wait_fraction, mean_ttft_s=rep.mean_ttft_s, bytes=rep.bytes_loaded_per_path))
     row.insert(1, f"{hit:.3f}")
     rows.append(row)
-print(f"io_wait_fraction (mean TTFT s), agentic {a.requests} requests at {a.rate:g} tasks/s, 8P+8D, DRAM {a.dram} tokens, multipath={a.multipath}\n")
+print(f"io_wait_fraction (mean TTFT s), agentic {a.requests} requests at {a.rate:g} tasks/s, 8P+8D, DRAM {a.dram} tokens, multipath={a.multipath}, layout {a.layout}\n")
 table(["new tokens a step", "hit rate"] + [f"B = {b:g} GB/s" for b in bws], rows)
 if a.json:
     with open(a.json, "w") as f:

@@ -8,6 +8,7 @@ from typing import Any
 
 from .._core import ConductorConfig, DecodeCostModel, PrefillCostModel, TransferCostModel
 from ..errors import InvalidArgument
+from .layouts import bytes_per_token, describe
 from .trace import BLOCK_TOKENS
 
 __all__ = ["SimConfig", "POLICIES", "REJECTIONS"]
@@ -101,6 +102,9 @@ class SimConfig:
     ssd_capacity_tokens_per_instance: int | None = None
     #: DualPath: split a prefix fetch across every holder and the decode instance's relay
     multipath: bool = False
+    #: the model's KV layout (engine ``BlockLayout`` or ``sim.MLALayout``): bytes per
+    #: token for every transfer come from it (None: the transfer model's)
+    layout: Any = None
 
     def __post_init__(self) -> None:
         _posint("prefill", self.prefill)
@@ -146,6 +150,8 @@ class SimConfig:
                 raise InvalidArgument(
                     "ssd_capacity_tokens_per_instance needs capacity_tokens_per_instance (an unbounded DRAM never demotes)"
                 )
+        if self.layout is not None:
+            bytes_per_token(self.layout)  # validates
         if not isinstance(self.multipath, bool):
             raise InvalidArgument(f"multipath must be a bool, got {self.multipath!r}")
         if self.multipath and self.nic_bandwidth is None:
@@ -197,7 +203,16 @@ class SimConfig:
     def true_models(self) -> tuple[PrefillCostModel, TransferCostModel, DecodeCostModel]:
         """The models the simulated instances run on (the conductor's where not given)."""
         p, t, d = self.models()
-        return self.true_prefill_model or p, self.true_transfer_model or t, self.true_decode_model or d
+        tt = self.true_transfer_model or t
+        if self.layout is not None and self.true_transfer_model is not None:
+            # the layout is a fact of the model: the truth moves its bytes too
+            tt = TransferCostModel(
+                bytes_per_token=bytes_per_token(self.layout),
+                network_bandwidth=tt.network_bandwidth,
+                ssd_bandwidth=tt.ssd_bandwidth,
+                latency_s=tt.latency_s,
+            )
+        return self.true_prefill_model or p, tt, self.true_decode_model or d
 
     def models(self) -> tuple[PrefillCostModel, TransferCostModel, DecodeCostModel]:
         """The conductor's models. With the link model on and no ``bandwidth`` override,
@@ -207,9 +222,9 @@ class SimConfig:
         t = self.transfer_model or TransferCostModel()
         net = self.bandwidth if self.bandwidth is not None else self.nic_bandwidth
         ssd = self.storage_bandwidth
-        if net is not None or ssd is not None:
+        if net is not None or ssd is not None or self.layout is not None:
             t = TransferCostModel(
-                bytes_per_token=t.bytes_per_token,
+                bytes_per_token=t.bytes_per_token if self.layout is None else bytes_per_token(self.layout),
                 network_bandwidth=net if net is not None else t.network_bandwidth,
                 ssd_bandwidth=ssd if ssd is not None else t.ssd_bandwidth,
                 latency_s=t.latency_s,
@@ -240,7 +255,7 @@ class SimConfig:
                 continue
             if k in _NEW_FIELDS and v == _NEW_FIELDS[k]:
                 continue  # off: the report reads as it did before these options existed
-            out[k] = v
+            out[k] = describe(v) if k == "layout" else v
         p, t, d = self.models()
         out["prefill_model"] = {"c0": p.c0, "c_new": p.c_new, "c_new2": p.c_new2, "c_cross": p.c_cross}
         out["transfer_model"] = {
@@ -273,4 +288,5 @@ _NEW_FIELDS: dict[str, Any] = {
     "storage_bandwidth": None,
     "ssd_capacity_tokens_per_instance": None,
     "multipath": False,
+    "layout": None,
 }
