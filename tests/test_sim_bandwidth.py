@@ -128,3 +128,26 @@ def test_links_off_leaves_the_report_as_it_was():
     assert "io_wait_fraction" not in rep.summary()
     rep2 = Simulator(SimConfig(speedup=4.0, nic_bandwidth=50e9)).run(trace)
     assert "io_wait_fraction" in rep2.summary() and rep2.config["nic_bandwidth"] == 50e9
+
+
+@pytest.mark.parametrize("multipath", [False, True])
+def test_multipath_splits_a_peer_fetch_across_both_dram_holders(multipath):
+    # instances 0 and 1 both end up with A's 40 blocks in DRAM (1 fetched them from 0);
+    # at t=100 both start long prefills (their NICs busy streaming KV out); C goes to idle
+    # instance 2 and fetches the 40 blocks: single-path from one holder, sharing its NIC
+    # with the stream (25 GB/s); multi-path half from each (25 + 25 = 50 GB/s)
+    a = req(0.0, range(40))
+    x1 = req(50.0, range(500, 600))
+    b = req(50.001, list(range(40)) + [700, 701], extra=10)
+    x2 = req(100.0, range(800, 900))
+    x3 = req(100.0005, range(1000, 1100))
+    c = req(100.001, list(range(40)) + [1200], extra=10)
+    rep = Simulator(SimConfig(prefill=3, decode=2, nic_bandwidth=50e9, multipath=multipath)).run([a, x1, b, x2, x3, c])
+    r = {i: x for i, x in enumerate(rep.requests)}
+    assert r[2].prefill_instance == 1 and r[2].fetched_blocks == 40
+    assert {r[3].prefill_instance, r[4].prefill_instance} == {0, 1}
+    assert r[5].prefill_instance == 2 and r[5].fetched_blocks == 40
+    rate = 50e9 if multipath else 25e9
+    fetch = 40 * 512 * BPT / rate
+    assert r[5].ttft_s == pytest.approx(fetch + LAT + PM.predict(c.input_length, 40 * 512), rel=1e-6)
+    assert rep.counters["multipath_splits"] == (1 if multipath else 0)
