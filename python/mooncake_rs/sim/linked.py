@@ -16,7 +16,7 @@ long moving KV takes:
 - ``multipath`` (DualPath): the SSD part is split between the prefill's own storage
   link and the decode instance's (storage -> decode -> its NIC out -> prefill NIC in),
   the peer-DRAM part across every peer holding the range in DRAM, each split in
-  proportion to the path's free bandwidth at that moment;
+  proportion to the path's free bandwidth at that moment (:meth:`_LinkedRun.avail`);
 - the compute starts when every load flow is done (plus the transfer model's latency);
   the KV streams to the decode instance from then as one flow (prefill NIC out ->
   decode NIC in) and is ready at ``max(prefill end, stream end + latency)``.
@@ -184,10 +184,8 @@ class _LinkedRun(_Run):
             return 1
         relay = [3 * d + 2, 3 * d, 3 * p + 1]
         net = self.net
-        fd = net.free(direct[0])
-        fr = min(net.free(k) for k in relay)
-        if fd + fr <= 0:  # both saturated: split by capacity
-            fd, fr = net.cap[direct[0]], min(net.cap[k] for k in relay)
+        fd = self.avail(direct[0])
+        fr = min(self.avail(k) for k in relay)
         a = nbytes * fd / (fd + fr)
         out = 0
         for links, part, name in ((direct, a, "ssd_direct"), (relay, nbytes - a, "ssd_relay")):
@@ -208,10 +206,8 @@ class _LinkedRun(_Run):
             self.flow(t, [3 * src, 3 * p + 1], nbytes, _LOAD, i)
             self.bytes["dram_peer"] += int(nbytes)
             return 1
-        free = [self.net.free(3 * h) for h in holders]
+        free = [self.avail(3 * h) for h in holders]
         tot = sum(free)
-        if tot <= 0:
-            free, tot = [1.0] * len(holders), float(len(holders))
         out = 0
         for h, fr in zip(holders, free):
             part = nbytes * fr / tot
@@ -222,6 +218,13 @@ class _LinkedRun(_Run):
         if out > 1:
             self.counters["multipath_splits"] += 1
         return out
+
+    def avail(self, k: int) -> float:
+        """The free bandwidth of link ``k`` for a new flow: what its flows leave unused,
+        or, on a full link, the equal share a newcomer gets (cap / (flows + 1)); so a
+        busy link still takes a part, in proportion to what it can give."""
+        net = self.net
+        return max(net.free(k), net.cap[k] / (len(net.on[k]) + 1))
 
     def compute(self, p: int, i: int, t: float, delay: float = 0.0) -> None:
         """The loads are done at ``t``; the compute starts ``delay`` later (the transfer
