@@ -15,7 +15,9 @@ import argparse
 import json
 import time
 
-from sim_common import footer, table
+import resource
+
+from sim_common import table
 
 from mooncake_rs.sim import MLALayout, SimConfig, Simulator, generate_trace
 
@@ -85,4 +87,4 @@ if a.plot:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(a.plot, dpi=100)
-footer(t0)
+print(f"\n(wall {time.perf_counter() - t0:.1f} s, peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB; generated agentic traces)")
