@@ -151,3 +151,51 @@ def test_multipath_splits_a_peer_fetch_across_both_dram_holders(multipath):
     fetch = 40 * 512 * BPT / rate
     assert r[5].ttft_s == pytest.approx(fetch + LAT + PM.predict(c.input_length, 40 * 512), rel=1e-6)
     assert rep.counters["multipath_splits"] == (1 if multipath else 0)
+
+
+def test_estimate_error_scales_the_compute_with_links_on():
+    from mooncake_rs.sim.loop import error_factors
+
+    a, b = req(0.0, range(8)), req(10.0, range(100, 108))
+    c = req(100.0, list(range(8)) + [200], extra=100)
+    cfg = SimConfig(
+        prefill=1, decode=1, capacity_tokens_per_instance=8 * 512, ssd_capacity_tokens_per_instance=64 * 512,
+        storage_bandwidth=1e10, estimate_error=0.5, seed=3,
+    )  # fmt: skip
+    rep = Simulator(cfg).run([a, b, c])
+    f = error_factors(cfg, 3)
+    assert f is not None
+    load = 8 * 512 * BPT / 1e10
+    assert rep.requests[2].ttft_s == pytest.approx(load + LAT + PM.predict(c.input_length, 8 * 512) * f[2], rel=1e-9)
+    assert rep.requests[0].ttft_s == pytest.approx(PM.predict(a.input_length, 0) * f[0], rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(policy="ttft_optimal", rejection="early", ttft_slo_s=5.0),
+        dict(policy="local_cache_aware", cache="local"),
+        dict(policy="random", rejection="predictive"),
+        dict(eager_index=True, replicate_every_s=2.0, eviction="s3fifo"),
+        dict(policy="load_balance", multipath=True, eviction="prefix"),
+    ],
+)
+def test_every_policy_and_option_keeps_the_index_equal_to_both_tiers(kw):
+    trace = generate_trace(250, kind="agentic", rate=2.0, seed=4)
+    cfg = SimConfig(
+        prefill=3, decode=2, speedup=2.0, nic_bandwidth=25e9, storage_bandwidth=8e9,
+        capacity_tokens_per_instance=60_000, ssd_capacity_tokens_per_instance=300_000, **kw,
+    )  # fmt: skip
+    sim = Simulator(cfg)
+    rep = sim.run(trace)
+    for r in rep.requests:
+        assert (r.rejected is None) == (r.finish_s is not None)
+    assert sim.links is not None and not sim.links.flows
+    idx = sim.conductor.index
+    idx.check_integrity()
+    assert sim.caches is not None and sim.ssd_caches is not None
+    for k in {k for r in trace for k in r.full_blocks()}:
+        held = set(idx.holders(k))
+        for p in range(cfg.prefill):
+            assert ((p, "dram") in held) == (k in sim.caches[p])
+            assert ((p, "ssd") in held) == (k in sim.ssd_caches[p])
