@@ -59,24 +59,25 @@ def store_tiered(conductor: Conductor, dram: BlockCache, ssd: BlockCache | None,
     evicted = dram.insert(keys)
     demoted = 0
     if evicted:
-        gone = [k for k in evicted if k not in dram]
+        # (a key can be evicted twice by one chain: counted, demoted and written once)
+        gone = list(dict.fromkeys(k for k in evicted if k not in dram))
         if gone:
             conductor.on_blocks_evicted(instance, gone, "dram")
             if ssd is not None:
                 dropped = ssd.insert(gone)
                 if dropped:
                     conductor.on_blocks_evicted(instance, [k for k in dropped if k not in ssd], "ssd")
-                landed = [k for k in gone if k in ssd]
+                    landed = [k for k in gone if k in ssd]
+                else:
+                    landed = gone  # nothing left SSD, so every demoted block is there
                 if landed:
                     conductor.on_blocks_stored(instance, landed, "ssd")
                 demoted = len(landed)
         keys = [k for k in keys if k in dram]
     if ssd is not None and len(ssd):
         # promoted: back in DRAM, so out of SSD (the tiers stay disjoint)
-        up = [k for k in keys if k in ssd]
+        up = [k for k in keys if ssd.remove(k)]
         if up:
-            for k in up:
-                ssd.remove(k)
             conductor.on_blocks_evicted(instance, up, "ssd")
     conductor.on_blocks_stored(instance, keys)
     return demoted
