@@ -64,3 +64,16 @@ def test_without_ssd_evicted_blocks_are_gone():
     assert store_tiered(c, dram, None, 0, [3, 4]) == 0
     assert c.index.holders(1) == [] and set(c.index.holders(3)) == {(0, "dram")}
     assert prefix_runs(dram, None, [3, 4, 5]) == [(2, 0)]
+
+
+def test_a_block_evicted_twice_by_one_chain_is_demoted_once():
+    c = Conductor(ConductorConfig())
+    c.add_prefill(0)
+    dram, ssd = BlockCache(2, "lru"), BlockCache(16, "lru")
+    store_tiered(c, dram, ssd, 0, [9])  # 9 is in DRAM, the oldest
+    # inserting a evicts 9, 9 comes back, c and d evict it again: 9 leaves DRAM twice
+    n = store_tiered(c, dram, ssd, 0, [1, 2, 9, 3, 4])
+    on_ssd = [k for k in (1, 2, 3, 4, 9) if k in ssd]
+    assert n == len(on_ssd) == len(set(on_ssd))
+    assert 9 in ssd and (0, "ssd") in c.index.holders(9)
+    _check(c, dram, ssd, 0, [1, 2, 3, 4, 9])
