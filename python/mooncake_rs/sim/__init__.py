@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from .config import POLICIES, REJECTIONS, SimConfig
 from .curves import hit_rate_curve
+from .layouts import MLALayout
 from .report import HotSample, Report, RequestResult
 from .simulator import Simulator
 from .trace import BLOCK_TOKENS, Request, generate_trace, load_trace, save_trace, trace_stats
@@ -16,6 +17,7 @@ __all__ = [
     "POLICIES",
     "REJECTIONS",
     "HotSample",
+    "MLALayout",
     "Report",
     "Request",
     "RequestResult",

@@ -31,6 +31,11 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunked-prefill", action="store_true", help="coupled: chunked prefill")
     p.add_argument("--no-prefix-caching", action="store_true", help="coupled: no local prefix cache")
     p.add_argument("--oracle-output-len", action="store_true", help="tell the conductor each true output length")
+    p.add_argument("--estimate-error", type=float, default=0.0, help="per-request relative error of the true times (lognormal, mean 1)")
+    p.add_argument("--nic-bandwidth", type=float, default=None, help="each instance's NIC, bytes/s each way (shared links on)")
+    p.add_argument("--storage-bandwidth", type=float, default=None, help="each instance's link to the SSD tier, bytes/s")
+    p.add_argument("--ssd-capacity-tokens", type=int, default=None, help="SSD tier tokens per prefill instance")
+    p.add_argument("--multipath", action="store_true", help="DualPath: split loads across holders and the decode relay")
     p.add_argument("--out", default=None, help="write the report as JSON here")
     p.add_argument("--plot", default=None, help="write a PNG of the report here (needs matplotlib)")
     p.add_argument("--sweep", choices=SWEEPS, default=None, help="run every value of one setting and print a table")
@@ -58,6 +63,17 @@ def _config(args: argparse.Namespace, **over: Any) -> Any:
         prefix_caching=not args.no_prefix_caching,
         oracle_output_len=args.oracle_output_len,
     )
+    # added later: passed only when set, so a default run's config reads as before
+    for name, field, off in (
+        ("estimate_error", "estimate_error", 0.0),
+        ("nic_bandwidth", "nic_bandwidth", None),
+        ("storage_bandwidth", "storage_bandwidth", None),
+        ("ssd_capacity_tokens", "ssd_capacity_tokens_per_instance", None),
+        ("multipath", "multipath", False),
+    ):
+        v = getattr(args, name, off)
+        if v != off:
+            kw[field] = v
     kw.update(over)
     return SimConfig(**kw)
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from .._core import ConductorConfig, DecodeCostModel, PrefillCostModel, TransferCostModel
 from ..errors import InvalidArgument
+from .layouts import bytes_per_token, describe
 from .trace import BLOCK_TOKENS
 
 __all__ = ["SimConfig", "POLICIES", "REJECTIONS"]
@@ -83,6 +84,27 @@ class SimConfig:
     #: hot-block replica sampling
     hot_sample_every_s: float = 10.0
     hot_top_k: int = 8
+    # --- fidelity (docs/sim.md, "Ground truth and estimates"); all off by default ---
+    #: the cost models the simulated instances really run on (None: the conductor's own)
+    true_prefill_model: PrefillCostModel | None = None
+    true_transfer_model: TransferCostModel | None = None
+    true_decode_model: DecodeCostModel | None = None
+    #: per-request relative error of the truth against the conductor's estimate: each
+    #: request's prefill and transfer times are multiplied by exp(e*z - e*e/2) (mean 1),
+    #: z ~ N(0, 1) drawn per request from ``seed`` (0.0: none)
+    estimate_error: float = 0.0
+    # --- links and the SSD tier (docs/sim.md, "Links and the SSD tier"); None: off ---
+    #: each instance's NIC, bytes/s each way; concurrent transfers share it max-min fairly
+    nic_bandwidth: float | None = None
+    #: each instance's link to the SSD tier, bytes/s (reads and writes share it)
+    storage_bandwidth: float | None = None
+    #: SSD tier per prefill instance: what its DRAM evicts is demoted there (tokens)
+    ssd_capacity_tokens_per_instance: int | None = None
+    #: DualPath: split a prefix fetch across every holder and the decode instance's relay
+    multipath: bool = False
+    #: the model's KV layout (engine ``BlockLayout`` or ``sim.MLALayout``): bytes per
+    #: token for every transfer come from it (None: the transfer model's)
+    layout: Any = None
 
     def __post_init__(self) -> None:
         _posint("prefill", self.prefill)
@@ -115,10 +137,37 @@ class SimConfig:
         _posint("chunk_tokens", self.chunk_tokens)
         _pos("hot_sample_every_s", self.hot_sample_every_s)
         _posint("hot_top_k", self.hot_top_k, 0)
+        if isinstance(self.estimate_error, bool) or not isinstance(self.estimate_error, (int, float)) or not (
+            math.isfinite(self.estimate_error) and self.estimate_error >= 0
+        ):
+            raise InvalidArgument(f"estimate_error must be a finite number >= 0, got {self.estimate_error!r}")
+        for name in ("nic_bandwidth", "storage_bandwidth"):
+            if getattr(self, name) is not None:
+                _pos(name, getattr(self, name))
+        if self.ssd_capacity_tokens_per_instance is not None:
+            _posint("ssd_capacity_tokens_per_instance", self.ssd_capacity_tokens_per_instance, self.block_tokens)
+            if self.capacity_tokens_per_instance is None:
+                raise InvalidArgument(
+                    "ssd_capacity_tokens_per_instance needs capacity_tokens_per_instance (an unbounded DRAM never demotes)"
+                )
+        if self.layout is not None:
+            bytes_per_token(self.layout)  # validates
+        if not isinstance(self.multipath, bool):
+            raise InvalidArgument(f"multipath must be a bool, got {self.multipath!r}")
+        if self.multipath and self.nic_bandwidth is None:
+            raise InvalidArgument("multipath=True needs nic_bandwidth (paths are split by their free bandwidth)")
+        if self.links and self.architecture != "disaggregated":
+            raise InvalidArgument(
+                "nic_bandwidth, storage_bandwidth, ssd_capacity_tokens_per_instance and multipath"
+                " model the disaggregated cluster only; use architecture='disaggregated'"
+            )
         for name, cls in (
             ("prefill_model", PrefillCostModel),
             ("transfer_model", TransferCostModel),
             ("decode_model", DecodeCostModel),
+            ("true_prefill_model", PrefillCostModel),
+            ("true_transfer_model", TransferCostModel),
+            ("true_decode_model", DecodeCostModel),
         ):
             v = getattr(self, name)
             if v is not None and not isinstance(v, cls):
@@ -136,14 +185,48 @@ class SimConfig:
         c = self.capacity_tokens_per_instance
         return None if c is None else c // self.block_tokens
 
+    @property
+    def ssd_blocks(self) -> int | None:
+        c = self.ssd_capacity_tokens_per_instance
+        return None if c is None else c // self.block_tokens
+
+    @property
+    def links(self) -> bool:
+        """Whether the shared-link model (NICs, storage links, the SSD tier) is on."""
+        return (
+            self.nic_bandwidth is not None
+            or self.storage_bandwidth is not None
+            or self.ssd_capacity_tokens_per_instance is not None
+            or self.multipath
+        )
+
+    def true_models(self) -> tuple[PrefillCostModel, TransferCostModel, DecodeCostModel]:
+        """The models the simulated instances run on (the conductor's where not given)."""
+        p, t, d = self.models()
+        tt = self.true_transfer_model or t
+        if self.layout is not None and self.true_transfer_model is not None:
+            # the layout is a fact of the model: the truth moves its bytes too
+            tt = TransferCostModel(
+                bytes_per_token=bytes_per_token(self.layout),
+                network_bandwidth=tt.network_bandwidth,
+                ssd_bandwidth=tt.ssd_bandwidth,
+                latency_s=tt.latency_s,
+            )
+        return self.true_prefill_model or p, tt, self.true_decode_model or d
+
     def models(self) -> tuple[PrefillCostModel, TransferCostModel, DecodeCostModel]:
+        """The conductor's models. With the link model on and no ``bandwidth`` override,
+        its transfer estimate assumes an idle NIC (``nic_bandwidth``) and storage link
+        (``storage_bandwidth``): it does not see contention."""
         p = self.prefill_model or PrefillCostModel()
         t = self.transfer_model or TransferCostModel()
-        if self.bandwidth is not None:
+        net = self.bandwidth if self.bandwidth is not None else self.nic_bandwidth
+        ssd = self.storage_bandwidth
+        if net is not None or ssd is not None or self.layout is not None:
             t = TransferCostModel(
-                bytes_per_token=t.bytes_per_token,
-                network_bandwidth=self.bandwidth,
-                ssd_bandwidth=t.ssd_bandwidth,
+                bytes_per_token=t.bytes_per_token if self.layout is None else bytes_per_token(self.layout),
+                network_bandwidth=net if net is not None else t.network_bandwidth,
+                ssd_bandwidth=ssd if ssd is not None else t.ssd_bandwidth,
                 latency_s=t.latency_s,
             )
         d = self.decode_model or DecodeCostModel()
@@ -170,7 +253,9 @@ class SimConfig:
         for k, v in self.__dict__.items():
             if k.endswith("_model"):
                 continue
-            out[k] = v
+            if k in _NEW_FIELDS and v == _NEW_FIELDS[k]:
+                continue  # off: the report reads as it did before these options existed
+            out[k] = describe(v) if k == "layout" else v
         p, t, d = self.models()
         out["prefill_model"] = {"c0": p.c0, "c_new": p.c_new, "c_new2": p.c_new2, "c_cross": p.c_cross}
         out["transfer_model"] = {
@@ -180,4 +265,28 @@ class SimConfig:
             "latency_s": t.latency_s,
         }
         out["decode_model"] = {"base_s": d.base_s, "per_seq_s": d.per_seq_s, "per_token_s": d.per_token_s}
+        tp, tt, td = self.true_models()
+        if self.true_prefill_model is not None:
+            out["true_prefill_model"] = {"c0": tp.c0, "c_new": tp.c_new, "c_new2": tp.c_new2, "c_cross": tp.c_cross}
+        if self.true_transfer_model is not None:
+            out["true_transfer_model"] = {
+                "bytes_per_token": tt.bytes_per_token,
+                "network_bandwidth": tt.network_bandwidth,
+                "ssd_bandwidth": tt.ssd_bandwidth,
+                "latency_s": tt.latency_s,
+            }
+        if self.true_decode_model is not None:
+            out["true_decode_model"] = {"base_s": td.base_s, "per_seq_s": td.per_seq_s, "per_token_s": td.per_token_s}
         return out
+
+
+#: fields added after the report format was fixed, with their "off" values: left out of
+#: ``to_dict`` while off, so existing reports stay byte-identical
+_NEW_FIELDS: dict[str, Any] = {
+    "estimate_error": 0.0,
+    "nic_bandwidth": None,
+    "storage_bandwidth": None,
+    "ssd_capacity_tokens_per_instance": None,
+    "multipath": False,
+    "layout": None,
+}

@@ -104,15 +104,21 @@ class _Coupled(EventLoop):
             if self.cfg.chunked_prefill:
                 chunk = max(1, min(L - done, self.cfg.chunk_tokens - b.n))
                 cost = pm.predict(done + chunk, done)
+                extra = cost - pm.c0  # the chunk's work on top of the decode step
+                if self.factor is not None:
+                    cost *= self.factor[i]
+                    extra *= self.factor[i]
                 self.compute_s += cost
                 if b.n > 0:
-                    d = b.run_one(cost - pm.c0)
+                    d = b.run_one(extra)
                 else:
                     d = cost
                     b.idle_until(t + d)
                 self.current[k] = (i, done + chunk)
             else:
                 d = pm.predict(L, done)
+                if self.factor is not None:
+                    d *= self.factor[i]
                 self.compute_s += d
                 if b.n > 0:
                     b.stall(d)
@@ -180,7 +186,9 @@ class _Coupled(EventLoop):
     def go(self) -> Report:
         wall0 = time.perf_counter()
         self.drive()
-        return build_report(self.cfg, self.trace, self.keys, self.s, self.compute_s, [], time.perf_counter() - wall0, self.counters)
+        return build_report(
+            self.cfg, self.trace, self.keys, self.s, self.compute_s, [], time.perf_counter() - wall0, self.counters, 0.0, self.compute_s
+        )
 
 
 def run_coupled(cfg: SimConfig, trace: Sequence[Request], progress: Progress | None = None) -> Report:

@@ -101,7 +101,13 @@ class _Run(EventLoop):
         L = self.trace[i].input_length
         fetch_s = self.tm.fetch(fetched * bt, 0.0) if fetched else 0.0
         compute = self.pm.predict(L, min(reused * bt, L))
+        if self.factor is not None:
+            f = self.factor[i]
+            fetch_s *= f
+            compute *= f
         self.compute_s += compute
+        self.io_wait_s += fetch_s
+        self.prefill_busy_s += fetch_s + compute
         s.reused[i] = reused
         s.fetched[i] = fetched
         s.start[i] = t
@@ -123,7 +129,10 @@ class _Run(EventLoop):
         self.s.ttft[i] = t - r.arrival_s / self.cfg.speedup
         self.s.first[i] = t
         # the KV streams layer by layer while the prefill computes
-        ready = max(t, self.s.stream_t[i] + self.tm.fetch(r.input_length, 0.0))
+        stream = self.tm.fetch(r.input_length, 0.0)
+        if self.factor is not None:
+            stream *= self.factor[i]
+        ready = max(t, self.s.stream_t[i] + stream)
         d = self.s.decode[i]
         assert d is not None
         self.push(ready, _KV_READY, d - self.cfg.prefill, i)
@@ -236,7 +245,9 @@ class _Run(EventLoop):
         return self.report(self._samples, time.perf_counter() - wall0)
 
     def report(self, samples: list[HotSample], wall: float) -> Report:
-        return build_report(self.cfg, self.trace, self.keys, self.s, self.compute_s, samples, wall, self.counters)
+        return build_report(
+            self.cfg, self.trace, self.keys, self.s, self.compute_s, samples, wall, self.counters, self.io_wait_s, self.prefill_busy_s
+        )
 
 
 def run_disaggregated(cfg: SimConfig, trace: Sequence[Request], progress: Progress | None = None) -> Report:

@@ -9,6 +9,8 @@ picks one. This module imports neither, so the three form no cycle.
 from __future__ import annotations
 
 import heapq
+import math
+import random
 import resource
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -21,7 +23,7 @@ from .config import SimConfig
 from .report import HotSample, Report, RequestResult
 from .trace import Request
 
-__all__ = ["EventLoop", "Progress", "State", "build_report", "make_caches", "store_chain"]
+__all__ = ["EventLoop", "Progress", "State", "build_report", "error_factors", "make_caches", "store_chain"]
 
 #: ``progress(done, total)``: called as arrivals go by
 Progress = Callable[[int, int], None]
@@ -29,6 +31,20 @@ Progress = Callable[[int, int], None]
 
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def error_factors(cfg: SimConfig, n: int) -> list[float] | None:
+    """Per request, the factor by which its true prefill and transfer times differ from
+    the cost models': ``exp(e * z - e**2 / 2)``, ``z ~ N(0, 1)``, ``e = estimate_error``,
+    seeded by ``seed``: a lognormal relative error of mean 1 (the estimates are unbiased,
+    so the total work is the same in expectation; ``e`` is the std of its log). None when
+    ``estimate_error`` is 0 (nothing is multiplied: results are exactly the models')."""
+    if cfg.estimate_error == 0:
+        return None
+    rng = random.Random(0x5EED_E77 ^ cfg.seed)
+    e = cfg.estimate_error
+    shift = e * e / 2.0
+    return [math.exp(e * rng.gauss(0.0, 1.0) - shift) for _ in range(n)]
 
 
 def make_caches(cfg: SimConfig, n: int, trace: Sequence[Request]) -> list[BlockCache]:
@@ -99,7 +115,10 @@ class EventLoop(ABC):
         self.cfg = cfg
         self.trace = trace
         self.progress = progress
-        self.pm, self.tm, self.dm = cfg.models()
+        # the instances run on the true models; the conductor estimates with its own
+        self.pm, self.tm, self.dm = cfg.true_models()
+        #: per request, true time / modelled time (None: exact)
+        self.factor = error_factors(cfg, len(trace))
         self.conductor = Conductor(cfg.conductor_config())
         self.heap: list[tuple[float, int, int, int, int, int]] = []
         self.seq = 0
@@ -108,6 +127,9 @@ class EventLoop(ABC):
         self.keys = [r.hash_ids[: r.input_length // bt] for r in trace]
         self.s = State(len(trace))
         self.compute_s = 0.0
+        #: prefill seconds spent waiting on KV loads, and waiting + computing
+        self.io_wait_s = 0.0
+        self.prefill_busy_s = 0.0
 
     def push(self, t: float, kind: int, a: int, b: int = 0, c: int = 0) -> None:
         self.seq += 1
@@ -185,6 +207,9 @@ def build_report(
     samples: list[HotSample],
     wall: float,
     counters: dict[str, int],
+    io_wait_s: float = 0.0,
+    prefill_busy_s: float = 0.0,
+    bytes_loaded_per_path: dict[str, int] | None = None,
 ) -> Report:
     """The :class:`Report` of a finished run."""
     rows = [
@@ -217,4 +242,7 @@ def build_report(
         wall_s=wall,
         peak_rss_mb=_peak_rss_mb(),
         counters=dict(counters),
+        io_wait_s=io_wait_s,
+        prefill_busy_s=prefill_busy_s,
+        bytes_loaded_per_path=dict(bytes_loaded_per_path or {}),
     )

@@ -73,6 +73,28 @@ class Report:
     wall_s: float = 0.0
     peak_rss_mb: float = 0.0
     counters: dict[str, int] = field(default_factory=dict)
+    #: seconds prefill instances spent waiting for KV loads (prefix fetches, SSD reads)
+    #: before computing, summed over requests
+    io_wait_s: float = 0.0
+    #: seconds of prefill (waiting for loads + computing), summed over requests
+    prefill_busy_s: float = 0.0
+    #: bytes of prefix KV loaded into prefill instances, by path (filled with the link
+    #: model on: ``dram_local``, ``dram_peer``, ``ssd_direct``, ``ssd_relay``)
+    bytes_loaded_per_path: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def io_wait_fraction(self) -> float:
+        """Share of prefill time spent waiting on KV loads (0 when nothing ran)."""
+        return self.io_wait_s / self.prefill_busy_s if self.prefill_busy_s > 0 else 0.0
+
+    @property
+    def throughput_rps(self) -> float:
+        """Requests completed per virtual second, from the first arrival to the last finish."""
+        done = [r for r in self.requests if r.finish_s is not None]
+        if not done:
+            return 0.0
+        span = max(r.finish_s for r in done if r.finish_s is not None) - min(r.arrival_s for r in self.requests)
+        return len(done) / span if span > 0 else math.inf
 
     @property
     def completed(self) -> list[RequestResult]:
@@ -176,6 +198,16 @@ class Report:
             "wall_s": self.wall_s,
             "peak_rss_mb": self.peak_rss_mb,
             **{f"count_{k}": v for k, v in self.counters.items()},
+            # only with the link model on, so that other reports read as before
+            **(
+                {
+                    "io_wait_fraction": self.io_wait_fraction,
+                    "throughput_rps": self.throughput_rps,
+                    **{f"bytes_{k}": v for k, v in self.bytes_loaded_per_path.items()},
+                }
+                if self.bytes_loaded_per_path
+                else {}
+            ),
         }
 
     def to_json(self, per_request: bool = True) -> str:

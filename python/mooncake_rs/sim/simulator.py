@@ -12,6 +12,8 @@ from .._core import BlockCache, Conductor
 from .config import SimConfig
 from .coupled import _Coupled
 from .disaggregated import _Run
+from .linked import _LinkedRun
+from .links import Links
 # Shared pieces that used to be defined here; re-exported for code importing them from here.
 from .loop import EventLoop, Progress, State, build_report, make_caches, store_chain
 from .report import Report
@@ -31,9 +33,17 @@ class Simulator:
         #: the conductor and the per-instance caches of the last run (for inspection)
         self.conductor: Conductor | None = None
         self.caches: list[BlockCache] | None = None
+        #: with the SSD tier on, each prefill instance's SSD cache (None otherwise)
+        self.ssd_caches: list[BlockCache | None] | None = None
+        #: with the link model on, the run's links (instance k: NIC out 3k, in 3k+1,
+        #: storage 3k+2), for inspection (None otherwise)
+        self.links: Links | None = None
 
     def run(self, trace: Sequence[Request], progress: Progress | None = None) -> Report:
         """Replays ``trace``; ``progress(done, total)`` is called as arrivals go by."""
-        loop = _LOOPS[self.config.architecture](self.config, trace, progress)
+        cls = _LinkedRun if self.config.links else _LOOPS[self.config.architecture]
+        loop = cls(self.config, trace, progress)
         self.conductor, self.caches = loop.conductor, loop.caches
+        self.ssd_caches = loop.ssd if isinstance(loop, _LinkedRun) else None
+        self.links = loop.net if isinstance(loop, _LinkedRun) else None
         return loop.go()

@@ -183,8 +183,27 @@ def generate_trace(
     output_tokens: tuple[int, int] = (16, 512),
     seed: int = 0,
     path: str | os.PathLike[str] | None = None,
+    kind: str = "chat",
+    agents: int = 4,
+    agent_context_tokens: tuple[int, int] = (8192, 32768),
+    task_tokens: tuple[int, int] = (256, 2048),
+    tool_calls: tuple[int, int] = (5, 40),
+    tool_result_tokens: tuple[int, int] = (64, 1024),
+    agent_output_tokens: tuple[int, int] = (16, 256),
+    tool_latency_s: float = 2.0,
+    max_context_tokens: int = 131072,
 ) -> list[Request]:
     """A synthetic workload in the Mooncake format, deterministic for ``seed``.
+
+    ``kind="agentic"``: sessions are agent tasks (``rate`` tasks per second, same
+    ``arrival`` options). A task uses one of ``agents`` shared agent contexts (system
+    prompt and tool definitions, ``agent_context_tokens``), adds its task
+    (``task_tokens``), then loops over ``tool_calls`` steps: each step's prompt is the
+    whole context so far; the model answers briefly (``agent_output_tokens``: a tool
+    call), the tool runs (``tool_latency_s`` on average, exponential) and its result
+    (``tool_result_tokens``) is appended for the next step. A task stops early at
+    ``max_context_tokens``. Every step reuses the previous step's full blocks, so hit
+    rates reach 90-99%. The chat-only parameters are ignored, and the other way round.
 
     Sessions start at ``rate`` per second (``arrival="poisson"``, or ``"bursty"``: on/off
     periods of ``burst_period_s`` with ``burst_factor`` times the rate while on). A
@@ -198,6 +217,8 @@ def generate_trace(
     """
     if num_requests < 0:
         raise InvalidArgument(f"num_requests must be >= 0, got {num_requests}")
+    if kind not in ("chat", "agentic"):
+        raise InvalidArgument(f"kind must be 'chat' or 'agentic', got {kind!r}")
     if not (math.isfinite(rate) and rate > 0):
         raise InvalidArgument(f"rate must be a positive number of sessions per second, got {rate}")
     if arrival not in ("poisson", "bursty"):
@@ -221,6 +242,26 @@ def generate_trace(
         if not low <= lo <= hi:
             raise InvalidArgument(f"{name} must be (lo, hi) with {low} <= lo <= hi, got {(lo, hi)}")
 
+    if kind == "agentic":
+        trace = _agentic(
+            num_requests,
+            rate=rate,
+            arrival=arrival,
+            burst_factor=burst_factor,
+            burst_period_s=burst_period_s,
+            agents=agents,
+            agent_context_tokens=agent_context_tokens,
+            task_tokens=task_tokens,
+            tool_calls=tool_calls,
+            tool_result_tokens=tool_result_tokens,
+            agent_output_tokens=agent_output_tokens,
+            tool_latency_s=tool_latency_s,
+            max_context_tokens=max_context_tokens,
+            seed=seed,
+        )
+        if path is not None:
+            save_trace(trace, path)
+        return trace
     rng = random.Random(seed)
     ids = _Ids()
     # Shared system prompts and documents: token lengths rounded to whole blocks so
@@ -265,6 +306,63 @@ def generate_trace(
     if path is not None:
         save_trace(trace, path)
     return trace
+
+
+def _agentic(
+    num_requests: int,
+    *,
+    rate: float,
+    arrival: str,
+    burst_factor: float,
+    burst_period_s: float,
+    agents: int,
+    agent_context_tokens: tuple[int, int],
+    task_tokens: tuple[int, int],
+    tool_calls: tuple[int, int],
+    tool_result_tokens: tuple[int, int],
+    agent_output_tokens: tuple[int, int],
+    tool_latency_s: float,
+    max_context_tokens: int,
+    seed: int,
+) -> list[Request]:
+    """Agent tasks as tool loops (see :func:`generate_trace`, ``kind="agentic"``)."""
+    if agents < 1:
+        raise InvalidArgument(f"agents must be >= 1, got {agents}")
+    if not (math.isfinite(tool_latency_s) and tool_latency_s >= 0):
+        raise InvalidArgument(f"tool_latency_s must be a finite number >= 0, got {tool_latency_s}")
+    for name, (lo, hi), low in (
+        ("agent_context_tokens", agent_context_tokens, 0),
+        ("task_tokens", task_tokens, 1),
+        ("tool_calls", tool_calls, 1),
+        ("tool_result_tokens", tool_result_tokens, 1),
+        ("agent_output_tokens", agent_output_tokens, 1),
+    ):
+        if not low <= lo <= hi:
+            raise InvalidArgument(f"{name} must be (lo, hi) with {low} <= lo <= hi, got {(lo, hi)}")
+    if isinstance(max_context_tokens, bool) or not isinstance(max_context_tokens, int) or max_context_tokens < 1:
+        raise InvalidArgument(f"max_context_tokens must be an integer >= 1, got {max_context_tokens!r}")
+    rng = random.Random(seed)
+    ids = _Ids()
+    contexts = [ids.take(rng.randint(*agent_context_tokens) // BLOCK_TOKENS) for _ in range(agents)]
+    events: list[tuple[float, int, Request]] = []
+    seq = 0
+    for start in _arrivals(rng, num_requests, rate, arrival, burst_factor, burst_period_s):
+        ctx = contexts[rng.randrange(agents)]
+        full = list(ctx)
+        total = len(ctx) * BLOCK_TOKENS + rng.randint(*task_tokens)
+        t = start
+        for _ in range(rng.randint(*tool_calls)):
+            if total > max_context_tokens:
+                break
+            full, all_ids = _blocks_for(full, total, ids)
+            out = rng.randint(*agent_output_tokens)
+            events.append((t, seq, Request(round(t * 1000.0, 3), total, out, tuple(all_ids))))
+            seq += 1
+            # the next step's prompt: this one, the model's tool call, the tool's result
+            total += out + rng.randint(*tool_result_tokens)
+            t += rng.expovariate(1.0 / tool_latency_s) if tool_latency_s > 0 else 0.0
+    events.sort(key=lambda e: (e[0], e[1]))
+    return [r for _, _, r in events[:num_requests]]
 
 
 def trace_stats(trace: Sequence[Request]) -> dict[str, float]:

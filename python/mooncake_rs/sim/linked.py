@@ -1,0 +1,310 @@
+"""The disaggregated cluster with links as shared resources and the store's SSD tier.
+
+Used instead of :mod:`.disaggregated`'s loop when ``SimConfig.links`` is on (any of
+``nic_bandwidth``, ``storage_bandwidth``, ``ssd_capacity_tokens_per_instance``,
+``multipath``). Scheduling, queues and decode batching are the same; what changes is how
+long moving KV takes:
+
+- every instance ``k`` has three links (:mod:`.links`, max-min fair): its NIC out
+  (``3k``) and in (``3k+1``), each ``nic_bandwidth`` bytes/s, and its link to the SSD
+  tier (``3k+2``, ``storage_bandwidth``; reads and demotion writes share it);
+- a prefill first loads its reused prefix: blocks in its own DRAM cost nothing; blocks
+  in a peer's DRAM cross the peer's NIC out and its own NIC in; blocks on SSD (its own
+  or a peer's) are read through its own storage link — the SSD tier is a pool that
+  every instance reaches through its storage link (3FS-like; each prefill instance's
+  share of it is ``ssd_capacity_tokens_per_instance``, filled by what its DRAM evicts);
+- ``multipath`` (DualPath): the SSD part is split between the prefill's own storage
+  link and the decode instance's (storage -> decode -> its NIC out -> prefill NIC in),
+  the peer-DRAM part across every peer holding the range in DRAM, each split in
+  proportion to the path's free bandwidth at that moment (:meth:`_LinkedRun.avail`);
+- the compute starts when every load flow is done (plus the transfer model's latency);
+  the KV streams to the decode instance from then as one flow (prefill NIC out ->
+  decode NIC in) and is ready at ``max(prefill end, stream end + latency)``.
+
+The conductor estimates with its transfer model (by default an idle link of
+``nic_bandwidth``/``storage_bandwidth``): it does not see contention. ``estimate_error``
+applies to the compute only here (the links give the transfer times).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from .._core import BlockCache
+from .config import SimConfig
+from .disaggregated import _KV_READY, _PREFILL_DONE, _Run
+from .links import Flow, Links
+from .loop import Progress, build_report
+from .report import HotSample, Report
+from .tiers import prefix_runs, split_runs, store_tiered
+from .trace import Request
+
+__all__ = ["run_linked"]
+
+_NET = 3
+# what a flow is for (its tag is (kind, request))
+_LOAD, _STREAM, _WRITE = 0, 1, 2
+
+PATHS = ("dram_local", "dram_peer", "ssd_direct", "ssd_relay")
+
+
+class _LinkedRun(_Run):
+    def __init__(self, cfg: SimConfig, trace: Sequence[Request], progress: Progress | None) -> None:
+        super().__init__(cfg, trace, progress)
+        n = cfg.prefill + cfg.decode
+        nic = cfg.nic_bandwidth if cfg.nic_bandwidth is not None else self.tm.network_bandwidth
+        stor = cfg.storage_bandwidth if cfg.storage_bandwidth is not None else self.tm.ssd_bandwidth
+        caps: list[float] = []
+        for _ in range(n):
+            caps += [nic, nic, stor]
+        self.net = Links(caps)
+        ssd = cfg.ssd_blocks
+        self.ssd: list[BlockCache | None] = [BlockCache(max(ssd, 1), cfg.eviction) if ssd else None for _ in self.pids]
+        self.block_bytes = cfg.block_tokens * self.tm.bytes_per_token
+        self.bpt = self.tm.bytes_per_token
+        self.outstanding = [0] * len(trace)
+        self.stream_left = [False] * len(trace)
+        self.ended = [False] * len(trace)
+        self.bytes = dict.fromkeys(PATHS, 0)
+        #: per prefill instance, its flow of demotion writes (None: none active)
+        self.writes: list[Flow | None] = [None] * cfg.prefill
+        self.counters.update(kv_stream_bytes=0, ssd_write_bytes=0, multipath_splits=0)
+        self._net_version = 0
+        #: when the pending network event is due (inf: none)
+        self._net_at = math.inf
+        self._net_touched = False
+
+    # --- the network's clock ---
+
+    def flow(self, t: float, links: Sequence[int], nbytes: float, kind: int, i: int) -> Flow:
+        self._net_touched = True
+        return self.net.add_unchecked(t, tuple(links), float(nbytes), (kind, i))
+
+    def sync_net(self) -> None:
+        """After a change: make sure an event comes at the next completion. One already
+        due no later is kept (if it finds nothing done it schedules the next), so a
+        change that only delays completions pushes nothing."""
+        if not self._net_touched:
+            return
+        self._net_touched = False
+        nxt = self.net.next_completion()
+        if nxt is not None and nxt < self._net_at:
+            self._net_version += 1  # the later event goes stale
+            self._net_at = nxt
+            self.push(nxt, _NET, self._net_version)
+
+    def net_event(self, version: int, t: float) -> None:
+        if version != self._net_version:
+            return
+        self._net_at = math.inf
+        self._net_touched = True
+        for f in self.net.pop_done(t):
+            tag = f.tag
+            assert isinstance(tag, tuple)
+            kind: int = tag[0]
+            i: int = tag[1]
+            if kind == _LOAD:
+                self.outstanding[i] -= 1
+                if self.outstanding[i] == 0:
+                    p = self.s.prefill[i]
+                    assert p is not None
+                    self.compute(p, i, t, self.tm.latency_s)
+            elif kind == _STREAM:
+                self.stream_left[i] = False
+                if self.ended[i]:
+                    self.kv_to_decode(i, t + self.tm.latency_s)
+
+    def handle(self, t: float, kind: int, a: int, b: int, c: int) -> None:
+        if kind == _NET:
+            self.net_event(a, t)
+        elif kind == _PREFILL_DONE:
+            self.prefill_done(a, b, t)
+        elif kind == _KV_READY:
+            self.kv_ready(a, b, t)
+        else:
+            self.boundary(a, b, c)
+        if self._net_touched:
+            self.sync_net()
+
+    def arrive(self, i: int, t: float) -> None:
+        super().arrive(i, t)
+        if self._net_touched:
+            self.sync_net()
+
+    # --- prefill: load, compute, store ---
+
+    def start_prefill(self, p: int, t: float) -> None:
+        i = self.queues[p].popleft()
+        self.busy[p] = True
+        self.conductor.on_prefill_started(i, t)
+        keys = self.keys[i]
+        s = self.s
+        dram, ssd = self.caches, self.ssd
+        runs = prefix_runs(dram[p], ssd[p], keys)
+        local = sum(n for n, _ in runs)
+        local_dram, local_ssd = split_runs(runs, 0, local)
+        reused, peer_dram, peer_ssd = local, 0, 0
+        src = s.fetch_from[i]
+        if src is not None and s.planned[i] > local:
+            self.counters["fetches"] += 1
+            if self.cfg.cache == "global":
+                sruns = prefix_runs(dram[src], ssd[src], keys[: s.planned[i]])
+                held = sum(n for n, _ in sruns)
+                if held > local:
+                    reused = held
+                    peer_dram, peer_ssd = split_runs(sruns, local, held)
+                if held < s.planned[i]:
+                    self.counters["fetch_fallbacks"] += 1
+        s.reused[i] = reused
+        s.fetched[i] = reused - local
+        s.start[i] = t
+        if reused:
+            self.hits.update(keys[:reused])
+        bb = self.block_bytes
+        self.bytes["dram_local"] += int(local_dram * bb)
+        d = s.decode[i]
+        assert d is not None
+        n = 0
+        ssd_bytes = (local_ssd + peer_ssd) * bb
+        if ssd_bytes:
+            n += self.load_ssd(t, i, p, d, ssd_bytes)
+        if peer_dram:
+            assert src is not None
+            n += self.load_peer(t, i, p, src, keys[local:reused], peer_dram * bb)
+        self.outstanding[i] = n
+        if n == 0:
+            self.compute(p, i, t)
+
+    def load_ssd(self, t: float, i: int, p: int, d: int, nbytes: float) -> int:
+        direct = [3 * p + 2]
+        if not self.cfg.multipath:
+            self.flow(t, direct, nbytes, _LOAD, i)
+            self.bytes["ssd_direct"] += int(nbytes)
+            return 1
+        relay = [3 * d + 2, 3 * d, 3 * p + 1]
+        net = self.net
+        fd = self.avail(direct[0])
+        fr = min(self.avail(k) for k in relay)
+        a = nbytes * fd / (fd + fr)
+        out = 0
+        for links, part, name in ((direct, a, "ssd_direct"), (relay, nbytes - a, "ssd_relay")):
+            if part > nbytes * 1e-6:
+                self.flow(t, links, part, _LOAD, i)
+                self.bytes[name] += int(part)
+                out += 1
+        if out > 1:
+            self.counters["multipath_splits"] += 1
+        return out
+
+    def load_peer(self, t: float, i: int, p: int, src: int, rng: Sequence[int], nbytes: float) -> int:
+        holders = [src]
+        if self.cfg.multipath and rng:
+            first, last = rng[0], rng[-1]
+            holders += [h for h in self.pids if h != p and h != src and first in self.caches[h] and last in self.caches[h]]
+        if len(holders) == 1:
+            self.flow(t, [3 * src, 3 * p + 1], nbytes, _LOAD, i)
+            self.bytes["dram_peer"] += int(nbytes)
+            return 1
+        free = [self.avail(3 * h) for h in holders]
+        tot = sum(free)
+        out = 0
+        for h, fr in zip(holders, free):
+            part = nbytes * fr / tot
+            if part > nbytes * 1e-6:
+                self.flow(t, [3 * h, 3 * p + 1], part, _LOAD, i)
+                out += 1
+        self.bytes["dram_peer"] += int(nbytes)
+        if out > 1:
+            self.counters["multipath_splits"] += 1
+        return out
+
+    def avail(self, k: int) -> float:
+        """The free bandwidth of link ``k`` for a new flow: what its flows leave unused,
+        or, on a full link, the equal share a newcomer gets (cap / (flows + 1)); so a
+        busy link still takes a part, in proportion to what it can give."""
+        net = self.net
+        return max(net.free(k), net.cap[k] / (len(net.on[k]) + 1))
+
+    def compute(self, p: int, i: int, t: float, delay: float = 0.0) -> None:
+        """The loads are done at ``t``; the compute starts ``delay`` later (the transfer
+        setup latency). The KV stream to decode starts at ``t`` (the network cannot
+        take a flow in the future; ``delay`` is a millisecond of a much longer stream)."""
+        s = self.s
+        start = s.start[i]
+        assert start is not None
+        L = self.trace[i].input_length
+        c = self.pm.predict(L, min(s.reused[i] * self.cfg.block_tokens, L))
+        if self.factor is not None:
+            c *= self.factor[i]
+        self.compute_s += c
+        wait = t + delay - start
+        self.io_wait_s += wait
+        self.prefill_busy_s += wait + c
+        s.stream_t[i] = t
+        d = s.decode[i]
+        assert d is not None
+        nbytes = L * self.bpt
+        self.flow(t, [3 * p, 3 * d + 1], nbytes, _STREAM, i)
+        self.counters["kv_stream_bytes"] += int(nbytes)
+        self.stream_left[i] = True
+        self.ended[i] = False
+        self.push(t + delay + c, _PREFILL_DONE, p, i)
+
+    def store(self, p: int, keys: Sequence[int], t: float) -> None:
+        demoted = store_tiered(self.conductor, self.caches[p], self.ssd[p], p, keys)
+        if demoted:
+            nbytes = demoted * self.block_bytes
+            w = self.writes[p]
+            if w is not None and w.id in self.net.flows:
+                # the instance's demotions form one queue of writes on its storage link
+                self.net.extend(t, w, nbytes)
+            else:
+                self.writes[p] = self.flow(t, [3 * p + 2], nbytes, _WRITE, p)
+            self.counters["ssd_write_bytes"] += int(nbytes)
+
+    def prefill_done(self, p: int, i: int, t: float) -> None:
+        c = self.conductor
+        c.on_prefill_finished(i, t)
+        keys = self.keys[i]
+        if keys:
+            self.store(p, keys, t)
+        self.busy[p] = False
+        if self.queues[p]:
+            self.start_prefill(p, t)
+        r = self.trace[i]
+        self.s.ttft[i] = t - r.arrival_s / self.cfg.speedup
+        self.s.first[i] = t
+        self.ended[i] = True
+        if not self.stream_left[i]:
+            self.kv_to_decode(i, t)
+
+    def kv_to_decode(self, i: int, t: float) -> None:
+        d = self.s.decode[i]
+        assert d is not None
+        self.push(t, _KV_READY, d - self.cfg.prefill, i)
+
+    def replicate(self, t: float) -> None:
+        for h in self.conductor.replication_hints(t):
+            self.store(h.to_instance, h.blocks, t)
+            self.counters["replicated_blocks"] += len(h.blocks)
+
+    def report(self, samples: list[HotSample], wall: float) -> Report:
+        return build_report(
+            self.cfg,
+            self.trace,
+            self.keys,
+            self.s,
+            self.compute_s,
+            samples,
+            wall,
+            self.counters,
+            self.io_wait_s,
+            self.prefill_busy_s,
+            self.bytes,
+        )
+
+
+def run_linked(cfg: SimConfig, trace: Sequence[Request], progress: Progress | None = None) -> Report:
+    """Replays ``trace`` on the disaggregated cluster with shared links (module docs)."""
+    return _LinkedRun(cfg, trace, progress).go()
