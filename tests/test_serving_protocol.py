@@ -1,0 +1,159 @@
+"""The serving control protocol (serving/protocol.py): every message round-trips, and
+the decoder turns any bad frame (random bytes, a truncated or oversized frame, valid
+msgpack of the wrong shape, an unknown op) into its own ``ProtocolError``, nothing else."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mooncake_rs.errors import MooncakeError
+from mooncake_rs.serving import protocol as p
+
+EP = p.Endpoint("decode-0", "127.0.0.1:4242", 7)
+KEYS = p.pack_keys([1, (1 << 128) - 1, 0x1234_5678_9ABC_DEF0_1122_3344_5566_7788])
+REPORT = p.PrefillReport(2, 1, 65536, 1.5, 1.75, 2.0)
+FETCH = p.Fetch(1, EP, [0, 8192], p.pack_keys([5, 6]))
+DEST = p.Dest(EP, [None, 4096, 8192], 12288)
+SPEC = p.InstanceSpec(3, "decode", "decode-0", {"vocab_size": 256, "eos_token_ids": [1, 2]}, 16, 1 << 20,
+                      seed=5, link_bandwidth=1e9, engine_kwargs={"num_pages": 64, "dtype": "bfloat16"},
+                      ssd_path="ssd/decode-0", ssd_bytes=1 << 22, heartbeat_s=0.5)
+
+SAMPLES: list[p.Message] = [
+    p.Init(p.PROTOCOL_VERSION, SPEC, "ab" * 32, {0: 5, 1: 6}),
+    p.Ready(p.PROTOCOL_VERSION, EP, 1234, 8192, 512, 4096),
+    p.InitFailed("RuntimeError: no"),
+    p.Beat(),
+    p.Expect(9, [1, 2, 3], p.Params(max_tokens=4, stop_token_ids=(3,)), KEYS, 1, FETCH, 0),
+    p.Expect(9, [1], p.Params(), b"", 0, None, 1),
+    p.Prefill(9, [1, 2, 3], p.Params(temperature=0.5, seed=7), KEYS, 1, None, DEST, 3),
+    p.KvReady(9, 17, "prefill", REPORT),
+    p.KvReady(9, None, "length", REPORT),
+    p.Export(9, KEYS),
+    p.Exported(9, EP, [0, 8192]),
+    p.Unpin(9),
+    p.Fetched(9),
+    p.Tokens(9, [4, 5], None, REPORT),
+    p.Tokens(9, [], "stop"),
+    p.Failed(9, "StoreFull: no slot"),
+    p.Failed(None, "measure failed"),
+    p.Cancel(9),
+    p.Cancelled(9),
+    p.StoreEvents([p.StoreRun("stored", "dram", KEYS), p.StoreRun("evicted", "ssd", b"")]),
+    p.Stats(),
+    p.StatsReply({"copied_bytes": 1.0, "requests": 0.0}),
+    p.Measure([(16, 0), (32, 16)], 2),
+    p.Timings([(16, 0, 0.01)]),
+    p.Stop(),
+]
+
+
+def test_every_message_type_has_a_sample():
+    assert {type(m) for m in SAMPLES} == set(p.Message.__args__)
+    assert set(p.TO_INSTANCE) | set(p.FROM_INSTANCE) | set(p.PEER) == set(p.Message.__args__)
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: p.op_of(m))
+def test_round_trip(msg):
+    c = p.Codec()
+    frame = c.encode(msg)
+    assert c.decode(frame) == msg
+    assert p.op_of(msg) in frame[4:].decode("latin-1")  # the tag is on the wire
+
+
+def test_keys_pack_as_16_byte_little_endian():
+    keys = [0, 1, (1 << 128) - 1, 1 << 64]
+    buf = p.pack_keys(keys)
+    assert len(buf) == 64 and buf[16] == 1
+    assert p.unpack_keys(buf) == keys
+
+
+def test_protocol_error_is_a_mooncake_error():
+    assert issubclass(p.ProtocolError, MooncakeError)
+
+
+def _expect_protocol_error(c: p.Codec, frame: bytes) -> None:
+    try:
+        c.decode(frame)
+    except p.ProtocolError:
+        pass
+
+
+def test_oversized_and_truncated_frames():
+    c = p.Codec(max_frame=1024)
+    with pytest.raises(p.ProtocolError, match="exceeds"):
+        c.body_length((1 << 20).to_bytes(4, "big"))
+    with pytest.raises(p.ProtocolError, match="exceeds"):
+        c.encode(p.Expect(1, list(range(1000)), p.Params(), b"", 0, None, 0))
+    frame = c.encode(p.Cancel(3))
+    with pytest.raises(p.ProtocolError):
+        c.decode(frame[:2])
+    with pytest.raises(p.ProtocolError):
+        c.decode(frame[:-1])
+    with pytest.raises(p.ProtocolError):
+        c.decode(frame + b"\x00")
+
+
+def test_wrong_shapes_and_unknown_ops_are_refused():
+    c = p.Codec()
+    enc = msgspec.msgpack.encode
+    for bad in ({"op": "launch_missiles"}, {"op": "cancel"}, {"op": "cancel", "rid": "1"},
+                {"op": "cancel", "rid": 1, "extra": 2}, {"rid": 1}, [1, 2], 5, None,
+                {"op": "expect", "rid": 1, "prompt": [1], "params": {}, "keys": b"x" * 15, "local": 0,
+                 "fetch": None, "prefill": 0},
+                {"op": "init", "version": 1, "auth_token": "t",
+                 "spec": {"id": 0, "role": "root", "name": "x", "model": "tiny", "block_size": 16,
+                          "dram_bytes": 1}}):
+        body = enc(bad)
+        with pytest.raises(p.ProtocolError):
+            c.decode(len(body).to_bytes(4, "big") + body)
+    with pytest.raises(p.ProtocolError):  # pickle is not msgpack
+        import pickle
+
+        body = pickle.dumps({"op": "cancel", "rid": 1})
+        c.decode(len(body).to_bytes(4, "big") + body)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=512))
+def test_fuzz_random_bytes(data):
+    c = p.Codec(max_frame=4096)
+    _expect_protocol_error(c, data)
+    _expect_protocol_error(c, len(data).to_bytes(4, "big") + data)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(SAMPLES), st.data())
+def test_fuzz_truncated_and_flipped_valid_frames(msg, data):
+    c = p.Codec()
+    frame = c.encode(msg)
+    cut = data.draw(st.integers(0, len(frame) - 1))
+    _expect_protocol_error(c, frame[:cut])
+    i = data.draw(st.integers(4, len(frame) - 1))
+    flipped = bytearray(frame)
+    flipped[i] ^= data.draw(st.integers(1, 255))
+    try:
+        c.decode(bytes(flipped))  # may still be a valid message of another shape
+    except p.ProtocolError:
+        pass
+
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 64) - 1), st.floats(),
+                     st.text(max_size=8), st.binary(max_size=40),
+                     st.sampled_from([p.op_of(m) for m in SAMPLES]))
+_values = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                         st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+                       max_leaves=20)
+_fields = st.sampled_from(["op", "rid", "prompt", "params", "keys", "local", "fetch", "prefill", "dest", "decode",
+                           "tokens", "finish", "report", "version", "spec", "arena", "offsets", "error", "runs"])
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(_fields, _values, max_size=8), st.sampled_from([p.op_of(m) for m in SAMPLES]))
+def test_fuzz_valid_msgpack_of_wrong_shapes(fields, op):
+    c = p.Codec()
+    for obj in (fields, dict(fields, op=op)):
+        body = msgspec.msgpack.encode(obj)
+        _expect_protocol_error(c, len(body).to_bytes(4, "big") + body)
