@@ -1,0 +1,293 @@
+"""The request lifecycle alone (serving/lifecycle.py): no engines, no threads. Each test
+drives a request to a stage, applies one failure and asserts the exact commands: what
+is sent to which instance, in which order, which conductor calls, and how the request
+ends; then, where the prefill's ack is awaited, what the ack releases."""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncake_rs.errors import MooncakeError, TransferFailed, TransferTimeout
+from mooncake_rs.serving import protocol as p
+from mooncake_rs.serving.lifecycle import (Arrived, CancelRequest, Conduct, Deliver, Fail, Finish, InstanceDown,
+                                           Plan, RequestLifecycle, Send, Stage, Submit, Tick)
+
+P, H, D = 0, 1, 2  # the prefill instance, the holder of the prefix (another prefill), the decode instance
+NAMES = {P: "prefill-0", H: "prefill-1", D: "decode-0"}
+RID = 7
+KEYS = p.pack_keys([11, 12, 13, 14])
+PARAMS = p.Params(max_tokens=4)
+EP = p.Endpoint("prefill-1", "", 3)
+REPORT = p.PrefillReport(2, 2, 4096, 0.0, 0.1, 0.2)
+
+
+def plan(fetch: bool = False, deadline: float | None = 100.0) -> Plan:
+    return Plan(RID, list(range(70)), PARAMS, KEYS, P, D, local=1 if fetch else 0, fetch_from=H if fetch else None,
+                fetch_keys=KEYS[16:48] if fetch else b"", deadline=deadline, timeout_s=5.0)
+
+
+def expect(fetch: p.Fetch | None = None, planned: bool | None = None) -> Send:
+    """The Expect to decode; ``planned``: the decision had a fetch (so the prefill holds
+    one block itself), even when the fetch itself fell through."""
+    pl = plan(fetch is not None if planned is None else planned)
+    return Send(D, p.Expect(RID, pl.prompt, PARAMS, KEYS, pl.local, fetch, P))
+
+
+def expect_unfetched() -> Send:
+    return expect(None, planned=True)
+
+
+FETCH = p.Fetch(H, EP, [4096, 8192], KEYS[16:48])
+
+
+def c(call: str, n: int = 0) -> Conduct:
+    return Conduct(call, RID, n)
+
+
+def strip(cmds):
+    """Commands with errors replaced by (type, message) so they compare by value."""
+    return [("fail", type(x.error), str(x.error)) if isinstance(x, Fail) else x for x in cmds]
+
+
+def fail(kind, msg: str):
+    return ("fail", kind, msg)
+
+
+# ---- the way to each stage
+def at(stage: str) -> RequestLifecycle:
+    lc = RequestLifecycle(NAMES)
+    if stage == "fetch":
+        assert lc.on(Submit(plan(fetch=True))) == [Send(H, p.Export(RID, KEYS[16:48]))]
+    elif stage == "slots":
+        assert lc.on(Submit(plan())) == [expect(), c("prefill_started")]
+    elif stage in ("slots_pinned", "slots_fetched"):
+        lc = at("fetch")
+        assert lc.on(Arrived(H, p.Exported(RID, EP, [4096, 8192]))) == [expect(FETCH), c("prefill_started")]
+        if stage == "slots_fetched":
+            assert lc.on(Arrived(P, p.Fetched(RID))) == [Send(H, p.Unpin(RID))]
+    elif stage == "decode":
+        lc = at("slots")
+        assert lc.on(Arrived(D, p.Tokens(RID, [5], None, REPORT))) == [
+            c("prefill_finished"), c("decode_started"), Deliver(RID, [5], REPORT)]
+    elif stage in ("draining", "draining_pinned"):
+        lc = at("slots" if stage == "draining" else "slots_pinned")
+        err = MooncakeError("cancelled by the caller")
+        assert strip(lc.on(CancelRequest(RID, err))) == [c("cancel"), fail(MooncakeError, str(err)),
+                                                         Send(P, p.Cancel(RID))]
+    else:
+        raise AssertionError(stage)
+    want = {"fetch": Stage.FETCH, "decode": Stage.DECODE}.get(stage, Stage.DRAINING if "draining" in stage
+                                                               else Stage.SLOTS)
+    assert lc.stage(RID) is want
+    return lc
+
+
+# ---- the happy paths
+def test_no_fetch_path_is_expect_then_tokens():
+    lc = at("decode")
+    assert lc.on(Arrived(D, p.Tokens(RID, [6, 7], None))) == [Deliver(RID, [6, 7])]
+    assert lc.on(Arrived(D, p.Tokens(RID, [8], "length"))) == [Deliver(RID, [8]), c("decode_finished", 4),
+                                                                 Finish(RID, "length")]
+    assert len(lc) == 0 and lc.stage(RID) is None
+
+
+def test_fetch_path_unpins_when_fetched():
+    lc = at("slots_fetched")
+    assert lc.on(Arrived(D, p.Tokens(RID, [5], "stop", REPORT))) == [
+        c("prefill_finished"), Deliver(RID, [5], REPORT), c("decode_finished", 1), Finish(RID, "stop")]
+    assert len(lc) == 0
+
+
+def test_first_token_unpins_a_holder_whose_fetched_was_not_seen():
+    lc = at("slots_pinned")
+    assert lc.on(Arrived(D, p.Tokens(RID, [5], None, REPORT))) == [
+        Send(H, p.Unpin(RID)), c("prefill_finished"), c("decode_started"), Deliver(RID, [5], REPORT)]
+
+
+def test_holder_with_nothing_to_export_means_no_fetch():
+    lc = at("fetch")
+    assert lc.on(Arrived(H, p.Exported(RID, EP, []))) == [Send(H, p.Unpin(RID)), expect_unfetched(), c("prefill_started")]
+
+
+def test_partial_export_fetches_what_the_holder_has():
+    lc = at("fetch")
+    got = lc.on(Arrived(H, p.Exported(RID, EP, [4096])))
+    assert got == [expect(p.Fetch(H, EP, [4096], KEYS[16:32])), c("prefill_started")]
+
+
+def test_request_ended_by_the_prefill():
+    # the first token ended it (EOS, max_tokens=1): decode only frees its slots
+    lc = at("slots")
+    assert lc.on(Arrived(D, p.Tokens(RID, [3], "length", REPORT))) == [
+        c("prefill_finished"), Deliver(RID, [3], REPORT), c("decode_finished", 1), Finish(RID, "length")]
+    assert len(lc) == 0
+
+
+def test_aborted_finish_tells_the_conductor_cancel():
+    lc = at("decode")
+    assert lc.on(Arrived(D, p.Tokens(RID, [], "abort"))) == [Deliver(RID, []), c("cancel"), Finish(RID, "abort")]
+
+
+# ---- every stage x every failure
+DIED = "instance {} died (signal 9)"
+DOWN = {i: InstanceDown(i, DIED.format(n)) for i, n in NAMES.items()}
+DOWN_MSG = {i: DIED.format(n) + "; its in-flight requests failed" for i, n in NAMES.items()}
+CANCEL_ERR = MooncakeError(f"request {RID} was cancelled")
+LATE = Tick(1e9)
+LATE_MSG = f"request {RID} passed its deadline (5s after submit); it was cancelled"
+
+
+def on_fail(inst: int, error: str) -> str:
+    return f"request {RID} failed on {NAMES[inst]}: {error}"
+
+
+def dead(i):
+    return fail(TransferFailed, DOWN_MSG[i])
+
+
+CANCEL_P, CANCEL_D, UNPIN_H = Send(P, p.Cancel(RID)), Send(D, p.Cancel(RID)), Send(H, p.Unpin(RID))
+ENDED = [c("cancel")]
+
+# (stage, failure, commands, commands on the prefill's Cancelled ack or None when none is awaited)
+CASES = [
+    # FETCH: only the holder holds something (the pins)
+    ("fetch", DOWN[P], ENDED + [dead(P), UNPIN_H], None),
+    ("fetch", DOWN[D], ENDED + [dead(D), UNPIN_H], None),
+    ("fetch", DOWN[H], [expect_unfetched(), c("prefill_started")], None),
+    ("fetch", Arrived(H, p.Failed(RID, "LookupError: gone")), [UNPIN_H, expect_unfetched(), c("prefill_started")], None),
+    ("fetch", Arrived(D, p.Failed(RID, "boom")), ENDED + [fail(MooncakeError, on_fail(D, "boom")), UNPIN_H], None),
+    ("fetch", CancelRequest(RID, CANCEL_ERR), ENDED + [fail(MooncakeError, str(CANCEL_ERR)), UNPIN_H], None),
+    ("fetch", LATE, ENDED + [fail(TransferTimeout, LATE_MSG), UNPIN_H], None),
+    # SLOTS: decode reserved slots; the prefill may be writing into them
+    ("slots", DOWN[P], ENDED + [dead(P), CANCEL_D], None),
+    ("slots", DOWN[D], ENDED + [dead(D), CANCEL_P], []),
+    ("slots", DOWN[H], [], None),
+    ("slots", Arrived(P, p.Failed(RID, "KV hand-off failed: TransferFailed")),
+     ENDED + [fail(MooncakeError, on_fail(P, "KV hand-off failed: TransferFailed")), CANCEL_D], None),
+    ("slots", Arrived(D, p.Failed(RID, "StoreFull: no slot")),
+     ENDED + [fail(MooncakeError, on_fail(D, "StoreFull: no slot")), CANCEL_P], [CANCEL_D]),
+    ("slots", CancelRequest(RID, CANCEL_ERR), ENDED + [fail(MooncakeError, str(CANCEL_ERR)), CANCEL_P], [CANCEL_D]),
+    ("slots", LATE, ENDED + [fail(TransferTimeout, LATE_MSG), CANCEL_P], [CANCEL_D]),
+    # SLOTS with the holder's blocks pinned (the fetch may be reading them)
+    ("slots_pinned", DOWN[P], ENDED + [dead(P), CANCEL_D, UNPIN_H], None),
+    ("slots_pinned", DOWN[D], ENDED + [dead(D), CANCEL_P], [UNPIN_H]),
+    ("slots_pinned", DOWN[H], [], None),
+    ("slots_pinned", Arrived(P, p.Failed(RID, "x")), ENDED + [fail(MooncakeError, on_fail(P, "x")), CANCEL_D, UNPIN_H],
+     None),
+    ("slots_pinned", CancelRequest(RID, CANCEL_ERR), ENDED + [fail(MooncakeError, str(CANCEL_ERR)), CANCEL_P],
+     [CANCEL_D, UNPIN_H]),
+    ("slots_pinned", LATE, ENDED + [fail(TransferTimeout, LATE_MSG), CANCEL_P], [CANCEL_D, UNPIN_H]),
+    ("slots_fetched", CancelRequest(RID, CANCEL_ERR), ENDED + [fail(MooncakeError, str(CANCEL_ERR)), CANCEL_P],
+     [CANCEL_D]),
+    ("slots_fetched", DOWN[H], [], None),
+    # DECODE: the prefill is done; only the decode instance holds the request
+    ("decode", DOWN[P], [], None),
+    ("decode", DOWN[D], ENDED + [dead(D)], None),
+    ("decode", DOWN[H], [], None),
+    ("decode", Arrived(D, p.Failed(RID, "oom")), ENDED + [fail(MooncakeError, on_fail(D, "oom")), CANCEL_D], None),
+    ("decode", CancelRequest(RID, CANCEL_ERR), ENDED + [fail(MooncakeError, str(CANCEL_ERR)), CANCEL_D], None),
+    ("decode", LATE, ENDED + [fail(TransferTimeout, LATE_MSG), CANCEL_D], None),
+    # DRAINING: already failed for the caller, waiting for the prefill's ack
+    ("draining", DOWN[P], [CANCEL_D], None),
+    ("draining", DOWN[D], [], []),
+    ("draining", DOWN[H], [], [CANCEL_D]),
+    ("draining", CancelRequest(RID, CANCEL_ERR), [], [CANCEL_D]),
+    ("draining", LATE, [], [CANCEL_D]),
+    ("draining", Arrived(D, p.Tokens(RID, [5], None, REPORT)), [], [CANCEL_D]),
+    ("draining", Arrived(P, p.Failed(RID, "late")), [], [CANCEL_D]),
+    ("draining_pinned", DOWN[P], [CANCEL_D, UNPIN_H], None),
+    ("draining_pinned", DOWN[H], [], [CANCEL_D]),
+    ("draining_pinned", Arrived(P, p.Fetched(RID)), [UNPIN_H], [CANCEL_D]),
+]
+
+
+@pytest.mark.parametrize("stage,event,want,after_ack", CASES,
+                         ids=[f"{s}-{type(e).__name__}-{i}" for i, (s, e, _, _) in enumerate(CASES)])
+def test_stage_x_failure(stage, event, want, after_ack):
+    lc = at(stage)
+    assert strip(lc.on(event)) == want
+    if after_ack is None:
+        # nothing awaited: the record is gone (or the request goes on, where the failure did not touch it)
+        assert lc.stage(RID) in (None, Stage.DECODE, Stage.SLOTS, Stage.FETCH)
+        if lc.stage(RID) is Stage.DRAINING:
+            pytest.fail("a DRAINING request must name what the ack releases")
+    else:
+        assert lc.stage(RID) is Stage.DRAINING
+        assert lc.on(Arrived(P, p.Cancelled(RID))) == after_ack
+        assert lc.stage(RID) is None and len(lc) == 0
+    # whatever happened, later messages of the request change nothing for a gone request
+    if lc.stage(RID) is None:
+        assert lc.on(Arrived(D, p.Tokens(RID, [1], "stop"))) == []
+        assert lc.on(CancelRequest(RID, CANCEL_ERR)) == []
+
+
+def test_prefill_death_in_decode_lets_the_request_finish():
+    lc = at("decode")
+    assert lc.on(DOWN[P]) == []
+    assert lc.on(Arrived(D, p.Tokens(RID, [6], "stop"))) == [Deliver(RID, [6]), c("decode_finished", 2),
+                                                              Finish(RID, "stop")]
+
+
+def test_no_message_goes_to_a_dead_instance():
+    lc = at("slots_pinned")
+    lc.on(DOWN[H])
+    assert strip(lc.on(CancelRequest(RID, CANCEL_ERR))) == ENDED + [fail(MooncakeError, str(CANCEL_ERR)), CANCEL_P]
+    assert lc.on(DOWN[P]) == [CANCEL_D]  # no unpin for the dead holder
+    assert len(lc) == 0
+
+
+# ---- stale and odd inputs
+def test_decision_naming_a_dead_instance_fails_at_once():
+    lc = RequestLifecycle(NAMES)
+    lc.on(DOWN[D])
+    assert strip(lc.on(Submit(plan()))) == [c("cancel"), fail(TransferFailed, f"instance decode-0 is down; request "
+                                                                              f"{RID} was not started")]
+    assert len(lc) == 0
+
+
+def test_holder_death_is_noticed_before_export():
+    lc = RequestLifecycle(NAMES)
+    lc.on(DOWN[H])
+    assert lc.on(Submit(plan(fetch=True))) == [expect_unfetched(), c("prefill_started")]
+
+
+def test_export_answer_for_an_ended_request_unpins():
+    lc = RequestLifecycle(NAMES)
+    assert lc.on(Arrived(H, p.Exported(99, EP, [1]))) == [Send(H, p.Unpin(99))]
+
+
+def test_messages_from_the_wrong_instance_are_ignored():
+    lc = at("slots")
+    assert lc.on(Arrived(P, p.Tokens(RID, [1], "stop", REPORT))) == []  # tokens come from the decode instance
+    assert lc.on(Arrived(H, p.Cancelled(RID))) == []
+    assert lc.stage(RID) is Stage.SLOTS
+
+
+def test_deadline_not_reached_does_nothing():
+    lc = at("slots")
+    assert lc.on(Tick(99.0)) == []
+    lc2 = RequestLifecycle(NAMES)
+    lc2.on(Submit(plan(deadline=None)))
+    assert lc2.on(Tick(1e12)) == []
+
+
+def test_instance_down_twice_is_one_event():
+    lc = at("slots")
+    first = lc.on(DOWN[P])
+    assert first and lc.on(DOWN[P]) == []
+
+
+def test_many_requests_only_those_on_the_dead_instance_fail():
+    lc = RequestLifecycle(NAMES | {3: "decode-1"})
+    for rid, dec in ((1, D), (2, 3), (3, D)):
+        lc.on(Submit(Plan(rid, [1] * 20, PARAMS, KEYS[:16], P, dec)))
+    cmds = lc.on(InstanceDown(3, "instance decode-1 died (exit code 1)"))
+    assert [x.rid for x in cmds if isinstance(x, Fail)] == [2]
+    assert lc.running() == 2 and len(lc) == 3  # rid 2 drains until the prefill acks
+    assert lc.on(Arrived(P, p.Cancelled(2))) == []
+    assert len(lc) == 2
+
+
+def test_unknown_event_is_refused():
+    with pytest.raises(TypeError):
+        RequestLifecycle(NAMES).on("new")
