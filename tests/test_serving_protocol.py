@@ -157,3 +157,126 @@ def test_fuzz_valid_msgpack_of_wrong_shapes(fields, op):
     for obj in (fields, dict(fields, op=op)):
         body = msgspec.msgpack.encode(obj)
         _expect_protocol_error(c, len(body).to_bytes(4, "big") + body)
+
+
+# ---- links: a bad frame closes that connection, never the process
+def _link_pair(allowed):
+    import queue
+    import socket
+
+    from mooncake_rs.serving.control import SocketChannel
+
+    a, b = socket.socketpair()
+    sink: queue.Queue = queue.Queue()
+    return SocketChannel(a, 4, sink, allowed, name="test-link"), b, sink
+
+
+@pytest.mark.parametrize("garbage", [
+    b"\x00\x00\x00\x05hello",  # not msgpack
+    (1 << 30).to_bytes(4, "big"),  # oversized: refused before the body is read
+    b"\x00\x00\x00\x01\xc1",  # a reserved msgpack byte
+], ids=["not-msgpack", "oversized", "reserved-byte"])
+def test_a_link_closes_on_garbage_and_says_why(garbage, caplog):
+    import logging
+
+    from mooncake_rs.serving.control import Lost
+
+    link, other, sink = _link_pair(p.FROM_INSTANCE)
+    with caplog.at_level(logging.WARNING, logger="mooncake_rs.serving"):
+        other.sendall(p.Codec().encode(p.Fetched(1)) + garbage)
+        assert sink.get(timeout=10) == (4, p.Fetched(1))  # what came before still counts
+        src, lost = sink.get(timeout=10)
+    assert src == 4 and isinstance(lost, Lost) and lost.reason.startswith("bad frame")
+    assert "closing the connection" in caplog.text
+    assert other.recv(16) == b""  # the connection is closed
+    assert not link.alive
+    link.close()
+    other.close()
+
+
+def test_a_link_refuses_a_message_of_the_wrong_direction():
+    from mooncake_rs.serving.control import Lost
+
+    link, other, sink = _link_pair(p.FROM_INSTANCE)
+    other.sendall(p.Codec().encode(p.Expect(1, [1], p.Params(), b"", 0, None, 0)))  # cluster -> decode only
+    src, lost = sink.get(timeout=10)
+    assert isinstance(lost, Lost) and "not expected" in lost.reason
+    link.close()
+    other.close()
+
+
+def test_a_link_reports_eof_mid_frame_as_closed():
+    from mooncake_rs.serving.control import Lost
+
+    link, other, sink = _link_pair(p.FROM_INSTANCE)
+    other.sendall(p.Codec().encode(p.Cancelled(3))[:-2])
+    other.close()
+    src, lost = sink.get(timeout=10)
+    assert isinstance(lost, Lost) and lost.reason == "closed"
+    link.close()
+
+
+@pytest.mark.timeout(240)
+def test_garbage_to_a_worker_kills_only_that_instance():
+    pytest.importorskip("torch")
+    from mooncake_rs import Cluster
+    from mooncake_rs.engine import ModelConfig, SamplingParams
+
+    params = SamplingParams(max_tokens=4)
+    with Cluster(ModelConfig.tiny(), prefill=1, decode=2, block_size=16, dram_bytes_per_instance=4 << 20,
+                 processes=True, seed=5) as c:
+        ref = c.generate([[1, 2, 3, 4, 5]], params)[0].token_ids
+        victim = 1
+        pid = c.pid_of(victim)
+        c._members[victim].ch.sock.sendall(b"\x00\x00\x00\x04junk")  # the worker's reader gets garbage
+        # (the worker drops the link and exits; the cluster sees the link close, fences
+        # the process and routes around it)
+        deadline = __import__("time").monotonic() + 60
+        while victim in c.instances():
+            assert __import__("time").monotonic() < deadline, "the worker did not drop its link"
+            __import__("time").sleep(0.05)
+        outs = c.generate([[1, 2, 3, 4, 5]] * 3, params)
+        assert [o.token_ids for o in outs] == [ref] * 3
+        assert {o.metrics.decode_instance for o in outs} == {2}
+        import os
+
+        def gone() -> bool:
+            return not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+        while not gone():
+            assert __import__("time").monotonic() < deadline, "the worker did not exit"
+            __import__("time").sleep(0.05)
+
+
+# ---- hops: control messages per request
+@pytest.mark.timeout(240)
+def test_control_messages_per_request():
+    """One request without a fetch: new, expect, prefill, kv_ready and the token stream
+    (its first message carries the prefill's report; the last one, the finish): 5 control
+    hops. Store-event batches feed the index and are counted apart."""
+    pytest.importorskip("torch")
+    from mooncake_rs import Cluster
+    from mooncake_rs.engine import ModelConfig, SamplingParams
+
+    n = 5
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    with Cluster(ModelConfig.tiny(), prefill=1, decode=1, block_size=16, dram_bytes_per_instance=4 << 20,
+                 seed=5) as c:
+        for i in range(3):
+            before = c.message_counts()
+            out = c.generate([[i + 1] * 40], params)[0]
+            assert len(out.token_ids) == n
+            after = c.message_counts()
+            diff = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
+            store = diff.pop("store", 0)
+            assert store <= 1
+            assert diff == {"new": 1, "expect": 1, "prefill": 1, "kv_ready": 1, "tokens": n}
+            control = diff["new"] + diff["expect"] + diff["prefill"] + diff["kv_ready"] + 1  # + the final tokens
+            assert control == 5
+        # a prompt that ends on the first token (max_tokens=1): exactly the 5 hops
+        before = c.message_counts()
+        c.generate([[9] * 40], SamplingParams(max_tokens=1))
+        after = c.message_counts()
+        diff = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
+        diff.pop("store", None)
+        assert diff == {"new": 1, "expect": 1, "prefill": 1, "kv_ready": 1, "tokens": 1}
