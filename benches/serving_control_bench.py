@@ -1,13 +1,25 @@
 """Router CPU per request and control messages per request of a serving Cluster.
 
-Runs the tiny model (CPU) in a 1 prefill + 1 decode cluster, in-process and/or with
-worker processes, serves ``--requests`` distinct prompts per round (all submitted at
-once through ``generate``) and reads the router thread's CPU clock
-(``time.pthread_getcpuclockid``) around each round: router CPU per request is its CPU
-time over the round divided by the requests. Prints the median over ``--rounds``, and
-the control messages per request when the cluster counts them (``message_counts``).
+End to end (default): runs the tiny model (CPU) in a 1 prefill + 1 decode cluster,
+in-process and/or with worker processes, serves ``--requests`` distinct prompts per
+round (all submitted at once through ``generate``) and reads the router thread's CPU
+clock (``time.pthread_getcpuclockid``) around each round: router CPU per request is
+its CPU time over the round divided by the requests. Prints the median over
+``--rounds``, and the control messages per request when the cluster counts them
+(``message_counts``). On a shared machine this figure swings with the load (other
+threads of the process compete for the GIL while the router runs).
+
+``--isolated``: the router alone, in this thread, fed the exact message sequence one
+request produces (a real Conductor; the instances are fakes whose links only encode
+what they are sent, as a worker's socket would): the router's own CPU per request,
+far less noisy. It runs the old router (before the redesign, dict messages) or the new
+one, whichever ``mooncake_rs`` is importable; compare the two by running it against
+an export of the old commit:
 
     python benches/serving_control_bench.py --requests 64 --rounds 5 --max-tokens 4 --mode both
+    git archive 51be5db python | tar -x -C "$OLD" && cp python/mooncake_rs/_core.abi3.so "$OLD/python/mooncake_rs/"
+    PYTHONPATH="$OLD/python" python benches/serving_control_bench.py --isolated --requests 2000 --rounds 7
+    python benches/serving_control_bench.py --isolated --requests 2000 --rounds 7
 """
 
 from __future__ import annotations
@@ -51,13 +63,165 @@ def run(processes: bool, requests: int, rounds: int, max_tokens: int) -> dict[st
     return out
 
 
+def _conductor():
+    from mooncake_rs import Conductor, ConductorConfig
+
+    c = Conductor(ConductorConfig(block_size=16))
+    c.add_prefill(0)
+    c.add_decode(1)
+    return c
+
+
+class _Sink:
+    """An instance link that encodes what it is sent (``encode``) and drops it."""
+
+    def __init__(self, encode):
+        self.encode = encode
+        self.sent = 0
+
+    def to_instance(self, msg) -> None:
+        self.encode(msg)
+        self.sent += 1
+
+
+def isolated_old(requests: int, max_tokens: int, encode: bool):  # noqa: ANN201 - the pre-redesign router
+    import pickle
+    import queue
+
+    from mooncake_rs.serving import cluster as C
+    from mooncake_rs.serving import router as R
+    from mooncake_rs.serving.handle import RequestHandle
+    from mooncake_rs.serving.metrics import ClusterMetrics
+
+    class Member:
+        def __init__(self):
+            self.alive, self.proc = True, None
+            self.ch = _Sink((lambda m: pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL)) if encode else (lambda m: m))
+
+    class FakeCluster:
+        block_size, prefix_reuse, _closed = 16, True, False
+
+        def __init__(self):
+            self._events, self._lock, self._reqs = queue.Queue(), threading.Lock(), {}
+            self._members = {0: Member(), 1: Member()}
+            self.metrics, self.conductor = ClusterMetrics(), _conductor()
+
+        def _now(self):
+            return time.monotonic()
+
+    fc = FakeCluster()
+    router = R.Router(fc)
+    ep = {"name": "decode-0", "address": "", "region": 1}
+    rng = random.Random(0)
+
+    def one(rid: int) -> float:
+        prompt = [rng.randrange(256) for _ in range(50)]
+        keys = [rng.getrandbits(128) for _ in range(3)]
+        d = fc.conductor.schedule(rid, keys, len(prompt), fc._now())
+        req = C._Req(rid, prompt, None, keys, d, RequestHandle(rid, prompt), time.monotonic())
+        with fc._lock:
+            fc._reqs[rid] = req
+        msgs = [(-1, {"op": "new", "rid": rid}),
+                (1, {"op": "expected", "rid": rid, "arena": ep, "blocks": [4096 * i for i in range(3)],
+                     "partial": 16384}),
+                (0, {"op": "prefill_started", "rid": rid}),
+                (0, {"op": "prefilled", "rid": rid, "first": 5, "finish": "prefill", "reused_blocks": 0,
+                     "fetched_blocks": 0, "bytes": 65536, "t_start": 0.0, "t_compute": 0.1, "t_ready": 0.2}),
+                (1, {"op": "decode_started", "rid": rid, "t": 0.3})]
+        msgs += [(1, {"op": "tokens", "rid": rid, "tokens": [7], "finish": "length" if i == max_tokens - 2 else None,
+                      "t": 0.4}) for i in range(max_tokens - 1)]
+        msgs.append((0, {"op": "store", "events": [("stored", k, "dram") for k in keys]}))
+        t0 = time.thread_time()
+        for inst, m in msgs:
+            fc._events.put((inst, m))
+            router.handle(*fc._events.get())
+        return time.thread_time() - t0
+
+    return one
+
+
+def isolated_new(requests: int, max_tokens: int, encode: bool):  # noqa: ANN201 - the redesigned router
+    from mooncake_rs.serving import protocol as P
+    from mooncake_rs.serving.handle import RequestHandle
+    from mooncake_rs.serving.lifecycle import Plan
+    from mooncake_rs.serving.metrics import ClusterMetrics
+    from mooncake_rs.serving.router import New, RequestRecord, Router
+
+    codec = P.Codec()
+
+    class Port:
+        prefix_reuse, block_size = True, 16
+
+        def __init__(self):
+            self.metrics, self.conductor = ClusterMetrics(), _conductor()
+            self.sink = _Sink(codec.encode if encode else (lambda m: m))
+
+        def send(self, inst, msg):
+            self.sink.to_instance(msg)
+
+        def output(self, record, reason):
+            return (record.plan.rid, reason)
+
+        def now(self):
+            return time.monotonic()
+
+    port = Port()
+    router = Router(port, {0: "prefill-0", 1: "decode-0"})
+    rng = random.Random(0)
+    params = P.Params(max_tokens=max_tokens)
+    report = P.PrefillReport(0, 0, 65536, 0.0, 0.1, 0.2)
+
+    def one(rid: int) -> float:
+        prompt = [rng.randrange(256) for _ in range(50)]
+        keys = [rng.getrandbits(128) for _ in range(3)]
+        d = port.conductor.schedule(rid, keys, len(prompt), port.now())
+        rec = RequestRecord(Plan(rid, prompt, params, P.pack_keys(keys), d.prefill, d.decode), RequestHandle(rid, prompt),
+                            time.monotonic())
+        msgs = [(-1, New(rec)), (1, P.Tokens(rid, [5], None, report))]
+        msgs += [(1, P.Tokens(rid, [7], "length" if i == max_tokens - 2 else None)) for i in range(max_tokens - 1)]
+        msgs.append((0, P.StoreEvents([P.StoreRun("stored", "dram", P.pack_keys(keys))])))
+        t0 = time.thread_time()
+        for inst, m in msgs:
+            router.events.put((inst, m))
+            router.handle(*router.events.get())
+        return time.thread_time() - t0
+
+    return one
+
+
+def isolated(requests: int, rounds: int, max_tokens: int) -> None:
+    from mooncake_rs.serving import router as R
+
+    new = hasattr(R, "RequestRecord")
+    for encode in (False, True):
+        make = isolated_new if new else isolated_old
+        one = make(requests, max_tokens, encode)
+        for rid in range(1, 200):  # warm up (first RequestOutput import, conductor)
+            one(rid)
+        per = []
+        rid = 1000
+        for _ in range(rounds):
+            total = 0.0
+            for _ in range(requests):
+                rid += 1
+                total += one(rid)
+            per.append(total / requests)
+        label = f"{'new' if new else 'old'} router, {'encoding (processes=True)' if encode else 'in-process'}"
+        print(f"{label}: router_cpu_us_per_request median {statistics.median(per) * 1e6:.1f} "
+              f"(min {min(per) * 1e6:.1f}, max {max(per) * 1e6:.1f}, {rounds} rounds of {requests})", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--mode", choices=["inproc", "processes", "both"], default="both")
+    ap.add_argument("--isolated", action="store_true", help="the router alone, fed one request's messages")
     a = ap.parse_args()
+    if a.isolated:
+        isolated(a.requests, a.rounds, a.max_tokens)
+        return
     modes = {"inproc": [False], "processes": [True], "both": [False, True]}[a.mode]
     for processes in modes:
         r = run(processes, a.requests, a.rounds, a.max_tokens)

@@ -280,3 +280,24 @@ def test_control_messages_per_request():
         diff = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
         diff.pop("store", None)
         assert diff == {"new": 1, "expect": 1, "prefill": 1, "kv_ready": 1, "tokens": 1}
+
+
+# ---- the Ready message's block bytes price transfers
+@pytest.mark.timeout(240)
+def test_transfer_cost_uses_the_block_bytes_instances_report():
+    pytest.importorskip("torch")
+    from mooncake_rs import Cluster
+    from mooncake_rs.engine import BlockLayout, ModelConfig, SamplingParams
+
+    cfg = ModelConfig.tiny()
+    f32 = BlockLayout.for_model(cfg, 16, "float32").block_nbytes
+    bf16 = BlockLayout.for_model(cfg, 16, "bfloat16").block_nbytes
+    assert bf16 * 2 == f32
+    with Cluster(cfg, prefill=1, decode=1, block_size=16, dram_bytes_per_instance=4 << 20, seed=5,
+                 engine_kwargs={"dtype": "bfloat16"}) as c:
+        assert c.conductor.config.transfer_model.bytes_per_token == pytest.approx(bf16 / 16)
+        assert len(c.generate([[1, 2, 3] * 7], SamplingParams(max_tokens=3))[0].token_ids) == 3
+        # recalibrating keeps the reported bytes (and swaps on the router thread)
+        c.calibrate([(16, 0), (32, 0), (64, 0), (16, 16), (32, 32)], repeats=1)
+        assert c.conductor.config.transfer_model.bytes_per_token == pytest.approx(bf16 / 16)
+        assert len(c.generate([[1, 2, 3] * 7], SamplingParams(max_tokens=3))[0].token_ids) == 3

@@ -66,7 +66,7 @@ class Counts:
             return collections.Counter(self._c)
 
 
-def _get(q: "queue.Queue[Any]", timeout: float | None) -> Any:
+def _get(q: "queue.SimpleQueue[Any]", timeout: float | None) -> Any:
     """The next item of ``q``: waits up to ``timeout`` (None: forever, 0: not at all)."""
     try:
         return q.get(timeout=timeout) if timeout != 0 else q.get_nowait()
@@ -78,9 +78,9 @@ class QueueChannel:
     """In-process cluster <-> instance: the instance reads ``inbox``; what it sends lands
     in the cluster's event queue tagged with its id."""
 
-    def __init__(self, instance_id: int, events: "queue.Queue[tuple[int, Any]]") -> None:
+    def __init__(self, instance_id: int, events: "queue.SimpleQueue[tuple[int, Any]]") -> None:
         self.instance_id = instance_id
-        self.inbox: queue.Queue[tuple[int, Any]] = queue.Queue()
+        self.inbox: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
         self._events = events
         self.counts = Counts()  # sent by the instance
         self.cluster_counts = Counts()  # sent by the cluster
@@ -106,7 +106,7 @@ class QueueChannel:
 class QueuePeer:
     """In-process instance -> instance: posts into the peer's inbox under our id."""
 
-    def __init__(self, source_id: int, target: "queue.Queue[tuple[int, Any]]") -> None:
+    def __init__(self, source_id: int, target: "queue.SimpleQueue[tuple[int, Any]]") -> None:
         self.source_id = source_id
         self._target = target
         self.counts = Counts()
@@ -151,7 +151,7 @@ class SocketChannel:
     ``to_instance`` / ``send`` write a frame (the cluster and the instance side share
     the framing); ``recv`` reads the sink (for a worker whose only link it is)."""
 
-    def __init__(self, sock: socket.socket, source_id: int, sink: "queue.Queue[tuple[int, Any]]",
+    def __init__(self, sock: socket.socket, source_id: int, sink: "queue.SimpleQueue[tuple[int, Any]]",
                  allowed: tuple[type, ...], name: str = "") -> None:
         self.sock = sock
         self.source_id = source_id

@@ -58,7 +58,8 @@ class Instance:
                                 ssd_path=spec.ssd_path, ssd_bytes=spec.ssd_bytes, scope=spec.id)
         self.transport = Transport(spec.name, self.store.store, registry, spec.link_bandwidth,
                                    auth_token=auth_token, peers_write=spec.role == "decode")
-        self.endpoint = Endpoint(**self.transport.endpoint)
+        ep: dict[str, Any] = self.transport.endpoint
+        self.endpoint = Endpoint(str(ep["name"]), str(ep["address"]), int(ep["region"]))
         role_cls = PrefillRole if spec.role == "prefill" else DecodeRole
         self.role: PrefillRole | DecodeRole = role_cls(spec, self.engine, self.store, self.transport, self.endpoint,
                                                        self.ch.send, self.peers, self.flush_store_events)
@@ -113,8 +114,8 @@ class Instance:
                     self.role.handle(src, msg)
         except Exception as e:  # a bad request fails that request, not the instance
             log.exception("instance %s: %s failed", self.spec.name, type(msg).__name__)
-            rid = getattr(msg, "rid", None)
-            self.ch.send(Failed(rid if isinstance(rid, int) else None, f"{type(e).__name__}: {e}"))
+            of = getattr(msg, "rid", None)
+            self.ch.send(Failed(of if isinstance(of, int) else None, f"{type(e).__name__}: {e}"))
 
     def stats(self) -> dict[str, float]:
         t = self.transport
@@ -126,7 +127,7 @@ class Instance:
         # messages this instance sent, by op (the hop count, docs/serving.md)
         for link in [self.ch, *self.peers.values()]:
             for op, n in link.counts.snapshot().items():
-                out[f"sent.{op}"] = out.get(f"sent.{op}", 0) + n
+                out[f"sent.{op}"] = out.get(f"sent.{op}", 0.0) + n
         return out
 
     def _export(self, msg: Export) -> None:

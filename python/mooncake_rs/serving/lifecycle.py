@@ -67,13 +67,14 @@ class Plan:
     timeout_s: float = 0.0  # deadline - submit time (for the error message)
 
 
-# ---- events
-@dataclass(frozen=True)
+# ---- events and commands: plain slotted records (built per message on the router's
+# hot path; nobody mutates them)
+@dataclass(slots=True)
 class Submit:
     plan: Plan
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Arrived:
     """A message from instance ``inst``."""
 
@@ -81,7 +82,7 @@ class Arrived:
     msg: Message
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class InstanceDown:
     """``inst`` died or was killed; ``what`` says so ("instance decode-0 died (signal 9)")."""
 
@@ -89,13 +90,13 @@ class InstanceDown:
     what: str
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class CancelRequest:
     rid: int
     error: BaseException
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Tick:
     now: float
 
@@ -104,13 +105,13 @@ Event = Union[Submit, Arrived, InstanceDown, CancelRequest, Tick]
 
 
 # ---- commands
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Send:
     to: int
     msg: Message
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Conduct:
     """A conductor call: ``prefill_started``, ``prefill_finished``, ``decode_started``,
     ``decode_finished`` (``n`` output tokens) or ``cancel``."""
@@ -120,7 +121,7 @@ class Conduct:
     n: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Deliver:
     """Tokens for the request's handle; ``report`` with the first ones."""
 
@@ -129,13 +130,13 @@ class Deliver:
     report: PrefillReport | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Finish:
     rid: int
     reason: str
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Fail:
     rid: int
     error: BaseException
@@ -180,7 +181,7 @@ class RequestLifecycle:
             case Submit(plan=plan):
                 self._submit(plan, out)
             case Arrived(inst=inst, msg=msg):
-                self._arrived(inst, msg, out)
+                return self.arrived(inst, msg)
             case InstanceDown(inst=inst, what=what):
                 self._down(inst, what, out)
             case CancelRequest(rid=rid, error=error):
@@ -194,6 +195,12 @@ class RequestLifecycle:
                                                    f"({st.plan.timeout_s:.3g}s after submit); it was cancelled"), out)
             case _:
                 raise TypeError(f"not a lifecycle event: {ev!r}")
+        return out
+
+    def arrived(self, inst: int, msg: Message) -> list[Command]:
+        """``on(Arrived(inst, msg))`` without building the event (the router's hot path)."""
+        out: list[Command] = []
+        self._arrived(inst, msg, out)
         return out
 
     # ---- stages
@@ -222,24 +229,6 @@ class RequestLifecycle:
         rid = getattr(msg, "rid", None)
         st = self._reqs.get(rid) if isinstance(rid, int) else None
         match msg:
-            case Exported(offsets=offsets, arena=arena):
-                if st is None or st.stage is not Stage.FETCH:
-                    self._send(out, inst, Unpin(msg.rid))  # ended while the holder pinned: let go
-                    return
-                n = len(offsets)
-                fetch = Fetch(inst, arena, list(offsets), st.plan.fetch_keys[:16 * n]) if n else None
-                if not n:
-                    self._unpin(st, out)
-                self._dispatch(st, fetch, out)
-            case Fetched():
-                if st is None:
-                    return
-                self._unpin(st, out)
-                if st.stage is Stage.DRAINING:  # the prefill is done reading: the holder may unpin now
-                    unpins = [s for s in st.later if isinstance(s.msg, Unpin)]
-                    st.later = [s for s in st.later if not isinstance(s.msg, Unpin)]
-                    for s in unpins:
-                        self._send(out, s.to, s.msg)
             case Tokens(tokens=tokens, finish=finish, report=report):
                 if st is None or st.stage not in (Stage.SLOTS, Stage.DECODE) or inst != st.plan.decode:
                     return
@@ -258,6 +247,24 @@ class RequestLifecycle:
                     else:
                         out.append(Conduct("cancel", msg.rid))
                     out.append(Finish(msg.rid, finish))
+            case Exported(offsets=offsets, arena=arena):
+                if st is None or st.stage is not Stage.FETCH:
+                    self._send(out, inst, Unpin(msg.rid))  # ended while the holder pinned: let go
+                    return
+                n = len(offsets)
+                fetch = Fetch(inst, arena, list(offsets), st.plan.fetch_keys[:16 * n]) if n else None
+                if not n:
+                    self._unpin(st, out)
+                self._dispatch(st, fetch, out)
+            case Fetched():
+                if st is None:
+                    return
+                self._unpin(st, out)
+                if st.stage is Stage.DRAINING:  # the prefill is done reading: the holder may unpin now
+                    unpins = [s for s in st.later if isinstance(s.msg, Unpin)]
+                    st.later = [s for s in st.later if not isinstance(s.msg, Unpin)]
+                    for s in unpins:
+                        self._send(out, s.to, s.msg)
             case Failed(error=error):
                 if st is None or st.stage is Stage.DRAINING:
                     return

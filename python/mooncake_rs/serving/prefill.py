@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import msgspec
 
+from .._core import WritableBlock
 from ..errors import MooncakeError
 from .protocol import (Cancel, Cancelled, Endpoint, Failed, Fetched, InstanceSpec, KvReady, Message, Prefill,
                        PrefillReport, ProtocolError, op_of, unpack_keys)
@@ -78,6 +79,9 @@ class _PState:
     finish: str | None = None
     done: bool = False
     t_compute: float = 0.0
+    msg: Any = None  # the Prefill, until computing starts
+    fetching: list[Any] = field(default_factory=list)  # the fetch in flight: Blocks held, WritableBlocks read into
+    in_fetch: bool = False
 
 
 class PrefillRole:
@@ -93,7 +97,7 @@ class PrefillRole:
         self._seen = _Recent()
 
     def busy(self) -> bool:
-        return any(st.done for st in self.reqs.values())
+        return any(st.done or st.in_fetch for st in self.reqs.values())
 
     def tracked(self) -> int:
         """Requests this role still holds state (pages, leases, slots) for."""
@@ -118,9 +122,9 @@ class PrefillRole:
 
     def _start(self, msg: Prefill) -> None:
         store = self.store
-        rid, keys, prompt = msg.rid, unpack_keys(msg.keys), msg.prompt
-        bs = self.spec.block_size
-        st = _PState(rid, keys, len(prompt), msg.dest, msg.dest.arena.as_dict(), msg.decode, time.monotonic())
+        rid, keys = msg.rid, unpack_keys(msg.keys)
+        st = _PState(rid, keys, len(msg.prompt), msg.dest, msg.dest.arena.as_dict(), msg.decode, time.monotonic())
+        st.msg = msg
         self.reqs[rid] = st
         slots: list[Any] = []
         for k in keys[:msg.local]:
@@ -128,34 +132,99 @@ class PrefillRole:
             if s is None:
                 break
             slots.append(s)
+        st.leases = slots
         fetch = msg.fetch
-        if fetch is not None and len(slots) == msg.local:
-            ep = fetch.arena.as_dict()
-            for k, off in zip(unpack_keys(fetch.keys), fetch.offsets):
-                s = store.lookup(k)
-                if s is None:
-                    try:
-                        wb = store.reserve(k)
-                    except MooncakeError:
-                        break
-                    try:
-                        self.transport.read_now(rid, ep, [Span(wb.offset, off, store.block_bytes)])
-                    except (MooncakeError, OSError):  # the holder is gone: compute the rest
-                        wb.abort()
-                        break
-                    s = store.commit(wb, lease=True)
-                    if s is None:
-                        break
-                    st.fetched += 1
-                slots.append(s)
-        if fetch is not None:
+        if fetch is None or len(slots) != msg.local:
+            if fetch is not None:
+                self.up(Fetched(rid))  # not fetched after all: the holder may let go
+            self._compute(st)
+        elif hasattr(self.transport, "read"):
+            self._fetch_async(st, fetch)
+        else:
+            self._fetch_now(st, fetch)
             self.up(Fetched(rid))
-        usable = (len(prompt) - 1) // bs
-        for s in slots[usable:]:
+            self._compute(st)
+
+    def _fetch_now(self, st: _PState, fetch: Any) -> None:
+        """Copies the holder's blocks one by one, waiting for each (a transport without
+        an asynchronous read)."""
+        store, ep = self.store, fetch.arena.as_dict()
+        for k, off in zip(unpack_keys(fetch.keys), fetch.offsets):
+            s = store.lookup(k)
+            if s is None:
+                try:
+                    wb = store.reserve(k)
+                except MooncakeError:
+                    break
+                try:
+                    self.transport.read_now(st.rid, ep, [Span(wb.offset, off, store.block_bytes)])
+                except (MooncakeError, OSError):  # the holder is gone: compute the rest
+                    wb.abort()
+                    break
+                s = store.commit(wb, lease=True)
+                if s is None:
+                    break
+                st.fetched += 1
+            st.leases.append(s)
+
+    def _fetch_async(self, st: _PState, fetch: Any) -> None:
+        """Starts one read of every block to fetch and returns: the instance loop goes on
+        computing other requests; ``poll`` finishes the fetch when the read has ended."""
+        store = self.store
+        spans: list[Span] = []
+        for k, off in zip(unpack_keys(fetch.keys), fetch.offsets):
+            s = store.lookup(k)
+            if s is None:
+                try:
+                    s = store.reserve(k)
+                except MooncakeError:
+                    break
+                spans.append(Span(s.offset, off, store.block_bytes))
+            st.fetching.append(s)
+        if spans:
+            st.in_fetch = True
+            self.transport.read(st.rid, fetch.arena.as_dict(), spans)
+        else:
+            self._fetched(st)
+
+    def _fetched(self, st: _PState) -> None:
+        """The read ended: commit what it brought (all of it, or none after an error:
+        the rest is computed), tell the cluster, start computing."""
+        st.in_fetch = False
+        err = self.transport.error(st.rid)
+        got, ok = [], err is None
+        for s in st.fetching:
+            if not isinstance(s, WritableBlock):  # held here already
+                if ok:
+                    got.append(s)
+                else:
+                    s.release()
+                continue
+            if not ok:  # after an error (or a lost commit) nothing more of the prefix counts
+                s.abort()
+                continue
+            b = self.store.commit(s, lease=True)
+            if b is None:
+                ok = False
+                continue
+            got.append(b)
+            st.fetched += 1
+        st.fetching = []
+        st.leases.extend(got)
+        self.up(Fetched(st.rid))
+        self._compute(st)
+
+    def _compute(self, st: _PState) -> None:
+        """The prefix is in: send the reused blocks to decode and prefill the rest."""
+        store, msg = self.store, st.msg
+        assert msg is not None
+        usable = (st.prompt_len - 1) // self.spec.block_size
+        for s in st.leases[usable:]:
             s.release()
-        slots = slots[:usable]
+        slots = st.leases[:usable]
         st.leases, st.reused = slots, len(slots)
         st.fetched = min(st.fetched, st.reused)
+        st.msg = None
         spans: list[Span] = []
         for i, s in enumerate(slots):  # reused blocks travel right away, while the rest computes
             self._span(st, i, store.offset(s), 0, store.block_bytes, spans)
@@ -163,8 +232,9 @@ class PrefillRole:
         from ..engine import SamplingParams
 
         stream = self.spec.stream_layers
-        self.engine.add_request(prompt, SamplingParams(**msgspec.structs.asdict(msg.params)), request_id=str(rid),
-                                restored_kv=[store.view(s) for s in slots], prefill_only=True, hold_kv=True,
+        self.engine.add_request(msg.prompt, SamplingParams(**msgspec.structs.asdict(msg.params)),
+                                request_id=str(st.rid), restored_kv=[store.view(s) for s in slots],
+                                prefill_only=True, hold_kv=True,
                                 on_layer=functools.partial(self._on_layer, st) if stream else None)
 
     def _span(self, st: _PState, block: int, src_off: int, span_off: int, n: int, out: list[Span]) -> None:
@@ -226,6 +296,12 @@ class PrefillRole:
             st.done = True
 
     def poll(self) -> None:
+        for st in [st for st in self.reqs.values() if st.in_fetch and not self.transport.pending(st.rid)]:
+            try:
+                self._fetched(st)
+            except Exception as e:  # noqa: BLE001 - fails alone, like a bad Prefill
+                self._drop(st.rid)
+                self.up(Failed(st.rid, f"{type(e).__name__}: {e}"))
         for rid in [r for r, st in self.reqs.items() if st.done and not self.transport.pending(r)]:
             self._complete(self.reqs.pop(rid))
 
@@ -277,5 +353,10 @@ class PrefillRole:
             st.partial.abort()
         for s in st.leases:
             s.release()
+        for s in st.fetching:
+            if isinstance(s, WritableBlock):
+                s.abort()
+            else:
+                s.release()
         transport.take_bytes(rid)
         return True

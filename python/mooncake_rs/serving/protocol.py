@@ -339,7 +339,8 @@ PEER: tuple[type, ...] = (Prefill, KvReady)
 
 def op_of(msg: Any) -> str:
     """The op tag of a message (a counter key)."""
-    return type(msg).__struct_config__.tag if isinstance(msg, msgspec.Struct) else type(msg).__name__
+    tag = type(msg).__struct_config__.tag if isinstance(msg, msgspec.Struct) else None
+    return tag if isinstance(tag, str) else type(msg).__name__
 
 
 class Codec:

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 from ..errors import MooncakeError
 from .control import CLUSTER, Counts, Lost
 from .handle import RequestHandle
-from .lifecycle import (Arrived, CancelRequest, Command, Conduct, Deliver, Fail, Finish, InstanceDown, Plan,
+from .lifecycle import (CancelRequest, Command, Conduct, Deliver, Fail, Finish, InstanceDown, Plan,
                         RequestLifecycle, Send, Submit, Tick)
 from .metrics import ClusterMetrics, RequestMetrics, tbt_of
 from .protocol import (Cancelled, Exported, Failed, Fetched, InitFailed, Message, Ready, StatsReply, StoreEvents,
@@ -119,23 +119,33 @@ def apply_store_runs(conductor: Any, inst: int, runs: list[StoreRun]) -> None:
 class Router:
     def __init__(self, port: ClusterPort, names: dict[int, str]) -> None:
         self.port = port
-        self.events: queue.Queue[tuple[int, Any]] = queue.Queue()
+        # SimpleQueue: the cheapest put/get there is (every message passes through it)
+        self.events: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
         self.lifecycle = RequestLifecycle(names)
         self.counts = Counts()  # what the cluster's callers post (New: one hop per request)
         self._records: dict[int, RequestRecord] = {}
+        self._open_lock = threading.Lock()
+        self._open = 0  # submitted and not yet ended for the caller
 
     # ---- any thread
     def submit(self, record: RequestRecord) -> None:
         ev = New(record)
         self.counts.add(ev)
+        with self._open_lock:
+            self._open += 1
         self.events.put((CLUSTER, ev))
 
     def post(self, ev: Any) -> None:
         self.events.put((CLUSTER, ev))
 
     def in_flight(self) -> int:
-        """Requests submitted and not yet ended for their callers (plus the ones posted)."""
-        return len(self._records) + sum(isinstance(e, New) for _, e in list(self.events.queue))
+        """Requests submitted and not yet ended for their callers."""
+        with self._open_lock:
+            return self._open
+
+    def _ended(self) -> None:
+        with self._open_lock:
+            self._open -= 1
 
     # ---- the router thread
     def run(self) -> None:
@@ -165,6 +175,8 @@ class Router:
 
     def handle(self, src: int, ev: Any) -> None:
         match ev:
+            case Tokens():  # the most frequent by far: first
+                self._run(self.lifecycle.arrived(src, ev))
             case New(record=r):
                 self._records[r.plan.rid] = r
                 self._run(self.lifecycle.on(Submit(r.plan)))
@@ -172,8 +184,8 @@ class Router:
                 self._run(self.lifecycle.on(ev))
             case Failed(rid=None):
                 self.port.reply(src, ev)
-            case Exported() | Fetched() | Tokens() | Failed() | Cancelled():
-                self._run(self.lifecycle.on(Arrived(src, ev)))
+            case Exported() | Fetched() | Failed() | Cancelled():
+                self._run(self.lifecycle.arrived(src, ev))
             case StoreEvents(runs=runs):
                 if self.port.prefix_reuse and src not in self.lifecycle.down:
                     apply_store_runs(self.port.conductor, src, runs)
@@ -204,6 +216,8 @@ class Router:
                 break
             if isinstance(ev, New):
                 records.append(ev.record)
+        with self._open_lock:
+            self._open = 0
         for r in records:
             r.handle._fail(error)
 
@@ -222,15 +236,16 @@ class Router:
     def _run(self, cmds: list[Command]) -> None:
         for c in cmds:
             match c:
+                case Deliver(rid=rid, tokens=tokens, report=report):  # the most frequent: first
+                    self._deliver(rid, tokens, report)
                 case Send(to=to, msg=msg):
                     self.port.send(to, msg)
                 case Conduct():
                     self._conduct(c)
-                case Deliver(rid=rid, tokens=tokens, report=report):
-                    self._deliver(rid, tokens, report)
                 case Finish(rid=rid, reason=reason):
                     r = self._records.pop(rid, None)
                     if r is not None:
+                        self._ended()
                         m = r.metrics
                         m.output_tokens = len(r.tokens)
                         m.tbt_s = tbt_of(m.token_intervals)
@@ -239,6 +254,7 @@ class Router:
                 case Fail(rid=rid, error=error):
                     r = self._records.pop(rid, None)
                     if r is not None:
+                        self._ended()
                         self.port.metrics.count("failed")
                         r.handle._fail(error)
 

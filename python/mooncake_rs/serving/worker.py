@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if not isinstance(init, Init):
         return 1
-    inbox: queue.Queue[tuple[int, Any]] = queue.Queue()
+    inbox: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
     ch = SocketChannel(sock, CLUSTER, inbox, TO_INSTANCE, name=f"{init.spec.name}<-cluster")
     if init.version != PROTOCOL_VERSION:
         ch.send(InitFailed(f"protocol version {init.version} from the cluster, this worker speaks "
