@@ -351,13 +351,18 @@ class Cluster:
             m.error = reason or "the worker exited during start-up"
             m.ready.set()
         code = m.proc.poll() if m.proc is not None else None
+        if m.proc is not None and code is None and m.down_reason is None:
+            # The link closed first: a dying process closes its sockets before it can be
+            # reaped, so give it a moment to be seen as what it is.
+            try:
+                code = m.proc.wait(0.5)
+            except subprocess.TimeoutExpired:
+                # Its link closed (a bad frame, a socket error) but the process runs: kill
+                # it, the fence for the slots it could still write into.
+                m.down_reason = f"lost its control link ({reason}) and was killed"
+                m.proc.kill()
         why = f"exit code {code}" if code is not None and code >= 0 else (
             f"signal {-code}" if code is not None else (reason or "lost"))
-        if m.proc is not None and code is None and m.down_reason is None:
-            # Its link closed (a bad frame, a socket error) but the process runs: kill it,
-            # the fence for the slots it could still write into.
-            m.down_reason = f"lost its control link ({reason}) and was killed"
-            m.proc.kill()
         if m.down_reason is not None:  # the watchdog killed it (see liveness.py), or the line above
             what = m.down_reason
             try:
