@@ -114,6 +114,15 @@ class _RouterPort:
     def instance_down(self, inst: int, reason: str) -> str | None:
         return self._c._instance_down(inst, reason)
 
+    def peer_lost(self, inst: int, peer: int, reason: str) -> None:
+        c = self._c
+        m = c._members.get(peer)
+        if c._closed or m is None or not m.alive or m.proc is None or m.proc.poll() is not None:
+            return  # closing, or the peer is dead already (its own link says so)
+        log.warning("serving: %s lost its link to %s (%s); killing %s", c._members[inst].spec.name, m.spec.name,
+                    reason, m.spec.name)
+        m.proc.kill()  # its control link then closes: the usual death path
+
     def exited(self) -> list[int]:
         return [i for i, m in self._c._members.items() if m.alive and m.proc is not None and m.proc.poll() is not None]
 

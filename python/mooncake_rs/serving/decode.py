@@ -20,7 +20,7 @@ import msgspec
 
 from ..errors import MooncakeError, StoreFull
 from .protocol import (Cancel, Dest, Endpoint, Expect, Failed, InstanceSpec, KvReady, Message, Params, Prefill,
-                       ProtocolError, Tokens, op_of, unpack_keys)
+                       ProtocolError, Step, Tokens, op_of, unpack_keys)
 
 __all__ = ["DecodeRole"]
 
@@ -44,6 +44,7 @@ class DecodeRole:
         self.peers = peers  # prefill instance id -> link
         self.waiting: dict[int, _DState] = {}
         self.active: set[int] = set()
+        self._out: list[Tokens] = []  # sent together by send_pending (one frame per loop phase)
 
     def busy(self) -> bool:
         return False
@@ -98,7 +99,7 @@ class DecodeRole:
         first = [] if msg.first is None else [msg.first]
         if msg.finish != "prefill":  # the first token ended it: nothing to decode
             self._free(st)
-            self.up(Tokens(rid, first, msg.finish, msg.report))
+            self._out.append(Tokens(rid, first, msg.finish, msg.report))
             return
         store = self.store
         try:
@@ -109,7 +110,8 @@ class DecodeRole:
                     raise MooncakeError(f"block {i} was evicted before decode started; raise dram_bytes_per_instance")
                 blocks.append(b)
                 st.have[i] = b
-            self.up(Tokens(rid, first, None, msg.report))  # the first token, as soon as the KV is in
+            # the first token, as soon as the KV is in (sent before the next engine step)
+            self._out.append(Tokens(rid, first, None, msg.report))
             views = [store.view(b) for b in blocks]
             if st.partial is not None:
                 views.append(store.view(st.partial))
@@ -127,9 +129,18 @@ class DecodeRole:
             rid = int(out.request_id)
             if rid not in self.active:
                 continue
-            self.up(Tokens(rid, list(out.new_token_ids), out.finish_reason))
+            self._out.append(Tokens(rid, list(out.new_token_ids), out.finish_reason))
             if out.finished:
                 self.active.discard(rid)
+
+    def send_pending(self) -> None:
+        """The tokens of this loop phase (the messages just handled, or one engine step),
+        as one message: a ``Step`` when there are several."""
+        out, self._out = self._out, []
+        if len(out) == 1:
+            self.up(out[0])
+        elif out:
+            self.up(Step(out))
 
     def poll(self) -> None:
         pass

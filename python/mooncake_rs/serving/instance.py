@@ -24,7 +24,7 @@ from .control import CLUSTER, Lost
 from .decode import DecodeRole
 from .prefill import PrefillRole
 from .protocol import (PROTOCOL_VERSION, Endpoint, Export, Exported, Failed, InstanceSpec, Measure, Message,
-                       Ready, Stats, StatsReply, Stop, StoreEvents, Timings, Unpin, unpack_keys)
+                       PeerLost, Ready, Stats, StatsReply, Stop, StoreEvents, Timings, Unpin, unpack_keys)
 from .transport import Transport
 
 __all__ = ["InstanceSpec", "Instance", "model_of"]
@@ -83,8 +83,10 @@ class Instance:
                 while item is not None and not self.stopped:
                     self.handle(*item)
                     item = self.ch.recv(0)
+                self.role.send_pending()  # e.g. first tokens: before the engine step, not after it
                 if self.engine.has_unfinished():
                     self.role.on_outputs(self.engine.step())
+                    self.role.send_pending()
                 self.role.poll()
                 self.flush_store_events()
         finally:
@@ -98,8 +100,9 @@ class Instance:
                 case Lost(reason=reason):
                     if src == CLUSTER:  # the cluster is gone: never outlive it
                         self.stopped = True
-                    else:
+                    else:  # the cluster fences that peer (a request may wait on this link)
                         log.info("instance %s: peer %d lost (%s)", self.spec.name, src, reason)
+                        self.ch.send(PeerLost(src, reason))
                 case Export():
                     self._export(msg)
                 case Unpin(rid=rid):

@@ -99,6 +99,9 @@ class PrefillRole:
     def busy(self) -> bool:
         return any(st.done or st.in_fetch for st in self.reqs.values())
 
+    def send_pending(self) -> None:
+        pass  # everything goes out when it happens
+
     def tracked(self) -> int:
         """Requests this role still holds state (pages, leases, slots) for."""
         return len(self.reqs)

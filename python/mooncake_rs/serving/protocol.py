@@ -19,8 +19,8 @@ Block hashes are 128-bit, beyond msgpack's integers, so they travel as ``bytes``
 Directions (see docs/serving.md for the flow and the hop count):
 cluster -> instance: ``Init`` (socket only), ``Expect``, ``Export``, ``Unpin``,
 ``Cancel``, ``Stats``, ``Measure``, ``Stop``; instance -> cluster: ``Ready``,
-``InitFailed``, ``Beat``, ``StoreEvents``, ``Exported``, ``Fetched``, ``Tokens``,
-``Failed``, ``Cancelled``, ``StatsReply``, ``Timings``; decode -> prefill: ``Prefill``;
+``InitFailed``, ``Beat``, ``StoreEvents``, ``Exported``, ``Fetched``, ``Tokens``, ``Step``,
+``Failed``, ``Cancelled``, ``PeerLost``, ``StatsReply``, ``Timings``; decode -> prefill: ``Prefill``;
 prefill -> decode: ``KvReady``.
 """
 
@@ -37,7 +37,7 @@ __all__ = [
     "PROTOCOL_VERSION", "MAX_FRAME", "ProtocolError", "Message", "TO_INSTANCE", "FROM_INSTANCE", "PEER",
     "Endpoint", "Params", "Fetch", "Dest", "PrefillReport", "StoreRun", "InstanceSpec",
     "Init", "Ready", "InitFailed", "Beat", "Expect", "Export", "Exported", "Unpin", "Prefill", "Fetched",
-    "KvReady", "Tokens", "Failed", "Cancel", "Cancelled", "StoreEvents", "Stats", "StatsReply", "Measure",
+    "KvReady", "Tokens", "Step", "Failed", "Cancel", "Cancelled", "PeerLost", "StoreEvents", "Stats", "StatsReply", "Measure",
     "Timings", "Stop", "Codec", "pack_keys", "unpack_keys", "op_of",
 ]
 
@@ -286,6 +286,13 @@ class Tokens(_Msg, frozen=True, tag="tokens"):
     report: Union[PrefillReport, None] = None
 
 
+class Step(_Msg, frozen=True, tag="step"):
+    """decode -> cluster: the ``Tokens`` of several requests at once (one engine step's,
+    or the first tokens of one loop): one frame instead of one per request."""
+
+    tokens: list[Tokens]
+
+
 class Failed(_Msg, frozen=True, tag="failed"):
     rid: Union[int, None]
     error: str
@@ -293,6 +300,15 @@ class Failed(_Msg, frozen=True, tag="failed"):
 
 class Cancel(_Msg, frozen=True, tag="cancel"):
     rid: int
+
+
+class PeerLost(_Msg, frozen=True, tag="peer_lost"):
+    """instance -> cluster: the peer link to ``peer`` closed (its end closed it, or it
+    sent a bad frame) while this instance runs; the cluster fences that peer, so no
+    request waits forever on a message that link can no longer carry."""
+
+    peer: int
+    reason: str
 
 
 class Cancelled(_Msg, frozen=True, tag="cancelled"):
@@ -328,12 +344,12 @@ class Stop(_Msg, frozen=True, tag="stop"):
 
 
 Message = Union[Init, Ready, InitFailed, Beat, Expect, Prefill, KvReady, Export, Exported, Unpin, Fetched, Tokens,
-                Failed, Cancel, Cancelled, StoreEvents, Stats, StatsReply, Measure, Timings, Stop]
+                Step, Failed, Cancel, Cancelled, PeerLost, StoreEvents, Stats, StatsReply, Measure, Timings, Stop]
 
 #: what each kind of link may carry (a reader closes a link that gets anything else)
 TO_INSTANCE: tuple[type, ...] = (Init, Expect, Export, Unpin, Cancel, Stats, Measure, Stop)
-FROM_INSTANCE: tuple[type, ...] = (Ready, InitFailed, Beat, StoreEvents, Exported, Fetched, Tokens, Failed,
-                                   Cancelled, StatsReply, Timings)
+FROM_INSTANCE: tuple[type, ...] = (Ready, InitFailed, Beat, StoreEvents, Exported, Fetched, Tokens, Step, Failed,
+                                   Cancelled, PeerLost, StatsReply, Timings)
 PEER: tuple[type, ...] = (Prefill, KvReady)
 
 

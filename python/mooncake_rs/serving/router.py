@@ -32,8 +32,8 @@ from .handle import RequestHandle
 from .lifecycle import (CancelRequest, Command, Conduct, Deliver, Fail, Finish, InstanceDown, Plan,
                         RequestLifecycle, Send, Submit, Tick)
 from .metrics import ClusterMetrics, RequestMetrics, tbt_of
-from .protocol import (Cancelled, Exported, Failed, Fetched, InitFailed, Message, Ready, StatsReply, StoreEvents,
-                       StoreRun, Timings, Tokens, unpack_keys)
+from .protocol import (Cancelled, Exported, Failed, Fetched, InitFailed, Message, PeerLost, Ready, StatsReply,
+                       Step, StoreEvents, StoreRun, Timings, Tokens, unpack_keys)
 
 __all__ = ["Router", "ClusterPort", "RequestRecord", "New", "SwapConductor", "Shutdown", "apply_store_runs"]
 
@@ -91,6 +91,10 @@ class ClusterPort(Protocol):
     def instance_down(self, inst: int, reason: str) -> str | None:
         """Marks ``inst`` dead (reaps a worker, removes its segments); says what happened
         ("instance decode-0 died (signal 9)"), or None if it was already down."""
+
+    def peer_lost(self, inst: int, peer: int, reason: str) -> None:
+        """``inst`` lost its link to ``peer``: fence the peer (its death then takes the
+        usual path)."""
 
     def exited(self) -> list[int]:
         """Live instances whose worker process has exited."""
@@ -177,6 +181,9 @@ class Router:
         match ev:
             case Tokens():  # the most frequent by far: first
                 self._run(self.lifecycle.arrived(src, ev))
+            case Step(tokens=items):
+                for t in items:
+                    self._run(self.lifecycle.arrived(src, t))
             case New(record=r):
                 self._records[r.plan.rid] = r
                 self._run(self.lifecycle.on(Submit(r.plan)))
@@ -195,6 +202,8 @@ class Router:
                 self.port.reply(src, ev)
             case Lost(reason=reason):
                 self._down(src, reason)
+            case PeerLost(peer=peer, reason=reason):
+                self.port.peer_lost(src, peer, reason)
             case SwapConductor(conductor=fresh, done=done):
                 for inst in self.lifecycle.down:
                     try:
