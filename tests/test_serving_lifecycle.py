@@ -291,3 +291,120 @@ def test_many_requests_only_those_on_the_dead_instance_fail():
 def test_unknown_event_is_refused():
     with pytest.raises(TypeError):
         RequestLifecycle(NAMES).on("new")
+
+
+# ---- the router (the pump), with a fake cluster port and conductor: no engines, no thread
+class FakeConductor:
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *a: self.calls.append((name, *a))
+
+
+class FakePort:
+    prefix_reuse, block_size = True, 16
+
+    def __init__(self):
+        from mooncake_rs.serving.metrics import ClusterMetrics
+
+        self.conductor = FakeConductor()
+        self.metrics = ClusterMetrics()
+        self.sent, self.down, self.lost_peers, self.replies = [], [], [], []
+
+    def send(self, inst, msg):
+        self.sent.append((inst, msg))
+
+    def instance_ready(self, inst, msg):
+        self.replies.append(("ready", inst))
+
+    def instance_down(self, inst, reason):
+        self.down.append((inst, reason))
+        return f"instance {NAMES[inst]} died ({reason})"
+
+    def exited(self):
+        return []
+
+    def peer_lost(self, inst, peer, reason):
+        self.lost_peers.append((inst, peer))
+
+    def reply(self, inst, msg):
+        self.replies.append((inst, msg))
+
+    def output(self, record, reason):
+        return (record.plan.rid, list(record.tokens), reason)
+
+    def now(self):
+        return 1.0
+
+
+def _router():
+    from mooncake_rs.serving.router import Router
+
+    port = FakePort()
+    return Router(port, NAMES), port
+
+
+def _record(rid, fetch=False):
+    import time as _t
+
+    from mooncake_rs.serving.handle import RequestHandle
+    from mooncake_rs.serving.router import RequestRecord
+
+    pl = plan(fetch)
+    pl = Plan(rid, pl.prompt, pl.params, pl.keys, pl.prefill, pl.decode, pl.local, pl.fetch_from, pl.fetch_keys)
+    return RequestRecord(pl, RequestHandle(rid, pl.prompt), _t.monotonic())
+
+
+def test_router_pumps_a_request_through():
+    from mooncake_rs.serving.router import New
+
+    router, port = _router()
+    a, b = _record(1), _record(2)
+    router.handle(-1, New(a))
+    router.handle(-1, New(b))
+    assert [(i, type(m).__name__) for i, m in port.sent] == [(D, "Expect"), (D, "Expect")]
+    assert router.in_flight() == 0  # not submitted through submit(): nothing counted
+    router.handle(D, p.Step([p.Tokens(1, [5], None, REPORT), p.Tokens(2, [6], "stop", REPORT)]))
+    router.handle(D, p.Tokens(1, [7], "length"))
+    assert a.handle.result(0) == (1, [5, 7], "length") and b.handle.result(0) == (2, [6], "stop")
+    assert a.metrics.reused_tokens == 2 * 16 and a.metrics.transferred_bytes == 4096 and a.metrics.ttft_s >= 0
+    assert port.metrics.finished == 2
+    names = [c[0] for c in port.conductor.calls]
+    assert names.count("on_prefill_started") == 2 and names.count("on_decode_finished") == 2
+
+
+def test_router_instance_death_and_conductor_swap():
+    from mooncake_rs.serving.control import Lost
+    from mooncake_rs.serving.router import New, SwapConductor
+
+    router, port = _router()
+    rec = _record(1)
+    router.handle(-1, New(rec))
+    router.handle(D, Lost("closed"))
+    assert port.down == [(D, "closed")]
+    assert ("remove_instance", D) in port.conductor.calls
+    with pytest.raises(TransferFailed, match="decode-0 died"):
+        rec.handle.result(0)
+    assert (P, p.Cancel(1)) in port.sent  # the prefill goes first; the decode is dead
+    router.handle(D, Lost("closed"))  # once is enough
+    assert len(port.down) == 1
+    import threading
+
+    fresh, done = FakeConductor(), threading.Event()
+    router.handle(-1, SwapConductor(fresh, done))
+    assert done.is_set() and port.conductor is fresh and fresh.calls == [("remove_instance", D)]
+
+
+def test_router_routes_the_rest():
+    router, port = _router()
+    router.handle(P, p.StoreEvents([p.StoreRun("stored", "dram", p.pack_keys([5, 6])),
+                                    p.StoreRun("evicted", "ssd", p.pack_keys([7]))]))
+    assert port.conductor.calls == [("on_blocks_stored", P, [5, 6], "dram"), ("on_blocks_evicted", P, [7], "ssd")]
+    router.handle(P, p.PeerLost(D, "bad frame"))
+    assert port.lost_peers == [(P, D)]
+    router.handle(P, p.Timings([(16, 0, 0.1)]))
+    router.handle(P, p.Failed(None, "measure failed"))
+    assert [type(m).__name__ for _, m in port.replies] == ["Timings", "Failed"]
+    router.handle(P, p.Ready(p.PROTOCOL_VERSION, EP, 1, 8192, 64, 1024))
+    assert ("ready", P) in port.replies
