@@ -14,12 +14,13 @@ request produces (a real Conductor; the instances are fakes whose links only enc
 what they are sent, as a worker's socket would): the router's own CPU per request,
 far less noisy. It runs the old router (before the redesign, dict messages) or the new
 one, whichever ``mooncake_rs`` is importable; compare the two by running it against
-an export of the old commit:
+an export of the old commit, or both in one process with ``--old-src`` (the old
+``serving`` package is loaded beside this one; requests alternate old / new, so both
+see the same noise):
 
     python benches/serving_control_bench.py --requests 64 --rounds 5 --max-tokens 4 --mode both
-    git archive 51be5db python | tar -x -C "$OLD" && cp python/mooncake_rs/_core.abi3.so "$OLD/python/mooncake_rs/"
-    PYTHONPATH="$OLD/python" python benches/serving_control_bench.py --isolated --requests 2000 --rounds 7
-    python benches/serving_control_bench.py --isolated --requests 2000 --rounds 7
+    git archive 51be5db python | tar -x -C "$OLD"
+    python benches/serving_control_bench.py --isolated --old-src "$OLD/python" --requests 2000 --rounds 9
 """
 
 from __future__ import annotations
@@ -84,14 +85,16 @@ class _Sink:
         self.sent += 1
 
 
-def isolated_old(requests: int, max_tokens: int, encode: bool):  # noqa: ANN201 - the pre-redesign router
+def isolated_old(requests: int, max_tokens: int, encode: bool, pkg: str = "mooncake_rs.serving"):  # noqa: ANN201
+    """The pre-redesign router (dict messages, ``Router(cluster)``), from package ``pkg``."""
+    import importlib
     import pickle
     import queue
 
-    from mooncake_rs.serving import cluster as C
-    from mooncake_rs.serving import router as R
-    from mooncake_rs.serving.handle import RequestHandle
-    from mooncake_rs.serving.metrics import ClusterMetrics
+    C = importlib.import_module(pkg + ".cluster")
+    R = importlib.import_module(pkg + ".router")
+    RequestHandle = importlib.import_module(pkg + ".handle").RequestHandle
+    ClusterMetrics = importlib.import_module(pkg + ".metrics").ClusterMetrics
 
     class Member:
         def __init__(self):
@@ -211,6 +214,49 @@ def isolated(requests: int, rounds: int, max_tokens: int) -> None:
               f"(min {min(per) * 1e6:.1f}, max {max(per) * 1e6:.1f}, {rounds} rounds of {requests})", flush=True)
 
 
+def load_reference(old_src: str) -> str:
+    """Loads the ``serving`` package of an older checkout (``old_src``: its ``python``
+    directory) as ``mooncake_rs._serving_ref``, beside this one, sharing this
+    ``mooncake_rs`` (its ``_core``, errors, engine): both routers in one process."""
+    import importlib.util
+    import os
+    import sys
+
+    name = "mooncake_rs._serving_ref"
+    path = os.path.join(old_src, "mooncake_rs", "serving")
+    spec = importlib.util.spec_from_file_location(name, os.path.join(path, "__init__.py"),
+                                                  submodule_search_locations=[path])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return name
+
+
+def side_by_side(old_src: str, requests: int, rounds: int, max_tokens: int) -> None:
+    """Old and new router in one process, rounds interleaved: per-round ratios."""
+    pkg = load_reference(old_src)
+    for encode in (False, True):
+        old, new = isolated_old(requests, max_tokens, encode, pkg), isolated_new(requests, max_tokens, encode)
+        for rid in range(1, 200):
+            old(rid)
+            new(rid)
+        rid, pairs = 1000, []
+        for _ in range(rounds):
+            t_old = t_new = 0.0
+            for _ in range(requests):  # alternate request by request: the same noise for both
+                rid += 1
+                t_old += old(rid)
+                t_new += new(rid)
+            pairs.append((t_old / requests, t_new / requests))
+        o = statistics.median(p[0] for p in pairs)
+        n = statistics.median(p[1] for p in pairs)
+        r = statistics.median(p[1] / p[0] for p in pairs)
+        label = "encoding (processes=True)" if encode else "in-process"
+        print(f"{label}: old {o * 1e6:.1f} us, new {n * 1e6:.1f} us per request (medians of {rounds} rounds of "
+              f"{requests}); new/old median of per-round ratios {r:.2f} "
+              f"(range {min(p[1] / p[0] for p in pairs):.2f}-{max(p[1] / p[0] for p in pairs):.2f})", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=64)
@@ -218,7 +264,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--mode", choices=["inproc", "processes", "both"], default="both")
     ap.add_argument("--isolated", action="store_true", help="the router alone, fed one request's messages")
+    ap.add_argument("--old-src", help="with --isolated: an older checkout's python/ dir, run side by side")
     a = ap.parse_args()
+    if a.isolated and a.old_src:
+        side_by_side(a.old_src, a.requests, a.rounds, a.max_tokens)
+        return
     if a.isolated:
         isolated(a.requests, a.rounds, a.max_tokens)
         return

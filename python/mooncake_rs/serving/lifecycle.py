@@ -203,6 +203,16 @@ class RequestLifecycle:
         self._arrived(inst, msg, out)
         return out
 
+    def tokens(self, inst: int, msg: Tokens) -> list[Command]:
+        """``arrived`` for a ``Tokens``, with the common case first: more tokens of a
+        request that is decoding (nothing changes but the count)."""
+        st = self._reqs.get(msg.rid)
+        if (st is not None and st.stage is Stage.DECODE and msg.finish is None and msg.report is None
+                and inst == st.plan.decode):
+            st.tokens += len(msg.tokens)
+            return [Deliver(msg.rid, msg.tokens, None)]
+        return self.arrived(inst, msg)
+
     # ---- stages
     def _submit(self, plan: Plan, out: list[Command]) -> None:
         gone = [i for i in (plan.prefill, plan.decode) if i in self.down]

@@ -180,10 +180,10 @@ class Router:
     def handle(self, src: int, ev: Any) -> None:
         match ev:
             case Tokens():  # the most frequent by far: first
-                self._run(self.lifecycle.arrived(src, ev))
+                self._run(self.lifecycle.tokens(src, ev))
             case Step(tokens=items):
                 for t in items:
-                    self._run(self.lifecycle.arrived(src, t))
+                    self._run(self.lifecycle.tokens(src, t))
             case New(record=r):
                 self._records[r.plan.rid] = r
                 self._run(self.lifecycle.on(Submit(r.plan)))
