@@ -303,3 +303,19 @@ def test_transfer_cost_uses_the_block_bytes_instances_report():
         c.calibrate([(16, 0), (32, 0), (64, 0), (16, 16), (32, 32)], repeats=1)
         assert c.conductor.config.transfer_model.bytes_per_token == pytest.approx(bf16 / 16)
         assert len(c.generate([[1, 2, 3] * 7], SamplingParams(max_tokens=3))[0].token_ids) == 3
+
+
+def test_no_pickle_in_the_serving_layer():
+    """Nothing in serving/ pickles or unpickles (the control links carry msgpack only)."""
+    import ast
+    import pathlib
+
+    import mooncake_rs.serving as serving
+
+    for f in pathlib.Path(serving.__file__).parent.glob("*.py"):
+        tree = ast.parse(f.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                assert all(a.name not in ("pickle", "cPickle", "dill", "marshal") for a in node.names), f
+            if isinstance(node, ast.ImportFrom):
+                assert node.module not in ("pickle", "dill", "marshal", "multiprocessing.reduction"), f
