@@ -408,3 +408,134 @@ def test_router_routes_the_rest():
     assert [type(m).__name__ for _, m in port.replies] == ["Timings", "Failed"]
     router.handle(P, p.Ready(p.PROTOCOL_VERSION, EP, 1, 8192, 64, 1024))
     assert ("ready", P) in port.replies
+
+
+# ---- random interleavings: the safety rules hold whatever the order
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_random_interleavings_keep_the_safety_rules(data):
+    """Any order of what can really happen (submissions, holder answers, fetches, tokens,
+    failures, deaths, cancels, deadlines, acks): each request ends exactly once for its
+    caller; nothing is sent to a dead instance; the decode instance is never told to free
+    a request's slots, nor the holder to unpin its blocks, while the prefill instance may
+    still write into those slots or read those blocks; and once every request has ended
+    and every ack is in, nothing is left."""
+    lc = RequestLifecycle(NAMES)
+    rids = [1, 2, 3]
+    fetch_of = {r: data.draw(st.booleans(), label=f"fetch {r}") for r in rids}
+    submitted, ended, down = set(), {}, set()
+    expect_sent, fetch_sent, cancel_p, acked, reported = set(), set(), set(), set(), set()
+    writing, reading = set(), set()  # (rid): the prefill may write the decode slots / read the holder
+    export_sent, unpinned = set(), set()
+
+    def apply(ev):
+        cmds = lc.on(ev)
+        for c in cmds:
+            if isinstance(c, Send):
+                assert c.to not in down, (ev, c)
+                rid = getattr(c.msg, "rid", None)
+                if isinstance(c.msg, p.Expect):
+                    expect_sent.add(rid)
+                    writing.add(rid)
+                    if c.msg.fetch is not None:
+                        fetch_sent.add(rid)
+                        reading.add(rid)
+                elif isinstance(c.msg, p.Export):
+                    export_sent.add(rid)
+                elif isinstance(c.msg, p.Cancel) and c.to == D:
+                    assert rid not in writing, f"decode slots of {rid} freed while the prefill may write: {ev}"
+                elif isinstance(c.msg, p.Cancel) and c.to == P:
+                    cancel_p.add(rid)
+                elif isinstance(c.msg, p.Unpin):
+                    assert rid not in reading, f"holder unpinned {rid} while the prefill may read: {ev}"
+                    unpinned.add(rid)
+            elif isinstance(c, (Finish, Fail)):
+                assert c.rid not in ended, f"{c.rid} ended twice"
+                ended[c.rid] = c
+        return cmds
+
+    def prefill_done(rid):
+        writing.discard(rid)
+        reading.discard(rid)
+
+    for _ in range(data.draw(st.integers(5, 40), label="steps")):
+        choices = []  # progress 4x as likely as a fault, so long lives get explored too
+        for r in rids:
+            if r not in submitted:
+                choices += [("submit", r)] * 4
+                continue
+            if r in export_sent and r not in expect_sent:
+                choices += [("exported", r)] * 4
+                choices.append(("export_failed", r))
+            if r in fetch_sent and H not in down:
+                choices += [("fetched", r)] * 4
+            if r in expect_sent and P not in down and D not in down and r not in reported:
+                choices += [("first", r)] * 4
+            if r in reported and D not in down:
+                choices += [("more", r)] * 4
+                choices += [("final", r)] * 4
+            if r in expect_sent and P not in down:
+                choices.append(("prefill_failed", r))
+            if r in expect_sent and D not in down:
+                choices.append(("decode_failed", r))
+            if r in cancel_p and r not in acked and P not in down:
+                choices += [("ack", r)] * 4
+            choices.append(("cancel", r))
+        choices += [("down", i) for i in (P, H, D) if i not in down] + [("late", 0)]
+        kind, r = data.draw(st.sampled_from(choices))
+        if kind == "submit":
+            submitted.add(r)
+            pl = plan(fetch_of[r])
+            apply(Submit(Plan(r, pl.prompt, PARAMS, KEYS, P, D, pl.local, pl.fetch_from, pl.fetch_keys,
+                              deadline=50.0 + r, timeout_s=1.0)))
+        elif kind == "exported":
+            apply(Arrived(H, p.Exported(r, EP, data.draw(st.sampled_from([[], [4096], [4096, 8192]])))))
+        elif kind == "export_failed":
+            apply(Arrived(H, p.Failed(r, "boom")))
+        elif kind == "fetched":
+            reading.discard(r)
+            apply(Arrived(P, p.Fetched(r)))
+        elif kind == "first":
+            reported.add(r)
+            prefill_done(r)  # decode got KvReady: the prefill is done with slots and holder
+            apply(Arrived(D, p.Tokens(r, [5], data.draw(st.sampled_from([None, None, "length"])), REPORT)))
+        elif kind == "more":
+            apply(Arrived(D, p.Tokens(r, [6], None)))
+        elif kind == "final":
+            apply(Arrived(D, p.Tokens(r, [7], "stop")))
+        elif kind == "prefill_failed":
+            prefill_done(r)  # the prefill dropped it before reporting
+            apply(Arrived(P, p.Failed(r, "KV hand-off failed")))
+        elif kind == "decode_failed":
+            apply(Arrived(D, p.Failed(r, "StoreFull")))
+        elif kind == "ack":
+            acked.add(r)
+            prefill_done(r)
+            apply(Arrived(P, p.Cancelled(r)))
+        elif kind == "cancel":
+            apply(CancelRequest(r, MooncakeError("cancelled")))
+        elif kind == "down":
+            down.add(r)
+            if r == P:
+                for x in rids:
+                    prefill_done(x)
+            if r == H:
+                reading.clear()  # a dead holder has nothing left to read
+            apply(InstanceDown(r, f"instance {NAMES[r]} died"))
+        elif kind == "late":
+            apply(Tick(1e9))
+    # drain: every request ends, every awaited ack arrives (or the prefill dies)
+    for r in rids:
+        if r in submitted:
+            apply(CancelRequest(r, MooncakeError("end of test")))
+    for r in rids:
+        if lc.stage(r) is Stage.DRAINING:
+            prefill_done(r)
+            apply(Arrived(P, p.Cancelled(r)))
+    assert set(ended) == submitted
+    assert len(lc) == 0
+    if H not in down:  # every pin was let go
+        assert export_sent <= unpinned, (export_sent, unpinned)
