@@ -319,3 +319,28 @@ def test_no_pickle_in_the_serving_layer():
                 assert all(a.name not in ("pickle", "cPickle", "dill", "marshal") for a in node.names), f
             if isinstance(node, ast.ImportFrom):
                 assert node.module not in ("pickle", "dill", "marshal", "multiprocessing.reduction"), f
+
+
+@pytest.mark.timeout(240)
+def test_a_lost_peer_link_fences_that_peer():
+    """An instance that reports its peer link to another instance lost (``PeerLost``):
+    the cluster kills that peer, whose death takes the usual path; the rest serve on."""
+    pytest.importorskip("torch")
+    import time
+
+    from mooncake_rs import Cluster
+    from mooncake_rs.engine import ModelConfig, SamplingParams
+
+    params = SamplingParams(max_tokens=4)
+    with Cluster(ModelConfig.tiny(), prefill=1, decode=2, block_size=16, dram_bytes_per_instance=4 << 20,
+                 processes=True, seed=5) as c:
+        ref = c.generate([[3, 1, 4, 1, 5]], params)[0].token_ids
+        victim = 2
+        c._router.events.put((0, p.PeerLost(victim, "bad frame: test")))  # as prefill-0's worker would
+        deadline = time.monotonic() + 60
+        while victim in c.instances():
+            assert time.monotonic() < deadline, "the peer was not fenced"
+            time.sleep(0.05)
+        outs = c.generate([[3, 1, 4, 1, 5]] * 3, params)
+        assert [o.token_ids for o in outs] == [ref] * 3
+        assert {o.metrics.decode_instance for o in outs} == {1}
