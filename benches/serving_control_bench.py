@@ -162,8 +162,12 @@ def isolated_new(requests: int, max_tokens: int, encode: bool):  # noqa: ANN201 
         def send(self, inst, msg):
             self.sink.to_instance(msg)
 
-        def output(self, record, reason):
-            return (record.plan.rid, reason)
+        def output(self, record, reason):  # what Cluster's port does (the old router built the same)
+            from mooncake_rs.engine import RequestOutput
+
+            m = record.metrics
+            return RequestOutput(str(record.plan.rid), record.plan.prompt, list(record.tokens), reason, [],
+                                 m.reused_tokens, 0, m)
 
         def now(self):
             return time.monotonic()

@@ -145,7 +145,7 @@ class Fail:
 Command = Union[Send, Conduct, Deliver, Finish, Fail]
 
 
-@dataclass
+@dataclass(slots=True)
 class _State:
     plan: Plan
     stage: Stage = Stage.SLOTS

@@ -353,10 +353,17 @@ FROM_INSTANCE: tuple[type, ...] = (Ready, InitFailed, Beat, StoreEvents, Exporte
 PEER: tuple[type, ...] = (Prefill, KvReady)
 
 
+_OPS: dict[type, str] = {}
+
+
 def op_of(msg: Any) -> str:
-    """The op tag of a message (a counter key)."""
-    tag = type(msg).__struct_config__.tag if isinstance(msg, msgspec.Struct) else None
-    return tag if isinstance(tag, str) else type(msg).__name__
+    """The op tag of a message (a counter key; the class name for other objects)."""
+    t = type(msg)
+    op = _OPS.get(t)
+    if op is None:
+        tag = t.__struct_config__.tag if isinstance(msg, msgspec.Struct) else None
+        op = _OPS[t] = tag if isinstance(tag, str) else t.__name__
+    return op
 
 
 class Codec:
