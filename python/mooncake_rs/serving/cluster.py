@@ -27,9 +27,7 @@ import math
 import os
 import queue
 import secrets
-import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -37,45 +35,22 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .._core import (Conductor, ConductorConfig, DecodeCostModel, PrefillCostModel, PrefixHasher, TransferCostModel,
-                     TransferRegistry, remove_shm_segments_of)
+                     TransferRegistry)
 from ..errors import InvalidArgument, MooncakeError, Overloaded
-from .control import Lost, QueueChannel, QueuePeer, SocketChannel
 from .handle import RequestHandle, wait_seconds
 from .lifecycle import CancelRequest, Plan
 from .limits import Limits
 from .liveness import watch
+from .members import Member, mark_down, remove_segments_of, spawn_all
 from .metrics import ClusterMetrics, RequestMetrics
-from .protocol import (FROM_INSTANCE, PROTOCOL_VERSION, Codec, Failed, Init, InitFailed, InstanceSpec, Measure, Message, Params,
-                       Ready, Stats, StatsReply, Stop, Timings, pack_keys)
+from .protocol import (PROTOCOL_VERSION, Failed, InitFailed, InstanceSpec, Measure, Message, Params, Ready, Stats,
+                       StatsReply, Stop, Timings, pack_keys)
 from .router import RequestRecord, Router, Shutdown, SwapConductor
 
 __all__ = ["Cluster", "remove_segments_of"]
 
 
-def remove_segments_of(pid: int) -> None:
-    """Unlinks the shared-memory segments a (gone) worker process created: its transfer
-    engine's regions and store arena, ``/dev/shm/mooncake_rs.<pid>.<n>``."""
-    remove_shm_segments_of(pid)
-
-
 log = logging.getLogger("mooncake_rs.serving")
-
-
-class _Member:
-    def __init__(self, spec: InstanceSpec, channel: Any, proc: subprocess.Popen[bytes] | None = None,
-                 thread: threading.Thread | None = None) -> None:
-        self.spec, self.ch, self.proc, self.thread = spec, channel, proc, thread
-        self.ready = threading.Event()
-        self.alive = True
-        self.error: str | None = None
-        self.info: Ready | None = None  # the instance's Ready message (capacities, block bytes)
-        self.down_reason: str | None = None  # set by the watchdog before it kills a hung worker
-        self.peers: list[Any] = []  # in-process: the instance's links to its peers (their counts)
-
-    def cluster_counts(self) -> collections.Counter[str]:
-        """Messages the cluster sent this instance."""
-        c = getattr(self.ch, "cluster_counts", None) or self.ch.counts
-        return c.snapshot()
 
 
 class _RouterPort:
@@ -193,7 +168,7 @@ class Cluster:
         self._token = uuid.uuid4().hex[:8]
         self._transfer_token = secrets.token_hex(32)  # the workers' transfer engines share it
         self._registry = TransferRegistry()  # in-process: how the instances' engines find each other
-        self._members: dict[int, _Member] = {}
+        self._members: dict[int, Member] = {}
         self._cfg_args: dict[str, Any] = dict(block_size=block_size, ttft_slo_s=float(ttft_slo_s), tbt_slo_s=float(tbt_slo_s),
                               policy=policy, rejection=rejection, seed=seed)
         self.prefill_ids = list(range(prefill))
@@ -219,7 +194,8 @@ class Cluster:
                                   # a few beats per timeout, so one late beat is no false alarm
                                   heartbeat_s=(self._heartbeat_timeout_s or 0.0) / 4)
                      for i in self.prefill_ids + self.decode_ids]
-            self._spawn_all(specs)
+            self._members.update(spawn_all(specs, self.processes, self._router.events, self._registry,
+                                           self._transfer_token))
             deadline = time.monotonic() + start_timeout_s
             for m in self._members.values():
                 if not m.ready.wait(max(0.0, deadline - time.monotonic())) or m.error:
@@ -281,67 +257,6 @@ class Cluster:
             return str(model)
         return dataclasses.asdict(model)
 
-    def _spawn_all(self, specs: list[InstanceSpec]) -> None:
-        """Starts every instance with its control link to the cluster and a peer link to
-        each instance of the other role (decode hands requests to prefill directly)."""
-        pairs = [(p.id, d.id) for p in specs if p.role == "prefill" for d in specs if d.role == "decode"]
-        events = self._router.events
-        if not self.processes:
-            chans = {s.id: QueueChannel(s.id, events) for s in specs}
-            peers: dict[int, dict[int, Any]] = {s.id: {} for s in specs}
-            for p, d in pairs:
-                peers[p][d] = QueuePeer(p, chans[d].inbox)
-                peers[d][p] = QueuePeer(d, chans[p].inbox)
-            for spec in specs:
-                m = _Member(spec, chans[spec.id])
-                m.peers = list(peers[spec.id].values())
-                self._members[spec.id] = m
-            for spec in specs:
-                m = self._members[spec.id]
-                m.thread = threading.Thread(target=self._run_instance, args=(spec, m.ch, peers[spec.id]),
-                                            name=f"mooncake-{spec.name}", daemon=True)
-                m.thread.start()
-            return
-        ends: dict[int, dict[int, socket.socket]] = {s.id: {} for s in specs}
-        for p, d in pairs:
-            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            ends[p][d], ends[d][p] = a, b
-        env = dict(os.environ)
-        src = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        codec = Codec()
-        try:
-            for spec in specs:
-                parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-                mine = ends[spec.id]
-                fds = (child.fileno(), *[s.fileno() for s in mine.values()])
-                proc = subprocess.Popen([sys.executable, "-m", "mooncake_rs.serving.worker", "--fd",
-                                         str(child.fileno())], pass_fds=fds, env=env, stdin=subprocess.DEVNULL)
-                child.close()
-                # The token travels on the private socketpair, never on a command line or in
-                # the environment, where other local users could read it.
-                parent.sendall(codec.encode(Init(PROTOCOL_VERSION, spec, self._transfer_token,
-                                                 {peer: s.fileno() for peer, s in mine.items()})))
-                for s in mine.values():  # the worker has its ends now
-                    s.close()
-                mine.clear()
-                self._members[spec.id] = _Member(
-                    spec, SocketChannel(parent, spec.id, events, FROM_INSTANCE, name=f"cluster<-{spec.name}"),
-                    proc=proc)
-        finally:
-            for mine in ends.values():
-                for s in mine.values():
-                    s.close()
-
-    def _run_instance(self, spec: InstanceSpec, ch: QueueChannel, peers: dict[int, Any]) -> None:
-        from .instance import Instance
-
-        try:
-            Instance(spec, ch, self._registry, peers=peers).run()
-        except BaseException as e:  # noqa: BLE001 - reported to the router
-            log.exception("instance %s crashed", spec.name)
-            self._router.events.put((spec.id, Lost(f"{type(e).__name__}: {e}")))
-
     def _swap_conductor(self, fresh: Conductor, timeout_s: float = 30.0) -> None:
         """Replaces the conductor on the router thread (never under a call of its)."""
         done = threading.Event()
@@ -350,42 +265,10 @@ class Cluster:
             raise MooncakeError("the router did not take the new conductor")
 
     def _instance_down(self, inst: int, reason: str) -> str | None:
-        """Marks an instance dead (router thread): reaps a killed worker, removes its
-        segments, and says what happened to it."""
         m = self._members.get(inst)
         if m is None or not m.alive:
             return None
-        m.alive = False
-        if not m.ready.is_set():
-            m.error = reason or "the worker exited during start-up"
-            m.ready.set()
-        code = m.proc.poll() if m.proc is not None else None
-        if m.proc is not None and code is None and m.down_reason is None:
-            # The link closed first: a dying process closes its sockets before it can be
-            # reaped, so give it a moment to be seen as what it is.
-            try:
-                code = m.proc.wait(0.5)
-            except subprocess.TimeoutExpired:
-                # Its link closed (a bad frame, a socket error) but the process runs: kill
-                # it, the fence for the slots it could still write into.
-                m.down_reason = f"lost its control link ({reason}) and was killed"
-                m.proc.kill()
-        why = f"exit code {code}" if code is not None and code >= 0 else (
-            f"signal {-code}" if code is not None else (reason or "lost"))
-        if m.down_reason is not None:  # the watchdog killed it (see liveness.py), or the line above
-            what = m.down_reason
-            try:
-                if m.proc is not None:
-                    m.proc.wait(5)  # SIGKILLed: reap it so its segments go now
-            except Exception:  # noqa: BLE001 - swept at close() then
-                pass
-        else:
-            what = f"died ({why})"
-        if not self._closed:
-            log.warning("serving: instance %s %s; failing its requests", m.spec.name, what)
-        if m.proc is not None and m.proc.poll() is not None:
-            remove_segments_of(m.proc.pid)
-        return f"instance {m.spec.name} {what}"
+        return mark_down(m, reason, quiet=self._closed)
 
     # ---- the public API
     def __enter__(self) -> "Cluster":
