@@ -252,10 +252,12 @@ def test_garbage_to_a_worker_kills_only_that_instance():
 
 # ---- hops: control messages per request
 @pytest.mark.timeout(240)
-def test_control_messages_per_request():
+@pytest.mark.parametrize("processes", [False, True], ids=["in-process", "workers"])
+def test_control_messages_per_request(processes):
     """One request without a fetch: new, expect, prefill, kv_ready and the token stream
     (its first message carries the prefill's report; the last one, the finish): 5 control
-    hops. Store-event batches feed the index and are counted apart."""
+    hops. Store-event batches feed the index and are counted apart. The same with worker
+    processes (their own counts come back through ``instance_stats``)."""
     pytest.importorskip("torch")
     from mooncake_rs import Cluster
     from mooncake_rs.engine import ModelConfig, SamplingParams
@@ -263,7 +265,7 @@ def test_control_messages_per_request():
     n = 5
     params = SamplingParams(max_tokens=n, ignore_eos=True)
     with Cluster(ModelConfig.tiny(), prefill=1, decode=1, block_size=16, dram_bytes_per_instance=4 << 20,
-                 seed=5) as c:
+                 seed=5, processes=processes) as c:
         for i in range(3):
             before = c.message_counts()
             out = c.generate([[i + 1] * 40], params)[0]
