@@ -346,3 +346,33 @@ def test_a_lost_peer_link_fences_that_peer():
         outs = c.generate([[3, 1, 4, 1, 5]] * 3, params)
         assert [o.token_ids for o in outs] == [ref] * 3
         assert {o.metrics.decode_instance for o in outs} == {1}
+
+
+@pytest.mark.timeout(240)
+def test_control_messages_with_a_prefix_fetch():
+    """A request that fetches its prefix from the other prefill instance adds export,
+    exported, fetched and unpin: 9 control hops (a filler request, 5 hops of its own,
+    keeps the holder busy so the conductor fetches)."""
+    pytest.importorskip("torch")
+    import random
+
+    from mooncake_rs import Cluster
+    from mooncake_rs.engine import ModelConfig, SamplingParams
+
+    rng = random.Random(7)
+    prefix = [rng.randrange(256) for _ in range(6 * 16)]
+    g = SamplingParams(max_tokens=4)
+    with Cluster(ModelConfig.tiny(), prefill=2, decode=1, block_size=16, dram_bytes_per_instance=8 << 20,
+                 seed=3) as c:
+        holder = c.generate([prefix + [1, 2, 3]], g)[0].metrics.prefill_instance
+        before = c.message_counts()
+        filler = c.submit([rng.randrange(256) for _ in range(1500)], SamplingParams(max_tokens=2))
+        out = c.submit(prefix + [9, 9], g).result(60)
+        filler.result(60)
+        after = c.message_counts()
+        assert out.metrics.prefill_instance != holder and out.metrics.fetched_tokens > 0
+        diff = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        control = {k: diff.get(k, 0) for k in ("new", "expect", "prefill", "kv_ready", "export", "exported", "fetched",
+                                               "unpin")}
+        assert control == {"new": 2, "expect": 2, "prefill": 2, "kv_ready": 2, "export": 1, "exported": 1,
+                           "fetched": 1, "unpin": 1}
