@@ -58,6 +58,10 @@ class DecodeRole:
             case Expect():
                 self._expect(msg)
             case KvReady():
+                st = self.waiting.get(msg.rid)
+                if st is not None and st.prefill != src:
+                    raise ProtocolError(f"KvReady for request {msg.rid} from instance {src}, not its prefill "
+                                        f"{st.prefill}")
                 self._kv_ready(msg)
             case Cancel(rid=rid):
                 self._cancel(rid)

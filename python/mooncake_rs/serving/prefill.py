@@ -110,6 +110,8 @@ class PrefillRole:
     def handle(self, src: int, msg: Message) -> None:
         match msg:
             case Prefill(rid=rid):
+                if src != msg.decode:  # the answer goes back on the link it came on
+                    raise ProtocolError(f"a Prefill from instance {src} names decode {msg.decode}")
                 if self._overtaken.pop(rid):
                     return  # cancelled before it came: the cluster was told Cancelled already
                 self._seen.add(rid)
