@@ -376,3 +376,34 @@ def test_control_messages_with_a_prefix_fetch():
                                                "unpin")}
         assert control == {"new": 2, "expect": 2, "prefill": 2, "kv_ready": 2, "export": 1, "exported": 1,
                            "fetched": 1, "unpin": 1}
+
+
+def test_no_import_cycle_among_serving_modules():
+    """No serving module imports one that imports it back, counting function-level
+    imports too (the router knows the cluster only through its port; the roles do not
+    import the instance)."""
+    import ast
+    import pathlib
+
+    import mooncake_rs.serving as serving
+
+    root = pathlib.Path(serving.__file__).parent
+    mods = {f.stem for f in root.glob("*.py") if f.stem != "__init__"}
+    deps: dict[str, set[str]] = {}
+    for m in mods:
+        found = set()
+        for node in ast.walk(ast.parse((root / f"{m}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                if node.module:
+                    found.add(node.module.split(".")[0])
+                else:
+                    found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("mooncake_rs.serving."):
+                found.add(node.module.split(".")[2])
+        deps[m] = found & mods
+
+    def reaches(a: str, b: str, seen: set[str]) -> bool:
+        return any(d == b or (d not in seen and reaches(d, b, seen | {d})) for d in deps[a])
+
+    cycles = sorted(m for m in mods if reaches(m, m, {m}))
+    assert not cycles, {m: deps[m] for m in cycles}
