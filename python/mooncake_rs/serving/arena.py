@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import Block, Store, WritableBlock
+from .._core import Block, Store, WritableBlock
+from .protocol import StoreRun
 
 __all__ = ["StoreSlots"]
 
@@ -63,17 +64,29 @@ class StoreSlots:
     def view(h: Any) -> np.ndarray:
         return np.asarray(h)
 
-    def drain_events(self) -> list[tuple[str, int, str]]:
-        """(``"stored"`` | ``"evicted"``, key, tier) in store order, for the conductor's index:
-        a demotion stores the block in the SSD tier, a promotion in DRAM; an eviction or a
-        removal drops it from the tier it names."""
-        out = []
+    def drain_runs(self) -> list[StoreRun]:
+        """The store's events since the last call, for the conductor's index, as runs of
+        one kind and tier in store order (a block may be stored, evicted and stored again
+        within one batch): a demotion stores the block in the SSD tier, a promotion in
+        DRAM; an eviction or a removal drops it from the tier it names. The one place
+        where store events are translated (``Conductor.apply_store_events`` may take the
+        store's events directly later)."""
+        runs: list[StoreRun] = []
+        kind_tier: tuple[str, str] | None = None
+        keys: list[bytes] = []
         for e in self.store.drain_events():
-            if e.kind in ("stored", "promoted", "demoted"):
-                out.append(("stored", e.key, e.tier))
-            elif e.kind in ("evicted", "removed"):
-                out.append(("evicted", e.key, e.tier))
-        return out
+            kind = "stored" if e.kind in ("stored", "promoted", "demoted") else (
+                "evicted" if e.kind in ("evicted", "removed") else None)
+            if kind is None:
+                continue
+            if (kind, e.tier) != kind_tier:
+                if keys and kind_tier is not None:
+                    runs.append(StoreRun(kind_tier[0], kind_tier[1], b"".join(keys)))
+                kind_tier, keys = (kind, e.tier), []
+            keys.append(e.key.to_bytes(16, "little"))
+        if keys and kind_tier is not None:
+            runs.append(StoreRun(kind_tier[0], kind_tier[1], b"".join(keys)))
+        return runs
 
     def __len__(self) -> int:
         return self.store.stats().blocks_dram

@@ -1,14 +1,14 @@
 """``Cluster``: an embedded disaggregated deployment (prefill and decode instances, a
 conductor) behind ``generate`` / ``submit``.
 
-The cluster's router thread owns every request's life: ``submit`` asks the conductor
-for a decision (or raises ``Overloaded``); the router asks the decode instance to
-reserve slots for the request's blocks and, when the decision fetches a prefix, asks
-its holder to pin it; then it sends the prefill instance the request with the fetch
-source and the destination slots. Prefill streams KV into those slots layer by layer
-and reports ``prefilled`` with the first token; the router then starts the decode
-instance, whose tokens it forwards to the request's handle. Store events go to the
-conductor's index, progress to its load model.
+``submit`` asks the conductor for a decision (or raises ``Overloaded``) and hands the
+request to the router thread (router.py), which drives its life (lifecycle.py): when
+the decision fetches a prefix, the holder pins it first; then the decode instance gets
+``Expect``, reserves slots and hands the request straight to the prefill instance,
+which streams KV into those slots layer by layer and tells the decode instance when
+all of it is in; the decode instance sends the tokens, which the router forwards to the
+request's handle. Store events go to the conductor's index, progress to its load model.
+The router sees the cluster only through ``_RouterPort``.
 
 Liveness (``processes=True``): workers send heartbeats on their control socket; the
 watchdog thread here kills a worker silent for ``heartbeat_timeout_s`` (a stopped or
@@ -19,76 +19,100 @@ cancels it on every instance it lives on.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import itertools
 import logging
 import math
 import os
 import queue
 import secrets
-import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from .. import (Conductor, ConductorConfig, DecodeCostModel, PrefillCostModel, PrefixHasher, TransferCostModel,
-               TransferRegistry)
+from .._core import (Conductor, ConductorConfig, DecodeCostModel, PrefillCostModel, PrefixHasher, TransferCostModel,
+                     TransferRegistry)
 from ..errors import InvalidArgument, MooncakeError, Overloaded
-from .._core import remove_shm_segments_of
-from .control import Msg, QueueChannel, SocketChannel, send_frame
 from .handle import RequestHandle, wait_seconds
-from .instance import Instance, InstanceSpec
+from .lifecycle import CancelRequest, Plan
 from .limits import Limits
 from .liveness import watch
+from .members import Member, mark_down, remove_segments_of, spawn_all
 from .metrics import ClusterMetrics, RequestMetrics
+from .protocol import (PROTOCOL_VERSION, Failed, InitFailed, InstanceSpec, Measure, Message, Params, Ready, Stats,
+                       StatsReply, Stop, Timings, pack_keys)
+from .router import RequestRecord, Router, Shutdown, SwapConductor
 
 __all__ = ["Cluster", "remove_segments_of"]
-
-
-def remove_segments_of(pid: int) -> None:
-    """Unlinks the shared-memory segments a (gone) worker process created: its transfer
-    engine's regions and store arena, ``/dev/shm/mooncake_rs.<pid>.<n>``."""
-    remove_shm_segments_of(pid)
 
 
 log = logging.getLogger("mooncake_rs.serving")
 
 
-@dataclass
-class _Req:
-    rid: int
-    prompt: list[int]
-    params: Any
-    keys: list[int]
-    decision: Any
-    handle: RequestHandle
-    t_submit: float
-    dest: Msg | None = None
-    fetch: Msg | None = None
-    wait_fetch: bool = False
-    dispatched: bool = False
-    prefilled: bool = False  # the prefill instance reported every byte sent (it holds nothing more)
-    deadline: float | None = None  # time.monotonic() past which the router cancels it
-    tokens: list[int] = field(default_factory=list)
-    t_last: float = 0.0
-    metrics: RequestMetrics = field(default_factory=RequestMetrics)
-    finished: bool = False
+class _RouterPort:
+    """The cluster as the router sees it (router.ClusterPort): these methods and
+    attributes, nothing else of the cluster's state."""
 
+    def __init__(self, cluster: "Cluster") -> None:
+        self._c = cluster
+        self.prefix_reuse = cluster.prefix_reuse
+        self.block_size = cluster.block_size
+        self.metrics = cluster.metrics
 
-class _Member:
-    def __init__(self, spec: InstanceSpec, channel: Any, proc: subprocess.Popen[bytes] | None = None,
-                 thread: threading.Thread | None = None) -> None:
-        self.spec, self.ch, self.proc, self.thread = spec, channel, proc, thread
-        self.ready = threading.Event()
-        self.alive = True
-        self.arena = ""
-        self.error: str | None = None
-        self.info: Msg = {}  # the instance's "ready" message (capacities)
-        self.down_reason: str | None = None  # set by the watchdog before it kills a hung worker
+    @property
+    def conductor(self) -> Any:
+        return self._c.conductor
+
+    @conductor.setter
+    def conductor(self, value: Any) -> None:  # SwapConductor, on the router thread
+        self._c.conductor = value
+
+    def send(self, inst: int, msg: Message) -> None:
+        m = self._c._members.get(inst)
+        if m is not None and m.alive:
+            m.ch.to_instance(msg)
+
+    def instance_ready(self, inst: int, msg: Ready | InitFailed) -> None:
+        m = self._c._members[inst]
+        if isinstance(msg, Ready):
+            if msg.version != PROTOCOL_VERSION:
+                m.error = f"protocol version {msg.version}, the cluster speaks {PROTOCOL_VERSION}"
+            m.info = msg
+        else:
+            m.error = msg.error
+        m.ready.set()
+
+    def instance_down(self, inst: int, reason: str) -> str | None:
+        return self._c._instance_down(inst, reason)
+
+    def peer_lost(self, inst: int, peer: int, reason: str) -> None:
+        c = self._c
+        m = c._members.get(peer)
+        if c._closed or m is None or not m.alive or m.proc is None or m.proc.poll() is not None:
+            return  # closing, or the peer is dead already (its own link says so)
+        log.warning("serving: %s lost its link to %s (%s); killing %s", c._members[inst].spec.name, m.spec.name,
+                    reason, m.spec.name)
+        m.proc.kill()  # its control link then closes: the usual death path
+
+    def exited(self) -> list[int]:
+        return [i for i, m in self._c._members.items() if m.alive and m.proc is not None and m.proc.poll() is not None]
+
+    def reply(self, inst: int, msg: Message) -> None:
+        self._c._measured.put((inst, msg))
+
+    def output(self, record: RequestRecord, reason: str) -> Any:
+        from ..engine import RequestOutput
+
+        m = record.metrics
+        return RequestOutput(str(record.plan.rid), record.plan.prompt, list(record.tokens), reason, [],
+                             m.reused_tokens, 0, m)
+
+    def now(self) -> float:
+        return self._c._now()
 
 
 class Cluster:
@@ -137,49 +161,60 @@ class Cluster:
         self._hasher = PrefixHasher(block_size, seed=0)
         self._ids = itertools.count(1)
         self._t0 = time.monotonic()
-        self._events: queue.Queue[tuple[int, Msg]] = queue.Queue()
-        self._reqs: dict[int, _Req] = {}
-        self._lock = threading.Lock()
-        self._measured: queue.Queue[Msg] = queue.Queue()
+        self._measured: queue.Queue[tuple[int, Message]] = queue.Queue()
         self.metrics = ClusterMetrics()
         self._closed = False
         self._stop_watch = threading.Event()
         self._token = uuid.uuid4().hex[:8]
         self._transfer_token = secrets.token_hex(32)  # the workers' transfer engines share it
         self._registry = TransferRegistry()  # in-process: how the instances' engines find each other
-        self._members: dict[int, _Member] = {}
+        self._members: dict[int, Member] = {}
         self._cfg_args: dict[str, Any] = dict(block_size=block_size, ttft_slo_s=float(ttft_slo_s), tbt_slo_s=float(tbt_slo_s),
                               policy=policy, rejection=rejection, seed=seed)
         self.prefill_ids = list(range(prefill))
         self.decode_ids = list(range(prefill, prefill + decode))
+        # until the instances report their real block bytes (the engine's dtype): a float32 estimate
         self._layout_bytes = self._block_bytes(model, block_size)
         self._heartbeat_timeout_s = None if heartbeat_timeout_s is None or not self.processes else float(heartbeat_timeout_s)
         self._limits = Limits(self._model_config(model), block_size)  # instance capacities, once all are ready
-        self.conductor = self._new_conductor(PrefillCostModel(c0=0.002, c_new=2e-5, c_new2=0.0, c_cross=0.0))
-        self._router = threading.Thread(target=self._route, name="mooncake-router", daemon=True)
-        self._router.start()
+        self._prefill_model = PrefillCostModel(c0=0.002, c_new=2e-5, c_new2=0.0, c_cross=0.0)
+        self.conductor = self._new_conductor(self._prefill_model)
+        names = {i: f"prefill-{i}" for i in self.prefill_ids} | {
+            i: f"decode-{i - prefill}" for i in self.decode_ids}
+        self._router = Router(_RouterPort(self), names)
+        self._router_thread = threading.Thread(target=self._router.run, name="mooncake-router", daemon=True)
+        self._router_thread.start()
         try:
-            for i in self.prefill_ids + self.decode_ids:
-                role = "prefill" if i in self.prefill_ids else "decode"
-                name = f"{role}-{i if role == 'prefill' else i - prefill}"
-                spec = InstanceSpec(i, role, name, model, block_size, int(dram_bytes_per_instance), seed,
-                                    stream_layers, link_bandwidth, dict(engine_kwargs or {}),
-                                    ssd_path=None if ssd_path is None else os.path.join(ssd_path, name),
-                                    ssd_bytes=ssd_bytes,
-                                    # a few beats per timeout, so one late beat is no false alarm
-                                    heartbeat_s=(self._heartbeat_timeout_s or 0.0) / 4)
-                self._spawn(spec)
+            wire_model = self._wire_model(model)
+            specs = [InstanceSpec(i, "prefill" if i in self.prefill_ids else "decode", names[i], wire_model, block_size,
+                                  int(dram_bytes_per_instance), seed, stream_layers, link_bandwidth,
+                                  dict(engine_kwargs or {}),
+                                  ssd_path=None if ssd_path is None else os.path.join(ssd_path, names[i]),
+                                  ssd_bytes=ssd_bytes,
+                                  # a few beats per timeout, so one late beat is no false alarm
+                                  heartbeat_s=(self._heartbeat_timeout_s or 0.0) / 4)
+                     for i in self.prefill_ids + self.decode_ids]
+            self._members.update(spawn_all(specs, self.processes, self._router.events, self._registry,
+                                           self._transfer_token))
             deadline = time.monotonic() + start_timeout_s
             for m in self._members.values():
                 if not m.ready.wait(max(0.0, deadline - time.monotonic())) or m.error:
                     raise MooncakeError(f"instance {m.spec.name} did not start: {m.error or 'timeout'}")
-            self._limits.learn([m.info for m in self._members.values()])
+            ready = [m.info for m in self._members.values() if m.info is not None]
+            self._limits.learn(ready)
+            # The conductor's transfer cost uses the block bytes the instances report (a
+            # bfloat16 engine's blocks are half a float32 estimate). Nothing is routed yet.
+            reported = max(r.block_bytes for r in ready)
+            if reported != self._layout_bytes:
+                self._layout_bytes = reported
+                self._swap_conductor(self._new_conductor(self._prefill_model, index=self.conductor.index))
         except BaseException:
             self.close()
             raise
         if self._heartbeat_timeout_s is not None:
-            threading.Thread(target=watch, args=(self, self._heartbeat_timeout_s), name="mooncake-watchdog",
-                             daemon=True).start()
+            threading.Thread(target=watch, args=(lambda: list(self._members.values()), self._stop_watch,
+                                                 self._heartbeat_timeout_s),
+                             name="mooncake-watchdog", daemon=True).start()
 
     # ---- construction
     @staticmethod
@@ -214,33 +249,26 @@ class Cluster:
             c.add_decode(i)
         return c
 
-    def _spawn(self, spec: InstanceSpec) -> None:
-        if not self.processes:
-            ch = QueueChannel(spec.id, self._events)
-            m = _Member(spec, ch)
-            self._members[spec.id] = m
+    @staticmethod
+    def _wire_model(model: Any) -> str | dict[str, Any]:
+        """The model as an InstanceSpec carries it: a preset name or directory, or a
+        ModelConfig's fields."""
+        if isinstance(model, (str, Path)):
+            return str(model)
+        return dataclasses.asdict(model)
 
-            def run() -> None:
-                try:
-                    Instance(spec, ch, self._registry).run()
-                except BaseException as e:  # noqa: BLE001 - reported to the router
-                    log.exception("instance %s crashed", spec.name)
-                    self._events.put((spec.id, {"op": "dead", "error": f"{type(e).__name__}: {e}"}))
+    def _swap_conductor(self, fresh: Conductor, timeout_s: float = 30.0) -> None:
+        """Replaces the conductor on the router thread (never under a call of its)."""
+        done = threading.Event()
+        self._router.post(SwapConductor(fresh, done))
+        if not done.wait(timeout_s):
+            raise MooncakeError("the router did not take the new conductor")
 
-            m.thread = threading.Thread(target=run, name=f"mooncake-{spec.name}", daemon=True)
-            m.thread.start()
-            return
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = dict(os.environ)
-        src = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        proc = subprocess.Popen([sys.executable, "-m", "mooncake_rs.serving.worker", "--fd", str(child.fileno())],
-                                pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
-        child.close()
-        # The token travels on the private socketpair, never on a command line or in
-        # the environment, where other local users could read it.
-        send_frame(parent, {"op": "init", "spec": spec, "auth_token": self._transfer_token})
-        self._members[spec.id] = _Member(spec, SocketChannel(parent, spec.id, self._events), proc=proc)
+    def _instance_down(self, inst: int, reason: str) -> str | None:
+        m = self._members.get(inst)
+        if m is None or not m.alive:
+            return None
+        return mark_down(m, reason, quiet=self._closed)
 
     # ---- the public API
     def __enter__(self) -> "Cluster":
@@ -286,19 +314,23 @@ class Cluster:
         except Overloaded:
             self.metrics.count("rejected")
             raise
-        req = _Req(rid, toks, params, keys, d, RequestHandle(rid, toks, self._cancel), time.monotonic())
-        req.deadline = None if wait is None else req.t_submit + wait
-        req.metrics.prefill_instance, req.metrics.decode_instance = d.prefill, d.decode
-        req.handle.prefill_instance, req.handle.decode_instance = d.prefill, d.decode
-        req.metrics.prompt_tokens = len(toks)
-        with self._lock:
-            self._reqs[rid] = req
-        self._events.put((-1, {"op": "new", "rid": rid}))
-        return req.handle
+        t_submit = time.monotonic()
+        local = d.reused_blocks - d.fetch_blocks
+        fetch = d.fetch_blocks > 0 and d.fetch_from is not None
+        plan = Plan(rid, toks, Params.of(params), pack_keys(keys), d.prefill, d.decode, local=local,
+                    fetch_from=d.fetch_from if fetch else None,
+                    fetch_keys=pack_keys(keys[local:d.reused_blocks]) if fetch else b"",
+                    deadline=None if wait is None else t_submit + wait, timeout_s=0.0 if wait is None else wait)
+        rec = RequestRecord(plan, RequestHandle(rid, toks, self._cancel), t_submit)
+        rec.metrics.prefill_instance, rec.metrics.decode_instance = d.prefill, d.decode
+        rec.handle.prefill_instance, rec.handle.decode_instance = d.prefill, d.decode
+        rec.metrics.prompt_tokens = len(toks)
+        self._router.submit(rec)
+        return rec.handle
 
     def _cancel(self, rid: int, error: BaseException) -> None:
-        """RequestHandle.cancel: the router ends the request everywhere (see Router._fail)."""
-        self._events.put((-1, {"op": "cancel_request", "rid": rid, "error": error}))
+        """RequestHandle.cancel: the router ends the request everywhere (lifecycle.py)."""
+        self._router.post(CancelRequest(rid, error))
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Any = None, *,
                  on_reject: str = "raise", timeout_s: float | None = None) -> list[Any]:
@@ -361,41 +393,61 @@ class Cluster:
         for i, m in self._members.items():
             if not m.alive:
                 continue
-            m.ch.to_instance({"op": "stats"})
-            try:
-                out[i] = self._measured.get(timeout=timeout_s)["stats"]
-            except (queue.Empty, KeyError):
-                raise MooncakeError(f"instance {m.spec.name} did not report its stats") from None
+            m.ch.to_instance(Stats())
+            reply = self._reply(timeout_s)
+            if not isinstance(reply, StatsReply):
+                raise MooncakeError(f"instance {m.spec.name} did not report its stats")
+            out[i] = reply.stats
         return out
+
+    def _reply(self, timeout_s: float) -> Message | None:
+        try:
+            return self._measured.get(timeout=timeout_s)[1]
+        except queue.Empty:
+            return None
+
+    def message_counts(self, timeout_s: float = 30.0) -> dict[str, int]:
+        """Control messages sent so far on every link of the cluster, by op (``new``:
+        requests handed to the router): what docs/serving.md counts as hops. Heartbeats
+        and the stats exchange this call makes are left out. Call it idle."""
+        total: collections.Counter[str] = collections.Counter({k.lower(): v for k, v in
+                                                               self._router.counts.snapshot().items()})
+        for m in self._members.values():
+            total.update(m.cluster_counts())
+        for st in self.instance_stats(timeout_s).values():
+            for k, v in st.items():
+                if k.startswith("sent."):
+                    total[k[5:]] += int(v)
+        for op in ("stats", "stats_reply", "beat"):
+            total.pop(op, None)
+        return dict(total)
 
     def calibrate(self, points: Sequence[tuple[int, int]] | None = None, *, repeats: int = 3,
                   timeout_s: float = 300.0) -> Any:
         """Measures real prefill times on a prefill instance (``(new, cached)`` token
         points) and refits the conductor's prefill cost model; returns the fitted model.
         Run it while the cluster is idle."""
-        with self._lock:
-            if any(not r.finished for r in self._reqs.values()):
-                raise InvalidArgument("calibrate() needs an idle cluster")
+        if self._router.in_flight():
+            raise InvalidArgument("calibrate() needs an idle cluster")
         if points is None:
             b = self.block_size
             points = [(n * b, c * b) for n in (1, 2, 4, 8, 16) for c in (0, 4, 16)]
         inst = next((i for i in self.prefill_ids if self._members[i].alive), None)
         if inst is None:
             raise MooncakeError("no live prefill instance to calibrate on")
-        self._members[inst].ch.to_instance({"op": "measure", "points": list(points), "repeats": repeats})
-        try:
-            msg = self._measured.get(timeout=timeout_s)
-        except queue.Empty:
-            raise MooncakeError(f"calibration did not finish within {timeout_s}s") from None
-        if "error" in msg:
-            raise MooncakeError(f"calibration failed: {msg['error']}")
-        samples = [(new + cached, cached, s) for new, cached, s in msg["timings"]]
+        self._members[inst].ch.to_instance(Measure([(int(n), int(c)) for n, c in points], repeats))
+        msg = self._reply(timeout_s)
+        if msg is None:
+            raise MooncakeError(f"calibration did not finish within {timeout_s}s")
+        if isinstance(msg, Failed):
+            raise MooncakeError(f"calibration failed: {msg.error}")
+        if not isinstance(msg, Timings):
+            raise MooncakeError(f"calibration got {type(msg).__name__} instead of timings")
+        samples = [(new + cached, cached, s) for new, cached, s in msg.timings]
         model = PrefillCostModel.fit(samples)
-        fresh = self._new_conductor(model, index=self.conductor.index)
-        for i in self.prefill_ids + self.decode_ids:
-            if not self._members[i].alive:
-                fresh.remove_instance(i)
-        self.conductor = fresh
+        self._prefill_model = model
+        # swapped on the router thread, which drops the instances it knows are down
+        self._swap_conductor(self._new_conductor(model, index=self.conductor.index))
         self.calibration = samples
         return model
 
@@ -408,7 +460,7 @@ class Cluster:
         self._stop_watch.set()
         for m in self._members.values():
             if m.alive:
-                m.ch.to_instance({"op": "stop"})
+                m.ch.to_instance(Stop())
         deadline = time.monotonic() + timeout_s
         for m in self._members.values():
             if m.thread is not None:
@@ -420,13 +472,10 @@ class Cluster:
                     m.proc.kill()
                     m.proc.wait(5)
                 m.ch.close()
-        self._events.put((-1, {"op": "shutdown"}))
-        self._router.join(5)
-        with self._lock:
-            reqs = list(self._reqs.values())
-            self._reqs.clear()
-        for r in reqs:
-            r.handle._fail(MooncakeError("the cluster was closed"))
+        self._router.post(Shutdown())
+        self._router_thread.join(5)
+        if not self._router_thread.is_alive():
+            self._router.fail_all(MooncakeError("the cluster was closed"))
         self._cleanup_shm()
 
     def _cleanup_shm(self) -> None:
@@ -439,9 +488,3 @@ class Cluster:
             self.close(timeout_s=2.0)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
-
-    # ---- the router
-    def _route(self) -> None:
-        from .router import Router
-
-        Router(self).run()

@@ -1,36 +1,123 @@
-"""Control messages between the cluster and its instances.
+"""Control links: how protocol messages (protocol.py) travel between the cluster, its
+instances and instance peers. KV bytes never travel here.
 
-Messages are small dicts (``{"op": ..., ...}``; KV bytes never travel here). In-process,
-a channel is a pair of queues; with ``processes=True`` it is a local stream socket
-(a ``socketpair`` shared with the worker at spawn) carrying length-prefixed pickles.
-The cluster's side posts every message it receives, tagged with the instance id, into
-one event queue; a closed socket posts ``{"op": "dead"}`` (how a dead worker is noticed).
-A worker also sends ``{"op": "beat"}`` every few seconds (see worker.py): the reader
-thread only stamps ``last_seen`` for it, which the cluster's watchdog compares with
-``heartbeat_timeout_s`` (how a hung worker is noticed).
+A link delivers what it receives into a sink queue as ``(source, message)``; the
+cluster has one sink (the router's events, tagged with the instance id), an instance
+has one (its inbox: messages from the cluster, tagged ``CLUSTER``, and from its peers,
+tagged with the peer's instance id). A link that closes (EOF, an error, a frame that
+does not decode) posts ``Lost(reason)``: that is how a dead worker, or a dead peer, is
+noticed. A reader that gets a bad frame, or a message that link must not carry, logs
+why and closes that connection; it never raises into the process.
+
+- ``QueueChannel``: in-process cluster <-> instance (queues; messages passed as objects).
+- ``QueuePeer``: in-process instance -> instance.
+- ``SocketChannel``: a stream socket (a ``socketpair`` made by the cluster at spawn)
+  carrying length-prefixed msgpack frames, for worker processes: the control link and
+  the peer links alike.
+
+Every link counts the messages it sends, by op (``counts``): the hop count of
+docs/serving.md is measured with them. A worker's control link also carries ``Beat``
+every few seconds (worker.py): its reader only stamps ``last_seen``, which the
+cluster's watchdog compares with ``heartbeat_timeout_s``.
 """
 
 from __future__ import annotations
 
-import pickle
+import collections
+import logging
 import queue
 import socket
-import struct
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["QueueChannel", "SocketChannel", "send_frame", "recv_frame"]
+from .protocol import Beat, Codec, Message, ProtocolError, op_of
 
-_HDR = struct.Struct("!I")
-_MAX_FRAME = 256 * 1024 * 1024
+__all__ = ["CLUSTER", "Lost", "Counts", "QueueChannel", "QueuePeer", "SocketChannel", "read_message"]
 
-Msg = dict[str, Any]
+log = logging.getLogger("mooncake_rs.serving")
+
+#: the source id of messages from the cluster in an instance's inbox
+CLUSTER = -1
 
 
-def send_frame(sock: socket.socket, msg: Msg) -> None:
-    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-    sock.sendall(_HDR.pack(len(data)) + data)
+@dataclass(frozen=True)
+class Lost:
+    """Posted by a link that closed: EOF, a socket error or a bad frame (``reason``)."""
+
+    reason: str
+
+
+class Counts:
+    """Messages sent on one link, by op (thread-safe: a link may send from two threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._c: collections.Counter[str] = collections.Counter()
+
+    def add(self, msg: Any) -> None:
+        op = op_of(msg)
+        with self._lock:
+            self._c[op] += 1
+
+    def snapshot(self) -> collections.Counter[str]:
+        with self._lock:
+            return collections.Counter(self._c)
+
+
+def _get(q: "queue.SimpleQueue[Any]", timeout: float | None) -> Any:
+    """The next item of ``q``: waits up to ``timeout`` (None: forever, 0: not at all)."""
+    try:
+        return q.get(timeout=timeout) if timeout != 0 else q.get_nowait()
+    except queue.Empty:
+        return None
+
+
+class QueueChannel:
+    """In-process cluster <-> instance: the instance reads ``inbox``; what it sends lands
+    in the cluster's event queue tagged with its id."""
+
+    def __init__(self, instance_id: int, events: "queue.SimpleQueue[tuple[int, Any]]") -> None:
+        self.instance_id = instance_id
+        self.inbox: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        self._events = events
+        self.counts = Counts()  # sent by the instance
+        self.cluster_counts = Counts()  # sent by the cluster
+        self.last_seen = time.monotonic()
+
+    # instance side
+    def recv(self, timeout: float | None) -> tuple[int, Any] | None:
+        return _get(self.inbox, timeout)
+
+    def send(self, msg: Message) -> None:
+        self.counts.add(msg)
+        self._events.put((self.instance_id, msg))
+
+    # cluster side
+    def to_instance(self, msg: Message) -> None:
+        self.cluster_counts.add(msg)
+        self.inbox.put((CLUSTER, msg))
+
+    def close(self) -> None:
+        pass
+
+
+class QueuePeer:
+    """In-process instance -> instance: posts into the peer's inbox under our id."""
+
+    def __init__(self, source_id: int, target: "queue.SimpleQueue[tuple[int, Any]]") -> None:
+        self.source_id = source_id
+        self._target = target
+        self.counts = Counts()
+        self.alive = True
+
+    def send(self, msg: Message) -> None:
+        self.counts.add(msg)
+        self._target.put((self.source_id, msg))
+
+    def close(self) -> None:
+        self.alive = False
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
@@ -44,107 +131,89 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return b"".join(parts)
 
 
-def recv_frame(sock: socket.socket) -> Msg | None:
-    """The next message, or None when the peer closed the connection."""
-    hdr = _recv_exact(sock, _HDR.size)
+def read_message(sock: socket.socket, codec: Codec) -> Message | None:
+    """The next message on ``sock``; None when the peer closed it (also mid-frame: a
+    peer that dies while writing). Raises ``ProtocolError`` for a bad frame."""
+    hdr = _recv_exact(sock, 4)
     if hdr is None:
         return None
-    (n,) = _HDR.unpack(hdr)
-    if n > _MAX_FRAME:
-        raise ConnectionError(f"control frame of {n} bytes exceeds the limit")
+    n = codec.body_length(hdr)
     body = _recv_exact(sock, n)
     if body is None:
         return None
-    msg = pickle.loads(body)
-    if not isinstance(msg, dict) or "op" not in msg:
-        raise ConnectionError("malformed control message")
-    return msg
-
-
-def _get(q: "queue.Queue[Msg]", timeout: float | None) -> Msg | None:
-    """The next message of ``q``: waits up to ``timeout`` (None: forever, 0: not at all)."""
-    try:
-        return q.get(timeout=timeout) if timeout != 0 else q.get_nowait()
-    except queue.Empty:
-        return None
-
-
-class QueueChannel:
-    """In-process: the instance reads ``inbox``; what it sends lands in the cluster's queue."""
-
-    def __init__(self, instance_id: int, events: "queue.Queue[tuple[int, Msg]]") -> None:
-        self.instance_id = instance_id
-        self.inbox: queue.Queue[Msg] = queue.Queue()
-        self._events = events
-
-    # instance side
-    def recv(self, timeout: float | None) -> Msg | None:
-        return _get(self.inbox, timeout)
-
-    def send(self, msg: Msg) -> None:
-        self._events.put((self.instance_id, msg))
-
-    # cluster side
-    def to_instance(self, msg: Msg) -> None:
-        self.inbox.put(msg)
-
-    def close(self) -> None:
-        pass
+    return codec.decode_body(body)
 
 
 class SocketChannel:
-    """One end of the control socket; a reader thread feeds ``deliver`` with messages."""
+    """One end of a socket link; a reader thread delivers ``(source_id, msg)`` into
+    ``sink`` for every message of the types in ``allowed``.
 
-    def __init__(self, sock: socket.socket, instance_id: int, events: "queue.Queue[tuple[int, Msg]] | None" = None) -> None:
+    ``to_instance`` / ``send`` write a frame (the cluster and the instance side share
+    the framing); ``recv`` reads the sink (for a worker whose only link it is)."""
+
+    def __init__(self, sock: socket.socket, source_id: int, sink: "queue.SimpleQueue[tuple[int, Any]]",
+                 allowed: tuple[type, ...], name: str = "") -> None:
         self.sock = sock
-        self.instance_id = instance_id
+        self.source_id = source_id
+        self.name = name or f"link-{source_id}"
+        self._allowed = allowed
+        self._sink = sink
         self._send_lock = threading.Lock()
-        self.inbox: queue.Queue[Msg] = queue.Queue()
-        self._events = events
+        self._enc = Codec()
+        self.counts = Counts()
+        self.alive = True
         #: time.monotonic() of the last frame received (any op): the peer's liveness
         self.last_seen = time.monotonic()
-        self._reader = threading.Thread(target=self._read, name=f"mooncake-ctl-{instance_id}", daemon=True)
+        self._reader = threading.Thread(target=self._read, name=f"mooncake-ctl-{self.name}", daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
+        codec = Codec()
+        reason = "closed"
         while True:
             try:
-                msg = recv_frame(self.sock)
-            except (OSError, ConnectionError, pickle.UnpicklingError, EOFError):
-                msg = None
+                msg = read_message(self.sock, codec)
+            except ProtocolError as e:
+                reason = f"bad frame: {e}"
+                log.warning("serving: %s: %s; closing the connection", self.name, reason)
+                break
+            except OSError as e:
+                reason = f"{type(e).__name__}: {e}"
+                break
             if msg is None:
-                msg = {"op": "dead"}
-            else:
-                self.last_seen = time.monotonic()
-                if msg["op"] == "beat":
-                    continue
-            if self._events is not None:
-                self._events.put((self.instance_id, msg))
-            else:
-                self.inbox.put(msg)
-            if msg["op"] == "dead":
-                return
+                break
+            self.last_seen = time.monotonic()
+            if isinstance(msg, Beat):
+                continue
+            if not isinstance(msg, self._allowed):
+                reason = f"bad frame: a {op_of(msg)} message is not expected on this link"
+                log.warning("serving: %s: %s; closing the connection", self.name, reason)
+                break
+            self._sink.put((self.source_id, msg))
+        self.alive = False
+        self._shutdown()
+        self._sink.put((self.source_id, Lost(reason)))
 
-    def _send(self, msg: Msg) -> None:
-        with self._send_lock:
-            try:
-                send_frame(self.sock, msg)
-            except OSError:
-                pass  # the reader notices the closed socket and reports it
-
-    # worker side (inbox) and cluster side (events) share the framing
-    def recv(self, timeout: float | None) -> Msg | None:
-        return _get(self.inbox, timeout)
-
-    def send(self, msg: Msg) -> None:
-        self._send(msg)
-
-    def to_instance(self, msg: Msg) -> None:
-        self._send(msg)
-
-    def close(self) -> None:
+    def _shutdown(self) -> None:
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+
+    def send(self, msg: Message) -> None:
+        with self._send_lock:  # one writer at a time per socket (and per encoder)
+            frame = self._enc.encode(msg)
+            self.counts.add(msg)
+            try:
+                self.sock.sendall(frame)
+            except OSError:
+                pass  # the reader notices the closed socket and reports it
+
+    to_instance = send
+
+    def recv(self, timeout: float | None) -> tuple[int, Any] | None:
+        return _get(self._sink, timeout)
+
+    def close(self) -> None:
+        self._shutdown()
         self.sock.close()

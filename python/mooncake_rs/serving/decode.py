@@ -1,24 +1,26 @@
 """Decode behaviour of an instance.
 
-``expect``: before a request's prefill starts, reserve a store slot for each of its full
-prompt blocks that this instance does not hold yet, plus one request-scoped slot for the
-partial last block, and name their offsets (the prefill instance writes into them, layer
-by layer). ``decode``: once the prefill instance reports every byte sent, commit the
-keyed slots, hand all the blocks to ``Engine.add_decode_request`` (the request joins the
-continuous batch) and stream the tokens of each step back to the cluster.
+``Expect`` (from the cluster): reserve a store slot for each of the request's full
+prompt blocks that this instance does not hold yet, plus one request-scoped slot for
+the partial last block, and hand the request with those slots straight to its prefill
+instance (``Prefill`` on the peer link; the prefill writes into the slots, layer by
+layer). ``KvReady`` (from that prefill instance): every byte is in; commit the keyed
+slots, send the first token (with the prefill's report) to the cluster, hand all the
+blocks to ``Engine.add_decode_request`` (the request joins the continuous batch) and
+stream the tokens of each step back. The prompt and the sampling parameters come once,
+in ``Expect``; the cluster sees none of the slot offsets.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
+
+import msgspec
 
 from ..errors import MooncakeError, StoreFull
-from .control import Msg
-
-if TYPE_CHECKING:
-    from ..engine import RequestOutput
-    from .instance import Instance
+from .protocol import (Cancel, Dest, Endpoint, Expect, Failed, InstanceSpec, KvReady, Message, Params, Prefill,
+                       ProtocolError, Step, Tokens, op_of, unpack_keys)
 
 __all__ = ["DecodeRole"]
 
@@ -26,16 +28,23 @@ __all__ = ["DecodeRole"]
 @dataclass
 class _DState:
     keys: list[int]
+    prompt: list[int]
+    params: Params
+    prefill: int
     have: dict[int, Any] = field(default_factory=dict)  # block -> Block already held (leased)
     reserved: dict[int, Any] = field(default_factory=dict)  # block -> WritableBlock being filled
     partial: Any = None  # WritableBlock of the partial last block (request-scoped)
 
 
 class DecodeRole:
-    def __init__(self, inst: "Instance") -> None:
-        self.inst = inst
+    def __init__(self, spec: InstanceSpec, engine: Any, store: Any, transport: Any, endpoint: Endpoint,
+                 up: Callable[[Message], None], peers: dict[int, Any], flush: Callable[[], None]) -> None:
+        self.spec, self.engine, self.store, self.endpoint = spec, engine, store, endpoint
+        self.up = up  # to the cluster
+        self.peers = peers  # prefill instance id -> link
         self.waiting: dict[int, _DState] = {}
         self.active: set[int] = set()
+        self._out: list[Tokens] = []  # sent together by send_pending (one frame per loop phase)
 
     def busy(self) -> bool:
         return False
@@ -44,19 +53,25 @@ class DecodeRole:
         """Requests this role still holds state (reserved slots, a running sequence) for."""
         return len(self.waiting) + len(self.active)
 
-    def handle(self, msg: Msg) -> None:
-        op = msg["op"]
-        if op == "expect":
-            self._expect(msg)
-        elif op == "decode":
-            self._decode(msg)
-        elif op == "cancel":
-            self._cancel(msg["rid"])
+    def handle(self, src: int, msg: Message) -> None:
+        match msg:
+            case Expect():
+                self._expect(msg)
+            case KvReady():
+                st = self.waiting.get(msg.rid)
+                if st is not None and st.prefill != src:
+                    raise ProtocolError(f"KvReady for request {msg.rid} from instance {src}, not its prefill "
+                                        f"{st.prefill}")
+                self._kv_ready(msg)
+            case Cancel(rid=rid):
+                self._cancel(rid)
+            case _:
+                raise ProtocolError(f"a decode instance does not take {op_of(msg)}")
 
-    def _expect(self, msg: Msg) -> None:
-        store = self.inst.store
-        rid = msg["rid"]
-        st = _DState(list(msg["keys"]))
+    def _expect(self, msg: Expect) -> None:
+        store = self.store
+        rid = msg.rid
+        st = _DState(unpack_keys(msg.keys), msg.prompt, msg.params, msg.prefill)
         self.waiting[rid] = st
         try:
             for i, k in enumerate(st.keys):
@@ -65,47 +80,71 @@ class DecodeRole:
                     st.have[i] = s
                 else:
                     st.reserved[i] = store.reserve(k)
-            if msg["partial"]:
+            if len(msg.prompt) % self.spec.block_size:
                 st.partial = store.reserve_scratch(rid)
         except StoreFull as e:
             self._cancel(rid)
-            self.inst.ch.send({"op": "failed", "rid": rid, "error": f"StoreFull: {e}"})
+            self.up(Failed(rid, f"StoreFull: {e}"))
+            return
+        link = self.peers.get(msg.prefill)
+        if link is None or not getattr(link, "alive", True):
+            self._cancel(rid)
+            self.up(Failed(rid, f"prefill instance {msg.prefill} is not reachable"))
             return
         blocks = [None if i in st.have else store.offset(st.reserved[i]) for i in range(len(st.keys))]
-        self.inst.ch.send({"op": "expected", "rid": rid, "arena": self.inst.endpoint, "blocks": blocks,
-                           "partial": None if st.partial is None else store.offset(st.partial)})
+        dest = Dest(self.endpoint, blocks, None if st.partial is None else store.offset(st.partial))
+        link.send(Prefill(rid, msg.prompt, msg.params, msg.keys, msg.local, msg.fetch, dest, self.spec.id))
 
-    def _decode(self, msg: Msg) -> None:
-        inst, store = self.inst, self.inst.store
-        rid = msg["rid"]
-        st = self.waiting.pop(rid)
-        blocks = []
-        for i, k in enumerate(st.keys):
-            b = st.have[i] if i in st.have else store.commit(st.reserved.pop(i), lease=True)
-            if b is None:
-                raise MooncakeError(f"block {i} was evicted before decode started; raise dram_bytes_per_instance")
-            blocks.append(b)
-        st.have = dict(enumerate(blocks))
+    def _kv_ready(self, msg: KvReady) -> None:
+        rid = msg.rid
+        st = self.waiting.pop(rid, None)
+        if st is None:
+            return  # cancelled meanwhile
+        first = [] if msg.first is None else [msg.first]
+        if msg.finish != "prefill":  # the first token ended it: nothing to decode
+            self._free(st)
+            self._out.append(Tokens(rid, first, msg.finish, msg.report))
+            return
+        store = self.store
         try:
+            blocks = []
+            for i, k in enumerate(st.keys):
+                b = st.have[i] if i in st.have else store.commit(st.reserved.pop(i), lease=True)
+                if b is None:
+                    raise MooncakeError(f"block {i} was evicted before decode started; raise dram_bytes_per_instance")
+                blocks.append(b)
+                st.have[i] = b
+            # the first token, as soon as the KV is in (sent before the next engine step)
+            self._out.append(Tokens(rid, first, None, msg.report))
             views = [store.view(b) for b in blocks]
             if st.partial is not None:
                 views.append(store.view(st.partial))
-            inst.engine.add_decode_request(msg["prompt"], msg["first"], msg["params"], views, request_id=str(rid))
+            from ..engine import SamplingParams
+
+            self.engine.add_decode_request(st.prompt, msg.first, SamplingParams(**msgspec.structs.asdict(st.params)),
+                                           views, request_id=str(rid))
             del views  # the engine copied the KV into its pages
         finally:
             self._free(st)
         self.active.add(rid)
-        inst.ch.send({"op": "decode_started", "rid": rid, "t": inst.now()})
 
-    def on_outputs(self, outs: list["RequestOutput"]) -> None:
+    def on_outputs(self, outs: list[Any]) -> None:
         for out in outs:
             rid = int(out.request_id)
             if rid not in self.active:
                 continue
-            self.inst.ch.send({"op": "tokens", "rid": rid, "tokens": list(out.new_token_ids),
-                               "finish": out.finish_reason, "t": self.inst.now()})
+            self._out.append(Tokens(rid, list(out.new_token_ids), out.finish_reason))
             if out.finished:
                 self.active.discard(rid)
+
+    def send_pending(self) -> None:
+        """The tokens of this loop phase (the messages just handled, or one engine step),
+        as one message: a ``Step`` when there are several."""
+        out, self._out = self._out, []
+        if len(out) == 1:
+            self.up(out[0])
+        elif out:
+            self.up(Step(out))
 
     def poll(self) -> None:
         pass
@@ -125,5 +164,5 @@ class DecodeRole:
         if st is not None:
             self._free(st)
         if rid in self.active:
-            self.inst.engine.abort(str(rid))
+            self.engine.abort(str(rid))
             self.active.discard(rid)

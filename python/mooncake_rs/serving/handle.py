@@ -45,7 +45,7 @@ class RequestHandle:
         self._on_cancel = on_cancel  # the cluster: frees the request's slots, pages and conductor entry
         self.prefill_instance = -1  # where the conductor sent it
         self.decode_instance = -1
-        self._q: queue.Queue[Any] = queue.Queue()
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()  # the router puts a token per token
         self._done = threading.Event()
         self._output: Any = None
         self._error: BaseException | None = None

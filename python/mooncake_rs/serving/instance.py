@@ -4,9 +4,12 @@ reports back.
 
 The same class runs inside the cluster's process (a thread per instance,
 ``processes=False``) and inside a worker process (``processes=True``, see worker.py).
-Store events (stored/evicted blocks) go to the cluster, which feeds the conductor's
-index; progress (prefill started/finished, decode started, tokens) feeds its load model.
-The role-specific behaviour is in prefill.py and decode.py.
+Its inbox holds messages from the cluster (source ``CLUSTER``) and from its peers
+(the other role's instances, source = their id): a decode instance hands requests to
+prefill instances (``Prefill``) and hears back from them (``KvReady``) directly. Store
+events (stored/evicted blocks) go to the cluster, which feeds the conductor's index. The
+role-specific behaviour is in prefill.py and decode.py; what is common (pinning blocks
+for a peer's prefix fetch, stats, calibration) is here.
 """
 
 from __future__ import annotations
@@ -14,67 +17,60 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from .arena import StoreSlots
-from .control import Msg
+from .control import CLUSTER, Lost
+from .decode import DecodeRole
+from .prefill import PrefillRole
+from .protocol import (PROTOCOL_VERSION, Endpoint, Export, Exported, Failed, InstanceSpec, Measure, Message,
+                       PeerLost, Ready, Stats, StatsReply, Stop, StoreEvents, Timings, Unpin, unpack_keys)
 from .transport import Transport
 
-__all__ = ["InstanceSpec", "Instance"]
+__all__ = ["InstanceSpec", "Instance", "model_of"]
 
 log = logging.getLogger("mooncake_rs.serving")
 
 
-@dataclass
-class InstanceSpec:
-    """What an instance is built from (picklable: sent to worker processes)."""
+def model_of(spec_model: Any) -> Any:
+    """An ``InstanceSpec.model`` as the engine takes it: a preset name or model directory
+    as is, a ModelConfig's fields (a dict on the wire) as a ModelConfig."""
+    if isinstance(spec_model, str):
+        return spec_model
+    from ..engine import ModelConfig
 
-    id: int
-    role: str  # "prefill" or "decode"
-    name: str
-    model: Any  # ModelConfig, preset name or model directory
-    block_size: int
-    dram_bytes: int
-    seed: int = 0
-    stream_layers: bool = True
-    link_bandwidth: float | None = None
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)
-    #: the store's SSD tier (a directory of this instance's own), or None for DRAM only
-    ssd_path: str | None = None
-    ssd_bytes: int = 0
-    #: seconds between heartbeats of a worker process (0: none; in-process instances send none)
-    heartbeat_s: float = 0.0
+    d = dict(spec_model)
+    d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+    return ModelConfig(**d)
 
 
 class Instance:
-    def __init__(self, spec: InstanceSpec, channel: Any, registry: Any = None,
-                 auth_token: str | None = None) -> None:
+    def __init__(self, spec: InstanceSpec, channel: Any, registry: Any = None, auth_token: str | None = None,
+                 peers: dict[int, Any] | None = None) -> None:
         from ..engine import Engine
-        from .decode import DecodeRole
-        from .prefill import PrefillRole
 
         self.spec = spec
-        self.ch = channel
-        model = spec.model if not isinstance(spec.model, Path) else str(spec.model)
-        self.engine = Engine(model, block_size=spec.block_size, seed=spec.seed, **spec.engine_kwargs)
+        self.ch = channel  # to the cluster; ``recv`` reads the inbox (cluster and peers)
+        self.peers = dict(peers or {})
+        self.engine = Engine(model_of(spec.model), block_size=spec.block_size, seed=spec.seed, **spec.engine_kwargs)
         self.layout = self.engine.layout
         self.store = StoreSlots(self.layout.block_nbytes, spec.dram_bytes, shared_memory=registry is None,
-                                ssd_path=spec.ssd_path, ssd_bytes=spec.ssd_bytes,
-                                scope=spec.id)
+                                ssd_path=spec.ssd_path, ssd_bytes=spec.ssd_bytes, scope=spec.id)
         self.transport = Transport(spec.name, self.store.store, registry, spec.link_bandwidth,
                                    auth_token=auth_token, peers_write=spec.role == "decode")
-        self.endpoint = self.transport.endpoint
-        self.role = PrefillRole(self) if spec.role == "prefill" else DecodeRole(self)
+        ep: dict[str, Any] = self.transport.endpoint
+        self.endpoint = Endpoint(str(ep["name"]), str(ep["address"]), int(ep["region"]))
+        role_cls = PrefillRole if spec.role == "prefill" else DecodeRole
+        self.role: PrefillRole | DecodeRole = role_cls(spec, self.engine, self.store, self.transport, self.endpoint,
+                                                       self.ch.send, self.peers, self.flush_store_events)
         self._pins: dict[int, list[Any]] = {}
         self.stopped = False
 
     # ---- the loop
     def run(self) -> None:
         cache = self.engine.cache
-        self.ch.send({"op": "ready", "arena": self.endpoint, "pid": os.getpid(), "block_bytes": self.layout.block_nbytes,
-                      "slots": self.store.store.slots, "kv_tokens": cache.num_pages * cache.page_size})
+        self.ch.send(Ready(PROTOCOL_VERSION, self.endpoint, os.getpid(), self.layout.block_nbytes,
+                           self.store.store.slots, cache.num_pages * cache.page_size))
         try:
             while not self.stopped:
                 if self.engine.has_unfinished():
@@ -83,63 +79,75 @@ class Instance:
                     timeout = 0.001
                 else:
                     timeout = 0.05
-                msg = self.ch.recv(timeout)
-                while msg is not None and not self.stopped:
-                    self.handle(msg)
-                    msg = self.ch.recv(0)
+                item = self.ch.recv(timeout)
+                while item is not None and not self.stopped:
+                    self.handle(*item)
+                    item = self.ch.recv(0)
+                self.role.send_pending()  # e.g. first tokens: before the engine step, not after it
                 if self.engine.has_unfinished():
                     self.role.on_outputs(self.engine.step())
+                    self.role.send_pending()
                 self.role.poll()
                 self.flush_store_events()
         finally:
             self.transport.close()
 
-    def handle(self, msg: Msg) -> None:
-        op = msg["op"]
+    def handle(self, src: int, msg: Message | Lost) -> None:
         try:
-            if op == "stop" or op == "dead":
-                self.stopped = True
-            elif op == "export":
-                self._export(msg)
-            elif op == "unpin":
-                for blk in self._pins.pop(msg["rid"], []):
-                    blk.release()
-            elif op == "stats":
-                t = self.transport
-                self.ch.send({"op": "measured", "stats": {"copied_bytes": t.total_bytes, "copy_busy_s": t.busy_s,
-                                                          "blocks": len(self.store),
-                                                          "evictions": self.store.evictions,
-                                                          # what a finished or cancelled request must not leave behind
-                                                          "requests": self.role.tracked(),
-                                                          "pinned_requests": len(self._pins),
-                                                          "free_pages": self.engine.num_free_pages,
-                                                          "pages": self.engine.cache.num_pages}})
-            elif op == "measure":
-                timings = self.engine.measure_prefill(msg["points"], repeats=msg.get("repeats", 3))
-                self.ch.send({"op": "measured", "timings": [(t.new_tokens, t.cached_tokens, t.seconds)
-                                                            for t in timings]})
-            else:
-                self.role.handle(msg)
+            match msg:
+                case Stop():
+                    self.stopped = True
+                case Lost(reason=reason):
+                    if src == CLUSTER:  # the cluster is gone: never outlive it
+                        self.stopped = True
+                    else:  # the cluster fences that peer (a request may wait on this link)
+                        log.info("instance %s: peer %d lost (%s)", self.spec.name, src, reason)
+                        self.ch.send(PeerLost(src, reason))
+                case Export():
+                    self._export(msg)
+                case Unpin(rid=rid):
+                    for blk in self._pins.pop(rid, []):
+                        blk.release()
+                case Stats():
+                    self.ch.send(StatsReply(self.stats()))
+                case Measure(points=points, repeats=repeats):
+                    timings = self.engine.measure_prefill(points, repeats=repeats)
+                    self.ch.send(Timings([(t.new_tokens, t.cached_tokens, t.seconds) for t in timings]))
+                case _:
+                    self.role.handle(src, msg)
         except Exception as e:  # a bad request fails that request, not the instance
-            log.exception("instance %s: %s failed", self.spec.name, op)
-            self.ch.send({"op": "failed", "rid": msg.get("rid"), "error": f"{type(e).__name__}: {e}"})
+            log.exception("instance %s: %s failed", self.spec.name, type(msg).__name__)
+            of = getattr(msg, "rid", None)
+            self.ch.send(Failed(of if isinstance(of, int) else None, f"{type(e).__name__}: {e}"))
 
-    def _export(self, msg: Msg) -> None:
+    def stats(self) -> dict[str, float]:
+        t = self.transport
+        out: dict[str, float] = {"copied_bytes": t.total_bytes, "copy_busy_s": t.busy_s, "blocks": len(self.store),
+                                 "evictions": self.store.evictions,
+                                 # what a finished or cancelled request must not leave behind
+                                 "requests": self.role.tracked(), "pinned_requests": len(self._pins),
+                                 "free_pages": self.engine.num_free_pages, "pages": self.engine.cache.num_pages}
+        # messages this instance sent, by op (the hop count, docs/serving.md)
+        for link in [self.ch, *self.peers.values()]:
+            for op, n in link.counts.snapshot().items():
+                out[f"sent.{op}"] = out.get(f"sent.{op}", 0.0) + n
+        return out
+
+    def _export(self, msg: Export) -> None:
         """Pins the longest held prefix of ``keys`` and names its slots' offsets."""
         blocks = []
-        for k in msg["keys"]:
+        for k in unpack_keys(msg.keys):
             b = self.store.lookup(k)
             if b is None:
                 break
             blocks.append(b)
-        self._pins.setdefault(msg["rid"], []).extend(blocks)
-        self.ch.send({"op": "exported", "rid": msg["rid"], "arena": self.endpoint,
-                      "offsets": [self.store.offset(b) for b in blocks]})
+        self._pins.setdefault(msg.rid, []).extend(blocks)
+        self.ch.send(Exported(msg.rid, self.endpoint, [self.store.offset(b) for b in blocks]))
 
     def flush_store_events(self) -> None:
-        ev = self.store.drain_events()
-        if ev and self.spec.role == "prefill":
-            self.ch.send({"op": "store", "events": ev})
+        runs = self.store.drain_runs()
+        if runs and self.spec.role == "prefill":
+            self.ch.send(StoreEvents(runs))
 
     @staticmethod
     def now() -> float:

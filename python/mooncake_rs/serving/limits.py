@@ -4,7 +4,7 @@ Every instance would refuse such a prompt later (its engine checks the vocabular
 model's context and its KV page pool; its store has a fixed number of slots), but by
 then the request has been scheduled and fails on an instance with an untyped message.
 Checking here refuses it with ``InvalidArgument`` before the conductor sees it. The
-capacities come from the instances' ``ready`` messages (the smallest of each).
+capacities come from the instances' ``Ready`` messages (the smallest of each).
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ class Limits:
         self.kv_tokens = 0  # tokens of KV an engine's page pool holds (0: not known yet)
         self.store_slots = 0  # blocks an instance's store holds at once
 
-    def learn(self, ready: Sequence[dict[str, Any]]) -> None:
-        """Takes the smallest capacities the instances reported when they started."""
-        self.kv_tokens = min(int(r.get("kv_tokens", 0)) for r in ready)
-        self.store_slots = min(int(r.get("slots", 0)) for r in ready)
+    def learn(self, ready: Sequence[Any]) -> None:
+        """Takes the smallest capacities the instances reported when they started
+        (``protocol.Ready``: ``kv_tokens``, ``slots``)."""
+        self.kv_tokens = min(int(r.kv_tokens) for r in ready)
+        self.store_slots = min(int(r.slots) for r in ready)
 
     def check(self, toks: list[int], params: Any) -> None:
         """Raises ``InvalidArgument`` for a prompt (already a list of ints) that no

@@ -6,29 +6,29 @@ a hang; a process that is stopped (SIGSTOP), starved or wedged with the GIL held
 nothing. The socket's reader stamps ``last_seen`` on every frame (control.py). A ready
 worker silent for longer than the timeout is killed: that is the fence, since a worker
 that came back later could still write into slots the cluster has handed to other
-requests. Its socket then closes and the router's usual death path (``Router._dead``)
+requests. Its socket then closes and the router's usual death path (a ``Lost`` link)
 drops it from the conductor and fails its requests with ``TransferFailed``, naming why.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .cluster import Cluster
+from typing import Any, Callable
 
 __all__ = ["watch"]
 
 log = logging.getLogger("mooncake_rs.serving")
 
 
-def watch(cluster: "Cluster", limit_s: float) -> None:
-    """Runs until the cluster closes (its ``_stop_watch`` event)."""
+def watch(members: Callable[[], list[Any]], stop: threading.Event, limit_s: float) -> None:
+    """Runs until ``stop`` is set (the cluster closes). ``members``: the cluster's
+    instances (each with ``proc``, ``ch.last_seen``, ``alive``, ``ready``, ``error``,
+    ``down_reason``, ``spec.name``)."""
     period = min(0.25, limit_s / 4)
     last = quiet_until = time.monotonic()
-    while not cluster._stop_watch.wait(period):
+    while not stop.wait(period):
         now = time.monotonic()
         if now - last > limit_s / 2:
             # This process itself was not running (stopped, suspended, starved): the
@@ -38,7 +38,7 @@ def watch(cluster: "Cluster", limit_s: float) -> None:
         last = now
         if now < quiet_until:
             continue
-        for m in list(cluster._members.values()):
+        for m in members():
             if (not m.alive or m.proc is None or not m.ready.is_set() or m.error is not None
                     or m.down_reason is not None or m.proc.poll() is not None):
                 continue

@@ -1,33 +1,63 @@
 """Prefill behaviour of an instance.
 
-For each request the cluster sends (``op: prefill``): take the prefix blocks this
-instance holds, fetch the ones the decision names from their holder into the local
-store (one copy from the holder's arena), load them all into pages through
-``Engine.add_request(restored_kv=...)``, and compute the rest in chunks. After each layer
-of each step, ``on_layer`` saves that layer's part of every newly completed full block
-into a reserved store slot and queues its copy into the slot the decode instance
-reserved, so sending overlaps the next layers' compute. The partial last block (no
-hash) goes to a request-scoped slot of the decode instance. When the engine has the
-first token and every copy is done, the new blocks are committed (store events ->
-conductor index) and the cluster is told ``prefilled``.
+For each request a decode instance hands it (``Prefill``, on the peer link, with the
+slots it reserved): take the prefix blocks this instance holds, fetch the ones the
+decision names from their holder into the local store (one copy from the holder's
+arena; then ``Fetched`` tells the cluster the holder may unpin), load them all into
+pages through ``Engine.add_request(restored_kv=...)``, and compute the rest in chunks.
+After each layer of each step, ``on_layer`` saves that layer's part of every newly
+completed full block into a reserved store slot and queues its copy into the slot the
+decode instance reserved, so sending overlaps the next layers' compute. The partial
+last block (no hash) goes to a request-scoped slot of the decode instance. When the
+engine has the first token and every copy is done, the new blocks are committed (store
+events -> conductor index) and the decode instance is told ``KvReady`` directly.
+
+``Cancel`` comes from the cluster, which waits for the ``Cancelled`` ack before it lets
+the decode instance free the slots we write into (and the holder unpin what we read).
+A cancel can overtake its ``Prefill`` (they come on different links): the rid is then
+remembered, and the ``Prefill`` dropped when it comes.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
+import msgspec
+
+from .._core import WritableBlock
 from ..errors import MooncakeError
-from .control import Msg
+from .protocol import (Cancel, Cancelled, Endpoint, Failed, Fetched, InstanceSpec, KvReady, Message, Prefill,
+                       PrefillReport, ProtocolError, op_of, unpack_keys)
 from .transport import Span
 
-if TYPE_CHECKING:
-    from ..engine import LayerEvent, RequestOutput
-    from .instance import Instance
-
 __all__ = ["PrefillRole"]
+
+#: rids remembered for a cancel that overtook its Prefill, and rids whose Prefill came
+#: (a cancel for those needs no such memory); bounded, oldest forgotten first
+_REMEMBER = 1 << 16
+
+
+class _Recent:
+    """A bounded set of ints (insertion order; the oldest go first)."""
+
+    def __init__(self, cap: int = _REMEMBER) -> None:
+        self._d: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._cap = cap
+
+    def add(self, x: int) -> None:
+        self._d[x] = None
+        if len(self._d) > self._cap:
+            self._d.popitem(last=False)
+
+    def pop(self, x: int) -> bool:
+        return self._d.pop(x, 0) is None
+
+    def __contains__(self, x: int) -> bool:
+        return x in self._d
 
 
 @dataclass
@@ -35,7 +65,9 @@ class _PState:
     rid: int
     keys: list[int]
     prompt_len: int
-    dest: dict[str, Any] | None
+    dest: Any  # protocol.Dest
+    dest_ep: dict[str, Any]
+    decode: int
     t_start: float
     leases: list[Any] = field(default_factory=list)  # Blocks held (reused prefix)
     new_slots: dict[int, Any] = field(default_factory=dict)  # block -> WritableBlock being filled
@@ -47,112 +79,201 @@ class _PState:
     finish: str | None = None
     done: bool = False
     t_compute: float = 0.0
+    msg: Any = None  # the Prefill, until computing starts
+    fetching: list[Any] = field(default_factory=list)  # the fetch in flight: Blocks held, WritableBlocks read into
+    in_fetch: bool = False
 
 
 class PrefillRole:
-    def __init__(self, inst: "Instance") -> None:
-        self.inst = inst
+    def __init__(self, spec: InstanceSpec, engine: Any, store: Any, transport: Any, endpoint: Endpoint,
+                 up: Callable[[Message], None], peers: dict[int, Any], flush: Callable[[], None]) -> None:
+        self.spec, self.engine, self.store, self.transport = spec, engine, store, transport
+        self.layout = engine.layout
+        self.up = up  # to the cluster
+        self.peers = peers  # decode instance id -> link
+        self.flush = flush  # store events to the cluster
         self.reqs: dict[int, _PState] = {}
+        self._overtaken = _Recent()  # cancelled before their Prefill came
+        self._seen = _Recent()
 
     def busy(self) -> bool:
-        return any(st.done for st in self.reqs.values())
+        return any(st.done or st.in_fetch for st in self.reqs.values())
+
+    def send_pending(self) -> None:
+        pass  # everything goes out when it happens
 
     def tracked(self) -> int:
         """Requests this role still holds state (pages, leases, slots) for."""
         return len(self.reqs)
 
     # ---- messages
-    def handle(self, msg: Msg) -> None:
-        op = msg["op"]
-        if op == "prefill":
-            self._start(msg)
-        elif op == "cancel":
-            self._cancel(msg["rid"])
+    def handle(self, src: int, msg: Message) -> None:
+        match msg:
+            case Prefill(rid=rid):
+                if src != msg.decode:  # the answer goes back on the link it came on
+                    raise ProtocolError(f"a Prefill from instance {src} names decode {msg.decode}")
+                if self._overtaken.pop(rid):
+                    return  # cancelled before it came: the cluster was told Cancelled already
+                self._seen.add(rid)
+                try:
+                    self._start(msg)
+                except BaseException:  # fails alone (the instance reports it): hold nothing for it
+                    self._drop(rid)
+                    raise
+            case Cancel(rid=rid):
+                self._cancel(rid)
+            case _:
+                raise ProtocolError(f"a prefill instance does not take {op_of(msg)}")
 
-    def _start(self, msg: Msg) -> None:
-        inst, store = self.inst, self.inst.store
-        rid, keys, prompt = msg["rid"], list(msg["keys"]), msg["prompt"]
-        bs = inst.spec.block_size
-        dest = msg.get("dest")
-        st = _PState(rid, keys, len(prompt), dest, inst.now())
+    def _start(self, msg: Prefill) -> None:
+        store = self.store
+        rid, keys = msg.rid, unpack_keys(msg.keys)
+        st = _PState(rid, keys, len(msg.prompt), msg.dest, msg.dest.arena.as_dict(), msg.decode, time.monotonic())
+        st.msg = msg
         self.reqs[rid] = st
         slots: list[Any] = []
-        for k in keys[:msg.get("local", 0)]:
+        for k in keys[:msg.local]:
             s = store.lookup(k)
             if s is None:
                 break
             slots.append(s)
-        fetch = msg.get("fetch")
-        if fetch and len(slots) == msg.get("local", 0):
-            for k, off in zip(fetch["keys"], fetch["offsets"]):
-                s = store.lookup(k)
+        st.leases = slots
+        fetch = msg.fetch
+        if fetch is None or len(slots) != msg.local:
+            if fetch is not None:
+                self.up(Fetched(rid))  # not fetched after all: the holder may let go
+            self._compute(st)
+        elif hasattr(self.transport, "read"):
+            self._fetch_async(st, fetch)
+        else:
+            self._fetch_now(st, fetch)
+            self.up(Fetched(rid))
+            self._compute(st)
+
+    def _fetch_now(self, st: _PState, fetch: Any) -> None:
+        """Copies the holder's blocks one by one, waiting for each (a transport without
+        an asynchronous read)."""
+        store, ep = self.store, fetch.arena.as_dict()
+        for k, off in zip(unpack_keys(fetch.keys), fetch.offsets):
+            s = store.lookup(k)
+            if s is None:
+                try:
+                    wb = store.reserve(k)
+                except MooncakeError:
+                    break
+                try:
+                    self.transport.read_now(st.rid, ep, [Span(wb.offset, off, store.block_bytes)])
+                except (MooncakeError, OSError):  # the holder is gone: compute the rest
+                    wb.abort()
+                    break
+                s = store.commit(wb, lease=True)
                 if s is None:
-                    try:
-                        wb = store.reserve(k)
-                    except MooncakeError:
-                        break
-                    try:
-                        inst.transport.read_now(rid, fetch["arena"], [Span(wb.offset, off, store.block_bytes)])
-                    except (MooncakeError, OSError):  # the holder is gone: compute the rest
-                        wb.abort()
-                        break
-                    s = store.commit(wb, lease=True)
-                    if s is None:
-                        break
-                    st.fetched += 1
-                slots.append(s)
-        if fetch:
-            inst.ch.send({"op": "fetched", "rid": rid, "holder": fetch["holder"]})
-        usable = (len(prompt) - 1) // bs
-        for s in slots[usable:]:
+                    break
+                st.fetched += 1
+            st.leases.append(s)
+
+    def _fetch_async(self, st: _PState, fetch: Any) -> None:
+        """Starts one read of every block to fetch and returns: the instance loop goes on
+        computing other requests; ``poll`` finishes the fetch when the read has ended."""
+        store = self.store
+        spans: list[Span] = []
+        for k, off in zip(unpack_keys(fetch.keys), fetch.offsets):
+            s = store.lookup(k)
+            if s is None:
+                try:
+                    s = store.reserve(k)
+                except MooncakeError:
+                    break
+                spans.append(Span(s.offset, off, store.block_bytes))
+            st.fetching.append(s)
+        if spans:
+            st.in_fetch = True
+            self.transport.read(st.rid, fetch.arena.as_dict(), spans)
+        else:
+            self._fetched(st)
+
+    def _fetched(self, st: _PState) -> None:
+        """The read ended: commit what it brought (all of it, or none after an error:
+        the rest is computed), tell the cluster, start computing."""
+        st.in_fetch = False
+        err = self.transport.error(st.rid)
+        got, ok = [], err is None
+        for s in st.fetching:
+            if not isinstance(s, WritableBlock):  # held here already
+                if ok:
+                    got.append(s)
+                else:
+                    s.release()
+                continue
+            if not ok:  # after an error (or a lost commit) nothing more of the prefix counts
+                s.abort()
+                continue
+            b = self.store.commit(s, lease=True)
+            if b is None:
+                ok = False
+                continue
+            got.append(b)
+            st.fetched += 1
+        st.fetching = []
+        st.leases.extend(got)
+        self.up(Fetched(st.rid))
+        self._compute(st)
+
+    def _compute(self, st: _PState) -> None:
+        """The prefix is in: send the reused blocks to decode and prefill the rest."""
+        store, msg = self.store, st.msg
+        assert msg is not None
+        usable = (st.prompt_len - 1) // self.spec.block_size
+        for s in st.leases[usable:]:
             s.release()
-        slots = slots[:usable]
+        slots = st.leases[:usable]
         st.leases, st.reused = slots, len(slots)
         st.fetched = min(st.fetched, st.reused)
+        st.msg = None
         spans: list[Span] = []
         for i, s in enumerate(slots):  # reused blocks travel right away, while the rest computes
             self._span(st, i, store.offset(s), 0, store.block_bytes, spans)
         self._write(st, spans)
-        stream = inst.spec.stream_layers
-        inst.engine.add_request(prompt, msg["params"], request_id=str(rid),
-                                restored_kv=[store.view(s) for s in slots], prefill_only=True, hold_kv=True,
+        from ..engine import SamplingParams
+
+        stream = self.spec.stream_layers
+        self.engine.add_request(msg.prompt, SamplingParams(**msgspec.structs.asdict(msg.params)),
+                                request_id=str(st.rid), restored_kv=[store.view(s) for s in slots],
+                                prefill_only=True, hold_kv=True,
                                 on_layer=functools.partial(self._on_layer, st) if stream else None)
-        inst.ch.send({"op": "prefill_started", "rid": rid})
 
     def _span(self, st: _PState, block: int, src_off: int, span_off: int, n: int, out: list[Span]) -> None:
-        if st.dest is None:
-            return
-        off = st.dest["blocks"][block] if block < len(st.keys) else st.dest.get("partial")
+        off = st.dest.blocks[block] if block < len(st.keys) else st.dest.partial
         if off is not None:  # None: the decode instance already holds this block
             out.append(Span(src_off + span_off, off + span_off, n))
 
     def _write(self, st: _PState, spans: list[Span]) -> None:
-        if spans and st.dest is not None:
-            self.inst.transport.write(st.rid, st.dest["arena"], spans)
+        if spans:
+            self.transport.write(st.rid, st.dest_ep, spans)
 
     def _slot(self, st: _PState, i: int) -> Any:
         if i < len(st.keys):
             if i not in st.new_slots:
-                st.new_slots[i] = self.inst.store.reserve(st.keys[i])
+                st.new_slots[i] = self.store.reserve(st.keys[i])
             return st.new_slots[i]
         if st.partial is None:
-            st.partial = self.inst.store.reserve_scratch(st.rid)
+            st.partial = self.store.reserve_scratch(st.rid)
         return st.partial
 
     def _save(self, st: _PState, blocks: tuple[int, ...] | range, partial: int | None, layer: int | None) -> None:
-        inst, store = self.inst, self.inst.store
-        layout = inst.layout
+        store, engine = self.store, self.engine
+        layout = self.layout
         span_off, n = (0, layout.block_nbytes) if layer is None else (layout.layer_span(layer).offset,
                                                                     layout.layer_nbytes)
         spans: list[Span] = []
         todo = [i for i in blocks if i >= st.reused] + ([partial] if partial is not None else [])
         for i in todo:
             s = self._slot(st, i)
-            inst.engine.save_block(str(st.rid), i, store.view(s), layer)
+            engine.save_block(str(st.rid), i, store.view(s), layer)
             self._span(st, i, store.offset(s), span_off, n, spans)
         self._write(st, spans)
 
-    def _on_layer(self, st: _PState, ev: "LayerEvent") -> None:
+    def _on_layer(self, st: _PState, ev: Any) -> None:
         if st.error is not None:
             return
         try:
@@ -161,16 +282,16 @@ class PrefillRole:
             st.error = f"{type(e).__name__}: {e}"
 
     # ---- engine outputs and completion
-    def on_outputs(self, outs: list["RequestOutput"]) -> None:
-        bs = self.inst.spec.block_size
+    def on_outputs(self, outs: list[Any]) -> None:
+        bs = self.spec.block_size
         for out in outs:
             st = self.reqs.get(int(out.request_id))
             if st is None or not out.finished:
                 continue
             st.first = out.token_ids[0] if out.token_ids else None
             st.finish = out.finish_reason
-            st.t_compute = self.inst.now()
-            if not self.inst.spec.stream_layers and st.finish == "prefill":
+            st.t_compute = time.monotonic()
+            if not self.spec.stream_layers and st.finish == "prefill":
                 nfull = st.prompt_len // bs
                 partial = nfull if st.prompt_len % bs else None
                 try:
@@ -180,12 +301,18 @@ class PrefillRole:
             st.done = True
 
     def poll(self) -> None:
-        for rid in [r for r, st in self.reqs.items() if st.done and not self.inst.transport.pending(r)]:
+        for st in [st for st in self.reqs.values() if st.in_fetch and not self.transport.pending(st.rid)]:
+            try:
+                self._fetched(st)
+            except Exception as e:  # noqa: BLE001 - fails alone, like a bad Prefill
+                self._drop(st.rid)
+                self.up(Failed(st.rid, f"{type(e).__name__}: {e}"))
+        for rid in [r for r, st in self.reqs.items() if st.done and not self.transport.pending(r)]:
             self._complete(self.reqs.pop(rid))
 
     def _complete(self, st: _PState) -> None:
-        inst, store = self.inst, self.inst.store
-        err = st.error or inst.transport.error(st.rid)
+        store, transport = self.store, self.transport
+        err = st.error or transport.error(st.rid)
         for wb in st.new_slots.values():
             if err is None:
                 store.commit(wb)
@@ -195,33 +322,35 @@ class PrefillRole:
             st.partial.abort()
         for s in st.leases:
             s.release()
-        inst.engine.release(str(st.rid))
+        self.engine.release(str(st.rid))
         if err is not None:
-            inst.transport.take_bytes(st.rid)
-            inst.ch.send({"op": "failed", "rid": st.rid, "error": f"KV hand-off failed: {err}"})
+            transport.take_bytes(st.rid)
+            self.up(Failed(st.rid, f"KV hand-off failed: {err}"))
             return
-        inst.flush_store_events()  # the index learns the new blocks before the request ends
-        inst.ch.send({"op": "prefilled", "rid": st.rid, "first": st.first, "finish": st.finish,
-                      "reused_blocks": st.reused, "fetched_blocks": st.fetched,
-                      "bytes": inst.transport.take_bytes(st.rid), "t_start": st.t_start,
-                      "t_compute": st.t_compute, "t_ready": inst.now()})
+        self.flush()  # the index learns the new blocks before the request ends
+        report = PrefillReport(st.reused, st.fetched, transport.take_bytes(st.rid), st.t_start, st.t_compute,
+                               time.monotonic())
+        link = self.peers.get(st.decode)
+        if link is not None:  # a lost decode instance: the cluster fails the request
+            link.send(KvReady(st.rid, st.first, st.finish or "prefill", report))
 
     def _cancel(self, rid: int) -> None:
         try:
-            self._drop(rid)
+            if not self._drop(rid) and rid not in self._seen:
+                self._overtaken.add(rid)
         finally:
-            # The router holds back the decode instance's cancel (which frees the slots we
+            # The cluster holds back the decode instance's cancel (which frees the slots we
             # write into) and the holder's unpin (of the slots we read) until this ack.
-            self.inst.ch.send({"op": "cancelled", "rid": rid})
+            self.up(Cancelled(rid))
 
-    def _drop(self, rid: int) -> None:
+    def _drop(self, rid: int) -> bool:
         st = self.reqs.pop(rid, None)
         if st is None:
-            return
-        inst = self.inst
-        inst.engine.abort(str(rid))
-        inst.engine.release(str(rid))
-        while inst.transport.pending(rid):  # copies from our slots must end before reuse
+            return False
+        engine, transport = self.engine, self.transport
+        engine.abort(str(rid))
+        engine.release(str(rid))
+        while transport.pending(rid):  # copies from our slots must end before reuse
             time.sleep(0.001)
         for wb in st.new_slots.values():
             wb.abort()
@@ -229,4 +358,10 @@ class PrefillRole:
             st.partial.abort()
         for s in st.leases:
             s.release()
-        inst.transport.take_bytes(rid)
+        for s in st.fetching:
+            if isinstance(s, WritableBlock):
+                s.abort()
+            else:
+                s.release()
+        transport.take_bytes(rid)
+        return True

@@ -1,320 +1,307 @@
-"""The cluster's router thread: every request's life, driven by instance messages.
+"""The cluster's router thread: a small pump between the instances and the request
+lifecycle (lifecycle.py).
 
-new -> ``expect`` to the decode instance (reserve slots) and, when the decision fetches
-a prefix, ``export`` to its holder (pin it, name offsets) -> both answered -> ``prefill``
-to the prefill instance -> ``prefilled`` (first token; KV all sent) -> ``decode`` to the
-decode instance -> ``tokens`` ... -> finished. A ``dead`` instance fails the requests it
-was serving (prefill or decode) at once, the conductor drops it, the rest go on; a
-holder that dies before answering ``export`` just means no fetch.
+It reads one event queue (what ``Cluster.submit`` / ``cancel`` post, and every message
+an instance's link delivers, tagged with the instance id), feeds request events to
+``RequestLifecycle.on`` and carries out the commands that come back: a message to an
+instance, a conductor call, tokens / the output / the error for the request's handle.
+The rest it routes itself: ``Ready`` / ``InitFailed`` and replies (stats, timings) go
+to the cluster, store events to the conductor's index, a closed link (``Lost``) makes
+the instance dead (the conductor drops it; the lifecycle fails what depended on it).
+Every 0.25 s it also polls the worker processes for an exit the socket missed and
+gives the lifecycle the time (deadlines).
 
-Ending a request early (failure, deadline, ``RequestHandle.cancel``) cancels it on every
-instance, in an order that keeps slots safe: while its prefill may still be copying KV
-into the decode instance's reserved slots (or reading the holder's pinned ones), the
-prefill instance is cancelled first and the decode cancel and holder unpin wait for its
-``cancelled`` ack (or its death), so no slot is freed while a peer still touches it.
+It knows the cluster only through ``ClusterPort``, a handful of methods, and it is the
+one thread that touches the lifecycle, the request records and the conductor's
+progress calls; ``Cluster.calibrate`` swaps the conductor through it (``SwapConductor``),
+so no call ever sees half a swap.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from ..errors import MooncakeError, TransferFailed, TransferTimeout
-from .control import Msg
-from .metrics import tbt_of
+from ..errors import MooncakeError
+from .control import CLUSTER, Counts, Lost
+from .handle import RequestHandle
+from .lifecycle import (CancelRequest, Command, Conduct, Deliver, Fail, Finish, InstanceDown, Plan,
+                        RequestLifecycle, Send, Submit, Tick)
+from .metrics import ClusterMetrics, RequestMetrics, tbt_of
+from .protocol import (Cancelled, Exported, Failed, Fetched, InitFailed, Message, PeerLost, Ready, StatsReply,
+                       Step, StoreEvents, StoreRun, Timings, Tokens, unpack_keys)
 
-if TYPE_CHECKING:
-    from .cluster import Cluster, _Req
-
-__all__ = ["Router"]
+__all__ = ["Router", "ClusterPort", "RequestRecord", "New", "SwapConductor", "Shutdown", "apply_store_runs"]
 
 log = logging.getLogger("mooncake_rs.serving")
 
-_WATCH_S = 0.25  # how often worker processes are polled for an exit the socket missed
+_WATCH_S = 0.25  # how often worker processes are polled and deadlines checked
+
+
+@dataclass
+class RequestRecord:
+    """What the cluster keeps of one request while it runs (owned by the router thread
+    once submitted): the lifecycle's plan, the caller's handle, tokens and metrics."""
+
+    plan: Plan
+    handle: RequestHandle
+    t_submit: float
+    tokens: list[int] = field(default_factory=list)
+    t_last: float = 0.0
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+
+@dataclass(frozen=True)
+class New:
+    """``Cluster.submit``: a request the conductor admitted."""
+
+    record: RequestRecord
+
+
+@dataclass(frozen=True)
+class SwapConductor:
+    """``Cluster.calibrate``: use ``conductor`` from now on; ``done`` is set once it is."""
+
+    conductor: Any
+    done: threading.Event
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+class ClusterPort(Protocol):
+    """What the router needs of its cluster."""
+
+    conductor: Any
+    prefix_reuse: bool
+    block_size: int
+    metrics: ClusterMetrics
+
+    def send(self, inst: int, msg: Message) -> None:
+        """To a live instance (dropped for a dead one)."""
+
+    def instance_ready(self, inst: int, msg: Ready | InitFailed) -> None: ...
+
+    def instance_down(self, inst: int, reason: str) -> str | None:
+        """Marks ``inst`` dead (reaps a worker, removes its segments); says what happened
+        ("instance decode-0 died (signal 9)"), or None if it was already down."""
+
+    def peer_lost(self, inst: int, peer: int, reason: str) -> None:
+        """``inst`` lost its link to ``peer``: fence the peer (its death then takes the
+        usual path)."""
+
+    def exited(self) -> list[int]:
+        """Live instances whose worker process has exited."""
+
+    def reply(self, inst: int, msg: Message) -> None:
+        """A reply to a call of the cluster's own (stats, timings, a failed measurement)."""
+
+    def output(self, record: RequestRecord, reason: str) -> Any:
+        """The ``RequestOutput`` of a finished request."""
+
+    def now(self) -> float:
+        """The conductor's clock."""
+
+
+def apply_store_runs(conductor: Any, inst: int, runs: list[StoreRun]) -> None:
+    """An instance's store events (``StoreSlots.drain_runs``) into the conductor's index,
+    one call per run, in order."""
+    for r in runs:
+        keys = unpack_keys(r.keys)
+        if r.kind == "stored":
+            conductor.on_blocks_stored(inst, keys, r.tier)
+        else:
+            conductor.on_blocks_evicted(inst, keys, r.tier)
 
 
 class Router:
-    def __init__(self, cluster: "Cluster") -> None:
-        self.c = cluster
-        # rid -> (prefill instance, messages held back until it acks the cancel)
-        self._after_cancel: dict[int, tuple[int, list[tuple[int, Msg]]]] = {}
+    def __init__(self, port: ClusterPort, names: dict[int, str]) -> None:
+        self.port = port
+        # SimpleQueue: the cheapest put/get there is (every message passes through it)
+        self.events: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        self.lifecycle = RequestLifecycle(names)
+        self.counts = Counts()  # what the cluster's callers post (New: one hop per request)
+        self._records: dict[int, RequestRecord] = {}
+        self._open_lock = threading.Lock()
+        self._open = 0  # submitted and not yet ended for the caller
 
+    # ---- any thread
+    def submit(self, record: RequestRecord) -> None:
+        ev = New(record)
+        self.counts.add(ev)
+        with self._open_lock:
+            self._open += 1
+        self.events.put((CLUSTER, ev))
+
+    def post(self, ev: Any) -> None:
+        self.events.put((CLUSTER, ev))
+
+    def in_flight(self) -> int:
+        """Requests submitted and not yet ended for their callers."""
+        with self._open_lock:
+            return self._open
+
+    def _ended(self) -> None:
+        with self._open_lock:
+            self._open -= 1
+
+    # ---- the router thread
     def run(self) -> None:
         last_watch = time.monotonic()
         while True:
             try:
-                inst, msg = self.c._events.get(timeout=_WATCH_S)
+                src, ev = self.events.get(timeout=_WATCH_S)
             except queue.Empty:
-                inst, msg = -1, {"op": "tick"}
-            if msg["op"] == "shutdown":
+                src, ev = CLUSTER, None
+            if isinstance(ev, Shutdown):
                 return
+            if ev is not None:
+                try:
+                    self.handle(src, ev)
+                except Exception:  # keep routing; the request at fault is failed
+                    log.exception("router: %s from %s", type(ev).__name__, src)
+                    rid = getattr(ev, "rid", None)
+                    if isinstance(rid, int):
+                        self._run(self.lifecycle.on(CancelRequest(
+                            rid, MooncakeError(f"internal error handling {type(ev).__name__}"))))
+            now = time.monotonic()
+            if now - last_watch > _WATCH_S:
+                last_watch = now
+                for inst in self.port.exited():
+                    self._down(inst, "exited")
+                self._run(self.lifecycle.on(Tick(now)))
+
+    def handle(self, src: int, ev: Any) -> None:
+        match ev:
+            case Tokens():  # the most frequent by far: first
+                self._run(self.lifecycle.tokens(src, ev))
+            case Step(tokens=items):
+                for t in items:
+                    self._run(self.lifecycle.tokens(src, t))
+            case New(record=r):
+                self._records[r.plan.rid] = r
+                self._run(self.lifecycle.on(Submit(r.plan)))
+            case CancelRequest():
+                self._run(self.lifecycle.on(ev))
+            case Failed(rid=None):
+                self.port.reply(src, ev)
+            case Exported() | Fetched() | Failed() | Cancelled():
+                self._run(self.lifecycle.arrived(src, ev))
+            case StoreEvents(runs=runs):
+                if self.port.prefix_reuse and src not in self.lifecycle.down:
+                    apply_store_runs(self.port.conductor, src, runs)
+            case Ready() | InitFailed():
+                self.port.instance_ready(src, ev)
+            case StatsReply() | Timings():
+                self.port.reply(src, ev)
+            case Lost(reason=reason):
+                self._down(src, reason)
+            case PeerLost(peer=peer, reason=reason):
+                self.port.peer_lost(src, peer, reason)
+            case SwapConductor(conductor=fresh, done=done):
+                for inst in self.lifecycle.down:
+                    try:
+                        fresh.remove_instance(inst)
+                    except Exception:  # noqa: BLE001 - already gone
+                        pass
+                self.port.conductor = fresh
+                done.set()
+            case _:
+                log.warning("router: unexpected %r from %s", ev, src)
+
+    def fail_all(self, error: BaseException) -> None:
+        """After the thread ended (``Cluster.close``): fail what is still in flight."""
+        records, self._records = list(self._records.values()), {}
+        while True:
             try:
-                self.handle(inst, msg)
-            except Exception:  # keep routing; the request at fault is failed below
-                log.exception("router: %s from %s", msg.get("op"), inst)
-                rid = msg.get("rid")
-                if isinstance(rid, int):
-                    self._fail(rid, MooncakeError(f"internal error handling {msg.get('op')}"))
-            if time.monotonic() - last_watch > _WATCH_S:
-                last_watch = time.monotonic()
-                self._watch()
+                _, ev = self.events.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(ev, New):
+                records.append(ev.record)
+        with self._open_lock:
+            self._open = 0
+        for r in records:
+            r.handle._fail(error)
 
-    def _req(self, rid: Any) -> "_Req | None":
-        with self.c._lock:
-            return self.c._reqs.get(rid)
-
-    def _send(self, inst: int, msg: Msg) -> None:
-        m = self.c._members.get(inst)
-        if m is not None and m.alive:
-            m.ch.to_instance(msg)
-
-    def handle(self, inst: int, msg: Msg) -> None:
-        op = msg["op"]
-        c = self.c
-        if op == "tick":
+    def _down(self, inst: int, reason: str) -> None:
+        if inst in self.lifecycle.down:
             return
-        if op == "ready":
-            m = c._members[inst]
-            m.arena = msg["arena"]
-            m.info = msg
-            m.ready.set()
-            return
-        if op == "init_failed":
-            m = c._members[inst]
-            m.error = msg["error"]
-            m.ready.set()
-            return
-        if op == "dead":
-            self._dead(inst, msg.get("error"))
-            return
-        if op == "store":
-            self._store_events(inst, msg["events"])
-            return
-        if op == "measured":
-            c._measured.put(msg)
-            return
-        rid = msg.get("rid")
-        if op == "failed" and rid is None:
-            c._measured.put({"error": msg.get("error")})
-            return
-        if op == "cancelled":
-            self._release_after_cancel(rid)
-            return
-        req = self._req(rid)
-        if req is None:
-            if op == "exported":  # the request ended while its holder was pinning: unpin
-                self._send(inst, {"op": "unpin", "rid": rid})
-            return
-        getattr(self, "_on_" + op)(req, inst, msg)
-
-    # ---- request stages
-    def _on_new(self, req: "_Req", inst: int, msg: Msg) -> None:
-        d = req.decision
-        nfull = len(req.prompt) // self.c.block_size
-        self._send(d.decode, {"op": "expect", "rid": req.rid, "keys": req.keys[:nfull],
-                              "partial": len(req.prompt) % self.c.block_size != 0})
-        if d.fetch_blocks and d.fetch_from is not None and self.c._members[d.fetch_from].alive:
-            local = d.reused_blocks - d.fetch_blocks
-            req.wait_fetch = True
-            self._send(d.fetch_from, {"op": "export", "rid": req.rid, "keys": req.keys[local:d.reused_blocks]})
-
-    def _on_expected(self, req: "_Req", inst: int, msg: Msg) -> None:
-        req.dest = msg
-        self._maybe_dispatch(req)
-
-    def _on_exported(self, req: "_Req", inst: int, msg: Msg) -> None:
-        d = req.decision
-        local = d.reused_blocks - d.fetch_blocks
-        n = len(msg["offsets"])
-        req.fetch = {"arena": msg["arena"], "offsets": msg["offsets"], "keys": req.keys[local:local + n],
-                     "holder": inst} if n else None
-        if not n:
-            self._send(inst, {"op": "unpin", "rid": req.rid})
-        req.wait_fetch = False
-        self._maybe_dispatch(req)
-
-    def _maybe_dispatch(self, req: "_Req") -> None:
-        if req.dispatched or req.dest is None or req.wait_fetch:
-            return
-        req.dispatched = True
-        d = req.decision
-        self._send(d.prefill, {"op": "prefill", "rid": req.rid, "prompt": req.prompt, "params": req.params,
-                               "keys": req.keys, "local": d.reused_blocks - d.fetch_blocks, "fetch": req.fetch,
-                               "dest": {"arena": req.dest["arena"], "blocks": req.dest["blocks"],
-                                        "partial": req.dest["partial"]}})
-
-    def _on_fetched(self, req: "_Req", inst: int, msg: Msg) -> None:
-        self._send(msg["holder"], {"op": "unpin", "rid": req.rid})
-
-    def _on_prefill_started(self, req: "_Req", inst: int, msg: Msg) -> None:
-        self._conductor("on_prefill_started", req.rid, self.c._now())
-
-    def _on_prefilled(self, req: "_Req", inst: int, msg: Msg) -> None:
-        c, bs, m = self.c, self.c.block_size, req.metrics
-        now = time.monotonic()
-        self._conductor("on_prefill_finished", req.rid, c._now())
-        req.prefilled = True
-        m.reused_tokens = msg["reused_blocks"] * bs
-        m.fetched_tokens = msg["fetched_blocks"] * bs
-        m.computed_tokens = len(req.prompt) - m.reused_tokens
-        m.transferred_bytes += msg["bytes"]
-        m.kv_ready_s = msg["t_ready"] - msg["t_start"]
-        if msg["first"] is not None:
-            m.ttft_s = now - req.t_submit
-            req.t_last = now
-            req.tokens.append(msg["first"])
-            req.handle._token(msg["first"])
-        if msg["finish"] != "prefill":
-            self._send(req.decision.decode, {"op": "cancel", "rid": req.rid})
-            self._finish(req, msg["finish"])
-            return
-        self._send(req.decision.decode, {"op": "decode", "rid": req.rid, "prompt": req.prompt,
-                                         "first": msg["first"], "params": req.params})
-
-    def _on_decode_started(self, req: "_Req", inst: int, msg: Msg) -> None:
-        self._conductor("on_decode_started", req.rid, self.c._now())
-
-    def _on_tokens(self, req: "_Req", inst: int, msg: Msg) -> None:
-        now = time.monotonic()
-        for t in msg["tokens"]:
-            req.metrics.token_intervals.append(now - req.t_last)
-            req.t_last = now
-            req.tokens.append(t)
-            req.handle._token(t)
-        if msg["finish"] is not None:
-            self._finish(req, msg["finish"])
-
-    def _on_cancel_request(self, req: "_Req", inst: int, msg: Msg) -> None:
-        self._fail(req.rid, msg["error"])
-
-    def _on_failed(self, req: "_Req", inst: int, msg: Msg) -> None:
-        self._fail(req.rid, MooncakeError(f"request {req.rid} failed on {self.c._members[inst].spec.name}: "
-                                          f"{msg['error']}"))
-
-    # ---- endings
-    def _finish(self, req: "_Req", reason: str) -> None:
-        from ..engine import RequestOutput
-
-        c, m = self.c, req.metrics
-        m.output_tokens = len(req.tokens)
-        m.tbt_s = tbt_of(m.token_intervals)
-        if reason in ("stop", "length"):
-            self._conductor("on_decode_finished", req.rid, len(req.tokens), c._now())
-        else:
-            self._conductor("cancel", req.rid)
-        with c._lock:
-            c._reqs.pop(req.rid, None)
-        req.finished = True
-        c.metrics.add(m)
-        req.handle._finish(RequestOutput(str(req.rid), req.prompt, list(req.tokens), reason, [], m.reused_tokens,
-                                         0, m))
-
-    def _fail(self, rid: int, error: BaseException) -> None:
-        c = self.c
-        with c._lock:
-            req = c._reqs.pop(rid, None)
-        if req is None:
-            return
-        req.finished = True
-        d = req.decision
-        later: list[tuple[int, Msg]] = [(d.decode, {"op": "cancel", "rid": rid})]
-        if req.fetch is not None:
-            later.append((req.fetch["holder"], {"op": "unpin", "rid": rid}))
-        pm = c._members.get(d.prefill)
-        if req.dispatched and not req.prefilled and pm is not None and pm.alive:
-            self._after_cancel[rid] = (d.prefill, later)  # see the module docstring
-            self._send(d.prefill, {"op": "cancel", "rid": rid})
-        else:
-            self._send(d.prefill, {"op": "cancel", "rid": rid})
-            for i, m in later:
-                self._send(i, m)
-        self._conductor("cancel", rid)
-        c.metrics.count("failed")
-        req.handle._fail(error)
-
-    def _dead(self, inst: int, error: str | None) -> None:
-        c = self.c
-        m = c._members.get(inst)
-        if m is None or not m.alive:
-            return
-        m.alive = False
-        if not m.ready.is_set():
-            m.error = error or "the worker exited during start-up"
-            m.ready.set()
-        code = m.proc.poll() if m.proc is not None else None
-        why = f"exit code {code}" if code is not None and code >= 0 else (
-            f"signal {-code}" if code is not None else (error or "lost"))
-        if m.down_reason is not None:  # the watchdog killed it (see liveness.py)
-            what = m.down_reason
-            try:
-                if m.proc is not None:
-                    m.proc.wait(5)  # SIGKILLed: reap it so its segments go now
-            except Exception:  # noqa: BLE001 - swept at close() then
-                pass
-        else:
-            what = f"died ({why})"
-        if not c._closed:
-            log.warning("serving: instance %s %s; failing its requests", m.spec.name, what)
-        try:
-            c.conductor.remove_instance(inst)
+        try:  # first, so no new decision names it once the cluster shows it gone
+            self.port.conductor.remove_instance(inst)
         except Exception:  # noqa: BLE001 - already gone
             pass
-        for rid in [r for r, (p, _) in self._after_cancel.items() if p == inst]:
-            self._release_after_cancel(rid)  # a dead prefill copies nothing more
-        err = TransferFailed(f"instance {m.spec.name} {what}; its in-flight requests failed")
-        with c._lock:
-            reqs = list(c._reqs.values())
-        for r in reqs:
-            d = r.decision
-            if inst in (d.prefill, d.decode):
-                self._fail(r.rid, err)
-            elif r.wait_fetch and d.fetch_from == inst:
-                r.wait_fetch = False
-                self._maybe_dispatch(r)
-        if m.proc is not None and m.proc.poll() is not None:
-            from .cluster import remove_segments_of
+        what = self.port.instance_down(inst, reason)
+        if what is not None:
+            self._run(self.lifecycle.on(InstanceDown(inst, what)))
 
-            remove_segments_of(m.proc.pid)
+    # ---- commands
+    def _run(self, cmds: list[Command]) -> None:
+        for c in cmds:
+            match c:
+                case Deliver(rid=rid, tokens=tokens, report=report):  # the most frequent: first
+                    self._deliver(rid, tokens, report)
+                case Send(to=to, msg=msg):
+                    self.port.send(to, msg)
+                case Conduct():
+                    self._conduct(c)
+                case Finish(rid=rid, reason=reason):
+                    r = self._records.pop(rid, None)
+                    if r is not None:
+                        self._ended()
+                        m = r.metrics
+                        m.output_tokens = len(r.tokens)
+                        m.tbt_s = tbt_of(m.token_intervals)
+                        self.port.metrics.add(m)
+                        r.handle._finish(self.port.output(r, reason))
+                case Fail(rid=rid, error=error):
+                    r = self._records.pop(rid, None)
+                    if r is not None:
+                        self._ended()
+                        self.port.metrics.count("failed")
+                        r.handle._fail(error)
 
-    def _release_after_cancel(self, rid: Any) -> None:
-        _, later = self._after_cancel.pop(rid, (None, []))
-        for i, m in later:
-            self._send(i, m)
-
-    def _watch(self) -> None:
-        for i, m in self.c._members.items():
-            if m.alive and m.proc is not None and m.proc.poll() is not None:
-                self._dead(i, None)
-        now = time.monotonic()
-        with self.c._lock:
-            late = [(r.rid, r.deadline - r.t_submit) for r in self.c._reqs.values()
-                    if r.deadline is not None and now > r.deadline]
-        for rid, after in late:
-            self._fail(rid, TransferTimeout(f"request {rid} passed its deadline ({after:.3g}s after submit); "
-                                            "it was cancelled"))
-
-    # ---- conductor feed
-    def _store_events(self, inst: int, events: list[tuple[str, int, str]]) -> None:
-        if not self.c.prefix_reuse or not self.c._members[inst].alive:
+    def _deliver(self, rid: int, tokens: list[int], report: Any) -> None:
+        r = self._records.get(rid)
+        if r is None:
             return
-        # Consecutive events of one kind and tier go to the conductor as one call, in order
-        # (a block may be stored, evicted and stored again within one batch).
-        run: list[int] = []
-        run_kind: tuple[str, str] | None = None
-        for kind, key, tier in list(events) + [("end", 0, "")]:
-            if (kind, tier) != run_kind and run and run_kind is not None:
-                if run_kind[0] == "stored":
-                    self.c.conductor.on_blocks_stored(inst, run, run_kind[1])
-                else:
-                    self.c.conductor.on_blocks_evicted(inst, run, run_kind[1])
-                run = []
-            run_kind = (kind, tier)
-            run.append(key)
+        m, now = r.metrics, time.monotonic()
+        if report is not None:
+            bs = self.port.block_size
+            m.reused_tokens = report.reused_blocks * bs
+            m.fetched_tokens = report.fetched_blocks * bs
+            m.computed_tokens = len(r.plan.prompt) - m.reused_tokens
+            m.transferred_bytes += report.bytes
+            m.kv_ready_s = report.t_ready - report.t_start
+        for t in tokens:
+            if r.tokens:
+                m.token_intervals.append(now - r.t_last)
+            else:
+                m.ttft_s = now - r.t_submit
+            r.t_last = now
+            r.tokens.append(t)
+            r.handle._token(t)
 
-    def _conductor(self, method: str, *args: Any) -> None:
+    def _conduct(self, c: Conduct) -> None:
+        cond = self.port.conductor
         try:
-            getattr(self.c.conductor, method)(*args)
+            if c.call == "cancel":
+                cond.cancel(c.rid)
+            elif c.call == "prefill_started":
+                cond.on_prefill_started(c.rid, self.port.now())
+            elif c.call == "prefill_finished":
+                cond.on_prefill_finished(c.rid, self.port.now())
+            elif c.call == "decode_started":
+                cond.on_decode_started(c.rid, self.port.now())
+            elif c.call == "decode_finished":
+                cond.on_decode_finished(c.rid, c.n, self.port.now())
+            else:
+                raise ValueError(f"unknown conductor call {c.call!r}")
         except Exception:  # noqa: BLE001 - progress is advisory (a dropped instance, a recalibration)
-            log.debug("conductor.%s%r failed", method, args, exc_info=True)
+            log.debug("conductor %s(%d) failed", c.call, c.rid, exc_info=True)

@@ -1,25 +1,34 @@
 """Entry point of a worker process (``processes=True``): one instance per process.
 
 Spawned by the cluster as ``python -m mooncake_rs.serving.worker --fd N`` with one end
-of a socketpair as fd N. The first message is ``{"op": "init", "spec": InstanceSpec}``;
-then the instance loop runs until ``stop`` or until the control socket closes (the
-cluster died), so a worker never outlives its cluster. The arena lives in /dev/shm and
-is unlinked on the way out (the cluster also removes it if this process is killed).
+of a socketpair as fd N (the control link). The first frame on it is ``Init``: the
+``InstanceSpec``, the cluster's transfer token and the inherited descriptors that are
+peer links (one socketpair per prefill/decode pair, made by the cluster). The protocol
+version is checked there (a mismatch is reported as ``InitFailed``). Then the instance
+loop runs until ``Stop`` or until the control link closes (the cluster died, or it
+sent a frame that does not decode), so a worker never outlives its cluster. The arena
+lives in /dev/shm and is unlinked on the way out (the cluster also removes it if this
+process is killed).
 
-A heartbeat thread sends ``{"op": "beat"}`` every ``spec.heartbeat_s`` seconds. It runs
-apart from the instance loop on purpose: a long engine step is not a hang, but a process
-that is stopped (SIGSTOP), starved or wedged with the GIL held sends no beats, and the
-cluster's watchdog then kills it and fails its requests (see cluster.py).
+A heartbeat thread sends ``Beat`` every ``spec.heartbeat_s`` seconds. It runs apart
+from the instance loop on purpose: a long engine step is not a hang, but a process that
+is stopped (SIGSTOP), starved or wedged with the GIL held sends no beats, and the
+cluster's watchdog then kills it and fails its requests (see liveness.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import queue
 import signal
 import socket
 import sys
 import threading
+from typing import Any
+
+from .control import CLUSTER, SocketChannel, read_message
+from .protocol import (PEER, PROTOCOL_VERSION, TO_INSTANCE, Beat, Codec, Init, InitFailed, ProtocolError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,38 +37,49 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the cluster decides when we stop
     # the engine thread holds the GIL between torch ops; a short switch interval lets the
-    # transfer waiter and the control reader run promptly in between
+    # transfer waiter and the control readers run promptly in between
     sys.setswitchinterval(float(os.environ.get("MOONCAKE_WORKER_SWITCH_S", "0.0005")))
     sock = socket.socket(fileno=args.fd)
-    from .control import SocketChannel, recv_frame
-
-    init = recv_frame(sock)
-    if init is None or init.get("op") != "init":
+    try:
+        init = read_message(sock, Codec())
+    except ProtocolError as e:
+        print(f"mooncake_rs worker: bad init frame: {e}", file=sys.stderr)
         return 1
-    spec = init["spec"]
+    if not isinstance(init, Init):
+        return 1
+    inbox: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+    ch = SocketChannel(sock, CLUSTER, inbox, TO_INSTANCE, name=f"{init.spec.name}<-cluster")
+    if init.version != PROTOCOL_VERSION:
+        ch.send(InitFailed(f"protocol version {init.version} from the cluster, this worker speaks "
+                           f"{PROTOCOL_VERSION}"))
+        return 1
+    spec = init.spec
+    peers = {pid: SocketChannel(socket.socket(fileno=fd), pid, inbox, PEER, name=f"{spec.name}<-{pid}")
+             for pid, fd in init.peers.items()}
     import torch
 
     torch.set_num_threads(max(1, int(os.environ.get("MOONCAKE_WORKER_THREADS", "1"))))
     from .instance import Instance
 
-    ch = SocketChannel(sock, spec.id)
     stop = threading.Event()
     if spec.heartbeat_s > 0:
         threading.Thread(target=_beat, args=(ch, spec.heartbeat_s, stop), name="mooncake-beat", daemon=True).start()
     try:
-        inst = Instance(spec, ch, auth_token=init.get("auth_token"))
+        inst = Instance(spec, ch, auth_token=init.auth_token, peers=peers)
     except Exception as e:  # tell the cluster why, then exit
-        ch.send({"op": "init_failed", "error": f"{type(e).__name__}: {e}"})
+        ch.send(InitFailed(f"{type(e).__name__}: {e}"))
         return 1
     inst.run()
     stop.set()
+    for link in peers.values():
+        link.close()
     ch.close()
     return 0
 
 
-def _beat(ch: object, every_s: float, stop: threading.Event) -> None:
+def _beat(ch: SocketChannel, every_s: float, stop: threading.Event) -> None:
     while not stop.wait(every_s):
-        ch.send({"op": "beat"})  # type: ignore[attr-defined]
+        ch.send(Beat())
 
 
 if __name__ == "__main__":

@@ -1,0 +1,408 @@
+"""The serving control protocol: one frozen message type per op, msgpack on the wire.
+
+Every message between the cluster, its instances and instance peers is a
+``msgspec.Struct`` of this module, tagged by its ``op`` field (one tagged union,
+``Message``). On a socket a message travels as one frame: a 4-byte big-endian length,
+then the msgpack body; a frame longer than ``MAX_FRAME`` is refused before its body is
+read. In-process channels pass the Struct objects themselves (nothing to encode).
+
+Decoding never runs code from the peer (no pickle): the decoder builds only the types
+named here, with their declared field types, and rejects unknown fields. Whatever is
+wrong with a frame (too long, truncated, not msgpack, an unknown op, a field of the
+wrong type) raises ``ProtocolError``; a channel reader that gets one closes that
+connection with the reason logged (see control.py), which the cluster treats as the
+instance's death. ``PROTOCOL_VERSION`` is checked on the init/ready exchange.
+
+Block hashes are 128-bit, beyond msgpack's integers, so they travel as ``bytes`` of
+16-byte little-endian keys (``pack_keys`` / ``unpack_keys``): an opaque buffer.
+
+Directions (see docs/serving.md for the flow and the hop count):
+cluster -> instance: ``Init`` (socket only), ``Expect``, ``Export``, ``Unpin``,
+``Cancel``, ``Stats``, ``Measure``, ``Stop``; instance -> cluster: ``Ready``,
+``InitFailed``, ``Beat``, ``StoreEvents``, ``Exported``, ``Fetched``, ``Tokens``, ``Step``,
+``Failed``, ``Cancelled``, ``PeerLost``, ``StatsReply``, ``Timings``; decode -> prefill: ``Prefill``;
+prefill -> decode: ``KvReady``.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Sequence, Union
+
+import msgspec
+
+from ..errors import MooncakeError
+
+__all__ = [
+    "PROTOCOL_VERSION", "MAX_FRAME", "ProtocolError", "Message", "TO_INSTANCE", "FROM_INSTANCE", "PEER",
+    "Endpoint", "Params", "Fetch", "Dest", "PrefillReport", "StoreRun", "InstanceSpec",
+    "Init", "Ready", "InitFailed", "Beat", "Expect", "Export", "Exported", "Unpin", "Prefill", "Fetched",
+    "KvReady", "Tokens", "Step", "Failed", "Cancel", "Cancelled", "PeerLost", "StoreEvents", "Stats", "StatsReply", "Measure",
+    "Timings", "Stop", "Codec", "pack_keys", "unpack_keys", "op_of",
+]
+
+PROTOCOL_VERSION = 1
+#: the longest frame a reader accepts (a 4,096-token prompt is ~20 KB; store event
+#: batches of a large arena a few MB)
+MAX_FRAME = 16 << 20
+_HDR = struct.Struct("!I")
+HEADER_BYTES = _HDR.size
+
+
+class ProtocolError(MooncakeError):
+    """A control frame that is not a valid message of this protocol (oversized,
+    truncated, not msgpack, unknown op, wrong field types, wrong version)."""
+
+
+def pack_keys(keys: Sequence[int]) -> bytes:
+    """Block hashes (128-bit ints) as one buffer of 16-byte little-endian keys."""
+    return b"".join(k.to_bytes(16, "little") for k in keys)
+
+
+def unpack_keys(buf: bytes) -> list[int]:
+    return [int.from_bytes(buf[i:i + 16], "little") for i in range(0, len(buf), 16)]
+
+
+def _check_keys(buf: bytes) -> None:
+    if len(buf) % 16:
+        raise ValueError(f"a key buffer must be a multiple of 16 bytes, got {len(buf)}")
+
+
+class _Base(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class _Msg(_Base, frozen=True, tag_field="op"):
+    pass
+
+
+# ---- value types carried inside messages
+class Endpoint(_Base, frozen=True):
+    """Where a peer's transfer engine and arena are: ``Transport`` connects by name
+    (in-process) or address (a worker) and addresses slots in ``region``."""
+
+    name: str
+    address: str
+    region: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "address": self.address, "region": self.region}
+
+
+class Params(_Base, frozen=True):
+    """``SamplingParams`` on the wire (the engine rebuilds and validates it)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: Union[int, None] = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @classmethod
+    def of(cls, p: Any) -> "Params":
+        return cls(p.max_tokens, float(p.temperature), p.top_k, float(p.top_p), p.seed, tuple(p.stop_token_ids),
+                   bool(p.ignore_eos))
+
+
+class Fetch(_Base, frozen=True):
+    """A prefix to copy from a holder's arena: the blocks ``keys`` at ``offsets``."""
+
+    holder: int
+    arena: Endpoint
+    offsets: list[int]
+    keys: bytes
+
+    def __post_init__(self) -> None:
+        _check_keys(self.keys)
+        if len(self.offsets) != len(self.keys) // 16:
+            raise ValueError("a fetch needs one offset per key")
+
+
+class Dest(_Base, frozen=True):
+    """The decode instance's slots for a request: one offset per full prompt block
+    (None: it already holds that block) and one for the partial last block."""
+
+    arena: Endpoint
+    blocks: list[Union[int, None]]
+    partial: Union[int, None]
+
+
+class PrefillReport(_Base, frozen=True):
+    """What the prefill of one request did (for its ``RequestMetrics``)."""
+
+    reused_blocks: int
+    fetched_blocks: int
+    bytes: int
+    t_start: float
+    t_compute: float
+    t_ready: float
+
+
+class StoreRun(_Base, frozen=True):
+    """Consecutive store events of one kind and tier (the conductor's index takes a run
+    per call, in order)."""
+
+    kind: str  # "stored" | "evicted"
+    tier: str
+    keys: bytes
+
+    def __post_init__(self) -> None:
+        _check_keys(self.keys)
+
+
+class InstanceSpec(_Base, frozen=True):
+    """What an instance is built from (sent to a worker process in ``Init``).
+
+    ``model``: a preset name, a model directory, or a ModelConfig's fields as a dict."""
+
+    id: int
+    role: str  # "prefill" or "decode"
+    name: str
+    model: Union[str, dict[str, Any]]
+    block_size: int
+    dram_bytes: int
+    seed: int = 0
+    stream_layers: bool = True
+    link_bandwidth: Union[float, None] = None
+    engine_kwargs: dict[str, Any] = {}
+    #: the store's SSD tier (a directory of this instance's own), or None for DRAM only
+    ssd_path: Union[str, None] = None
+    ssd_bytes: int = 0
+    #: seconds between heartbeats of a worker process (0: none; in-process instances send none)
+    heartbeat_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
+
+
+# ---- start-up (socket only)
+class Init(_Msg, frozen=True, tag="init"):
+    """The first frame to a worker: what to build, the cluster's transfer token, and
+    which inherited file descriptors are control links to which peer instances."""
+
+    version: int
+    spec: InstanceSpec
+    auth_token: str
+    peers: dict[int, int] = {}  # peer instance id -> fd
+
+
+class Ready(_Msg, frozen=True, tag="ready"):
+    version: int
+    arena: Endpoint
+    pid: int
+    block_bytes: int
+    slots: int
+    kv_tokens: int
+
+
+class InitFailed(_Msg, frozen=True, tag="init_failed"):
+    error: str
+
+
+class Beat(_Msg, frozen=True, tag="beat"):
+    pass
+
+
+# ---- one request
+class Expect(_Msg, frozen=True, tag="expect"):
+    """cluster -> decode: reserve slots for the request's blocks, then hand the request
+    to ``prefill`` (a ``Prefill`` on the peer link, with the slots)."""
+
+    rid: int
+    prompt: list[int]
+    params: Params
+    keys: bytes  # every full prompt block's hash
+    local: int  # leading blocks the prefill instance holds itself
+    fetch: Union[Fetch, None]
+    prefill: int
+
+    def __post_init__(self) -> None:
+        _check_keys(self.keys)
+
+
+class Prefill(_Msg, frozen=True, tag="prefill"):
+    """decode -> prefill (peer link): compute the request, writing its KV into ``dest``."""
+
+    rid: int
+    prompt: list[int]
+    params: Params
+    keys: bytes
+    local: int
+    fetch: Union[Fetch, None]
+    dest: Dest
+    decode: int
+
+    def __post_init__(self) -> None:
+        _check_keys(self.keys)
+
+
+class KvReady(_Msg, frozen=True, tag="kv_ready"):
+    """prefill -> decode (peer link): every byte of the request's KV is in ``dest``;
+    ``first`` is the sampled first token; ``finish`` is ``"prefill"`` unless the request
+    already ended (then decode only frees the slots and reports the end)."""
+
+    rid: int
+    first: Union[int, None]
+    finish: str
+    report: PrefillReport
+
+
+class Export(_Msg, frozen=True, tag="export"):
+    """cluster -> holder: lease the longest held prefix of ``keys`` for the request."""
+
+    rid: int
+    keys: bytes
+
+    def __post_init__(self) -> None:
+        _check_keys(self.keys)
+
+
+class Exported(_Msg, frozen=True, tag="exported"):
+    rid: int
+    arena: Endpoint
+    offsets: list[int]
+
+
+class Unpin(_Msg, frozen=True, tag="unpin"):
+    rid: int
+
+
+class Fetched(_Msg, frozen=True, tag="fetched"):
+    """prefill -> cluster: the holder's blocks are copied (it may unpin them)."""
+
+    rid: int
+
+
+class Tokens(_Msg, frozen=True, tag="tokens"):
+    """decode -> cluster: new tokens of a request; ``finish`` ends it. The first one
+    carries the first token and the prefill's ``report``."""
+
+    rid: int
+    tokens: list[int]
+    finish: Union[str, None] = None
+    report: Union[PrefillReport, None] = None
+
+
+class Step(_Msg, frozen=True, tag="step"):
+    """decode -> cluster: the ``Tokens`` of several requests at once (one engine step's,
+    or the first tokens of one loop): one frame instead of one per request."""
+
+    tokens: list[Tokens]
+
+
+class Failed(_Msg, frozen=True, tag="failed"):
+    rid: Union[int, None]
+    error: str
+
+
+class Cancel(_Msg, frozen=True, tag="cancel"):
+    rid: int
+
+
+class PeerLost(_Msg, frozen=True, tag="peer_lost"):
+    """instance -> cluster: the peer link to ``peer`` closed (its end closed it, or it
+    sent a bad frame) while this instance runs; the cluster fences that peer, so no
+    request waits forever on a message that link can no longer carry."""
+
+    peer: int
+    reason: str
+
+
+class Cancelled(_Msg, frozen=True, tag="cancelled"):
+    """prefill -> cluster: the request is dropped and none of its copies is in flight."""
+
+    rid: int
+
+
+# ---- the index feed and housekeeping
+class StoreEvents(_Msg, frozen=True, tag="store"):
+    runs: list[StoreRun]
+
+
+class Stats(_Msg, frozen=True, tag="stats"):
+    pass
+
+
+class StatsReply(_Msg, frozen=True, tag="stats_reply"):
+    stats: dict[str, float]
+
+
+class Measure(_Msg, frozen=True, tag="measure"):
+    points: list[tuple[int, int]]
+    repeats: int = 3
+
+
+class Timings(_Msg, frozen=True, tag="timings"):
+    timings: list[tuple[int, int, float]]
+
+
+class Stop(_Msg, frozen=True, tag="stop"):
+    pass
+
+
+Message = Union[Init, Ready, InitFailed, Beat, Expect, Prefill, KvReady, Export, Exported, Unpin, Fetched, Tokens,
+                Step, Failed, Cancel, Cancelled, PeerLost, StoreEvents, Stats, StatsReply, Measure, Timings, Stop]
+
+#: what each kind of link may carry (a reader closes a link that gets anything else)
+TO_INSTANCE: tuple[type, ...] = (Init, Expect, Export, Unpin, Cancel, Stats, Measure, Stop)
+FROM_INSTANCE: tuple[type, ...] = (Ready, InitFailed, Beat, StoreEvents, Exported, Fetched, Tokens, Step, Failed,
+                                   Cancelled, PeerLost, StatsReply, Timings)
+PEER: tuple[type, ...] = (Prefill, KvReady)
+
+
+_OPS: dict[type, str] = {}
+
+
+def op_of(msg: Any) -> str:
+    """The op tag of a message (a counter key; the class name for other objects)."""
+    t = type(msg)
+    op = _OPS.get(t)
+    if op is None:
+        tag = t.__struct_config__.tag if isinstance(msg, msgspec.Struct) else None
+        op = _OPS[t] = tag if isinstance(tag, str) else t.__name__
+    return op
+
+
+class Codec:
+    """Frames messages for one link. Not shared between threads (one per reader, one
+    per sender under its lock)."""
+
+    def __init__(self, max_frame: int = MAX_FRAME) -> None:
+        self.max_frame = max_frame
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(Message)
+
+    def encode(self, msg: Message) -> bytes:
+        body = self._enc.encode(msg)
+        if len(body) > self.max_frame:
+            raise ProtocolError(f"a {op_of(msg)} message of {len(body)} bytes exceeds the frame limit "
+                                f"({self.max_frame})")
+        return _HDR.pack(len(body)) + body
+
+    def body_length(self, header: bytes) -> int:
+        """The body length a frame header announces; ``ProtocolError`` past the limit."""
+        if len(header) != _HDR.size:
+            raise ProtocolError(f"truncated frame header ({len(header)} of {_HDR.size} bytes)")
+        (n,) = _HDR.unpack(header)
+        if n > self.max_frame:
+            raise ProtocolError(f"frame of {n} bytes exceeds the limit ({self.max_frame})")
+        return n
+
+    def decode_body(self, body: bytes) -> Message:
+        try:
+            return self._dec.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise ProtocolError(f"malformed control message: {e}") from None
+        except (ValueError, TypeError, OverflowError, RecursionError, UnicodeDecodeError) as e:
+            raise ProtocolError(f"malformed control message: {type(e).__name__}: {e}") from None
+
+    def decode(self, frame: bytes) -> Message:
+        """One whole frame (header + body) -> its message."""
+        n = self.body_length(bytes(frame[:_HDR.size]))
+        body = frame[_HDR.size:]
+        if len(body) != n:
+            raise ProtocolError(f"frame announces {n} body bytes, has {len(body)}")
+        return self.decode_body(bytes(body))

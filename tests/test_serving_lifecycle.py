@@ -1,0 +1,541 @@
+"""The request lifecycle alone (serving/lifecycle.py): no engines, no threads. Each test
+drives a request to a stage, applies one failure and asserts the exact commands: what
+is sent to which instance, in which order, which conductor calls, and how the request
+ends; then, where the prefill's ack is awaited, what the ack releases."""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncake_rs.errors import MooncakeError, TransferFailed, TransferTimeout
+from mooncake_rs.serving import protocol as p
+from mooncake_rs.serving.lifecycle import (Arrived, CancelRequest, Conduct, Deliver, Fail, Finish, InstanceDown,
+                                           Plan, RequestLifecycle, Send, Stage, Submit, Tick)
+
+P, H, D = 0, 1, 2  # the prefill instance, the holder of the prefix (another prefill), the decode instance
+NAMES = {P: "prefill-0", H: "prefill-1", D: "decode-0"}
+RID = 7
+KEYS = p.pack_keys([11, 12, 13, 14])
+PARAMS = p.Params(max_tokens=4)
+EP = p.Endpoint("prefill-1", "", 3)
+REPORT = p.PrefillReport(2, 2, 4096, 0.0, 0.1, 0.2)
+
+
+def plan(fetch: bool = False, deadline: float | None = 100.0) -> Plan:
+    return Plan(RID, list(range(70)), PARAMS, KEYS, P, D, local=1 if fetch else 0, fetch_from=H if fetch else None,
+                fetch_keys=KEYS[16:48] if fetch else b"", deadline=deadline, timeout_s=5.0)
+
+
+def expect(fetch: p.Fetch | None = None, planned: bool | None = None) -> Send:
+    """The Expect to decode; ``planned``: the decision had a fetch (so the prefill holds
+    one block itself), even when the fetch itself fell through."""
+    pl = plan(fetch is not None if planned is None else planned)
+    return Send(D, p.Expect(RID, pl.prompt, PARAMS, KEYS, pl.local, fetch, P))
+
+
+def expect_unfetched() -> Send:
+    return expect(None, planned=True)
+
+
+FETCH = p.Fetch(H, EP, [4096, 8192], KEYS[16:48])
+
+
+def c(call: str, n: int = 0) -> Conduct:
+    return Conduct(call, RID, n)
+
+
+def strip(cmds):
+    """Commands with errors replaced by (type, message) so they compare by value."""
+    return [("fail", type(x.error), str(x.error)) if isinstance(x, Fail) else x for x in cmds]
+
+
+def fail(kind, msg: str):
+    return ("fail", kind, msg)
+
+
+# ---- the way to each stage
+def at(stage: str) -> RequestLifecycle:
+    lc = RequestLifecycle(NAMES)
+    if stage == "fetch":
+        assert lc.on(Submit(plan(fetch=True))) == [Send(H, p.Export(RID, KEYS[16:48]))]
+    elif stage == "slots":
+        assert lc.on(Submit(plan())) == [expect(), c("prefill_started")]
+    elif stage in ("slots_pinned", "slots_fetched"):
+        lc = at("fetch")
+        assert lc.on(Arrived(H, p.Exported(RID, EP, [4096, 8192]))) == [expect(FETCH), c("prefill_started")]
+        if stage == "slots_fetched":
+            assert lc.on(Arrived(P, p.Fetched(RID))) == [Send(H, p.Unpin(RID))]
+    elif stage == "decode":
+        lc = at("slots")
+        assert lc.on(Arrived(D, p.Tokens(RID, [5], None, REPORT))) == [
+            c("prefill_finished"), c("decode_started"), Deliver(RID, [5], REPORT)]
+    elif stage in ("draining", "draining_pinned"):
+        lc = at("slots" if stage == "draining" else "slots_pinned")
+        err = MooncakeError("cancelled by the caller")
+        assert strip(lc.on(CancelRequest(RID, err))) == [c("cancel"), fail(MooncakeError, str(err)),
+                                                         Send(P, p.Cancel(RID))]
+    else:
+        raise AssertionError(stage)
+    want = {"fetch": Stage.FETCH, "decode": Stage.DECODE}.get(stage, Stage.DRAINING if "draining" in stage
+                                                               else Stage.SLOTS)
+    assert lc.stage(RID) is want
+    return lc
+
+
+# ---- the happy paths
+def test_no_fetch_path_is_expect_then_tokens():
+    lc = at("decode")
+    assert lc.on(Arrived(D, p.Tokens(RID, [6, 7], None))) == [Deliver(RID, [6, 7])]
+    assert lc.on(Arrived(D, p.Tokens(RID, [8], "length"))) == [Deliver(RID, [8]), c("decode_finished", 4),
+                                                                 Finish(RID, "length")]
+    assert len(lc) == 0 and lc.stage(RID) is None
+
+
+def test_fetch_path_unpins_when_fetched():
+    lc = at("slots_fetched")
+    assert lc.on(Arrived(D, p.Tokens(RID, [5], "stop", REPORT))) == [
+        c("prefill_finished"), Deliver(RID, [5], REPORT), c("decode_finished", 1), Finish(RID, "stop")]
+    assert len(lc) == 0
+
+
+def test_first_token_unpins_a_holder_whose_fetched_was_not_seen():
+    lc = at("slots_pinned")
+    assert lc.on(Arrived(D, p.Tokens(RID, [5], None, REPORT))) == [
+        Send(H, p.Unpin(RID)), c("prefill_finished"), c("decode_started"), Deliver(RID, [5], REPORT)]
+
+
+def test_holder_with_nothing_to_export_means_no_fetch():
+    lc = at("fetch")
+    assert lc.on(Arrived(H, p.Exported(RID, EP, []))) == [Send(H, p.Unpin(RID)), expect_unfetched(), c("prefill_started")]
+
+
+def test_partial_export_fetches_what_the_holder_has():
+    lc = at("fetch")
+    got = lc.on(Arrived(H, p.Exported(RID, EP, [4096])))
+    assert got == [expect(p.Fetch(H, EP, [4096], KEYS[16:32])), c("prefill_started")]
+
+
+def test_request_ended_by_the_prefill():
+    # the first token ended it (EOS, max_tokens=1): decode only frees its slots
+    lc = at("slots")
+    assert lc.on(Arrived(D, p.Tokens(RID, [3], "length", REPORT))) == [
+        c("prefill_finished"), Deliver(RID, [3], REPORT), c("decode_finished", 1), Finish(RID, "length")]
+    assert len(lc) == 0
+
+
+def test_aborted_finish_tells_the_conductor_cancel():
+    lc = at("decode")
+    assert lc.on(Arrived(D, p.Tokens(RID, [], "abort"))) == [Deliver(RID, []), c("cancel"), Finish(RID, "abort")]
+
+
+# ---- every stage x every failure
+DIED = "instance {} died (signal 9)"
+DOWN = {i: InstanceDown(i, DIED.format(n)) for i, n in NAMES.items()}
+DOWN_MSG = {i: DIED.format(n) + "; its in-flight requests failed" for i, n in NAMES.items()}
+CANCEL_ERR = MooncakeError(f"request {RID} was cancelled")
+LATE = Tick(1e9)
+LATE_MSG = f"request {RID} passed its deadline (5s after submit); it was cancelled"
+
+
+def on_fail(inst: int, error: str) -> str:
+    return f"request {RID} failed on {NAMES[inst]}: {error}"
+
+
+def dead(i):
+    return fail(TransferFailed, DOWN_MSG[i])
+
+
+CANCEL_P, CANCEL_D, UNPIN_H = Send(P, p.Cancel(RID)), Send(D, p.Cancel(RID)), Send(H, p.Unpin(RID))
+ENDED = [c("cancel")]
+
+# (stage, failure, commands, commands on the prefill's Cancelled ack or None when none is awaited)
+CASES = [
+    # FETCH: only the holder holds something (the pins)
+    ("fetch", DOWN[P], ENDED + [dead(P), UNPIN_H], None),
+    ("fetch", DOWN[D], ENDED + [dead(D), UNPIN_H], None),
+    ("fetch", DOWN[H], [expect_unfetched(), c("prefill_started")], None),
+    ("fetch", Arrived(H, p.Failed(RID, "LookupError: gone")), [UNPIN_H, expect_unfetched(), c("prefill_started")], None),
+    ("fetch", Arrived(D, p.Failed(RID, "boom")), ENDED + [fail(MooncakeError, on_fail(D, "boom")), UNPIN_H], None),
+    ("fetch", CancelRequest(RID, CANCEL_ERR), ENDED + [fail(MooncakeError, str(CANCEL_ERR)), UNPIN_H], None),
+    ("fetch", LATE, ENDED + [fail(TransferTimeout, LATE_MSG), UNPIN_H], None),
+    # SLOTS: decode reserved slots; the prefill may be writing into them
+    ("slots", DOWN[P], ENDED + [dead(P), CANCEL_D], None),
+    ("slots", DOWN[D], ENDED + [dead(D), CANCEL_P], []),
+    ("slots", DOWN[H], [], None),
+    ("slots", Arrived(P, p.Failed(RID, "KV hand-off failed: TransferFailed")),
+     ENDED + [fail(MooncakeError, on_fail(P, "KV hand-off failed: TransferFailed")), CANCEL_D], None),
+    ("slots", Arrived(D, p.Failed(RID, "StoreFull: no slot")),
+     ENDED + [fail(MooncakeError, on_fail(D, "StoreFull: no slot")), CANCEL_P], [CANCEL_D]),
+    ("slots", CancelRequest(RID, CANCEL_ERR), ENDED + [fail(MooncakeError, str(CANCEL_ERR)), CANCEL_P], [CANCEL_D]),
+    ("slots", LATE, ENDED + [fail(TransferTimeout, LATE_MSG), CANCEL_P], [CANCEL_D]),
+    # SLOTS with the holder's blocks pinned (the fetch may be reading them)
+    ("slots_pinned", DOWN[P], ENDED + [dead(P), CANCEL_D, UNPIN_H], None),
+    ("slots_pinned", DOWN[D], ENDED + [dead(D), CANCEL_P], [UNPIN_H]),
+    ("slots_pinned", DOWN[H], [], None),
+    ("slots_pinned", Arrived(P, p.Failed(RID, "x")), ENDED + [fail(MooncakeError, on_fail(P, "x")), CANCEL_D, UNPIN_H],
+     None),
+    ("slots_pinned", CancelRequest(RID, CANCEL_ERR), ENDED + [fail(MooncakeError, str(CANCEL_ERR)), CANCEL_P],
+     [CANCEL_D, UNPIN_H]),
+    ("slots_pinned", LATE, ENDED + [fail(TransferTimeout, LATE_MSG), CANCEL_P], [CANCEL_D, UNPIN_H]),
+    ("slots_fetched", CancelRequest(RID, CANCEL_ERR), ENDED + [fail(MooncakeError, str(CANCEL_ERR)), CANCEL_P],
+     [CANCEL_D]),
+    ("slots_fetched", DOWN[H], [], None),
+    # DECODE: the prefill is done; only the decode instance holds the request
+    ("decode", DOWN[P], [], None),
+    ("decode", DOWN[D], ENDED + [dead(D)], None),
+    ("decode", DOWN[H], [], None),
+    ("decode", Arrived(D, p.Failed(RID, "oom")), ENDED + [fail(MooncakeError, on_fail(D, "oom")), CANCEL_D], None),
+    ("decode", CancelRequest(RID, CANCEL_ERR), ENDED + [fail(MooncakeError, str(CANCEL_ERR)), CANCEL_D], None),
+    ("decode", LATE, ENDED + [fail(TransferTimeout, LATE_MSG), CANCEL_D], None),
+    # DRAINING: already failed for the caller, waiting for the prefill's ack
+    ("draining", DOWN[P], [CANCEL_D], None),
+    ("draining", DOWN[D], [], []),
+    ("draining", DOWN[H], [], [CANCEL_D]),
+    ("draining", CancelRequest(RID, CANCEL_ERR), [], [CANCEL_D]),
+    ("draining", LATE, [], [CANCEL_D]),
+    ("draining", Arrived(D, p.Tokens(RID, [5], None, REPORT)), [], [CANCEL_D]),
+    ("draining", Arrived(P, p.Failed(RID, "late")), [], [CANCEL_D]),
+    ("draining_pinned", DOWN[P], [CANCEL_D, UNPIN_H], None),
+    ("draining_pinned", DOWN[H], [], [CANCEL_D]),
+    ("draining_pinned", Arrived(P, p.Fetched(RID)), [UNPIN_H], [CANCEL_D]),
+]
+
+
+@pytest.mark.parametrize("stage,event,want,after_ack", CASES,
+                         ids=[f"{s}-{type(e).__name__}-{i}" for i, (s, e, _, _) in enumerate(CASES)])
+def test_stage_x_failure(stage, event, want, after_ack):
+    lc = at(stage)
+    assert strip(lc.on(event)) == want
+    if after_ack is None:
+        # nothing awaited: the record is gone (or the request goes on, where the failure did not touch it)
+        assert lc.stage(RID) in (None, Stage.DECODE, Stage.SLOTS, Stage.FETCH)
+        if lc.stage(RID) is Stage.DRAINING:
+            pytest.fail("a DRAINING request must name what the ack releases")
+    else:
+        assert lc.stage(RID) is Stage.DRAINING
+        assert lc.on(Arrived(P, p.Cancelled(RID))) == after_ack
+        assert lc.stage(RID) is None and len(lc) == 0
+    # whatever happened, later messages of the request change nothing for a gone request
+    if lc.stage(RID) is None:
+        assert lc.on(Arrived(D, p.Tokens(RID, [1], "stop"))) == []
+        assert lc.on(CancelRequest(RID, CANCEL_ERR)) == []
+
+
+def test_prefill_death_in_decode_lets_the_request_finish():
+    lc = at("decode")
+    assert lc.on(DOWN[P]) == []
+    assert lc.on(Arrived(D, p.Tokens(RID, [6], "stop"))) == [Deliver(RID, [6]), c("decode_finished", 2),
+                                                              Finish(RID, "stop")]
+
+
+def test_no_message_goes_to_a_dead_instance():
+    lc = at("slots_pinned")
+    lc.on(DOWN[H])
+    assert strip(lc.on(CancelRequest(RID, CANCEL_ERR))) == ENDED + [fail(MooncakeError, str(CANCEL_ERR)), CANCEL_P]
+    assert lc.on(DOWN[P]) == [CANCEL_D]  # no unpin for the dead holder
+    assert len(lc) == 0
+
+
+# ---- stale and odd inputs
+def test_decision_naming_a_dead_instance_fails_at_once():
+    lc = RequestLifecycle(NAMES)
+    lc.on(DOWN[D])
+    assert strip(lc.on(Submit(plan()))) == [c("cancel"), fail(TransferFailed, f"instance decode-0 is down; request "
+                                                                              f"{RID} was not started")]
+    assert len(lc) == 0
+
+
+def test_holder_death_is_noticed_before_export():
+    lc = RequestLifecycle(NAMES)
+    lc.on(DOWN[H])
+    assert lc.on(Submit(plan(fetch=True))) == [expect_unfetched(), c("prefill_started")]
+
+
+def test_export_answer_for_an_ended_request_unpins():
+    lc = RequestLifecycle(NAMES)
+    assert lc.on(Arrived(H, p.Exported(99, EP, [1]))) == [Send(H, p.Unpin(99))]
+
+
+def test_messages_from_the_wrong_instance_are_ignored():
+    lc = at("slots")
+    assert lc.on(Arrived(P, p.Tokens(RID, [1], "stop", REPORT))) == []  # tokens come from the decode instance
+    assert lc.on(Arrived(H, p.Cancelled(RID))) == []
+    assert lc.stage(RID) is Stage.SLOTS
+
+
+def test_deadline_not_reached_does_nothing():
+    lc = at("slots")
+    assert lc.on(Tick(99.0)) == []
+    lc2 = RequestLifecycle(NAMES)
+    lc2.on(Submit(plan(deadline=None)))
+    assert lc2.on(Tick(1e12)) == []
+
+
+def test_instance_down_twice_is_one_event():
+    lc = at("slots")
+    first = lc.on(DOWN[P])
+    assert first and lc.on(DOWN[P]) == []
+
+
+def test_many_requests_only_those_on_the_dead_instance_fail():
+    lc = RequestLifecycle(NAMES | {3: "decode-1"})
+    for rid, dec in ((1, D), (2, 3), (3, D)):
+        lc.on(Submit(Plan(rid, [1] * 20, PARAMS, KEYS[:16], P, dec)))
+    cmds = lc.on(InstanceDown(3, "instance decode-1 died (exit code 1)"))
+    assert [x.rid for x in cmds if isinstance(x, Fail)] == [2]
+    assert lc.running() == 2 and len(lc) == 3  # rid 2 drains until the prefill acks
+    assert lc.on(Arrived(P, p.Cancelled(2))) == []
+    assert len(lc) == 2
+
+
+def test_unknown_event_is_refused():
+    with pytest.raises(TypeError):
+        RequestLifecycle(NAMES).on("new")
+
+
+# ---- the router (the pump), with a fake cluster port and conductor: no engines, no thread
+class FakeConductor:
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *a: self.calls.append((name, *a))
+
+
+class FakePort:
+    prefix_reuse, block_size = True, 16
+
+    def __init__(self):
+        from mooncake_rs.serving.metrics import ClusterMetrics
+
+        self.conductor = FakeConductor()
+        self.metrics = ClusterMetrics()
+        self.sent, self.down, self.lost_peers, self.replies = [], [], [], []
+
+    def send(self, inst, msg):
+        self.sent.append((inst, msg))
+
+    def instance_ready(self, inst, msg):
+        self.replies.append(("ready", inst))
+
+    def instance_down(self, inst, reason):
+        self.down.append((inst, reason))
+        return f"instance {NAMES[inst]} died ({reason})"
+
+    def exited(self):
+        return []
+
+    def peer_lost(self, inst, peer, reason):
+        self.lost_peers.append((inst, peer))
+
+    def reply(self, inst, msg):
+        self.replies.append((inst, msg))
+
+    def output(self, record, reason):
+        return (record.plan.rid, list(record.tokens), reason)
+
+    def now(self):
+        return 1.0
+
+
+def _router():
+    from mooncake_rs.serving.router import Router
+
+    port = FakePort()
+    return Router(port, NAMES), port
+
+
+def _record(rid, fetch=False):
+    import time as _t
+
+    from mooncake_rs.serving.handle import RequestHandle
+    from mooncake_rs.serving.router import RequestRecord
+
+    pl = plan(fetch)
+    pl = Plan(rid, pl.prompt, pl.params, pl.keys, pl.prefill, pl.decode, pl.local, pl.fetch_from, pl.fetch_keys)
+    return RequestRecord(pl, RequestHandle(rid, pl.prompt), _t.monotonic())
+
+
+def test_router_pumps_a_request_through():
+    from mooncake_rs.serving.router import New
+
+    router, port = _router()
+    a, b = _record(1), _record(2)
+    router.handle(-1, New(a))
+    router.handle(-1, New(b))
+    assert [(i, type(m).__name__) for i, m in port.sent] == [(D, "Expect"), (D, "Expect")]
+    assert router.in_flight() == 0  # not submitted through submit(): nothing counted
+    router.handle(D, p.Step([p.Tokens(1, [5], None, REPORT), p.Tokens(2, [6], "stop", REPORT)]))
+    router.handle(D, p.Tokens(1, [7], "length"))
+    assert a.handle.result(0) == (1, [5, 7], "length") and b.handle.result(0) == (2, [6], "stop")
+    assert a.metrics.reused_tokens == 2 * 16 and a.metrics.transferred_bytes == 4096 and a.metrics.ttft_s >= 0
+    assert port.metrics.finished == 2
+    names = [c[0] for c in port.conductor.calls]
+    assert names.count("on_prefill_started") == 2 and names.count("on_decode_finished") == 2
+
+
+def test_router_instance_death_and_conductor_swap():
+    from mooncake_rs.serving.control import Lost
+    from mooncake_rs.serving.router import New, SwapConductor
+
+    router, port = _router()
+    rec = _record(1)
+    router.handle(-1, New(rec))
+    router.handle(D, Lost("closed"))
+    assert port.down == [(D, "closed")]
+    assert ("remove_instance", D) in port.conductor.calls
+    with pytest.raises(TransferFailed, match="decode-0 died"):
+        rec.handle.result(0)
+    assert (P, p.Cancel(1)) in port.sent  # the prefill goes first; the decode is dead
+    router.handle(D, Lost("closed"))  # once is enough
+    assert len(port.down) == 1
+    import threading
+
+    fresh, done = FakeConductor(), threading.Event()
+    router.handle(-1, SwapConductor(fresh, done))
+    assert done.is_set() and port.conductor is fresh and fresh.calls == [("remove_instance", D)]
+
+
+def test_router_routes_the_rest():
+    router, port = _router()
+    router.handle(P, p.StoreEvents([p.StoreRun("stored", "dram", p.pack_keys([5, 6])),
+                                    p.StoreRun("evicted", "ssd", p.pack_keys([7]))]))
+    assert port.conductor.calls == [("on_blocks_stored", P, [5, 6], "dram"), ("on_blocks_evicted", P, [7], "ssd")]
+    router.handle(P, p.PeerLost(D, "bad frame"))
+    assert port.lost_peers == [(P, D)]
+    router.handle(P, p.Timings([(16, 0, 0.1)]))
+    router.handle(P, p.Failed(None, "measure failed"))
+    assert [type(m).__name__ for _, m in port.replies] == ["Timings", "Failed"]
+    router.handle(P, p.Ready(p.PROTOCOL_VERSION, EP, 1, 8192, 64, 1024))
+    assert ("ready", P) in port.replies
+
+
+# ---- random interleavings: the safety rules hold whatever the order
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_random_interleavings_keep_the_safety_rules(data):
+    """Any order of what can really happen (submissions, holder answers, fetches, tokens,
+    failures, deaths, cancels, deadlines, acks): each request ends exactly once for its
+    caller; nothing is sent to a dead instance; the decode instance is never told to free
+    a request's slots, nor the holder to unpin its blocks, while the prefill instance may
+    still write into those slots or read those blocks; and once every request has ended
+    and every ack is in, nothing is left."""
+    lc = RequestLifecycle(NAMES)
+    rids = [1, 2, 3]
+    fetch_of = {r: data.draw(st.booleans(), label=f"fetch {r}") for r in rids}
+    submitted, ended, down = set(), {}, set()
+    expect_sent, fetch_sent, cancel_p, acked, reported = set(), set(), set(), set(), set()
+    writing, reading = set(), set()  # (rid): the prefill may write the decode slots / read the holder
+    export_sent, unpinned = set(), set()
+
+    def apply(ev):
+        cmds = lc.on(ev)
+        for c in cmds:
+            if isinstance(c, Send):
+                assert c.to not in down, (ev, c)
+                rid = getattr(c.msg, "rid", None)
+                if isinstance(c.msg, p.Expect):
+                    expect_sent.add(rid)
+                    writing.add(rid)
+                    if c.msg.fetch is not None:
+                        fetch_sent.add(rid)
+                        reading.add(rid)
+                elif isinstance(c.msg, p.Export):
+                    export_sent.add(rid)
+                elif isinstance(c.msg, p.Cancel) and c.to == D:
+                    assert rid not in writing, f"decode slots of {rid} freed while the prefill may write: {ev}"
+                elif isinstance(c.msg, p.Cancel) and c.to == P:
+                    cancel_p.add(rid)
+                elif isinstance(c.msg, p.Unpin):
+                    assert rid not in reading, f"holder unpinned {rid} while the prefill may read: {ev}"
+                    unpinned.add(rid)
+            elif isinstance(c, (Finish, Fail)):
+                assert c.rid not in ended, f"{c.rid} ended twice"
+                ended[c.rid] = c
+        return cmds
+
+    def prefill_done(rid):
+        writing.discard(rid)
+        reading.discard(rid)
+
+    for _ in range(data.draw(st.integers(5, 40), label="steps")):
+        choices = []  # progress 4x as likely as a fault, so long lives get explored too
+        for r in rids:
+            if r not in submitted:
+                choices += [("submit", r)] * 4
+                continue
+            if r in export_sent and r not in expect_sent:
+                choices += [("exported", r)] * 4
+                choices.append(("export_failed", r))
+            if r in fetch_sent and H not in down:
+                choices += [("fetched", r)] * 4
+            if r in expect_sent and P not in down and D not in down and r not in reported:
+                choices += [("first", r)] * 4
+            if r in reported and D not in down:
+                choices += [("more", r)] * 4
+                choices += [("final", r)] * 4
+            if r in expect_sent and P not in down:
+                choices.append(("prefill_failed", r))
+            if r in expect_sent and D not in down:
+                choices.append(("decode_failed", r))
+            if r in cancel_p and r not in acked and P not in down:
+                choices += [("ack", r)] * 4
+            choices.append(("cancel", r))
+        choices += [("down", i) for i in (P, H, D) if i not in down] + [("late", 0)]
+        kind, r = data.draw(st.sampled_from(choices))
+        if kind == "submit":
+            submitted.add(r)
+            pl = plan(fetch_of[r])
+            apply(Submit(Plan(r, pl.prompt, PARAMS, KEYS, P, D, pl.local, pl.fetch_from, pl.fetch_keys,
+                              deadline=50.0 + r, timeout_s=1.0)))
+        elif kind == "exported":
+            apply(Arrived(H, p.Exported(r, EP, data.draw(st.sampled_from([[], [4096], [4096, 8192]])))))
+        elif kind == "export_failed":
+            apply(Arrived(H, p.Failed(r, "boom")))
+        elif kind == "fetched":
+            reading.discard(r)
+            apply(Arrived(P, p.Fetched(r)))
+        elif kind == "first":
+            reported.add(r)
+            prefill_done(r)  # decode got KvReady: the prefill is done with slots and holder
+            apply(Arrived(D, p.Tokens(r, [5], data.draw(st.sampled_from([None, None, "length"])), REPORT)))
+        elif kind == "more":
+            apply(Arrived(D, p.Tokens(r, [6], None)))
+        elif kind == "final":
+            apply(Arrived(D, p.Tokens(r, [7], "stop")))
+        elif kind == "prefill_failed":
+            prefill_done(r)  # the prefill dropped it before reporting
+            apply(Arrived(P, p.Failed(r, "KV hand-off failed")))
+        elif kind == "decode_failed":
+            apply(Arrived(D, p.Failed(r, "StoreFull")))
+        elif kind == "ack":
+            acked.add(r)
+            prefill_done(r)
+            apply(Arrived(P, p.Cancelled(r)))
+        elif kind == "cancel":
+            apply(CancelRequest(r, MooncakeError("cancelled")))
+        elif kind == "down":
+            down.add(r)
+            if r == P:
+                for x in rids:
+                    prefill_done(x)
+            if r == H:
+                reading.clear()  # a dead holder has nothing left to read
+            apply(InstanceDown(r, f"instance {NAMES[r]} died"))
+        elif kind == "late":
+            apply(Tick(1e9))
+    # drain: every request ends, every awaited ack arrives (or the prefill dies)
+    for r in rids:
+        if r in submitted:
+            apply(CancelRequest(r, MooncakeError("end of test")))
+    for r in rids:
+        if lc.stage(r) is Stage.DRAINING:
+            prefill_done(r)
+            apply(Arrived(P, p.Cancelled(r)))
+    assert set(ended) == submitted
+    assert len(lc) == 0
+    if H not in down:  # every pin was let go
+        assert export_sent <= unpinned, (export_sent, unpinned)
