@@ -398,9 +398,9 @@ def test_router_instance_death_and_conductor_swap():
 
 def test_router_routes_the_rest():
     router, port = _router()
-    router.handle(P, p.StoreEvents([p.StoreRun("stored", "dram", p.pack_keys([5, 6])),
-                                    p.StoreRun("evicted", "ssd", p.pack_keys([7]))]))
-    assert port.conductor.calls == [("on_blocks_stored", P, [5, 6], "dram"), ("on_blocks_evicted", P, [7], "ssd")]
+    events = b"MCE1" + b"\0" * 18  # passed on as they are: the conductor decodes them
+    router.handle(P, p.StoreEvents(events))
+    assert port.conductor.calls == [("apply_store_events", P, events)]
     router.handle(P, p.PeerLost(D, "bad frame"))
     assert port.lost_peers == [(P, D)]
     router.handle(P, p.Timings([(16, 0, 0.1)]))
@@ -539,3 +539,22 @@ def test_random_interleavings_keep_the_safety_rules(data):
     assert len(lc) == 0
     if H not in down:  # every pin was let go
         assert export_sent <= unpinned, (export_sent, unpinned)
+
+
+def test_store_events_reach_a_real_conductor_and_bad_ones_down_the_sender():
+    """The store's drained events travel as its own bytes and land in the conductor's
+    index as they are; bytes the conductor refuses take the sending instance down (it is
+    at fault), never the router."""
+    import mooncake_rs as mr
+
+    router, port = _router()
+    port.conductor = mr.Conductor(mr.ConductorConfig(block_size=16))
+    port.conductor.add_prefill(P)
+    port.conductor.add_decode(D)
+    store = mr.Store(4096, 4096 * 8)
+    store.put(5, bytes(4096))
+    store.put(6, bytes(4096))
+    router.handle(P, p.StoreEvents(store.drain_events_batch().to_bytes()))
+    assert port.conductor.index.match_prefix([5, 6]).get(P) == 2
+    router.handle(P, p.StoreEvents(b"MCE1 truncated"))
+    assert port.down and port.down[-1][0] == P and "malformed store events" in port.down[-1][1]

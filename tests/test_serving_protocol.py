@@ -43,7 +43,7 @@ SAMPLES: list[p.Message] = [
     p.Cancel(9),
     p.Cancelled(9),
     p.PeerLost(2, "bad frame: junk"),
-    p.StoreEvents([p.StoreRun("stored", "dram", KEYS), p.StoreRun("evicted", "ssd", b"")]),
+    p.StoreEvents(b"MCE1" + bytes(18)),
     p.Stats(),
     p.StatsReply({"copied_bytes": 1.0, "requests": 0.0}),
     p.Measure([(16, 0), (32, 16)], 2),

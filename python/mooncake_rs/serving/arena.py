@@ -16,8 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .._core import Block, Store, WritableBlock
-from .protocol import StoreRun
+from .._core import Block, BlockHashes, Store, WritableBlock
 
 __all__ = ["StoreSlots"]
 
@@ -43,14 +42,25 @@ class StoreSlots:
         return self.store.reserve(key)
 
     def commit(self, wb: WritableBlock, *, lease: bool = False) -> Block | None:
-        """Publishes ``wb`` (an existing copy of the key wins); with ``lease``, the held block."""
+        """Publishes ``wb``; with ``lease``, the held block. ``commit()`` hands back the
+        published slot already leased, so there is no second lookup by key; only when the
+        key was stored meanwhile (that copy wins, this slot is freed) is it looked up."""
         key = wb.key
-        wb.commit()
-        return self.store.get(key) if lease else None
+        block = wb.commit()
+        if not lease:
+            if block is not None:
+                block.release()
+            return None
+        return block if block is not None else self.store.get(key)
 
     # ---- held blocks (Block)
     def lookup(self, key: int) -> Block | None:
         return self.store.get(key)
+
+    def lookup_prefix(self, keys: BlockHashes) -> list[Block]:
+        """Leased blocks of the longest leading run of ``keys`` this store holds (one call
+        into the store; an SSD-only block is promoted so every block has an offset)."""
+        return self.store.lookup_prefix(keys)
 
     def offset(self, h: Block | WritableBlock) -> int:
         if isinstance(h, WritableBlock):
@@ -64,29 +74,12 @@ class StoreSlots:
     def view(h: Any) -> np.ndarray:
         return np.asarray(h)
 
-    def drain_runs(self) -> list[StoreRun]:
-        """The store's events since the last call, for the conductor's index, as runs of
-        one kind and tier in store order (a block may be stored, evicted and stored again
-        within one batch): a demotion stores the block in the SSD tier, a promotion in
-        DRAM; an eviction or a removal drops it from the tier it names. The one place
-        where store events are translated (``Conductor.apply_store_events`` may take the
-        store's events directly later)."""
-        runs: list[StoreRun] = []
-        kind_tier: tuple[str, str] | None = None
-        keys: list[bytes] = []
-        for e in self.store.drain_events():
-            kind = "stored" if e.kind in ("stored", "promoted", "demoted") else (
-                "evicted" if e.kind in ("evicted", "removed") else None)
-            if kind is None:
-                continue
-            if (kind, e.tier) != kind_tier:
-                if keys and kind_tier is not None:
-                    runs.append(StoreRun(kind_tier[0], kind_tier[1], b"".join(keys)))
-                kind_tier, keys = (kind, e.tier), []
-            keys.append(e.key.to_bytes(16, "little"))
-        if keys and kind_tier is not None:
-            runs.append(StoreRun(kind_tier[0], kind_tier[1], b"".join(keys)))
-        return runs
+    def drain_events(self) -> bytes:
+        """The store's events since the last call, in the store's own wire form
+        (``mooncake_rs.StoreEvents.to_bytes()``), empty when there were none. The conductor
+        applies them as they are (``Conductor.apply_store_events``): no translation here."""
+        batch = self.store.drain_events_batch()
+        return batch.to_bytes() if len(batch) else b""
 
     def __len__(self) -> int:
         return self.store.stats().blocks_dram

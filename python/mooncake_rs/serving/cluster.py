@@ -44,7 +44,7 @@ from .liveness import watch
 from .members import Member, mark_down, remove_segments_of, spawn_all
 from .metrics import ClusterMetrics, RequestMetrics
 from .protocol import (PROTOCOL_VERSION, Failed, InitFailed, InstanceSpec, Measure, Message, Params, Ready, Stats,
-                       StatsReply, Stop, Timings, pack_keys)
+                       StatsReply, Stop, Timings)
 from .router import RequestRecord, Router, Shutdown, SwapConductor
 
 __all__ = ["Cluster", "remove_segments_of"]
@@ -305,7 +305,7 @@ class Cluster:
         if wait is not None and wait <= 0:
             raise InvalidArgument(f"timeout_s must be positive (or None for no deadline), got {timeout_s!r}")
         self._limits.check(toks, params)
-        keys = self._hasher.hash(toks)
+        keys = self._hasher.hash_blocks(toks)  # BlockHashes: no Python int per block
         rid = next(self._ids)
         self.metrics.count("requests")
         try:
@@ -317,9 +317,9 @@ class Cluster:
         t_submit = time.monotonic()
         local = d.reused_blocks - d.fetch_blocks
         fetch = d.fetch_blocks > 0 and d.fetch_from is not None
-        plan = Plan(rid, toks, Params.of(params), pack_keys(keys), d.prefill, d.decode, local=local,
+        plan = Plan(rid, toks, Params.of(params), bytes(keys), d.prefill, d.decode, local=local,
                     fetch_from=d.fetch_from if fetch else None,
-                    fetch_keys=pack_keys(keys[local:d.reused_blocks]) if fetch else b"",
+                    fetch_keys=bytes(keys[local:d.reused_blocks]) if fetch else b"",
                     deadline=None if wait is None else t_submit + wait, timeout_s=0.0 if wait is None else wait)
         rec = RequestRecord(plan, RequestHandle(rid, toks, self._cancel), t_submit)
         rec.metrics.prefill_instance, rec.metrics.decode_instance = d.prefill, d.decode

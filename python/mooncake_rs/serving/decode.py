@@ -18,9 +18,10 @@ from typing import Any, Callable
 
 import msgspec
 
+from .._core import BlockHashes
 from ..errors import MooncakeError, StoreFull
 from .protocol import (Cancel, Dest, Endpoint, Expect, Failed, InstanceSpec, KvReady, Message, Params, Prefill,
-                       ProtocolError, Step, Tokens, op_of, unpack_keys)
+                       ProtocolError, Step, Tokens, op_of)
 
 __all__ = ["DecodeRole"]
 
@@ -71,7 +72,7 @@ class DecodeRole:
     def _expect(self, msg: Expect) -> None:
         store = self.store
         rid = msg.rid
-        st = _DState(unpack_keys(msg.keys), msg.prompt, msg.params, msg.prefill)
+        st = _DState(BlockHashes(msg.keys), msg.prompt, msg.params, msg.prefill)
         self.waiting[rid] = st
         try:
             for i, k in enumerate(st.keys):

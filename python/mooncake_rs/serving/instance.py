@@ -19,12 +19,13 @@ import os
 import time
 from typing import Any
 
+from .._core import BlockHashes
 from .arena import StoreSlots
 from .control import CLUSTER, Lost
 from .decode import DecodeRole
 from .prefill import PrefillRole
 from .protocol import (PROTOCOL_VERSION, Endpoint, Export, Exported, Failed, InstanceSpec, Measure, Message,
-                       PeerLost, Ready, Stats, StatsReply, Stop, StoreEvents, Timings, Unpin, unpack_keys)
+                       PeerLost, Ready, Stats, StatsReply, Stop, StoreEvents, Timings, Unpin)
 from .transport import Transport
 
 __all__ = ["InstanceSpec", "Instance", "model_of"]
@@ -135,19 +136,14 @@ class Instance:
 
     def _export(self, msg: Export) -> None:
         """Pins the longest held prefix of ``keys`` and names its slots' offsets."""
-        blocks = []
-        for k in unpack_keys(msg.keys):
-            b = self.store.lookup(k)
-            if b is None:
-                break
-            blocks.append(b)
+        blocks = self.store.lookup_prefix(BlockHashes(msg.keys))
         self._pins.setdefault(msg.rid, []).extend(blocks)
-        self.ch.send(Exported(msg.rid, self.endpoint, [self.store.offset(b) for b in blocks]))
+        self.ch.send(Exported(msg.rid, self.endpoint, [b.offset for b in blocks]))
 
     def flush_store_events(self) -> None:
-        runs = self.store.drain_runs()
-        if runs and self.spec.role == "prefill":
-            self.ch.send(StoreEvents(runs))
+        events = self.store.drain_events()
+        if events and self.spec.role == "prefill":
+            self.ch.send(StoreEvents(events))
 
     @staticmethod
     def now() -> float:

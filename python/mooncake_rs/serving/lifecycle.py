@@ -57,7 +57,7 @@ class Plan:
     rid: int
     prompt: list[int]
     params: Params
-    keys: bytes  # every full block's hash (protocol.pack_keys)
+    keys: bytes  # every full block's hash: the bytes of a BlockHashes
     prefill: int
     decode: int
     local: int = 0  # leading blocks the prefill instance holds itself

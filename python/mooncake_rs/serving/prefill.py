@@ -28,10 +28,10 @@ from typing import Any, Callable
 
 import msgspec
 
-from .._core import WritableBlock
+from .._core import BlockHashes, WritableBlock
 from ..errors import MooncakeError
 from .protocol import (Cancel, Cancelled, Endpoint, Failed, Fetched, InstanceSpec, KvReady, Message, Prefill,
-                       PrefillReport, ProtocolError, op_of, unpack_keys)
+                       PrefillReport, ProtocolError, op_of)
 from .transport import Span
 
 __all__ = ["PrefillRole"]
@@ -127,16 +127,11 @@ class PrefillRole:
 
     def _start(self, msg: Prefill) -> None:
         store = self.store
-        rid, keys = msg.rid, unpack_keys(msg.keys)
+        rid, keys = msg.rid, BlockHashes(msg.keys)
         st = _PState(rid, keys, len(msg.prompt), msg.dest, msg.dest.arena.as_dict(), msg.decode, time.monotonic())
         st.msg = msg
         self.reqs[rid] = st
-        slots: list[Any] = []
-        for k in keys[:msg.local]:
-            s = store.lookup(k)
-            if s is None:
-                break
-            slots.append(s)
+        slots: list[Any] = store.lookup_prefix(keys[:msg.local])
         st.leases = slots
         fetch = msg.fetch
         if fetch is None or len(slots) != msg.local:
@@ -154,7 +149,7 @@ class PrefillRole:
         """Copies the holder's blocks one by one, waiting for each (a transport without
         an asynchronous read)."""
         store, ep = self.store, fetch.arena.as_dict()
-        for k, off in zip(unpack_keys(fetch.keys), fetch.offsets):
+        for k, off in zip(BlockHashes(fetch.keys), fetch.offsets):
             s = store.lookup(k)
             if s is None:
                 try:
@@ -177,7 +172,7 @@ class PrefillRole:
         computing other requests; ``poll`` finishes the fetch when the read has ended."""
         store = self.store
         spans: list[Span] = []
-        for k, off in zip(unpack_keys(fetch.keys), fetch.offsets):
+        for k, off in zip(BlockHashes(fetch.keys), fetch.offsets):
             s = store.lookup(k)
             if s is None:
                 try:

@@ -31,11 +31,12 @@ from typing import Any, Sequence, Union
 
 import msgspec
 
+from .._core import BlockHashes
 from ..errors import MooncakeError
 
 __all__ = [
     "PROTOCOL_VERSION", "MAX_FRAME", "ProtocolError", "Message", "TO_INSTANCE", "FROM_INSTANCE", "PEER",
-    "Endpoint", "Params", "Fetch", "Dest", "PrefillReport", "StoreRun", "InstanceSpec",
+    "Endpoint", "Params", "Fetch", "Dest", "PrefillReport", "InstanceSpec",
     "Init", "Ready", "InitFailed", "Beat", "Expect", "Export", "Exported", "Unpin", "Prefill", "Fetched",
     "KvReady", "Tokens", "Step", "Failed", "Cancel", "Cancelled", "PeerLost", "StoreEvents", "Stats", "StatsReply", "Measure",
     "Timings", "Stop", "Codec", "pack_keys", "unpack_keys", "op_of",
@@ -55,12 +56,15 @@ class ProtocolError(MooncakeError):
 
 
 def pack_keys(keys: Sequence[int]) -> bytes:
-    """Block hashes (128-bit ints) as one buffer of 16-byte little-endian keys."""
-    return b"".join(k.to_bytes(16, "little") for k in keys)
+    """Block hashes (128-bit ints) as one buffer of 16-byte little-endian keys: the bytes
+    of a ``BlockHashes``, which is what the request path sends (``bytes(hashes)``)."""
+    return bytes(BlockHashes(list(keys)))
 
 
 def unpack_keys(buf: bytes) -> list[int]:
-    return [int.from_bytes(buf[i:i + 16], "little") for i in range(0, len(buf), 16)]
+    """The ints of a key buffer (for tests and logs; the request path reads a buffer as
+    ``BlockHashes(buf)`` and builds no int per block)."""
+    return BlockHashes(buf).tolist()
 
 
 def _check_keys(buf: bytes) -> None:
@@ -138,18 +142,6 @@ class PrefillReport(_Base, frozen=True):
     t_start: float
     t_compute: float
     t_ready: float
-
-
-class StoreRun(_Base, frozen=True):
-    """Consecutive store events of one kind and tier (the conductor's index takes a run
-    per call, in order)."""
-
-    kind: str  # "stored" | "evicted"
-    tier: str
-    keys: bytes
-
-    def __post_init__(self) -> None:
-        _check_keys(self.keys)
 
 
 class InstanceSpec(_Base, frozen=True):
@@ -319,7 +311,11 @@ class Cancelled(_Msg, frozen=True, tag="cancelled"):
 
 # ---- the index feed and housekeeping
 class StoreEvents(_Msg, frozen=True, tag="store"):
-    runs: list[StoreRun]
+    """A prefill instance's drained store events, in the store's own wire form
+    (``mooncake_rs.StoreEvents.to_bytes()``: ``MCE1`` then 18 bytes an event), which the
+    conductor decodes and validates itself (``Conductor.apply_store_events``)."""
+
+    events: bytes
 
 
 class Stats(_Msg, frozen=True, tag="stats"):

@@ -33,9 +33,9 @@ from .lifecycle import (CancelRequest, Command, Conduct, Deliver, Fail, Finish, 
                         RequestLifecycle, Send, Submit, Tick)
 from .metrics import ClusterMetrics, RequestMetrics, tbt_of
 from .protocol import (Cancelled, Exported, Failed, Fetched, InitFailed, Message, PeerLost, Ready, StatsReply,
-                       Step, StoreEvents, StoreRun, Timings, Tokens, unpack_keys)
+                       Step, StoreEvents, Timings, Tokens)
 
-__all__ = ["Router", "ClusterPort", "RequestRecord", "New", "SwapConductor", "Shutdown", "apply_store_runs"]
+__all__ = ["Router", "ClusterPort", "RequestRecord", "New", "SwapConductor", "Shutdown"]
 
 log = logging.getLogger("mooncake_rs.serving")
 
@@ -107,17 +107,6 @@ class ClusterPort(Protocol):
 
     def now(self) -> float:
         """The conductor's clock."""
-
-
-def apply_store_runs(conductor: Any, inst: int, runs: list[StoreRun]) -> None:
-    """An instance's store events (``StoreSlots.drain_runs``) into the conductor's index,
-    one call per run, in order."""
-    for r in runs:
-        keys = unpack_keys(r.keys)
-        if r.kind == "stored":
-            conductor.on_blocks_stored(inst, keys, r.tier)
-        else:
-            conductor.on_blocks_evicted(inst, keys, r.tier)
 
 
 class Router:
@@ -193,9 +182,13 @@ class Router:
                 self.port.reply(src, ev)
             case Exported() | Fetched() | Failed() | Cancelled():
                 self._run(self.lifecycle.arrived(src, ev))
-            case StoreEvents(runs=runs):
+            case StoreEvents(events=events):
                 if self.port.prefix_reuse and src not in self.lifecycle.down:
-                    apply_store_runs(self.port.conductor, src, runs)
+                    try:
+                        self.port.conductor.apply_store_events(src, events)
+                    except MooncakeError as e:  # malformed bytes: the instance is at fault
+                        log.error("instance %s sent store events the conductor refused: %s", src, e)
+                        self._down(src, f"malformed store events: {e}")
             case Ready() | InitFailed():
                 self.port.instance_ready(src, ev)
             case StatsReply() | Timings():
