@@ -186,7 +186,8 @@ def isolated_new(requests: int, max_tokens: int, encode: bool):  # noqa: ANN201 
                             time.monotonic())
         msgs = [(-1, New(rec)), (1, P.Tokens(rid, [5], None, report))]
         msgs += [(1, P.Tokens(rid, [7], "length" if i == max_tokens - 2 else None)) for i in range(max_tokens - 1)]
-        msgs.append((0, P.StoreEvents([P.StoreRun("stored", "dram", P.pack_keys(keys))])))
+        # the store's own event bytes (MCE1: kind 0 = stored, tier 0 = dram, then the key)
+        msgs.append((0, P.StoreEvents(b"MCE1" + b"".join(b"\0\0" + k.to_bytes(16, "little") for k in keys))))
         t0 = time.thread_time()
         for inst, m in msgs:
             router.events.put((inst, m))
