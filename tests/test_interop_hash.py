@@ -8,6 +8,7 @@ import struct
 import numpy as np
 import pytest
 
+import mooncake_rs as mr
 from mooncake_rs import InvalidArgument, Xxh3RollingHasher
 
 # Computed independently with the `xxhash` PyPI package (xxh3_64_intdigest over
@@ -62,3 +63,25 @@ def test_bad_input():
         h.hash([1, 2, 3, 4], parent=2**64)
     with pytest.raises(InvalidArgument):
         h.hash_many([[1, 2, 3, 4], ["x"]])
+
+
+def test_the_rfc_hash_is_a_prefix_hasher_algorithm():
+    """``PrefixHasher(algorithm="xxh3-64-rfc")`` is the RFC chain (the standalone
+    ``Xxh3RollingHasher``'s values), so everything that takes a PrefixHasher's hashes (the
+    index, the conductor, BlockHashes) can run on the engines' standard hash."""
+    import numpy as np
+
+    toks = list(np.random.default_rng(3).integers(0, 2**31, 200))
+    toks = [int(t) for t in toks]
+    ours = mr.PrefixHasher(16, seed=11, algorithm="xxh3-64-rfc")
+    assert ours.algorithm == "xxh3-64-rfc" and ours.root == 0
+    want = mr.Xxh3RollingHasher(16, seed=11).hash(toks)
+    assert ours.hash(toks) == want
+    assert ours.hash_blocks(toks).tolist() == want
+    assert ours.hash(toks[32:], parent=want[1]) == want[2:]
+    with pytest.raises(mr.InvalidArgument, match="no extra key"):
+        mr.PrefixHasher(16, extra=b"llama", algorithm="xxh3-64-rfc")
+    with pytest.raises(mr.InvalidArgument, match="below 2\\^64"):
+        ours.hash(toks, parent=1 << 64)
+    with pytest.raises(mr.InvalidArgument, match="xxh3-64-rfc"):
+        mr.PrefixHasher(16, algorithm="sha1")

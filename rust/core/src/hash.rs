@@ -14,10 +14,14 @@
 //!   not a cryptographic hash: someone who knows the seed can construct collisions.
 //! - [`HashAlgorithm::Blake3`]: keyed BLAKE3 truncated to 128 bits, for deployments that
 //!   hash untrusted tenants' prompts into one shared cache; slower, collision-resistant.
+//! - [`HashAlgorithm::Xxh3Rfc`]: the 64-bit rolling hash of Mooncake's KV-events/indexer
+//!   RFCs ([`crate::hash_xxh3`]), for interop with engines and routers that compute it:
+//!   no root, no `extra`, no block-size domain (the value sits in the low 64 bits).
 
 use std::fmt;
 
 use crate::error::{Categorized, ErrorCategory};
+use crate::hash_xxh3::Xxh3RollingHasher;
 
 /// A block hash: identifies a full block of tokens together with its whole prefix.
 pub type BlockHash = u128;
@@ -28,6 +32,8 @@ pub enum HashAlgorithm {
     #[default]
     Xxh3,
     Blake3,
+    /// The RFC's standard chain; see [`crate::hash_xxh3`].
+    Xxh3Rfc,
 }
 
 impl HashAlgorithm {
@@ -35,6 +41,7 @@ impl HashAlgorithm {
         match name {
             "xxh3" => Ok(HashAlgorithm::Xxh3),
             "blake3" => Ok(HashAlgorithm::Blake3),
+            "xxh3-64-rfc" => Ok(HashAlgorithm::Xxh3Rfc),
             other => Err(HashError::UnknownAlgorithm(other.to_string())),
         }
     }
@@ -43,6 +50,7 @@ impl HashAlgorithm {
         match self {
             HashAlgorithm::Xxh3 => "xxh3",
             HashAlgorithm::Blake3 => "blake3",
+            HashAlgorithm::Xxh3Rfc => "xxh3-64-rfc",
         }
     }
 }
@@ -53,8 +61,12 @@ pub enum HashError {
     InvalidBlockSize(i128),
     #[error("token at position {index} is {value}, outside 0..2^32-1")]
     TokenOutOfRange { index: usize, value: i128 },
-    #[error("unknown hash algorithm {0:?}; expected \"xxh3\" or \"blake3\"")]
+    #[error("unknown hash algorithm {0:?}; expected \"xxh3\", \"blake3\" or \"xxh3-64-rfc\"")]
     UnknownAlgorithm(String),
+    #[error("the xxh3-64-rfc chain has no extra key (it is the engines' standard hash); pass none")]
+    ExtraNotSupported,
+    #[error("parent {0:#x} is not an xxh3-64-rfc hash (those are below 2^64)")]
+    ParentOutOfRange(u128),
 }
 
 impl Categorized for HashError {
@@ -75,6 +87,8 @@ pub struct PrefixHasher {
     root: BlockHash,
     /// BLAKE3 key derived from the seed (unused for XXH3).
     blake3_key: [u8; 32],
+    /// The RFC chain's hasher (`Xxh3Rfc` only).
+    rfc: Option<Xxh3RollingHasher>,
 }
 
 /// Bytes that precede the tokens in every block's hash input: parent ‖ extra digest.
@@ -91,6 +105,9 @@ impl PrefixHasher {
             return Err(HashError::InvalidBlockSize(0));
         }
         let extra = extra.unwrap_or(&[]);
+        if algorithm == HashAlgorithm::Xxh3Rfc && !extra.is_empty() {
+            return Err(HashError::ExtraNotSupported);
+        }
         let blake3_key = blake3::derive_key("mooncake_rs prefix block hash v1", &seed.to_le_bytes());
         let mut h = PrefixHasher {
             block_size,
@@ -99,7 +116,12 @@ impl PrefixHasher {
             extra_digest: [0; 16],
             root: 0,
             blake3_key,
+            rfc: None,
         };
+        if algorithm == HashAlgorithm::Xxh3Rfc {
+            h.rfc = Some(Xxh3RollingHasher::new(block_size, seed)?);
+            return Ok(h); // no root, no extra digest: the RFC chain has neither
+        }
         // Domain-separated digests: the root also binds the block size, so hashers with
         // different block sizes never produce comparable chains.
         let mut extra_input = b"mooncake_rs/extra/v1".to_vec();
@@ -124,14 +146,35 @@ impl PrefixHasher {
         self.algorithm
     }
 
-    /// The implicit parent of a chain's first block.
+    /// The implicit parent of a chain's first block (0 for `Xxh3Rfc`, whose first block's
+    /// hash is its local hash: there is no root).
     pub fn root(&self) -> BlockHash {
         self.root
+    }
+
+    /// Refuses a `parent` this hasher's chains cannot contain (only `Xxh3Rfc` has such:
+    /// its hashes are 64-bit). Callers taking a parent from outside check it first; the
+    /// hashing functions below then never see one out of range.
+    pub fn check_parent(&self, parent: Option<BlockHash>) -> Result<(), HashError> {
+        match parent {
+            Some(p) if self.algorithm == HashAlgorithm::Xxh3Rfc && p > u128::from(u64::MAX) => {
+                Err(HashError::ParentOutOfRange(p))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The RFC chain, widened to `BlockHash`. A parent above 2^64 (refused by
+    /// `check_parent`) would keep only its low 64 bits.
+    fn rfc_chain(rfc: &Xxh3RollingHasher, tokens: &[u32], parent: Option<BlockHash>) -> Vec<BlockHash> {
+        rfc.hash_tokens(tokens, parent.map(|p| p as u64)).into_iter().map(BlockHash::from).collect()
     }
 
     fn digest(&self, bytes: &[u8]) -> BlockHash {
         match self.algorithm {
             HashAlgorithm::Xxh3 => xxhash_rust::xxh3::xxh3_128_with_seed(bytes, self.seed),
+            // the RFC chain never digests here (it returns before): kept total for the match
+            HashAlgorithm::Xxh3Rfc => BlockHash::from(xxhash_rust::xxh3::xxh3_64_with_seed(bytes, self.seed)),
             HashAlgorithm::Blake3 => {
                 let out = blake3::keyed_hash(&self.blake3_key, bytes);
                 let mut first = [0u8; 16];
@@ -147,6 +190,9 @@ impl PrefixHasher {
     /// each block's tokens go into the scratch input with one copy (their memory already
     /// is their little-endian encoding on this target), not element by element.
     pub fn hash_tokens(&self, tokens: &[u32], parent: Option<BlockHash>) -> Vec<BlockHash> {
+        if let Some(rfc) = &self.rfc {
+            return Self::rfc_chain(rfc, tokens, parent);
+        }
         let bs = self.block_size;
         let mut hashes = Vec::with_capacity(tokens.len() / bs);
         let mut input = vec![0u8; HEADER_BYTES + 4 * bs];
@@ -173,6 +219,18 @@ impl PrefixHasher {
         let bs = self.block_size;
         let mut hashes = Vec::with_capacity(n_blocks);
         let mut block = vec![0u32; bs];
+        if let Some(rfc) = &self.rfc {
+            let mut scratch = Vec::with_capacity(4 * bs);
+            let mut prev = parent.map(|p| p as u64);
+            for i in 0..n_blocks {
+                fill(i, &mut block)?;
+                let local = rfc.local_hash(&block, &mut scratch);
+                let seq = prev.map_or(local, |p| rfc.roll(p, local));
+                hashes.push(BlockHash::from(seq));
+                prev = Some(seq);
+            }
+            return Ok(hashes);
+        }
         // Scratch: parent ‖ extra digest ‖ tokens as little-endian bytes.
         let mut input = vec![0u8; HEADER_BYTES + 4 * bs];
         input[16..HEADER_BYTES].copy_from_slice(&self.extra_digest);
@@ -309,5 +367,31 @@ mod tests {
             });
             prop_assert_eq!(via_fill.unwrap(), h.hash_tokens(&toks, None));
         }
+    }
+
+    #[test]
+    fn the_rfc_algorithm_is_the_rolling_hasher_widened() {
+        let toks: Vec<u32> = (0..100).map(|i| i * 7 + 3).collect();
+        let rfc = crate::hash_xxh3::Xxh3RollingHasher::new(16, 9).unwrap();
+        let h = PrefixHasher::new(16, 9, None, HashAlgorithm::Xxh3Rfc).unwrap();
+        let want: Vec<BlockHash> = rfc.hash_tokens(&toks, None).into_iter().map(BlockHash::from).collect();
+        assert_eq!(h.hash_tokens(&toks, None), want);
+        assert_eq!(h.root(), 0);
+        // continuing a chain from its last hash equals hashing the whole
+        let (a, b) = toks.split_at(48);
+        let first = h.hash_tokens(a, None);
+        let mut joined = first.clone();
+        joined.extend(h.hash_tokens(b, first.last().copied()));
+        assert_eq!(joined, want);
+        // the fill form agrees
+        let via_fill: Result<Vec<_>, ()> = h.hash_blocks_with(toks.len() / 16, None, |i, out| {
+            out.copy_from_slice(&toks[i * 16..(i + 1) * 16]);
+            Ok(())
+        });
+        assert_eq!(via_fill.unwrap(), want);
+        assert_eq!(HashAlgorithm::parse("xxh3-64-rfc").unwrap().name(), "xxh3-64-rfc");
+        assert_eq!(PrefixHasher::new(16, 9, Some(b"model"), HashAlgorithm::Xxh3Rfc).err(), Some(HashError::ExtraNotSupported));
+        assert!(h.check_parent(Some(u128::from(u64::MAX))).is_ok());
+        assert_eq!(h.check_parent(Some(1u128 << 64)), Err(HashError::ParentOutOfRange(1u128 << 64)));
     }
 }

@@ -58,6 +58,7 @@ impl PyPrefixHasher {
         parent: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyList>> {
         let parent = parent.map(hash_from_py).transpose()?;
+        self.inner.check_parent(parent).map_err(|e| to_pyerr(py, &e))?;
         let tokens = Tokens::extract(tokens)?;
         let hashes = tokens.with_u32(|t| self.inner.hash_tokens(t, parent));
         hashes_to_list(py, &hashes)
@@ -70,6 +71,7 @@ impl PyPrefixHasher {
     #[pyo3(signature = (tokens, parent = None))]
     fn hash_blocks(&self, tokens: &Bound<'_, PyAny>, parent: Option<&Bound<'_, PyAny>>) -> PyResult<PyBlockHashes> {
         let parent = parent.map(hash_from_py).transpose()?;
+        self.inner.check_parent(parent).map_err(|e| to_pyerr(tokens.py(), &e))?;
         let tokens = Tokens::extract(tokens)?;
         // With the GIL held, as `hash`: a 16k-token prompt at block 16 is ~10-20 us, and
         // a released GIL would let another thread change a numpy buffer being read.
