@@ -97,3 +97,25 @@ def test_policy_is_data_in_data_out() -> None:
     assert pol.decide(snap, 20.0, 0.1, False, 100.0, 0.0) is None
     # never below min_per_role
     assert pol.decide(NS(prefill=p, decode=d[:1]), 10.0, 0.1, False, 100.0, 0.0) is None
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("switch_s", [0.0, 2.0])
+def test_switches_respect_the_dwell_and_lose_nothing(seed: int, switch_s: float) -> None:
+    trace = sim.phased_trace(PHASES, seed=seed)
+    policy = sim.RolePolicy(min_dwell_s=4.0, check_every_s=0.5, switch_s=switch_s, min_per_role=2)
+    s = sim.Simulator(cfg(adaptive_roles=True, role_policy=policy, rejection="predictive"))
+    rep = s.run(trace)
+    assert rep.role_switches > 0
+    times = [t for t, _, _ in rep.role_events]
+    # each switch starts draining >= min_dwell_s after the previous one ended, then takes >= switch_s
+    assert all(b - a >= policy.min_dwell_s + switch_s - 1e-9 for a, b in zip(times, times[1:]))
+    roles = {k: ("prefill" if k < 4 else "decode") for k in range(8)}
+    for _, k, role in rep.role_events:
+        assert roles[k] != role
+        roles[k] = role
+        assert list(roles.values()).count("prefill") >= 2 and list(roles.values()).count("decode") >= 2
+    assert all((r.finish_s is None) == (r.rejected is not None) for r in rep.requests)
+    assert s.conductor is not None and s.conductor.snapshot().requests == 0
+    snap = s.conductor.snapshot()
+    assert sorted(p.id for p in snap.prefill) == sorted(k for k, r in roles.items() if r == "prefill")
