@@ -26,6 +26,7 @@ def test_drained_instance_takes_nothing_new_and_keeps_its_requests() -> None:
     assert c.drain_instance(p) == 1
     assert c.drain_instance(p) == 1  # twice is fine
     assert c.is_draining(p) and not c.is_drained(p)
+    assert [x.draining for x in c.snapshot().prefill if x.id == p] == [True]
     for rid in range(2, 30):
         assert c.schedule(rid, [], 100, 0.0, 10).prefill != p
     with pytest.raises(InvalidArgument, match="still holds 1"):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from types import SimpleNamespace
 
 from .batching import ContinuousBatch
 from .config import SimConfig
@@ -66,9 +65,8 @@ class _AdaptiveRun(_Run):
         if self.drain is not None:
             return
         snap = self.conductor.snapshot(t)
-        view = SimpleNamespace(prefill=list(snap.prefill), decode=list(snap.decode))
         cfg = self.cfg
-        sw = self.policy.decide(view, cfg.ttft_slo_s, cfg.tbt_slo_s, False, t, self.last_switch_end)
+        sw = self.policy.decide(snap, cfg.ttft_slo_s, cfg.tbt_slo_s, False, t, self.last_switch_end)
         if sw is None:
             return
         self.conductor.drain_instance(sw.instance)

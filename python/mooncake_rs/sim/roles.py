@@ -80,6 +80,11 @@ class RolePolicy:
         that take requests; ``draining``: a drain is already under way."""
         if draining or now < last_switch_end + self.min_dwell_s:
             return None
+        # instances marked draining (a ConductorSnapshot's loads say so) take nothing new
+        snapshot = _View(
+            [x for x in snapshot.prefill if not getattr(x, "draining", False)],
+            [x for x in snapshot.decode if not getattr(x, "draining", False)],
+        )
         p_load, d_load = pressures(snapshot, ttft_slo_s, tbt_slo_s)
         if p_load > self.high and d_load < self.low and len(snapshot.decode) > self.min_per_role:
             # the decode instance with the fewest members drains soonest
@@ -89,6 +94,12 @@ class RolePolicy:
             p = min(snapshot.prefill, key=lambda x: (x.queued + x.running, x.queue_s, x.id))
             return RoleSwitch(p.id, "decode")
         return None
+
+
+@dataclass(frozen=True)
+class _View:
+    prefill: list[Any]
+    decode: list[Any]
 
 
 def pressures(snapshot: Any, ttft_slo_s: float, tbt_slo_s: float) -> tuple[float, float]:

@@ -58,6 +58,8 @@ pub struct PrefillLoad {
     pub queued: usize,
     pub running: usize,
     pub queue_s: f64,
+    /// Draining (`drain_instance`): takes no new request.
+    pub draining: bool,
 }
 
 /// One decode instance's load, read-only.
@@ -72,6 +74,8 @@ pub struct DecodeLoad {
     pub kv_reserved_tokens: usize,
     /// Predicted step time with the assigned batch.
     pub est_tbt_s: f64,
+    /// Draining (`drain_instance`): takes no new request.
+    pub draining: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -172,7 +172,12 @@ proptest! {
                 }
             }
             c.check_integrity().map_err(TestCaseError::fail)?;
-            prop_assert_eq!(c.snapshot(None).unwrap().requests, live.len());
+            let snap = c.snapshot(None).unwrap();
+            prop_assert_eq!(snap.requests, live.len());
+            prop_assert_eq!(snap.prefill.len() + snap.decode.len(), 5);
+            for (id, draining) in snap.prefill.iter().map(|p| (p.id, p.draining)).chain(snap.decode.iter().map(|d| (d.id, d.draining))) {
+                prop_assert_eq!(draining, c.is_draining(id).unwrap());
+            }
         }
         // Drain everything that is left through the normal events.
         while let Some((rid, mut stage)) = live.pop() {
