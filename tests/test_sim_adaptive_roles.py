@@ -119,3 +119,18 @@ def test_switches_respect_the_dwell_and_lose_nothing(seed: int, switch_s: float)
     assert s.conductor is not None and s.conductor.snapshot().requests == 0
     snap = s.conductor.snapshot()
     assert sorted(p.id for p in snap.prefill) == sorted(k for k, r in roles.items() if r == "prefill")
+
+
+def test_replay_cli_adaptive_roles(tmp_path) -> None:
+    import json
+
+    from mooncake_rs.cli import main
+    from mooncake_rs.sim import save_trace
+
+    p, out = tmp_path / "t.jsonl", tmp_path / "r.json"
+    save_trace(sim.phased_trace(PHASES[:2], seed=4), p)
+    assert main(["replay", str(p), "--prefill", "4", "--decode", "4", "--rejection", "early",
+                 "--ttft-slo", "10", "--adaptive-roles", "--out", str(out), "--no-progress"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["adaptive_roles"] is True
+    assert doc["summary"]["role_switches"] >= 0
