@@ -59,8 +59,9 @@ impl Conductor {
         st.decode_pos(id).map(|i| st.decode[i].draining).map_err(|_| ConductorError::UnknownInstance(id))
     }
 
-    /// Draining and holding nothing: ready for `switch_role` (or `remove_instance`
-    /// without dropping anything).
+    /// Draining and holding nothing: ready for `switch_role`. (`remove_instance` keeps
+    /// its failure semantics: on a drained prefill instance it still drops the requests
+    /// past their prefill that name it, whose KV may not have left it yet.)
     pub fn is_drained(&self, id: InstanceId) -> Result<bool, ConductorError> {
         let st = self.state.lock();
         let held = st.held(id).ok_or(ConductorError::UnknownInstance(id))?;
