@@ -257,14 +257,14 @@ impl Conductor {
         if !commit {
             return Ok(decision);
         }
+        // `cands` skips draining instances, so its index is not the table's
+        let pi = st.prefill_pos(prefill_id).map_err(|_| ConductorError::UnknownInstance(prefill_id))?;
         // Admitted: record the replica the fetch creates, then the loads.
         if choice.fetch_blocks > 0 {
             let local = choice.reused_blocks - choice.fetch_blocks;
             self.index.insert(prefill_id, &req.block_hashes[local..choice.reused_blocks], Tier::Dram)?;
         }
         let work_s = choice.transfer_s + choice.prefill_s;
-        // `cands` skips draining instances, so its index is not the table's
-        let pi = st.prefill_pos(prefill_id).map_err(|_| ConductorError::UnknownInstance(prefill_id))?;
         st.prefill[pi].queued_s += work_s;
         st.prefill[pi].queued_n += 1;
         let member = Member { rid: req.request_id, arrive_t: ask.arrive_t, end_t: ask.arrive_t + out_pred * tbt_or(tbt, cfg), ctx: ask.ctx() };
