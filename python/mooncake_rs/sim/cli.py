@@ -36,6 +36,7 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage-bandwidth", type=float, default=None, help="each instance's link to the SSD tier, bytes/s")
     p.add_argument("--ssd-capacity-tokens", type=int, default=None, help="SSD tier tokens per prefill instance")
     p.add_argument("--multipath", action="store_true", help="DualPath: split loads across holders and the decode relay")
+    p.add_argument("--adaptive-roles", action="store_true", help="instances switch between prefill and decode (sim.RolePolicy defaults)")
     p.add_argument("--out", default=None, help="write the report as JSON here")
     p.add_argument("--plot", default=None, help="write a PNG of the report here (needs matplotlib)")
     p.add_argument("--sweep", choices=SWEEPS, default=None, help="run every value of one setting and print a table")
@@ -70,6 +71,7 @@ def _config(args: argparse.Namespace, **over: Any) -> Any:
         ("storage_bandwidth", "storage_bandwidth", None),
         ("ssd_capacity_tokens", "ssd_capacity_tokens_per_instance", None),
         ("multipath", "multipath", False),
+        ("adaptive_roles", "adaptive_roles", False),
     ):
         v = getattr(args, name, off)
         if v != off:

@@ -105,6 +105,11 @@ class SimConfig:
     #: the model's KV layout (engine ``BlockLayout`` or ``sim.MLALayout``): bytes per
     #: token for every transfer come from it (None: the transfer model's)
     layout: Any = None
+    #: let instances move between the prefill and the decode pool under ``role_policy``
+    #: (docs/sim.md, "Adaptive roles"); disaggregated, without the link model
+    adaptive_roles: bool = False
+    #: a ``sim.RolePolicy`` (None: its defaults); used only with ``adaptive_roles``
+    role_policy: Any = None
 
     def __post_init__(self) -> None:
         _posint("prefill", self.prefill)
@@ -161,6 +166,18 @@ class SimConfig:
                 "nic_bandwidth, storage_bandwidth, ssd_capacity_tokens_per_instance and multipath"
                 " model the disaggregated cluster only; use architecture='disaggregated'"
             )
+        if not isinstance(self.adaptive_roles, bool):
+            raise InvalidArgument(f"adaptive_roles must be a bool, got {self.adaptive_roles!r}")
+        if self.adaptive_roles and (self.architecture != "disaggregated" or self.links):
+            raise InvalidArgument(
+                "adaptive_roles=True models the disaggregated cluster without the link model"
+                " (architecture='disaggregated', no nic/storage bandwidth, SSD tier or multipath)"
+            )
+        if self.role_policy is not None:
+            from .roles import RolePolicy
+
+            if not isinstance(self.role_policy, RolePolicy):
+                raise InvalidArgument(f"role_policy must be a sim.RolePolicy or None, got {type(self.role_policy).__name__}")
         for name, cls in (
             ("prefill_model", PrefillCostModel),
             ("transfer_model", TransferCostModel),
@@ -255,6 +272,9 @@ class SimConfig:
                 continue
             if k in _NEW_FIELDS and v == _NEW_FIELDS[k]:
                 continue  # off: the report reads as it did before these options existed
+            if k == "role_policy":
+                out[k] = v.to_dict()
+                continue
             out[k] = describe(v) if k == "layout" else v
         p, t, d = self.models()
         out["prefill_model"] = {"c0": p.c0, "c_new": p.c_new, "c_new2": p.c_new2, "c_cross": p.c_cross}
@@ -289,4 +309,6 @@ _NEW_FIELDS: dict[str, Any] = {
     "ssd_capacity_tokens_per_instance": None,
     "multipath": False,
     "layout": None,
+    "adaptive_roles": False,
+    "role_policy": None,
 }

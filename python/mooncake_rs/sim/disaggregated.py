@@ -40,6 +40,8 @@ class _Run(EventLoop):
         P, D = cfg.prefill, cfg.decode
         self.pids = list(range(P))
         self.dids = list(range(P, P + D))
+        #: decode instance id -> index of its batch (the adaptive-roles loop keeps one per instance: 0)
+        self.doff = P
         for p in self.pids:
             self.conductor.add_prefill(p)
         for d in self.dids:
@@ -135,7 +137,7 @@ class _Run(EventLoop):
         ready = max(t, self.s.stream_t[i] + stream)
         d = self.s.decode[i]
         assert d is not None
-        self.push(ready, _KV_READY, d - self.cfg.prefill, i)
+        self.push(ready, _KV_READY, d - self.doff, i)
 
     # --- decode ---
 

@@ -81,6 +81,9 @@ class Report:
     #: bytes of prefix KV loaded into prefill instances, by path (filled with the link
     #: model on: ``dram_local``, ``dram_peer``, ``ssd_direct``, ``ssd_relay``)
     bytes_loaded_per_path: dict[str, int] = field(default_factory=dict)
+    #: with ``adaptive_roles``: finished role switches, and each as (time, instance, new role)
+    role_switches: int = 0
+    role_events: list[tuple[float, int, str]] = field(default_factory=list)
 
     @property
     def io_wait_fraction(self) -> float:
@@ -208,6 +211,8 @@ class Report:
                 if self.bytes_loaded_per_path
                 else {}
             ),
+            # only with adaptive roles on, for the same reason
+            **({"role_switches": self.role_switches} if self.config.get("adaptive_roles") else {}),
         }
 
     def to_json(self, per_request: bool = True) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .._core import BlockCache, Conductor
+from .adaptive import _AdaptiveRun
 from .config import SimConfig
 from .coupled import _Coupled
 from .disaggregated import _Run
@@ -42,6 +43,8 @@ class Simulator:
     def run(self, trace: Sequence[Request], progress: Progress | None = None) -> Report:
         """Replays ``trace``; ``progress(done, total)`` is called as arrivals go by."""
         cls = _LinkedRun if self.config.links else _LOOPS[self.config.architecture]
+        if self.config.adaptive_roles:
+            cls = _AdaptiveRun
         loop = cls(self.config, trace, progress)
         self.conductor, self.caches = loop.conductor, loop.caches
         self.ssd_caches = loop.ssd if isinstance(loop, _LinkedRun) else None

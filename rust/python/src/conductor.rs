@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use mooncake_core::conductor::{Conductor, ConductorError, DecodeSpec, PrefillSpec, ScheduleRequest};
+use mooncake_core::conductor::{Conductor, ConductorError, DecodeSpec, PrefillSpec, RoleSpec, ScheduleRequest};
 use mooncake_core::{ErrorCategory, InstanceId, Tier};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -87,6 +87,46 @@ impl PyConductor {
     fn remove_instance(&self, py: Python<'_>, id: InstanceId) -> PyResult<Vec<u64>> {
         let inner = &self.inner;
         py.detach(|| inner.remove_instance(id)).map_err(|e| map_err(py, e))
+    }
+
+    /// Stops `schedule` from picking the instance; what it holds finishes normally.
+    /// Returns how many requests it still holds. Draining twice is allowed.
+    fn drain_instance(&self, py: Python<'_>, id: InstanceId) -> PyResult<usize> {
+        self.inner.drain_instance(id).map_err(|e| map_err(py, e))
+    }
+
+    /// Ends a drain; returns how many requests the instance holds.
+    fn undrain_instance(&self, py: Python<'_>, id: InstanceId) -> PyResult<usize> {
+        self.inner.undrain_instance(id).map_err(|e| map_err(py, e))
+    }
+
+    /// Requests that still need the instance in its current role.
+    fn held_requests(&self, py: Python<'_>, id: InstanceId) -> PyResult<usize> {
+        self.inner.held_requests(id).map_err(|e| map_err(py, e))
+    }
+
+    fn is_draining(&self, py: Python<'_>, id: InstanceId) -> PyResult<bool> {
+        self.inner.is_draining(id).map_err(|e| map_err(py, e))
+    }
+
+    /// Draining and holding nothing: ready for `switch_role`.
+    fn is_drained(&self, py: Python<'_>, id: InstanceId) -> PyResult<bool> {
+        self.inner.is_drained(id).map_err(|e| map_err(py, e))
+    }
+
+    /// Moves a drained instance to the `role` ("prefill" or "decode") pool with the
+    /// given spec (`speed` for prefill; `max_batch`, `kv_capacity_tokens` for decode).
+    #[pyo3(signature = (id, role, speed = 1.0, max_batch = 256, kv_capacity_tokens = 1_000_000))]
+    fn switch_role(&self, py: Python<'_>, id: InstanceId, role: &str, speed: f64, max_batch: usize, kv_capacity_tokens: usize) -> PyResult<()> {
+        let spec = match role {
+            "prefill" => RoleSpec::Prefill(PrefillSpec { speed }),
+            "decode" => RoleSpec::Decode(DecodeSpec { max_batch, kv_capacity_tokens }),
+            other => {
+                let e = ConductorError::InvalidArgument(format!("role must be \"prefill\" or \"decode\", got {other:?}"));
+                return Err(map_err(py, e));
+            }
+        };
+        self.inner.switch_role(id, spec).map_err(|e| map_err(py, e))
     }
 
     #[pyo3(signature = (request_id, block_hashes, prompt_len, now, expected_output_len = None))]

@@ -249,6 +249,7 @@ pub struct PyPrefillLoad {
     pub queued: usize,
     pub running: usize,
     pub queue_s: f64,
+    pub draining: bool,
 }
 
 #[pyclass(name = "DecodeLoad", module = "mooncake_rs._core", frozen, get_all)]
@@ -260,6 +261,7 @@ pub struct PyDecodeLoad {
     pub decoding: usize,
     pub kv_reserved_tokens: usize,
     pub est_tbt_s: f64,
+    pub draining: bool,
 }
 
 /// Read-only per-instance loads at one time.
@@ -274,7 +276,7 @@ pub struct PySnapshot {
 impl PySnapshot {
     pub fn build(py: Python<'_>, s: Snapshot) -> PyResult<Self> {
         let p = |l: &PrefillLoad| {
-            Py::new(py, PyPrefillLoad { id: l.id, speed: l.speed, queued: l.queued, running: l.running, queue_s: l.queue_s })
+            Py::new(py, PyPrefillLoad { id: l.id, speed: l.speed, queued: l.queued, running: l.running, queue_s: l.queue_s, draining: l.draining })
         };
         let d = |l: &DecodeLoad| {
             Py::new(
@@ -287,6 +289,7 @@ impl PySnapshot {
                     decoding: l.decoding,
                     kv_reserved_tokens: l.kv_reserved_tokens,
                     est_tbt_s: l.est_tbt_s,
+                    draining: l.draining,
                 },
             )
         };

@@ -79,7 +79,8 @@ fn predicted_load(d: &DecodeInst, kind: RejectionKind, at: f64) -> (usize, f64) 
 }
 
 /// Chosen decode instance (index) and its predicted TBT with this request. With
-/// rejection on and no instance with room, the TBT is infinite. None without instances.
+/// rejection on and no instance with room, the TBT is infinite. None without instances
+/// (draining instances do not count: they take no new request).
 pub(crate) fn select_decode(
     decode: &[DecodeInst],
     kind: RejectionKind,
@@ -89,6 +90,9 @@ pub(crate) fn select_decode(
     let mut fit: Option<(usize, f64)> = None;
     let mut any: Option<(usize, f64)> = None;
     for (i, d) in decode.iter().enumerate() {
+        if d.draining {
+            continue;
+        }
         let (n, ctx) = predicted_load(d, kind, ask.arrive_t);
         let tbt = model.predict(n + 1, ctx + ask.ctx());
         let room = n < d.spec.max_batch && d.kv_reserved + ask.kv_tokens() <= d.spec.kv_capacity_tokens;

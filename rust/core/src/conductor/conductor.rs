@@ -58,6 +58,8 @@ pub struct PrefillLoad {
     pub queued: usize,
     pub running: usize,
     pub queue_s: f64,
+    /// Draining (`drain_instance`): takes no new request.
+    pub draining: bool,
 }
 
 /// One decode instance's load, read-only.
@@ -72,6 +74,8 @@ pub struct DecodeLoad {
     pub kv_reserved_tokens: usize,
     /// Predicted step time with the assigned batch.
     pub est_tbt_s: f64,
+    /// Draining (`drain_instance`): takes no new request.
+    pub draining: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -184,6 +188,9 @@ impl Conductor {
             while mi < matches.len() && matches[mi].instance < p.id {
                 mi += 1;
             }
+            if p.draining {
+                continue; // takes no new request (a policy still sees it as a fetch source via `matches`)
+            }
             let (dram, ssd) = match matches.get(mi) {
                 Some(m) if m.instance == p.id => (m.dram, m.ssd),
                 _ => (0, 0),
@@ -206,7 +213,7 @@ impl Conductor {
             estimates: est.map(Box::new),
         };
         let Some(choice) = policy::choose(cfg.policy, &input, &mut rng) else {
-            return Err(overloaded(RejectReason::NoPrefillInstance, "no prefill instance registered".into(), None));
+            return Err(overloaded(RejectReason::NoPrefillInstance, "no prefill instance registered (or all are draining)".into(), None));
         };
         let key = req.block_hashes.first().copied();
         let out_pred = match req.expected_output_len {
@@ -222,7 +229,7 @@ impl Conductor {
         let ttft = choice.ttft();
         let ask = DecodeAsk { prompt_len: req.prompt_len, out_pred, arrive_t: now + ttft };
         let Some((di, tbt)) = select_decode(&st.decode, cfg.rejection, &cfg.cost.decode, &ask) else {
-            return Err(overloaded(RejectReason::NoDecodeInstance, "no decode instance registered".into(), None));
+            return Err(overloaded(RejectReason::NoDecodeInstance, "no decode instance registered (or all are draining)".into(), None));
         };
         let prefill_id = cands[choice.idx].id;
         let decision = Decision {
@@ -250,13 +257,14 @@ impl Conductor {
         if !commit {
             return Ok(decision);
         }
+        // `cands` skips draining instances, so its index is not the table's
+        let pi = st.prefill_pos(prefill_id).map_err(|_| ConductorError::UnknownInstance(prefill_id))?;
         // Admitted: record the replica the fetch creates, then the loads.
         if choice.fetch_blocks > 0 {
             let local = choice.reused_blocks - choice.fetch_blocks;
             self.index.insert(prefill_id, &req.block_hashes[local..choice.reused_blocks], Tier::Dram)?;
         }
         let work_s = choice.transfer_s + choice.prefill_s;
-        let pi = choice.idx;
         st.prefill[pi].queued_s += work_s;
         st.prefill[pi].queued_n += 1;
         let member = Member { rid: req.request_id, arrive_t: ask.arrive_t, end_t: ask.arrive_t + out_pred * tbt_or(tbt, cfg), ctx: ask.ctx() };

@@ -187,7 +187,7 @@ impl Conductor {
             prefill: st
                 .prefill
                 .iter()
-                .map(|p| PrefillLoad { id: p.id, speed: p.spec.speed, queued: p.queued_n, running: p.running.len(), queue_s: p.queue_s(t) })
+                .map(|p| PrefillLoad { id: p.id, speed: p.spec.speed, queued: p.queued_n, running: p.running.len(), queue_s: p.queue_s(t), draining: p.draining })
                 .collect(),
             decode: st
                 .decode
@@ -200,6 +200,7 @@ impl Conductor {
                     decoding: d.members.iter().filter(|m| st.reqs.get(&m.rid).is_some_and(|r| r.stage == Stage::Decoding)).count(),
                     kv_reserved_tokens: d.kv_reserved,
                     est_tbt_s: if d.members.is_empty() { 0.0 } else { model.predict(d.members.len(), d.ctx_tokens) },
+                    draining: d.draining,
                 })
                 .collect(),
             requests: st.reqs.len(),

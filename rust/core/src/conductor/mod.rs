@@ -6,6 +6,7 @@
 //! - [`policy`]: one file per prefill-selection policy.
 //! - [`cost`]: fitted cost models (prefill, KV transfer, decode step).
 //! - [`admission`]: decode selection, rejection rules, output-length estimates.
+//! - [`drain`]: draining an instance and switching its role without losing a request.
 //! - [`replication`]: hot-prefix counters and replica hints.
 //! - [`config`]: configuration and its validation.
 //!
@@ -16,6 +17,7 @@ pub mod config;
 #[allow(clippy::module_inception)]
 pub mod conductor;
 pub mod cost;
+pub mod drain;
 mod events;
 pub mod policy;
 pub mod replication;
@@ -25,6 +27,7 @@ mod store_events;
 pub use admission::{OutputLenEstimator, RejectReason};
 pub use config::{ConductorConfig, DecodeSpec, PolicyKind, PrefillSpec, RejectionKind};
 pub use conductor::{Conductor, Decision, DecodeLoad, PrefillLoad, ScheduleRequest, Snapshot};
+pub use drain::RoleSpec;
 pub use cost::{CostModels, DecodeCostModel, FitError, PrefillCostModel, TransferCostModel};
 pub use replication::ReplicationHint;
 pub use store_events::AppliedEvents;
@@ -87,3 +90,5 @@ pub(crate) fn check_pos(name: &str, v: f64) -> Result<(), ConductorError> {
 mod tests;
 #[cfg(test)]
 mod proptests;
+#[cfg(test)]
+mod drain_tests;

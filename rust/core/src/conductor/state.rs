@@ -16,11 +16,13 @@ pub(crate) struct PrefillInst {
     pub queued_n: usize,
     /// Started requests: (request, start time, estimated work).
     pub running: Vec<(RequestId, f64, f64)>,
+    /// Draining: `schedule` never picks it; what it holds finishes normally.
+    pub draining: bool,
 }
 
 impl PrefillInst {
     pub fn new(id: InstanceId, spec: PrefillSpec) -> Self {
-        PrefillInst { id, spec, queued_s: 0.0, queued_n: 0, running: Vec::new() }
+        PrefillInst { id, spec, queued_s: 0.0, queued_n: 0, running: Vec::new(), draining: false }
     }
 
     /// Estimated seconds until this instance could start a new request at `now`.
@@ -51,11 +53,13 @@ pub(crate) struct DecodeInst {
     /// KV tokens reserved by the members (prompt + predicted output).
     pub kv_reserved: usize,
     pub ctx_tokens: f64,
+    /// Draining: `schedule` never picks it; its members finish normally.
+    pub draining: bool,
 }
 
 impl DecodeInst {
     pub fn new(id: InstanceId, spec: DecodeSpec) -> Self {
-        DecodeInst { id, spec, members: Vec::new(), kv_reserved: 0, ctx_tokens: 0.0 }
+        DecodeInst { id, spec, members: Vec::new(), kv_reserved: 0, ctx_tokens: 0.0, draining: false }
     }
 }
 
@@ -108,6 +112,17 @@ impl State {
 
     pub fn knows(&self, id: InstanceId) -> bool {
         self.prefill_pos(id).is_ok() || self.decode_pos(id).is_ok()
+    }
+
+    /// Requests that still need instance `id` in its current role: on a prefill instance,
+    /// those queued or prefilling there (a request past its prefill no longer uses it:
+    /// its KV is the decode side's concern); on a decode instance, every member.
+    pub fn held(&self, id: InstanceId) -> Option<usize> {
+        if let Ok(i) = self.prefill_pos(id) {
+            let p = &self.prefill[i];
+            return Some(p.queued_n + p.running.len());
+        }
+        self.decode_pos(id).ok().map(|i| self.decode[i].members.len())
     }
 
     /// Takes a request out of its prefill queue (queued or running).
@@ -183,7 +198,9 @@ impl State {
             }
         }
         for (rid, r) in &self.reqs {
-            if self.prefill_pos(r.prefill).is_err() || self.decode_pos(r.decode).is_err() {
+            // Past its prefill, a request's prefill instance may have switched role since.
+            let prefill_ok = if r.stage <= Stage::Prefilling { self.prefill_pos(r.prefill).is_ok() } else { self.knows(r.prefill) };
+            if !prefill_ok || self.decode_pos(r.decode).is_err() {
                 return Err(format!("request {rid} refers to a removed instance"));
             }
             if !(r.work_s.is_finite() && r.work_s >= 0.0 && r.out_pred.is_finite()) {
