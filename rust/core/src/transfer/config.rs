@@ -111,6 +111,8 @@ pub struct Counters {
     pub auth_failures: AtomicU64,
     pub bad_frames: AtomicU64,
     pub refused: AtomicU64,
+    /// Refusals (also counted in `refused`) because no live grant covered the access.
+    pub grant_refusals: AtomicU64,
     pub connections: AtomicU64,
     pub bytes_served: AtomicU64,
     pub retries: AtomicU64,
@@ -129,6 +131,16 @@ pub struct Counters {
     pub requests_failed: AtomicU64,
     /// Wall time with at least one batch of this engine in flight.
     pub busy: Mutex<Busy>,
+}
+
+impl Counters {
+    /// Counts one refused remote access (and, apart, the ones no grant covered).
+    pub fn count_refusal(&self, e: super::AccessError) {
+        self.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if e == super::AccessError::NoGrant {
+            self.grant_refusals.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
 }
 
 /// The union of the in-flight intervals of an engine's batches, kept incrementally: a
@@ -168,6 +180,7 @@ pub struct EngineStats {
     pub auth_failures: u64,
     pub bad_frames: u64,
     pub refused: u64,
+    pub grant_refusals: u64,
     pub connections: u64,
     pub bytes_served: u64,
     pub retries: u64,

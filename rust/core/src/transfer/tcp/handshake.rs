@@ -40,7 +40,7 @@ pub fn client<S: Read + Write>(
         other => return Err(TransferError::Protocol(format!("expected a challenge, got {other:?}"))),
     };
     let mac = match (server_auth, key) {
-        (true, Some(k)) => k.client_proof(&sn, &cn),
+        (true, Some(k)) => k.client_proof(&sn, &cn, name),
         (true, None) => return Err(TransferError::Unauthorized("the peer requires an auth_token".into())),
         (false, Some(_)) => {
             return Err(TransferError::Unauthorized("the peer has no auth_token, so it cannot prove itself".into()))
@@ -80,7 +80,8 @@ pub enum Refusal {
     Other(String),
 }
 
-/// The server side; returns the client's name and the frame keys.
+/// The server side; returns the client's name (covered by its proof with a token; only
+/// claimed without one) and the frame keys.
 pub fn server<S: Read + Write>(
     s: &mut S,
     key: Option<&AuthKey>,
@@ -105,7 +106,7 @@ pub fn server<S: Read + Write>(
         m => return Err(Refusal::Other(format!("expected proof, got {m:?}"))),
     };
     let (reply, keys) = match key {
-        Some(k) if !auth::mac_eq(&mac, &k.client_proof(&sn, &cn)) => {
+        Some(k) if !auth::mac_eq(&mac, &k.client_proof(&sn, &cn, &client_name)) => {
             let _ = s.write_all(&encode(&Msg::Refused { reason: "wrong auth token".into() }));
             return Err(Refusal::BadToken);
         }
