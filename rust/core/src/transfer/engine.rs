@@ -157,6 +157,7 @@ impl Engine {
                 name: cfg.name.clone(),
                 regions: regions.clone(),
                 key: key.clone(),
+                peer_keys: cfg.peer_tokens.iter().map(|(n, t)| (n.clone(), AuthKey::from_token(t))).collect(),
                 host,
                 counters: counters.clone(),
                 io_timeout: cfg.io_timeout,

@@ -200,3 +200,39 @@ fn check_access_grant_rule() {
     assert_eq!(chk("a", u64::MAX, 2, false), Err(AccessError::OutOfBounds));
     assert_eq!(check_access(100, 50, 1000, true, true, Some(GrantCheck { grants: &grants, peer: "a", now })), Err(AccessError::ReadOnly));
 }
+
+// Per-peer tokens: the name a grant is made out to can be claimed only with that name's
+// own token, so a holder of the shared cluster token cannot borrow the grant.
+#[test]
+fn with_per_peer_tokens_a_cluster_token_holder_cannot_pass_for_the_granted_peer() {
+    let mk = |name: &str, token: &str, peer_tokens: Vec<(String, String)>| {
+        let mut c = cfg(name, &["tcp"]);
+        c.auth_token = Some(token.into());
+        c.peer_tokens = peer_tokens;
+        Engine::new(c, None).unwrap()
+    };
+    let decode = mk("decode-0", TOKEN, vec![("prefill-0".into(), "prefill-0-token".into())]);
+    let arena = decode.allocate_with(4096, restricted()).unwrap().id;
+    decode.grant(arena, "prefill-0", 0, 4096, true, None).unwrap();
+
+    let prefill = mk("prefill-0", "prefill-0-token", vec![]);
+    let p = prefill.connect("decode-0", Some(&decode.address())).unwrap();
+    let l = prefill.allocate(4096, false).unwrap().id;
+    assert_eq!(write(&prefill, l, &p, arena, 0, 4096), "ok");
+
+    // The shared token under the granted name: refused at the handshake.
+    let impostor = mk("prefill-0", TOKEN, vec![]);
+    match impostor.connect("decode-0", Some(&decode.address())) {
+        Err(TransferError::Unauthorized(_)) => {}
+        other => panic!("an impostor with the cluster token connected as prefill-0: {other:?}"),
+    }
+    // The shared token under its own (unlisted) name: served, but the grant is not its.
+    let other = mk("prefill-1", TOKEN, vec![]);
+    let q = other.connect("decode-0", Some(&decode.address())).unwrap();
+    let lo = other.allocate(4096, false).unwrap().id;
+    assert_eq!(write(&other, lo, &q, arena, 0, 16), "no_grant");
+
+    let mut c = cfg("x", &["tcp"]);
+    c.peer_tokens = vec![("p".into(), "t".into())];
+    assert!(matches!(Engine::new(c, None), Err(TransferError::InvalidRequest(_))), "peer_tokens without auth_token");
+}

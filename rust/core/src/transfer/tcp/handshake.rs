@@ -4,6 +4,8 @@
 
 use std::io::{Read, Write};
 
+use hashbrown::HashMap;
+
 use super::super::auth::{self, AuthKey};
 use super::super::protocol::{encode, Msg, VERSION};
 use super::super::TransferError;
@@ -88,6 +90,18 @@ pub fn server<S: Read + Write>(
     host: [u8; 16],
     name: &str,
 ) -> Result<(String, FrameKeys), Refusal> {
+    server_with(s, key, &HashMap::new(), host, name)
+}
+
+/// [`server`] where a client announcing a name of `peer_keys` must prove that name's
+/// key instead of `key` (per-peer tokens).
+pub fn server_with<S: Read + Write>(
+    s: &mut S,
+    key: Option<&AuthKey>,
+    peer_keys: &HashMap<String, AuthKey>,
+    host: [u8; 16],
+    name: &str,
+) -> Result<(String, FrameKeys), Refusal> {
     let other = |e: ConnError| Refusal::Other(e.to_string());
     let (cn, client_name) = match read_control(s).map_err(other)? {
         Msg::Hello { version, nonce, name } if version == VERSION => (nonce, name),
@@ -98,6 +112,7 @@ pub fn server<S: Read + Write>(
         }
         m => return Err(Refusal::Other(format!("expected hello, got {m:?}"))),
     };
+    let key = peer_keys.get(&client_name).or(key);
     let sn = auth::nonce().map_err(|e| Refusal::Other(e.to_string()))?;
     let challenge = Msg::Challenge { version: VERSION, auth: key.is_some(), nonce: sn, host, name: name.into() };
     s.write_all(&encode(&challenge)).map_err(|e| other(e.into()))?;

@@ -44,6 +44,8 @@ pub struct ServeCtx {
     pub name: String,
     pub regions: Arc<RegionTable>,
     pub key: Option<AuthKey>,
+    /// Per-peer keys: a client of one of these names proves this key, not `key`.
+    pub peer_keys: HashMap<String, AuthKey>,
     pub host: [u8; 16],
     pub counters: Arc<Counters>,
     pub io_timeout: Duration,
@@ -193,7 +195,13 @@ fn serve(stream: TcpStream, id: u64, sh: &Shared) {
     let ctx = &sh.ctx;
     let _ = stream.set_nodelay(true);
     let until = Instant::now() + HANDSHAKE_DEADLINE.min(ctx.io_timeout);
-    let shook = handshake::server(&mut Deadline { s: &stream, until }, ctx.key.as_ref(), ctx.host, &ctx.name);
+    let shook = handshake::server_with(
+        &mut Deadline { s: &stream, until },
+        ctx.key.as_ref(),
+        &ctx.peer_keys,
+        ctx.host,
+        &ctx.name,
+    );
     if sh.handshaking.lock().remove(&id).is_none() {
         return; // evicted (or the server closed) meanwhile
     }
