@@ -150,3 +150,28 @@ def test_register_restricted_buffer_and_bad_grants():
         g = d.grant(r, "prefill-0", 0, 1, expires_s=1e300)  # "never", not an error
         assert any(x.id == g and x.expires_in_s is None for x in d.grants(r))
         assert d.revoke(r, "nobody") == 0
+
+
+def test_per_peer_tokens_keep_the_cluster_token_from_claiming_a_grant():
+    cluster = "cluster-token"
+
+    def make(name: str, token: str, **kw) -> mc.TransferEngine:
+        return mc.TransferEngine(name, auth_token=token, transports=("tcp",), registry=mc.TransferRegistry(), **kw)
+
+    with (
+        make("decode-0", cluster, peer_tokens={"prefill-0": "prefill-0-token"}) as d,
+        make("prefill-0", "prefill-0-token") as p,
+        make("prefill-0", cluster) as fake,  # the shared token under the granted name
+    ):
+        arena = d.allocate(4096, restricted=True)
+        d.grant(arena, "prefill-0", 0, 4096)
+        peer = p.connect("decode-0", d.address)
+        assert write(p, peer, p.allocate(4096), arena, 0, 4096).ok
+        with pytest.raises(mc.TransferFailed, match="authentication"):
+            fake.connect("decode-0", d.address)
+        deadline = time.monotonic() + 10  # the server counts right after refusing
+        while d.stats().auth_failures == 0:
+            assert time.monotonic() < deadline, "the refused impostor was not counted"
+            time.sleep(0.005)
+    with pytest.raises(mc.InvalidArgument, match="needs auth_token"):
+        mc.TransferEngine("x", peer_tokens={"p": "t"}, registry=mc.TransferRegistry())

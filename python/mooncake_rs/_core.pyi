@@ -2,7 +2,7 @@
 
 import os
 from collections.abc import Iterable, Sequence
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeAlias, final, overload
 
 __version__: str
@@ -774,6 +774,7 @@ class TransferEngine:
         connections_per_endpoint: int = 1,
         copy_threads: int = 2,
         inline_send_bytes: int = 16384,
+        peer_tokens: Mapping[str, str] | None = None,
     ) -> TransferEngine: ...
     @property
     def name(self) -> str: ...

@@ -395,7 +395,7 @@ impl PyTransferEngine {
     #[new]
     #[pyo3(signature = (name, listen = "127.0.0.1:0", auth_token = None, transports = None, *, registry = None,
         slice_size = 1_048_576, io_timeout_s = 10.0, connect_timeout_s = 5.0, connections_per_endpoint = 1, copy_threads = 2,
-        inline_send_bytes = 16384))]
+        inline_send_bytes = 16384, peer_tokens = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -410,6 +410,7 @@ impl PyTransferEngine {
         connections_per_endpoint: usize,
         copy_threads: usize,
         inline_send_bytes: usize,
+        peer_tokens: Option<std::collections::BTreeMap<String, String>>,
     ) -> PyResult<Self> {
         let transports = match &transports {
             Some(t) => Transports::parse(t.iter().map(String::as_str)).map_err(|e| to_pyerr(py, &e))?,
@@ -426,6 +427,7 @@ impl PyTransferEngine {
             connections_per_endpoint,
             copy_threads,
             inline_send_bytes,
+            peer_tokens: peer_tokens.unwrap_or_default().into_iter().collect(),
             ..EngineConfig::default()
         };
         let reg = registry.map(|r| r.inner.clone()).unwrap_or_else(EngineRegistry::global);
