@@ -7,12 +7,14 @@ expires. Checked on the in-process, TCP and same-host (shm-capable) paths.
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 import numpy as np
 import pytest
 
 import mooncake_rs as mc
+from test_transfer_xproc import PeerProc  # the peer-process harness (tests/ is on sys.path)
 
 TOKEN = "rights-test-token"
 PATHS = {
@@ -175,3 +177,40 @@ def test_per_peer_tokens_keep_the_cluster_token_from_claiming_a_grant():
             time.sleep(0.005)
     with pytest.raises(mc.InvalidArgument, match="needs auth_token"):
         mc.TransferEngine("x", peer_tokens={"p": "t"}, registry=mc.TransferRegistry())
+
+
+@pytest.mark.parametrize("transports", [("tcp",), ("shm", "tcp")])
+def test_grants_across_processes(transports):
+    """The decode side is another process; its arena is restricted and granted by command."""
+    decode = PeerProc(
+        name="decode-0",
+        auth_token=TOKEN,
+        transports=list(transports),
+        regions=[{"name": "arena", "length": 1 << 16, "restricted": True, "fill": False}],
+    )
+    try:
+        arena = decode.regions["arena"]
+        with mc.TransferEngine(
+            "prefill-0", auth_token=TOKEN, transports=transports, registry=mc.TransferRegistry()
+        ) as p:
+            peer = p.connect("decode-0", decode.address)
+            assert peer.transport == ("shm" if "shm" in transports else "tcp")
+            src = p.allocate(1 << 16)
+            data = np.random.default_rng(5).integers(0, 256, 1 << 16, dtype=np.uint8)
+            np.asarray(src)[:] = data
+            zeros = hashlib.sha256(bytes(1 << 16)).hexdigest()
+
+            assert write(p, peer, src, arena, 0, 4096).code == "no_grant"
+            assert decode.sha("arena") == zeros
+            assert int(decode.ask(f"grant {arena} prefill-0 8192 4096")) >= 1
+            assert write(p, peer, src, arena, 8192, 4096, local_offset=8192).ok
+            assert write(p, peer, src, arena, 8192, 4097, local_offset=8192).code == "no_grant"
+            want = bytearray(1 << 16)
+            want[8192:12288] = data[8192:12288].tobytes()
+            assert decode.sha("arena") == hashlib.sha256(want).hexdigest()
+            assert decode.ask(f"revoke {arena} prefill-0") == "1"
+            assert write(p, peer, src, arena, 8192, 16).code == "no_grant"
+            s = decode.stats()
+            assert s["grant_refusals"] == 3 and s["bytes_served"] == 4096  # through the server, even same-host
+    finally:
+        decode.close()
