@@ -53,6 +53,7 @@ def test_grants_gate_a_restricted_region(trio):
     path, d, p, pp, q, qp = trio
     arena = d.allocate(1 << 16, restricted=True)
     assert arena.restricted and not d.allocate(16).restricted
+    assert not arena.shared  # never offered over shm
     view = np.asarray(arena)
     view[:] = 0xAA
     src = p.allocate(1 << 16)

@@ -51,10 +51,10 @@ impl PyRegion {
     fn readonly(&self) -> bool {
         self.region.readonly
     }
-    /// Whether same-host peers can reach it through shared memory.
+    /// Whether same-host peers can reach it through shared memory (never a restricted one).
     #[getter]
     fn shared(&self) -> bool {
-        self.region.shm().is_some()
+        self.region.shm().is_some() && !self.region.restricted
     }
     /// Peers reach it only through live grants (`TransferEngine.grant`), never over shm.
     #[getter]

@@ -169,8 +169,12 @@ impl Region {
                 self.id
             )));
         }
-        if peer.is_empty() {
-            return Err(TransferError::InvalidRequest("grant() needs the peer's engine name".into()));
+        if peer.is_empty() || peer.len() > super::protocol::MAX_NAME {
+            return Err(TransferError::InvalidRequest(format!(
+                "grant() needs the peer's engine name (1..={} bytes), got {} bytes",
+                super::protocol::MAX_NAME,
+                peer.len()
+            )));
         }
         check_access(offset, len, self.len as u64, false, false, None).map_err(|_| {
             TransferError::InvalidRequest(format!(

@@ -167,6 +167,7 @@ fn grant_arguments_are_checked() {
     assert!(bad(e.grant(arena, "p", 4000, 200, true, None)), "grant past the end");
     assert!(bad(e.grant(arena, "p", u64::MAX, 2, true, None)), "grant that wraps");
     assert!(bad(e.grant(arena, "", 0, 10, true, None)), "grant to no one");
+    assert!(bad(e.grant(arena, &"p".repeat(256), 0, 10, true, None)), "a name no handshake can carry");
     assert!(bad(e.grant(ro, "p", 0, 10, true, None)), "write grant on a peer-read-only region");
     assert!(bad(e.grant(999, "p", 0, 10, true, None)), "grant on an unknown region");
     assert!(bad(e.grant(arena, "p", 0, 10, true, Some(Duration::MAX))), "expiry that overflows");
