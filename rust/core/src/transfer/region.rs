@@ -35,7 +35,7 @@ pub fn check_access(
         let covered = g.grants.iter().any(|gr| {
             gr.peer == g.peer
                 && gr.offset <= offset
-                && end <= gr.offset + gr.len
+                && end <= gr.offset.saturating_add(gr.len)
                 && (gr.write || !write)
                 && gr.expires.is_none_or(|t| g.now < t)
         });
@@ -159,8 +159,9 @@ impl Region {
         check_access(offset, len, self.len as u64, self.readonly_to_peers(), write, Some(g))
     }
 
-    /// Adds grant `id` (from [`RegionTable::next_grant_id`]) to a restricted region. Expired grants are dropped
-    /// here, so a region granted over and over does not grow without bound.
+    /// Adds grant `id` (from [`RegionTable::next_grant_id`]) to a restricted region.
+    /// Expired grants are dropped here, so a region granted over and over does not grow
+    /// without bound.
     pub fn grant(&self, id: u64, peer: &str, offset: u64, len: u64, write: bool, expires: Option<Instant>) -> Result<(), TransferError> {
         if !self.restricted {
             return Err(TransferError::InvalidRequest(format!(
