@@ -3,7 +3,9 @@
 Started as ``python tests/transfer_peer.py CONFIG_JSON``; creates an engine, allocates
 the regions the config names, fills them with seeded random bytes, prints one JSON line
 ``{"address": ..., "regions": {name: id}}`` and then answers commands read from stdin,
-one per line: ``sum ID`` (sha256 of a region), ``stats``, ``quit``. It exits by itself
+one per line: ``sum ID`` (sha256 of a region), ``stats``, ``grant ID PEER OFFSET LENGTH``
+(a write grant on a region with ``"restricted": true``; prints its id), ``revoke ID PEER``
+(prints how many grants went), ``quit``. It exits by itself
 after ``lifetime_s`` seconds or when stdin closes, so it can never outlive its test.
 """
 
@@ -32,11 +34,13 @@ def main() -> None:
     keep = []
     for i, spec in enumerate(cfg.get("regions", [])):
         if spec.get("shared", True):
-            r = eng.allocate(spec["length"], readonly=spec.get("readonly", False))
+            r = eng.allocate(
+                spec["length"], readonly=spec.get("readonly", False), restricted=spec.get("restricted", False)
+            )
         else:
             buf = bytearray(spec["length"])
             keep.append(buf)
-            r = eng.register(buf, readonly=spec.get("readonly", False))
+            r = eng.register(buf, readonly=spec.get("readonly", False), restricted=spec.get("restricted", False))
         a = np.asarray(r) if spec.get("shared", True) else np.frombuffer(keep[-1], dtype=np.uint8)
         if spec.get("fill", True):
             a[:] = np.random.default_rng(spec.get("seed", i)).integers(0, 256, a.size, dtype=np.uint8)
@@ -51,7 +55,12 @@ def main() -> None:
             print(hashlib.sha256(memoryview(by_id[int(cmd[1])])).hexdigest(), flush=True)
         elif cmd[0] == "stats":
             s = eng.stats()
-            print(json.dumps({k: getattr(s, k) for k in ("auth_failures", "bad_frames", "refused", "bytes_served")}), flush=True)
+            keys = ("auth_failures", "bad_frames", "refused", "bytes_served", "grant_refusals")
+            print(json.dumps({k: getattr(s, k) for k in keys}), flush=True)
+        elif cmd[0] == "grant":
+            print(eng.grant(int(cmd[1]), cmd[2], int(cmd[3]), int(cmd[4])), flush=True)
+        elif cmd[0] == "revoke":
+            print(eng.revoke(int(cmd[1]), cmd[2]), flush=True)
     eng.close()
 
 

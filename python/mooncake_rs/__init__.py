@@ -41,6 +41,7 @@ from ._core import (
     StoreStats,
     TransferCostModel,
     TransferEngine,
+    TransferGrant,
     TransferRegistry,
     TransferRequest,
     TransferStats,
@@ -109,6 +110,7 @@ __all__ = [
     "BlockCache",
     # transfer engine
     "TransferEngine",
+    "TransferGrant",
     "TransferRegistry",
     "TransferRequest",
     "TransferStatus",

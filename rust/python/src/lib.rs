@@ -29,6 +29,7 @@ mod store_keys;
 mod store_run;
 mod transfer;
 mod transfer_completion;
+mod transfer_rights;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -44,6 +45,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     block_cache::register(m)?;
     store::register(m)?;
     transfer::register(m)?;
+    transfer_rights::register(m)?;
     mem::register(m)?;
     Ok(())
 }

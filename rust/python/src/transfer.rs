@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use mooncake_core::transfer::{
-    Batch, Engine, EngineConfig, EngineRegistry, Op, Peer, Region, RegionId, Request,
+    Access, Batch, Engine, EngineConfig, EngineRegistry, Op, Peer, Region, RegionId, Request,
     RequestStatus, TransferError, Transports,
 };
 use mooncake_core::{Categorized, ErrorCategory};
@@ -51,10 +51,15 @@ impl PyRegion {
     fn readonly(&self) -> bool {
         self.region.readonly
     }
-    /// Whether same-host peers can reach it through shared memory.
+    /// Whether same-host peers can reach it through shared memory (never a restricted one).
     #[getter]
     fn shared(&self) -> bool {
-        self.region.shm().is_some()
+        self.region.shm().is_some() && !self.region.restricted
+    }
+    /// Peers reach it only through live grants (`TransferEngine.grant`), never over shm.
+    #[getter]
+    fn restricted(&self) -> bool {
+        self.region.restricted
     }
     fn __len__(&self) -> usize {
         self.region.len()
@@ -335,6 +340,8 @@ pub struct PyTransferStats {
     auth_failures: u64,
     bad_frames: u64,
     refused: u64,
+    /// Refusals (also in `refused`) because no live grant covered the access.
+    grant_refusals: u64,
     connections: u64,
     bytes_served: u64,
     retries: u64,
@@ -388,7 +395,7 @@ impl PyTransferEngine {
     #[new]
     #[pyo3(signature = (name, listen = "127.0.0.1:0", auth_token = None, transports = None, *, registry = None,
         slice_size = 1_048_576, io_timeout_s = 10.0, connect_timeout_s = 5.0, connections_per_endpoint = 1, copy_threads = 2,
-        inline_send_bytes = 16384))]
+        inline_send_bytes = 16384, peer_tokens = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -403,6 +410,7 @@ impl PyTransferEngine {
         connections_per_endpoint: usize,
         copy_threads: usize,
         inline_send_bytes: usize,
+        peer_tokens: Option<std::collections::BTreeMap<String, String>>,
     ) -> PyResult<Self> {
         let transports = match &transports {
             Some(t) => Transports::parse(t.iter().map(String::as_str)).map_err(|e| to_pyerr(py, &e))?,
@@ -419,6 +427,7 @@ impl PyTransferEngine {
             connections_per_endpoint,
             copy_threads,
             inline_send_bytes,
+            peer_tokens: peer_tokens.unwrap_or_default().into_iter().collect(),
             ..EngineConfig::default()
         };
         let reg = registry.map(|r| r.inner.clone()).unwrap_or_else(EngineRegistry::global);
@@ -446,6 +455,7 @@ impl PyTransferEngine {
             auth_failures: s.auth_failures,
             bad_frames: s.bad_frames,
             refused: s.refused,
+            grant_refusals: s.grant_refusals,
             connections: s.connections,
             bytes_served: s.bytes_served,
             retries: s.retries,
@@ -463,10 +473,19 @@ impl PyTransferEngine {
     }
 
     /// Registers any buffer-protocol object (kept alive while registered) or a Region.
-    /// `readonly`: nobody writes it; `remote_readonly`: peers may only read it.
-    #[pyo3(signature = (buffer, readonly = false, *, remote_readonly = false))]
-    fn register(&self, py: Python<'_>, buffer: &Bound<'_, PyAny>, readonly: bool, remote_readonly: bool) -> PyResult<PyRegion> {
+    /// `readonly`: nobody writes it; `remote_readonly`: peers may only read it;
+    /// `restricted`: peers reach it only inside live grants (see `grant`), never over shm.
+    #[pyo3(signature = (buffer, readonly = false, *, remote_readonly = false, restricted = false))]
+    fn register(
+        &self,
+        py: Python<'_>,
+        buffer: &Bound<'_, PyAny>,
+        readonly: bool,
+        remote_readonly: bool,
+        restricted: bool,
+    ) -> PyResult<PyRegion> {
         let e = &self.engine;
+        let access = |readonly| Access { readonly, remote_readonly, restricted };
         let err = |x: TransferError| to_pyerr(py, &x);
         // A store's arena (or its `region()`): registered as the mapping itself, so a
         // shared-memory arena is eligible for the shm path.
@@ -478,7 +497,7 @@ impl PyTransferEngine {
             None
         };
         if let Some(arena) = arena {
-            let id = e.register_mapped(arena, readonly, remote_readonly).map_err(err)?;
+            let id = e.register_mapped_with(arena, access(readonly)).map_err(err)?;
             // Python sees the arena read-only through this Region: slots are written
             // through the store (reserve/commit), which owns the lease discipline.
             return self.wrap(py, id, false);
@@ -486,14 +505,13 @@ impl PyTransferEngine {
         if let Ok(r) = buffer.cast::<PyRegion>() {
             let r = r.get();
             let id = match r.region.mapping() {
-                Some(m) => e.register_mapped(m.clone(), readonly, remote_readonly).map_err(err)?,
+                Some(m) => e.register_mapped_with(m.clone(), access(readonly)).map_err(err)?,
                 // SAFETY: the region's memory stays valid while the Arc<Region> owner lives.
                 None => unsafe {
-                    e.register_raw(
+                    e.register_raw_with(
                         r.region.ptr(),
                         r.region.len(),
-                        readonly || !r.writable,
-                        remote_readonly,
+                        access(readonly || !r.writable),
                         Box::new(r.region.clone()),
                     )
                 }
@@ -522,16 +540,47 @@ impl PyTransferEngine {
         // SAFETY: the exported buffer stays valid (and writable if `writable`) until `held`
         // releases it; the region's owner is `held`; a non-writable buffer is registered
         // read-only and is never a destination of a local read.
-        let id = unsafe { e.register_raw(ptr, len, readonly || !writable, remote_readonly, Box::new(held)) }.map_err(err)?;
+        let id = unsafe { e.register_raw_with(ptr, len, access(readonly || !writable), Box::new(held)) }.map_err(err)?;
         self.wrap(py, id, writable)
     }
 
     /// A new region of zero-filled shared memory (reachable by same-host peers via shm).
-    #[pyo3(signature = (length, readonly = false))]
-    fn allocate(&self, py: Python<'_>, length: usize, readonly: bool) -> PyResult<PyRegion> {
+    #[pyo3(signature = (length, readonly = false, *, restricted = false))]
+    fn allocate(&self, py: Python<'_>, length: usize, readonly: bool, restricted: bool) -> PyResult<PyRegion> {
         let e = &self.engine;
-        let region = detached(py, || e.allocate(length, readonly))?;
+        let access = Access { readonly, restricted, ..Access::default() };
+        let region = detached(py, || e.allocate_with(length, access))?;
         Ok(PyRegion { region, writable: true })
+    }
+
+    /// Lets peer `peer` (the engine name it connects with) read
+    /// `offset..offset+length` of the restricted `region`, and write it too when
+    /// `write`, for `expires_s` seconds (None: until revoked). Returns the grant id.
+    #[pyo3(signature = (region, peer, offset, length, write = true, expires_s = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn grant(
+        &self,
+        py: Python<'_>,
+        region: &Bound<'_, PyAny>,
+        peer: &str,
+        offset: u64,
+        length: u64,
+        write: bool,
+        expires_s: Option<f64>,
+    ) -> PyResult<u64> {
+        crate::transfer_rights::grant(py, &self.engine, region_id(region)?, peer, offset, length, write, expires_s)
+    }
+
+    /// Removes `peer`'s grants on `region` (only `grant_id` when given); returns how
+    /// many. Requests checked after it returns are refused.
+    #[pyo3(signature = (region, peer, grant_id = None))]
+    fn revoke(&self, py: Python<'_>, region: &Bound<'_, PyAny>, peer: &str, grant_id: Option<u64>) -> PyResult<usize> {
+        crate::transfer_rights::revoke(py, &self.engine, region_id(region)?, peer, grant_id)
+    }
+
+    /// The live grants of `region`.
+    fn grants(&self, py: Python<'_>, region: &Bound<'_, PyAny>) -> PyResult<Vec<crate::transfer_rights::PyTransferGrant>> {
+        crate::transfer_rights::grants(py, &self.engine, region_id(region)?)
     }
 
     /// Unregisters a region (a Region or its id); returns whether it was registered.

@@ -1,7 +1,9 @@
 //! Challenge-response authentication over a shared token (the token never travels).
 //!
 //! Key = BLAKE3 `derive_key("mooncake_rs transfer auth v1", token)`. The client proves
-//! knowledge with `keyed_hash(key, "client" | server_nonce | client_nonce)`; the server
+//! knowledge with `keyed_hash(key, "client" | server_nonce | client_nonce | name)`, where
+//! `name` is the engine name it announced (so the name a server checks grants against
+//! is covered by the proof: a relay cannot rename a connection); the server
 //! answers with `keyed_hash(key, "server" | client_nonce | server_nonce)`, so both sides
 //! are authenticated and a recorded proof is useless for another pair of nonces.
 
@@ -25,15 +27,23 @@ impl AuthKey {
     }
 
     fn mac(&self, role: &[u8], a: &[u8; NONCE_LEN], b: &[u8; NONCE_LEN]) -> [u8; MAC_LEN] {
+        self.mac_named(role, a, b, b"")
+    }
+
+    fn mac_named(&self, role: &[u8], a: &[u8; NONCE_LEN], b: &[u8; NONCE_LEN], name: &[u8]) -> [u8; MAC_LEN] {
         let mut h = blake3::Hasher::new_keyed(&self.0);
         h.update(role);
         h.update(a);
         h.update(b);
+        // Length-prefixed, so no (nonce, name) pair reads as another.
+        h.update(&(name.len() as u64).to_le_bytes());
+        h.update(name);
         *h.finalize().as_bytes()
     }
 
-    pub fn client_proof(&self, server_nonce: &[u8; NONCE_LEN], client_nonce: &[u8; NONCE_LEN]) -> [u8; MAC_LEN] {
-        self.mac(b"client", server_nonce, client_nonce)
+    /// The client's proof, binding the engine name it announced in its hello.
+    pub fn client_proof(&self, server_nonce: &[u8; NONCE_LEN], client_nonce: &[u8; NONCE_LEN], client_name: &str) -> [u8; MAC_LEN] {
+        self.mac_named(b"client", server_nonce, client_nonce, client_name.as_bytes())
     }
 
     pub fn server_proof(&self, server_nonce: &[u8; NONCE_LEN], client_nonce: &[u8; NONCE_LEN]) -> [u8; MAC_LEN] {
@@ -92,10 +102,13 @@ mod tests {
         let k = AuthKey::from_token("secret");
         let (s, c) = (nonce().unwrap(), nonce().unwrap());
         assert_ne!(s, c);
-        let p = k.client_proof(&s, &c);
-        assert!(mac_eq(&p, &AuthKey::from_token("secret").client_proof(&s, &c)));
-        assert!(!mac_eq(&p, &AuthKey::from_token("Secret").client_proof(&s, &c)));
-        assert!(!mac_eq(&p, &k.client_proof(&c, &s)));
+        let p = k.client_proof(&s, &c, "prefill-0");
+        assert!(mac_eq(&p, &AuthKey::from_token("secret").client_proof(&s, &c, "prefill-0")));
+        assert!(!mac_eq(&p, &AuthKey::from_token("Secret").client_proof(&s, &c, "prefill-0")));
+        assert!(!mac_eq(&p, &k.client_proof(&c, &s, "prefill-0")));
+        // The announced name is part of the proof: a relay cannot rename a connection.
+        assert!(!mac_eq(&p, &k.client_proof(&s, &c, "prefill-1")));
+        assert!(!mac_eq(&p, &k.client_proof(&s, &c, "")));
         assert!(!mac_eq(&p, &k.server_proof(&s, &c)));
         assert!(!p.windows(6).any(|w| w == b"secret"));
         let (c2s, s2c) = k.frame_keys(&s, &c);

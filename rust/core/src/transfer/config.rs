@@ -46,6 +46,11 @@ pub struct EngineConfig {
     /// Addresses to listen on (`host:port`, port 0 = any); one endpoint each.
     pub listen: Vec<String>,
     pub auth_token: Option<String>,
+    /// Per-peer tokens (engine name -> token) this engine's server accepts: a client
+    /// announcing one of these names must prove that name's token, not `auth_token`, so
+    /// a holder of the shared token cannot pass for it (and claim its grants). Names not
+    /// listed authenticate with `auth_token`. Needs `auth_token`.
+    pub peer_tokens: Vec<(String, String)>,
     pub transports: Transports,
     /// TCP requests are cut into slices of at most this many bytes.
     pub slice_size: usize,
@@ -67,6 +72,7 @@ impl Default for EngineConfig {
             name: String::new(),
             listen: vec!["127.0.0.1:0".into()],
             auth_token: None,
+            peer_tokens: Vec::new(),
             transports: Transports::default(),
             slice_size: 1 << 20,
             connect_timeout: Duration::from_secs(5),
@@ -101,6 +107,14 @@ impl EngineConfig {
         if self.auth_token.as_deref() == Some("") {
             return bad("auth_token must not be empty (use None for no authentication)".into());
         }
+        if !self.peer_tokens.is_empty() && self.auth_token.is_none() {
+            return bad("peer_tokens needs auth_token too (otherwise peers not listed would be served unauthenticated)".into());
+        }
+        for (n, t) in &self.peer_tokens {
+            if n.is_empty() || t.is_empty() {
+                return bad(format!("peer_tokens: name and token must not be empty (got {n:?})"));
+            }
+        }
         Ok(())
     }
 }
@@ -111,6 +125,8 @@ pub struct Counters {
     pub auth_failures: AtomicU64,
     pub bad_frames: AtomicU64,
     pub refused: AtomicU64,
+    /// Refusals (also counted in `refused`) because no live grant covered the access.
+    pub grant_refusals: AtomicU64,
     pub connections: AtomicU64,
     pub bytes_served: AtomicU64,
     pub retries: AtomicU64,
@@ -129,6 +145,16 @@ pub struct Counters {
     pub requests_failed: AtomicU64,
     /// Wall time with at least one batch of this engine in flight.
     pub busy: Mutex<Busy>,
+}
+
+impl Counters {
+    /// Counts one refused remote access (and, apart, the ones no grant covered).
+    pub fn count_refusal(&self, e: super::AccessError) {
+        self.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if e == super::AccessError::NoGrant {
+            self.grant_refusals.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
 }
 
 /// The union of the in-flight intervals of an engine's batches, kept incrementally: a
@@ -168,6 +194,7 @@ pub struct EngineStats {
     pub auth_failures: u64,
     pub bad_frames: u64,
     pub refused: u64,
+    pub grant_refusals: u64,
     pub connections: u64,
     pub bytes_served: u64,
     pub retries: u64,

@@ -63,14 +63,21 @@ fn check_local(inner: &EngineInner, cache: &mut RegionCache, index: usize, req: 
     Ok(Checked { index, req, local })
 }
 
-fn local_copy(batch: &Arc<Batch>, cache: &mut RegionCache, c: &Checked, target: &EngineInner) -> Result<CopyJob, TransferError> {
+fn local_copy(
+    batch: &Arc<Batch>,
+    cache: &mut RegionCache,
+    c: &Checked,
+    initiator: &str,
+    target: &EngineInner,
+) -> Result<CopyJob, TransferError> {
     let r = &c.req;
     let checked = cache
         .get(&target.regions, r.remote_region)
         .ok_or(AccessError::NoSuchRegion)
-        .and_then(|reg| reg.check_remote(r.remote_offset, r.length, r.op == Op::Write).map(|_| reg));
+        // In-process: the initiating engine's own name is its identity.
+        .and_then(|reg| reg.check_remote(initiator, r.remote_offset, r.length, r.op == Op::Write).map(|_| reg));
     let remote = checked.map_err(|reason| {
-        target.counters.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        target.counters.count_refusal(reason);
         TransferError::Refused { side: "peer", region: r.remote_region, reason }
     })?;
     let (l, rm) = (Span::region(&c.local, r.local_offset), Span::region(&remote, r.remote_offset));
@@ -166,7 +173,7 @@ pub(crate) fn submit(
                     continue;
                 };
                 last_target = Some((w as *const _, target.clone()));
-                match local_copy(&batch, &mut cache, &c, &target) {
+                match local_copy(&batch, &mut cache, &c, &inner.name, &target) {
                     Ok(j) => {
                         copy_bytes += j.len;
                         copies.push(j);

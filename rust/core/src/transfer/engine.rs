@@ -11,7 +11,7 @@ use super::auth::{self, AuthKey};
 use super::batch::Batch;
 use super::completion::CompletionQueue;
 use super::local::CopyPool;
-use super::region::{Region, RegionId, RegionTable};
+use super::region::{Access, Grant, Region, RegionId, RegionTable};
 use super::registry::EngineRegistry;
 use super::shm::ShmPeer;
 use super::tcp::client::{ClientConfig, TcpPeer};
@@ -157,6 +157,7 @@ impl Engine {
                 name: cfg.name.clone(),
                 regions: regions.clone(),
                 key: key.clone(),
+                peer_keys: cfg.peer_tokens.iter().map(|(n, t)| (n.clone(), AuthKey::from_token(t))).collect(),
                 host,
                 counters: counters.clone(),
                 io_timeout: cfg.io_timeout,
@@ -224,8 +225,13 @@ impl Engine {
     /// by same-host peers through the shm path.
     /// `remote_readonly`: peers may only read it (this engine may still write it).
     pub fn register_mapped(&self, mem: Arc<MappedMemory>, readonly: bool, remote_readonly: bool) -> Result<RegionId, TransferError> {
+        self.register_mapped_with(mem, Access { readonly, remote_readonly, restricted: false })
+    }
+
+    /// `register_mapped` with every access option (e.g. `restricted`: peers need grants).
+    pub fn register_mapped_with(&self, mem: Arc<MappedMemory>, access: Access) -> Result<RegionId, TransferError> {
         self.check_open()?;
-        Ok(self.inner.regions.register_mapped(mem, readonly, remote_readonly).id)
+        Ok(self.inner.regions.register_mapped(mem, access).id)
     }
 
     /// Registers caller memory kept alive by `owner`.
@@ -240,19 +246,83 @@ impl Engine {
         remote_readonly: bool,
         owner: Box<dyn std::any::Any + Send + Sync>,
     ) -> Result<RegionId, TransferError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.register_raw_with(ptr, len, Access { readonly, remote_readonly, restricted: false }, owner) }
+    }
+
+    /// `register_raw` with every access option.
+    ///
+    /// # Safety
+    /// As [`register_raw`](Engine::register_raw), with `access.readonly` for `readonly`.
+    pub unsafe fn register_raw_with(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        access: Access,
+        owner: Box<dyn std::any::Any + Send + Sync>,
+    ) -> Result<RegionId, TransferError> {
         self.check_open()?;
         // SAFETY: forwarded contract.
-        Ok(unsafe { self.inner.regions.register_raw(ptr, len, readonly, remote_readonly, owner) }?.id)
+        Ok(unsafe { self.inner.regions.register_raw(ptr, len, access, owner) }?.id)
     }
 
     /// A new registered region of zero-filled shared memory.
     pub fn allocate(&self, len: usize, readonly: bool) -> Result<Arc<Region>, TransferError> {
+        self.allocate_with(len, Access { readonly, ..Access::default() })
+    }
+
+    /// `allocate` with every access option (a restricted one is never offered over shm).
+    pub fn allocate_with(&self, len: usize, access: Access) -> Result<Arc<Region>, TransferError> {
         self.check_open()?;
         if len == 0 {
             return Err(TransferError::InvalidRequest("allocate() needs a length > 0".into()));
         }
         let mem = MappedMemory::shared(len).map_err(TransferError::io)?;
-        Ok(self.inner.regions.register_mapped(Arc::new(mem), readonly, false))
+        Ok(self.inner.regions.register_mapped(Arc::new(mem), access))
+    }
+
+    fn restricted_region(&self, id: RegionId, what: &str) -> Result<Arc<Region>, TransferError> {
+        self.check_open()?;
+        self.inner
+            .regions
+            .get(id)
+            .ok_or_else(|| TransferError::InvalidRequest(format!("{what}: region {id} is not registered here")))
+    }
+
+    /// Lets peer `peer` (the engine name it connects with; its handshake proof covers
+    /// the name when the engines share an `auth_token`) read `offset..offset+len` of the
+    /// restricted region `id`, and write it too when `write`, until `expires` from now
+    /// if given. Returns the grant's id.
+    pub fn grant(
+        &self,
+        id: RegionId,
+        peer: &str,
+        offset: u64,
+        len: u64,
+        write: bool,
+        expires: Option<Duration>,
+    ) -> Result<u64, TransferError> {
+        let region = self.restricted_region(id, "grant()")?;
+        let until = match expires {
+            Some(d) => Some(std::time::Instant::now().checked_add(d).ok_or_else(|| {
+                TransferError::InvalidRequest("grant() expiry is too far in the future; pass None for no expiry".into())
+            })?),
+            None => None,
+        };
+        let gid = self.inner.regions.next_grant_id();
+        region.grant(gid, peer, offset, len, write, until)?;
+        Ok(gid)
+    }
+
+    /// Removes the grants of `peer` on region `id` (only grant `grant_id` when given);
+    /// returns how many. Requests checked after this returns are refused.
+    pub fn revoke(&self, id: RegionId, peer: &str, grant_id: Option<u64>) -> Result<usize, TransferError> {
+        Ok(self.restricted_region(id, "revoke()")?.revoke(peer, grant_id))
+    }
+
+    /// The live grants of region `id`.
+    pub fn grants(&self, id: RegionId) -> Result<Vec<Grant>, TransferError> {
+        Ok(self.restricted_region(id, "grants()")?.grants())
     }
 
     pub fn region(&self, id: RegionId) -> Option<Arc<Region>> {
@@ -352,6 +422,7 @@ impl Engine {
             auth_failures: l(&c.auth_failures),
             bad_frames: l(&c.bad_frames),
             refused: l(&c.refused),
+            grant_refusals: l(&c.grant_refusals),
             connections: l(&c.connections),
             bytes_served: l(&c.bytes_served),
             retries: l(&c.retries),

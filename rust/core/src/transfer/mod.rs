@@ -32,7 +32,7 @@ use crate::error::{Categorized, ErrorCategory};
 pub use batch::{Batch, RequestStatus};
 pub use completion::{monotonic_ns, Completion, CompletionQueue};
 pub use engine::{Engine, EngineConfig, EngineStats, Peer, Transports};
-pub use region::{Region, RegionId, RegionOwner};
+pub use region::{Access, Grant, Region, RegionId, RegionOwner};
 pub use registry::EngineRegistry;
 
 /// Direction of one request, seen from the initiator.
@@ -82,6 +82,8 @@ pub enum AccessError {
     OutOfBounds,
     ReadOnly,
     TooLarge,
+    /// The region is restricted and no live grant of the asking peer covers the access.
+    NoGrant,
 }
 
 impl AccessError {
@@ -91,6 +93,7 @@ impl AccessError {
             AccessError::OutOfBounds => "out_of_bounds",
             AccessError::ReadOnly => "read_only",
             AccessError::TooLarge => "too_large",
+            AccessError::NoGrant => "no_grant",
         }
     }
 }
@@ -102,6 +105,11 @@ impl fmt::Display for AccessError {
             AccessError::OutOfBounds => "range outside the region",
             AccessError::ReadOnly => "region is read-only",
             AccessError::TooLarge => "request larger than the frame limit",
+            AccessError::NoGrant => {
+                "no live grant covers this access: the region is restricted, so its owner must first call \
+                 grant(region, peer=<the initiating engine's name>, offset, length, write=...) for this range \
+                 (or the grant was revoked or expired)"
+            }
         })
     }
 }
@@ -179,3 +187,5 @@ mod tests;
 mod tests_adversarial;
 #[cfg(test)]
 mod tests_completion;
+#[cfg(test)]
+mod tests_rights;

@@ -10,7 +10,7 @@
 use super::AccessError;
 
 pub const MAGIC: [u8; 2] = *b"MC";
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 pub const HEADER_LEN: usize = 8;
 /// Largest payload of one data frame (slices are at most this long).
 pub const MAX_DATA: usize = 16 << 20;
@@ -128,6 +128,7 @@ pub fn status_to_u8(s: Result<(), AccessError>) -> u8 {
         Err(AccessError::OutOfBounds) => 2,
         Err(AccessError::ReadOnly) => 3,
         Err(AccessError::TooLarge) => 4,
+        Err(AccessError::NoGrant) => 5,
     }
 }
 
@@ -138,6 +139,7 @@ pub fn status_from_u8(b: u8) -> Result<Result<(), AccessError>, FrameError> {
         2 => Err(AccessError::OutOfBounds),
         3 => Err(AccessError::ReadOnly),
         4 => Err(AccessError::TooLarge),
+        5 => Err(AccessError::NoGrant),
         b => return Err(FrameError::BadStatus(b)),
     })
 }

@@ -3,16 +3,27 @@
 use std::any::Any;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use hashbrown::HashMap;
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 
 use super::{AccessError, TransferError};
 use crate::mem::MappedMemory;
 
 /// The one bounds-and-rights rule of every path: `offset..offset+len` (checked, so it
-/// cannot wrap) inside `region_len`, and no write to a read-only region.
-pub fn check_access(offset: u64, len: u64, region_len: u64, readonly: bool, write: bool) -> Result<(), AccessError> {
+/// cannot wrap) inside `region_len`, no write to a read-only region, and, for a
+/// restricted region (`grants` is `Some`), a live grant of the asking peer covering the
+/// whole range (a write needs a write grant). Initiators that check against what a peer
+/// reported pass `None`: the grant part is the serving side's to decide.
+pub fn check_access(
+    offset: u64,
+    len: u64,
+    region_len: u64,
+    readonly: bool,
+    write: bool,
+    grants: Option<GrantCheck<'_>>,
+) -> Result<(), AccessError> {
     let end = offset.checked_add(len).ok_or(AccessError::OutOfBounds)?;
     if end > region_len {
         return Err(AccessError::OutOfBounds);
@@ -20,7 +31,51 @@ pub fn check_access(offset: u64, len: u64, region_len: u64, readonly: bool, writ
     if write && readonly {
         return Err(AccessError::ReadOnly);
     }
+    if let Some(g) = grants {
+        let covered = g.grants.iter().any(|gr| {
+            gr.peer == g.peer
+                && gr.offset <= offset
+                && end <= gr.offset.saturating_add(gr.len)
+                && (gr.write || !write)
+                && gr.expires.is_none_or(|t| g.now < t)
+        });
+        if !covered {
+            return Err(AccessError::NoGrant);
+        }
+    }
     Ok(())
+}
+
+/// The grant part of one check: the region's grants, who asks, and when.
+#[derive(Clone, Copy)]
+pub struct GrantCheck<'a> {
+    pub grants: &'a [Grant],
+    pub peer: &'a str,
+    pub now: Instant,
+}
+
+/// A right of one peer (by its authenticated engine name) to `offset..offset+len` of a
+/// restricted region: read, and write too when `write`; until `expires` if set.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    pub id: u64,
+    pub peer: String,
+    pub offset: u64,
+    pub len: u64,
+    pub write: bool,
+    pub expires: Option<Instant>,
+}
+
+/// How a region may be accessed (fixed at registration).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Access {
+    /// Nobody (neither this engine nor a peer) may write it.
+    pub readonly: bool,
+    /// Peers may only read it; this engine may still write.
+    pub remote_readonly: bool,
+    /// Peers reach it only through live [`Grant`]s, and never over shm (a mapping
+    /// cannot be revoked, a grant must be).
+    pub restricted: bool,
 }
 
 /// Engine-unique id of a registered region (never reused by that engine).
@@ -45,6 +100,11 @@ pub struct Region {
     /// Peers may only read it; this engine may still write (a region that peers only
     /// fetch from, like a prefill instance's arena).
     pub remote_readonly: bool,
+    /// Peers need a live grant (see [`Access::restricted`]).
+    pub restricted: bool,
+    /// The grants of a restricted region (empty otherwise). Held only to check or edit,
+    /// never across I/O.
+    grants: Mutex<Vec<Grant>>,
     owner: RegionOwner,
 }
 
@@ -85,12 +145,71 @@ impl Region {
 
     /// Checks `offset..offset+len` against the bounds (and `write` against read-only).
     pub fn check(&self, offset: u64, len: u64, write: bool) -> Result<(), AccessError> {
-        check_access(offset, len, self.len as u64, self.readonly, write)
+        check_access(offset, len, self.len as u64, self.readonly, write, None)
     }
 
-    /// The check of an access by a peer (the remote side of any request, on every path).
-    pub fn check_remote(&self, offset: u64, len: u64, write: bool) -> Result<(), AccessError> {
-        check_access(offset, len, self.len as u64, self.readonly_to_peers(), write)
+    /// The check of an access by peer `peer` (its authenticated engine name): the remote
+    /// side of any request, on every path.
+    pub fn check_remote(&self, peer: &str, offset: u64, len: u64, write: bool) -> Result<(), AccessError> {
+        if !self.restricted {
+            return check_access(offset, len, self.len as u64, self.readonly_to_peers(), write, None);
+        }
+        let grants = self.grants.lock();
+        let g = GrantCheck { grants: &grants, peer, now: Instant::now() };
+        check_access(offset, len, self.len as u64, self.readonly_to_peers(), write, Some(g))
+    }
+
+    /// Adds grant `id` (from [`RegionTable::next_grant_id`]) to a restricted region.
+    /// Expired grants are dropped here, so a region granted over and over does not grow
+    /// without bound.
+    pub fn grant(&self, id: u64, peer: &str, offset: u64, len: u64, write: bool, expires: Option<Instant>) -> Result<(), TransferError> {
+        if !self.restricted {
+            return Err(TransferError::InvalidRequest(format!(
+                "region {} is not restricted, so every authenticated peer may already access it; register it with \
+                 restricted=True to use grants",
+                self.id
+            )));
+        }
+        if peer.is_empty() || peer.len() > super::protocol::MAX_NAME {
+            return Err(TransferError::InvalidRequest(format!(
+                "grant() needs the peer's engine name (1..={} bytes), got {} bytes",
+                super::protocol::MAX_NAME,
+                peer.len()
+            )));
+        }
+        check_access(offset, len, self.len as u64, false, false, None).map_err(|_| {
+            TransferError::InvalidRequest(format!(
+                "grant range {offset}+{len} is outside region {} (length {})",
+                self.id, self.len
+            ))
+        })?;
+        if write && self.readonly_to_peers() {
+            return Err(TransferError::InvalidRequest(format!(
+                "region {} is read-only to peers; a write grant would never apply",
+                self.id
+            )));
+        }
+        let now = Instant::now();
+        let mut g = self.grants.lock();
+        g.retain(|gr| gr.expires.is_none_or(|t| now < t));
+        g.push(Grant { id, peer: peer.to_string(), offset, len, write, expires });
+        Ok(())
+    }
+
+    /// Removes the grants of `peer` (only grant `grant_id` when given); returns how many.
+    /// Takes effect for every request checked after it returns (a request already
+    /// checked finishes: the check is per request, before any byte moves).
+    pub fn revoke(&self, peer: &str, grant_id: Option<u64>) -> usize {
+        let mut g = self.grants.lock();
+        let before = g.len();
+        g.retain(|gr| !(gr.peer == peer && grant_id.is_none_or(|id| gr.id == id)));
+        before - g.len()
+    }
+
+    /// The live grants (expired ones left out).
+    pub fn grants(&self) -> Vec<Grant> {
+        let now = Instant::now();
+        self.grants.lock().iter().filter(|gr| gr.expires.is_none_or(|t| now < t)).cloned().collect()
     }
 
     /// Whether peers see it read-only.
@@ -113,6 +232,7 @@ impl std::fmt::Debug for Region {
             .field("len", &self.len)
             .field("readonly", &self.readonly)
             .field("remote_readonly", &self.remote_readonly)
+            .field("restricted", &self.restricted)
             .finish()
     }
 }
@@ -121,20 +241,35 @@ impl std::fmt::Debug for Region {
 #[derive(Default)]
 pub struct RegionTable {
     next: AtomicU64,
+    next_grant: AtomicU64,
     regions: RwLock<HashMap<RegionId, Arc<Region>>>,
 }
 
 impl RegionTable {
-    fn insert(&self, ptr: *mut u8, len: usize, readonly: bool, remote_readonly: bool, owner: RegionOwner) -> Arc<Region> {
+    fn insert(&self, ptr: *mut u8, len: usize, a: Access, owner: RegionOwner) -> Arc<Region> {
         let id = self.next.fetch_add(1, Ordering::Relaxed) + 1;
-        let region = Arc::new(Region { id, ptr, len, readonly, remote_readonly, owner });
+        let region = Arc::new(Region {
+            id,
+            ptr,
+            len,
+            readonly: a.readonly,
+            remote_readonly: a.remote_readonly,
+            restricted: a.restricted,
+            grants: Mutex::new(Vec::new()),
+            owner,
+        });
         self.regions.write().insert(id, region.clone());
         region
     }
 
-    pub fn register_mapped(&self, mem: Arc<MappedMemory>, readonly: bool, remote_readonly: bool) -> Arc<Region> {
+    pub fn register_mapped(&self, mem: Arc<MappedMemory>, a: Access) -> Arc<Region> {
         let (ptr, len) = (mem.as_ptr(), mem.len());
-        self.insert(ptr, len, readonly, remote_readonly, RegionOwner::Mapped(mem))
+        self.insert(ptr, len, a, RegionOwner::Mapped(mem))
+    }
+
+    /// A fresh grant id (engine-unique).
+    pub fn next_grant_id(&self) -> u64 {
+        self.next_grant.fetch_add(1, Ordering::Relaxed) + 1
     }
 
     /// Registers caller memory.
@@ -145,14 +280,13 @@ impl RegionTable {
         &self,
         ptr: *mut u8,
         len: usize,
-        readonly: bool,
-        remote_readonly: bool,
+        a: Access,
         owner: Box<dyn Any + Send + Sync>,
     ) -> Result<Arc<Region>, TransferError> {
         if ptr.is_null() && len > 0 {
             return Err(TransferError::InvalidRequest("null pointer for a non-empty region".into()));
         }
-        Ok(self.insert(ptr, len, readonly, remote_readonly, RegionOwner::Foreign(owner)))
+        Ok(self.insert(ptr, len, a, RegionOwner::Foreign(owner)))
     }
 
     pub fn unregister(&self, id: RegionId) -> bool {
@@ -168,10 +302,10 @@ impl RegionTable {
         self.regions.read().get(&id).cloned()
     }
 
-    /// The serving-side check of one remote access.
-    pub fn resolve(&self, id: RegionId, offset: u64, len: u64, write: bool) -> Result<Arc<Region>, AccessError> {
+    /// The serving-side check of one remote access by peer `peer`.
+    pub fn resolve(&self, id: RegionId, peer: &str, offset: u64, len: u64, write: bool) -> Result<Arc<Region>, AccessError> {
         let region = self.get(id).ok_or(AccessError::NoSuchRegion)?;
-        region.check_remote(offset, len, write)?;
+        region.check_remote(peer, offset, len, write)?;
         Ok(region)
     }
 

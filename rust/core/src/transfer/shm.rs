@@ -25,7 +25,7 @@ pub struct ShmRegion {
 
 impl ShmRegion {
     pub fn check(&self, offset: u64, len: u64, write: bool) -> Result<(), AccessError> {
-        super::region::check_access(offset, len, self.mem.len() as u64, self.readonly, write)
+        super::region::check_access(offset, len, self.mem.len() as u64, self.readonly, write, None)
     }
 }
 

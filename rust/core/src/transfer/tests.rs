@@ -285,6 +285,7 @@ fn arb_msg() -> impl Strategy<Value = Msg> {
         Just(Err(AccessError::OutOfBounds)),
         Just(Err(AccessError::ReadOnly)),
         Just(Err(AccessError::TooLarge)),
+        Just(Err(AccessError::NoGrant)),
     ];
     prop_oneof![
         (any::<u16>(), any::<[u8; 32]>(), name).prop_map(|(version, nonce, name)| Msg::Hello { version, nonce, name }),

@@ -73,7 +73,7 @@ pub struct RemoteRegionInfo {
 impl RemoteRegionInfo {
     /// The same check the peer makes, on the whole request.
     pub fn check(&self, offset: u64, len: u64, write: bool) -> Result<(), AccessError> {
-        super::super::region::check_access(offset, len, self.len, self.readonly, write)
+        super::super::region::check_access(offset, len, self.len, self.readonly, write, None)
     }
 }
 

@@ -4,6 +4,8 @@
 
 use std::io::{Read, Write};
 
+use hashbrown::HashMap;
+
 use super::super::auth::{self, AuthKey};
 use super::super::protocol::{encode, Msg, VERSION};
 use super::super::TransferError;
@@ -40,7 +42,7 @@ pub fn client<S: Read + Write>(
         other => return Err(TransferError::Protocol(format!("expected a challenge, got {other:?}"))),
     };
     let mac = match (server_auth, key) {
-        (true, Some(k)) => k.client_proof(&sn, &cn),
+        (true, Some(k)) => k.client_proof(&sn, &cn, name),
         (true, None) => return Err(TransferError::Unauthorized("the peer requires an auth_token".into())),
         (false, Some(_)) => {
             return Err(TransferError::Unauthorized("the peer has no auth_token, so it cannot prove itself".into()))
@@ -80,10 +82,23 @@ pub enum Refusal {
     Other(String),
 }
 
-/// The server side; returns the client's name and the frame keys.
+/// The server side; returns the client's name (covered by its proof with a token; only
+/// claimed without one) and the frame keys.
 pub fn server<S: Read + Write>(
     s: &mut S,
     key: Option<&AuthKey>,
+    host: [u8; 16],
+    name: &str,
+) -> Result<(String, FrameKeys), Refusal> {
+    server_with(s, key, &HashMap::new(), host, name)
+}
+
+/// [`server`] where a client announcing a name of `peer_keys` must prove that name's
+/// key instead of `key` (per-peer tokens).
+pub fn server_with<S: Read + Write>(
+    s: &mut S,
+    key: Option<&AuthKey>,
+    peer_keys: &HashMap<String, AuthKey>,
     host: [u8; 16],
     name: &str,
 ) -> Result<(String, FrameKeys), Refusal> {
@@ -97,6 +112,7 @@ pub fn server<S: Read + Write>(
         }
         m => return Err(Refusal::Other(format!("expected hello, got {m:?}"))),
     };
+    let key = peer_keys.get(&client_name).or(key);
     let sn = auth::nonce().map_err(|e| Refusal::Other(e.to_string()))?;
     let challenge = Msg::Challenge { version: VERSION, auth: key.is_some(), nonce: sn, host, name: name.into() };
     s.write_all(&encode(&challenge)).map_err(|e| other(e.into()))?;
@@ -105,7 +121,7 @@ pub fn server<S: Read + Write>(
         m => return Err(Refusal::Other(format!("expected proof, got {m:?}"))),
     };
     let (reply, keys) = match key {
-        Some(k) if !auth::mac_eq(&mac, &k.client_proof(&sn, &cn)) => {
+        Some(k) if !auth::mac_eq(&mac, &k.client_proof(&sn, &cn, &client_name)) => {
             let _ = s.write_all(&encode(&Msg::Refused { reason: "wrong auth token".into() }));
             return Err(Refusal::BadToken);
         }

@@ -44,6 +44,8 @@ pub struct ServeCtx {
     pub name: String,
     pub regions: Arc<RegionTable>,
     pub key: Option<AuthKey>,
+    /// Per-peer keys: a client of one of these names proves this key, not `key`.
+    pub peer_keys: HashMap<String, AuthKey>,
     pub host: [u8; 16],
     pub counters: Arc<Counters>,
     pub io_timeout: Duration,
@@ -193,12 +195,18 @@ fn serve(stream: TcpStream, id: u64, sh: &Shared) {
     let ctx = &sh.ctx;
     let _ = stream.set_nodelay(true);
     let until = Instant::now() + HANDSHAKE_DEADLINE.min(ctx.io_timeout);
-    let shook = handshake::server(&mut Deadline { s: &stream, until }, ctx.key.as_ref(), ctx.host, &ctx.name);
+    let shook = handshake::server_with(
+        &mut Deadline { s: &stream, until },
+        ctx.key.as_ref(),
+        &ctx.peer_keys,
+        ctx.host,
+        &ctx.name,
+    );
     if sh.handshaking.lock().remove(&id).is_none() {
         return; // evicted (or the server closed) meanwhile
     }
-    let keys = match shook {
-        Ok((_, keys)) => keys,
+    let (peer, keys) = match shook {
+        Ok(ok) => ok,
         Err(Refusal::BadToken) => {
             ctx.counters.auth_failures.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(engine = %ctx.name, "refused a connection: wrong auth token");
@@ -222,12 +230,13 @@ fn serve(stream: TcpStream, id: u64, sh: &Shared) {
         };
     }
     ctx.counters.connections.fetch_add(1, Ordering::Relaxed);
-    serve_frames(stream, keys, ctx, &sh.closed);
+    serve_frames(stream, &peer, keys, ctx, &sh.closed);
     sh.conns.lock().remove(&id);
 }
 
 /// The authenticated part of a connection: one request at a time, in order.
-fn serve_frames(stream: TcpStream, keys: super::seal::FrameKeys, ctx: &ServeCtx, closed: &AtomicBool) {
+/// `peer`: the client's engine name, what grants of restricted regions are checked against.
+fn serve_frames(stream: TcpStream, peer: &str, keys: super::seal::FrameKeys, ctx: &ServeCtx, closed: &AtomicBool) {
     // After the handshake a connection may sit idle as long as it likes.
     let _ = stream.set_read_timeout(None);
     let _ = stream.set_write_timeout(Some(ctx.io_timeout));
@@ -240,7 +249,7 @@ fn serve_frames(stream: TcpStream, keys: super::seal::FrameKeys, ctx: &ServeCtx,
             return;
         }
         let result = read_header(&mut r).and_then(|h| match h {
-            Some(h) => handle(h, &mut r, &mut w, &mut stage, ctx),
+            Some(h) => handle(h, peer, &mut r, &mut w, &mut stage, ctx),
             None => Ok(()),
         });
         match result {
@@ -260,7 +269,7 @@ fn serve_frames(stream: TcpStream, keys: super::seal::FrameKeys, ctx: &ServeCtx,
 }
 
 fn refuse(ctx: &ServeCtx, e: AccessError) -> Result<(), AccessError> {
-    ctx.counters.refused.fetch_add(1, Ordering::Relaxed);
+    ctx.counters.count_refusal(e);
     Err(e)
 }
 
@@ -268,14 +277,14 @@ type Reader = FrameReader<BufReader<TcpStream>>;
 
 /// Serves one frame. Nothing is acted on before the frame's tag verified (with a
 /// token), so a forged request reads, writes and answers nothing.
-fn handle(h: Header, r: &mut Reader, w: &mut FrameWriter<TcpStream>, stage: &mut Vec<u8>, ctx: &ServeCtx) -> Result<(), ConnError> {
+fn handle(h: Header, peer: &str, r: &mut Reader, w: &mut FrameWriter<TcpStream>, stage: &mut Vec<u8>, ctx: &ServeCtx) -> Result<(), ConnError> {
     match read_msg_body(r, h)? {
         Msg::ReadReq { id, region, offset, len } => {
             r.end_frame()?;
             let checked = if len > MAX_DATA as u64 {
                 Err(AccessError::TooLarge)
             } else {
-                ctx.regions.resolve(region, offset, len, false)
+                ctx.regions.resolve(region, peer, offset, len, false)
             };
             match checked {
                 Ok(reg) => {
@@ -294,7 +303,7 @@ fn handle(h: Header, r: &mut Reader, w: &mut FrameWriter<TcpStream>, stage: &mut
             }
         }
         Msg::WriteReq { id, region, offset, data_len } => {
-            let status = match ctx.regions.resolve(region, offset, data_len as u64, true) {
+            let status = match ctx.regions.resolve(region, peer, offset, data_len as u64, true) {
                 Ok(reg) => {
                     // SAFETY: resolve() checked the range and that the region is writable;
                     // `reg` keeps it mapped while we receive into it.
@@ -330,7 +339,10 @@ fn handle(h: Header, r: &mut Reader, w: &mut FrameWriter<TcpStream>, stage: &mut
                     status: Ok(()),
                     len: reg.len() as u64,
                     readonly: reg.readonly_to_peers(),
-                    shm: if ctx.share_shm { reg.shm().map(|(n, _)| n.to_string()) } else { None },
+                    // A restricted region is never offered over shm: a mapping cannot
+                    // be revoked, a grant must be. Its peers stay on TCP, where every
+                    // request is checked against the live grants.
+                    shm: if ctx.share_shm && !reg.restricted { reg.shm().map(|(n, _)| n.to_string()) } else { None },
                 },
                 None => Msg::RegionInfo { id, status: Err(AccessError::NoSuchRegion), len: 0, readonly: false, shm: None },
             };
