@@ -1,0 +1,45 @@
+"""``mooncake-rs serve --upstream ...``: the KV-aware proxy over external engines, run by uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..errors import InvalidArgument
+
+__all__ = ["serve_upstreams"]
+
+
+def serve_upstreams(args: argparse.Namespace) -> int:
+    """Blocks until Ctrl-C / SIGTERM."""
+    from .upstream import UpstreamRouter, parse_upstream
+
+    specs = [parse_upstream(s) for s in args.upstream]
+    if args.model is not None:
+        raise InvalidArgument("--model and --upstream exclude each other: --upstream routes over external "
+                              "engines (give their tokenizer with --tokenizer), --model serves a model here")
+    if not args.tokenizer:
+        raise InvalidArgument("--upstream needs --tokenizer DIR (tokenizer.json / tokenizer_config.json of the "
+                              "upstreams' model): prompts are tokenized to hash their blocks")
+    if not os.path.isdir(args.tokenizer):
+        raise InvalidArgument(f"--tokenizer {args.tokenizer!r} is not a directory")
+    missing = [s.name for s in specs if not s.events]
+    if missing:
+        print(f"mooncake-rs: upstreams {missing} have no events=: routed by load only", file=sys.stderr)
+    import uvicorn
+
+    from ..text import Tokenizer
+    from .proxy import create_proxy_app
+
+    tok = Tokenizer.from_dir(args.tokenizer)
+    api_key = args.api_key or os.environ.get("MOONCAKE_API_KEY") or None
+    policy = "local_cache_aware" if args.policy == "mooncake" else args.policy  # no fetches between engines
+    with UpstreamRouter(specs, block_size=args.block_size, seed=args.seed, policy=policy,
+                        rejection=args.rejection, ttft_slo_s=args.ttft_slo) as router:
+        print(f"mooncake-rs: routing over {len(specs)} upstreams ({', '.join(router.names)}) on "
+              f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+        uvicorn.run(create_proxy_app(router, tok, api_key=api_key, request_timeout_s=args.request_timeout),
+                    host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                    timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,316 @@
+"""``serve --upstream``: routing external OpenAI-compatible engines on their KV events.
+
+Unit part (no model): ``--upstream`` parsing, the router on events fed in the vLLM wire
+format (prefix hit, eviction, load), 429 and an unreachable upstream through the proxy
+app. End to end (tiny model, 127.0.0.1): two stand-in engines publishing vLLM-format
+events over ZMQ (one positional with int hashes, one map with bytes hashes), the proxy
+in front, shared-prefix prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("msgspec")
+pytest.importorskip("zmq")
+pytest.importorskip("starlette")
+httpx = pytest.importorskip("httpx")
+
+from mooncake_rs.errors import InvalidArgument, Overloaded  # noqa: E402
+from mooncake_rs.interop import BlockRemoved, BlockStored, decode_payload, encode_batch  # noqa: E402
+from mooncake_rs.interop.upstream import UpstreamRouter, UpstreamSpec, parse_upstream  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+BS = 4
+
+
+def wait_for(pred, timeout_s=30.0, what="condition"):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- parsing -------------------------------------------------------------------------
+
+def test_parse_upstream():
+    s = parse_upstream("a=http://127.0.0.1:8001/,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558")
+    assert s == UpstreamSpec("a", "http://127.0.0.1:8001", "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")
+    assert parse_upstream("b=http://h:1") == UpstreamSpec("b", "http://h:1")
+
+
+@pytest.mark.parametrize("bad, words", [
+    ("http://h:1", "NAME=http"),
+    ("a=h:1", "http://"),
+    ("a=http://h:1,evnts=tcp://x:1", "unknown option"),
+    ("a=http://h:1,replay=tcp://x:1", "needs events"),
+    ("a=http://h:1,events=tcp://x:1,events=tcp://x:2", "twice"),
+])
+def test_parse_upstream_refuses(bad, words):
+    with pytest.raises(InvalidArgument, match=words):
+        parse_upstream(bad)
+
+
+def test_router_refuses_duplicate_and_missing_upstreams():
+    with pytest.raises(InvalidArgument, match="at least one"):
+        UpstreamRouter([], subscribe=False)
+    with pytest.raises(InvalidArgument, match="twice"):
+        UpstreamRouter([UpstreamSpec("a", "http://h:1"), UpstreamSpec("a", "http://h:2")], subscribe=False)
+
+
+# ---- the router on wire-format events ------------------------------------------------
+
+def _feed(router, name, events, form):
+    router.ingestor(name).apply(decode_payload(encode_batch(events, form=form), raw_tokens=True))
+
+
+def _router(**kw):
+    return UpstreamRouter([UpstreamSpec("a", "http://127.0.0.1:1"), UpstreamSpec("b", "http://127.0.0.1:2")],
+                          block_size=BS, subscribe=False, **kw)
+
+
+@pytest.mark.parametrize("form", ["positional", "map"])
+def test_router_follows_the_prefix_then_the_load(form):
+    r = _router()
+    prefix = list(range(100, 116))  # 4 blocks
+    # b holds the prefix (engine hashes are opaque bytes here)
+    _feed(r, "b", [BlockStored(block_hashes=[b"h%d" % i for i in range(4)], token_ids=prefix, block_size=BS)], form)
+    assert r.held_blocks("b", prefix + [1, 2]) == 4 and r.held_blocks("a", prefix) == 0
+    x = r.route(prefix + [1, 2, 3])
+    assert (x.name, x.reused_blocks) == ("b", 4)
+    r.first_token(x)
+    r.finish(x, 3)
+    # b evicts two blocks: its hit shrinks; evicting all sends routing back to the load
+    _feed(r, "b", [BlockRemoved(block_hashes=[b"h2", b"h3"])], form)
+    assert r.held_blocks("b", prefix) == 2
+    _feed(r, "b", [BlockRemoved(block_hashes=[b"h0", b"h1"])], form)
+    assert r.held_blocks("b", prefix) == 0
+    y = r.route(prefix + [4])
+    assert y.name == "a"  # both idle: the lowest slot
+    z = r.route(prefix + [5])
+    assert z.name == "b"  # a has y queued (no first token yet): the load decides
+    r.finish(y, failed=True)
+    r.finish(z, failed=True)
+    assert r.route(prefix + [6]).name == "a"
+    st = r.stats()
+    assert st["a"]["in_flight"] == 1 and st["b"]["in_flight"] == 0 and st["b"]["failures"] == 1
+    assert st["b"]["ingest"]["removed_blocks"] == 4
+
+
+def test_router_overloaded_when_the_conductor_refuses():
+    r = _router(rejection="early", ttft_slo_s=1e-9)
+    with pytest.raises(Overloaded) as e:
+        r.route(list(range(10)))
+    assert e.value.reason == "ttft_slo"
+    assert r.stats()["a"]["in_flight"] == 0
+
+
+# ---- the proxy app without engines ---------------------------------------------------
+
+class _NoTokenizer:
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def encode_chat(self, messages, add_generation_prompt=True):
+        return [ord(c) for m in messages for c in m["content"]]
+
+
+def _client(router, **kw):
+    from starlette.testclient import TestClient
+
+    from mooncake_rs.interop.proxy import create_proxy_app
+
+    return TestClient(create_proxy_app(router, _NoTokenizer(), connect_timeout_s=2.0, **kw))
+
+
+def test_proxy_429_with_retry_after():
+    r = _router(rejection="early", ttft_slo_s=1e-9)
+    with _client(r) as c:
+        resp = c.post("/v1/completions", json={"model": "m", "prompt": "hello there", "max_tokens": 2})
+    assert resp.status_code == 429
+    assert int(resp.headers["retry-after"]) >= 1
+    err = resp.json()["error"]
+    assert err["type"] == "rate_limit_error" and err["code"] == "ttft_slo" and "Retry-After" in err["message"]
+
+
+def test_proxy_unreachable_upstream_is_502_and_frees_its_slot():
+    port = free_port()  # nothing listens there
+    r = UpstreamRouter([UpstreamSpec("down", f"http://127.0.0.1:{port}")], block_size=BS, subscribe=False)
+    with _client(r) as c:
+        resp = c.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        assert resp.status_code == 502
+        err = resp.json()["error"]
+        assert err["code"] == "upstream_unreachable" and "'down'" in err["message"]
+        assert resp.headers["x-mooncake-upstream"] == "down"
+        assert c.get("/v1/models").status_code == 502
+    st = r.stats()["down"]
+    assert st["in_flight"] == 0 and st["failures"] == 1
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "m"}, "prompt"),
+    ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+    ({"model": "m", "prompt": [1, True]}, "prompt"),
+])
+def test_proxy_bad_prompts_are_400(body, param):
+    with _client(_router()) as c:
+        resp = c.post("/v1/completions", json=body)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param
+        assert c.post("/v1/completions", content=b"{nope").status_code == 400
+        assert c.post("/v1/chat/completions", json={"model": "m"}).json()["error"]["param"] == "messages"
+
+
+def test_proxy_api_key():
+    with _client(_router(), api_key="k") as c:
+        resp = c.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_cli_serve_upstream_needs_a_tokenizer(capsys):
+    from mooncake_rs.cli import main
+
+    assert main(["serve", "--upstream", "a=http://127.0.0.1:1,events=tcp://127.0.0.1:2"]) == 2
+    assert "--tokenizer" in capsys.readouterr().err
+    assert main(["serve"]) == 2
+    assert "--model is required" in capsys.readouterr().err
+
+
+# ---- end to end: two stand-in engines ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    pytest.importorskip("torch")
+    import text_helpers as th
+
+    from mooncake_rs.http.server import ServerThread
+    from mooncake_rs.interop.proxy import create_proxy_app
+    from mooncake_rs.interop.standin import StandIn
+    from mooncake_rs.text import Tokenizer
+
+    d = th.write_model_dir(tmp_path_factory.mktemp("models") / "tiny-chat")
+    a = StandIn(d, block_size=BS, form="positional", bytes_hashes=False, model_name="tiny")
+    b = None
+    router = server = None
+    try:
+        b = StandIn(d, block_size=BS, form="map", bytes_hashes=True, model_name="tiny")
+        router = UpstreamRouter([parse_upstream(a.spec("a")), parse_upstream(b.spec("b"))], block_size=BS)
+        for name, s in (("a", a), ("b", b)):
+            # The slow joiner: the SUB sees nothing sent before its subscription reached
+            # the PUB, so publish (harmless) clears until one arrives.
+            def joined(name=name, s=s):
+                if router.ingestor(name).stats().batches:
+                    return True
+                s.clear()
+                time.sleep(0.05)
+                return False
+            wait_for(joined, what=f"the subscriber of {name}")
+        tok = Tokenizer.from_dir(d)
+        server = ServerThread(None, app=create_proxy_app(router, tok)).start()
+        yield a, b, router, server, tok
+    finally:
+        if server is not None:
+            server.stop()
+        if router is not None:
+            router.close()
+        for s in (a, b):
+            if s is not None:
+                s.close()
+
+
+PREFIX = "the quick brown fox jumps over the lazy dog and then the quick brown fox sleeps"
+
+
+def _complete(url, prompt, **kw):
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2,
+                                                   "temperature": 0, **kw}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_end_to_end_prefix_then_eviction_then_load(fleet):
+    a, b, router, server, tok = fleet
+    url = server.url
+    ids = tok.encode(PREFIX)
+    full = len(ids) // BS
+    assert full >= 3
+    # 1. a is busy (a request waits on it): a shared-prefix request goes to b by load
+    a.hold()
+    blocker: dict = {}
+    t = threading.Thread(target=lambda: blocker.update(r=_complete(url, "zebra zebra zebra zebra zebra")))
+    t.start()
+    try:
+        wait_for(lambda: a.waiting == 1, what="the blocker waiting on a")
+        r1 = _complete(url, PREFIX + " one")
+        assert r1.headers["x-mooncake-upstream"] == "b"
+    finally:
+        a.release()
+        t.join(60)
+    assert blocker["r"].headers["x-mooncake-upstream"] == "a"
+    # b published the prompt's blocks (map form, bytes hashes): the index has them
+    wait_for(lambda: router.held_blocks("b", ids) >= full - 1, what="b's BlockStored in the index")
+    # 2. both idle: the second shared-prefix request follows the prefix to b
+    r2 = _complete(url, PREFIX + " two")
+    assert r2.headers["x-mooncake-upstream"] == "b"
+    assert r2.json()["object"] == "text_completion" and r2.json()["usage"]["completion_tokens"] == 2
+    # 3. b evicts (BlockRemoved): routing follows the load again (both idle: a)
+    b.evict()
+    wait_for(lambda: router.held_blocks("b", ids) == 0, what="b's BlockRemoved in the index")
+    r3 = _complete(url, PREFIX + " three")
+    assert r3.headers["x-mooncake-upstream"] == "a"
+    wait_for(lambda: router.held_blocks("a", ids) >= full - 1, what="a's BlockStored in the index")
+    # 4. a holds the prefix but is busy: the load wins over a short prefix
+    a.hold()
+    t = threading.Thread(target=lambda: blocker.update(r=_complete(url, "yak yak yak yak yak yak")))
+    t.start()
+    try:
+        wait_for(lambda: a.waiting == 1, what="the second blocker waiting on a")
+        r4 = _complete(url, PREFIX + " four")
+        assert r4.headers["x-mooncake-upstream"] == "b"
+    finally:
+        a.release()
+        t.join(60)
+    st = router.stats()
+    assert st["a"]["in_flight"] == 0 and st["b"]["in_flight"] == 0
+    assert st["b"]["ingest"]["removed_blocks"] >= full - 1
+    assert st["a"]["ingest"]["orphans"] == 0 and st["b"]["ingest"]["orphans"] == 0
+
+
+def test_end_to_end_streaming_passthrough_and_chat(fleet):
+    a, b, router, server, tok = fleet
+    url = server.url
+    whole = _complete(url, "a streaming prompt", max_tokens=4, ignore_eos=True).json()["choices"][0]["text"]
+    with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                      json={"model": "tiny", "prompt": "a streaming prompt", "max_tokens": 4, "temperature": 0,
+                            "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    text = "".join(json.loads(ln[6:])["choices"][0]["text"] for ln in lines[:-1])
+    assert text == whole  # both engines hold the same weights: greedy text matches
+    messages = [{"role": "user", "content": PREFIX}]
+    c = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 2},
+                   timeout=60)
+    assert c.status_code == 200 and c.json()["object"] == "chat.completion"
+    name = c.headers["x-mooncake-upstream"]
+    chat_ids = tok.encode_chat(messages, add_generation_prompt=True)
+    # the blocks we hash for a chat prompt are the ones the engine published
+    wait_for(lambda: router.held_blocks(name, chat_ids) == len(chat_ids) // BS, what="the chat prompt's blocks")
+    # an upstream error answer passes through (unknown model: the engine's 400)
+    bad = httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "model_not_found"
+    assert all(v["in_flight"] == 0 for v in router.stats().values())
