@@ -314,3 +314,17 @@ def test_end_to_end_streaming_passthrough_and_chat(fleet):
     bad = httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "model_not_found"
     assert all(v["in_flight"] == 0 for v in router.stats().values())
+
+
+def test_end_to_end_client_going_away_frees_the_slot(fleet):
+    a, b, router, server, tok = fleet
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"model": "tiny", "prompt": "a long answer", "max_tokens": 400, "ignore_eos": True,
+                            "stream": True}) as r:
+        assert r.status_code == 200
+        name = r.headers["x-mooncake-upstream"]
+        next(r.iter_raw())  # the first chunk, then hang up
+    wait_for(lambda: router.stats()[name]["in_flight"] == 0, what="the abandoned stream's slot")
+    # the engine behind it let the request go too (its front saw the disconnect)
+    s = a if name == "a" else b
+    wait_for(lambda: s.front.metrics.totals["disconnects"] >= 1, what="the upstream's disconnect")

@@ -171,9 +171,11 @@ def create_proxy_app(router: UpstreamRouter, tokenizer: Any, *, api_key: str | N
                 log.warning("stream from upstream %r broke: %s", r.name, e)
                 yield b"data: " + json.dumps(unreachable(r, e).body()).encode() + b"\n\n"
             finally:
-                await resp.aclose()
+                # First, before any await: a client that went away cancels this generator,
+                # and an await here could be cancelled again before the slot is freed.
                 # data chunks less the [DONE] line: about one a token (a usage chunk aside)
                 router.finish(r, max(0, chunks - 1), failed=failed)
+                await resp.aclose()
 
         return StreamingResponse(passthrough(), status_code=resp.status_code, headers=headers)
 
