@@ -221,7 +221,7 @@ def fleet(tmp_path_factory):
             wait_for(joined, what=f"the subscriber of {name}")
         tok = Tokenizer.from_dir(d)
         server = ServerThread(None, app=create_proxy_app(router, tok)).start()
-        yield a, b, router, server, tok
+        yield a, b, router, server, tok, d
     finally:
         if server is not None:
             server.stop()
@@ -243,7 +243,7 @@ def _complete(url, prompt, **kw):
 
 
 def test_end_to_end_prefix_then_eviction_then_load(fleet):
-    a, b, router, server, tok = fleet
+    a, b, router, server, tok, _ = fleet
     url = server.url
     ids = tok.encode(PREFIX)
     full = len(ids) // BS
@@ -291,7 +291,7 @@ def test_end_to_end_prefix_then_eviction_then_load(fleet):
 
 
 def test_end_to_end_streaming_passthrough_and_chat(fleet):
-    a, b, router, server, tok = fleet
+    a, b, router, server, tok, _ = fleet
     url = server.url
     whole = _complete(url, "a streaming prompt", max_tokens=4, ignore_eos=True).json()["choices"][0]["text"]
     with httpx.stream("POST", url + "/v1/completions", timeout=60,
@@ -317,7 +317,7 @@ def test_end_to_end_streaming_passthrough_and_chat(fleet):
 
 
 def test_end_to_end_client_going_away_frees_the_slot(fleet):
-    a, b, router, server, tok = fleet
+    a, b, router, server, tok, _ = fleet
     with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
                       json={"model": "tiny", "prompt": "a long answer", "max_tokens": 400, "ignore_eos": True,
                             "stream": True}) as r:
@@ -328,3 +328,35 @@ def test_end_to_end_client_going_away_frees_the_slot(fleet):
     # the engine behind it let the request go too (its front saw the disconnect)
     s = a if name == "a" else b
     wait_for(lambda: s.front.metrics.totals["disconnects"] >= 1, what="the upstream's disconnect")
+
+
+def test_cli_serve_upstream_end_to_end(fleet):
+    import os
+    import subprocess
+    import sys
+
+    a, b, router, server, tok, d = fleet
+    port = free_port()
+    cmd = [sys.executable, "-m", "mooncake_rs", "serve", "--upstream", a.spec("a"), "--upstream", b.spec("b"),
+           "--tokenizer", str(d), "--block-size", str(BS), "--port", str(port)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def up():
+            if proc.poll() is not None:
+                raise AssertionError(f"serve --upstream exited {proc.returncode}: {proc.stderr.read()}")
+            try:
+                return httpx.get(url + "/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+        wait_for(up, timeout_s=60, what="serve --upstream")
+        assert httpx.get(url + "/health").json()["upstreams"] == ["a", "b"]
+        r = _complete(url, "cli " + PREFIX)
+        assert r.headers["x-mooncake-upstream"] in ("a", "b")
+        assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "tiny"
+        # the CLI's own index learns the engine's blocks from its events too
+        st = lambda: httpx.get(url + "/stats").json()[r.headers["x-mooncake-upstream"]]["ingest"]["stored_blocks"]
+        wait_for(lambda: st() > 0, what="the CLI's ingest")
+    finally:
+        proc.terminate()
+        proc.wait(20)

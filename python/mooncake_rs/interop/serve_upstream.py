@@ -27,10 +27,15 @@ def serve_upstreams(args: argparse.Namespace) -> int:
     missing = [s.name for s in specs if not s.events]
     if missing:
         print(f"mooncake-rs: upstreams {missing} have no events=: routed by load only", file=sys.stderr)
-    import uvicorn
+    try:
+        import uvicorn
 
-    from ..text import Tokenizer
-    from .proxy import create_proxy_app
+        from ..text import Tokenizer
+        from .proxy import create_proxy_app
+    except ImportError as e:
+        print(f"mooncake-rs serve --upstream needs the upstream extra (pip install \"mooncake-rs[upstream]\"): {e}",
+              file=sys.stderr)
+        return 2
 
     tok = Tokenizer.from_dir(args.tokenizer)
     api_key = args.api_key or os.environ.get("MOONCAKE_API_KEY") or None

@@ -58,8 +58,8 @@ class EventPublisher:
         try:
             pub = self._ctx.socket(zmq.PUB)
             router = self._ctx.socket(zmq.ROUTER)
-            for s in (pub, router):
-                s.setsockopt(zmq.LINGER, 0)
+            for sock in (pub, router):
+                sock.setsockopt(zmq.LINGER, 0)
             self.endpoint = f"tcp://{host}:{pub.bind_to_random_port(f'tcp://{host}')}"
             self.replay_endpoint = f"tcp://{host}:{router.bind_to_random_port(f'tcp://{host}')}"
         except BaseException as e:  # noqa: BLE001 - reported by the constructor

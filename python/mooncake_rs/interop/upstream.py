@@ -184,7 +184,7 @@ class UpstreamRouter:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         with self._lock:
-            out = {u.spec.name: {"slot": u.slot, "in_flight": u.in_flight, "routed": u.routed,
+            out: dict[str, dict[str, Any]] = {u.spec.name: {"slot": u.slot, "in_flight": u.in_flight, "routed": u.routed,
                                  "failures": u.failures} for u in self._by_slot.values()}
         for u in self._by_slot.values():
             out[u.spec.name]["ingest"] = vars(u.ingestor.stats())
