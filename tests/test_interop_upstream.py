@@ -162,6 +162,58 @@ def test_proxy_unreachable_upstream_is_502_and_frees_its_slot():
     assert st["in_flight"] == 0 and st["failures"] == 1
 
 
+def _fake_engine():
+    """A minimal OpenAI-shaped engine (no model): answers every completion with "ok"."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from mooncake_rs.http.server import ServerThread
+
+    seen = []
+
+    async def completions(request):
+        seen.append(await request.json())
+        return JSONResponse({"object": "text_completion", "choices": [{"index": 0, "text": "ok"}],
+                             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    return ServerThread(None, app=app).start(), seen
+
+
+def test_proxy_routes_around_an_unreachable_upstream():
+    live, seen = _fake_engine()
+    try:
+        r = UpstreamRouter([UpstreamSpec("down", f"http://127.0.0.1:{free_port()}"), UpstreamSpec("live", live.url)],
+                           block_size=BS, subscribe=False, down_cooldown_s=3600)
+        with _client(r) as c:
+            for _ in range(2):  # the first one is retried on "live"; then "down" is out of routing
+                resp = c.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 1})
+                assert resp.status_code == 200 and resp.headers["x-mooncake-upstream"] == "live"
+                assert resp.json()["choices"][0]["text"] == "ok"
+            h = c.get("/health").json()
+            assert h["down"] == ["down"] and h["status"] == "ok"
+        assert len(seen) == 2 and seen[0]["prompt"] == "hello"  # the body went through unchanged
+        st = r.stats()
+        assert st["down"]["failures"] == 1 and st["down"]["down"] and st["down"]["routed"] == 1
+        assert st["live"]["routed"] == 2 and st["live"]["in_flight"] == 0
+    finally:
+        live.stop()
+
+
+@pytest.mark.parametrize("cooldown, second", [(3600, 503), (0, 502)])
+def test_proxy_only_upstream_down(cooldown, second):
+    r = UpstreamRouter([UpstreamSpec("down", f"http://127.0.0.1:{free_port()}")], block_size=BS, subscribe=False,
+                       down_cooldown_s=cooldown)
+    with _client(r) as c:
+        body = {"model": "m", "prompt": "hello"}
+        assert c.post("/v1/completions", json=body).status_code == 502
+        # out of routing: no upstream can serve (503) until the cooldown ends, then tried again (502)
+        resp = c.post("/v1/completions", json=body)
+        assert resp.status_code == second and "error" in resp.json()
+        assert c.get("/health").status_code == (503 if cooldown else 200)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"model": "m"}, "prompt"),
     ({"model": "m", "prompt": ["a", "b"]}, "prompt"),

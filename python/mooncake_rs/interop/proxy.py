@@ -122,23 +122,34 @@ def create_proxy_app(router: UpstreamRouter, tokenizer: Any, *, api_key: str | N
             except ValueError as e:
                 raise bad_request(f"the request body is not valid JSON: {e}") from None
             ids = prompt_ids_of(tokenizer, kind, body)
-            r = router.route(ids, expected_output_len=body.get("max_tokens")
-                             if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 0 else None)
+            mt = body.get("max_tokens")
+            expected = mt if isinstance(mt, int) and not isinstance(mt, bool) and mt > 0 else None
+            r = router.route(ids, expected_output_len=expected)
         except Exception as e:  # noqa: BLE001 - every failure answers in the OpenAI error shape
             return error(e, headers)
-        headers[UPSTREAM_HEADER] = r.name
         out_headers = {"content-type": "application/json", "x-request-id": rid}
         if "authorization" in request.headers:
             out_headers["authorization"] = request.headers["authorization"]
-        try:
-            resp = await client().send(client().build_request("POST", r.url + path, content=raw,
-                                                              headers=out_headers), stream=True)
-        except httpx.TransportError as e:
-            router.finish(r, failed=True)
-            return error(unreachable(r, e), headers)
-        except BaseException:
-            router.finish(r, failed=True)
-            raise
+        while True:
+            headers[UPSTREAM_HEADER] = r.name
+            try:
+                resp = await client().send(client().build_request("POST", r.url + path, content=raw,
+                                                                  headers=out_headers), stream=True)
+                break
+            except httpx.TransportError as e:
+                router.finish(r, failed=True)
+                # Nothing reached the engine when it cannot even connect: safe to send
+                # elsewhere. Any other transport error may have been half-served: no retry.
+                if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)) and router.mark_down(r):
+                    try:
+                        r = router.route(ids, expected_output_len=expected)
+                        continue
+                    except Exception as e2:  # noqa: BLE001
+                        return error(e2, headers)
+                return error(unreachable(r, e), headers)
+            except BaseException:
+                router.finish(r, failed=True)
+                raise
         for h in _PASS_HEADERS:
             if h in resp.headers:
                 headers[h] = resp.headers[h]
@@ -205,7 +216,10 @@ def create_proxy_app(router: UpstreamRouter, tokenizer: Any, *, api_key: str | N
                               code="upstream_unreachable"), {})
 
     async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "upstreams": router.names})
+        st = router.stats()
+        up = [n for n, v in st.items() if not v["down"]]
+        return JSONResponse({"status": "ok" if up else "unavailable", "upstreams": router.names,
+                             "down": [n for n in router.names if n not in up]}, status_code=200 if up else 503)
 
     async def stats(request: Request) -> Response:
         return JSONResponse(router.stats())

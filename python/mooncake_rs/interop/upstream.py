@@ -86,6 +86,8 @@ class _Upstream:
     in_flight: int = 0
     routed: int = 0
     failures: int = 0
+    down_until: float | None = None
+    """Unreachable: out of the conductor until then (``mark_down``)."""
 
 
 @dataclass
@@ -98,7 +100,7 @@ class Route:
     slot: int
     reused_blocks: int
     prompt_tokens: int
-    _state: str = field(default="queued", repr=False)  # queued -> decoding -> done
+    _state: str = field(default="queued", repr=False)  # queued -> decoding (-> gone) -> done
 
 
 class UpstreamRouter:
@@ -110,7 +112,7 @@ class UpstreamRouter:
 
     def __init__(self, upstreams: Sequence[UpstreamSpec], *, block_size: int = 16, seed: int = 0,
                  policy: str = "local_cache_aware", rejection: str = "none", ttft_slo_s: float = 30.0,
-                 subscribe: bool = True, map_capacity: int = 1 << 20,
+                 subscribe: bool = True, map_capacity: int = 1 << 20, down_cooldown_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic, **conductor_kw: Any) -> None:
         if not upstreams:
             raise InvalidArgument("routing needs at least one --upstream NAME=URL,events=ENDPOINT")
@@ -125,6 +127,7 @@ class UpstreamRouter:
         # Far more than any engine runs: decode admission is not ours to judge (module doc).
         self.conductor.add_decode(DECODE_SLOT, max_batch=1 << 20, kv_capacity_tokens=1 << 40)
         self._clock = clock
+        self.down_cooldown_s = down_cooldown_s
         self._t0 = clock()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # guards the counters below; held for no I/O
@@ -183,9 +186,12 @@ class UpstreamRouter:
         return int(got.get(self._up(name).slot, 0))
 
     def stats(self) -> dict[str, dict[str, Any]]:
+        now = self._now()
         with self._lock:
-            out: dict[str, dict[str, Any]] = {u.spec.name: {"slot": u.slot, "in_flight": u.in_flight, "routed": u.routed,
-                                 "failures": u.failures} for u in self._by_slot.values()}
+            # "down" until the cooldown ends (the next route puts it back in the conductor)
+            out: dict[str, dict[str, Any]] = {
+                u.spec.name: {"slot": u.slot, "in_flight": u.in_flight, "routed": u.routed, "failures": u.failures,
+                              "down": u.down_until is not None and now < u.down_until} for u in self._by_slot.values()}
         for u in self._by_slot.values():
             out[u.spec.name]["ingest"] = vars(u.ingestor.stats())
             if u.subscriber is not None:
@@ -201,6 +207,7 @@ class UpstreamRouter:
         ids = list(prompt_ids)
         if not ids:
             raise InvalidArgument("the prompt encodes to no tokens; send some text")
+        self._revive()
         rid = next(self._ids)
         d = self.conductor.schedule(rid, self.hasher.hash_blocks(ids), len(ids), self._now(),
                                     expected_output_len=expected_output_len)
@@ -210,24 +217,52 @@ class UpstreamRouter:
             up.routed += 1
         return Route(rid, up.spec.name, up.spec.url, up.slot, d.reused_blocks, len(ids))
 
+    def mark_down(self, r: Route) -> bool:
+        """``r``'s upstream cannot be reached: take it out of routing for ``down_cooldown_s``
+        (its index entries go; its events rebuild them once it is back). True if some
+        other upstream is still up (worth routing the request again)."""
+        up = self._by_slot[r.slot]
+        if up.down_until is None:
+            log.warning("upstream %r (%s) is unreachable; out of routing for %.1fs", up.spec.name, up.spec.url,
+                        self.down_cooldown_s)
+            # The requests still in flight there keep their Route; their conductor
+            # entries go with the instance (``first_token``/``finish`` tolerate that).
+            self.conductor.remove_instance(up.slot)
+        up.down_until = self._now() + self.down_cooldown_s
+        return any(u.down_until is None for u in self._by_slot.values())
+
+    def _revive(self) -> None:
+        now = self._now()
+        for up in self._by_slot.values():
+            if up.down_until is not None and now >= up.down_until:
+                up.down_until = None
+                self.conductor.add_prefill(up.slot)
+                log.info("upstream %r back in routing", up.spec.name)
+
     def first_token(self, r: Route) -> None:
         """The upstream answered (its first token or its whole non-streamed answer)."""
         if r._state != "queued":
             return
         now = self._now()
-        self.conductor.on_prefill_started(r.request_id, now)
-        self.conductor.on_prefill_finished(r.request_id, now)
-        self.conductor.on_decode_started(r.request_id, now)
         r._state = "decoding"
+        try:
+            self.conductor.on_prefill_started(r.request_id, now)
+            self.conductor.on_prefill_finished(r.request_id, now)
+            self.conductor.on_decode_started(r.request_id, now)
+        except InvalidArgument:  # its upstream was marked down meanwhile: the conductor forgot it
+            r._state = "gone"
 
     def finish(self, r: Route, output_tokens: int | None = None, *, failed: bool = False) -> None:
         """The request is over (done, failed or abandoned); idempotent."""
         if r._state == "done":
             return
-        if r._state == "decoding" and not failed and output_tokens is not None:
-            self.conductor.on_decode_finished(r.request_id, max(0, output_tokens), self._now())
-        else:
-            self.conductor.cancel(r.request_id)
+        try:
+            if r._state == "decoding" and not failed and output_tokens is not None:
+                self.conductor.on_decode_finished(r.request_id, max(0, output_tokens), self._now())
+            elif r._state != "gone":
+                self.conductor.cancel(r.request_id)
+        except InvalidArgument:  # dropped with its upstream (mark_down)
+            pass
         r._state = "done"
         with self._lock:
             up = self._by_slot[r.slot]
