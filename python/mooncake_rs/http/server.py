@@ -37,6 +37,9 @@ class ServerThread:
         self.front = front
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # Accepted connections inherit it: without, uvloop's transports leave Nagle on, and a
+        # response's separate header and body writes wait for the client's delayed ACK (~40 ms).
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock.bind((host, port))
         self.host, self.port = host, self._sock.getsockname()[1]
         # ``app``: another ASGI app to serve instead of ``create_app(front)`` (the upstream proxy)
