@@ -120,6 +120,63 @@ def test_router_overloaded_when_the_conductor_refuses():
     assert r.stats()["a"]["in_flight"] == 0
 
 
+# ---- the stand-in's events (no model) ------------------------------------------------
+
+@pytest.mark.parametrize("form, bytes_hashes", [("positional", False), ("map", True)])
+def test_standin_cache_events_and_replay_to_a_late_subscriber(form, bytes_hashes):
+    from mooncake_rs.interop import AllBlocksCleared, decode_message
+    from mooncake_rs.interop.standin import EventPublisher, _PrefixCache
+
+    cache = _PrefixCache(BS, capacity_blocks=6, bytes_hashes=bytes_hashes)
+    p1, p2 = list(range(10, 22)), list(range(10, 18)) + [7, 7, 7, 7, 9]  # 3 blocks; 2 shared + 1 new
+    ev1 = cache.store(p1)
+    assert len(ev1) == 1 and isinstance(ev1[0], BlockStored) and ev1[0].parent_block_hash is None
+    assert ev1[0].token_ids == p1 and all(isinstance(h, bytes if bytes_hashes else int) for h in ev1[0].block_hashes)
+    ev2 = cache.store(p2)  # only the third block is new; it chains on the second
+    assert len(ev2) == 1 and ev2[0].parent_block_hash == ev1[0].block_hashes[1]
+    assert ev2[0].token_ids == [7, 7, 7, 7] and ev2[0].block_size == BS
+    ev3 = cache.store(list(range(50, 62)))  # 3 more: 7 > 6, the oldest block goes
+    assert isinstance(ev3[-1], BlockRemoved) and ev3[-1].block_hashes == [ev1[0].block_hashes[2]]
+
+    pub = EventPublisher(form=form)
+    try:
+        for ev in (ev1, ev2, ev3):
+            pub.publish(ev)
+        wait_for(lambda: pub.sent == 3, what="3 batches sent")
+        # joining late: nothing on the SUB yet; the next message (seq 3) triggers the
+        # catch-up replay of 0..2 from the ROUTER
+        r = UpstreamRouter([UpstreamSpec("s", "http://127.0.0.1:1", pub.endpoint, pub.replay_endpoint)],
+                           block_size=BS)
+        try:
+            def caught_up():
+                if r.stats()["s"]["ingest"]["batches"] >= 4:
+                    return True
+                pub.publish([BlockRemoved(block_hashes=[b"none" if bytes_hashes else 1])])  # harmless
+                time.sleep(0.05)
+                return False
+            wait_for(caught_up, what="the catch-up replay")
+            st = r.stats()["s"]
+            assert st["events"]["replayed"] >= 3 and st["ingest"]["orphans"] == 0  # + the fillers lost while joining
+            assert r.held_blocks("s", p2) == 3 and r.held_blocks("s", p1) == 2  # p1's block 3 was evicted
+            assert r.held_blocks("s", list(range(50, 62))) == 3
+            pub.publish([AllBlocksCleared()])
+            wait_for(lambda: r.held_blocks("s", p2) == 0, what="AllBlocksCleared")
+        finally:
+            r.close()
+    finally:
+        pub.close()
+    # the frames on the wire decode as the form we asked for
+    import msgspec
+
+    payload = encode_batch(ev2, form=form)
+    wire = msgspec.msgpack.decode(payload)
+    assert isinstance(wire, list if form == "positional" else dict)
+    ev = (wire[1] if form == "positional" else wire["events"])[0]
+    assert (ev[0] if form == "positional" else ev["type"]) == "BlockStored"
+    got = decode_message([b"", (0).to_bytes(8, "big"), payload]).batch.events
+    assert [msgspec.structs.asdict(e) for e in got] == [msgspec.structs.asdict(e) for e in ev2]
+
+
 # ---- the proxy app without engines ---------------------------------------------------
 
 class _NoTokenizer:
