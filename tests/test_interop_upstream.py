@@ -258,6 +258,36 @@ def test_proxy_routes_around_an_unreachable_upstream():
         live.stop()
 
 
+def test_proxy_stream_that_breaks_ends_with_an_error_event():
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    from mooncake_rs.http.server import ServerThread
+
+    async def frames():
+        yield b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+        raise RuntimeError("the engine died mid-stream")
+
+    async def completions(request):
+        await request.body()
+        return StreamingResponse(frames(), media_type="text/event-stream")
+
+    eng = ServerThread(None, app=Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])).start()
+    try:
+        r = UpstreamRouter([UpstreamSpec("e", eng.url)], block_size=BS, subscribe=False)
+        with _client(r) as c:
+            resp = c.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
+            assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+            events = [json.loads(ln[6:]) for ln in resp.text.splitlines() if ln.startswith("data: ")]
+        assert events[0]["choices"][0]["text"] == "a"
+        assert events[-1]["error"]["code"] == "upstream_stream_broken"
+        st = r.stats()["e"]
+        assert st["in_flight"] == 0 and st["failures"] == 1
+    finally:
+        eng.stop()
+
+
 @pytest.mark.parametrize("cooldown, second", [(3600, 503), (0, 502)])
 def test_proxy_only_upstream_down(cooldown, second):
     r = UpstreamRouter([UpstreamSpec("down", f"http://127.0.0.1:{free_port()}")], block_size=BS, subscribe=False,

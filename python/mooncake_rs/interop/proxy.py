@@ -180,7 +180,9 @@ def create_proxy_app(router: UpstreamRouter, tokenizer: Any, *, api_key: str | N
                 failed = resp.status_code >= 400
             except httpx.TransportError as e:
                 log.warning("stream from upstream %r broke: %s", r.name, e)
-                yield b"data: " + json.dumps(unreachable(r, e).body()).encode() + b"\n\n"
+                broke = ApiError(502, f"the stream from upstream {r.name!r} ({r.url}) broke: {type(e).__name__}: {e}",
+                                 type="upstream_error", code="upstream_stream_broken")
+                yield b"data: " + json.dumps(broke.body()).encode() + b"\n\n"
             finally:
                 # First, before any await: a client that went away cancels this generator,
                 # and an await here could be cancelled again before the slot is freed.
