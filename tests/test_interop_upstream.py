@@ -244,8 +244,8 @@ def test_proxy_routes_around_an_unreachable_upstream():
         r = UpstreamRouter([UpstreamSpec("down", f"http://127.0.0.1:{free_port()}"), UpstreamSpec("live", live.url)],
                            block_size=BS, subscribe=False, down_cooldown_s=3600)
         with _client(r) as c:
-            for _ in range(2):  # the first one is retried on "live"; then "down" is out of routing
-                resp = c.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 1})
+            for mt in (1, 10**12):  # the first one is retried on "live"; then "down" is out of routing
+                resp = c.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": mt})
                 assert resp.status_code == 200 and resp.headers["x-mooncake-upstream"] == "live"
                 assert resp.json()["choices"][0]["text"] == "ok"
             h = c.get("/health").json()

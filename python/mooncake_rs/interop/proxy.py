@@ -123,7 +123,9 @@ def create_proxy_app(router: UpstreamRouter, tokenizer: Any, *, api_key: str | N
                 raise bad_request(f"the request body is not valid JSON: {e}") from None
             ids = prompt_ids_of(tokenizer, kind, body)
             mt = body.get("max_tokens")
-            expected = mt if isinstance(mt, int) and not isinstance(mt, bool) and mt > 0 else None
+            # the conductor's estimate of the output; the upstream judges max_tokens itself
+            expected = (min(mt, router.conductor.config.max_output_len)
+                        if isinstance(mt, int) and not isinstance(mt, bool) and mt > 0 else None)
             r = router.route(ids, expected_output_len=expected)
         except Exception as e:  # noqa: BLE001 - every failure answers in the OpenAI error shape
             return error(e, headers)
