@@ -89,6 +89,22 @@ def test_router_follows_the_prefix_then_the_load(form):
     assert st["b"]["ingest"]["removed_blocks"] == 4
 
 
+@pytest.mark.parametrize("form", ["positional", "map"])
+def test_router_sees_the_engines_media_as_tiers(form):
+    r = _router()
+    p = list(range(200, 212))  # 3 blocks
+    hashes = [11, 12, 13]
+    _feed(r, "a", [BlockStored(block_hashes=hashes, token_ids=p, block_size=BS, medium="CPU"),
+                   BlockStored(block_hashes=hashes[:2], token_ids=p[:8], block_size=BS, medium="DISK")], form)
+    keys = r.hasher.hash_blocks(p)
+    m = r.conductor.index.match_prefix_tiers(keys)[0]
+    assert (m.dram, m.ssd, m.total) == (3, 0, 3)  # a block in both tiers counts as DRAM
+    _feed(r, "a", [BlockRemoved(block_hashes=hashes, medium="CPU")], form)  # the DISK copies stay
+    m = r.conductor.index.match_prefix_tiers(keys)[0]
+    assert (m.dram, m.ssd) == (0, 2)
+    assert r.route(p + [1]).reused_blocks == 2  # routed on the disk-held prefix
+
+
 def test_router_overloaded_when_the_conductor_refuses():
     r = _router(rejection="early", ttft_slo_s=1e-9)
     with pytest.raises(Overloaded) as e:
