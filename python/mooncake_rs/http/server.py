@@ -28,7 +28,8 @@ class ServerThread:
     accepts connections, ``stop()`` shuts it down (also the context manager's exit).
     The cluster behind ``front`` is the caller's to close."""
 
-    def __init__(self, front: Any, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning") -> None:
+    def __init__(self, front: Any, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning",
+                 app: Any = None) -> None:
         import uvicorn
 
         from .app import create_app
@@ -36,9 +37,13 @@ class ServerThread:
         self.front = front
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # Accepted connections inherit it: without, uvloop's transports leave Nagle on, and a
+        # response's separate header and body writes wait for the client's delayed ACK (~40 ms).
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock.bind((host, port))
         self.host, self.port = host, self._sock.getsockname()[1]
-        config = uvicorn.Config(create_app(front), log_level=log_level, access_log=False, lifespan="on",
+        # ``app``: another ASGI app to serve instead of ``create_app(front)`` (the upstream proxy)
+        config = uvicorn.Config(app if app is not None else create_app(front), log_level=log_level, access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
@@ -76,9 +81,13 @@ class ServerThread:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True,
+    p.add_argument("--model", default=None,
                    help="a Hugging Face model directory (config.json, *.safetensors, tokenizer.json, "
-                        "tokenizer_config.json with the chat template)")
+                        "tokenizer_config.json with the chat template); required unless --upstream is given")
+    p.add_argument("--upstream", action="append", default=[], metavar="NAME=URL,events=tcp://HOST:PORT[,replay=..]",
+                   help="route over external OpenAI-compatible engines instead of serving a model: one per "
+                        "engine, its KV events endpoint (vLLM's ZMQ format) and optional replay endpoint; "
+                        "needs --tokenizer (docs/interop.md)")
     p.add_argument("--tokenizer", default=None, help="directory of tokenizer.json / tokenizer_config.json "
                                                      "(default: --model)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
@@ -120,6 +129,13 @@ def cluster_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def serve(args: argparse.Namespace) -> int:
     """``mooncake-rs serve``: blocks until Ctrl-C / SIGTERM."""
+    if getattr(args, "upstream", None):
+        from ..interop.serve_upstream import serve_upstreams
+
+        return serve_upstreams(args)
+    if args.model is None:
+        raise InvalidArgument("--model is required: a Hugging Face model directory to serve (or --upstream "
+                              "NAME=URL,events=... to route over external engines)")
     if args.etcd:
         raise InvalidArgument("--etcd (the front of a multi-host deployment) is not available yet; "
                               "leave it out for an embedded cluster")

@@ -6,6 +6,9 @@
 - :mod:`.targets`: where events land (one block index per medium, or a conductor's index).
 - :mod:`.ingest`: applying one instance's events (hash recomputation from token ids).
 - :mod:`.subscriber`: the ZMQ SUB client with gap detection and replay (needs ``pyzmq``).
+- :mod:`.upstream`: ``UpstreamRouter``, external OpenAI engines routed by our conductor on their events.
+- :mod:`.proxy`, :mod:`.serve_upstream`: the ``serve --upstream`` app (needs ``httpx``, starlette, uvicorn).
+- :mod:`.standin`: a stand-in engine publishing vLLM-format events (tests, demos; needs torch).
 
 See docs/interop.md. This package imports neither pyzmq nor the HTTP stack until a
 subscriber or the indexer server is used.
@@ -27,6 +30,7 @@ from .events import (
 from .hashmap import EngineHashMap
 from .ingest import Ingestor, IngestStats
 from .targets import MediumIndex, TierTarget, canonical_medium
+from .upstream import UpstreamRouter, UpstreamSpec, parse_upstream
 
 __all__ = [
     "AllBlocksCleared",
@@ -46,6 +50,9 @@ __all__ = [
     "MediumIndex",
     "TierTarget",
     "canonical_medium",
+    "UpstreamRouter",
+    "UpstreamSpec",
+    "parse_upstream",
     "KVEventSubscriber",
 ]
 

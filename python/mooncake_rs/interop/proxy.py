@@ -1,0 +1,247 @@
+"""The OpenAI-compatible proxy over external engines (``mooncake-rs serve --upstream ...``).
+
+Per request: tokenize the prompt (the upstreams' tokenizer, ``--tokenizer``) to hash its
+blocks, let :class:`.upstream.UpstreamRouter` pick the upstream, forward the request body
+unchanged (httpx, async) and pass the answer back as it comes: ``text/event-stream``
+chunk by chunk, anything else whole. The chosen upstream is named in the
+``X-Mooncake-Upstream`` response header. Errors are in the OpenAI shape: a refused
+request is 429 with ``Retry-After`` (as the HTTP front), an upstream that cannot be
+reached is 502, bad input is 400. An upstream's own error answer is passed through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import uuid
+from typing import Any, AsyncIterator
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route as HttpRoute
+
+from ..errors import InvalidArgument
+from ..http.errors import ApiError, bad_request, from_exception
+from .upstream import Route, UpstreamRouter
+
+__all__ = ["create_proxy_app", "prompt_ids_of"]
+
+log = logging.getLogger("mooncake_rs.interop")
+
+_MAX_BODY = 16 << 20
+UPSTREAM_HEADER = "X-Mooncake-Upstream"
+_PASS_HEADERS = ("content-type", "cache-control")
+
+
+def prompt_ids_of(tokenizer: Any, kind: str, body: Any) -> list[int]:
+    """The token ids the upstream will see for this request body (what we hash)."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("'messages' must be a non-empty list of {role, content} objects", "messages")
+        try:
+            return list(tokenizer.encode_chat(messages, add_generation_prompt=bool(body.get("add_generation_prompt",
+                                                                                            True))))
+        except (InvalidArgument, TypeError, ValueError, KeyError) as e:
+            raise bad_request(f"'messages' cannot be rendered with the chat template: {e}", "messages") from None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+        prompt = prompt[0]  # ["text"] or [[ids]]
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt))
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    raise bad_request("'prompt' must be a string, a list of token ids, or a list of one of those "
+                      "(one prompt per request through the router)", "prompt")
+
+
+def _usage_tokens(body: bytes) -> int | None:
+    try:
+        usage = json.loads(body).get("usage") or {}
+        return int(usage["completion_tokens"])
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def create_proxy_app(router: UpstreamRouter, tokenizer: Any, *, api_key: str | None = None,
+                     request_timeout_s: float | None = None, connect_timeout_s: float = 5.0) -> Starlette:
+    """The ASGI app routing ``/v1/completions`` and ``/v1/chat/completions`` over ``router``'s upstreams."""
+    timeout = httpx.Timeout(request_timeout_s, connect=connect_timeout_s)
+    state: dict[str, httpx.AsyncClient] = {}
+
+    def client() -> httpx.AsyncClient:
+        # Made on first use, inside the server's event loop (an httpx client is bound to it).
+        c = state.get("client")
+        if c is None:
+            c = state["client"] = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None))
+        return c
+
+    def check_auth(request: Request) -> None:
+        if api_key is None:
+            return
+        got = request.headers.get("authorization") or ""
+        if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+            raise ApiError(401, "a valid API key is required: send 'Authorization: Bearer <key>' (the key the "
+                                "server was started with, --api-key)", code="invalid_api_key")
+
+    async def body_of(request: Request) -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > _MAX_BODY:
+                raise ApiError(413, f"the request body is larger than {_MAX_BODY} bytes; send a shorter prompt",
+                               code="body_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def error(e: BaseException, headers: dict[str, str]) -> JSONResponse:
+        err = from_exception(e)
+        if err.status >= 500 and not isinstance(e, ApiError):
+            log.exception("proxied request failed")
+        return JSONResponse(err.body(), status_code=err.status, headers={**headers, **err.headers})
+
+    def unreachable(r: Route, e: Exception) -> ApiError:
+        return ApiError(502, f"upstream {r.name!r} ({r.url}) cannot be reached: {type(e).__name__}: {e}; "
+                             "check that it is running, or retry (another upstream may be picked)",
+                        type="upstream_error", code="upstream_unreachable")
+
+    async def forward(request: Request, path: str, kind: str) -> Response:
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        headers = {"X-Request-Id": rid}
+        try:
+            check_auth(request)
+            raw = await body_of(request)
+            try:
+                body = json.loads(raw)
+            except ValueError as e:
+                raise bad_request(f"the request body is not valid JSON: {e}") from None
+            ids = prompt_ids_of(tokenizer, kind, body)
+            mt = body.get("max_tokens")
+            # the conductor's estimate of the output; the upstream judges max_tokens itself
+            expected = (min(mt, router.conductor.config.max_output_len)
+                        if isinstance(mt, int) and not isinstance(mt, bool) and mt > 0 else None)
+            r = router.route(ids, expected_output_len=expected)
+        except Exception as e:  # noqa: BLE001 - every failure answers in the OpenAI error shape
+            return error(e, headers)
+        out_headers = {"content-type": "application/json", "x-request-id": rid}
+        if "authorization" in request.headers:
+            out_headers["authorization"] = request.headers["authorization"]
+        while True:
+            headers[UPSTREAM_HEADER] = r.name
+            try:
+                resp = await client().send(client().build_request("POST", r.url + path, content=raw,
+                                                                  headers=out_headers), stream=True)
+                break
+            except httpx.TransportError as e:
+                router.finish(r, failed=True)
+                # Nothing reached the engine when it cannot even connect: safe to send
+                # elsewhere. Any other transport error may have been half-served: no retry.
+                if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)) and router.mark_down(r):
+                    try:
+                        r = router.route(ids, expected_output_len=expected)
+                        continue
+                    except Exception as e2:  # noqa: BLE001
+                        return error(e2, headers)
+                return error(unreachable(r, e), headers)
+            except BaseException:
+                router.finish(r, failed=True)
+                raise
+        for h in _PASS_HEADERS:
+            if h in resp.headers:
+                headers[h] = resp.headers[h]
+        streaming = resp.headers.get("content-type", "").startswith("text/event-stream")
+        if not streaming:
+            try:
+                data = await resp.aread()
+            except httpx.TransportError as e:
+                router.finish(r, failed=True)
+                return error(unreachable(r, e), headers)
+            finally:
+                await resp.aclose()
+            ok = resp.status_code < 400
+            if ok:
+                router.first_token(r)
+            router.finish(r, _usage_tokens(data), failed=not ok)
+            return Response(data, status_code=resp.status_code, headers=headers)
+
+        async def passthrough() -> AsyncIterator[bytes]:
+            chunks = 0
+            failed = True
+            try:
+                async for chunk in resp.aiter_raw():
+                    if chunks == 0:
+                        router.first_token(r)
+                    chunks += chunk.count(b"data:")
+                    yield chunk
+                failed = resp.status_code >= 400
+            except httpx.TransportError as e:
+                log.warning("stream from upstream %r broke: %s", r.name, e)
+                broke = ApiError(502, f"the stream from upstream {r.name!r} ({r.url}) broke: {type(e).__name__}: {e}",
+                                 type="upstream_error", code="upstream_stream_broken")
+                yield b"data: " + json.dumps(broke.body()).encode() + b"\n\n"
+            finally:
+                # First, before any await: a client that went away cancels this generator,
+                # and an await here could be cancelled again before the slot is freed.
+                # data chunks less the [DONE] line: about one a token (a usage chunk aside)
+                router.finish(r, max(0, chunks - 1), failed=failed)
+                await resp.aclose()
+
+        return StreamingResponse(passthrough(), status_code=resp.status_code, headers=headers)
+
+    async def completions(request: Request) -> Response:
+        return await forward(request, "/v1/completions", "completion")
+
+    async def chat(request: Request) -> Response:
+        return await forward(request, "/v1/chat/completions", "chat")
+
+    async def models(request: Request) -> Response:
+        try:
+            check_auth(request)
+        except ApiError as e:
+            return error(e, {})
+        last: Exception | None = None
+        for name in router.names:
+            url = router._up(name).spec.url
+            try:
+                resp = await client().get(url + "/v1/models", headers={k: v for k, v in request.headers.items()
+                                                                      if k == "authorization"})
+            except httpx.TransportError as e:
+                last = e
+                continue
+            return Response(resp.content, status_code=resp.status_code,
+                            headers={"content-type": resp.headers.get("content-type", "application/json")})
+        return error(ApiError(502, f"no upstream answered /v1/models ({last})", type="upstream_error",
+                              code="upstream_unreachable"), {})
+
+    async def health(request: Request) -> Response:
+        st = router.stats()
+        up = [n for n, v in st.items() if not v["down"]]
+        return JSONResponse({"status": "ok" if up else "unavailable", "upstreams": router.names,
+                             "down": [n for n in router.names if n not in up]}, status_code=200 if up else 503)
+
+    async def stats(request: Request) -> Response:
+        return JSONResponse(router.stats())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            c = state.pop("client", None)
+            if c is not None:
+                await c.aclose()
+
+    routes = [
+        HttpRoute("/v1/completions", completions, methods=["POST"]),
+        HttpRoute("/v1/chat/completions", chat, methods=["POST"]),
+        HttpRoute("/v1/models", models, methods=["GET"]),
+        HttpRoute("/health", health, methods=["GET"]),
+        HttpRoute("/stats", stats, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)

@@ -1,0 +1,64 @@
+"""``mooncake-rs serve --upstream ...``: the KV-aware proxy over external engines, run by uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+from ..errors import InvalidArgument
+
+__all__ = ["serve_upstreams"]
+
+
+def serve_upstreams(args: argparse.Namespace) -> int:
+    """Blocks until Ctrl-C / SIGTERM."""
+    from .upstream import UpstreamRouter, parse_upstream
+
+    specs = [parse_upstream(s) for s in args.upstream]
+    if args.model is not None:
+        raise InvalidArgument("--model and --upstream exclude each other: --upstream routes over external "
+                              "engines (give their tokenizer with --tokenizer), --model serves a model here")
+    if not args.tokenizer:
+        raise InvalidArgument("--upstream needs --tokenizer DIR (tokenizer.json / tokenizer_config.json of the "
+                              "upstreams' model): prompts are tokenized to hash their blocks")
+    if not os.path.isdir(args.tokenizer):
+        raise InvalidArgument(f"--tokenizer {args.tokenizer!r} is not a directory")
+    missing = [s.name for s in specs if not s.events]
+    if missing:
+        print(f"mooncake-rs: upstreams {missing} have no events=: routed by load only", file=sys.stderr)
+    try:
+        import uvicorn
+
+        from ..text import Tokenizer
+        from .proxy import create_proxy_app
+    except ImportError as e:
+        print(f"mooncake-rs serve --upstream needs the upstream extra (pip install \"mooncake-rs[upstream]\"): {e}",
+              file=sys.stderr)
+        return 2
+
+    tok = Tokenizer.from_dir(args.tokenizer)
+    api_key = args.api_key or os.environ.get("MOONCAKE_API_KEY") or None
+    policy = "local_cache_aware" if args.policy == "mooncake" else args.policy  # no fetches between engines
+    with UpstreamRouter(specs, block_size=args.block_size, seed=args.seed, policy=policy,
+                        rejection=args.rejection, ttft_slo_s=args.ttft_slo) as router:
+        print(f"mooncake-rs: routing over {len(specs)} upstreams ({', '.join(router.names)}) on "
+              f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+        # Our own listening socket, for TCP_NODELAY (see ServerThread): every answer is a
+        # header write then a body write, which Nagle would hold for a delayed ACK.
+        sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            sock.bind((args.host, args.port))
+        except OSError as e:
+            sock.close()
+            raise InvalidArgument(f"cannot listen on {args.host}:{args.port}: {e}; pick another --port") from None
+        config = uvicorn.Config(create_proxy_app(router, tok, api_key=api_key, request_timeout_s=args.request_timeout),
+                                log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5)
+        try:
+            uvicorn.Server(config).run(sockets=[sock])
+        finally:
+            sock.close()
+    return 0
