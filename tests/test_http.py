@@ -141,6 +141,8 @@ def test_stop_string_across_token_boundaries(served, client, engine, stream):
     want = full[:full.find(stop)]
     kw = dict(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stop=[stop, "never-seen-zzz"],
               extra_body={"ignore_eos": True})
+    cm = served[0].metrics
+    before = cm.summary()
     if stream:
         chunks = list(client.completions.create(stream=True, **kw))
         text = "".join(c.choices[0].text for c in chunks)
@@ -150,6 +152,11 @@ def test_stop_string_across_token_boundaries(served, client, engine, stream):
         text, reason = r.choices[0].text, r.choices[0].finish_reason
         assert r.usage.completion_tokens < 40  # the request was stopped, not run to the end
     assert (text, reason) == (want, "stop")
+    # a stop string ends the request early: cancelled (or finished, if its last token was
+    # in before the cancel), never a failure of the cluster's
+    wait_for(lambda: cm.cancelled + cm.finished == before["cancelled"] + before["finished"] + 1, 30,
+             "the stopped request to end")
+    assert cm.failed == before["failed"]
 
 
 def test_stop_token_ids(served, client, engine):
@@ -268,11 +275,14 @@ def test_disconnect_mid_stream_cancels_the_request(served):
     def released():
         t = httpx.get(server.url + "/metrics").text
         return (metric(t, "mooncake_requests_in_flight") == 0 and metric(t, "mooncake_front_active_streams") == 0
-                and metric(t, "mooncake_requests_failed_total") == metric(before, "mooncake_requests_failed_total") + 1
+                and metric(t, "mooncake_requests_cancelled_total")
+                == metric(before, "mooncake_requests_cancelled_total") + 1
                 and t)
 
     after = wait_for(released, 60, "the cancelled request to be released")
     assert metric(after, "mooncake_requests_finished_total") == metric(before, "mooncake_requests_finished_total")
+    # a client gone is no failure of the cluster's
+    assert metric(after, "mooncake_requests_failed_total") == metric(before, "mooncake_requests_failed_total")
     assert metric(after, "mooncake_front_client_disconnects_total") == \
         metric(before, "mooncake_front_client_disconnects_total") + 1
     # every instance let go of it: no request state, no pinned slots, all pages free
