@@ -119,7 +119,12 @@ class Instance:
                 case Stats():
                     self.ch.send(StatsReply(self.stats()))
                 case Measure(points=points, repeats=repeats):
-                    timings = self.engine.measure_prefill(points, repeats=repeats)
+                    # one point at a time (each warms up on its own anyway), beating in between:
+                    # a long calibration in-process is no wedged loop (liveness.py)
+                    timings = []
+                    for point in points:
+                        timings += self.engine.measure_prefill([point], repeats=repeats)
+                        self._beat()
                     self.ch.send(Timings([(t.new_tokens, t.cached_tokens, t.seconds) for t in timings]))
                 case _:
                     self.role.handle(src, msg)
