@@ -238,6 +238,18 @@ def test_models_health_metrics(served, client):
     assert metric(text, "mooncake_instances_alive") == 3
     assert 'mooncake_front_responses_total{route="/v1/completions",status="200"}' in text  # the front's
     assert metric(text, "mooncake_front_ttft_seconds_count") >= 1
+    # KV usage from the instances' heartbeats, per instance, without a round trip
+    cluster = served[0]
+    want = {str(i) for i in cluster.instances()}
+    def gauged():
+        t = httpx.get(served[2].url + "/metrics").text
+        got = {ln.split('"')[1] for ln in t.splitlines() if ln.startswith("mooncake_kv_free_blocks{")}
+        return t if got == want else None
+
+    text = wait_for(gauged, 30, "every instance's KV gauge")
+    for name in ("mooncake_kv_used_blocks", "mooncake_store_used_blocks", "mooncake_store_slots"):
+        assert sum(ln.startswith(name + "{") for ln in text.splitlines()) == len(want), name
+    assert metric(text, "mooncake_requests_cancelled_total") >= 0
 
 
 def test_32_concurrent_streams(served, aclient, engine):
