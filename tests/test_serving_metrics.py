@@ -69,7 +69,7 @@ def test_beat_is_additive_on_the_wire():
     codec = Codec()
     bare = codec.decode_body(codec.encode(Beat())[4:])  # what a beat before the instance exists carries
     assert bare == Beat() and bare.kv_pages == -1
-    full = Beat(10, 4, 3, 8, 3 * 1024)
+    full = Beat(10, 4, 3, 8, 3 * 1024, 2, 1)
     assert codec.decode_body(codec.encode(full)[4:]) == full
 
 
@@ -157,6 +157,10 @@ def test_kv_usage_gauges_follow_a_running_request(cluster):
     assert labelled(text, "mooncake_store_slots")[pre] >= labelled(text, "mooncake_store_used_blocks")[pre]
     assert labelled(text, "mooncake_store_used_bytes")[pre] > 0
     assert set(labelled(text, "mooncake_heartbeat_age_seconds")) == {dec, pre}
+    assert dec in labelled(text, "mooncake_engine_running") and dec in labelled(text, "mooncake_engine_waiting")
+    # the one request decodes there (a beat may predate its admission: wait for the next)
+    eventually(lambda: c.kv_usage()[c.decode_ids[0]]["engine_running"] == 1, "the decode engine runs it")
+    assert c.kv_usage()[c.decode_ids[0]]["engine_waiting"] == 0
     # the beats agree with the instances' own (round-trip) stats once it ends
     h.cancel()
     eventually(idle_usage, "the pages are free again")

@@ -407,8 +407,8 @@ class Cluster:
         """Per live instance, its memory use as of its latest heartbeat (no round trip:
         cheap enough for every ``/metrics`` scrape): ``kv_used_blocks`` / ``kv_free_blocks``
         (its engine's KV cache pages, a block of tokens each), ``store_used_blocks`` /
-        ``store_slots`` / ``store_used_bytes`` (its store's DRAM tier) and
-        ``heartbeat_age_seconds``. An instance that has not beaten yet (or with
+        ``store_slots`` / ``store_used_bytes`` (its store's DRAM tier), ``engine_running`` /
+        ``engine_waiting`` (its engine scheduler's sequences) and ``heartbeat_age_seconds``. An instance that has not beaten yet (or with
         ``heartbeat_timeout_s=None`` in worker processes, which then send no beats) is left out."""
         out: dict[int, dict[str, float]] = {}
         now = time.monotonic()
@@ -418,7 +418,8 @@ class Cluster:
                 continue
             out[i] = {"kv_used_blocks": float(b.kv_pages - b.kv_free_pages), "kv_free_blocks": float(b.kv_free_pages),
                       "store_used_blocks": float(b.store_blocks), "store_slots": float(b.store_slots),
-                      "store_used_bytes": float(b.store_bytes), "heartbeat_age_seconds": now - m.ch.last_seen}
+                      "store_used_bytes": float(b.store_bytes), "engine_running": float(b.running),
+                      "engine_waiting": float(b.waiting), "heartbeat_age_seconds": now - m.ch.last_seen}
         return out
 
     def instance_stats(self, timeout_s: float = 30.0) -> dict[int, dict[str, float]]:

@@ -142,8 +142,9 @@ class Instance:
             return
         self._beat_next = now + self._beat_every
         st = self.store.store.stats()
+        sched = self.engine.scheduler
         self.usage = Beat(self.engine.cache.num_pages, self.engine.num_free_pages, st.blocks_dram, st.slots_dram,
-                          st.bytes_dram)
+                          st.bytes_dram, len(sched.running), len(sched.waiting))
         beat = getattr(self.ch, "beat", None)  # QueueChannel; a worker's beat thread sends ``usage``
         if beat is not None:
             beat(self.usage)

@@ -205,6 +205,8 @@ class Beat(_Msg, frozen=True, tag="beat"):
     store_blocks: int = -1  # blocks the store holds in DRAM
     store_slots: int = -1  # its DRAM slots in all
     store_bytes: int = -1  # bytes of DRAM those blocks take
+    running: int = -1  # the engine's scheduler: sequences running and waiting
+    waiting: int = -1
 
 
 # ---- one request
