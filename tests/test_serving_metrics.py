@@ -157,6 +157,12 @@ def test_kv_usage_gauges_follow_a_running_request(cluster):
     assert labelled(text, "mooncake_store_slots")[pre] >= labelled(text, "mooncake_store_used_blocks")[pre]
     assert labelled(text, "mooncake_store_used_bytes")[pre] > 0
     assert set(labelled(text, "mooncake_heartbeat_age_seconds")) == {dec, pre}
+    # the text format: one TYPE line per family, and a family's samples together
+    types = [ln.split()[2] for ln in text.splitlines() if ln.startswith("# TYPE ")]
+    assert len(types) == len(set(types))
+    names = [ln.split("{")[0].split(" ")[0] for ln in text.splitlines() if ln and not ln.startswith("#")]
+    runs = [n for i, n in enumerate(names) if i == 0 or names[i - 1] != n]
+    assert len(runs) == len(set(runs)), runs
     assert dec in labelled(text, "mooncake_engine_running") and dec in labelled(text, "mooncake_engine_waiting")
     # the one request decodes there (a beat may predate its admission: wait for the next)
     eventually(lambda: c.kv_usage()[c.decode_ids[0]]["engine_running"] == 1, "the decode engine runs it")

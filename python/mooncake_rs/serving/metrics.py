@@ -152,8 +152,13 @@ class ClusterMetrics:
                     lines.append(f'mooncake_{name}{{quantile="{q}"}} {0.0 if math.isnan(v) else v:g}')
                 lines.append(f"mooncake_{name}_sum {sum(vals):g}")
                 lines.append(f"mooncake_{name}_count {len(vals)}")
+            # one TYPE line per family, its samples together (the text format allows one
+            # TYPE per name; per-instance gauges arrive interleaved by instance)
+            families: dict[str, list[str]] = {}
             for k, v in (gauges or {}).items():
                 name, _, labels = k.partition("{")
+                families.setdefault(name, []).append(f"mooncake_{name}{'{' + labels if labels else ''} {v:g}")
+            for name, samples in families.items():
                 lines.append(f"# TYPE mooncake_{name} gauge")
-                lines.append(f"mooncake_{name}{'{' + labels if labels else ''} {v:g}")
+                lines.extend(samples)
             return "\n".join(lines) + "\n"
