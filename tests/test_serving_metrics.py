@@ -224,3 +224,33 @@ def test_a_wedged_in_process_instance_is_marked_down(monkeypatch):
         member = c._members[wedged_id]
         member.thread.join(30)
         assert not member.thread.is_alive()
+
+
+def test_a_wedged_idle_prefill_thread_is_routed_around(monkeypatch):
+    # wedged while idle: no request fails, it is dropped from the conductor, and what
+    # comes later runs on the other prefill instance
+    from mooncake_rs import Cluster
+    from mooncake_rs.serving import instance as instance_mod
+
+    release = threading.Event()
+    gate = threading.Event()
+    orig = instance_mod.Instance.flush_store_events
+
+    def flush(self):
+        if gate.is_set() and self.spec.name == "prefill-0" and not release.is_set():
+            release.wait(60)  # blocked on purpose, for a bounded time
+        return orig(self)
+
+    monkeypatch.setattr(instance_mod.Instance, "flush_store_events", flush)
+    with Cluster(ModelConfig.tiny(), prefill=2, decode=1, block_size=BLOCK, seed=5, heartbeat_timeout_s=1.0) as c:
+        try:
+            before = c.metrics.summary()
+            gate.set()
+            eventually(lambda: 0 not in c.instances(), "the wedged prefill instance is marked down")
+            prompts = shared_prefix_prompts(4, seed=13)
+            outs = c.generate(prompts, GREEDY, timeout_s=120)
+            assert [o.token_ids for o in outs] == reference_outputs(prompts, GREEDY, seed=5)
+            assert all(o.metrics.prefill_instance == 1 for o in outs)
+            assert c.metrics.failed == before["failed"]  # it held no request
+        finally:
+            release.set()
