@@ -15,8 +15,8 @@ from their loop; the watchdog thread here kills a worker silent for
 ``heartbeat_timeout_s`` (a stopped or wedged process) or marks a silent in-process
 instance down (a thread cannot be killed), and the router's usual death path then drops
 it from the conductor and fails its requests. The beats carry each instance's KV and
-store use: ``kv_usage`` and the gauges of ``metrics_text``. A request's deadline (``timeout_s``) or ``RequestHandle.cancel``
-cancels it on every instance it lives on.
+store use: ``kv_usage`` and the gauges of ``metrics_text``. A request's deadline
+(``timeout_s``) or ``RequestHandle.cancel`` cancels it on every instance it lives on.
 """
 
 from __future__ import annotations
@@ -408,8 +408,9 @@ class Cluster:
         cheap enough for every ``/metrics`` scrape): ``kv_used_blocks`` / ``kv_free_blocks``
         (its engine's KV cache pages, a block of tokens each), ``store_used_blocks`` /
         ``store_slots`` / ``store_used_bytes`` (its store's DRAM tier), ``engine_running`` /
-        ``engine_waiting`` (its engine scheduler's sequences) and ``heartbeat_age_seconds``. An instance that has not beaten yet (or with
-        ``heartbeat_timeout_s=None`` in worker processes, which then send no beats) is left out."""
+        ``engine_waiting`` (its engine scheduler's sequences) and ``heartbeat_age_seconds``.
+        An instance that has not beaten yet (or with ``heartbeat_timeout_s=None`` in
+        worker processes, which then send no beats) is left out."""
         out: dict[int, dict[str, float]] = {}
         now = time.monotonic()
         for i, m in self._members.items():
