@@ -141,6 +141,8 @@ def test_stop_string_across_token_boundaries(served, client, engine, stream):
     want = full[:full.find(stop)]
     kw = dict(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stop=[stop, "never-seen-zzz"],
               extra_body={"ignore_eos": True})
+    cm = served[0].metrics
+    before = cm.summary()
     if stream:
         chunks = list(client.completions.create(stream=True, **kw))
         text = "".join(c.choices[0].text for c in chunks)
@@ -150,6 +152,11 @@ def test_stop_string_across_token_boundaries(served, client, engine, stream):
         text, reason = r.choices[0].text, r.choices[0].finish_reason
         assert r.usage.completion_tokens < 40  # the request was stopped, not run to the end
     assert (text, reason) == (want, "stop")
+    # a stop string ends the request early: cancelled (or finished, if its last token was
+    # in before the cancel), never a failure of the cluster's
+    wait_for(lambda: cm.cancelled + cm.finished == before["cancelled"] + before["finished"] + 1, 30,
+             "the stopped request to end")
+    assert cm.failed == before["failed"]
 
 
 def test_stop_token_ids(served, client, engine):
@@ -231,6 +238,18 @@ def test_models_health_metrics(served, client):
     assert metric(text, "mooncake_instances_alive") == 3
     assert 'mooncake_front_responses_total{route="/v1/completions",status="200"}' in text  # the front's
     assert metric(text, "mooncake_front_ttft_seconds_count") >= 1
+    # KV usage from the instances' heartbeats, per instance, without a round trip
+    cluster = served[0]
+    want = {str(i) for i in cluster.instances()}
+    def gauged():
+        t = httpx.get(served[2].url + "/metrics").text
+        got = {ln.split('"')[1] for ln in t.splitlines() if ln.startswith("mooncake_kv_free_blocks{")}
+        return t if got == want else None
+
+    text = wait_for(gauged, 30, "every instance's KV gauge")
+    for name in ("mooncake_kv_used_blocks", "mooncake_store_used_blocks", "mooncake_store_slots"):
+        assert sum(ln.startswith(name + "{") for ln in text.splitlines()) == len(want), name
+    assert metric(text, "mooncake_requests_cancelled_total") >= 0
 
 
 def test_32_concurrent_streams(served, aclient, engine):
@@ -268,11 +287,14 @@ def test_disconnect_mid_stream_cancels_the_request(served):
     def released():
         t = httpx.get(server.url + "/metrics").text
         return (metric(t, "mooncake_requests_in_flight") == 0 and metric(t, "mooncake_front_active_streams") == 0
-                and metric(t, "mooncake_requests_failed_total") == metric(before, "mooncake_requests_failed_total") + 1
+                and metric(t, "mooncake_requests_cancelled_total")
+                == metric(before, "mooncake_requests_cancelled_total") + 1
                 and t)
 
     after = wait_for(released, 60, "the cancelled request to be released")
     assert metric(after, "mooncake_requests_finished_total") == metric(before, "mooncake_requests_finished_total")
+    # a client gone is no failure of the cluster's
+    assert metric(after, "mooncake_requests_failed_total") == metric(before, "mooncake_requests_failed_total")
     assert metric(after, "mooncake_front_client_disconnects_total") == \
         metric(before, "mooncake_front_client_disconnects_total") + 1
     # every instance let go of it: no request state, no pinned slots, all pages free

@@ -558,3 +558,19 @@ def test_store_events_reach_a_real_conductor_and_bad_ones_down_the_sender():
     assert port.conductor.index.match_prefix([5, 6]).get(P) == 2
     router.handle(P, p.StoreEvents(b"MCE1 truncated"))
     assert port.down and port.down[-1][0] == P and "malformed store events" in port.down[-1][1]
+
+
+@pytest.mark.parametrize("stage", ["fetch", "slots", "decode"])
+def test_each_ending_carries_its_outcome(stage):
+    # the metrics counter a Fail lands in: a caller's cancel is "cancelled" unless it
+    # says otherwise, a deadline "timed_out", an instance's death "failed"
+    def outcome_of(ev):
+        lc = at(stage)
+        fails = [x for x in lc.on(ev) if isinstance(x, Fail)]
+        assert len(fails) == 1
+        return fails[0].outcome
+
+    assert outcome_of(CancelRequest(RID, CANCEL_ERR)) == "cancelled"
+    assert outcome_of(CancelRequest(RID, CANCEL_ERR, "failed")) == "failed"
+    assert outcome_of(LATE) == "timed_out"
+    assert outcome_of(InstanceDown(D, "instance decode-0 died (signal 9)")) == "failed"

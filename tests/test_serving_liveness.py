@@ -164,6 +164,27 @@ def _stop_and_expect_down(c, victim: int, handles) -> None:
                "the hung worker was killed")
 
 
+def test_worker_beats_carry_kv_usage(cluster):
+    # worker processes report their KV and store use on the heartbeat (no round trip);
+    # while a request decodes its decode instance's pages show as used, and the counts
+    # agree with the instance's own stats once it is idle again
+    c = cluster
+    eventually(lambda: set(c.kv_usage()) == set(c.instances()), "every live worker has beaten")
+    h = c.submit(list(range(5, 5 + 3 * BLOCK)), ENDLESS)
+    next(iter(h))
+    eventually(lambda: c.kv_usage().get(h.decode_instance, {}).get("kv_used_blocks", 0) >= 3,
+               "the decode worker reports the request's pages")
+    before = c.metrics.cancelled
+    assert h.cancel()
+    eventually(lambda: c.metrics.cancelled == before + 1, "the cancel is counted as cancelled")
+    assert_drained(c)
+    eventually(lambda: all(u["kv_used_blocks"] == 0 for u in c.kv_usage().values()), "the pages are free again")
+    stats = c.instance_stats()
+    for i, u in c.kv_usage().items():
+        assert u["kv_free_blocks"] == stats[i]["free_pages"]
+        assert u["store_used_blocks"] == stats[i]["blocks"]
+
+
 def test_stopped_prefill_worker_is_marked_down(cluster):
     c = cluster
     victim = 0
@@ -239,3 +260,4 @@ def test_close_after_hung_workers_is_clean(cluster):
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
     assert not {n for n in shm_segments() if any(n.startswith(f"mooncake_rs.{p}.") for p in pids)}
+

@@ -56,7 +56,9 @@ class Generation:
             return
         self._closed = True
         if not self.handle.done:
-            self.handle.cancel(MooncakeError(f"request {self.handle.request_id} cancelled: {reason}"))
+            # ended early on purpose (a stop string, a client gone): the cluster counts it
+            # as cancelled, not as a failure
+            self.handle.cancel(MooncakeError(f"request {self.handle.request_id} cancelled: {reason}"), failed=False)
 
     async def _batches(self) -> AsyncIterator[list[int]]:
         """The handle's tokens, as lists of those that arrived together.

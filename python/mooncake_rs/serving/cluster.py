@@ -10,11 +10,13 @@ all of it is in; the decode instance sends the tokens, which the router forwards
 request's handle. Store events go to the conductor's index, progress to its load model.
 The router sees the cluster only through ``_RouterPort``.
 
-Liveness (``processes=True``): workers send heartbeats on their control socket; the
-watchdog thread here kills a worker silent for ``heartbeat_timeout_s`` (a stopped or
-wedged process), and the router's usual death path then drops it from the conductor and
-fails its requests. A request's deadline (``timeout_s``) or ``RequestHandle.cancel``
-cancels it on every instance it lives on.
+Liveness: workers send heartbeats on their control socket, in-process instances beat
+from their loop; the watchdog thread here kills a worker silent for
+``heartbeat_timeout_s`` (a stopped or wedged process) or marks a silent in-process
+instance down (a thread cannot be killed), and the router's usual death path then drops
+it from the conductor and fails its requests. The beats carry each instance's KV and
+store use: ``kv_usage`` and the gauges of ``metrics_text``. A request's deadline
+(``timeout_s``) or ``RequestHandle.cancel`` cancels it on every instance it lives on.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ from typing import Any, Sequence
 
 from .._core import (Conductor, ConductorConfig, DecodeCostModel, PrefillCostModel, PrefixHasher, TransferCostModel,
                      TransferRegistry)
-from ..errors import InvalidArgument, MooncakeError, Overloaded
+from ..errors import InvalidArgument, MooncakeError, Overloaded, TransferTimeout
 from .handle import RequestHandle, wait_seconds
 from .lifecycle import CancelRequest, Plan
+from .control import Lost
 from .limits import Limits
 from .liveness import watch
 from .members import Member, mark_down, remove_segments_of, spawn_all
@@ -126,8 +129,10 @@ class Cluster:
     (False: no KV reuse, every prompt computed), ``stream_layers`` (False: KV is sent
     after the whole prefill), ``engine_kwargs`` (passed to each Engine), ``link_bandwidth``
     (bytes/s: emulate a network link between instances, for benchmarks),
-    ``heartbeat_timeout_s`` (worker processes: how long a silent worker may go before it
-    is declared down, killed and its requests failed; None disables the watchdog).
+    ``heartbeat_timeout_s`` (how long a silent instance may go before it is declared
+    down and its requests failed: a worker process is killed, an in-process instance
+    whose loop stopped turning is marked down and fenced, see liveness.py; None
+    disables the watchdog).
     """
 
     def __init__(self, model: Any = "tiny", prefill: int = 2, decode: int = 1, block_size: int = 16,
@@ -175,7 +180,8 @@ class Cluster:
         self.decode_ids = list(range(prefill, prefill + decode))
         # until the instances report their real block bytes (the engine's dtype): a float32 estimate
         self._layout_bytes = self._block_bytes(model, block_size)
-        self._heartbeat_timeout_s = None if heartbeat_timeout_s is None or not self.processes else float(heartbeat_timeout_s)
+        # in-process instances beat from their loop (liveness.py); workers from a thread
+        self._heartbeat_timeout_s = None if heartbeat_timeout_s is None else float(heartbeat_timeout_s)
         self._limits = Limits(self._model_config(model), block_size)  # instance capacities, once all are ready
         self._prefill_model = PrefillCostModel(c0=0.002, c_new=2e-5, c_new2=0.0, c_cross=0.0)
         self.conductor = self._new_conductor(self._prefill_model)
@@ -213,7 +219,7 @@ class Cluster:
             raise
         if self._heartbeat_timeout_s is not None:
             threading.Thread(target=watch, args=(lambda: list(self._members.values()), self._stop_watch,
-                                                 self._heartbeat_timeout_s),
+                                                 self._heartbeat_timeout_s, self._report_down),
                              name="mooncake-watchdog", daemon=True).start()
 
     # ---- construction
@@ -263,6 +269,11 @@ class Cluster:
         self._router.post(SwapConductor(fresh, done))
         if not done.wait(timeout_s):
             raise MooncakeError("the router did not take the new conductor")
+
+    def _report_down(self, inst: int, reason: str) -> None:
+        """The watchdog: an in-process instance stopped beating. The router takes it as
+        a closed link (its usual death path)."""
+        self._router.events.put((inst, Lost(reason)))
 
     def _instance_down(self, inst: int, reason: str) -> str | None:
         m = self._members.get(inst)
@@ -328,9 +339,10 @@ class Cluster:
         self._router.submit(rec)
         return rec.handle
 
-    def _cancel(self, rid: int, error: BaseException) -> None:
-        """RequestHandle.cancel: the router ends the request everywhere (lifecycle.py)."""
-        self._router.post(CancelRequest(rid, error))
+    def _cancel(self, rid: int, error: BaseException, outcome: str = "cancelled") -> None:
+        """RequestHandle.cancel: the router ends the request everywhere (lifecycle.py);
+        ``outcome`` is the metrics counter it lands in."""
+        self._router.post(CancelRequest(rid, error, outcome))
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Any = None, *,
                  on_reject: str = "raise", timeout_s: float | None = None) -> list[Any]:
@@ -368,10 +380,12 @@ class Cluster:
                                                  metrics=RequestMetrics()))
             return [h.result(None if end is None else max(end - time.monotonic(), 0.0))
                     if isinstance(h, RequestHandle) else h for h in handles]
-        except BaseException:
+        except BaseException as e:
+            # past the call's deadline, the requests still running missed it too (counted
+            # as timed out); otherwise they are collateral of the error: cancelled
             for h in handles:
                 if isinstance(h, RequestHandle):
-                    h.cancel()
+                    h.cancel(e if isinstance(e, TransferTimeout) else None)
             raise
 
     def metrics_text(self) -> str:
@@ -384,7 +398,30 @@ class Cluster:
             gauges[f'decode_batch{{instance="{d.id}"}}'] = float(d.batch)
         gauges["requests_in_flight"] = float(snap.requests)
         gauges["prefix_hit_rate"] = self.metrics.prefix_hit_rate
+        for i, u in self.kv_usage().items():
+            for name, v in u.items():
+                gauges[f'{name}{{instance="{i}"}}'] = v
         return self.metrics.prometheus(gauges)
+
+    def kv_usage(self) -> dict[int, dict[str, float]]:
+        """Per live instance, its memory use as of its latest heartbeat (no round trip:
+        cheap enough for every ``/metrics`` scrape): ``kv_used_blocks`` / ``kv_free_blocks``
+        (its engine's KV cache pages, a block of tokens each), ``store_used_blocks`` /
+        ``store_slots`` / ``store_used_bytes`` (its store's DRAM tier), ``engine_running`` /
+        ``engine_waiting`` (its engine scheduler's sequences) and ``heartbeat_age_seconds``.
+        An instance that has not beaten yet (or with ``heartbeat_timeout_s=None`` in
+        worker processes, which then send no beats) is left out."""
+        out: dict[int, dict[str, float]] = {}
+        now = time.monotonic()
+        for i, m in self._members.items():
+            b = getattr(m.ch, "last_beat", None)
+            if not m.alive or b is None or b.kv_pages < 0:
+                continue
+            out[i] = {"kv_used_blocks": float(b.kv_pages - b.kv_free_pages), "kv_free_blocks": float(b.kv_free_pages),
+                      "store_used_blocks": float(b.store_blocks), "store_slots": float(b.store_slots),
+                      "store_used_bytes": float(b.store_bytes), "engine_running": float(b.running),
+                      "engine_waiting": float(b.waiting), "heartbeat_age_seconds": now - m.ch.last_seen}
+        return out
 
     def instance_stats(self, timeout_s: float = 30.0) -> dict[int, dict[str, float]]:
         """Per live instance: bytes its transfer engine moved (``copied_bytes``), seconds its
@@ -463,7 +500,8 @@ class Cluster:
                 m.ch.to_instance(Stop())
         deadline = time.monotonic() + timeout_s
         for m in self._members.values():
-            if m.thread is not None:
+            if m.thread is not None and not (m.down_reason is not None and m.thread.is_alive()):
+                # (a thread declared wedged is not waited for: it exits if it ever wakes)
                 m.thread.join(max(0.1, deadline - time.monotonic()))
             if m.proc is not None:
                 try:

@@ -18,7 +18,9 @@ why and closes that connection; it never raises into the process.
 Every link counts the messages it sends, by op (``counts``): the hop count of
 docs/serving.md is measured with them. A worker's control link also carries ``Beat``
 every few seconds (worker.py): its reader only stamps ``last_seen``, which the
-cluster's watchdog compares with ``heartbeat_timeout_s``.
+cluster's watchdog compares with ``heartbeat_timeout_s``, and keeps the latest one
+(``last_beat``: the instance's KV and store use, the cluster's gauges). An in-process
+instance's loop beats through ``QueueChannel.beat`` instead (no router trip).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .protocol import Beat, Codec, Message, ProtocolError, op_of
+from .protocol import Beat, Codec, Message, ProtocolError, Stop, op_of
 
 __all__ = ["CLUSTER", "Lost", "Counts", "QueueChannel", "QueuePeer", "SocketChannel", "read_message"]
 
@@ -85,16 +87,34 @@ class QueueChannel:
         self.counts = Counts()  # sent by the instance
         self.cluster_counts = Counts()  # sent by the cluster
         self.last_seen = time.monotonic()
+        self.last_beat: Beat | None = None  # the latest heartbeat (the instance's memory use)
+        self.fenced = False
 
     # instance side
     def recv(self, timeout: float | None) -> tuple[int, Any] | None:
+        if self.fenced:
+            return CLUSTER, Stop()
         return _get(self.inbox, timeout)
 
+    def beat(self, msg: Beat) -> None:
+        """The instance loop's heartbeat: stamps ``last_seen`` here, without a trip
+        through the router (nothing there needs it; the watchdog reads the stamp)."""
+        self.last_beat = msg
+        self.last_seen = time.monotonic()
+
     def send(self, msg: Message) -> None:
+        if self.fenced:  # declared down: what it says now would be about requests it lost
+            return
         self.counts.add(msg)
         self._events.put((self.instance_id, msg))
 
     # cluster side
+    def fence(self) -> None:
+        """The instance was declared down (a crashed or wedged thread): from now on its
+        reads return ``Stop`` and its sends are dropped, so a thread that wakes up exits
+        at its next read instead of acting on requests the cluster has failed."""
+        self.fenced = True
+
     def to_instance(self, msg: Message) -> None:
         self.cluster_counts.add(msg)
         self.inbox.put((CLUSTER, msg))
@@ -164,6 +184,7 @@ class SocketChannel:
         self.alive = True
         #: time.monotonic() of the last frame received (any op): the peer's liveness
         self.last_seen = time.monotonic()
+        self.last_beat: Beat | None = None  # the latest heartbeat received (the instance's memory use)
         self._reader = threading.Thread(target=self._read, name=f"mooncake-ctl-{self.name}", daemon=True)
         self._reader.start()
 
@@ -184,6 +205,7 @@ class SocketChannel:
                 break
             self.last_seen = time.monotonic()
             if isinstance(msg, Beat):
+                self.last_beat = msg
                 continue
             if not isinstance(msg, self._allowed):
                 reason = f"bad frame: a {op_of(msg)} message is not expected on this link"

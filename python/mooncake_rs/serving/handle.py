@@ -39,7 +39,7 @@ class RequestHandle:
     :meth:`cancel` ends the request wherever it runs; so does a ``result`` that times out."""
 
     def __init__(self, request_id: int, prompt: list[int],
-                 on_cancel: Callable[[int, BaseException], None] | None = None) -> None:
+                 on_cancel: Callable[[int, BaseException, str], None] | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt
         self._on_cancel = on_cancel  # the cluster: frees the request's slots, pages and conductor entry
@@ -76,15 +76,26 @@ class RequestHandle:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def cancel(self, error: BaseException | None = None) -> bool:
+    def cancel(self, error: BaseException | None = None, *, failed: bool | None = None) -> bool:
         """Cancels the request on every instance it lives on (the cluster frees its slots
         and pages and tells the conductor); iteration and ``result`` then raise ``error``
-        (default: ``MooncakeError("... was cancelled")``). False if it had already ended."""
+        (default: ``MooncakeError("... was cancelled")``). False if it had already ended.
+
+        The cluster's metrics count it as ``cancelled`` (ended early on purpose: a stop
+        string, a client gone; not a failure), or as ``failed`` when ``failed=True``. By
+        default (``failed=None``) a ``TransferTimeout`` error is a deadline passed: counted
+        as ``failed`` and ``timed_out``; any other error, or none, as ``cancelled``."""
         if self._done.is_set():
             return False
         err = error if error is not None else MooncakeError(f"request {self.request_id} was cancelled")
+        if failed is None:
+            outcome = "timed_out" if isinstance(err, TransferTimeout) else "cancelled"
+        elif failed:
+            outcome = "timed_out" if isinstance(err, TransferTimeout) else "failed"
+        else:
+            outcome = "cancelled"
         if self._on_cancel is not None:
-            self._on_cancel(self.request_id, err)
+            self._on_cancel(self.request_id, err, outcome)
         self._fail(err)
         return True
 

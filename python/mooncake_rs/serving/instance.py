@@ -24,7 +24,7 @@ from .arena import StoreSlots
 from .control import CLUSTER, Lost
 from .decode import DecodeRole
 from .prefill import PrefillRole
-from .protocol import (PROTOCOL_VERSION, Endpoint, Export, Exported, Failed, InstanceSpec, Measure, Message,
+from .protocol import (PROTOCOL_VERSION, Beat, Endpoint, Export, Exported, Failed, InstanceSpec, Measure, Message,
                        PeerLost, Ready, Stats, StatsReply, Stop, StoreEvents, Timings, Unpin)
 from .transport import Transport
 
@@ -66,10 +66,16 @@ class Instance:
                                                        self.ch.send, self.peers, self.flush_store_events)
         self._pins: dict[int, list[Any]] = {}
         self.stopped = False
+        # the latest memory use, refreshed by the loop every beat period: what a worker's
+        # beat thread sends (it never reads the engine itself), and in-process the beat
+        self.usage = Beat()
+        self._beat_every = spec.heartbeat_s if spec.heartbeat_s > 0 else 1.0
+        self._beat_next = 0.0
 
     # ---- the loop
     def run(self) -> None:
         cache = self.engine.cache
+        self._beat()  # stamped before Ready: building the engine took a while, that was no hang
         self.ch.send(Ready(PROTOCOL_VERSION, self.endpoint, os.getpid(), self.layout.block_nbytes,
                            self.store.store.slots, cache.num_pages * cache.page_size))
         try:
@@ -90,6 +96,7 @@ class Instance:
                     self.role.send_pending()
                 self.role.poll()
                 self.flush_store_events()
+                self._beat()
         finally:
             self.transport.close()
 
@@ -112,7 +119,12 @@ class Instance:
                 case Stats():
                     self.ch.send(StatsReply(self.stats()))
                 case Measure(points=points, repeats=repeats):
-                    timings = self.engine.measure_prefill(points, repeats=repeats)
+                    # one point at a time (each warms up on its own anyway), beating in between:
+                    # a long calibration in-process is no wedged loop (liveness.py)
+                    timings = []
+                    for point in points:
+                        timings += self.engine.measure_prefill([point], repeats=repeats)
+                        self._beat()
                     self.ch.send(Timings([(t.new_tokens, t.cached_tokens, t.seconds) for t in timings]))
                 case _:
                     self.role.handle(src, msg)
@@ -120,6 +132,22 @@ class Instance:
             log.exception("instance %s: %s failed", self.spec.name, type(msg).__name__)
             of = getattr(msg, "rid", None)
             self.ch.send(Failed(of if isinstance(of, int) else None, f"{type(e).__name__}: {e}"))
+
+    def _beat(self) -> None:
+        """Once a beat period: refresh ``usage``; in-process, beat through the channel.
+        The loop itself beats there, so a loop that stops turning (a wedged thread) stops
+        beating and the cluster's watchdog notices (liveness.py)."""
+        now = time.monotonic()
+        if now < self._beat_next:
+            return
+        self._beat_next = now + self._beat_every
+        st = self.store.store.stats()
+        sched = self.engine.scheduler
+        self.usage = Beat(self.engine.cache.num_pages, self.engine.num_free_pages, st.blocks_dram, st.slots_dram,
+                          st.bytes_dram, len(sched.running), len(sched.waiting))
+        beat = getattr(self.ch, "beat", None)  # QueueChannel; a worker's beat thread sends ``usage``
+        if beat is not None:
+            beat(self.usage)
 
     def stats(self) -> dict[str, float]:
         t = self.transport

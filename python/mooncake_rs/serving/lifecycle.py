@@ -92,8 +92,13 @@ class InstanceDown:
 
 @dataclass(slots=True)
 class CancelRequest:
+    """End ``rid`` now with ``error``. ``outcome``: how the cluster's metrics count it
+    (``"cancelled"``: ended early on purpose, ``"timed_out"``: past a deadline, a
+    failure; ``"failed"``: any other failure), carried to its ``Fail`` command."""
+
     rid: int
     error: BaseException
+    outcome: str = "cancelled"
 
 
 @dataclass(slots=True)
@@ -138,8 +143,12 @@ class Finish:
 
 @dataclass(slots=True)
 class Fail:
+    """End ``rid`` for its caller with ``error``; ``outcome`` is the counter it lands in
+    (``"failed"``, ``"timed_out"`` (counted as failed too) or ``"cancelled"``)."""
+
     rid: int
     error: BaseException
+    outcome: str = "failed"
 
 
 Command = Union[Send, Conduct, Deliver, Finish, Fail]
@@ -184,15 +193,16 @@ class RequestLifecycle:
                 return self.arrived(inst, msg)
             case InstanceDown(inst=inst, what=what):
                 self._down(inst, what, out)
-            case CancelRequest(rid=rid, error=error):
+            case CancelRequest(rid=rid, error=error, outcome=outcome):
                 st = self._reqs.get(rid)
                 if st is not None and st.stage is not Stage.DRAINING:
-                    self._fail(st, error, out)
+                    self._fail(st, error, out, outcome=outcome)
             case Tick(now=now):
                 for st in [s for s in self._reqs.values() if s.stage is not Stage.DRAINING
                            and s.plan.deadline is not None and now > s.plan.deadline]:
                     self._fail(st, TransferTimeout(f"request {st.plan.rid} passed its deadline "
-                                                   f"({st.plan.timeout_s:.3g}s after submit); it was cancelled"), out)
+                                                   f"({st.plan.timeout_s:.3g}s after submit); it was cancelled"), out,
+                               outcome="timed_out")
             case _:
                 raise TypeError(f"not a lifecycle event: {ev!r}")
         return out
@@ -292,7 +302,8 @@ class RequestLifecycle:
                 raise TypeError(f"not a request message: {msg!r}")
 
     # ---- endings
-    def _fail(self, st: _State, error: BaseException, out: list[Command], *, prefill_gone: bool = False) -> None:
+    def _fail(self, st: _State, error: BaseException, out: list[Command], *, prefill_gone: bool = False,
+              outcome: str = "failed") -> None:
         """Ends the request for its caller now; frees what instances hold for it in the
         safe order (see the module docstring)."""
         p = st.plan
@@ -307,7 +318,7 @@ class RequestLifecycle:
             later.append(Send(st.pinned, Unpin(p.rid)))
             st.pinned = None
         out.append(Conduct("cancel", p.rid))
-        out.append(Fail(p.rid, error))
+        out.append(Fail(p.rid, error, outcome))
         if st.stage is Stage.SLOTS and not prefill_gone and p.prefill not in self.down:
             # the prefill may still be writing into the decode slots or reading the
             # holder's blocks: it goes first, the rest once it acks

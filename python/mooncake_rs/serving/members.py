@@ -143,6 +143,10 @@ def mark_down(m: Member, reason: str, *, quiet: bool = False) -> str:
             pass
     else:
         what = f"died ({why})"
+    if m.proc is None:
+        # an in-process thread (wedged, see liveness.py, or crashed): should it wake, its
+        # next read is Stop and nothing it sends reaches the cluster
+        m.ch.fence()
     if not quiet:
         log.warning("serving: instance %s %s; failing its requests", m.spec.name, what)
     if m.proc is not None and m.proc.poll() is not None:

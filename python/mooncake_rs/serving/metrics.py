@@ -59,7 +59,9 @@ class ClusterMetrics:
         self.requests = 0
         self.finished = 0
         self.rejected = 0
-        self.failed = 0
+        self.failed = 0  # instance lost, transfer failed, internal error, deadline passed
+        self.cancelled = 0  # ended early on purpose (RequestHandle.cancel): not a failure
+        self.timed_out = 0  # of ``failed``: those that passed their deadline
         self.prompt_tokens = 0
         self.output_tokens = 0
         self.reused_tokens = 0
@@ -72,6 +74,28 @@ class ClusterMetrics:
     def count(self, what: str, n: int = 1) -> None:
         with self._lock:
             setattr(self, what, getattr(self, what) + n)
+
+    def ended(self, outcome: str) -> None:
+        """A request ended without finishing: ``outcome`` is ``"cancelled"``,
+        ``"timed_out"`` (counted in ``failed`` too) or ``"failed"``."""
+        with self._lock:
+            if outcome == "cancelled":
+                self.cancelled += 1
+                return
+            self.failed += 1
+            if outcome == "timed_out":
+                self.timed_out += 1
+
+    def summary(self) -> dict[str, float]:
+        """The totals as a dict (counters, prefix hit rate, TTFT / TBT medians)."""
+        with self._lock:
+            out: dict[str, float] = {k: float(getattr(self, k)) for k in (
+                "requests", "finished", "rejected", "failed", "cancelled", "timed_out", "prompt_tokens",
+                "output_tokens", "reused_tokens", "fetched_tokens", "computed_tokens", "transferred_bytes")}
+            out["prefix_hit_rate"] = self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+            out["ttft_p50_s"] = percentile(self.ttft, 0.5)
+            out["tbt_p50_s"] = percentile(self.tbt, 0.5)
+            return out
 
     def add(self, m: RequestMetrics) -> None:
         with self._lock:
@@ -104,7 +128,13 @@ class ClusterMetrics:
             metric("requests_finished_total", "counter", "Requests finished.", self.finished)
             metric("requests_rejected_total", "counter", "Requests rejected by the conductor (Overloaded).",
                    self.rejected)
-            metric("requests_failed_total", "counter", "Requests failed (instance lost, error).", self.failed)
+            metric("requests_failed_total", "counter",
+                   "Requests failed (instance lost, transfer failed, internal error, deadline passed).", self.failed)
+            metric("requests_cancelled_total", "counter",
+                   "Requests ended early on purpose (cancel: a stop string, a client gone); not failures.",
+                   self.cancelled)
+            metric("requests_timed_out_total", "counter",
+                   "Requests that passed their deadline (also counted in requests_failed_total).", self.timed_out)
             metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.", self.prompt_tokens)
             metric("output_tokens_total", "counter", "Generated tokens of finished requests.", self.output_tokens)
             metric("reused_tokens_total", "counter", "Prompt tokens whose KV came from a store.", self.reused_tokens)
@@ -122,8 +152,13 @@ class ClusterMetrics:
                     lines.append(f'mooncake_{name}{{quantile="{q}"}} {0.0 if math.isnan(v) else v:g}')
                 lines.append(f"mooncake_{name}_sum {sum(vals):g}")
                 lines.append(f"mooncake_{name}_count {len(vals)}")
+            # one TYPE line per family, its samples together (the text format allows one
+            # TYPE per name; per-instance gauges arrive interleaved by instance)
+            families: dict[str, list[str]] = {}
             for k, v in (gauges or {}).items():
                 name, _, labels = k.partition("{")
+                families.setdefault(name, []).append(f"mooncake_{name}{'{' + labels if labels else ''} {v:g}")
+            for name, samples in families.items():
                 lines.append(f"# TYPE mooncake_{name} gauge")
-                lines.append(f"mooncake_{name}{'{' + labels if labels else ''} {v:g}")
+                lines.extend(samples)
             return "\n".join(lines) + "\n"

@@ -195,7 +195,18 @@ class InitFailed(_Msg, frozen=True, tag="init_failed"):
 
 
 class Beat(_Msg, frozen=True, tag="beat"):
-    pass
+    """instance -> cluster, every ``InstanceSpec.heartbeat_s``: "alive", with the
+    instance's memory use as of its last loop iteration (the cluster's KV gauges, read
+    without a round trip). -1: not known yet (a beat before the instance is built). The
+    fields are additive with defaults, so a bare ``Beat()`` still decodes: no version bump."""
+
+    kv_pages: int = -1  # the engine's KV cache: pages (one block of tokens each) in all
+    kv_free_pages: int = -1
+    store_blocks: int = -1  # blocks the store holds in DRAM
+    store_slots: int = -1  # its DRAM slots in all
+    store_bytes: int = -1  # bytes of DRAM those blocks take
+    running: int = -1  # the engine's scheduler: sequences running and waiting
+    waiting: int = -1
 
 
 # ---- one request

@@ -158,7 +158,7 @@ class Router:
                     rid = getattr(ev, "rid", None)
                     if isinstance(rid, int):
                         self._run(self.lifecycle.on(CancelRequest(
-                            rid, MooncakeError(f"internal error handling {type(ev).__name__}"))))
+                            rid, MooncakeError(f"internal error handling {type(ev).__name__}"), "failed")))
             now = time.monotonic()
             if now - last_watch > _WATCH_S:
                 last_watch = now
@@ -253,11 +253,11 @@ class Router:
                         m.tbt_s = tbt_of(m.token_intervals)
                         self.port.metrics.add(m)
                         r.handle._finish(self.port.output(r, reason))
-                case Fail(rid=rid, error=error):
+                case Fail(rid=rid, error=error, outcome=outcome):
                     r = self._records.pop(rid, None)
                     if r is not None:
                         self._ended()
-                        self.port.metrics.count("failed")
+                        self.port.metrics.ended(outcome)
                         r.handle._fail(error)
 
     def _deliver(self, rid: int, tokens: list[int], report: Any) -> None:

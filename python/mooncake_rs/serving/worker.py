@@ -13,7 +13,9 @@ process is killed).
 A heartbeat thread sends ``Beat`` every ``spec.heartbeat_s`` seconds. It runs apart
 from the instance loop on purpose: a long engine step is not a hang, but a process that
 is stopped (SIGSTOP), starved or wedged with the GIL held sends no beats, and the
-cluster's watchdog then kills it and fails its requests (see liveness.py).
+cluster's watchdog then kills it and fails its requests (see liveness.py). Each beat
+carries the instance's KV and store use as its loop last saw it (``Instance.usage``):
+the cluster's KV gauges, without a round trip.
 """
 
 from __future__ import annotations
@@ -62,13 +64,16 @@ def main(argv: list[str] | None = None) -> int:
     from .instance import Instance
 
     stop = threading.Event()
+    built: list[Instance] = []  # the beat thread sends the instance's latest usage once there is one
     if spec.heartbeat_s > 0:
-        threading.Thread(target=_beat, args=(ch, spec.heartbeat_s, stop), name="mooncake-beat", daemon=True).start()
+        threading.Thread(target=_beat, args=(ch, spec.heartbeat_s, stop, built), name="mooncake-beat",
+                         daemon=True).start()
     try:
         inst = Instance(spec, ch, auth_token=init.auth_token, peers=peers)
     except Exception as e:  # tell the cluster why, then exit
         ch.send(InitFailed(f"{type(e).__name__}: {e}"))
         return 1
+    built.append(inst)
     inst.run()
     stop.set()
     for link in peers.values():
@@ -77,9 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _beat(ch: SocketChannel, every_s: float, stop: threading.Event) -> None:
+def _beat(ch: SocketChannel, every_s: float, stop: threading.Event, built: list[Any]) -> None:
+    # ``usage`` is an immutable Beat the instance loop replaces: reading it here is safe
     while not stop.wait(every_s):
-        ch.send(Beat())
+        ch.send(built[0].usage if built else Beat())
 
 
 if __name__ == "__main__":
