@@ -117,3 +117,24 @@ def test_engine_on_cpu_uses_the_choice(caplog):
         Engine(ModelConfig.tiny(), num_pages=8, attention_backend="flashinfer")
     with pytest.raises(InvalidArgument, match="dtype must be one of"):
         Engine(ModelConfig.tiny(), num_pages=8, dtype="fp8")
+
+
+def test_tiny_gpu_preset_is_a_flashinfer_shape():
+    from mooncake_rs.engine import ModelConfig
+
+    cfg = ModelConfig.preset("tiny-gpu")
+    assert cfg.head_dim == 64 and cfg.num_layers == 2 and cfg.dtype == "bfloat16"
+    assert choose("auto", dtype_name=resolve_dtype(None, "cuda"), head_dim=cfg.head_dim)[0] == "flashinfer"
+    # the tiny preset (head_dim 16) is not: the GPU tests must not use it with FlashInfer
+    assert choose("auto", head_dim=ModelConfig.tiny().head_dim)[0] == "torch"
+
+
+def test_tiny_gpu_preset_runs_on_cpu():
+    pytest.importorskip("torch")
+    from mooncake_rs.engine import Engine, SamplingParams
+
+    e = Engine("tiny-gpu", num_pages=32)
+    assert e.dtype == "float32" and e.config.head_dim == 64
+    out = e.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [len(o.token_ids) for o in out] == [4, 4]
+    assert all(0 <= t < 512 for o in out for t in o.token_ids)
