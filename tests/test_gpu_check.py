@@ -69,6 +69,9 @@ def test_dry_run_passes_and_writes_verdicts(tmp_path):
     assert "[done] all 2 checks passed" in r.stdout
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     assert res["exit_code"] == 0 and {v["verdict"] for v in res["verdicts"]} == {"OK"}
+    kv = res["cpu_kv_save"]  # the save path ran (tiny model, 2 requests of 4 blocks)
+    # block: 2 layers x (k, v) x 16 tokens x 2 kv heads x head_dim 16 x 4 bytes
+    assert kv["bytes"] == 2 * 4 * (2 * 2 * 16 * 2 * 16 * 4) and kv["save_GBps"] > 0 and kv["ratio"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
