@@ -6,11 +6,17 @@
    1..64, tokens/s next to the HBM-bandwidth bound
    ``batch / ((weight bytes + KV bytes read per step) / measured copy bandwidth)``.
 
-Without CUDA it runs the CPU-safe part (the torch reference against itself on a paged vs
-contiguous layout) and exits 0 with a clear message. Results also go to
-``$OUT/gpu_check.json`` when ``OUT`` is set.
+3. Prefill MFU on those shapes: model FLOPs per second over ``--peak-tflops`` (default
+   989, the dense bf16 tensor-core peak of an H100/H200 SXM); target >= 40% at 4k tokens.
 
-    python benches/gpu_check.py [--batches 1,2,4,8,16,32,64] [--context 1024] [--steps 16]
+Every check ends in a verdict (``OK``/``MET`` or ``FAIL``/``MISSED``); the script exits 1
+when any is FAIL or MISSED and names them in its last lines, 0 only when all passed. A
+GPU check that could not run (no CUDA, flashinfer not importable) is MISSED, not passed.
+``--dry-run`` runs only the CPU-safe part (the torch reference against itself on a paged vs
+contiguous layout) and the self-check of the verdict logic, and exits 0 when they pass.
+Results (and the verdicts) also go to ``$OUT/gpu_check.json`` when ``OUT`` is set.
+
+    python benches/gpu_check.py [--dry-run] [--batches 1,2,4,8,16,32,64] [--context 1024] [--steps 16]
 
 FlashInfer is not installed on the device machine: carry pinned wheels of
 ``flashinfer-python`` and what it needs (see docs/engine.md, "GPU check").
@@ -30,6 +36,64 @@ from mooncake_rs.engine import Engine, ModelConfig, SamplingParams
 from mooncake_rs.engine.attention import BatchMeta, TorchAttention, flashinfer_available
 
 RESULTS: dict[str, object] = {}
+PASS_WORDS = ("OK", "MET")
+FAIL_WORDS = ("FAIL", "MISSED")
+
+
+class Verdicts:
+    """Each check's verdict; :meth:`exit_code` turns them into the script's exit status."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, str, str]] = []  # (check, word, detail)
+
+    def record(self, check: str, word: str, detail: str = "") -> str:
+        if word not in PASS_WORDS + FAIL_WORDS:
+            raise ValueError(f"verdict must be one of {PASS_WORDS + FAIL_WORDS}, got {word!r}")
+        self.items.append((check, word, detail))
+        return word
+
+    def check(self, check: str, passed: bool, detail: str = "", *, target: bool = False) -> str:
+        """OK/FAIL for correctness checks, MET/MISSED for ``target`` ones."""
+        word = ("MET" if passed else "MISSED") if target else ("OK" if passed else "FAIL")
+        return self.record(check, word, detail)
+
+    def failed(self) -> list[tuple[str, str, str]]:
+        return [v for v in self.items if v[1] in FAIL_WORDS]
+
+    def exit_code(self) -> tuple[int, str]:
+        """``(0, summary)`` when every verdict passed (and there is at least one), else
+        ``(1, summary naming each FAIL and MISSED)``."""
+        if not self.items:
+            return 1, "no check ran"
+        bad = self.failed()
+        if not bad:
+            return 0, f"all {len(self.items)} checks passed"
+        lines = [f"{len(bad)} of {len(self.items)} checks did not pass:"]
+        lines += [f"  {word}: {check}" + (f" ({detail})" if detail else "") for check, word, detail in bad]
+        return 1, "\n".join(lines)
+
+
+VERDICTS = Verdicts()
+
+
+def self_check_verdicts() -> None:
+    """The exit status logic on made-up verdicts (CPU; run by --dry-run and the tests)."""
+    v = Verdicts()
+    assert v.exit_code()[0] == 1  # nothing ran: not a pass
+    v.check("a", True)
+    v.check("b", True, target=True)
+    assert v.exit_code() == (0, "all 2 checks passed")
+    v.check("c", False, "err 3e-2")
+    v.check("d", False, "2.5x", target=True)
+    rc, msg = v.exit_code()
+    assert rc == 1 and "FAIL: c (err 3e-2)" in msg and "MISSED: d (2.5x)" in msg
+    assert len(msg.splitlines()) == 3  # the header and the two that did not pass, not a or b
+    try:
+        v.record("e", "PASS")
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("an unknown verdict word was accepted")
 
 
 def random_paged(b_q, b_kv, page, hq, hkv, d, dtype, dev, seed=0):
@@ -71,8 +135,8 @@ def check_reference_cpu() -> None:
     ref.plan(meta2)
     err = rel_err(ref.forward(q, k2, v2), out)
     RESULTS["cpu_reference_paged_vs_contiguous_rel_err"] = err
-    print(f"[cpu] torch reference, paged vs contiguous: rel err {err:.2e}")
-    assert err < 1e-5
+    word = VERDICTS.check("cpu: torch reference paged vs contiguous", err < 1e-5, f"rel err {err:.2e}")
+    print(f"[cpu] torch reference, paged vs contiguous: rel err {err:.2e}: {word}")
 
 
 def check_flashinfer() -> None:
@@ -93,7 +157,8 @@ def check_flashinfer() -> None:
             worst = max(worst, err)
             print(f"[gpu] flashinfer vs torch, {name:15s} heads {hq}/{hkv}: rel err {err:.2e}")
     RESULTS["flashinfer_rel_err_max"] = worst
-    print(f"[gpu] worst relative error {worst:.2e} (bf16 bound 2e-2): {'OK' if worst <= 2e-2 else 'FAIL'}")
+    word = VERDICTS.check("flashinfer vs torch reference (bf16 bound 2e-2)", worst <= 2e-2, f"worst {worst:.2e}")
+    print(f"[gpu] worst relative error {worst:.2e} (bf16 bound 2e-2): {word}")
 
 
 def copy_bandwidth() -> float:
@@ -115,7 +180,16 @@ def copy_bandwidth() -> float:
     return bw
 
 
-def bench_8b(batches: list[int], context: int, steps: int, backend: str) -> None:
+def prefill_flops(cfg: ModelConfig, new: int, cached: int) -> float:
+    """Model FLOPs of prefilling ``new`` tokens after ``cached`` ones: 2 per weight per token
+    for the matmuls (the embedding lookup excluded) plus causal attention's QK and PV."""
+    matmul_params = cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)
+    ctx = cached * new + new * (new + 1) / 2  # key positions attended, summed over new tokens
+    attn = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * ctx
+    return 2.0 * matmul_params * new + attn
+
+
+def bench_8b(batches: list[int], context: int, steps: int, backend: str, peak_tflops: float) -> None:
     cfg = ModelConfig.preset("llama-3-8b")
     bw = copy_bandwidth()
     RESULTS["copy_bandwidth_GBps"] = bw / 1e9
@@ -129,9 +203,16 @@ def bench_8b(batches: list[int], context: int, steps: int, backend: str) -> None
     print(f"[gpu] llama-3-8b dims, dummy bf16 weights {wbytes / 1e9:.1f} GB, backend {eng.attention_backend}")
     pts = eng.measure_prefill([(512, 0), (2048, 0), (512, 1536), (4096, 0)], repeats=3)
     RESULTS["prefill"] = [p.__dict__ for p in pts]
+    mfu = {}
     for p in pts:
+        mfu[(p.new_tokens, p.cached_tokens)] = m = prefill_flops(cfg, p.new_tokens, p.cached_tokens) / p.seconds / (
+            peak_tflops * 1e12)
         print(f"[gpu] prefill new={p.new_tokens:5d} cached={p.cached_tokens:5d}: {p.seconds * 1e3:8.2f} ms  "
-              f"{p.new_tokens / p.seconds:9.0f} tokens/s")
+              f"{p.new_tokens / p.seconds:9.0f} tokens/s  MFU {m:.1%} of {peak_tflops:.0f} TFLOPS")
+    RESULTS["prefill_mfu"] = {f"{n}+{c}": m for (n, c), m in mfu.items()}
+    m4k = mfu[(4096, 0)]
+    word = VERDICTS.check("prefill MFU >= 40% at 4096 tokens", m4k >= 0.4, f"{m4k:.1%}", target=True)
+    print(f"[gpu] target: prefill at 4096 tokens >= 40% MFU: {word} ({m4k:.1%})")
     rows = []
     for b in batches:
         ids = [eng.add_request([(13 * i + j) % cfg.vocab_size for j in range(context)],
@@ -156,35 +237,125 @@ def bench_8b(batches: list[int], context: int, steps: int, backend: str) -> None
         print(f"[gpu] decode batch {b:3d}: step {dt * 1e3:7.2f} ms  {b / dt:9.0f} tokens/s  "
               f"bound {b / bound:9.0f} tokens/s  ({dt / bound:.2f}x the bound)")
     RESULTS["decode"] = rows
+    kv = bench_kv_save(eng, n_req=8, context=2048)
+    RESULTS["kv_save"] = kv
+    word = VERDICTS.check("KV save GPU -> host >= 0.8x the plain pinned copy", kv["ratio"] >= 0.8,
+                          f"{kv['ratio']:.2f}x", target=True)
+    print(f"[gpu] target: KV save >= 0.8x the plain pinned copy: {word} ({kv['ratio']:.2f}x)")
     last = rows[-1]
-    print(f"[gpu] target: decode at batch {last['batch']} within 2x of the bound: "
-          f"{'MET' if last['ratio_to_bound'] <= 2 else 'MISSED'} ({last['ratio_to_bound']:.2f}x)")
+    word = VERDICTS.check(f"decode at batch {last['batch']} within 2x of the HBM bound",
+                          last["ratio_to_bound"] <= 2, f"{last['ratio_to_bound']:.2f}x", target=True)
+    print(f"[gpu] target: decode at batch {last['batch']} within 2x of the bound: {word} "
+          f"({last['ratio_to_bound']:.2f}x)")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description="engine GPU check")
-    ap.add_argument("--batches", default="1,2,4,8,16,32,64")
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=16)
-    a = ap.parse_args()
-    check_reference_cpu()
-    if not torch.cuda.is_available():
-        print("no CUDA device: the GPU part of this check was skipped (run it on a machine with a GPU)")
-        return 0
-    RESULTS["device"] = torch.cuda.get_device_name()
-    print(f"[gpu] {RESULTS['device']}, torch {torch.__version__}")
-    if flashinfer_available():
-        check_flashinfer()
-        backend = "flashinfer"
-    else:
-        print("[gpu] flashinfer is not importable: skipping its check; timing the torch reference backend")
-        backend = "torch"
-    bench_8b([int(x) for x in a.batches.split(",")], a.context, a.steps, backend)
+def bench_kv_save(eng: Engine, n_req: int, context: int, repeats: int = 3) -> dict[str, float]:
+    """KV save GPU -> host: ``Engine.save_block`` of every block of ``n_req`` prefilled
+    requests into one pinned host buffer (a stand-in for the store's arena), against the
+    plain copy of the same number of bytes, ``tensor.to("cpu", non_blocking=True)`` into
+    pinned memory. Medians of ``repeats``; ratio = save bytes/s over plain bytes/s."""
+    dev = eng.device
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    ids = [eng.add_request([(7 * i + j) % eng.config.vocab_size for j in range(context)],
+                           SamplingParams(max_tokens=1, ignore_eos=True), prefill_only=True, hold_kv=True)
+           for i in range(n_req)]
+    while eng.has_unfinished():
+        eng.step()
+    nblocks = context // eng.block_size
+    nb = eng.layout.block_nbytes
+    total = n_req * nblocks * nb
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
+    src = torch.empty(total, dtype=torch.uint8, device=dev)
+    dst = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
+
+    def save() -> None:
+        k = 0
+        for rid in ids:
+            for b in range(nblocks):
+                eng.save_block(rid, b, host[k * nb:(k + 1) * nb])
+                k += 1
+        sync()
+
+    def plain() -> None:
+        dst.copy_(src, non_blocking=True) if cuda else dst.copy_(src)
+        sync()
+
+    def median_s(fn) -> float:
+        fn()  # warm-up
+        ts = []
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return sorted(ts)[len(ts) // 2]
+
+    t_save, t_plain = median_s(save), median_s(plain)
+    for rid in ids:
+        eng.release(rid)
+    row = {"bytes": total, "save_GBps": total / t_save / 1e9, "plain_pinned_GBps": total / t_plain / 1e9,
+           "ratio": t_plain / t_save}
+    print(f"[{dev.type}] KV save {total / 1e6:.1f} MB in {n_req * nblocks} blocks: save_block {row['save_GBps']:.2f} GB/s, "
+          f"plain pinned copy {row['plain_pinned_GBps']:.2f} GB/s ({row['ratio']:.2f}x)")
+    return row
+
+
+def finish() -> int:
+    """Write the results, print every failed verdict, and return the exit status."""
+    rc, summary = VERDICTS.exit_code()
+    RESULTS["verdicts"] = [{"check": c, "verdict": w, "detail": d} for c, w, d in VERDICTS.items]
+    RESULTS["exit_code"] = rc
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "gpu_check.json"), "w") as f:
             json.dump(RESULTS, f, indent=1)
-    return 0
+    print(("[done] " if rc == 0 else "[FAILED] ") + summary)
+    return rc
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="engine GPU check")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU-safe part and the verdict self-check only (exit 0 when they pass)")
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--peak-tflops", type=float, default=989.0,
+                    help="dense bf16 matmul peak of the device, for MFU (H100/H200 SXM: 989)")
+    a = ap.parse_args()
+    self_check_verdicts()
+    VERDICTS.check("verdict logic self-check", True)
+    check_reference_cpu()
+    # the KV save path runs on CPU too (tiny model): it exercises the code; no target on CPU
+    RESULTS["cpu_kv_save"] = bench_kv_save(Engine("tiny", num_pages=64), n_req=2, context=64)
+    if a.dry_run:
+        print("[dry-run] CPU part only; the GPU checks were not run")
+        return finish()
+    if not torch.cuda.is_available():
+        VERDICTS.record("GPU checks", "MISSED", "no CUDA device (use --dry-run for the CPU part only)")
+        return finish()
+    RESULTS["device"] = torch.cuda.get_device_name()
+    print(f"[gpu] {RESULTS['device']}, torch {torch.__version__}")
+    try:
+        run_gpu(a)
+    except Exception as e:  # a crash is a FAIL too, and what ran before it is still written
+        import traceback
+
+        traceback.print_exc()
+        VERDICTS.record("GPU part ran to the end", "FAIL", f"{type(e).__name__}: {e}")
+    return finish()
+
+
+def run_gpu(a: argparse.Namespace) -> None:
+    if flashinfer_available():
+        check_flashinfer()
+        backend = "flashinfer"
+    else:
+        VERDICTS.record("flashinfer vs torch reference", "MISSED", "flashinfer is not importable")
+        print("[gpu] flashinfer is not importable: its check is MISSED; timing the torch reference backend")
+        backend = "torch"
+    bench_8b([int(x) for x in a.batches.split(",")], a.context, a.steps, backend, a.peak_tflops)
 
 
 if __name__ == "__main__":

@@ -145,7 +145,8 @@ class ModelConfig:
     # ---- constructors
     @classmethod
     def preset(cls, name: str) -> "ModelConfig":
-        """A preset by name: ``tiny``, ``llama-3-8b``, ``llama-3-70b`` (case-insensitive)."""
+        """A preset by name: ``tiny``, ``tiny-gpu`` (head_dim 64, which FlashInfer has
+        kernels for), ``llama-3-8b``, ``llama-3-70b`` (case-insensitive)."""
         key = name.lower().replace("_", "-")
         if key not in PRESETS:
             raise InvalidArgument(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
@@ -292,6 +293,10 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                         intermediate_size=128, max_position_embeddings=4096, rope_theta=10000.0,
                         eos_token_ids=(), name="tiny"),
+    # The smallest shape FlashInfer has kernels for (head_dim 64): for the GPU tests.
+    "tiny-gpu": ModelConfig(vocab_size=512, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
+                            intermediate_size=512, max_position_embeddings=4096, rope_theta=10000.0,
+                            eos_token_ids=(), dtype="bfloat16", name="tiny-gpu"),
     "llama-3-8b": ModelConfig(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
                               num_kv_heads=8, intermediate_size=14336, max_position_embeddings=131072,
                               rope_theta=500000.0, rope_scaling=dict(_LLAMA3_ROPE), rms_norm_eps=1e-5,

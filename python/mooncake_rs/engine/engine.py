@@ -18,6 +18,7 @@ import torch
 
 from ..errors import InvalidArgument
 from .attention import BatchMeta, make_backend
+from .backend_choice import resolve_dtype
 from .config import DTYPES, ModelConfig
 from .handoff import HandoffMixin
 from .kv_cache import BlockLayout, KVCache
@@ -43,19 +44,23 @@ class Engine(HandoffMixin):
     ``"llama-3-8b"``, ...) or a :class:`ModelConfig` (seeded random weights).
     ``block_size``: tokens per store block (the hash block); ``page_size`` (default: the
     largest divisor of ``block_size`` up to 16) must divide it. ``num_pages``: KV pool
-    size (default: 64 MiB on CPU, 85% of free memory on CUDA).
+    size (default: 64 MiB on CPU, 85% of free memory on CUDA). ``dtype``: ``None`` (the
+    default) is ``bfloat16`` on CUDA and ``float32`` elsewhere. ``attention_backend``:
+    ``"auto"`` takes FlashInfer only where its kernels support the device, dtype, head dim
+    and page size (else torch, logged); ``"flashinfer"`` refuses what it cannot run.
     """
 
-    def __init__(self, model: str | Path | ModelConfig, *, dtype: str = "float32", device: str = "cpu",
+    def __init__(self, model: str | Path | ModelConfig, *, dtype: str | None = None, device: str = "cpu",
                  block_size: int = 16, num_pages: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, attention_backend: str = "auto", seed: int = 0,
                  page_size: int | None = None) -> None:
-        if dtype not in DTYPES:
+        if dtype is not None and dtype not in DTYPES:
             raise InvalidArgument(f"dtype must be one of {DTYPES}, got {dtype!r}")
         try:
             dev = torch.device(device)
         except (RuntimeError, TypeError) as e:
             raise InvalidArgument(f"bad device {device!r}: {e}") from None
+        dtype = resolve_dtype(dtype, dev.type)  # None: bfloat16 on CUDA, float32 elsewhere
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise InvalidArgument("device='cuda' but CUDA is not available")
         for name, v in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
@@ -94,7 +99,7 @@ class Engine(HandoffMixin):
         self.model = LlamaModel(cfg, weights)
         self.cache = KVCache(cfg, num_pages=num_pages, page_size=page_size, dtype=dtype, device=dev)
         self.attn = make_backend(attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                 torch_dtype(dtype), dev)
+                                 torch_dtype(dtype), dev, page_size=page_size)
         self.scheduler = Scheduler(self.cache, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, load_staged=self._load_staged)
         self.sampler = Sampler(seed)
