@@ -254,3 +254,36 @@ def test_a_wedged_idle_prefill_thread_is_routed_around(monkeypatch):
             assert c.metrics.failed == before["failed"]  # it held no request
         finally:
             release.set()
+
+
+def test_latency_histograms_are_cumulative_and_memory_is_bounded():
+    """TTFT/TBT are exported as Prometheus histograms over every finished request (fixed
+    buckets), next to summaries whose quantiles cover only the most recent requests: the
+    cluster's metrics stay the same size however long it serves."""
+    from mooncake_rs.serving.metrics import RECENT_SAMPLES, TTFT_BUCKETS, ClusterMetrics, RequestMetrics
+
+    m = ClusterMetrics()
+    n = RECENT_SAMPLES + 500
+    for i in range(n):
+        r = RequestMetrics()
+        r.ttft_s = 0.001 * (i % 100)  # 0 .. 99 ms
+        r.token_intervals = [0.002, 0.003]
+        r.tbt_s = 0.003
+        m.add(r)
+    assert len(m.ttft) == RECENT_SAMPLES and len(m.tbt) == RECENT_SAMPLES
+    text = m.prometheus()
+    assert "# TYPE mooncake_request_ttft_seconds histogram" in text
+    buckets = {}
+    for line in text.splitlines():
+        if line.startswith("mooncake_request_ttft_seconds_bucket"):
+            le = line.split('le="')[1].split('"')[0]
+            buckets[le] = int(line.rsplit(" ", 1)[1])
+    assert list(buckets) == [f"{b:g}" for b in TTFT_BUCKETS] + ["+Inf"]
+    counts = list(buckets.values())
+    assert counts == sorted(counts) and counts[-1] == n  # cumulative, every request counted
+    # reference: how many observations are <= each bound, counted directly
+    ttfts = [0.001 * (i % 100) for i in range(n)]
+    for b in TTFT_BUCKETS:
+        assert buckets[f"{b:g}"] == sum(1 for t in ttfts if t <= b), b
+    assert f"mooncake_request_ttft_seconds_count {n}" in text
+    assert f"mooncake_request_tbt_seconds_count {n}" in text

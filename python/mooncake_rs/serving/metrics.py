@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import bisect
+import collections
 import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["RequestMetrics", "ClusterMetrics", "tbt_of", "percentile"]
+__all__ = ["RequestMetrics", "ClusterMetrics", "Histogram", "tbt_of", "percentile"]
+
+#: recent samples kept for the summaries' quantiles (a server runs for months: the
+#: lifetime distribution lives in the fixed-size histograms, not in a list)
+RECENT_SAMPLES = 10_000
+#: bucket upper bounds (seconds) of the TTFT and TBT histograms
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 def tbt_of(intervals: list[float]) -> float:
@@ -18,7 +28,33 @@ def tbt_of(intervals: list[float]) -> float:
     return sum(top) / k
 
 
-def percentile(values: list[float], q: float) -> float:
+class Histogram:
+    """Counts of observations per bucket (upper bounds, seconds), with their sum: a
+    Prometheus histogram. Fixed size whatever the number of observations."""
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound (+Inf)
+        self.total = 0.0
+        self.n = 0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, v)] += 1
+        self.total += v
+        self.n += 1
+
+    def lines(self, name: str) -> list[str]:
+        out, cum = [], 0
+        for bound, c in zip(self.bounds, self.counts):
+            cum += c
+            out.append(f'{name}_bucket{{le="{bound:g}"}} {cum}')
+        out.append(f'{name}_bucket{{le="+Inf"}} {self.n}')
+        out.append(f"{name}_sum {self.total:g}")
+        out.append(f"{name}_count {self.n}")
+        return out
+
+
+def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-quantile (0..1) by nearest rank; NaN for no values."""
     if not values:
         return math.nan
@@ -68,8 +104,11 @@ class ClusterMetrics:
         self.fetched_tokens = 0
         self.computed_tokens = 0
         self.transferred_bytes = 0
-        self.ttft: list[float] = []
-        self.tbt: list[float] = []
+        # the most recent samples (summary quantiles), and the lifetime histograms
+        self.ttft: collections.deque[float] = collections.deque(maxlen=RECENT_SAMPLES)
+        self.tbt: collections.deque[float] = collections.deque(maxlen=RECENT_SAMPLES)
+        self.ttft_hist = Histogram(TTFT_BUCKETS)
+        self.tbt_hist = Histogram(TBT_BUCKETS)
 
     def count(self, what: str, n: int = 1) -> None:
         with self._lock:
@@ -108,8 +147,10 @@ class ClusterMetrics:
             self.transferred_bytes += m.transferred_bytes
             if not math.isnan(m.ttft_s):
                 self.ttft.append(m.ttft_s)
+                self.ttft_hist.observe(m.ttft_s)
             if m.token_intervals:
                 self.tbt.append(m.tbt_s)
+                self.tbt_hist.observe(m.tbt_s)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -143,15 +184,19 @@ class ClusterMetrics:
             metric("computed_tokens_total", "counter", "Prompt tokens prefilled.", self.computed_tokens)
             metric("kv_transferred_bytes_total", "counter", "KV bytes moved between instances.",
                    self.transferred_bytes)
-            for name, vals, help_ in (("ttft_seconds", self.ttft, "Time to first token."),
-                                      ("tbt_seconds", self.tbt, "Per-request TBT (mean of the longest 10% intervals).")):
-                lines.append(f"# HELP mooncake_{name} {help_}")
+            for name, vals, hist, help_ in (
+                    ("ttft_seconds", self.ttft, self.ttft_hist, "Time to first token"),
+                    ("tbt_seconds", self.tbt, self.tbt_hist, "Per-request TBT (mean of the longest 10% intervals)")):
+                lines.append(f"# HELP mooncake_{name} {help_}, quantiles of the last {RECENT_SAMPLES} requests.")
                 lines.append(f"# TYPE mooncake_{name} summary")
                 for q in (0.5, 0.9, 0.99):
                     v = percentile(vals, q)
                     lines.append(f'mooncake_{name}{{quantile="{q}"}} {0.0 if math.isnan(v) else v:g}')
                 lines.append(f"mooncake_{name}_sum {sum(vals):g}")
                 lines.append(f"mooncake_{name}_count {len(vals)}")
+                lines.append(f"# HELP mooncake_request_{name} {help_}, every finished request.")
+                lines.append(f"# TYPE mooncake_request_{name} histogram")
+                lines.extend(hist.lines(f"mooncake_request_{name}"))
             # one TYPE line per family, its samples together (the text format allows one
             # TYPE per name; per-instance gauges arrive interleaved by instance)
             families: dict[str, list[str]] = {}
