@@ -37,7 +37,10 @@ class EventPublisher:
     """PUB + replay ROUTER on 127.0.0.1, both owned by one thread (ZMQ sockets are not
     thread-safe): :meth:`publish` only queues. Keeps the last ``keep`` batches for replay."""
 
-    def __init__(self, host: str = "127.0.0.1", form: Form = "positional", keep: int = 10_000) -> None:
+    def __init__(self, host: str = "127.0.0.1", form: Form = "positional", keep: int = 10_000, *,
+                 endpoint: str | None = None, replay_endpoint: str | None = None) -> None:
+        # ``endpoint`` / ``replay_endpoint``: bind these (``tcp://HOST:PORT``) instead of
+        # random ports on ``host`` (our serving instances publish on configured ports).
         self.form = form
         self.keep = keep
         self._ctx = zmq.Context()
@@ -45,25 +48,39 @@ class EventPublisher:
         self.sent = 0
         ready = threading.Event()
         self._err: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(host, ready), name="standin-events", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(host, ready, endpoint, replay_endpoint),
+                                        name="kv-events-pub", daemon=True)
         self._thread.start()
         if not ready.wait(10) or self._err is not None:
-            raise RuntimeError(f"the stand-in event publisher did not start: {self._err}")
+            self._ctx.term()
+            raise RuntimeError(f"the KV event publisher did not start: {self._err}")
 
     def publish(self, events: list[KVEvent]) -> None:
         if events:
             self._q.put(events)
 
-    def _run(self, host: str, ready: threading.Event) -> None:
+    def _run(self, host: str, ready: threading.Event, endpoint: str | None, replay_endpoint: str | None) -> None:
+        pub = router = None
         try:
             pub = self._ctx.socket(zmq.PUB)
             router = self._ctx.socket(zmq.ROUTER)
             for sock in (pub, router):
                 sock.setsockopt(zmq.LINGER, 0)
-            self.endpoint = f"tcp://{host}:{pub.bind_to_random_port(f'tcp://{host}')}"
-            self.replay_endpoint = f"tcp://{host}:{router.bind_to_random_port(f'tcp://{host}')}"
+            if endpoint is None:
+                self.endpoint = f"tcp://{host}:{pub.bind_to_random_port(f'tcp://{host}')}"
+            else:
+                pub.bind(endpoint)
+                self.endpoint = endpoint
+            if replay_endpoint is None:
+                self.replay_endpoint = f"tcp://{host}:{router.bind_to_random_port(f'tcp://{host}')}"
+            else:
+                router.bind(replay_endpoint)
+                self.replay_endpoint = replay_endpoint
         except BaseException as e:  # noqa: BLE001 - reported by the constructor
             self._err = e
+            for sock in (pub, router):
+                if sock is not None:
+                    sock.close(0)
             ready.set()
             return
         ready.set()

@@ -65,6 +65,12 @@ class Instance:
         self.role: PrefillRole | DecodeRole = role_cls(spec, self.engine, self.store, self.transport, self.endpoint,
                                                        self.ch.send, self.peers, self.flush_store_events)
         self._pins: dict[int, list[Any]] = {}
+        self.kv_events = None
+        if spec.kv_events is not None and spec.role == "prefill":
+            from .kv_events import KVEventsOut
+
+            self.kv_events = KVEventsOut(spec.kv_events, spec.kv_events_replay, spec.block_size)
+            self.role.kv_events = self.kv_events
         self.stopped = False
         # the latest memory use, refreshed by the loop every beat period: what a worker's
         # beat thread sends (it never reads the engine itself), and in-process the beat
@@ -99,6 +105,8 @@ class Instance:
                 self._beat()
         finally:
             self.transport.close()
+            if self.kv_events is not None:
+                self.kv_events.close()
 
     def handle(self, src: int, msg: Message | Lost) -> None:
         try:
@@ -172,6 +180,8 @@ class Instance:
         events = self.store.drain_events()
         if events and self.spec.role == "prefill":
             self.ch.send(StoreEvents(events))
+            if self.kv_events is not None:
+                self.kv_events.on_store_events(events)
 
     @staticmethod
     def now() -> float:

@@ -1,0 +1,119 @@
+"""KV events out: a Cluster's prefill instance publishes its store events in the vLLM/SGLang
+ZMQ wire format, and our own subscriber rebuilds exactly what the conductor's index holds
+for it (both tiers, after evictions), from token_ids alone."""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+
+from mooncake_rs import BlockIndex, InvalidArgument, PrefixHasher  # noqa: E402
+from mooncake_rs.engine import ModelConfig, SamplingParams  # noqa: E402
+from mooncake_rs.interop import Ingestor, KVEventSubscriber  # noqa: E402
+from mooncake_rs.interop.targets import TierTarget  # noqa: E402
+from mooncake_rs.serving.kv_events import endpoints_for  # noqa: E402
+from serving_helpers import BLOCK  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=4)
+
+
+def _free_port_pair() -> int:
+    """A port P with P and P + 1 free on 127.0.0.1 (checked just now; good enough for a test)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            p = a.getsockname()[1]
+            if p >= 65535:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", p + 1))
+                except OSError:
+                    continue
+        return p
+    raise RuntimeError("no two consecutive free ports")
+
+
+def _ours(index: BlockIndex, hashes: list[int], inst: int) -> dict[int, set[str]]:
+    out: dict[int, set[str]] = {}
+    for h in hashes:
+        tiers = {t for i, t in index.holders(h) if i == inst}
+        if tiers:
+            out[h] = tiers
+    return out
+
+
+def test_published_events_rebuild_the_conductor_index(tmp_path):
+    from mooncake_rs import Cluster
+
+    rng = random.Random(7)
+    prompts = [[rng.randrange(256) for _ in range(10 * BLOCK)] + [k] for k in range(3)]
+    prompts.append(prompts[0][:6 * BLOCK] + [rng.randrange(256) for _ in range(3 * BLOCK)] + [9])  # shared prefix
+    hasher = PrefixHasher(BLOCK, seed=0)  # what the cluster hashes prompts with
+    every = sorted({h for p in prompts for h in hasher.hash(p)})
+    port = _free_port_pair()
+    mine = BlockIndex()
+    # 16 DRAM blocks and an SSD tier: the prompts' 33 distinct blocks evict and demote
+    with Cluster(ModelConfig.tiny(), prefill=1, decode=1, block_size=BLOCK, dram_bytes_per_instance=16 * 8192,
+                 ssd_path=str(tmp_path), ssd_bytes_per_instance=12 * 8192, seed=3,
+                 kv_events=f"tcp://127.0.0.1:{port}") as c:
+        pub, replay = c.kv_event_endpoints["prefill-0"]
+        assert (pub, replay) == (f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}")
+        ing = Ingestor(TierTarget(mine), 0, PrefixHasher(BLOCK, seed=0))
+        sub = KVEventSubscriber(pub, ing, replay_endpoint=replay)
+        sub.start()
+        try:
+            time.sleep(0.2)  # a late join is caught up through the replay anyway
+            for p in prompts + [prompts[0]]:  # the last one promotes its blocks back from SSD
+                c.generate([p], GREEDY)
+            assert c.instance_stats()[0]["evictions"] > 0
+            deadline = time.monotonic() + 20
+            while True:
+                want, got = _ours(c.conductor.index, every, 0), _ours(mine, every, 0)
+                if want == got or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            assert got == want
+            assert any("ssd" in t for t in want.values()) and any("dram" in t for t in want.values())
+            assert len(want) < len(every)  # some blocks left both tiers
+            assert len(mine) == len(c.conductor.index)  # nothing the cluster does not list
+            st = ing.stats()
+            assert st.orphans == st.mismatched == st.resets == 0
+            assert st.removed_blocks > 0 and st.stored_blocks > 0
+            deadline = time.monotonic() + 10
+            while sub.stats.messages == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            c.close()  # the instance says AllBlocksCleared as it stops
+            deadline = time.monotonic() + 10
+            while len(mine) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            sub.stop()
+    assert len(mine) == 0
+    assert ing.stats().cleared == 1
+
+
+def test_endpoints_for():
+    names = ["prefill-0", "prefill-1"]
+    assert endpoints_for(None, names) == {}
+    assert endpoints_for("tcp://127.0.0.1:6000", names) == {
+        "prefill-0": ("tcp://127.0.0.1:6000", "tcp://127.0.0.1:6001"),
+        "prefill-1": ("tcp://127.0.0.1:6002", "tcp://127.0.0.1:6003")}
+    assert endpoints_for({"prefill-1": "tcp://127.0.0.1:7000"}, names) == {
+        "prefill-1": ("tcp://127.0.0.1:7000", "tcp://127.0.0.1:7001")}
+    for bad in ("127.0.0.1:6000", "tcp://127.0.0.1", "tcp://127.0.0.1:0", "tcp://:6000", "tcp://h:65535",
+                {"decode-0": "tcp://127.0.0.1:7000"}, {"prefill-0": "tcp://127.0.0.1:x"}, 6000):
+        with pytest.raises(InvalidArgument):
+            endpoints_for(bad, names)
+
+
+def test_bad_kv_events_fails_before_starting():
+    from mooncake_rs import Cluster
+
+    with pytest.raises(InvalidArgument, match="tcp://HOST:PORT"):
+        Cluster(ModelConfig.tiny(), prefill=1, decode=1, block_size=BLOCK, kv_events="localhost:5557")
