@@ -117,3 +117,43 @@ def test_bad_kv_events_fails_before_starting():
 
     with pytest.raises(InvalidArgument, match="tcp://HOST:PORT"):
         Cluster(ModelConfig.tiny(), prefill=1, decode=1, block_size=BLOCK, kv_events="localhost:5557")
+
+
+def test_worker_processes_publish_too():
+    """``processes=True``: each worker process binds its own publisher (the spec carries it)."""
+    from mooncake_rs import Cluster
+
+    rng = random.Random(8)
+    prompts = [[rng.randrange(256) for _ in range(4 * BLOCK)] + [k] for k in range(2)]
+    port = _free_port_pair()
+    with socket.socket() as s:  # the second instance's pair must be free too
+        try:
+            s.bind(("127.0.0.1", port + 2))
+        except OSError:
+            pytest.skip("port PORT + 2 is taken")
+    mine = BlockIndex()
+    with Cluster(ModelConfig.tiny(), prefill=2, decode=1, block_size=BLOCK, dram_bytes_per_instance=8 << 20,
+                 seed=3, processes=True, kv_events=f"tcp://127.0.0.1:{port}") as c:
+        subs = []
+        for slot, name in enumerate(["prefill-0", "prefill-1"]):
+            pub, replay = c.kv_event_endpoints[name]
+            sub = KVEventSubscriber(pub, Ingestor(TierTarget(mine), slot, PrefixHasher(BLOCK, seed=0)),
+                                    replay_endpoint=replay)
+            sub.start()
+            subs.append(sub)
+        try:
+            for p in prompts:
+                c.generate([p], GREEDY)
+            every = [h for p in prompts for h in PrefixHasher(BLOCK, seed=0).hash(p)]
+            deadline = time.monotonic() + 20
+            while True:
+                want = {i: _ours(c.conductor.index, every, i) for i in (0, 1)}
+                got = {i: _ours(mine, every, i) for i in (0, 1)}
+                if (want == got and sum(len(v) for v in got.values()) == len(every)) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            assert got == want
+            assert sum(len(v) for v in got.values()) == len(every)  # nothing evicted: every block listed
+        finally:
+            for sub in subs:
+                sub.stop()
