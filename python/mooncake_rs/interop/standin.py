@@ -60,7 +60,8 @@ class EventPublisher:
             self._q.put(events)
 
     def _run(self, host: str, ready: threading.Event, endpoint: str | None, replay_endpoint: str | None) -> None:
-        pub = router = None
+        pub: zmq.Socket[bytes] | None = None
+        router: zmq.Socket[bytes] | None = None
         try:
             pub = self._ctx.socket(zmq.PUB)
             router = self._ctx.socket(zmq.ROUTER)
@@ -78,11 +79,13 @@ class EventPublisher:
                 self.replay_endpoint = replay_endpoint
         except BaseException as e:  # noqa: BLE001 - reported by the constructor
             self._err = e
-            for sock in (pub, router):
-                if sock is not None:
-                    sock.close(0)
+            if pub is not None:
+                pub.close(0)
+            if router is not None:
+                router.close(0)
             ready.set()
             return
+        assert pub is not None and router is not None  # bound above
         ready.set()
         buf: list[tuple[int, bytes]] = []
         seq = 0

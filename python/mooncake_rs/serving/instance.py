@@ -23,6 +23,7 @@ from .._core import BlockHashes
 from .arena import StoreSlots
 from .control import CLUSTER, Lost
 from .decode import DecodeRole
+from .kv_events import KVEventsOut
 from .prefill import PrefillRole
 from .protocol import (PROTOCOL_VERSION, Beat, Endpoint, Export, Exported, Failed, InstanceSpec, Measure, Message,
                        PeerLost, Ready, Stats, StatsReply, Stop, StoreEvents, Timings, Unpin)
@@ -65,10 +66,9 @@ class Instance:
         self.role: PrefillRole | DecodeRole = role_cls(spec, self.engine, self.store, self.transport, self.endpoint,
                                                        self.ch.send, self.peers, self.flush_store_events)
         self._pins: dict[int, list[Any]] = {}
-        self.kv_events = None
-        if spec.kv_events is not None and spec.role == "prefill":
-            from .kv_events import KVEventsOut
-
+        self.kv_events: KVEventsOut | None = None
+        if spec.kv_events is not None and isinstance(self.role, PrefillRole):
+            # KV events out: this instance's store events, for indexers outside the cluster
             self.kv_events = KVEventsOut(spec.kv_events, spec.kv_events_replay, spec.block_size)
             self.role.kv_events = self.kv_events
         self.stopped = False
