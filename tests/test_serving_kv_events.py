@@ -12,6 +12,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+from mooncake_rs import BlockHashes as BlockHashesOf  # noqa: E402
 from mooncake_rs import BlockIndex, InvalidArgument, PrefixHasher  # noqa: E402
 from mooncake_rs.engine import ModelConfig, SamplingParams  # noqa: E402
 from mooncake_rs.interop import Ingestor, KVEventSubscriber  # noqa: E402
@@ -96,6 +97,91 @@ def test_published_events_rebuild_the_conductor_index(tmp_path):
             sub.stop()
     assert len(mine) == 0
     assert ing.stats().cleared == 1
+
+
+def _commit(store, key: int) -> None:
+    blk = store.reserve(key).commit()
+    if blk is not None:
+        blk.release()
+
+
+def test_publisher_events_from_a_real_store():
+    """Store events -> wire events: runs of a chain in one BlockStored with the right tokens,
+    evictions as BlockRemoved, forgotten tokens not published, AllBlocksCleared on close."""
+    import zmq
+
+    from mooncake_rs import Store
+    from mooncake_rs.interop.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_message
+    from mooncake_rs.serving.kv_events import KVEventsOut
+
+    bs = 4
+    hasher = PrefixHasher(bs, seed=0)
+    prompt = list(range(100, 100 + 3 * bs)) + [7]
+    keys = hasher.hash(prompt)
+    other = [5] * bs
+    okey = hasher.hash(other)[0]
+    port = _free_port_pair()
+    out = KVEventsOut(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", bs, capacity=3)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(out.endpoint)
+    try:
+        # PUB drops messages until the SUB has joined: probe until one arrives
+        deadline = time.monotonic() + 10
+        store = Store(4096, 2 * 4096)
+        out.learn(BlockHashesOf(keys), prompt)
+        while True:
+            out._send([AllBlocksCleared()])
+            if sub.poll(100):
+                sub.recv_multipart()
+                break
+            assert time.monotonic() < deadline
+        while sub.poll(100):
+            sub.recv_multipart()
+        for k in keys:  # 2 slots: the first block is evicted when the third comes
+            _commit(store, k)
+        out.on_store_events(store.drain_events_batch().to_bytes())
+        msg = decode_message(sub.recv_multipart())
+        evs = msg.batch.events
+        assert [isinstance(e, t) for e, t in zip(evs, (BlockStored, BlockRemoved, BlockStored))] == [True] * 3
+        assert len(evs) == 3
+        first, gone, third = evs
+        assert first.block_hashes == [k.to_bytes(16, "big") for k in keys[:2]]
+        assert first.parent_block_hash is None and first.token_ids == prompt[:2 * bs]
+        assert first.medium == "CPU" and first.block_size == bs
+        assert gone.block_hashes == [keys[0].to_bytes(16, "big")] and gone.medium == "CPU"
+        assert third.parent_block_hash == keys[1].to_bytes(16, "big") and third.token_ids == prompt[2 * bs:3 * bs]
+        # the map holds 3 blocks: learning a 4th forgets the prompt's first
+        out.learn(BlockHashesOf([okey]), other)
+        store2 = Store(4096, 4 * 4096)
+        _commit(store2, keys[0])
+        _commit(store2, okey)
+        out.on_store_events(store2.drain_events_batch().to_bytes())
+        (only,) = decode_message(sub.recv_multipart()).batch.events
+        assert only.block_hashes == [okey.to_bytes(16, "big")] and only.token_ids == other
+        assert out.untracked == 1
+        n = msg.seq
+    finally:
+        out.close()
+    frames = sub.recv_multipart() if sub.poll(2000) else None
+    sub.close(0)
+    ctx.term()
+    assert frames is not None
+    last = decode_message(frames)
+    assert last.seq == n + 2 and len(last.batch.events) == 1 and isinstance(last.batch.events[0], AllBlocksCleared)
+
+
+def test_publisher_port_taken():
+    from mooncake_rs.serving.kv_events import KVEventsOut
+
+    port = _free_port_pair()
+    first = KVEventsOut(f"tcp://127.0.0.1:{port}", None, 4)
+    try:
+        with pytest.raises(InvalidArgument, match="pick free ports"):
+            KVEventsOut(f"tcp://127.0.0.1:{port}", None, 4)
+    finally:
+        first.close()
 
 
 def test_endpoints_for():

@@ -110,7 +110,12 @@ class KVEventsOut:
         """Stored blocks not published because their tokens were no longer known."""
         self.published = 0
         """Events handed to the publisher."""
-        self._pub = EventPublisher(form="positional", keep=keep, endpoint=endpoint, replay_endpoint=replay_endpoint)
+        try:
+            self._pub = EventPublisher(form="positional", keep=keep, endpoint=endpoint,
+                                       replay_endpoint=replay_endpoint)
+        except RuntimeError as e:  # the port is taken, or the host is not this machine's
+            raise InvalidArgument(f"cannot publish KV events on {endpoint} (replay {replay_endpoint}): {e}; "
+                                  "pick free ports in kv_events") from None
         self.endpoint = endpoint
         self.replay_endpoint: str = self._pub.replay_endpoint  # None: a random port on 127.0.0.1
 
@@ -132,6 +137,22 @@ class KVEventsOut:
         if not data:
             return
         out: list[KVEvent] = []
+        # a run of stored blocks of one chain (each the parent of the next, one medium)
+        # goes out as one BlockStored, as engines publish a request's new blocks
+        run: list[int] = []
+        run_parent: int | None = None
+        run_tokens = array("I")
+        run_medium = ""
+
+        def end_run() -> None:
+            if run:
+                out.append(BlockStored(block_hashes=[_wire_hash(k) for k in run],
+                                       parent_block_hash=None if run_parent is None else _wire_hash(run_parent),
+                                       token_ids=run_tokens.tolist(), block_size=self.block_size,
+                                       medium=run_medium))
+                run.clear()
+                del run_tokens[:]
+
         for ev in StoreEvents.from_bytes(data):
             kind, key, medium = ev.kind, ev.key, MEDIUM_OF_TIER.get(ev.tier, ev.tier.upper())
             if kind in ("stored", "promoted", "demoted"):
@@ -140,12 +161,19 @@ class KVEventsOut:
                     self.untracked += 1
                     continue
                 parent, toks = known
-                out.append(BlockStored(block_hashes=[_wire_hash(key)],
-                                       parent_block_hash=None if parent is None else _wire_hash(parent),
-                                       token_ids=array("I", toks).tolist(), block_size=self.block_size,
-                                       medium=medium))
+                if not run or run[-1] != parent or run_medium != medium:
+                    end_run()
+                    run_parent, run_medium = parent, medium
+                run.append(key)
+                run_tokens.frombytes(toks)
             elif kind in ("evicted", "removed"):
-                out.append(BlockRemoved(block_hashes=[_wire_hash(key)], medium=medium))
+                end_run()
+                last = out[-1] if out else None
+                if isinstance(last, BlockRemoved) and last.medium == medium:
+                    last.block_hashes.append(_wire_hash(key))  # one event per run of removals
+                else:
+                    out.append(BlockRemoved(block_hashes=[_wire_hash(key)], medium=medium))
+        end_run()
         self._send(out)
 
     def _send(self, events: list[KVEvent]) -> None:
