@@ -69,7 +69,9 @@ class Instance:
         self.kv_events: KVEventsOut | None = None
         if spec.kv_events is not None and isinstance(self.role, PrefillRole):
             # KV events out: this instance's store events, for indexers outside the cluster
-            self.kv_events = KVEventsOut(spec.kv_events, spec.kv_events_replay, spec.block_size)
+            st = self.store.store.stats()
+            self.kv_events = KVEventsOut(spec.kv_events, spec.kv_events_replay, spec.block_size,
+                                         capacity=KVEventsOut.capacity_for(st.slots_dram + st.slots_ssd))
             self.role.kv_events = self.kv_events
         self.stopped = False
         # the latest memory use, refreshed by the loop every beat period: what a worker's

@@ -39,8 +39,8 @@ __all__ = ["KVEventsOut", "endpoints_for", "MEDIUM_OF_TIER"]
 MEDIUM_OF_TIER = {"dram": "CPU", "ssd": "DISK"}
 """The medium named in the events for each store tier."""
 
-#: blocks whose tokens are remembered by default (a few times a typical store's slots)
-DEFAULT_CAPACITY = 1 << 18
+#: blocks whose tokens are remembered when no store size is given
+DEFAULT_CAPACITY = 1 << 16
 
 
 def _wire_hash(key: int) -> bytes:
@@ -118,6 +118,12 @@ class KVEventsOut:
                                   "pick free ports in kv_events") from None
         self.endpoint = endpoint
         self.replay_endpoint: str = self._pub.replay_endpoint  # None: a random port on 127.0.0.1
+
+    @staticmethod
+    def capacity_for(store_slots: int) -> int:
+        """The token map's size for a store of ``store_slots`` (DRAM + SSD) slots: twice
+        that (prompts name blocks the store never keeps), at least 4096."""
+        return max(4096, 2 * store_slots)
 
     def learn(self, keys: bytes | BlockHashes, prompt: Sequence[int]) -> None:
         """Remember the tokens of each full block of ``prompt`` (``keys``: their hashes)."""
