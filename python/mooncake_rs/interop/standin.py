@@ -17,6 +17,7 @@ import asyncio
 import hashlib
 import queue
 import threading
+import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -104,7 +105,7 @@ class EventPublisher:
                     continue
                 if events is None:
                     return
-                payload = encode_batch(events, form=self.form)
+                payload = encode_batch(events, ts=time.time(), form=self.form)  # wall clock, as engines stamp it
                 buf.append((seq, payload))
                 del buf[:-self.keep]
                 pub.send_multipart(encode_message(seq, payload))
