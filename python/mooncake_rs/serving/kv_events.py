@@ -28,11 +28,13 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._core import BlockHashes, StoreEvents
 from ..errors import InvalidArgument
-from ..interop.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+if TYPE_CHECKING:  # the interop package is imported when an instance publishes, not before
+    from ..interop.events import KVEvent
 
 __all__ = ["KVEventsOut", "endpoints_for", "MEDIUM_OF_TIER"]
 
@@ -142,6 +144,8 @@ class KVEventsOut:
         """Publish one drained batch (``StoreSlots.drain_events()`` bytes) as one event batch."""
         if not data:
             return
+        from ..interop.events import BlockRemoved, BlockStored
+
         out: list[KVEvent] = []
         # a run of stored blocks of one chain (each the parent of the next, one medium)
         # goes out as one BlockStored, as engines publish a request's new blocks
@@ -189,6 +193,8 @@ class KVEventsOut:
 
     def close(self) -> None:
         """Tell subscribers this instance holds nothing any more, then stop the sockets."""
+        from ..interop.events import AllBlocksCleared
+
         self._send([AllBlocksCleared()])
         time.sleep(0.05)  # let the PUB thread send it before the sockets close
         self._pub.close()
