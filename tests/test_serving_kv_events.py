@@ -244,3 +244,46 @@ def test_worker_processes_publish_too():
         finally:
             for sub in subs:
                 sub.stop()
+
+
+def test_fetched_blocks_are_published_with_their_tokens():
+    """A prefill instance that fetches a prefix from its peer publishes those blocks too
+    (their tokens come from the request's prompt): both instances' indexes match."""
+    from mooncake_rs import Cluster
+
+    rng = random.Random(7)
+    prefix = [rng.randrange(256) for _ in range(6 * BLOCK)]
+    filler_prompt = [rng.randrange(256) for _ in range(1500)]
+    prompts = [prefix + [1, 2, 3], prefix + [9, 9]]
+    every = sorted({h for p in prompts + [filler_prompt] for h in PrefixHasher(BLOCK, seed=0).hash(p)})
+    port = _free_port_pair()
+    mine = BlockIndex()
+    with Cluster(ModelConfig.tiny(), prefill=2, decode=1, block_size=BLOCK, dram_bytes_per_instance=8 << 20,
+                 seed=3, kv_events=f"tcp://127.0.0.1:{port}") as c:
+        subs = []
+        for slot in (0, 1):
+            pub, replay = c.kv_event_endpoints[f"prefill-{slot}"]
+            sub = KVEventSubscriber(pub, Ingestor(TierTarget(mine), slot, PrefixHasher(BLOCK, seed=0)),
+                                    replay_endpoint=replay)
+            sub.start()
+            subs.append(sub)
+        try:
+            holder = c.generate([prompts[0]], GREEDY)[0].metrics.prefill_instance
+            filler = c.submit(filler_prompt, SamplingParams(max_tokens=2))
+            out = c.submit(prompts[1], GREEDY).result(60)
+            filler.result(60)
+            assert out.metrics.prefill_instance != holder and out.metrics.fetched_tokens > 0
+            fetcher = 1 - holder
+            deadline = time.monotonic() + 20
+            while True:
+                want = {i: _ours(c.conductor.index, every, i) for i in (0, 1)}
+                got = {i: _ours(mine, every, i) for i in (0, 1)}
+                if want == got or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            assert got == want
+            first = PrefixHasher(BLOCK, seed=0).hash(prefix)
+            assert all(h in got[fetcher] for h in first)  # the fetched prefix, rebuilt from tokens
+        finally:
+            for sub in subs:
+                sub.stop()
