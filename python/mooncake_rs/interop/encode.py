@@ -1,8 +1,9 @@
 """Encoding of KV event batches in the engines' wire format (both forms).
 
-Used by our own stand-in publishers (tests, benchmarks) and, later, to publish our
-stores' events so other indexers can index our instances. The positional form matches
-engines that declare their structs ``array_like``; the map form matches the others.
+Used by our own stand-in publishers (tests, benchmarks) and to publish our stores'
+events so other indexers can index our instances (serving/kv_events.py). The positional
+form matches engines that declare their structs ``array_like``; the map form matches the
+others.
 """
 
 from __future__ import annotations

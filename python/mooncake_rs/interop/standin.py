@@ -17,6 +17,7 @@ import asyncio
 import hashlib
 import queue
 import threading
+import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -37,7 +38,10 @@ class EventPublisher:
     """PUB + replay ROUTER on 127.0.0.1, both owned by one thread (ZMQ sockets are not
     thread-safe): :meth:`publish` only queues. Keeps the last ``keep`` batches for replay."""
 
-    def __init__(self, host: str = "127.0.0.1", form: Form = "positional", keep: int = 10_000) -> None:
+    def __init__(self, host: str = "127.0.0.1", form: Form = "positional", keep: int = 10_000, *,
+                 endpoint: str | None = None, replay_endpoint: str | None = None) -> None:
+        # ``endpoint`` / ``replay_endpoint``: bind these (``tcp://HOST:PORT``) instead of
+        # random ports on ``host`` (our serving instances publish on configured ports).
         self.form = form
         self.keep = keep
         self._ctx = zmq.Context()
@@ -45,27 +49,44 @@ class EventPublisher:
         self.sent = 0
         ready = threading.Event()
         self._err: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(host, ready), name="standin-events", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(host, ready, endpoint, replay_endpoint),
+                                        name="kv-events-pub", daemon=True)
         self._thread.start()
         if not ready.wait(10) or self._err is not None:
-            raise RuntimeError(f"the stand-in event publisher did not start: {self._err}")
+            self._ctx.term()
+            raise RuntimeError(f"the KV event publisher did not start: {self._err}")
 
     def publish(self, events: list[KVEvent]) -> None:
         if events:
             self._q.put(events)
 
-    def _run(self, host: str, ready: threading.Event) -> None:
+    def _run(self, host: str, ready: threading.Event, endpoint: str | None, replay_endpoint: str | None) -> None:
+        pub: zmq.Socket[bytes] | None = None
+        router: zmq.Socket[bytes] | None = None
         try:
             pub = self._ctx.socket(zmq.PUB)
             router = self._ctx.socket(zmq.ROUTER)
             for sock in (pub, router):
                 sock.setsockopt(zmq.LINGER, 0)
-            self.endpoint = f"tcp://{host}:{pub.bind_to_random_port(f'tcp://{host}')}"
-            self.replay_endpoint = f"tcp://{host}:{router.bind_to_random_port(f'tcp://{host}')}"
+            if endpoint is None:
+                self.endpoint = f"tcp://{host}:{pub.bind_to_random_port(f'tcp://{host}')}"
+            else:
+                pub.bind(endpoint)
+                self.endpoint = endpoint
+            if replay_endpoint is None:
+                self.replay_endpoint = f"tcp://{host}:{router.bind_to_random_port(f'tcp://{host}')}"
+            else:
+                router.bind(replay_endpoint)
+                self.replay_endpoint = replay_endpoint
         except BaseException as e:  # noqa: BLE001 - reported by the constructor
             self._err = e
+            if pub is not None:
+                pub.close(0)
+            if router is not None:
+                router.close(0)
             ready.set()
             return
+        assert pub is not None and router is not None  # bound above
         ready.set()
         buf: list[tuple[int, bytes]] = []
         seq = 0
@@ -84,7 +105,7 @@ class EventPublisher:
                     continue
                 if events is None:
                     return
-                payload = encode_batch(events, form=self.form)
+                payload = encode_batch(events, ts=time.time(), form=self.form)  # wall clock, as engines stamp it
                 buf.append((seq, payload))
                 del buf[:-self.keep]
                 pub.send_multipart(encode_message(seq, payload))

@@ -40,6 +40,7 @@ from .._core import (Conductor, ConductorConfig, DecodeCostModel, PrefillCostMod
                      TransferRegistry)
 from ..errors import InvalidArgument, MooncakeError, Overloaded, TransferTimeout
 from .handle import RequestHandle, wait_seconds
+from .kv_events import endpoints_for
 from .lifecycle import CancelRequest, Plan
 from .control import Lost
 from .limits import Limits
@@ -118,6 +119,10 @@ class _RouterPort:
         return self._c._now()
 
 
+def _kv_events_of(eps: tuple[str, str] | None) -> dict[str, str]:
+    return {} if eps is None else {"kv_events": eps[0], "kv_events_replay": eps[1]}
+
+
 class Cluster:
     """An embedded cluster: ``prefill`` + ``decode`` instances and a conductor (see docs/serving.md).
 
@@ -132,7 +137,10 @@ class Cluster:
     ``heartbeat_timeout_s`` (how long a silent instance may go before it is declared
     down and its requests failed: a worker process is killed, an in-process instance
     whose loop stopped turning is marked down and fenced, see liveness.py; None
-    disables the watchdog).
+    disables the watchdog), ``kv_events`` (publish each prefill instance's store events in
+    the vLLM/SGLang ZMQ format: ``"tcp://HOST:PORT"``, the i-th prefill instance on PORT + 2i
+    and its replay on PORT + 2i + 1, or ``{instance name: "tcp://HOST:PORT"}``; see
+    ``kv_event_endpoints`` and serving/kv_events.py).
     """
 
     def __init__(self, model: Any = "tiny", prefill: int = 2, decode: int = 1, block_size: int = 16,
@@ -141,7 +149,7 @@ class Cluster:
                  rejection: str = "none", prefix_reuse: bool = True, stream_layers: bool = True,
                  engine_kwargs: dict[str, Any] | None = None, start_timeout_s: float = 180.0,
                  link_bandwidth: float | None = None, ssd_bytes_per_instance: int | None = None,
-                 heartbeat_timeout_s: float | None = 10.0) -> None:
+                 heartbeat_timeout_s: float | None = 10.0, kv_events: str | dict[str, str] | None = None) -> None:
         if not isinstance(prefill, int) or not isinstance(decode, int) or prefill < 1 or decode < 1:
             raise InvalidArgument("a cluster needs prefill >= 1 and decode >= 1 instances")
         if not isinstance(block_size, int) or block_size < 1:
@@ -187,6 +195,8 @@ class Cluster:
         self.conductor = self._new_conductor(self._prefill_model)
         names = {i: f"prefill-{i}" for i in self.prefill_ids} | {
             i: f"decode-{i - prefill}" for i in self.decode_ids}
+        #: prefill instance name -> (PUB, replay ROUTER) of its KV events (serving/kv_events.py)
+        self.kv_event_endpoints = endpoints_for(kv_events, [names[i] for i in self.prefill_ids])
         self._router = Router(_RouterPort(self), names)
         self._router_thread = threading.Thread(target=self._router.run, name="mooncake-router", daemon=True)
         self._router_thread.start()
@@ -198,7 +208,8 @@ class Cluster:
                                   ssd_path=None if ssd_path is None else os.path.join(ssd_path, names[i]),
                                   ssd_bytes=ssd_bytes,
                                   # a few beats per timeout, so one late beat is no false alarm
-                                  heartbeat_s=(self._heartbeat_timeout_s or 0.0) / 4)
+                                  heartbeat_s=(self._heartbeat_timeout_s or 0.0) / 4,
+                                  **_kv_events_of(self.kv_event_endpoints.get(names[i])))
                      for i in self.prefill_ids + self.decode_ids]
             self._members.update(spawn_all(specs, self.processes, self._router.events, self._registry,
                                            self._transfer_token))

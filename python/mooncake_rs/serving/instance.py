@@ -23,6 +23,7 @@ from .._core import BlockHashes
 from .arena import StoreSlots
 from .control import CLUSTER, Lost
 from .decode import DecodeRole
+from .kv_events import KVEventsOut
 from .prefill import PrefillRole
 from .protocol import (PROTOCOL_VERSION, Beat, Endpoint, Export, Exported, Failed, InstanceSpec, Measure, Message,
                        PeerLost, Ready, Stats, StatsReply, Stop, StoreEvents, Timings, Unpin)
@@ -65,6 +66,13 @@ class Instance:
         self.role: PrefillRole | DecodeRole = role_cls(spec, self.engine, self.store, self.transport, self.endpoint,
                                                        self.ch.send, self.peers, self.flush_store_events)
         self._pins: dict[int, list[Any]] = {}
+        self.kv_events: KVEventsOut | None = None
+        if spec.kv_events is not None and isinstance(self.role, PrefillRole):
+            # KV events out: this instance's store events, for indexers outside the cluster
+            st = self.store.store.stats()
+            self.kv_events = KVEventsOut(spec.kv_events, spec.kv_events_replay, spec.block_size,
+                                         capacity=KVEventsOut.capacity_for(st.slots_dram + st.slots_ssd))
+            self.role.kv_events = self.kv_events
         self.stopped = False
         # the latest memory use, refreshed by the loop every beat period: what a worker's
         # beat thread sends (it never reads the engine itself), and in-process the beat
@@ -99,6 +107,8 @@ class Instance:
                 self._beat()
         finally:
             self.transport.close()
+            if self.kv_events is not None:
+                self.kv_events.close()
 
     def handle(self, src: int, msg: Message | Lost) -> None:
         try:
@@ -172,6 +182,8 @@ class Instance:
         events = self.store.drain_events()
         if events and self.spec.role == "prefill":
             self.ch.send(StoreEvents(events))
+            if self.kv_events is not None:
+                self.kv_events.on_store_events(events)
 
     @staticmethod
     def now() -> float:

@@ -85,6 +85,8 @@ class _PState:
 
 
 class PrefillRole:
+    kv_events: Any = None  # a kv_events.KVEventsOut, set by the instance when it publishes
+
     def __init__(self, spec: InstanceSpec, engine: Any, store: Any, transport: Any, endpoint: Endpoint,
                  up: Callable[[Message], None], peers: dict[int, Any], flush: Callable[[], None]) -> None:
         self.spec, self.engine, self.store, self.transport = spec, engine, store, transport
@@ -131,6 +133,8 @@ class PrefillRole:
         st = _PState(rid, keys, len(msg.prompt), msg.dest, msg.dest.arena.as_dict(), msg.decode, time.monotonic())
         st.msg = msg
         self.reqs[rid] = st
+        if self.kv_events is not None:  # the tokens of the blocks this request may store
+            self.kv_events.learn(keys, msg.prompt)
         slots: list[Any] = store.lookup_prefix(keys[:msg.local])
         st.leases = slots
         fetch = msg.fetch

@@ -164,6 +164,9 @@ class InstanceSpec(_Base, frozen=True):
     ssd_bytes: int = 0
     #: seconds between heartbeats of a worker process (0: none; in-process instances send none)
     heartbeat_s: float = 0.0
+    #: KV events out (serving/kv_events.py): a prefill instance's PUB and replay ROUTER endpoints
+    kv_events: Union[str, None] = None
+    kv_events_replay: Union[str, None] = None
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
