@@ -164,6 +164,9 @@ class InstanceSpec(_Base, frozen=True):
     ssd_bytes: int = 0
     #: seconds between heartbeats of a worker process (0: none; in-process instances send none)
     heartbeat_s: float = 0.0
+    #: a decode instance registers its arena ``restricted`` and grants each request's
+    #: prefill write access to exactly its reserved slots (``Cluster(kv_grants=True)``)
+    kv_grants: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -179,6 +182,11 @@ class Init(_Msg, frozen=True, tag="init"):
     spec: InstanceSpec
     auth_token: str
     peers: dict[int, int] = {}  # peer instance id -> fd
+    #: ``kv_grants``: this instance's own transfer token (its engine runs with it instead
+    #: of ``auth_token``), and every other instance's engine name -> its token (what this
+    #: engine's server asks a client announcing that name to prove); empty: none
+    token: str = ""
+    peer_tokens: dict[str, str] = {}
 
 
 class Ready(_Msg, frozen=True, tag="ready"):
@@ -221,6 +229,10 @@ class Expect(_Msg, frozen=True, tag="expect"):
     local: int  # leading blocks the prefill instance holds itself
     fetch: Union[Fetch, None]
     prefill: int
+    #: the prefill's transfer engine name (what a ``kv_grants`` decode grants its slots to)
+    prefill_name: str = ""
+    #: the request's deadline (monotonic seconds of this host), None: none
+    deadline: Union[float, None] = None
 
     def __post_init__(self) -> None:
         _check_keys(self.keys)
