@@ -6,6 +6,7 @@ the cluster token (or another prefill's) cannot pass for it.
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
@@ -50,6 +51,20 @@ def test_greedy_outputs_equal_a_single_engine_and_no_grant_outlives_them(cluster
     assert grants_left(cluster) == 0
     d = cluster.decode_ids[0]
     assert cluster.instance_stats()[d]["requests"] == 0
+
+
+def test_a_prefix_fetched_from_another_prefill_still_works(cluster):
+    # prefill arenas stay remote_readonly and unrestricted; across processes the reader
+    # proves its own token to the holder, which lists it
+    rng = random.Random(11)
+    prefix = [rng.randrange(256) for _ in range(6 * BLOCK)]
+    holder = cluster.generate([prefix + [4]], GREEDY)[0].metrics.prefill_instance
+    filler = cluster.submit([rng.randrange(256) for _ in range(1500)], SamplingParams(max_tokens=2))
+    out = cluster.submit(prefix + [8, 8, 8], GREEDY).result(60)
+    filler.result(60)
+    assert out.metrics.prefill_instance != holder and out.metrics.fetched_tokens > 0
+    assert out.token_ids == reference_outputs([prefix + [8, 8, 8]], GREEDY, seed=3)[0]
+    assert grants_left(cluster) == 0
 
 
 def test_a_peer_without_a_grant_cannot_write_a_decode_arena(cluster):
