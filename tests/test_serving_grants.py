@@ -120,3 +120,25 @@ def test_a_cancel_mid_request_leaves_no_grant(cluster):
         time.sleep(0.05)
     # and the cluster still serves
     assert len(cluster.generate([[1, 2, 3]], GREEDY)[0].token_ids) == 6
+
+
+def test_a_killed_prefill_leaves_no_grant_and_the_rest_go_on():
+    import os
+    import signal
+
+    with make(True) as c:
+        prompts = [list(range(i, i + 8 * BLOCK + 3)) for i in range(4)]
+        handles = [c.submit(p, SamplingParams(max_tokens=32)) for p in prompts]
+        victim = handles[0].prefill_instance
+        os.kill(c.pid_of(victim), signal.SIGKILL)  # while its requests' slots are granted to it
+        for h in handles:
+            try:
+                h.result(60)
+            except mc.MooncakeError:
+                assert h.prefill_instance == victim
+        end = time.monotonic() + 30
+        while grants_left(c) or c.instance_stats()[c.decode_ids[0]]["requests"]:
+            assert time.monotonic() < end, "a dead prefill's grants were not revoked"
+            time.sleep(0.05)
+        assert victim not in c.instances()
+        assert c.generate([[1, 2, 3]], GREEDY)[0].token_ids == reference_outputs([[1, 2, 3]], GREEDY, seed=3)[0]
