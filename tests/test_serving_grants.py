@@ -22,13 +22,20 @@ pytestmark = pytest.mark.timeout(300)
 GREEDY = SamplingParams(max_tokens=6)
 
 
-def make(processes: bool) -> mc.Cluster:
+def make(processes: bool, **kw) -> mc.Cluster:
     return mc.Cluster(ModelConfig.tiny(), prefill=2, decode=1, block_size=BLOCK, dram_bytes_per_instance=8 << 20,
-                      seed=3, processes=processes, kv_grants=True)
+                      seed=3, processes=processes, kv_grants=True, **kw)
 
 
 def grants_left(c: mc.Cluster) -> int:
     return int(sum(st["grants"] for st in c.instance_stats().values()))
+
+
+def wait_for_grants(c: mc.Cluster) -> None:
+    end = time.monotonic() + 30
+    while not grants_left(c):
+        assert time.monotonic() < end, "no grant was made for the requests in flight"
+        time.sleep(0.002)
 
 
 def write(eng, peer, local, region, offset, length):
@@ -126,10 +133,12 @@ def test_a_killed_prefill_leaves_no_grant_and_the_rest_go_on():
     import os
     import signal
 
-    with make(True) as c:
+    # a slow emulated link keeps the KV in flight (and the slots granted) for a while
+    with make(True, link_bandwidth=2e6) as c:
         prompts = [list(range(i, i + 8 * BLOCK + 3)) for i in range(4)]
         handles = [c.submit(p, SamplingParams(max_tokens=32)) for p in prompts]
         victim = handles[0].prefill_instance
+        wait_for_grants(c)
         os.kill(c.pid_of(victim), signal.SIGKILL)  # while its requests' slots are granted to it
         for h in handles:
             try:
@@ -142,3 +151,17 @@ def test_a_killed_prefill_leaves_no_grant_and_the_rest_go_on():
             time.sleep(0.05)
         assert victim not in c.instances()
         assert c.generate([[1, 2, 3]], GREEDY)[0].token_ids == reference_outputs([[1, 2, 3]], GREEDY, seed=3)[0]
+
+
+@pytest.mark.parametrize("processes", [False, True], ids=["in_process", "processes"])
+def test_a_cancel_while_the_slots_are_granted_revokes_them(processes):
+    with make(processes, link_bandwidth=2e6) as c:
+        h = c.submit(list(range(8 * BLOCK + 3)), SamplingParams(max_tokens=32))
+        wait_for_grants(c)  # reserved, granted, KV on its way
+        h.cancel()
+        with pytest.raises(mc.MooncakeError):
+            h.result(60)
+        end = time.monotonic() + 30
+        while grants_left(c) or c.instance_stats()[c.decode_ids[0]]["requests"]:
+            assert time.monotonic() < end, "a cancelled request left a grant behind"
+            time.sleep(0.05)
