@@ -2,7 +2,7 @@
 and KV transfer bandwidth during serving with worker processes vs the shm transport.
 
     python benches/serving_bench.py            # all three, a few minutes
-    python benches/serving_bench.py --only ttft|stream|transfer
+    python benches/serving_bench.py --only ttft|stream|transfer|transfer_grants
 
 1. TTFT of prompts of 8/16/32 blocks with 0/50/95% of the prefix cached (warmed by an
    earlier request) against the same prompts with prefix reuse disabled; compared with
@@ -100,6 +100,38 @@ def bench_stream(reps: int, link: float | None) -> None:
             print(f"{nb:6d} {med(ra) * 1e3:13.2f} {med(rb) * 1e3:9.2f} {med(rb) / med(ra):6.2f}")
 
 
+def _serve_kv(kv_grants: bool, rounds: int) -> dict[str, float]:
+    """KV moved prefill -> decode workers while serving, with ``kv_grants`` on or off."""
+    rng = random.Random(2)
+    with Cluster(WIDE, prefill=2, decode=1, block_size=64, seed=0, processes=True, prefix_reuse=False,
+                 dram_bytes_per_instance=256 << 20, kv_grants=kv_grants) as c:
+        for _ in range(3):  # warm-up: first contact of each pair (connect, shm map) not counted
+            c.generate([[rng.randrange(256) for _ in range(128)] for _ in range(4)], ONE)
+        base = c.instance_stats()
+        t0 = time.monotonic()
+        ready = []
+        for _ in range(rounds):
+            prompts = [[rng.randrange(256) for _ in range(64 * 24)] for _ in range(8)]
+            ready += [o.metrics.kv_ready_s for o in c.generate(prompts, SamplingParams(max_tokens=2))]
+        wall = time.monotonic() - t0
+        st = c.instance_stats()
+    moved = sum(st[i]["copied_bytes"] - base[i]["copied_bytes"] for i in (0, 1))
+    busy = sum(st[i]["copy_busy_s"] - base[i]["copy_busy_s"] for i in (0, 1))
+    return {"GBps": moved / max(busy, 1e-9) / 1e9, "MB": moved / 1e6, "kv_ready_ms": med(ready) * 1e3,
+            "wall_s": wall}
+
+
+def bench_transfer_grants(rounds: int = 3) -> None:
+    print("== kv_grants off vs on, processes=True (wide-KV model, 2 prefill + 1 decode, 24-block prompts); "
+          "on: restricted decode arena, per-request grants, per-prefill tokens: KV over TCP, not shm")
+    off, on = _serve_kv(False, rounds), _serve_kv(True, rounds)
+    print(f"{'':10s} {'GB/s in flight':>15s} {'KV-ready ms (median)':>21s} {'wall s':>7s} {'MB':>7s}")
+    for name, r in (("off (shm)", off), ("on (tcp)", on)):
+        print(f"{name:10s} {r['GBps']:15.2f} {r['kv_ready_ms']:21.2f} {r['wall_s']:7.2f} {r['MB']:7.1f}")
+    print(f"ratio on/off: bandwidth {on['GBps'] / off['GBps']:.2f}, KV-ready {on['kv_ready_ms'] / off['kv_ready_ms']:.2f}, "
+          f"wall {on['wall_s'] / off['wall_s']:.2f}")
+
+
 def bench_transfer(budget: float) -> None:
     print("== KV transfer during serving, processes=True (wide-KV model: 128 KiB per layer span, block 64)")
     from transfer_bench import bench_shm
@@ -140,7 +172,7 @@ def bench_transfer(budget: float) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", choices=("ttft", "stream", "transfer"))
+    ap.add_argument("--only", choices=("ttft", "stream", "transfer", "transfer_grants"))
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--model", choices=sorted(MODELS), default="tiny", help="model of the TTFT benchmark")
     ap.add_argument("--budget", type=float, default=3.0)
@@ -152,6 +184,8 @@ def main() -> None:
         bench_stream(args.reps, 50e6)
     if args.only in (None, "transfer"):
         bench_transfer(args.budget)
+    if args.only in (None, "transfer_grants"):
+        bench_transfer_grants()
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ def expect(fetch: p.Fetch | None = None, planned: bool | None = None) -> Send:
     """The Expect to decode; ``planned``: the decision had a fetch (so the prefill holds
     one block itself), even when the fetch itself fell through."""
     pl = plan(fetch is not None if planned is None else planned)
-    return Send(D, p.Expect(RID, pl.prompt, PARAMS, KEYS, pl.local, fetch, P))
+    return Send(D, p.Expect(RID, pl.prompt, PARAMS, KEYS, pl.local, fetch, P, prefill_name=NAMES[P],
+                            deadline=pl.deadline))
 
 
 def expect_unfetched() -> Send:

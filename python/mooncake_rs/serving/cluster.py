@@ -140,7 +140,12 @@ class Cluster:
     disables the watchdog), ``kv_events`` (publish each prefill instance's store events in
     the vLLM/SGLang ZMQ format: ``"tcp://HOST:PORT"``, the i-th prefill instance on PORT + 2i
     and its replay on PORT + 2i + 1, or ``{instance name: "tcp://HOST:PORT"}``; see
-    ``kv_event_endpoints`` and serving/kv_events.py).
+    ``kv_event_endpoints`` and serving/kv_events.py). ``kv_grants`` (True): each decode
+    arena is registered ``restricted`` and a request's prefill may write only its reserved
+    slots, while the request lasts (a transfer grant, revoked when the KV is in or the
+    request ends); with ``processes=True`` every worker also gets its own transfer token,
+    so no worker can pass for another. Costs the shm fast path: KV between workers goes
+    over TCP.
     """
 
     def __init__(self, model: Any = "tiny", prefill: int = 2, decode: int = 1, block_size: int = 16,
@@ -149,7 +154,8 @@ class Cluster:
                  rejection: str = "none", prefix_reuse: bool = True, stream_layers: bool = True,
                  engine_kwargs: dict[str, Any] | None = None, start_timeout_s: float = 180.0,
                  link_bandwidth: float | None = None, ssd_bytes_per_instance: int | None = None,
-                 heartbeat_timeout_s: float | None = 10.0, kv_events: str | dict[str, str] | None = None) -> None:
+                 heartbeat_timeout_s: float | None = 10.0, kv_events: str | dict[str, str] | None = None,
+                 kv_grants: bool = False) -> None:
         if not isinstance(prefill, int) or not isinstance(decode, int) or prefill < 1 or decode < 1:
             raise InvalidArgument("a cluster needs prefill >= 1 and decode >= 1 instances")
         if not isinstance(block_size, int) or block_size < 1:
@@ -180,6 +186,7 @@ class Cluster:
         self._stop_watch = threading.Event()
         self._token = uuid.uuid4().hex[:8]
         self._transfer_token = secrets.token_hex(32)  # the workers' transfer engines share it
+        self.kv_grants = bool(kv_grants)
         self._registry = TransferRegistry()  # in-process: how the instances' engines find each other
         self._members: dict[int, Member] = {}
         self._cfg_args: dict[str, Any] = dict(block_size=block_size, ttft_slo_s=float(ttft_slo_s), tbt_slo_s=float(tbt_slo_s),
@@ -209,10 +216,16 @@ class Cluster:
                                   ssd_bytes=ssd_bytes,
                                   # a few beats per timeout, so one late beat is no false alarm
                                   heartbeat_s=(self._heartbeat_timeout_s or 0.0) / 4,
+                                  kv_grants=self.kv_grants,
                                   **_kv_events_of(self.kv_event_endpoints.get(names[i])))
                      for i in self.prefill_ids + self.decode_ids]
+            # kv_grants across processes: a token of its own (sent privately in Init) for
+            # each instance that connects out, the prefills; a decode instance only serves
+            # (the cluster token authenticates unlisted names there, which hold no grant)
+            self._instance_tokens = {i: secrets.token_hex(32) for i in self.prefill_ids} \
+                if self.kv_grants and self.processes else {}
             self._members.update(spawn_all(specs, self.processes, self._router.events, self._registry,
-                                           self._transfer_token))
+                                           self._transfer_token, self._instance_tokens))
             deadline = time.monotonic() + start_timeout_s
             for m in self._members.values():
                 if not m.ready.wait(max(0.0, deadline - time.monotonic())) or m.error:

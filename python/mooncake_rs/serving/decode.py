@@ -13,6 +13,7 @@ in ``Expect``; the cluster sees none of the slot offsets.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -25,6 +26,10 @@ from .protocol import (Cancel, Dest, Endpoint, Expect, Failed, InstanceSpec, KvR
 
 __all__ = ["DecodeRole"]
 
+#: kv_grants: how long a request without a deadline may keep its slots' grants (they are
+#: revoked when the request ends; this only bounds a grant whose revoke never comes)
+GRANT_BOUND_S = 3600.0
+
 
 @dataclass
 class _DState:
@@ -35,12 +40,15 @@ class _DState:
     have: dict[int, Any] = field(default_factory=dict)  # block -> Block already held (leased)
     reserved: dict[int, Any] = field(default_factory=dict)  # block -> WritableBlock being filled
     partial: Any = None  # WritableBlock of the partial last block (request-scoped)
+    grantee: str = ""  # kv_grants: the prefill engine the slots are granted to
+    grants: list[int] = field(default_factory=list)  # kv_grants: the live grant ids
 
 
 class DecodeRole:
     def __init__(self, spec: InstanceSpec, engine: Any, store: Any, transport: Any, endpoint: Endpoint,
                  up: Callable[[Message], None], peers: dict[int, Any], flush: Callable[[], None]) -> None:
         self.spec, self.engine, self.store, self.endpoint = spec, engine, store, endpoint
+        self.transport = transport
         self.up = up  # to the cluster
         self.peers = peers  # prefill instance id -> link
         self.waiting: dict[int, _DState] = {}
@@ -94,7 +102,27 @@ class DecodeRole:
             return
         blocks = [None if i in st.have else store.offset(st.reserved[i]) for i in range(len(st.keys))]
         dest = Dest(self.endpoint, blocks, None if st.partial is None else store.offset(st.partial))
+        if self.spec.kv_grants:
+            try:
+                self._grant(st, msg, [o for o in blocks if o is not None] +
+                            ([] if dest.partial is None else [dest.partial]))
+            except Exception as e:  # noqa: BLE001 - a bad name or range fails this request only
+                self._cancel(rid)
+                self.up(Failed(rid, f"{type(e).__name__}: {e}"))
+                return
         link.send(Prefill(rid, msg.prompt, msg.params, msg.keys, msg.local, msg.fetch, dest, self.spec.id))
+
+    def _grant(self, st: _DState, msg: Expect, offsets: list[int]) -> None:
+        """Lets the request's prefill write exactly its reserved slots (one grant a slot:
+        a write never spans two), until its deadline (else ``GRANT_BOUND_S``); the grants
+        go when the slots are freed (KV in, cancelled, failed)."""
+        if not msg.prefill_name:
+            raise ProtocolError(f"Expect for request {msg.rid} names no prefill engine to grant its slots to")
+        left = GRANT_BOUND_S if msg.deadline is None else max(msg.deadline - time.monotonic(), 1e-3)
+        st.grantee = msg.prefill_name
+        nbytes = self.store.block_bytes
+        for off in offsets:
+            st.grants.append(self.transport.grant(st.grantee, off, nbytes, left))
 
     def _kv_ready(self, msg: KvReady) -> None:
         rid = msg.rid
@@ -150,8 +178,10 @@ class DecodeRole:
     def poll(self) -> None:
         pass
 
-    @staticmethod
-    def _free(st: _DState) -> None:
+    def _free(self, st: _DState) -> None:
+        for gid in st.grants:  # first: nobody may write the slots once they are freed
+            self.transport.revoke(st.grantee, gid)
+        st.grants = []
         for b in st.have.values():
             b.release()
         for wb in st.reserved.values():

@@ -48,7 +48,7 @@ def model_of(spec_model: Any) -> Any:
 
 class Instance:
     def __init__(self, spec: InstanceSpec, channel: Any, registry: Any = None, auth_token: str | None = None,
-                 peers: dict[int, Any] | None = None) -> None:
+                 peers: dict[int, Any] | None = None, peer_tokens: dict[str, str] | None = None) -> None:
         from ..engine import Engine
 
         self.spec = spec
@@ -59,7 +59,8 @@ class Instance:
         self.store = StoreSlots(self.layout.block_nbytes, spec.dram_bytes, shared_memory=registry is None,
                                 ssd_path=spec.ssd_path, ssd_bytes=spec.ssd_bytes, scope=spec.id)
         self.transport = Transport(spec.name, self.store.store, registry, spec.link_bandwidth,
-                                   auth_token=auth_token, peers_write=spec.role == "decode")
+                                   auth_token=auth_token, peers_write=spec.role == "decode",
+                                   restricted=spec.kv_grants and spec.role == "decode", peer_tokens=peer_tokens)
         ep: dict[str, Any] = self.transport.endpoint
         self.endpoint = Endpoint(str(ep["name"]), str(ep["address"]), int(ep["region"]))
         role_cls = PrefillRole if spec.role == "prefill" else DecodeRole
@@ -165,7 +166,9 @@ class Instance:
                                  "evictions": self.store.evictions,
                                  # what a finished or cancelled request must not leave behind
                                  "requests": self.role.tracked(), "pinned_requests": len(self._pins),
-                                 "free_pages": self.engine.num_free_pages, "pages": self.engine.cache.num_pages}
+                                 "free_pages": self.engine.num_free_pages, "pages": self.engine.cache.num_pages,
+                                 # live transfer grants on the arena (kv_grants: none once idle)
+                                 "grants": len(t.te.grants(t.region)) if t.region.restricted else 0}
         # messages this instance sent, by op (the hop count, docs/serving.md)
         for link in [self.ch, *self.peers.values()]:
             for op, n in link.counts.snapshot().items():

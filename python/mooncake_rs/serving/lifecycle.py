@@ -242,7 +242,8 @@ class RequestLifecycle:
     def _dispatch(self, st: _State, fetch: Fetch | None, out: list[Command]) -> None:
         p = st.plan
         st.stage = Stage.SLOTS
-        out.append(Send(p.decode, Expect(p.rid, p.prompt, p.params, p.keys, p.local, fetch, p.prefill)))
+        out.append(Send(p.decode, Expect(p.rid, p.prompt, p.params, p.keys, p.local, fetch, p.prefill,
+                                                prefill_name=self._name(p.prefill), deadline=p.deadline)))
         out.append(Conduct("prefill_started", p.rid))
 
     def _arrived(self, inst: int, msg: Message, out: list[Command]) -> None:

@@ -50,10 +50,11 @@ class Member:
 
 
 def spawn_all(specs: list[InstanceSpec], processes: bool, events: Any, registry: Any,
-              transfer_token: str) -> dict[int, Member]:
+              transfer_token: str, instance_tokens: dict[int, str] | None = None) -> dict[int, Member]:
     """Starts every instance with its control link to the cluster (into ``events``) and
     a peer link to each instance of the other role (decode hands requests to prefill
-    directly)."""
+    directly). ``instance_tokens`` (worker processes, ``kv_grants``): instance id -> its
+    own transfer token; each worker gets its own and every other one's by engine name."""
     pairs = [(p.id, d.id) for p in specs if p.role == "prefill" for d in specs if d.role == "decode"]
     members: dict[int, Member] = {}
     if not processes:
@@ -90,8 +91,12 @@ def spawn_all(specs: list[InstanceSpec], processes: bool, events: Any, registry:
             child.close()
             # The token travels on the private socketpair, never on a command line or in
             # the environment, where other local users could read it.
+            toks = instance_tokens or {}
             parent.sendall(codec.encode(Init(PROTOCOL_VERSION, spec, transfer_token,
-                                             {peer: s.fileno() for peer, s in mine.items()})))
+                                             {peer: s.fileno() for peer, s in mine.items()},
+                                             token=toks.get(spec.id, ""),
+                                             peer_tokens={o.name: toks[o.id] for o in specs
+                                                          if o.id != spec.id and o.id in toks})))
             for s in mine.values():  # the worker has its ends now
                 s.close()
             mine.clear()

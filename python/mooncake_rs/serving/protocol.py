@@ -167,6 +167,9 @@ class InstanceSpec(_Base, frozen=True):
     #: KV events out (serving/kv_events.py): a prefill instance's PUB and replay ROUTER endpoints
     kv_events: Union[str, None] = None
     kv_events_replay: Union[str, None] = None
+    #: a decode instance registers its arena ``restricted`` and grants each request's
+    #: prefill write access to exactly its reserved slots (``Cluster(kv_grants=True)``)
+    kv_grants: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -182,6 +185,11 @@ class Init(_Msg, frozen=True, tag="init"):
     spec: InstanceSpec
     auth_token: str
     peers: dict[int, int] = {}  # peer instance id -> fd
+    #: ``kv_grants``: this instance's own transfer token (its engine runs with it instead
+    #: of ``auth_token``), and every other instance's engine name -> its token (what this
+    #: engine's server asks a client announcing that name to prove); empty: none
+    token: str = ""
+    peer_tokens: dict[str, str] = {}
 
 
 class Ready(_Msg, frozen=True, tag="ready"):
@@ -224,6 +232,10 @@ class Expect(_Msg, frozen=True, tag="expect"):
     local: int  # leading blocks the prefill instance holds itself
     fetch: Union[Fetch, None]
     prefill: int
+    #: the prefill's transfer engine name (what a ``kv_grants`` decode grants its slots to)
+    prefill_name: str = ""
+    #: the request's deadline (monotonic seconds of this host), None: none
+    deadline: Union[float, None] = None
 
     def __post_init__(self) -> None:
         _check_keys(self.keys)

@@ -50,7 +50,8 @@ class Span:
 class Transport:
     def __init__(self, name: str, store: Any, registry: TransferRegistry | None = None,
                  link_bandwidth: float | None = None, *, auth_token: str | None = None,
-                 peers_write: bool = True) -> None:
+                 peers_write: bool = True, restricted: bool = False,
+                 peer_tokens: dict[str, str] | None = None) -> None:
         self._in_process = registry is not None
         if registry is not None:
             # In-process, the peers are in this process: no listener at all, so no other
@@ -59,10 +60,13 @@ class Transport:
         else:
             # A worker: listens on loopback for its cluster's peers, which prove the
             # cluster's private token (and tag every frame with keys derived from it).
-            self.te = TransferEngine(name, auth_token=auth_token)
+            # With ``peer_tokens`` (kv_grants) each peer proves its own token, so holding
+            # one does not let a worker pass for another instance (and use its grants).
+            self.te = TransferEngine(name, auth_token=auth_token, peer_tokens=peer_tokens or None)
         # The store's arena: peers address its slots. A prefill arena is only read by
-        # peers (prefix fetches); a decode arena is written by the prefill instances.
-        self.region = self.te.register(store, remote_readonly=not peers_write)
+        # peers (prefix fetches); a decode arena is written by the prefill instances:
+        # ``restricted``, only inside the grants ``grant`` makes (never over shm).
+        self.region = self.te.register(store, remote_readonly=not peers_write, restricted=restricted)
         self.endpoint = {"name": name, "address": self.te.address, "region": self.region.id}
         self._link = link_bandwidth
         self._link_free = 0.0
@@ -96,6 +100,14 @@ class Transport:
                 self._drain()
                 return self._link_busy_s
         return self.te.stats().busy_s
+
+    # ---- grants (a restricted arena)
+    def grant(self, peer: str, offset: int, length: int, expires_s: float) -> int:
+        """Lets the engine named ``peer`` write ``offset..offset+length`` of our arena."""
+        return int(self.te.grant(self.region, peer, offset, length, write=True, expires_s=expires_s))
+
+    def revoke(self, peer: str, grant_id: int | None = None) -> int:
+        return int(self.te.revoke(self.region, peer, grant_id))
 
     # ---- submitting
     def peer(self, ep: dict[str, Any]) -> Any:

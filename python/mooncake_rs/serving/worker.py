@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=_beat, args=(ch, spec.heartbeat_s, stop, built), name="mooncake-beat",
                          daemon=True).start()
     try:
-        inst = Instance(spec, ch, auth_token=init.auth_token, peers=peers)
+        # kv_grants: the instance's own token, so the cluster's cannot pass for it
+        inst = Instance(spec, ch, auth_token=init.token or init.auth_token, peers=peers,
+                        peer_tokens=dict(init.peer_tokens) or None)
     except Exception as e:  # tell the cluster why, then exit
         ch.send(InitFailed(f"{type(e).__name__}: {e}"))
         return 1
