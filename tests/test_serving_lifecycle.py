@@ -575,3 +575,23 @@ def test_each_ending_carries_its_outcome(stage):
     assert outcome_of(CancelRequest(RID, CANCEL_ERR, "failed")) == "failed"
     assert outcome_of(LATE) == "timed_out"
     assert outcome_of(InstanceDown(D, "instance decode-0 died (signal 9)")) == "failed"
+
+
+def test_every_member_is_known_before_any_instance_runs(monkeypatch):
+    """An in-process instance can send Ready before spawn_all returns, and the router
+    looks the sender up among the cluster's members when it does: spawn_all fills the
+    cluster's dict before it starts any instance (a Ready that arrived first was dropped
+    and the Cluster waited out its 180 s start-up timeout)."""
+    import queue
+
+    from mooncake_rs.serving import members as M
+
+    into: dict = {}
+    seen: list = []
+    monkeypatch.setattr(M, "_run_instance", lambda spec, *a: seen.append((spec.id, set(into))))
+    specs = [p.InstanceSpec(i, role, f"{role}-{i}", "tiny", 16, 1 << 20) for i, role in
+             ((0, "prefill"), (1, "prefill"), (2, "decode"))]
+    out = M.spawn_all(specs, False, queue.SimpleQueue(), None, "", members=into)
+    for m in out.values():
+        m.thread.join(timeout=10)
+    assert out is into and sorted(seen) == [(i, {0, 1, 2}) for i in range(3)]

@@ -224,8 +224,10 @@ class Cluster:
             # (the cluster token authenticates unlisted names there, which hold no grant)
             self._instance_tokens = {i: secrets.token_hex(32) for i in self.prefill_ids} \
                 if self.kv_grants and self.processes else {}
-            self._members.update(spawn_all(specs, self.processes, self._router.events, self._registry,
-                                           self._transfer_token, self._instance_tokens))
+            # filled in place, before any instance starts: a fast one's Ready may reach the
+            # router before spawn_all returns
+            spawn_all(specs, self.processes, self._router.events, self._registry, self._transfer_token,
+                      self._instance_tokens, members=self._members)
             deadline = time.monotonic() + start_timeout_s
             for m in self._members.values():
                 if not m.ready.wait(max(0.0, deadline - time.monotonic())) or m.error:

@@ -50,13 +50,18 @@ class Member:
 
 
 def spawn_all(specs: list[InstanceSpec], processes: bool, events: Any, registry: Any,
-              transfer_token: str, instance_tokens: dict[int, str] | None = None) -> dict[int, Member]:
+              transfer_token: str, instance_tokens: dict[int, str] | None = None, *,
+              members: dict[int, Member] | None = None) -> dict[int, Member]:
     """Starts every instance with its control link to the cluster (into ``events``) and
     a peer link to each instance of the other role (decode hands requests to prefill
     directly). ``instance_tokens`` (worker processes, ``kv_grants``): instance id -> its
-    own transfer token; each worker gets its own and every other one's by engine name."""
+    own transfer token; each worker gets its own and every other one's by engine name.
+
+    ``members``: the dict to fill (the cluster's own). Each member is in it before its
+    instance can say anything: an in-process instance may send ``Ready`` before this
+    function returns, and the router looks the sender up in this dict when it does."""
     pairs = [(p.id, d.id) for p in specs if p.role == "prefill" for d in specs if d.role == "decode"]
-    members: dict[int, Member] = {}
+    members = {} if members is None else members
     if not processes:
         chans = {s.id: QueueChannel(s.id, events) for s in specs}
         peers: dict[int, dict[int, Any]] = {s.id: {} for s in specs}
