@@ -100,7 +100,7 @@ class KVEventsOut:
 
     def __init__(self, endpoint: str, replay_endpoint: str | None, block_size: int, *,
                  capacity: int = DEFAULT_CAPACITY, keep: int = 10_000) -> None:
-        from ..interop.standin import EventPublisher
+        from ..interop.publisher import EventPublisher
 
         if capacity < 1:
             raise InvalidArgument(f"KVEventsOut capacity must be >= 1, got {capacity}")
