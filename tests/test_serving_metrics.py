@@ -154,8 +154,11 @@ def test_kv_usage_gauges_follow_a_running_request(cluster):
     assert used >= 4  # at least the prompt's blocks
     # the prefill instance stored the prompt's blocks in its DRAM store (its last beat may
     # predate the commit: wait for the next one)
-    text = eventually(lambda: (t := c.metrics_text()) if labelled(t, "mooncake_store_used_blocks").get(pre, 0) >= 4
-                      else None, "the prefill instance reports the prompt's blocks")
+    def stored():
+        t = c.metrics_text()
+        return t if labelled(t, "mooncake_store_used_blocks").get(pre, 0) >= 4 else None
+
+    text = eventually(stored, "the prefill instance reports the prompt's blocks")
     assert labelled(text, "mooncake_store_slots")[pre] >= labelled(text, "mooncake_store_used_blocks")[pre]
     assert labelled(text, "mooncake_store_used_bytes")[pre] > 0
     assert set(labelled(text, "mooncake_heartbeat_age_seconds")) == {dec, pre}
