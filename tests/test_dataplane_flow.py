@@ -5,7 +5,7 @@ Checked against the list-of-ints path it replaces."""
 
 from __future__ import annotations
 
-import msgpack
+import msgspec
 import numpy as np
 
 import mooncake_rs as mr
@@ -16,7 +16,7 @@ PREFILL, DECODE = 1, 2
 
 
 def wire(msg: dict) -> dict:  # what a worker socket does to a control message
-    return msgpack.unpackb(msgpack.packb(msg, use_bin_type=True), raw=False)
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(msg))
 
 
 def test_serving_sequence() -> None:
