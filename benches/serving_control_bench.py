@@ -144,6 +144,7 @@ def isolated_old(requests: int, max_tokens: int, encode: bool, pkg: str = "moonc
 
 
 def isolated_new(requests: int, max_tokens: int, encode: bool):  # noqa: ANN201 - the redesigned router
+    from mooncake_rs.engine.outputs import RequestOutput
     from mooncake_rs.serving import protocol as P
     from mooncake_rs.serving.handle import RequestHandle
     from mooncake_rs.serving.lifecycle import Plan
@@ -163,10 +164,8 @@ def isolated_new(requests: int, max_tokens: int, encode: bool):  # noqa: ANN201 
             self.sink.to_instance(msg)
 
         def output(self, record, reason):  # what Cluster's port does (the old router built the same)
-            from mooncake_rs.engine import RequestOutput
-
             m = record.metrics
-            return RequestOutput(str(record.plan.rid), record.plan.prompt, list(record.tokens), reason, [],
+            return RequestOutput(str(record.plan.rid), record.plan.prompt, record.tokens, reason, [],
                                  m.reused_tokens, 0, m)
 
         def now(self):

@@ -69,7 +69,7 @@ def at(stage: str) -> RequestLifecycle:
     elif stage == "decode":
         lc = at("slots")
         assert lc.on(Arrived(D, p.Tokens(RID, [5], None, REPORT))) == [
-            c("prefill_finished"), c("decode_started"), Deliver(RID, [5], REPORT)]
+            c("decode_started"), Deliver(RID, [5], REPORT)]
     elif stage in ("draining", "draining_pinned"):
         lc = at("slots" if stage == "draining" else "slots_pinned")
         err = MooncakeError("cancelled by the caller")
@@ -95,14 +95,14 @@ def test_no_fetch_path_is_expect_then_tokens():
 def test_fetch_path_unpins_when_fetched():
     lc = at("slots_fetched")
     assert lc.on(Arrived(D, p.Tokens(RID, [5], "stop", REPORT))) == [
-        c("prefill_finished"), Deliver(RID, [5], REPORT), c("decode_finished", 1), Finish(RID, "stop")]
+        Deliver(RID, [5], REPORT), c("decode_finished", 1), Finish(RID, "stop")]
     assert len(lc) == 0
 
 
 def test_first_token_unpins_a_holder_whose_fetched_was_not_seen():
     lc = at("slots_pinned")
     assert lc.on(Arrived(D, p.Tokens(RID, [5], None, REPORT))) == [
-        Send(H, p.Unpin(RID)), c("prefill_finished"), c("decode_started"), Deliver(RID, [5], REPORT)]
+        Send(H, p.Unpin(RID)), c("decode_started"), Deliver(RID, [5], REPORT)]
 
 
 def test_holder_with_nothing_to_export_means_no_fetch():
@@ -120,7 +120,7 @@ def test_request_ended_by_the_prefill():
     # the first token ended it (EOS, max_tokens=1): decode only frees its slots
     lc = at("slots")
     assert lc.on(Arrived(D, p.Tokens(RID, [3], "length", REPORT))) == [
-        c("prefill_finished"), Deliver(RID, [3], REPORT), c("decode_finished", 1), Finish(RID, "length")]
+        Deliver(RID, [3], REPORT), c("decode_finished", 1), Finish(RID, "length")]
     assert len(lc) == 0
 
 
@@ -595,3 +595,75 @@ def test_every_member_is_known_before_any_instance_runs(monkeypatch):
     for m in out.values():
         m.thread.join(timeout=10)
     assert out is into and sorted(seen) == [(i, {0, 1, 2}) for i in range(3)]
+
+
+def test_more_tokens_is_the_tokens_fast_path():
+    # what the router's hot path asks: True exactly when ``tokens`` would answer one
+    # Deliver of the message's tokens (and the count moved the same way)
+    lc = at("decode")
+    assert lc.more_tokens(D, p.Tokens(RID, [6, 7], None))
+    assert not lc.more_tokens(P, p.Tokens(RID, [8], None))  # not its decode instance
+    assert not lc.more_tokens(D, p.Tokens(RID, [8], "length"))  # a finish: tokens() decides
+    assert not lc.more_tokens(D, p.Tokens(RID + 1, [8], None))  # unknown request
+    assert not at("slots").more_tokens(D, p.Tokens(RID, [5], None, REPORT))  # the first token
+    # the two counted tokens are in decode_finished's n (1 first + 2 more + 1 last)
+    assert lc.tokens(D, p.Tokens(RID, [8], "length")) == [Deliver(RID, [8]), c("decode_finished", 4),
+                                                         Finish(RID, "length")]
+
+
+def test_router_keeps_a_real_conductors_loads_right():
+    """One conductor call at the first token (decode_started ends the prefill stage too):
+    the prefill's queue empties at the first token, the decode batch at the last."""
+    import mooncake_rs as mr
+    from mooncake_rs.serving.router import New
+
+    router, port = _router()
+    cond = port.conductor = mr.Conductor(mr.ConductorConfig(block_size=16))
+    cond.add_prefill(P)
+    cond.add_decode(D)
+    rec = _record(1)
+    cond.schedule(1, [11, 12, 13, 14], len(rec.plan.prompt), 0.5)
+    router.handle(-1, New(rec))
+
+    def loads():
+        s = cond.snapshot()
+        pre, dec = s.prefill[0], s.decode[0]
+        return pre.queued + pre.running, dec.batch, dec.decoding
+
+    assert loads() == (1, 1, 0)  # prefilling; its decode slot is reserved
+    router.handle(D, p.Tokens(1, [5], None, REPORT))
+    assert loads() == (0, 1, 1)
+    router.handle(D, p.Tokens(1, [6], None))
+    router.handle(D, p.Tokens(1, [7], "length"))
+    assert loads() == (0, 0, 0)
+    assert rec.handle.result(0) == (1, [5, 6, 7], "length")
+    assert cond.predicted_output_len(11) == pytest.approx(3.0, rel=0.5)  # history learnt from it
+
+
+def test_handle_result_waits_for_every_waiter_and_times_out():
+    import threading
+
+    from mooncake_rs.serving.handle import RequestHandle
+
+    h = RequestHandle(1, [1, 2])
+    cancelled = []
+    h._on_cancel = lambda rid, err, outcome: cancelled.append((rid, outcome))
+    got: list = []
+    waiters = [threading.Thread(target=lambda: got.append(h.result(30))) for _ in range(3)]
+    for t in waiters:
+        t.start()
+    assert not h.done
+    h._finish("out")
+    for t in waiters:
+        t.join(10)
+    assert got == ["out"] * 3 and h.done and h.result(0) == "out"
+    h._fail(MooncakeError("late"))  # ended already: the output stands
+    assert h.result() == "out" and list(h) == []
+
+    slow = RequestHandle(2, [1])
+    slow._on_cancel = lambda rid, err, outcome: cancelled.append((rid, outcome))
+    with pytest.raises(TransferTimeout, match="did not finish within 0.05s"):
+        slow.result(0.05)
+    assert slow.done and cancelled == [(2, "timed_out")]
+    with pytest.raises(TransferTimeout):
+        slow.result(0)

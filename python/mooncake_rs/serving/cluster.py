@@ -38,6 +38,7 @@ from typing import Any, Sequence
 
 from .._core import (Conductor, ConductorConfig, DecodeCostModel, PrefillCostModel, PrefixHasher, TransferCostModel,
                      TransferRegistry)
+from ..engine.outputs import RequestOutput
 from ..errors import InvalidArgument, MooncakeError, Overloaded, TransferTimeout
 from .handle import RequestHandle, wait_seconds
 from .kv_events import endpoints_for
@@ -109,10 +110,9 @@ class _RouterPort:
         self._c._measured.put((inst, msg))
 
     def output(self, record: RequestRecord, reason: str) -> Any:
-        from ..engine import RequestOutput
-
+        # the record is dropped once finished: its token list is handed over, not copied
         m = record.metrics
-        return RequestOutput(str(record.plan.rid), record.plan.prompt, list(record.tokens), reason, [],
+        return RequestOutput(str(record.plan.rid), record.plan.prompt, record.tokens, reason, [],
                              m.reused_tokens, 0, m)
 
     def now(self) -> float:

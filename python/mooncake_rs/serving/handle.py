@@ -46,10 +46,15 @@ class RequestHandle:
         self.prefill_instance = -1  # where the conductor sent it
         self.decode_instance = -1
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()  # the router puts a token per token
-        self._done = threading.Event()
+        self._ended = False
         self._output: Any = None
         self._error: BaseException | None = None
         self._end = threading.Lock()  # the router (finish/fail) and a cancelling caller race to end it
+        # held until the request ends; ``result`` waits by acquiring it (and lets it go for
+        # the next waiter). A plain lock: releasing one costs the router far less than
+        # setting a threading.Event (a condition variable and its lock)
+        self._latch = threading.Lock()
+        self._latch.acquire()
 
     # ---- producer side (the cluster)
     def _token(self, tok: int) -> None:
@@ -57,24 +62,35 @@ class RequestHandle:
 
     def _finish(self, output: Any) -> None:
         with self._end:
-            if self._done.is_set():  # cancelled (or failed) first: that is what the caller saw
+            if self._ended:  # cancelled (or failed) first: that is what the caller saw
                 return
             self._output = output
-            self._done.set()
+            self._ended = True
+        self._latch.release()
         self._q.put(_END)
 
     def _fail(self, error: BaseException) -> None:
         with self._end:
-            if self._done.is_set():
+            if self._ended:
                 return
             self._error = error
-            self._done.set()
+            self._ended = True
+        self._latch.release()
         self._q.put(_END)
+
+    def _wait(self, timeout: float | None) -> bool:
+        """Waits until the request ended (``timeout`` as ``wait_seconds`` gives it)."""
+        if self._ended:
+            return True
+        if not self._latch.acquire(timeout=-1 if timeout is None else timeout):
+            return self._ended
+        self._latch.release()  # the next waiter passes too
+        return True
 
     # ---- consumer side
     @property
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._ended
 
     def cancel(self, error: BaseException | None = None, *, failed: bool | None = None) -> bool:
         """Cancels the request on every instance it lives on (the cluster frees its slots
@@ -85,7 +101,7 @@ class RequestHandle:
         string, a client gone; not a failure), or as ``failed`` when ``failed=True``. By
         default (``failed=None``) a ``TransferTimeout`` error is a deadline passed: counted
         as ``failed`` and ``timed_out``; any other error, or none, as ``cancelled``."""
-        if self._done.is_set():
+        if self._ended:
             return False
         err = error if error is not None else MooncakeError(f"request {self.request_id} was cancelled")
         if failed is None:
@@ -105,7 +121,7 @@ class RequestHandle:
         ``TransferTimeout`` (a ``TimeoutError``) is raised; poll with :attr:`done` instead
         to wait without a deadline."""
         wait = wait_seconds(timeout)
-        if not self._done.wait(wait):
+        if not self._wait(wait):
             self.cancel(TransferTimeout(f"request {self.request_id} did not finish within {timeout}s; "
                                         "it was cancelled"))
         if self._error is not None:

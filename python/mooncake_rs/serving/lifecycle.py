@@ -118,8 +118,9 @@ class Send:
 
 @dataclass(slots=True)
 class Conduct:
-    """A conductor call: ``prefill_started``, ``prefill_finished``, ``decode_started``,
-    ``decode_finished`` (``n`` output tokens) or ``cancel``."""
+    """A conductor call: ``prefill_started``, ``decode_started`` (the first token came:
+    the prefill is over and decoding began, one call for both), ``decode_finished``
+    (``n`` output tokens) or ``cancel``."""
 
     call: str
     rid: int
@@ -188,7 +189,7 @@ class RequestLifecycle:
         out: list[Command] = []
         match ev:
             case Submit(plan=plan):
-                self._submit(plan, out)
+                return self.submit(plan)
             case Arrived(inst=inst, msg=msg):
                 return self.arrived(inst, msg)
             case InstanceDown(inst=inst, what=what):
@@ -207,28 +208,44 @@ class RequestLifecycle:
                 raise TypeError(f"not a lifecycle event: {ev!r}")
         return out
 
+    def submit(self, plan: Plan) -> list[Command]:
+        """``on(Submit(plan))`` without building the event (once per request)."""
+        out: list[Command] = []
+        self._submit(plan, out)
+        return out
+
     def arrived(self, inst: int, msg: Message) -> list[Command]:
         """``on(Arrived(inst, msg))`` without building the event (the router's hot path)."""
         out: list[Command] = []
         self._arrived(inst, msg, out)
         return out
 
-    def tokens(self, inst: int, msg: Tokens) -> list[Command]:
-        """``arrived`` for a ``Tokens``, with the common case first: more tokens of a
-        request that is decoding (nothing changes but the count)."""
+    def more_tokens(self, inst: int, msg: Tokens) -> bool:
+        """The router's hot path: True when ``msg`` only carries more tokens of a request
+        that is decoding (no finish, no report, from its decode instance). The count is
+        updated and the one command ``tokens`` would return is ``Deliver(msg.rid,
+        msg.tokens)``: the router delivers them itself, no command list built. False:
+        nothing changed, call ``tokens``."""
         st = self._reqs.get(msg.rid)
         if (st is not None and st.stage is Stage.DECODE and msg.finish is None and msg.report is None
                 and inst == st.plan.decode):
             st.tokens += len(msg.tokens)
-            return [Deliver(msg.rid, msg.tokens, None)]
-        return self.arrived(inst, msg)
+            return True
+        return False
+
+    def tokens(self, inst: int, msg: Tokens) -> list[Command]:
+        """``arrived`` for a ``Tokens``."""
+        out: list[Command] = []
+        self._tokens(self._reqs.get(msg.rid), inst, msg, out)
+        return out
 
     # ---- stages
     def _submit(self, plan: Plan, out: list[Command]) -> None:
-        gone = [i for i in (plan.prefill, plan.decode) if i in self.down]
-        if gone:  # the decision was made just before the conductor heard of the death
+        if plan.prefill in self.down or plan.decode in self.down:
+            # the decision was made just before the conductor heard of the death
+            gone = plan.prefill if plan.prefill in self.down else plan.decode
             out.append(Conduct("cancel", plan.rid))
-            out.append(Fail(plan.rid, TransferFailed(f"instance {self._name(gone[0])} is down; request "
+            out.append(Fail(plan.rid, TransferFailed(f"instance {self._name(gone)} is down; request "
                                                      f"{plan.rid} was not started")))
             return
         st = _State(plan)
@@ -250,24 +267,8 @@ class RequestLifecycle:
         rid = getattr(msg, "rid", None)
         st = self._reqs.get(rid) if isinstance(rid, int) else None
         match msg:
-            case Tokens(tokens=tokens, finish=finish, report=report):
-                if st is None or st.stage not in (Stage.SLOTS, Stage.DECODE) or inst != st.plan.decode:
-                    return
-                if st.stage is Stage.SLOTS:
-                    st.stage = Stage.DECODE
-                    self._unpin(st, out)  # the prefill is done with the holder's blocks
-                    out.append(Conduct("prefill_finished", msg.rid))
-                    if finish is None:
-                        out.append(Conduct("decode_started", msg.rid))
-                st.tokens += len(tokens)
-                out.append(Deliver(msg.rid, list(tokens), report))
-                if finish is not None:
-                    del self._reqs[msg.rid]
-                    if finish in ("stop", "length"):
-                        out.append(Conduct("decode_finished", msg.rid, st.tokens))
-                    else:
-                        out.append(Conduct("cancel", msg.rid))
-                    out.append(Finish(msg.rid, finish))
+            case Tokens():
+                self._tokens(st, inst, msg, out)
             case Exported(offsets=offsets, arena=arena):
                 if st is None or st.stage is not Stage.FETCH:
                     self._send(out, inst, Unpin(msg.rid))  # ended while the holder pinned: let go
@@ -301,6 +302,27 @@ class RequestLifecycle:
                     self._release(st, out)
             case _:
                 raise TypeError(f"not a request message: {msg!r}")
+
+    def _tokens(self, st: _State | None, inst: int, msg: Tokens, out: list[Command]) -> None:
+        if st is None or st.stage not in (Stage.SLOTS, Stage.DECODE) or inst != st.plan.decode:
+            return
+        rid, finish = msg.rid, msg.finish
+        if st.stage is Stage.SLOTS:  # the first token: the prefill is done
+            st.stage = Stage.DECODE
+            self._unpin(st, out)  # ... with the holder's blocks too
+            if finish is None:
+                # one conductor call for both: on_decode_started ends the prefill stage too
+                # (what on_prefill_finished would have done first)
+                out.append(Conduct("decode_started", rid))
+        st.tokens += len(msg.tokens)
+        out.append(Deliver(rid, msg.tokens, msg.report))
+        if finish is not None:  # decode_finished / cancel end the prefill stage as well
+            del self._reqs[rid]
+            if finish in ("stop", "length"):
+                out.append(Conduct("decode_finished", rid, st.tokens))
+            else:
+                out.append(Conduct("cancel", rid))
+            out.append(Finish(rid, finish))
 
     # ---- endings
     def _fail(self, st: _State, error: BaseException, out: list[Command], *, prefill_gone: bool = False,
@@ -364,4 +386,5 @@ class RequestLifecycle:
             out.append(Send(to, msg))
 
     def _name(self, inst: int) -> str:
-        return self.names.get(inst, f"#{inst}")
+        name = self.names.get(inst)
+        return name if name is not None else f"#{inst}"

@@ -21,9 +21,10 @@ TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 def tbt_of(intervals: list[float]) -> float:
     """The paper's TBT: the mean of the longest 10% of token intervals (0 with none)."""
-    if not intervals:
-        return 0.0
-    k = max(1, math.ceil(len(intervals) * 0.1))
+    n = len(intervals)
+    if n <= 10:  # the longest 10% is the longest one (most requests: no sort)
+        return max(intervals) if n else 0.0
+    k = math.ceil(n * 0.1)
     top = sorted(intervals, reverse=True)[:k]
     return sum(top) / k
 
@@ -145,9 +146,10 @@ class ClusterMetrics:
             self.fetched_tokens += m.fetched_tokens
             self.computed_tokens += m.computed_tokens
             self.transferred_bytes += m.transferred_bytes
-            if not math.isnan(m.ttft_s):
-                self.ttft.append(m.ttft_s)
-                self.ttft_hist.observe(m.ttft_s)
+            ttft = m.ttft_s
+            if ttft == ttft:  # not NaN
+                self.ttft.append(ttft)
+                self.ttft_hist.observe(ttft)
             if m.token_intervals:
                 self.tbt.append(m.tbt_s)
                 self.tbt_hist.observe(m.tbt_s)

@@ -30,7 +30,7 @@ from ..errors import MooncakeError
 from .control import CLUSTER, Counts, Lost
 from .handle import RequestHandle
 from .lifecycle import (CancelRequest, Command, Conduct, Deliver, Fail, Finish, InstanceDown, Plan,
-                        RequestLifecycle, Send, Submit, Tick)
+                        RequestLifecycle, Send, Tick)
 from .metrics import ClusterMetrics, RequestMetrics, tbt_of
 from .protocol import (Cancelled, Exported, Failed, Fetched, InitFailed, Message, PeerLost, Ready, StatsReply,
                        Step, StoreEvents, Timings, Tokens)
@@ -117,15 +117,18 @@ class Router:
         self.lifecycle = RequestLifecycle(names)
         self.counts = Counts()  # what the cluster's callers post (New: one hop per request)
         self._records: dict[int, RequestRecord] = {}
-        self._open_lock = threading.Lock()
-        self._open = 0  # submitted and not yet ended for the caller
+        # requests submitted / ended for their callers: in flight = the difference. Each
+        # count has one writer side (the callers under the lock; the router thread alone)
+        self._submitted_lock = threading.Lock()
+        self._submitted = 0
+        self._ended_n = 0
 
     # ---- any thread
     def submit(self, record: RequestRecord) -> None:
         ev = New(record)
         self.counts.add(ev)
-        with self._open_lock:
-            self._open += 1
+        with self._submitted_lock:
+            self._submitted += 1
         self.events.put((CLUSTER, ev))
 
     def post(self, ev: Any) -> None:
@@ -133,12 +136,8 @@ class Router:
 
     def in_flight(self) -> int:
         """Requests submitted and not yet ended for their callers."""
-        with self._open_lock:
-            return self._open
-
-    def _ended(self) -> None:
-        with self._open_lock:
-            self._open -= 1
+        ended = self._ended_n  # first: it never passes the submitted count read after it
+        return self._submitted - ended
 
     # ---- the router thread
     def run(self) -> None:
@@ -167,28 +166,36 @@ class Router:
                 self._run(self.lifecycle.on(Tick(now)))
 
     def handle(self, src: int, ev: Any) -> None:
+        # the per-request messages by type() first (a match's class patterns cost more),
+        # most frequent first; the rest below
+        tp = type(ev)
+        if tp is Tokens:
+            self._on_tokens(src, ev)
+        elif tp is Step:
+            for t in ev.tokens:
+                self._on_tokens(src, t)
+        elif tp is New:
+            r = ev.record
+            self._records[r.plan.rid] = r
+            self._run(self.lifecycle.submit(r.plan))
+        elif tp is StoreEvents:
+            if self.port.prefix_reuse and src not in self.lifecycle.down:
+                try:
+                    self.port.conductor.apply_store_events(src, ev.events)
+                except MooncakeError as e:  # malformed bytes: the instance is at fault
+                    log.error("instance %s sent store events the conductor refused: %s", src, e)
+                    self._down(src, f"malformed store events: {e}")
+        else:
+            self._handle_rare(src, ev)
+
+    def _handle_rare(self, src: int, ev: Any) -> None:
         match ev:
-            case Tokens():  # the most frequent by far: first
-                self._run(self.lifecycle.tokens(src, ev))
-            case Step(tokens=items):
-                for t in items:
-                    self._run(self.lifecycle.tokens(src, t))
-            case New(record=r):
-                self._records[r.plan.rid] = r
-                self._run(self.lifecycle.on(Submit(r.plan)))
             case CancelRequest():
                 self._run(self.lifecycle.on(ev))
             case Failed(rid=None):
                 self.port.reply(src, ev)
             case Exported() | Fetched() | Failed() | Cancelled():
                 self._run(self.lifecycle.arrived(src, ev))
-            case StoreEvents(events=events):
-                if self.port.prefix_reuse and src not in self.lifecycle.down:
-                    try:
-                        self.port.conductor.apply_store_events(src, events)
-                    except MooncakeError as e:  # malformed bytes: the instance is at fault
-                        log.error("instance %s sent store events the conductor refused: %s", src, e)
-                        self._down(src, f"malformed store events: {e}")
             case Ready() | InitFailed():
                 self.port.instance_ready(src, ev)
             case StatsReply() | Timings():
@@ -208,6 +215,12 @@ class Router:
             case _:
                 log.warning("router: unexpected %r from %s", ev, src)
 
+    def _on_tokens(self, src: int, msg: Tokens) -> None:
+        if self.lifecycle.more_tokens(src, msg):  # a decoding request's next tokens: no commands
+            self._deliver(msg.rid, msg.tokens, None)
+        else:
+            self._run(self.lifecycle.tokens(src, msg))
+
     def fail_all(self, error: BaseException) -> None:
         """After the thread ended (``Cluster.close``): fail what is still in flight."""
         records, self._records = list(self._records.values()), {}
@@ -218,8 +231,7 @@ class Router:
                 break
             if isinstance(ev, New):
                 records.append(ev.record)
-        with self._open_lock:
-            self._open = 0
+        self._ended_n = self._submitted
         for r in records:
             r.handle._fail(error)
 
@@ -236,29 +248,37 @@ class Router:
 
     # ---- commands
     def _run(self, cmds: list[Command]) -> None:
+        # type() tests, not a match: a class pattern with keywords costs ~4x as much, and
+        # this runs for every command of every message
         for c in cmds:
-            match c:
-                case Deliver(rid=rid, tokens=tokens, report=report):  # the most frequent: first
-                    self._deliver(rid, tokens, report)
-                case Send(to=to, msg=msg):
-                    self.port.send(to, msg)
-                case Conduct():
-                    self._conduct(c)
-                case Finish(rid=rid, reason=reason):
-                    r = self._records.pop(rid, None)
-                    if r is not None:
-                        self._ended()
-                        m = r.metrics
-                        m.output_tokens = len(r.tokens)
-                        m.tbt_s = tbt_of(m.token_intervals)
-                        self.port.metrics.add(m)
-                        r.handle._finish(self.port.output(r, reason))
-                case Fail(rid=rid, error=error, outcome=outcome):
-                    r = self._records.pop(rid, None)
-                    if r is not None:
-                        self._ended()
-                        self.port.metrics.ended(outcome)
-                        r.handle._fail(error)
+            tp = type(c)
+            if tp is Deliver:  # the most frequent: first
+                self._deliver(c.rid, c.tokens, c.report)
+            elif tp is Send:
+                self.port.send(c.to, c.msg)
+            elif tp is Conduct:
+                self._conduct(c.call, c.rid, c.n)
+            elif tp is Finish:
+                self._finish(c.rid, c.reason)
+            elif tp is Fail:
+                r = self._records.pop(c.rid, None)
+                if r is not None:
+                    self._ended_n += 1
+                    self.port.metrics.ended(c.outcome)
+                    r.handle._fail(c.error)
+            else:
+                raise TypeError(f"not a lifecycle command: {c!r}")
+
+    def _finish(self, rid: int, reason: str) -> None:
+        r = self._records.pop(rid, None)
+        if r is None:
+            return
+        self._ended_n += 1
+        m = r.metrics
+        m.output_tokens = len(r.tokens)
+        m.tbt_s = tbt_of(m.token_intervals)
+        self.port.metrics.add(m)
+        r.handle._finish(self.port.output(r, reason))
 
     def _deliver(self, rid: int, tokens: list[int], report: Any) -> None:
         r = self._records.get(rid)
@@ -281,20 +301,18 @@ class Router:
             r.tokens.append(t)
             r.handle._token(t)
 
-    def _conduct(self, c: Conduct) -> None:
+    def _conduct(self, call: str, rid: int, n: int) -> None:
         cond = self.port.conductor
         try:
-            if c.call == "cancel":
-                cond.cancel(c.rid)
-            elif c.call == "prefill_started":
-                cond.on_prefill_started(c.rid, self.port.now())
-            elif c.call == "prefill_finished":
-                cond.on_prefill_finished(c.rid, self.port.now())
-            elif c.call == "decode_started":
-                cond.on_decode_started(c.rid, self.port.now())
-            elif c.call == "decode_finished":
-                cond.on_decode_finished(c.rid, c.n, self.port.now())
+            if call == "prefill_started":
+                cond.on_prefill_started(rid, self.port.now())
+            elif call == "decode_started":
+                cond.on_decode_started(rid, self.port.now())
+            elif call == "decode_finished":
+                cond.on_decode_finished(rid, n, self.port.now())
+            elif call == "cancel":
+                cond.cancel(rid)
             else:
-                raise ValueError(f"unknown conductor call {c.call!r}")
+                raise ValueError(f"unknown conductor call {call!r}")
         except Exception:  # noqa: BLE001 - progress is advisory (a dropped instance, a recalibration)
-            log.debug("conductor %s(%d) failed", c.call, c.rid, exc_info=True)
+            log.debug("conductor %s(%d) failed", call, rid, exc_info=True)
