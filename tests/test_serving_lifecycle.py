@@ -638,6 +638,13 @@ def test_router_keeps_a_real_conductors_loads_right():
     assert loads() == (0, 0, 0)
     assert rec.handle.result(0) == (1, [5, 6, 7], "length")
     assert cond.predicted_output_len(11) == pytest.approx(3.0, rel=0.5)  # history learnt from it
+    # a request whose first token is its last: decode_finished alone, straight from prefilling
+    one = _record(2)
+    cond.schedule(2, [11, 12, 13, 14], len(one.plan.prompt), 0.6)
+    router.handle(-1, New(one))
+    assert loads() == (1, 1, 0)
+    router.handle(D, p.Tokens(2, [9], "stop", REPORT))
+    assert loads() == (0, 0, 0) and one.handle.result(0) == (2, [9], "stop")
 
 
 def test_handle_result_waits_for_every_waiter_and_times_out():
