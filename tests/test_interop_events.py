@@ -206,7 +206,9 @@ def test_raw_token_path_indexes_the_same_blocks(form):
         assert len(c.indexes["GPU"]) == 0
 
 
-def test_tier_target_keeps_dram_while_any_fast_medium_holds_it():
+def test_tier_target_maps_each_medium_to_its_tier():
+    # GPU -> gpu (the engine's device cache), CPU (and its aliases, and media we do not
+    # know) -> dram, disk -> ssd; media sharing a tier keep it while any of them holds it
     hasher = PrefixHasher(BS)
     idx = BlockIndex()
     ing = Ingestor(TierTarget(idx), slot=1, hasher=hasher)
@@ -214,14 +216,44 @@ def test_tier_target_keeps_dram_while_any_fast_medium_holds_it():
     (h,) = hasher.hash(toks)
     ing.apply(decode_payload(encode_batch([BlockStored([5], None, toks, BS, None, "GPU"),
                                            BlockStored([5], None, toks, BS, None, "CPU"),
+                                           BlockStored([5], None, toks, BS, None, "cxl"),
                                            BlockStored([5], None, toks, BS, None, "disk")])))
-    assert idx.holders(h) == [(1, "dram"), (1, "ssd")]
+    assert idx.holders(h) == [(1, "dram"), (1, "ssd"), (1, "gpu")]
+    assert idx.match_prefix_tiers([h])[1].gpu == 1  # counted in the fastest tier
     ing.apply(decode_payload(encode_batch([BlockRemoved([5], "GPU")])))
-    assert idx.holders(h) == [(1, "dram"), (1, "ssd")]  # CPU still holds it
+    assert idx.holders(h) == [(1, "dram"), (1, "ssd")]
     ing.apply(decode_payload(encode_batch([BlockRemoved([5], "CPU")])))
+    assert idx.holders(h) == [(1, "dram"), (1, "ssd")]  # CXL (also dram) still holds it
+    ing.apply(decode_payload(encode_batch([BlockRemoved([5], "CXL")])))
     assert idx.holders(h) == [(1, "ssd")]
     ing.apply(decode_payload(encode_batch([BlockRemoved([5], "DISK")])))
     assert idx.holders(h) == []
+
+
+def test_conductor_prefers_a_gpu_resident_prefix_when_dram_reloads_cost():
+    # Two external engines hold the same prefix, one on its GPU, one offloaded to CPU:
+    # with a finite DRAM -> device bandwidth the GPU holder wins (no reload), and a
+    # disk-only holder loses to both.
+    from mooncake_rs import Conductor, ConductorConfig, TransferCostModel
+
+    bs = 16
+    cfg = ConductorConfig(block_size=bs, policy="ttft_optimal",
+                          transfer_model=TransferCostModel(dram_bandwidth=20e9, ssd_bandwidth=2e9))
+    c = Conductor(cfg)
+    for i in (1, 2, 3):
+        c.add_prefill(i)
+    c.add_decode(100)
+    hasher = PrefixHasher(bs)
+    toks = list(range(64 * bs))
+    hashes = hasher.hash(toks)
+    for slot, medium in ((1, "CPU"), (2, "GPU"), (3, "DISK")):
+        Ingestor(TierTarget(c.index), slot=slot, hasher=hasher).apply(
+            decode_payload(encode_batch([BlockStored(list(range(64)), None, toks, bs, None, medium)])))
+    d = c.preview(1, hashes, len(toks), 0.0)
+    assert d.prefill == 2 and d.reused_blocks == 64 and d.est_transfer_s == 0.0
+    c.remove_instance(2)
+    d = c.preview(2, hashes, len(toks), 0.0)
+    assert d.prefill == 1 and d.est_transfer_s > 0.0  # the DRAM copy beats the disk read
 
 
 def test_hash_map_is_bounded_and_evicted_blocks_leave_the_index():

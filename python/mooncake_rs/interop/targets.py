@@ -3,10 +3,11 @@
 - :class:`MediumIndex`: one :class:`~mooncake_rs.BlockIndex` per medium (``GPU``,
   ``CPU``, ``DISK``, and any other an engine names), for the indexer API, which answers
   per medium.
-- :class:`TierTarget`: one existing ``BlockIndex`` with its two tiers (``dram``,
-  ``ssd``), e.g. ``conductor.index``, so a :class:`~mooncake_rs.Conductor` routes on
-  what external engines hold. GPU and CPU both count as ``dram`` (a fast reload), disk as
-  ``ssd``.
+- :class:`TierTarget`: one existing ``BlockIndex`` with its tiers, e.g.
+  ``conductor.index``, so a :class:`~mooncake_rs.Conductor` routes on what external
+  engines hold: GPU as ``gpu`` (the engine's own device cache: nothing to load), CPU as
+  ``dram``, disk as ``ssd``; the conductor prices each tier's load (``ttft_optimal``,
+  ``TransferCostModel.dram_bandwidth`` / ``ssd_bandwidth``).
 
 A target maps a medium to a *key* (the index or tier it writes); the ingestor keeps per
 block which media hold it and removes a key only when no medium with that key still
@@ -24,6 +25,9 @@ __all__ = ["canonical_medium", "Target", "MediumIndex", "TierTarget", "STANDARD_
 
 STANDARD_MEDIA = ("GPU", "CPU", "DISK")
 """Media every indexer answer lists (0 where nothing matched)."""
+
+_TIER_OF = {"GPU": "gpu", "CPU": "dram", "DISK": "ssd"}
+"""The index tier of a canonical medium (TierTarget)."""
 
 _ALIASES = {
     "GPU": "GPU", "NPU": "GPU", "HBM": "GPU", "DEVICE": "GPU",
@@ -83,13 +87,14 @@ class MediumIndex:
 
 
 class TierTarget:
-    """An existing ``BlockIndex`` (e.g. ``conductor.index``): GPU/CPU -> dram, DISK -> ssd."""
+    """An existing ``BlockIndex`` (e.g. ``conductor.index``): GPU -> gpu, DISK -> ssd,
+    CPU and any other medium -> dram."""
 
     def __init__(self, index: BlockIndex) -> None:
         self.index = index
 
     def key_of(self, medium: str) -> str:
-        return "ssd" if medium == "DISK" else "dram"
+        return _TIER_OF.get(medium, "dram")
 
     def insert(self, slot: int, hashes: list[int], key: str) -> None:
         self.index.insert(slot, hashes, key)

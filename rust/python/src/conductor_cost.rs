@@ -75,13 +75,15 @@ pub struct PyTransferCostModel {
 #[pymethods]
 impl PyTransferCostModel {
     #[new]
-    #[pyo3(signature = (bytes_per_token = None, network_bandwidth = None, ssd_bandwidth = None, latency_s = None))]
+    #[pyo3(signature = (bytes_per_token = None, network_bandwidth = None, ssd_bandwidth = None, latency_s = None,
+                        dram_bandwidth = None))]
     fn new(
         py: Python<'_>,
         bytes_per_token: Option<f64>,
         network_bandwidth: Option<f64>,
         ssd_bandwidth: Option<f64>,
         latency_s: Option<f64>,
+        dram_bandwidth: Option<f64>,
     ) -> PyResult<Self> {
         let d = TransferCostModel::default();
         let inner = TransferCostModel {
@@ -89,6 +91,7 @@ impl PyTransferCostModel {
             network_bandwidth: network_bandwidth.unwrap_or(d.network_bandwidth),
             ssd_bandwidth: ssd_bandwidth.unwrap_or(d.ssd_bandwidth),
             latency_s: latency_s.unwrap_or(d.latency_s),
+            dram_bandwidth: dram_bandwidth.unwrap_or(d.dram_bandwidth),
         };
         inner.validate().map_err(|e| err(py, e))?;
         Ok(PyTransferCostModel { inner })
@@ -110,6 +113,12 @@ impl PyTransferCostModel {
         self.inner.local_ssd(tokens)
     }
 
+    /// Seconds to copy `tokens` from the local DRAM to the device (0 with an infinite
+    /// `dram_bandwidth`, the default).
+    fn local_dram(&self, tokens: usize) -> f64 {
+        self.inner.local_dram(tokens)
+    }
+
     #[getter]
     fn bytes_per_token(&self) -> f64 {
         self.inner.bytes_per_token
@@ -126,12 +135,17 @@ impl PyTransferCostModel {
     fn latency_s(&self) -> f64 {
         self.inner.latency_s
     }
+    #[getter]
+    fn dram_bandwidth(&self) -> f64 {
+        self.inner.dram_bandwidth
+    }
 
     fn __repr__(&self) -> String {
         let m = &self.inner;
         format!(
-            "TransferCostModel(bytes_per_token={}, network_bandwidth={:e}, ssd_bandwidth={:e}, latency_s={})",
-            m.bytes_per_token, m.network_bandwidth, m.ssd_bandwidth, m.latency_s
+            "TransferCostModel(bytes_per_token={}, network_bandwidth={:e}, ssd_bandwidth={:e}, latency_s={}, \
+             dram_bandwidth={:e})",
+            m.bytes_per_token, m.network_bandwidth, m.ssd_bandwidth, m.latency_s, m.dram_bandwidth
         )
     }
 }

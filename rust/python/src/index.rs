@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use mooncake_core::{BlockIndex, ErrorCategory, IndexError, InstanceId, Tier};
+use mooncake_core::{BlockIndex, ErrorCategory, IndexError, InstanceId, PrefixMatch, Tier};
 use pyo3::prelude::*;
 
 use crate::convert::hash_from_py;
@@ -24,18 +24,26 @@ pub struct PyPrefixMatch {
     pub instance: InstanceId,
     pub dram: usize,
     pub ssd: usize,
+    /// Blocks in the engine's own device cache (a block in several tiers counts in the fastest).
+    pub gpu: usize,
+}
+
+impl From<PrefixMatch> for PyPrefixMatch {
+    fn from(m: PrefixMatch) -> Self {
+        PyPrefixMatch { instance: m.instance, dram: m.dram, ssd: m.ssd, gpu: m.gpu }
+    }
 }
 
 #[pymethods]
 impl PyPrefixMatch {
-    /// dram + ssd.
+    /// gpu + dram + ssd.
     #[getter]
     fn total(&self) -> usize {
-        self.dram + self.ssd
+        self.gpu + self.dram + self.ssd
     }
 
     fn __repr__(&self) -> String {
-        format!("PrefixMatch(instance={}, dram={}, ssd={})", self.instance, self.dram, self.ssd)
+        format!("PrefixMatch(instance={}, dram={}, ssd={}, gpu={})", self.instance, self.dram, self.ssd, self.gpu)
     }
 }
 
@@ -49,6 +57,8 @@ pub struct PyIndexStats {
     memory_bytes: usize,
     /// instance → (dram entries, ssd entries).
     per_instance: BTreeMap<InstanceId, (usize, usize)>,
+    /// instance → gpu entries (instances with any).
+    per_instance_gpu: BTreeMap<InstanceId, usize>,
 }
 
 #[pymethods]
@@ -130,13 +140,13 @@ impl PyBlockIndex {
         Ok(m.into_iter().map(|x| (x.instance, x.total())).collect())
     }
 
-    /// Like `match_prefix`, split into DRAM and SSD counts per instance.
+    /// Like `match_prefix`, split into GPU, DRAM and SSD counts per instance.
     fn match_prefix_tiers(&self, py: Python<'_>, hashes: &Bound<'_, PyAny>) -> PyResult<BTreeMap<InstanceId, PyPrefixMatch>> {
         let hashes = keys_from_py(hashes)?;
         let inner = &self.inner;
         let m = maybe_detached(py, hashes.len(), || inner.match_prefix(&hashes));
         Ok(m.into_iter()
-            .map(|x| (x.instance, PyPrefixMatch { instance: x.instance, dram: x.dram, ssd: x.ssd }))
+            .map(|x| (x.instance, PyPrefixMatch::from(x)))
             .collect())
     }
 
@@ -162,6 +172,7 @@ impl PyBlockIndex {
             instances: s.instances,
             memory_bytes: s.memory_bytes,
             per_instance: s.per_instance.into_iter().map(|(i, d, s)| (i, (d, s))).collect(),
+            per_instance_gpu: s.per_instance_gpu.into_iter().collect(),
         }
     }
 

@@ -191,11 +191,11 @@ impl Conductor {
             if p.draining {
                 continue; // takes no new request (a policy still sees it as a fetch source via `matches`)
             }
-            let (dram, ssd) = match matches.get(mi) {
-                Some(m) if m.instance == p.id => (m.dram, m.ssd),
-                _ => (0, 0),
+            let (dram, ssd, gpu) = match matches.get(mi) {
+                Some(m) if m.instance == p.id => (m.dram, m.ssd, m.gpu),
+                _ => (0, 0, 0),
             };
-            cands.push(Candidate { id: p.id, queue_s: p.queue_s(now), speed: p.spec.speed, dram, ssd });
+            cands.push(Candidate { id: p.id, queue_s: p.queue_s(now), speed: p.spec.speed, dram, ssd, gpu });
         }
         let input = PolicyInput {
             prompt_len: req.prompt_len,

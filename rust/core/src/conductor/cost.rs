@@ -93,6 +93,10 @@ pub struct TransferCostModel {
     /// SSD read bandwidth of one instance, bytes/s (also used for local SSD loads).
     pub ssd_bandwidth: f64,
     pub latency_s: f64,
+    /// Host DRAM -> device copy bandwidth of one instance, bytes/s: what a local DRAM hit
+    /// costs against one already in the device cache (tier `gpu`). Infinite (the
+    /// default): DRAM hits are free, as when no engine reports a device tier.
+    pub dram_bandwidth: f64,
 }
 
 impl Default for TransferCostModel {
@@ -101,7 +105,13 @@ impl Default for TransferCostModel {
         // 8 x 200 Gbit/s RDMA at ~60% of line rate ~ 100 GB/s... use 50 GB/s to leave
         // room for the layer-wise prefill->decode stream on the same NICs.
         // SSD: 4 NVMe drives x ~5 GB/s read = 20 GB/s. Setup latency 1 ms.
-        TransferCostModel { bytes_per_token: 327_680.0, network_bandwidth: 50e9, ssd_bandwidth: 20e9, latency_s: 0.001 }
+        TransferCostModel {
+            bytes_per_token: 327_680.0,
+            network_bandwidth: 50e9,
+            ssd_bandwidth: 20e9,
+            latency_s: 0.001,
+            dram_bandwidth: f64::INFINITY,
+        }
     }
 }
 
@@ -110,6 +120,12 @@ impl TransferCostModel {
         check_pos("bytes_per_token", self.bytes_per_token)?;
         check_pos("network_bandwidth", self.network_bandwidth)?;
         check_pos("ssd_bandwidth", self.ssd_bandwidth)?;
+        if self.dram_bandwidth.is_nan() || self.dram_bandwidth <= 0.0 {
+            return Err(ConductorError::InvalidConfig(format!(
+                "dram_bandwidth must be > 0 (bytes/s; infinite: DRAM hits cost nothing), got {}",
+                self.dram_bandwidth
+            )));
+        }
         check_nonneg("latency_s", self.latency_s)
     }
 
@@ -122,6 +138,13 @@ impl TransferCostModel {
         let bytes = tokens as f64 * self.bytes_per_token;
         let slow = self.network_bandwidth.min(self.ssd_bandwidth);
         self.latency_s + bytes * ((1.0 - ssd_fraction) / self.network_bandwidth + ssd_fraction / slow)
+    }
+
+    /// Seconds to copy `tokens` from the local DRAM to the device (0 when
+    /// `dram_bandwidth` is infinite).
+    #[inline]
+    pub fn local_dram(&self, tokens: usize) -> f64 {
+        tokens as f64 * self.bytes_per_token / self.dram_bandwidth
     }
 
     /// Seconds to load `tokens` from the local SSD into DRAM.

@@ -11,7 +11,13 @@ fn costs() -> impl Strategy<Value = CostModels> {
     (1e-6..1e-3f64, 0.0..1e-8f64, 0.0..1e-8f64, 1e3..1e6f64, 1e3..1e6f64, 0.0..0.05f64).prop_map(
         |(c_new, c_new2, c_cross, net, ssd, lat)| CostModels {
             prefill: PrefillCostModel { c0: 0.001, c_new, c_new2, c_cross },
-            transfer: TransferCostModel { bytes_per_token: 1.0, network_bandwidth: net, ssd_bandwidth: ssd, latency_s: lat },
+            transfer: TransferCostModel {
+                bytes_per_token: 1.0,
+                network_bandwidth: net,
+                ssd_bandwidth: ssd,
+                latency_s: lat,
+                dram_bandwidth: f64::INFINITY,
+            },
             decode: DecodeCostModel::default(),
         },
     )
@@ -33,12 +39,12 @@ proptest! {
     ) {
         let bs = 10;
         let cands: Vec<Candidate> = locals.iter().enumerate()
-            .map(|(i, &(q, d, s, speed))| Candidate { id: i as u64, queue_s: q, speed, dram: d, ssd: s })
+            .map(|(i, &(q, d, s, speed))| Candidate { id: i as u64, queue_s: q, speed, dram: d, ssd: s, gpu: 0 })
             .collect();
         let mut matches: Vec<PrefixMatch> = cands.iter().filter(|c| c.local() > 0)
-            .map(|c| PrefixMatch { instance: c.id, dram: c.dram, ssd: c.ssd }).collect();
+            .map(|c| PrefixMatch { instance: c.id, dram: c.dram, ssd: c.ssd, gpu: c.gpu }).collect();
         matches.extend(extra.iter().enumerate().filter(|(_, &(d, s))| d + s > 0)
-            .map(|(i, &(d, s))| PrefixMatch { instance: 100 + i as u64, dram: d, ssd: s }));
+            .map(|(i, &(d, s))| PrefixMatch { instance: 100 + i as u64, dram: d, ssd: s, gpu: 0 }));
         let n_blocks = matches.iter().map(|m| m.total()).max().unwrap_or(0);
         let input = PolicyInput {
             prompt_len: n_blocks * bs + tail, block_size: bs, cands: &cands, matches: &matches,

@@ -13,17 +13,23 @@ use crate::index::{BlockIndex, PrefixMatch, Tier};
 fn unit_costs() -> CostModels {
     CostModels {
         prefill: PrefillCostModel { c0: 0.0, c_new: 0.001, c_new2: 0.0, c_cross: 0.0 },
-        transfer: TransferCostModel { bytes_per_token: 1.0, network_bandwidth: 10_000.0, ssd_bandwidth: 2_000.0, latency_s: 0.01 },
+        transfer: TransferCostModel {
+            bytes_per_token: 1.0,
+            network_bandwidth: 10_000.0,
+            ssd_bandwidth: 2_000.0,
+            latency_s: 0.01,
+            dram_bandwidth: f64::INFINITY,
+        },
         decode: DecodeCostModel { base_s: 0.01, per_seq_s: 0.001, per_token_s: 0.0 },
     }
 }
 
 fn cand(id: u64, queue_s: f64, dram: usize, ssd: usize) -> Candidate {
-    Candidate { id, queue_s, speed: 1.0, dram, ssd }
+    Candidate { id, queue_s, speed: 1.0, dram, ssd, gpu: 0 }
 }
 
 fn pm(instance: u64, dram: usize, ssd: usize) -> PrefixMatch {
-    PrefixMatch { instance, dram, ssd }
+    PrefixMatch { instance, dram, ssd, gpu: 0 }
 }
 
 fn run(kind: PolicyKind, cands: &[Candidate], matches: &[PrefixMatch], threshold: f64, cost: &CostModels) -> Choice {
@@ -458,4 +464,35 @@ fn fits_without_information_are_refused() {
     // Every sample 0 s: the fit would price every request at 0 s.
     let zeros = [(100, 0, 0.0), (200, 0, 0.0), (300, 50, 0.0), (400, 100, 0.0), (500, 0, 0.0)];
     assert!(matches!(PrefillCostModel::fit(&zeros), Err(FitError::Degenerate)));
+}
+
+// Tiers priced by their load cost: the same 10 blocks on the GPU cost nothing, in DRAM
+// the device copy (when `dram_bandwidth` is finite), on SSD the read.
+#[test]
+fn ttft_optimal_prices_each_tier() {
+    let mut c = unit_costs();
+    c.transfer.dram_bandwidth = 4_000.0; // 100 tokens: 25 ms from DRAM, 50 ms from SSD
+    let gpu = Candidate { gpu: 10, ..cand(1, 0.0, 0, 0) };
+    let dram = cand(2, 0.0, 10, 0);
+    let ssd = cand(3, 0.0, 0, 10);
+    let m = [PrefixMatch { instance: 1, dram: 0, ssd: 0, gpu: 10 }, pm(2, 10, 0), pm(3, 0, 10)];
+    let est = |cands: &[Candidate]| {
+        let ch = run(PolicyKind::TtftOptimal, cands, &m, 2.0, &c);
+        (cands[ch.idx].id, ch.transfer_s)
+    };
+    let (id, t) = est(&[dram, ssd]);
+    assert_eq!(id, 2);
+    assert!(close(t, 0.025), "{t}");
+    let (id, t) = est(&[gpu, dram, ssd]);
+    assert_eq!(id, 1);
+    assert!(close(t, 0.0), "{t}");
+    let (_, t) = est(&[ssd]);
+    assert!(close(t, 0.05), "{t}");
+    // the default (infinite DRAM bandwidth): DRAM hits are free, as before the gpu tier
+    c.transfer.dram_bandwidth = f64::INFINITY;
+    let ch = run(PolicyKind::TtftOptimal, &[dram], &m, 2.0, &c);
+    assert!(close(ch.transfer_s, 0.0));
+    assert!(c.transfer.validate().is_ok());
+    c.transfer.dram_bandwidth = 0.0;
+    assert!(c.transfer.validate().is_err());
 }

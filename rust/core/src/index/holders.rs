@@ -5,7 +5,7 @@
 //! blocks replicated more widely. With a 16-byte key that is 24 bytes of payload per
 //! block in the hash table, which keeps the index far below 64 bytes per entry.
 
-/// A (dense instance slot, tier) pair packed into 32 bits: `slot << 1 | tier`.
+/// A (dense instance slot, tier) pair packed into 32 bits: `slot << 2 | tier code`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) struct Holder(u32);
 
@@ -13,22 +13,18 @@ pub(crate) struct Holder(u32);
 const EMPTY: u32 = u32::MAX;
 const SPILLED: u32 = u32::MAX - 1;
 /// Largest dense slot number that can be encoded.
-pub(crate) const MAX_SLOT: u32 = (u32::MAX >> 1) - 2;
+pub(crate) const MAX_SLOT: u32 = (u32::MAX >> 2) - 2;
 
 impl Holder {
     pub(crate) fn new(slot: u32, tier: super::Tier) -> Self {
         debug_assert!(slot <= MAX_SLOT);
-        Holder(slot << 1 | tier as u32)
+        Holder(slot << 2 | tier as u32)
     }
     pub(crate) fn slot(self) -> u32 {
-        self.0 >> 1
+        self.0 >> 2
     }
     pub(crate) fn tier(self) -> super::Tier {
-        if self.0 & 1 == 0 {
-            super::Tier::Dram
-        } else {
-            super::Tier::Ssd
-        }
+        super::Tier::from_code(self.0 & 3)
     }
 }
 

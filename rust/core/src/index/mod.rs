@@ -27,19 +27,28 @@ use table::BlockTable;
 /// An instance id as the caller names it (any u64).
 pub type InstanceId = u64;
 
-/// Where a holder keeps the block.
+/// Where a holder keeps the block. `Gpu` is an engine's own device cache (what vLLM or
+/// SGLang report as "GPU"): nothing to load. Our stores hold `Dram` and `Ssd` only.
+///
+/// The codes are stable (they are on the wire and in the index's packed entries); the
+/// preference between copies is [`Tier::rank`], not the code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[repr(u8)]
 pub enum Tier {
     Dram = 0,
     Ssd = 1,
+    Gpu = 2,
 }
 
 impl Tier {
+    /// Every tier, fastest to load first.
+    pub const BY_SPEED: [Tier; 3] = [Tier::Gpu, Tier::Dram, Tier::Ssd];
+
     pub fn parse(name: &str) -> Result<Self, IndexError> {
         match name {
             "dram" => Ok(Tier::Dram),
             "ssd" => Ok(Tier::Ssd),
+            "gpu" => Ok(Tier::Gpu),
             other => Err(IndexError::UnknownTier(other.to_string())),
         }
     }
@@ -48,13 +57,33 @@ impl Tier {
         match self {
             Tier::Dram => "dram",
             Tier::Ssd => "ssd",
+            Tier::Gpu => "gpu",
+        }
+    }
+
+    /// 0 for the cheapest to load (gpu), then dram, then ssd: a block held in several
+    /// tiers by one instance counts in its lowest rank.
+    #[inline]
+    pub fn rank(self) -> usize {
+        match self {
+            Tier::Gpu => 0,
+            Tier::Dram => 1,
+            Tier::Ssd => 2,
+        }
+    }
+
+    pub(crate) fn from_code(code: u32) -> Tier {
+        match code {
+            0 => Tier::Dram,
+            1 => Tier::Ssd,
+            _ => Tier::Gpu,
         }
     }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum IndexError {
-    #[error("unknown tier {0:?}; expected \"dram\" or \"ssd\"")]
+    #[error("unknown tier {0:?}; expected \"gpu\", \"dram\" or \"ssd\"")]
     UnknownTier(String),
     #[error("too many instances in one index (at most {0})")]
     TooManyInstances(u32),
@@ -67,17 +96,23 @@ impl Categorized for IndexError {
 }
 
 /// How many leading blocks of a prompt one instance holds, split by tier.
-/// A block held in both tiers counts as DRAM (the faster copy is the one used).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// A block held in several tiers counts in the fastest (the copy that is used).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct PrefixMatch {
     pub instance: InstanceId,
     pub dram: usize,
     pub ssd: usize,
+    pub gpu: usize,
 }
 
 impl PrefixMatch {
     pub fn total(&self) -> usize {
-        self.dram + self.ssd
+        self.gpu + self.dram + self.ssd
+    }
+
+    /// Blocks held in memory (gpu or dram): no storage read to use them.
+    pub fn in_memory(&self) -> usize {
+        self.gpu + self.dram
     }
 }
 
@@ -93,6 +128,8 @@ pub struct IndexStats {
     pub memory_bytes: usize,
     /// (instance, dram entries, ssd entries), sorted by instance.
     pub per_instance: Vec<(InstanceId, usize, usize)>,
+    /// (instance, gpu entries) of the instances with any, sorted by instance.
+    pub per_instance_gpu: Vec<(InstanceId, usize)>,
 }
 
 /// Block hashes are already uniform, but simulator traces use small integer ids, so the
@@ -261,8 +298,8 @@ impl BlockIndex {
         }
         let instances = self.instances.read();
         let mut guards: [Option<RwLockReadGuard<'_, Shard>>; SHARDS] = [const { None }; SHARDS];
-        // Candidates: (slot, dram, ssd, still matching).
-        let mut cands: Vec<(u32, usize, usize, bool)> = Vec::new();
+        // Candidates: (slot, blocks by tier code, still matching).
+        let mut cands: Vec<(u32, [usize; 3], bool)> = Vec::new();
         let mut alive = 0usize;
         let mut buf = HolderBuf::with_capacity(8);
         for (c, chunk) in hashes.chunks(CHUNK).enumerate() {
@@ -292,29 +329,29 @@ impl BlockIndex {
                     v.for_each(&g.slab, |x| buf.push(x));
                 }
                 if c == 0 && j == 0 {
-                    buf.sort_unstable(); // by slot, then DRAM before SSD
+                    buf.sort_unstable_by_key(|x| (x.slot(), x.tier().rank())); // by slot, fastest tier first
                     for x in &buf {
                         match cands.last_mut() {
-                            Some(c) if c.0 == x.slot() => {} // the same instance's second tier
+                            Some(c) if c.0 == x.slot() => {} // the same instance's slower copy
                             _ => {
-                                let dram = (x.tier() == Tier::Dram) as usize;
-                                cands.push((x.slot(), dram, 1 - dram, true));
+                                let mut by_tier = [0; 3];
+                                by_tier[x.tier() as usize] = 1;
+                                cands.push((x.slot(), by_tier, true));
                             }
                         }
                     }
                     alive = cands.len();
                     continue;
                 }
-                for cand in cands.iter_mut().filter(|c| c.3) {
+                for cand in cands.iter_mut().filter(|c| c.2) {
                     let mut best: Option<Tier> = None;
                     for x in buf.iter().filter(|x| x.slot() == cand.0) {
-                        best = Some(best.map_or(x.tier(), |b| b.min(x.tier())));
+                        best = Some(best.map_or(x.tier(), |b| if x.tier().rank() < b.rank() { x.tier() } else { b }));
                     }
                     match best {
-                        Some(Tier::Dram) => cand.1 += 1,
-                        Some(Tier::Ssd) => cand.2 += 1,
+                        Some(t) => cand.1[t as usize] += 1,
                         None => {
-                            cand.3 = false;
+                            cand.2 = false;
                             alive -= 1;
                         }
                     }
@@ -328,13 +365,19 @@ impl BlockIndex {
             }
         }
         drop(guards);
-        out.extend(cands.iter().filter_map(|c| {
-            instances.id_of(c.0).map(|instance| PrefixMatch { instance, dram: c.1, ssd: c.2 })
+        out.extend(cands.iter().filter_map(|&(slot, n, _)| {
+            instances.id_of(slot).map(|instance| PrefixMatch {
+                instance,
+                dram: n[Tier::Dram as usize],
+                ssd: n[Tier::Ssd as usize],
+                gpu: n[Tier::Gpu as usize],
+            })
         }));
         out.sort_unstable_by_key(|m| m.instance);
     }
 
-    /// The instance with the longest match (ties: more DRAM blocks, then lowest id).
+    /// The instance with the longest match (ties: more blocks in memory, more on the
+    /// GPU, then the lowest id).
     pub fn best_prefix(&self, hashes: &[BlockHash]) -> Option<PrefixMatch> {
         best_of(&self.match_prefix(hashes))
     }
@@ -354,7 +397,7 @@ impl BlockIndex {
 
     pub fn stats(&self) -> IndexStats {
         let instances = self.instances.read();
-        let mut per_slot: HashMap<u32, (usize, usize)> = HashMap::new();
+        let mut per_slot: HashMap<u32, [usize; 3]> = HashMap::new();
         let mut stats = IndexStats {
             instances: instances.len(),
             memory_bytes: instances.heap_bytes() + std::mem::size_of::<Self>(),
@@ -367,19 +410,20 @@ impl BlockIndex {
             stats.memory_bytes += shard.map.allocation_size() + shard.slab.heap_bytes();
             for (_, v) in shard.map.iter() {
                 v.for_each(&shard.slab, |x| {
-                    let e = per_slot.entry(x.slot()).or_default();
-                    match x.tier() {
-                        Tier::Dram => e.0 += 1,
-                        Tier::Ssd => e.1 += 1,
-                    }
+                    per_slot.entry(x.slot()).or_default()[x.tier() as usize] += 1;
                 });
             }
         }
-        stats.per_instance = per_slot
-            .into_iter()
-            .filter_map(|(slot, (d, s))| instances.id_of(slot).map(|id| (id, d, s)))
+        let mut by_id: Vec<(InstanceId, [usize; 3])> =
+            per_slot.into_iter().filter_map(|(slot, n)| instances.id_of(slot).map(|id| (id, n))).collect();
+        by_id.sort_unstable();
+        stats.per_instance = by_id
+            .iter()
+            .filter(|(_, n)| n[Tier::Dram as usize] + n[Tier::Ssd as usize] > 0)
+            .map(|&(id, n)| (id, n[Tier::Dram as usize], n[Tier::Ssd as usize]))
             .collect();
-        stats.per_instance.sort_unstable();
+        stats.per_instance_gpu =
+            by_id.iter().filter(|(_, n)| n[Tier::Gpu as usize] > 0).map(|&(id, n)| (id, n[Tier::Gpu as usize])).collect();
         stats
     }
 
@@ -420,7 +464,8 @@ impl BlockIndex {
     }
 }
 
-/// The longest match (ties: more DRAM, then the lowest instance id).
+/// The longest match (ties: more blocks in memory, then more on the GPU, then the
+/// lowest instance id).
 pub fn best_of(matches: &[PrefixMatch]) -> Option<PrefixMatch> {
     matches
         .iter()
@@ -428,7 +473,8 @@ pub fn best_of(matches: &[PrefixMatch]) -> Option<PrefixMatch> {
         .max_by(|a, b| {
             a.total()
                 .cmp(&b.total())
-                .then(a.dram.cmp(&b.dram))
+                .then(a.in_memory().cmp(&b.in_memory()))
+                .then(a.gpu.cmp(&b.gpu))
                 .then(b.instance.cmp(&a.instance))
         })
 }

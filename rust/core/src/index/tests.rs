@@ -13,24 +13,26 @@ struct Reference {
 }
 
 impl Reference {
+    /// The fastest tier `i` holds `h` in.
     fn holds(&self, h: BlockHash, i: InstanceId) -> Option<Tier> {
-        [Tier::Dram, Tier::Ssd].into_iter().find(|&t| self.entries.contains(&(h, i, t)))
+        Tier::BY_SPEED.into_iter().find(|&t| self.entries.contains(&(h, i, t)))
     }
 
     fn match_prefix(&self, hashes: &[BlockHash]) -> Vec<PrefixMatch> {
         let instances: BTreeSet<InstanceId> = self.entries.iter().map(|e| e.1).collect();
         let mut out = vec![];
         for i in instances {
-            let (mut dram, mut ssd) = (0, 0);
+            let mut m = PrefixMatch { instance: i, ..Default::default() };
             for &h in hashes {
                 match self.holds(h, i) {
-                    Some(Tier::Dram) => dram += 1,
-                    Some(Tier::Ssd) => ssd += 1,
+                    Some(Tier::Dram) => m.dram += 1,
+                    Some(Tier::Ssd) => m.ssd += 1,
+                    Some(Tier::Gpu) => m.gpu += 1,
                     None => break,
                 }
             }
-            if dram + ssd > 0 {
-                out.push(PrefixMatch { instance: i, dram, ssd });
+            if m.total() > 0 {
+                out.push(m);
             }
         }
         out
@@ -48,15 +50,15 @@ fn hand_computed_prefixes() {
     assert_eq!(
         m,
         vec![
-            PrefixMatch { instance: 1, dram: 3, ssd: 0 },
-            PrefixMatch { instance: 2, dram: 0, ssd: 2 },
+            PrefixMatch { instance: 1, dram: 3, ssd: 0, gpu: 0 },
+            PrefixMatch { instance: 2, dram: 0, ssd: 2, gpu: 0 },
         ]
     );
     assert_eq!(idx.best_prefix(&[10, 11, 12, 13]).unwrap().instance, 1);
     assert_eq!(idx.holders(11), vec![(1, Tier::Dram), (2, Tier::Ssd), (3, Tier::Dram)]);
     assert_eq!(idx.len(), 4);
     assert_eq!(idx.remove(1, &[11], None), 1);
-    assert_eq!(idx.match_prefix(&[10, 11, 12])[0], PrefixMatch { instance: 1, dram: 1, ssd: 0 });
+    assert_eq!(idx.match_prefix(&[10, 11, 12])[0], PrefixMatch { instance: 1, dram: 1, ssd: 0, gpu: 0 });
     assert_eq!(idx.remove_instance(2), 3);
     assert_eq!(idx.holders(10), vec![(1, Tier::Dram)]);
     assert!(idx.match_prefix(&[]).is_empty());
@@ -68,7 +70,7 @@ fn both_tiers_count_as_dram_and_once() {
     let idx = BlockIndex::new();
     idx.insert(7, &[1, 2], Tier::Ssd).unwrap();
     idx.insert(7, &[1], Tier::Dram).unwrap();
-    assert_eq!(idx.match_prefix(&[1, 2]), vec![PrefixMatch { instance: 7, dram: 1, ssd: 1 }]);
+    assert_eq!(idx.match_prefix(&[1, 2]), vec![PrefixMatch { instance: 7, dram: 1, ssd: 1, gpu: 0 }]);
     let s = idx.stats();
     assert_eq!((s.blocks, s.entries, s.instances), (2, 3, 1));
     assert_eq!(s.per_instance, vec![(7, 1, 2)]);
@@ -89,9 +91,9 @@ fn slots_are_reused_without_stale_holders() {
 #[test]
 fn best_prefix_ties_prefer_dram_then_low_id() {
     let m = [
-        PrefixMatch { instance: 5, dram: 1, ssd: 1 },
-        PrefixMatch { instance: 3, dram: 0, ssd: 2 },
-        PrefixMatch { instance: 9, dram: 1, ssd: 1 },
+        PrefixMatch { instance: 5, dram: 1, ssd: 1, gpu: 0 },
+        PrefixMatch { instance: 3, dram: 0, ssd: 2, gpu: 0 },
+        PrefixMatch { instance: 9, dram: 1, ssd: 1, gpu: 0 },
     ];
     assert_eq!(best_of(&m).unwrap().instance, 5);
 }
@@ -123,8 +125,8 @@ fn concurrent_inserts_and_matches_keep_invariants() {
 
 #[derive(Debug, Clone)]
 enum Op {
-    Insert(InstanceId, Vec<BlockHash>, bool),
-    Remove(InstanceId, Vec<BlockHash>, Option<bool>),
+    Insert(InstanceId, Vec<BlockHash>, u8),
+    Remove(InstanceId, Vec<BlockHash>, Option<u8>),
     RemoveInstance(InstanceId),
     Match(Vec<BlockHash>),
 }
@@ -134,19 +136,15 @@ fn op() -> impl Strategy<Value = Op> {
     let inst = 0u64..6;
     let hashes = proptest::collection::vec(0u128..24, 0..10);
     prop_oneof![
-        4 => (inst.clone(), hashes.clone(), any::<bool>()).prop_map(|(i, h, s)| Op::Insert(i, h, s)),
-        2 => (inst.clone(), hashes.clone(), proptest::option::of(any::<bool>())).prop_map(|(i, h, t)| Op::Remove(i, h, t)),
+        4 => (inst.clone(), hashes.clone(), 0u8..3).prop_map(|(i, h, s)| Op::Insert(i, h, s)),
+        2 => (inst.clone(), hashes.clone(), proptest::option::of(0u8..3)).prop_map(|(i, h, t)| Op::Remove(i, h, t)),
         1 => inst.prop_map(Op::RemoveInstance),
         3 => hashes.prop_map(Op::Match),
     ]
 }
 
-fn tier(ssd: bool) -> Tier {
-    if ssd {
-        Tier::Ssd
-    } else {
-        Tier::Dram
-    }
+fn tier(code: u8) -> Tier {
+    Tier::from_code(code as u32)
 }
 
 proptest! {
@@ -165,7 +163,7 @@ proptest! {
                 Op::Remove(i, hs, t) => {
                     let mut want = 0;
                     for h in hs.iter().collect::<BTreeSet<_>>() {
-                        for tt in [Tier::Dram, Tier::Ssd] {
+                        for tt in Tier::BY_SPEED {
                             if t.is_none_or(|s| tier(s) == tt) && r.entries.remove(&(*h, i, tt)) {
                                 want += 1;
                             }
@@ -189,13 +187,14 @@ proptest! {
             prop_assert_eq!(idx.len(), blocks.len());
             let stats = idx.stats();
             prop_assert_eq!(stats.entries, r.entries.len());
-            let mut per: BTreeMap<InstanceId, (usize, usize)> = BTreeMap::new();
+            let mut per: BTreeMap<InstanceId, [usize; 3]> = BTreeMap::new();
             for e in &r.entries {
-                let c = per.entry(e.1).or_default();
-                if e.2 == Tier::Dram { c.0 += 1 } else { c.1 += 1 }
+                per.entry(e.1).or_default()[e.2 as usize] += 1;
             }
-            let want: Vec<_> = per.into_iter().map(|(i, (d, s))| (i, d, s)).collect();
+            let want: Vec<_> = per.iter().filter(|(_, n)| n[0] + n[1] > 0).map(|(&i, n)| (i, n[0], n[1])).collect();
             prop_assert_eq!(stats.per_instance, want);
+            let want_gpu: Vec<_> = per.iter().filter(|(_, n)| n[2] > 0).map(|(&i, n)| (i, n[2])).collect();
+            prop_assert_eq!(stats.per_instance_gpu, want_gpu);
         }
     }
 }
@@ -217,5 +216,34 @@ fn table_survives_growth_and_backward_shift_deletion() {
     assert_eq!(idx.remove_instance(1), 10_000);
     idx.check_integrity().unwrap();
     assert_eq!(idx.len(), 10_000);
-    assert_eq!(idx.match_prefix(&[1, 3, 5, 6]), vec![PrefixMatch { instance: 2, dram: 0, ssd: 3 }]);
+    assert_eq!(idx.match_prefix(&[1, 3, 5, 6]), vec![PrefixMatch { instance: 2, dram: 0, ssd: 3, gpu: 0 }]);
+}
+
+#[test]
+fn gpu_tier_counts_first_and_wins_ties() {
+    // A block held on the GPU and in DRAM by one instance counts once, as gpu; between
+    // equally long matches the one with more in memory wins, then the one with more gpu.
+    let idx = BlockIndex::new();
+    idx.insert(1, &[10, 11, 12], Tier::Dram).unwrap();
+    idx.insert(1, &[10], Tier::Gpu).unwrap();
+    idx.insert(2, &[10, 11, 12], Tier::Gpu).unwrap();
+    idx.insert(3, &[10, 11], Tier::Dram).unwrap();
+    idx.insert(3, &[12], Tier::Ssd).unwrap();
+    assert_eq!(
+        idx.match_prefix(&[10, 11, 12]),
+        vec![
+            PrefixMatch { instance: 1, dram: 2, ssd: 0, gpu: 1 },
+            PrefixMatch { instance: 2, dram: 0, ssd: 0, gpu: 3 },
+            PrefixMatch { instance: 3, dram: 2, ssd: 1, gpu: 0 },
+        ]
+    );
+    assert_eq!(idx.best_prefix(&[10, 11, 12]).unwrap().instance, 2);
+    assert_eq!(idx.holders(10), vec![(1, Tier::Dram), (1, Tier::Gpu), (2, Tier::Gpu), (3, Tier::Dram)]);
+    assert_eq!(idx.remove(1, &[10], Some(Tier::Gpu)), 1);
+    assert_eq!(idx.match_prefix(&[10])[0], PrefixMatch { instance: 1, dram: 1, ssd: 0, gpu: 0 });
+    let s = idx.stats();
+    assert_eq!(s.per_instance, vec![(1, 3, 0), (3, 2, 1)]);
+    assert_eq!(s.per_instance_gpu, vec![(2, 3)]);
+    assert_eq!(Tier::parse("gpu").unwrap(), Tier::Gpu);
+    assert!(Tier::parse("hbm").unwrap_err().to_string().contains("\"gpu\""));
 }

@@ -25,11 +25,12 @@ pub struct Candidate {
     /// Leading prompt blocks it holds, by tier.
     pub dram: usize,
     pub ssd: usize,
+    pub gpu: usize,
 }
 
 impl Candidate {
     pub fn local(&self) -> usize {
-        self.dram + self.ssd
+        self.gpu + self.dram + self.ssd
     }
 }
 
@@ -40,7 +41,7 @@ pub struct PolicyInput<'a> {
     pub cands: &'a [Candidate],
     /// Every instance (prefill or not) that holds at least the first block, sorted by id.
     pub matches: &'a [PrefixMatch],
-    /// The longest of `matches` (ties: more DRAM, then lowest id).
+    /// The longest of `matches` (ties: more in memory, more on the GPU, then lowest id).
     pub best: Option<PrefixMatch>,
     pub cost: &'a CostModels,
     pub balancing_threshold: f64,

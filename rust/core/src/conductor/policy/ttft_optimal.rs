@@ -2,7 +2,8 @@
 //! with the tiers priced in and no balancing threshold.
 //!
 //! On each instance it compares: recomputing everything; reusing its local prefix
-//! (paying the SSD load of its SSD-resident blocks); and fetching the longer prefix of
+//! (paying the load of each tier: nothing for GPU-resident blocks, the DRAM -> device
+//! copy for DRAM ones, the SSD read for SSD ones); and fetching the longer prefix of
 //! every other holder (network time, at SSD speed for the share the holder keeps on SSD,
 //! plus the local SSD load). Algorithm 1 instead looks only at the single best holder,
 //! counts SSD blocks as free, and needs a hand-tuned threshold to avoid hot spots; here
@@ -14,7 +15,9 @@ pub(super) fn option_for(input: &PolicyInput<'_>, idx: usize) -> Choice {
     let c = &input.cands[idx];
     let t = &input.cost.transfer;
     let l = c.local();
-    let local_ssd_s = t.local_ssd(input.tokens(l) - input.tokens(c.dram.min(l)));
+    // token counts per tier of the local prefix (the last block may be partial)
+    let (gpu_tokens, mem_tokens) = (input.tokens(c.gpu), input.tokens(c.gpu + c.dram));
+    let local_ssd_s = t.local_ssd(input.tokens(l) - mem_tokens) + t.local_dram(mem_tokens - gpu_tokens);
     let mut best = None;
     keep_best(
         &mut best,
