@@ -26,6 +26,12 @@ impl Holder {
     pub(crate) fn tier(self) -> super::Tier {
         super::Tier::from_code(self.0 & 3)
     }
+    /// `self.tier().rank()` without the match (the prefix match's inner loop).
+    #[inline]
+    pub(crate) fn rank(self) -> usize {
+        const RANK_OF_CODE: [usize; 4] = [1, 2, 0, 0]; // dram, ssd, gpu (3 is never stored)
+        RANK_OF_CODE[(self.0 & 3) as usize]
+    }
 }
 
 /// The 8-byte inline value of a block in a shard map.

@@ -298,7 +298,7 @@ impl BlockIndex {
         }
         let instances = self.instances.read();
         let mut guards: [Option<RwLockReadGuard<'_, Shard>>; SHARDS] = [const { None }; SHARDS];
-        // Candidates: (slot, blocks by tier code, still matching).
+        // Candidates: (slot, blocks by tier rank, still matching).
         let mut cands: Vec<(u32, [usize; 3], bool)> = Vec::new();
         let mut alive = 0usize;
         let mut buf = HolderBuf::with_capacity(8);
@@ -329,14 +329,14 @@ impl BlockIndex {
                     v.for_each(&g.slab, |x| buf.push(x));
                 }
                 if c == 0 && j == 0 {
-                    buf.sort_unstable_by_key(|x| (x.slot(), x.tier().rank())); // by slot, fastest tier first
+                    buf.sort_unstable_by_key(|x| (x.slot(), x.rank())); // by slot, fastest tier first
                     for x in &buf {
                         match cands.last_mut() {
                             Some(c) if c.0 == x.slot() => {} // the same instance's slower copy
                             _ => {
-                                let mut by_tier = [0; 3];
-                                by_tier[x.tier() as usize] = 1;
-                                cands.push((x.slot(), by_tier, true));
+                                let mut by_rank = [0; 3];
+                                by_rank[x.rank()] = 1;
+                                cands.push((x.slot(), by_rank, true));
                             }
                         }
                     }
@@ -344,16 +344,15 @@ impl BlockIndex {
                     continue;
                 }
                 for cand in cands.iter_mut().filter(|c| c.2) {
-                    let mut best: Option<Tier> = None;
+                    let mut best = usize::MAX; // the fastest rank this instance holds the block in
                     for x in buf.iter().filter(|x| x.slot() == cand.0) {
-                        best = Some(best.map_or(x.tier(), |b| if x.tier().rank() < b.rank() { x.tier() } else { b }));
+                        best = best.min(x.rank());
                     }
-                    match best {
-                        Some(t) => cand.1[t as usize] += 1,
-                        None => {
-                            cand.2 = false;
-                            alive -= 1;
-                        }
+                    if best < 3 {
+                        cand.1[best] += 1;
+                    } else {
+                        cand.2 = false;
+                        alive -= 1;
                     }
                 }
                 if alive == 0 {
@@ -368,9 +367,9 @@ impl BlockIndex {
         out.extend(cands.iter().filter_map(|&(slot, n, _)| {
             instances.id_of(slot).map(|instance| PrefixMatch {
                 instance,
-                dram: n[Tier::Dram as usize],
-                ssd: n[Tier::Ssd as usize],
-                gpu: n[Tier::Gpu as usize],
+                gpu: n[Tier::Gpu.rank()],
+                dram: n[Tier::Dram.rank()],
+                ssd: n[Tier::Ssd.rank()],
             })
         }));
         out.sort_unstable_by_key(|m| m.instance);
