@@ -208,10 +208,35 @@ def test_etcd_outage_keeps_the_last_view_and_recovers(etcd: EtcdServer) -> None:
         etcd.start()
         assert wait_for(lambda: m.available, 10), "membership did not recover after etcd came back"
         assert set(m.members()) == {"p0"}
-        late = WorkerRegistration(c, PREFIX, record("p1")).register()
+        late = WorkerRegistration(c, PREFIX, record("p1")).register(wait_s=10)  # a restarted etcd's first write can be slow
         assert m.wait_until(lambda ms: set(ms) == {"p0", "p1"}, 5)
         assert m.resyncs >= 2
         late.close()
     finally:
         reg.close()
         m.close()
+
+
+def test_register_waits_for_etcd_when_asked(etcd: EtcdServer) -> None:
+    # a worker started while etcd is down: once (the default) fails at once; with wait_s
+    # it keeps trying and registers as soon as etcd is back
+    import threading
+
+    c = EtcdClient(etcd.url, timeout_s=0.5)
+    with pytest.raises(InvalidArgument, match="wait_s"):
+        WorkerRegistration(c, PREFIX, record("w-bad")).register(wait_s=-1)
+    etcd.stop()
+    t0 = time.monotonic()
+    with pytest.raises(ServiceUnavailable):
+        WorkerRegistration(c, PREFIX, record("w-once")).register()
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(ServiceUnavailable):  # gives up after its wait
+        WorkerRegistration(c, PREFIX, record("w-short")).register(wait_s=1.0)
+    threading.Timer(1.5, etcd.start).start()
+    reg = WorkerRegistration(c, PREFIX, record("w-wait"), ttl_s=5).register(wait_s=30)
+    try:
+        assert reg.lease_id is not None
+        kv = c.get(worker_key(PREFIX, "w-wait"))
+        assert kv is not None and kv.value == encode_record(record("w-wait"))
+    finally:
+        reg.close()

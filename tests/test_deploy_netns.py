@@ -22,23 +22,13 @@ pytestmark = pytest.mark.skipif(not available(), reason="network namespaces need
 _WORKER = textwrap.dedent("""
     import sys, time
     from mooncake_rs.deploy import EtcdClient, ModelFingerprint, WorkerRecord, WorkerRegistration
-    from mooncake_rs.errors import ServiceUnavailable
     url, name, ip = sys.argv[1:4]
     fp = ModelFingerprint(model="tiny", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16, block_size=16)
     rec = WorkerRecord(name=name, role="prefill", control=ip + ":7000", transfer=ip + ":7001",
                        fingerprint=fp, block_bytes=16384, capacity_blocks=64)
-    reg = WorkerRegistration(EtcdClient(url, timeout_s=0.5), "/mooncake/netns", rec, ttl_s=2)
     # a fresh etcd's first writes can take longer than the 0.5 s call deadline on a loaded
-    # machine (its WAL fsyncs): retry the registration as a real worker would
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            reg.register()
-            break
-        except ServiceUnavailable:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+    # machine (its WAL fsyncs): keep trying, as a real worker would
+    WorkerRegistration(EtcdClient(url, timeout_s=0.5), "/mooncake/netns", rec, ttl_s=2).register(wait_s=20)
     print("registered", flush=True)
     time.sleep(60)
 """)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import msgspec
 
@@ -64,11 +65,28 @@ class WorkerRegistration:
         self._lease: KeptLease | None = None
         self._rejoin: threading.Thread | None = None
 
-    def register(self) -> "WorkerRegistration":
-        claim_fingerprint(self.client, self.prefix, self.record.fingerprint)
-        with self._lock:
-            self._put()
-        return self
+    def register(self, wait_s: float = 0.0) -> "WorkerRegistration":
+        """Claims or checks the fingerprint and puts the record under a fresh lease.
+
+        ``wait_s``: how long to keep trying while etcd is unreachable or too slow to
+        answer within the client's deadline (``ServiceUnavailable``), e.g. a worker that
+        starts with etcd, or under a load spike; 0 (the default) tries once. A mismatched
+        fingerprint or a taken name is never retried."""
+        if not wait_s >= 0:
+            raise InvalidArgument(f"wait_s must be >= 0 seconds, got {wait_s!r}")
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                claim_fingerprint(self.client, self.prefix, self.record.fingerprint)
+                with self._lock:
+                    self._put()
+                return self
+            except ServiceUnavailable as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                log.warning("worker %s: etcd unavailable (%s); retrying for %.1f s more", self.record.name, e, left)
+                time.sleep(min(_RETRY_S, left))
 
     def _put(self) -> None:
         lease = KeptLease(self.client, self.ttl_s, on_lost=self._lost, name=f"worker-{self.record.name}")
