@@ -38,8 +38,7 @@ _SERVER = textwrap.dedent("""
         s = socket.create_server((ip, 0))
         print(json.dumps({"address": "%s:%d" % s.getsockname()}), flush=True)
         c, _ = s.accept()
-        buf, view, got = bytearray(1 << 20), None, 0
-        view = memoryview(buf)
+        view, got = memoryview(bytearray(1 << 20)), 0
         while got < n:
             k = c.recv_into(view)
             if not k:

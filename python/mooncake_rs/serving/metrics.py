@@ -146,10 +146,9 @@ class ClusterMetrics:
             self.fetched_tokens += m.fetched_tokens
             self.computed_tokens += m.computed_tokens
             self.transferred_bytes += m.transferred_bytes
-            ttft = m.ttft_s
-            if ttft == ttft:  # not NaN
-                self.ttft.append(ttft)
-                self.ttft_hist.observe(ttft)
+            if not math.isnan(m.ttft_s):
+                self.ttft.append(m.ttft_s)
+                self.ttft_hist.observe(m.ttft_s)
             if m.token_intervals:
                 self.tbt.append(m.tbt_s)
                 self.tbt_hist.observe(m.tbt_s)

@@ -5,7 +5,7 @@
 //! 8 KV heads of 128, bf16) on one node of 8 H100-class GPUs; the derivation is in
 //! `docs/conductor.md` ("Cost model defaults"). Replace them by `fit` from your runs.
 
-use super::{check_nonneg, check_pos, ConductorError};
+use super::{check_nonneg, check_pos, check_pos_or_inf, ConductorError};
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum FitError {
@@ -120,12 +120,7 @@ impl TransferCostModel {
         check_pos("bytes_per_token", self.bytes_per_token)?;
         check_pos("network_bandwidth", self.network_bandwidth)?;
         check_pos("ssd_bandwidth", self.ssd_bandwidth)?;
-        if self.dram_bandwidth.is_nan() || self.dram_bandwidth <= 0.0 {
-            return Err(ConductorError::InvalidConfig(format!(
-                "dram_bandwidth must be > 0 (bytes/s; infinite: DRAM hits cost nothing), got {}",
-                self.dram_bandwidth
-            )));
-        }
+        check_pos_or_inf("dram_bandwidth", self.dram_bandwidth)?;
         check_nonneg("latency_s", self.latency_s)
     }
 

@@ -77,6 +77,15 @@ pub(crate) fn check_nonneg(name: &str, v: f64) -> Result<(), ConductorError> {
     }
 }
 
+/// > 0, infinity allowed (a rate that costs nothing).
+pub(crate) fn check_pos_or_inf(name: &str, v: f64) -> Result<(), ConductorError> {
+    if v > 0.0 {
+        Ok(())
+    } else {
+        Err(ConductorError::InvalidConfig(format!("{name} must be > 0 (infinite: costs nothing), got {v}")))
+    }
+}
+
 /// Finite and > 0.
 pub(crate) fn check_pos(name: &str, v: f64) -> Result<(), ConductorError> {
     if v.is_finite() && v > 0.0 {

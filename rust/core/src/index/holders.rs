@@ -29,8 +29,7 @@ impl Holder {
     /// `self.tier().rank()` without the match (the prefix match's inner loop).
     #[inline]
     pub(crate) fn rank(self) -> usize {
-        const RANK_OF_CODE: [usize; 4] = [1, 2, 0, 0]; // dram, ssd, gpu (3 is never stored)
-        RANK_OF_CODE[(self.0 & 3) as usize]
+        super::Tier::rank_of_code(self.0)
     }
 }
 

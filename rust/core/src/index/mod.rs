@@ -40,10 +40,11 @@ pub enum Tier {
     Gpu = 2,
 }
 
-impl Tier {
-    /// Every tier, fastest to load first.
-    pub const BY_SPEED: [Tier; 3] = [Tier::Gpu, Tier::Dram, Tier::Ssd];
+/// The rank of each tier code (0: the cheapest to load): dram 1, ssd 2, gpu 0 (code 3
+/// is never stored). One table for [`Tier::rank`] and the packed holders' inner loop.
+const RANK_OF_CODE: [usize; 4] = [1, 2, 0, 0];
 
+impl Tier {
     pub fn parse(name: &str) -> Result<Self, IndexError> {
         match name {
             "dram" => Ok(Tier::Dram),
@@ -65,11 +66,13 @@ impl Tier {
     /// tiers by one instance counts in its lowest rank.
     #[inline]
     pub fn rank(self) -> usize {
-        match self {
-            Tier::Gpu => 0,
-            Tier::Dram => 1,
-            Tier::Ssd => 2,
-        }
+        RANK_OF_CODE[self as usize]
+    }
+
+    /// The rank of a packed tier code (its low two bits), without building the `Tier`.
+    #[inline]
+    pub(crate) fn rank_of_code(code: u32) -> usize {
+        RANK_OF_CODE[(code & 3) as usize]
     }
 
     pub(crate) fn from_code(code: u32) -> Tier {

@@ -6,6 +6,9 @@ use proptest::prelude::*;
 
 use super::*;
 
+/// Every tier, fastest to load first (the order the model looks a block up in).
+const BY_SPEED: [Tier; 3] = [Tier::Gpu, Tier::Dram, Tier::Ssd];
+
 /// The obvious model: a set of (block, instance, tier).
 #[derive(Default)]
 struct Reference {
@@ -15,7 +18,7 @@ struct Reference {
 impl Reference {
     /// The fastest tier `i` holds `h` in.
     fn holds(&self, h: BlockHash, i: InstanceId) -> Option<Tier> {
-        Tier::BY_SPEED.into_iter().find(|&t| self.entries.contains(&(h, i, t)))
+        BY_SPEED.into_iter().find(|&t| self.entries.contains(&(h, i, t)))
     }
 
     fn match_prefix(&self, hashes: &[BlockHash]) -> Vec<PrefixMatch> {
@@ -163,7 +166,7 @@ proptest! {
                 Op::Remove(i, hs, t) => {
                     let mut want = 0;
                     for h in hs.iter().collect::<BTreeSet<_>>() {
-                        for tt in Tier::BY_SPEED {
+                        for tt in BY_SPEED {
                             if t.is_none_or(|s| tier(s) == tt) && r.entries.remove(&(*h, i, tt)) {
                                 want += 1;
                             }

@@ -5,7 +5,7 @@
 //! (paying the load of each tier: nothing for GPU-resident blocks, the DRAM -> device
 //! copy for DRAM ones, the SSD read for SSD ones); and fetching the longer prefix of
 //! every other holder (network time, at SSD speed for the share the holder keeps on SSD,
-//! plus the local SSD load). Algorithm 1 instead looks only at the single best holder,
+//! plus the local prefix's load). Algorithm 1 instead looks only at the single best holder,
 //! counts SSD blocks as free, and needs a hand-tuned threshold to avoid hot spots; here
 //! the queue term alone balances the load, because a fetch is chosen only where it wins.
 
@@ -17,13 +17,13 @@ pub(super) fn option_for(input: &PolicyInput<'_>, idx: usize) -> Choice {
     let l = c.local();
     // token counts per tier of the local prefix (the last block may be partial)
     let (gpu_tokens, mem_tokens) = (input.tokens(c.gpu), input.tokens(c.gpu + c.dram));
-    let local_ssd_s = t.local_ssd(input.tokens(l) - mem_tokens) + t.local_dram(mem_tokens - gpu_tokens);
+    let local_load_s = t.local_ssd(input.tokens(l) - mem_tokens) + t.local_dram(mem_tokens - gpu_tokens);
     let mut best = None;
     keep_best(
         &mut best,
         Choice { reused_blocks: 0, prefill_s: input.prefill_s(c, 0), ..input.local_choice(idx) },
     );
-    keep_best(&mut best, Choice { transfer_s: local_ssd_s, ..input.local_choice(idx) });
+    keep_best(&mut best, Choice { transfer_s: local_load_s, ..input.local_choice(idx) });
     for h in input.matches {
         let b = h.total();
         if h.instance == c.id || b <= l {
@@ -40,7 +40,7 @@ pub(super) fn option_for(input: &PolicyInput<'_>, idx: usize) -> Choice {
                 fetch_from: Some(h.instance),
                 queue_s: c.queue_s,
                 prefill_s: input.prefill_s(c, b),
-                transfer_s: local_ssd_s + t.fetch(fetch_tokens, ssd_fraction),
+                transfer_s: local_load_s + t.fetch(fetch_tokens, ssd_fraction),
             },
         );
     }
