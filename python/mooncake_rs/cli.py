@@ -48,6 +48,10 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if getattr(args, "etcd", None):
+        from .deploy.serve import run_service
+
+        return run_service(args)
     try:
         from .http.server import serve
     except ImportError as e:
@@ -55,6 +59,17 @@ def _serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     return serve(args)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("mooncake-rs worker needs torch (pip install \"mooncake-rs[torch]\")", file=sys.stderr)
+        return 2
+    from .deploy.worker import run_worker
+
+    return run_worker(args)
 
 
 def _indexer(args: argparse.Namespace) -> int:
@@ -105,7 +120,16 @@ def build_parser() -> argparse.ArgumentParser:
         serve.add_argument("rest", nargs=argparse.REMAINDER)
     else:
         add_serve_arguments(serve)
+    from .deploy.serve import add_service_arguments
+
+    add_service_arguments(serve)
     serve.set_defaults(func=_serve)
+    worker = sub.add_parser("worker", help="one prefill or decode instance of a deployment across hosts "
+                                           "(registers in etcd; docs/deploy.md)")
+    from .deploy.worker import add_worker_arguments
+
+    add_worker_arguments(worker)
+    worker.set_defaults(func=_worker)
     indexer = sub.add_parser("indexer", help="the Mooncake Conductor Indexer HTTP API: KV events in, prefix hits out")
     indexer.add_argument("--listen", default="127.0.0.1:8800", help="HOST:PORT to serve on (default 127.0.0.1:8800)")
     indexer.add_argument("--hash", choices=["rfc", "mooncake"], default="rfc",

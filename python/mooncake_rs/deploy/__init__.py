@@ -12,6 +12,13 @@
 - ``election.py``: leader election among ``serve`` processes.
 - ``auth_socket.py``: TCP control connections authenticated by the cluster token
   (mutual HMAC challenge-response).
+- ``worker.py`` / ``worker_link.py``: ``mooncake-rs worker``, one instance on a host, and
+  the control links its conductors open to it.
+- ``service.py`` / ``service_clients.py`` / ``serve.py``: ``mooncake-rs serve --etcd``, the
+  conductor over the workers in etcd, its client endpoint, and the leader election
+  around it.
+- ``remote.py`` / ``client_protocol.py``: ``RemoteCluster`` (``Cluster.connect``), the
+  Python client of a running deployment, and what it says on the wire.
 
 See docs/deploy.md.
 """
@@ -21,5 +28,7 @@ from .etcd import EtcdClient
 from .membership import Membership
 from .records import ModelFingerprint, WorkerRecord
 from .registration import WorkerRegistration
+from .remote import RemoteCluster
 
-__all__ = ["EtcdClient", "LeaderElection", "Membership", "ModelFingerprint", "WorkerRecord", "WorkerRegistration"]
+__all__ = ["EtcdClient", "LeaderElection", "Membership", "ModelFingerprint", "RemoteCluster", "WorkerRecord",
+           "WorkerRegistration"]

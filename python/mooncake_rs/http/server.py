@@ -95,7 +95,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $MOONCAKE_API_KEY, else none)")
-    p.add_argument("--etcd", default=None, help="the front of a multi-host deployment (not available yet)")
+    p.add_argument("--etcd", default=None, help="run the conductor of a deployment across hosts over the workers "
+                                                "registered in this etcd (http://HOST:PORT; needs --listen; "
+                                                "docs/deploy.md) instead of an embedded cluster")
     p.add_argument("--prefill", type=int, default=2, help="prefill instances (default 2)")
     p.add_argument("--decode", type=int, default=1, help="decode instances (default 1)")
     p.add_argument("--block-size", type=int, default=16)
@@ -136,9 +138,6 @@ def serve(args: argparse.Namespace) -> int:
     if args.model is None:
         raise InvalidArgument("--model is required: a Hugging Face model directory to serve (or --upstream "
                               "NAME=URL,events=... to route over external engines)")
-    if args.etcd:
-        raise InvalidArgument("--etcd (the front of a multi-host deployment) is not available yet; "
-                              "leave it out for an embedded cluster")
     if not os.path.isdir(args.model):
         raise InvalidArgument(f"--model {args.model!r} is not a directory; pass a Hugging Face model directory")
     import uvicorn

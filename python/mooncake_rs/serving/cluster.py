@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import logging
 import math
 import os
@@ -36,20 +35,17 @@ import uuid
 from pathlib import Path
 from typing import Any, Sequence
 
-from .._core import (Conductor, ConductorConfig, DecodeCostModel, PrefillCostModel, PrefixHasher, TransferCostModel,
-                     TransferRegistry)
+from .._core import (Conductor, PrefillCostModel, PrefixHasher, TransferRegistry)
 from ..engine.outputs import RequestOutput
-from ..errors import InvalidArgument, MooncakeError, Overloaded, TransferTimeout
-from .handle import RequestHandle, wait_seconds
+from ..errors import InvalidArgument, MooncakeError
 from .kv_events import endpoints_for
-from .lifecycle import CancelRequest, Plan
 from .control import Lost
 from .limits import Limits
 from .liveness import watch
 from .members import Member, mark_down, remove_segments_of, spawn_all
-from .metrics import ClusterMetrics, RequestMetrics
-from .protocol import (PROTOCOL_VERSION, Failed, InitFailed, InstanceSpec, Measure, Message, Params, Ready, Stats,
+from .protocol import (PROTOCOL_VERSION, Failed, InitFailed, InstanceSpec, Measure, Message, Ready, Stats,
                        StatsReply, Stop, Timings)
+from .routed import RoutedCluster, new_conductor
 from .router import RequestRecord, Router, Shutdown, SwapConductor
 
 __all__ = ["Cluster", "remove_segments_of"]
@@ -123,7 +119,7 @@ def _kv_events_of(eps: tuple[str, str] | None) -> dict[str, str]:
     return {} if eps is None else {"kv_events": eps[0], "kv_events_replay": eps[1]}
 
 
-class Cluster:
+class Cluster(RoutedCluster):
     """An embedded cluster: ``prefill`` + ``decode`` instances and a conductor (see docs/serving.md).
 
     ``model``: a ModelConfig, a preset name or a model directory; every instance builds
@@ -178,11 +174,8 @@ class Cluster:
         self.seed = seed
         self._model = model
         self._hasher = PrefixHasher(block_size, seed=0)
-        self._ids = itertools.count(1)
-        self._t0 = time.monotonic()
+        self._init_routing()
         self._measured: queue.Queue[tuple[int, Message]] = queue.Queue()
-        self.metrics = ClusterMetrics()
-        self._closed = False
         self._stop_watch = threading.Event()
         self._token = uuid.uuid4().hex[:8]
         self._transfer_token = secrets.token_hex(32)  # the workers' transfer engines share it
@@ -268,18 +261,8 @@ class Cluster:
         return BlockLayout.for_model(cls._model_config(model), block_size, "float32").block_nbytes
 
     def _new_conductor(self, prefill_model: Any, index: Any = None) -> Conductor:
-        per_token = self._layout_bytes / self.block_size
-        cfg = ConductorConfig(
-            **self._cfg_args, prefill_model=prefill_model,
-            transfer_model=TransferCostModel(bytes_per_token=per_token, network_bandwidth=2e9, latency_s=1e-4),
-            decode_model=DecodeCostModel(base_s=0.004, per_seq_s=2e-4, per_token_s=1e-7),
-            default_output_len=32)
-        c = Conductor(cfg, index)
-        for i in self.prefill_ids:
-            c.add_prefill(i)
-        for i in self.decode_ids:
-            c.add_decode(i)
-        return c
+        return new_conductor(self._cfg_args, self._layout_bytes, prefill_model, self.prefill_ids, self.decode_ids,
+                             index)
 
     @staticmethod
     def _wire_model(model: Any) -> str | dict[str, Any]:
@@ -307,147 +290,23 @@ class Cluster:
             return None
         return mark_down(m, reason, quiet=self._closed)
 
-    # ---- the public API
-    def __enter__(self) -> "Cluster":
-        return self
+    @staticmethod
+    def connect(address: str | None = None, *, etcd: str | None = None, auth_token: str, cluster: str = "default",
+                connect_timeout_s: float = 10.0) -> Any:
+        """A running deployment across hosts (``mooncake-rs serve --etcd``), with this
+        class's request API: a ``deploy.RemoteCluster``. ``etcd``: find the leading
+        ``serve`` there (under ``cluster``); or ``address``: a ``serve``'s ``--listen``.
+        ``auth_token``: the cluster token. See docs/deploy.md."""
+        from ..deploy.remote import RemoteCluster
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        return RemoteCluster(address, etcd=etcd, auth_token=auth_token, cluster=cluster,
+                             connect_timeout_s=connect_timeout_s)
 
-    def _now(self) -> float:
-        return time.monotonic() - self._t0
-
-    def instances(self) -> dict[int, str]:
-        """Live instances: id -> name."""
-        return {i: m.spec.name for i, m in self._members.items() if m.alive}
-
+    # ---- the public API (submit, generate, metrics_text, kv_usage: RoutedCluster)
     def pid_of(self, instance: int) -> int | None:
         """The worker process id of an instance (``processes=True``), else None."""
         m = self._members.get(instance)
         return m.proc.pid if m is not None and m.proc is not None else None
-
-    def submit(self, prompt: Sequence[int], params: Any = None, *, timeout_s: float | None = None) -> RequestHandle:
-        """Admits one request and returns its handle; raises ``Overloaded`` when rejected
-        and ``InvalidArgument`` for a prompt no instance could serve. ``timeout_s``: a
-        deadline from now; past it the request is cancelled on every instance and fails
-        with ``TransferTimeout`` (None: no deadline)."""
-        from ..engine.params import SamplingParams
-        from ..engine.tokens import prompt_tokens
-
-        if self._closed:
-            raise InvalidArgument("the cluster is closed")
-        params = params or SamplingParams()
-        toks = prompt_tokens(prompt, params)
-        wait = wait_seconds(timeout_s, "timeout_s")
-        if wait is not None and wait <= 0:
-            raise InvalidArgument(f"timeout_s must be positive (or None for no deadline), got {timeout_s!r}")
-        self._limits.check(toks, params)
-        keys = self._hasher.hash_blocks(toks)  # BlockHashes: no Python int per block
-        rid = next(self._ids)
-        self.metrics.count("requests")
-        try:
-            d = self.conductor.schedule(rid, keys if self.prefix_reuse else [], len(toks), self._now(),
-                                        expected_output_len=params.max_tokens)
-        except Overloaded:
-            self.metrics.count("rejected")
-            raise
-        t_submit = time.monotonic()
-        local = d.reused_blocks - d.fetch_blocks
-        fetch = d.fetch_blocks > 0 and d.fetch_from is not None
-        plan = Plan(rid, toks, Params.of(params), bytes(keys), d.prefill, d.decode, local=local,
-                    fetch_from=d.fetch_from if fetch else None,
-                    fetch_keys=bytes(keys[local:d.reused_blocks]) if fetch else b"",
-                    deadline=None if wait is None else t_submit + wait, timeout_s=0.0 if wait is None else wait)
-        rec = RequestRecord(plan, RequestHandle(rid, toks, self._cancel), t_submit)
-        rec.metrics.prefill_instance, rec.metrics.decode_instance = d.prefill, d.decode
-        rec.handle.prefill_instance, rec.handle.decode_instance = d.prefill, d.decode
-        rec.metrics.prompt_tokens = len(toks)
-        self._router.submit(rec)
-        return rec.handle
-
-    def _cancel(self, rid: int, error: BaseException, outcome: str = "cancelled") -> None:
-        """RequestHandle.cancel: the router ends the request everywhere (lifecycle.py);
-        ``outcome`` is the metrics counter it lands in."""
-        self._router.post(CancelRequest(rid, error, outcome))
-
-    def generate(self, prompts: Sequence[Sequence[int]], params: Any = None, *,
-                 on_reject: str = "raise", timeout_s: float | None = None) -> list[Any]:
-        """Runs the prompts to completion; outputs in order. A rejected prompt raises
-        ``Overloaded`` (``on_reject="raise"``) or yields an output with
-        ``finish_reason="rejected"`` (``on_reject="report"``). ``timeout_s`` bounds the
-        whole call: what has not finished by then is cancelled on the instances and
-        ``TransferTimeout`` is raised. Whatever ends the call early (a rejection, a
-        timeout, a failed request, KeyboardInterrupt) cancels the requests still running."""
-        from ..engine.outputs import RequestOutput
-        from ..engine.params import SamplingParams
-
-        wait = wait_seconds(timeout_s, "timeout_s")
-        if wait is not None and wait <= 0:
-            raise InvalidArgument(f"timeout_s must be positive (or None to wait forever), got {timeout_s!r}")
-        if on_reject not in ("raise", "report"):
-            raise InvalidArgument("on_reject must be 'raise' or 'report'")
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise InvalidArgument("prompts must be a list of token-id lists")
-        plist = [params or SamplingParams()] * len(prompts) if params is None or isinstance(params, SamplingParams) \
-            else list(params)
-        if len(plist) != len(prompts):
-            raise InvalidArgument(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
-        end = None if wait is None else time.monotonic() + wait
-        handles: list[RequestHandle | RequestOutput] = []
-        try:
-            for p, sp in zip(prompts, plist):
-                left = None if end is None else max(end - time.monotonic(), 1e-3)
-                try:
-                    handles.append(self.submit(p, sp, timeout_s=left))
-                except Overloaded:
-                    if on_reject == "raise":
-                        raise
-                    handles.append(RequestOutput("rejected", [int(t) for t in p], [], "rejected",
-                                                 metrics=RequestMetrics()))
-            return [h.result(None if end is None else max(end - time.monotonic(), 0.0))
-                    if isinstance(h, RequestHandle) else h for h in handles]
-        except BaseException as e:
-            # past the call's deadline, the requests still running missed it too (counted
-            # as timed out); otherwise they are collateral of the error: cancelled
-            for h in handles:
-                if isinstance(h, RequestHandle):
-                    h.cancel(e if isinstance(e, TransferTimeout) else None)
-            raise
-
-    def metrics_text(self) -> str:
-        """Prometheus text exposition of the cluster's totals and instance gauges."""
-        snap = self.conductor.snapshot(self._now())
-        gauges: dict[str, float] = {"instances_alive": float(len(self.instances()))}
-        for p in snap.prefill:
-            gauges[f'prefill_queue_seconds{{instance="{p.id}"}}'] = p.queue_s
-        for d in snap.decode:
-            gauges[f'decode_batch{{instance="{d.id}"}}'] = float(d.batch)
-        gauges["requests_in_flight"] = float(snap.requests)
-        gauges["prefix_hit_rate"] = self.metrics.prefix_hit_rate
-        for i, u in self.kv_usage().items():
-            for name, v in u.items():
-                gauges[f'{name}{{instance="{i}"}}'] = v
-        return self.metrics.prometheus(gauges)
-
-    def kv_usage(self) -> dict[int, dict[str, float]]:
-        """Per live instance, its memory use as of its latest heartbeat (no round trip:
-        cheap enough for every ``/metrics`` scrape): ``kv_used_blocks`` / ``kv_free_blocks``
-        (its engine's KV cache pages, a block of tokens each), ``store_used_blocks`` /
-        ``store_slots`` / ``store_used_bytes`` (its store's DRAM tier), ``engine_running`` /
-        ``engine_waiting`` (its engine scheduler's sequences) and ``heartbeat_age_seconds``.
-        An instance that has not beaten yet (or with ``heartbeat_timeout_s=None`` in
-        worker processes, which then send no beats) is left out."""
-        out: dict[int, dict[str, float]] = {}
-        now = time.monotonic()
-        for i, m in self._members.items():
-            b = getattr(m.ch, "last_beat", None)
-            if not m.alive or b is None or b.kv_pages < 0:
-                continue
-            out[i] = {"kv_used_blocks": float(b.kv_pages - b.kv_free_pages), "kv_free_blocks": float(b.kv_free_pages),
-                      "store_used_blocks": float(b.store_blocks), "store_slots": float(b.store_slots),
-                      "store_used_bytes": float(b.store_bytes), "engine_running": float(b.running),
-                      "engine_waiting": float(b.waiting), "heartbeat_age_seconds": now - m.ch.last_seen}
-        return out
 
     def instance_stats(self, timeout_s: float = 30.0) -> dict[int, dict[str, float]]:
         """Per live instance: bytes its transfer engine moved (``copied_bytes``), seconds its

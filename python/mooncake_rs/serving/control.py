@@ -36,7 +36,7 @@ from typing import Any
 
 from .protocol import Beat, Codec, Message, ProtocolError, Stop, op_of
 
-__all__ = ["CLUSTER", "Lost", "Counts", "QueueChannel", "QueuePeer", "SocketChannel", "read_message"]
+__all__ = ["CLUSTER", "Lost", "Detached", "Counts", "QueueChannel", "QueuePeer", "SocketChannel", "read_message"]
 
 log = logging.getLogger("mooncake_rs.serving")
 
@@ -47,6 +47,15 @@ CLUSTER = -1
 @dataclass(frozen=True)
 class Lost:
     """Posted by a link that closed: EOF, a socket error or a bad frame (``reason``)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Detached:
+    """To a remote worker's instance (deploy/): its conductor's link closed. Unlike a
+    lost cluster link in a child process, this is no reason to exit: the worker drops
+    what it holds for that conductor and waits for the next one to attach."""
 
     reason: str
 
@@ -171,13 +180,16 @@ class SocketChannel:
     ``to_instance`` / ``send`` write a frame (the cluster and the instance side share
     the framing); ``recv`` reads the sink (for a worker whose only link it is)."""
 
-    def __init__(self, sock: socket.socket, source_id: int, sink: "queue.SimpleQueue[tuple[int, Any]]",
-                 allowed: tuple[type, ...], name: str = "") -> None:
+    def __init__(self, sock: socket.socket, source_id: int, sink: Any,
+                 allowed: tuple[type, ...], name: str = "", types: Any = None) -> None:
+        """``sink``: anything with ``put((source_id, msg))``. ``types``: the tagged union
+        the link decodes (default: the serving protocol's ``Message``)."""
         self.sock = sock
         self.source_id = source_id
         self.name = name or f"link-{source_id}"
         self._allowed = allowed
         self._sink = sink
+        self._types = types
         self._send_lock = threading.Lock()
         self._enc = Codec()
         self.counts = Counts()
@@ -189,7 +201,7 @@ class SocketChannel:
         self._reader.start()
 
     def _read(self) -> None:
-        codec = Codec()
+        codec = Codec() if self._types is None else Codec(types=self._types)
         reason = "closed"
         while True:
             try:

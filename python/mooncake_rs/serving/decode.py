@@ -62,6 +62,10 @@ class DecodeRole:
         """Requests this role still holds state (reserved slots, a running sequence) for."""
         return len(self.waiting) + len(self.active)
 
+    def rids(self) -> list[int]:
+        """The requests ``tracked`` counts."""
+        return [*self.waiting, *self.active]
+
     def handle(self, src: int, msg: Message) -> None:
         match msg:
             case Expect():

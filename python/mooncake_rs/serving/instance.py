@@ -19,13 +19,17 @@ import os
 import time
 from typing import Any
 
+import msgspec
+
 from .._core import BlockHashes
 from .arena import StoreSlots
-from .control import CLUSTER, Lost
+from .control import CLUSTER, Detached, Lost
 from .decode import DecodeRole
+from .holdings import Holdings
 from .kv_events import KVEventsOut
 from .prefill import PrefillRole
-from .protocol import (PROTOCOL_VERSION, Beat, Endpoint, Export, Exported, Failed, InstanceSpec, Measure, Message,
+from .protocol import (PROTOCOL_VERSION, Attach, Beat, Cancel, Endpoint, Export, Exported, Failed, InitFailed,
+                       InstanceSpec, Measure, Message,
                        PeerLost, Ready, Stats, StatsReply, Stop, StoreEvents, Timings, Unpin)
 from .transport import Transport
 
@@ -48,25 +52,32 @@ def model_of(spec_model: Any) -> Any:
 
 class Instance:
     def __init__(self, spec: InstanceSpec, channel: Any, registry: Any = None, auth_token: str | None = None,
-                 peers: dict[int, Any] | None = None, peer_tokens: dict[str, str] | None = None) -> None:
+                 peers: dict[int, Any] | None = None, peer_tokens: dict[str, str] | None = None,
+                 track_holdings: bool = False) -> None:
         from ..engine import Engine
 
         self.spec = spec
         self.ch = channel  # to the cluster; ``recv`` reads the inbox (cluster and peers)
-        self.peers = dict(peers or {})
+        # shared with the roles, not copied: a remote worker's table (deploy/worker_link.py)
+        # reaches any peer through its conductor
+        self.peers: Any = peers if peers is not None else {}
         self.engine = Engine(model_of(spec.model), block_size=spec.block_size, seed=spec.seed, **spec.engine_kwargs)
         self.layout = self.engine.layout
         self.store = StoreSlots(self.layout.block_nbytes, spec.dram_bytes, shared_memory=registry is None,
                                 ssd_path=spec.ssd_path, ssd_bytes=spec.ssd_bytes, scope=spec.id)
         self.transport = Transport(spec.name, self.store.store, registry, spec.link_bandwidth,
                                    auth_token=auth_token, peers_write=spec.role == "decode",
-                                   restricted=spec.kv_grants and spec.role == "decode", peer_tokens=peer_tokens)
+                                   restricted=spec.kv_grants and spec.role == "decode", peer_tokens=peer_tokens,
+                                   listen=spec.transfer_listen, transports=spec.transports)
         ep: dict[str, Any] = self.transport.endpoint
         self.endpoint = Endpoint(str(ep["name"]), str(ep["address"]), int(ep["region"]))
         role_cls = PrefillRole if spec.role == "prefill" else DecodeRole
         self.role: PrefillRole | DecodeRole = role_cls(spec, self.engine, self.store, self.transport, self.endpoint,
                                                        self.ch.send, self.peers, self.flush_store_events)
         self._pins: dict[int, list[Any]] = {}
+        #: a worker of a deployment across hosts keeps what its store holds, for each
+        #: conductor that attaches (``attach``); None elsewhere
+        self.holdings: Holdings | None = Holdings() if track_holdings else None
         self.kv_events: KVEventsOut | None = None
         if spec.kv_events is not None and isinstance(self.role, PrefillRole):
             # KV events out: this instance's store events, for indexers outside the cluster
@@ -83,10 +94,9 @@ class Instance:
 
     # ---- the loop
     def run(self) -> None:
-        cache = self.engine.cache
         self._beat()  # stamped before Ready: building the engine took a while, that was no hang
-        self.ch.send(Ready(PROTOCOL_VERSION, self.endpoint, os.getpid(), self.layout.block_nbytes,
-                           self.store.store.slots, cache.num_pages * cache.page_size))
+        if self.holdings is None:  # a remote worker says Ready when a conductor attaches
+            self.ch.send(self.ready())
         try:
             while not self.stopped:
                 if self.engine.has_unfinished():
@@ -111,7 +121,38 @@ class Instance:
             if self.kv_events is not None:
                 self.kv_events.close()
 
-    def handle(self, src: int, msg: Message | Lost) -> None:
+    def ready(self) -> Ready:
+        cache, cfg = self.engine.cache, self.engine.config
+        return Ready(PROTOCOL_VERSION, self.endpoint, os.getpid(), self.layout.block_nbytes, self.store.store.slots,
+                     cache.num_pages * cache.page_size, vocab_size=cfg.vocab_size,
+                     max_positions=cfg.max_position_embeddings)
+
+    def attach(self, msg: Attach) -> None:
+        """A conductor service took this worker (deploy/): serve as ``msg.id`` from now
+        on, after dropping what an earlier conductor left, and tell it all the store holds."""
+        self.release_all()  # what it says of those still goes to the old conductor, if any
+        self.ch.adopt()
+        if msg.version != PROTOCOL_VERSION:
+            self.ch.send(InitFailed(f"protocol version {msg.version} from the conductor, this worker speaks "
+                                    f"{PROTOCOL_VERSION}"))
+            return
+        self.spec = msgspec.structs.replace(self.spec, id=msg.id)
+        self.role.spec = self.spec
+        self.ch.send(self.ready())
+        if self.holdings is not None and self.spec.role == "prefill" and len(self.holdings):
+            self.ch.send(StoreEvents(self.holdings.snapshot()))
+
+    def release_all(self) -> None:
+        """Drops every request this instance holds state for (its conductor is gone, or
+        a new one attached): engine sequences, slots, leases and pins."""
+        for rid in self.role.rids():
+            self.role.handle(CLUSTER, Cancel(rid))
+        for blocks in self._pins.values():
+            for blk in blocks:
+                blk.release()
+        self._pins.clear()
+
+    def handle(self, src: int, msg: Message | Lost | Detached) -> None:
         try:
             match msg:
                 case Stop():
@@ -122,6 +163,12 @@ class Instance:
                     else:  # the cluster fences that peer (a request may wait on this link)
                         log.info("instance %s: peer %d lost (%s)", self.spec.name, src, reason)
                         self.ch.send(PeerLost(src, reason))
+                case Detached(reason=reason):  # a remote worker's conductor went away: wait for the next
+                    log.warning("instance %s: the conductor's link closed (%s); dropping %d requests",
+                                self.spec.name, reason, self.role.tracked())
+                    self.release_all()
+                case Attach():
+                    self.attach(msg)
                 case Export():
                     self._export(msg)
                 case Unpin(rid=rid):
@@ -184,6 +231,8 @@ class Instance:
     def flush_store_events(self) -> None:
         events = self.store.drain_events()
         if events and self.spec.role == "prefill":
+            if self.holdings is not None:
+                self.holdings.apply(events)
             self.ch.send(StoreEvents(events))
             if self.kv_events is not None:
                 self.kv_events.on_store_events(events)

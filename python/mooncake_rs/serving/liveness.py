@@ -56,12 +56,16 @@ def watch(members: Callable[[], list[Any]], stop: threading.Event, limit_s: floa
             silent = now - m.ch.last_seen
             if silent <= limit_s:
                 continue
-            if m.proc is None:  # an in-process instance: its loop stopped turning
+            if m.proc is None:  # an in-process instance (its loop stopped turning), or a remote worker
                 if down is None:
                     continue
-                m.down_reason = (f"stopped responding (its loop sent no heartbeat for {silent:.1f}s, "
-                                 f"heartbeat_timeout_s={limit_s:g}); it runs in this process and cannot be killed, "
-                                 "so it was marked down")
+                if m.remote:  # a cut cable or a hung host: silence, no closed socket
+                    m.down_reason = (f"stopped responding (no heartbeat for {silent:.1f}s, "
+                                     f"heartbeat_timeout_s={limit_s:g}); its link was closed")
+                else:
+                    m.down_reason = (f"stopped responding (its loop sent no heartbeat for {silent:.1f}s, "
+                                     f"heartbeat_timeout_s={limit_s:g}); it runs in this process and cannot be "
+                                     "killed, so it was marked down")
                 log.warning("serving: instance %s %s", m.spec.name, m.down_reason)
                 down(m.spec.id, m.down_reason)
                 continue

@@ -41,6 +41,8 @@ class Member:
         self.info: Ready | None = None  # the instance's Ready message (capacities, block bytes)
         self.down_reason: str | None = None  # set by the watchdog before it kills a hung worker
         self.peers: list[Any] = []  # in-process: the instance's links to its peers (their counts)
+        self.remote = False  # a worker of another host (deploy/): neither our thread nor our child
+        self.record: Any = None  # deploy/: its etcd record
 
     def cluster_counts(self) -> collections.Counter[str]:
         """Messages the cluster sent this instance."""

@@ -108,6 +108,10 @@ class PrefillRole:
         """Requests this role still holds state (pages, leases, slots) for."""
         return len(self.reqs)
 
+    def rids(self) -> list[int]:
+        """The requests ``tracked`` counts."""
+        return list(self.reqs)
+
     # ---- messages
     def handle(self, src: int, msg: Message) -> None:
         match msg:

@@ -21,7 +21,9 @@ cluster -> instance: ``Init`` (socket only), ``Expect``, ``Export``, ``Unpin``,
 ``Cancel``, ``Stats``, ``Measure``, ``Stop``; instance -> cluster: ``Ready``,
 ``InitFailed``, ``Beat``, ``StoreEvents``, ``Exported``, ``Fetched``, ``Tokens``, ``Step``,
 ``Failed``, ``Cancelled``, ``PeerLost``, ``StatsReply``, ``Timings``; decode -> prefill: ``Prefill``;
-prefill -> decode: ``KvReady``.
+prefill -> decode: ``KvReady``. Across hosts (deploy/): conductor service -> worker
+``Attach`` first (instead of ``Init``), and peer messages go through the service as
+``Relay``.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from ..errors import MooncakeError
 __all__ = [
     "PROTOCOL_VERSION", "MAX_FRAME", "ProtocolError", "Message", "TO_INSTANCE", "FROM_INSTANCE", "PEER",
     "Endpoint", "Params", "Fetch", "Dest", "PrefillReport", "InstanceSpec",
-    "Init", "Ready", "InitFailed", "Beat", "Expect", "Export", "Exported", "Unpin", "Prefill", "Fetched",
+    "Init", "Attach", "Relay", "TO_REMOTE", "FROM_REMOTE", "Ready", "InitFailed", "Beat", "Expect", "Export",
+    "Exported", "Unpin", "Prefill", "Fetched",
     "KvReady", "Tokens", "Step", "Failed", "Cancel", "Cancelled", "PeerLost", "StoreEvents", "Stats", "StatsReply", "Measure",
     "Timings", "Stop", "Codec", "pack_keys", "unpack_keys", "op_of",
 ]
@@ -170,6 +173,11 @@ class InstanceSpec(_Base, frozen=True):
     #: a decode instance registers its arena ``restricted`` and grants each request's
     #: prefill write access to exactly its reserved slots (``Cluster(kv_grants=True)``)
     kv_grants: bool = False
+    #: a worker's transfer engine: where it listens (``HOST:0``: any free port on the
+    #: host its peers reach it at) and which transports it may use (None: local, shm
+    #: and tcp; a deployment across hosts may say ``["tcp"]`` so KV never takes shm)
+    transfer_listen: str = "127.0.0.1:0"
+    transports: Union[list[str], None] = None
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -199,6 +207,22 @@ class Ready(_Msg, frozen=True, tag="ready"):
     block_bytes: int
     slots: int
     kv_tokens: int
+    #: what a prompt must fit (a remote conductor knows no model config of its own):
+    #: the vocabulary size and the model's context; 0 when not said
+    vocab_size: int = 0
+    max_positions: int = 0
+
+
+class Attach(_Msg, frozen=True, tag="attach"):
+    """conductor service -> a worker of another host (deploy/), the first frame on a new
+    control link: serve the cluster on this link as instance ``id`` (ids are the
+    conductor's; a new leader gives new ones). The worker drops whatever requests it
+    still holds for an earlier conductor, answers ``Ready`` and re-announces its store's
+    contents (``StoreEvents``) so the new conductor's index starts out right."""
+
+    version: int
+    id: int
+    name: str
 
 
 class InitFailed(_Msg, frozen=True, tag="init_failed"):
@@ -266,6 +290,15 @@ class KvReady(_Msg, frozen=True, tag="kv_ready"):
     first: Union[int, None]
     finish: str
     report: PrefillReport
+
+
+class Relay(_Msg, frozen=True, tag="relay"):
+    """A peer message carried through the conductor service (deploy/): a worker has one
+    control link, to the conductor, and no links of its own to its peers. From a worker
+    ``peer`` is the destination; to a worker it is the source."""
+
+    peer: int
+    msg: Union[Prefill, KvReady]
 
 
 class Export(_Msg, frozen=True, tag="export"):
@@ -365,13 +398,18 @@ class Stop(_Msg, frozen=True, tag="stop"):
     pass
 
 
-Message = Union[Init, Ready, InitFailed, Beat, Expect, Prefill, KvReady, Export, Exported, Unpin, Fetched, Tokens,
+Message = Union[Init, Attach, Relay, Ready, InitFailed, Beat, Expect, Prefill, KvReady, Export, Exported, Unpin,
+                Fetched, Tokens,
                 Step, Failed, Cancel, Cancelled, PeerLost, StoreEvents, Stats, StatsReply, Measure, Timings, Stop]
 
 #: what each kind of link may carry (a reader closes a link that gets anything else)
 TO_INSTANCE: tuple[type, ...] = (Init, Expect, Export, Unpin, Cancel, Stats, Measure, Stop)
 FROM_INSTANCE: tuple[type, ...] = (Ready, InitFailed, Beat, StoreEvents, Exported, Fetched, Tokens, Step, Failed,
                                    Cancelled, PeerLost, StatsReply, Timings)
+#: a worker's control link to a conductor service across hosts (deploy/): peer messages
+#: travel on it too, as ``Relay``
+TO_REMOTE: tuple[type, ...] = (Attach, Relay, Expect, Export, Unpin, Cancel, Stats, Measure, Stop)
+FROM_REMOTE: tuple[type, ...] = FROM_INSTANCE + (Relay,)
 PEER: tuple[type, ...] = (Prefill, KvReady)
 
 
@@ -392,12 +430,14 @@ class Codec:
     """Frames messages for one link. Not shared between threads (one per reader, one
     per sender under its lock)."""
 
-    def __init__(self, max_frame: int = MAX_FRAME) -> None:
+    def __init__(self, max_frame: int = MAX_FRAME, types: Any = Message) -> None:
+        """``types``: the tagged union this link carries (the serving protocol's, or the
+        client protocol's of deploy/client_protocol.py: same framing, other ops)."""
         self.max_frame = max_frame
         self._enc = msgspec.msgpack.Encoder()
-        self._dec = msgspec.msgpack.Decoder(Message)
+        self._dec = msgspec.msgpack.Decoder(types)
 
-    def encode(self, msg: Message) -> bytes:
+    def encode(self, msg: Any) -> bytes:
         body = self._enc.encode(msg)
         if len(body) > self.max_frame:
             raise ProtocolError(f"a {op_of(msg)} message of {len(body)} bytes exceeds the frame limit "
@@ -413,7 +453,7 @@ class Codec:
             raise ProtocolError(f"frame of {n} bytes exceeds the limit ({self.max_frame})")
         return n
 
-    def decode_body(self, body: bytes) -> Message:
+    def decode_body(self, body: bytes) -> Any:
         try:
             return self._dec.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:

@@ -32,8 +32,8 @@ from .handle import RequestHandle
 from .lifecycle import (CancelRequest, Command, Conduct, Deliver, Fail, Finish, InstanceDown, Plan,
                         RequestLifecycle, Send, Tick)
 from .metrics import ClusterMetrics, RequestMetrics, tbt_of
-from .protocol import (Cancelled, Exported, Failed, Fetched, InitFailed, Message, PeerLost, Ready, StatsReply,
-                       Step, StoreEvents, Timings, Tokens)
+from .protocol import (Cancelled, Exported, Failed, Fetched, InitFailed, Message, PeerLost, Ready, Relay,
+                       StatsReply, Step, StoreEvents, Timings, Tokens)
 
 __all__ = ["Router", "ClusterPort", "RequestRecord", "New", "SwapConductor", "Shutdown"]
 
@@ -203,6 +203,8 @@ class Router:
                 self._down(src, reason)
             case PeerLost(peer=peer, reason=reason):
                 self.port.peer_lost(src, peer, reason)
+            case Relay(peer=to, msg=inner):  # workers across hosts talk to peers through us
+                self.port.send(to, Relay(src, inner))
             case SwapConductor(conductor=fresh, done=done):
                 for inst in self.lifecycle.down:
                     try:

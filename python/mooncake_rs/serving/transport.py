@@ -51,7 +51,8 @@ class Transport:
     def __init__(self, name: str, store: Any, registry: TransferRegistry | None = None,
                  link_bandwidth: float | None = None, *, auth_token: str | None = None,
                  peers_write: bool = True, restricted: bool = False,
-                 peer_tokens: dict[str, str] | None = None) -> None:
+                 peer_tokens: dict[str, str] | None = None, listen: str = "127.0.0.1:0",
+                 transports: list[str] | None = None) -> None:
         self._in_process = registry is not None
         if registry is not None:
             # In-process, the peers are in this process: no listener at all, so no other
@@ -62,7 +63,12 @@ class Transport:
             # cluster's private token (and tag every frame with keys derived from it).
             # With ``peer_tokens`` (kv_grants) each peer proves its own token, so holding
             # one does not let a worker pass for another instance (and use its grants).
-            self.te = TransferEngine(name, auth_token=auth_token, peer_tokens=peer_tokens or None)
+            # Across hosts (deploy/) it listens on the host's own address, and may be
+            # limited to TCP (``transports``) so KV never takes shm between "hosts" that
+            # share a kernel (network namespaces in tests).
+            self.te = TransferEngine(name, listen, auth_token=auth_token,
+                                     transports=tuple(transports) if transports else None,
+                                     peer_tokens=peer_tokens or None)
         # The store's arena: peers address its slots. A prefill arena is only read by
         # peers (prefix fetches); a decode arena is written by the prefill instances:
         # ``restricted``, only inside the grants ``grant`` makes (never over shm).

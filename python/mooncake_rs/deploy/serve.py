@@ -1,0 +1,85 @@
+"""``mooncake-rs serve --etcd URL --listen HOST:PORT``: the conductor and router of a
+deployment across hosts, as a service.
+
+Several may run: each campaigns for ``{prefix}/leader`` (election.py) with its client
+address as its name; the leader runs a ``ConductorService`` (service.py) over the
+workers in etcd and takes ``RemoteCluster`` clients on ``--listen``; a standby waits and
+takes over when the leader's lease lapses. A new leader attaches every worker afresh
+and each re-announces its store's contents, so its index never names blocks that are
+gone. A leader that loses its lease (etcd says so after an outage, or a partition) stops
+routing at once and campaigns again: another may lead by then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from ..errors import InvalidArgument
+from .election import LeaderElection
+from .etcd import EtcdClient
+from .settings import cluster_prefix, read_token, split_hostport
+
+__all__ = ["add_service_arguments", "run_service"]
+
+log = logging.getLogger("mooncake_rs.deploy")
+
+
+def add_service_arguments(p: argparse.ArgumentParser) -> None:
+    """``serve``'s options for a deployment across hosts (beside the HTTP front's)."""
+    p.add_argument("--listen", default=None, help="with --etcd: HOST:PORT for RemoteCluster clients (HOST: the "
+                                                  "address clients reach this host at)")
+    p.add_argument("--cluster", default="default", help="with --etcd: the cluster's name in etcd (default: default)")
+    p.add_argument("--auth-token-file", default=None, help="with --etcd: the cluster token "
+                                                           "(default: $MOONCAKE_AUTH_TOKEN)")
+    p.add_argument("--lease-ttl", type=int, default=3, help="with --etcd: the leader lease's TTL in seconds")
+    p.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                   help="with --etcd: seconds a worker may go without a heartbeat before it is dropped")
+
+
+def run_service(args: argparse.Namespace) -> int:
+    """Blocks until SIGTERM / SIGINT."""
+    from .service import ConductorService
+    from .service_clients import ClientEndpoint
+
+    if not args.listen:
+        raise InvalidArgument("serve --etcd needs --listen HOST:PORT (where RemoteCluster clients connect)")
+    token = read_token(args.auth_token_file)
+    prefix = cluster_prefix(args.cluster)
+    host, port = split_hostport(args.listen, "--listen")
+    client = EtcdClient(args.etcd)
+    stop = threading.Event()
+    lost = threading.Event()
+
+    def _stop(*_: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    election = LeaderElection(client, prefix, args.listen, ttl_s=args.lease_ttl, on_lost=lost.set)
+    print(f"mooncake-rs serve: candidate {args.listen} for {prefix}", file=sys.stderr, flush=True)
+    while not stop.is_set():
+        if not election.campaign(timeout_s=1.0):
+            continue
+        lost.clear()
+        service = ConductorService(client, prefix, token, policy=args.policy, ttft_slo_s=args.ttft_slo,
+                                   tbt_slo_s=args.tbt_slo, rejection=args.rejection,
+                                   prefix_reuse=not args.no_prefix_reuse, heartbeat_timeout_s=args.heartbeat_timeout)
+        try:
+            endpoint = ClientEndpoint(service, host, port, token)
+        except BaseException:
+            service.close()
+            election.resign()
+            raise
+        print(f"mooncake-rs serve: leading {prefix}; clients on {endpoint.address}", file=sys.stderr, flush=True)
+        while not (stop.is_set() or lost.is_set()):
+            stop.wait(0.2)
+        endpoint.close()
+        service.close()
+        if lost.is_set():
+            log.error("serve: lost the leadership of %s; campaigning again", prefix)
+    election.resign()
+    return 0
