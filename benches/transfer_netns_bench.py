@@ -53,19 +53,21 @@ _CLIENT = textwrap.dedent("""
     import json, socket, sys, time
     import mooncake_rs as mc
     mode, address, n, token, region = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] or None, int(sys.argv[5])
+    req, batch = int(sys.argv[6]), int(sys.argv[7])  # bytes per request, requests per batch (0: one batch)
     out = {}
     if mode == "engine":
         with mc.TransferEngine("cli", listen="", auth_token=token, transports=["tcp"]) as eng:
             p = eng.connect("srv", address)
             mine = eng.allocate(n)
-            mib = 1 << 20
             for op in ("write", "read"):
-                reqs = [mc.TransferRequest(op, mine, off, p, region, off, min(mib, n - off)) for off in range(0, n, mib)]
+                reqs = [mc.TransferRequest(op, mine, off, p, region, off, min(req, n - off)) for off in range(0, n, req)]
                 eng.submit(reqs[:8], timeout_s=60).wait()  # warm the connection
+                step = batch or len(reqs)
                 t0 = time.perf_counter()
-                st = eng.submit(reqs, timeout_s=120).wait()
+                for i in range(0, len(reqs), step):
+                    st = eng.submit(reqs[i:i + step], timeout_s=120).wait()
+                    assert all(s.ok for s in st), [s for s in st if not s.ok][:1]
                 out[op] = time.perf_counter() - t0
-                assert all(s.ok for s in st), [s for s in st if not s.ok][:1]
     else:
         host, port = address.rsplit(":", 1)
         c = socket.create_connection((host, int(port)))
@@ -82,13 +84,16 @@ _CLIENT = textwrap.dedent("""
 """)
 
 
-def one(hosts: TestHosts, mode: str, n: int, token: str) -> dict[str, float]:
-    srv = hosts.popen(0, [sys.executable, "-c", _SERVER, mode, hosts.ip(0), str(n), token],
+def one(hosts: TestHosts, mode: str, n: int, token: str, *, req: int = 1 << 20, batch: int = 0,
+        server: int = 0, client: int = 1) -> dict[str, float]:
+    """One pass between host ``server`` and host ``client``: ``n`` bytes in requests of
+    ``req`` bytes, ``batch`` requests a batch (0: all in one batch); GB/s per op."""
+    srv = hosts.popen(server, [sys.executable, "-c", _SERVER, mode, hosts.ip(server), str(n), token],
                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert srv.stdout is not None and srv.stdin is not None
     info = json.loads(srv.stdout.readline())
-    cli = hosts.popen(1, [sys.executable, "-c", _CLIENT, mode, info["address"], str(n), token,
-                          str(info.get("region", 0))], stdout=subprocess.PIPE, text=True)
+    cli = hosts.popen(client, [sys.executable, "-c", _CLIENT, mode, info["address"], str(n), token,
+                               str(info.get("region", 0)), str(req), str(batch)], stdout=subprocess.PIPE, text=True)
     out, _ = cli.communicate(timeout=300)
     srv.stdin.write("done\n")
     srv.stdin.flush()

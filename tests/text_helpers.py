@@ -47,9 +47,6 @@ def make_tokenizer(vocab_size: int = 320):
 def write_model_dir(path, *, max_position_embeddings: int = 4096, seed: int = 0, chat_template: str = CHAT_TEMPLATE):
     """Writes tokenizer.json, tokenizer_config.json, config.json and model.safetensors of a
     2-layer random Llama whose vocabulary is the tokenizer's. Returns the path."""
-    import torch
-    from safetensors.torch import save_file
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = make_tokenizer()
@@ -58,10 +55,25 @@ def write_model_dir(path, *, max_position_embeddings: int = 4096, seed: int = 0,
     eos = tok.token_to_id("</s>")
     (path / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}, "chat_template": chat_template}))
-    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab, hidden_size=64,
-               intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5, rope_theta=10000.0,
-               eos_token_id=eos, bos_token_id=tok.token_to_id("<s>"), tie_word_embeddings=False,
+    return write_llama_weights(path, vocab=vocab, hidden=64, inter=96, layers=2, heads=4, kv_heads=2,
+                               max_position_embeddings=max_position_embeddings, seed=seed,
+                               eos=eos, bos=tok.token_to_id("<s>"))
+
+
+def write_llama_weights(path, *, vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int,
+                        max_position_embeddings: int = 4096, seed: int = 0, eos: int | None = None,
+                        bos: int | None = None):
+    """Writes config.json and model.safetensors of a random Llama of these dimensions
+    into ``path`` (no tokenizer). Returns the path."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab, hidden_size=hidden,
+               intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+               num_key_value_heads=kv_heads, max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5,
+               rope_theta=10000.0, eos_token_id=eos, bos_token_id=bos, tie_word_embeddings=False,
                torch_dtype="float32", hidden_act="silu")
     (path / "config.json").write_text(json.dumps(cfg))
     g = torch.Generator().manual_seed(seed)
@@ -69,13 +81,13 @@ def write_model_dir(path, *, max_position_embeddings: int = 4096, seed: int = 0,
     def mat(rows, cols):
         return torch.randn(rows, cols, generator=g) / math.sqrt(cols)
 
-    h, inter, hd = 64, 96, 16
+    h, hd = hidden, hidden // heads
     t = {"model.embed_tokens.weight": torch.randn(vocab, h, generator=g), "model.norm.weight": torch.ones(h),
          "lm_head.weight": mat(vocab, h)}
-    for i in range(2):
+    for i in range(layers):
         p = f"model.layers.{i}."
-        t.update({p + "self_attn.q_proj.weight": mat(4 * hd, h), p + "self_attn.k_proj.weight": mat(2 * hd, h),
-                  p + "self_attn.v_proj.weight": mat(2 * hd, h), p + "self_attn.o_proj.weight": mat(h, 4 * hd),
+        t.update({p + "self_attn.q_proj.weight": mat(heads * hd, h), p + "self_attn.k_proj.weight": mat(kv_heads * hd, h),
+                  p + "self_attn.v_proj.weight": mat(kv_heads * hd, h), p + "self_attn.o_proj.weight": mat(h, heads * hd),
                   p + "mlp.gate_proj.weight": mat(inter, h), p + "mlp.up_proj.weight": mat(inter, h),
                   p + "mlp.down_proj.weight": mat(h, inter), p + "input_layernorm.weight": torch.ones(h),
                   p + "post_attention_layernorm.weight": torch.ones(h)})

@@ -42,7 +42,8 @@ class CancelSubmitted(_C, frozen=True, tag="cancel"):
 
 
 class Query(_C, frozen=True, tag="query"):
-    """``what``: ``"metrics"`` (Prometheus text) or ``"instances"`` (id -> name)."""
+    """``what``: ``"metrics"`` (Prometheus text), ``"instances"`` (id -> name) or
+    ``"stats"`` (each worker's ``instance_stats``)."""
 
     qid: int
     what: str
@@ -80,6 +81,7 @@ class Answer(_C, frozen=True, tag="answer"):
     qid: int
     text: str = ""
     instances: dict[int, str] = {}
+    stats: dict[int, dict[str, float]] = {}
 
 
 ClientMessage = Union[Submit, CancelSubmitted, Query, Admitted, Tokens, Finished, Error, Answer]

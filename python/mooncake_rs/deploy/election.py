@@ -38,6 +38,7 @@ class LeaderElection:
         self._on_lost = on_lost
         self._lease: KeptLease | None = None
         self._leading = threading.Event()
+        self._warned = False
 
     @property
     def is_leader(self) -> bool:
@@ -54,10 +55,14 @@ class LeaderElection:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while deadline is None or time.monotonic() < deadline:
             try:
-                if self._try_once():
+                led = self._try_once()
+                self._warned = False
+                if led:
                     return True
             except ServiceUnavailable as e:
-                log.warning("election: etcd unavailable, retrying: %s", e)
+                if not self._warned:  # once an outage, not once a poll
+                    log.warning("election: etcd unavailable, retrying every %g s: %s", self.poll_s, e)
+                    self._warned = True
             time.sleep(self.poll_s)
         return False
 

@@ -276,6 +276,12 @@ class RemoteCluster(GenerateMixin):
         ans = self._connection().query(next(self._ids), "instances", timeout_s)
         return dict(ans.instances)
 
+    def instance_stats(self, timeout_s: float = 30.0) -> dict[int, dict[str, float]]:
+        """Per live worker, as ``Cluster.instance_stats``: bytes its transfer engine moved
+        (``copied_bytes``), seconds with a transfer in flight (``copy_busy_s``), blocks..."""
+        ans = self._connection().query(next(self._ids), "stats", timeout_s)
+        return {int(k): dict(v) for k, v in ans.stats.items()}
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

@@ -136,10 +136,18 @@ class _Connection:
                 self.post(Answer(msg.qid, text=self.service.metrics_text()))
             elif msg.what == "instances":
                 self.post(Answer(msg.qid, instances=self.service.instances()))
+            elif msg.what == "stats":  # asks every worker: off the reader thread
+                threading.Thread(target=self._stats, args=(msg.qid,), daemon=True).start()
             else:
-                raise _errors.InvalidArgument(f"unknown query {msg.what!r} (metrics, instances)")
+                raise _errors.InvalidArgument(f"unknown query {msg.what!r} (metrics, instances, stats)")
         except Exception as e:  # noqa: BLE001
             self.post(error_message(None, e, msg.qid))
+
+    def _stats(self, qid: int) -> None:
+        try:
+            self.post(Answer(qid, stats=self.service.instance_stats()))
+        except Exception as e:  # noqa: BLE001
+            self.post(error_message(None, e, qid))
 
     def _closed(self, reason: str) -> None:
         with self._lock:

@@ -1,0 +1,203 @@
+"""A deployment across hosts, end to end: 2 prefill + 1 decode workers on three hosts, a
+leading ``serve`` on a fourth and a standby on a fifth, etcd on the test's own bridge,
+all started as processes the way a user starts them (deploy_helpers.py), and a
+``RemoteCluster`` in the test. Hosts are network namespaces (veth pairs on a private
+subnet the test makes), or distinct loopback addresses where namespaces cannot be made;
+KV goes over TCP either way (``--transports tcp``).
+
+One deployment serves the whole module (starting one costs ~10 s of torch imports);
+the tests run in order and each leaves the cluster serving with 2 prefill + 1 decode
+workers for the next. Faults: a worker with the wrong token, one of another model, etcd
+stopped for 5 s, a decode worker SIGKILLed mid-request, a host gone from the network,
+the leader killed. Every wait is bounded; teardown stops every process and removes the
+namespaces.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from deploy_helpers import Deployment, make_hosts, wait_until  # noqa: E402
+from etcd_helpers import EtcdServer, etcd_binary  # noqa: E402
+from serving_helpers import BLOCK, reference_outputs, shared_prefix_prompts  # noqa: E402
+
+import mooncake_rs as mc  # noqa: E402
+from mooncake_rs.engine import SamplingParams  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+GREEDY = SamplingParams(max_tokens=8)
+# hosts: 0, 1 prefill; 2 decode; 3 the leader serve; 4 the standby; 5 a spare
+P0, P1, D0, SERVE_A, SERVE_B, SPARE = range(6)
+
+
+@pytest.fixture(scope="module")
+def dep(tmp_path_factory: pytest.TempPathFactory):
+    binary = etcd_binary()
+    if binary is None:
+        if os.environ.get("MOONCAKE_REQUIRE_ETCD") == "1":
+            pytest.fail("etcd is required here (MOONCAKE_REQUIRE_ETCD=1) but not installed")
+        pytest.skip("etcd not installed (apt-get install etcd-server)")
+    tmp = tmp_path_factory.mktemp("deploy")
+    with make_hosts(6) as hosts:
+        server = EtcdServer(binary, tmp / "etcd", host=hosts.gateway)
+        server.start()
+        d = Deployment(hosts, server, tmp)
+        try:
+            d.serve("serve-a", SERVE_A)
+            assert d.wait_log("serve-a", "leading"), d.log_tail()
+            d.serve("serve-b", SERVE_B)  # the standby
+            d.worker("p0", P0, "prefill")
+            d.worker("p1", P1, "prefill")
+            d.worker("d0", D0, "decode")
+            client = d.client()
+            assert wait_until(lambda: len(client.instances()) == 3, 90), d.log_tail()
+            d.client_ = client  # type: ignore[attr-defined]
+            yield d
+            client.close()
+        finally:
+            d.close()
+            server.stop()
+        procs = list(d.procs.values())
+    assert all(p.poll() is not None for p in procs), "a deployment process outlived the test"
+
+
+def _names(client) -> set[str]:
+    return set(client.instances().values())
+
+
+def test_outputs_equal_a_single_engine_and_a_prefix_is_fetched_over_tcp(dep):
+    c = dep.client_
+    prompts = shared_prefix_prompts(4, seed=2) + [[7], list(range(2 * BLOCK))]
+    ref = reference_outputs(prompts, GREEDY)
+    assert [o.token_ids for o in c.generate(prompts, GREEDY, timeout_s=120)] == ref
+    outs = c.generate(prompts, GREEDY, timeout_s=120)  # the shared prefix is in the stores now
+    assert [o.token_ids for o in outs] == ref
+    assert sum(o.metrics.reused_tokens for o in outs) > 0
+    assert [list(c.submit(p, GREEDY)) for p in prompts[:2]] == ref[:2]  # streaming
+
+    # a prefix computed on one prefill host, fetched by the other: load the holder with
+    # a long prompt so the conductor sends the next request to the other one
+    rng = random.Random(11)
+    prefix = [rng.randrange(256) for _ in range(6 * BLOCK)]
+    holder = c.generate([prefix + [4]], GREEDY, timeout_s=60)[0].metrics.prefill_instance
+    filler = c.submit([rng.randrange(256) for _ in range(1500)], SamplingParams(max_tokens=2))
+    out = c.submit(prefix + [8, 8, 8], GREEDY).result(60)
+    filler.result(60)
+    assert out.metrics.prefill_instance != holder
+    assert out.metrics.fetched_tokens > 0
+    assert out.token_ids == reference_outputs([prefix + [8, 8, 8]], GREEDY)[0]
+    # the KV crossed hosts through the transfer engines, TCP only (--transports tcp): the
+    # prefill workers' engines moved it (into the decode worker, and the fetched prefix)
+    stats = c.instance_stats()
+    names = c.instances()
+    moved = {names[i]: s["copied_bytes"] for i, s in stats.items()}
+    assert moved["p0"] > 0 and moved["p1"] > 0, moved
+    assert "mooncake_requests_finished_total" in c.metrics_text()
+
+
+def test_a_worker_with_the_wrong_token_is_refused(dep, tmp_path: Path):
+    c = dep.client_
+    bad = tmp_path / "bad-token"
+    bad.write_text("not-the-cluster-token-at-all-000")
+    dep.worker("intruder", SPARE, "prefill", port=7010, token_file=bad)
+    # it registers (etcd is no secret here) but the conductor's handshake refuses it
+    assert dep.wait_log("intruder", "registered", 60), dep.log_tail()
+    assert dep.wait_log("serve-a", "refused", 20), dep.log_tail()
+    assert "intruder" not in _names(c)
+    assert c.generate([[1, 2, 3]], GREEDY, timeout_s=60)[0].token_ids == reference_outputs([[1, 2, 3]], GREEDY)[0]
+    dep.procs["intruder"].terminate()
+    assert dep.procs["intruder"].wait(20) == 0
+    # a client with the wrong token is refused too, with a typed error
+    with pytest.raises(mc.Unauthorized):
+        mc.Cluster.connect(address=c.address, auth_token="not-the-cluster-token-at-all-000")
+
+
+def test_a_worker_of_another_model_is_refused(dep):
+    # another seed of the random-weight preset is another model: its KV must never mix
+    p = dep.worker("other", SPARE, "prefill", port=7011, extra=["--seed", "1"])
+    assert p.wait(120) == 2
+    log = dep.logs["other"].read_text()
+    assert "fingerprint" in log or "model" in log, log
+    assert "other" not in _names(dep.client_)
+
+
+def test_etcd_stopped_for_5s(dep):
+    c = dep.client_
+    long = SamplingParams(max_tokens=64, ignore_eos=True)
+    running = [c.submit(p, long) for p in shared_prefix_prompts(2, seed=9)]
+    dep.etcd.stop()
+    t0 = time.monotonic()
+    # routing continues on the last known membership
+    during = c.generate([[5, 6, 7, 8]], GREEDY, timeout_s=60)[0]
+    assert during.token_ids == reference_outputs([[5, 6, 7, 8]], GREEDY)[0]
+    time.sleep(max(0.0, 5.0 - (time.monotonic() - t0)))
+    dep.etcd.start()
+    assert [len(h.result(60).token_ids) for h in running] == [64, 64]
+    assert wait_until(lambda: _names(c) == {"p0", "p1", "d0"}, 30), dep.log_tail()
+    after = c.generate([[9, 10, 11]], GREEDY, timeout_s=60)[0]
+    assert after.token_ids == reference_outputs([[9, 10, 11]], GREEDY)[0]
+
+
+def test_sigkill_a_decode_worker_mid_request(dep):
+    c = dep.client_
+    long = SamplingParams(max_tokens=2000, ignore_eos=True)
+    handles = [c.submit(p, long) for p in shared_prefix_prompts(3, seed=4)]
+    assert wait_until(lambda: all(len(getattr(h, "tokens", [])) > 0 for h in handles), 60)
+    t0 = time.monotonic()
+    dep.procs["d0"].send_signal(signal.SIGKILL)
+    for h in handles:
+        with pytest.raises(mc.TransferFailed, match="d0"):
+            h.result(30)
+    assert time.monotonic() - t0 < 15  # its link closed: failed at once, not at a timeout
+    assert wait_until(lambda: "d0" not in _names(c), 10)
+    with pytest.raises((mc.Overloaded, mc.MooncakeError)):
+        c.generate([[1, 2]], GREEDY, timeout_s=30)  # no decode instance left
+    # a new decode worker on the same host joins and serves
+    dep.worker("d1", D0, "decode", port=7001)
+    assert wait_until(lambda: "d1" in _names(c), 90), dep.log_tail()
+    assert c.generate([[3, 4, 5]], GREEDY, timeout_s=60)[0].token_ids == reference_outputs([[3, 4, 5]], GREEDY)[0]
+
+
+def test_a_host_gone_from_the_network(dep):
+    if not dep.hosts.netns:
+        pytest.skip("needs network namespaces (a loopback address cannot be cut off)")
+    c = dep.client_
+    dep.hosts.cut(P1)  # no FIN, no RST: silence
+    t0 = time.monotonic()
+    assert wait_until(lambda: "p1" not in _names(c), 15), dep.log_tail()
+    assert time.monotonic() - t0 < 10  # the heartbeat timeout (3 s) or the lease TTL (2 s)
+    outs = c.generate(shared_prefix_prompts(3, seed=6), GREEDY, timeout_s=60)
+    assert all(o.metrics.prefill_instance != -1 for o in outs)
+    assert [o.token_ids for o in outs] == reference_outputs(shared_prefix_prompts(3, seed=6), GREEDY)
+    dep.procs["p1"].kill()
+    dep.worker("p2", SPARE, "prefill", port=7012)  # another host takes its place
+    assert wait_until(lambda: "p2" in _names(c), 90), dep.log_tail()
+
+
+def test_killing_the_leader_the_standby_takes_over(dep):
+    c = dep.client_
+    before = c.address
+    dep.procs["serve-a"].send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    # the next request reconnects through etcd once the standby leads and has the workers
+    deadline = time.monotonic() + 60
+    out = None
+    while out is None and time.monotonic() < deadline:
+        try:
+            out = c.generate([[2, 4, 6, 8]], GREEDY, timeout_s=30)[0]
+        except (mc.ServiceUnavailable, mc.MooncakeError):
+            time.sleep(0.2)
+    assert out is not None, dep.log_tail()
+    assert out.token_ids == reference_outputs([[2, 4, 6, 8]], GREEDY)[0]
+    assert c.address != before
+    assert time.monotonic() - t0 < 30
+    assert wait_until(lambda: len(c.instances()) == 3, 30), dep.log_tail()
