@@ -70,7 +70,7 @@ def start(dep: Deployment, model: str, block: int, dram: int, serve_b: bool = Tr
     return c
 
 
-def bench_kv(hosts: TestHosts, dep: Deployment, model_dir: Path, rounds: int) -> None:
+def bench_kv(hosts: TestHosts, dep: Deployment, model_dir: Path, rounds: int, sequential: bool) -> None:
     c = start(dep, str(model_dir), 64, 256 << 20, serve_b=False)
     rng = random.Random(2)
     one_tok = SamplingParams(max_tokens=1)
@@ -82,7 +82,11 @@ def bench_kv(hosts: TestHosts, dep: Deployment, model_dir: Path, rounds: int) ->
     for r in range(rounds):
         base = c.instance_stats()
         prompts = [[rng.randrange(256) for _ in range(64 * 24)] for _ in range(8)]
-        c.generate(prompts, SamplingParams(max_tokens=2), timeout_s=300)
+        if sequential:  # one prefill computing at a time: less CPU contention on a small machine
+            for p in prompts:
+                c.generate([p], SamplingParams(max_tokens=2), timeout_s=300)
+        else:
+            c.generate(prompts, SamplingParams(max_tokens=2), timeout_s=300)
         st = c.instance_stats()
         moved = sum(st[i]["copied_bytes"] - base[i]["copied_bytes"] for i in prefills)
         busy = sum(st[i]["copy_busy_s"] - base[i]["copy_busy_s"] for i in prefills)
@@ -167,6 +171,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", choices=("kv", "latency", "failover"))
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--sequential", action="store_true", help="kv: one request at a time")
     ap.add_argument("--prompts", type=int, default=30)
     ap.add_argument("--failovers", type=int, default=5)
     a = ap.parse_args()
@@ -187,7 +192,7 @@ def main() -> None:
             dep = Deployment(hosts, server, tmp / part)
             try:
                 if part == "kv":
-                    bench_kv(hosts, dep, model_dir, a.rounds)
+                    bench_kv(hosts, dep, model_dir, a.rounds, a.sequential)
                 elif part == "latency":
                     bench_latency(dep, a.prompts)
                 else:

@@ -97,10 +97,10 @@ class Deployment:
             "--auth-token-file", str(token_file or self.token_file), "--transports", "tcp", "--ttl", "2",
             "--heartbeat", "0.25", *extra])
 
-    def serve(self, name: str, host: int, *, port: int = 7100) -> Any:
+    def serve(self, name: str, host: int, *, port: int = 7100, extra: Sequence[str] = ()) -> Any:
         return self._start(name, host, [
             "serve", "--etcd", self.etcd.url, "--listen", f"{self.hosts.ip(host)}:{port}", "--cluster", self.cluster,
-            "--auth-token-file", str(self.token_file), "--lease-ttl", "2", "--heartbeat-timeout", "3"])
+            "--auth-token-file", str(self.token_file), "--lease-ttl", "2", "--heartbeat-timeout", "3", *extra])
 
     def client(self, timeout_s: float = 60.0) -> Any:
         from mooncake_rs import Cluster

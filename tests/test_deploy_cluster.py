@@ -186,6 +186,9 @@ def test_a_host_gone_from_the_network(dep):
 def test_killing_the_leader_the_standby_takes_over(dep):
     c = dep.client_
     before = c.address
+    rng = random.Random(21)
+    prefix = [rng.randrange(256) for _ in range(5 * BLOCK)]
+    c.generate([prefix + [1]], GREEDY, timeout_s=60)  # its blocks are in a prefill worker's store
     dep.procs["serve-a"].send_signal(signal.SIGKILL)
     t0 = time.monotonic()
     # the next request reconnects through etcd once the standby leads and has the workers
@@ -201,3 +204,8 @@ def test_killing_the_leader_the_standby_takes_over(dep):
     assert c.address != before
     assert time.monotonic() - t0 < 30
     assert wait_until(lambda: len(c.instances()) == 3, 30), dep.log_tail()
+    # the new leader's index was rebuilt from the workers (each re-announced its store
+    # when it attached): the prefix computed before the failover is reused after it
+    again = c.generate([prefix + [2]], GREEDY, timeout_s=60)[0]
+    assert again.metrics.reused_tokens >= 4 * BLOCK
+    assert again.token_ids == reference_outputs([prefix + [2]], GREEDY)[0]

@@ -4,19 +4,23 @@ deployment across hosts, as a service.
 Several may run: each campaigns for ``{prefix}/leader`` (election.py) with its client
 address as its name; the leader runs a ``ConductorService`` (service.py) over the
 workers in etcd and takes ``RemoteCluster`` clients on ``--listen``; a standby waits and
-takes over when the leader's lease lapses. A new leader attaches every worker afresh
-and each re-announces its store's contents, so its index never names blocks that are
-gone. A leader that loses its lease (etcd says so after an outage, or a partition) stops
-routing at once and campaigns again: another may lead by then.
+takes over when the leader's lease lapses. With ``--model DIR`` the leader also serves
+the OpenAI-compatible API (docs/http.md) over the same service on ``--host:--port``. A
+new leader attaches every worker afresh and each re-announces its store's contents, so
+its index never names blocks that are gone. A leader that loses its lease (etcd says so
+after an outage, or a partition) stops routing at once and campaigns again: another may
+lead by then.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
+from typing import Any
 
 from ..errors import InvalidArgument
 from .election import LeaderElection
@@ -38,6 +42,21 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lease-ttl", type=int, default=3, help="with --etcd: the leader lease's TTL in seconds")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="with --etcd: seconds a worker may go without a heartbeat before it is dropped")
+
+
+def _http_front(service: object, args: argparse.Namespace) -> Any:
+    """With ``--model DIR`` (its tokenizer and config.json; no weights needed here), the
+    OpenAI-compatible front over the service on ``--host:--port`` while this leads."""
+    if not getattr(args, "model", None):
+        return None
+    from ..http.front import Frontend
+    from ..http.server import ServerThread
+
+    api_key = args.api_key or os.environ.get("MOONCAKE_API_KEY") or None
+    front = Frontend.from_model_dir(service, args.model, tokenizer_dir=args.tokenizer,
+                                    model_name=args.served_model_name, api_key=api_key,
+                                    request_timeout_s=args.request_timeout)
+    return ServerThread(front, args.host, args.port, log_level=args.log_level).start()
 
 
 def run_service(args: argparse.Namespace) -> int:
@@ -74,9 +93,13 @@ def run_service(args: argparse.Namespace) -> int:
             service.close()
             election.resign()
             raise
-        print(f"mooncake-rs serve: leading {prefix}; clients on {endpoint.address}", file=sys.stderr, flush=True)
+        http = _http_front(service, args)
+        print(f"mooncake-rs serve: leading {prefix}; clients on {endpoint.address}"
+              + (f"; OpenAI API on {http.url}" if http is not None else ""), file=sys.stderr, flush=True)
         while not (stop.is_set() or lost.is_set()):
             stop.wait(0.2)
+        if http is not None:
+            http.stop()
         endpoint.close()
         service.close()
         if lost.is_set():

@@ -22,16 +22,16 @@ from .protocol import GenerateRequest
 __all__ = ["Frontend"]
 
 
-def _roles(instances: dict[int, str]) -> tuple[int, int]:
-    # instance names are "prefill-<n>" / "decode-<n>" (docs/serving.md)
-    names = list(instances.values())
-    return sum(n.startswith("prefill") for n in names), sum(n.startswith("decode") for n in names)
+def _roles(cluster: Any) -> tuple[int, int]:
+    """Live prefill and decode instances."""
+    roles = list(cluster.instance_roles().values())
+    return roles.count("prefill"), roles.count("decode")
 
 
 class Frontend:
     """Serves one model of a cluster over the OpenAI API.
 
-    ``cluster``: anything with ``Cluster``'s public API (``submit``, ``instances``,
+    ``cluster``: anything with ``Cluster``'s public API (``submit``, ``instance_roles``,
     ``metrics_text``). ``tokenizer``: a :class:`mooncake_rs.text.Tokenizer`.
     ``model_name``: the id clients send as ``model``. ``max_model_len``: the context
     (prompt + output tokens). ``eos_token_ids``: ids that end generation (the model's
@@ -78,7 +78,7 @@ class Frontend:
     # ---- health
     def serving_state(self) -> tuple[bool, str]:
         """(ready, why): ready when at least one prefill and one decode instance are alive."""
-        p, d = _roles(self.cluster.instances())
+        p, d = _roles(self.cluster)
         if p and d:
             return True, f"{p} prefill and {d} decode instances up"
         return False, f"no instance can serve: {p} prefill and {d} decode instances up"

@@ -74,7 +74,12 @@ class RoutedCluster(GenerateMixin):
 
     def instances(self) -> dict[int, str]:
         """Live instances: id -> name."""
-        return {i: m.spec.name for i, m in self._members.items() if m.alive}
+        return {i: m.spec.name for i, m in list(self._members.items()) if m.alive}
+
+    def instance_roles(self) -> dict[int, str]:
+        """Live instances: id -> ``"prefill"`` or ``"decode"``."""
+        names = self.instances()
+        return {i: m.spec.role for i, m in list(self._members.items()) if i in names}
 
     def submit(self, prompt: Sequence[int], params: Any = None, *, timeout_s: float | None = None) -> RequestHandle:
         """Admits one request and returns its handle; raises ``Overloaded`` when rejected

@@ -1,0 +1,78 @@
+"""``mooncake-rs serve --etcd ... --model DIR`` serves the OpenAI API over the workers in
+etcd, and ``mooncake-rs worker --kv-events tcp://...`` publishes its store events in
+vLLM's ZMQ format while it serves: processes started as a user would, on loopback."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("uvicorn")
+pytest.importorskip("zmq")
+
+import text_helpers as th  # noqa: E402
+from deploy_helpers import TOKEN, Deployment, LoopbackHosts, wait_until  # noqa: E402
+from etcd_helpers import etcd  # noqa: E402,F401,F811  (the fixture)
+
+from mooncake_rs import BlockIndex, PrefixHasher  # noqa: E402
+from mooncake_rs.interop import Ingestor, KVEventSubscriber  # noqa: E402
+from mooncake_rs.interop.targets import TierTarget  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_http_front_and_kv_events_of_a_deployment(etcd, tmp_path: Path) -> None:  # noqa: F811
+    model = th.write_model_dir(tmp_path / "model")
+    http_port, events_port = _free_port(), _free_port()
+    with LoopbackHosts(3) as hosts:
+        dep = Deployment(hosts, etcd, tmp_path)
+        try:
+            dep.serve("serve", 0, extra=["--model", str(model), "--host", "127.0.0.1", "--port", str(http_port)])
+            dep.worker("p0", 1, "prefill", model=str(model),
+                       extra=["--kv-events", f"tcp://127.0.0.1:{events_port}"])
+            dep.worker("d0", 2, "decode", model=str(model))
+            assert dep.wait_log("serve", "OpenAI API on", 60), dep.log_tail()
+            mine = BlockIndex()
+            sub = KVEventSubscriber(f"tcp://127.0.0.1:{events_port}",
+                                    Ingestor(TierTarget(mine), 0, PrefixHasher(16, seed=0)),
+                                    replay_endpoint=f"tcp://127.0.0.1:{events_port + 1}")
+            sub.start()
+            try:
+                base = f"http://127.0.0.1:{http_port}"
+                assert wait_until(lambda: _get(base + "/health")[0] == 200, 90), dep.log_tail()
+                body = json.dumps({"model": "model", "prompt": "hello world, hello mooncake, hello cluster " * 3,
+                                   "max_tokens": 4, "temperature": 0}).encode()
+                req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    out = json.loads(r.read())
+                assert out["usage"]["completion_tokens"] == 4, out
+                prompt_tokens = out["usage"]["prompt_tokens"]
+                assert prompt_tokens >= 16
+                # the prefill worker published the prompt's full blocks, with their tokens
+                assert wait_until(lambda: mine.stats().blocks >= prompt_tokens // 16, 20)
+                assert "mooncake_requests_finished_total 1" in _get(base + "/metrics")[1]
+            finally:
+                sub.stop()
+        finally:
+            dep.close()
+    assert all(p.poll() is not None for p in dep.procs.values())
+    assert TOKEN not in dep.logs["serve"].read_text()  # the token never reaches a log
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read().decode()
+    except OSError as e:
+        return getattr(e, "code", 0) or 0, ""
