@@ -60,7 +60,8 @@ def test_the_http_front_and_kv_events_of_a_deployment(etcd, tmp_path: Path) -> N
                 prompt_tokens = out["usage"]["prompt_tokens"]
                 assert prompt_tokens >= 16
                 # the prefill worker published the prompt's full blocks, with their tokens
-                assert wait_until(lambda: mine.stats().blocks >= prompt_tokens // 16, 20)
+                assert wait_until(lambda: mine.stats().blocks >= prompt_tokens // 16, 30), \
+                    (sub.stats, mine.stats(), dep.log_tail())
                 assert "mooncake_requests_finished_total 1" in _get(base + "/metrics")[1]
             finally:
                 sub.stop()
