@@ -49,6 +49,8 @@ SAMPLES: list[p.Message] = [
     p.Measure([(16, 0), (32, 16)], 2),
     p.Timings([(16, 0, 0.01)]),
     p.Stop(),
+    p.SwitchRole("decode"),
+    p.RoleSwitched("prefill", EP),
 ]
 
 

@@ -62,6 +62,9 @@ class DecodeRole:
         """Requests this role still holds state (reserved slots, a running sequence) for."""
         return len(self.waiting) + len(self.active)
 
+    def holds(self, rid: int) -> bool:
+        return rid in self.waiting or rid in self.active
+
     def handle(self, src: int, msg: Message) -> None:
         match msg:
             case Expect():

@@ -108,6 +108,9 @@ class PrefillRole:
         """Requests this role still holds state (pages, leases, slots) for."""
         return len(self.reqs)
 
+    def holds(self, rid: int) -> bool:
+        return rid in self.reqs
+
     # ---- messages
     def handle(self, src: int, msg: Message) -> None:
         match msg:

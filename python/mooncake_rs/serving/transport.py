@@ -106,6 +106,22 @@ class Transport:
                 return self._link_busy_s
         return self.te.stats().busy_s
 
+    def reregister(self, store: Any, *, peers_write: bool, restricted: bool = False) -> Any:
+        """Registers the arena again with other rights for peers (a role switch: a
+        prefill arena is read-only to peers, a decode arena writable) and makes it the
+        one ``endpoint`` names. Returns the previous region, which stays registered: a
+        peer may still be reading it (a prefix fetch of blocks pinned before the
+        switch); the caller unregisters it (``retire``) once nothing of it is pinned."""
+        old = self.region
+        self.region = self.te.register(store, remote_readonly=not peers_write, restricted=restricted)
+        self.endpoint = {**self.endpoint, "region": self.region.id}
+        return old
+
+    def retire(self, region: Any) -> None:
+        """Unregisters a region ``reregister`` replaced (in-flight transfers keep its
+        memory alive until they end)."""
+        self.te.unregister(region)
+
     # ---- grants (a restricted arena)
     def grant(self, peer: str, offset: int, length: int, expires_s: float) -> int:
         """Lets the engine named ``peer`` write ``offset..offset+length`` of our arena."""
