@@ -18,10 +18,14 @@ import statistics
 import time
 
 import numpy as np
-
 from mooncake_rs import TransferRegistry
 from mooncake_rs.serving.arena import StoreSlots
-from mooncake_rs.serving.multisource import FetchSource, Holder, MultiFetch, split_blocks
+from mooncake_rs.serving.multisource import (
+    FetchSource,
+    Holder,
+    MultiFetch,
+    split_blocks,
+)
 from mooncake_rs.serving.transport import Transport
 
 

@@ -82,7 +82,7 @@ def test_split_follows_free_bandwidth() -> None:
     assert split_blocks(0, [Holder(0), Holder(1)]) == [0, 0]
     assert split_blocks(2, [Holder(0, 1.0), Holder(1, 1e-9)]) == [2, 0]
     assert split_blocks(4, [Holder(0, 0.0), Holder(1, 0.0)]) == [2, 2]  # nothing free: even
-    for n in range(0, 40):
+    for n in range(40):
         for hs in ([Holder(0, 1.0, 3), Holder(1, 2.0), Holder(2, 5.0, 1)], [Holder(0)]):
             c = split_blocks(n, hs)
             assert sum(c) == n and min(c) >= 0
@@ -187,7 +187,7 @@ def test_a_run_that_cannot_complete_commits_nothing(cluster, fail) -> None:
 
 
 def test_abort_mid_fetch_frees_everything(cluster) -> None:
-    keys, blocks, (a, b, _), reader = cluster
+    keys, _, (a, b, _), reader = cluster
     r = reader("abort")
     f = MultiFetch(r.t, r.store, keys, [a.source(0, keys), b.source(1, keys)])
     f.start()

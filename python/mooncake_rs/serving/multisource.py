@@ -27,14 +27,15 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from .._core import WritableBlock
 from ..errors import InvalidArgument, MooncakeError, TransferFailed, TransferTimeout
 from .transport import Span
 
-__all__ = ["Holder", "FetchSource", "FetchResult", "MultiFetch", "split_blocks", "share_ranges"]
+__all__ = ["FetchResult", "FetchSource", "Holder", "MultiFetch", "share_ranges", "split_blocks"]
 
 
 @dataclass(frozen=True)
