@@ -49,12 +49,19 @@ SAMPLES: list[p.Message] = [
     p.Measure([(16, 0), (32, 16)], 2),
     p.Timings([(16, 0, 0.01)]),
     p.Stop(),
+    p.SwitchRole("decode"),
+    p.RoleSwitched("prefill", EP),
+    p.Ready(p.PROTOCOL_VERSION, EP, 1234, 8192, 512, 4096, vocab_size=256, max_positions=2048),
+    p.Attach(p.PROTOCOL_VERSION, 3, "prefill-a"),
+    p.Relay(2, p.KvReady(9, 17, "prefill", REPORT)),
+    p.Relay(4, p.Prefill(9, [1, 2, 3], p.Params(), KEYS, 1, None, DEST, 3)),
 ]
 
 
 def test_every_message_type_has_a_sample():
     assert {type(m) for m in SAMPLES} == set(p.Message.__args__)
-    assert set(p.TO_INSTANCE) | set(p.FROM_INSTANCE) | set(p.PEER) == set(p.Message.__args__)
+    assert set(p.TO_INSTANCE) | set(p.FROM_INSTANCE) | set(p.PEER) | set(p.TO_REMOTE) | set(p.FROM_REMOTE) \
+        == set(p.Message.__args__)
 
 
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: p.op_of(m))

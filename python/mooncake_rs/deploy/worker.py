@@ -112,7 +112,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(max(1, int(os.environ.get("MOONCAKE_WORKER_THREADS", "1"))))
     links = ConductorLinks(name)
-    inst = Instance(spec, links, auth_token=token, peers=links.peers, track_holdings=True)  # type: ignore[arg-type]
+    inst = Instance(spec, links, auth_token=token, peers=links.peers, remote=True)  # type: ignore[arg-type]
     stop = threading.Event()
 
     def _stop(*_: object) -> None:

@@ -373,6 +373,15 @@ class Cluster(RoutedCluster):
         self.calibration = samples
         return model
 
+    def switch_role(self, instance: int, role: str, *, timeout_s: float = 120.0) -> Any:
+        """Moves ``instance`` to the ``role`` pool ("prefill" or "decode") under load,
+        failing no request: the conductor drains it, it finishes what it holds, takes the
+        new role and comes back (serving/roles.py). Returns a ``roles.RoleSwitch``. Not
+        with ``kv_grants``; not while ``calibrate`` / ``instance_stats`` run."""
+        from .roles import switch_role
+
+        return switch_role(self, instance, role, timeout_s=timeout_s)
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Stops every instance (worker processes exit), fails what is in flight and
         removes every shared-memory segment. Idempotent."""

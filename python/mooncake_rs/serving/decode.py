@@ -66,6 +66,9 @@ class DecodeRole:
         """The requests ``tracked`` counts."""
         return [*self.waiting, *self.active]
 
+    def holds(self, rid: int) -> bool:
+        return rid in self.waiting or rid in self.active
+
     def handle(self, src: int, msg: Message) -> None:
         match msg:
             case Expect():

@@ -29,8 +29,8 @@ from .holdings import Holdings
 from .kv_events import KVEventsOut
 from .prefill import PrefillRole
 from .protocol import (PROTOCOL_VERSION, Attach, Beat, Cancel, Endpoint, Export, Exported, Failed, InitFailed,
-                       InstanceSpec, Measure, Message,
-                       PeerLost, Ready, Stats, StatsReply, Stop, StoreEvents, Timings, Unpin)
+                       InstanceSpec, KvReady, Measure, Message, PeerLost, Prefill, Ready, RoleSwitched, Stats,
+                       StatsReply, Stop, StoreEvents, SwitchRole, Timings, Unpin)
 from .transport import Transport
 
 __all__ = ["InstanceSpec", "Instance", "model_of"]
@@ -53,7 +53,7 @@ def model_of(spec_model: Any) -> Any:
 class Instance:
     def __init__(self, spec: InstanceSpec, channel: Any, registry: Any = None, auth_token: str | None = None,
                  peers: dict[int, Any] | None = None, peer_tokens: dict[str, str] | None = None,
-                 track_holdings: bool = False) -> None:
+                 remote: bool = False) -> None:
         from ..engine import Engine
 
         self.spec = spec
@@ -71,20 +71,26 @@ class Instance:
                                    listen=spec.transfer_listen, transports=spec.transports)
         ep: dict[str, Any] = self.transport.endpoint
         self.endpoint = Endpoint(str(ep["name"]), str(ep["address"]), int(ep["region"]))
-        role_cls = PrefillRole if spec.role == "prefill" else DecodeRole
-        self.role: PrefillRole | DecodeRole = role_cls(spec, self.engine, self.store, self.transport, self.endpoint,
-                                                       self.ch.send, self.peers, self.flush_store_events)
         self._pins: dict[int, list[Any]] = {}
-        #: a worker of a deployment across hosts keeps what its store holds, for each
-        #: conductor that attaches (``attach``); None elsewhere
-        self.holdings: Holdings | None = Holdings() if track_holdings else None
+        #: what the store holds, from its own events: told to each conductor that attaches
+        #: (a remote worker, ``attach``) and to the index when a decode instance becomes a
+        #: prefill one (its store kept blocks the index never heard of)
+        self.holdings = Holdings()
+        self.remote = remote  # a worker of a deployment across hosts: Ready comes on Attach
         self.kv_events: KVEventsOut | None = None
-        if spec.kv_events is not None and isinstance(self.role, PrefillRole):
+        if spec.kv_events is not None and spec.role == "prefill":
             # KV events out: this instance's store events, for indexers outside the cluster
             st = self.store.store.stats()
             self.kv_events = KVEventsOut(spec.kv_events, spec.kv_events_replay, spec.block_size,
                                          capacity=KVEventsOut.capacity_for(st.slots_dram + st.slots_ssd))
-            self.role.kv_events = self.kv_events
+        self.role: PrefillRole | DecodeRole = self._make_role()
+        # a role switch (SwitchRole, Cluster.switch_role): the role asked for, until this
+        # instance holds nothing and takes it; the role it had before (late messages of
+        # requests it dropped still reach it, see handle); arenas registered for an
+        # earlier role, unregistered once no pin of a peer's fetch may read them
+        self._switch_to: str | None = None
+        self._former: PrefillRole | DecodeRole | None = None
+        self._retired: list[Any] = []
         self.stopped = False
         # the latest memory use, refreshed by the loop every beat period: what a worker's
         # beat thread sends (it never reads the engine itself), and in-process the beat
@@ -92,10 +98,19 @@ class Instance:
         self._beat_every = spec.heartbeat_s if spec.heartbeat_s > 0 else 1.0
         self._beat_next = 0.0
 
+    def _make_role(self) -> PrefillRole | DecodeRole:
+        spec = self.spec
+        role_cls = PrefillRole if spec.role == "prefill" else DecodeRole
+        role = role_cls(spec, self.engine, self.store, self.transport, self.endpoint, self.ch.send, self.peers,
+                        self.flush_store_events)
+        if isinstance(role, PrefillRole) and self.kv_events is not None:
+            role.kv_events = self.kv_events
+        return role
+
     # ---- the loop
     def run(self) -> None:
         self._beat()  # stamped before Ready: building the engine took a while, that was no hang
-        if self.holdings is None:  # a remote worker says Ready when a conductor attaches
+        if not self.remote:  # a remote worker says Ready when a conductor attaches
             self.ch.send(self.ready())
         try:
             while not self.stopped:
@@ -115,6 +130,8 @@ class Instance:
                     self.role.send_pending()
                 self.role.poll()
                 self.flush_store_events()
+                if self._switch_to is not None or self._retired:
+                    self._switch_role()
                 self._beat()
         finally:
             self.transport.close()
@@ -139,7 +156,7 @@ class Instance:
         self.spec = msgspec.structs.replace(self.spec, id=msg.id)
         self.role.spec = self.spec
         self.ch.send(self.ready())
-        if self.holdings is not None and self.spec.role == "prefill" and len(self.holdings):
+        if self.spec.role == "prefill" and len(self.holdings):
             self.ch.send(StoreEvents(self.holdings.snapshot()))
 
     def release_all(self) -> None:
@@ -176,6 +193,9 @@ class Instance:
                         blk.release()
                 case Stats():
                     self.ch.send(StatsReply(self.stats()))
+                case SwitchRole(role=role):
+                    self._switch_to = role
+                    self._switch_role()
                 case Measure(points=points, repeats=repeats):
                     # one point at a time (each warms up on its own anyway), beating in between:
                     # a long calibration in-process is no wedged loop (liveness.py)
@@ -184,12 +204,63 @@ class Instance:
                         timings += self.engine.measure_prefill([point], repeats=repeats)
                         self._beat()
                     self.ch.send(Timings([(t.new_tokens, t.cached_tokens, t.seconds) for t in timings]))
+                case Prefill() | KvReady() | Cancel() if self._former is not None:
+                    self._after_switch(src, msg)
                 case _:
                     self.role.handle(src, msg)
         except Exception as e:  # a bad request fails that request, not the instance
             log.exception("instance %s: %s failed", self.spec.name, type(msg).__name__)
             of = getattr(msg, "rid", None)
             self.ch.send(Failed(of if isinstance(of, int) else None, f"{type(e).__name__}: {e}"))
+
+    def _switch_role(self) -> None:
+        """Takes the role ``SwitchRole`` asked for once this instance holds nothing (no
+        request state, no sequence in the engine, no copy in flight): a new role object
+        over the same engine, store and transport, the arena registered again with the
+        new role's rights for peers, then ``RoleSwitched``. Also unregisters the arenas
+        of earlier roles once no peer's fetch may still read them (nothing pinned)."""
+        if self._retired and not self._pins:
+            for region in self._retired:
+                self.transport.retire(region)
+            self._retired = []
+        to = self._switch_to
+        if to is None or self.role.tracked() or self.engine.has_unfinished():
+            return
+        self._switch_to = None
+        if to != self.spec.role:
+            self.flush_store_events()  # the index hears of this role's last blocks first
+            spec = self.spec
+            self.spec = msgspec.structs.replace(spec, role=to)
+            self._retired.append(self.transport.reregister(
+                self.store.store, peers_write=to == "decode", restricted=spec.kv_grants and to == "decode"))
+            ep: dict[str, Any] = self.transport.endpoint
+            self.endpoint = Endpoint(str(ep["name"]), str(ep["address"]), int(ep["region"]))
+            self._former, self.role = self.role, self._make_role()
+            log.info("instance %s: now a %s instance", spec.name, to)
+        self.ch.send(RoleSwitched(self.spec.role, self.endpoint))
+        if to == "prefill" and len(self.holdings):  # what it kept as a decode instance is reusable now
+            self.ch.send(StoreEvents(self.holdings.snapshot()))
+
+    def _after_switch(self, src: int, msg: Message) -> None:
+        """A peer or cancel message once the role changed. The drain ended every request
+        of the old role, but messages about them can still come on other links: a
+        ``Prefill`` whose cancel overtook it, a ``KvReady`` racing a cancel, a ``Cancel``
+        whose ack the cluster waits for. The role that knows the request takes it (the
+        former one remembers what it dropped); a cancel goes to both, so an old prefill
+        request is still acked."""
+        former = self._former
+        assert former is not None
+        if isinstance(msg, Cancel):
+            known = self.role.holds(msg.rid)
+            self.role.handle(src, msg)
+            if not known and type(former) is not type(self.role):
+                former.handle(src, msg)
+        elif isinstance(msg, Prefill) and isinstance(self.role, DecodeRole):
+            former.handle(src, msg)
+        elif isinstance(msg, KvReady) and isinstance(self.role, PrefillRole):
+            former.handle(src, msg)
+        else:
+            self.role.handle(src, msg)
 
     def _beat(self) -> None:
         """Once a beat period: refresh ``usage``; in-process, beat through the channel.
@@ -230,9 +301,10 @@ class Instance:
 
     def flush_store_events(self) -> None:
         events = self.store.drain_events()
-        if events and self.spec.role == "prefill":
-            if self.holdings is not None:
-                self.holdings.apply(events)
+        if not events:
+            return
+        self.holdings.apply(events)
+        if self.spec.role == "prefill":
             self.ch.send(StoreEvents(events))
             if self.kv_events is not None:
                 self.kv_events.on_store_events(events)

@@ -55,14 +55,18 @@ def spawn_all(specs: list[InstanceSpec], processes: bool, events: Any, registry:
               transfer_token: str, instance_tokens: dict[int, str] | None = None, *,
               members: dict[int, Member] | None = None) -> dict[int, Member]:
     """Starts every instance with its control link to the cluster (into ``events``) and
-    a peer link to each instance of the other role (decode hands requests to prefill
-    directly). ``instance_tokens`` (worker processes, ``kv_grants``): instance id -> its
+    a peer link to every other instance (decode hands requests to prefill directly; links
+    between instances of one role carry nothing until one of them switches roles). ``instance_tokens`` (worker processes, ``kv_grants``): instance id -> its
     own transfer token; each worker gets its own and every other one's by engine name.
 
     ``members``: the dict to fill (the cluster's own). Each member is in it before its
     instance can say anything: an in-process instance may send ``Ready`` before this
     function returns, and the router looks the sender up in this dict when it does."""
-    pairs = [(p.id, d.id) for p in specs if p.role == "prefill" for d in specs if d.role == "decode"]
+    # every pair of instances, not only prefill x decode: an instance can change its role
+    # (Cluster.switch_role, roles.py) and then talks to the instances of its new other
+    # role on links that exist already (a worker's links are fds it inherits at spawn)
+    ids = [s.id for s in specs]
+    pairs = [(a, b) for i, a in enumerate(ids) for b in ids[i + 1:]]
     members = {} if members is None else members
     if not processes:
         chans = {s.id: QueueChannel(s.id, events) for s in specs}

@@ -112,6 +112,9 @@ class PrefillRole:
         """The requests ``tracked`` counts."""
         return list(self.reqs)
 
+    def holds(self, rid: int) -> bool:
+        return rid in self.reqs
+
     # ---- messages
     def handle(self, src: int, msg: Message) -> None:
         match msg:

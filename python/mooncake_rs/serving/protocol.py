@@ -18,12 +18,12 @@ Block hashes are 128-bit, beyond msgpack's integers, so they travel as ``bytes``
 
 Directions (see docs/serving.md for the flow and the hop count):
 cluster -> instance: ``Init`` (socket only), ``Expect``, ``Export``, ``Unpin``,
-``Cancel``, ``Stats``, ``Measure``, ``Stop``; instance -> cluster: ``Ready``,
+``Cancel``, ``Stats``, ``Measure``, ``Stop``, ``SwitchRole``; instance -> cluster: ``Ready``,
 ``InitFailed``, ``Beat``, ``StoreEvents``, ``Exported``, ``Fetched``, ``Tokens``, ``Step``,
-``Failed``, ``Cancelled``, ``PeerLost``, ``StatsReply``, ``Timings``; decode -> prefill: ``Prefill``;
-prefill -> decode: ``KvReady``. Across hosts (deploy/): conductor service -> worker
-``Attach`` first (instead of ``Init``), and peer messages go through the service as
-``Relay``.
+``Failed``, ``Cancelled``, ``PeerLost``, ``StatsReply``, ``Timings``, ``RoleSwitched``; decode -> prefill:
+``Prefill``; prefill -> decode: ``KvReady``. Across hosts (deploy/): conductor service ->
+worker ``Attach`` first (instead of ``Init``), and peer messages go through the service
+as ``Relay``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ __all__ = [
     "Init", "Attach", "Relay", "TO_REMOTE", "FROM_REMOTE", "Ready", "InitFailed", "Beat", "Expect", "Export",
     "Exported", "Unpin", "Prefill", "Fetched",
     "KvReady", "Tokens", "Step", "Failed", "Cancel", "Cancelled", "PeerLost", "StoreEvents", "Stats", "StatsReply", "Measure",
-    "Timings", "Stop", "Codec", "pack_keys", "unpack_keys", "op_of",
+    "Timings", "Stop", "SwitchRole", "RoleSwitched", "Codec", "pack_keys", "unpack_keys", "op_of",
 ]
 
 PROTOCOL_VERSION = 1
@@ -398,14 +398,35 @@ class Stop(_Msg, frozen=True, tag="stop"):
     pass
 
 
+class SwitchRole(_Msg, frozen=True, tag="switch_role"):
+    """cluster -> instance (``Cluster.switch_role``, serving/roles.py): once you hold no
+    request, serve ``role`` ("prefill" or "decode") from now on. The conductor has
+    drained the instance first, so nothing new comes meanwhile."""
+
+    role: str
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
+
+
+class RoleSwitched(_Msg, frozen=True, tag="role_switched"):
+    """instance -> cluster: it now serves ``role``; ``arena`` is its arena as peers
+    reach it now (re-registered with the new role's rights)."""
+
+    role: str
+    arena: Endpoint
+
+
 Message = Union[Init, Attach, Relay, Ready, InitFailed, Beat, Expect, Prefill, KvReady, Export, Exported, Unpin,
                 Fetched, Tokens,
-                Step, Failed, Cancel, Cancelled, PeerLost, StoreEvents, Stats, StatsReply, Measure, Timings, Stop]
+                Step, Failed, Cancel, Cancelled, PeerLost, StoreEvents, Stats, StatsReply, Measure, Timings, Stop,
+                SwitchRole, RoleSwitched]
 
 #: what each kind of link may carry (a reader closes a link that gets anything else)
-TO_INSTANCE: tuple[type, ...] = (Init, Expect, Export, Unpin, Cancel, Stats, Measure, Stop)
+TO_INSTANCE: tuple[type, ...] = (Init, Expect, Export, Unpin, Cancel, Stats, Measure, Stop, SwitchRole)
 FROM_INSTANCE: tuple[type, ...] = (Ready, InitFailed, Beat, StoreEvents, Exported, Fetched, Tokens, Step, Failed,
-                                   Cancelled, PeerLost, StatsReply, Timings)
+                                   Cancelled, PeerLost, StatsReply, Timings, RoleSwitched)
 #: a worker's control link to a conductor service across hosts (deploy/): peer messages
 #: travel on it too, as ``Relay``
 TO_REMOTE: tuple[type, ...] = (Attach, Relay, Expect, Export, Unpin, Cancel, Stats, Measure, Stop)

@@ -33,6 +33,7 @@ from .lifecycle import (CancelRequest, Command, Conduct, Deliver, Fail, Finish, 
                         RequestLifecycle, Send, Tick)
 from .metrics import ClusterMetrics, RequestMetrics, tbt_of
 from .protocol import (Cancelled, Exported, Failed, Fetched, InitFailed, Message, PeerLost, Ready, Relay,
+                       RoleSwitched,
                        StatsReply, Step, StoreEvents, Timings, Tokens)
 
 __all__ = ["Router", "ClusterPort", "RequestRecord", "New", "SwapConductor", "Shutdown"]
@@ -197,7 +198,7 @@ class Router:
                 self._run(self.lifecycle.arrived(src, ev))
             case Ready() | InitFailed():
                 self.port.instance_ready(src, ev)
-            case StatsReply() | Timings():
+            case StatsReply() | Timings() | RoleSwitched():
                 self.port.reply(src, ev)
             case Lost(reason=reason):
                 self._down(src, reason)

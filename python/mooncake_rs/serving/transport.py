@@ -18,7 +18,10 @@ loop) learns of completions; ``wait`` blocks (GIL released) until one arrives.
 
 ``link_bandwidth`` (bytes/s) emulates a network link for benchmarks: a write batch then
 counts as done no earlier than its bytes take at that rate, the link serialised, and
-``busy_s`` counts the emulated time.
+``busy_s`` counts the emulated time. A read batch (a prefix fetch) is paced by the
+holder's link out, one emulated link per peer: reads from two holders run side by side,
+reads from one holder queue behind each other (as this reader sees that link: other
+readers of the same holder are not counted against it).
 """
 
 from __future__ import annotations
@@ -76,6 +79,8 @@ class Transport:
         self.endpoint = {"name": name, "address": self.te.address, "region": self.region.id}
         self._link = link_bandwidth
         self._link_free = 0.0
+        self._read_link_free: dict[str, float] = {}  # peer name -> when its emulated link is free
+        self._next_tag = 0  # new_tag(): negative, so never a request id
         self._peers: dict[str, Any] = {}
         self._cq = CompletionQueue()
         self._lock = threading.Lock()
@@ -107,6 +112,22 @@ class Transport:
                 return self._link_busy_s
         return self.te.stats().busy_s
 
+    def reregister(self, store: Any, *, peers_write: bool, restricted: bool = False) -> Any:
+        """Registers the arena again with other rights for peers (a role switch: a
+        prefill arena is read-only to peers, a decode arena writable) and makes it the
+        one ``endpoint`` names. Returns the previous region, which stays registered: a
+        peer may still be reading it (a prefix fetch of blocks pinned before the
+        switch); the caller unregisters it (``retire``) once nothing of it is pinned."""
+        old = self.region
+        self.region = self.te.register(store, remote_readonly=not peers_write, restricted=restricted)
+        self.endpoint = {**self.endpoint, "region": self.region.id}
+        return old
+
+    def retire(self, region: Any) -> None:
+        """Unregisters a region ``reregister`` replaced (in-flight transfers keep its
+        memory alive until they end)."""
+        self.te.unregister(region)
+
     # ---- grants (a restricted arena)
     def grant(self, peer: str, offset: int, length: int, expires_s: float) -> int:
         """Lets the engine named ``peer`` write ``offset..offset+length`` of our arena."""
@@ -135,10 +156,15 @@ class Transport:
         region = ep["region"]
         reqs = [TransferRequest(op, self.region, s.local_off, peer, region, s.remote_off, s.length) for s in spans]
         ready = 0.0
-        if link and self._link:
+        if self._link:
             n = sum(s.length for s in spans)
-            self._link_free = max(self._link_free, time.monotonic()) + n / self._link
-            ready = self._link_free
+            if link:
+                self._link_free = max(self._link_free, time.monotonic()) + n / self._link
+                ready = self._link_free
+            else:  # a read: the bytes come over the holder's link out
+                name = ep["name"]
+                free = max(self._read_link_free.get(name, 0.0), time.monotonic()) + n / self._link
+                self._read_link_free[name] = ready = free
         with self._lock:
             self._seq += 1
             seq = self._seq
@@ -162,6 +188,13 @@ class Transport:
         shows up in ``pending``/``error``/``take_bytes`` of ``tag`` like a write's."""
         if spans:
             self._submit("read", tag, ep, spans, link=False)
+
+    def new_tag(self) -> int:
+        """A tag no request id uses (negative): for transfers that need their own
+        completion, such as each holder's share of a multi-source fetch."""
+        with self._lock:
+            self._next_tag -= 1
+            return self._next_tag
 
     def read_now(self, tag: int, ep: dict[str, Any], spans: list[Span]) -> None:
         """Pulls the peer's spans into our arena and waits (a prefix fetch)."""

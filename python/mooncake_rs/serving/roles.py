@@ -1,0 +1,161 @@
+"""Adaptive prefill/decode roles in a running cluster (issue 16): ``Cluster.switch_role``
+moves one instance between the prefill and the decode pool without failing a request.
+
+The sequence, each step waiting for the one before:
+
+1. **Drain** (``Conductor.drain_instance``): no new decision names the instance; what
+   it holds (requests admitted before) goes on through the usual path.
+2. **Drained** (``Conductor.is_drained``): the conductor counts nothing on it any more
+   (a prefill instance's requests are past their first token, a decode instance's have
+   finished or ended).
+3. **Switch at the instance** (``SwitchRole`` -> ``RoleSwitched``): the instance takes
+   the new role once it also holds nothing itself (a cancelled request's state may
+   outlive the conductor's count until its ack): a new role object over the same engine,
+   store and transport; its arena registered again with the new role's rights for peers
+   (a prefill arena is read-only to peers, a decode arena writable), the old
+   registration kept until no peer's fetch may read it. Peer links need nothing: every
+   pair of instances has one from the start (members.py), used by whichever roles they
+   hold. Late messages about requests of the old role still reach the old role object
+   (an overtaken ``Prefill``, a ``Cancel`` the cluster waits to see acked).
+4. **Switch at the conductor** (``Conductor.switch_role``): the instance joins the other
+   pool, no longer draining. A prefill instance that becomes a decode instance leaves
+   the block index (``BlockIndex.remove_instance``: a decode instance's store is not
+   reported, so its entries would go stale); its blocks stay in its store.
+
+If the drain does not end within ``timeout_s`` the instance is put back in service in
+its old role (``undrain_instance``) and ``MooncakeError`` says so; nothing was switched.
+
+The instance keeps its id and name (``prefill-0`` stays the name of instance 0: it is
+its transfer engine's name, which peers know it by). ``Cluster.prefill_ids`` /
+``decode_ids`` follow the switch. Not supported: ``kv_grants=True`` (a decode arena is
+restricted and each prefill has its own transfer token, set up at spawn), and calling it
+while ``calibrate`` or ``instance_stats`` run (they share the cluster's reply queue).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import InvalidArgument, MooncakeError
+from .protocol import Failed, RoleSwitched, SwitchRole
+
+__all__ = ["RoleSwitch", "switch_role"]
+
+ROLES = ("prefill", "decode")
+_POLL_S = 0.005  # how often the drain is checked (a conductor call: cheap)
+
+# one switch at a time per cluster (they share the reply queue and the pools' counts)
+_locks: dict[int, threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+@dataclass(frozen=True)
+class RoleSwitch:
+    """What ``Cluster.switch_role`` did: the instance, its old and new role, how long the
+    drain took and the whole switch."""
+
+    instance: int
+    name: str
+    old_role: str
+    new_role: str
+    drain_s: float
+    total_s: float
+
+
+def _lock_of(cluster: Any) -> threading.Lock:
+    with _locks_guard:
+        return _locks.setdefault(id(cluster), threading.Lock())
+
+
+def role_of(cluster: Any, instance: int) -> str:
+    return "prefill" if instance in cluster.prefill_ids else "decode"
+
+
+def switch_role(cluster: Any, instance: int, role: str, *, timeout_s: float = 120.0) -> RoleSwitch:
+    """Drains ``instance``, switches it to ``role`` and puts it back in service (see the
+    module docstring). Returns a ``RoleSwitch``; switching to the role it has is a no-op."""
+    if role not in ROLES:
+        raise InvalidArgument(f"role must be 'prefill' or 'decode', got {role!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise InvalidArgument(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    with _lock_of(cluster):
+        return _switch(cluster, instance, role, float(timeout_s))
+
+
+def _switch(c: Any, inst: int, role: str, timeout_s: float) -> RoleSwitch:
+    t0 = time.monotonic()
+    if c._closed:
+        raise InvalidArgument("the cluster is closed")
+    if c.kv_grants:
+        raise InvalidArgument("switch_role is not supported with kv_grants=True (a decode arena is restricted and "
+                              "each prefill has its own transfer token, both set up at spawn); start the cluster "
+                              "with the roles it needs instead")
+    m = c._members.get(inst)
+    if m is None or not m.alive:
+        raise InvalidArgument(f"instance {inst} is not a live instance of this cluster (live: {c.instances()})")
+    old = role_of(c, inst)
+    if old == role:
+        return RoleSwitch(inst, m.spec.name, old, role, 0.0, 0.0)
+    pool = c.prefill_ids if old == "prefill" else c.decode_ids
+    if not any(i != inst and c._members[i].alive for i in pool):
+        raise InvalidArgument(f"instance {inst} is the last live {old} instance; the cluster needs one of each "
+                              f"(switch another instance to {old} first)")
+    cond = c.conductor
+    cond.drain_instance(inst)
+    deadline = t0 + timeout_s
+    try:
+        while not cond.is_drained(inst):
+            if time.monotonic() > deadline:
+                raise MooncakeError(f"instance {m.spec.name} still held {cond.held_requests(inst)} requests after "
+                                    f"{timeout_s:g}s of draining; it was put back in service as a {old} instance "
+                                    f"(retry with a larger timeout_s, or under less load)")
+            if not m.alive:
+                raise MooncakeError(f"instance {m.spec.name} went down while draining; nothing was switched")
+            time.sleep(_POLL_S)
+    except BaseException:
+        try:
+            cond.undrain_instance(inst)
+        except MooncakeError:  # removed meanwhile (it died)
+            pass
+        raise
+    t_drained = time.monotonic()
+    m.ch.to_instance(SwitchRole(role))
+    reply = _reply_of(c, inst, max(deadline - time.monotonic(), 5.0))
+    if not isinstance(reply, RoleSwitched) or reply.role != role:
+        # the instance may still switch later: take it out of service rather than guess
+        what = reply.error if isinstance(reply, Failed) else ("no answer" if reply is None else repr(reply))
+        raise MooncakeError(f"instance {m.spec.name} did not switch to {role} ({what}); it stays drained")
+    # the index first: a decode instance's store is not reported, its entries would go stale
+    if role == "decode":
+        cond.index.remove_instance(inst)
+    cond.switch_role(inst, role)
+    # the cluster's own lists (calibrate and a rebuilt conductor read them); replaced,
+    # not mutated, so a reader never sees an instance in both or neither
+    if role == "decode":
+        c.prefill_ids = [i for i in c.prefill_ids if i != inst]
+        c.decode_ids = sorted([*c.decode_ids, inst])
+    else:
+        c.decode_ids = [i for i in c.decode_ids if i != inst]
+        c.prefill_ids = sorted([*c.prefill_ids, inst])
+    t1 = time.monotonic()
+    return RoleSwitch(inst, m.spec.name, old, role, t_drained - t0, t1 - t0)
+
+
+def _reply_of(c: Any, inst: int, timeout_s: float) -> Any:
+    """The instance's answer to ``SwitchRole`` (others' replies are not expected here:
+    see the module docstring)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        left = end - time.monotonic()
+        if left <= 0:
+            return None
+        try:
+            src, msg = c._measured.get(timeout=left)
+        except queue.Empty:
+            return None
+        if src == inst and isinstance(msg, (RoleSwitched, Failed)):
+            return msg
