@@ -55,23 +55,26 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def start(dep: Deployment, model: str, block: int, dram: int, serve_b: bool = True) -> object:
+def start(dep: Deployment, model: str, block: int, dram: int, serve_b: bool = True,
+          extra: tuple[str, ...] = ()) -> object:
     dep.serve("serve-a", SERVE_A)
     if not dep.wait_log("serve-a", "leading", 30):
         sys.exit("serve did not lead:\n" + dep.log_tail())
     if serve_b:
         dep.serve("serve-b", SERVE_B)
-    extra = ["--block-size", str(block), "--dram-bytes", str(dram)]
+    args = ["--block-size", str(block), "--dram-bytes", str(dram), *extra]
     for name, host, role in (("p0", P0, "prefill"), ("p1", P1, "prefill"), ("d0", D0, "decode")):
-        dep.worker(name, host, role, model=model, extra=extra)
+        dep.worker(name, host, role, model=model, extra=args)
     c = dep.client()
     if not wait_until(lambda: len(c.instances()) == 3, 120):
         sys.exit("workers did not join:\n" + dep.log_tail())
     return c
 
 
-def bench_kv(hosts: TestHosts, dep: Deployment, model_dir: Path, rounds: int, sequential: bool) -> None:
-    c = start(dep, str(model_dir), 64, 256 << 20, serve_b=False)
+def bench_kv(hosts: TestHosts, dep: Deployment, model_dir: Path, rounds: int, sequential: bool,
+             send_after: bool) -> None:
+    c = start(dep, str(model_dir), 64, 256 << 20, serve_b=False,
+              extra=("--no-stream-layers",) if send_after else ())
     rng = random.Random(2)
     one_tok = SamplingParams(max_tokens=1)
     for _ in range(3):  # warm-up: the first contact of each (prefill, decode) pair is not bandwidth
@@ -172,6 +175,8 @@ def main() -> None:
     ap.add_argument("--only", choices=("kv", "latency", "failover"))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sequential", action="store_true", help="kv: one request at a time")
+    ap.add_argument("--send-after", action="store_true",
+                    help="kv: prefill workers send KV after the whole prefill (--no-stream-layers)")
     ap.add_argument("--prompts", type=int, default=30)
     ap.add_argument("--failovers", type=int, default=5)
     a = ap.parse_args()
@@ -192,7 +197,7 @@ def main() -> None:
             dep = Deployment(hosts, server, tmp / part)
             try:
                 if part == "kv":
-                    bench_kv(hosts, dep, model_dir, a.rounds, a.sequential)
+                    bench_kv(hosts, dep, model_dir, a.rounds, a.sequential, a.send_after)
                 elif part == "latency":
                     bench_latency(dep, a.prompts)
                 else:

@@ -83,6 +83,15 @@ def _run_switches(c, ref, per_phase: int) -> None:
     c.switch_role(2, "prefill")
     m1 = s.mark()
     assert c.prefill_ids == [0, 2] and c.decode_ids == [1]
+    # what its store kept as a decode instance (the prompts' blocks it received) is in
+    # the index under it now: announced from its Holdings right after the switch
+    from mooncake_rs import PrefixHasher
+
+    first = PrefixHasher(BLOCK, seed=0).hash(PROMPTS[0])[0]
+    end = time.monotonic() + 10
+    while not any(i == 2 for i, _ in c.conductor.index.holders(first)):
+        assert time.monotonic() < end, c.conductor.index.holders(first)
+        time.sleep(0.02)
     s.wait_for(m1 + per_phase)
     # prefill-0 -> decode: P={2}, D={0,1}; from here on every request prefills on 2
     c.switch_role(0, "decode")

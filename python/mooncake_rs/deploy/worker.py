@@ -71,6 +71,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated transfer paths to allow, of local,shm,tcp (default: all)")
     p.add_argument("--ttl", type=int, default=5, help="lease TTL in seconds (default 5)")
     p.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats to the conductor")
+    p.add_argument("--no-stream-layers", action="store_true",
+                   help="a prefill worker sends a request's KV after its whole prefill, not layer by layer")
     p.add_argument("--kv-events", default=None,
                    help="publish this prefill worker's store events in vLLM's ZMQ format on tcp://HOST:PORT "
                         "(its replay endpoint on PORT+1)")
@@ -103,7 +105,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
         kv_events, kv_replay = endpoints_for(args.kv_events, [name])[name]
     spec = InstanceSpec(0, args.role, name, args.model, args.block_size, args.dram_bytes, args.seed,
-                        engine_kwargs=engine_kwargs, ssd_path=args.ssd_path,
+                        stream_layers=not args.no_stream_layers, engine_kwargs=engine_kwargs, ssd_path=args.ssd_path,
                         ssd_bytes=(4 * args.dram_bytes if args.ssd_bytes is None else args.ssd_bytes)
                         if args.ssd_path else 0,
                         heartbeat_s=args.heartbeat, kv_events=kv_events, kv_events_replay=kv_replay,
