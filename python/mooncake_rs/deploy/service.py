@@ -85,6 +85,10 @@ class _ServicePort:
     def block_size(self) -> int:
         return self._s.block_size or 1
 
+    @block_size.setter
+    def block_size(self, value: int) -> None:  # (ClusterPort declares it settable; the service owns it)
+        self._s.block_size = value
+
     @property
     def conductor(self) -> Any:
         return self._s.conductor

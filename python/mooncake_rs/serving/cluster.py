@@ -115,7 +115,7 @@ class _RouterPort:
         return self._c._now()
 
 
-def _kv_events_of(eps: tuple[str, str] | None) -> dict[str, str]:
+def _kv_events_of(eps: tuple[str, str] | None) -> dict[str, Any]:
     return {} if eps is None else {"kv_events": eps[0], "kv_events_replay": eps[1]}
 
 

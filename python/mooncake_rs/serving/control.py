@@ -234,7 +234,9 @@ class SocketChannel:
         except OSError:
             pass
 
-    def send(self, msg: Message) -> None:
+    def send(self, msg: Any) -> None:
+        """One message of the link's protocol (the serving one's ``Message``, or the
+        client protocol's on a client link)."""
         with self._send_lock:  # one writer at a time per socket (and per encoder)
             frame = self._enc.encode(msg)
             self.counts.add(msg)

@@ -33,7 +33,7 @@ GRANT_BOUND_S = 3600.0
 
 @dataclass
 class _DState:
-    keys: list[int]
+    keys: BlockHashes  # every full prompt block's hash (a buffer, no int per block)
     prompt: list[int]
     params: Params
     prefill: int

@@ -295,9 +295,17 @@ class Instance:
 
     def _export(self, msg: Export) -> None:
         """Pins the longest held prefix of ``keys`` and names its slots' offsets."""
-        blocks = self.store.lookup_prefix(BlockHashes(msg.keys))
+        blocks = self.store.lookup_prefix(BlockHashes(msg.keys))  # promoted: in DRAM, at an offset
+        offsets: list[int] = []
+        for i, b in enumerate(blocks):
+            if b.offset is None:  # not addressable by a peer: the prefix ends here
+                for rest in blocks[i:]:
+                    rest.release()
+                blocks = blocks[:i]
+                break
+            offsets.append(b.offset)
         self._pins.setdefault(msg.rid, []).extend(blocks)
-        self.ch.send(Exported(msg.rid, self.endpoint, [b.offset for b in blocks]))
+        self.ch.send(Exported(msg.rid, self.endpoint, offsets))
 
     def flush_store_events(self) -> None:
         events = self.store.drain_events()

@@ -63,7 +63,7 @@ class _Recent:
 @dataclass
 class _PState:
     rid: int
-    keys: list[int]
+    keys: BlockHashes  # every full prompt block's hash (a buffer, no int per block)
     prompt_len: int
     dest: Any  # protocol.Dest
     dest_ep: dict[str, Any]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Any, Callable
+from typing import Any, Callable, Self
 
 from .._core import Conductor, ConductorConfig, DecodeCostModel, TransferCostModel
 from ..errors import InvalidArgument, Overloaded
@@ -23,7 +23,7 @@ from .handle import RequestHandle, wait_seconds
 from .lifecycle import CancelRequest, Plan
 from .metrics import ClusterMetrics
 from .protocol import Params
-from .router import RequestRecord
+from .router import RequestRecord, Router
 
 __all__ = ["RoutedCluster", "new_conductor"]
 
@@ -53,6 +53,9 @@ class RoutedCluster(GenerateMixin):
     prefix_reuse: bool
     _closed: bool
     _members: dict[int, Any]
+    _router: Router
+    _limits: Any  # serving.limits.Limits or the like: check(tokens, params)
+    _hasher: Any  # PrefixHasher
 
     def _init_routing(self) -> None:
         self._ids = itertools.count(1)
@@ -60,7 +63,7 @@ class RoutedCluster(GenerateMixin):
         self.metrics = ClusterMetrics()
         self._closed = False
 
-    def __enter__(self) -> "RoutedCluster":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
