@@ -36,7 +36,7 @@ from ..serving.liveness import watch
 from ..serving.members import Member
 from ..serving.protocol import (FROM_REMOTE, PROTOCOL_VERSION, Attach, InitFailed, InstanceSpec, Message, Ready, Stats,
                                 StatsReply)
-from ..serving.routed import RoutedCluster, new_conductor
+from ..serving.routed import RoutedCluster, new_conductor, request_output
 from ..serving.router import RequestRecord, Router, Shutdown
 from . import auth_socket
 from .etcd import EtcdClient
@@ -118,11 +118,7 @@ class _ServicePort:
         self._s._replies.put((inst, msg))
 
     def output(self, record: RequestRecord, reason: str) -> Any:
-        from ..engine.outputs import RequestOutput
-
-        m = record.metrics
-        return RequestOutput(str(record.plan.rid), record.plan.prompt, record.tokens, reason, [],
-                             m.reused_tokens, 0, m)
+        return request_output(record, reason)
 
     def now(self) -> float:
         return self._s._now()

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .._core import (Conductor, PrefillCostModel, PrefixHasher, TransferRegistry)
-from ..engine.outputs import RequestOutput
 from ..errors import InvalidArgument, MooncakeError
 from .kv_events import endpoints_for
 from .control import Lost
@@ -45,7 +44,7 @@ from .liveness import watch
 from .members import Member, mark_down, remove_segments_of, spawn_all
 from .protocol import (PROTOCOL_VERSION, Failed, InitFailed, InstanceSpec, Measure, Message, Ready, Stats,
                        StatsReply, Stop, Timings)
-from .routed import RoutedCluster, new_conductor
+from .routed import RoutedCluster, new_conductor, request_output
 from .router import RequestRecord, Router, Shutdown, SwapConductor
 
 __all__ = ["Cluster", "remove_segments_of"]
@@ -106,10 +105,7 @@ class _RouterPort:
         self._c._measured.put((inst, msg))
 
     def output(self, record: RequestRecord, reason: str) -> Any:
-        # the record is dropped once finished: its token list is handed over, not copied
-        m = record.metrics
-        return RequestOutput(str(record.plan.rid), record.plan.prompt, record.tokens, reason, [],
-                             m.reused_tokens, 0, m)
+        return request_output(record, reason)
 
     def now(self) -> float:
         return self._c._now()

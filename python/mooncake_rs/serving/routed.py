@@ -25,7 +25,16 @@ from .metrics import ClusterMetrics
 from .protocol import Params
 from .router import RequestRecord, Router
 
-__all__ = ["RoutedCluster", "new_conductor"]
+__all__ = ["RoutedCluster", "new_conductor", "request_output"]
+
+
+def request_output(record: RequestRecord, reason: str) -> Any:
+    """The ``RequestOutput`` of a finished request (``ClusterPort.output``). The record is
+    dropped once finished: its token list is handed over, not copied."""
+    from ..engine.outputs import RequestOutput
+
+    m = record.metrics
+    return RequestOutput(str(record.plan.rid), record.plan.prompt, record.tokens, reason, [], m.reused_tokens, 0, m)
 
 
 def new_conductor(cfg_args: dict[str, Any], block_bytes: int, prefill_model: Any, prefill_ids: Sequence[int],
