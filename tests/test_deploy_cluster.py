@@ -104,6 +104,20 @@ def test_outputs_equal_a_single_engine_and_a_prefix_is_fetched_over_tcp(dep):
     assert "mooncake_requests_finished_total" in c.metrics_text()
 
 
+def test_remote_errors_are_typed_and_cancel_reaches_the_service(dep):
+    c = dep.client_
+    with pytest.raises(mc.InvalidArgument, match="vocabulary"):
+        c.submit([1, 10**6], GREEDY)  # outside the tiny model's vocabulary: refused by the service
+    with pytest.raises(mc.InvalidArgument):
+        c.submit([], GREEDY)  # refused by the client itself
+    h = c.submit([3, 1, 4, 1, 5], SamplingParams(max_tokens=5000, ignore_eos=True))
+    assert wait_until(lambda: len(h.tokens) > 0, 60)
+    assert h.cancel()
+    with pytest.raises(mc.MooncakeError, match="cancelled"):
+        h.result(5)
+    assert wait_until(lambda: "mooncake_requests_cancelled_total 1" in c.metrics_text(), 10), c.metrics_text()
+
+
 def test_a_worker_with_the_wrong_token_is_refused(dep, tmp_path: Path):
     c = dep.client_
     bad = tmp_path / "bad-token"
