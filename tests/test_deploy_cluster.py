@@ -161,6 +161,25 @@ def test_etcd_stopped_for_5s(dep):
     assert after.token_ids == reference_outputs([[9, 10, 11]], GREEDY)[0]
 
 
+def test_a_lapsed_lease_of_a_live_worker_fails_nothing(dep):
+    """A lease can lapse while etcd is away although the worker is fine: it registers
+    again by itself, and the conductor (whose link to it kept beating) keeps it."""
+    from mooncake_rs.deploy import EtcdClient
+    from mooncake_rs.deploy.records import worker_key
+
+    c = dep.client_
+    etcd = EtcdClient(dep.etcd.url)
+    key = worker_key(f"/mooncake/{dep.cluster}", "d0")
+    old = etcd.get(key)
+    assert old is not None
+    running = c.submit([7, 7, 7], SamplingParams(max_tokens=300, ignore_eos=True))
+    etcd.lease_revoke(old.lease)  # its key goes now, as if the lease had expired
+    assert wait_until(lambda: (kv := etcd.get(key)) is not None and kv.lease != old.lease, 20), dep.log_tail()
+    assert len(running.result(60).token_ids) == 300
+    assert "d0" in _names(c)
+    assert c.generate([[8, 9]], GREEDY, timeout_s=60)[0].token_ids == reference_outputs([[8, 9]], GREEDY)[0]
+
+
 def test_sigkill_a_decode_worker_mid_request(dep):
     c = dep.client_
     long = SamplingParams(max_tokens=2000, ignore_eos=True)

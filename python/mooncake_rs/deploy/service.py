@@ -12,12 +12,15 @@ then does the conductor route to it. Peer messages (decode -> prefill hand-off, 
 ready) travel through the service as ``Relay`` (router.py forwards them). KV itself
 goes worker to worker through the transfer engines (TCP across hosts).
 
-A worker leaves when its control link closes (crash, kill), when its lease expires or is
-revoked (``on_leave``: host gone, shutdown), or when it stops beating (the watchdog,
-liveness.py: a cut cable leaves the socket silent, not closed). Either way the router's
-usual death path runs: out of the conductor and its index, requests that depended on
-it failed with ``TransferFailed`` naming it. While etcd is unavailable, membership keeps
-its last view, so routing goes on.
+A worker leaves when its control link closes (crash, kill, shutdown), when it stops
+beating (the watchdog, liveness.py: a cut cable leaves the socket silent, not closed),
+or when its lease goes (``on_leave``) and its link is silent too, or it does not
+register again within ``leave_grace_s`` (a lease can lapse during an etcd outage while
+the worker is fine: it registers again by itself). Either way the router's usual death
+path runs: out of the conductor and its index, requests that depended on it failed with
+``TransferFailed`` naming it. While etcd is unavailable, membership keeps its last view,
+so routing goes on: the conductor's own links are what say a worker is alive; etcd is
+how workers are found.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ from .records import WorkerRecord
 __all__ = ["ConductorService"]
 
 log = logging.getLogger("mooncake_rs.deploy")
+
+
+_LEASE_GONE = "its etcd lease expired or was revoked (shut down, crashed or cut off)"
 
 
 class _RemoteLimits:
@@ -130,18 +136,22 @@ class ConductorService(RoutedCluster):
     ``token``: the cluster token (control links are authenticated with it).
     ``heartbeat_timeout_s``: a worker silent this long is dropped (its link closed).
     ``attach_timeout_s``: how long a joining worker may take to answer ``Attach``.
+    ``leave_grace_s``: a worker whose lease went while its link still beats (etcd was
+    away) has this long to register again before it is dropped.
     The rest as ``Cluster``: ``policy``, ``ttft_slo_s``, ``tbt_slo_s``, ``rejection``,
     ``prefix_reuse``."""
 
     def __init__(self, client: EtcdClient, prefix: str, token: str, *, policy: str = "mooncake",
                  ttft_slo_s: float = 30.0, tbt_slo_s: float = 1.0, rejection: str = "none",
                  prefix_reuse: bool = True, heartbeat_timeout_s: float = 5.0, attach_timeout_s: float = 30.0,
-                 check_s: float = 0.5, seed: int = 0) -> None:
+                 check_s: float = 0.5, seed: int = 0, leave_grace_s: float = 10.0) -> None:
         self._init_routing()
         self.prefix_reuse = bool(prefix_reuse)
         self.prefix = prefix
         self._token = token
         self._attach_timeout_s = attach_timeout_s
+        self._heartbeat_timeout_s = float(heartbeat_timeout_s)
+        self._leave_grace_s = leave_grace_s
         self._cfg_args: dict[str, Any] = dict(ttft_slo_s=float(ttft_slo_s), tbt_slo_s=float(tbt_slo_s),
                                               policy=policy, rejection=rejection, seed=seed)
         self._lock = threading.Lock()  # joins and leaves (membership and attach threads)
@@ -169,9 +179,24 @@ class ConductorService(RoutedCluster):
 
     def _on_leave(self, name: str) -> None:
         inst = self._by_name.get(name)
-        if inst is not None:
-            self._router.events.put((inst, Lost("its etcd lease expired or was revoked (shut down, crashed "
-                                                "or cut off)")))
+        if inst is None:
+            return
+        m = self._members[inst]
+        if m.alive and time.monotonic() - m.ch.last_seen < self._heartbeat_timeout_s / 2:
+            # Its link is alive and beating: a lease that lapsed while etcd was away (the
+            # worker registers again by itself) is no reason to fail its requests. Drop it
+            # only if it has not come back within the grace period; a dead or cut-off
+            # worker is caught by its link or the watchdog meanwhile.
+            t = threading.Timer(self._leave_grace_s, self._leave_if_gone, args=(inst, name))
+            t.daemon = True
+            t.start()
+            return
+        self._router.events.put((inst, Lost(_LEASE_GONE)))
+
+    def _leave_if_gone(self, inst: int, name: str) -> None:
+        if not self._closed and name not in self.membership.members():
+            self._router.events.put((inst, Lost(_LEASE_GONE + f", and it did not register again within "
+                                                              f"{self._leave_grace_s:g}s")))
 
     def _attach(self, record: WorkerRecord) -> None:
         if self._closed:
