@@ -305,9 +305,9 @@ impl EventIngestor {
         Ok(Step::Done)
     }
 
-    /// Counts a batch applied event by event (the object path).
-    pub fn count_batch(&mut self, unknown: u64) {
-        self.stats.batches += 1;
+    /// Counts batches applied event by event (the object path) and events of unknown types.
+    pub fn count_batch(&mut self, batches: u64, unknown: u64) {
+        self.stats.batches += batches;
         self.stats.unknown_events += unknown;
     }
 
