@@ -41,7 +41,11 @@ log = logging.getLogger("mooncake_rs.interop")
 class Ingestor:
     """Feeds one instance (``slot``) of ``target`` from that instance's event stream."""
 
-    def __init__(self, target: Target, slot: int, hasher: BlockHasher, map_capacity: int = 1 << 20) -> None:
+    def __init__(
+        self, target: Target, slot: int, hasher: BlockHasher, map_capacity: int = 1 << 20, reference: bool = False
+    ) -> None:
+        """``reference=True``: apply events with the pure-Python reference path (for
+        tests and benchmarks; slower, same behaviour)."""
         if slot < 0 or slot >= 1 << 64:
             raise InvalidArgument(f"slot must be a u64 instance id, got {slot}")
         self.target = target
@@ -52,7 +56,7 @@ class Ingestor:
         self._ref: ReferenceIngestor | None = None
         sink = getattr(target, "sink", None)
         all_indexes = getattr(target, "all_indexes", None)
-        if isinstance(hasher, (PrefixHasher, Xxh3RollingHasher)) and callable(sink) and callable(all_indexes):
+        if not reference and isinstance(hasher, (PrefixHasher, Xxh3RollingHasher)) and callable(sink) and callable(all_indexes):
             self._fast = EventIngestor(slot, hasher, map_capacity, all_indexes())
         else:
             self._ref = ReferenceIngestor(target, slot, hasher, map_capacity)

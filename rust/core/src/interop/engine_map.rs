@@ -13,8 +13,8 @@
 //! the blocks still held, for the caller to remove from the index.
 //!
 //! Layout: the entries live in a slab (`Vec<Node>`) linked in storing order, and a
-//! `hashbrown::HashTable` of slab indices finds them by engine hash (about 70 bytes an
-//! entry with an int hash, against ~100 for the Python dict).
+//! `hashbrown::HashTable` of (32-bit hash tag, slab index) finds them by engine hash
+//! (about 75 bytes an entry with an int hash, against ~100 for the Python dict).
 
 use hashbrown::HashTable;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -66,9 +66,11 @@ impl Categorized for MapError {
     }
 }
 
+/// 32 bits of a key's hash: the table keeps them beside each entry's slab index, so
+/// growing the table and probing past other keys never read the slab.
 #[inline]
-fn hash_key(k: KeyRef<'_>) -> u64 {
-    match k {
+fn tag_of(k: KeyRef<'_>) -> u32 {
+    let h = match k {
         KeyRef::Int(v) => {
             let v = v as u128;
             let x = (v as u64) ^ ((v >> 64) as u64).rotate_left(29);
@@ -76,7 +78,25 @@ fn hash_key(k: KeyRef<'_>) -> u64 {
             (m as u64) ^ ((m >> 64) as u64)
         }
         KeyRef::Bytes(b) => xxh3_64_with_seed(b, 0x6d6f_6f6e_6361_6b65),
-    }
+    };
+    (h ^ (h >> 32)) as u32
+}
+
+/// The table's 64-bit hash, from the 32-bit tag alone (spread over every bit).
+#[inline]
+fn table_hash(tag: u32) -> u64 {
+    (tag as u64 | 1 << 32).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+/// A table entry: the tag above, the slab index below.
+#[inline]
+fn entry(tag: u32, i: u32) -> u64 {
+    (tag as u64) << 32 | i as u64
+}
+
+#[inline]
+fn entry_hash(e: &u64) -> u64 {
+    table_hash((*e >> 32) as u32)
 }
 
 const NIL: u32 = u32::MAX;
@@ -94,7 +114,8 @@ struct Node {
 /// [`evict_overflow`](Self::evict_overflow).
 #[derive(Debug)]
 pub struct EngineHashMap {
-    table: HashTable<u32>,
+    /// [`entry`]s: (tag, slab index).
+    table: HashTable<u64>,
     nodes: Vec<Node>,
     free: Vec<u32>,
     /// Oldest and newest entry (`NIL` when empty).
@@ -140,7 +161,10 @@ impl EngineHashMap {
     #[inline]
     fn find(&self, k: KeyRef<'_>) -> Option<u32> {
         let nodes = &self.nodes;
-        self.table.find(hash_key(k), |&i| nodes[i as usize].key.as_key() == k).copied()
+        let tag = tag_of(k);
+        self.table
+            .find(table_hash(tag), |&e| (e >> 32) as u32 == tag && nodes[e as u32 as usize].key.as_key() == k)
+            .map(|&e| e as u32)
     }
 
     /// (our hash, media mask) of an engine hash seen in a store (held or not).
@@ -196,12 +220,8 @@ impl EngineHashMap {
     /// (our old hash, media mask) of an entry whose engine hash now names other tokens
     /// (the engine reused a hash) and that some medium still held.
     pub fn store_one(&mut self, k: KeyRef<'_>, ours: BlockHash, bit: u8) -> Option<(BlockHash, u8)> {
-        let h = hash_key(k);
-        let found = {
-            let nodes = &self.nodes;
-            self.table.find(h, |&i| nodes[i as usize].key.as_key() == k).copied()
-        };
-        if let Some(i) = found {
+        let tag = tag_of(k);
+        if let Some(i) = self.find(k) {
             self.unlink(i);
             let n = &mut self.nodes[i as usize];
             let mut replaced = None;
@@ -230,8 +250,7 @@ impl EngineHashMap {
                 i
             }
         };
-        let nodes = &self.nodes;
-        self.table.insert_unique(h, i, |&j| hash_key(nodes[j as usize].key.as_key()));
+        self.table.insert_unique(table_hash(tag), entry(tag, i), entry_hash);
         self.push_back(i);
         None
     }
@@ -275,8 +294,8 @@ impl EngineHashMap {
             return None;
         }
         self.unlink(i);
-        let h = hash_key(self.nodes[i as usize].key.as_key());
-        if let Ok(e) = self.table.find_entry(h, |&j| j == i) {
+        let tag = tag_of(self.nodes[i as usize].key.as_key());
+        if let Ok(e) = self.table.find_entry(table_hash(tag), |&e| e == entry(tag, i)) {
             e.remove();
         }
         let n = &mut self.nodes[i as usize];

@@ -13,8 +13,9 @@
 //!   `AllBlocksCleared []`: fields after `hashes` may be missing (defaults: nil, an
 //!   empty token array, block size 0), and trailing positional fields and unknown map
 //!   keys are skipped unread; a repeated map key: the last one counts;
-//! - hashes are ints (u64 or i64) or bytes; `token_ids` is kept as its msgpack bytes
-//!   (any one value: the ingestor decodes it and says what is wrong with it);
+//! - hashes are ints (u64 or i64) or bytes; `token_ids` is decoded when it is an array
+//!   of u32s, and otherwise kept as its msgpack bytes (any one value: the ingestor says
+//!   what is wrong with it, after applying the events before it);
 //! - an event of a type we do not know is skipped and counted; every other type error,
 //!   a truncated payload or bytes after the batch is an [`EventError`] (nothing decoded).
 //!
@@ -36,13 +37,22 @@ pub enum KeyRef<'a> {
     Bytes(&'a [u8]),
 }
 
+/// A `BlockStored` event's token ids: decoded while the batch was (the usual case: an
+/// array of u32s), or the msgpack value as sent, for the ingestor to say what is wrong.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TokenIds<'a> {
+    /// A range of [`Batch::tokens`].
+    Decoded(Range<usize>),
+    Raw(&'a [u8]),
+}
+
 /// A `BlockStored` event. `hashes` indexes [`Batch::keys`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct Stored<'a> {
     pub hashes: Range<usize>,
     pub parent: Option<KeyRef<'a>>,
-    /// The msgpack bytes of `token_ids` (an empty array when it is missing).
-    pub tokens: &'a [u8],
+    /// `token_ids` (empty when missing).
+    pub tokens: TokenIds<'a>,
     pub block_size: i128,
     pub medium: Option<&'a str>,
 }
@@ -71,6 +81,8 @@ pub struct Batch<'a> {
     pub events: Vec<Event<'a>>,
     /// The engine hashes of every event, back to back.
     pub keys: Vec<KeyRef<'a>>,
+    /// The decoded token ids of every `BlockStored`, back to back.
+    pub tokens: Vec<u32>,
 }
 
 impl<'a> Batch<'a> {
@@ -178,10 +190,22 @@ fn parent<'a>(c: &mut Cursor<'a>) -> Result<Option<KeyRef<'a>>, Bad> {
     }
 }
 
-fn raw_value<'a>(c: &mut Cursor<'a>) -> Result<&'a [u8], Bad> {
+/// `token_ids`: an array of u32s is decoded into `out` in the same pass that finds its
+/// end; anything else is kept as its bytes (checked only for msgpack structure).
+fn token_ids<'a>(c: &mut Cursor<'a>, buf: &'a [u8], out: &mut Vec<u32>) -> Result<TokenIds<'a>, Bad> {
     let start = c.pos();
-    c.skip(false)?;
-    Ok(c.since(start))
+    let first = out.len();
+    if let Ok(Head::Array(n)) = c.head() {
+        out.reserve(n.min(c.remaining()));
+        if c.u32_items(n, out) {
+            return Ok(TokenIds::Decoded(first..out.len()));
+        }
+    }
+    out.truncate(first);
+    let mut c2 = Cursor::at(buf, start);
+    c2.skip(false)?;
+    *c = c2;
+    Ok(TokenIds::Raw(c.since(start)))
 }
 
 fn block_size(c: &mut Cursor<'_>) -> Result<i128, Bad> {
@@ -191,7 +215,6 @@ fn block_size(c: &mut Cursor<'_>) -> Result<i128, Bad> {
     }
 }
 
-const EMPTY_ARRAY: &[u8] = &[0x90];
 
 /// Which event a tag names.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -211,7 +234,13 @@ fn kind_of(tag: &[u8]) -> Option<Kind> {
 }
 
 /// `[tag, fields...]` with `n` items, the array head already read.
-fn positional<'a>(c: &mut Cursor<'a>, n: usize, keys: &mut Vec<KeyRef<'a>>) -> Result<Option<Event<'a>>, Bad> {
+fn positional<'a>(
+    c: &mut Cursor<'a>,
+    buf: &'a [u8],
+    n: usize,
+    keys: &mut Vec<KeyRef<'a>>,
+    tokens: &mut Vec<u32>,
+) -> Result<Option<Event<'a>>, Bad> {
     if n == 0 {
         return Err(Bad::Type("expected an array of at least length 1 (the type tag)".into()));
     }
@@ -233,7 +262,8 @@ fn positional<'a>(c: &mut Cursor<'a>, n: usize, keys: &mut Vec<KeyRef<'a>>) -> R
         Kind::Cleared => Event::Cleared,
         Kind::Stored => {
             let hashes = hashes(c, keys)?;
-            let mut ev = Stored { hashes, parent: None, tokens: EMPTY_ARRAY, block_size: 0, medium: None };
+            let empty = TokenIds::Decoded(tokens.len()..tokens.len());
+            let mut ev = Stored { hashes, parent: None, tokens: empty, block_size: 0, medium: None };
             read = 2;
             // parent, token_ids, block_size, lora_id, medium, lora_name, extra_keys, group_idx
             for field in 0..8 {
@@ -242,7 +272,7 @@ fn positional<'a>(c: &mut Cursor<'a>, n: usize, keys: &mut Vec<KeyRef<'a>>) -> R
                 }
                 match field {
                     0 => ev.parent = parent(c)?,
-                    1 => ev.tokens = raw_value(c)?,
+                    1 => ev.tokens = token_ids(c, buf, tokens)?,
                     2 => ev.block_size = block_size(c)?,
                     3 => drop(int_or_nil(c, "lora_id")?),
                     4 => ev.medium = str_or_nil(c, "medium")?,
@@ -277,7 +307,13 @@ fn positional<'a>(c: &mut Cursor<'a>, n: usize, keys: &mut Vec<KeyRef<'a>>) -> R
 
 /// `{"type": ..., fields...}` with `n` entries, the map head already read: one pass to
 /// find the tag and where each field's value is, then the fields of that type.
-fn mapped<'a>(c: &mut Cursor<'a>, buf: &'a [u8], n: usize, keys: &mut Vec<KeyRef<'a>>) -> Result<Option<Event<'a>>, Bad> {
+fn mapped<'a>(
+    c: &mut Cursor<'a>,
+    buf: &'a [u8],
+    n: usize,
+    keys: &mut Vec<KeyRef<'a>>,
+    tokens: &mut Vec<u32>,
+) -> Result<Option<Event<'a>>, Bad> {
     const FIELDS: [&[u8]; 9] = [
         b"block_hashes",
         b"parent_block_hash",
@@ -340,12 +376,13 @@ fn mapped<'a>(c: &mut Cursor<'a>, buf: &'a [u8], n: usize, keys: &mut Vec<KeyRef
             if kind == Kind::Removed {
                 Event::Removed(Removed { hashes, medium })
             } else {
-                let mut ev = Stored { hashes, parent: None, tokens: EMPTY_ARRAY, block_size: 0, medium };
+                let empty = TokenIds::Decoded(tokens.len()..tokens.len());
+                let mut ev = Stored { hashes, parent: None, tokens: empty, block_size: 0, medium };
                 if let Some(mut f) = field(1) {
                     ev.parent = parent(&mut f)?;
                 }
                 if let Some(mut f) = field(2) {
-                    ev.tokens = raw_value(&mut f)?;
+                    ev.tokens = token_ids(&mut f, buf, tokens)?;
                 }
                 if let Some(mut f) = field(3) {
                     ev.block_size = block_size(&mut f)?;
@@ -372,13 +409,14 @@ fn events<'a>(c: &mut Cursor<'a>, buf: &'a [u8], batch: &mut Batch<'a>) -> Resul
     };
     batch.events.clear();
     batch.keys.clear();
+    batch.tokens.clear();
     batch.unknown = 0;
     batch.events.reserve(n.min(buf.len()));
     for index in 0..n {
         let err = in_event(index);
         let got = match c.head().map_err(|f| err(f.into()))? {
-            Head::Array(k) => positional(c, k, &mut batch.keys),
-            Head::Map(k) => mapped(c, buf, k, &mut batch.keys),
+            Head::Array(k) => positional(c, buf, k, &mut batch.keys, &mut batch.tokens),
+            Head::Map(k) => mapped(c, buf, k, &mut batch.keys, &mut batch.tokens),
             _ => return Err(err(Bad::Type("an event must be an array or a map".into()))),
         };
         match got.map_err(err)? {

@@ -114,11 +114,12 @@ fn positional_and_map_batches_decode_alike() {
         match (x, y) {
             (Event::Stored(x), Event::Stored(y)) => {
                 assert_eq!((x.hashes.clone(), x.parent, x.block_size, x.medium), (y.hashes.clone(), y.parent, y.block_size, y.medium));
-                let (mut tx, mut ty) = (Vec::new(), Vec::new());
-                crate::interop::decode_u32_array(x.tokens, &mut tx).unwrap();
-                crate::interop::decode_u32_array(y.tokens, &mut ty).unwrap();
-                assert_eq!(tx, (1..=8).collect::<Vec<u32>>());
-                assert_eq!(tx, ty);
+                let tok = |b: &Batch<'_>, t: &TokenIds<'_>| match t {
+                    TokenIds::Decoded(r) => b.tokens[r.clone()].to_vec(),
+                    TokenIds::Raw(_) => panic!("not decoded"),
+                };
+                assert_eq!(tok(&a, &x.tokens), (1..=8).collect::<Vec<u32>>());
+                assert_eq!(tok(&a, &x.tokens), tok(&b, &y.tokens));
             }
             (x, y) => assert_eq!(x, y),
         }
@@ -145,7 +146,7 @@ fn defaults_unknown_fields_and_unknown_events() {
     match &got.events[0] {
         Event::Stored(s) => {
             assert_eq!(got.hashes(&s.hashes), &[KeyRef::Int(-(1 << 63)), KeyRef::Int((1 << 64) - 1)]);
-            assert_eq!((s.parent, s.tokens, s.block_size, s.medium), (None, &[0x90u8][..], 0, None));
+            assert_eq!((s.parent, s.tokens.clone(), s.block_size, s.medium), (None, TokenIds::Decoded(0..0), 0, None));
         }
         e => panic!("{e:?}"),
     }
@@ -197,7 +198,15 @@ fn malformed_payloads_are_typed_errors() {
     }
     // token_ids are kept raw: anything that is one msgpack value decodes here.
     let odd = bytes(&V::A(vec![V::F(1.0), V::A(vec![V::A(vec![V::S("BlockStored"), ints(&[1]), V::Nil, V::S("abc")])])]));
-    assert!(decode_batch(&odd).is_ok());
+    match &decode_batch(&odd).unwrap().events[0] {
+        Event::Stored(s) => assert_eq!(s.tokens, TokenIds::Raw(&[0xd9, 3, b'a', b'b', b'c'])),
+        e => panic!("{e:?}"),
+    }
+    let neg = bytes(&V::A(vec![V::F(1.0), V::A(vec![V::A(vec![V::S("BlockStored"), ints(&[1]), V::Nil, ints(&[1, -1])])])]));
+    match &decode_batch(&neg).unwrap().events[0] {
+        Event::Stored(s) => assert!(matches!(s.tokens, TokenIds::Raw(_))),
+        e => panic!("{e:?}"),
+    }
 }
 
 #[test]

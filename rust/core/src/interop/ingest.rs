@@ -23,7 +23,7 @@ use crate::hash::{BlockHash, HashError, PrefixHasher};
 use crate::hash_xxh3::Xxh3RollingHasher;
 use crate::index::{BlockIndex, IndexError, InstanceId, Tier};
 use crate::interop::engine_map::{EngineHashMap, MapError, MEDIA_BITS};
-use crate::interop::events::{decode_batch, Event, EventError, KeyRef};
+use crate::interop::events::{decode_batch, Event, EventError, KeyRef, TokenIds};
 use crate::interop::media::canonical_medium;
 use crate::interop::msgpack::decode_u32_array;
 
@@ -290,7 +290,11 @@ impl EventIngestor {
         for (i, ev) in batch.events.iter().enumerate().skip(start) {
             let need = match ev {
                 Event::Stored(s) => {
-                    self.stored(batch.hashes(&s.hashes), s.parent, Tokens::Msgpack(s.tokens), s.block_size, s.medium)?
+                    let tokens = match &s.tokens {
+                        TokenIds::Decoded(r) => Tokens::U32(&batch.tokens[r.clone()]),
+                        TokenIds::Raw(b) => Tokens::Msgpack(b),
+                    };
+                    self.stored(batch.hashes(&s.hashes), s.parent, tokens, s.block_size, s.medium)?
                 }
                 Event::Removed(r) => self.removed(batch.hashes(&r.hashes), r.medium),
                 Event::Cleared => {
