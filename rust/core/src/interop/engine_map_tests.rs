@@ -47,7 +47,7 @@ impl Model {
 }
 
 fn key(i: u32) -> EngineHash {
-    if i % 3 == 0 {
+    if i.is_multiple_of(3) {
         EngineHash::Bytes(vec![i as u8, (i >> 8) as u8].into())
     } else {
         EngineHash::Int(i as i128 - 20)
