@@ -441,7 +441,9 @@ pub fn decode_batch(buf: &[u8]) -> Result<Batch<'_>, EventError> {
     let mut c = Cursor::new(buf);
     match buf.first() {
         Some(0x90..=0x9f | 0xdc | 0xdd) => {
-            let Head::Array(n) = c.head().map_err(|f| in_batch(f.into()))? else { unreachable!("an array head") };
+            let Head::Array(n) = c.head().map_err(|f| in_batch(f.into()))? else {
+                return Err(EventError::Batch("expected an array".into())); // the first byte said so
+            };
             if n < 2 {
                 return Err(EventError::Batch(format!("expected an array of at least length 2 [ts, events], got {n}")));
             }
@@ -455,7 +457,9 @@ pub fn decode_batch(buf: &[u8]) -> Result<Batch<'_>, EventError> {
             }
         }
         Some(0x80..=0x8f | 0xde | 0xdf) => {
-            let Head::Map(n) = c.head().map_err(|f| in_batch(f.into()))? else { unreachable!("a map head") };
+            let Head::Map(n) = c.head().map_err(|f| in_batch(f.into()))? else {
+                return Err(EventError::Batch("expected a map".into())); // the first byte said so
+            };
             let (mut seen_ts, mut seen_events) = (false, false);
             for _ in 0..n {
                 let key = match c.head_utf8().map_err(|f| in_batch(f.into()))? {
