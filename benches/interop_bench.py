@@ -3,13 +3,16 @@
 1. Ingest: blocks/s from one ZMQ stream (a publisher process on 127.0.0.1) into the
    per-medium block index, end to end (recv + decode + hash recomputation + hash map +
    index insert), and each stage alone on the same payloads in this process; the
-   reference row decodes the same payloads with the generic ``msgpack`` package. Target:
-   >= 1M blocks/s.
+   reference row decodes the same payloads with the generic ``msgpack`` package. Two
+   paths, alternated in the same run: the Rust one (``Ingestor.apply_payload``: one
+   ``_core.EventIngestor`` call per message) and the Python reference
+   (``Ingestor(reference=True)``: ``decode_payload`` + ``ReferenceIngestor``, what
+   ingestion was before). Target: >= 1M blocks/s.
 2. ``/query`` for a 4k-token prompt (256 blocks of 16) against 64 instances each holding
    ``--blocks-per-instance`` blocks: p50/p99 of ``Indexer.query`` and of HTTP through
    uvicorn + httpx on 127.0.0.1.
 
-    python benches/interop_bench.py [--blocks 2000000] [--blocks-per-instance 1000000]
+    python benches/interop_bench.py [--blocks 2000000] [--reps 3] [--blocks-per-instance 1000000]
 """
 
 from __future__ import annotations
@@ -61,11 +64,11 @@ def _publisher(port: int, args: tuple[int, int, int], conn) -> None:  # type: ig
     pub.bind(f"tcp://127.0.0.1:{port}")
     conn.send("bound")
     pub.recv()  # a subscriber joined
-    for phase in ("recv-only", "ingest"):
-        assert conn.recv() == phase
-        for seq, p in enumerate(payloads):
+    seq = 0
+    while conn.recv() != "done":  # a phase: the whole stream once more, sequence numbers going on
+        for p in payloads:
             pub.send_multipart([b"", seq.to_bytes(8, "big"), p])
-    conn.recv()
+            seq += 1
     pub.close(0)
     ctx.term()
 
@@ -91,7 +94,7 @@ def mark() -> float:
     return time.perf_counter()
 
 
-def bench_ingest(total: int, per_event: int, per_batch: int, hash_name: str) -> None:
+def bench_ingest(total: int, per_event: int, per_batch: int, hash_name: str, reps: int = 2) -> None:
     import msgpack
     import zmq
 
@@ -99,7 +102,7 @@ def bench_ingest(total: int, per_event: int, per_batch: int, hash_name: str) -> 
     from mooncake_rs._core import msgpack_tokens
     from mooncake_rs import BlockIndex
     from mooncake_rs.interop import Ingestor, MediumIndex, decode_payload
-    from mooncake_rs.interop.hashmap import EngineHashMap
+    from mooncake_rs.interop.hashmap import DictEngineHashMap
     from mooncake_rs.interop.subscriber import KVEventSubscriber
 
     payloads = make_payloads(total, per_event, per_batch)
@@ -138,12 +141,12 @@ def bench_ingest(total: int, per_event: int, per_batch: int, hash_name: str) -> 
     t_hash = time.perf_counter() - t
     print(f"  hash recomputation (hasher.hash per event)  {rate(blocks, t_hash)}")
     del toks
-    m = EngineHashMap(blocks + 1)
+    m = DictEngineHashMap(blocks + 1)
     t = mark()
     for e, ours in zip(events, ours_all):
         m.store(e.block_hashes, ours, 1)
     t_map = time.perf_counter() - t
-    print(f"  engine hash map (store)                     {rate(blocks, t_map)}")
+    print(f"  engine hash map (DictEngineHashMap.store)   {rate(blocks, t_map)}")
     idx = BlockIndex()
     t = mark()
     for ours in ours_all:
@@ -152,21 +155,25 @@ def bench_ingest(total: int, per_event: int, per_batch: int, hash_name: str) -> 
     print(f"  BlockIndex.insert                           {rate(blocks, t_idx)}")
     del idx, m, ours_all, last
     target = MediumIndex()
-    ing = Ingestor(target, 1, mk_hasher(), map_capacity=blocks + 1)
+    ing = Ingestor(target, 1, mk_hasher(), map_capacity=blocks + 1, reference=True)
     t = mark()
     for b in rbatches:
         ing.apply(b)
     t_apply = time.perf_counter() - t
-    print(f"  Ingestor.apply (hash + map + insert)        {rate(blocks, t_apply)}")
-    t = mark()
-    ing2 = Ingestor(MediumIndex(), 1, mk_hasher(), map_capacity=blocks + 1)
-    for p in payloads:
-        ing2.apply(decode_payload(p, raw_tokens=True))
-    t_inproc = time.perf_counter() - t
-    print(f"  decode + apply, no socket                   {rate(blocks, t_inproc)}")
-    del ing, ing2, target, rbatches, events
+    print(f"  reference Ingestor.apply (hash + map + insert) {rate(blocks, t_apply)}")
+    for rep in range(reps):
+        for ref in (True, False):
+            ing2 = Ingestor(MediumIndex(), 1, mk_hasher(), map_capacity=blocks + 1, reference=ref)
+            t = mark()
+            for p in payloads:
+                ing2.apply_payload(p)
+            name = "reference: decode_payload + apply" if ref else "Rust: apply_payload (1 call/msg) "
+            print(f"  {name}, no socket  {rate(blocks, time.perf_counter() - t)}")
+            del ing2
+    del ing, target, rbatches, events
 
-    # End to end over ZMQ from another process.
+    # End to end over ZMQ from another process: the stream once for recv alone, then
+    # once per path and rep, alternating (reference, Rust, reference, Rust, ...).
     port = _free_port()
     ctxm = mp.get_context("spawn")
     parent_conn, child_conn = ctxm.Pipe()
@@ -174,9 +181,7 @@ def bench_ingest(total: int, per_event: int, per_batch: int, hash_name: str) -> 
     proc.start()
     try:
         assert parent_conn.poll(120) and parent_conn.recv() == "bound"
-        target = MediumIndex()
-        ing = Ingestor(target, 1, mk_hasher(), map_capacity=blocks + 1)
-        sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}", ing, rcvhwm=0)
+        sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}", Ingestor(MediumIndex(), 1, mk_hasher()), rcvhwm=0)
         time.sleep(0.5)  # let the subscription reach the publisher
         raw = sub._sub
         parent_conn.send("recv-only")
@@ -185,21 +190,36 @@ def bench_ingest(total: int, per_event: int, per_batch: int, hash_name: str) -> 
             raw.recv_multipart()
         t_recv = time.perf_counter() - t
         print(f"  ZMQ recv_multipart only                     {rate(blocks, t_recv)}")
-        parent_conn.send("ingest")
-        t = mark()
-        while sub.stats.messages < len(payloads):
-            # at most what is left: poll() otherwise waits out its timeout after the last
-            # message, and the end-to-end time would round up to whole seconds
-            sub.poll(1.0, max_messages=len(payloads) - sub.stats.messages)
-        t_e2e = time.perf_counter() - t
-        st = ing.stats()
-        assert st.stored_blocks == blocks and sub.stats.gaps == 0, (st, sub.stats)
-        print(f"  END TO END: ZMQ -> decode -> index          {rate(blocks, t_e2e)}   (target >= 1M blocks/s)")
+        last = len(payloads) - 1  # the recv-only phase's last sequence number
+        e2e: dict[bool, list[float]] = {True: [], False: []}
+        for rep in range(reps):
+            for ref in (True, False):
+                target = MediumIndex()
+                ing = Ingestor(target, 1, mk_hasher(), map_capacity=blocks + 1, reference=ref)
+                sub.ingestor = ing
+                sub._last = sub._sub_last = last  # the stream goes on from there: no gap, no reset
+                sub.stats = type(sub.stats)()
+                parent_conn.send("ingest")
+                t = mark()
+                while sub.stats.messages < len(payloads):
+                    # at most what is left: poll() otherwise waits out its timeout after the
+                    # last message, and the end-to-end time would round up to whole seconds
+                    sub.poll(1.0, max_messages=len(payloads) - sub.stats.messages)
+                t_e2e = time.perf_counter() - t
+                last += len(payloads)
+                st = ing.stats()
+                assert st.stored_blocks == blocks and sub.stats.gaps == 0 and sub.stats.malformed == 0, (st, sub.stats)
+                e2e[ref].append(blocks / t_e2e)
+                name = "reference (Python decode + ingest)" if ref else "Rust (apply_payload)              "
+                print(f"  END TO END {name} {rate(blocks, t_e2e)}   (target >= 1M blocks/s)")
+                del ing, target
+        med = {k: statistics.median(v) / 1e6 for k, v in e2e.items()}
+        print(f"  end to end, median of {reps}: Rust {med[False]:.2f} M blocks/s, reference {med[True]:.2f} "
+              f"M blocks/s, ratio {med[False] / med[True]:.2f}x")
         share = {"recv": t_recv, "decode": t_dec, "tokens": t_tok, "hash": t_hash, "hash map": t_map,
                  "index insert": t_idx}
         tot = sum(share.values())
-        print("  time share of the stages: " + ", ".join(f"{k} {v / tot:.0%}" for k, v in share.items()))
-        print(f"  index: {target.indexes['GPU'].stats().bytes_per_entry:.1f} bytes/entry")
+        print("  time share of the reference stages: " + ", ".join(f"{k} {v / tot:.0%}" for k, v in share.items()))
         sub.stop()
     finally:
         parent_conn.send("done")
@@ -314,6 +334,7 @@ def main() -> None:
     ap.add_argument("--blocks-per-event", type=int, default=32)
     ap.add_argument("--events-per-batch", type=int, default=4)
     ap.add_argument("--hash", choices=["rfc", "mooncake", "both"], default="both")
+    ap.add_argument("--reps", type=int, default=2, help="ingest: end-to-end runs per path (alternated)")
     ap.add_argument("--instances", type=int, default=64)
     ap.add_argument("--blocks-per-instance", type=int, default=1_000_000)
     ap.add_argument("--calls", type=int, default=300)
@@ -323,7 +344,7 @@ def main() -> None:
     random.seed(0)
     if not args.skip_ingest:
         for h in (["rfc", "mooncake"] if args.hash == "both" else [args.hash]):
-            bench_ingest(args.blocks, args.blocks_per_event, args.events_per_batch, h)
+            bench_ingest(args.blocks, args.blocks_per_event, args.events_per_batch, h, args.reps)
     if not args.skip_query:
         bench_query(args.instances, args.blocks_per_instance, args.calls)
 

@@ -2,9 +2,10 @@
 
 - :mod:`.events`: decoding of the ZMQ wire format (both payload forms) into typed events.
 - :mod:`.encode`: the same format out (stand-in publishers, tests, benchmarks).
-- :mod:`.hashmap`: per-instance engine hash -> our hash, bounded.
+- :mod:`.hashmap`: per-instance engine hash -> our hash, bounded (Rust; a dict reference).
 - :mod:`.targets`: where events land (one block index per medium, or a conductor's index).
-- :mod:`.ingest`: applying one instance's events (hash recomputation from token ids).
+- :mod:`.ingest`: applying one instance's events (hash recomputation from token ids), a
+  whole message per Rust call; :mod:`.ingest_ref` is the pure-Python reference.
 - :mod:`.subscriber`: the ZMQ SUB client with gap detection and replay (needs ``pyzmq``).
 - :mod:`.upstream`: ``UpstreamRouter``, external OpenAI engines routed by our conductor on their events.
 - :mod:`.proxy`, :mod:`.serve_upstream`: the ``serve --upstream`` app (needs ``httpx``, starlette, uvicorn).

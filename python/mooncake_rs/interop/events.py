@@ -161,6 +161,8 @@ _dec_raw_pos = msgspec.msgpack.Decoder(_RawBatchPos)
 _dec_raw_map = msgspec.msgpack.Decoder(_RawBatchMap)
 _dec_event_pos = msgspec.msgpack.Decoder(Union[_BlockStoredPos, _BlockRemovedPos, _AllBlocksClearedPos])
 _dec_event_map = msgspec.msgpack.Decoder(Union[BlockStored, BlockRemoved, AllBlocksCleared])
+_dec_event_raw_pos = msgspec.msgpack.Decoder(Union[_BlockStoredRawPos, _BlockRemovedPos, _AllBlocksClearedPos])
+_dec_event_raw_map = msgspec.msgpack.Decoder(Union[_BlockStoredRawMap, BlockRemoved, AllBlocksCleared])
 _dec_any = msgspec.msgpack.Decoder()
 
 
@@ -189,20 +191,22 @@ def _tag_of(raw: msgspec.Raw) -> object:
     return None
 
 
-def _decode_slow(payload: bytes | memoryview, array: bool) -> EventBatch:
-    """Event by event: mixed forms, unknown event types."""
+def _decode_slow(payload: bytes | memoryview, array: bool, raw_tokens: bool) -> EventBatch:
+    """Event by event: mixed forms, unknown event types (``token_ids`` left raw as on the
+    fast path when ``raw_tokens``)."""
     try:
         raw = (_dec_raw_pos if array else _dec_raw_map).decode(payload)
     except msgspec.DecodeError as e:
         raise MalformedEvent(f"KV event payload is not an event batch: {e}") from None
     events: list[KVEvent] = []
     unknown = 0
+    dec_pos, dec_map = (_dec_event_raw_pos, _dec_event_raw_map) if raw_tokens else (_dec_event_pos, _dec_event_map)
     for i, ev in enumerate(raw.events):
         form = _is_array(memoryview(ev))
         try:
             if form is None:
                 raise msgspec.ValidationError("an event must be an array or a map")
-            events.append((_dec_event_pos if form else _dec_event_map).decode(ev))
+            events.append((dec_pos if form else dec_map).decode(ev))
         except msgspec.DecodeError as e:
             tag = _tag_of(ev)
             if isinstance(tag, str) and tag not in _KNOWN_TAGS:
@@ -233,7 +237,7 @@ def decode_payload(payload: bytes | memoryview, raw_tokens: bool = False) -> Eve
         else:
             b = (_dec_pos if array else _dec_map).decode(payload)
     except msgspec.ValidationError:
-        return _decode_slow(payload, array)
+        return _decode_slow(payload, array, raw_tokens)
     except msgspec.DecodeError as e:  # truncated or not msgpack at all
         raise MalformedEvent(f"KV event payload is not valid msgpack: {e}") from None
     return EventBatch(b.ts, b.events, b.data_parallel_rank)  # type: ignore[arg-type]

@@ -1,5 +1,10 @@
 """One engine instance's map from its own block hashes to ours, bounded in memory.
 
+:class:`EngineHashMap` is the Rust map (``_core.EngineHashMap``) that
+:class:`~mooncake_rs.interop.Ingestor` keeps per instance; :class:`DictEngineHashMap` is
+the pure-Python version with the same API and semantics, described below, which the
+reference ingestor (:mod:`.ingest_ref`) uses and the tests compare the Rust map with.
+
 An engine's block hashes are opaque (Python ``hash()`` in old vLLM, SHA-256 bytes or
 XXH3 in newer ones, each seeded its own way), so the index keys blocks by hashes we
 recompute from the ``token_ids`` that ``BlockStored`` carries. ``BlockRemoved`` carries
@@ -18,18 +23,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from .._core import EngineHashMap
 from ..errors import InvalidArgument
 from .events import EngineHash
 
-__all__ = ["EngineHashMap", "MEDIA_BITS"]
+__all__ = ["EngineHashMap", "DictEngineHashMap", "MEDIA_BITS"]
 
 MEDIA_BITS = 8
 """Media one entry can track (bits of the low byte)."""
 _MASK = (1 << MEDIA_BITS) - 1
 
 
-class EngineHashMap:
-    """``engine hash -> (our hash, media bit mask)``, at most ``capacity`` entries."""
+class DictEngineHashMap:
+    """``engine hash -> (our hash, media bit mask)``, at most ``capacity`` entries (a ``dict``)."""
 
     __slots__ = ("_map", "capacity", "evicted")
 

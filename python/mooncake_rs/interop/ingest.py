@@ -1,193 +1,150 @@
-"""Applying one engine instance's decoded KV events to a target index.
+"""Applying one engine instance's KV events to a target index.
 
 For ``BlockStored`` we recompute our chained hashes from its ``token_ids``, starting
 from our hash of its ``parent_block_hash`` (translated through the instance's
-:class:`.hashmap.EngineHashMap`), insert them, and remember engine hash -> ours.
+:class:`~.hashmap.EngineHashMap`), insert them, and remember engine hash -> ours.
 ``BlockRemoved`` translates back and removes; ``AllBlocksCleared`` drops the instance.
 Events the index cannot use are counted, not raised: a publisher that is out of step
 with us must not stop ingestion (``stats()`` shows them).
+
+The work is done in Rust (``_core.EventIngestor``): :meth:`Ingestor.apply_payload` takes
+a ZMQ message's msgpack payload and decodes, hashes, maps and indexes it in one call,
+with no Python object per event or block (what :class:`.subscriber.KVEventSubscriber`
+uses); :meth:`Ingestor.apply` takes already decoded events. Python only decides, the
+first time an instance names a medium, which index and tier it goes to (the target's
+``key_of`` and ``sink``). A target without ``sink`` / ``all_indexes`` (a user's own
+:class:`~.targets.Target`) or a hasher other than ``PrefixHasher`` /
+``Xxh3RollingHasher`` is served by the pure-Python :class:`.ingest_ref.ReferenceIngestor`,
+with the same behaviour.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 
-from .._core import msgpack_tokens
-from ..errors import InvalidArgument, MalformedEvent
-from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
-from .hashmap import MEDIA_BITS, EngineHashMap
-from .targets import Target, canonical_medium
+from .._core import EngineHashMap, EventIngestor, PrefixHasher, Xxh3RollingHasher
+from ..errors import InvalidArgument
+from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent, decode_payload
+from .hashmap import DictEngineHashMap
+from .ingest_ref import ReferenceIngestor
+from .ingest_types import BlockHasher, IngestStats
+from .targets import Target
 
 __all__ = ["BlockHasher", "Ingestor", "IngestStats"]
 
 log = logging.getLogger("mooncake_rs.interop")
 
 
-class BlockHasher(Protocol):
-    """``PrefixHasher`` or ``Xxh3RollingHasher``: chained hashes of full blocks."""
-
-    @property
-    def block_size(self) -> int: ...
-    def hash(self, tokens: Any, parent: int | None = None) -> list[int]: ...
-
-
-@dataclass
-class IngestStats:
-    batches: int = 0
-    stored_blocks: int = 0
-    removed_blocks: int = 0
-    cleared: int = 0
-    resets: int = 0
-    """Entries dropped because events were lost (a gap without replay, a restart)."""
-    orphans: int = 0
-    """``BlockStored`` events whose parent we never saw (skipped: we cannot chain them)."""
-    mismatched: int = 0
-    """``BlockStored`` events whose block size or token count does not fit our hasher."""
-    unknown_removed: int = 0
-    """Removed engine hashes we had no entry for."""
-    unknown_events: int = 0
-    evicted: int = 0
-    """Hash-map entries dropped when full (their blocks left the index)."""
-    media_overflow: int = 0
-    """Events naming a medium beyond the 8 one instance can track (skipped)."""
-
-
 class Ingestor:
     """Feeds one instance (``slot``) of ``target`` from that instance's event stream."""
 
-    def __init__(self, target: Target, slot: int, hasher: BlockHasher, map_capacity: int = 1 << 20) -> None:
+    def __init__(
+        self, target: Target, slot: int, hasher: BlockHasher, map_capacity: int = 1 << 20, reference: bool = False
+    ) -> None:
+        """``reference=True``: apply events with the pure-Python reference path (for
+        tests and benchmarks; slower, same behaviour)."""
         if slot < 0 or slot >= 1 << 64:
             raise InvalidArgument(f"slot must be a u64 instance id, got {slot}")
         self.target = target
         self.slot = slot
         self.hasher = hasher
         self.block_size = hasher.block_size
-        self.map = EngineHashMap(map_capacity)
-        self._stats = IngestStats()
-        # medium -> (bit, target key); bit masks of media sharing a key.
-        self._media: dict[str | None, tuple[int, str]] = {}
-        self._bits: list[tuple[str, str]] = []  # bit index -> (medium, key)
-        self._same_key: dict[str, int] = {}
+        self._fast: EventIngestor | None = None
+        self._ref: ReferenceIngestor | None = None
+        sink = getattr(target, "sink", None)
+        all_indexes = getattr(target, "all_indexes", None)
+        if not reference and isinstance(hasher, (PrefixHasher, Xxh3RollingHasher)) and callable(sink) and callable(all_indexes):
+            self._fast = EventIngestor(slot, hasher, map_capacity, all_indexes())
+        else:
+            self._ref = ReferenceIngestor(target, slot, hasher, map_capacity)
 
-    def _medium(self, medium: str | None) -> tuple[int, str] | None:
-        got = self._media.get(medium)
-        if got is not None:
-            return got
-        name = canonical_medium(medium)
-        for b, (m, key) in enumerate(self._bits):
-            if m == name:
-                self._media[medium] = (1 << b, key)
-                return self._media[medium]
-        if len(self._bits) >= MEDIA_BITS:
-            return None
+    @property
+    def fast(self) -> bool:
+        """Whether events are applied in Rust (else by the Python reference)."""
+        return self._fast is not None
+
+    @property
+    def map(self) -> EngineHashMap | DictEngineHashMap:
+        """The engine hash -> our hash map of this instance."""
+        if self._fast is not None:
+            return self._fast.map
+        assert self._ref is not None
+        return self._ref.map
+
+    def _register(self, name: str) -> None:
+        """A medium this instance names for the first time: its key, index and tier."""
+        assert self._fast is not None
         key = self.target.key_of(name)
-        bit = 1 << len(self._bits)
-        self._bits.append((name, key))
-        self._same_key[key] = self._same_key.get(key, 0) | bit
-        self._media[medium] = (bit, key)
-        return self._media[medium]
+        index, tier = self.target.sink(key)  # type: ignore[attr-defined]
+        self._fast.add_medium(name, key, index, tier)
+
+    def apply_payload(self, payload: bytes | memoryview) -> None:
+        """Decode and apply one message's msgpack payload (an event batch).
+
+        Raises :class:`~mooncake_rs.MalformedEvent` for a payload that does not decode
+        (nothing applied) or a ``BlockStored`` whose token ids are not u32s (the events
+        before it stay applied).
+        """
+        fast = self._fast
+        if fast is None:
+            assert self._ref is not None
+            self._ref.apply(decode_payload(payload, raw_tokens=True))
+            return
+        step = fast.apply_payload(payload)
+        while step is not None:
+            event, name = step
+            self._register(name)
+            step = fast.apply_payload(payload, event)
 
     def apply(self, batch: EventBatch) -> None:
-        """Apply one batch's events in order.
+        """Apply one decoded batch's events in order.
 
-        Raises :class:`MalformedEvent` at a ``BlockStored`` whose token ids are not u32s
-        (the events before it stay applied; the subscriber logs, counts and moves on).
+        Raises :class:`~mooncake_rs.MalformedEvent` at a ``BlockStored`` whose token ids
+        are not u32s (the events before it stay applied; the subscriber logs, counts and
+        moves on).
         """
-        st = self._stats
-        st.batches += 1
-        st.unknown_events += batch.unknown
+        if self._fast is None:
+            assert self._ref is not None
+            self._ref.apply(batch)
+            return
+        self._fast.count_batch(batch.unknown)
         for ev in batch.events:
             self.apply_event(ev)
 
     def apply_event(self, ev: KVEvent) -> None:
+        fast = self._fast
+        if fast is None:
+            assert self._ref is not None
+            self._ref.apply_event(ev)
+            return
         if isinstance(ev, BlockStored):
-            self._stored(ev)
+            tokens: Any = ev.token_ids
+            raw = type(tokens) is msgspec.Raw
+            while (name := fast.stored(ev.block_hashes, ev.parent_block_hash, tokens, ev.block_size, ev.medium, raw)) is not None:
+                self._register(name)
         elif isinstance(ev, BlockRemoved):
-            self._removed(ev)
+            while (name := fast.removed(ev.block_hashes, ev.medium)) is not None:
+                self._register(name)
         elif isinstance(ev, AllBlocksCleared):
-            self._stats.cleared += 1
-            self._drop()
+            fast.cleared()
         else:  # pragma: no cover - the decoder yields only the three types
-            self._stats.unknown_events += 1
-
-    def _stored(self, ev: BlockStored) -> None:
-        st = self._stats
-        engine = ev.block_hashes
-        n = len(engine)
-        if n == 0:
-            return
-        bs = self.block_size
-        tokens: Any = ev.token_ids
-        if type(tokens) is msgspec.Raw:  # left undecoded by decode_payload(raw_tokens=True)
-            try:
-                tokens = memoryview(msgpack_tokens(tokens)).cast("I")
-            except InvalidArgument as e:
-                raise MalformedEvent(f"BlockStored token_ids: {e}") from None
-        if (ev.block_size and ev.block_size != bs) or len(tokens) != n * bs:
-            st.mismatched += 1
-            return
-        parent: int | None = None
-        if ev.parent_block_hash is not None:
-            parent = self.map.ours(ev.parent_block_hash)
-            if parent is None:
-                st.orphans += 1
-                return
-        med = self._medium(ev.medium)
-        if med is None:
-            st.media_overflow += 1
-            return
-        bit, key = med
-        try:
-            ours = self.hasher.hash(tokens, parent)
-        except InvalidArgument as e:  # token ids outside u32
-            raise MalformedEvent(f"BlockStored token_ids: {e}") from None
-        replaced = self.map.store(engine, ours, bit)
-        if replaced:
-            self._remove_masks(replaced)
-        self.target.insert(self.slot, ours, key)
-        st.stored_blocks += n
-        if len(self.map) > self.map.capacity:
-            gone = self.map.evict_overflow()
-            st.evicted = self.map.evicted
-            self._remove_masks(gone)
-
-    def _removed(self, ev: BlockRemoved) -> None:
-        med = self._medium(ev.medium)
-        if med is None:
-            self._stats.media_overflow += 1
-            return
-        bit, key = med
-        out, unknown = self.map.remove(ev.block_hashes, bit, self._same_key[key])
-        self._stats.unknown_removed += unknown
-        if out:
-            self.target.remove(self.slot, out, key)
-            self._stats.removed_blocks += len(out)
-
-    def _remove_masks(self, entries: Iterable[tuple[int, int]]) -> None:
-        """Remove these (our hash, media mask) blocks from every key their media use."""
-        per_key: dict[str, list[int]] = {}
-        for ours, mask in entries:
-            keys = {self._bits[b][1] for b in range(len(self._bits)) if mask >> b & 1}
-            for k in keys:
-                per_key.setdefault(k, []).append(ours)
-        for k, hs in per_key.items():
-            self.target.remove(self.slot, hs, k)
-
-    def _drop(self) -> None:
-        self.target.clear(self.slot)
-        self.map.clear()
+            fast.count_batch(1, 0)
 
     def reset(self, reason: str) -> None:
         """Events were lost: forget everything this instance holds, rebuild from new events."""
-        self._stats.resets += 1
+        if self._fast is None:
+            assert self._ref is not None
+            self._ref.reset(reason)
+            return
         log.warning("KV events of instance slot %d: %s; dropping its %d index entries", self.slot, reason, len(self.map))
-        self._drop()
+        self.target.clear(self.slot)
+        self._fast.reset_map()
 
     def stats(self) -> IngestStats:
-        self._stats.evicted = self.map.evicted
-        return IngestStats(**vars(self._stats))
+        if self._fast is None:
+            assert self._ref is not None
+            return self._ref.stats()
+        return IngestStats(**self._fast.stats())

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import zmq
 
 from ..errors import InvalidArgument, MalformedEvent
-from .events import REPLAY_END, EventBatch, decode_message, decode_payload, decode_seq
+from .events import REPLAY_END, decode_message, decode_seq
 from .ingest import Ingestor
 
 __all__ = ["KVEventSubscriber", "SubscriberStats"]
@@ -112,6 +112,17 @@ class KVEventSubscriber:
 
     def _handle(self, frames: list[bytes]) -> None:
         self.stats.messages += 1
+        if len(frames) == 3 and len(frames[1]) == 8:
+            s = int.from_bytes(frames[1], "big")
+            last = self._last
+            if last is not None and s == last + 1 and (self._sub_last is None or s > self._sub_last):
+                # The common case, the next message in order: one Rust call decodes and
+                # applies it (a payload that does not decode changes nothing and is
+                # skipped; its sequence number still counts as seen, as below).
+                self._sub_last = s
+                self._apply(frames[2])
+                self._last = s
+                return
         try:
             msg = decode_message(frames, raw_tokens=True)
         except MalformedEvent as e:
@@ -136,13 +147,13 @@ class KVEventSubscriber:
                     # Part of the history came back, then the replay failed: what we
                     # applied may be missing later removals.
                     self.ingestor.reset(f"catch-up replay stopped at {self._last}, before {s}")
-            self._apply(msg.batch)
+            self._apply(frames[2])
             self._last = s
             return
         if sub_last is not None and s <= sub_last:
             self.stats.restarts += 1
             self.ingestor.reset(f"sequence went back from {sub_last} to {s} (publisher restarted)")
-            self._apply(msg.batch)
+            self._apply(frames[2])
             self._last = s
             return
         if s <= self._last:  # already applied from a replay
@@ -154,18 +165,18 @@ class KVEventSubscriber:
                 self.stats.replay_failures += 1
                 self.ingestor.reset(f"missed sequence numbers {self._last + 1}..{s - 1}"
                                     + ("" if self.replay_endpoint else " and no replay endpoint is configured"))
-                self._apply(msg.batch)
+                self._apply(frames[2])
                 self._last = s
                 return
             if s <= self._last:  # the replay already delivered it
                 return
-        self._apply(msg.batch)
+        self._apply(frames[2])
         self._last = s
 
-    def _apply(self, batch: EventBatch) -> None:
+    def _apply(self, payload: bytes) -> None:
         try:
-            self.ingestor.apply(batch)
-        except MalformedEvent as e:  # an event whose token_ids do not decode: skip the rest
+            self.ingestor.apply_payload(payload)
+        except MalformedEvent as e:  # it does not decode, or an event's token_ids do not: skip the rest
             self.stats.malformed += 1
             log.warning("KV events from %s: %s", self.endpoint, e)
 
@@ -205,7 +216,7 @@ class KVEventSubscriber:
                     # The engine's buffer no longer holds ``expect``: the gap stays.
                     log.warning("KV event replay from %s starts at %d, needed %d", self.replay_endpoint, s, expect)
                     return False
-                self.ingestor.apply(decode_payload(frames[1], raw_tokens=True))
+                self.ingestor.apply_payload(frames[1])
                 self._last = s
                 self.stats.replayed += 1
                 expect = s + 1

@@ -11,7 +11,9 @@
 
 A target maps a medium to a *key* (the index or tier it writes); the ingestor keeps per
 block which media hold it and removes a key only when no medium with that key still
-holds the block.
+holds the block. Both targets also name, per key, the ``BlockIndex`` and tier it writes
+(``sink``) and every index they hold (``all_indexes``), so the Rust ingest path can
+write to them directly; a target without those is fed by the Python reference path.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from .._core import BlockIndex
+from .._core import canonical_medium as _canonical_medium
 
 __all__ = ["canonical_medium", "Target", "MediumIndex", "TierTarget", "STANDARD_MEDIA"]
 
@@ -29,23 +32,16 @@ STANDARD_MEDIA = ("GPU", "CPU", "DISK")
 _TIER_OF = {"GPU": "gpu", "CPU": "dram", "DISK": "ssd"}
 """The index tier of a canonical medium (TierTarget)."""
 
-_ALIASES = {
-    "GPU": "GPU", "NPU": "GPU", "HBM": "GPU", "DEVICE": "GPU",
-    "CPU": "CPU", "CPU_PINNED": "CPU", "DRAM": "CPU", "HOST": "CPU",
-    "DISK": "DISK", "SSD": "DISK", "NVME": "DISK", "FILE": "DISK",
-}
-
 
 def canonical_medium(medium: str | None) -> str:
     """The upper-case medium name (vLLM's ``"GPU"``/``"CPU"``, Mooncake's gpu/cpu/disk, SGLang's CPU_PINNED...).
 
     ``None`` is the engine's own device cache (vLLM leaves it unset for GPU blocks).
-    Unknown names are kept, upper-cased, as media of their own.
+    GPU aliases: NPU, HBM, DEVICE; CPU: CPU_PINNED, DRAM, HOST; DISK: SSD, NVME, FILE.
+    Unknown names are kept, upper-cased, as media of their own. (The table is in Rust,
+    shared with the Rust ingest path.)
     """
-    if medium is None:
-        return "GPU"
-    m = medium.upper()
-    return _ALIASES.get(m, m)
+    return _canonical_medium(medium)
 
 
 class Target(Protocol):
@@ -82,6 +78,13 @@ class MediumIndex:
         for idx in self.indexes.values():
             idx.remove_instance(slot)
 
+    def sink(self, key: str) -> tuple[BlockIndex, str | None]:
+        """The index a key writes, and its tier (``None``: inserts as ``dram``, removes any tier)."""
+        return self.index(key), None
+
+    def all_indexes(self) -> list[BlockIndex]:
+        return list(self.indexes.values())
+
     def media(self) -> Iterable[str]:
         return self.indexes.keys()
 
@@ -104,3 +107,10 @@ class TierTarget:
 
     def clear(self, slot: int) -> None:
         self.index.remove_instance(slot)
+
+    def sink(self, key: str) -> tuple[BlockIndex, str | None]:
+        """The index a key writes, and its tier (the key is the tier)."""
+        return self.index, key
+
+    def all_indexes(self) -> list[BlockIndex]:
+        return [self.index]

@@ -26,6 +26,9 @@ pub enum ErrorCategory {
     Overloaded,
     /// An invariant was broken: a bug in mooncake_rs, never the caller's fault.
     Internal,
+    /// A KV event payload (vLLM/SGLang wire format) that does not decode; a kind of
+    /// `InvalidArgument` (the Python class subclasses it).
+    MalformedEvent,
 }
 
 impl ErrorCategory {
@@ -40,6 +43,7 @@ impl ErrorCategory {
             ErrorCategory::TransferTimeout => "TransferTimeout",
             ErrorCategory::Overloaded => "Overloaded",
             ErrorCategory::Internal => "InternalError",
+            ErrorCategory::MalformedEvent => "MalformedEvent",
         }
     }
 }

@@ -10,7 +10,7 @@ use crate::gil::detached;
 
 #[pyclass(name = "Xxh3RollingHasher", module = "mooncake_rs._core", frozen)]
 pub struct PyXxh3RollingHasher {
-    inner: Xxh3RollingHasher,
+    pub inner: Xxh3RollingHasher,
 }
 
 fn parent_from_py(py: Python<'_>, parent: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {

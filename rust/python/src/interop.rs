@@ -1,8 +1,9 @@
-//! Interop wire helpers (core `interop`): token ids of KV events decoded without Python ints.
+//! Interop wire helpers (core `interop`): token ids of KV events decoded without Python
+//! ints; medium names.
 
 use std::cell::RefCell;
 
-use mooncake_core::interop::decode_u32_array;
+use mooncake_core::interop::{canonical_medium as core_canonical_medium, decode_u32_array};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -30,6 +31,15 @@ fn msgpack_tokens<'py>(py: Python<'py>, raw: &Bound<'py, PyAny>) -> PyResult<Bou
     })
 }
 
+/// The upper-case medium name (`None`: the engine's device cache, `"GPU"`); aliases of
+/// GPU, CPU and DISK to those, other names kept upper-cased.
+#[pyfunction]
+#[pyo3(signature = (medium))]
+fn canonical_medium(medium: Option<&str>) -> String {
+    core_canonical_medium(medium)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(msgpack_tokens, m)?)
+    m.add_function(wrap_pyfunction!(msgpack_tokens, m)?)?;
+    m.add_function(wrap_pyfunction!(canonical_medium, m)?)
 }

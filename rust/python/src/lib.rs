@@ -19,6 +19,8 @@ mod hash_xxh3;
 mod index;
 mod keys;
 mod interop;
+mod interop_ingest;
+mod interop_map;
 mod logging;
 mod mem;
 mod pyint;
@@ -41,6 +43,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     hash_xxh3::register(m)?;
     index::register(m)?;
     interop::register(m)?;
+    interop_ingest::register(m)?;
     conductor::register(m)?;
     block_cache::register(m)?;
     store::register(m)?;

@@ -1,0 +1,169 @@
+"""The pure-Python reference of :class:`.ingest.Ingestor`: one instance's decoded KV
+events applied to a target index, event by event, with a ``dict`` engine-hash map.
+
+:class:`.ingest.Ingestor` applies whole payloads in Rust (``_core.EventIngestor``);
+this is the simple version it is tested against (``tests/test_interop_fastpath.py``),
+and what it uses for a target or a hasher the Rust path does not know.
+
+For ``BlockStored`` we recompute our chained hashes from its ``token_ids``, starting
+from our hash of its ``parent_block_hash`` (translated through the instance's
+:class:`.hashmap.DictEngineHashMap`), insert them, and remember engine hash -> ours.
+``BlockRemoved`` translates back and removes; ``AllBlocksCleared`` drops the instance.
+Events the index cannot use are counted, not raised: a publisher that is out of step
+with us must not stop ingestion (``stats()`` shows them).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+
+from .._core import msgpack_tokens
+from ..errors import InvalidArgument, MalformedEvent
+from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
+from .hashmap import MEDIA_BITS, DictEngineHashMap
+from .ingest_types import BlockHasher, IngestStats
+from .targets import Target, canonical_medium
+
+__all__ = ["ReferenceIngestor"]
+
+log = logging.getLogger("mooncake_rs.interop")
+
+
+class ReferenceIngestor:
+    """Feeds one instance (``slot``) of ``target`` from that instance's event stream."""
+
+    def __init__(self, target: Target, slot: int, hasher: BlockHasher, map_capacity: int = 1 << 20) -> None:
+        if slot < 0 or slot >= 1 << 64:
+            raise InvalidArgument(f"slot must be a u64 instance id, got {slot}")
+        self.target = target
+        self.slot = slot
+        self.hasher = hasher
+        self.block_size = hasher.block_size
+        self.map = DictEngineHashMap(map_capacity)
+        self._stats = IngestStats()
+        # medium -> (bit, target key); bit masks of media sharing a key.
+        self._media: dict[str | None, tuple[int, str]] = {}
+        self._bits: list[tuple[str, str]] = []  # bit index -> (medium, key)
+        self._same_key: dict[str, int] = {}
+
+    def _medium(self, medium: str | None) -> tuple[int, str] | None:
+        got = self._media.get(medium)
+        if got is not None:
+            return got
+        name = canonical_medium(medium)
+        for b, (m, key) in enumerate(self._bits):
+            if m == name:
+                self._media[medium] = (1 << b, key)
+                return self._media[medium]
+        if len(self._bits) >= MEDIA_BITS:
+            return None
+        key = self.target.key_of(name)
+        bit = 1 << len(self._bits)
+        self._bits.append((name, key))
+        self._same_key[key] = self._same_key.get(key, 0) | bit
+        self._media[medium] = (bit, key)
+        return self._media[medium]
+
+    def apply(self, batch: EventBatch) -> None:
+        """Apply one batch's events in order.
+
+        Raises :class:`MalformedEvent` at a ``BlockStored`` whose token ids are not u32s
+        (the events before it stay applied; the subscriber logs, counts and moves on).
+        """
+        st = self._stats
+        st.batches += 1
+        st.unknown_events += batch.unknown
+        for ev in batch.events:
+            self.apply_event(ev)
+
+    def apply_event(self, ev: KVEvent) -> None:
+        if isinstance(ev, BlockStored):
+            self._stored(ev)
+        elif isinstance(ev, BlockRemoved):
+            self._removed(ev)
+        elif isinstance(ev, AllBlocksCleared):
+            self._stats.cleared += 1
+            self._drop()
+        else:  # pragma: no cover - the decoder yields only the three types
+            self._stats.unknown_events += 1
+
+    def _stored(self, ev: BlockStored) -> None:
+        st = self._stats
+        engine = ev.block_hashes
+        n = len(engine)
+        if n == 0:
+            return
+        bs = self.block_size
+        tokens: Any = ev.token_ids
+        if type(tokens) is msgspec.Raw:  # left undecoded by decode_payload(raw_tokens=True)
+            try:
+                tokens = memoryview(msgpack_tokens(tokens)).cast("I")
+            except InvalidArgument as e:
+                raise MalformedEvent(f"BlockStored token_ids: {e}") from None
+        if (ev.block_size and ev.block_size != bs) or len(tokens) != n * bs:
+            st.mismatched += 1
+            return
+        parent: int | None = None
+        if ev.parent_block_hash is not None:
+            parent = self.map.ours(ev.parent_block_hash)
+            if parent is None:
+                st.orphans += 1
+                return
+        med = self._medium(ev.medium)
+        if med is None:
+            st.media_overflow += 1
+            return
+        bit, key = med
+        try:
+            ours = self.hasher.hash(tokens, parent)
+        except InvalidArgument as e:  # token ids outside u32
+            raise MalformedEvent(f"BlockStored token_ids: {e}") from None
+        replaced = self.map.store(engine, ours, bit)
+        if replaced:
+            self._remove_masks(replaced)
+        self.target.insert(self.slot, ours, key)
+        st.stored_blocks += n
+        if len(self.map) > self.map.capacity:
+            gone = self.map.evict_overflow()
+            st.evicted = self.map.evicted
+            self._remove_masks(gone)
+
+    def _removed(self, ev: BlockRemoved) -> None:
+        med = self._medium(ev.medium)
+        if med is None:
+            self._stats.media_overflow += 1
+            return
+        bit, key = med
+        out, unknown = self.map.remove(ev.block_hashes, bit, self._same_key[key])
+        self._stats.unknown_removed += unknown
+        if out:
+            self.target.remove(self.slot, out, key)
+            self._stats.removed_blocks += len(out)
+
+    def _remove_masks(self, entries: Iterable[tuple[int, int]]) -> None:
+        """Remove these (our hash, media mask) blocks from every key their media use."""
+        per_key: dict[str, list[int]] = {}
+        for ours, mask in entries:
+            keys = {self._bits[b][1] for b in range(len(self._bits)) if mask >> b & 1}
+            for k in keys:
+                per_key.setdefault(k, []).append(ours)
+        for k, hs in per_key.items():
+            self.target.remove(self.slot, hs, k)
+
+    def _drop(self) -> None:
+        self.target.clear(self.slot)
+        self.map.clear()
+
+    def reset(self, reason: str) -> None:
+        """Events were lost: forget everything this instance holds, rebuild from new events."""
+        self._stats.resets += 1
+        log.warning("KV events of instance slot %d: %s; dropping its %d index entries", self.slot, reason, len(self.map))
+        self._drop()
+
+    def stats(self) -> IngestStats:
+        self._stats.evicted = self.map.evicted
+        return IngestStats(**vars(self._stats))

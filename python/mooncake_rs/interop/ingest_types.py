@@ -1,0 +1,38 @@
+"""The types :class:`.ingest.Ingestor` and its reference share: the hasher protocol and
+the counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+__all__ = ["BlockHasher", "IngestStats"]
+
+
+class BlockHasher(Protocol):
+    """``PrefixHasher`` or ``Xxh3RollingHasher``: chained hashes of full blocks."""
+
+    @property
+    def block_size(self) -> int: ...
+    def hash(self, tokens: Any, parent: int | None = None) -> list[int]: ...
+
+
+@dataclass
+class IngestStats:
+    batches: int = 0
+    stored_blocks: int = 0
+    removed_blocks: int = 0
+    cleared: int = 0
+    resets: int = 0
+    """Entries dropped because events were lost (a gap without replay, a restart)."""
+    orphans: int = 0
+    """``BlockStored`` events whose parent we never saw (skipped: we cannot chain them)."""
+    mismatched: int = 0
+    """``BlockStored`` events whose block size or token count does not fit our hasher."""
+    unknown_removed: int = 0
+    """Removed engine hashes we had no entry for."""
+    unknown_events: int = 0
+    evicted: int = 0
+    """Hash-map entries dropped when full (their blocks left the index)."""
+    media_overflow: int = 0
+    """Events naming a medium beyond the 8 one instance can track (skipped)."""

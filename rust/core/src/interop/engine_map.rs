@@ -1,0 +1,395 @@
+//! One engine instance's map from its own block hashes to ours, bounded in memory.
+//!
+//! An engine's hashes are opaque, so the index keys blocks by hashes we recompute from
+//! `BlockStored`'s token ids; `BlockRemoved` carries only the engine's hashes, and this
+//! map translates them back. Per entry it also keeps which media of the instance hold the
+//! block (a bit each, at most [`MEDIA_BITS`]).
+//!
+//! Semantics (those of the Python `dict` map it replaces, `DictEngineHashMap`): entries
+//! are kept in the order they were last stored (storing an engine hash again moves it
+//! to the back, clearing a medium does not); an entry stays after its block left every
+//! medium, so a later store can still name it as parent; when more than `capacity`
+//! entries are held, [`EngineHashMap::evict_overflow`] drops the oldest and hands back
+//! the blocks still held, for the caller to remove from the index.
+//!
+//! Layout: the entries live in a slab (`Vec<Node>`) linked in storing order, and a
+//! `hashbrown::HashTable` of (32-bit hash tag, slab index) finds them by engine hash
+//! (about 75 bytes an entry with an int hash, against ~100 for the Python dict).
+
+use hashbrown::HashTable;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use crate::error::{Categorized, ErrorCategory};
+use crate::hash::BlockHash;
+use crate::interop::events::KeyRef;
+
+/// Media one entry can track.
+pub const MEDIA_BITS: u32 = 8;
+
+/// The largest capacity (slab indices are `u32`, and one event may overshoot it).
+pub const MAX_CAPACITY: usize = 1 << 31;
+
+/// An engine's block hash, owned (see [`KeyRef`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum EngineHash {
+    Int(i128),
+    Bytes(Box<[u8]>),
+}
+
+impl EngineHash {
+    pub fn as_key(&self) -> KeyRef<'_> {
+        match self {
+            EngineHash::Int(v) => KeyRef::Int(*v),
+            EngineHash::Bytes(b) => KeyRef::Bytes(b),
+        }
+    }
+}
+
+impl KeyRef<'_> {
+    pub fn to_owned_hash(self) -> EngineHash {
+        match self {
+            KeyRef::Int(v) => EngineHash::Int(v),
+            KeyRef::Bytes(b) => EngineHash::Bytes(b.into()),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MapError {
+    #[error("EngineHashMap capacity must be in 1..=2^31, got {0}")]
+    Capacity(u128),
+}
+
+impl Categorized for MapError {
+    fn category(&self) -> ErrorCategory {
+        ErrorCategory::InvalidArgument
+    }
+}
+
+/// 32 bits of a key's hash: the table keeps them beside each entry's slab index, so
+/// growing the table and probing past other keys never read the slab.
+#[inline]
+fn tag_of(k: KeyRef<'_>) -> u32 {
+    let h = match k {
+        KeyRef::Int(v) => {
+            let v = v as u128;
+            let x = (v as u64) ^ ((v >> 64) as u64).rotate_left(29);
+            let m = (x as u128).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835);
+            (m as u64) ^ ((m >> 64) as u64)
+        }
+        KeyRef::Bytes(b) => xxh3_64_with_seed(b, 0x6d6f_6f6e_6361_6b65),
+    };
+    (h ^ (h >> 32)) as u32
+}
+
+/// The table's 64-bit hash, from the 32-bit tag alone (spread over every bit).
+#[inline]
+fn table_hash(tag: u32) -> u64 {
+    (tag as u64 | 1 << 32).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+/// A table entry: the tag above, the slab index below.
+#[inline]
+fn entry(tag: u32, i: u32) -> u64 {
+    (tag as u64) << 32 | i as u64
+}
+
+#[inline]
+fn entry_hash(e: &u64) -> u64 {
+    table_hash((*e >> 32) as u32)
+}
+
+const NIL: u32 = u32::MAX;
+
+#[derive(Debug)]
+struct Node {
+    key: EngineHash,
+    ours: BlockHash,
+    media: u8,
+    prev: u32,
+    next: u32,
+}
+
+/// `engine hash -> (our hash, media bit mask)`, at most `capacity` entries after
+/// [`evict_overflow`](Self::evict_overflow).
+#[derive(Debug)]
+pub struct EngineHashMap {
+    /// [`entry`]s: (tag, slab index).
+    table: HashTable<u64>,
+    nodes: Vec<Node>,
+    free: Vec<u32>,
+    /// Oldest and newest entry (`NIL` when empty).
+    head: u32,
+    tail: u32,
+    capacity: usize,
+    evicted: u64,
+}
+
+impl EngineHashMap {
+    pub fn new(capacity: usize) -> Result<Self, MapError> {
+        if capacity == 0 || capacity > MAX_CAPACITY {
+            return Err(MapError::Capacity(capacity as u128));
+        }
+        Ok(EngineHashMap {
+            table: HashTable::new(),
+            nodes: Vec::new(),
+            free: Vec::new(),
+            head: NIL,
+            tail: NIL,
+            capacity,
+            evicted: 0,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.table.is_empty()
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Entries dropped because the map was full.
+    pub fn evicted(&self) -> u64 {
+        self.evicted
+    }
+
+    #[inline]
+    fn find(&self, k: KeyRef<'_>) -> Option<u32> {
+        let nodes = &self.nodes;
+        let tag = tag_of(k);
+        self.table
+            .find(table_hash(tag), |&e| (e >> 32) as u32 == tag && nodes[e as u32 as usize].key.as_key() == k)
+            .map(|&e| e as u32)
+    }
+
+    /// (our hash, media mask) of an engine hash seen in a store (held or not).
+    pub fn get(&self, k: KeyRef<'_>) -> Option<(BlockHash, u8)> {
+        self.find(k).map(|i| {
+            let n = &self.nodes[i as usize];
+            (n.ours, n.media)
+        })
+    }
+
+    pub fn ours(&self, k: KeyRef<'_>) -> Option<BlockHash> {
+        self.get(k).map(|(o, _)| o)
+    }
+
+    /// The media mask that holds the block now (0: none or unknown).
+    pub fn media(&self, k: KeyRef<'_>) -> u8 {
+        self.get(k).map_or(0, |(_, m)| m)
+    }
+
+    fn unlink(&mut self, i: u32) {
+        let (prev, next) = {
+            let n = &self.nodes[i as usize];
+            (n.prev, n.next)
+        };
+        if prev == NIL {
+            self.head = next;
+        } else {
+            self.nodes[prev as usize].next = next;
+        }
+        if next == NIL {
+            self.tail = prev;
+        } else {
+            self.nodes[next as usize].prev = prev;
+        }
+    }
+
+    fn push_back(&mut self, i: u32) {
+        let tail = self.tail;
+        {
+            let n = &mut self.nodes[i as usize];
+            n.prev = tail;
+            n.next = NIL;
+        }
+        if tail == NIL {
+            self.head = i;
+        } else {
+            self.nodes[tail as usize].next = i;
+        }
+        self.tail = i;
+    }
+
+    /// Records that `k` (= our `ours`) is now held in medium `bit` (a mask). Returns the
+    /// (our old hash, media mask) of an entry whose engine hash now names other tokens
+    /// (the engine reused a hash) and that some medium still held.
+    pub fn store_one(&mut self, k: KeyRef<'_>, ours: BlockHash, bit: u8) -> Option<(BlockHash, u8)> {
+        let tag = tag_of(k);
+        if let Some(i) = self.find(k) {
+            self.unlink(i);
+            let n = &mut self.nodes[i as usize];
+            let mut replaced = None;
+            if n.ours == ours {
+                n.media |= bit;
+            } else {
+                if n.media != 0 {
+                    replaced = Some((n.ours, n.media));
+                }
+                n.ours = ours;
+                n.media = bit;
+            }
+            self.push_back(i);
+            return replaced;
+        }
+        let node = Node { key: k.to_owned_hash(), ours, media: bit, prev: NIL, next: NIL };
+        let i = match self.free.pop() {
+            Some(i) => {
+                self.nodes[i as usize] = node;
+                i
+            }
+            None => {
+                // `len <= capacity + one event's hashes`, far below u32::MAX for a capacity <= 2^31.
+                let i = u32::try_from(self.nodes.len()).unwrap_or(NIL - 1);
+                self.nodes.push(node);
+                i
+            }
+        };
+        self.table.insert_unique(table_hash(tag), entry(tag, i), entry_hash);
+        self.push_back(i);
+        None
+    }
+
+    /// [`store_one`](Self::store_one) for each pair of `engine` and `ours` (up to the
+    /// shorter); the replaced entries are appended to `replaced`.
+    pub fn store(&mut self, engine: &[KeyRef<'_>], ours: &[BlockHash], bit: u8, replaced: &mut Vec<(BlockHash, u8)>) {
+        for (&k, &o) in engine.iter().zip(ours) {
+            if let Some(r) = self.store_one(k, o, bit) {
+                replaced.push(r);
+            }
+        }
+    }
+
+    /// Clears medium `bit` of these engine hashes. Our hashes whose index entry must go
+    /// (no other medium of `same_key`, the media sharing the removed medium's index
+    /// key, still holds them) are appended to `out`; returns how many were unknown.
+    pub fn remove(&mut self, engine: &[KeyRef<'_>], bit: u8, same_key: u8, out: &mut Vec<BlockHash>) -> usize {
+        let keep = same_key & !bit;
+        let mut unknown = 0;
+        for &k in engine {
+            match self.find(k) {
+                None => unknown += 1,
+                Some(i) => {
+                    let n = &mut self.nodes[i as usize];
+                    if n.media & bit != 0 {
+                        n.media &= !bit;
+                        if n.media & keep == 0 {
+                            out.push(n.ours);
+                        }
+                    }
+                }
+            }
+        }
+        unknown
+    }
+
+    fn pop_front(&mut self) -> Option<(BlockHash, u8)> {
+        let i = self.head;
+        if i == NIL {
+            return None;
+        }
+        self.unlink(i);
+        let tag = tag_of(self.nodes[i as usize].key.as_key());
+        if let Ok(e) = self.table.find_entry(table_hash(tag), |&e| e == entry(tag, i)) {
+            e.remove();
+        }
+        let n = &mut self.nodes[i as usize];
+        n.key = EngineHash::Int(0); // free a bytes key now
+        self.free.push(i);
+        Some((n.ours, n.media))
+    }
+
+    /// Drops the oldest entries beyond capacity; appends (our hash, media mask) of those
+    /// still held to `out`. Returns how many were dropped.
+    pub fn evict_overflow(&mut self, out: &mut Vec<(BlockHash, u8)>) -> usize {
+        let over = self.len().saturating_sub(self.capacity);
+        for _ in 0..over {
+            if let Some((ours, media)) = self.pop_front() {
+                if media != 0 {
+                    out.push((ours, media));
+                }
+            }
+        }
+        self.evicted += over as u64;
+        over
+    }
+
+    /// Forgets every entry (`evicted` stays).
+    pub fn clear(&mut self) {
+        self.table.clear();
+        self.nodes.clear();
+        self.free.clear();
+        self.head = NIL;
+        self.tail = NIL;
+    }
+
+    /// (engine hash, our hash, media mask) of every entry, oldest first.
+    pub fn iter(&self) -> impl Iterator<Item = (KeyRef<'_>, BlockHash, u8)> + '_ {
+        let mut i = self.head;
+        std::iter::from_fn(move || {
+            if i == NIL {
+                return None;
+            }
+            let n = &self.nodes[i as usize];
+            i = n.next;
+            Some((n.key.as_key(), n.ours, n.media))
+        })
+    }
+
+    /// Heap bytes held (the slab, its free list and the table).
+    pub fn heap_bytes(&self) -> usize {
+        let bytes_keys: usize = self
+            .iter()
+            .map(|(k, _, _)| match k {
+                KeyRef::Bytes(b) => b.len(),
+                KeyRef::Int(_) => 0,
+            })
+            .sum();
+        self.nodes.capacity() * std::mem::size_of::<Node>()
+            + self.free.capacity() * 4
+            + self.table.allocation_size()
+            + bytes_keys
+    }
+
+    /// Checks the invariants: the order list and the table hold the same entries, each
+    /// once, and every table entry is found by its own key.
+    pub fn check_integrity(&self) -> Result<(), String> {
+        let mut seen = 0usize;
+        let mut prev = NIL;
+        let mut i = self.head;
+        while i != NIL {
+            let n = self.nodes.get(i as usize).ok_or_else(|| format!("entry {i} past the slab"))?;
+            if n.prev != prev {
+                return Err(format!("entry {i} links back to {}, not {prev}", n.prev));
+            }
+            if self.find(n.key.as_key()) != Some(i) {
+                return Err(format!("entry {i} ({:?}) is not found by its key", n.key));
+            }
+            seen += 1;
+            if seen > self.len() {
+                return Err("the order list is longer than the table (a cycle?)".into());
+            }
+            prev = i;
+            i = n.next;
+        }
+        if prev != self.tail {
+            return Err(format!("the list ends at {prev}, the tail is {}", self.tail));
+        }
+        if seen != self.len() {
+            return Err(format!("the order list has {seen} entries, the table {}", self.len()));
+        }
+        if self.nodes.len() != self.len() + self.free.len() {
+            return Err(format!("slab {} != entries {} + free {}", self.nodes.len(), self.len(), self.free.len()));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[path = "engine_map_tests.rs"]
+mod tests;
