@@ -118,7 +118,10 @@ def test_conductor_links_serve_one_conductor_and_drop_a_replaced_ones_messages()
     b.sendall(codec.encode(_expect(4)))
     assert _recv(links) == (CLUSTER, _expect(4))
     a.settimeout(5)
-    assert a.recv(1) == b""  # the replaced link was closed
+    try:  # the replaced link was closed (a reset when our last frame was still unread there)
+        assert a.recv(1) == b""
+    except ConnectionResetError:
+        pass
     # what the worker sends goes to the current conductor only
     links.send(Stats())
     b.settimeout(5)
