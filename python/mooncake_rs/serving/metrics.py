@@ -73,7 +73,8 @@ class RequestMetrics:
     moved for it (prefix fetch + prefill -> decode). ``kv_ready_s``: from prefill start to
     the decode instance having every block. ``fetch_sources``: the holders its prefix
     fetch read from at once (0: no fetch; 2 or more: a multi-source fetch,
-    ``Cluster(multipath=True)``).
+    ``Cluster(multipath=True)``); ``fetch_s``: how long that fetch took, at the prefill
+    instance (0: no fetch).
     """
 
     ttft_s: float = math.nan
@@ -88,6 +89,7 @@ class RequestMetrics:
     prompt_tokens: int = 0
     output_tokens: int = 0
     fetch_sources: int = 0
+    fetch_s: float = 0.0
     token_intervals: list[float] = field(default_factory=list, repr=False)
 
 

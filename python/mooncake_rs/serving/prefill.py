@@ -87,6 +87,7 @@ class _PState:
     multi: MultiFetch | None = None  # a multi-source fetch in flight (it holds its own slots)
     sources: int = 0  # holders the fetch read from
     fetch_bytes: int = 0  # bytes a multi-source fetch moved (under its own transport tags)
+    fetch_s: float = 0.0  # the fetch's start (monotonic), then how long it took
 
 
 class PrefillRole:
@@ -159,7 +160,9 @@ class PrefillRole:
         elif hasattr(self.transport, "read"):
             self._fetch_async(st, fetch)
         else:
+            t0 = time.monotonic()
             self._fetch_now(st, fetch)
+            st.sources, st.fetch_s = (1 if st.fetched else 0), time.monotonic() - t0
             self.up(Fetched(rid))
             self._compute(st)
 
@@ -189,6 +192,7 @@ class PrefillRole:
         """Starts one read of every block to fetch and returns: the instance loop goes on
         computing other requests; ``poll`` finishes the fetch when the read has ended."""
         store = self.store
+        st.fetch_s = time.monotonic()
         spans: list[Span] = []
         for k, off in zip(BlockHashes(fetch.keys), fetch.offsets):
             s = store.lookup(k)
@@ -211,14 +215,16 @@ class PrefillRole:
         fetch = msg.fetch
         assert fetch is not None
         sources = [FetchSource(f.holder, f.arena.as_dict(), f.offsets) for f in (fetch, *msg.fetch_also)]
-        st.multi = MultiFetch(self.transport, self.store, BlockHashes(fetch.keys), sources, msg.fetch_split or None)
-        st.in_fetch = True
+        st.multi = MultiFetch(self.transport, self.store, BlockHashes(fetch.keys).tolist(), sources,
+                              msg.fetch_split or None)
+        st.in_fetch, st.fetch_s = True, time.monotonic()
         st.multi.start()
 
     def _multi_fetched(self, st: _PState, mf: MultiFetch) -> None:
         """Every share has ended: the run is committed whole or not at all (a share that
         failed and could not be read around): then the rest is computed."""
         st.in_fetch, st.multi = False, None
+        st.fetch_s = time.monotonic() - st.fetch_s
         res = mf.finish()
         st.leases.extend(res.blocks)
         st.fetched += res.fetched
@@ -231,6 +237,7 @@ class PrefillRole:
         """The read ended: commit what it brought (all of it, or none after an error:
         the rest is computed), tell the cluster, start computing."""
         st.in_fetch = False
+        st.fetch_s = time.monotonic() - st.fetch_s
         err = self.transport.error(st.rid)
         got, ok = [], err is None
         for s in st.fetching:
@@ -370,7 +377,7 @@ class PrefillRole:
             return
         self.flush()  # the index learns the new blocks before the request ends
         report = PrefillReport(st.reused, st.fetched, transport.take_bytes(st.rid) + st.fetch_bytes, st.t_start,
-                               st.t_compute, time.monotonic(), st.sources)
+                               st.t_compute, time.monotonic(), st.sources, st.fetch_s if st.sources else 0.0)
         link = self.peers.get(st.decode)
         if link is not None:  # a lost decode instance: the cluster fails the request
             link.send(KvReady(st.rid, st.first, st.finish or "prefill", report))

@@ -155,9 +155,10 @@ class Dest(_Base, frozen=True):
 
 class PrefillReport(_Base, frozen=True, omit_defaults=True):
     """What the prefill of one request did (for its ``RequestMetrics``). ``sources``: the
-    holders its prefix fetch read from (0: no fetch; 2 or more: a multi-source fetch);
-    additive and left off the wire at its default, so a report without it decodes the
-    same on either side (no version bump)."""
+    holders its prefix fetch read from (0: no fetch; 2 or more: a multi-source fetch),
+    ``fetch_s`` how long that fetch took (from its start to its last block in); both
+    additive and left off the wire at their defaults, so a report without them decodes
+    the same on either side (no version bump)."""
 
     reused_blocks: int
     fetched_blocks: int
@@ -166,6 +167,7 @@ class PrefillReport(_Base, frozen=True, omit_defaults=True):
     t_compute: float
     t_ready: float
     sources: int = 0
+    fetch_s: float = 0.0
 
 
 class InstanceSpec(_Base, frozen=True):
