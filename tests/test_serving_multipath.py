@@ -20,6 +20,7 @@ pytest.importorskip("torch")
 
 from mooncake_rs.engine import ModelConfig, SamplingParams  # noqa: E402
 from serving_helpers import BLOCK, reference_outputs  # noqa: E402
+from test_serving_fetch import gated_read  # noqa: E402,F401 - the fixture that holds reads back
 
 pytestmark = pytest.mark.timeout(300)
 GREEDY = SamplingParams(max_tokens=8)
@@ -119,3 +120,35 @@ def test_multipath_across_worker_processes():
         assert [o.token_ids for o in outs] == ref
         assert outs[2].metrics.fetch_sources == 2
         _wait(lambda: _drained(c), "a pin, a request or a page was left behind")
+
+
+def test_cancel_while_a_two_source_fetch_is_in_flight(gated_read):
+    """The reads from both holders are held (``gated_read``); the request is cancelled
+    meanwhile: the prefill drops the fetch once its reads end (no slot left reserved),
+    both holders are unpinned, and the cluster serves the prefix again afterwards."""
+    from mooncake_rs import Cluster
+
+    rng = random.Random(18)
+    prefix = [rng.randrange(256) for _ in range(PREFIX_BLOCKS * BLOCK)]
+    with Cluster(ModelConfig.tiny(), prefill=3, decode=1, block_size=BLOCK, dram_bytes_per_instance=8 << 20,
+                 seed=3, multipath=True) as c:
+        keys = c._hasher.hash_blocks(prefix)
+        a = c.generate([prefix + [1]], GREEDY)[0].metrics.prefill_instance
+        c.conductor.drain_instance(a)
+        b = c.generate([prefix + [2]], GREEDY)[0].metrics.prefill_instance
+        _wait(lambda: sum(n >= PREFIX_BLOCKS for n in c.conductor.index.match_prefix(keys).values()) >= 2,
+              "the index never showed both holders")
+        c.conductor.drain_instance(b)
+        reads = gated_read.reads
+        gated_read.open.clear()
+        h = c.submit(prefix + [3, 3], GREEDY)
+        _wait(lambda: len(gated_read.held) >= 2 or h.done, "the two reads never started", 60)
+        assert gated_read.reads - reads == 2 and not h.done  # one read per holder, both held
+        assert h.cancel()
+        time.sleep(0.2)
+        gated_read.open.set()
+        c.conductor.undrain_instance(a)
+        c.conductor.undrain_instance(b)
+        _wait(lambda: _drained(c), "a pin, a request or a page was left behind")
+        check = prefix + [4, 4]
+        assert c.generate([check], GREEDY)[0].token_ids == reference_outputs([check], GREEDY, seed=3)[0]
