@@ -13,7 +13,9 @@ from mooncake_rs.serving.lifecycle import (Arrived, CancelRequest, Conduct, Deli
                                            Plan, RequestLifecycle, Send, Stage, Submit, Tick)
 
 P, H, D = 0, 1, 2  # the prefill instance, the holder of the prefix (another prefill), the decode instance
+H2 = 3  # a second holder of the same prefix (a multi-source fetch)
 NAMES = {P: "prefill-0", H: "prefill-1", D: "decode-0"}
+NAMES2 = NAMES | {H2: "prefill-2"}
 RID = 7
 KEYS = p.pack_keys([11, 12, 13, 14])
 PARAMS = p.Params(max_tokens=4)
@@ -294,6 +296,152 @@ def test_unknown_event_is_refused():
         RequestLifecycle(NAMES).on("new")
 
 
+# ---- several holders (a multi-source fetch, Cluster(multipath=True))
+EP2 = p.Endpoint("prefill-2", "", 5)
+FKEYS = KEYS[16:48]  # the two blocks fetched
+F1 = p.Fetch(H, EP, [4096, 8192], FKEYS)
+F2 = p.Fetch(H2, EP2, [0, 12288], FKEYS)
+UNPIN_H2 = Send(H2, p.Unpin(RID))
+
+
+def plan2(also=(H2,)) -> Plan:
+    pl = plan(fetch=True)
+    return Plan(RID, pl.prompt, PARAMS, KEYS, P, D, pl.local, H, FKEYS, pl.deadline, pl.timeout_s, fetch_also=also)
+
+
+def expect2(fetch: p.Fetch | None, also=(), split=()) -> Send:
+    pl = plan(True)
+    return Send(D, p.Expect(RID, pl.prompt, PARAMS, KEYS, pl.local, fetch, P, prefill_name=NAMES[P],
+                            deadline=pl.deadline, fetch_also=list(also), fetch_split=list(split)))
+
+
+def at2(stage: str) -> RequestLifecycle:
+    """A request fetching from H and H2 at ``stage``: "fetch" (both asked), "fetch_one"
+    (H answered, H2 not yet), "slots" (both exported, the fetch may be reading)."""
+    lc = RequestLifecycle(NAMES2)
+    assert lc.on(Submit(plan2())) == [Send(H, p.Export(RID, FKEYS)), Send(H2, p.Export(RID, FKEYS))]
+    if stage == "fetch":
+        return lc
+    assert lc.on(Arrived(H, p.Exported(RID, EP, [4096, 8192]))) == []  # waits for the other holder
+    assert lc.stage(RID) is Stage.FETCH
+    if stage == "fetch_one":
+        return lc
+    assert lc.on(Arrived(H2, p.Exported(RID, EP2, [0, 12288]))) == [expect2(F1, [F2], [1, 1]),
+                                                                      c("prefill_started")]
+    assert stage == "slots" and lc.stage(RID) is Stage.SLOTS
+    return lc
+
+
+def test_two_holders_fetch_then_both_unpin_once():
+    lc = at2("slots")
+    assert lc.on(Arrived(P, p.Fetched(RID))) == [Send(H, p.Unpin(RID)), UNPIN_H2]
+    assert lc.on(Arrived(D, p.Tokens(RID, [5], "stop", REPORT))) == [
+        Deliver(RID, [5], REPORT), c("decode_finished", 1), Finish(RID, "stop")]  # no second unpin
+    assert len(lc) == 0
+
+
+def test_two_holders_first_token_unpins_both():
+    lc = at2("slots")
+    assert lc.on(Arrived(D, p.Tokens(RID, [5], None, REPORT)))[:2] == [Send(H, p.Unpin(RID)), UNPIN_H2]
+
+
+def test_a_holder_with_nothing_or_less_is_left_out():
+    lc = at2("fetch")
+    assert lc.on(Arrived(H2, p.Exported(RID, EP2, []))) == [UNPIN_H2]  # nothing there: let go at once
+    assert lc.on(Arrived(H, p.Exported(RID, EP, [4096, 8192]))) == [expect2(F1), c("prefill_started")]
+    lc = at2("fetch")
+    assert lc.on(Arrived(H, p.Exported(RID, EP, [4096]))) == []
+    # H2 has the longer run: fetch it from H2 alone, H (one block) is let go
+    assert lc.on(Arrived(H2, p.Exported(RID, EP2, [0, 12288]))) == [
+        Send(H, p.Unpin(RID)), expect2(p.Fetch(H2, EP2, [0, 12288], FKEYS)), c("prefill_started")]
+    assert lc.on(Arrived(P, p.Fetched(RID))) == [UNPIN_H2]
+
+
+@pytest.mark.parametrize("how", ["died", "failed"])
+@pytest.mark.parametrize("stage", ["fetch", "fetch_one"])
+def test_a_holder_lost_before_it_exported_drops_out(how, stage):
+    lc = at2(stage)
+    ev = InstanceDown(H2, "instance prefill-2 died") if how == "died" else Arrived(H2, p.Failed(RID, "gone"))
+    let_go = [] if how == "died" else [UNPIN_H2]  # a dead holder holds nothing to let go
+    if stage == "fetch":
+        assert lc.on(ev) == let_go
+        assert lc.on(Arrived(H, p.Exported(RID, EP, [4096, 8192]))) == [expect2(F1), c("prefill_started")]
+    else:
+        assert lc.on(ev) == let_go + [expect2(F1), c("prefill_started")]
+    assert lc.on(Arrived(P, p.Fetched(RID))) == [Send(H, p.Unpin(RID))]
+    assert len(lc) == 1 and lc.on(Arrived(D, p.Tokens(RID, [5], "stop", REPORT)))[-1] == Finish(RID, "stop")
+
+
+def test_a_holder_dead_after_it_exported_is_no_source():
+    lc = at2("fetch_one")
+    assert lc.on(InstanceDown(H, "instance prefill-1 died")) == []  # H2 still to answer
+    assert lc.on(Arrived(H2, p.Exported(RID, EP2, [0, 12288]))) == [
+        expect2(p.Fetch(H2, EP2, [0, 12288], FKEYS)), c("prefill_started")]
+    assert lc.on(Arrived(P, p.Fetched(RID))) == [UNPIN_H2]
+
+
+def test_every_holder_lost_means_the_prefix_is_computed():
+    lc = at2("fetch")
+    assert lc.on(Arrived(H, p.Failed(RID, "x"))) == [Send(H, p.Unpin(RID))]
+    assert lc.on(InstanceDown(H2, "instance prefill-2 died")) == [expect2(None), c("prefill_started")]
+    assert lc.on(Arrived(P, p.Fetched(RID))) == []
+
+
+def test_a_holder_dying_during_the_fetch_leaves_the_other_pinned_until_fetched():
+    lc = at2("slots")
+    assert lc.on(InstanceDown(H, "instance prefill-1 died")) == []  # the prefill reads around it
+    assert lc.on(Arrived(P, p.Fetched(RID))) == [UNPIN_H2]
+    assert lc.on(Arrived(D, p.Tokens(RID, [5], "stop", REPORT)))[-1] == Finish(RID, "stop")
+
+
+def test_holders_dead_before_submit_are_not_asked():
+    lc = RequestLifecycle(NAMES2)
+    lc.on(InstanceDown(H, "instance prefill-1 died"))
+    assert lc.on(Submit(plan2())) == [Send(H2, p.Export(RID, FKEYS))]
+    # the decision's holder named again in fetch_also, or the prefill instance itself: asked once / never
+    lc = RequestLifecycle(NAMES2)
+    assert lc.on(Submit(plan2(also=(H, P, D, H2)))) == [Send(H, p.Export(RID, FKEYS)), Send(H2, p.Export(RID, FKEYS))]
+
+
+@pytest.mark.parametrize("stage", ["fetch", "fetch_one", "slots"])
+@pytest.mark.parametrize("ending", ["cancel", "late", "prefill_died", "decode_died"])
+def test_two_holders_every_ending_unpins_each_once(stage, ending):
+    """Each ending at each stage: every live holder gets exactly one Unpin, never while
+    the prefill may still read (then only after its Cancelled ack), and a holder's late
+    Exported (for a request that ended) is answered with an Unpin of its own."""
+    lc = at2(stage)
+    ev = {"cancel": CancelRequest(RID, CANCEL_ERR), "late": LATE, "prefill_died": DOWN[P],
+          "decode_died": DOWN[D]}[ending]
+    cmds = lc.on(ev)
+    assert [x for x in cmds if isinstance(x, Fail)] and lc.running() == 0
+    unpins = [x.to for x in cmds if isinstance(x, Send) and isinstance(x.msg, p.Unpin)]
+    if stage == "slots" and ending != "prefill_died":  # the prefill may be reading: the ack first
+        assert unpins == [] and Send(P, p.Cancel(RID)) in cmds
+        after = lc.on(Arrived(P, p.Cancelled(RID)))
+        unpins = [x.to for x in after if isinstance(x, Send) and isinstance(x.msg, p.Unpin)]
+    assert unpins == [H, H2]
+    assert len(lc) == 0
+    if stage != "slots":  # a holder still to answer does, later: it lets go again (its pins are gone already)
+        assert lc.on(Arrived(H2, p.Exported(RID, EP2, [0]))) == [UNPIN_H2]
+
+
+def test_split_follows_the_holders_flows():
+    """The holder that is busy (prefilling another request, serving another fetch) sends
+    less: its free bandwidth is bandwidth / (flows + 1)."""
+    keys6 = p.pack_keys(list(range(100, 106)))
+    lc = RequestLifecycle(NAMES2 | {4: "prefill-3"})
+    # request 1 prefills on H (its KV streams out of H's link)
+    lc.on(Submit(Plan(1, list(range(40)), PARAMS, KEYS[:32], H, D)))
+    assert lc.stage(1) is Stage.SLOTS
+    pl = Plan(RID, list(range(120)), PARAMS, keys6 + KEYS[:16], 4, D, 0, H, keys6, fetch_also=(H2,))
+    lc.on(Submit(pl))
+    lc.on(Arrived(H, p.Exported(RID, EP, list(range(6)))))
+    cmds = lc.on(Arrived(H2, p.Exported(RID, EP2, list(range(6)))))
+    exp = cmds[0].msg
+    assert isinstance(exp, p.Expect) and exp.fetch_split == [2, 4]  # free: 1/2 vs 1
+    assert [f.holder for f in [exp.fetch, *exp.fetch_also]] == [H, H2]
+
+
 # ---- the router (the pump), with a fake cluster port and conductor: no engines, no thread
 class FakeConductor:
     def __init__(self):
@@ -421,16 +569,20 @@ def test_random_interleavings_keep_the_safety_rules(data):
     """Any order of what can really happen (submissions, holder answers, fetches, tokens,
     failures, deaths, cancels, deadlines, acks): each request ends exactly once for its
     caller; nothing is sent to a dead instance; the decode instance is never told to free
-    a request's slots, nor the holder to unpin its blocks, while the prefill instance may
+    a request's slots, nor a holder to unpin its blocks, while the prefill instance may
     still write into those slots or read those blocks; and once every request has ended
-    and every ack is in, nothing is left."""
-    lc = RequestLifecycle(NAMES)
+    and every ack is in, nothing is left. A request may fetch from two holders at once
+    (multipath): each holder answers, fails or dies on its own."""
+    lc = RequestLifecycle(NAMES2)
     rids = [1, 2, 3]
     fetch_of = {r: data.draw(st.booleans(), label=f"fetch {r}") for r in rids}
+    also_of = {r: data.draw(st.sampled_from([(), (), (H2,)]), label=f"also {r}") for r in rids}
     submitted, ended, down = set(), {}, set()
     expect_sent, fetch_sent, cancel_p, acked, reported = set(), set(), set(), set(), set()
-    writing, reading = set(), set()  # (rid): the prefill may write the decode slots / read the holder
-    export_sent, unpinned = set(), set()
+    # the prefill may write the decode slots of (rid) / read the pinned blocks of (rid, holder)
+    writing, reading = set(), set()
+    export_sent, unpinned = set(), set()  # (rid, holder)
+    answered = set()  # (rid, holder): Exported or Failed sent
 
     def apply(ev):
         cmds = lc.on(ev)
@@ -443,24 +595,33 @@ def test_random_interleavings_keep_the_safety_rules(data):
                     writing.add(rid)
                     if c.msg.fetch is not None:
                         fetch_sent.add(rid)
-                        reading.add(rid)
+                        for f in [c.msg.fetch, *c.msg.fetch_also]:
+                            assert (rid, f.holder) in export_sent and (rid, f.holder) not in unpinned
+                            assert f.holder not in down
+                            reading.add((rid, f.holder))
+                        if c.msg.fetch_also:
+                            assert sum(c.msg.fetch_split) == len(c.msg.fetch.offsets)
                 elif isinstance(c.msg, p.Export):
-                    export_sent.add(rid)
+                    export_sent.add((rid, c.to))
                 elif isinstance(c.msg, p.Cancel) and c.to == D:
                     assert rid not in writing, f"decode slots of {rid} freed while the prefill may write: {ev}"
                 elif isinstance(c.msg, p.Cancel) and c.to == P:
                     cancel_p.add(rid)
                 elif isinstance(c.msg, p.Unpin):
-                    assert rid not in reading, f"holder unpinned {rid} while the prefill may read: {ev}"
-                    unpinned.add(rid)
+                    assert (rid, c.to) not in reading, f"holder unpinned {rid} while the prefill may read: {ev}"
+                    unpinned.add((rid, c.to))
             elif isinstance(c, (Finish, Fail)):
                 assert c.rid not in ended, f"{c.rid} ended twice"
                 ended[c.rid] = c
         return cmds
 
+    def stop_reading(rid):
+        for x in [x for x in reading if x[0] == rid]:
+            reading.discard(x)
+
     def prefill_done(rid):
         writing.discard(rid)
-        reading.discard(rid)
+        stop_reading(rid)
 
     for _ in range(data.draw(st.integers(5, 40), label="steps")):
         choices = []  # progress 4x as likely as a fault, so long lives get explored too
@@ -468,10 +629,11 @@ def test_random_interleavings_keep_the_safety_rules(data):
             if r not in submitted:
                 choices += [("submit", r)] * 4
                 continue
-            if r in export_sent and r not in expect_sent:
-                choices += [("exported", r)] * 4
-                choices.append(("export_failed", r))
-            if r in fetch_sent and H not in down:
+            for h in (H, H2):
+                if (r, h) in export_sent and (r, h) not in answered:  # a dead holder's last words too
+                    choices += [("exported", (r, h))] * 4
+                    choices.append(("export_failed", (r, h)))
+            if r in fetch_sent and P not in down:
                 choices += [("fetched", r)] * 4
             if r in expect_sent and P not in down and D not in down and r not in reported:
                 choices += [("first", r)] * 4
@@ -485,19 +647,21 @@ def test_random_interleavings_keep_the_safety_rules(data):
             if r in cancel_p and r not in acked and P not in down:
                 choices += [("ack", r)] * 4
             choices.append(("cancel", r))
-        choices += [("down", i) for i in (P, H, D) if i not in down] + [("late", 0)]
+        choices += [("down", i) for i in (P, H, H2, D) if i not in down] + [("late", 0)]
         kind, r = data.draw(st.sampled_from(choices))
         if kind == "submit":
             submitted.add(r)
             pl = plan(fetch_of[r])
             apply(Submit(Plan(r, pl.prompt, PARAMS, KEYS, P, D, pl.local, pl.fetch_from, pl.fetch_keys,
-                              deadline=50.0 + r, timeout_s=1.0)))
+                              deadline=50.0 + r, timeout_s=1.0, fetch_also=also_of[r])))
         elif kind == "exported":
-            apply(Arrived(H, p.Exported(r, EP, data.draw(st.sampled_from([[], [4096], [4096, 8192]])))))
+            answered.add(r)
+            apply(Arrived(r[1], p.Exported(r[0], EP, data.draw(st.sampled_from([[], [4096], [4096, 8192]])))))
         elif kind == "export_failed":
-            apply(Arrived(H, p.Failed(r, "boom")))
+            answered.add(r)
+            apply(Arrived(r[1], p.Failed(r[0], "boom")))
         elif kind == "fetched":
-            reading.discard(r)
+            stop_reading(r)
             apply(Arrived(P, p.Fetched(r)))
         elif kind == "first":
             reported.add(r)
@@ -523,9 +687,10 @@ def test_random_interleavings_keep_the_safety_rules(data):
             if r == P:
                 for x in rids:
                     prefill_done(x)
-            if r == H:
-                reading.clear()  # a dead holder has nothing left to read
-            apply(InstanceDown(r, f"instance {NAMES[r]} died"))
+            if r in (H, H2):  # a dead holder has nothing left to read
+                for x in [x for x in reading if x[1] == r]:
+                    reading.discard(x)
+            apply(InstanceDown(r, f"instance {NAMES2[r]} died"))
         elif kind == "late":
             apply(Tick(1e9))
     # drain: every request ends, every awaited ack arrives (or the prefill dies)
@@ -538,8 +703,8 @@ def test_random_interleavings_keep_the_safety_rules(data):
             apply(Arrived(P, p.Cancelled(r)))
     assert set(ended) == submitted
     assert len(lc) == 0
-    if H not in down:  # every pin was let go
-        assert export_sent <= unpinned, (export_sent, unpinned)
+    # every pin of a live holder was let go
+    assert {x for x in export_sent if x[1] not in down} <= unpinned, (export_sent, unpinned)
 
 
 def test_store_events_reach_a_real_conductor_and_bad_ones_down_the_sender():

@@ -17,6 +17,7 @@ KEYS = p.pack_keys([1, (1 << 128) - 1, 0x1234_5678_9ABC_DEF0_1122_3344_5566_7788
 REPORT = p.PrefillReport(2, 1, 65536, 1.5, 1.75, 2.0)
 FETCH = p.Fetch(1, EP, [0, 8192], p.pack_keys([5, 6]))
 DEST = p.Dest(EP, [None, 4096, 8192], 12288)
+FETCH2 = p.Fetch(4, p.Endpoint("prefill-4", "127.0.0.1:4343", 2), [16384, 4096], p.pack_keys([5, 6]))
 SPEC = p.InstanceSpec(3, "decode", "decode-0", {"vocab_size": 256, "eos_token_ids": [1, 2]}, 16, 1 << 20,
                       seed=5, link_bandwidth=1e9, engine_kwargs={"num_pages": 64, "dtype": "bfloat16"},
                       ssd_path="ssd/decode-0", ssd_bytes=1 << 22, heartbeat_s=0.5)
@@ -55,6 +56,10 @@ SAMPLES: list[p.Message] = [
     p.Attach(p.PROTOCOL_VERSION, 3, "prefill-a"),
     p.Relay(2, p.KvReady(9, 17, "prefill", REPORT)),
     p.Relay(4, p.Prefill(9, [1, 2, 3], p.Params(), KEYS, 1, None, DEST, 3)),
+    # a multi-source fetch (Cluster(multipath=True)): the other holders and the split
+    p.Expect(9, [1, 2, 3], p.Params(), KEYS, 1, FETCH, 0, fetch_also=[FETCH2], fetch_split=[1, 1]),
+    p.Prefill(9, [1, 2, 3], p.Params(), KEYS, 1, FETCH, DEST, 3, fetch_also=[FETCH2], fetch_split=[0, 2]),
+    p.Tokens(9, [4], None, p.PrefillReport(2, 2, 65536, 1.5, 1.75, 2.0, sources=2)),
 ]
 
 
@@ -70,6 +75,33 @@ def test_round_trip(msg):
     frame = c.encode(msg)
     assert c.decode(frame) == msg
     assert p.op_of(msg) in frame[4:].decode("latin-1")  # the tag is on the wire
+
+
+def test_multipath_fields_are_additive():
+    """At their defaults the new fields are not on the wire: what an older peer sends and
+    reads, byte for byte (no version bump)."""
+    c = p.Codec()
+    for msg in (p.Expect(9, [1], p.Params(), KEYS, 1, FETCH, 0), p.Prefill(9, [1], p.Params(), KEYS, 1, FETCH, DEST, 3),
+                p.KvReady(9, 1, "prefill", REPORT)):
+        body = c.encode(msg)[4:]
+        for name in (b"fetch_also", b"fetch_split", b"sources"):
+            assert name not in body
+        assert c.decode(c.encode(msg)) == msg
+
+
+def test_multipath_fields_are_checked():
+    with pytest.raises(ValueError, match="one count >= 0 per source"):
+        p.Expect(9, [1], p.Params(), KEYS, 1, FETCH, 0, fetch_also=[FETCH2], fetch_split=[2, 1])
+    with pytest.raises(ValueError, match="another run"):
+        p.Expect(9, [1], p.Params(), KEYS, 1, FETCH, 0, fetch_also=[p.Fetch(4, EP, [0], p.pack_keys([5]))])
+    with pytest.raises(ValueError, match="need a primary fetch"):
+        p.Prefill(9, [1], p.Params(), KEYS, 1, None, DEST, 3, fetch_also=[FETCH2])
+    c = p.Codec()  # and on the wire: a bad split is a ProtocolError, like any bad field
+    body = msgspec.msgpack.encode({"op": "expect", "rid": 1, "prompt": [1], "params": {}, "keys": KEYS, "local": 0,
+                                   "fetch": msgspec.to_builtins(FETCH, builtin_types=(bytes,)), "prefill": 0,
+                                   "fetch_also": [msgspec.to_builtins(FETCH2, builtin_types=(bytes,))], "fetch_split": [5, 5]})
+    with pytest.raises(p.ProtocolError, match="fetch_split"):
+        c.decode(len(body).to_bytes(4, "big") + body)
 
 
 def test_keys_pack_as_16_byte_little_endian():

@@ -137,7 +137,10 @@ class Cluster(RoutedCluster):
     slots, while the request lasts (a transfer grant, revoked when the KV is in or the
     request ends); with ``processes=True`` every worker also gets its own transfer token,
     so no worker can pass for another. Costs the shm fast path: KV between workers goes
-    over TCP.
+    over TCP. ``multipath`` (True): a prefix fetch reads from every prefill instance that
+    holds the prefix at once, each sending a share split by its free bandwidth
+    (serving/multisource.py, DualPath's multi-path loading); ``RequestMetrics.fetch_sources``
+    says how many it read from. Off: from the one holder the conductor names.
     """
 
     def __init__(self, model: Any = "tiny", prefill: int = 2, decode: int = 1, block_size: int = 16,
@@ -147,7 +150,7 @@ class Cluster(RoutedCluster):
                  engine_kwargs: dict[str, Any] | None = None, start_timeout_s: float = 180.0,
                  link_bandwidth: float | None = None, ssd_bytes_per_instance: int | None = None,
                  heartbeat_timeout_s: float | None = 10.0, kv_events: str | dict[str, str] | None = None,
-                 kv_grants: bool = False) -> None:
+                 kv_grants: bool = False, multipath: bool = False) -> None:
         if not isinstance(prefill, int) or not isinstance(decode, int) or prefill < 1 or decode < 1:
             raise InvalidArgument("a cluster needs prefill >= 1 and decode >= 1 instances")
         if not isinstance(block_size, int) or block_size < 1:
@@ -167,6 +170,7 @@ class Cluster(RoutedCluster):
         self.block_size = block_size
         self.processes = bool(processes)
         self.prefix_reuse = bool(prefix_reuse)
+        self.multipath = bool(multipath)
         self.seed = seed
         self._model = model
         self._hasher = PrefixHasher(block_size, seed=0)

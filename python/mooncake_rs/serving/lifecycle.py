@@ -9,7 +9,11 @@ path, failures included, is tested without engines (tests/test_serving_lifecycle
 A request's stages, as the cluster sees them::
 
     FETCH   the decision reuses a prefix held by another prefill instance: ``Export``
-            went to that holder, which pins the blocks and answers ``Exported``.
+            went to that holder, which pins the blocks and answers ``Exported``. A
+            multi-source fetch (``Plan.fetch_also``, ``Cluster(multipath=True)``) sends
+            ``Export`` to every holder and waits for all of them; a holder that fails,
+            dies or has nothing is dropped from the fetch (its pin let go), and the
+            rest go on (none left: the prefix is computed).
     SLOTS   ``Expect`` went to the decode instance. Between the instances, without the
             cluster: decode reserves slots for the blocks and hands the request, with
             the slots, to the prefill instance (``Prefill``); prefill fetches the prefix
@@ -25,6 +29,16 @@ A request's stages, as the cluster sees them::
 The outcome (finished, failed, cancelled) is the ``Finish`` / ``Fail`` command; the
 record is dropped once nothing is held for it anywhere. Rejection (``Overloaded``)
 happens before the lifecycle, at ``Cluster.submit``.
+
+Pins: every holder that was sent ``Export`` pins the run until it is sent ``Unpin``;
+``_State.pins`` lists those still to be unpinned, so each failure path unpins each of
+them (at once, or once the prefill acks a cancel) and the list empties on every path.
+
+The split of a multi-source fetch is made here, when the last holder has answered: in
+proportion to each holder's free bandwidth (multisource.split_blocks; every link is the
+same, so by flows): ``bandwidth / (flows + 1)``, where a holder's flows are what this
+lifecycle knows it sends now, the fetches of other requests still reading it and the
+requests it is prefilling (their KV streams out on the same link).
 """
 
 from __future__ import annotations
@@ -34,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from ..errors import MooncakeError, TransferFailed, TransferTimeout
+from .multisource import Holder, split_blocks
 from .protocol import (Cancel, Cancelled, Expect, Export, Exported, Failed, Fetch, Fetched, Message, Params,
                        PrefillReport, Tokens, Unpin)
 
@@ -65,6 +80,8 @@ class Plan:
     fetch_keys: bytes = b""  # the blocks to fetch from fetch_from
     deadline: float | None = None  # monotonic seconds past which it is cancelled
     timeout_s: float = 0.0  # deadline - submit time (for the error message)
+    #: other holders of fetch_keys to fetch from at once (a multi-source fetch)
+    fetch_also: tuple[int, ...] = ()
 
 
 # ---- events and commands: plain slotted records (built per message on the router's
@@ -159,7 +176,9 @@ Command = Union[Send, Conduct, Deliver, Finish, Fail]
 class _State:
     plan: Plan
     stage: Stage = Stage.SLOTS
-    pinned: int | None = None  # the holder that pins blocks for this request
+    pins: list[int] = field(default_factory=list)  # holders that pin blocks for this request (Export order)
+    waiting: list[int] = field(default_factory=list)  # FETCH: holders whose Exported has not come
+    answers: dict[int, Exported] = field(default_factory=dict)  # FETCH: holders that exported blocks
     tokens: int = 0
     later: list[Send] = field(default_factory=list)  # DRAINING: sent once the prefill acks
 
@@ -250,18 +269,71 @@ class RequestLifecycle:
             return
         st = _State(plan)
         self._reqs[plan.rid] = st
-        if plan.fetch_from is not None and plan.fetch_keys and plan.fetch_from not in self.down:
-            st.stage, st.pinned = Stage.FETCH, plan.fetch_from
-            out.append(Send(plan.fetch_from, Export(plan.rid, plan.fetch_keys)))
+        holders: list[int] = []
+        if plan.fetch_from is not None and plan.fetch_keys:
+            for h in (plan.fetch_from, *plan.fetch_also):
+                if h not in self.down and h not in holders and h not in (plan.prefill, plan.decode):
+                    holders.append(h)
+        if holders:
+            st.stage, st.pins, st.waiting = Stage.FETCH, list(holders), list(holders)
+            for h in holders:
+                out.append(Send(h, Export(plan.rid, plan.fetch_keys)))
         else:
             self._dispatch(st, None, out)
 
-    def _dispatch(self, st: _State, fetch: Fetch | None, out: list[Command]) -> None:
+    def _dispatch(self, st: _State, fetch: Fetch | None, out: list[Command], also: list[Fetch] | None = None,
+                  split: list[int] | None = None) -> None:
         p = st.plan
         st.stage = Stage.SLOTS
+        st.waiting, st.answers = [], {}
         out.append(Send(p.decode, Expect(p.rid, p.prompt, p.params, p.keys, p.local, fetch, p.prefill,
-                                                prefill_name=self._name(p.prefill), deadline=p.deadline)))
+                                         prefill_name=self._name(p.prefill), deadline=p.deadline,
+                                         fetch_also=also or [], fetch_split=split or [])))
         out.append(Conduct("prefill_started", p.rid))
+
+    def _answered(self, st: _State, inst: int, out: list[Command], exported: Exported | None) -> None:
+        """FETCH: holder ``inst`` answered (``exported``) or dropped out (None: it failed
+        or died); once every holder has, the request goes on with what they export."""
+        if inst not in st.waiting:
+            return
+        st.waiting.remove(inst)
+        if exported is not None and exported.offsets:
+            st.answers[inst] = exported
+        else:
+            self._unpin_one(st, inst, out)  # nothing to read there (a dead holder: nothing to send)
+        if not st.waiting:
+            self._dispatch_fetch(st, out)
+
+    def _dispatch_fetch(self, st: _State, out: list[Command]) -> None:
+        """Every holder has answered: fetch the longest exported run from every holder
+        that exported all of it (each must have pinned the whole run, so any of them
+        can be read again for a share another failed), split by free bandwidth; the
+        holders that exported less are let go."""
+        p, answers = st.plan, st.answers
+        if not answers:
+            self._dispatch(st, None, out)
+            return
+        n = max(len(a.offsets) for a in answers.values())
+        sources = [h for h in st.pins if h in answers and len(answers[h].offsets) == n]
+        for h in [h for h in st.pins if h in answers and h not in sources]:
+            self._unpin_one(st, h, out)
+        keys = p.fetch_keys[:16 * n]
+        fetches = [Fetch(h, answers[h].arena, list(answers[h].offsets), keys) for h in sources]
+        split: list[int] = []
+        if len(fetches) > 1:
+            split = split_blocks(n, [Holder(h, None, self._flows(h, p.rid)) for h in sources])
+        self._dispatch(st, fetches[0], out, fetches[1:], split)
+
+    def _flows(self, inst: int, rid: int) -> int:
+        """What ``inst`` sends on its link now, as far as the cluster knows: the fetches of
+        other requests reading it (pinned, not yet ``Fetched``) and the requests it is
+        prefilling (their KV streams out to a decode instance)."""
+        n = 0
+        for st in self._reqs.values():
+            if st.plan.rid == rid or st.stage is not Stage.SLOTS:
+                continue
+            n += (inst in st.pins) + (st.plan.prefill == inst)
+        return n
 
     def _arrived(self, inst: int, msg: Message, out: list[Command]) -> None:
         rid = getattr(msg, "rid", None)
@@ -269,15 +341,11 @@ class RequestLifecycle:
         match msg:
             case Tokens():
                 self._tokens(st, inst, msg, out)
-            case Exported(offsets=offsets, arena=arena):
-                if st is None or st.stage is not Stage.FETCH:
+            case Exported():
+                if st is None or st.stage is not Stage.FETCH or inst not in st.waiting:
                     self._send(out, inst, Unpin(msg.rid))  # ended while the holder pinned: let go
                     return
-                n = len(offsets)
-                fetch = Fetch(inst, arena, list(offsets), st.plan.fetch_keys[:16 * n]) if n else None
-                if not n:
-                    self._unpin(st, out)
-                self._dispatch(st, fetch, out)
+                self._answered(st, inst, out, msg)
             case Fetched():
                 if st is None:
                     return
@@ -291,9 +359,8 @@ class RequestLifecycle:
                 if st is None or st.stage is Stage.DRAINING:
                     return
                 p = st.plan
-                if st.stage is Stage.FETCH and inst == p.fetch_from:  # the export failed: compute the prefix
-                    self._unpin(st, out)
-                    self._dispatch(st, None, out)
+                if st.stage is Stage.FETCH and inst in st.waiting:  # an export failed: fetch from the rest
+                    self._answered(st, inst, out, None)
                     return
                 self._fail(st, MooncakeError(f"request {p.rid} failed on {self._name(inst)}: {error}"), out,
                            prefill_gone=inst == p.prefill)
@@ -337,9 +404,9 @@ class RequestLifecycle:
             later.append(Send(p.decode, Cancel(p.rid)))
         elif st.stage is Stage.DECODE:
             later.append(Send(p.decode, Cancel(p.rid)))
-        if st.pinned is not None:
-            later.append(Send(st.pinned, Unpin(p.rid)))
-            st.pinned = None
+        for h in st.pins:
+            later.append(Send(h, Unpin(p.rid)))
+        st.pins = []
         out.append(Conduct("cancel", p.rid))
         out.append(Fail(p.rid, error, outcome))
         if st.stage is Stage.SLOTS and not prefill_gone and p.prefill not in self.down:
@@ -364,22 +431,30 @@ class RequestLifecycle:
         err = TransferFailed(f"{what}; its in-flight requests failed")
         for st in list(self._reqs.values()):
             p = st.plan
-            if st.pinned == inst:
-                st.pinned = None  # nothing to unpin; a read from it fails and the prefix is computed
+            if inst in st.pins:
+                # nothing to unpin there; a read from it fails and is read around
+                # (another holder) or the prefix is computed
+                st.pins.remove(inst)
+            st.answers.pop(inst, None)  # exported, but gone before the fetch was sent: not a source
             if st.stage is Stage.DRAINING:
                 if p.prefill == inst:  # a dead prefill copies nothing more
                     self._release(st, out)
                 continue
             if inst == p.decode or (inst == p.prefill and st.stage is not Stage.DECODE):
                 self._fail(st, err, out, prefill_gone=inst == p.prefill)
-            elif st.stage is Stage.FETCH and inst == p.fetch_from:
-                self._dispatch(st, None, out)  # no fetch: the prefix is computed
+            elif st.stage is Stage.FETCH and inst in st.waiting:
+                self._answered(st, inst, out, None)  # fetch from the other holders, if any
 
     # ---- helpers
     def _unpin(self, st: _State, out: list[Command]) -> None:
-        if st.pinned is not None:
-            self._send(out, st.pinned, Unpin(st.plan.rid))
-            st.pinned = None
+        for h in st.pins:
+            self._send(out, h, Unpin(st.plan.rid))
+        st.pins = []
+
+    def _unpin_one(self, st: _State, inst: int, out: list[Command]) -> None:
+        if inst in st.pins:
+            st.pins.remove(inst)
+            self._send(out, inst, Unpin(st.plan.rid))
 
     def _send(self, out: list[Command], to: int, msg: Message) -> None:
         if to not in self.down:

@@ -71,7 +71,10 @@ class RequestMetrics:
     fetched); ``fetched_tokens``: the part fetched from another instance;
     ``computed_tokens``: prompt tokens prefilled here; ``transferred_bytes``: KV bytes
     moved for it (prefix fetch + prefill -> decode). ``kv_ready_s``: from prefill start to
-    the decode instance having every block.
+    the decode instance having every block. ``fetch_sources``: the holders its prefix
+    fetch read from at once (0: no fetch; 2 or more: a multi-source fetch,
+    ``Cluster(multipath=True)``); ``fetch_s``: how long that fetch took, at the prefill
+    instance (0: no fetch).
     """
 
     ttft_s: float = math.nan
@@ -85,6 +88,8 @@ class RequestMetrics:
     kv_ready_s: float = math.nan
     prompt_tokens: int = 0
     output_tokens: int = 0
+    fetch_sources: int = 0
+    fetch_s: float = 0.0
     token_intervals: list[float] = field(default_factory=list, repr=False)
 
 
@@ -105,6 +110,7 @@ class ClusterMetrics:
         self.fetched_tokens = 0
         self.computed_tokens = 0
         self.transferred_bytes = 0
+        self.multi_source_fetches = 0  # finished requests whose prefix came from 2+ holders at once
         # the most recent samples (summary quantiles), and the lifetime histograms
         self.ttft: collections.deque[float] = collections.deque(maxlen=RECENT_SAMPLES)
         self.tbt: collections.deque[float] = collections.deque(maxlen=RECENT_SAMPLES)
@@ -146,6 +152,7 @@ class ClusterMetrics:
             self.fetched_tokens += m.fetched_tokens
             self.computed_tokens += m.computed_tokens
             self.transferred_bytes += m.transferred_bytes
+            self.multi_source_fetches += m.fetch_sources > 1
             if not math.isnan(m.ttft_s):
                 self.ttft.append(m.ttft_s)
                 self.ttft_hist.observe(m.ttft_s)

@@ -3,7 +3,8 @@
 For each request a decode instance hands it (``Prefill``, on the peer link, with the
 slots it reserved): take the prefix blocks this instance holds, fetch the ones the
 decision names from their holder into the local store (one copy from the holder's
-arena; then ``Fetched`` tells the cluster the holder may unpin), load them all into
+arena; then ``Fetched`` tells the cluster the holder may unpin; with ``fetch_also``, a
+``MultiFetch`` reads a share from each holder at once, see multisource.py), load them all into
 pages through ``Engine.add_request(restored_kv=...)``, and compute the rest in chunks.
 After each layer of each step, ``on_layer`` saves that layer's part of every newly
 completed full block into a reserved store slot and queues its copy into the slot the
@@ -30,6 +31,7 @@ import msgspec
 
 from .._core import BlockHashes, WritableBlock
 from ..errors import MooncakeError
+from .multisource import FetchSource, MultiFetch
 from .protocol import (Cancel, Cancelled, Endpoint, Failed, Fetched, InstanceSpec, KvReady, Message, Prefill,
                        PrefillReport, ProtocolError, op_of)
 from .transport import Span
@@ -82,6 +84,10 @@ class _PState:
     msg: Any = None  # the Prefill, until computing starts
     fetching: list[Any] = field(default_factory=list)  # the fetch in flight: Blocks held, WritableBlocks read into
     in_fetch: bool = False
+    multi: MultiFetch | None = None  # a multi-source fetch in flight (it holds its own slots)
+    sources: int = 0  # holders the fetch read from
+    fetch_bytes: int = 0  # bytes a multi-source fetch moved (under its own transport tags)
+    fetch_s: float = 0.0  # the fetch's start (monotonic), then how long it took
 
 
 class PrefillRole:
@@ -149,10 +155,14 @@ class PrefillRole:
             if fetch is not None:
                 self.up(Fetched(rid))  # not fetched after all: the holder may let go
             self._compute(st)
+        elif msg.fetch_also and hasattr(self.transport, "new_tag"):
+            self._fetch_multi(st, msg)
         elif hasattr(self.transport, "read"):
             self._fetch_async(st, fetch)
         else:
+            t0 = time.monotonic()
             self._fetch_now(st, fetch)
+            st.sources, st.fetch_s = (1 if st.fetched else 0), time.monotonic() - t0
             self.up(Fetched(rid))
             self._compute(st)
 
@@ -182,6 +192,7 @@ class PrefillRole:
         """Starts one read of every block to fetch and returns: the instance loop goes on
         computing other requests; ``poll`` finishes the fetch when the read has ended."""
         store = self.store
+        st.fetch_s = time.monotonic()
         spans: list[Span] = []
         for k, off in zip(BlockHashes(fetch.keys), fetch.offsets):
             s = store.lookup(k)
@@ -198,10 +209,35 @@ class PrefillRole:
         else:
             self._fetched(st)
 
+    def _fetch_multi(self, st: _PState, msg: Prefill) -> None:
+        """Starts a read of each holder's share (``fetch_split``, made by the cluster from
+        the holders' free bandwidth) and returns; ``poll`` drives it to its end."""
+        fetch = msg.fetch
+        assert fetch is not None
+        sources = [FetchSource(f.holder, f.arena.as_dict(), f.offsets) for f in (fetch, *msg.fetch_also)]
+        st.multi = MultiFetch(self.transport, self.store, BlockHashes(fetch.keys).tolist(), sources,
+                              msg.fetch_split or None)
+        st.in_fetch, st.fetch_s = True, time.monotonic()
+        st.multi.start()
+
+    def _multi_fetched(self, st: _PState, mf: MultiFetch) -> None:
+        """Every share has ended: the run is committed whole or not at all (a share that
+        failed and could not be read around): then the rest is computed."""
+        st.in_fetch, st.multi = False, None
+        st.fetch_s = time.monotonic() - st.fetch_s
+        res = mf.finish()
+        st.leases.extend(res.blocks)
+        st.fetched += res.fetched
+        st.fetch_bytes += res.bytes
+        st.sources = sum(1 for n in res.per_holder.values() if n) if res.error is None else 0
+        self.up(Fetched(st.rid))
+        self._compute(st)
+
     def _fetched(self, st: _PState) -> None:
         """The read ended: commit what it brought (all of it, or none after an error:
         the rest is computed), tell the cluster, start computing."""
         st.in_fetch = False
+        st.fetch_s = time.monotonic() - st.fetch_s
         err = self.transport.error(st.rid)
         got, ok = [], err is None
         for s in st.fetching:
@@ -222,6 +258,7 @@ class PrefillRole:
             st.fetched += 1
         st.fetching = []
         st.leases.extend(got)
+        st.sources = 1 if st.fetched else 0
         self.up(Fetched(st.rid))
         self._compute(st)
 
@@ -307,9 +344,14 @@ class PrefillRole:
             st.done = True
 
     def poll(self) -> None:
-        for st in [st for st in self.reqs.values() if st.in_fetch and not self.transport.pending(st.rid)]:
+        for st in [st for st in self.reqs.values() if st.in_fetch]:
             try:
-                self._fetched(st)
+                mf = st.multi
+                if mf is not None:
+                    if mf.poll():
+                        self._multi_fetched(st, mf)
+                elif not self.transport.pending(st.rid):
+                    self._fetched(st)
             except Exception as e:  # noqa: BLE001 - fails alone, like a bad Prefill
                 self._drop(st.rid)
                 self.up(Failed(st.rid, f"{type(e).__name__}: {e}"))
@@ -334,8 +376,8 @@ class PrefillRole:
             self.up(Failed(st.rid, f"KV hand-off failed: {err}"))
             return
         self.flush()  # the index learns the new blocks before the request ends
-        report = PrefillReport(st.reused, st.fetched, transport.take_bytes(st.rid), st.t_start, st.t_compute,
-                               time.monotonic())
+        report = PrefillReport(st.reused, st.fetched, transport.take_bytes(st.rid) + st.fetch_bytes, st.t_start,
+                               st.t_compute, time.monotonic(), st.sources, st.fetch_s if st.sources else 0.0)
         link = self.peers.get(st.decode)
         if link is not None:  # a lost decode instance: the cluster fails the request
             link.send(KvReady(st.rid, st.first, st.finish or "prefill", report))
@@ -369,5 +411,8 @@ class PrefillRole:
                 s.abort()
             else:
                 s.release()
+        if st.multi is not None:  # waits for its reads (they write into its slots), then frees them
+            st.multi.abort()
+            st.multi = None
         transport.take_bytes(rid)
         return True

@@ -75,6 +75,23 @@ def _check_keys(buf: bytes) -> None:
         raise ValueError(f"a key buffer must be a multiple of 16 bytes, got {len(buf)}")
 
 
+def _check_fetch_also(fetch: Any, also: Sequence[Any], split: Sequence[int]) -> None:
+    """The extra holders of a multi-source fetch: each names the same run as ``fetch``
+    (every holder pinned all of it, so any of them can be read for any block), and the
+    split, if given, has one count per source (``fetch`` first) adding up to the run."""
+    if not also and not split:
+        return
+    if fetch is None:
+        raise ValueError("fetch_also / fetch_split need a primary fetch")
+    for f in also:
+        if f.keys != fetch.keys:
+            raise ValueError(f"holder {f.holder} of fetch_also names another run than holder {fetch.holder}")
+    n = len(fetch.keys) // 16
+    if split and (len(split) != 1 + len(also) or sum(split) != n or min(split) < 0):
+        raise ValueError(f"fetch_split {list(split)} must give one count >= 0 per source "
+                         f"({1 + len(also)}) adding up to the run ({n} blocks)")
+
+
 class _Base(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pass
 
@@ -136,8 +153,12 @@ class Dest(_Base, frozen=True):
     partial: Union[int, None]
 
 
-class PrefillReport(_Base, frozen=True):
-    """What the prefill of one request did (for its ``RequestMetrics``)."""
+class PrefillReport(_Base, frozen=True, omit_defaults=True):
+    """What the prefill of one request did (for its ``RequestMetrics``). ``sources``: the
+    holders its prefix fetch read from (0: no fetch; 2 or more: a multi-source fetch),
+    ``fetch_s`` how long that fetch took (from its start to its last block in); both
+    additive and left off the wire at their defaults, so a report without them decodes
+    the same on either side (no version bump)."""
 
     reused_blocks: int
     fetched_blocks: int
@@ -145,6 +166,8 @@ class PrefillReport(_Base, frozen=True):
     t_start: float
     t_compute: float
     t_ready: float
+    sources: int = 0
+    fetch_s: float = 0.0
 
 
 class InstanceSpec(_Base, frozen=True):
@@ -245,9 +268,15 @@ class Beat(_Msg, frozen=True, tag="beat"):
 
 
 # ---- one request
-class Expect(_Msg, frozen=True, tag="expect"):
+class Expect(_Msg, frozen=True, tag="expect", omit_defaults=True):
     """cluster -> decode: reserve slots for the request's blocks, then hand the request
-    to ``prefill`` (a ``Prefill`` on the peer link, with the slots)."""
+    to ``prefill`` (a ``Prefill`` on the peer link, with the slots).
+
+    A multi-source fetch (``Cluster(multipath=True)``) names the other holders of the
+    same run in ``fetch_also`` and the blocks each source sends in ``fetch_split``
+    (``fetch`` first); decode passes both on in ``Prefill``. Fields at their defaults
+    are left off the wire, so a message without them is what an older peer sends and
+    reads (no version bump)."""
 
     rid: int
     prompt: list[int]
@@ -260,13 +289,18 @@ class Expect(_Msg, frozen=True, tag="expect"):
     prefill_name: str = ""
     #: the request's deadline (monotonic seconds of this host), None: none
     deadline: Union[float, None] = None
+    #: other holders of ``fetch``'s run, and the blocks per source (see above)
+    fetch_also: list[Fetch] = []
+    fetch_split: list[int] = []
 
     def __post_init__(self) -> None:
         _check_keys(self.keys)
+        _check_fetch_also(self.fetch, self.fetch_also, self.fetch_split)
 
 
-class Prefill(_Msg, frozen=True, tag="prefill"):
-    """decode -> prefill (peer link): compute the request, writing its KV into ``dest``."""
+class Prefill(_Msg, frozen=True, tag="prefill", omit_defaults=True):
+    """decode -> prefill (peer link): compute the request, writing its KV into ``dest``.
+    ``fetch_also`` / ``fetch_split``: as in ``Expect`` (a multi-source fetch)."""
 
     rid: int
     prompt: list[int]
@@ -276,9 +310,12 @@ class Prefill(_Msg, frozen=True, tag="prefill"):
     fetch: Union[Fetch, None]
     dest: Dest
     decode: int
+    fetch_also: list[Fetch] = []
+    fetch_split: list[int] = []
 
     def __post_init__(self) -> None:
         _check_keys(self.keys)
+        _check_fetch_also(self.fetch, self.fetch_also, self.fetch_split)
 
 
 class KvReady(_Msg, frozen=True, tag="kv_ready"):

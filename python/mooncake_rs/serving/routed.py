@@ -6,7 +6,8 @@ The embedded ``Cluster`` (instances in this process or in child processes) and t
 are one: they differ in how instances start, join and leave, not in how a request is
 admitted and followed. A subclass provides ``conductor``, ``_router``, ``_limits``,
 ``_hasher``, ``_members`` (instance id -> a member with ``alive``, ``spec``, ``ch``),
-``metrics``, ``prefix_reuse`` and ``_closed``.
+``metrics``, ``prefix_reuse`` and ``_closed``; ``multipath`` (multi-source prefix
+fetches) is off unless the subclass turns it on.
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ from .metrics import ClusterMetrics
 from .protocol import Params
 from .router import RequestRecord, Router
 
-__all__ = ["RoutedCluster", "new_conductor", "request_output"]
+__all__ = ["RoutedCluster", "new_conductor", "request_output", "MAX_FETCH_SOURCES"]
+
+#: the most holders one prefix fetch reads from at once (the decision's holder included):
+#: past a few, each share is too small to gain more than the extra Export round trips cost
+MAX_FETCH_SOURCES = 4
 
 
 def request_output(record: RequestRecord, reason: str) -> Any:
@@ -57,6 +62,9 @@ def new_conductor(cfg_args: dict[str, Any], block_bytes: int, prefill_model: Any
 
 
 class RoutedCluster(GenerateMixin):
+    #: fetch a reused prefix from every prefill instance that holds it, at once
+    #: (multisource.py); off: from the one holder the conductor's decision names
+    multipath: bool = False
     conductor: Any
     metrics: ClusterMetrics
     prefix_reuse: bool
@@ -127,16 +135,37 @@ class RoutedCluster(GenerateMixin):
         t_submit = time.monotonic()
         local = d.reused_blocks - d.fetch_blocks
         fetch = d.fetch_blocks > 0 and d.fetch_from is not None
+        also = self._other_holders(keys[:d.reused_blocks], d) if fetch and self.multipath else ()
         plan = Plan(rid, toks, Params.of(params), bytes(keys), d.prefill, d.decode, local=local,
                     fetch_from=d.fetch_from if fetch else None,
                     fetch_keys=bytes(keys[local:d.reused_blocks]) if fetch else b"",
-                    deadline=None if wait is None else t_submit + wait, timeout_s=0.0 if wait is None else wait)
+                    deadline=None if wait is None else t_submit + wait, timeout_s=0.0 if wait is None else wait,
+                    fetch_also=also)
         rec = RequestRecord(plan, handle_type(rid, toks, self._cancel), t_submit)
         rec.metrics.prefill_instance, rec.metrics.decode_instance = d.prefill, d.decode
         rec.handle.prefill_instance, rec.handle.decode_instance = d.prefill, d.decode
         rec.metrics.prompt_tokens = len(toks)
         self._router.submit(rec)
         return rec.handle
+
+    def _other_holders(self, prefix: Any, d: Any) -> tuple[int, ...]:
+        """Live prefill instances besides the decision's holder that the index says hold
+        all of ``prefix`` (the request's reused blocks, from the first): the other sources
+        of a multi-source fetch. A holder the index is wrong about answers ``Exported``
+        with fewer blocks and is left out of the fetch then (lifecycle.py)."""
+        want = len(prefix)
+        held = self.conductor.index.match_prefix(prefix)
+        out = []
+        for i, n in sorted(held.items()):
+            if n < want or i in (d.prefill, d.decode, d.fetch_from):
+                continue
+            m = self._members.get(i)
+            if m is None or not m.alive or m.spec.role != "prefill":
+                continue
+            out.append(i)
+            if len(out) + 1 >= MAX_FETCH_SOURCES:
+                break
+        return tuple(out)
 
     def _cancel(self, rid: int, error: BaseException, outcome: str = "cancelled") -> None:
         """RequestHandle.cancel: the router ends the request everywhere (lifecycle.py);

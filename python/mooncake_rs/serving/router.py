@@ -301,6 +301,7 @@ class Router:
             m.computed_tokens = len(r.plan.prompt) - m.reused_tokens
             m.transferred_bytes += report.bytes
             m.kv_ready_s = report.t_ready - report.t_start
+            m.fetch_sources, m.fetch_s = report.sources, report.fetch_s
         for t in tokens:
             if r.tokens:
                 m.token_intervals.append(now - r.t_last)
