@@ -122,7 +122,7 @@ def test_multipath_across_worker_processes():
         _wait(lambda: _drained(c), "a pin, a request or a page was left behind")
 
 
-def test_cancel_while_a_two_source_fetch_is_in_flight(gated_read):
+def test_cancel_while_a_two_source_fetch_is_in_flight(gated_read):  # noqa: F811 - the imported fixture
     """The reads from both holders are held (``gated_read``); the request is cancelled
     meanwhile: the prefill drops the fetch once its reads end (no slot left reserved),
     both holders are unpinned, and the cluster serves the prefix again afterwards."""

@@ -40,6 +40,8 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auth-token-file", default=None, help="with --etcd: the cluster token "
                                                            "(default: $MOONCAKE_AUTH_TOKEN)")
     p.add_argument("--lease-ttl", type=int, default=3, help="with --etcd: the leader lease's TTL in seconds")
+    p.add_argument("--multipath", action="store_true",
+                   help="with --etcd: fetch a prefix from every prefill worker holding it at once (DualPath)")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="with --etcd: seconds a worker may go without a heartbeat before it is dropped")
 
@@ -86,7 +88,8 @@ def run_service(args: argparse.Namespace) -> int:
         lost.clear()
         service = ConductorService(client, prefix, token, policy=args.policy, ttft_slo_s=args.ttft_slo,
                                    tbt_slo_s=args.tbt_slo, rejection=args.rejection,
-                                   prefix_reuse=not args.no_prefix_reuse, heartbeat_timeout_s=args.heartbeat_timeout)
+                                   prefix_reuse=not args.no_prefix_reuse, heartbeat_timeout_s=args.heartbeat_timeout,
+                                   multipath=args.multipath)
         try:
             endpoint = ClientEndpoint(service, host, port, token)
         except BaseException:

@@ -139,14 +139,16 @@ class ConductorService(RoutedCluster):
     ``leave_grace_s``: a worker whose lease went while its link still beats (etcd was
     away) has this long to register again before it is dropped.
     The rest as ``Cluster``: ``policy``, ``ttft_slo_s``, ``tbt_slo_s``, ``rejection``,
-    ``prefix_reuse``."""
+    ``prefix_reuse``, ``multipath`` (a prefix fetch reads from every prefill worker that
+    holds it, split by their load)."""
 
     def __init__(self, client: EtcdClient, prefix: str, token: str, *, policy: str = "mooncake",
                  ttft_slo_s: float = 30.0, tbt_slo_s: float = 1.0, rejection: str = "none",
                  prefix_reuse: bool = True, heartbeat_timeout_s: float = 5.0, attach_timeout_s: float = 30.0,
-                 check_s: float = 0.5, seed: int = 0, leave_grace_s: float = 10.0) -> None:
+                 check_s: float = 0.5, seed: int = 0, leave_grace_s: float = 10.0, multipath: bool = False) -> None:
         self._init_routing()
         self.prefix_reuse = bool(prefix_reuse)
+        self.multipath = bool(multipath)
         self.prefix = prefix
         self._token = token
         self._attach_timeout_s = attach_timeout_s
