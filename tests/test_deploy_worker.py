@@ -151,3 +151,22 @@ def test_relayed_peer_messages_carry_their_source() -> None:
     hdr = a.recv(4)
     assert codec.decode_body(a.recv(codec.body_length(hdr))) == Relay(4, ready)
     links.close()
+
+
+def test_a_reopened_store_announces_what_it_recovered() -> None:
+    """A worker restarted on its SSD directory re-announces the blocks that survived: the
+    store reports each recovered block as stored in the ssd tier."""
+    with tempfile.TemporaryDirectory() as ssd:
+        store = Store(block_bytes=BLOCK_BYTES, dram_bytes=2 * BLOCK_BYTES, ssd_path=ssd, ssd_bytes=16 * BLOCK_BYTES)
+        keys = list(range(1, 9))
+        for k in keys:
+            store.put(k, np.full(BLOCK_BYTES, k, dtype=np.uint8))
+        store.flush()
+        del store
+        reopened = Store(block_bytes=BLOCK_BYTES, dram_bytes=2 * BLOCK_BYTES, ssd_path=ssd,
+                         ssd_bytes=16 * BLOCK_BYTES)
+        h = Holdings()
+        h.apply(bytes(reopened.drain_events_batch()))
+        survived = {k for k in keys if reopened.tier_of(k) == "ssd"}
+        assert survived and len(h) == len(survived) == reopened.stats().recovered
+        assert _indexed(h.snapshot(), keys) == {k: {"ssd"} for k in survived}

@@ -95,6 +95,10 @@ impl SsdTier {
         for (_, k) in by_gen {
             policy.begin_access();
             policy.insert(k, 0);
+            // Announced like any block that reaches the tier: an index fed from this
+            // store's events (a conductor, a worker's re-announcement) learns what the
+            // store holds after a restart instead of missing it until it is touched.
+            log.push(EventKind::Stored, k, Tier::Ssd);
         }
         counters.recovered.fetch_add(index.len() as u64, std::sync::atomic::Ordering::Relaxed);
         counters.corrupt_dropped.fetch_add(rec.corrupt, std::sync::atomic::Ordering::Relaxed);
