@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.request
 from pathlib import Path
 
@@ -43,14 +44,18 @@ def test_the_http_front_and_kv_events_of_a_deployment(etcd, tmp_path: Path) -> N
                        extra=["--kv-events", f"tcp://127.0.0.1:{events_port}"])
             dep.worker("d0", 2, "decode", model=str(model))
             assert dep.wait_log("serve", "OpenAI API on", 60), dep.log_tail()
+            base = f"http://127.0.0.1:{http_port}"
+            assert wait_until(lambda: _get(base + "/health")[0] == 200, 90), dep.log_tail()
+            # subscribe once the worker's publisher is bound (it is: the worker is serving),
+            # and give the subscription a moment to reach it (a ZMQ SUB misses what is
+            # published before its subscription arrives)
             mine = BlockIndex()
             sub = KVEventSubscriber(f"tcp://127.0.0.1:{events_port}",
                                     Ingestor(TierTarget(mine), 0, PrefixHasher(16, seed=0)),
                                     replay_endpoint=f"tcp://127.0.0.1:{events_port + 1}")
             sub.start()
+            time.sleep(1.0)
             try:
-                base = f"http://127.0.0.1:{http_port}"
-                assert wait_until(lambda: _get(base + "/health")[0] == 200, 90), dep.log_tail()
                 body = json.dumps({"model": "model", "prompt": "hello world, hello mooncake, hello cluster " * 3,
                                    "max_tokens": 4, "temperature": 0}).encode()
                 req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
