@@ -1,5 +1,5 @@
-"""A remote worker's pieces on their own: what its store holds (``Holdings``, re-announced
-to each conductor that attaches), the control links conductors open to it
+"""A remote worker's pieces on their own: what its store holds (``Store.held_events``,
+re-announced to each conductor that attaches), the control links conductors open to it
 (``ConductorLinks``: one conductor at a time, a replaced one's messages dropped), and
 ``mooncake-rs worker --kv-events`` publishing its store events (vLLM's ZMQ format) while
 it serves a conductor."""
@@ -16,7 +16,6 @@ import pytest
 from mooncake_rs import Conductor, ConductorConfig, Store, StoreEvents
 from mooncake_rs.deploy.worker_link import ConductorLinks
 from mooncake_rs.serving.control import CLUSTER, Detached
-from mooncake_rs.serving.holdings import Holdings
 from mooncake_rs.serving.protocol import Attach, Codec, Expect, KvReady, Params, PrefillReport, Relay, Stats
 
 BLOCK_BYTES = 4096
@@ -36,14 +35,14 @@ def _indexed(events: bytes, keys: list[int]) -> dict[int, set[str]]:
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_holdings_track_a_real_store_through_eviction_demotion_and_removal(seed: int) -> None:
+def test_held_events_index_like_every_event_through_eviction_demotion_and_removal(seed: int) -> None:
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory() as ssd:
         store = Store(block_bytes=BLOCK_BYTES, dram_bytes=8 * BLOCK_BYTES, ssd_path=ssd, ssd_bytes=16 * BLOCK_BYTES)
-        h = Holdings()
         keys = [rng.getrandbits(128) for _ in range(60)]
         data = np.zeros(BLOCK_BYTES, dtype=np.uint8)
         log = b"MCE1"  # every event, in order: what a conductor there from the start applied
+        mid, after = b"", b"MCE1"  # a snapshot taken mid-way, and the events drained after it
         for step in range(300):
             k = rng.choice(keys)
             op = rng.random()
@@ -55,27 +54,24 @@ def test_holdings_track_a_real_store_through_eviction_demotion_and_removal(seed:
                     blk.release()
             else:
                 store.remove(k)
+            if step == 150:  # events from before it are still queued: drained after it
+                mid = bytes(store.held_events())
             if step % 7 == 0 or step == 299:
                 store.flush()
                 batch = bytes(store.drain_events_batch())
-                h.apply(batch)
                 log += batch[4:]
+                if mid:
+                    after += batch[4:]
         # a conductor that attaches now, told only the snapshot, indexes what one that
-        # saw every event does
+        # saw every event does; so does one told the mid-way snapshot and what followed
         want = _indexed(log, keys)
-        assert _indexed(h.snapshot(), keys) == want
-        assert len(h) == len(want)
+        assert _indexed(bytes(store.held_events()), keys) == want
+        assert _indexed(mid + after[4:], keys) == want
+        assert len(store.drain_events_batch()) == 0  # held_events drains nothing
         # and every block the store holds is in it (in its tier)
         for k in keys:
             if store.tier_of(k) is not None:
                 assert store.tier_of(k) in want[k]
-
-
-def test_holdings_refuse_what_is_not_an_event_batch() -> None:
-    with pytest.raises(ValueError):
-        Holdings().apply(b"MCE1" + b"\x00" * 5)
-    with pytest.raises(ValueError):
-        Holdings().apply(b"nope")
 
 
 def _conductor_end(links: ConductorLinks) -> socket.socket:
@@ -165,8 +161,8 @@ def test_a_reopened_store_announces_what_it_recovered() -> None:
         del store
         reopened = Store(block_bytes=BLOCK_BYTES, dram_bytes=2 * BLOCK_BYTES, ssd_path=ssd,
                          ssd_bytes=16 * BLOCK_BYTES)
-        h = Holdings()
-        h.apply(bytes(reopened.drain_events_batch()))
+        announced = bytes(reopened.drain_events_batch())
         survived = {k for k in keys if reopened.tier_of(k) == "ssd"}
-        assert survived and len(h) == len(survived) == reopened.stats().recovered
-        assert _indexed(h.snapshot(), keys) == {k: {"ssd"} for k in survived}
+        assert survived and (len(announced) - 4) // 18 == len(survived) == reopened.stats().recovered
+        assert _indexed(announced, keys) == {k: {"ssd"} for k in survived}
+        assert _indexed(bytes(reopened.held_events()), keys) == {k: {"ssd"} for k in survived}

@@ -84,7 +84,7 @@ def _run_switches(c, ref, per_phase: int) -> None:
     m1 = s.mark()
     assert c.prefill_ids == [0, 2] and c.decode_ids == [1]
     # what its store kept as a decode instance (the prompts' blocks it received) is in
-    # the index under it now: announced from its Holdings right after the switch
+    # the index under it now: announced from its store's held_events right after the switch
     from mooncake_rs import PrefixHasher
 
     first = PrefixHasher(BLOCK, seed=0).hash(PROMPTS[0])[0]

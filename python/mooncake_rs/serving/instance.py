@@ -25,7 +25,6 @@ from .._core import BlockHashes
 from .arena import StoreSlots
 from .control import CLUSTER, Detached, Lost
 from .decode import DecodeRole
-from .holdings import Holdings
 from .kv_events import KVEventsOut
 from .prefill import PrefillRole
 from .protocol import (PROTOCOL_VERSION, Attach, Beat, Cancel, Endpoint, Export, Exported, Failed, InitFailed,
@@ -72,10 +71,6 @@ class Instance:
         ep: dict[str, Any] = self.transport.endpoint
         self.endpoint = Endpoint(str(ep["name"]), str(ep["address"]), int(ep["region"]))
         self._pins: dict[int, list[Any]] = {}
-        #: what the store holds, from its own events: told to each conductor that attaches
-        #: (a remote worker, ``attach``) and to the index when a decode instance becomes a
-        #: prefill one (its store kept blocks the index never heard of)
-        self.holdings = Holdings()
         self.remote = remote  # a worker of a deployment across hosts: Ready comes on Attach
         self.kv_events: KVEventsOut | None = None
         if spec.kv_events is not None and spec.role == "prefill":
@@ -156,8 +151,16 @@ class Instance:
         self.spec = msgspec.structs.replace(self.spec, id=msg.id)
         self.role.spec = self.spec
         self.ch.send(self.ready())
-        if self.spec.role == "prefill" and len(self.holdings):
-            self.ch.send(StoreEvents(self.holdings.snapshot()))
+        if self.spec.role == "prefill":
+            self._announce_held()
+
+    def _announce_held(self) -> None:
+        """Everything the store holds, as stored events, to a conductor whose index was
+        not fed this store's events from the start (one that just attached, or a pool
+        this instance just joined); the events drained after it follow as usual."""
+        held = self.store.store.held_events()
+        if len(held):
+            self.ch.send(StoreEvents(held.to_bytes()))
 
     def release_all(self) -> None:
         """Drops every request this instance holds state for (its conductor is gone, or
@@ -238,8 +241,8 @@ class Instance:
             self._former, self.role = self.role, self._make_role()
             log.info("instance %s: now a %s instance", spec.name, to)
         self.ch.send(RoleSwitched(self.spec.role, self.endpoint))
-        if to == "prefill" and len(self.holdings):  # what it kept as a decode instance is reusable now
-            self.ch.send(StoreEvents(self.holdings.snapshot()))
+        if to == "prefill":  # what it kept as a decode instance is reusable now
+            self._announce_held()
 
     def _after_switch(self, src: int, msg: Message) -> None:
         """A peer or cancel message once the role changed. The drain ended every request
@@ -309,10 +312,7 @@ class Instance:
 
     def flush_store_events(self) -> None:
         events = self.store.drain_events()
-        if not events:
-            return
-        self.holdings.apply(events)
-        if self.spec.role == "prefill":
+        if events and self.spec.role == "prefill":
             self.ch.send(StoreEvents(events))
             if self.kv_events is not None:
                 self.kv_events.on_store_events(events)

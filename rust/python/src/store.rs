@@ -436,6 +436,14 @@ impl PyStore {
         PyStoreEvents { events: Arc::new(self.inner.drain_events()) }
     }
 
+    /// What the store holds now, as a `StoreEvents` batch of `stored` events (one per
+    /// block and tier): tells an index that was not fed this store's events from the
+    /// start (a new conductor, a new pool) everything at once. Drains nothing.
+    fn held_events(&self, py: Python<'_>) -> PyStoreEvents {
+        let s = &*self.inner;
+        PyStoreEvents { events: Arc::new(py.detach(|| s.held_events())) }
+    }
+
     fn stats(&self) -> PyStoreStats {
         self.inner.stats().into()
     }

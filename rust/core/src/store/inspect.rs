@@ -2,8 +2,9 @@
 
 use std::sync::atomic::Ordering;
 
-use super::events::StoreStats;
+use super::events::{EventKind, StoreEvent, StoreStats};
 use super::tiered::Store;
+use crate::index::Tier;
 
 impl Store {
     pub fn stats(&self) -> StoreStats {
@@ -22,6 +23,24 @@ impl Store {
             s.demotion_queue = ssd.pending_len() as u64;
         }
         s
+    }
+
+    /// What the store holds now, as one `Stored` event per block and tier (DRAM blocks
+    /// first): for an index that was not fed this store's events from the start (a new
+    /// conductor, a new pool). Applying it, then the events drained after it, gives the
+    /// store's state even if some of those events happened before it (each event sets a
+    /// block's presence in one tier, so the last one for a block and tier decides).
+    pub fn held_events(&self) -> Vec<StoreEvent> {
+        let mut out: Vec<StoreEvent> = self
+            .table
+            .snapshot()
+            .into_iter()
+            .map(|(key, _)| StoreEvent { kind: EventKind::Stored, key, tier: Tier::Dram })
+            .collect();
+        if let Some(ssd) = &self.ssd {
+            out.extend(ssd.keys().into_iter().map(|key| StoreEvent { kind: EventKind::Stored, key, tier: Tier::Ssd }));
+        }
+        out
     }
 
     /// Checks the store's invariants (quiescent state): every slot is free, in the table

@@ -132,6 +132,16 @@ impl SsdTier {
         self.pending.lock().len()
     }
 
+    /// Every key on disk or on its way there with its bytes (a claimed entry, still being
+    /// copied out of DRAM, is not held here yet: its `Demoted` event comes later).
+    pub fn keys(&self) -> Vec<BlockHash> {
+        let mut out: Vec<BlockHash> = self.state.lock().index.keys().copied().collect();
+        out.extend(self.pending.lock().iter().filter(|(_, d)| d.is_some()).map(|(k, _)| *k));
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
     /// On disk or waiting to be written.
     pub fn contains(&self, key: BlockHash) -> bool {
         self.pending.lock().contains_key(&key) || self.state.lock().index.contains_key(&key)
