@@ -53,7 +53,7 @@ def _error_of(msg: Error) -> MooncakeError:
 class _Pending:
     """A request between ``Submit`` and the service's first answer."""
 
-    def __init__(self, handle: RequestHandle) -> None:
+    def __init__(self, handle: "_RemoteHandle") -> None:
         self.handle = handle
         self.answered = threading.Event()
         self.error: MooncakeError | None = None
@@ -155,23 +155,20 @@ class _Connection:
         return slot[1]
 
 
-def _output(handle: RequestHandle, msg: Finished) -> Any:
+def _output(handle: "_RemoteHandle", msg: Finished) -> Any:
     from ..engine.outputs import RequestOutput
     from ..serving.metrics import RequestMetrics
 
     fields = set(RequestMetrics.__dataclass_fields__)
     metrics = RequestMetrics(**{k: v for k, v in msg.metrics.items() if k in fields})
-    return RequestOutput(str(handle.request_id), handle.prompt_token_ids, _tokens_of(handle), msg.finish_reason, [],
+    return RequestOutput(str(handle.request_id), handle.prompt_token_ids, list(handle.tokens), msg.finish_reason, [],
                          metrics.reused_tokens, 0, metrics)
 
 
-def _tokens_of(handle: RequestHandle) -> list[int]:
-    """The tokens the handle has queued and nobody iterated (``result`` without
-    streaming), or those iterated so far: ``_RemoteHandle`` keeps them."""
-    return list(getattr(handle, "tokens", []))
-
-
 class _RemoteHandle(RequestHandle):
+    """Keeps the tokens it was given (the output's ``token_ids``, whether or not the
+    caller iterated the handle)."""
+
     def __init__(self, *a: Any) -> None:
         super().__init__(*a)
         self.tokens: list[int] = []

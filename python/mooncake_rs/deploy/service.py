@@ -36,6 +36,7 @@ from .._core import PrefillCostModel, PrefixHasher
 from ..errors import MooncakeError, ServiceUnavailable
 from ..serving.control import Lost, SocketChannel
 from ..serving.liveness import watch
+from ..serving.limits import Limits
 from ..serving.members import Member
 from ..serving.protocol import (FROM_REMOTE, PROTOCOL_VERSION, Attach, InitFailed, InstanceSpec, Message, Ready, Stats,
                                 StatsReply)
@@ -52,31 +53,6 @@ log = logging.getLogger("mooncake_rs.deploy")
 
 
 _LEASE_GONE = "its etcd lease expired or was revoked (shut down, crashed or cut off)"
-
-
-class _RemoteLimits:
-    """``serving.limits.Limits`` for a conductor with no model config of its own: the
-    vocabulary, context and capacities the live workers reported (the smallest)."""
-
-    def __init__(self) -> None:
-        from ..serving.limits import Limits
-
-        self._limits = Limits(None, 1)
-
-    def learn(self, ready: list[Ready], block_size: int) -> None:
-        from types import SimpleNamespace
-
-        if not ready:
-            return
-        self._limits.cfg = SimpleNamespace(vocab_size=min(r.vocab_size for r in ready),
-                                           max_position_embeddings=min(r.max_positions for r in ready))
-        self._limits.block_size = block_size
-        self._limits.learn(ready)
-
-    def check(self, toks: list[int], params: Any) -> None:
-        if self._limits.cfg is None:
-            raise ServiceUnavailable("no worker has joined the cluster yet; start `mooncake-rs worker` processes")
-        self._limits.check(toks, params)
 
 
 class _ServicePort:
@@ -164,7 +140,7 @@ class ConductorService(RoutedCluster):
         self.block_size: int | None = None
         self.conductor: Any = None  # built when the first worker is ready (its block size and bytes)
         self._hasher: Any = None
-        self._limits = _RemoteLimits()
+        self._limits = Limits(None, 1)  # the vocabulary, context and capacities: from the workers' Ready
         self._router = Router(_ServicePort(self), {})
         self._router_thread = threading.Thread(target=self._router.run, name="mooncake-router", daemon=True)
         self._router_thread.start()
@@ -269,8 +245,8 @@ class ConductorService(RoutedCluster):
             self.conductor.add_prefill(inst)
         else:
             self.conductor.add_decode(inst, kv_capacity_tokens=max(1, msg.kv_tokens))
-        self._limits.learn([x.info for x in self._members.values() if x.alive and x.info is not None],
-                           self.block_size)
+        self._limits.block_size = self.block_size
+        self._limits.learn(self._ready_infos())
         m.ready.set()
 
     def _on_down(self, inst: int, reason: str) -> str | None:
@@ -286,13 +262,14 @@ class ConductorService(RoutedCluster):
         with self._lock:
             if self._by_name.get(m.spec.name) == inst:
                 del self._by_name[m.spec.name]
-        if self.block_size is not None:
-            self._limits.learn([x.info for x in self._members.values() if x.alive and x.info is not None],
-                               self.block_size)
+        self._limits.learn(self._ready_infos())
         what = m.down_reason or reason
         if not self._closed:
             log.warning("conductor: worker %s left (%s); failing its requests", m.spec.name, what)
         return f"worker {m.spec.name} left the cluster ({what})"
+
+    def _ready_infos(self) -> list[Ready]:
+        return [m.info for m in list(self._members.values()) if m.alive and m.info is not None]
 
     def _report_silent(self, inst: int, reason: str) -> None:
         """The watchdog: a worker stopped beating (a cut cable leaves its socket open)."""
@@ -303,17 +280,6 @@ class ConductorService(RoutedCluster):
         if self.conductor is None:
             raise ServiceUnavailable("no worker has joined the cluster yet; start `mooncake-rs worker` processes")
         return super()._submit(prompt, params, timeout_s, handle_type)
-
-    def wait_for(self, prefill: int, decode: int, timeout_s: float = 60.0) -> bool:
-        """Waits until at least ``prefill`` and ``decode`` workers are ready."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            live = [m for m in list(self._members.values()) if m.alive and m.info is not None]
-            if sum(m.spec.role == "prefill" for m in live) >= prefill and \
-                    sum(m.spec.role == "decode" for m in live) >= decode:
-                return True
-            time.sleep(0.05)
-        return False
 
     def instances(self) -> dict[int, str]:
         """Live, ready workers: id -> name."""

@@ -82,6 +82,7 @@ def run_worker(args: argparse.Namespace) -> int:
     """Blocks until SIGTERM / SIGINT (or the instance stops)."""
     from ..serving.instance import Instance
     from ..serving.protocol import InstanceSpec, Stop
+    from ..serving.worker import beat_loop
     from .auth_socket import AuthListener
     from .etcd import EtcdClient
     from .registration import WorkerRegistration
@@ -134,7 +135,8 @@ def run_worker(args: argparse.Namespace) -> int:
         reg = WorkerRegistration(EtcdClient(args.etcd), prefix, record, ttl_s=args.ttl).register(wait_s=30.0)
         print(f"mooncake-rs worker {name}: {args.role} on {listener.address} (KV on {inst.endpoint.address}), "
               f"registered in {prefix}", file=sys.stderr, flush=True)
-        beat = threading.Thread(target=_beat, args=(inst, links, args.heartbeat, stop), name="mooncake-beat",
+        # (sent to the attached conductor; dropped while none is)
+        beat = threading.Thread(target=beat_loop, args=(links, args.heartbeat, stop, [inst]), name="mooncake-beat",
                                 daemon=True)
         beat.start()
         inst.run()
@@ -150,10 +152,3 @@ def run_worker(args: argparse.Namespace) -> int:
         links.close()
     return 0
 
-
-def _beat(inst: Any, links: Any, every_s: float, stop: threading.Event) -> None:
-    # ``usage`` is an immutable Beat the instance loop replaces: reading it here is safe.
-    # From its own thread, so a long engine step is no missed beat (serving/liveness.py).
-    while not stop.wait(every_s):
-        if links.attached:
-            links.send(inst.usage)

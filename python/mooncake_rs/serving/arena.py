@@ -12,11 +12,13 @@ the instance's transfer engine (``TransferEngine.register(store)``); with
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
 from .._core import Block, BlockHashes, Store, WritableBlock
+from ..errors import MooncakeError
 
 __all__ = ["StoreSlots"]
 
@@ -56,6 +58,21 @@ class StoreSlots:
     # ---- held blocks (Block)
     def lookup(self, key: int) -> Block | None:
         return self.store.get(key)
+
+    def hold_or_reserve(self, keys: Iterable[int]) -> list[Block | WritableBlock]:
+        """Where a fetch lands, key by key: the block (leased) if this store holds it,
+        else a fresh reservation to copy into. Stops at the first key a full store cannot
+        reserve: the blocks after it are left to compute."""
+        out: list[Block | WritableBlock] = []
+        for k in keys:
+            s: Block | WritableBlock | None = self.store.get(k)
+            if s is None:
+                try:
+                    s = self.store.reserve(k)
+                except MooncakeError:
+                    break
+            out.append(s)
+        return out
 
     def lookup_prefix(self, keys: BlockHashes) -> list[Block]:
         """Leased blocks of the longest leading run of ``keys`` this store holds (one call

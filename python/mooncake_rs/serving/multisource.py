@@ -33,6 +33,7 @@ from typing import Any
 
 from .._core import WritableBlock
 from ..errors import InvalidArgument, MooncakeError, TransferFailed, TransferTimeout
+from .arena import StoreSlots
 from .transport import Span
 
 __all__ = ["FetchResult", "FetchSource", "Holder", "MultiFetch", "share_ranges", "split_blocks"]
@@ -125,7 +126,7 @@ class MultiFetch:
     then ``poll`` until it says done (or ``wait``), then ``finish``; ``abort`` drops it at
     any point. ``run`` does all of it, blocking."""
 
-    def __init__(self, transport: Any, store: Any, keys: Sequence[int], sources: Sequence[FetchSource],
+    def __init__(self, transport: Any, store: StoreSlots, keys: Sequence[int], sources: Sequence[FetchSource],
                  counts: Sequence[int] | None = None, *, fallback: bool = True) -> None:
         if not sources:
             raise InvalidArgument("a fetch needs at least one source")
@@ -156,15 +157,7 @@ class MultiFetch:
         if self._started:
             raise InvalidArgument("this fetch was started already")
         self._started = True
-        store = self.store
-        for k in self.keys:
-            s = store.lookup(k)
-            if s is None:
-                try:
-                    s = store.reserve(k)
-                except MooncakeError:
-                    break
-            self._slots.append(s)
+        self._slots = self.store.hold_or_reserve(self.keys)
         n = len(self._slots)
         for src, rng in zip(self.sources, share_ranges(self.counts)):
             todo = [i for i in rng if i < n and isinstance(self._slots[i], WritableBlock)]

@@ -193,16 +193,9 @@ class PrefillRole:
         computing other requests; ``poll`` finishes the fetch when the read has ended."""
         store = self.store
         st.fetch_s = time.monotonic()
-        spans: list[Span] = []
-        for k, off in zip(BlockHashes(fetch.keys), fetch.offsets):
-            s = store.lookup(k)
-            if s is None:
-                try:
-                    s = store.reserve(k)
-                except MooncakeError:
-                    break
-                spans.append(Span(s.offset, off, store.block_bytes))
-            st.fetching.append(s)
+        st.fetching = store.hold_or_reserve(BlockHashes(fetch.keys))
+        spans = [Span(s.offset, off, store.block_bytes) for s, off in zip(st.fetching, fetch.offsets)
+                 if isinstance(s, WritableBlock)]
         if spans:
             st.in_fetch = True
             self.transport.read(st.rid, fetch.arena.as_dict(), spans)

@@ -22,6 +22,7 @@ from ..errors import InvalidArgument, Overloaded
 from .generate import GenerateMixin
 from .handle import RequestHandle, wait_seconds
 from .lifecycle import CancelRequest, Plan
+from .limits import Limits
 from .metrics import ClusterMetrics
 from .protocol import Params
 from .router import RequestRecord, Router
@@ -71,7 +72,7 @@ class RoutedCluster(GenerateMixin):
     _closed: bool
     _members: dict[int, Any]
     _router: Router
-    _limits: Any  # serving.limits.Limits or the like: check(tokens, params)
+    _limits: Limits
     _hasher: Any  # PrefixHasher
 
     def _init_routing(self) -> None:

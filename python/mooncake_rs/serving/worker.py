@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     built: list[Instance] = []  # the beat thread sends the instance's latest usage once there is one
     if spec.heartbeat_s > 0:
-        threading.Thread(target=_beat, args=(ch, spec.heartbeat_s, stop, built), name="mooncake-beat",
+        threading.Thread(target=beat_loop, args=(ch, spec.heartbeat_s, stop, built), name="mooncake-beat",
                          daemon=True).start()
     try:
         # kv_grants: the instance's own token, so the cluster's cannot pass for it
@@ -84,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _beat(ch: SocketChannel, every_s: float, stop: threading.Event, built: list[Any]) -> None:
+def beat_loop(ch: Any, every_s: float, stop: threading.Event, built: list[Any]) -> None:
+    """Sends a ``Beat`` on ``ch`` every ``every_s`` until ``stop``: the instance's latest
+    usage once ``built`` holds it. From a thread of its own, so a long engine step is no
+    missed beat (liveness.py); also a remote worker's (deploy/worker.py)."""
     # ``usage`` is an immutable Beat the instance loop replaces: reading it here is safe
     while not stop.wait(every_s):
         ch.send(built[0].usage if built else Beat())
