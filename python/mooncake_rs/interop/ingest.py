@@ -124,17 +124,23 @@ class Ingestor:
             tokens: Any = ev.token_ids
             raw = type(tokens) is msgspec.Raw
             extras = block_extras(ev)
-            while (
-                name := fast.stored(ev.block_hashes, ev.parent_block_hash, tokens, ev.block_size, ev.medium, raw, extras)
-            ) is not None:
+            args = (ev.block_hashes, ev.parent_block_hash, tokens, ev.block_size, ev.medium, raw, extras)
+            while (name := fast.stored(*args, ev.group_idx, ev.kv_cache_spec_kind)) is not None:
                 self._register(name)
         elif isinstance(ev, BlockRemoved):
-            while (name := fast.removed(ev.block_hashes, ev.medium)) is not None:
+            while (name := fast.removed(ev.block_hashes, ev.medium, ev.group_idx)) is not None:
                 self._register(name)
         elif isinstance(ev, AllBlocksCleared):
             fast.cleared()
         else:  # pragma: no cover - the decoder yields only the three types
             fast.count_batch(1, 0)
+
+    def groups(self) -> list[tuple[int, bool]]:
+        """The KV cache groups this instance's events named: ``(group_idx, full attention)``."""
+        if self._fast is None:
+            assert self._ref is not None
+            return self._ref.groups()
+        return self._fast.groups()
 
     def reset(self, reason: str) -> None:
         """Events were lost: forget everything this instance holds, rebuild from new events."""
