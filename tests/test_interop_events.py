@@ -125,6 +125,10 @@ def test_truncated_and_malformed_frames_raise_typed_errors():
 def test_canonical_medium():
     assert [canonical_medium(m) for m in (None, "GPU", "gpu", "cpu", "CPU_PINNED", "disk", "SSD", "EXTERNAL")] == [
         "GPU", "GPU", "GPU", "CPU", "CPU", "DISK", "DISK", "EXTERNAL"]
+    # vLLM's offloading tiers: "CPU" and "STORAGE" (a file system or object store) -> disk
+    assert [canonical_medium(m) for m in ("STORAGE", "storage")] == ["DISK", "DISK"]
+    kv = pytest.importorskip("vllm.distributed.kv_events")
+    assert canonical_medium(kv.MEDIUM_STORAGE) == "DISK" and canonical_medium(kv.MEDIUM_CPU) == "CPU"
 
 
 def test_vllm_classes_decode_identically():
@@ -228,6 +232,9 @@ def test_tier_target_maps_each_medium_to_its_tier():
     assert idx.holders(h) == [(1, "ssd")]
     ing.apply(decode_payload(encode_batch([BlockRemoved([5], "DISK")])))
     assert idx.holders(h) == []
+    # vLLM's STORAGE offload tier is the disk tier
+    ing.apply_payload(encode_batch([BlockStored([5], None, toks, BS, None, "STORAGE")]))
+    assert idx.holders(h) == [(1, "ssd")]
 
 
 def test_conductor_prefers_a_gpu_resident_prefix_when_dram_reloads_cost():
