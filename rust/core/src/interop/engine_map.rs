@@ -23,8 +23,8 @@
 //! Layout: the entries live in a slab (`Vec<Node>`) linked in storing order, and a
 //! `hashbrown::HashTable` of (32-bit hash tag, slab index) finds them by engine hash and
 //! group. Entries with the same hash of ours form a ring (`sib`), found through a second
-//! table of one slab index per distinct hash of ours (about 85 bytes an entry with an int
-//! hash, against ~100 for the Python dict).
+//! table of one slab index per distinct hash of ours (`memory_bytes` at 1M int-keyed
+//! entries: 96 bytes an entry, 86 before the rings).
 
 use hashbrown::HashTable;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -240,18 +240,21 @@ impl EngineHashMap {
 
     fn ring_join(&mut self, i: u32) {
         let ours = self.nodes[i as usize].ours;
-        match self.ring_of(ours) {
-            Some(j) => {
-                let after = self.nodes[j as usize].sib;
-                self.nodes[i as usize].sib = after;
-                self.nodes[j as usize].sib = i;
+        self.nodes[i as usize].sib = i;
+        let nodes = &self.nodes;
+        // One probe for both outcomes (this runs for every new entry: the ingest's hot path).
+        let j = match self.rings.entry(ours_hash(ours), |&j| nodes[j as usize].ours == ours, |&j| {
+            ours_hash(nodes[j as usize].ours)
+        }) {
+            hashbrown::hash_table::Entry::Occupied(e) => *e.get(),
+            hashbrown::hash_table::Entry::Vacant(e) => {
+                e.insert(i);
+                return;
             }
-            None => {
-                self.nodes[i as usize].sib = i;
-                let nodes = &self.nodes;
-                self.rings.insert_unique(ours_hash(ours), i, |&j| ours_hash(nodes[j as usize].ours));
-            }
-        }
+        };
+        let after = self.nodes[j as usize].sib;
+        self.nodes[i as usize].sib = after;
+        self.nodes[j as usize].sib = i;
     }
 
     fn ring_leave(&mut self, i: u32) {
