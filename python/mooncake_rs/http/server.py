@@ -100,7 +100,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                                                 "docs/deploy.md) instead of an embedded cluster")
     p.add_argument("--prefill", type=int, default=2, help="prefill instances (default 2)")
     p.add_argument("--decode", type=int, default=1, help="decode instances (default 1)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="KV block size in tokens (default: 16 for a cluster served here; with --upstream, "
+                        "what the engines report)")
     p.add_argument("--processes", action="store_true", help="one worker process per instance")
     p.add_argument("--policy", default="mooncake")
     p.add_argument("--rejection", default="none", help="conductor admission: none, early, predictive")
@@ -123,7 +125,7 @@ def cluster_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         engine["dtype"] = args.dtype
     if args.device:
         engine["device"] = args.device
-    return dict(prefill=args.prefill, decode=args.decode, block_size=args.block_size,
+    return dict(prefill=args.prefill, decode=args.decode, block_size=args.block_size or 16,
                 dram_bytes_per_instance=args.dram_bytes, ssd_path=args.ssd_path, policy=args.policy,
                 ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo, processes=args.processes, seed=args.seed,
                 rejection=args.rejection, prefix_reuse=not args.no_prefix_reuse, engine_kwargs=engine)
