@@ -8,7 +8,8 @@ The streams mix both payload forms (and both event forms within a batch), int (u
 negative i64) and bytes hashes, unknown fields and trailing positional fields, unknown
 event types, orphans, size mismatches, engine-hash reuse, removes of unknown hashes,
 ``AllBlocksCleared``, more media than an instance tracks, a small map bound (eviction),
-truncated payloads and token ids that are not u32s.
+truncated payloads and token ids that are not u32s, and vLLM's per-block ``extra_keys``
+(salts, LoRA names, multimodal pairs; sometimes more entries than blocks).
 """
 
 from __future__ import annotations
@@ -63,6 +64,25 @@ class Stream:
             return self.rng.choice(MANY_MEDIA)
         return self.rng.choice(MEDIA)
 
+    def extra_keys(self, n: int) -> tuple[str | None, list | None]:
+        """(lora_name, extra_keys) as vLLM sends them: nil, or an entry per block (now
+        and then one too many): a salt, a LoRA name, multimodal [id, offset] pairs."""
+        rng = self.rng
+        r = rng.random()
+        if r < 0.5:
+            return None, None
+        lora = rng.choice([None, "lora-a", "lora-b"])
+        salt = rng.choice([None, "tenant-a", "tenant-b"])
+        entries: list = []
+        for i in range(n + (rng.random() < 0.05)):
+            keys: list = [lora] if lora else []
+            if rng.random() < 0.2:
+                keys.append([rng.choice(["img-1", "img-2"]), rng.randrange(BS)])
+            if i == 0 and salt:
+                keys.append(salt)
+            entries.append(keys or None)
+        return lora, entries if rng.random() < 0.9 else entries[: rng.randrange(n + 1)]
+
     def event(self) -> tuple[object, bool]:
         """(an encodable event or a raw msgpack-ready object, whether it is an unknown type)."""
         rng = self.rng
@@ -79,7 +99,8 @@ class Stream:
                 toks[rng.randrange(len(toks))] = rng.choice([-1, 1 << 32])
             bs = BS if rng.random() > 0.04 else rng.choice([0, 8])
             self.known.extend(hashes)
-            return BlockStored(hashes, parent, toks, bs, None, self.medium(), None), False
+            lora, extra_keys = self.extra_keys(n)
+            return BlockStored(hashes, parent, toks, bs, None, self.medium(), lora, extra_keys), False
         if r < 0.86:
             k = rng.randrange(0, 5)
             hs = [rng.choice(self.known[-60:]) if self.known and rng.random() < 0.9 else self.fresh() for _ in range(k)]

@@ -8,7 +8,8 @@ The payload is an event batch, shipped in two forms by different engine versions
 - a map: ``{"ts": ..., "events": [...], "data_parallel_rank": ...}``.
 
 Each event is tagged with its type and is itself positional (``["BlockStored", hashes,
-parent, token_ids, block_size, lora_id, medium, lora_name, extra_keys, group_idx, ...]``)
+parent, token_ids, block_size, lora_id, medium, lora_name, extra_keys, group_idx,
+kv_cache_spec_kind, ...]``)
 or a map with a ``"type"`` field. Trailing positional fields and unknown map keys are
 ignored, so newer engines that append fields still decode. Engine block hashes arrive as
 integers (u64, or i64 from older versions) or as bytes; they are opaque to us and kept
@@ -58,8 +59,9 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", frozen=Tr
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
-    extra_keys: Any = None
+    extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", frozen=True, gc=False):

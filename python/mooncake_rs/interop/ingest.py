@@ -29,7 +29,7 @@ from .._core import EngineHashMap, EventIngestor, PrefixHasher, Xxh3RollingHashe
 from ..errors import InvalidArgument
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent, decode_payload
 from .hashmap import DictEngineHashMap
-from .ingest_ref import ReferenceIngestor
+from .ingest_ref import ReferenceIngestor, block_extras
 from .ingest_types import BlockHasher, IngestStats
 from .targets import Target
 
@@ -124,7 +124,10 @@ class Ingestor:
         if isinstance(ev, BlockStored):
             tokens: Any = ev.token_ids
             raw = type(tokens) is msgspec.Raw
-            while (name := fast.stored(ev.block_hashes, ev.parent_block_hash, tokens, ev.block_size, ev.medium, raw)) is not None:
+            extras = block_extras(ev)
+            while (
+                name := fast.stored(ev.block_hashes, ev.parent_block_hash, tokens, ev.block_size, ev.medium, raw, extras)
+            ) is not None:
                 self._register(name)
         elif isinstance(ev, BlockRemoved):
             while (name := fast.removed(ev.block_hashes, ev.medium)) is not None:

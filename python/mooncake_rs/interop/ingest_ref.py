@@ -7,7 +7,9 @@ and what it uses for a target or a hasher the Rust path does not know.
 
 For ``BlockStored`` we recompute our chained hashes from its ``token_ids``, starting
 from our hash of its ``parent_block_hash`` (translated through the instance's
-:class:`.hashmap.DictEngineHashMap`), insert them, and remember engine hash -> ours.
+:class:`.hashmap.DictEngineHashMap`) and folding in each block's ``extra_keys`` entry
+(its msgpack bytes: a salt, a LoRA name, multimodal ids), insert them, and remember
+engine hash -> ours.
 ``BlockRemoved`` translates back and removes; ``AllBlocksCleared`` drops the instance.
 Events the index cannot use are counted, not raised: a publisher that is out of step
 with us must not stop ingestion (``stats()`` shows them).
@@ -23,14 +25,25 @@ import msgspec
 
 from .._core import msgpack_tokens
 from ..errors import InvalidArgument, MalformedEvent
+from .extra_keys import encode_extra_keys
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
 from .hashmap import MEDIA_BITS, DictEngineHashMap
 from .ingest_types import BlockHasher, IngestStats
 from .targets import Target, canonical_medium
 
-__all__ = ["ReferenceIngestor"]
+__all__ = ["ReferenceIngestor", "block_extras"]
 
 log = logging.getLogger("mooncake_rs.interop")
+
+
+def block_extras(ev: BlockStored) -> list[bytes | None]:
+    """The ``extra_keys`` entries of ``ev`` as the bytes our hashers fold in (one per
+    block; empty when it has none): each re-encoded with msgspec, which gives back the
+    bytes vLLM sent (both write msgpack in its shortest form)."""
+    keys = ev.extra_keys
+    if not keys:
+        return []
+    return [encode_extra_keys(e) for e in keys]
 
 
 class ReferenceIngestor:
@@ -104,7 +117,8 @@ class ReferenceIngestor:
                 tokens = memoryview(msgpack_tokens(tokens)).cast("I")
             except InvalidArgument as e:
                 raise MalformedEvent(f"BlockStored token_ids: {e}") from None
-        if (ev.block_size and ev.block_size != bs) or len(tokens) != n * bs:
+        extras = block_extras(ev)
+        if (ev.block_size and ev.block_size != bs) or len(tokens) != n * bs or len(extras) > n:
             st.mismatched += 1
             return
         parent: int | None = None
@@ -119,7 +133,7 @@ class ReferenceIngestor:
             return
         bit, key = med
         try:
-            ours = self.hasher.hash(tokens, parent)
+            ours = self.hasher.hash(tokens, parent, extras) if any(e is not None for e in extras) else self.hasher.hash(tokens, parent)
         except InvalidArgument as e:  # token ids outside u32
             raise MalformedEvent(f"BlockStored token_ids: {e}") from None
         replaced = self.map.store(engine, ours, bit)

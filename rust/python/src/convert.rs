@@ -422,3 +422,36 @@ pub fn hashes_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockHash>> {
     }
     Ok(out)
 }
+
+/// `extras` of `hash(..., extras=...)`: one `bytes | None` per full block (the msgpack
+/// bytes of an engine's per-block `extra_keys` entry). `None`: no extras.
+pub fn extras_arg(py: Python<'_>, extras: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<Option<Vec<u8>>>> {
+    let Some(extras) = extras else { return Ok(Vec::new()) };
+    if extras.is_instance_of::<pyo3::types::PyBytes>() || extras.is_instance_of::<pyo3::types::PyString>() {
+        return Err(invalid(py, "extras must be a sequence with one bytes | None per full block, not a single value"));
+    }
+    let items = extras
+        .try_iter()
+        .map_err(|_| invalid(py, "extras must be a sequence with one bytes | None per full block"))?;
+    items
+        .enumerate()
+        .map(|(i, item)| {
+            let item = item?;
+            if item.is_none() {
+                return Ok(None);
+            }
+            match item.cast::<pyo3::types::PyBytes>() {
+                Ok(b) => Ok(Some(b.as_bytes().to_vec())),
+                Err(_) => {
+                    let t = item.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+                    Err(invalid(py, format!("extras[{i}] must be bytes or None, got {t}")))
+                }
+            }
+        })
+        .collect()
+}
+
+/// Borrowed views of [`extras_arg`]'s result, as the core hashers take them.
+pub fn extras_refs(extras: &[Option<Vec<u8>>]) -> Vec<Option<&[u8]>> {
+    extras.iter().map(|e| e.as_deref()).collect()
+}

@@ -10,7 +10,7 @@ use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::convert::{BufferView, Tokens as PyTokens};
+use crate::convert::{extras_arg, extras_refs, BufferView, Tokens as PyTokens};
 use crate::errors::{invalid, to_pyerr};
 use crate::hash::PyPrefixHasher;
 use crate::hash_xxh3::PyXxh3RollingHasher;
@@ -136,8 +136,9 @@ impl PyEventIngestor {
 
     /// One `BlockStored` from Python objects. `raw`: `tokens` is the msgpack bytes of
     /// the token ids (a `msgspec.Raw`); otherwise a list or an integer array. Returns a
-    /// medium name to register first (then call again), or `None`.
-    #[pyo3(signature = (hashes, parent, tokens, block_size, medium, raw = false))]
+    /// medium name to register first (then call again), or `None`. `extras`: the
+    /// `extra_keys` entries as msgpack bytes (one `bytes | None` per block).
+    #[pyo3(signature = (hashes, parent, tokens, block_size, medium, raw = false, extras = None))]
     #[allow(clippy::too_many_arguments)]
     fn stored(
         &self,
@@ -148,26 +149,29 @@ impl PyEventIngestor {
         block_size: i128,
         medium: Option<&str>,
         raw: bool,
+        extras: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<String>> {
         let keys = engine_hashes_arg(hashes)?;
         if keys.is_empty() {
             return Ok(None);
         }
+        let extras = extras_arg(py, extras)?;
+        let extras = extras_refs(&extras);
         let parent = parent.map(engine_hash_arg).transpose()?;
         let refs: Vec<KeyRef<'_>> = keys.iter().map(|k| k.as_key()).collect();
         let parent = parent.as_ref().map(|p| p.as_key());
         let mut ing = self.inner.lock();
         let got = if raw {
             let view = BufferView::get_contiguous(tokens, "token_ids")?;
-            ing.stored(&refs, parent, Tokens::Msgpack(view.bytes()), block_size, medium)
+            ing.stored(&refs, parent, Tokens::Msgpack(view.bytes()), block_size, medium, &extras)
         } else {
             match PyTokens::extract(tokens) {
-                Ok(t) => t.with_u32(|s| ing.stored(&refs, parent, Tokens::U32(s), block_size, medium)),
+                Ok(t) => t.with_u32(|s| ing.stored(&refs, parent, Tokens::U32(s), block_size, medium, &extras)),
                 Err(e) => {
                     drop(ing);
                     let len = tokens.len()?;
                     let message = e.value(py).str().map(|s| s.to_string()).unwrap_or_default();
-                    self.inner.lock().stored(&refs, parent, Tokens::Invalid { len, message }, block_size, medium)
+                    self.inner.lock().stored(&refs, parent, Tokens::Invalid { len, message }, block_size, medium, &extras)
                 }
             }
         };

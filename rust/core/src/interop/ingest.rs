@@ -42,18 +42,26 @@ impl ChainHasher {
         }
     }
 
-    fn hash(&self, tokens: &[u32], parent: Option<BlockHash>) -> Result<Vec<BlockHash>, HashError> {
+    /// The chain of `tokens`' blocks; `extras` (one entry per block, or fewer) folded in.
+    /// Without any extra, one call over every block (the common case).
+    fn hash(&self, tokens: &[u32], parent: Option<BlockHash>, extras: &[Option<&[u8]>]) -> Result<Vec<BlockHash>, HashError> {
+        let plain = extras.iter().all(Option::is_none);
         match self {
             ChainHasher::Prefix(h) => {
                 h.check_parent(parent)?;
-                Ok(h.hash_tokens(tokens, parent))
+                if plain {
+                    Ok(h.hash_tokens(tokens, parent))
+                } else {
+                    h.hash_tokens_with_extras(tokens, parent, extras)
+                }
             }
             ChainHasher::Rfc(h) => {
                 let parent = match parent {
                     Some(p) => Some(u64::try_from(p).map_err(|_| HashError::ParentOutOfRange(p))?),
                     None => None,
                 };
-                Ok(h.hash_tokens(tokens, parent).into_iter().map(BlockHash::from).collect())
+                let got = if plain { h.hash_tokens(tokens, parent) } else { h.hash_tokens_with_extras(tokens, parent, extras)? };
+                Ok(got.into_iter().map(BlockHash::from).collect())
             }
         }
     }
@@ -88,7 +96,8 @@ pub struct IngestStats {
     pub resets: u64,
     /// `BlockStored` events whose parent we never saw (skipped: we cannot chain them).
     pub orphans: u64,
-    /// `BlockStored` events whose block size or token count does not fit our hasher.
+    /// `BlockStored` events whose block size or token count does not fit our hasher (or
+    /// with more `extra_keys` entries than blocks).
     pub mismatched: u64,
     /// Removed engine hashes we had no entry for.
     pub unknown_removed: u64,
@@ -294,7 +303,8 @@ impl EventIngestor {
                         TokenIds::Decoded(r) => Tokens::U32(&batch.tokens[r.clone()]),
                         TokenIds::Raw(b) => Tokens::Msgpack(b),
                     };
-                    self.stored(batch.hashes(&s.hashes), s.parent, tokens, s.block_size, s.medium)?
+                    let extras = batch.extras(&s.extras);
+                    self.stored(batch.hashes(&s.hashes), s.parent, tokens, s.block_size, s.medium, extras)?
                 }
                 Event::Removed(r) => self.removed(batch.hashes(&r.hashes), r.medium),
                 Event::Cleared => {
@@ -315,7 +325,8 @@ impl EventIngestor {
         self.stats.unknown_events += unknown;
     }
 
-    /// One `BlockStored`. `Ok(Some(name))`: medium `name` must be registered first
+    /// One `BlockStored`. `extras`: its `extra_keys` entries (one per block, as msgpack
+    /// bytes; none: empty). `Ok(Some(name))`: medium `name` must be registered first
     /// (nothing applied).
     pub fn stored(
         &mut self,
@@ -324,17 +335,19 @@ impl EventIngestor {
         tokens: Tokens<'_>,
         block_size: i128,
         medium: Option<&str>,
+        extras: &[Option<&[u8]>],
     ) -> Result<Option<String>, IngestError> {
         let n = hashes.len();
         if n == 0 {
             return Ok(None);
         }
         let mut toks = std::mem::take(&mut self.toks);
-        let got = self.stored_with(hashes, parent, &tokens, &mut toks, block_size, medium);
+        let got = self.stored_with(hashes, parent, &tokens, &mut toks, block_size, medium, extras);
         self.toks = toks;
         got
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn stored_with(
         &mut self,
         hashes: &[KeyRef<'_>],
@@ -343,6 +356,7 @@ impl EventIngestor {
         scratch: &mut Vec<u32>,
         block_size: i128,
         medium: Option<&str>,
+        extras: &[Option<&[u8]>],
     ) -> Result<Option<String>, IngestError> {
         let n = hashes.len();
         let bs = self.block_size;
@@ -354,7 +368,7 @@ impl EventIngestor {
             Tokens::U32(t) => t.len(),
             Tokens::Invalid { len, .. } => *len,
         };
-        if (block_size != 0 && block_size != bs as i128) || Some(len) != n.checked_mul(bs) {
+        if (block_size != 0 && block_size != bs as i128) || Some(len) != n.checked_mul(bs) || extras.len() > n {
             self.stats.mismatched += 1;
             return Ok(None);
         }
@@ -381,7 +395,7 @@ impl EventIngestor {
             Tokens::U32(t) => t,
             Tokens::Invalid { message, .. } => return Err(IngestError::Tokens(message.clone())),
         };
-        let ours = self.hasher.hash(toks, parent).map_err(|e| IngestError::Tokens(e.to_string()))?;
+        let ours = self.hasher.hash(toks, parent, extras).map_err(|e| IngestError::Tokens(e.to_string()))?;
         let mut replaced = std::mem::take(&mut self.replaced);
         replaced.clear();
         self.map.store(hashes, &ours, 1 << bit, &mut replaced);
