@@ -223,22 +223,33 @@ def post(url: str, path: str, body: dict, stream: bool = False) -> tuple[str, st
     return upstream, "".join(chunks[:-1])
 
 
+def stored_blocks(proxy_url: str, name: str) -> int:
+    """How many blocks the proxy's router has ingested from upstream ``name``'s events."""
+    with urllib.request.urlopen(proxy_url + "/stats", timeout=10) as r:
+        return int(json.loads(r.read())[name]["ingest"]["stored_blocks"])
+
+
+def seeded(proxy_url: str, name: str, send, blocks: int) -> None:
+    """Run ``send`` (a request straight to upstream ``name``) and wait until the router
+    has ingested the ``blocks`` blocks it stored (events take their time under load)."""
+    before = stored_blocks(proxy_url, name)
+    send()
+    wait_for(lambda: stored_blocks(proxy_url, name) >= before + blocks, timeout_s=30,
+             what=f"the router to see {blocks} new blocks on {name}")
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_serve_upstream_sends_shared_prefixes_to_their_holder(vllm_pair, proxy, stream):
     servers = dict(zip("ab", vllm_pair))
     seed = 20 + int(stream) * 10
     for holder in "ba":  # b first: a fresh router would pick a on a tie
         doc = prompt(seed + ord(holder), 12 * BS)
-        servers[holder].complete(doc, max_tokens=1)  # seeded directly, not through the proxy
+        # Seeded directly, not through the proxy: only the engine's events can tell the router.
+        seeded(proxy, holder, lambda: servers[holder].complete(doc, max_tokens=1), 11)
         for i in range(3):
             follow = doc + prompt(seed + 100 + i, 17)
             got, _ = post(proxy, "/v1/completions", {"model": MODEL_NAME, "prompt": follow, "max_tokens": 2,
                                                      "temperature": 0, "ignore_eos": True}, stream)
-            if i == 0 and got != holder:
-                # The holder's events may still be in flight right after seeding: allow them a moment, once.
-                time.sleep(1.0)
-                got, _ = post(proxy, "/v1/completions", {"model": MODEL_NAME, "prompt": follow, "max_tokens": 2,
-                                                         "temperature": 0, "ignore_eos": True}, stream)
             assert got == holder, f"a follow-up of a prefix held by {holder} went to {got}"
 
 
@@ -246,8 +257,8 @@ def test_serve_upstream_routes_chat_follow_ups(vllm_pair, proxy):
     _, b = vllm_pair
     system = " ".join(["the quick brown fox jumps over the lazy dog"] * 30)
     first = [{"role": "system", "content": system}, {"role": "user", "content": "hello world"}]
-    b.post("/v1/chat/completions", {"model": MODEL_NAME, "messages": first, "max_tokens": 1, "temperature": 0})
-    time.sleep(1.0)
+    seeded(proxy, "b", lambda: b.post("/v1/chat/completions", {"model": MODEL_NAME, "messages": first,
+                                                               "max_tokens": 1, "temperature": 0}), 2)
     for stream in (False, True):
         follow = first + [{"role": "assistant", "content": "hello cluster"},
                           {"role": "user", "content": "a cache of keys" + (" again" if stream else "")}]
