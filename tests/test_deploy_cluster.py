@@ -27,6 +27,7 @@ pytest.importorskip("torch")
 
 from deploy_helpers import Deployment, make_hosts, wait_until  # noqa: E402
 from etcd_helpers import EtcdServer, etcd_binary  # noqa: E402
+from netns_helpers import require  # noqa: E402
 from serving_helpers import BLOCK, reference_outputs, shared_prefix_prompts  # noqa: E402
 
 import mooncake_rs as mc  # noqa: E402
@@ -202,7 +203,7 @@ def test_sigkill_a_decode_worker_mid_request(dep):
 
 def test_a_host_gone_from_the_network(dep):
     if not dep.hosts.netns:
-        pytest.skip("needs network namespaces (a loopback address cannot be cut off)")
+        require()  # a loopback address cannot be cut off: skip, or fail where namespaces are required
     c = dep.client_
     dep.hosts.cut(P1)  # no FIN, no RST: silence
     t0 = time.monotonic()
