@@ -244,14 +244,12 @@ class Cluster(RoutedCluster):
     # ---- construction
     @staticmethod
     def _model_config(model: Any) -> Any:
-        from ..engine.config import ModelConfig
+        from ..engine.config import ModelConfig, model_dir_config
 
         if isinstance(model, ModelConfig):
             return model
         if isinstance(model, (str, Path)) and Path(model).is_dir():
-            import json
-
-            return ModelConfig.from_hf_config(json.loads((Path(model) / "config.json").read_text()))
+            return model_dir_config(model)
         return ModelConfig.preset(str(model))
 
     @classmethod
