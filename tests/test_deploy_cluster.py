@@ -181,15 +181,16 @@ def test_a_worker_with_the_wrong_token_is_refused(dep, tmp_path: Path):
     c = dep.client_
     bad = tmp_path / "bad-token"
     bad.write_text("not-the-cluster-token-at-all-000")
-    dep.worker("intruder", SPARE, "prefill", port=7010, token_file=bad)
-    # it registers (etcd is no secret here) but the conductor's handshake refuses it
-    assert dep.wait_log("intruder", "registered", 60), dep.log_tail()
+    p = dep.worker("intruder", SPARE, "prefill", port=7010, token_file=bad)
+    # it proves its token to the leader before registering: refused, it exits 2 with one
+    # line that says so, and never registers (the leader logs the refusal too)
+    assert p.wait(120) == 2, dep.log_tail()
+    log = dep.logs["intruder"].read_text()
+    assert "refused this worker's cluster token" in log and "registered" not in log, log
     assert wait_until(lambda: any("refused" in dep.logs[s].read_text(errors="replace") for s in dep.serves), 20), \
         dep.log_tail()
     assert "intruder" not in _names(c)
     assert c.generate([[1, 2, 3]], GREEDY, timeout_s=60)[0].token_ids == reference_outputs([[1, 2, 3]], GREEDY)[0]
-    dep.procs["intruder"].terminate()
-    assert dep.procs["intruder"].wait(20) == 0
     # a client with the wrong token is refused too, with a typed error
     with pytest.raises(mc.Unauthorized):
         mc.Cluster.connect(address=c.address, auth_token="not-the-cluster-token-at-all-000")
