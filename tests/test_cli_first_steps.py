@@ -23,7 +23,7 @@ def _one_line(err: str) -> str:
 def test_make_model_writes_a_directory_serve_and_the_engine_take(tmp_path: Path, capsys) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("tokenizers")
-    from mooncake_rs.engine.config import model_dir_config
+    from mooncake_rs.base.model_config import model_dir_config
     from mooncake_rs.text import Tokenizer
 
     d = tmp_path / "tiny"
@@ -64,7 +64,7 @@ def test_a_bad_model_directory_is_one_line_before_anything_starts(tmp_path: Path
 
 def test_a_preset_gets_a_byte_level_front(tmp_path: Path) -> None:
     pytest.importorskip("tokenizers")
-    from mooncake_rs.engine.config import PRESETS
+    from mooncake_rs.base.model_config import PRESETS
     from mooncake_rs.http.front import Frontend
     from mooncake_rs.models.tiny import front_dir
     from mooncake_rs.text import Tokenizer

@@ -66,16 +66,16 @@ from .errors import (
 )
 
 if TYPE_CHECKING:  # loaded on first access (see __getattr__); torch-free either way
-    from .engine.config import ModelConfig
-    from .engine.layout import BlockLayout
-    from .engine.outputs import RequestOutput
-    from .engine.params import SamplingParams
+    from .base.model_config import ModelConfig
+    from .base.layout import BlockLayout
+    from .base.outputs import RequestOutput
+    from .base.params import SamplingParams
 
 _logging.configure()
 
 #: client types (torch-free modules of the engine package), loaded on first access
-_CLIENT_TYPES = {"SamplingParams": ".engine.params", "RequestOutput": ".engine.outputs",
-                 "BlockLayout": ".engine.layout", "ModelConfig": ".engine.config"}
+_CLIENT_TYPES = {"SamplingParams": ".base.params", "RequestOutput": ".base.outputs",
+                 "BlockLayout": ".base.layout", "ModelConfig": ".base.model_config"}
 
 __all__ = [
     "__version__",

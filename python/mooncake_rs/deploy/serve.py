@@ -57,7 +57,7 @@ def _http_front(service: object, args: argparse.Namespace) -> Any:
     from ..http.front import Frontend
     from ..http.server import ServerThread
 
-    from ..engine.config import PRESETS
+    from ..base.model_config import PRESETS
     from ..models.tiny import front_dir
 
     api_key = args.api_key or os.environ.get("MOONCAKE_API_KEY") or None

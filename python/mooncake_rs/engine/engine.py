@@ -19,14 +19,16 @@ import torch
 from ..errors import InvalidArgument
 from .attention import BatchMeta, make_backend
 from .backend_choice import resolve_dtype
-from .config import DTYPES, ModelConfig
+from ..base.model_config import DTYPES, ModelConfig
 from .handoff import HandoffMixin
-from .kv_cache import BlockLayout, KVCache
+from ..base.layout import BlockLayout
+from .kv_cache import KVCache
 from .model import LlamaModel
-from .outputs import LayerEvent, RequestOutput, TokenEvent
-from .sampler import Sampler, SamplingParams
+from ..base.outputs import LayerEvent, RequestOutput, TokenEvent
+from ..base.params import SamplingParams
+from .sampler import Sampler
 from .scheduler import Request, RequestStatus, Scheduler
-from .tokens import prompt_tokens, token_id  # prompt_tokens: re-exported, its old home
+from .tokens import prompt_tokens, token_id
 from .weights import load_hf_dir, random_weights, torch_dtype
 
 __all__ = ["Engine"]

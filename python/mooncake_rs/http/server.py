@@ -142,7 +142,7 @@ def serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from ..engine.config import PRESETS
+    from ..base.model_config import PRESETS
     from ..models.tiny import front_dir
     from ..serving import Cluster
     from .app import create_app

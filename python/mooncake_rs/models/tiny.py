@@ -149,7 +149,7 @@ def front_dir(model: str, scratch: str | Path, *, weights: bool = True) -> Path:
     :class:`InvalidArgument` with a one-line reason."""
     import os
 
-    from ..engine.config import PRESETS, model_dir_config
+    from ..base.model_config import PRESETS, model_dir_config
 
     if model in PRESETS and not os.path.isdir(model):
         cfg = PRESETS[model]

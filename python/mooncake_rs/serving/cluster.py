@@ -244,7 +244,7 @@ class Cluster(RoutedCluster):
     # ---- construction
     @staticmethod
     def _model_config(model: Any) -> Any:
-        from ..engine.config import ModelConfig, model_dir_config
+        from ..base.model_config import ModelConfig, model_dir_config
 
         if isinstance(model, ModelConfig):
             return model
@@ -254,7 +254,7 @@ class Cluster(RoutedCluster):
 
     @classmethod
     def _block_bytes(cls, model: Any, block_size: int) -> int:
-        from ..engine.layout import BlockLayout
+        from ..base.layout import BlockLayout
 
         return BlockLayout.for_model(cls._model_config(model), block_size, "float32").block_nbytes
 
