@@ -1,16 +1,16 @@
-//! Conversions at the Python boundary: token sequences (lists or any buffer) and
-//! 128-bit block hashes (Python ints).
+//! Conversions at the Python boundary: token sequences (lists or any buffer),
+//! 128-bit block hashes (Python ints) and storage tier names.
 
 use std::ffi::CStr;
 use std::os::raw::c_int;
 
-use mooncake_core::BlockHash;
+use mooncake_core::{BlockHash, Tier};
 use pyo3::exceptions::PyTypeError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
-use crate::errors::invalid;
+use crate::errors::{invalid, to_pyerr};
 
 /// A read-only, C-contiguous buffer export, released on drop (with the GIL held: it
 /// never leaves the calling thread, so it cannot outlive the attached section).
@@ -421,4 +421,10 @@ pub fn hashes_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockHash>> {
         out.push(hash_from_py(&x?)?);
     }
     Ok(out)
+}
+
+/// A tier name (`"dram"`, `"ssd"`) → `Tier`; an unknown name is an `InvalidArgument`
+/// that lists the known ones (the core's own error).
+pub fn parse_tier(py: Python<'_>, tier: &str) -> PyResult<Tier> {
+    Tier::parse(tier).map_err(|e| to_pyerr(py, &e))
 }
