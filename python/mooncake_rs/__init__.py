@@ -64,6 +64,7 @@ from .errors import (
     TransferTimeout,
     Unauthorized,
 )
+from .errors import __all__ as _error_names
 
 if TYPE_CHECKING:  # loaded on first access (see __getattr__); torch-free either way
     from .base.model_config import ModelConfig
@@ -122,18 +123,8 @@ __all__ = [
     "BatchCompletion",
     # serving (lazy: see __getattr__)
     "Cluster",
-    # errors
-    "MooncakeError",
-    "InvalidArgument",
-    "StoreFull",
-    "BlockNotFound",
-    "StoreIOError",
-    "TransferFailed",
-    "TransferTimeout",
-    "Overloaded",
-    "ServiceUnavailable",
-    "Unauthorized",
-    "InternalError",
+    # errors: every class of the exception tree (named once, in errors.py)
+    *_error_names,
     # client types (torch-free; lazy: see __getattr__)
     "SamplingParams",
     "RequestOutput",
