@@ -7,8 +7,8 @@ ints or strings such as ``"4GB"``).
 Which pool it opens:
 - ``metadata_server`` or ``master_server_address`` an ``etcd://HOST:PORT`` URL: the
   deployment of ``mooncake-rs store`` nodes registered there (cluster token from
-  ``MOONCAKE_RS_AUTH_TOKEN`` or the file named by ``MOONCAKE_RS_AUTH_TOKEN_FILE``; pool
-  prefix ``MOONCAKE_RS_POOL_PREFIX``, default ``/mooncake-pool``);
+  ``MOONCAKE_AUTH_TOKEN`` or the file named by ``MOONCAKE_AUTH_TOKEN_FILE``; cluster name
+  ``MOONCAKE_CLUSTER``, default ``default``, as the nodes' ``--cluster``);
 - anything else (``P2PHANDSHAKE``, an HTTP metadata URL, a master address): an embedded
   pool of ``global_segment_size`` bytes in this process, no etcd, no network.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 from ..errors import InvalidArgument
 
-__all__ = ["SetupConfig", "parse_size", "etcd_url_of", "auth_token_from_env"]
+__all__ = ["SetupConfig", "parse_size", "etcd_url_of", "auth_token_from_env", "pool_prefix"]
 
 _UNITS = {"": 1, "b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30, "tb": 1 << 40}
 
@@ -91,14 +91,21 @@ def etcd_url_of(cfg: SetupConfig) -> str | None:
 
 
 def auth_token_from_env() -> str | None:
-    tok = os.environ.get("MOONCAKE_RS_AUTH_TOKEN")
+    tok = os.environ.get("MOONCAKE_AUTH_TOKEN")
     if tok:
-        return tok
-    path = os.environ.get("MOONCAKE_RS_AUTH_TOKEN_FILE")
+        return tok.strip()
+    path = os.environ.get("MOONCAKE_AUTH_TOKEN_FILE")
     if path:
         try:
             with open(path) as f:
                 return f.read().strip()
         except OSError as e:
-            raise InvalidArgument(f"cannot read MOONCAKE_RS_AUTH_TOKEN_FILE {path!r}: {e}") from e
+            raise InvalidArgument(f"cannot read MOONCAKE_AUTH_TOKEN_FILE {path!r}: {e}") from e
     return None
+
+
+def pool_prefix() -> str:
+    """The etcd prefix of the cluster named by ``MOONCAKE_CLUSTER`` (the nodes' --cluster)."""
+    from ..deploy.settings import cluster_prefix
+
+    return cluster_prefix(os.environ.get("MOONCAKE_CLUSTER", "default"))

@@ -62,6 +62,8 @@ class DistributedStore:
     def __init__(self, backend: object) -> None:
         self._backend = backend
         self._buffers = RegisteredBuffers()
+        if hasattr(backend, "buffers"):
+            backend.buffers = self._buffers  # the backend finds the caller's registered regions here
         self._lock = threading.Lock()
         self.closed = False
 
@@ -74,7 +76,7 @@ class DistributedStore:
         return cls(LocalBackend(seg))
 
     @classmethod
-    def connect(cls, etcd: str, *, auth_token: str | bytes | None = None, prefix: str = "/mooncake-pool",
+    def connect(cls, etcd: str, *, auth_token: str | bytes | None = None, prefix: str = "/mooncake/default",
                 name: str | None = None, wait_nodes: int = 1, timeout_s: float = 10.0,
                 io_timeout_s: float = 5.0) -> "DistributedStore":
         from .remote import RemoteBackend

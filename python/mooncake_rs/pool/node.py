@@ -1,0 +1,200 @@
+"""A store node (``mooncake-rs store``): contributes one ObjectSegment (DRAM + SSD tier) to
+the pool, serves the control protocol (protocol.py) on an authenticated listener, lets
+clients' transfer engines write into reserved slots and read leased ones, registers in
+etcd under a lease, and serves ``/metrics``.
+
+The segment's stores are shared-memory mappings registered with the node's transfer
+engine: a client on another host reaches them over TCP, one on this host can map them
+(the engine's shm path, one copy by the client).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from .._core import TransferEngine
+from ..deploy.auth_socket import AuthListener
+from ..deploy.etcd import EtcdClient
+from ..errors import InvalidArgument, MooncakeError
+from .members import NodeRegistration, StoreNodeRecord
+from .metrics import prometheus_text, segment_metrics
+from .protocol import (Answer, Commit, Exists, Failure, FrameIO, Leased, Lookup, Release, Remove, RemoveAll, Request,
+                       Reserve, Reserved, Sizes, Stats)
+from .segment import DEFAULT_CHUNK_BYTES, Lease, ObjectSegment, Reservation
+from .status import KeyStatus
+
+__all__ = ["StoreNode"]
+
+log = logging.getLogger("mooncake_rs.pool")
+
+
+class _Conn:
+    """What one client connection holds: its reservations and leases."""
+
+    def __init__(self) -> None:
+        self.reservations: dict[int, Reservation] = {}
+        self.leases: dict[int, Lease] = {}
+
+
+class StoreNode:
+    def __init__(self, *, name: str, listen: str, dram_bytes: int, auth_token: str, ssd_path: str | None = None,
+                 ssd_bytes: int = 0, transfer_listen: str | None = None, metrics_listen: str | None = None,
+                 etcd: str | None = None, prefix: str = "/mooncake/default", ttl_s: int = 3,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, transports: tuple[str, ...] = ("tcp", "shm")) -> None:
+        host, _, port = listen.rpartition(":")
+        if not host or not port.isdigit():
+            raise InvalidArgument(f"--listen must be HOST:PORT, got {listen!r}")
+        self.name = name
+        self.segment = ObjectSegment(dram_bytes, ssd_path=ssd_path, ssd_bytes=ssd_bytes, chunk_bytes=chunk_bytes,
+                                     shared_memory=True)
+        self.te = TransferEngine(f"store-{name}", listen=transfer_listen or f"{host}:0", auth_token=auth_token,
+                                 transports=list(transports))
+        # peers write reserved slots and read leased ones; the store decides which are which
+        self.regions = [self.te.register(sc.store) for sc in self.segment.classes]
+        self._ids = itertools.count(1)
+        self._closed = threading.Event()
+        self.listener = AuthListener(host, int(port), auth_token, self._serve)
+        self.address = self.listener.address
+        self._http = _metrics_server(metrics_listen or f"{host}:0", self)
+        self.metrics_address = "{}:{}".format(*self._http.server_address[:2])
+        threading.Thread(target=self._http.serve_forever, name="mooncake-store-metrics", daemon=True).start()
+        self.record = StoreNodeRecord(name=name, control=self.address, transfer=self.te.address,
+                                      metrics=self.metrics_address, dram_bytes=dram_bytes, ssd_bytes=ssd_bytes)
+        self.registration = NodeRegistration(EtcdClient(etcd), prefix, self.record, ttl_s=ttl_s) if etcd else None
+
+    # ---- one connection
+    def _serve(self, sock: socket.socket, peer: str) -> None:
+        io = FrameIO(sock, Request)
+        conn = _Conn()
+        try:
+            while not self._closed.is_set():
+                msg = io.recv()
+                try:
+                    reply = self._handle(msg, conn)
+                except MooncakeError as e:
+                    reply = Failure(msg.rid, type(e).__name__, str(e))
+                io.send(reply)
+        except EOFError:
+            pass
+        except (OSError, InvalidArgument) as e:
+            log.warning("store node %s: connection from %s ended: %s", self.name, peer, e)
+        finally:
+            for r in conn.reservations.values():
+                self.segment.abort(r)
+            for lease in conn.leases.values():
+                lease.release()
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def _handle(self, msg: object, conn: _Conn) -> object:
+        seg = self.segment
+        if isinstance(msg, Reserve):
+            if len(msg.keys) != len(msg.sizes):
+                raise InvalidArgument("reserve: keys and sizes differ in length")
+            st, ids, regions, chunk, offsets = [], [], [], [], []
+            for key, size in zip(msg.keys, msg.sizes):
+                r = seg.reserve(key, size, msg.pin)
+                if isinstance(r, Reservation):
+                    pid = next(self._ids)
+                    conn.reservations[pid] = r
+                    st.append(0), ids.append(pid), regions.append(self.regions[r.meta.cls].id)
+                    chunk.append(seg.classes[r.meta.cls].chunk_bytes), offsets.append(r.offsets)
+                else:
+                    st.append(int(r)), ids.append(0), regions.append(0), chunk.append(0), offsets.append([])
+            return Reserved(msg.rid, st, ids, regions, chunk, offsets)
+        if isinstance(msg, Commit):
+            out = []
+            for pid, ok in zip(msg.put_ids, msg.ok):
+                r = conn.reservations.pop(pid, None)
+                if r is None:
+                    out.append(int(KeyStatus.INVALID))
+                elif ok:
+                    out.append(int(seg.commit(r)))
+                else:
+                    seg.abort(r)
+                    out.append(int(KeyStatus.TRANSFER_FAILED))
+            return Answer(msg.rid, out)
+        if isinstance(msg, Lookup):
+            st, ids, sizes, regions, chunk, offsets = [], [], [], [], [], []
+            for key in msg.keys:
+                lease = seg.lease(key)
+                if isinstance(lease, Lease):
+                    lid = next(self._ids)
+                    conn.leases[lid] = lease
+                    m = lease.meta
+                    st.append(0), ids.append(lid), sizes.append(m.size), regions.append(self.regions[m.cls].id)
+                    chunk.append(seg.classes[m.cls].chunk_bytes), offsets.append(list(lease.offsets))
+                else:
+                    st.append(int(lease)), ids.append(0), sizes.append(0), regions.append(0), chunk.append(0)
+                    offsets.append([])
+            return Leased(msg.rid, st, ids, sizes, regions, chunk, offsets)
+        if isinstance(msg, Release):
+            for lid in msg.lease_ids:
+                lease = conn.leases.pop(lid, None)
+                if lease is not None:
+                    lease.release()
+            return Answer(msg.rid)
+        if isinstance(msg, Exists):
+            seg.reap_evicted()
+            return Answer(msg.rid, [1 if seg.exists(k) else 0 for k in msg.keys])
+        if isinstance(msg, Sizes):
+            return Answer(msg.rid, [int(KeyStatus.MISSING) if (n := seg.size_of(k)) is None else n for k in msg.keys])
+        if isinstance(msg, Remove):
+            return Answer(msg.rid, [1 if seg.remove(k) else 0 for k in msg.keys])
+        if isinstance(msg, RemoveAll):
+            return Answer(msg.rid, [seg.remove_all()])
+        if isinstance(msg, Stats):
+            return Answer(msg.rid, metrics=segment_metrics(seg).as_dict())
+        raise InvalidArgument(f"unexpected message {type(msg).__name__}")
+
+    def metrics_text(self) -> str:
+        return prometheus_text(segment_metrics(self.segment), {"node": self.name})
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        if self.registration is not None:
+            self.registration.close()
+        self.listener.close()
+        self._http.shutdown()
+        self._http.server_close()
+        self.te.close()
+
+    def __enter__(self) -> "StoreNode":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _metrics_server(address: str, node: StoreNode) -> ThreadingHTTPServer:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise InvalidArgument(f"--metrics must be HOST:PORT, got {address!r}")
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if self.path.split("?")[0] != "/metrics":
+                self.send_error(404, "only /metrics here")
+                return
+            body = node.metrics_text().encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    try:
+        return ThreadingHTTPServer((host, int(port)), Handler)
+    except OSError as e:
+        raise InvalidArgument(f"cannot serve /metrics on {address}: {e}") from e
