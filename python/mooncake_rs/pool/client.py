@@ -78,11 +78,12 @@ class DistributedStore:
     @classmethod
     def connect(cls, etcd: str, *, auth_token: str | bytes | None = None, prefix: str = "/mooncake/default",
                 name: str | None = None, wait_nodes: int = 1, timeout_s: float = 10.0,
-                io_timeout_s: float = 5.0) -> "DistributedStore":
+                io_timeout_s: float = 5.0, transports: tuple[str, ...] = ("tcp", "shm")) -> "DistributedStore":
+        """``transports``: ("tcp",) makes every byte cross TCP even to a node on this host."""
         from .remote import RemoteBackend
 
         return cls(RemoteBackend(etcd, auth_token=auth_token, prefix=prefix, name=name, wait_nodes=wait_nodes,
-                                 timeout_s=timeout_s, io_timeout_s=io_timeout_s))
+                                 timeout_s=timeout_s, io_timeout_s=io_timeout_s, transports=tuple(transports)))
 
     # ---- buffers
     def register_buffer(self, ptr: int, size: int) -> None:
