@@ -8,7 +8,9 @@ Which pool it opens:
 - ``metadata_server`` or ``master_server_address`` an ``etcd://HOST:PORT`` URL: the
   deployment of ``mooncake-rs store`` nodes registered there (cluster token from
   ``MOONCAKE_AUTH_TOKEN`` or the file named by ``MOONCAKE_AUTH_TOKEN_FILE``; cluster name
-  ``MOONCAKE_CLUSTER``, default ``default``, as the nodes' ``--cluster``);
+  ``MOONCAKE_CLUSTER``, default ``default``, as the nodes' ``--cluster``; transports
+  ``MOONCAKE_RS_TRANSPORTS``, default ``tcp,shm``: ``tcp`` alone sends every byte over
+  TCP even to a node on this host);
 - anything else (``P2PHANDSHAKE``, an HTTP metadata URL, a master address): an embedded
   pool of ``global_segment_size`` bytes in this process, no etcd, no network.
 """
@@ -23,7 +25,7 @@ from typing import Any
 
 from ..errors import InvalidArgument
 
-__all__ = ["SetupConfig", "parse_size", "etcd_url_of", "auth_token_from_env", "pool_prefix"]
+__all__ = ["SetupConfig", "parse_size", "etcd_url_of", "auth_token_from_env", "pool_prefix", "transports_from_env"]
 
 _UNITS = {"": 1, "b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30, "tb": 1 << 40}
 
@@ -109,3 +111,11 @@ def pool_prefix() -> str:
     from ..deploy.settings import cluster_prefix
 
     return cluster_prefix(os.environ.get("MOONCAKE_CLUSTER", "default"))
+
+
+def transports_from_env() -> tuple[str, ...]:
+    raw = os.environ.get("MOONCAKE_RS_TRANSPORTS", "tcp,shm")
+    names = tuple(t.strip() for t in raw.split(",") if t.strip())
+    if not names or any(t not in ("tcp", "shm") for t in names):
+        raise InvalidArgument(f"MOONCAKE_RS_TRANSPORTS lists tcp and/or shm, got {raw!r}")
+    return names
