@@ -114,3 +114,16 @@ def test_bad_arguments_are_codes_not_exceptions():
     assert s.put_batch(["a"], [b""]) == -600
     buf = np.zeros(64, np.uint8)
     assert s.batch_get_into([""], [buf.ctypes.data], [64]) == [-600]
+
+
+def test_lmcache_calls_put_parts_and_batch_get_buffer():
+    from mooncake_rs.compat.mooncake_store import MooncakeDistributedStore
+
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", "x") == 0
+    head, body = b"H" * 28, np.arange(100000, dtype=np.uint8) % 251
+    assert s.put_parts("lm", head, body) == 0
+    got = s.batch_get_buffer(["lm", "missing"])
+    assert got[1] is None and bytes(got[0]) == head + body.tobytes()
+    assert s.upsert("lm", b"new") == 0 and s.get("lm") == b"new"
+    assert s.get_buffer("missing") is None

@@ -172,3 +172,19 @@ def test_a_full_pool_returns_minus_200_and_recovers_after_removals(pool):
     out = np.zeros(val.nbytes, np.uint8)
     assert f.get_into("more", out.ctypes.data, out.nbytes) == val.nbytes and (out == val).all()
     f.close()
+
+
+def test_small_values_travel_inline_large_ones_by_transfer_same_bytes(pool):
+    hosts, url, cluster, _ = pool
+    sizes = {f"s{n}": n for n in (1, 100, 4095, 4096, 4097, 8191, 65536 + 3)}
+    with client(url, cluster) as w:
+        vals = {k: value_of(k, n) for k, n in sizes.items()}
+        assert w.batch_put_from(list(vals), [[v.ctypes.data] for v in vals.values()],
+                                [[v.nbytes] for v in vals.values()], replicas=2) == [KeyStatus.OK] * len(vals)
+    with client(url, cluster) as r:
+        got = read_all(r, sizes)
+        assert all(got[k] == vals[k].tobytes() for k in sizes)
+        assert r.batch_get_bytes(list(sizes) + ["absent"]) == [vals[k].tobytes() for k in sizes] + [None]
+        # pieces smaller than the value: refused, not truncated
+        small = np.zeros(10, np.uint8)
+        assert r.batch_get_into(["s100"], [[small.ctypes.data]], [[10]]) == [KeyStatus.INVALID]

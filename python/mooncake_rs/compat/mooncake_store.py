@@ -169,18 +169,47 @@ class MooncakeDistributedStore:
         if self._store is None:
             return [b""] * len(keys)
         try:
-            sizes = self._store.batch_sizes(list(keys))
+            return [v if v is not None else b"" for v in self._store.batch_get_bytes(list(keys))]
         except MooncakeError:
             return [b""] * len(keys)
-        outs = [bytearray(n or 0) for n in sizes]
-        live = [i for i, n in enumerate(sizes) if n]
+
+    def put_parts(self, key: str, *parts: Any, config: ReplicateConfig | None = None) -> int:
+        """One value made of several buffers, stored as their concatenation (LMCache
+        writes a metadata header and the KV bytes this way)."""
+        if self._store is None:
+            return NOT_SET_UP
+        held = [_addr(p) for p in parts]
+        if not held or sum(a.size for a, _ in held) == 0:
+            return INVALID_PARAMS
+        live = [(a, p) for a, p in held if a.size]
+        return self._batch_put([key], [[p for _, p in live]], [[a.size for a, _ in live]], config)[0]
+
+    def upsert(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
+        """Replaces the value (remove, then put: a reader in between sees the key missing)."""
+        if self._store is None:
+            return NOT_SET_UP
+        self.remove(key)
+        return self.put(key, value, config)
+
+    def get_buffer(self, key: str) -> bytearray | None:
+        return self.batch_get_buffer([key])[0]
+
+    def batch_get_buffer(self, keys: Sequence[str]) -> list[bytearray | None]:
+        """Each value as a buffer object, None when missing (LMCache reads these)."""
+        if self._store is None:
+            return [None] * len(keys)
+        try:
+            sizes = self._store.batch_sizes(list(keys))
+        except MooncakeError:
+            return [None] * len(keys)
+        outs = [bytearray(n) if n else None for n in sizes]
+        live = [i for i, o in enumerate(outs) if o is not None]
         got = self._batch_get([keys[i] for i in live], [[_addr(outs[i])[1]] for i in live],
                               [[sizes[i]] for i in live]) if live else []
-        result = [b""] * len(keys)
         for i, g in zip(live, got):
-            if g >= 0:
-                result[i] = bytes(outs[i][:g])
-        return result
+            if g < 0:
+                outs[i] = None
+        return outs
 
     # ---- zero-copy API (memory by address)
     def register_buffer(self, buffer_ptr: int, size: int) -> int:

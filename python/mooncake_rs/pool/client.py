@@ -121,6 +121,23 @@ class DistributedStore:
             raise InvalidArgument(f"keys, ptrs and sizes differ in length: {len(keys)}, {len(ptrs)}, {len(sizes)}")
         return self._backend.get_many(keys, [list(p) for p in ptrs], [list(s) for s in sizes])
 
+    def batch_get_bytes(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Each value as bytes, None for a key missing (or lost while read)."""
+        keys = [_check_key(k) for k in keys]
+        fast = getattr(self._backend, "get_bytes_many", None)
+        if fast is not None:
+            return fast(keys)
+        sizes = self._backend.size_many(keys)
+        outs = [bytearray(n or 0) for n in sizes]
+        live = [i for i, n in enumerate(sizes) if n]
+        got = self._backend.get_many([keys[i] for i in live], [[_address_of(outs[i])[1]] for i in live],
+                                     [[sizes[i]] for i in live]) if live else []
+        result: list[bytes | None] = [None] * len(keys)
+        for i, g in zip(live, got):
+            if g >= 0:
+                result[i] = bytes(outs[i][:g])
+        return result
+
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return self._backend.exists_many([_check_key(k) for k in keys])
 
@@ -141,13 +158,10 @@ class DistributedStore:
         _raise_for(self.batch_put_from([key], [[ptr]], [[size]], replicas=replicas, pin=pin)[0], key)
 
     def get(self, key: str) -> bytes:
-        size = self.size(key)
-        out = bytearray(size)
-        arr, ptr = _address_of(out)
-        got = self.batch_get_into([key], [[ptr]], [[size]])[0]
-        if got < 0:
-            _raise_for(got, key)
-        return bytes(out[:got])
+        value = self.batch_get_bytes([key])[0]
+        if value is None:
+            raise BlockNotFound(f"key {key!r} is not in the pool")
+        return value
 
     def get_into(self, key: str, ptr: int, size: int) -> int:
         got = self.batch_get_into([key], [[ptr]], [[size]])[0]

@@ -25,6 +25,13 @@ class LocalBackend:
         seg = self.segment
         return [seg.get_into(k, p, s) for k, p, s in zip(keys, ptrs, sizes)]
 
+    def get_bytes_many(self, keys: list[str]) -> list[bytes | None]:
+        out = []
+        for k in keys:
+            v = self.segment.get_bytes(k)
+            out.append(v if isinstance(v, bytes) else None)
+        return out
+
     def exists_many(self, keys: list[str]) -> list[bool]:
         self.segment.reap_evicted()
         ex = self.segment.exists

@@ -16,14 +16,16 @@ import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import numpy as np
+
 from .._core import TransferEngine
 from ..deploy.auth_socket import AuthListener
 from ..deploy.etcd import EtcdClient
 from ..errors import InvalidArgument, MooncakeError
 from .members import NodeRegistration, StoreNodeRecord
 from .metrics import prometheus_text, segment_metrics
-from .protocol import (Answer, Commit, Exists, Failure, FrameIO, Leased, Lookup, Release, Remove, RemoveAll, Request,
-                       Reserve, Reserved, Sizes, Stats)
+from .protocol import (INLINE_MAX, Answer, Commit, Exists, Failure, FrameIO, Leased, Lookup, PutInline, Release,
+                       Remove, RemoveAll, Request, Reserve, Reserved, Sizes, Stats)
 from .segment import DEFAULT_CHUNK_BYTES, Lease, ObjectSegment, Reservation
 from .status import KeyStatus
 
@@ -120,9 +122,27 @@ class StoreNode:
                     seg.abort(r)
                     out.append(int(KeyStatus.TRANSFER_FAILED))
             return Answer(msg.rid, out)
+        if isinstance(msg, PutInline):
+            if len(msg.keys) != len(msg.values) or any(len(v) > INLINE_MAX for v in msg.values):
+                raise InvalidArgument(f"put_inline: one value per key, each at most {INLINE_MAX} bytes")
+            out = []
+            for key, value in zip(msg.keys, msg.values):
+                arr = np.frombuffer(value, dtype=np.uint8)
+                out.append(int(seg.put_from(key, [arr.ctypes.data], [arr.size], msg.pin)) if arr.size
+                           else int(KeyStatus.INVALID))
+            return Answer(msg.rid, out)
         if isinstance(msg, Lookup):
-            st, ids, sizes, regions, chunk, offsets = [], [], [], [], [], []
+            st, ids, sizes, regions, chunk, offsets, data = [], [], [], [], [], [], []
+            inline = min(msg.inline_max, INLINE_MAX)
             for key in msg.keys:
+                size = seg.size_of(key)
+                if size is not None and size <= inline:
+                    v = seg.get_bytes(key)
+                    if isinstance(v, bytes):
+                        st.append(0), ids.append(0), sizes.append(len(v)), regions.append(0), chunk.append(0)
+                        offsets.append([]), data.append(v)
+                        continue
+                data.append(b"")
                 lease = seg.lease(key)
                 if isinstance(lease, Lease):
                     lid = next(self._ids)
@@ -133,7 +153,7 @@ class StoreNode:
                 else:
                     st.append(int(lease)), ids.append(0), sizes.append(0), regions.append(0), chunk.append(0)
                     offsets.append([])
-            return Leased(msg.rid, st, ids, sizes, regions, chunk, offsets)
+            return Leased(msg.rid, st, ids, sizes, regions, chunk, offsets, data)
         if isinstance(msg, Release):
             for lid in msg.lease_ids:
                 lease = conn.leases.pop(lid, None)

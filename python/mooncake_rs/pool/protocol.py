@@ -21,10 +21,12 @@ import msgspec
 
 from ..errors import InvalidArgument
 
-__all__ = ["Reserve", "Commit", "Lookup", "Release", "Exists", "Sizes", "Remove", "RemoveAll", "Stats",
+__all__ = ["INLINE_MAX", "Reserve", "Commit", "PutInline", "Lookup", "Release", "Exists", "Sizes", "Remove", "RemoveAll", "Stats",
            "Reserved", "Leased", "Answer", "Failure", "Request", "Reply", "FrameIO", "MAX_FRAME"]
 
 MAX_FRAME = 64 << 20
+#: values up to this size travel inside control messages (PutInline, Lookup.inline_max)
+INLINE_MAX = 4096
 _HDR = struct.Struct(">I")
 
 
@@ -49,9 +51,22 @@ class Commit(_M, frozen=True, tag="commit"):
     ok: list[bool]
 
 
-class Lookup(_M, frozen=True, tag="lookup"):
+class PutInline(_M, frozen=True, tag="put_inline"):
+    """Small values (at most ``INLINE_MAX`` bytes each) carried in the message itself: one
+    round trip instead of reserve + transfer + commit."""
+
     rid: int
     keys: list[str]
+    values: list[bytes]
+    pin: bool = False
+
+
+class Lookup(_M, frozen=True, tag="lookup"):
+    """``inline_max``: objects up to this size come back in ``Leased.data`` (no lease)."""
+
+    rid: int
+    keys: list[str]
+    inline_max: int = 0
 
 
 class Release(_M, frozen=True, tag="release"):
@@ -104,6 +119,7 @@ class Leased(_M, frozen=True, tag="leased"):
     regions: list[int]
     chunk_bytes: list[int]
     offsets: list[list[int]]
+    data: list[bytes] = []
 
 
 class Answer(_M, frozen=True, tag="answer"):
@@ -118,7 +134,7 @@ class Failure(_M, frozen=True, tag="failure"):
     message: str
 
 
-Request = Union[Reserve, Commit, Lookup, Release, Exists, Sizes, Remove, RemoveAll, Stats]
+Request = Union[Reserve, Commit, PutInline, Lookup, Release, Exists, Sizes, Remove, RemoveAll, Stats]
 Reply = Union[Reserved, Leased, Answer, Failure]
 
 

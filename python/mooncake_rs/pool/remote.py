@@ -14,6 +14,7 @@ every live node was asked; never another key's bytes (chunk keys are unique per 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import secrets
@@ -22,16 +23,20 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
+import numpy as np
+
 from .._core import Region, TransferEngine, TransferRequest
 from ..deploy.etcd import EtcdClient
 from ..deploy.settings import read_token
 from ..errors import ServiceUnavailable
-from .buffers import RegisteredBuffer, RegisteredBuffers, view_at
+from .buffers import RegisteredBuffer, RegisteredBuffers, scatter, view_at
 from .links import NodeDown, NodeLink
 from .members import NodeDirectory
 from .metrics import PoolMetrics
 from .placement import rank_nodes
-from .protocol import Commit, Exists, Leased, Lookup, Release, Remove, RemoveAll, Reserve, Reserved, Sizes, Stats
+from .segment import clip_sizes
+from .protocol import (INLINE_MAX, Commit, Exists, Leased, Lookup, PutInline, Release, Remove, RemoveAll, Reserve,
+                       Reserved, Sizes, Stats)
 from .status import KeyStatus
 
 __all__ = ["RemoteBackend"]
@@ -150,7 +155,24 @@ class RemoteBackend:
         temps: list[Region] = []
         pending = []  # (node, idx, reserved, batch)
         try:
-            for node, idx in by_node.items():
+            for node, all_idx in by_node.items():
+                small = [i for i in all_idx if 0 < totals[i] <= INLINE_MAX]
+                if small:
+                    values = [b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs[i], sizes[i])) for i in small]
+                    try:
+                        res = self._call(node, PutInline, keys=[keys[i] for i in small], values=values,
+                                         pin=pin).values
+                    except NodeDown as e:
+                        log.warning("put: %s", e)
+                        res = [int(KeyStatus.RPC_FAILED)] * len(small)
+                    for i, st in zip(small, res):
+                        if st == 0:
+                            done[i] += 1
+                        else:
+                            errors[i] = errors[i] or KeyStatus(st)
+                idx = [i for i in all_idx if not 0 < totals[i] <= INLINE_MAX]
+                if not idx:
+                    continue
                 try:
                     rep: Reserved = self._call(node, Reserve, keys=[keys[i] for i in idx],
                                                sizes=[totals[i] for i in idx], pin=pin)
@@ -229,7 +251,7 @@ class RemoteBackend:
                 inflight = []
                 for node, idx in by_node.items():
                     try:
-                        rep: Leased = self._call(node, Lookup, keys=[keys[i] for i in idx])
+                        rep: Leased = self._call(node, Lookup, keys=[keys[i] for i in idx], inline_max=INLINE_MAX)
                     except NodeDown as e:
                         log.warning("get: %s", e)
                         self.replicas_lost += len(idx)
@@ -240,6 +262,13 @@ class RemoteBackend:
                     for j, i in enumerate(idx):
                         if rep.statuses[j] != 0:
                             todo.append(i)
+                            continue
+                        if rep.lease_ids[j] == 0:  # a small value, in the answer itself
+                            if sum(sizes[i]) < rep.sizes[j]:
+                                result[i] = int(KeyStatus.INVALID)
+                            else:
+                                scatter(np.frombuffer(rep.data[j], dtype=np.uint8), ptrs[i], clip_sizes(sizes[i], rep.sizes[j]))
+                                result[i] = rep.sizes[j]
                             continue
                         leases.append(rep.lease_ids[j])
                         if sum(sizes[i]) < rep.sizes[j]:
@@ -273,6 +302,49 @@ class RemoteBackend:
             for r in temps:
                 self.te.unregister(r)
         return result
+
+    def get_bytes_many(self, keys: list[str]) -> list[bytes | None]:
+        """Small values come back inside the lookup (one round trip); larger ones are read
+        by ``get_many`` into buffers of the size the lookup reported."""
+        live = self._live()
+        ranks = [rank_nodes(k, live) for k in keys]
+        out: list[bytes | None] = [None] * len(keys)
+        large: dict[int, int] = {}
+        todo = list(range(len(keys)))
+        for rnd in range(len(live)):
+            by_node: dict[str, list[int]] = defaultdict(list)
+            for i in todo:
+                by_node[ranks[i][rnd]].append(i)
+            todo = []
+            for node, idx in by_node.items():
+                try:
+                    rep: Leased = self._call(node, Lookup, keys=[keys[i] for i in idx], inline_max=INLINE_MAX)
+                except NodeDown:
+                    self.replicas_lost += len(idx)
+                    todo.extend(idx)
+                    continue
+                leases = [lid for lid in rep.lease_ids if lid]
+                if leases:
+                    try:
+                        self._call(node, Release, lease_ids=leases)
+                    except NodeDown:
+                        pass
+                for j, i in enumerate(idx):
+                    if rep.statuses[j] != 0:
+                        todo.append(i)
+                    elif rep.lease_ids[j] == 0:
+                        out[i] = bytes(rep.data[j])
+                    else:
+                        large[i] = rep.sizes[j]
+            if not todo:
+                break
+        if large:
+            idx = list(large)
+            bufs = [np.empty(large[i], dtype=np.uint8) for i in idx]
+            got = self.get_many([keys[i] for i in idx], [[b.ctypes.data] for b in bufs], [[b.nbytes] for b in bufs])
+            for i, b, g in zip(idx, bufs, got):
+                out[i] = b.tobytes() if g == b.nbytes else None
+        return out
 
     # ---- metadata
     def _ask_ranked(self, keys: list[str], make: type, found: Callable[[int], bool]) -> list[int]:

@@ -20,6 +20,7 @@ Rules kept here:
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from dataclasses import dataclass, field
@@ -121,6 +122,7 @@ class ObjectSegment:
         self._lock = threading.Lock()
         self._objects: dict[str, ObjectMeta] = {}
         self._by_oid: dict[int, str] = {}
+        self._since_reap = 0
         self.counters = SegmentCounters()
 
     # ---- helpers
@@ -169,8 +171,16 @@ class ObjectSegment:
             self.counters.puts_existing += 1
         return KeyStatus.OK
 
+    def _maybe_reap(self) -> None:
+        """After every 64 writes: reads and existence checks find a lost chunk themselves,
+        this only keeps the table (and the event log) from carrying the dead for long."""
+        self._since_reap += 1
+        if self._since_reap >= 64:
+            self.reap_evicted()
+
     def reap_evicted(self) -> int:
         """Drops every object that lost a chunk to eviction (from the stores' events)."""
+        self._since_reap = 0
         dropped = 0
         for sc in self.classes:
             oids = evicted_oids(sc.store.drain_events_batch().to_bytes(), sc.ssd)
@@ -201,7 +211,11 @@ class ObjectSegment:
         keys = chunk_keys(meta.oid, n)
         full = size // cb
         try:
-            if len(ptrs) == 1 and full:
+            if n == 1 and len(ptrs) == 1 and size < cb:  # a small value: one padded slot
+                pad = np.zeros(cb, dtype=np.uint8)
+                ctypes.memmove(pad.ctypes.data, ptrs[0], size)
+                sc.store.put(meta.oid, pad)
+            elif len(ptrs) == 1 and full:
                 sc.store.put_many(keys[:full], view_at(ptrs[0], full * cb))
                 tail = size - full * cb
                 if tail:
@@ -224,8 +238,25 @@ class ObjectSegment:
             self.counters.puts_no_space += 1
             return KeyStatus.NO_SPACE
         st = self._publish(key, meta)
-        self.reap_evicted()
+        self._maybe_reap()
         return st
+
+    def get_bytes(self, key: str) -> bytes | KeyStatus:
+        """The value as bytes (one copy out of the slots), or MISSING."""
+        meta = self._objects.get(key)
+        if meta is None:
+            self.counters.misses += 1
+            return KeyStatus.MISSING
+        if meta.nchunks == 1:
+            blk = self.classes[meta.cls].store.get(meta.oid)
+            if blk is not None:
+                with blk:
+                    data = bytes(memoryview(blk)[: meta.size])
+                self.counters.hits += 1
+                return data
+        out = np.empty(meta.size, dtype=np.uint8)
+        got = self.get_into(key, [out.ctypes.data], [meta.size])
+        return out.tobytes() if got >= 0 else KeyStatus(got)
 
     def get_into(self, key: str, ptrs: list[int], sizes: list[int]) -> int:
         """Bytes read (the object's size), or a negative KeyStatus."""
@@ -255,7 +286,7 @@ class ObjectSegment:
             staging = np.empty(n * cb, dtype=np.uint8)
             ok = all(sc.store.get_many_into(keys, staging))
             if ok:
-                scatter(staging[:size], ptrs, _clip(sizes, size))
+                scatter(staging[:size], ptrs, clip_sizes(sizes, size))
         if not ok:
             self.counters.failed_reads += 1
             with self._lock:
@@ -307,7 +338,7 @@ class ObjectSegment:
             self.counters.puts_no_space += 1
             return KeyStatus.NO_SPACE
         st = self._publish(res.key, res.meta)
-        self.reap_evicted()
+        self._maybe_reap()
         return st
 
     def abort(self, res: Reservation) -> None:
@@ -378,7 +409,7 @@ class ObjectSegment:
             sc.store.check_integrity()
 
 
-def _clip(sizes: list[int], total: int) -> list[int]:
+def clip_sizes(sizes: list[int], total: int) -> list[int]:
     """The piece sizes that cover the first ``total`` bytes."""
     out, left = [], total
     for n in sizes:
