@@ -143,6 +143,10 @@ class StoreNode:
                         offsets.append([]), data.append(v)
                         continue
                 data.append(b"")
+                if size is not None and not msg.lease_large:
+                    st.append(0), ids.append(0), sizes.append(size), regions.append(0), chunk.append(0)
+                    offsets.append([])
+                    continue
                 lease = seg.lease(key)
                 if isinstance(lease, Lease):
                     lid = next(self._ids)

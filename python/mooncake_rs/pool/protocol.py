@@ -62,11 +62,13 @@ class PutInline(_M, frozen=True, tag="put_inline"):
 
 
 class Lookup(_M, frozen=True, tag="lookup"):
-    """``inline_max``: objects up to this size come back in ``Leased.data`` (no lease)."""
+    """``inline_max``: objects up to this size come back in ``Leased.data`` (no lease);
+    ``lease_large`` False: larger ones are only sized (status OK, lease id 0, no data)."""
 
     rid: int
     keys: list[str]
     inline_max: int = 0
+    lease_large: bool = True
 
 
 class Release(_M, frozen=True, tag="release"):

@@ -318,21 +318,16 @@ class RemoteBackend:
             todo = []
             for node, idx in by_node.items():
                 try:
-                    rep: Leased = self._call(node, Lookup, keys=[keys[i] for i in idx], inline_max=INLINE_MAX)
+                    rep: Leased = self._call(node, Lookup, keys=[keys[i] for i in idx], inline_max=INLINE_MAX,
+                                             lease_large=False)
                 except NodeDown:
                     self.replicas_lost += len(idx)
                     todo.extend(idx)
                     continue
-                leases = [lid for lid in rep.lease_ids if lid]
-                if leases:
-                    try:
-                        self._call(node, Release, lease_ids=leases)
-                    except NodeDown:
-                        pass
                 for j, i in enumerate(idx):
                     if rep.statuses[j] != 0:
                         todo.append(i)
-                    elif rep.lease_ids[j] == 0:
+                    elif rep.sizes[j] <= INLINE_MAX:
                         out[i] = bytes(rep.data[j])
                     else:
                         large[i] = rep.sizes[j]

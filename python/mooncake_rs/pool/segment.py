@@ -226,6 +226,13 @@ class ObjectSegment:
                 staging = np.zeros(n * cb, dtype=np.uint8)
                 gather(ptrs, sizes, staging)
                 sc.store.put_many(keys, staging)
+            # a value close to the class's size can push out its own first chunks while
+            # its last ones go in: check they are all there before publishing it
+            run = sc.store.lookup_prefix_run(keys, promote=False)
+            whole = len(run) == n
+            run.release()
+            if not whole:
+                raise StoreFull("the value did not fit beside what is leased, pinned or reserved")
             if pin:
                 for i in range(n):
                     sc.store.pin(chunk_key(meta.oid, i))
