@@ -154,10 +154,14 @@ class MooncakeDistributedStore:
             return NOT_SET_UP
         if len(keys) != len(values):
             return INVALID_PARAMS
-        held = [_addr(v) for v in values]
-        if any(a.size == 0 for a, _ in held):
+        try:
+            if any(memoryview(v).nbytes == 0 for v in values):
+                return INVALID_PARAMS
+            replicas, pin = _opts(config)
+            res = [int(r) for r in self._store.batch_put_values(list(keys), list(values), replicas=replicas, pin=pin)]
+        except (MooncakeError, TypeError) as e:
+            log.error("put of %d keys failed: %s", len(keys), e)
             return INVALID_PARAMS
-        res = self._batch_put(list(keys), [[p] for _, p in held], [[a.size] for a, _ in held], config)
         bad = [r for r in res if r != OK]
         return bad[0] if bad else OK
 

@@ -11,7 +11,8 @@ store's key-buffer form, so no Python int is made per chunk.
 
 from __future__ import annotations
 
-import secrets
+import os
+import random
 
 import numpy as np
 
@@ -25,8 +26,12 @@ _EVENT = np.dtype([("kind", "u1"), ("tier", "u1"), ("lo", "<u8"), ("hi", "<u8")]
 _EVICTED, _SSD = 1, 1
 
 
+# ids need to be unique, not secret: a PRNG seeded from the OS, no syscall per put
+_rng = random.Random(os.urandom(32))
+
+
 def new_oid() -> int:
-    return secrets.randbits(128) & ~_CHUNK_MASK
+    return _rng.getrandbits(128) & ~_CHUNK_MASK
 
 
 def chunk_keys(oid: int, n: int) -> np.ndarray:

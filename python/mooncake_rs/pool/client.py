@@ -114,6 +114,22 @@ class DistributedStore:
             raise InvalidArgument(f"replicas must be an int >= 1, got {replicas!r}")
         return self._backend.put_many(keys, [list(p) for p in ptrs], [list(s) for s in sizes], replicas, pin)
 
+    def batch_put_values(self, keys: Sequence[str], values: Sequence[object], *, replicas: int = 1,
+                         pin: bool = False) -> list[KeyStatus]:
+        """Stores each key's value given as a buffer (bytes, numpy, memoryview...)."""
+        keys = [_check_key(k) for k in keys]
+        if len(keys) != len(values):
+            raise InvalidArgument(f"keys and values differ in length: {len(keys)}, {len(values)}")
+        if not isinstance(replicas, int) or replicas < 1:
+            raise InvalidArgument(f"replicas must be an int >= 1, got {replicas!r}")
+        if any(memoryview(v).nbytes == 0 for v in values):
+            raise InvalidArgument("an empty value cannot be stored")
+        fast = getattr(self._backend, "put_values", None)
+        if fast is not None:
+            return fast(keys, list(values), replicas, pin)
+        held = [_address_of(v) for v in values]
+        return self._backend.put_many(keys, [[p] for _, p in held], [[a.size] for a, _ in held], replicas, pin)
+
     def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[Pieces], sizes: Sequence[Pieces]) -> list[int]:
         """Reads each key into its pieces: the value's size, or a negative KeyStatus."""
         keys = [_check_key(k) for k in keys]
@@ -149,10 +165,9 @@ class DistributedStore:
 
     # ---- single keys (typed exceptions)
     def put(self, key: str, value: object, *, replicas: int = 1, pin: bool = False) -> None:
-        arr, ptr = _address_of(value)
-        if arr.size == 0:
+        if memoryview(value).nbytes == 0:
             raise InvalidArgument(f"an empty value cannot be stored (key {key!r})")
-        _raise_for(self.batch_put_from([key], [[ptr]], [[arr.size]], replicas=replicas, pin=pin)[0], key)
+        _raise_for(self.batch_put_values([key], [value], replicas=replicas, pin=pin)[0], key)
 
     def put_from(self, key: str, ptr: int, size: int, *, replicas: int = 1, pin: bool = False) -> None:
         _raise_for(self.batch_put_from([key], [[ptr]], [[size]], replicas=replicas, pin=pin)[0], key)

@@ -21,6 +21,10 @@ class LocalBackend:
         seg = self.segment
         return [seg.put_from(k, p, s, pin) for k, p, s in zip(keys, ptrs, sizes)]
 
+    def put_values(self, keys: list[str], values: list[object], replicas: int, pin: bool) -> list[KeyStatus]:
+        seg = self.segment
+        return [seg.put_value(k, v, pin) for k, v in zip(keys, values)]
+
     def get_many(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
         seg = self.segment
         return [seg.get_into(k, p, s) for k, p, s in zip(keys, ptrs, sizes)]

@@ -24,6 +24,7 @@ import ctypes
 import os
 import threading
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -39,8 +40,7 @@ DEFAULT_CHUNK_BYTES = 256 << 10
 DEFAULT_SMALL_BYTES = 4 << 10
 
 
-@dataclass(frozen=True)
-class ObjectMeta:
+class ObjectMeta(NamedTuple):
     oid: int
     size: int
     cls: int
@@ -208,14 +208,14 @@ class ObjectSegment:
             return meta
         sc = self.classes[meta.cls]
         cb, size, n = sc.chunk_bytes, meta.size, meta.nchunks
+        if n == 1 and size < cb:  # a small value: one padded slot, nothing to chunk
+            pad = np.zeros(cb, dtype=np.uint8)
+            gather(ptrs, sizes, pad)
+            return self._put_one(key, meta, pad)
         keys = chunk_keys(meta.oid, n)
         full = size // cb
         try:
-            if n == 1 and len(ptrs) == 1 and size < cb:  # a small value: one padded slot
-                pad = np.zeros(cb, dtype=np.uint8)
-                ctypes.memmove(pad.ctypes.data, ptrs[0], size)
-                sc.store.put(meta.oid, pad)
-            elif len(ptrs) == 1 and full:
+            if len(ptrs) == 1 and full:
                 sc.store.put_many(keys[:full], view_at(ptrs[0], full * cb))
                 tail = size - full * cb
                 if tail:
@@ -241,6 +241,38 @@ class ObjectSegment:
             self.counters.puts_no_space += 1
             return KeyStatus.NO_SPACE
         except Exception:  # noqa: BLE001 - a chunk evicted before its pin: no room kept
+            self._drop_chunks(meta)
+            self.counters.puts_no_space += 1
+            return KeyStatus.NO_SPACE
+        st = self._publish(key, meta)
+        self._maybe_reap()
+        return st
+
+    def put_value(self, key: str, value: bytes, pin: bool = False) -> KeyStatus:
+        """A value given as bytes; one that fits a small slot costs one store call."""
+        if key in self._objects:
+            self.counters.puts_existing += 1
+            return KeyStatus.OK
+        if not isinstance(value, (bytes, bytearray)):
+            value = memoryview(value).cast("B")
+        size = len(value)
+        sc0 = self.classes[0]
+        if 0 < size <= sc0.chunk_bytes:
+            if isinstance(value, memoryview):
+                value = value.tobytes()
+            meta = ObjectMeta(new_oid(), size, 0, 1, pin)
+            return self._put_one(key, meta, value + bytes(sc0.chunk_bytes - size) if size < sc0.chunk_bytes
+                                 else value)
+        arr = np.frombuffer(value, dtype=np.uint8)
+        return self.put_from(key, [arr.ctypes.data], [size], pin) if size else KeyStatus.INVALID
+
+    def _put_one(self, key: str, meta: ObjectMeta, slot: object) -> KeyStatus:
+        store = self.classes[meta.cls].store
+        try:
+            store.put(meta.oid, slot)
+            if meta.pinned:
+                store.pin(meta.oid)
+        except Exception:  # noqa: BLE001 - StoreFull, or evicted before its pin
             self._drop_chunks(meta)
             self.counters.puts_no_space += 1
             return KeyStatus.NO_SPACE
