@@ -112,20 +112,27 @@ def median_of(runs: list[dict], path: tuple[str, str]) -> float:
     return statistics.median(r[path[0]][path[1]] for r in runs)
 
 
+def ratio(runs: list[dict], a: str, b: str, name: str, name_b: str | None = None) -> float:
+    """The median over runs of each run's own ratio (robust to a load that drifts between
+    runs on a shared machine)."""
+    return statistics.median(r[a][name] / r[b][name_b or name] for r in runs)
+
+
 def table(runs: list[dict], title: str, with_te: bool) -> str:
     rows = [f"### {title} (median of {len(runs)} runs)", "",
-            "| operation | ours | Mooncake Store | ours / Mooncake |" + (" TE TCP | ours / TE |" if with_te else ""),
+            "| operation | ours | Mooncake Store | ours / Mooncake (median of per-run ratios) |"
+            + (" TE TCP | ours / TE |" if with_te else ""),
             "|---|---|---|---|" + ("---|---|" if with_te else "")]
     for name in runs[0]["ours"]:
         o, m = median_of(runs, ("ours", name)), median_of(runs, ("mooncake", name))
         unit = "GB/s" if name.startswith("batch_put_from") or name.startswith("batch_get_into") else "ops/s"
         fmt = (lambda x: f"{x:.2f} {unit}") if unit == "GB/s" else (lambda x: f"{x:,.0f} {unit}")
-        line = f"| {name} | {fmt(o)} | {fmt(m)} | {o / m:.2f}x |"
+        line = f"| {name} | {fmt(o)} | {fmt(m)} | {ratio(runs, 'ours', 'mooncake', name):.2f}x |"
         if with_te:
             te_name = name.replace("batch_put_from", "te write").replace("batch_get_into", "te read")
             if te_name in runs[0].get("te", {}):
                 t = median_of(runs, ("te", te_name))
-                line += f" {t:.2f} GB/s | {o / t:.2f}x |"
+                line += f" {t:.2f} GB/s | {ratio(runs, 'ours', 'te', name, te_name):.2f}x |"
             else:
                 line += " | |"
         rows.append(line)
