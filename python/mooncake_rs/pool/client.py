@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import BlockNotFound, InvalidArgument, StoreFull, TransferFailed
+from .backend import Backend
 from .buffers import RegisteredBuffer, RegisteredBuffers
 from .local import LocalBackend
 from .metrics import PoolMetrics, prometheus_text
@@ -59,11 +60,10 @@ def _address_of(value: object) -> tuple[np.ndarray, int]:
 
 
 class DistributedStore:
-    def __init__(self, backend: object) -> None:
+    def __init__(self, backend: Backend) -> None:
         self._backend = backend
         self._buffers = RegisteredBuffers()
-        if hasattr(backend, "buffers"):
-            backend.buffers = self._buffers  # the backend finds the caller's registered regions here
+        backend.buffers = self._buffers  # the backend finds the caller's registered regions here
         self._lock = threading.Lock()
         self.closed = False
 
@@ -140,19 +140,7 @@ class DistributedStore:
     def batch_get_bytes(self, keys: Sequence[str]) -> list[bytes | None]:
         """Each value as bytes, None for a key missing (or lost while read)."""
         keys = [_check_key(k) for k in keys]
-        fast = getattr(self._backend, "get_bytes_many", None)
-        if fast is not None:
-            return fast(keys)
-        sizes = self._backend.size_many(keys)
-        outs = [bytearray(n or 0) for n in sizes]
-        live = [i for i, n in enumerate(sizes) if n]
-        got = self._backend.get_many([keys[i] for i in live], [[_address_of(outs[i])[1]] for i in live],
-                                     [[sizes[i]] for i in live]) if live else []
-        result: list[bytes | None] = [None] * len(keys)
-        for i, g in zip(live, got):
-            if g >= 0:
-                result[i] = bytes(outs[i][:g])
-        return result
+        return self._backend.get_bytes_many(keys)
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return self._backend.exists_many([_check_key(k) for k in keys])
@@ -207,7 +195,7 @@ class DistributedStore:
         return prometheus_text(self.metrics())
 
     @property
-    def backend(self) -> object:
+    def backend(self) -> Backend:
         return self._backend
 
     def close(self) -> None:

@@ -3,7 +3,7 @@ new user gets). Bytes move by memcpy between the caller's memory and the store's
 
 from __future__ import annotations
 
-from .buffers import RegisteredBuffer
+from .buffers import RegisteredBuffer, RegisteredBuffers
 from .metrics import PoolMetrics, segment_metrics
 from .segment import ObjectSegment
 from .status import KeyStatus
@@ -15,6 +15,7 @@ class LocalBackend:
     def __init__(self, segment: ObjectSegment) -> None:
         self.segment = segment
         self.name = "local"
+        self.buffers = RegisteredBuffers()
 
     def put_many(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]], replicas: int,
                  pin: bool) -> list[KeyStatus]:

@@ -16,8 +16,6 @@ import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import numpy as np
-
 from .._core import TransferEngine
 from ..deploy.auth_socket import AuthListener
 from ..deploy.etcd import EtcdClient
@@ -26,7 +24,8 @@ from .members import NodeRegistration, StoreNodeRecord
 from .metrics import prometheus_text, segment_metrics
 from .protocol import (INLINE_MAX, Answer, Commit, Exists, Failure, FrameIO, Leased, Lookup, PutInline, Release,
                        Remove, RemoveAll, Request, Reserve, Reserved, Sizes, Stats)
-from .segment import DEFAULT_CHUNK_BYTES, Lease, ObjectSegment, Reservation
+from .objects import Lease, Reservation
+from .segment import DEFAULT_CHUNK_BYTES, ObjectSegment
 from .status import KeyStatus
 
 __all__ = ["StoreNode"]
@@ -97,78 +96,38 @@ class StoreNode:
     def _handle(self, msg: object, conn: _Conn) -> object:
         seg = self.segment
         if isinstance(msg, Reserve):
-            if len(msg.keys) != len(msg.sizes):
-                raise InvalidArgument("reserve: keys and sizes differ in length")
-            st, ids, regions, chunk, offsets = [], [], [], [], []
-            for key, size in zip(msg.keys, msg.sizes):
-                r = seg.reserve(key, size, msg.pin)
-                if isinstance(r, Reservation):
-                    pid = next(self._ids)
-                    conn.reservations[pid] = r
-                    st.append(0), ids.append(pid), regions.append(self.regions[r.meta.cls].id)
-                    chunk.append(seg.classes[r.meta.cls].chunk_bytes), offsets.append(r.offsets)
-                else:
-                    st.append(int(r)), ids.append(0), regions.append(0), chunk.append(0), offsets.append([])
-            return Reserved(msg.rid, st, ids, regions, chunk, offsets)
+            return self._reserve(msg, conn)
         if isinstance(msg, Commit):
             out = []
             for pid, ok in zip(msg.put_ids, msg.ok):
-                r = conn.reservations.pop(pid, None)
-                if r is None:
+                res = conn.reservations.pop(pid, None)
+                if res is None:
                     out.append(int(KeyStatus.INVALID))
                 elif ok:
-                    out.append(int(seg.commit(r)))
+                    out.append(int(seg.commit(res)))
                 else:
-                    seg.abort(r)
+                    seg.abort(res)
                     out.append(int(KeyStatus.TRANSFER_FAILED))
             return Answer(msg.rid, out)
         if isinstance(msg, PutInline):
             if len(msg.keys) != len(msg.values) or any(len(v) > INLINE_MAX for v in msg.values):
                 raise InvalidArgument(f"put_inline: one value per key, each at most {INLINE_MAX} bytes")
-            out = []
-            for key, value in zip(msg.keys, msg.values):
-                arr = np.frombuffer(value, dtype=np.uint8)
-                out.append(int(seg.put_from(key, [arr.ctypes.data], [arr.size], msg.pin)) if arr.size
-                           else int(KeyStatus.INVALID))
-            return Answer(msg.rid, out)
+            return Answer(msg.rid, [int(seg.put_value(k, v, msg.pin)) if v else int(KeyStatus.INVALID)
+                                    for k, v in zip(msg.keys, msg.values)])
         if isinstance(msg, Lookup):
-            st, ids, sizes, regions, chunk, offsets, data = [], [], [], [], [], [], []
-            inline = min(msg.inline_max, INLINE_MAX)
-            for key in msg.keys:
-                size = seg.size_of(key)
-                if size is not None and size <= inline:
-                    v = seg.get_bytes(key)
-                    if isinstance(v, bytes):
-                        st.append(0), ids.append(0), sizes.append(len(v)), regions.append(0), chunk.append(0)
-                        offsets.append([]), data.append(v)
-                        continue
-                data.append(b"")
-                if size is not None and not msg.lease_large:
-                    st.append(0), ids.append(0), sizes.append(size), regions.append(0), chunk.append(0)
-                    offsets.append([])
-                    continue
-                lease = seg.lease(key)
-                if isinstance(lease, Lease):
-                    lid = next(self._ids)
-                    conn.leases[lid] = lease
-                    m = lease.meta
-                    st.append(0), ids.append(lid), sizes.append(m.size), regions.append(self.regions[m.cls].id)
-                    chunk.append(seg.classes[m.cls].chunk_bytes), offsets.append(list(lease.offsets))
-                else:
-                    st.append(int(lease)), ids.append(0), sizes.append(0), regions.append(0), chunk.append(0)
-                    offsets.append([])
-            return Leased(msg.rid, st, ids, sizes, regions, chunk, offsets, data)
+            return self._lookup(msg, conn)
         if isinstance(msg, Release):
             for lid in msg.lease_ids:
-                lease = conn.leases.pop(lid, None)
-                if lease is not None:
-                    lease.release()
+                held = conn.leases.pop(lid, None)
+                if held is not None:
+                    held.release()
             return Answer(msg.rid)
         if isinstance(msg, Exists):
             seg.reap_evicted()
             return Answer(msg.rid, [1 if seg.exists(k) else 0 for k in msg.keys])
         if isinstance(msg, Sizes):
-            return Answer(msg.rid, [int(KeyStatus.MISSING) if (n := seg.size_of(k)) is None else n for k in msg.keys])
+            known = [seg.size_of(k) for k in msg.keys]
+            return Answer(msg.rid, [int(KeyStatus.MISSING) if n is None else n for n in known])
         if isinstance(msg, Remove):
             return Answer(msg.rid, [1 if seg.remove(k) else 0 for k in msg.keys])
         if isinstance(msg, RemoveAll):
@@ -176,6 +135,70 @@ class StoreNode:
         if isinstance(msg, Stats):
             return Answer(msg.rid, metrics=segment_metrics(seg).as_dict())
         raise InvalidArgument(f"unexpected message {type(msg).__name__}")
+
+    def _reserve(self, msg: Reserve, conn: _Conn) -> Reserved:
+        if len(msg.keys) != len(msg.sizes):
+            raise InvalidArgument("reserve: keys and sizes differ in length")
+        seg = self.segment
+        st, ids, regions, chunk, offsets = [], [], [], [], []
+        for key, size in zip(msg.keys, msg.sizes):
+            res = seg.reserve(key, size, msg.pin)
+            if isinstance(res, Reservation):
+                pid = next(self._ids)
+                conn.reservations[pid] = res
+                st.append(0)
+                ids.append(pid)
+                regions.append(self.regions[res.meta.cls].id)
+                chunk.append(seg.classes[res.meta.cls].chunk_bytes)
+                offsets.append(res.offsets)
+            else:  # OK with put id 0: held already; or why not
+                st.append(int(res))
+                ids.append(0)
+                regions.append(0)
+                chunk.append(0)
+                offsets.append([])
+        return Reserved(msg.rid, st, ids, regions, chunk, offsets)
+
+    def _lookup(self, msg: Lookup, conn: _Conn) -> Leased:
+        seg = self.segment
+        inline = min(msg.inline_max, INLINE_MAX)
+        st: list[int] = []
+        ids: list[int] = []
+        sizes: list[int] = []
+        regions: list[int] = []
+        chunk: list[int] = []
+        offsets: list[list[int]] = []
+        data: list[bytes] = []
+
+        def answer(status: int, lid: int = 0, size: int = 0, region: int = 0, cb: int = 0,
+                   offs: list[int] | None = None, value: bytes = b"") -> None:
+            st.append(status)
+            ids.append(lid)
+            sizes.append(size)
+            regions.append(region)
+            chunk.append(cb)
+            offsets.append(offs or [])
+            data.append(value)
+
+        for key in msg.keys:
+            size = seg.size_of(key)
+            if size is not None and size <= inline:
+                v = seg.get_bytes(key)
+                if isinstance(v, bytes):
+                    answer(0, size=len(v), value=v)  # small: the bytes themselves, no lease
+                    continue
+            if size is not None and not msg.lease_large:
+                answer(0, size=size)  # only sized: the client reads it with a leased lookup
+                continue
+            lease = seg.lease(key)
+            if isinstance(lease, Lease):
+                lid = next(self._ids)
+                conn.leases[lid] = lease
+                m = lease.meta
+                answer(0, lid, m.size, self.regions[m.cls].id, seg.classes[m.cls].chunk_bytes, list(lease.offsets))
+            else:
+                answer(int(lease))
+        return Leased(msg.rid, st, ids, sizes, regions, chunk, offsets, data)
 
     def metrics_text(self) -> str:
         return prometheus_text(segment_metrics(self.segment), {"node": self.name})

@@ -34,7 +34,7 @@ from .links import NodeDown, NodeLink
 from .members import NodeDirectory
 from .metrics import PoolMetrics
 from .placement import rank_nodes
-from .segment import clip_sizes
+from .objects import clip_sizes
 from .protocol import (INLINE_MAX, Commit, Exists, Leased, Lookup, PutInline, Release, Remove, RemoveAll, Reserve,
                        Reserved, Sizes, Stats)
 from .status import KeyStatus
@@ -182,6 +182,10 @@ class RemoteBackend:
                         errors[i] = errors[i] or KeyStatus.RPC_FAILED
                     continue
                 link = self._links.get(node)
+                if link is None:  # dropped by another thread since the answer: its reservations went with it
+                    for i in idx:
+                        errors[i] = errors[i] or KeyStatus.RPC_FAILED
+                    continue
                 reqs, owners = [], []
                 for j, i in enumerate(idx):
                     st = rep.statuses[j]
@@ -258,6 +262,9 @@ class RemoteBackend:
                         todo.extend(idx)
                         continue
                     link = self._links.get(node)
+                    if link is None:  # dropped by another thread since the answer: its leases went with it
+                        todo.extend(idx)
+                        continue
                     reqs, owners, leases = [], [], []
                     for j, i in enumerate(idx):
                         if rep.statuses[j] != 0:

@@ -23,75 +23,19 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 
-from .._core import Store
 from ..errors import InvalidArgument, StoreFull
 from .buffers import gather, scatter, view_at
 from .chunks import chunk_key, chunk_keys, evicted_oids, new_oid
+from .objects import Lease, ObjectMeta, Reservation, SegmentCounters, SizeClass, clip_sizes
 from .status import KeyStatus
 
-__all__ = ["ObjectSegment", "ObjectMeta", "Reservation", "Lease", "SegmentCounters"]
+__all__ = ["ObjectSegment", "ObjectMeta", "Reservation", "Lease", "SegmentCounters", "DEFAULT_CHUNK_BYTES"]
 
 DEFAULT_CHUNK_BYTES = 256 << 10
 DEFAULT_SMALL_BYTES = 4 << 10
-
-
-class ObjectMeta(NamedTuple):
-    oid: int
-    size: int
-    cls: int
-    nchunks: int
-    pinned: bool
-
-
-@dataclass
-class SegmentCounters:
-    puts: int = 0
-    puts_existing: int = 0
-    puts_no_space: int = 0
-    hits: int = 0
-    misses: int = 0
-    #: in the table, but a chunk was gone when read ("present but failed to read")
-    failed_reads: int = 0
-    objects_evicted: int = 0
-    removes: int = 0
-
-
-class _SizeClass:
-    def __init__(self, chunk_bytes: int, dram_bytes: int, ssd_path: str | None, ssd_bytes: int,
-                 eviction: str, shared_memory: bool) -> None:
-        self.chunk_bytes = chunk_bytes
-        self.ssd = bool(ssd_path and ssd_bytes)
-        self.store = Store(chunk_bytes, dram_bytes, ssd_path=ssd_path if self.ssd else None,
-                           ssd_bytes=ssd_bytes if self.ssd else 0, eviction=eviction, shared_memory=shared_memory)
-        st = self.store.stats()
-        self.capacity_chunks = st.slots_dram + st.slots_ssd
-
-
-@dataclass
-class Reservation:
-    """Slots reserved for one object a remote writer fills in place, then commits."""
-
-    key: str
-    meta: ObjectMeta
-    blocks: list = field(default_factory=list)  # WritableBlock per chunk
-    offsets: list[int] = field(default_factory=list)
-
-
-@dataclass
-class Lease:
-    """One object's chunks held for a remote reader (released by ``release()``)."""
-
-    meta: ObjectMeta
-    run: object  # LeasedRun
-    offsets: list[int]
-
-    def release(self) -> None:
-        self.run.release()
 
 
 class ObjectSegment:
@@ -114,8 +58,8 @@ class ObjectSegment:
             return p
 
         self.classes = [
-            _SizeClass(small_bytes, small_dram, sub("small"), small_ssd, eviction, shared_memory),
-            _SizeClass(chunk_bytes, dram_bytes - small_dram, sub("large"), ssd_bytes - small_ssd, eviction,
+            SizeClass(small_bytes, small_dram, sub("small"), small_ssd, eviction, shared_memory),
+            SizeClass(chunk_bytes, dram_bytes - small_dram, sub("large"), ssd_bytes - small_ssd, eviction,
                        shared_memory),
         ]
         self.dram_bytes, self.ssd_bytes = dram_bytes, ssd_bytes
@@ -446,13 +390,3 @@ class ObjectSegment:
     def check_integrity(self) -> None:
         for sc in self.classes:
             sc.store.check_integrity()
-
-
-def clip_sizes(sizes: list[int], total: int) -> list[int]:
-    """The piece sizes that cover the first ``total`` bytes."""
-    out, left = [], total
-    for n in sizes:
-        take = min(n, left)
-        out.append(take)
-        left -= take
-    return out
