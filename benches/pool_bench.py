@@ -125,7 +125,7 @@ def table(runs: list[dict], title: str, with_te: bool) -> str:
             "|---|---|---|---|" + ("---|---|" if with_te else "")]
     for name in runs[0]["ours"]:
         o, m = median_of(runs, ("ours", name)), median_of(runs, ("mooncake", name))
-        unit = "GB/s" if name.startswith("batch_put_from") or name.startswith("batch_get_into") else "ops/s"
+        unit = "GB/s" if name.startswith(("batch_put_from", "batch_get_into", "memcpy")) else "ops/s"
         fmt = (lambda x: f"{x:.2f} {unit}") if unit == "GB/s" else (lambda x: f"{x:,.0f} {unit}")
         line = f"| {name} | {fmt(o)} | {fmt(m)} | {ratio(runs, 'ours', 'mooncake', name):.2f}x |"
         if with_te:
