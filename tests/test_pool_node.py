@@ -125,3 +125,36 @@ def test_store_node_arguments_are_checked():
         StoreNode(name="x", listen="nohostport", dram_bytes=32 << 20, auth_token=TOKEN)
     with pytest.raises(InvalidArgument):
         StoreNode(name="x", listen="127.0.0.1:0", dram_bytes=32 << 20, auth_token="short")
+
+
+@pytest.mark.parametrize("transports", [("tcp",), ("tcp", "shm")])
+def test_pieces_across_chunk_boundaries_match_a_reference(etcd, node, transports):
+    """vLLM's shape: each key's value is several pieces (one per layer) whose boundaries
+    fall anywhere relative to the node's 64 KiB chunks; read back into other pieces."""
+    rng = np.random.default_rng(7)
+    with connect(etcd, transports=transports) as s:
+        src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+        s.register_buffer(src.ctypes.data, src.nbytes)  # registered: written in place
+        keys, ptrs, sizes, refs = [], [], [], []
+        for k in range(6):
+            cuts = np.sort(rng.choice(np.arange(1, 150_000), size=4, replace=False))
+            bounds = [0, *cuts.tolist(), 150_000 + 1000 * k]
+            base = k * 160_000
+            keys.append(f"mb{k}")
+            ptrs.append([src.ctypes.data + base + a for a in bounds[:-1]])
+            sizes.append([b - a for a, b in zip(bounds, bounds[1:])])
+            refs.append(src[base: base + bounds[-1]].copy())
+        assert s.batch_put_from(keys, ptrs, sizes) == [KeyStatus.OK] * len(keys)
+        dst = np.zeros(2 << 20, np.uint8)  # not registered: registered for the call only
+        out_ptrs, out_sizes, views = [], [], []
+        for k, ref in enumerate(refs):
+            pieces = [1000, 70_000, ref.size - 71_000]
+            base = k * 300_000
+            offs = [base, base + 2000, base + 80_000]  # gaps between the pieces
+            out_ptrs.append([dst.ctypes.data + o for o in offs])
+            out_sizes.append(pieces)
+            views.append([(o, n) for o, n in zip(offs, pieces)])
+        assert s.batch_get_into(keys, out_ptrs, out_sizes) == [r.size for r in refs]
+        for ref, parts in zip(refs, views):
+            got = np.concatenate([dst[o: o + n] for o, n in parts])
+            assert (got == ref).all()
