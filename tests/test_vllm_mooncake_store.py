@@ -88,5 +88,6 @@ def test_a_second_vllm_loads_the_first_ones_prefix_from_the_pool(vllm_model_dir,
         log = second.log_tail(200)
     finally:
         second.stop()
+    print(f"prompt {len(prompt)} tokens, second server cached_tokens={cached}, pool keys after the first={saved}")
     assert out_b["choices"][0]["text"] == out_a["choices"][0]["text"]
     assert cached >= 5 * BLOCK_SIZE, (cached, log)
