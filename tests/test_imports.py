@@ -305,3 +305,19 @@ def test_module_imports_alone(mod):
     if r.returncode and "No module named 'torch'" in r.stderr and importlib.util.find_spec("torch") is None:
         pytest.skip("needs torch, which is not installed")
     assert r.returncode == 0, f"`import {mod}` alone failed:\n{r.stderr[-3000:]}"
+
+
+def _in(mod: str, pkg: str) -> bool:
+    return mod == pkg or mod.startswith(pkg + ".")
+
+
+def test_the_pool_and_compat_layers_sit_on_top():
+    """``pool`` (the cluster-wide KV pool) and ``compat`` (the mooncake.store facade) call
+    the public API below them; nothing below imports them, and the pool never imports the
+    facade built on it."""
+    _, edges = import_graph()
+    pool, compat = f"{PKG}.pool", f"{PKG}.compat"
+    wrong = [e for e in edges
+             if (_in(e.dst, pool) and not (_in(e.src, pool) or _in(e.src, compat) or e.src == f"{PKG}.cli"))
+             or (_in(e.dst, compat) and not _in(e.src, compat))]
+    assert not wrong, "imports of pool/compat from below them:\n  " + "\n  ".join(map(str, wrong))

@@ -123,6 +123,8 @@ __all__ = [
     "BatchCompletion",
     # serving (lazy: see __getattr__)
     "Cluster",
+    # the cluster-wide KV pool (lazy: see __getattr__; docs/store-service.md)
+    "DistributedStore",
     # errors: every class of the exception tree (named once, in errors.py)
     *_error_names,
     # client types (torch-free; lazy: see __getattr__)
@@ -146,6 +148,11 @@ def __getattr__(name: str) -> object:
 
         serving = importlib.import_module(".serving", __name__)
         return serving if name == "serving" else serving.Cluster
+    # The cluster-wide pool sits above this package's core (nothing below imports it).
+    if name == "DistributedStore":
+        import importlib
+
+        return importlib.import_module(".pool", __name__).DistributedStore
     if name in _CLIENT_TYPES:
         import importlib
 

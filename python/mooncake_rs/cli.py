@@ -119,6 +119,12 @@ def _worker(args: argparse.Namespace) -> int:
     return run_worker(args)
 
 
+def _store(args: argparse.Namespace) -> int:
+    from .pool.serve_node import run_store
+
+    return run_store(args)
+
+
 def _indexer(args: argparse.Namespace) -> int:
     try:
         from .interop.http import serve
@@ -193,6 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_worker_arguments(worker)
     worker.set_defaults(func=_worker)
+    store = sub.add_parser("store", help="a store node of the cluster-wide KV pool (Mooncake-Store compatible "
+                                         "clients: mooncake_rs.compat)")
+    from .pool.serve_node import add_store_arguments
+
+    add_store_arguments(store)
+    store.set_defaults(func=_store)
     indexer = sub.add_parser("indexer", help="the Mooncake Conductor Indexer HTTP API: KV events in, prefix hits out")
     indexer.add_argument("--listen", default="127.0.0.1:8800", help="HOST:PORT to serve on (default 127.0.0.1:8800)")
     indexer.add_argument("--hash", choices=["rfc", "mooncake"], default="rfc",
