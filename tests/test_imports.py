@@ -229,7 +229,9 @@ LAYERS: list[set[str]] = [
     {"serving"},                                # the cluster
     {"http"},                                   # the OpenAI front over a cluster
     {"deploy"},                                 # across hosts: etcd, workers, serve --etcd
+    {"pool"},                                   # the cluster-wide KV pool (store nodes, DistributedStore)
     {"interop"},                                # KV events in and out, routing over engines we did not write
+    {"compat", "integrations"},                 # mooncake.store facade; adapters for engines we did not write
     {"cli"},                                    # the command line dispatches to all of them
     {"__main__"},                               # python -m mooncake_rs
 ]
