@@ -349,3 +349,32 @@ def test_random_bytes_only_ever_raise_malformed_event():
                 pass
 
     check()
+
+
+def _vllm_032_payload() -> bytes:
+    """A batch exactly as vLLM 0.32 publishes it: positional, with map events (fields
+    and order as seen on the wire, the newer keys included)."""
+    stored = {"type": "BlockStored", "block_hashes": [8310088433979127863, 7814626718447254132],
+              "parent_block_hash": None, "token_ids": list(range(10, 74)), "block_size": 32, "lora_id": None,
+              "medium": "GPU", "lora_name": None, "extra_keys": [["tenant-a"], None], "group_idx": 0,
+              "kv_cache_spec_kind": "full_attention"}
+    removed = {"type": "BlockRemoved", "block_hashes": [7814626718447254132], "medium": "GPU", "group_idx": 0}
+    return msgspec.msgpack.encode([1796391668.112084, [stored, removed, {"type": "AllBlocksCleared"}], 0])
+
+
+@pytest.mark.parametrize("raw_tokens", [False, True])
+def test_vllm_032_batches_take_the_typed_fast_path(monkeypatch, raw_tokens):
+    from mooncake_rs.interop import events
+
+    def slow(*_a, **_k):
+        raise AssertionError("a vLLM 0.32 batch fell back to event-by-event decoding")
+
+    monkeypatch.setattr(events, "_decode_slow", slow)
+    batch = decode_payload(_vllm_032_payload(), raw_tokens=raw_tokens)
+    stored, removed, cleared = batch.events
+    assert isinstance(stored, BlockStored) and stored.block_size == 32 and stored.medium == "GPU"
+    assert stored.extra_keys == [["tenant-a"], None] and stored.group_idx == 0
+    tokens = bytes(stored.token_ids) if raw_tokens else list(stored.token_ids)
+    assert tokens == (msgspec.msgpack.encode(list(range(10, 74))) if raw_tokens else list(range(10, 74)))
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == [7814626718447254132]
+    assert isinstance(cleared, AllBlocksCleared) and batch.data_parallel_rank == 0

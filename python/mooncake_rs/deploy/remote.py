@@ -156,8 +156,8 @@ class _Connection:
 
 
 def _output(handle: "_RemoteHandle", msg: Finished) -> Any:
-    from ..engine.outputs import RequestOutput
-    from ..serving.metrics import RequestMetrics
+    from ..base.outputs import RequestOutput
+    from ..base.metrics import RequestMetrics
 
     fields = set(RequestMetrics.__dataclass_fields__)
     metrics = RequestMetrics(**{k: v for k, v in msg.metrics.items() if k in fields})
@@ -237,7 +237,7 @@ class RemoteCluster(GenerateMixin):
     def submit(self, prompt: Sequence[int], params: Any = None, *, timeout_s: float | None = None) -> RequestHandle:
         """As ``Cluster.submit``: admits one request (raises what the service raised:
         ``Overloaded``, ``InvalidArgument``, ``ServiceUnavailable``) and returns its handle."""
-        from ..engine.params import SamplingParams
+        from ..base.params import SamplingParams
         from ..engine.tokens import prompt_tokens
 
         params = params or SamplingParams()

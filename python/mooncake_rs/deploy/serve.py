@@ -15,10 +15,13 @@ lead by then.
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from typing import Any
 
@@ -54,9 +57,17 @@ def _http_front(service: object, args: argparse.Namespace) -> Any:
     from ..http.front import Frontend
     from ..http.server import ServerThread
 
+    from ..base.model_config import PRESETS
+    from ..models.tiny import front_dir
+
     api_key = args.api_key or os.environ.get("MOONCAKE_API_KEY") or None
-    front = Frontend.from_model_dir(service, args.model, tokenizer_dir=args.tokenizer,
-                                    model_name=args.served_model_name, api_key=api_key,
+    # a preset name (the workers' --model tiny) gets its byte-level front in a scratch directory
+    scratch = tempfile.mkdtemp(prefix="mooncake-front-")
+    atexit.register(shutil.rmtree, scratch, True)
+    model_dir = front_dir(args.model, scratch, weights=False)
+    name = args.served_model_name or (args.model if args.model in PRESETS else None)
+    front = Frontend.from_model_dir(service, model_dir, tokenizer_dir=args.tokenizer,
+                                    model_name=name, api_key=api_key,
                                     request_timeout_s=args.request_timeout)
     return ServerThread(front, args.host, args.port, log_level=args.log_level).start()
 

@@ -102,7 +102,7 @@ class _Connection:
             self._closed(msg.reason)
 
     def _submit(self, msg: Submit) -> None:
-        from ..engine.params import SamplingParams
+        from ..base.params import SamplingParams
 
         cid = msg.cid
         if msg.version != CLIENT_PROTOCOL_VERSION:

@@ -88,9 +88,13 @@ def run_worker(args: argparse.Namespace) -> int:
     from .registration import WorkerRegistration
     from .worker_link import ConductorLinks
 
+    from .token_check import check_token_with_leader
+
     token = read_token(args.auth_token_file)
     prefix = cluster_prefix(args.cluster)
     host, port = split_hostport(args.listen, "--listen")
+    # a wrong token exits now (2, one line) instead of registering to be refused forever
+    check_token_with_leader(EtcdClient(args.etcd), prefix, token, args.auth_token_file)
     name = args.name or f"{args.role}-{host}-{port}"
     transports = [t.strip() for t in args.transports.split(",")] if args.transports else None
     engine_kwargs: dict[str, Any] = {}

@@ -244,19 +244,17 @@ class Cluster(RoutedCluster):
     # ---- construction
     @staticmethod
     def _model_config(model: Any) -> Any:
-        from ..engine.config import ModelConfig
+        from ..base.model_config import ModelConfig, model_dir_config
 
         if isinstance(model, ModelConfig):
             return model
         if isinstance(model, (str, Path)) and Path(model).is_dir():
-            import json
-
-            return ModelConfig.from_hf_config(json.loads((Path(model) / "config.json").read_text()))
+            return model_dir_config(model)
         return ModelConfig.preset(str(model))
 
     @classmethod
     def _block_bytes(cls, model: Any, block_size: int) -> int:
-        from ..engine.layout import BlockLayout
+        from ..base.layout import BlockLayout
 
         return BlockLayout.for_model(cls._model_config(model), block_size, "float32").block_nbytes
 

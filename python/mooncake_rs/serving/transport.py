@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import BatchCompletion, CompletionQueue, TransferEngine, TransferRegistry, TransferRequest
-from ..errors import TransferFailed
 
 __all__ = ["Transport", "Span"]
 
@@ -195,17 +194,6 @@ class Transport:
         with self._lock:
             self._next_tag -= 1
             return self._next_tag
-
-    def read_now(self, tag: int, ep: dict[str, Any], spans: list[Span]) -> None:
-        """Pulls the peer's spans into our arena and waits (a prefix fetch)."""
-        peer = self.peer(ep)
-        reqs = [TransferRequest("read", self.region, s.local_off, peer, ep["region"], s.remote_off, s.length)
-                for s in spans]
-        for st in self.te.submit(reqs, timeout_s=BATCH_TIMEOUT_S).wait():
-            if not st.ok:
-                raise TransferFailed(f"fetch from {ep['name']} failed: {st.error}")
-        with self._lock:
-            self._bytes[tag] += sum(s.length for s in spans)
 
     # ---- completions (the caller holds self._lock)
     def _done(self, tag: int) -> None:

@@ -1,16 +1,16 @@
-//! Conversions at the Python boundary: token sequences (lists or any buffer) and
-//! 128-bit block hashes (Python ints).
+//! Conversions at the Python boundary: token sequences (lists or any buffer),
+//! 128-bit block hashes (Python ints) and storage tier names.
 
 use std::ffi::CStr;
 use std::os::raw::c_int;
 
-use mooncake_core::BlockHash;
+use mooncake_core::{BlockHash, Tier};
 use pyo3::exceptions::PyTypeError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
-use crate::errors::invalid;
+use crate::errors::{invalid, to_pyerr};
 
 /// A read-only, C-contiguous buffer export, released on drop (with the GIL held: it
 /// never leaves the calling thread, so it cannot outlive the attached section).
@@ -454,4 +454,10 @@ pub fn extras_arg(py: Python<'_>, extras: Option<&Bound<'_, PyAny>>) -> PyResult
 /// Borrowed views of [`extras_arg`]'s result, as the core hashers take them.
 pub fn extras_refs(extras: &[Option<Vec<u8>>]) -> Vec<Option<&[u8]>> {
     extras.iter().map(|e| e.as_deref()).collect()
+}
+
+/// A tier name (`"dram"`, `"ssd"`) → `Tier`; an unknown name is an `InvalidArgument`
+/// that lists the known ones (the core's own error).
+pub fn parse_tier(py: Python<'_>, tier: &str) -> PyResult<Tier> {
+    Tier::parse(tier).map_err(|e| to_pyerr(py, &e))
 }
