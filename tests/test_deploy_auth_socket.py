@@ -67,7 +67,7 @@ def test_a_client_refuses_a_server_without_the_token() -> None:
     def impostor() -> None:
         c, _ = srv.accept()
         with c:
-            c.sendall(b"MCRS\x01" + b"\0" * 32)
+            c.sendall(b"MCRS\x02" + b"\0" * 32)
             c.recv(64)
             c.sendall(b"\1" * 32)
             time.sleep(0.5)

@@ -114,6 +114,17 @@ class ConductorLinks:
             log.warning("worker %s: a new conductor attached; closing the link to the previous one", self.name)
             self._drop(old)
 
+    def refuse_pending(self, msg: Message) -> None:
+        """Answers the pending link's ``Attach`` with ``msg`` (``InitFailed``) and closes
+        it; the current conductor, if any, stays."""
+        with self._lock:
+            epoch, self._pending = self._pending, None
+            link = self._links.get(epoch) if epoch is not None else None
+        if link is not None:
+            log.warning("worker %s: refused an Attach: %s", self.name, getattr(msg, "error", msg))
+            link.send(msg)
+            self._drop(epoch)  # type: ignore[arg-type]
+
     @property
     def attached(self) -> bool:
         return self._current is not None
