@@ -736,6 +736,8 @@ class TransferStats:
     @property
     def handshakes_evicted(self) -> int: ...
     @property
+    def idle_evicted(self) -> int: ...
+    @property
     def regions(self) -> int: ...
     @property
     def batches(self) -> int: ...
@@ -791,6 +793,7 @@ class TransferEngine:
         registry: TransferRegistry | None = None,
         slice_size: int = 1048576,
         io_timeout_s: float = 10.0,
+        idle_timeout_s: float = 60.0,
         connect_timeout_s: float = 5.0,
         connections_per_endpoint: int = 1,
         copy_threads: int = 2,

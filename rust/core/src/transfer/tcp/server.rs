@@ -11,10 +11,19 @@
 //! byte at a time gains nothing). When every handshake slot is taken, a new connection
 //! evicts the oldest handshake: an honest client's handshake takes one round trip, an
 //! idle or trickling one is the oldest and goes first.
+//!
+//! Served connections are bounded the same way: at most [`MAX_CONNECTIONS`] in all and
+//! [`MAX_PER_PEER`] from one peer address. A connection at a cap evicts the served
+//! connection of the same scope that has waited longest for its next request (never one
+//! in the middle of a request); only when none is idle is it refused. Without a token
+//! (anyone may complete the handshake) a served connection that waits `idle_timeout`
+//! for its next request is closed too. So idle connections, handshaken or not, never
+//! lock out a client that comes to move data; a client whose idle connection was closed
+//! connects again when it needs it (client.rs retries).
 
 use std::collections::BTreeMap;
 use std::io::{self, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -33,8 +42,10 @@ use super::handshake::{self, Refusal};
 use super::seal::{FrameReader, FrameWriter};
 use super::{discard, read_header, read_msg_body, ConnError};
 
-/// Most authenticated connections served at once (each costs a thread).
+/// Most connections served at once (each costs a thread).
 pub const MAX_CONNECTIONS: usize = 256;
+/// Most connections served at once to one peer address.
+pub const MAX_PER_PEER: usize = 64;
 /// Most connections in their handshake at once (each costs a thread).
 pub const MAX_HANDSHAKES: usize = 64;
 /// The longest a handshake may take from accept (the I/O timeout, if shorter).
@@ -49,6 +60,8 @@ pub struct ServeCtx {
     pub host: [u8; 16],
     pub counters: Arc<Counters>,
     pub io_timeout: Duration,
+    /// Without a key: how long a served connection may wait for its next request.
+    pub idle_timeout: Duration,
     /// Whether peers may learn shm names (the engine allows the shm transport).
     pub share_shm: bool,
 }
@@ -57,14 +70,74 @@ struct Shared {
     ctx: ServeCtx,
     closed: AtomicBool,
     next_conn: AtomicU64,
-    /// Authenticated connections (to shut them down on close).
-    conns: Mutex<HashMap<u64, TcpStream>>,
+    /// Served connections (to shut them down on close, or evict the idlest at a cap).
+    conns: Mutex<HashMap<u64, Served>>,
+    /// The clock of `Activity::idle_since`.
+    epoch: Instant,
     /// Connections in their handshake, by accept order (the first is the oldest).
     handshaking: Mutex<BTreeMap<u64, TcpStream>>,
 }
 
 /// A bound endpoint and its accept thread.
 type Listener = (SocketAddr, TcpListener, Option<JoinHandle<()>>);
+
+/// A served connection as the admission of others sees it.
+struct Served {
+    stream: TcpStream,
+    peer: IpAddr,
+    activity: Arc<Activity>,
+}
+
+/// Whether a served connection waits for a request, and since when.
+#[derive(Default)]
+struct Activity {
+    /// Microseconds since `Shared::epoch` at which it began to wait; `u64::MAX` while
+    /// it serves a request (never evicted then).
+    idle_since: AtomicU64,
+}
+
+const BUSY: u64 = u64::MAX;
+
+impl Activity {
+    fn idle(&self, epoch: Instant) {
+        self.idle_since.store(epoch.elapsed().as_micros() as u64, Ordering::Relaxed);
+    }
+
+    fn busy(&self) {
+        self.idle_since.store(BUSY, Ordering::Relaxed);
+    }
+}
+
+/// Makes room for one more connection from `peer`: `Ok` if there is room (after
+/// evicting, at a cap, the connection of that scope that has been idle longest), `Err`
+/// with the cap that is full of busy connections.
+fn make_room(conns: &mut HashMap<u64, Served>, peer: IpAddr, counters: &Counters) -> Result<(), &'static str> {
+    let from_peer = conns.values().filter(|c| c.peer == peer).count();
+    let scope: Option<(bool, &'static str)> = if from_peer >= MAX_PER_PEER {
+        Some((true, "connections from that address"))
+    } else if conns.len() >= MAX_CONNECTIONS {
+        Some((false, "connections"))
+    } else {
+        None
+    };
+    let Some((same_peer, what)) = scope else { return Ok(()) };
+    let idlest = conns
+        .iter()
+        .filter(|(_, c)| !same_peer || c.peer == peer)
+        .map(|(id, c)| (c.activity.idle_since.load(Ordering::Relaxed), *id))
+        .filter(|(since, _)| *since != BUSY)
+        .min();
+    match idlest {
+        Some((_, id)) => {
+            if let Some(c) = conns.remove(&id) {
+                let _ = c.stream.shutdown(std::net::Shutdown::Both);
+                counters.idle_evicted.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(())
+        }
+        None => Err(what),
+    }
+}
 
 /// The listeners of one engine.
 pub struct Server {
@@ -80,6 +153,7 @@ impl Server {
             closed: AtomicBool::new(false),
             next_conn: AtomicU64::new(0),
             conns: Mutex::new(HashMap::new()),
+            epoch: Instant::now(),
             handshaking: Mutex::new(BTreeMap::new()),
         });
         let mut listeners = Vec::new();
@@ -115,8 +189,8 @@ impl Server {
                 let _ = h.join();
             }
         }
-        for (_, s) in self.shared.conns.lock().drain() {
-            let _ = s.shutdown(std::net::Shutdown::Both);
+        for (_, c) in self.shared.conns.lock().drain() {
+            let _ = c.stream.shutdown(std::net::Shutdown::Both);
         }
         for (_, s) in std::mem::take(&mut *self.shared.handshaking.lock()) {
             let _ = s.shutdown(std::net::Shutdown::Both);
@@ -218,27 +292,38 @@ fn serve(stream: TcpStream, id: u64, sh: &Shared) {
             return;
         }
     };
+    let Ok(addr) = stream.peer_addr() else { return };
+    let activity = Arc::new(Activity::default());
+    activity.idle(sh.epoch);
     {
         let mut conns = sh.conns.lock();
-        if conns.len() >= MAX_CONNECTIONS || sh.closed.load(Ordering::SeqCst) {
-            tracing::warn!(engine = %ctx.name, "refused an authenticated connection: {MAX_CONNECTIONS} already served");
+        if sh.closed.load(Ordering::SeqCst) {
+            return;
+        }
+        if let Err(what) = make_room(&mut conns, addr.ip(), &ctx.counters) {
+            tracing::warn!(engine = %ctx.name, peer = %addr, "refused a connection: every one of the {what} \
+                           served is in the middle of a request");
             return;
         }
         match stream.try_clone() {
-            Ok(c) => conns.insert(id, c),
+            Ok(c) => conns.insert(id, Served { stream: c, peer: addr.ip(), activity: activity.clone() }),
             Err(_) => return,
         };
     }
     ctx.counters.connections.fetch_add(1, Ordering::Relaxed);
-    serve_frames(stream, &peer, keys, ctx, &sh.closed);
+    serve_frames(stream, &peer, keys, ctx, sh, &activity);
     sh.conns.lock().remove(&id);
 }
 
 /// The authenticated part of a connection: one request at a time, in order.
 /// `peer`: the client's engine name, what grants of restricted regions are checked against.
-fn serve_frames(stream: TcpStream, peer: &str, keys: super::seal::FrameKeys, ctx: &ServeCtx, closed: &AtomicBool) {
-    // After the handshake a connection may sit idle as long as it likes.
-    let _ = stream.set_read_timeout(None);
+fn serve_frames(stream: TcpStream, peer: &str, keys: super::seal::FrameKeys, ctx: &ServeCtx, sh: &Shared,
+                activity: &Activity) {
+    let closed = &sh.closed;
+    // After an authenticated handshake a connection may sit idle (until evicted for
+    // room); without a token, only for `idle_timeout`.
+    let idle_limit = if keys.recv.is_none() { Some(ctx.idle_timeout) } else { None };
+    let _ = stream.set_read_timeout(idle_limit);
     let _ = stream.set_write_timeout(Some(ctx.io_timeout));
     let Ok(read_half) = stream.try_clone() else { return };
     let mut r = FrameReader::new(BufReader::with_capacity(8 << 10, read_half), keys.recv);
@@ -248,9 +333,14 @@ fn serve_frames(stream: TcpStream, peer: &str, keys: super::seal::FrameKeys, ctx
         if closed.load(Ordering::SeqCst) {
             return;
         }
+        activity.idle(sh.epoch);
         let result = read_header(&mut r).and_then(|h| match h {
-            Some(h) => handle(h, peer, &mut r, &mut w, &mut stage, ctx),
-            None => Ok(()),
+            Some(h) => {
+                activity.busy();
+                handle(h, peer, &mut r, &mut w, &mut stage, ctx)
+            }
+            // (no request within the read timeout: only set without a token)
+            None => Err(ConnError::Io(io::ErrorKind::TimedOut.into())),
         });
         match result {
             Ok(()) => {}
@@ -261,6 +351,9 @@ fn serve_frames(stream: TcpStream, peer: &str, keys: super::seal::FrameKeys, ctx
                 return;
             }
             Err(ConnError::Io(e)) => {
+                if idle_limit.is_some() && matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) {
+                    ctx.counters.idle_evicted.fetch_add(1, Ordering::Relaxed);
+                }
                 tracing::debug!(engine = %ctx.name, error = %e, "connection ended");
                 return;
             }
