@@ -15,12 +15,11 @@
 //! count), so a replayed, reordered, dropped or reflected record fails its tag; the
 //! length header is authenticated data, so it cannot be rewritten either. A relay that
 //! lacks the token cannot derive the keys: it sees ciphertext and can only cut the
-//! connection. AES-GCM because x86-64 and Arm servers do it in hardware (AES-NI / CLMUL,
-//! picked at run time by the `aes-gcm` crate), measured in BENCHMARKS.md against the
-//! alternatives.
+//! connection. AES-GCM because x86-64 and Arm servers do it in hardware; `ring`'s
+//! assembly (AES-NI/VAES and carry-less multiply, picked at run time) seals at BLAKE3's
+//! speed, several times RustCrypto's and ChaCha20-Poly1305's here (BENCHMARKS.md).
 
-use aes_gcm::aead::AeadInPlace;
-use aes_gcm::{Aes256Gcm, KeyInit, Nonce, Tag};
+use ring::aead::{Aad, LessSafeKey, Nonce, Tag, UnboundKey, AES_256_GCM};
 
 use crate::error::{Categorized, ErrorCategory};
 
@@ -57,22 +56,24 @@ impl Categorized for SealError {
     }
 }
 
-fn cipher(key: &[u8]) -> Result<Aes256Gcm, SealError> {
+fn cipher(key: &[u8]) -> Result<LessSafeKey, SealError> {
     if key.len() != KEY_LEN {
         return Err(SealError::KeyLength(key.len()));
     }
-    Aes256Gcm::new_from_slice(key).map_err(|_| SealError::KeyLength(key.len()))
+    Ok(LessSafeKey::new(UnboundKey::new(&AES_256_GCM, key).map_err(|_| SealError::KeyLength(key.len()))?))
 }
 
-fn nonce(seq: u64) -> Nonce<aes_gcm::aead::consts::U12> {
+/// The nonce of record `seq`: unique per key because each direction has its own key
+/// and counts its records from 0 (and never wraps: `Exhausted`).
+fn nonce(seq: u64) -> Nonce {
     let mut n = [0u8; 12];
     n[4..].copy_from_slice(&seq.to_be_bytes());
-    n.into()
+    Nonce::assume_unique_for_key(n)
 }
 
 /// The sending direction of a session: plaintext in, records out.
 pub struct Sealer {
-    cipher: Aes256Gcm,
+    cipher: LessSafeKey,
     seq: u64,
 }
 
@@ -93,11 +94,11 @@ impl Sealer {
         out.extend_from_slice(&(body as u32).to_be_bytes());
         out.extend_from_slice(plaintext);
         let (header, text) = out.split_at_mut(HEADER_LEN);
-        let tag = self
+        let tag: Tag = self
             .cipher
-            .encrypt_in_place_detached(&nonce(seq), header, text)
+            .seal_in_place_separate_tag(nonce(seq), Aad::from(&*header), text)
             .map_err(|_| SealError::TooLarge(plaintext.len()))?;
-        out.extend_from_slice(&tag);
+        out.extend_from_slice(tag.as_ref());
         Ok(out)
     }
 
@@ -109,7 +110,7 @@ impl Sealer {
 
 /// The receiving direction: records in (header first, to know how much to read), plaintext out.
 pub struct Opener {
-    cipher: Aes256Gcm,
+    cipher: LessSafeKey,
     seq: u64,
 }
 
@@ -135,12 +136,14 @@ impl Opener {
         if body.len() != n {
             return Err(SealError::BadLength(body.len()));
         }
-        let (text, tag) = body.split_at(n - TAG_LEN);
-        let mut out = text.to_vec();
+        let mut out = body.to_vec();
         let seq = self.seq;
-        self.cipher
-            .decrypt_in_place_detached(&nonce(seq), header, &mut out, Tag::from_slice(tag))
-            .map_err(|_| SealError::Forged)?;
+        let len = self
+            .cipher
+            .open_in_place(nonce(seq), Aad::from(&header[..]), &mut out)
+            .map_err(|_| SealError::Forged)?
+            .len();
+        out.truncate(len);
         self.seq = seq.checked_add(1).ok_or(SealError::Exhausted)?;
         Ok(out)
     }
