@@ -20,12 +20,12 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
-import socket
 import threading
 from typing import Any, Iterator
 
 from ..serving.control import CLUSTER, Counts, Detached, Lost, SocketChannel
 from ..serving.protocol import TO_REMOTE, Attach, Message, Relay
+from .sealed import SealedSocket
 
 __all__ = ["ConductorLinks", "RelayPeers"]
 
@@ -66,7 +66,7 @@ class ConductorLinks:
         self._closed = False
 
     # ---- the listener's side (AuthListener's on_connection, on its handshake thread)
-    def accept(self, sock: socket.socket, peer: str) -> None:
+    def accept(self, sock: SealedSocket, peer: str) -> None:
         with self._lock:
             if self._closed:
                 sock.close()

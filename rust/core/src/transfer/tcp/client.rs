@@ -6,7 +6,7 @@
 //! tries; with no connection left, the peer's requests fail at once.
 
 use std::collections::VecDeque;
-use std::io::{BufReader, Read};
+use std::io::BufReader;
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -451,7 +451,7 @@ impl TcpPeer {
                 // writable); the span keeps the memory mapped while we receive into it,
                 // and begin_io keeps the request from being reported final meanwhile.
                 let dst = unsafe { std::slice::from_raw_parts_mut(slice.local.ptr, n) };
-                let got = r.read_exact(dst).map_err(ConnError::from).and_then(|()| end_payload(r));
+                let got = r.read_payload(dst).map_err(ConnError::from).and_then(|()| end_payload(r));
                 slice.batch.end_io(slice.index);
                 if let Err(e) = got {
                     let why = e.to_string();

@@ -404,7 +404,7 @@ fn handle(h: Header, peer: &str, r: &mut Reader, w: &mut FrameWriter<TcpStream>,
                     if r.keyed() {
                         // Stage, verify, then land: an unverified byte never reaches `dst`.
                         stage.resize(data_len, 0);
-                        r.read_exact(stage)?;
+                        r.read_payload(stage)?;
                         r.end_frame()?;
                         dst.copy_from_slice(stage);
                         if stage.capacity() > 4 * (1 << 20) {
