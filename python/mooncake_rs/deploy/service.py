@@ -190,7 +190,7 @@ class ConductorService(RoutedCluster):
                     return  # the same worker, seen again after a resync (or registered again)
                 self._router.events.put((old, Lost("replaced by a new registration of its name")))
             twin = next((m for m in self._members.values() if m.alive and m.spec.name != record.name
-                         and record.control == getattr(m, "record", record).control), None)
+                         and getattr(getattr(m, "record", None), "control", None) == record.control), None)
             if twin is not None:  # one worker, one attach: a second record cannot take it over
                 log.error("conductor: worker record %s names the control address %s of live worker %s; ignored",
                           record.name, record.control, twin.spec.name)
