@@ -259,7 +259,7 @@ def bench_tcp(budget, sizes, batches, rounds, auth=False):
 LAT_CASES = (  # (key, what, inline_send_bytes, auth token)
     ("queued", "submit hands the frame to the sender thread", 0, None),
     ("inline", "submit sends on the idle connection itself (default)", 16384, None),
-    ("queued_token", "queued, with an auth token (per-frame BLAKE3 tags, as serving runs)", 0, "tok"),
+    ("queued_token", "queued, with an auth token (frames sealed with AES-256-GCM, as serving runs)", 0, "tok"),
     ("inline_token", "inline, with an auth token", 16384, "tok"),
 )
 
@@ -354,7 +354,7 @@ def main():
     ap.add_argument("--lat-rounds", type=int, default=9, help="latency rounds (median of per-round ratios)")
     ap.add_argument("--only", choices=("latency", "tcp"), help="only the 4 KiB write latency (and --peer's), "
                                                                  "or only the TCP bandwidth cases")
-    ap.add_argument("--auth", action="store_true", help="TCP cases also with an auth token (per-frame tags)")
+    ap.add_argument("--auth", action="store_true", help="TCP cases also with an auth token (sealed frames)")
     args = ap.parse_args()
     sizes = [64 << 10, 512 << 10, 4 << 20]
     batches = [int(b) for b in args.batches.split(",")]

@@ -40,7 +40,7 @@ use super::super::region::RegionTable;
 use super::super::{AccessError, TransferError};
 use super::handshake::{self, Refusal};
 use super::seal::{FrameReader, FrameWriter};
-use super::{discard, read_header, read_msg_body, ConnError};
+use super::{read_header, read_msg_body, ConnError};
 
 /// Most connections served at once (each costs a thread).
 pub const MAX_CONNECTIONS: usize = 256;
@@ -405,7 +405,6 @@ fn handle(h: Header, peer: &str, r: &mut Reader, w: &mut FrameWriter<TcpStream>,
                         // Stage, verify, then land: an unverified byte never reaches `dst`.
                         stage.resize(data_len, 0);
                         r.read_payload(stage)?;
-                        r.end_frame()?;
                         dst.copy_from_slice(stage);
                         if stage.capacity() > 4 * (1 << 20) {
                             *stage = Vec::new(); // bound what an idle connection holds
@@ -417,8 +416,7 @@ fn handle(h: Header, peer: &str, r: &mut Reader, w: &mut FrameWriter<TcpStream>,
                     Ok(())
                 }
                 Err(e) => {
-                    discard(r, data_len)?;
-                    r.end_frame()?;
+                    r.discard_payload(data_len)?;
                     refuse(ctx, e)
                 }
             };
