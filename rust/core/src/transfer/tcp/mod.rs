@@ -5,6 +5,7 @@
 //! peer over several endpoints, retrying a failed connection's slices on another.
 //! Both sides use blocking sockets with timeouts, one thread per direction.
 
+mod admission;
 pub mod client;
 pub mod handshake;
 pub mod seal;

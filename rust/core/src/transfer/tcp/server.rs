@@ -23,7 +23,7 @@
 
 use std::collections::BTreeMap;
 use std::io::{self, BufReader, Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -38,14 +38,12 @@ use super::super::engine::Counters;
 use super::super::protocol::{encode, Header, Msg, MAX_DATA};
 use super::super::region::RegionTable;
 use super::super::{AccessError, TransferError};
+use super::admission::{make_room, Activity, Served};
+pub use super::admission::{MAX_CONNECTIONS, MAX_PER_PEER};
 use super::handshake::{self, Refusal};
 use super::seal::{FrameReader, FrameWriter};
 use super::{read_header, read_msg_body, ConnError};
 
-/// Most connections served at once (each costs a thread).
-pub const MAX_CONNECTIONS: usize = 256;
-/// Most connections served at once to one peer address.
-pub const MAX_PER_PEER: usize = 64;
 /// Most connections in their handshake at once (each costs a thread).
 pub const MAX_HANDSHAKES: usize = 64;
 /// The longest a handshake may take from accept (the I/O timeout, if shorter).
@@ -80,64 +78,6 @@ struct Shared {
 
 /// A bound endpoint and its accept thread.
 type Listener = (SocketAddr, TcpListener, Option<JoinHandle<()>>);
-
-/// A served connection as the admission of others sees it.
-struct Served {
-    stream: TcpStream,
-    peer: IpAddr,
-    activity: Arc<Activity>,
-}
-
-/// Whether a served connection waits for a request, and since when.
-#[derive(Default)]
-struct Activity {
-    /// Microseconds since `Shared::epoch` at which it began to wait; `u64::MAX` while
-    /// it serves a request (never evicted then).
-    idle_since: AtomicU64,
-}
-
-const BUSY: u64 = u64::MAX;
-
-impl Activity {
-    fn idle(&self, epoch: Instant) {
-        self.idle_since.store(epoch.elapsed().as_micros() as u64, Ordering::Relaxed);
-    }
-
-    fn busy(&self) {
-        self.idle_since.store(BUSY, Ordering::Relaxed);
-    }
-}
-
-/// Makes room for one more connection from `peer`: `Ok` if there is room (after
-/// evicting, at a cap, the connection of that scope that has been idle longest), `Err`
-/// with the cap that is full of busy connections.
-fn make_room(conns: &mut HashMap<u64, Served>, peer: IpAddr, counters: &Counters) -> Result<(), &'static str> {
-    let from_peer = conns.values().filter(|c| c.peer == peer).count();
-    let scope: Option<(bool, &'static str)> = if from_peer >= MAX_PER_PEER {
-        Some((true, "connections from that address"))
-    } else if conns.len() >= MAX_CONNECTIONS {
-        Some((false, "connections"))
-    } else {
-        None
-    };
-    let Some((same_peer, what)) = scope else { return Ok(()) };
-    let idlest = conns
-        .iter()
-        .filter(|(_, c)| !same_peer || c.peer == peer)
-        .map(|(id, c)| (c.activity.idle_since.load(Ordering::Relaxed), *id))
-        .filter(|(since, _)| *since != BUSY)
-        .min();
-    match idlest {
-        Some((_, id)) => {
-            if let Some(c) = conns.remove(&id) {
-                let _ = c.stream.shutdown(std::net::Shutdown::Both);
-                counters.idle_evicted.fetch_add(1, Ordering::Relaxed);
-            }
-            Ok(())
-        }
-        None => Err(what),
-    }
-}
 
 /// The listeners of one engine.
 pub struct Server {
