@@ -27,8 +27,7 @@ from typing import Any
 
 from ..errors import InvalidArgument
 from .election import LeaderElection
-from .etcd import EtcdClient
-from .settings import cluster_prefix, read_token, split_hostport
+from .settings import add_etcd_arguments, cluster_prefix, etcd_client, read_token, split_hostport
 
 __all__ = ["add_service_arguments", "run_service"]
 
@@ -47,6 +46,7 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --etcd: fetch a prefix from every prefill worker holding it at once (DualPath)")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="with --etcd: seconds a worker may go without a heartbeat before it is dropped")
+    add_etcd_arguments(p)
 
 
 def _http_front(service: object, args: argparse.Namespace) -> Any:
@@ -82,7 +82,7 @@ def run_service(args: argparse.Namespace) -> int:
     token = read_token(args.auth_token_file)
     prefix = cluster_prefix(args.cluster)
     host, port = split_hostport(args.listen, "--listen")
-    client = EtcdClient(args.etcd)
+    client = etcd_client(args)
     stop = threading.Event()
     lost = threading.Event()
 
@@ -91,7 +91,7 @@ def run_service(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    election = LeaderElection(client, prefix, args.listen, ttl_s=args.lease_ttl, on_lost=lost.set)
+    election = LeaderElection(client, prefix, args.listen, ttl_s=args.lease_ttl, on_lost=lost.set, token=token)
     print(f"mooncake-rs serve: candidate {args.listen} for {prefix}", file=sys.stderr, flush=True)
     while not stop.is_set():
         if not election.campaign(timeout_s=1.0):

@@ -289,11 +289,12 @@ class Cluster(RoutedCluster):
         return mark_down(m, reason, quiet=self._closed)
 
     @staticmethod
-    def connect(address: str | None = None, *, etcd: str | None = None, auth_token: str, cluster: str = "default",
+    def connect(address: str | None = None, *, etcd: Any = None, auth_token: str, cluster: str = "default",
                 connect_timeout_s: float = 10.0) -> Any:
         """A running deployment across hosts (``mooncake-rs serve --etcd``), with this
         class's request API: a ``deploy.RemoteCluster``. ``etcd``: find the leading
-        ``serve`` there (under ``cluster``); or ``address``: a ``serve``'s ``--listen``.
+        ``serve`` there (under ``cluster``; a URL, or a ``deploy.EtcdClient`` for etcd's
+        authentication and TLS); or ``address``: a ``serve``'s ``--listen``.
         ``auth_token``: the cluster token. See docs/deploy.md."""
         from ..deploy.remote import RemoteCluster
 

@@ -140,9 +140,11 @@ class Transport:
         """The connected peer of ``ep`` (connects on first use). The first connect also
         starts looking up the peer's arena in the background (a zero-length read: on the
         shm path, mapping the peer's segment takes tens of ms for a large arena), so a
-        caller that connects ahead of its first transfer does not pay that in it."""
+        caller that connects ahead of its first transfer does not pay that in it. A TCP
+        peer with no connection left (the server closed an idle one to make room, or
+        restarted) is connected again."""
         p = self._peers.get(ep["name"])
-        if p is None:
+        if p is None or (p.transport == "tcp" and p.connections == 0):
             p = self.te.connect(ep["name"]) if self._in_process else self.te.connect(ep["name"], ep["address"])
             self._peers[ep["name"]] = p
             if p.transport != "local":
