@@ -137,7 +137,9 @@ impl PyConductor {
     ) -> PyResult<PyDecision> {
         let hashes = keys_from_py(block_hashes)?;
         let r = ScheduleRequest { request_id, block_hashes: &hashes, prompt_len, now, expected_output_len };
-        decide(py, self.inner.schedule(&r))
+        // a long prompt's match over every instance is worth releasing the GIL for
+        let inner = &self.inner;
+        decide(py, detached_if(py, hashes.len() >= DETACH_KEYS, || inner.schedule(&r)))
     }
 
     /// What `schedule` would decide now, admitting nothing.
