@@ -6,8 +6,8 @@ use pyo3::prelude::*;
 
 use crate::convert::{hash_from_py, hashes_to_list};
 use crate::keys::keys_from_py;
-use crate::errors::to_pyerr;
-use crate::gil::DETACH_THRESHOLD;
+use crate::errors::OrRaise;
+use crate::gil::{detached_if, DETACH_KEYS};
 
 #[pyclass(name = "BlockCache", module = "mooncake_rs._core", frozen)]
 pub struct PyBlockCache {
@@ -19,7 +19,7 @@ impl PyBlockCache {
     #[new]
     #[pyo3(signature = (capacity_blocks, eviction = "lru"))]
     fn new(py: Python<'_>, capacity_blocks: usize, eviction: &str) -> PyResult<Self> {
-        let c = BlockCache::new(capacity_blocks, eviction).map_err(|e| to_pyerr(py, &e))?;
+        let c = BlockCache::new(capacity_blocks, eviction).or_raise(py)?;
         Ok(PyBlockCache { inner: Mutex::new(c) })
     }
 
@@ -37,11 +37,7 @@ impl PyBlockCache {
     fn lookup_prefix(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
         let keys = keys_from_py(keys)?;
         let inner = &self.inner;
-        if keys.len() >= DETACH_THRESHOLD {
-            Ok(py.detach(|| inner.lock().lookup_prefix(&keys)))
-        } else {
-            Ok(inner.lock().lookup_prefix(&keys))
-        }
+        Ok(detached_if(py, keys.len() >= DETACH_KEYS, || inner.lock().lookup_prefix(&keys)))
     }
 
     /// Stores every key (a chain: position = index), touching those present, in order;
@@ -49,11 +45,7 @@ impl PyBlockCache {
     fn insert<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<Bound<'py, pyo3::types::PyList>> {
         let keys = keys_from_py(keys)?;
         let inner = &self.inner;
-        let evicted = if keys.len() >= DETACH_THRESHOLD {
-            py.detach(|| inner.lock().insert(&keys))
-        } else {
-            inner.lock().insert(&keys)
-        };
+        let evicted = detached_if(py, keys.len() >= DETACH_KEYS, || inner.lock().insert(&keys));
         hashes_to_list(py, &evicted)
     }
 

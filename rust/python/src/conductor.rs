@@ -15,7 +15,7 @@ use crate::conductor_types::{PyConductorConfig, PyDecision, PyReplicationHint, P
 use crate::convert::{hash_from_py, parse_tier};
 use crate::keys::keys_from_py;
 use crate::errors::{new_err, to_pyerr};
-use crate::gil::DETACH_THRESHOLD;
+use crate::gil::{detached_if, detached_infallible, DETACH_KEYS};
 use crate::index::PyBlockIndex;
 use crate::store_events::{events_from_py, PyAppliedEvents};
 
@@ -82,7 +82,7 @@ impl PyConductor {
     /// requests that used it (dropped from the conductor; retry them).
     fn remove_instance(&self, py: Python<'_>, id: InstanceId) -> PyResult<Vec<u64>> {
         let inner = &self.inner;
-        py.detach(|| inner.remove_instance(id)).map_err(|e| map_err(py, e))
+        detached_infallible(py, || inner.remove_instance(id)).map_err(|e| map_err(py, e))
     }
 
     /// Stops `schedule` from picking the instance; what it holds finishes normally.
@@ -137,7 +137,9 @@ impl PyConductor {
     ) -> PyResult<PyDecision> {
         let hashes = keys_from_py(block_hashes)?;
         let r = ScheduleRequest { request_id, block_hashes: &hashes, prompt_len, now, expected_output_len };
-        decide(py, self.inner.schedule(&r))
+        // a long prompt's match over every instance is worth releasing the GIL for
+        let inner = &self.inner;
+        decide(py, detached_if(py, hashes.len() >= DETACH_KEYS, || inner.schedule(&r)))
     }
 
     /// What `schedule` would decide now, admitting nothing.
@@ -186,12 +188,8 @@ impl PyConductor {
         let tier = parse_tier(py, tier)?;
         let hashes = keys_from_py(hashes)?;
         let inner = &self.inner;
-        let r = if hashes.len() >= DETACH_THRESHOLD {
-            py.detach(|| inner.on_blocks_stored(instance, &hashes, tier))
-        } else {
-            inner.on_blocks_stored(instance, &hashes, tier)
-        };
-        r.map_err(|e| map_err(py, e))
+        detached_if(py, hashes.len() >= DETACH_KEYS, || inner.on_blocks_stored(instance, &hashes, tier))
+            .map_err(|e| map_err(py, e))
     }
 
     #[pyo3(signature = (instance, hashes, tier = None))]
@@ -199,12 +197,8 @@ impl PyConductor {
         let tier = tier.map(|t| parse_tier(py, t)).transpose()?;
         let hashes = keys_from_py(hashes)?;
         let inner = &self.inner;
-        let r = if hashes.len() >= DETACH_THRESHOLD {
-            py.detach(|| inner.on_blocks_evicted(instance, &hashes, tier))
-        } else {
-            inner.on_blocks_evicted(instance, &hashes, tier)
-        };
-        r.map_err(|e| map_err(py, e))
+        detached_if(py, hashes.len() >= DETACH_KEYS, || inner.on_blocks_evicted(instance, &hashes, tier))
+            .map_err(|e| map_err(py, e))
     }
 
     /// Applies a drained batch of `instance`'s store events to the index (commit,
@@ -214,12 +208,8 @@ impl PyConductor {
     fn apply_store_events(&self, py: Python<'_>, instance: InstanceId, events: &Bound<'_, PyAny>) -> PyResult<PyAppliedEvents> {
         let events = events_from_py(events)?;
         let inner = &self.inner;
-        let r = if events.len() >= DETACH_THRESHOLD {
-            py.detach(|| inner.apply_store_events(instance, &events))
-        } else {
-            inner.apply_store_events(instance, &events)
-        };
-        let r = r.map_err(|e| map_err(py, e))?;
+        let r = detached_if(py, events.len() >= DETACH_KEYS, || inner.apply_store_events(instance, &events))
+            .map_err(|e| map_err(py, e))?;
         Ok(PyAppliedEvents { inserted: r.inserted, removed: r.removed })
     }
 
@@ -227,7 +217,7 @@ impl PyConductor {
     #[pyo3(signature = (now = None))]
     fn replication_hints(&self, py: Python<'_>, now: Option<f64>) -> PyResult<Vec<PyReplicationHint>> {
         let inner = &self.inner;
-        let hints = py.detach(|| inner.replication_hints(now)).map_err(|e| map_err(py, e))?;
+        let hints = detached_infallible(py, || inner.replication_hints(now)).map_err(|e| map_err(py, e))?;
         Ok(hints.into_iter().map(|inner| PyReplicationHint { inner }).collect())
     }
 
@@ -248,7 +238,7 @@ impl PyConductor {
     /// Raises `InternalError` if an invariant is broken (for tests).
     fn check_integrity(&self, py: Python<'_>) -> PyResult<()> {
         let inner = &self.inner;
-        py.detach(|| inner.check_integrity()).map_err(|msg| new_err(py, ErrorCategory::Internal, msg))
+        detached_infallible(py, || inner.check_integrity()).map_err(|msg| new_err(py, ErrorCategory::Internal, msg))
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {

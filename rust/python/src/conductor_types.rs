@@ -10,7 +10,7 @@ use pyo3::types::PyList;
 
 use crate::conductor_cost::{PyDecodeCostModel, PyPrefillCostModel, PyTransferCostModel};
 use crate::convert::hashes_to_list;
-use crate::errors::to_pyerr;
+use crate::errors::OrRaise;
 
 #[pyclass(name = "ConductorConfig", module = "mooncake_rs._core", frozen)]
 #[derive(Clone)]
@@ -53,9 +53,9 @@ impl PyConductorConfig {
             block_size,
             ttft_slo_s,
             tbt_slo_s,
-            policy: PolicyKind::parse(policy).map_err(|e| to_pyerr(py, &e))?,
+            policy: PolicyKind::parse(policy).or_raise(py)?,
             balancing_threshold,
-            rejection: RejectionKind::parse(rejection).map_err(|e| to_pyerr(py, &e))?,
+            rejection: RejectionKind::parse(rejection).or_raise(py)?,
             seed,
             default_output_len,
             output_len_ewma,
@@ -75,7 +75,7 @@ impl PyConductorConfig {
         if let Some(m) = decode_model {
             inner.cost.decode = m.inner;
         }
-        inner.validate().map_err(|e| to_pyerr(py, &e))?;
+        inner.validate().or_raise(py)?;
         Ok(PyConductorConfig { inner })
     }
 

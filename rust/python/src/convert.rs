@@ -10,7 +10,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
-use crate::errors::{invalid, to_pyerr};
+use crate::errors::{invalid, OrRaise};
 
 /// A read-only, C-contiguous buffer export, released on drop (with the GIL held: it
 /// never leaves the calling thread, so it cannot outlive the attached section).
@@ -459,5 +459,5 @@ pub fn extras_refs(extras: &[Option<Vec<u8>>]) -> Vec<Option<&[u8]>> {
 /// A tier name (`"dram"`, `"ssd"`) → `Tier`; an unknown name is an `InvalidArgument`
 /// that lists the known ones (the core's own error).
 pub fn parse_tier(py: Python<'_>, tier: &str) -> PyResult<Tier> {
-    Tier::parse(tier).map_err(|e| to_pyerr(py, &e))
+    Tier::parse(tier).or_raise(py)
 }

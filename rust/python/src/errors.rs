@@ -44,6 +44,19 @@ pub fn to_pyerr<E: Categorized + ?Sized>(py: Python<'_>, e: &E) -> PyErr {
     new_err(py, e.category(), e.to_string())
 }
 
+/// The one conversion of a core call's result: `r.or_raise(py)?` raises the exception
+/// class of the error's category with its message. (The conductor's `Overloaded` also
+/// carries its reason and estimates: `conductor.rs` builds that one itself.)
+pub trait OrRaise<T> {
+    fn or_raise(self, py: Python<'_>) -> PyResult<T>;
+}
+
+impl<T, E: Categorized> OrRaise<T> for Result<T, E> {
+    fn or_raise(self, py: Python<'_>) -> PyResult<T> {
+        self.map_err(|e| to_pyerr(py, &e))
+    }
+}
+
 /// Shorthand for the most common case.
 pub fn invalid(py: Python<'_>, message: impl Into<String>) -> PyErr {
     new_err(py, ErrorCategory::InvalidArgument, message)

@@ -1,9 +1,23 @@
 //! The one pattern for calling into the core from Python: arguments are already owned
 //! Rust values, the GIL is released for the call, and the core's error is mapped to the
-//! exception tree. Every call that can block or take long goes through here.
+//! exception tree. Three helpers, and one table of when releasing pays:
+//!
+//! - [`detached`]: a fallible call, released, its error mapped;
+//! - [`detached_infallible`]: a call that cannot fail (or maps its own error), released;
+//! - [`detached_if`]: released only when the call is costly (the table below), since
+//!   releasing and re-taking the GIL costs more than a small call itself.
 
 use mooncake_core::Categorized;
 use pyo3::prelude::*;
+
+/// Keys (block hashes, cache keys, store events) in one call at or above which it runs
+/// with the GIL released; below, the call is cheaper than the release.
+pub const DETACH_KEYS: usize = 256;
+/// Bytes a store call copies at or above which it runs released.
+pub const DETACH_STORE_BYTES: usize = 1 << 16;
+/// Bytes of one KV-event payload at or above which it is applied released (other
+/// subscriber threads ingest meanwhile).
+pub const DETACH_EVENT_BYTES: usize = 32 << 10;
 
 /// Runs `f` with the GIL released and maps its error.
 pub fn detached<T, E, F>(py: Python<'_>, f: F) -> PyResult<T>
@@ -15,5 +29,18 @@ where
     py.detach(f).map_err(|e| crate::errors::to_pyerr(py, &e))
 }
 
-/// Calls below this many items are cheaper to run with the GIL held than to release it.
-pub const DETACH_THRESHOLD: usize = 256;
+/// Runs `f` with the GIL released (a call that blocks or takes long, with no error of
+/// the core to map).
+pub fn detached_infallible<T: Send>(py: Python<'_>, f: impl FnOnce() -> T + Send) -> T {
+    py.detach(f)
+}
+
+/// Runs `f` with the GIL released when `costly` (a threshold of the table above says
+/// so), else with it held.
+pub fn detached_if<T: Send>(py: Python<'_>, costly: bool, f: impl FnOnce() -> T + Send) -> T {
+    if costly {
+        py.detach(f)
+    } else {
+        f()
+    }
+}

@@ -6,7 +6,7 @@ use pyo3::types::PyList;
 
 use crate::block_hashes::PyBlockHashes;
 use crate::convert::{extras_arg, extras_refs, hash_from_py, hashes_to_list, Tokens};
-use crate::errors::{invalid, to_pyerr};
+use crate::errors::{invalid, to_pyerr, OrRaise};
 use crate::gil::detached;
 
 #[pyclass(name = "PrefixHasher", module = "mooncake_rs._core", frozen)]
@@ -22,9 +22,9 @@ impl PyPrefixHasher {
         if block_size < 1 {
             return Err(invalid(py, format!("block_size must be >= 1, got {block_size}")));
         }
-        let algorithm = HashAlgorithm::parse(algorithm).map_err(|e| to_pyerr(py, &e))?;
+        let algorithm = HashAlgorithm::parse(algorithm).or_raise(py)?;
         let inner = PrefixHasher::new(block_size as usize, seed, extra.as_deref(), algorithm)
-            .map_err(|e| to_pyerr(py, &e))?;
+            .or_raise(py)?;
         Ok(PyPrefixHasher { inner })
     }
 

@@ -5,7 +5,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyList;
 
 use crate::convert::{extras_arg, extras_refs, Tokens};
-use crate::errors::{invalid, to_pyerr};
+use crate::errors::{invalid, to_pyerr, OrRaise};
 use crate::gil::detached;
 
 #[pyclass(name = "Xxh3RollingHasher", module = "mooncake_rs._core", frozen)]
@@ -41,7 +41,7 @@ impl PyXxh3RollingHasher {
             ));
         }
         let inner =
-            Xxh3RollingHasher::new(block_size as usize, seed).map_err(|e| to_pyerr(py, &e))?;
+            Xxh3RollingHasher::new(block_size as usize, seed).or_raise(py)?;
         Ok(PyXxh3RollingHasher { inner })
     }
 

@@ -3,13 +3,13 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use mooncake_core::{BlockIndex, ErrorCategory, IndexError, InstanceId, PrefixMatch};
+use mooncake_core::{BlockIndex, ErrorCategory, InstanceId, PrefixMatch};
 use pyo3::prelude::*;
 
 use crate::convert::{hash_from_py, parse_tier};
 use crate::keys::keys_from_py;
-use crate::errors::{new_err, to_pyerr};
-use crate::gil::{detached, DETACH_THRESHOLD};
+use crate::errors::{new_err, OrRaise};
+use crate::gil::{detached, detached_if, detached_infallible, DETACH_KEYS};
 
 #[pyclass(name = "BlockIndex", module = "mooncake_rs._core", frozen)]
 pub struct PyBlockIndex {
@@ -77,15 +77,6 @@ impl PyIndexStats {
     }
 }
 
-/// Runs `f` detached when the call is large enough for that to pay.
-fn maybe_detached<T: Send>(py: Python<'_>, n: usize, f: impl FnOnce() -> T + Send) -> T {
-    if n >= DETACH_THRESHOLD {
-        py.detach(f)
-    } else {
-        f()
-    }
-}
-
 #[pymethods]
 impl PyBlockIndex {
     #[new]
@@ -99,10 +90,10 @@ impl PyBlockIndex {
         let tier = parse_tier(py, tier)?;
         let hashes = keys_from_py(hashes)?;
         let inner = &self.inner;
-        if hashes.len() >= DETACH_THRESHOLD {
+        if hashes.len() >= DETACH_KEYS {
             detached(py, || inner.insert(instance, &hashes, tier))
         } else {
-            inner.insert(instance, &hashes, tier).map_err(|e: IndexError| to_pyerr(py, &e))
+            inner.insert(instance, &hashes, tier).or_raise(py)
         }
     }
 
@@ -112,13 +103,13 @@ impl PyBlockIndex {
         let tier = tier.map(|t| parse_tier(py, t)).transpose()?;
         let hashes = keys_from_py(hashes)?;
         let inner = &self.inner;
-        Ok(maybe_detached(py, hashes.len(), || inner.remove(instance, &hashes, tier)))
+        Ok(detached_if(py, hashes.len() >= DETACH_KEYS, || inner.remove(instance, &hashes, tier)))
     }
 
     /// Drops every entry of `instance`; returns how many.
     fn remove_instance(&self, py: Python<'_>, instance: InstanceId) -> usize {
         let inner = &self.inner;
-        py.detach(|| inner.remove_instance(instance))
+        detached_infallible(py, || inner.remove_instance(instance))
     }
 
     /// [(instance, tier), ...] holding `hash`, sorted.
@@ -132,7 +123,7 @@ impl PyBlockIndex {
     fn match_prefix(&self, py: Python<'_>, hashes: &Bound<'_, PyAny>) -> PyResult<BTreeMap<InstanceId, usize>> {
         let hashes = keys_from_py(hashes)?;
         let inner = &self.inner;
-        let m = maybe_detached(py, hashes.len(), || inner.match_prefix(&hashes));
+        let m = detached_if(py, hashes.len() >= DETACH_KEYS, || inner.match_prefix(&hashes));
         Ok(m.into_iter().map(|x| (x.instance, x.total())).collect())
     }
 
@@ -140,7 +131,7 @@ impl PyBlockIndex {
     fn match_prefix_tiers(&self, py: Python<'_>, hashes: &Bound<'_, PyAny>) -> PyResult<BTreeMap<InstanceId, PyPrefixMatch>> {
         let hashes = keys_from_py(hashes)?;
         let inner = &self.inner;
-        let m = maybe_detached(py, hashes.len(), || inner.match_prefix(&hashes));
+        let m = detached_if(py, hashes.len() >= DETACH_KEYS, || inner.match_prefix(&hashes));
         Ok(m.into_iter()
             .map(|x| (x.instance, PyPrefixMatch::from(x)))
             .collect())
@@ -150,7 +141,7 @@ impl PyBlockIndex {
     fn best_prefix(&self, py: Python<'_>, hashes: &Bound<'_, PyAny>) -> PyResult<Option<(InstanceId, usize)>> {
         let hashes = keys_from_py(hashes)?;
         let inner = &self.inner;
-        let best = maybe_detached(py, hashes.len(), || inner.best_prefix(&hashes));
+        let best = detached_if(py, hashes.len() >= DETACH_KEYS, || inner.best_prefix(&hashes));
         Ok(best.map(|m| (m.instance, m.total())))
     }
 
@@ -161,7 +152,7 @@ impl PyBlockIndex {
 
     fn stats(&self, py: Python<'_>) -> PyIndexStats {
         let inner = &self.inner;
-        let s = py.detach(|| inner.stats());
+        let s = detached_infallible(py, || inner.stats());
         PyIndexStats {
             blocks: s.blocks,
             entries: s.entries,
@@ -175,7 +166,7 @@ impl PyBlockIndex {
     /// Raises `InternalError` if an internal invariant is broken (for tests).
     fn check_integrity(&self, py: Python<'_>) -> PyResult<()> {
         let inner = &self.inner;
-        py.detach(|| inner.check_integrity())
+        detached_infallible(py, || inner.check_integrity())
             .map_err(|msg| new_err(py, ErrorCategory::Internal, msg))
     }
 

@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::convert::BufferView;
-use crate::errors::to_pyerr;
+use crate::errors::OrRaise;
 
 thread_local! {
     static SCRATCH: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
@@ -21,7 +21,7 @@ fn msgpack_tokens<'py>(py: Python<'py>, raw: &Bound<'py, PyAny>) -> PyResult<Bou
     let view = BufferView::get_contiguous(raw, "raw")?;
     SCRATCH.with(|s| {
         let mut toks = s.borrow_mut();
-        decode_u32_array(view.bytes(), &mut toks).map_err(|e| to_pyerr(py, &e))?;
+        decode_u32_array(view.bytes(), &mut toks).or_raise(py)?;
         PyBytes::new_with(py, toks.len() * 4, |buf| {
             for (dst, t) in buf.chunks_exact_mut(4).zip(toks.iter()) {
                 dst.copy_from_slice(&t.to_le_bytes());

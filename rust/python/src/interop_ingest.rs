@@ -11,15 +11,13 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use crate::convert::{extras_arg, extras_refs, BufferView, Tokens as PyTokens};
-use crate::errors::{invalid, to_pyerr};
+use crate::errors::{invalid, OrRaise};
+use crate::gil::{detached_if, detached_infallible, DETACH_EVENT_BYTES};
 use crate::hash::PyPrefixHasher;
 use crate::hash_xxh3::PyXxh3RollingHasher;
 use crate::index::PyBlockIndex;
 use crate::interop_map::{engine_hash_arg, engine_hashes_arg, PyEngineHashMap};
 
-/// Payloads at least this large are applied with the GIL released (other subscriber
-/// threads ingest meanwhile); smaller ones cost less than the release and re-take.
-const DETACH_BYTES: usize = 32 << 10;
 
 #[pyclass(name = "EventIngestor", module = "mooncake_rs._core", frozen)]
 pub struct PyEventIngestor {
@@ -87,9 +85,9 @@ impl PyEventIngestor {
     /// every tier).
     #[pyo3(signature = (name, key, index, tier = None))]
     fn add_medium(&self, py: Python<'_>, name: &str, key: &str, index: PyRef<'_, PyBlockIndex>, tier: Option<&str>) -> PyResult<()> {
-        let tier = tier.map(Tier::parse).transpose().map_err(|e| to_pyerr(py, &e))?;
+        let tier = tier.map(Tier::parse).transpose().or_raise(py)?;
         let sink = Sink { index: index.inner.clone(), tier };
-        self.inner.lock().add_medium(name, key, sink).map_err(|e| to_pyerr(py, &e))
+        self.inner.lock().add_medium(name, key, sink).or_raise(py)
     }
 
     /// The registered media in bit order: `[(canonical name, key), ...]`.
@@ -107,16 +105,12 @@ impl PyEventIngestor {
         let inner = &self.inner;
         let got = if let Ok(b) = payload.cast::<PyBytes>() {
             let bytes = b.as_bytes(); // immutable: safe to read with the GIL released
-            if bytes.len() >= DETACH_BYTES {
-                py.detach(|| inner.lock().apply_payload(bytes, resume))
-            } else {
-                inner.lock().apply_payload(bytes, resume)
-            }
+            detached_if(py, bytes.len() >= DETACH_EVENT_BYTES, || inner.lock().apply_payload(bytes, resume))
         } else {
             let view = BufferView::get_contiguous(payload, "payload")?;
             inner.lock().apply_payload(view.bytes(), resume)
         };
-        got.map(step_to_py).map_err(|e| to_pyerr(py, &e))
+        got.map(step_to_py).or_raise(py)
     }
 
     /// Decodes a payload without applying it: raises `MalformedEvent` where
@@ -124,7 +118,7 @@ impl PyEventIngestor {
     #[staticmethod]
     fn check_payload(py: Python<'_>, payload: &Bound<'_, PyAny>) -> PyResult<()> {
         let view = BufferView::get_contiguous(payload, "payload")?;
-        EventIngestor::check_payload(view.bytes()).map_err(|e| to_pyerr(py, &e))
+        EventIngestor::check_payload(view.bytes()).or_raise(py)
     }
 
     /// Counts a batch applied event by event (`stored` / `removed` / `cleared`) and its
@@ -179,7 +173,7 @@ impl PyEventIngestor {
                 }
             }
         };
-        got.map_err(|e| to_pyerr(py, &e))
+        got.or_raise(py)
     }
 
     /// One `BlockRemoved`. Returns a medium name to register first, or `None`.
@@ -198,7 +192,7 @@ impl PyEventIngestor {
     /// `AllBlocksCleared`.
     fn cleared(&self, py: Python<'_>) {
         let inner = &self.inner;
-        py.detach(|| inner.lock().cleared())
+        detached_infallible(py, || inner.lock().cleared())
     }
 
     /// Forgets the map and counts a reset (the caller drops the index entries).

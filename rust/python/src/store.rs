@@ -12,13 +12,12 @@ use pyo3::types::PyList;
 
 use crate::convert::{hash_from_py, hash_to_py, BufferView};
 use crate::keys::keys_from_py;
-use crate::errors::{invalid, to_pyerr};
+use crate::errors::{invalid, OrRaise};
+use crate::gil::{detached_if, detached_infallible, DETACH_STORE_BYTES};
 use crate::store_block::{PyBlock, PyWritableBlock};
 use crate::store_events::PyStoreEvents;
 use crate::store_run::PyLeasedRun;
 
-/// Copies at least this large release the GIL.
-const DETACH_BYTES: usize = 1 << 16;
 
 /// The tiered block store (DRAM slots, optional SSD tier).
 #[pyclass(name = "Store", module = "mooncake_rs._core", frozen)]
@@ -145,10 +144,6 @@ struct SendMut(*mut u8, usize);
 // SAFETY: as SendPtr, for a writable export.
 unsafe impl Send for SendMut {}
 
-fn core<T>(py: Python<'_>, r: Result<T, StoreError>) -> PyResult<T> {
-    r.map_err(|e| to_pyerr(py, &e))
-}
-
 impl PyStore {
     fn block(&self, key: BlockHash, b: Option<BlockRef>) -> Option<PyBlock> {
         b.map(|b| PyBlock::new(key, b))
@@ -156,11 +151,7 @@ impl PyStore {
 
     fn run<T: Send>(&self, py: Python<'_>, bytes: usize, f: impl FnOnce(&Store) -> T + Send) -> T {
         let s = &*self.inner;
-        if bytes >= DETACH_BYTES {
-            py.detach(|| f(s))
-        } else {
-            f(s)
-        }
+        detached_if(py, bytes >= DETACH_STORE_BYTES, || f(s))
     }
 }
 
@@ -190,7 +181,7 @@ impl PyStore {
             demotion_queue,
             ..Default::default()
         };
-        let store = core(py, py.detach(|| Store::open(cfg)))?;
+        let store = detached_infallible(py, || Store::open(cfg)).or_raise(py)?;
         Ok(PyStore { inner: Arc::new(store) })
     }
 
@@ -217,7 +208,7 @@ impl PyStore {
         let p = SendPtr(view.as_ptr(), view.len_bytes());
         // SAFETY: `view` keeps the export alive across the call.
         let r = self.run(py, p.1, move |s| s.put(key, unsafe { p.slice() }));
-        core(py, r)
+        r.or_raise(py)
     }
 
     /// Stores a chain of blocks (chain positions 0..n). `datas` is a sequence of
@@ -261,13 +252,13 @@ impl PyStore {
             s.put_many(&items)
         });
         drop(views);
-        core(py, r)
+        r.or_raise(py)
     }
 
     /// A writable slot for `key` to fill in place; publish it with `.commit()`.
     fn reserve(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<PyWritableBlock> {
         let key = hash_from_py(key)?;
-        let r = core(py, self.inner.reserve(key))?;
+        let r = self.inner.reserve(key).or_raise(py)?;
         Ok(PyWritableBlock::new(self.inner.clone(), r))
     }
 
@@ -278,8 +269,8 @@ impl PyStore {
         let key = hash_from_py(key)?;
         let s = &*self.inner;
         // A DRAM hit copies nothing; with an SSD tier a miss may read the disk.
-        let r = if s.config().ssd_path.is_some() { py.detach(|| s.get(key, promote)) } else { s.get(key, promote) };
-        Ok(self.block(key, core(py, r)?))
+        let r = detached_if(py, s.config().ssd_path.is_some(), || s.get(key, promote));
+        Ok(self.block(key, r.or_raise(py)?))
     }
 
     /// `get` for many keys (one policy access for the DRAM hits).
@@ -288,11 +279,11 @@ impl PyStore {
         let keys = keys_from_py(keys)?;
         let s = &*self.inner;
         let got = if s.config().ssd_path.is_some() {
-            py.detach(|| s.get_batch(&keys, promote))
+            detached_infallible(py, || s.get_batch(&keys, promote))
         } else {
             s.get_batch(&keys, promote)
         };
-        let got = core(py, got)?;
+        let got = got.or_raise(py)?;
         let items: Vec<Option<PyBlock>> = keys.iter().zip(got).map(|(k, b)| self.block(*k, b)).collect();
         let objs = items
             .into_iter()
@@ -315,7 +306,7 @@ impl PyStore {
             // SAFETY: `view` keeps the writable export alive across the call.
             s.get_into(key, unsafe { std::slice::from_raw_parts_mut(p.0, p.1) }, promote)
         });
-        core(py, r)
+        r.or_raise(py)
     }
 
     /// Copies each key's block into row i of `out` (len(keys) * block_bytes bytes);
@@ -338,7 +329,7 @@ impl PyStore {
                 .map(|(k, row)| s.get_into(*k, row, promote))
                 .collect::<Result<Vec<bool>, StoreError>>()
         });
-        core(py, r)
+        r.or_raise(py)
     }
 
     /// In DRAM or on SSD.
@@ -361,8 +352,8 @@ impl PyStore {
         let key = hash_from_py(key)?;
         let s = &*self.inner;
         // With an SSD tier a removal clears the slot header on disk.
-        let r = if s.config().ssd_path.is_some() { py.detach(|| s.remove(key)) } else { s.remove(key) };
-        core(py, r)
+        let r = detached_if(py, s.config().ssd_path.is_some(), || s.remove(key));
+        r.or_raise(py)
     }
 
     /// Leased views of the longest leading run of `keys` held (list of ints, or a buffer
@@ -372,7 +363,7 @@ impl PyStore {
     fn lookup_prefix<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>, promote: bool) -> PyResult<Bound<'py, PyList>> {
         let keys = keys_from_py(keys)?;
         let s = &*self.inner;
-        let leases = core(py, py.detach(|| s.lookup_prefix(&keys, promote)))?;
+        let leases = detached_infallible(py, || s.lookup_prefix(&keys, promote)).or_raise(py)?;
         let objs = keys
             .iter()
             .zip(leases)
@@ -387,7 +378,7 @@ impl PyStore {
     fn lookup_prefix_run(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, promote: bool) -> PyResult<PyLeasedRun> {
         let keys = keys_from_py(keys)?;
         let s = &*self.inner;
-        let leases = core(py, py.detach(|| s.lookup_prefix(&keys, promote)))?;
+        let leases = detached_infallible(py, || s.lookup_prefix(&keys, promote)).or_raise(py)?;
         let (data, start, _) = keys.into_shared();
         Ok(PyLeasedRun::new(data, start, leases))
     }
@@ -397,14 +388,14 @@ impl PyStore {
         let key = hash_from_py(key)?;
         let s = &*self.inner;
         // Pinning an SSD block promotes it: a disk read, so without the GIL.
-        let r = if s.config().ssd_path.is_some() { py.detach(|| s.pin(key)) } else { s.pin(key) };
-        core(py, r)
+        let r = detached_if(py, s.config().ssd_path.is_some(), || s.pin(key));
+        r.or_raise(py)
     }
 
     /// Drops one pin; returns the pins left.
     fn unpin(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<u32> {
         let key = hash_from_py(key)?;
-        core(py, self.inner.unpin(key))
+        self.inner.unpin(key).or_raise(py)
     }
 
     /// The DRAM arena, for a transfer engine to register.
@@ -441,7 +432,7 @@ impl PyStore {
     /// start (a new conductor, a new pool) everything at once. Drains nothing.
     fn held_events(&self, py: Python<'_>) -> PyStoreEvents {
         let s = &*self.inner;
-        PyStoreEvents { events: Arc::new(py.detach(|| s.held_events())) }
+        PyStoreEvents { events: Arc::new(detached_infallible(py, || s.held_events())) }
     }
 
     fn stats(&self) -> PyStoreStats {
@@ -451,7 +442,7 @@ impl PyStore {
     /// Waits until queued demotions are on disk; StoreIOError if a write failed.
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
         let s = &*self.inner;
-        core(py, py.detach(|| s.flush()))
+        detached_infallible(py, || s.flush()).or_raise(py)
     }
 
     /// Raises InternalError if an invariant is broken (call when no other thread works).

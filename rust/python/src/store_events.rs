@@ -14,7 +14,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
 use crate::convert::BufferView;
-use crate::errors::{invalid, to_pyerr};
+use crate::errors::{invalid, OrRaise};
 use crate::store::PyStoreEvent;
 
 #[pyclass(name = "StoreEvents", module = "mooncake_rs._core", frozen)]
@@ -56,7 +56,7 @@ pub fn events_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Arc<Vec<StoreEvent>>> 
         return Ok(Arc::new(out));
     }
     match BufferView::get(obj, pyo3::ffi::PyBUF_C_CONTIGUOUS) {
-        Ok(Some(v)) => Ok(Arc::new(decode_events(v.bytes()).map_err(|e| to_pyerr(py, &e))?)),
+        Ok(Some(v)) => Ok(Arc::new(decode_events(v.bytes()).or_raise(py)?)),
         _ => {
             let t = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
             Err(invalid(py, format!("events must be a StoreEvents, a list of StoreEvent or StoreEvents.to_bytes() output, got {t}")))
@@ -77,7 +77,7 @@ impl PyStoreEvents {
     fn from_bytes(data: &Bound<'_, PyAny>) -> PyResult<Self> {
         let py = data.py();
         let v = BufferView::get_contiguous(data, "data")?;
-        Ok(PyStoreEvents { events: Arc::new(decode_events(v.bytes()).map_err(|e| to_pyerr(py, &e))?) })
+        Ok(PyStoreEvents { events: Arc::new(decode_events(v.bytes()).or_raise(py)?) })
     }
 
     /// The wire form: `b"MCE1"` then 18 bytes per event (kind, tier, 16-byte LE key).

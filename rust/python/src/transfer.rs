@@ -16,7 +16,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
 use crate::convert::BufferView;
-use crate::errors::{invalid, new_err, to_pyerr};
+use crate::errors::{invalid, new_err, to_pyerr, OrRaise};
 use crate::gil::detached;
 
 pub(crate) fn dur(py: Python<'_>, what: &str, secs: f64) -> PyResult<Duration> {
@@ -153,7 +153,7 @@ impl PyTransferRequest {
         remote_offset: u64,
         length: u64,
     ) -> PyResult<Self> {
-        let op = Op::parse(op).map_err(|e| to_pyerr(py, &e))?;
+        let op = Op::parse(op).or_raise(py)?;
         Ok(PyTransferRequest { op, local, local_offset, peer, remote_region: region_id(remote_region)?, remote_offset, length })
     }
     #[getter]
@@ -417,7 +417,7 @@ impl PyTransferEngine {
         peer_tokens: Option<std::collections::BTreeMap<String, String>>,
     ) -> PyResult<Self> {
         let transports = match &transports {
-            Some(t) => Transports::parse(t.iter().map(String::as_str)).map_err(|e| to_pyerr(py, &e))?,
+            Some(t) => Transports::parse(t.iter().map(String::as_str)).or_raise(py)?,
             None => Transports::default(),
         };
         let cfg = EngineConfig {
