@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 from .errors import ApiError, bad_request, from_exception
 from .front import Frontend
 from .generation import Generation
-from .protocol import GenerateRequest, parse_chat, parse_completion
+from .protocol import MAX_JSON_DEPTH, GenerateRequest, parse_chat, parse_completion
 from .responses import SSE_DONE, Shapes, sse
 
 __all__ = ["create_app"]
@@ -152,6 +152,9 @@ def create_app(front: Frontend) -> Starlette:
             return json.loads(raw)
         except ValueError as e:
             raise bad_request(f"the request body is not valid JSON: {e}") from None
+        except RecursionError:  # nested far past MAX_JSON_DEPTH: refused before it is walked
+            raise bad_request(f"the request body nests objects/arrays deeper than {MAX_JSON_DEPTH} levels") \
+                from None
 
     async def generate(request: Request, headers: dict[str, str], req: GenerateRequest) -> Response:
         gen = front.start(req)
@@ -197,4 +200,20 @@ def create_app(front: Frontend) -> Starlette:
         Route("/health", endpoint("/health", health, auth=False), methods=["GET"]),
         Route("/metrics", endpoint("/metrics", metrics, auth=False), methods=["GET"]),
     ]
-    return Starlette(routes=routes)
+    async def http_error(request: Request, exc: Exception) -> Response:
+        # Starlette's own 404 / 405 (no such route, wrong method), in the OpenAI error shape
+        status = getattr(exc, "status_code", 500)
+        headers = dict(getattr(exc, "headers", None) or {})
+        if status == 404:
+            err = ApiError(404, f"no route {request.url.path!r}: this server serves /v1/completions, "
+                                "/v1/chat/completions, /v1/models, /health and /metrics", code="not_found")
+        elif status == 405:
+            allowed = headers.get("allow", headers.get("Allow", ""))
+            err = ApiError(405, f"{request.method} is not allowed on {request.url.path}; use {allowed}",
+                           code="method_not_allowed")
+        else:
+            err = ApiError(status, str(getattr(exc, "detail", "")) or "error", code=str(status))
+        front.metrics.response("other", err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    return Starlette(routes=routes, exception_handlers={404: http_error, 405: http_error})
