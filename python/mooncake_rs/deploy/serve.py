@@ -80,6 +80,10 @@ def run_service(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    from ..serving.shm import clean_at_exit, sweep_dead
+
+    clean_at_exit()
+    sweep_dead()  # e.g. a leader SIGKILLed on this host
     election = LeaderElection(client, prefix, args.listen, ttl_s=args.lease_ttl, on_lost=lost.set)
     print(f"mooncake-rs serve: candidate {args.listen} for {prefix}", file=sys.stderr, flush=True)
     while not stop.is_set():

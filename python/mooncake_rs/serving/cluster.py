@@ -217,6 +217,11 @@ class Cluster(RoutedCluster):
             # (the cluster token authenticates unlisted names there, which hold no grant)
             self._instance_tokens = {i: secrets.token_hex(32) for i in self.prefill_ids} \
                 if self.kv_grants and self.processes else {}
+            if self.processes:  # segments of an earlier cluster whose process was killed
+                from .shm import clean_at_exit, sweep_dead
+
+                sweep_dead()
+                clean_at_exit()
             # filled in place, before any instance starts: a fast one's Ready may reach the
             # router before spawn_all returns
             spawn_all(specs, self.processes, self._router.events, self._registry, self._transfer_token,
