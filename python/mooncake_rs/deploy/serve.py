@@ -52,12 +52,12 @@ def _http_front(service: object, args: argparse.Namespace) -> Any:
     if not getattr(args, "model", None):
         return None
     from ..http.front import Frontend
-    from ..http.server import ServerThread
+    from ..http.server import ServerThread, limits_of
 
     api_key = args.api_key or os.environ.get("MOONCAKE_API_KEY") or None
     front = Frontend.from_model_dir(service, args.model, tokenizer_dir=args.tokenizer,
                                     model_name=args.served_model_name, api_key=api_key,
-                                    request_timeout_s=args.request_timeout)
+                                    request_timeout_s=args.request_timeout, limits=limits_of(args))
     return ServerThread(front, args.host, args.port, log_level=args.log_level).start()
 
 

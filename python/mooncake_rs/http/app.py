@@ -15,7 +15,7 @@ import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -50,10 +50,14 @@ async def _until_disconnect(work: Awaitable[Any], receive: Receive) -> Any:
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if not task.done():
-            task.cancel()
-        watcher.cancel()
-    if not task.done() or task.cancelled():
+        # cancelled AND awaited: a stream's frames generator must be out of its ``async
+        # for`` before anyone closes it ("aclose(): asynchronous generator is already
+        # running" otherwise)
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
         raise _Disconnected()
     return task.result()
 
@@ -125,6 +129,9 @@ def create_app(front: Frontend) -> Starlette:
                 if auth:
                     front.check_auth(request.headers.get("authorization"))
                 resp = await fn(request, headers)
+            except ClientDisconnect:  # the client left mid-upload: nobody to answer, no server error
+                front.metrics.count("disconnects")
+                resp = Response(status_code=499, headers=headers)
             except Exception as e:  # noqa: BLE001 - every failure answers in the OpenAI error shape
                 err = from_exception(e)
                 if err.status >= 500 and not isinstance(e, ApiError):
@@ -141,12 +148,21 @@ def create_app(front: Frontend) -> Starlette:
         claimed = request.headers.get("content-length", "")
         if claimed.isdigit() and int(claimed) > _MAX_BODY:
             raise too_big
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > _MAX_BODY:
-                raise too_big
-            chunks.append(chunk)
+        chunks: list[bytes] = []
+
+        async def read() -> None:
+            size = 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > _MAX_BODY:
+                    raise too_big
+                chunks.append(chunk)
+
+        try:  # a body trickled in slower than this holds a connection for nothing
+            await asyncio.wait_for(read(), front.limits.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {front.limits.body_timeout_s:g} s",
+                           code="body_timeout") from None
         raw = b"".join(chunks)
         try:
             return json.loads(raw)

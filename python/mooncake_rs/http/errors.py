@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..errors import InvalidArgument, MooncakeError, Overloaded, TransferFailed, TransferTimeout
+from ..errors import InvalidArgument, MooncakeError, Overloaded, ServiceUnavailable, TransferFailed, TransferTimeout
 
 __all__ = ["ApiError", "from_exception"]
 
@@ -60,6 +60,9 @@ def from_exception(e: BaseException) -> ApiError:
                         headers={"Retry-After": _retry_after(e)})
     if isinstance(e, InvalidArgument):
         return bad_request(str(e))
+    if isinstance(e, ServiceUnavailable):
+        return ApiError(503, f"the service is unavailable: {e}; retry shortly", type="service_unavailable",
+                        code="unavailable", headers={"Retry-After": "1"})
     if isinstance(e, TransferTimeout):
         return ApiError(504, f"the request timed out: {e}", type="timeout", code="timeout")
     if isinstance(e, TransferFailed):
