@@ -40,9 +40,12 @@ def unavailable(message: str) -> ApiError:
 
 
 def _retry_after(e: Overloaded) -> str:
-    # The conductor's estimate of the queue it would have added the request to is the
-    # honest wait; without one, a second.
-    est = getattr(e.estimates, "est_queue_s", None)
+    # The conductor's wait of its rejection (the TTFT estimate's excess over the SLO, or
+    # until a decode instance frees a place) follows the queue; an older conductor's
+    # queue estimate otherwise; without either, a second.
+    est = getattr(e.estimates, "retry_after_s", None)
+    if not (isinstance(est, float) and math.isfinite(est) and est > 0):
+        est = getattr(e.estimates, "est_queue_s", None)
     secs = est if isinstance(est, float) and math.isfinite(est) and est > 0 else 1.0
     return str(max(1, math.ceil(min(secs, 3600.0))))
 

@@ -158,6 +158,10 @@ def serve(args: argparse.Namespace) -> int:
     cluster = Cluster(args.model, **cluster_kwargs(args))
     server = None
     try:
+        if args.rejection != "none":
+            # admission by SLO needs the prefill model of this host, not a default: fit it
+            # on the real engine first (the online calibration refines it under load)
+            cluster.calibrate(repeats=1)
         front = Frontend.from_model_dir(cluster, args.model, tokenizer_dir=args.tokenizer,
                                         model_name=args.served_model_name, api_key=api_key,
                                         request_timeout_s=args.request_timeout, limits=limits_of(args))
