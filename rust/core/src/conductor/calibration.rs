@@ -12,14 +12,20 @@
 //! - TBT: the mean interval of the request's decode (`on_decode_finished`) over the
 //!   decode model's prediction at admission.
 //!
-//! Each ratio is an exponential moving average in log space (a 10x miss and a 0.1x miss
-//! weigh alike), clamped, and decays back toward 1 when nothing is observed (half-life
-//! [`HALF_LIFE_S`]): a cluster that rejected everything for a while probes again
-//! instead of rejecting forever on an old, pessimistic ratio. Off by default (a
-//! simulator's virtual clock needs none); `Conductor::set_online_calibration` turns it on.
+//! Each ratio tracks the [`QUANTILE`] (p90) of the measured/predicted ratios, not their
+//! mean: the SLOs are judged at p90, so an estimate scaled by the mean ratio would
+//! admit requests of which a good share misses. It is a stochastic quantile estimate in
+//! log space (a 10x miss and a 0.1x miss weigh alike): each sample above it moves it up
+//! by `STEP * QUANTILE`, each below down by `STEP * (1 - QUANTILE)`; clamped; and it
+//! decays back toward 1 when nothing is observed (half-life [`HALF_LIFE_S`]): a cluster
+//! that rejected everything for a while probes again instead of rejecting forever on an
+//! old, pessimistic ratio. Off by default (a simulator's virtual clock needs none);
+//! `Conductor::set_online_calibration` turns it on.
 
-/// Weight of a new observation in the moving average (of the log ratio).
-pub const WEIGHT: f64 = 0.2;
+/// The quantile of the measured/predicted ratio that scales the estimates.
+pub const QUANTILE: f64 = 0.9;
+/// Step of the quantile estimate per sample (in log units).
+pub const STEP: f64 = 0.1;
 /// How fast a ratio relaxes toward 1 without observations.
 pub const HALF_LIFE_S: f64 = 10.0;
 /// Bounds of a ratio (one absurd sample cannot make admission reject everything).
@@ -51,7 +57,8 @@ impl Ratio {
         }
         let r = (measured / predicted).clamp(MIN_RATIO, MAX_RATIO).ln();
         let cur = self.at(now).ln();
-        self.log = cur + WEIGHT * (r - cur);
+        let step = if r > cur { STEP * QUANTILE } else { -STEP * (1.0 - QUANTILE) };
+        self.log = (cur + step).clamp(MIN_RATIO.ln(), MAX_RATIO.ln());
         self.last_t = Some(now);
         self.samples += 1;
     }
@@ -106,13 +113,13 @@ mod tests {
     fn a_ratio_follows_measurements_and_relaxes_toward_one() {
         let mut r = Ratio::default();
         assert_eq!(r.at(5.0), 1.0);
-        for i in 0..40 {
-            r.observe(0.01, 0.05, i as f64 * 0.01);
+        for i in 0..60 {
+            r.observe(0.01, 0.05, i as f64 * 0.001);
         }
-        let v = r.at(0.4);
-        assert!((v - 5.0).abs() < 0.05, "{v}");
-        // one half-life later: half the log, sqrt(5)
-        assert!((r.at(0.4 + HALF_LIFE_S) - 5f64.sqrt()).abs() < 0.05);
+        let v = r.at(0.06);
+        assert!((v / 5.0 - 1.0).abs() < 0.12, "{v}");
+        // one half-life later: half the log
+        assert!((r.at(0.06 + HALF_LIFE_S) - v.sqrt()).abs() < 1e-6);
         assert!((r.at(1e6) - 1.0).abs() < 1e-9);
         // clamped samples, ignored bad ones
         let mut r = Ratio::default();
@@ -124,6 +131,17 @@ mod tests {
         r.observe(0.0, 1.0, 0.0);
         r.observe(1.0, f64::INFINITY, 0.0);
         assert_eq!(r.samples(), 200);
+    }
+
+    #[test]
+    fn a_ratio_tracks_the_p90_of_its_samples_not_the_mean() {
+        // ratios 1..=10 in turn: the mean is 5.5, the p90 9 to 10
+        let mut r = Ratio::default();
+        for i in 0..3000 {
+            r.observe(1.0, (i % 10 + 1) as f64, 0.0);
+        }
+        let v = r.at(0.0);
+        assert!((8.0..=11.0).contains(&v), "{v}");
     }
 
     #[test]
@@ -189,7 +207,7 @@ mod tests {
             assert!(raw < 0.05, "the default model predicts {raw}");
             // every first token comes 20x later than predicted
             let mut now = 0.0;
-            for rid in 0..30 {
+            for rid in 0..60 {
                 let d = c.schedule(&ask(rid, now)).unwrap();
                 c.on_decode_started(rid, Some(now + 20.0 * d.est_ttft_s / c.calibration_scales(now).0)).unwrap();
                 c.on_decode_finished(rid, 8, Some(now + 0.1)).unwrap();
@@ -208,7 +226,7 @@ mod tests {
             // and the scaled estimate is what the SLO is checked against
             let strict = conductor(64, 0.05);
             strict.set_online_calibration(true);
-            for rid in 0..30 {
+            for rid in 0..60 {
                 let d = strict.schedule(&ask(rid, 0.0)).unwrap();
                 strict.on_decode_started(rid, Some(0.05 + d.est_ttft_s)).unwrap();
                 strict.on_decode_finished(rid, 8, Some(0.2)).unwrap();
