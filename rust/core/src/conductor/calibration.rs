@@ -12,9 +12,10 @@
 //! - TBT: the mean interval of the request's decode (`on_decode_finished`) over the
 //!   decode model's prediction at admission.
 //!
-//! Each ratio tracks the [`QUANTILE`] (p90) of the measured/predicted ratios, not their
+//! Each ratio tracks the [`QUANTILE`] (p95) of the measured/predicted ratios, not their
 //! mean: the SLOs are judged at p90, so an estimate scaled by the mean ratio would
-//! admit requests of which a good share misses. It is a stochastic quantile estimate in
+//! admit requests of which a good share misses (p95 leaves a margin: on a shared host
+//! a p90-scaled estimate still missed the p90 in half the runs, BENCHMARKS.md). It is a stochastic quantile estimate in
 //! log space (a 10x miss and a 0.1x miss weigh alike): each sample above it moves it up
 //! by `STEP * QUANTILE`, each below down by `STEP * (1 - QUANTILE)`; clamped; and it
 //! decays back toward 1 when nothing is observed (half-life [`HALF_LIFE_S`]): a cluster
@@ -23,7 +24,7 @@
 //! `Conductor::set_online_calibration` turns it on.
 
 /// The quantile of the measured/predicted ratio that scales the estimates.
-pub const QUANTILE: f64 = 0.9;
+pub const QUANTILE: f64 = 0.95;
 /// Step of the quantile estimate per sample (in log units).
 pub const STEP: f64 = 0.1;
 /// How fast a ratio relaxes toward 1 without observations.
@@ -126,7 +127,7 @@ mod tests {
         for _ in 0..200 {
             r.observe(1e-9, 1e9, 0.0);
         }
-        assert!((r.at(0.0) - MAX_RATIO).abs() < 1e-6);
+        assert!((r.at(0.0) / MAX_RATIO - 1.0).abs() < 0.01, "{}", r.at(0.0)); // within a step of the bound
         r.observe(f64::NAN, 1.0, 0.0);
         r.observe(0.0, 1.0, 0.0);
         r.observe(1.0, f64::INFINITY, 0.0);
@@ -134,8 +135,8 @@ mod tests {
     }
 
     #[test]
-    fn a_ratio_tracks_the_p90_of_its_samples_not_the_mean() {
-        // ratios 1..=10 in turn: the mean is 5.5, the p90 9 to 10
+    fn a_ratio_tracks_a_high_quantile_of_its_samples_not_the_mean() {
+        // ratios 1..=10 in turn: the mean is 5.5, the p95 10
         let mut r = Ratio::default();
         for i in 0..3000 {
             r.observe(1.0, (i % 10 + 1) as f64, 0.0);
@@ -226,15 +227,14 @@ mod tests {
             // and the scaled estimate is what the SLO is checked against
             let strict = conductor(64, 0.05);
             strict.set_online_calibration(true);
-            for rid in 0..60 {
-                let d = strict.schedule(&ask(rid, 0.0)).unwrap();
+            for rid in 0..500 {
+                let Ok(d) = strict.schedule(&ask(rid, 0.0)) else {
+                    break; // calibrated past the SLO already
+                };
                 strict.on_decode_started(rid, Some(0.05 + d.est_ttft_s)).unwrap();
                 strict.on_decode_finished(rid, 8, Some(0.2)).unwrap();
-                if strict.calibration_scales(0.2).0 * raw > 0.05 {
-                    break;
-                }
             }
-            match strict.schedule(&ask(99, 0.2)) {
+            match strict.schedule(&ask(999, 0.0)) {
                 Err(ConductorError::Overloaded { reason: RejectReason::TtftSlo, estimates, .. }) => {
                     assert!(estimates.unwrap().retry_after_s > 0.0)
                 }
