@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from typing import Any, Generator
 
 import uvicorn
@@ -111,7 +112,7 @@ class DrainingServer(uvicorn.Server):
 def make_config(app: Any, front: Any, **kw: Any) -> uvicorn.Config:
     """A uvicorn config that serves ``app`` with the guarded protocol and ``front``'s limits."""
     limits: FrontLimits = getattr(front, "limits", None) or FrontLimits()
-    config = uvicorn.Config(app, http=GuardedH11Protocol, timeout_graceful_shutdown=limits.drain_timeout_s + 2,
+    config = uvicorn.Config(app, http=GuardedH11Protocol, timeout_graceful_shutdown=math.ceil(limits.drain_timeout_s) + 2,
                             **kw)
     config.guard = limits  # type: ignore[attr-defined]
     return config

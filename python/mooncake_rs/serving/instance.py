@@ -152,9 +152,9 @@ class Instance:
             self.ch.send(Failed(rid, f"instance {self.spec.name} failed while serving it: {why}"))
         try:
             self.release_all()
-            for rid in self.engine.unfinished_ids():  # sequences no role tracks any more
-                self.engine.abort(rid)
-                self.engine.release(rid)
+            for seq in self.engine.unfinished_ids():  # sequences no role tracks any more
+                self.engine.abort(seq)
+                self.engine.release(seq)
         except Exception:  # noqa: BLE001 - logged; the next turn starts from what is left
             log.exception("instance %s: dropping the failed requests raised too", self.spec.name)
 
