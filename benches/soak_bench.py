@@ -163,6 +163,8 @@ class Soak:
                         continue
                     lines = []
                     for line in r.iter_lines():
+                        if not line:  # the blank line between events
+                            continue
                         lines.append(line)
                         if abandon and len(lines) > 2:
                             break
