@@ -132,7 +132,8 @@ def _indexer(args: argparse.Namespace) -> int:
         print(f"mooncake-rs indexer needs the indexer extra (pip install \"mooncake-rs[indexer]\"): {e}",
               file=sys.stderr)
         return 2
-    serve(args.listen, hash=args.hash, seed=args.seed, map_capacity=args.map_capacity)
+    serve(args.listen, hash=args.hash, seed=args.seed, map_capacity=args.map_capacity,
+          max_publishers=args.max_publishers)
     return 0
 
 
@@ -212,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     indexer.add_argument("--seed", type=int, default=0, help="hash seed S (default 0)")
     indexer.add_argument("--map-capacity", type=int, default=1 << 20,
                          help="engine-hash map entries kept per publisher (default 1048576)")
+    indexer.add_argument("--max-publishers", type=int, default=256,
+                         help="publishers registered at once (a thread and a socket each; default 256)")
     indexer.set_defaults(func=_indexer)
 
     version = sub.add_parser("version", help="print the version")

@@ -19,7 +19,8 @@ class RequestOutput:
     ``token_ids`` are the generated tokens so far (the prompt excluded); ``new_token_ids``
     those added by the step that produced this output. ``num_cached_tokens``: prompt
     tokens whose KV was loaded from buffers rather than computed. ``metrics`` is left for
-    the serving layer to fill.
+    the serving layer to fill. ``error``: set when serving this request raised (its
+    ``finish_reason`` is then ``abort``): the request failed, the engine goes on.
     """
 
     request_id: str
@@ -30,6 +31,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     metrics: Any = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

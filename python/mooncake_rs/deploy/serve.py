@@ -55,7 +55,7 @@ def _http_front(service: object, args: argparse.Namespace) -> Any:
     if not getattr(args, "model", None):
         return None
     from ..http.front import Frontend
-    from ..http.server import ServerThread
+    from ..http.server import ServerThread, limits_of
 
     from ..base.model_config import PRESETS
     from ..models.tiny import front_dir
@@ -68,7 +68,7 @@ def _http_front(service: object, args: argparse.Namespace) -> Any:
     name = args.served_model_name or (args.model if args.model in PRESETS else None)
     front = Frontend.from_model_dir(service, model_dir, tokenizer_dir=args.tokenizer,
                                     model_name=name, api_key=api_key,
-                                    request_timeout_s=args.request_timeout)
+                                    request_timeout_s=args.request_timeout, limits=limits_of(args))
     return ServerThread(front, args.host, args.port, log_level=args.log_level).start()
 
 
@@ -91,6 +91,10 @@ def run_service(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    from ..serving.shm import clean_at_exit, sweep_dead
+
+    clean_at_exit()
+    sweep_dead()  # e.g. a leader SIGKILLed on this host
     election = LeaderElection(client, prefix, args.listen, ttl_s=args.lease_ttl, on_lost=lost.set, token=token)
     print(f"mooncake-rs serve: candidate {args.listen} for {prefix}", file=sys.stderr, flush=True)
     while not stop.is_set():

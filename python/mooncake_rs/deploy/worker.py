@@ -128,6 +128,10 @@ def run_worker(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    from ..serving.shm import clean_at_exit, sweep_dead
+
+    clean_at_exit()  # the arena: daemon threads may keep the instance alive past exit
+    sweep_dead()
     listener = AuthListener(host, port, token, links.accept)
     reg = None
     try:

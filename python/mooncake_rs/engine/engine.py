@@ -190,6 +190,10 @@ class Engine(HandoffMixin):
         if not req.hold_kv:
             del self._requests[req.request_id]
 
+    def unfinished_ids(self) -> list[str]:
+        """Ids of the requests queued or running (not finished)."""
+        return [rid for rid, r in self._requests.items() if r.status is not RequestStatus.FINISHED]
+
     def release(self, request_id: str) -> None:
         """Frees the pages of a finished ``hold_kv`` request."""
         req = self._requests.get(str(request_id))
@@ -251,7 +255,13 @@ class Engine(HandoffMixin):
         if not batch.requests:
             return outputs
         meta, starts, sampling, rows = self._batch_inputs(batch)
-        logits = self._run(batch, meta, starts, rows)
+        try:
+            logits = self._run(batch, meta, starts, rows)
+        except Exception as e:  # noqa: BLE001 - the batch's requests fail, the engine goes on
+            log.exception("engine: a forward pass of %d requests failed", len(batch.requests))
+            outputs.extend(self._fail(req, f"the forward pass failed: {type(e).__name__}: {e}")
+                           for req in batch.requests)
+            return outputs
         if logits is not None:
             outputs.extend(self._sample_and_finish(logits, [batch.requests[i] for i in sampling]))
         return outputs
@@ -292,10 +302,13 @@ class Engine(HandoffMixin):
 
     def _sample_and_finish(self, logits: torch.Tensor, picked: list[Request]) -> list[RequestOutput]:
         """A token for each request that samples; the ones that stop are finished (and
-        forgotten unless they hold their KV); an output each."""
+        forgotten unless they hold their KV); an output each. A request whose sampling
+        raised fails alone (see :meth:`_sample`)."""
         outputs = []
-        toks = self.sampler.sample(logits, [r.params for r in picked], [len(r.output_token_ids) for r in picked])
-        for req, tok in zip(picked, toks):
+        for req, tok in zip(picked, self._sample(logits, picked)):
+            if isinstance(tok, str):
+                outputs.append(self._fail(req, tok))
+                continue
             req.output_token_ids.append(tok)
             reason = self._stop_reason(req, tok)
             if reason is not None:
@@ -304,6 +317,36 @@ class Engine(HandoffMixin):
                     del self._requests[req.request_id]
             outputs.append(self._output(req, [tok]))
         return outputs
+
+    def _sample(self, logits: torch.Tensor, picked: list[Request]) -> list[int | str]:
+        """One token per request; where sampling a request raises, the error (a str)
+        instead of its token. The batch first; if that raises, row by row, so one
+        request's failure is that request's alone."""
+        params = [r.params for r in picked]
+        indices = [len(r.output_token_ids) for r in picked]
+        try:
+            return list(self.sampler.sample(logits, params, indices))
+        except Exception:  # noqa: BLE001 - find the row(s) at fault below
+            log.exception("engine: sampling a batch of %d failed; sampling row by row", len(picked))
+        out: list[int | str] = []
+        for i in range(len(picked)):
+            try:
+                out.append(self.sampler.sample(logits[i:i + 1], params[i:i + 1], indices[i:i + 1])[0])
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                out.append(f"sampling failed: {type(e).__name__}: {e}")
+        return out
+
+    def _fail(self, req: Request, error: str) -> RequestOutput:
+        """Ends ``req`` as failed (``finish_reason`` abort, ``error`` set): its pages are
+        freed (or held for :meth:`release` with ``hold_kv``), the other requests go on."""
+        log.warning("engine: request %s failed: %s", req.request_id, error)
+        if req.status is not RequestStatus.FINISHED:
+            self.scheduler.finish(req, "abort")
+        if not req.hold_kv:
+            self._requests.pop(req.request_id, None)
+        out = self._output(req, [])
+        out.error = error
+        return out
 
     # ---- convenience
     def generate(self, prompts: Sequence[Sequence[int]],

@@ -65,7 +65,8 @@ class Sampler:
         dev = logits.device
         sub = logits[rows] if len(rows) < len(params) else logits
         temp = torch.tensor([params[s].temperature for s in rows], device=dev)
-        top_k = torch.tensor([params[s].top_k if params[s].top_k > 0 else v for s in rows], device=dev)
+        # clamped to the vocabulary: a top_k past it keeps every token (and still fits int64)
+        top_k = torch.tensor([min(params[s].top_k, v) if params[s].top_k > 0 else v for s in rows], device=dev)
         top_p = torch.tensor([params[s].top_p for s in rows], device=dev)
         probs, order = filtered_probs(sub, temp, top_k, top_p)
         noise = torch.stack([self._noise(v, params[s].seed, indices[s]) for s in rows]).to(dev)

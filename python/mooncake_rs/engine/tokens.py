@@ -7,7 +7,7 @@ import operator
 from typing import Any, Sequence
 
 from ..errors import InvalidArgument
-from ..base.params import SamplingParams
+from ..base.params import MAX_TOKEN_ID, SamplingParams
 
 __all__ = ["token_id", "prompt_tokens"]
 
@@ -37,4 +37,7 @@ def prompt_tokens(prompt: Sequence[int], params: SamplingParams) -> list[int]:
         raise InvalidArgument("a prompt must be a list of int token ids") from None
     if not toks:
         raise InvalidArgument("a prompt needs at least one token")
+    hi = max(toks)
+    if hi > MAX_TOKEN_ID:  # (the model's vocabulary check comes later; this keeps ids int32 on the wire)
+        raise InvalidArgument(f"token id {hi} is outside any vocabulary (0..{MAX_TOKEN_ID})")
     return toks

@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import ApiError
 from .front import Frontend
+from .limits import FrontLimits
 from .protocol import GenerateRequest, parse_chat, parse_completion
 
-__all__ = ["ApiError", "Frontend", "GenerateRequest", "parse_chat", "parse_completion", "create_app", "ServerThread"]
+__all__ = ["ApiError", "Frontend", "FrontLimits", "GenerateRequest", "parse_chat", "parse_completion", "create_app", "ServerThread"]
 
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 from .errors import ApiError, bad_request, from_exception
 from .front import Frontend
 from .generation import Generation
-from .protocol import GenerateRequest, parse_chat, parse_completion
+from .protocol import MAX_JSON_DEPTH, GenerateRequest, parse_chat, parse_completion
 from .responses import SSE_DONE, Shapes, sse
 
 __all__ = ["create_app"]
@@ -50,10 +50,14 @@ async def _until_disconnect(work: Awaitable[Any], receive: Receive) -> Any:
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if not task.done():
-            task.cancel()
-        watcher.cancel()
-    if not task.done() or task.cancelled():
+        # cancelled AND awaited: a stream's frames generator must be out of its ``async
+        # for`` before anyone closes it ("aclose(): asynchronous generator is already
+        # running" otherwise)
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
         raise _Disconnected()
     return task.result()
 
@@ -125,6 +129,9 @@ def create_app(front: Frontend) -> Starlette:
                 if auth:
                     front.check_auth(request.headers.get("authorization"))
                 resp = await fn(request, headers)
+            except ClientDisconnect:  # the client left mid-upload: nobody to answer, no server error
+                front.metrics.count("disconnects")
+                resp = Response(status_code=499, headers=headers)
             except Exception as e:  # noqa: BLE001 - every failure answers in the OpenAI error shape
                 err = from_exception(e)
                 if err.status >= 500 and not isinstance(e, ApiError):
@@ -141,17 +148,29 @@ def create_app(front: Frontend) -> Starlette:
         claimed = request.headers.get("content-length", "")
         if claimed.isdigit() and int(claimed) > _MAX_BODY:
             raise too_big
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > _MAX_BODY:
-                raise too_big
-            chunks.append(chunk)
+        chunks: list[bytes] = []
+
+        async def read() -> None:
+            size = 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > _MAX_BODY:
+                    raise too_big
+                chunks.append(chunk)
+
+        try:  # a body trickled in slower than this holds a connection for nothing
+            await asyncio.wait_for(read(), front.limits.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {front.limits.body_timeout_s:g} s",
+                           code="body_timeout") from None
         raw = b"".join(chunks)
         try:
             return json.loads(raw)
         except ValueError as e:
             raise bad_request(f"the request body is not valid JSON: {e}") from None
+        except RecursionError:  # nested far past MAX_JSON_DEPTH: refused before it is walked
+            raise bad_request(f"the request body nests objects/arrays deeper than {MAX_JSON_DEPTH} levels") \
+                from None
 
     async def generate(request: Request, headers: dict[str, str], req: GenerateRequest) -> Response:
         gen = front.start(req)
@@ -198,4 +217,20 @@ def create_app(front: Frontend) -> Starlette:
         Route("/health", endpoint("/health", health, auth=False), methods=["GET"]),
         Route("/metrics", endpoint("/metrics", metrics, auth=False), methods=["GET"]),
     ]
-    return Starlette(routes=routes)
+    async def http_error(request: Request, exc: Exception) -> Response:
+        # Starlette's own 404 / 405 (no such route, wrong method), in the OpenAI error shape
+        status = getattr(exc, "status_code", 500)
+        headers = dict(getattr(exc, "headers", None) or {})
+        if status == 404:
+            err = ApiError(404, f"no route {request.url.path!r}: this server serves /v1/completions, "
+                                "/v1/chat/completions, /v1/models, /health and /metrics", code="not_found")
+        elif status == 405:
+            allowed = headers.get("allow", headers.get("Allow", ""))
+            err = ApiError(405, f"{request.method} is not allowed on {request.url.path}; use {allowed}",
+                           code="method_not_allowed")
+        else:
+            err = ApiError(status, str(getattr(exc, "detail", "")) or "error", code=str(status))
+        front.metrics.response("other", err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    return Starlette(routes=routes, exception_handlers={404: http_error, 405: http_error})

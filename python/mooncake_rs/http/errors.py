@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..errors import InvalidArgument, MooncakeError, Overloaded, TransferFailed, TransferTimeout
+from ..errors import InvalidArgument, MooncakeError, Overloaded, ServiceUnavailable, TransferFailed, TransferTimeout
 
 __all__ = ["ApiError", "from_exception"]
 
@@ -40,9 +40,12 @@ def unavailable(message: str) -> ApiError:
 
 
 def _retry_after(e: Overloaded) -> str:
-    # The conductor's estimate of the queue it would have added the request to is the
-    # honest wait; without one, a second.
-    est = getattr(e.estimates, "est_queue_s", None)
+    # The conductor's wait of its rejection (the TTFT estimate's excess over the SLO, or
+    # until a decode instance frees a place) follows the queue; an older conductor's
+    # queue estimate otherwise; without either, a second.
+    est = getattr(e.estimates, "retry_after_s", None)
+    if not (isinstance(est, float) and math.isfinite(est) and est > 0):
+        est = getattr(e.estimates, "est_queue_s", None)
     secs = est if isinstance(est, float) and math.isfinite(est) and est > 0 else 1.0
     return str(max(1, math.ceil(min(secs, 3600.0))))
 
@@ -60,6 +63,9 @@ def from_exception(e: BaseException) -> ApiError:
                         headers={"Retry-After": _retry_after(e)})
     if isinstance(e, InvalidArgument):
         return bad_request(str(e))
+    if isinstance(e, ServiceUnavailable):
+        return ApiError(503, f"the service is unavailable: {e}; retry shortly", type="service_unavailable",
+                        code="unavailable", headers={"Retry-After": "1"})
     if isinstance(e, TransferTimeout):
         return ApiError(504, f"the request timed out: {e}", type="timeout", code="timeout")
     if isinstance(e, TransferFailed):

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import hmac
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import InvalidArgument, MooncakeError
+from ..errors import InvalidArgument, MooncakeError, ServiceUnavailable
 from .errors import ApiError, bad_request, from_exception, unavailable
 from .generation import Generation
+from .limits import FrontLimits
 from .metrics import FrontMetrics
 from .protocol import GenerateRequest
 
@@ -41,7 +43,8 @@ class Frontend:
 
     def __init__(self, cluster: Any, tokenizer: Any, model_name: str, *, max_model_len: int,
                  eos_token_ids: tuple[int, ...] = (), api_key: str | None = None,
-                 request_timeout_s: float | None = None, default_max_tokens: int = 16) -> None:
+                 request_timeout_s: float | None = None, default_max_tokens: int = 16,
+                 limits: FrontLimits | None = None) -> None:
         self.cluster = cluster
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -55,6 +58,30 @@ class Frontend:
         self.default_max_tokens = int(default_max_tokens)
         self.created = int(time.time())
         self.metrics = FrontMetrics()
+        self.limits = limits or FrontLimits()
+        # requests running now (a shutdown ends them: drain); touched from the event loop
+        # and, when a request ends, from the thread that ended it
+        self._running: set[Generation] = set()
+        self._running_lock = threading.Lock()
+        self.draining = False
+
+    @property
+    def active_requests(self) -> int:
+        return len(self._running)
+
+    def drain(self, reason: str) -> int:
+        """Refuses new requests (503) and ends every running one with ``ServiceUnavailable``
+        (a stream gets an error event and ``[DONE]``). Returns how many were ended."""
+        self.draining = True
+        with self._running_lock:
+            running = list(self._running)
+        for gen in running:
+            gen.close(reason, ServiceUnavailable(reason))
+        return len(running)
+
+    def _forget(self, gen: Generation) -> None:
+        with self._running_lock:
+            self._running.discard(gen)
 
     @classmethod
     def from_model_dir(cls, cluster: Any, model_dir: str | Path, *, tokenizer_dir: str | Path | None = None,
@@ -112,6 +139,9 @@ class Frontend:
         if req.model != self.model_name:
             raise ApiError(400, f"model {req.model!r} is not served here; use {self.model_name!r} (GET /v1/models)",
                            param="model", code="model_not_found")
+        if self.draining:
+            raise ApiError(503, "the server is shutting down; retry on another replica or after it restarts",
+                           type="service_unavailable", code="shutting_down", headers={"Retry-After": "1"})
         ready, why = self.serving_state()
         if not ready:
             raise unavailable(why)
@@ -153,8 +183,12 @@ class Frontend:
                 self.metrics.count("rejected")
             raise err from None
         t0 = time.monotonic()
-        return Generation(handle, self.tokenizer, prompt_tokens=len(prompt), stop=req.stop, hidden_ids=hidden,
-                          on_first_token=lambda: self.metrics.observe_ttft(time.monotonic() - t0))
+        gen = Generation(handle, self.tokenizer, prompt_tokens=len(prompt), stop=req.stop, hidden_ids=hidden,
+                         on_first_token=lambda: self.metrics.observe_ttft(time.monotonic() - t0),
+                         on_close=self._forget)
+        with self._running_lock:
+            self._running.add(gen)
+        return gen
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,

@@ -9,8 +9,6 @@ HTTP layer calls it when the client goes away.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -32,7 +30,7 @@ class Delta:
 
 class Generation:
     def __init__(self, handle: Any, tokenizer: Any, *, prompt_tokens: int, stop: list[str], hidden_ids: frozenset[int],
-                 on_first_token: Any = None) -> None:
+                 on_first_token: Any = None, on_close: Any = None) -> None:
         self.handle = handle
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
@@ -42,6 +40,7 @@ class Generation:
         self._stops = StopStrings(stop)
         self._hidden = hidden_ids  # EOS and stop token ids: they end the output, they are not text
         self._on_first = on_first_token
+        self._on_close = on_close  # the front forgets it (its running set, for drain)
         self._closed = False
 
     @property
@@ -62,53 +61,26 @@ class Generation:
         """The stop string that ended the output, if one did."""
         return self._stops.stopped
 
-    def close(self, reason: str = "the client went away") -> None:
+    def close(self, reason: str = "the client went away", error: BaseException | None = None) -> None:
         """Cancels the request if it is still running (its slots, pages and conductor entry
-        are freed). Idempotent."""
+        are freed); its stream then raises ``error`` (default: a cancellation). Idempotent."""
         if self._closed:
             return
         self._closed = True
+        if self._on_close is not None:
+            self._on_close(self)
         if not self.handle.done:
-            # ended early on purpose (a stop string, a client gone): the cluster counts it
-            # as cancelled, not as a failure
-            self.handle.cancel(MooncakeError(f"request {self.handle.request_id} cancelled: {reason}"), failed=False)
+            # ended early on purpose (a stop string, a client gone, a shutdown): the
+            # cluster counts it as cancelled, not as a failure
+            err = error or MooncakeError(f"request {self.handle.request_id} cancelled: {reason}")
+            self.handle.cancel(err, failed=False)
 
     async def _batches(self) -> AsyncIterator[list[int]]:
-        """The handle's tokens, as lists of those that arrived together.
-
-        One thread per request iterates the handle (blocking) and hands each token to the
-        event loop; the loop side takes every token already there at once, so a busy
-        server sends fewer, larger chunks instead of falling behind one frame per token."""
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue[Any] = asyncio.Queue()
-
-        def put(item: Any) -> None:
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
-            except RuntimeError:  # the loop is gone (server shutdown): nobody is listening
-                pass
-
-        def pump() -> None:
-            try:
-                for tok in self.handle:
-                    put(tok)
-                put(_END)
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
-                put(_Failed(e))
-
-        threading.Thread(target=pump, name=f"mooncake-front-{self.handle.request_id}", daemon=True).start()
-        while True:
-            items = [await q.get()]
-            while not q.empty():
-                items.append(q.get_nowait())
-            toks = [t for t in items if isinstance(t, int)]
-            if toks:
-                yield toks
-            last = items[-1]
-            if last is _END:
-                return
-            if isinstance(last, _Failed):
-                raise last.error
+        """The handle's tokens, as lists of those that arrived together: awaited on the
+        event loop (the cluster's thread wakes it), no thread per request; a busy server
+        sends fewer, larger chunks instead of falling behind one frame per token."""
+        async for toks in self.handle.batches():
+            yield toks
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Text deltas as tokens arrive; the last one carries ``finish_reason``. Errors of
@@ -144,9 +116,3 @@ class Generation:
             self.close()
 
 
-_END = object()
-
-
-class _Failed:
-    def __init__(self, error: BaseException) -> None:
-        self.error = error

@@ -13,11 +13,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..base.params import MAX_SEED, MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID, MAX_TOKENS, MAX_TOP_K, MIN_TEMPERATURE
 from .errors import bad_request
 
-__all__ = ["GenerateRequest", "parse_completion", "parse_chat"]
+__all__ = ["GenerateRequest", "parse_completion", "parse_chat", "check_json", "MAX_JSON_DEPTH"]
 
 MAX_STOP_STRINGS = 16
+#: how deep objects and arrays may nest in a body (a chat message with content parts is 5)
+MAX_JSON_DEPTH = 32
 
 
 @dataclass
@@ -110,7 +113,7 @@ def _stops(body: dict[str, Any]) -> tuple[list[str], list[int]]:
     for s in items:
         if isinstance(s, str) and s:
             strings.append(s)
-        elif _is_int(s) and s >= 0:
+        elif _is_int(s) and 0 <= s <= MAX_TOKEN_ID:
             ids.append(int(s))
         else:
             raise bad_request(f"'stop' must be a non-empty string or a list of non-empty strings (or token ids), "
@@ -119,15 +122,46 @@ def _stops(body: dict[str, Any]) -> tuple[list[str], list[int]]:
         raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}", "stop")
     t = body.get("stop_token_ids")
     if t is not None:
-        if not isinstance(t, list) or not all(_is_int(x) and x >= 0 for x in t):
-            raise bad_request(f"'stop_token_ids' must be a list of token ids (ints >= 0), got {t!r}", "stop_token_ids")
+        if not isinstance(t, list) or not all(_is_int(x) and 0 <= x <= MAX_TOKEN_ID for x in t):
+            raise bad_request(f"'stop_token_ids' must be a list of token ids (ints in 0..{MAX_TOKEN_ID})",
+                              "stop_token_ids")
         ids.extend(int(x) for x in t)
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(ids)}", "stop_token_ids")
     return strings, ids
+
+
+def check_json(body: Any) -> None:
+    """Refuses (400, naming the top-level field) a body nested deeper than
+    ``MAX_JSON_DEPTH`` or holding a string that is not valid Unicode text (JSON allows a
+    lone surrogate such as ``"\\ud800"``; no tokenizer can encode it). Iterative: a deep
+    body must not exhaust the stack here either."""
+    todo: list[tuple[Any, int, str | None]] = [(body, 0, None)]
+    while todo:
+        v, depth, top = todo.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                where = f"'{top}'" if top else "the request body"
+                raise bad_request(f"{where} holds a string that is not valid UTF-8 text ({e.reason} at index "
+                                  f"{e.start}); send text without lone surrogates", top) from None
+        elif isinstance(v, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                where = f"'{top}'" if top else "the request body"
+                raise bad_request(f"{where} nests objects/arrays deeper than {MAX_JSON_DEPTH} levels", top)
+            items = v.items() if isinstance(v, dict) else ((None, x) for x in v)
+            for k, x in items:
+                field_name = top if top is not None or depth > 0 else k
+                if k is not None:
+                    todo.append((k, depth + 1, field_name))
+                todo.append((x, depth + 1, field_name))
 
 
 def _common(body: Any, kind: str) -> GenerateRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    check_json(body)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required: the id GET /v1/models lists", "model")
@@ -141,20 +175,23 @@ def _common(body: Any, kind: str) -> GenerateRequest:
         if not stream:
             raise bad_request("'stream_options' is only allowed with \"stream\": true", "stream_options")
         include_usage = _bool(so, "include_usage")
-    max_tokens = _int(body, "max_tokens", 1)
+    max_tokens = _int(body, "max_tokens", 1, MAX_TOKENS)
     if kind == "chat" and body.get("max_completion_tokens") is not None:
-        max_tokens = _int(body, "max_completion_tokens", 1)
-    top_k = _int(body, "top_k", -1)
+        max_tokens = _int(body, "max_completion_tokens", 1, MAX_TOKENS)
+    top_k = _int(body, "top_k", -1, MAX_TOP_K)
     if top_k == 0:
         top_k = -1  # 0 means "off" in several clients
     stop, stop_ids = _stops(body)
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    if 0.0 < temperature < MIN_TEMPERATURE:  # logits / T would leave float32: greedy is what was meant
+        temperature = 0.0
     return GenerateRequest(
         kind=kind, model=model, max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        temperature=temperature,
         # top_p 0 asks for the single most likely token; the sampler keeps at least that one
         top_p=max(_number(body, "top_p", 1.0, 0.0, 1.0), 1e-9),
         top_k=-1 if top_k is None else top_k,
-        seed=_int(body, "seed", 0, (1 << 63) - 1),
+        seed=_int(body, "seed", 0, MAX_SEED),
         stop=stop, stop_token_ids=stop_ids, ignore_eos=_bool(body, "ignore_eos"),
         stream=stream, include_usage=include_usage)
 

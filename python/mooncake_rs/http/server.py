@@ -30,9 +30,8 @@ class ServerThread:
 
     def __init__(self, front: Any, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning",
                  app: Any = None) -> None:
-        import uvicorn
-
         from .app import create_app
+        from .guard import DrainingServer, make_config
 
         self.front = front
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -43,9 +42,9 @@ class ServerThread:
         self._sock.bind((host, port))
         self.host, self.port = host, self._sock.getsockname()[1]
         # ``app``: another ASGI app to serve instead of ``create_app(front)`` (the upstream proxy)
-        config = uvicorn.Config(app if app is not None else create_app(front), log_level=log_level, access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(config)
+        config = make_config(app if app is not None else create_app(front), front, log_level=log_level,
+                             access_log=False, lifespan="on")
+        self.server = DrainingServer(config, front)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
                                         name="mooncake-http", daemon=True)
 
@@ -118,6 +117,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=None, help="seconds a request may run (default: none)")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a request's headers (default 10)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request may take to send its body (default 30)")
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="open connections at most; more are answered 503 (default: from the descriptor limit)")
 
 
 def cluster_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -142,13 +147,12 @@ def serve(args: argparse.Namespace) -> int:
                               "(or --upstream NAME=URL,events=... to route over external engines)")
     import tempfile
 
-    import uvicorn
-
     from ..base.model_config import PRESETS
     from ..models.tiny import front_dir
     from ..serving import Cluster
     from .app import create_app
     from .front import Frontend
+    from .guard import DrainingServer, make_config
 
     api_key = args.api_key or os.environ.get("MOONCAKE_API_KEY") or None
     with tempfile.TemporaryDirectory(prefix="mooncake-front-") as scratch:
@@ -159,15 +163,34 @@ def serve(args: argparse.Namespace) -> int:
 
         Tokenizer.from_dir(args.tokenizer or model_dir)
         cluster = Cluster(args.model, **cluster_kwargs(args))
+        server = None
         try:
+            if args.rejection != "none":
+                # admission by SLO needs the prefill model of this host, not a default: fit it
+                # on the real engine first (the online calibration refines it under load)
+                cluster.calibrate(repeats=1)
             name = args.served_model_name or (args.model if args.model in PRESETS else None)
             front = Frontend.from_model_dir(cluster, model_dir, tokenizer_dir=args.tokenizer,
                                             model_name=name, api_key=api_key,
-                                            request_timeout_s=args.request_timeout)
+                                            request_timeout_s=args.request_timeout, limits=limits_of(args))
             print(f"mooncake-rs: serving {front.model_name!r} on http://{args.host}:{args.port} "
                   f"({args.prefill} prefill + {args.decode} decode instances)", file=sys.stderr, flush=True)
-            uvicorn.run(create_app(front), host=args.host, port=args.port,
-                        log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5)
+            # SIGTERM / SIGINT: running requests end (streams with an error event and [DONE]),
+            # connections close, then the cluster below; the signal is not re-raised
+            server = DrainingServer(make_config(create_app(front), front, host=args.host, port=args.port,
+                                                log_level=args.log_level, access_log=False), front)
+            server.run()
         finally:
             cluster.close()
+    if server is not None and server.stopped_by is not None:
+        print(f"mooncake-rs: stopped by signal {server.stopped_by}; requests drained, cluster closed",
+              file=sys.stderr, flush=True)
     return 0
+
+
+def limits_of(args: argparse.Namespace) -> "Any":
+    """The front's :class:`FrontLimits` from ``serve``'s arguments."""
+    from .limits import FrontLimits
+
+    return FrontLimits(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                       max_connections=args.max_connections)

@@ -22,7 +22,7 @@ to decoding event by event, skipping unknown types (counted in ``Batch.unknown``
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 
@@ -40,9 +40,14 @@ __all__ = [
     "decode_message",
     "decode_seq",
     "REPLAY_END",
+    "MAX_ENGINE_HASH_BYTES",
 ]
 
-EngineHash = Union[int, bytes]
+MAX_ENGINE_HASH_BYTES = 64
+"""The longest engine hash accepted as bytes (a SHA-256 digest is 32): the indexer keeps
+each one whole in its map, so a longer one is a malformed event, not memory held."""
+
+EngineHash = Union[int, Annotated[bytes, msgspec.Meta(max_length=MAX_ENGINE_HASH_BYTES)]]
 """An engine's own block hash: opaque, compared as sent."""
 
 # The public types are the map form; the positional form is a subclass of each (same

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ..errors import InvalidArgument, MooncakeError
+from ..errors import InvalidArgument, Overloaded
 from .indexer import HashName, Indexer
 from .indexer_api import QueryByHashRequest, QueryRequest, RegisterRequest, UnregisterRequest, decode_request
 
@@ -32,14 +32,42 @@ def _reply(obj: object, status: int = 200) -> Response:
     return Response(_json.encode(obj), status_code=status, media_type="application/json")
 
 
+MAX_BODY = 8 << 20
+"""Bytes a request body may have (a /query of a million token ids fits)."""
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _body(request: Request) -> bytes:
+    """The body, refused past ``MAX_BODY`` whatever Content-Length says (read in chunks,
+    so a large upload is never held whole)."""
+    claimed = request.headers.get("content-length", "")
+    if claimed.isdigit() and int(claimed) > MAX_BODY:
+        raise _TooLarge()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise _TooLarge()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _endpoint(handler: Callable[[bytes], object]) -> Callable[[Request], Awaitable[Response]]:
     async def run(request: Request) -> Response:
-        body = await request.body()
+        try:
+            body = await _body(request)
+        except _TooLarge:
+            return _reply({"error": f"the request body is larger than {MAX_BODY} bytes"}, 413)
         try:
             return _reply(handler(body))
         except InvalidArgument as e:
             return _reply({"error": str(e)}, 400)
-        except MooncakeError as e:
+        except Overloaded as e:
+            return _reply({"error": str(e)}, 429)
+        except Exception as e:  # noqa: BLE001 - an answer, never a reset connection
             log.exception("indexer request failed")
             return _reply({"error": f"{type(e).__name__}: {e}"}, 500)
 
@@ -96,10 +124,11 @@ def parse_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def serve(listen: str, hash: HashName = "rfc", seed: int = 0, map_capacity: int = 1 << 20) -> None:
+def serve(listen: str, hash: HashName = "rfc", seed: int = 0, map_capacity: int = 1 << 20,
+          max_publishers: int = 256) -> None:
     """Run the indexer HTTP server until interrupted (``mooncake-rs indexer``)."""
     import uvicorn
 
     host, port = parse_listen(listen)
-    indexer = Indexer(hash=hash, seed=seed, map_capacity=map_capacity)
+    indexer = Indexer(hash=hash, seed=seed, map_capacity=map_capacity, max_publishers=max_publishers)
     uvicorn.run(create_app(indexer), host=host, port=port, log_level="warning")

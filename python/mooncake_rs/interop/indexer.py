@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .._core import PrefixHasher, Xxh3RollingHasher
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, Overloaded
 from .events import EventBatch
 from .extra_keys import vllm_block_extras
-from .indexer_api import QueryByHashRequest, QueryRequest, RegisterRequest, UnregisterRequest
+from .indexer_api import QueryByHashRequest, QueryRequest, RegisterRequest, UnregisterRequest, check_limits
 from .ingest import BlockHasher, Ingestor
 from .targets import MediumIndex
 
@@ -99,7 +99,10 @@ class Indexer:
         subscribe: bool = True,
         map_capacity: int = 1 << 20,
         replay_timeout_s: float = 2.0,
+        max_publishers: int = 256,
     ) -> None:
+        if not isinstance(max_publishers, int) or max_publishers < 1:
+            raise InvalidArgument(f"max_publishers must be an int >= 1, got {max_publishers!r}")
         if hash not in ("rfc", "mooncake"):
             raise InvalidArgument(f"hash must be 'rfc' or 'mooncake', got {hash!r}")
         if not 0 <= seed < 1 << 64:
@@ -109,6 +112,8 @@ class Indexer:
         self.subscribe = subscribe
         self.map_capacity = map_capacity
         self.replay_timeout_s = replay_timeout_s
+        # each publisher is a subscriber thread and a socket: at most this many at once
+        self.max_publishers = max_publishers
         self._groups: dict[GroupKey, _Group] = {}
         self._slots = itertools.count(1)
         # Guards the group/member tables only; never held across a socket call or a
@@ -131,8 +136,11 @@ class Indexer:
             raise InvalidArgument("instance_id must not be empty")
         gk = _group_key(req.modelname, req.lora_name, req.block_size, req.additionalsalt)
         mk: MemberKey = (req.tenant_id, req.instance_id, req.dp_rank)
+        check_limits(req)  # (also when called directly, not through the HTTP API)
         with self._lock:
             group = self._groups.get(gk)
+            if group is None or mk not in group.members:  # a re-registration replaces, adds none
+                self._check_room()
             if group is None:
                 group = self._groups[gk] = _Group(gk, self._hasher(req.block_size))
             old = group.members.pop(mk, None)
@@ -156,6 +164,13 @@ class Indexer:
             sub.start()
         log.info("registered %s publisher %s for %s|%s|%d (group %s)", req.type, req.endpoint, *mk, gk)
         return {"status": "registered successfully", "instance_id": req.instance_id}
+
+    def _check_room(self) -> None:
+        """Under the lock: refuses a new publisher past ``max_publishers`` (Overloaded)."""
+        n = sum(len(g.members) for g in self._groups.values())
+        if n >= self.max_publishers:
+            raise Overloaded(f"{n} publishers are registered, the most this indexer takes ({self.max_publishers}); "
+                             "unregister some or start it with a larger --max-publishers", reason="publishers")
 
     def _retire(self, group: _Group, member: _Member) -> None:
         sub = member.subscriber

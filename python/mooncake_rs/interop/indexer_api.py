@@ -12,7 +12,16 @@ import msgspec
 
 from ..errors import InvalidArgument
 
-__all__ = ["RegisterRequest", "UnregisterRequest", "QueryRequest", "QueryByHashRequest", "decode_request"]
+__all__ = ["RegisterRequest", "UnregisterRequest", "QueryRequest", "QueryByHashRequest", "decode_request",
+           "check_limits", "MAX_BLOCK_SIZE", "MAX_DP_RANK", "MAX_QUERY_TOKENS", "MAX_QUERY_HASHES", "MAX_NAME_LEN"]
+
+# Resource limits of a request (issue 26): what one body may make the indexer hold or
+# compute. A value past them is a 400 naming the field.
+MAX_BLOCK_SIZE = 1 << 20
+MAX_DP_RANK = (1 << 16) - 1
+MAX_QUERY_TOKENS = 1 << 20
+MAX_QUERY_HASHES = 1 << 16
+MAX_NAME_LEN = 1024
 
 
 class RegisterRequest(msgspec.Struct, frozen=True):
@@ -75,10 +84,48 @@ T = TypeVar("T")
 
 
 def decode_request(body: bytes, kind: type[T]) -> T:
-    """Decode a JSON body into ``kind``; :class:`InvalidArgument` says what is wrong."""
+    """Decode a JSON body into ``kind`` and check its limits (:func:`check_limits`);
+    :class:`InvalidArgument` says what is wrong."""
     try:
-        return msgspec.json.decode(body, type=kind)
+        req = msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
         raise InvalidArgument(f"bad {kind.__name__} body: {e}") from None
     except msgspec.DecodeError as e:
         raise InvalidArgument(f"the request body is not valid JSON: {e}") from None
+    check_limits(req)
+    return req
+
+
+def _bad(field: str, what: str, v: object) -> InvalidArgument:
+    shown = v if not isinstance(v, (list, str)) or len(v) <= 64 else f"<{len(v)} items>"
+    return InvalidArgument(f"{field} must be {what}, got {shown!r}")
+
+
+def check_limits(req: object) -> None:
+    """Raises :class:`InvalidArgument` naming the first field of ``req`` past a limit:
+    ``block_size`` in 1..MAX_BLOCK_SIZE, ``dp_rank`` in 0..MAX_DP_RANK, at most
+    MAX_QUERY_TOKENS ``token_ids`` (each a u32) and MAX_QUERY_HASHES ``seq_hashes``,
+    names and endpoints up to MAX_NAME_LEN characters. By field name, whatever the
+    request type: a field added to a body later is checked once it is named here."""
+    bs = getattr(req, "block_size", None)
+    if bs is not None and not 1 <= bs <= MAX_BLOCK_SIZE:
+        raise _bad("block_size", f"an integer in 1..{MAX_BLOCK_SIZE}", bs)
+    dp = getattr(req, "dp_rank", None)
+    if dp is not None and not 0 <= dp <= MAX_DP_RANK:
+        raise _bad("dp_rank", f"an integer in 0..{MAX_DP_RANK}", dp)
+    toks = getattr(req, "token_ids", None)
+    if toks is not None:
+        if len(toks) > MAX_QUERY_TOKENS:
+            raise _bad("token_ids", f"at most {MAX_QUERY_TOKENS} token ids", toks)
+        if toks and not (0 <= min(toks) and max(toks) < 1 << 32):
+            bad = next(t for t in toks if not 0 <= t < 1 << 32)
+            raise InvalidArgument(f"token_ids must be u32 token ids, got {bad}")
+    for name in ("seq_hashes", "block_hash"):
+        hashes = getattr(req, name, None)
+        if hashes is not None and len(hashes) > MAX_QUERY_HASHES:
+            raise _bad(name, f"at most {MAX_QUERY_HASHES} hashes", hashes)
+    for name in ("endpoint", "replay_endpoint", "type", "modelname", "model", "instance_id", "tenant_id",
+                 "lora_name", "additionalsalt", "cache_salt"):
+        v = getattr(req, name, None)
+        if isinstance(v, str) and len(v) > MAX_NAME_LEN:
+            raise _bad(name, f"at most {MAX_NAME_LEN} characters", v)

@@ -191,6 +191,8 @@ class Cluster(RoutedCluster):
         # in-process instances beat from their loop (liveness.py); workers from a thread
         self._heartbeat_timeout_s = None if heartbeat_timeout_s is None else float(heartbeat_timeout_s)
         self._limits = Limits(self._model_config(model), block_size)  # instance capacities, once all are ready
+        self._engine_kwargs = dict(engine_kwargs or {})
+        self._decode_capacity: tuple[int, int] | None = None  # (batch, KV tokens), once the instances said
         self._prefill_model = PrefillCostModel(c0=0.002, c_new=2e-5, c_new2=0.0, c_cross=0.0)
         self.conductor = self._new_conductor(self._prefill_model)
         names = {i: f"prefill-{i}" for i in self.prefill_ids} | {
@@ -217,6 +219,11 @@ class Cluster(RoutedCluster):
             # (the cluster token authenticates unlisted names there, which hold no grant)
             self._instance_tokens = {i: secrets.token_hex(32) for i in self.prefill_ids} \
                 if self.kv_grants and self.processes else {}
+            if self.processes:  # segments of an earlier cluster whose process was killed
+                from .shm import clean_at_exit, sweep_dead
+
+                sweep_dead()
+                clean_at_exit()
             # filled in place, before any instance starts: a fast one's Ready may reach the
             # router before spawn_all returns
             spawn_all(specs, self.processes, self._router.events, self._registry, self._transfer_token,
@@ -229,10 +236,11 @@ class Cluster(RoutedCluster):
             self._limits.learn(ready)
             # The conductor's transfer cost uses the block bytes the instances report (a
             # bfloat16 engine's blocks are half a float32 estimate). Nothing is routed yet.
-            reported = max(r.block_bytes for r in ready)
-            if reported != self._layout_bytes:
-                self._layout_bytes = reported
-                self._swap_conductor(self._new_conductor(self._prefill_model, index=self.conductor.index))
+            # ... and admission fills a decode instance to what its engine holds: its batch
+            # (max_num_seqs) and its KV pool, not a default sized for a large GPU
+            self._layout_bytes = max(r.block_bytes for r in ready)
+            self._decode_capacity = (int(self._engine_kwargs.get("max_num_seqs", 64)), self._limits.kv_tokens or 1_000_000)
+            self._swap_conductor(self._new_conductor(self._prefill_model, index=self.conductor.index))
         except BaseException:
             self.close()
             raise
@@ -260,7 +268,7 @@ class Cluster(RoutedCluster):
 
     def _new_conductor(self, prefill_model: Any, index: Any = None) -> Conductor:
         return new_conductor(self._cfg_args, self._layout_bytes, prefill_model, self.prefill_ids, self.decode_ids,
-                             index)
+                             index, decode_capacity=self._decode_capacity)
 
     @staticmethod
     def _wire_model(model: Any) -> str | dict[str, Any]:

@@ -170,6 +170,10 @@ class DecodeRole:
             rid = int(out.request_id)
             if rid not in self.active:
                 continue
+            if out.error is not None:  # the engine failed this request alone
+                self.active.discard(rid)
+                self.up(Failed(rid, out.error))
+                continue
             self._out.append(Tokens(rid, list(out.new_token_ids), out.finish_reason))
             if out.finished:
                 self.active.discard(rid)

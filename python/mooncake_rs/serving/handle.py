@@ -55,10 +55,19 @@ class RequestHandle:
         # setting a threading.Event (a condition variable and its lock)
         self._latch = threading.Lock()
         self._latch.acquire()
+        # called (from the producer's thread) after each item is queued, while an async
+        # consumer waits on the event loop: no thread per streaming request
+        self._waker: Callable[[], None] | None = None
 
     # ---- producer side (the cluster)
+    def _put(self, item: Any) -> None:
+        self._q.put(item)
+        wake = self._waker
+        if wake is not None:
+            wake()
+
     def _token(self, tok: int) -> None:
-        self._q.put(tok)
+        self._put(tok)
 
     def _finish(self, output: Any) -> None:
         with self._end:
@@ -67,7 +76,7 @@ class RequestHandle:
             self._output = output
             self._ended = True
         self._latch.release()
-        self._q.put(_END)
+        self._put(_END)
 
     def _fail(self, error: BaseException) -> None:
         with self._end:
@@ -76,7 +85,7 @@ class RequestHandle:
             self._error = error
             self._ended = True
         self._latch.release()
-        self._q.put(_END)
+        self._put(_END)
 
     def _wait(self, timeout: float | None) -> bool:
         """Waits until the request ended (``timeout`` as ``wait_seconds`` gives it)."""
@@ -138,16 +147,48 @@ class RequestHandle:
             yield item
 
     async def __aiter__(self) -> AsyncIterator[int]:
-        while True:
-            try:
-                item = self._q.get_nowait()
-            except queue.Empty:
-                item = await asyncio.to_thread(self._q.get)
-            if item is _END:
-                if self._error is not None:
-                    raise self._error
-                return
-            yield item
+        async for batch in self.batches():
+            for tok in batch:
+                yield tok
+
+    async def batches(self) -> AsyncIterator[list[int]]:
+        """The tokens as lists of those that arrived together, awaited on the running
+        event loop (the producer wakes it; no thread waits). One async consumer at a time."""
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+
+        def wake() -> None:
+            # a racy read is fine: the consumer clears before it looks at the queue, so a
+            # stale "set" means it has not waited yet and will see the item
+            if not ready.is_set():
+                try:
+                    loop.call_soon_threadsafe(ready.set)
+                except RuntimeError:  # the loop is closed: nobody is listening
+                    pass
+
+        self._waker = wake
+        try:
+            while True:
+                ready.clear()
+                items: list[Any] = []
+                try:
+                    while True:
+                        items.append(self._q.get_nowait())
+                except queue.Empty:
+                    pass
+                if not items:
+                    await ready.wait()
+                    continue
+                end = items[-1] is _END
+                toks = items[:-1] if end else items
+                if toks:
+                    yield toks
+                if end:
+                    if self._error is not None:
+                        raise self._error
+                    return
+        finally:
+            self._waker = None
 
     def __repr__(self) -> str:
         state = "failed" if self._error else ("done" if self.done else "running")

@@ -119,19 +119,44 @@ class Instance:
                 while item is not None and not self.stopped:
                     self.handle(*item)
                     item = self.ch.recv(0)
-                self.role.send_pending()  # e.g. first tokens: before the engine step, not after it
-                if self.engine.has_unfinished():
-                    self.role.on_outputs(self.engine.step())
-                    self.role.send_pending()
-                self.role.poll()
-                self.flush_store_events()
-                if self._switch_to is not None or self._retired:
-                    self._switch_role()
+                try:
+                    self._turn()
+                except Exception as e:  # noqa: BLE001 - an instance dies only with its process
+                    self._recover(e)
                 self._beat()
         finally:
             self.transport.close()
             if self.kv_events is not None:
                 self.kv_events.close()
+
+    def _turn(self) -> None:
+        """One turn of the loop after the inbox: the engine step and the roles' work."""
+        self.role.send_pending()  # e.g. first tokens: before the engine step, not after it
+        if self.engine.has_unfinished():
+            self.role.on_outputs(self.engine.step())
+            self.role.send_pending()
+        self.role.poll()
+        self.flush_store_events()
+        if self._switch_to is not None or self._retired:
+            self._switch_role()
+
+    def _recover(self, e: Exception) -> None:
+        """Something raised outside any one request's error handling (the engine and the
+        roles fail a request they can name on their own): every request this instance
+        holds fails with the error, its state is dropped, and the loop goes on serving."""
+        log.exception("instance %s: the loop raised; failing the %d requests it holds", self.spec.name,
+                      self.role.tracked())
+        why = f"{type(e).__name__}: {e}"
+        rids = self.role.rids()
+        for rid in rids:
+            self.ch.send(Failed(rid, f"instance {self.spec.name} failed while serving it: {why}"))
+        try:
+            self.release_all()
+            for seq in self.engine.unfinished_ids():  # sequences no role tracks any more
+                self.engine.abort(seq)
+                self.engine.release(seq)
+        except Exception:  # noqa: BLE001 - logged; the next turn starts from what is left
+            log.exception("instance %s: dropping the failed requests raised too", self.spec.name)
 
     def ready(self) -> Ready:
         cache, cfg = self.engine.cache, self.engine.config

@@ -295,6 +295,10 @@ class PrefillRole:
             st = self.reqs.get(int(out.request_id))
             if st is None or not out.finished:
                 continue
+            if out.error is not None:  # the engine failed this request alone
+                self._drop(st.rid)
+                self.up(Failed(st.rid, out.error))
+                continue
             st.first = out.token_ids[0] if out.token_ids else None
             st.finish = out.finish_reason
             st.t_compute = time.monotonic()

@@ -44,10 +44,13 @@ def request_output(record: RequestRecord, reason: str) -> Any:
 
 
 def new_conductor(cfg_args: dict[str, Any], block_bytes: int, prefill_model: Any, prefill_ids: Sequence[int],
-                  decode_ids: Sequence[int], index: Any = None) -> Conductor:
+                  decode_ids: Sequence[int], index: Any = None, decode_capacity: tuple[int, int] | None = None) -> Conductor:
     """A conductor over these instances. ``cfg_args``: ``ConductorConfig``'s keywords
     (block size, SLOs, policy, rejection, seed); the transfer cost of a token follows
-    the instances' block bytes."""
+    the instances' block bytes. ``decode_capacity``: (largest batch, KV tokens) of a
+    decode instance, what admission fills them to (None: the conductor's defaults, until
+    the instances said). With rejection on, the admission's estimates are calibrated
+    online on what this cluster measures (conductor.md, admission)."""
     per_token = block_bytes / cfg_args["block_size"]
     cfg = ConductorConfig(
         **cfg_args, prefill_model=prefill_model,
@@ -55,10 +58,14 @@ def new_conductor(cfg_args: dict[str, Any], block_bytes: int, prefill_model: Any
         decode_model=DecodeCostModel(base_s=0.004, per_seq_s=2e-4, per_token_s=1e-7),
         default_output_len=32)
     c = Conductor(cfg, index)
+    c.set_online_calibration(cfg_args.get("rejection", "none") != "none")
     for i in prefill_ids:
         c.add_prefill(i)
     for i in decode_ids:
-        c.add_decode(i)
+        if decode_capacity is None:
+            c.add_decode(i)
+        else:
+            c.add_decode(i, max_batch=max(1, decode_capacity[0]), kv_capacity_tokens=max(1, decode_capacity[1]))
     return c
 
 

@@ -38,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fd", type=int, required=True)
     args = ap.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the cluster decides when we stop
+    from .shm import clean_at_exit, stop_on_sigterm, sweep_dead
+
+    clean_at_exit()  # this worker's arena and regions, however the loop ends
+    sweep_dead()
     # the engine thread holds the GIL between torch ops; a short switch interval lets the
     # transfer waiter and the control readers run promptly in between
     sys.setswitchinterval(float(os.environ.get("MOONCAKE_WORKER_SWITCH_S", "0.0005")))
@@ -76,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
         ch.send(InitFailed(f"{type(e).__name__}: {e}"))
         return 1
     built.append(inst)
+    from .control import CLUSTER as _CLUSTER
+    from .protocol import Stop
+
+    # SIGTERM: stop the loop like the cluster's Stop (the default action would leave the
+    # arena in /dev/shm until the cluster notices)
+    stop_on_sigterm(lambda: inbox.put((_CLUSTER, Stop())))
     inst.run()
     stop.set()
     for link in peers.values():

@@ -91,6 +91,17 @@ impl PyConductor {
         self.inner.drain_instance(id).map_err(|e| map_err(py, e))
     }
 
+    /// Turns the online calibration of the admission estimates on or off: the measured
+    /// TTFT and TBT of finished stages, over what was predicted, scale later estimates.
+    fn set_online_calibration(&self, enabled: bool) {
+        self.inner.set_online_calibration(enabled)
+    }
+
+    /// (TTFT scale, TBT scale) the admission applies now (1.0 each when off).
+    fn calibration_scales(&self, now: f64) -> (f64, f64) {
+        self.inner.calibration_scales(now)
+    }
+
     /// Ends a drain; returns how many requests the instance holds.
     fn undrain_instance(&self, py: Python<'_>, id: InstanceId) -> PyResult<usize> {
         self.inner.undrain_instance(id).map_err(|e| map_err(py, e))

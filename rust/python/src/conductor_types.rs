@@ -171,6 +171,7 @@ pub struct PyDecision {
     pub est_transfer_s: f64,
     pub est_ttft_s: f64,
     pub est_tbt_s: f64,
+    pub retry_after_s: f64,
 }
 
 impl From<Decision> for PyDecision {
@@ -186,6 +187,7 @@ impl From<Decision> for PyDecision {
             est_transfer_s: d.est_transfer_s,
             est_ttft_s: d.est_ttft_s,
             est_tbt_s: d.est_tbt_s,
+            retry_after_s: d.retry_after_s,
         }
     }
 }

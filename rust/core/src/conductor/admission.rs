@@ -23,6 +23,8 @@ pub enum RejectReason {
     NoDecodeInstance,
     TtftSlo,
     TbtSlo,
+    /// Every decode instance is at its batch or KV capacity.
+    DecodeCapacity,
 }
 
 impl RejectReason {
@@ -32,6 +34,7 @@ impl RejectReason {
             RejectReason::NoDecodeInstance => "no_decode_instance",
             RejectReason::TtftSlo => "ttft_slo",
             RejectReason::TbtSlo => "tbt_slo",
+            RejectReason::DecodeCapacity => "decode_capacity",
         }
     }
 }
@@ -78,15 +81,27 @@ fn predicted_load(d: &DecodeInst, kind: RejectionKind, at: f64) -> (usize, f64) 
     }
 }
 
-/// Chosen decode instance (index) and its predicted TBT with this request. With
-/// rejection on and no instance with room, the TBT is infinite. None without instances
-/// (draining instances do not count: they take no new request).
+/// The decode instance chosen for a request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct DecodePick {
+    pub idx: usize,
+    /// Predicted TBT with this request: always finite (the decode model's prediction,
+    /// also for an instance that is full).
+    pub tbt: f64,
+    /// Whether it has room (batch and KV) for the request; with rejection on, a pick
+    /// without room is a `DecodeCapacity` rejection.
+    pub room: bool,
+}
+
+/// Chosen decode instance: the lowest predicted TBT among those with room, else (no
+/// room anywhere) among all. None without instances (draining instances do not count:
+/// they take no new request).
 pub(crate) fn select_decode(
     decode: &[DecodeInst],
     kind: RejectionKind,
     model: &DecodeCostModel,
     ask: &DecodeAsk,
-) -> Option<(usize, f64)> {
+) -> Option<DecodePick> {
     let mut fit: Option<(usize, f64)> = None;
     let mut any: Option<(usize, f64)> = None;
     for (i, d) in decode.iter().enumerate() {
@@ -103,11 +118,25 @@ pub(crate) fn select_decode(
             any = Some((i, tbt));
         }
     }
-    match (fit, kind) {
-        (Some(f), _) => Some(f),
-        (None, RejectionKind::None) => any,
-        (None, _) => any.map(|(i, _)| (i, f64::INFINITY)),
+    let _ = kind; // (the batch it predicts is `kind`'s; the choice is the same for all kinds)
+    match fit {
+        Some((idx, tbt)) => Some(DecodePick { idx, tbt, room: true }),
+        None => any.map(|(idx, tbt)| DecodePick { idx, tbt, room: false }),
     }
+}
+
+/// Seconds until a decode instance is predicted to free a place (its earliest member's
+/// predicted end), the soonest over the instances that take requests; 1 s when none is
+/// predicted (no member, or an end already past): the honest ``Retry-After`` of a
+/// decode-side rejection.
+pub(crate) fn decode_free_in(decode: &[DecodeInst], now: f64) -> f64 {
+    decode
+        .iter()
+        .filter(|d| !d.draining)
+        .flat_map(|d| d.members.iter().map(|m| m.end_t - now))
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .fold(None, |acc: Option<f64>, s| Some(acc.map_or(s, |a| a.min(s))))
+        .unwrap_or(1.0)
 }
 
 /// Output length per prompt family (the first block's hash, which carries the

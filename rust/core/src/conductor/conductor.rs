@@ -12,7 +12,8 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::admission::{select_decode, DecodeAsk, OutputLenEstimator, RejectReason};
+use super::admission::{decode_free_in, select_decode, DecodeAsk, OutputLenEstimator, RejectReason};
+use super::calibration::Calibration;
 use super::config::{ConductorConfig, RejectionKind};
 use super::policy::{self, Candidate, PolicyInput};
 use super::replication::HotTable;
@@ -36,6 +37,10 @@ pub struct Decision {
     pub est_transfer_s: f64,
     pub est_ttft_s: f64,
     pub est_tbt_s: f64,
+    /// On a rejection: seconds after which the request may be admitted (the excess of
+    /// the TTFT estimate over its SLO, or until a decode instance is predicted to free
+    /// a place); 0 for an admitted request.
+    pub retry_after_s: f64,
 }
 
 /// The arguments of `schedule`.
@@ -92,6 +97,8 @@ pub struct Conductor {
     pub(crate) state: Mutex<State>,
     pub(crate) outlen: Mutex<OutputLenEstimator>,
     pub(crate) hot: Mutex<HotTable>,
+    /// Lock order: after `state`.
+    pub(crate) calibration: Mutex<Calibration>,
 }
 
 thread_local! {
@@ -119,6 +126,7 @@ impl Conductor {
             state: Mutex::new(State::new(config.seed)),
             outlen: Mutex::new(OutputLenEstimator::new(config.default_output_len, config.output_len_ewma, 1 << 16, config.max_output_len)),
             hot: Mutex::new(HotTable::new(config.hot_half_life_s, config.hot_capacity)),
+            calibration: Mutex::new(Calibration::default()),
             index,
             config,
         })
@@ -130,6 +138,17 @@ impl Conductor {
 
     pub fn index(&self) -> &Arc<BlockIndex> {
         &self.index
+    }
+
+    /// Turns the online calibration of the admission estimates on or off
+    /// (calibration.rs); off, the decisions carry the cost models' estimates as they are.
+    pub fn set_online_calibration(&self, enabled: bool) {
+        self.calibration.lock().enabled = enabled;
+    }
+
+    /// (TTFT scale, TBT scale) the admission applies to the cost models' estimates now.
+    pub fn calibration_scales(&self, now: f64) -> (f64, f64) {
+        self.calibration.lock().scales(now)
     }
 
     /// Chooses the prefill and decode instances of a request and admits it (it then
@@ -226,11 +245,15 @@ impl Conductor {
             Some(n) => n as f64,
             None => self.outlen.lock().predict(key),
         };
-        let ttft = choice.ttft();
+        let raw_ttft = choice.ttft();
+        let (ttft_scale, tbt_scale) = self.calibration.lock().scales(now);
+        let ttft = raw_ttft * ttft_scale;
         let ask = DecodeAsk { prompt_len: req.prompt_len, out_pred, arrive_t: now + ttft };
-        let Some((di, tbt)) = select_decode(&st.decode, cfg.rejection, &cfg.cost.decode, &ask) else {
+        let Some(pick) = select_decode(&st.decode, cfg.rejection, &cfg.cost.decode, &ask) else {
             return Err(overloaded(RejectReason::NoDecodeInstance, "no decode instance registered (or all are draining)".into(), None));
         };
+        let (di, raw_tbt) = (pick.idx, pick.tbt);
+        let tbt = raw_tbt * tbt_scale;
         let prefill_id = cands[choice.idx].id;
         let decision = Decision {
             prefill: prefill_id,
@@ -243,15 +266,11 @@ impl Conductor {
             est_transfer_s: choice.transfer_s,
             est_ttft_s: ttft,
             est_tbt_s: tbt,
+            retry_after_s: 0.0,
         };
         if cfg.rejection != RejectionKind::None {
-            if ttft > cfg.ttft_slo_s {
-                let d = format!("estimated TTFT {ttft:.4}s exceeds the SLO {}s", cfg.ttft_slo_s);
-                return Err(overloaded(RejectReason::TtftSlo, d, Some(decision)));
-            }
-            if tbt > cfg.tbt_slo_s {
-                let d = format!("predicted TBT {tbt:.4}s exceeds the SLO {}s", cfg.tbt_slo_s);
-                return Err(overloaded(RejectReason::TbtSlo, d, Some(decision)));
+            if let Some((reason, detail, retry_after_s)) = self.rejection(&st.decode, &decision, pick.room, now) {
+                return Err(overloaded(reason, detail, Some(Decision { retry_after_s, ..decision })));
             }
         }
         if !commit {
@@ -283,6 +302,10 @@ impl Conductor {
                 out_pred,
                 tbt_s: tbt_or(tbt, cfg),
                 key,
+                admit_t: now,
+                raw_ttft_s: raw_ttft,
+                raw_tbt_s: raw_tbt,
+                decode_t: None,
             },
         );
         st.rng = rng;
@@ -292,6 +315,50 @@ impl Conductor {
             self.hot.lock().record(&req.block_hashes[..choice.reused_blocks], now);
         }
         Ok(decision)
+    }
+}
+
+impl Conductor {
+    /// Why the admission rejects `d` (reason, detail, seconds to retry after), or None.
+    /// The checks in order: TTFT over its SLO, no decode instance with room, TBT over
+    /// its SLO. Every estimate here is finite (calibrated when that is on).
+    fn rejection(
+        &self,
+        decode: &[super::state::DecodeInst],
+        d: &Decision,
+        room: bool,
+        now: f64,
+    ) -> Option<(RejectReason, String, f64)> {
+        let cfg = &self.config;
+        if d.est_ttft_s > cfg.ttft_slo_s {
+            let detail = format!(
+                "estimated TTFT {:.4}s (queue {:.4}s) exceeds the SLO {}s",
+                d.est_ttft_s, d.est_queue_s, cfg.ttft_slo_s
+            );
+            // the queue drains at about real time: the excess is the wait
+            return Some((RejectReason::TtftSlo, detail, d.est_ttft_s - cfg.ttft_slo_s));
+        }
+        if !room {
+            let di = decode.iter().position(|x| x.id == d.decode);
+            let what = di.map_or(String::new(), |i| {
+                let x = &decode[i];
+                format!(
+                    " (decode instance {}: {} of {} requests, {} of {} KV tokens reserved)",
+                    x.id,
+                    x.members.len(),
+                    x.spec.max_batch,
+                    x.kv_reserved,
+                    x.spec.kv_capacity_tokens
+                )
+            });
+            let detail = format!("every decode instance is at its batch or KV capacity{what}");
+            return Some((RejectReason::DecodeCapacity, detail, decode_free_in(decode, now)));
+        }
+        if d.est_tbt_s > cfg.tbt_slo_s {
+            let detail = format!("predicted TBT {:.4}s exceeds the SLO {}s", d.est_tbt_s, cfg.tbt_slo_s);
+            return Some((RejectReason::TbtSlo, detail, decode_free_in(decode, now)));
+        }
+        None
     }
 }
 

@@ -142,6 +142,8 @@ impl Conductor {
                 m.end_t = t + r.out_pred * r.tbt_s;
             }
             r.stage = Stage::Decoding;
+            r.decode_t = Some(t);
+            self.calibration.lock().first_token(r.admit_t, r.raw_ttft_s, t);
             Ok((Some(r), ()))
         })
     }
@@ -157,10 +159,11 @@ impl Conductor {
                  report the number of tokens the request really produced"
             )));
         }
-        self.event(rid, now, |st, _, r| {
+        self.event(rid, now, |st, t, r| {
             st.leave_prefill(rid, &r);
             st.leave_decode(rid, &r);
             self.outlen.lock().record(r.key, output_len);
+            self.calibration.lock().finished(r.decode_t, output_len, r.raw_tbt_s, t);
             Ok((None, ()))
         })
     }

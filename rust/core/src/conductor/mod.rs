@@ -6,6 +6,7 @@
 //! - [`policy`]: one file per prefill-selection policy.
 //! - [`cost`]: fitted cost models (prefill, KV transfer, decode step).
 //! - [`admission`]: decode selection, rejection rules, output-length estimates.
+//! - [`calibration`]: the admission estimates calibrated online on the serving cluster.
 //! - [`drain`]: draining an instance and switching its role without losing a request.
 //! - [`replication`]: hot-prefix counters and replica hints.
 //! - [`config`]: configuration and its validation.
@@ -13,6 +14,7 @@
 //! See `docs/conductor.md` for the design and its limits.
 
 pub mod admission;
+pub mod calibration;
 pub mod config;
 #[allow(clippy::module_inception)]
 pub mod conductor;

@@ -69,8 +69,8 @@ proptest! {
     }
 
     /// With rejection on, `schedule` rejects for an SLO if and only if the TTFT or TBT
-    /// estimate of its decision exceeds that SLO; `preview` agrees with it; a rejection
-    /// changes nothing.
+    /// estimate of its decision exceeds that SLO (or no decode instance has room);
+    /// `preview` agrees with it; a rejection changes nothing.
     #[test]
     fn rejected_iff_an_estimate_exceeds_its_slo(
         predictive in any::<bool>(),
@@ -96,14 +96,22 @@ proptest! {
             match c.schedule(&r) {
                 Ok(d) => {
                     prop_assert!(d.est_ttft_s <= ttft_slo && d.est_tbt_s <= tbt_slo, "{:?}", d);
+                    prop_assert_eq!(d.retry_after_s, 0.0);
                     prop_assert_eq!(preview, Ok(d));
                     c.on_blocks_stored(d.prefill, &hashes, Tier::Dram).unwrap();
                     if start { c.on_prefill_started(rid as u64, Some(now)).unwrap(); }
                 }
                 Err(ConductorError::Overloaded { reason, estimates, .. }) => {
                     let e = estimates.expect("SLO rejections carry their estimates");
+                    // issue 26: every estimate is finite ("predicted TBT inf"), and so is the wait
+                    prop_assert!(e.est_ttft_s.is_finite() && e.est_tbt_s.is_finite(), "{:?}", e);
+                    prop_assert!(e.retry_after_s.is_finite() && e.retry_after_s > 0.0, "{:?}", e);
                     match reason {
-                        RejectReason::TtftSlo => prop_assert!(e.est_ttft_s > ttft_slo),
+                        RejectReason::TtftSlo => {
+                            prop_assert!(e.est_ttft_s > ttft_slo);
+                            prop_assert!((e.retry_after_s - (e.est_ttft_s - ttft_slo)).abs() < 1e-9);
+                        }
+                        RejectReason::DecodeCapacity => prop_assert!(e.est_ttft_s <= ttft_slo),
                         RejectReason::TbtSlo => prop_assert!(e.est_ttft_s <= ttft_slo && e.est_tbt_s > tbt_slo),
                         other => prop_assert!(false, "unexpected {:?}", other),
                     }

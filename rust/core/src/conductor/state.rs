@@ -83,6 +83,12 @@ pub(crate) struct Req {
     pub tbt_s: f64,
     /// Output-length history key (first block of the prompt), if any.
     pub key: Option<BlockHash>,
+    /// For the online calibration (calibration.rs): when it was admitted, the raw
+    /// (uncalibrated) TTFT and TBT estimates then, and when it started decoding.
+    pub admit_t: f64,
+    pub raw_ttft_s: f64,
+    pub raw_tbt_s: f64,
+    pub decode_t: Option<f64>,
 }
 
 #[derive(Debug)]

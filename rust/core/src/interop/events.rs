@@ -32,6 +32,9 @@ use std::ops::Range;
 use crate::error::{Categorized, ErrorCategory};
 use crate::interop::wire::{utf8, Cursor, Fault, Head};
 
+/// The longest engine block hash accepted as bytes (SHA-256 digests are 32 bytes).
+pub const MAX_ENGINE_HASH_BYTES: usize = 64;
+
 /// An engine's block hash as sent: opaque, compared as sent (an int 5 and the bytes
 /// `b"\x05"` are different hashes, and so are -1 and 2^64-1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -192,6 +195,12 @@ fn str_or_nil<'a>(c: &mut Cursor<'a>, field: &str) -> Result<Option<&'a str>, Ba
 fn key_of<'a>(h: Head<'a>, field: &str) -> Result<KeyRef<'a>, Bad> {
     match h {
         Head::Int(v) => Ok(KeyRef::Int(v)),
+        // kept whole in the engine hash map: a long one would be memory an engine's
+        // publisher (or anyone who can reach the socket) makes the indexer keep
+        Head::Bin(b) if b.len() > MAX_ENGINE_HASH_BYTES => Err(Bad::Type(format!(
+            "{field}: a bytes block hash of {} bytes; at most {MAX_ENGINE_HASH_BYTES} (a SHA-256 digest is 32)",
+            b.len()
+        ))),
         Head::Bin(b) => Ok(KeyRef::Bytes(b)),
         h => Err(expected("int | bytes", field, &h)),
     }

@@ -282,3 +282,19 @@ fn extra_keys_lora_group_and_kind_are_kept() {
     let err = decode_batch(&bad).unwrap_err();
     assert!(err.to_string().contains("extra_keys: expected array | nil"), "{err}");
 }
+
+#[test]
+fn a_bytes_hash_longer_than_the_cap_is_a_malformed_event_not_memory_kept() {
+    // issue 26: a 64 KiB bytes hash was kept whole in the engine hash map
+    let ok = V::A(vec![V::Int(1), V::A(vec![V::A(vec![V::S("BlockRemoved"), V::A(vec![V::B(vec![7; MAX_ENGINE_HASH_BYTES])])])])]);
+    let b = bytes(&ok);
+    assert_eq!(decode_batch(&b).unwrap().keys, vec![KeyRef::Bytes(&[7; MAX_ENGINE_HASH_BYTES])]);
+    let long = V::A(vec![V::Int(1), V::A(vec![V::A(vec![V::S("BlockRemoved"), V::A(vec![V::B(vec![7; MAX_ENGINE_HASH_BYTES + 1])])])])]);
+    let b = bytes(&long);
+    let err = decode_batch(&b).unwrap_err();
+    assert!(matches!(err, EventError::Event { index: 0, .. }), "{err}");
+    assert!(err.to_string().contains("at most 64"), "{err}");
+    let parent = V::A(vec![V::Int(1), V::A(vec![V::A(vec![V::S("BlockStored"), ints(&[1]), V::B(vec![1; 200]), ints(&[1, 2, 3, 4]), V::Int(4)])])]);
+    let b = bytes(&parent);
+    assert!(decode_batch(&b).is_err());
+}
