@@ -101,6 +101,11 @@ class KVPoolServer:
     def store(self) -> Store | None:
         return self._store
 
+    @property
+    def region_id(self) -> int | None:
+        """The arena's region id at :attr:`engine` (None until the first Open)."""
+        return None if self._region is None else int(self._region.id)
+
     def close(self) -> None:
         if self._closed.is_set():
             return
