@@ -13,7 +13,7 @@ from typing import Any
 
 from ... import errors
 from ...deploy.auth_socket import connect
-from ...errors import ServiceUnavailable
+from ...errors import ServiceUnavailable, Unauthorized
 from ...serving.protocol import Codec, ProtocolError
 from . import protocol as p
 from .wire import recv_message
@@ -38,6 +38,9 @@ class PoolClient:
                     self._sock.settimeout(self.timeout_s)
                 self._sock.sendall(self._codec.encode(msg))
                 reply = recv_message(self._sock, self._codec)
+            except (Unauthorized, ServiceUnavailable):  # typed already (Unauthorized is an OSError)
+                self._drop()
+                raise
             except (OSError, ConnectionError, ProtocolError) as e:
                 self._drop()
                 raise ServiceUnavailable(f"KV pool {self.address}: {type(e).__name__}: {e}") from e

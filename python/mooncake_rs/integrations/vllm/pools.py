@@ -2,8 +2,7 @@
 :class:`~mooncake_rs.BlockIndex` (which pool holds the longest prefix of a prompt), and the
 local pool's events become vLLM KV events for the blocks this instance saved.
 
-Followed: the local pool, ``peers`` from the settings, pools named by P/D requests, and
-(with ``etcd``) every pool registered there (deploy layer membership). Events are pulled
+Followed: the local pool, ``peers`` from the settings, and pools named by P/D requests. Events are pulled
 (``Events(since)``) at most every ``poll_s`` from the scheduler's own loop (take_events),
 so there is no thread; a pool that does not answer is skipped until the next poll, and a
 follower that fell behind the pool's event log (``start > since``) rebuilds that pool's
@@ -38,7 +37,6 @@ class PoolFollower:
         self._ids: dict[str, int] = {}
         self._next: dict[str, int] = {}
         self._last_poll = 0.0
-        self._last_etcd = 0.0
         self._expected: dict[int, dict[str, Any]] = {}  # key -> vLLM event fields (blocks we save)
         self._published: dict[int, Any] = {}  # key -> vLLM hash announced as stored
         self._out: list[Any] = []
@@ -69,9 +67,6 @@ class PoolFollower:
         if not force and now - self._last_poll < self.poll_s:
             return
         self._last_poll = now
-        if self.settings.etcd and now - self._last_etcd > 5.0:
-            self._last_etcd = now
-            self._discover()
         for address in list(self._ids):
             try:
                 self._pull(address)
@@ -124,17 +119,6 @@ class PoolFollower:
         self.poll()
         out, self._out = self._out, []
         return out
-
-    def _discover(self) -> None:
-        try:
-            from .membership import pool_addresses
-        except ImportError:
-            return
-        try:
-            for address in pool_addresses(self.settings.etcd or "", self.settings.auth_token):
-                self.follow(address)
-        except MooncakeError as e:
-            log.debug("MooncakeRsConnector: etcd %s: %s", self.settings.etcd, e)
 
     def close(self) -> None:
         pass

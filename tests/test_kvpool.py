@@ -1,0 +1,109 @@
+"""The KV pool service (integrations/pool) without vLLM: reserve / write / commit / lookup
+through a real TransferEngine, leases, checksums, events, a full pool, typed errors, and a
+client's state dropped with its connection."""
+
+from __future__ import annotations
+
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+import mooncake_rs as mc
+from mooncake_rs.integrations.pool import KVPoolServer, PoolClient, PoolConfig
+
+TOKEN = "pool-test-token-0123456789abcdef"
+BB = 4096
+
+
+@pytest.fixture
+def pool():
+    with KVPoolServer(PoolConfig(auth_token=TOKEN, dram_bytes=8 * BB)) as p:
+        yield p
+
+
+def _keys(*ks):
+    return bytes(mc.BlockHashes(list(ks)))
+
+
+def _save(client, eng, peer, region, keys, data):
+    r = client.reserve(_keys(*keys))
+    src = eng.register(data)
+    reqs = [mc.TransferRequest("write", src, i * BB, peer, region, off, BB)
+            for i, off in enumerate(r.offsets) if off >= 0]
+    assert all(s.ok for s in eng.submit(reqs).wait())
+    return r, client.commit(r.reservation, [off >= 0 for off in r.offsets])
+
+
+def test_save_then_load_is_byte_exact_with_checksums_and_events(pool):
+    c = PoolClient(pool.address, TOKEN)
+    opened = c.open(BB, "layout-a")
+    eng = mc.TransferEngine("client", listen="")
+    peer = eng.connect(opened.engine_name, opened.engine_address)
+    data = np.random.default_rng(0).integers(0, 256, 3 * BB, dtype=np.uint8)
+    r, stored = _save(c, eng, peer, opened.region, [11, 12, 13], data)
+    assert stored == 3 and r.present == 0 and r.full == 0
+    found = c.lookup(_keys(11, 12, 13, 14), lease_s=5)
+    assert found.count == 3 and found.lease
+    assert found.checksums == [zlib.crc32(data[i * BB:(i + 1) * BB]) for i in range(3)]
+    out = np.zeros_like(data)
+    dst = eng.register(out)
+    reqs = [mc.TransferRequest("read", dst, i * BB, peer, opened.region, off, BB) for i, off in enumerate(found.offsets)]
+    assert all(s.ok for s in eng.submit(reqs).wait())
+    assert np.array_equal(out, data)
+    assert pool.stats()["leases_held"] == 1
+    c.release(found.lease)
+    assert pool.stats()["leases_held"] == 0
+    ev = c.events(0)
+    assert ev.kinds == ["stored"] * 3 and mc.BlockHashes(ev.keys).tolist() == [11, 12, 13]
+    assert c.events(ev.next).kinds == []
+    # a second save of held keys is skipped and counted
+    r2, stored2 = _save(c, eng, peer, opened.region, [11, 15], data[:2 * BB].copy())
+    assert r2.offsets[0] == -1 and r2.present == 1 and stored2 == 1
+    assert c.remove(_keys(12)) == 1 and pool.stats()["corrupt_removed"] == 1
+    assert c.lookup(_keys(11, 12)).count == 1
+    eng.close()
+    c.close()
+
+
+def test_a_full_pool_skips_and_counts(pool):
+    c = PoolClient(pool.address, TOKEN)
+    c.open(BB, "l")
+    r = c.reserve(_keys(*range(1, 11)))  # 8 slots
+    assert r.full == 2 and r.offsets[-2:] == [-1, -1]
+    assert pool.stats()["saves_skipped_full"] == 2
+    assert c.commit(r.reservation, [False] * 10) == 0  # aborted: the slots come back
+    assert c.reserve(_keys(*range(1, 9))).full == 0
+    c.close()
+
+
+def test_typed_errors_and_layout_mismatch(pool):
+    c = PoolClient(pool.address, TOKEN)
+    with pytest.raises(mc.InvalidArgument, match="not open"):
+        c.lookup(_keys(1))
+    c.open(BB, "l")
+    with pytest.raises(mc.InvalidArgument, match="one pool serves one model layout"):
+        c.open(2 * BB, "l")
+    with pytest.raises(mc.InvalidArgument, match="no reservation"):
+        c.commit(12345, [])
+    with pytest.raises(mc.Unauthorized):
+        PoolClient(pool.address, "another-token-0123456789abcdef").stats()
+    c.close()
+
+
+def test_a_closed_connection_releases_its_leases_and_reservations(pool):
+    a = PoolClient(pool.address, TOKEN)
+    a.open(BB, "l")
+    r = a.reserve(_keys(1, 2))
+    assert a.commit(r.reservation, [True, True]) == 2
+    a.lookup(_keys(1, 2), lease_s=60)
+    a.reserve(_keys(3))
+    assert pool.stats()["leases_held"] == 1 and pool.stats()["reservations_held"] == 1
+    a.close()
+    deadline = time.monotonic() + 5
+    while pool.stats()["leases_held"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    st = pool.stats()
+    assert st["leases_held"] == 0 and st["reservations_held"] == 0 and st["saves_aborted"] == 1
+    pool.store.check_integrity()
