@@ -45,6 +45,8 @@ class Opened(_Msg, frozen=True, tag="opened"):
     block_bytes: int
     slots: int
     layout: str
+    slot_stride: int = 0
+    shm_name: str = ""  # the arena's segment (same-host tools; clients copy through the engine)
 
 
 class Lookup(_Msg, frozen=True, tag="lookup"):

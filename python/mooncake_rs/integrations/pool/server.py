@@ -238,8 +238,9 @@ class KVPoolServer:
             raise InvalidArgument(f"this pool holds blocks of {self._store.block_bytes} bytes, layout "
                                   f"{self._layout!r}; a client asked for {msg.block_bytes} bytes, layout "
                                   f"{msg.layout!r} (one pool serves one model layout)")
+        region = self._store.region()
         return p.Opened(self.engine.name, self.engine.address, self._region.id, self._store.block_bytes,
-                        self._store.slots, self._layout)
+                        self._store.slots, self._layout, region.slot_stride, region.shm_name or "")
 
     def _lookup(self, store: Store, msg: p.Lookup, conn: _Conn) -> p.Found:
         self.counters["lookups"] += 1

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from ...errors import InvalidArgument
 
@@ -44,6 +47,15 @@ class LayerLayout:
         """Storage byte offsets of block ``block_id``'s segments, in pool order."""
         start = self.base + block_id * self.block_stride
         return [start + o for o in self.outer]
+
+    def spans(self, block_ids: Sequence[int], slots: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(storage offsets, pool arena offsets) of every segment of these blocks of this
+        layer, block by block: the two offset lists of one ``submit_spans`` call."""
+        ids = np.asarray(block_ids, dtype=np.uint64)[:, None]
+        local = (self.base + ids * np.uint64(self.block_stride) + np.asarray(self.outer, dtype=np.uint64)[None, :])
+        seg = np.arange(len(self.outer), dtype=np.uint64) * np.uint64(self.segment_bytes) + np.uint64(self.pool_offset)
+        remote = np.asarray(slots, dtype=np.uint64)[:, None] + seg[None, :]
+        return np.ascontiguousarray(local.ravel()), np.ascontiguousarray(remote.ravel())
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..._core import TransferEngine, TransferRequest
+from ..._core import TransferEngine
 from ...errors import MooncakeError
 from ..pool.client import PoolClient
 from .config import ConnectorSettings
@@ -69,9 +69,9 @@ class ConnectorWorker:
         self._views: dict[int, memoryview] = {}  # storage ptr -> bytes of that storage
         self._pools: dict[str, _Pool] = {}
         self._loads: list[_Load] = []
-        self._load_batches: dict[str, list[tuple[Any, list[tuple[_Load, int]]]]] = {}
+        self._load_batches: dict[str, list[tuple[Any, _Load, int]]] = {}  # layer -> (batch, load, segments a block)
         self._saves: list[_Save] = []
-        self._save_batches: list[tuple[Any, list[tuple[_Save, int]]]] = []
+        self._save_batches: list[tuple[Any, _Save, list[int], int]] = []  # (batch, save, its block indices, per)
         self._errors: set[int] = set()
         self.counters = {"blocks_loaded": 0, "blocks_load_failed": 0, "blocks_corrupt": 0, "blocks_saved": 0,
                          "saves_skipped_full": 0, "saves_skipped_present": 0, "saves_failed": 0,
@@ -120,18 +120,13 @@ class ConnectorWorker:
             self._loads.append(_Load(spec, pool))
         if self._loads:
             for layer in self.layout.layers:
-                reqs: list[Any] = []
-                owners: list[tuple[_Load, int]] = []
                 region = self._regions[layer.storage_ptr]
+                per = len(layer.outer)
                 for load in self._loads:
-                    for j, (bid, slot) in enumerate(zip(load.spec.block_ids, load.spec.offsets)):
-                        for s, off in enumerate(layer.segments(bid)):
-                            reqs.append(TransferRequest("read", region, off, load.pool.peer, load.pool.region,
-                                                        slot + layer.pool_offset + s * layer.segment_bytes,
-                                                        layer.segment_bytes))
-                            owners.append((load, j))
-                self._load_batches.setdefault(layer.name, []).append(
-                    (self.engine.submit(reqs, timeout_s=self.settings.timeout_s), owners))
+                    local, remote = layer.spans(load.spec.block_ids, load.spec.offsets)
+                    batch = self.engine.submit_spans("read", region, local, load.pool.peer, load.pool.region, remote,
+                                                     layer.segment_bytes, timeout_s=self.settings.timeout_s)
+                    self._load_batches.setdefault(layer.name, []).append((batch, load, per))
 
     def begin_step(self, meta: MooncakeRsConnectorMetadata) -> None:
         """Bound before the forward of every step (start_load_kv may run after it)."""
@@ -139,10 +134,10 @@ class ConnectorWorker:
             self._reserve(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        for batch, owners in self._load_batches.pop(layer_name, ()):
-            for status, (load, j) in zip(batch.wait(), owners):
+        for batch, load, per in self._load_batches.pop(layer_name, ()):
+            for i, status in enumerate(batch.wait()):
                 if not status.ok:
-                    load.failed.add(j)
+                    load.failed.add(i // per)
 
     def _finish_loads(self) -> None:
         """Wait for every layer still in flight, check checksums, record the failures."""
@@ -222,28 +217,24 @@ class ConnectorWorker:
             return
         pool = self._pools[self.settings.pool]
         region = self._regions[layer.storage_ptr]
-        reqs: list[Any] = []
-        owners: list[tuple[_Save, int]] = []
+        per = len(layer.outer)
         for save in self._saves:
-            for j, (bid, slot) in enumerate(zip(save.block_ids, save.offsets)):
-                if slot < 0:
-                    continue
-                for s, off in enumerate(layer.segments(bid)):
-                    reqs.append(TransferRequest("write", region, off, pool.peer, pool.region,
-                                                slot + layer.pool_offset + s * layer.segment_bytes,
-                                                layer.segment_bytes))
-                    owners.append((save, j))
-        if reqs:
-            self._save_batches.append((self.engine.submit(reqs, timeout_s=self.settings.timeout_s), owners))
+            which = [j for j, slot in enumerate(save.offsets) if slot >= 0]
+            if not which:
+                continue
+            local, remote = layer.spans([save.block_ids[j] for j in which], [save.offsets[j] for j in which])
+            batch = self.engine.submit_spans("write", region, local, pool.peer, pool.region, remote,
+                                             layer.segment_bytes, timeout_s=self.settings.timeout_s)
+            self._save_batches.append((batch, save, which, per))
 
     def wait_for_save(self) -> None:
         self._finish_loads()
         if not self._saves:
             return
-        for batch, owners in self._save_batches:
-            for status, (save, j) in zip(batch.wait(), owners):
+        for batch, save, which, per in self._save_batches:
+            for i, status in enumerate(batch.wait()):
                 if not status.ok:
-                    save.ok[j] = False
+                    save.ok[which[i // per]] = False
         self._save_batches = []
         assert self.layout is not None
         pool = self._pools[self.settings.pool]
