@@ -7,8 +7,9 @@
 3. one vLLM alone (the client talks to it directly).
 
 Each prompt is new to every instance (random ids, a seed per prompt), streamed, greedy,
-``ignore_eos``. TTFT = request sent -> first token chunk at the client; TBT = the median
-gap between the following chunks. Medians over the prompts. The tiny random-weight
+``ignore_eos``. TTFT = request sent -> first token at the client; TBT = first token -> last
+token over the tokens after the first (token ids counted per chunk). Medians over the
+prompts. The tiny random-weight
 Llama of the tests (tests/vllm_support.py), block 32, one core per vLLM instance.
 
     python benches/vllm_pd_bench.py [--prompts 8] [--prompt-blocks 16] [--max-tokens 32]
@@ -35,27 +36,35 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 TOKEN = "bench-token-0123456789abcdef0123"
 
 
-def stream_one(url: str, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
+def stream_one(url: str, prompt: list[int], max_tokens: int) -> tuple[float, float]:
+    """(TTFT, TBT) of one streamed request. TBT is the time from the first token to the
+    last over the tokens after the first: a chunk may carry several tokens (vLLM merges
+    the deltas a slow reader has not taken yet), so chunk gaps would understate it."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True}
+            "stream": True, "return_token_ids": True}
     t0 = time.perf_counter()
-    stamps: list[float] = []
+    first = last = 0.0
+    tokens = 0
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                if json.loads(line[6:]).get("choices"):
-                    stamps.append(time.perf_counter())
-    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    return stamps[0] - t0, gaps
+                choices = json.loads(line[6:]).get("choices") or []
+                n = sum(len(c.get("token_ids") or []) for c in choices)
+                if n:
+                    last = time.perf_counter()
+                    if not tokens:
+                        first = last
+                    tokens += n
+    return first - t0, (last - first) / max(1, tokens - 1)
 
 
 def run_prompts(url: str, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
     ttft, tbt = [], []
     for p in prompts:
-        t, gaps = stream_one(url, p, max_tokens)
+        t, b = stream_one(url, p, max_tokens)
         ttft.append(t)
-        tbt.extend(gaps)
+        tbt.append(b)
     return {"ttft_ms": statistics.median(ttft) * 1e3, "tbt_ms": statistics.median(tbt) * 1e3}
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import mooncake_rs as mc
+from etcd_helpers import etcd  # noqa: F401  (the fixture)
 from mooncake_rs.integrations.pool import KVPoolServer, PoolClient, PoolConfig
 
 TOKEN = "pool-test-token-0123456789abcdef"
@@ -107,3 +108,46 @@ def test_a_closed_connection_releases_its_leases_and_reservations(pool):
     st = pool.stats()
     assert st["leases_held"] == 0 and st["reservations_held"] == 0 and st["saves_aborted"] == 1
     pool.store.check_integrity()
+
+
+def _store(pool_address, keys):
+    c = PoolClient(pool_address, TOKEN)
+    opened = c.open(BB, "l")
+    r = c.reserve(_keys(*keys))
+    # the bytes do not matter here: what is tested is who holds which key
+    assert c.commit(r.reservation, [True] * len(keys)) == len(keys)
+    c.close()
+    return opened
+
+
+def test_follower_names_the_pool_holding_the_longest_prefix(pool):
+    from mooncake_rs.integrations.pool import PoolFollower
+
+    with KVPoolServer(PoolConfig(auth_token=TOKEN, dram_bytes=8 * BB)) as other:
+        _store(pool.address, [1, 2])
+        _store(other.address, [1, 2, 3, 4])
+        clients: dict[str, PoolClient] = {}
+        local_events = []
+        f = PoolFollower(pool.address, lambda a: clients.setdefault(a, PoolClient(a, TOKEN)), peers=(other.address,),
+                         on_local_events=lambda s, g: local_events.append((list(s), list(g))))
+        assert f.best_pool(mc.BlockHashes([1, 2, 3, 4, 5])) == (other.address, 4)
+        assert local_events == [([1, 2], [])]  # only the local pool's events go to the callback
+        PoolClient(other.address, TOKEN).remove(_keys(2))
+        f.poll(force=True)
+        assert f.best_pool(mc.BlockHashes([1, 2, 3])) == (pool.address, 2)
+        for c in clients.values():
+            c.close()
+
+
+def test_pools_registered_in_etcd_are_followed(pool, etcd):
+    from mooncake_rs.integrations.pool import PoolFollower, PoolRegistration, pool_addresses
+
+    with KVPoolServer(PoolConfig(auth_token=TOKEN, dram_bytes=8 * BB)) as other:
+        regs = [PoolRegistration(etcd.url, "host-a", pool.address), PoolRegistration(etcd.url, "host-b", other.address)]
+        assert sorted(pool_addresses(etcd.url)) == sorted([pool.address, other.address])
+        _store(other.address, [7, 8, 9])
+        f = PoolFollower(pool.address, lambda a: PoolClient(a, TOKEN), etcd=etcd.url)
+        assert f.best_pool(mc.BlockHashes([7, 8, 9])) == (other.address, 3)
+        regs[1].close()  # a pool that leaves is no longer listed
+        assert pool_addresses(etcd.url) == [pool.address]
+        regs[0].close()

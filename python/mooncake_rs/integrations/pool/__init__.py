@@ -4,6 +4,8 @@ look up, lease; protocol.py) and our :class:`~mooncake_rs.TransferEngine` (the b
 ``mooncake-rs kv-pool`` runs one; ``MooncakeRsConnector`` is its vLLM client."""
 
 from .client import PoolClient
+from .follower import PoolFollower
+from .membership import PoolRegistration, pool_addresses
 from .server import KVPoolServer, PoolConfig
 
-__all__ = ["KVPoolServer", "PoolConfig", "PoolClient"]
+__all__ = ["KVPoolServer", "PoolConfig", "PoolClient", "PoolFollower", "PoolRegistration", "pool_addresses"]

@@ -20,8 +20,13 @@ def add_pool_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory", default="1G", help="DRAM arena size, e.g. 512M, 4G (default 1G)")
     p.add_argument("--auth-token-file", default=None,
                    help="a file holding the cluster token (else MOONCAKE_AUTH_TOKEN); 16 bytes or more")
-    p.add_argument("--name", default="kvpool", help="the transfer engine's name (unique per host)")
+    p.add_argument("--name", default="", help="the pool's name (its transfer engine's, its etcd key's); default "
+                                              "kvpool-<random>")
     p.add_argument("--eviction", default="lru", help="eviction policy of the store (default lru)")
+    p.add_argument("--etcd", default=None, help="register in this etcd (the deployment's) so connectors on every "
+                                                "host follow this pool")
+    p.add_argument("--etcd-prefix", default="/mooncake", help="the deployment's key prefix (default /mooncake)")
+    p.add_argument("--advertise", default=None, help="the control address other hosts reach (default: --listen)")
 
 
 def _size(text: str) -> int:
@@ -46,9 +51,17 @@ def run_pool(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with KVPoolServer(PoolConfig(auth_token=token, dram_bytes=_size(args.memory), listen=args.listen,
                                  data_listen=args.data_listen, name=args.name, eviction=args.eviction)) as pool:
+        reg = None
+        if args.etcd:
+            from .membership import PoolRegistration
+
+            reg = PoolRegistration(args.etcd, pool.engine.name, args.advertise or pool.address, prefix=args.etcd_prefix)
         print(f"mooncake-rs: KV pool on {pool.address} (data {pool.engine.address})", file=sys.stderr, flush=True)
         try:
             stop.wait()
         except KeyboardInterrupt:
             pass
+        finally:
+            if reg is not None:
+                reg.close()
     return 0

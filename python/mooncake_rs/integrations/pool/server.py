@@ -21,6 +21,7 @@ import logging
 import socket
 import threading
 import time
+import uuid
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
@@ -50,13 +51,15 @@ class PoolConfig:
     dram_bytes: int = 256 << 20
     listen: str = "127.0.0.1:0"
     data_listen: str = "127.0.0.1:0"
-    name: str = "kvpool"
+    name: str = ""  # the transfer engine's name; "" -> kvpool-<random> (unique per process and host)
     eviction: str = "lru"
     max_events: int = 1 << 20
 
     def __post_init__(self) -> None:
         if self.dram_bytes <= 0:
             raise InvalidArgument(f"dram_bytes must be > 0, got {self.dram_bytes}")
+        if not self.name:
+            self.name = f"kvpool-{uuid.uuid4().hex[:8]}"
         if self.max_events < 1:
             raise InvalidArgument(f"max_events must be >= 1, got {self.max_events}")
 

@@ -6,6 +6,8 @@
 | ``auth_token`` / ``auth_token_file`` | the cluster token (else ``MOONCAKE_AUTH_TOKEN``) |
 | ``advertise`` | the pool address peers on other hosts use (default: ``pool``) |
 | ``peers`` | other pools to follow (their events feed the block index), a list of addresses |
+| ``etcd`` | an etcd URL: every pool registered there (``mooncake-rs kv-pool --etcd``) is followed |
+| ``etcd_prefix`` | the deployment's key prefix in etcd (default ``/mooncake``) |
 | ``model_id`` | what the block hashes are salted with (default: the served model's path) |
 | ``lease_s`` | how long a planned load keeps its blocks leased at most (default 60) |
 | ``verify_checksums`` | check each loaded block's CRC-32 against the pool's (default true) |
@@ -31,6 +33,8 @@ class ConnectorSettings:
     role: str  # kv_producer | kv_consumer | kv_both
     model_id: str
     peers: tuple[str, ...] = field(default_factory=tuple)
+    etcd: str | None = None
+    etcd_prefix: str = "/mooncake"
     lease_s: float = 60.0
     verify_checksums: bool = True
     timeout_s: float = 5.0
@@ -67,7 +71,8 @@ class ConnectorSettings:
             peers = [p for p in peers.split(",") if p]
         return cls(pool=pool, auth_token=str(token), advertise=str(extra.get("advertise") or pool), role=role,
                    model_id=str(extra.get("model_id") or vllm_config.model_config.model),
-                   peers=tuple(str(p) for p in peers),
+                   peers=tuple(str(p) for p in peers), etcd=extra.get("etcd") or None,
+                   etcd_prefix=str(extra.get("etcd_prefix") or "/mooncake"),
                    lease_s=float(extra.get("lease_s", 60.0)),
                    verify_checksums=_flag(extra.get("verify_checksums", True)),
                    timeout_s=float(extra.get("timeout_s", 5.0)))

@@ -7,7 +7,7 @@ core) over the prompt's full blocks, salted with the model id, the request's
 pool never serves one tenant's KV to another.
 
 Where blocks are: a :class:`~mooncake_rs.BlockIndex` fed by the followed pools' store
-events (pools.py) names the pool holding the longest prefix; the local pool is always
+events (pool/follower.py) names the pool holding the longest prefix; the local pool is always
 asked directly too (it is one round trip and never stale), and a P/D decode request's
 ``kv_transfer_params`` name the prefill's pool. Whatever is planned is leased at that pool
 (``Lookup`` with a lease), so it cannot be evicted before the worker has copied it; the
@@ -25,7 +25,8 @@ from ...errors import MooncakeError
 from ..pool.client import PoolClient
 from .config import ConnectorSettings
 from .metadata import LoadSpec, MooncakeRsConnectorMetadata, SaveSpec
-from .pools import PoolFollower
+from ..pool.follower import PoolFollower
+from .pools import VllmPoolEvents
 
 __all__ = ["ConnectorScheduler"]
 
@@ -67,7 +68,9 @@ class ConnectorScheduler:
         self._hashers: dict[tuple[str, str], PrefixHasher] = {}
         self._clients: dict[str, PoolClient] = {}
         self._reqs: dict[str, _Req] = {}
-        self.follower = PoolFollower(settings, self._client)
+        self.events = VllmPoolEvents()
+        self.follower = PoolFollower(settings.pool, self._client, peers=settings.peers, etcd=settings.etcd,
+                                     etcd_prefix=settings.etcd_prefix, on_local_events=self.events.on_local_events)
         self.counters = {"lookups": 0, "tokens_planned": 0, "pool_errors": 0}
 
     def _client(self, address: str) -> PoolClient:
@@ -198,7 +201,7 @@ class ConnectorScheduler:
             return
         meta.saves.append(SaveSpec(req_id, st.block_ids[start:end], bytes(st.keys[start:end])))
         for i in range(start, end):
-            self.follower.expect(st.keys[i], self._event_fields(st, i))
+            self.events.expect(st.keys[i], self._event_fields(st, i))
         st.saved_upto = end
 
     def _event_fields(self, st: _Req, i: int) -> dict[str, Any] | None:
@@ -236,9 +239,9 @@ class ConnectorScheduler:
             log.info("MooncakeRsConnector: releasing a lease at %s: %s", pool, e)
 
     def take_events(self) -> list[Any]:
-        return self.follower.take_vllm_events(self.block_size)
+        self.follower.poll()
+        return self.events.take()
 
     def shutdown(self) -> None:
-        self.follower.close()
         for c in self._clients.values():
             c.close()
