@@ -36,7 +36,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 TOKEN = "bench-token-0123456789abcdef0123"
 
 
-def stream_one(url: str, prompt: list[int], max_tokens: int) -> tuple[float, float]:
+def stream_one(url: str, prompt: list[int], max_tokens: int) -> tuple[float, float, float]:
     """(TTFT, TBT) of one streamed request. TBT is the time from the first token to the
     last over the tokens after the first: a chunk may carry several tokens (vLLM merges
     the deltas a slow reader has not taken yet), so chunk gaps would understate it."""
@@ -56,16 +56,19 @@ def stream_one(url: str, prompt: list[int], max_tokens: int) -> tuple[float, flo
                     if not tokens:
                         first = last
                     tokens += n
-    return first - t0, (last - first) / max(1, tokens - 1)
+    return first - t0, (last - first) / max(1, tokens - 1), last - t0
 
 
 def run_prompts(url: str, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
-    ttft, tbt = [], []
+    ttft, tbt, e2e = [], [], []
     for p in prompts:
-        t, b = stream_one(url, p, max_tokens)
+        t, b, e = stream_one(url, p, max_tokens)
         ttft.append(t)
         tbt.append(b)
-    return {"ttft_ms": statistics.median(ttft) * 1e3, "tbt_ms": statistics.median(tbt) * 1e3}
+        e2e.append(e)
+    return {"ttft_ms": statistics.median(ttft) * 1e3, "tbt_ms": statistics.median(tbt) * 1e3,
+            "e2e_ms": statistics.median(e2e) * 1e3, "tpot_ms": statistics.median(
+                [(e - t) / max(1, max_tokens - 1) for t, e in zip(ttft, e2e)]) * 1e3}
 
 
 def start_proxy(prefill, decode, model_dir: Path, logdir: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -135,10 +138,10 @@ def main() -> None:
     finally:
         one.stop()
     print(f"{args.prompts} prompts of {args.prompt_blocks * 32 + 7} tokens, {args.max_tokens} output tokens, streamed")
-    print("| set-up | TTFT p50 ms | TBT p50 ms |")
-    print("| --- | --- | --- |")
+    print("| set-up | TTFT p50 ms | TBT p50 ms (first->last token) | request p50 ms | (request - TTFT) / (tokens - 1) ms |")
+    print("| --- | --- | --- | --- | --- |")
     for k, v in rows.items():
-        print(f"| {k} | {v['ttft_ms']:.1f} | {v['tbt_ms']:.2f} |")
+        print(f"| {k} | {v['ttft_ms']:.1f} | {v['tbt_ms']:.2f} | {v['e2e_ms']:.1f} | {v['tpot_ms']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -289,6 +289,45 @@ def test_conductor_sends_a_shared_prefix_follow_up_to_the_prefill_holding_it(pai
         proc.wait(20)
 
 
+def test_take_events_publishes_the_pool_blocks_as_vllm_events(pair):
+    """The blocks an instance saved show up in its own KV event stream, medium CPU, with
+    vLLM's block hashes and tokens (what a KV-event consumer indexes)."""
+    import zmq
+
+    from mooncake_rs.interop.events import BlockStored, decode_payload
+    from upstream_helpers import wait_for
+
+    a, _ = pair
+    prompt = _prompt(13, 3 * BS + 2)
+    _complete(a, prompt)
+
+    def pool_blocks():
+        ctx = zmq.Context.instance()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, 5000)
+        time.sleep(0.2)  # a replay is the whole stream so far: not every 20 ms
+        s.connect(a.replay_endpoint)
+        try:
+            s.send_multipart([b"", (0).to_bytes(8, "big")])  # the REQ envelope, as interop/subscriber.py
+            found = []
+            while True:
+                frames = s.recv_multipart()
+                if frames and frames[0] == b"":
+                    frames = frames[1:]
+                # [topic,] seq, payload; seq 0xffff_ffff_ffff_ffff ends the replay
+                if int.from_bytes(frames[-2], "big") == (1 << 64) - 1:
+                    return found
+                for ev in decode_payload(frames[-1]).events:
+                    if isinstance(ev, BlockStored) and ev.medium == "CPU":
+                        found.append(list(ev.token_ids))
+        finally:
+            s.close()
+
+    wait_for(lambda: all(prompt[i * BS:(i + 1) * BS] in pool_blocks() for i in range(3)), timeout_s=30,
+             what="the pool's blocks in A's KV events")
+
+
 def test_pd_prefill_killed_the_request_completes_or_fails_within_10s(pair, pd, vllm_model_dir):
     """Last of the module: it stops A (the prefill)."""
     import httpx
@@ -321,3 +360,4 @@ def test_pd_prefill_killed_the_request_completes_or_fails_within_10s(pair, pd, v
     assert r2.status_code == 200, r2.text
     assert r2.headers["x-mooncake-prefill"] == "none"
     assert r2.json()["choices"][0]["token_ids"] == _reference(b, prompt2, 4)
+

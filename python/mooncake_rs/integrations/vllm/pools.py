@@ -5,11 +5,17 @@ an indexer) sees what the pool holds for this instance."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 __all__ = ["VllmPoolEvents", "MEDIUM"]
 
 MEDIUM = "CPU"  # how vLLM's events name an offload tier in host memory
+
+
+#: how long a planned save is waited for in the pool's events (a save skipped because the
+#: pool held the block or was full never shows up)
+EXPECT_S = 10.0
 
 
 class VllmPoolEvents:
@@ -20,7 +26,17 @@ class VllmPoolEvents:
 
     def expect(self, key: int, fields: dict[str, Any] | None) -> None:
         if fields is not None:
-            self._expected[key] = fields
+            self._expected[key] = {**fields, "at": time.monotonic()}
+
+    @property
+    def pending(self) -> bool:
+        """Saves were planned whose stored events have not come yet (then the caller polls
+        the pool at once: the step that committed them has just ended)."""
+        if self._expected:
+            cut = time.monotonic() - EXPECT_S
+            for k in [k for k, f in self._expected.items() if f["at"] < cut]:
+                del self._expected[k]
+        return bool(self._expected)
 
     def on_local_events(self, stored: list[int], gone: list[int]) -> None:
         from vllm.distributed.kv_events import BlockRemoved, BlockStored

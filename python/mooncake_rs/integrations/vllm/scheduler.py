@@ -239,7 +239,7 @@ class ConnectorScheduler:
             log.info("MooncakeRsConnector: releasing a lease at %s: %s", pool, e)
 
     def take_events(self) -> list[Any]:
-        self.follower.poll()
+        self.follower.poll(force=self.events.pending)
         return self.events.take()
 
     def shutdown(self) -> None:
