@@ -11,7 +11,8 @@ workers and the ``serve`` processes are started as a user starts them
    transfer in flight (the engines' own counts), on the wide-KV model (4 layers, 128 KiB
    layer spans, block 64) with cold 24-block prompts; against the transfer engine's own
    TCP figure between the same two kinds of host (a prefill host writing into the
-   decode host) for the same request size and batch (24 requests of one layer span),
+   decode host) for the same request size and batch (24 requests of one layer span, or
+   with ``--send-after`` the 96 of a request's whole KV),
    benches/transfer_netns_bench.py's client, rounds interleaved.
 2. latency: added latency per request of the remote deployment over the embedded one:
    the same model (tiny), the same prompts, sequential, TTFT as the client sees it
@@ -95,8 +96,11 @@ def bench_kv(hosts: TestHosts, dep: Deployment, model_dir: Path, rounds: int, se
         busy = sum(st[i]["copy_busy_s"] - base[i]["copy_busy_s"] for i in prefills)
         serving.append(moved / busy / 1e9)
         # the reference between a prefill host (client) and the decode host (server), on
-        # the same kind of link, while the deployment idles: 24 one-span writes a batch
-        ref = one(hosts, "engine", 24 * SPAN * 16, "bench-token-0123456789abcdef", req=SPAN, batch=24,
+        # the same kind of link, while the deployment idles, with the batch the serving
+        # path sends: one layer's 24 spans a batch, or (--send-after) a request's KV at
+        # once, 24 blocks x 4 layers = 96 spans
+        batch = 24 * WIDE["layers"] if send_after else 24
+        ref = one(hosts, "engine", batch * SPAN * 16, "bench-token-0123456789abcdef", req=SPAN, batch=batch,
                   server=SERVE_B, client=P1)
         engine.append(ref["write"])
         print(f"  round {r}: serving {serving[-1]:.2f} GB/s ({moved / 1e6:.0f} MB in {busy:.3f} s in flight), "

@@ -30,8 +30,12 @@ import numpy as np
 BS = 16
 
 
-def make_payloads(total_blocks: int, blocks_per_event: int, events_per_batch: int, seed: int = 0) -> list[bytes]:
-    """Batches of BlockStored events, each event chained on the previous one's last block."""
+def make_payloads(
+    total_blocks: int, blocks_per_event: int, events_per_batch: int, salt: bool = False, seed: int = 0
+) -> list[bytes]:
+    """Batches of BlockStored events, each event chained on the previous one's last block.
+    ``salt``: each sequence's first event carries vLLM's ``extra_keys`` of a request with a
+    ``cache_salt`` (the salt on its first block, nil after)."""
     from mooncake_rs.interop import BlockStored, encode_batch
 
     rng = np.random.default_rng(seed)
@@ -48,13 +52,14 @@ def make_payloads(total_blocks: int, blocks_per_event: int, events_per_batch: in
             toks = rng.integers(0, 150_000, blocks_per_event * BS).tolist()
             hashes = list(range(next_hash, next_hash + blocks_per_event))
             next_hash += blocks_per_event
-            events.append(BlockStored(hashes, parent, toks, BS, None, "GPU"))
+            extra_keys = [[f"tenant-{b % 7}"]] + [None] * (blocks_per_event - 1) if salt and parent is None else None
+            events.append(BlockStored(hashes, parent, toks, BS, None, "GPU", None, extra_keys))
             parent = hashes[-1]
         payloads.append(encode_batch(events, ts=float(b), dp_rank=0))
     return payloads
 
 
-def _publisher(port: int, args: tuple[int, int, int], conn) -> None:  # type: ignore[no-untyped-def]
+def _publisher(port: int, args: tuple[int, int, int, bool], conn) -> None:  # type: ignore[no-untyped-def]
     import zmq
 
     payloads = make_payloads(*args)
@@ -94,8 +99,9 @@ def mark() -> float:
     return time.perf_counter()
 
 
-def bench_ingest(total: int, per_event: int, per_batch: int, hash_name: str, reps: int = 2) -> None:
-    import msgpack
+def bench_ingest(
+    total: int, per_event: int, per_batch: int, hash_name: str, reps: int = 2, salt: bool = False, stages: bool = True
+) -> None:
     import zmq
 
     from mooncake_rs import PrefixHasher, Xxh3RollingHasher
@@ -105,79 +111,83 @@ def bench_ingest(total: int, per_event: int, per_batch: int, hash_name: str, rep
     from mooncake_rs.interop.hashmap import DictEngineHashMap
     from mooncake_rs.interop.subscriber import KVEventSubscriber
 
-    payloads = make_payloads(total, per_event, per_batch)
+    payloads = make_payloads(total, per_event, per_batch, salt)
     blocks = len(payloads) * per_event * per_batch
     mk_hasher = (lambda: Xxh3RollingHasher(BS)) if hash_name == "rfc" else (lambda: PrefixHasher(BS))
     print(f"\n== ingest: {blocks:,} blocks in {len(payloads):,} batches of {per_batch} events x {per_event} blocks "
-          f"(block_size {BS}, {statistics.fmean(map(len, payloads)) / 1024:.1f} KiB/batch), hash={hash_name}")
+          f"(block_size {BS}, {statistics.fmean(map(len, payloads)) / 1024:.1f} KiB/batch), hash={hash_name}"
+          + (", salted sequences (extra_keys)" if salt else ""))
 
-    # Stages alone, in this process, on the same payloads.
-    t = mark()
-    for p in payloads:
-        msgpack.unpackb(p)
-    print(f"  reference: msgpack.unpackb, generic objects   {rate(blocks, time.perf_counter() - t)}")
-    t = mark()
-    batches = [decode_payload(p) for p in payloads]
-    print(f"  decode_payload (typed, token ints)          {rate(blocks, time.perf_counter() - t)}")
-    del batches
-    t = mark()
-    rbatches = [decode_payload(p, raw_tokens=True) for p in payloads]
-    t_dec = time.perf_counter() - t
-    print(f"  decode_payload(raw_tokens=True)             {rate(blocks, t_dec)}")
-    events = [e for b in rbatches for e in b.events]
-    t = mark()
-    toks = [memoryview(msgpack_tokens(e.token_ids)).cast("I") for e in events]
-    t_tok = time.perf_counter() - t
-    print(f"  token_ids msgpack -> u32 in Rust            {rate(blocks, t_tok)}")
-    hasher = mk_hasher()
-    t = mark()
-    ours_all = []
-    last: dict[int, int] = {}
-    for e, tk in zip(events, toks):
-        parent = None if e.parent_block_hash is None else last[e.parent_block_hash]
-        ours = hasher.hash(tk, parent)
-        last[e.block_hashes[-1]] = ours[-1]
-        ours_all.append(ours)
-    t_hash = time.perf_counter() - t
-    print(f"  hash recomputation (hasher.hash per event)  {rate(blocks, t_hash)}")
-    del toks
-    m = DictEngineHashMap(blocks + 1)
-    t = mark()
-    for e, ours in zip(events, ours_all):
-        m.store(e.block_hashes, ours, 1)
-    t_map = time.perf_counter() - t
-    print(f"  engine hash map (DictEngineHashMap.store)   {rate(blocks, t_map)}")
-    idx = BlockIndex()
-    t = mark()
-    for ours in ours_all:
-        idx.insert(1, ours)
-    t_idx = time.perf_counter() - t
-    print(f"  BlockIndex.insert                           {rate(blocks, t_idx)}")
-    del idx, m, ours_all, last
-    target = MediumIndex()
-    ing = Ingestor(target, 1, mk_hasher(), map_capacity=blocks + 1, reference=True)
-    t = mark()
-    for b in rbatches:
-        ing.apply(b)
-    t_apply = time.perf_counter() - t
-    print(f"  reference Ingestor.apply (hash + map + insert) {rate(blocks, t_apply)}")
-    for rep in range(reps):
-        for ref in (True, False):
-            ing2 = Ingestor(MediumIndex(), 1, mk_hasher(), map_capacity=blocks + 1, reference=ref)
-            t = mark()
-            for p in payloads:
-                ing2.apply_payload(p)
-            name = "reference: decode_payload + apply" if ref else "Rust: apply_payload (1 call/msg) "
-            print(f"  {name}, no socket  {rate(blocks, time.perf_counter() - t)}")
-            del ing2
-    del ing, target, rbatches, events
+    if stages:
+        import msgpack  # the reference decoder row (not a dependency of the package)
+
+        # Stages alone, in this process, on the same payloads.
+        t = mark()
+        for p in payloads:
+            msgpack.unpackb(p)
+        print(f"  reference: msgpack.unpackb, generic objects   {rate(blocks, time.perf_counter() - t)}")
+        t = mark()
+        batches = [decode_payload(p) for p in payloads]
+        print(f"  decode_payload (typed, token ints)          {rate(blocks, time.perf_counter() - t)}")
+        del batches
+        t = mark()
+        rbatches = [decode_payload(p, raw_tokens=True) for p in payloads]
+        t_dec = time.perf_counter() - t
+        print(f"  decode_payload(raw_tokens=True)             {rate(blocks, t_dec)}")
+        events = [e for b in rbatches for e in b.events]
+        t = mark()
+        toks = [memoryview(msgpack_tokens(e.token_ids)).cast("I") for e in events]
+        t_tok = time.perf_counter() - t
+        print(f"  token_ids msgpack -> u32 in Rust            {rate(blocks, t_tok)}")
+        hasher = mk_hasher()
+        t = mark()
+        ours_all = []
+        last: dict[int, int] = {}
+        for e, tk in zip(events, toks):
+            parent = None if e.parent_block_hash is None else last[e.parent_block_hash]
+            ours = hasher.hash(tk, parent)
+            last[e.block_hashes[-1]] = ours[-1]
+            ours_all.append(ours)
+        t_hash = time.perf_counter() - t
+        print(f"  hash recomputation (hasher.hash per event)  {rate(blocks, t_hash)}")
+        del toks
+        m = DictEngineHashMap(blocks + 1)
+        t = mark()
+        for e, ours in zip(events, ours_all):
+            m.store(e.block_hashes, ours, 1)
+        t_map = time.perf_counter() - t
+        print(f"  engine hash map (DictEngineHashMap.store)   {rate(blocks, t_map)}")
+        idx = BlockIndex()
+        t = mark()
+        for ours in ours_all:
+            idx.insert(1, ours)
+        t_idx = time.perf_counter() - t
+        print(f"  BlockIndex.insert                           {rate(blocks, t_idx)}")
+        del idx, m, ours_all, last
+        target = MediumIndex()
+        ing = Ingestor(target, 1, mk_hasher(), map_capacity=blocks + 1, reference=True)
+        t = mark()
+        for b in rbatches:
+            ing.apply(b)
+        t_apply = time.perf_counter() - t
+        print(f"  reference Ingestor.apply (hash + map + insert) {rate(blocks, t_apply)}")
+        for rep in range(reps):
+            for ref in (True, False):
+                ing2 = Ingestor(MediumIndex(), 1, mk_hasher(), map_capacity=blocks + 1, reference=ref)
+                t = mark()
+                for p in payloads:
+                    ing2.apply_payload(p)
+                name = "reference: decode_payload + apply" if ref else "Rust: apply_payload (1 call/msg) "
+                print(f"  {name}, no socket  {rate(blocks, time.perf_counter() - t)}")
+                del ing2
+        del ing, target, rbatches, events
 
     # End to end over ZMQ from another process: the stream once for recv alone, then
     # once per path and rep, alternating (reference, Rust, reference, Rust, ...).
     port = _free_port()
     ctxm = mp.get_context("spawn")
     parent_conn, child_conn = ctxm.Pipe()
-    proc = ctxm.Process(target=_publisher, args=(port, (total, per_event, per_batch), child_conn), daemon=True)
+    proc = ctxm.Process(target=_publisher, args=(port, (total, per_event, per_batch, salt), child_conn), daemon=True)
     proc.start()
     try:
         assert parent_conn.poll(120) and parent_conn.recv() == "bound"
@@ -216,10 +226,11 @@ def bench_ingest(total: int, per_event: int, per_batch: int, hash_name: str, rep
         med = {k: statistics.median(v) / 1e6 for k, v in e2e.items()}
         print(f"  end to end, median of {reps}: Rust {med[False]:.2f} M blocks/s, reference {med[True]:.2f} "
               f"M blocks/s, ratio {med[False] / med[True]:.2f}x")
-        share = {"recv": t_recv, "decode": t_dec, "tokens": t_tok, "hash": t_hash, "hash map": t_map,
-                 "index insert": t_idx}
-        tot = sum(share.values())
-        print("  time share of the reference stages: " + ", ".join(f"{k} {v / tot:.0%}" for k, v in share.items()))
+        if stages:
+            share = {"recv": t_recv, "decode": t_dec, "tokens": t_tok, "hash": t_hash, "hash map": t_map,
+                     "index insert": t_idx}
+            tot = sum(share.values())
+            print("  time share of the reference stages: " + ", ".join(f"{k} {v / tot:.0%}" for k, v in share.items()))
         sub.stop()
     finally:
         parent_conn.send("done")
@@ -339,12 +350,15 @@ def main() -> None:
     ap.add_argument("--blocks-per-instance", type=int, default=1_000_000)
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--skip-ingest", action="store_true")
+    ap.add_argument("--salt", action="store_true", help="ingest: sequences carry a cache_salt in extra_keys")
+    ap.add_argument("--skip-stages", action="store_true", help="ingest: end to end only (no per-stage timings)")
     ap.add_argument("--skip-query", action="store_true")
     args = ap.parse_args()
     random.seed(0)
     if not args.skip_ingest:
         for h in (["rfc", "mooncake"] if args.hash == "both" else [args.hash]):
-            bench_ingest(args.blocks, args.blocks_per_event, args.events_per_batch, h, args.reps)
+            bench_ingest(args.blocks, args.blocks_per_event, args.events_per_batch, h, args.reps, args.salt,
+                         not args.skip_stages)
     if not args.skip_query:
         bench_query(args.instances, args.blocks_per_instance, args.calls)
 

@@ -144,7 +144,7 @@ def isolated_old(requests: int, max_tokens: int, encode: bool, pkg: str = "moonc
 
 
 def isolated_new(requests: int, max_tokens: int, encode: bool):  # noqa: ANN201 - the redesigned router
-    from mooncake_rs.engine.outputs import RequestOutput
+    from mooncake_rs.base.outputs import RequestOutput
     from mooncake_rs.serving import protocol as P
     from mooncake_rs.serving.handle import RequestHandle
     from mooncake_rs.serving.lifecycle import Plan

@@ -197,13 +197,23 @@ def bench_shm(budget):
     return out
 
 
-def bench_tcp(budget, sizes, batches, rounds):
-    peer, info = start_peer(name="bench-tcp", regions=[{"name": "r", "length": WS, "fill": False}], transports=["tcp"])
+def bench_tcp(budget, sizes, batches, rounds, auth=False):
+    """TCP requests against the plain socket stream, interleaved per round; with ``auth``
+    also an engine pair holding a token (per-frame tags), in the same rounds."""
+    variants = [("tcp", None)] + ([("tcpauth", "bench-token-0123456789")] if auth else [])
+    peers = {label: start_peer(name=f"bench-{label}", regions=[{"name": "r", "length": WS, "fill": False}],
+                               transports=["tcp"], auth_token=tok) for label, tok in variants}
     ref = SocketRef()
     out = {}
+    engines = []
     try:
-        with mc.TransferEngine("bench-tcp-init", transports=["tcp"], registry=mc.TransferRegistry()) as e:
-            p = e.connect("bench-tcp", info["address"])
+        sides = {}
+        for label, tok in variants:
+            e = mc.TransferEngine(f"bench-{label}-init", auth_token=tok, transports=["tcp"],
+                                  registry=mc.TransferRegistry())
+            engines.append(e)
+            info = peers[label][1]
+            p = e.connect(f"bench-{label}", info["address"])
             mine = e.allocate(WS)
             np.asarray(mine)[:] = 1
             rid = info["regions"]["r"]
@@ -211,13 +221,15 @@ def bench_tcp(budget, sizes, batches, rounds):
             for op in ("write", "read"):
                 warm = [mc.TransferRequest(op, mine, i * 4 * MiB, p, rid, i * 4 * MiB, 4 * MiB) for i in range(64)]
                 assert all(s.ok for s in e.submit(warm, timeout_s=60).wait())
-            acc: dict[str, list[float]] = {}
-            for _ in range(rounds):  # cases interleaved, ours next to the reference, per round
-                for size in sizes:
-                    for nb in batches:
-                        total = size * nb
-                        ref_lat = timed(lambda: ref.stream(size, total), budget)
-                        acc.setdefault(f"sock_{size}_{nb}_GBps", []).append(total / med(ref_lat) / 1e9)
+            sides[label] = (e, p, mine, rid)
+        acc: dict[str, list[float]] = {}
+        for _ in range(rounds):  # cases interleaved, ours next to the reference, per round
+            for size in sizes:
+                for nb in batches:
+                    total = size * nb
+                    ref_lat = timed(lambda: ref.stream(size, total), budget)
+                    acc.setdefault(f"sock_{size}_{nb}_GBps", []).append(total / med(ref_lat) / 1e9)
+                    for label, (e, p, mine, rid) in sides.items():
                         for op in ("write", "read"):
                             k = [0]
 
@@ -232,18 +244,22 @@ def bench_tcp(budget, sizes, batches, rounds):
                                 assert all(s.ok for s in st), st[0]
 
                             one()
-                            acc.setdefault(f"tcp_{op}_{size}_{nb}_GBps", []).append(total / med(timed(one, budget)) / 1e9)
-            out.update({key: med(v) for key, v in acc.items()})
+                            acc.setdefault(f"{label}_{op}_{size}_{nb}_GBps", []).append(
+                                total / med(timed(one, budget)) / 1e9)
+        out.update({key: med(v) for key, v in acc.items()})
     finally:
+        for e in engines:
+            e.close()
         ref.close()
-        stop(peer)
+        for p, _ in peers.values():
+            stop(p)
     return out
 
 
 LAT_CASES = (  # (key, what, inline_send_bytes, auth token)
     ("queued", "submit hands the frame to the sender thread", 0, None),
     ("inline", "submit sends on the idle connection itself (default)", 16384, None),
-    ("queued_token", "queued, with an auth token (per-frame BLAKE3 tags, as serving runs)", 0, "tok"),
+    ("queued_token", "queued, with an auth token (frames sealed with AES-256-GCM, as serving runs)", 0, "tok"),
     ("inline_token", "inline, with an auth token", 16384, "tok"),
 )
 
@@ -336,16 +352,23 @@ def main():
     ap.add_argument("--batches", default="32,64")
     ap.add_argument("--rounds", type=int, default=3, help="TCP rounds (median of rounds)")
     ap.add_argument("--lat-rounds", type=int, default=9, help="latency rounds (median of per-round ratios)")
-    ap.add_argument("--only", choices=("latency",), help="only the 4 KiB write latency (and --peer's)")
+    ap.add_argument("--only", choices=("latency", "tcp"), help="only the 4 KiB write latency (and --peer's), "
+                                                                 "or only the TCP bandwidth cases")
+    ap.add_argument("--auth", action="store_true", help="TCP cases also with an auth token (sealed frames)")
     args = ap.parse_args()
     sizes = [64 << 10, 512 << 10, 4 << 20]
     batches = [int(b) for b in args.batches.split(",")]
     t0 = time.time()
     r = {}
-    if args.only != "latency":
+    if args.only is None:
         r.update(bench_overhead(args.budget))
         r.update(bench_shm(args.budget))
-        r.update(bench_tcp(args.budget, sizes, batches, args.rounds))
+    if args.only != "latency":
+        r.update(bench_tcp(args.budget, sizes, batches, args.rounds, auth=args.auth))
+    if args.only == "tcp":
+        print_tcp(r, sizes, batches, None)
+        print(json.dumps(r))
+        return
     r.update(bench_latency(args.lat_rounds))
     peer = run_peer() if args.peer else None
     if peer:
@@ -360,17 +383,23 @@ def main():
     for op in ("write", "read"):
         v = r[f"shm_{op}_GBps"]
         print(f"shm 4 MiB x 64 {op:5s}: {v:6.2f} GB/s  vs np.copyto {c:6.2f} GB/s  ratio {v / c:.2f} (target >= 0.8)")
+    print_tcp(r, sizes, batches, peer)
+    print(json.dumps(r))
+
+
+def print_tcp(r, sizes, batches, peer):
     for size in sizes:
         for nb in batches:
             s = r[f"sock_{size}_{nb}_GBps"]
             line = f"tcp {size >> 10:5d} KiB x {nb}: socket {s:5.2f} GB/s"
-            for op in ("write", "read"):
-                v = r[f"tcp_{op}_{size}_{nb}_GBps"]
-                line += f" | {op} {v:5.2f} GB/s ({v / s:.2f}x)"
+            for label in ("tcp", "tcpauth"):
+                for op in ("write", "read"):
+                    v = r.get(f"{label}_{op}_{size}_{nb}_GBps")
+                    if v is not None:
+                        line += f" | {'token ' if label == 'tcpauth' else ''}{op} {v:5.2f} GB/s ({v / s:.2f}x)"
             if peer and f"te_write_{size}_GBps" in peer and nb == 32:
                 line += f" | mooncake TE write {peer[f'te_write_{size}_GBps']:.2f} read {peer[f'te_read_{size}_GBps']:.2f}"
             print(line + "  (target >= 0.9x)")
-    print(json.dumps(r))
 
 
 def print_latency(r, peer):

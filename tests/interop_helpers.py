@@ -14,7 +14,14 @@ END = (-1).to_bytes(8, "big", signed=True)
 
 
 class FakePublisher:
-    def __init__(self, replay: bool = True, keep: int | None = None) -> None:
+    """``reply_shape``: ``"plain"`` replays ``[seq, payload]`` and ends with ``[END, b""]``;
+    ``"vllm"`` as vLLM 0.32: ``[topic, seq, payload]``, ending ``[b"", END, b""]``.
+    ``endless``: the replay endpoint never ends its answer (it repeats its first message)."""
+
+    def __init__(self, replay: bool = True, keep: int | None = None, reply_shape: str = "plain",
+                 endless: bool = False) -> None:
+        self.reply_shape = reply_shape
+        self.endless = endless
         self.ctx = zmq.Context()
         self.pub = self.ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -50,10 +57,16 @@ class FakePublisher:
                 with self._lock:
                     self.replay_requests.append(s)
                     buf = list(self.buffer if self.keep is None else self.buffer[-self.keep:])
+                topic = [b"kv"] if self.reply_shape == "vllm" else []
                 for seq, payload in buf:
                     if seq >= s:
-                        router.send_multipart([ident, b"", seq.to_bytes(8, "big"), payload])
-                router.send_multipart([ident, b"", END, b""])
+                        router.send_multipart([ident, b"", *topic, seq.to_bytes(8, "big"), payload])
+                while self.endless and buf and not self._stop.is_set():
+                    seq, payload = buf[0]
+                    router.send_multipart([ident, b"", *topic, seq.to_bytes(8, "big"), payload])
+                    time.sleep(0.001)
+                end = [b""] if self.reply_shape == "vllm" else []
+                router.send_multipart([ident, b"", *end, END, b""])
         finally:
             router.close(0)
 

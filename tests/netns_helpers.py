@@ -10,23 +10,29 @@ deletes, joined by veth pairs to a bridge in the test's own namespace.
 The subnet's third octet comes from the test process id, so concurrent runs do not
 collide; every name carries it too, and ``close()`` removes all of them (also after a
 failed setup). Needs CAP_NET_ADMIN (root here and in CI); ``available()`` says whether
-namespaces can be made, so tests can fall back or skip.
+namespaces can be made, so tests can fall back; ``require()`` skips a test that cannot
+run without them, or fails it under ``MOONCAKE_REQUIRE_NETNS=1`` (CI sets it, so these
+tests cannot vanish from a green run).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["TestHosts", "available"]
+import pytest
+
+__all__ = ["TestHosts", "available", "require"]
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=10)
 
 
+@functools.cache
 def available() -> bool:
     name = f"mrprobe{os.getpid() % 100000}"
     try:
@@ -36,6 +42,17 @@ def available() -> bool:
     if ok:
         _ip("netns", "del", name, check=False)
     return ok
+
+
+def require() -> None:
+    """Skips the calling test when namespaces cannot be made here; fails it instead when
+    ``MOONCAKE_REQUIRE_NETNS=1`` (a required facility that is missing is an error)."""
+    if available():
+        return
+    why = "network namespaces cannot be made here (they need CAP_NET_ADMIN: root, and the ip command)"
+    if os.environ.get("MOONCAKE_REQUIRE_NETNS") == "1":
+        pytest.fail(f"{why}, but MOONCAKE_REQUIRE_NETNS=1 requires them")
+    pytest.skip(why)
 
 
 class TestHosts:

@@ -67,7 +67,7 @@ def test_a_client_refuses_a_server_without_the_token() -> None:
     def impostor() -> None:
         c, _ = srv.accept()
         with c:
-            c.sendall(b"MCRS\x01" + b"\0" * 32)
+            c.sendall(b"MCRS\x02" + b"\0" * 32)
             c.recv(64)
             c.sendall(b"\1" * 32)
             time.sleep(0.5)
@@ -117,3 +117,69 @@ def wait(cond, timeout_s: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
             return True
         time.sleep(0.02)
     return bool(cond())
+
+
+def test_the_session_after_the_handshake_is_sealed() -> None:
+    """Frames larger than a record (1 MiB) cross whole; every byte on the wire after the
+    handshake is ciphertext; a flipped byte breaks the session with ``Unauthorized``."""
+    got: list[bytes] = []
+    wire = bytearray()
+    done = threading.Event()
+
+    def serve(sock, peer) -> None:  # type: ignore[no-untyped-def]
+        with sock:
+            want, buf = 3 << 20, b""
+            while len(buf) < want:
+                chunk = sock.recv(1 << 16)
+                if not chunk:
+                    break
+                buf += chunk
+            got.append(buf)
+            sock.sendall(b"ok")
+        done.set()
+
+    with AuthListener("127.0.0.1", 0, TOKEN, serve) as listener:
+        payload = bytes(range(256)) * (3 << 12)  # 3 MiB, recognisable
+        with connect(listener.address, TOKEN, timeout_s=5) as s:
+            s._sock = _Spy(s._sock, wire)  # type: ignore[assignment]
+            s.sendall(payload)
+            assert s.recv(2) == b"ok"
+        assert done.wait(5) and got == [payload]
+        assert len(wire) == len(payload) + 3 * (4 + 16)  # three records of 1 MiB
+        assert bytes(range(64)) not in wire
+
+    # a relay's flipped byte: the receiver refuses the record, typed
+    from mooncake_rs.deploy.sealed import SealedSocket
+
+    from mooncake_rs._core import RecordSealer
+
+    a, b = socket.socketpair()
+    key = b"k" * 32
+    right = SealedSocket(b, b"x" * 32, key)
+    record = bytearray(RecordSealer(key).seal(b"tokens"))
+    record[-1] ^= 1
+    a.sendall(bytes(record))
+    with pytest.raises(Unauthorized, match="integrity"):
+        right.recv(100)
+    a.close()
+    b.close()
+    # the same record unchanged opens
+    a, b = socket.socketpair()
+    a.sendall(RecordSealer(key).seal(b"tokens"))
+    assert SealedSocket(b, b"x" * 32, key).recv(100) == b"tokens"
+    a.close()
+    b.close()
+
+
+class _Spy:
+    """A socket whose writes are also kept (what a wire tap sees)."""
+
+    def __init__(self, sock: socket.socket, wire: bytearray) -> None:
+        self._sock, self._wire = sock, wire
+
+    def sendall(self, data: bytes) -> None:
+        self._wire.extend(data)
+        self._sock.sendall(data)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._sock, name)

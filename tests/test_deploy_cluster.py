@@ -6,8 +6,9 @@ subnet the test makes), or distinct loopback addresses where namespaces cannot b
 KV goes over TCP either way (``--transports tcp``).
 
 One deployment serves the whole module (starting one costs ~10 s of torch imports);
-the tests run in order and each leaves the cluster serving with 2 prefill + 1 decode
-workers for the next. Faults: a worker with the wrong token, one of another model, etcd
+before each test the ``dep`` fixture brings it back to what every test starts from (etcd
+up, a leader and a standby, 2 prefill + 1 decode workers serving), replacing whatever an
+earlier test killed or cut, so no test depends on which ran before it. Faults: a worker with the wrong token, one of another model, etcd
 stopped for 5 s, a decode worker SIGKILLed mid-request, a host gone from the network,
 the leader killed. Every wait is bounded; teardown stops every process and removes the
 namespaces.
@@ -27,6 +28,7 @@ pytest.importorskip("torch")
 
 from deploy_helpers import Deployment, make_hosts, wait_until  # noqa: E402
 from etcd_helpers import EtcdServer, etcd_binary  # noqa: E402
+from netns_helpers import require  # noqa: E402
 from serving_helpers import BLOCK, reference_outputs, shared_prefix_prompts  # noqa: E402
 
 import mooncake_rs as mc  # noqa: E402
@@ -40,7 +42,7 @@ P0, P1, D0, SERVE_A, SERVE_B, SPARE = range(6)
 
 
 @pytest.fixture(scope="module")
-def dep(tmp_path_factory: pytest.TempPathFactory):
+def deployment(tmp_path_factory: pytest.TempPathFactory):
     binary = etcd_binary()
     if binary is None:
         if os.environ.get("MOONCAKE_REQUIRE_ETCD") == "1":
@@ -51,13 +53,17 @@ def dep(tmp_path_factory: pytest.TempPathFactory):
         server = EtcdServer(binary, tmp / "etcd", host=hosts.gateway)
         server.start()
         d = Deployment(hosts, server, tmp)
+        d.roles = {}  # type: ignore[attr-defined]  # worker name -> role, for the restore below
+        d.host_of = {}  # type: ignore[attr-defined]  # worker name -> host
+        d.serves = {"serve-a": SERVE_A, "serve-b": SERVE_B}  # type: ignore[attr-defined]
+        d.next_port = 7020  # type: ignore[attr-defined]
         try:
             d.serve("serve-a", SERVE_A)
             assert d.wait_log("serve-a", "leading"), d.log_tail()
             d.serve("serve-b", SERVE_B)  # the standby
-            d.worker("p0", P0, "prefill")
-            d.worker("p1", P1, "prefill")
-            d.worker("d0", D0, "decode")
+            for name, host, role in (("p0", P0, "prefill"), ("p1", P1, "prefill"), ("d0", D0, "decode")):
+                d.worker(name, host, role)
+                d.roles[name], d.host_of[name] = role, host  # type: ignore[attr-defined]
             client = d.client()
             assert wait_until(lambda: len(client.instances()) == 3, 90), d.log_tail()
             d.client_ = client  # type: ignore[attr-defined]
@@ -70,8 +76,59 @@ def dep(tmp_path_factory: pytest.TempPathFactory):
     assert all(p.poll() is not None for p in procs), "a deployment process outlived the test"
 
 
+@pytest.fixture
+def dep(deployment):
+    """The module's deployment as every test starts from it (see the module doc)."""
+    _restore(deployment)
+    return deployment
+
+
+def _live(d, role: str) -> list[str]:
+    return sorted(n for n, r in d.roles.items() if r == role and d.procs[n].poll() is None)
+
+
+def _start_worker(d, role: str, host: int) -> str:
+    """A new worker of ``role`` on ``host`` (a name and a port no earlier one used)."""
+    name = f"{role[0]}{d.next_port}"
+    d.worker(name, host, role, port=d.next_port)
+    d.next_port += 1
+    d.roles[name], d.host_of[name] = role, host
+    return name
+
+
+def _restore(d) -> None:
+    if d.etcd.proc is None:
+        d.etcd.start()
+    for name, host in list(d.serves.items()):
+        if d.procs[name].poll() is not None:  # a killed leader or standby: another in its place
+            del d.serves[name]
+            new = f"serve-{d.next_port}"
+            d.serve(new, host, port=d.next_port)
+            d.next_port += 1
+            d.serves[new] = host
+    for role, want in (("prefill", 2), ("decode", 1)):
+        for _ in range(want - len(_live(d, role))):
+            _start_worker(d, role, SPARE)
+    live = set(_live(d, "prefill")) | set(_live(d, "decode"))
+
+    def serving() -> bool:
+        try:
+            return _names(d.client_) == live
+        except mc.MooncakeError:  # the client reconnecting to a new leader
+            return False
+
+    assert wait_until(serving, 90), (live, d.log_tail())
+
+
 def _names(client) -> set[str]:
     return set(client.instances().values())
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in the metrics text")
 
 
 def test_outputs_equal_a_single_engine_and_a_prefix_is_fetched_over_tcp(dep):
@@ -100,7 +157,7 @@ def test_outputs_equal_a_single_engine_and_a_prefix_is_fetched_over_tcp(dep):
     stats = c.instance_stats()
     names = c.instances()
     moved = {names[i]: s["copied_bytes"] for i, s in stats.items()}
-    assert moved["p0"] > 0 and moved["p1"] > 0, moved
+    assert all(moved[p] > 0 for p in _live(dep, "prefill")), moved
     assert "mooncake_requests_finished_total" in c.metrics_text()
 
 
@@ -110,26 +167,30 @@ def test_remote_errors_are_typed_and_cancel_reaches_the_service(dep):
         c.submit([1, 10**6], GREEDY)  # outside the tiny model's vocabulary: refused by the service
     with pytest.raises(mc.InvalidArgument):
         c.submit([], GREEDY)  # refused by the client itself
+    before = _metric(c.metrics_text(), "mooncake_requests_cancelled_total")
     h = c.submit([3, 1, 4, 1, 5], SamplingParams(max_tokens=5000, ignore_eos=True))
     assert wait_until(lambda: len(h.tokens) > 0, 60)
     assert h.cancel()
     with pytest.raises(mc.MooncakeError, match="cancelled"):
         h.result(5)
-    assert wait_until(lambda: "mooncake_requests_cancelled_total 1" in c.metrics_text(), 10), c.metrics_text()
+    assert wait_until(lambda: _metric(c.metrics_text(), "mooncake_requests_cancelled_total") == before + 1, 10), \
+        c.metrics_text()
 
 
 def test_a_worker_with_the_wrong_token_is_refused(dep, tmp_path: Path):
     c = dep.client_
     bad = tmp_path / "bad-token"
     bad.write_text("not-the-cluster-token-at-all-000")
-    dep.worker("intruder", SPARE, "prefill", port=7010, token_file=bad)
-    # it registers (etcd is no secret here) but the conductor's handshake refuses it
-    assert dep.wait_log("intruder", "registered", 60), dep.log_tail()
-    assert dep.wait_log("serve-a", "refused", 20), dep.log_tail()
+    p = dep.worker("intruder", SPARE, "prefill", port=7010, token_file=bad)
+    # it proves its token to the leader before registering: refused, it exits 2 with one
+    # line that says so, and never registers (the leader logs the refusal too)
+    assert p.wait(120) == 2, dep.log_tail()
+    log = dep.logs["intruder"].read_text()
+    assert "refused this worker's cluster token" in log and "registered" not in log, log
+    assert wait_until(lambda: any("refused" in dep.logs[s].read_text(errors="replace") for s in dep.serves), 20), \
+        dep.log_tail()
     assert "intruder" not in _names(c)
     assert c.generate([[1, 2, 3]], GREEDY, timeout_s=60)[0].token_ids == reference_outputs([[1, 2, 3]], GREEDY)[0]
-    dep.procs["intruder"].terminate()
-    assert dep.procs["intruder"].wait(20) == 0
     # a client with the wrong token is refused too, with a typed error
     with pytest.raises(mc.Unauthorized):
         mc.Cluster.connect(address=c.address, auth_token="not-the-cluster-token-at-all-000")
@@ -156,7 +217,7 @@ def test_etcd_stopped_for_5s(dep):
     time.sleep(max(0.0, 5.0 - (time.monotonic() - t0)))
     dep.etcd.start()
     assert [len(h.result(60).token_ids) for h in running] == [64, 64]
-    assert wait_until(lambda: _names(c) == {"p0", "p1", "d0"}, 30), dep.log_tail()
+    assert wait_until(lambda: _names(c) == set(_live(dep, "prefill") + _live(dep, "decode")), 30), dep.log_tail()
     after = c.generate([[9, 10, 11]], GREEDY, timeout_s=60)[0]
     assert after.token_ids == reference_outputs([[9, 10, 11]], GREEDY)[0]
 
@@ -169,14 +230,15 @@ def test_a_lapsed_lease_of_a_live_worker_fails_nothing(dep):
 
     c = dep.client_
     etcd = EtcdClient(dep.etcd.url)
-    key = worker_key(f"/mooncake/{dep.cluster}", "d0")
+    [decode] = _live(dep, "decode")
+    key = worker_key(f"/mooncake/{dep.cluster}", decode)
     old = etcd.get(key)
     assert old is not None
     running = c.submit([7, 7, 7], SamplingParams(max_tokens=300, ignore_eos=True))
     etcd.lease_revoke(old.lease)  # its key goes now, as if the lease had expired
     assert wait_until(lambda: (kv := etcd.get(key)) is not None and kv.lease != old.lease, 20), dep.log_tail()
     assert len(running.result(60).token_ids) == 300
-    assert "d0" in _names(c)
+    assert decode in _names(c)
     assert c.generate([[8, 9]], GREEDY, timeout_s=60)[0].token_ids == reference_outputs([[8, 9]], GREEDY)[0]
 
 
@@ -185,35 +247,38 @@ def test_sigkill_a_decode_worker_mid_request(dep):
     long = SamplingParams(max_tokens=2000, ignore_eos=True)
     handles = [c.submit(p, long) for p in shared_prefix_prompts(3, seed=4)]
     assert wait_until(lambda: all(len(getattr(h, "tokens", [])) > 0 for h in handles), 60)
+    [decode] = _live(dep, "decode")
     t0 = time.monotonic()
-    dep.procs["d0"].send_signal(signal.SIGKILL)
+    dep.procs[decode].send_signal(signal.SIGKILL)
     for h in handles:
-        with pytest.raises(mc.TransferFailed, match="d0"):
+        with pytest.raises(mc.TransferFailed, match=decode):
             h.result(30)
     assert time.monotonic() - t0 < 15  # its link closed: failed at once, not at a timeout
-    assert wait_until(lambda: "d0" not in _names(c), 10)
+    assert wait_until(lambda: decode not in _names(c), 10)
     with pytest.raises((mc.Overloaded, mc.MooncakeError)):
         c.generate([[1, 2]], GREEDY, timeout_s=30)  # no decode instance left
     # a new decode worker on the same host joins and serves
-    dep.worker("d1", D0, "decode", port=7001)
-    assert wait_until(lambda: "d1" in _names(c), 90), dep.log_tail()
+    new = _start_worker(dep, "decode", D0)
+    assert wait_until(lambda: new in _names(c), 90), dep.log_tail()
     assert c.generate([[3, 4, 5]], GREEDY, timeout_s=60)[0].token_ids == reference_outputs([[3, 4, 5]], GREEDY)[0]
 
 
 def test_a_host_gone_from_the_network(dep):
     if not dep.hosts.netns:
-        pytest.skip("needs network namespaces (a loopback address cannot be cut off)")
+        require()  # a loopback address cannot be cut off: skip, or fail where namespaces are required
     c = dep.client_
-    dep.hosts.cut(P1)  # no FIN, no RST: silence
+    # a prefill worker on a host of its own (replacements share the spare host)
+    victim = next(n for n in _live(dep, "prefill") if dep.host_of[n] != SPARE)
+    dep.hosts.cut(dep.host_of[victim])  # no FIN, no RST: silence
     t0 = time.monotonic()
-    assert wait_until(lambda: "p1" not in _names(c), 15), dep.log_tail()
+    assert wait_until(lambda: victim not in _names(c), 15), dep.log_tail()
     assert time.monotonic() - t0 < 10  # the heartbeat timeout (3 s) or the lease TTL (2 s)
     outs = c.generate(shared_prefix_prompts(3, seed=6), GREEDY, timeout_s=60)
     assert all(o.metrics.prefill_instance != -1 for o in outs)
     assert [o.token_ids for o in outs] == reference_outputs(shared_prefix_prompts(3, seed=6), GREEDY)
-    dep.procs["p1"].kill()
-    dep.worker("p2", SPARE, "prefill", port=7012)  # another host takes its place
-    assert wait_until(lambda: "p2" in _names(c), 90), dep.log_tail()
+    dep.procs[victim].kill()
+    new = _start_worker(dep, "prefill", SPARE)  # another host takes its place
+    assert wait_until(lambda: new in _names(c), 90), dep.log_tail()
 
 
 def test_killing_the_leader_the_standby_takes_over(dep):
@@ -222,7 +287,8 @@ def test_killing_the_leader_the_standby_takes_over(dep):
     rng = random.Random(21)
     prefix = [rng.randrange(256) for _ in range(5 * BLOCK)]
     c.generate([prefix + [1]], GREEDY, timeout_s=60)  # its blocks are in a prefill worker's store
-    dep.procs["serve-a"].send_signal(signal.SIGKILL)
+    leader = next(n for n in dep.serves if dep.procs[n].poll() is None and "leading" in dep.logs[n].read_text())
+    dep.procs[leader].send_signal(signal.SIGKILL)
     t0 = time.monotonic()
     # the next request reconnects through etcd once the standby leads and has the workers
     deadline = time.monotonic() + 60

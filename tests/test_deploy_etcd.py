@@ -56,7 +56,13 @@ def test_client_keys_leases_and_transactions(etcd: EtcdServer) -> None:
 
 def test_client_errors_are_typed_and_bounded() -> None:
     with pytest.raises(InvalidArgument, match="http://HOST:PORT"):
-        EtcdClient("https://example:2379")
+        EtcdClient("ftp://example:2379")
+    with pytest.raises(InvalidArgument, match="both user and password"):
+        EtcdClient("http://example:2379", user="root")
+    with pytest.raises(InvalidArgument, match="use https://"):
+        EtcdClient("http://example:2379", ca_file="ca.pem")
+    with pytest.raises(InvalidArgument, match="etcd TLS files"):
+        EtcdClient("https://example:2379", ca_file="/nonexistent/ca.pem")
     with socketless_port() as port:
         c = EtcdClient(f"http://127.0.0.1:{port}", timeout_s=0.5)
         t0 = time.monotonic()

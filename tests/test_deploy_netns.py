@@ -14,10 +14,14 @@ from pathlib import Path
 import pytest
 
 from etcd_helpers import EtcdServer, etcd_binary
-from netns_helpers import TestHosts, available
+from netns_helpers import TestHosts, require
 from mooncake_rs.deploy import EtcdClient, Membership
 
-pytestmark = pytest.mark.skipif(not available(), reason="network namespaces need CAP_NET_ADMIN (root)")
+
+@pytest.fixture(autouse=True)
+def _namespaces() -> None:
+    require()  # skips without namespaces, fails instead under MOONCAKE_REQUIRE_NETNS=1
+
 
 _WORKER = textwrap.dedent("""
     import sys, time

@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 
 from mooncake_rs import InvalidArgument  # noqa: E402
 from mooncake_rs.engine import Engine, ModelConfig, SamplingParams  # noqa: E402
-from mooncake_rs.engine.config import SUPPORTED_ARCHITECTURES  # noqa: E402
+from mooncake_rs.base.model_config import SUPPORTED_ARCHITECTURES  # noqa: E402
 
 B = 4  # block size: prompts span several blocks
 PROMPTS = [[5, 17, 99, 3, 42, 8, 61, 27, 11, 90, 4], [7, 7, 100, 12],

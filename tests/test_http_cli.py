@@ -14,8 +14,8 @@ def test_serve_refuses_etcd_and_bad_model_dirs(tmp_path, capsys):
     assert "--etcd" in capsys.readouterr().err
     assert main(["serve", "--model", str(tmp_path / "missing")]) == 2
     assert "not a directory" in capsys.readouterr().err
-    assert main(["serve", "--model", str(tmp_path)]) == 2  # no tokenizer.json
-    assert "tokenizer.json" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tmp_path)]) == 2  # no config.json
+    assert "config.json" in capsys.readouterr().err
 
 
 def test_core_imports_without_the_http_stack():

@@ -125,6 +125,10 @@ def test_truncated_and_malformed_frames_raise_typed_errors():
 def test_canonical_medium():
     assert [canonical_medium(m) for m in (None, "GPU", "gpu", "cpu", "CPU_PINNED", "disk", "SSD", "EXTERNAL")] == [
         "GPU", "GPU", "GPU", "CPU", "CPU", "DISK", "DISK", "EXTERNAL"]
+    # vLLM's offloading tiers: "CPU" and "STORAGE" (a file system or object store) -> disk
+    assert [canonical_medium(m) for m in ("STORAGE", "storage")] == ["DISK", "DISK"]
+    kv = pytest.importorskip("vllm.distributed.kv_events")
+    assert canonical_medium(kv.MEDIUM_STORAGE) == "DISK" and canonical_medium(kv.MEDIUM_CPU) == "CPU"
 
 
 def test_vllm_classes_decode_identically():
@@ -228,6 +232,9 @@ def test_tier_target_maps_each_medium_to_its_tier():
     assert idx.holders(h) == [(1, "ssd")]
     ing.apply(decode_payload(encode_batch([BlockRemoved([5], "DISK")])))
     assert idx.holders(h) == []
+    # vLLM's STORAGE offload tier is the disk tier
+    ing.apply_payload(encode_batch([BlockStored([5], None, toks, BS, None, "STORAGE")]))
+    assert idx.holders(h) == [(1, "ssd")]
 
 
 def test_conductor_prefers_a_gpu_resident_prefix_when_dram_reloads_cost():
@@ -342,3 +349,32 @@ def test_random_bytes_only_ever_raise_malformed_event():
                 pass
 
     check()
+
+
+def _vllm_032_payload() -> bytes:
+    """A batch exactly as vLLM 0.32 publishes it: positional, with map events (fields
+    and order as seen on the wire, the newer keys included)."""
+    stored = {"type": "BlockStored", "block_hashes": [8310088433979127863, 7814626718447254132],
+              "parent_block_hash": None, "token_ids": list(range(10, 74)), "block_size": 32, "lora_id": None,
+              "medium": "GPU", "lora_name": None, "extra_keys": [["tenant-a"], None], "group_idx": 0,
+              "kv_cache_spec_kind": "full_attention"}
+    removed = {"type": "BlockRemoved", "block_hashes": [7814626718447254132], "medium": "GPU", "group_idx": 0}
+    return msgspec.msgpack.encode([1796391668.112084, [stored, removed, {"type": "AllBlocksCleared"}], 0])
+
+
+@pytest.mark.parametrize("raw_tokens", [False, True])
+def test_vllm_032_batches_take_the_typed_fast_path(monkeypatch, raw_tokens):
+    from mooncake_rs.interop import events
+
+    def slow(*_a, **_k):
+        raise AssertionError("a vLLM 0.32 batch fell back to event-by-event decoding")
+
+    monkeypatch.setattr(events, "_decode_slow", slow)
+    batch = decode_payload(_vllm_032_payload(), raw_tokens=raw_tokens)
+    stored, removed, cleared = batch.events
+    assert isinstance(stored, BlockStored) and stored.block_size == 32 and stored.medium == "GPU"
+    assert stored.extra_keys == [["tenant-a"], None] and stored.group_idx == 0
+    tokens = bytes(stored.token_ids) if raw_tokens else list(stored.token_ids)
+    assert tokens == (msgspec.msgpack.encode(list(range(10, 74))) if raw_tokens else list(range(10, 74)))
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == [7814626718447254132]
+    assert isinstance(cleared, AllBlocksCleared) and batch.data_parallel_rank == 0

@@ -8,7 +8,8 @@ The streams mix both payload forms (and both event forms within a batch), int (u
 negative i64) and bytes hashes, unknown fields and trailing positional fields, unknown
 event types, orphans, size mismatches, engine-hash reuse, removes of unknown hashes,
 ``AllBlocksCleared``, more media than an instance tracks, a small map bound (eviction),
-truncated payloads and token ids that are not u32s.
+truncated payloads and token ids that are not u32s, and vLLM's per-block ``extra_keys``
+(salts, LoRA names, multimodal pairs; sometimes more entries than blocks).
 """
 
 from __future__ import annotations
@@ -44,10 +45,12 @@ MANY_MEDIA = [f"M{i}" for i in range(9)]  # with the others, more than the 8 tra
 class Stream:
     """A random publisher: chains of blocks, with every kind of oddity now and then."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, groups: bool = True) -> None:
         self.rng = random.Random(seed)
         self.known: list[int | bytes] = []
         self.next = 1
+        self.recent: list[tuple] = []  # stored events to store again under other hashes
+        self.groups = groups
 
     def fresh(self) -> int | bytes:
         r = self.rng.random()
@@ -63,10 +66,51 @@ class Stream:
             return self.rng.choice(MANY_MEDIA)
         return self.rng.choice(MEDIA)
 
+    def group(self) -> tuple[int | None, str | None]:
+        """(group_idx, kv_cache_spec_kind): mostly the one group (nil or 0), now and then a
+        second full-attention group, a sliding-window one, or a kind not said."""
+        if not self.groups:
+            return None, None
+        rng = self.rng
+        r = rng.random()
+        if r < 0.7:
+            return rng.choice([None, 0]), rng.choice([None, "full_attention"])
+        if r < 0.85:
+            return 1, rng.choice([None, "full_attention"])
+        return 2, rng.choice([None, "sliding_window", "sliding_window"])
+
+    def extra_keys(self, n: int) -> tuple[str | None, list | None]:
+        """(lora_name, extra_keys) as vLLM sends them: nil, or an entry per block (now
+        and then one too many): a salt, a LoRA name, multimodal [id, offset] pairs."""
+        rng = self.rng
+        r = rng.random()
+        if r < 0.5:
+            return None, None
+        lora = rng.choice([None, "lora-a", "lora-b"])
+        salt = rng.choice([None, "tenant-a", "tenant-b"])
+        entries: list = []
+        for i in range(n + (rng.random() < 0.05)):
+            keys: list = [lora] if lora else []
+            if rng.random() < 0.2:
+                keys.append([rng.choice(["img-1", "img-2"]), rng.randrange(BS)])
+            if i == 0 and salt:
+                keys.append(salt)
+            entries.append(keys or None)
+        return lora, entries if rng.random() < 0.9 else entries[: rng.randrange(n + 1)]
+
     def event(self) -> tuple[object, bool]:
         """(an encodable event or a raw msgpack-ready object, whether it is an unknown type)."""
         rng = self.rng
         r = rng.random()
+        if r < 0.06 and self.recent:
+            # the same blocks again under other engine hashes (one hash of ours, several
+            # engine hashes: refcounted), sometimes in another group
+            parent, toks, lora, extra_keys, group, kind = rng.choice(self.recent)
+            hashes = [self.fresh() for _ in range(len(toks) // BS)]
+            self.known.extend(hashes)
+            if rng.random() < 0.3:
+                group, kind = self.group()
+            return BlockStored(hashes, parent, toks, BS, None, self.medium(), lora, extra_keys, group, kind), False
         if r < 0.55:
             n = rng.choice([0, 1, 1, 2, 3, 5])
             hashes = [rng.choice(self.known) if self.known and rng.random() < 0.1 else self.fresh() for _ in range(n)]
@@ -79,13 +123,18 @@ class Stream:
                 toks[rng.randrange(len(toks))] = rng.choice([-1, 1 << 32])
             bs = BS if rng.random() > 0.04 else rng.choice([0, 8])
             self.known.extend(hashes)
-            return BlockStored(hashes, parent, toks, bs, None, self.medium(), None), False
+            lora, extra_keys = self.extra_keys(n)
+            group, kind = self.group()
+            if n and len(toks) == n * BS:
+                self.recent = (self.recent + [(parent, toks, lora, extra_keys, group, kind)])[-30:]
+            return BlockStored(hashes, parent, toks, bs, None, self.medium(), lora, extra_keys, group, kind), False
         if r < 0.86:
             k = rng.randrange(0, 5)
             hs = [rng.choice(self.known[-60:]) if self.known and rng.random() < 0.9 else self.fresh() for _ in range(k)]
-            return BlockRemoved(hs, self.medium()), False
+            return BlockRemoved(hs, self.medium(), self.group()[0]), False
         if r < 0.865:
             self.known = []
+            self.recent = []
             return AllBlocksCleared(), False
         return (["BlockUpdated", 1, "x"] if rng.random() < 0.5 else {"type": "SomethingNew", "a": [1]}), True
 
@@ -159,9 +208,9 @@ def test_rust_payload_path_matches_the_reference(seed, kind):
     ref = ReferenceIngestor(ref_t, 7, hasher, cap)
     fast = Ingestor(fast_t, 7, hasher, cap)
     assert fast.fast and isinstance(fast.map, EngineHashMap) and isinstance(ref.map, DictEngineHashMap)
-    stream = Stream(seed)
+    stream = Stream(seed, groups=seed % 3 != 0)
     seen: set[int] = set()
-    errors = 0
+    errors = shared = 0
     for i in range(250):
         p = stream.payload()
 
@@ -175,6 +224,7 @@ def test_rust_payload_path_matches_the_reference(seed, kind):
         items = list(ref.map.items())
         assert list(fast.map.items()) == items, i
         seen.update(o for _, o, _ in items)
+        shared += len(items) - len({o for _, o, _ in items})  # entries sharing a hash of ours
         assert fast.stats() == ref.stats(), i
         if i % 10 == 0 or not ok_ref:
             assert index_state(fast_t, seen) == index_state(ref_t, seen), i
@@ -182,9 +232,11 @@ def test_rust_payload_path_matches_the_reference(seed, kind):
     st = ref.stats()
     # the stream did exercise what it is meant to
     assert errors and st.orphans and st.mismatched and st.unknown_removed and st.cleared and st.unknown_events
-    assert st.stored_blocks and st.removed_blocks
+    assert st.stored_blocks and st.removed_blocks and shared
     if cap < 100:
         assert st.evicted
+    if stream.groups:
+        assert st.other_groups and fast.groups() == ref.groups() and len(ref.groups()) == 3
     fast.reset("test")
     ref.reset("test")
     assert fast.stats() == ref.stats() and len(fast.map) == 0
@@ -219,26 +271,32 @@ def test_the_rust_map_has_the_dict_maps_api_and_semantics():
     rng = random.Random(5)
     a, b = EngineHashMap(6), DictEngineHashMap(6)
     keys = [1, -1, 2**64 - 1, b"\x01", b"\x01" * 32, 7, 8, 9, 10]
-    for _ in range(400):
+    for _ in range(600):
         op = rng.random()
+        group = rng.choice([0, 0, 1])
         if op < 0.6:
             ks = [rng.choice(keys) for _ in range(rng.randrange(4))]
-            os = [rng.randrange(2**128) if rng.random() < 0.5 else rng.randrange(3) for _ in ks]
+            os = [rng.randrange(2**128) if rng.random() < 0.2 else rng.randrange(3) for _ in ks]
             bit = 1 << rng.randrange(3)
-            assert a.store(ks, os, bit) == b.store(ks, os, bit)
+            assert a.store(ks, os, bit, group) == b.store(ks, os, bit, group)
             assert a.evict_overflow() == b.evict_overflow()
         elif op < 0.95:
             ks = [rng.choice(keys + [12345]) for _ in range(rng.randrange(4))]
             bit = 1 << rng.randrange(3)
             same = bit | (1 << rng.randrange(3))
-            assert a.remove(ks, bit, same) == b.remove(ks, bit, same)
+            deciding = rng.choice([1, 1, 3])
+            assert a.remove(ks, bit, same, group, deciding) == b.remove(ks, bit, same, group, deciding)
         else:
             a.clear()
             b.clear()
         assert list(a.items()) == list(b.items())
         assert (len(a), a.evicted, a.capacity) == (len(b), b.evicted, b.capacity)
         for k in keys:
-            assert (k in a, a.ours(k), a.media(k)) == (k in b, b.ours(k), b.media(k))
+            for g in (0, 1):
+                assert (k in a, a.ours(k, g), a.media(k, g)) == (k in b, b.ours(k, g), b.media(k, g))
+        for o in range(3):
+            for mask, deciding in ((1, 1), (3, 1), (7, 3), (2, 2)):
+                assert a.held(o, mask, deciding) == b.held(o, mask, deciding)
         a.check_integrity()
     assert "x" not in a and a.ours("x") is None and a.media(3.5) == 0
 

@@ -171,8 +171,15 @@ def test_groups_isolate_models_block_sizes_lora_and_salt(client):
     indexer.ingest(*a, decode_payload(encode_batch([BlockStored([1, 2], None, doc, BS, None, "GPU")])))
     base = {"model": MODEL, "block_size": BS, "token_ids": doc}
     assert c.post("/query", json=base).json()["default"]["a"]["longest_matched"] == 2 * BS
-    for other in ({"model": "other"}, {"block_size": 2 * BS}, {"lora_name": "sql"}, {"cache_salt": "w8a8"}):
+    for other in ({"model": "other"}, {"block_size": 2 * BS}):
         assert c.post("/query", json={**base, **other}).json() == {"default": {}}
+    # A request's adapter or salt, with no group registered under it, is folded into the
+    # hashes as vLLM folds it (one engine, many adapters and tenants): the plain group's
+    # instances answer, and its unsalted blocks are no hit.
+    for other in ({"lora_name": "sql"}, {"cache_salt": "w8a8"}, {"lora_name": "sql", "cache_salt": "w8a8"}):
+        got = c.post("/query", json={**base, **other}).json()["default"]
+        assert got["a"] == {"longest_matched": 0, "GPU": 0, "CPU": 0, "DISK": 0, "DP": {"0": 0}}
+        assert all(v["longest_matched"] == 0 for v in got.values())
     # A salted registration is its own group.
     assert c.post("/register", json=reg_body("default", "s", 0, additionalsalt="w8a8")).status_code == 200
     got = c.post("/query", json={**base, "cache_salt": "w8a8"}).json()

@@ -47,13 +47,18 @@ def pub_plain():
     p.close()
 
 
-def _subscriber(pub, replay=True):
+def _subscriber(pub, replay=True, joined=True):
+    """``joined``: the subscriber has done its join catch-up (on an empty buffer), so
+    what a test publishes next is seen live (and ``pub.replay_requests`` starts empty)."""
     hasher = PrefixHasher(BS)
     target = MediumIndex()
     ing = Ingestor(target, slot=5, hasher=hasher)
     sub = KVEventSubscriber(pub.endpoint, ing, replay_endpoint=pub.replay_endpoint if replay else None,
                             replay_timeout_s=2.0)
     pub.wait_subscriber()
+    if joined:
+        sub.poll(0)
+        pub.replay_requests.clear()
     return sub, ing, target, hasher
 
 
@@ -126,7 +131,7 @@ def test_joining_a_running_engine_catches_up_from_its_replay_buffer(keep):
         pays, toks = _stream(6)
         for i in range(5):
             pub.publish(i, pays[i], send=False)  # published before we subscribed
-        sub, ing, target, hasher = _subscriber(pub)
+        sub, ing, target, hasher = _subscriber(pub, joined=False)
         with sub:
             pub.publish(5, pays[5])
             pump(sub, lambda: sub.last_seq == 5)
@@ -184,3 +189,115 @@ def test_subscriber_bad_arguments():
         KVEventSubscriber("not-an-endpoint", ing)
     with pytest.raises(InvalidArgument):
         KVEventSubscriber("tcp://127.0.0.1:1", ing, replay_timeout_s=0)
+
+
+# --- what vLLM 0.32 really does --------------------------------------------------------
+
+
+def test_gap_recovered_from_a_vllm_shaped_replay():
+    """vLLM's ROUTER answers [topic, seq, payload] and ends with [b"", END, b""]."""
+    pub = FakePublisher(replay=True, reply_shape="vllm")
+    try:
+        sub, ing, target, hasher = _subscriber(pub)
+        pays, toks = _stream(6, seed=3)
+        for i, p in enumerate(pays):
+            pub.publish(i, p, send=i not in (2, 3))  # 2 and 3 are lost on the wire
+        pump(sub, lambda: sub.last_seq == 5)
+        assert sub.stats.replayed >= 2 and sub.stats.replay_failures == 0 and sub.stats.gaps == 1
+        assert target.index("GPU").match_prefix(hasher.hash(toks)) == {5: 6}
+        sub.stop()
+    finally:
+        pub.close()
+
+
+def test_a_replay_that_never_ends_is_cut_off_and_live_events_go_on():
+    pub = FakePublisher(replay=True, endless=True)
+    try:
+        hasher = PrefixHasher(BS)
+        target = MediumIndex()
+        ing = Ingestor(target, slot=5, hasher=hasher)
+        sub = KVEventSubscriber(pub.endpoint, ing, replay_endpoint=pub.replay_endpoint, replay_max_s=0.5,
+                                catch_up=False)
+        pub.wait_subscriber()
+        pays, toks = _stream(2, seed=4)
+        fresh = [random.Random(40 + i).sample(range(1000), BS) for i in (2, 3, 4)]
+        pub.publish(0, pays[0])
+        pub.publish(1, pays[1], send=False)  # lost: the replay is asked, and never ends
+        for i, t in zip((2, 3, 4), fresh):
+            pub.publish(i, _store(i, t))  # new prompts (roots), published while it replays
+        pump(sub, lambda: sub.last_seq == 4)
+        assert sub.stats.replay_failures == 1 and sub.stats.gaps == 1 and ing.stats().resets == 1
+        gpu = target.index("GPU")
+        assert gpu.match_prefix(hasher.hash(toks)) == {}  # the gap reset what came before it
+        for t in fresh:  # what came after it was applied
+            assert gpu.match_prefix(hasher.hash(t)) == {5: 1}
+        sub.stop()
+    finally:
+        pub.close()
+
+
+def test_stop_interrupts_a_replay_in_progress():
+    import threading
+    import time
+
+    pub = FakePublisher(replay=True, endless=True)
+    try:
+        ing = Ingestor(MediumIndex(), slot=5, hasher=PrefixHasher(BS))
+        sub = KVEventSubscriber(pub.endpoint, ing, replay_endpoint=pub.replay_endpoint, replay_max_s=60.0,
+                                catch_up=False)
+        pub.wait_subscriber()
+        pays, _ = _stream(3, seed=5)
+        pub.publish(0, pays[0])
+        pub.publish(1, pays[1], send=False)
+        sub.start()
+        pub.publish(2, pays[2])  # the gap: a replay that would run for a minute
+        deadline = time.monotonic() + 5
+        while not pub.replay_requests and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pub.replay_requests, "the subscriber never asked for a replay"
+        thread = sub._thread
+        assert isinstance(thread, threading.Thread)
+        t0 = time.monotonic()
+        sub.stop(timeout_s=5.0)
+        assert not thread.is_alive() and time.monotonic() - t0 < 3.0
+    finally:
+        pub.close()
+
+
+def test_joining_catches_up_before_any_live_message(pub_replay):
+    pays, toks = _stream(4, seed=6)
+    for i, p in enumerate(pays):
+        pub_replay.publish(i, p, send=False)  # published before we joined; nothing live follows
+    sub, ing, target, hasher = _subscriber(pub_replay, joined=False)
+    sub.poll(0.2)
+    assert target.index("GPU").match_prefix(hasher.hash(toks)) == {5: 4}
+    assert sub.stats.replayed == 4 and sub.last_seq == 3
+    sub.stop()
+
+
+def test_a_publisher_that_goes_away_takes_its_entries_with_it():
+    pub = FakePublisher(replay=False)
+    sub, ing, target, hasher = _subscriber(pub, replay=False)
+    pays, toks = _stream(3, seed=7)
+    for i, p in enumerate(pays):
+        pub.publish(i, p)
+    pump(sub, lambda: sub.last_seq == 2)
+    assert target.index("GPU").match_prefix(hasher.hash(toks)) == {5: 3}
+    pub.close()  # the engine stopped: its cache is gone
+    pump(sub, lambda: sub.stats.disconnects == 1)
+    assert target.index("GPU").match_prefix(hasher.hash(toks)) == {}
+    assert sub.last_seq is None
+    sub.stop()
+
+
+def test_a_block_size_mismatch_is_said_once_with_both_sizes(pub_plain, caplog):
+    sub, ing, target, hasher = _subscriber(pub_plain)
+    wrong = [encode_batch([BlockStored([i], None, list(range(2 * BS)), 2 * BS, None, "GPU")]) for i in range(3)]
+    with caplog.at_level("WARNING", logger="mooncake_rs.interop"):
+        for i, p in enumerate(wrong):
+            pub_plain.publish(i, p)
+        pump(sub, lambda: sub.last_seq == 2)
+    said = [r.getMessage() for r in caplog.records if "blocks of" in r.getMessage()]
+    assert len(said) == 1 and f"blocks of {2 * BS} tokens, we hash blocks of {BS}" in said[0]
+    assert ing.stats().mismatched == 3
+    sub.stop()

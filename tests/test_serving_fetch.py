@@ -1,9 +1,7 @@
-"""The prefix fetch of a prefill instance runs alongside its engine loop (when the
-transport has an asynchronous ``read``): the fetch is started, the loop goes on, and the
-request starts computing once the read has ended. The transport's ``read`` is the
-asynchronous sibling of ``read_now`` (completion seen through ``pending``/``error``);
-where this checkout's Transport lacks it, the tests give it one built on ``read_now``
-whose completion they can hold back, so the state machine is exercised either way."""
+"""The prefix fetch of a prefill instance runs alongside its engine loop: the fetch is
+started (the transport's asynchronous ``read``, completion seen through
+``pending``/``error``), the loop goes on, and the request starts computing once the read
+has ended. The tests wrap ``read`` so they can hold its completion back."""
 
 from __future__ import annotations
 
@@ -37,14 +35,11 @@ class Gate:
 def gated_read(monkeypatch):
     gate = Gate()
     real_pending = T.Transport.pending
-    native = getattr(T.Transport, "read", None)
+    native = T.Transport.read
 
     def read(self, tag, ep, spans):
         gate.reads += 1
-        if native is not None:
-            native(self, tag, ep, spans)
-        else:
-            self.read_now(tag, ep, spans)
+        native(self, tag, ep, spans)
         if not gate.open.is_set():
             gate.held.add((id(self), tag))
 
@@ -55,7 +50,7 @@ def gated_read(monkeypatch):
             gate.held.discard((id(self), tag))
         return real_pending(self, tag)
 
-    monkeypatch.setattr(T.Transport, "read", read, raising=False)
+    monkeypatch.setattr(T.Transport, "read", read)
     monkeypatch.setattr(T.Transport, "pending", pending)
     return gate
 

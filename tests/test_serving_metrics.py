@@ -265,7 +265,8 @@ def test_latency_histograms_are_cumulative_and_memory_is_bounded():
     """TTFT/TBT are exported as Prometheus histograms over every finished request (fixed
     buckets), next to summaries whose quantiles cover only the most recent requests: the
     cluster's metrics stay the same size however long it serves."""
-    from mooncake_rs.serving.metrics import RECENT_SAMPLES, TTFT_BUCKETS, ClusterMetrics, RequestMetrics
+    from mooncake_rs.base.metrics import RequestMetrics
+    from mooncake_rs.serving.metrics import RECENT_SAMPLES, TTFT_BUCKETS, ClusterMetrics
 
     m = ClusterMetrics()
     n = RECENT_SAMPLES + 500

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from mooncake_rs import InvalidArgument, PrefillCostModel, TransferCostModel
-from mooncake_rs.engine.layout import BlockLayout
+from mooncake_rs.base.layout import BlockLayout
 from mooncake_rs.sim import MLALayout, Request, SimConfig, Simulator
 
 PM, TM = PrefillCostModel(), TransferCostModel()

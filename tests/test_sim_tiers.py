@@ -39,8 +39,13 @@ def test_tiers_stay_disjoint_equal_the_index_and_lose_nothing_with_room(dram_cap
         n = sum(b for b, _ in runs)
         d, s = split_runs(runs, 0, n)
         assert d + s == n and all(k in dram or k in ssd for k in chain[:n])
+        known = seen | set(chain)
+        in_dram, in_ssd = {k for k in known if k in dram}, {k for k in known if k in ssd}
         demoted = store_tiered(c, dram, ssd, 0, chain)
-        assert demoted >= 0
+        # every block new in SSD was written there, and only blocks that left DRAM were
+        new_in_ssd = {k for k in known if k in ssd} - in_ssd
+        left_dram = {k for k in in_dram | set(chain) if k not in dram}
+        assert len(new_in_ssd) <= demoted <= len(left_dram), (demoted, new_in_ssd, left_dram)
         seen.update(chain)
         _check(c, dram, ssd, 0, seen)
         if ssd_big:

@@ -15,10 +15,10 @@ import textwrap
 import pytest
 
 from mooncake_rs import InvalidArgument
-from mooncake_rs.engine.config import ModelConfig
-from mooncake_rs.engine.layout import DTYPE_SIZES, BlockLayout, LayerSpan
-from mooncake_rs.engine.outputs import RequestOutput
-from mooncake_rs.engine.params import SamplingParams
+from mooncake_rs.base.model_config import ModelConfig
+from mooncake_rs.base.layout import DTYPE_SIZES, BlockLayout, LayerSpan
+from mooncake_rs.base.outputs import RequestOutput
+from mooncake_rs.base.params import SamplingParams
 
 # Prepended to every child: records (and refuses) any import of torch, with the stack.
 _GUARD = textwrap.dedent("""
@@ -55,9 +55,9 @@ def test_client_modules_import_without_torch():
         from mooncake_rs import SamplingParams, RequestOutput, BlockLayout, ModelConfig, Cluster
         from mooncake_rs.engine import (SamplingParams as S2, RequestOutput as R2, BlockLayout as B2, LayerSpan,
                                         ModelConfig as M2, PRESETS, TokenEvent, LayerEvent, PrefillTiming)
-        from mooncake_rs.engine.params import SamplingParams as S3
-        from mooncake_rs.engine.outputs import RequestOutput as R3
-        from mooncake_rs.engine.layout import BlockLayout as B3
+        from mooncake_rs.base.params import SamplingParams as S3
+        from mooncake_rs.base.outputs import RequestOutput as R3
+        from mooncake_rs.base.layout import BlockLayout as B3
         from mooncake_rs.engine.tokens import prompt_tokens
         assert SamplingParams is S2 is S3 and RequestOutput is R2 is R3 and BlockLayout is B2 is B3
         assert ModelConfig is M2
@@ -155,21 +155,24 @@ def test_block_layout_without_torch_matches_the_formula():
 
 
 def test_torch_free_types_agree_with_the_engine():
-    """The dtype table equals torch's element sizes, and the old homes re-export the
-    very same objects (so isinstance checks across imports keep working)."""
+    """The dtype table equals torch's element sizes; the engine package's API names the
+    bottom layer's very objects (so isinstance checks across imports keep working), and
+    the engine's modules no longer re-export them from their old homes."""
     torch = pytest.importorskip("torch")
-    from mooncake_rs.engine import engine, kv_cache, sampler, weights
+    import mooncake_rs.engine as engine_pkg
+    from mooncake_rs.engine import kv_cache, sampler, weights
 
     for name, size in DTYPE_SIZES.items():
         assert torch.empty((), dtype=weights.torch_dtype(name)).element_size() == size
-    from mooncake_rs.engine.config import DTYPES
+    from mooncake_rs.base.model_config import DTYPES
 
     assert set(DTYPE_SIZES) == set(DTYPES)
-    assert sampler.SamplingParams is SamplingParams
-    assert kv_cache.BlockLayout is BlockLayout and kv_cache.LayerSpan is LayerSpan
-    from mooncake_rs.engine import tokens
+    assert engine_pkg.SamplingParams is SamplingParams and engine_pkg.BlockLayout is BlockLayout
+    assert engine_pkg.LayerSpan is LayerSpan and engine_pkg.RequestOutput is RequestOutput
+    assert "SamplingParams" not in sampler.__all__ and "BlockLayout" not in kv_cache.__all__
+    from mooncake_rs.engine import engine, tokens
 
-    assert engine.prompt_tokens is tokens.prompt_tokens
+    assert engine.prompt_tokens is tokens.prompt_tokens  # the engine uses the one helper
     import mooncake_rs
 
     assert mooncake_rs.SamplingParams is SamplingParams and mooncake_rs.RequestOutput is RequestOutput
@@ -177,17 +180,20 @@ def test_torch_free_types_agree_with_the_engine():
     assert mooncake_rs.engine.Engine is engine.Engine and mooncake_rs.engine.KVCache is kv_cache.KVCache
 
 
-def test_engine_submodules_still_resolve_as_attributes():
-    """``import mooncake_rs.engine`` used to load every submodule; attribute access to
-    them (and to ``Engine``) still works, now loading them on first use."""
+def test_engine_and_kv_cache_load_on_first_access():
+    """``import mooncake_rs.engine`` loads no torch; ``Engine`` and ``KVCache`` load their
+    modules (and torch) on first access. The submodules themselves are imported by name
+    (``import mooncake_rs.engine.sampler``), not reached as attributes."""
     pytest.importorskip("torch")
     code = textwrap.dedent("""
         import sys
         import mooncake_rs.engine as e
         assert "torch" not in sys.modules
-        assert e.sampler.Sampler and e.kv_cache.KVCache is e.KVCache and e.Engine is e.engine.Engine
-        assert e.attention.make_backend and "torch" in sys.modules
-        assert {"Engine", "sampler", "SamplingParams"} <= set(dir(e))
+        import mooncake_rs.engine.kv_cache as kv_cache
+        assert kv_cache.KVCache is e.KVCache and "torch" in sys.modules
+        import mooncake_rs.engine.engine as engine_mod
+        assert e.Engine is engine_mod.Engine
+        assert {"Engine", "KVCache", "SamplingParams"} <= set(dir(e))
         try:
             e.no_such_name
         except AttributeError as err:

@@ -18,9 +18,13 @@ import time
 import numpy as np
 import pytest
 
-from netns_helpers import TestHosts, available
+from netns_helpers import TestHosts, require
 
-pytestmark = pytest.mark.skipif(not available(), reason="network namespaces need CAP_NET_ADMIN (root)")
+
+@pytest.fixture(autouse=True)
+def _namespaces() -> None:
+    require()  # skips without namespaces, fails instead under MOONCAKE_REQUIRE_NETNS=1
+
 
 PEER = os.path.join(os.path.dirname(__file__), "transfer_peer.py")
 TOKEN = "netns-test-token-0123456789abcdef"

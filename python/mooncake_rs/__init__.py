@@ -64,18 +64,19 @@ from .errors import (
     TransferTimeout,
     Unauthorized,
 )
+from .errors import __all__ as _error_names
 
 if TYPE_CHECKING:  # loaded on first access (see __getattr__); torch-free either way
-    from .engine.config import ModelConfig
-    from .engine.layout import BlockLayout
-    from .engine.outputs import RequestOutput
-    from .engine.params import SamplingParams
+    from .base.model_config import ModelConfig
+    from .base.layout import BlockLayout
+    from .base.outputs import RequestOutput
+    from .base.params import SamplingParams
 
 _logging.configure()
 
 #: client types (torch-free modules of the engine package), loaded on first access
-_CLIENT_TYPES = {"SamplingParams": ".engine.params", "RequestOutput": ".engine.outputs",
-                 "BlockLayout": ".engine.layout", "ModelConfig": ".engine.config"}
+_CLIENT_TYPES = {"SamplingParams": ".base.params", "RequestOutput": ".base.outputs",
+                 "BlockLayout": ".base.layout", "ModelConfig": ".base.model_config"}
 
 __all__ = [
     "__version__",
@@ -122,18 +123,10 @@ __all__ = [
     "BatchCompletion",
     # serving (lazy: see __getattr__)
     "Cluster",
-    # errors
-    "MooncakeError",
-    "InvalidArgument",
-    "StoreFull",
-    "BlockNotFound",
-    "StoreIOError",
-    "TransferFailed",
-    "TransferTimeout",
-    "Overloaded",
-    "ServiceUnavailable",
-    "Unauthorized",
-    "InternalError",
+    # the cluster-wide KV pool (lazy: see __getattr__; docs/store-service.md)
+    "DistributedStore",
+    # errors: every class of the exception tree (named once, in errors.py)
+    *_error_names,
     # client types (torch-free; lazy: see __getattr__)
     "SamplingParams",
     "RequestOutput",
@@ -155,6 +148,11 @@ def __getattr__(name: str) -> object:
 
         serving = importlib.import_module(".serving", __name__)
         return serving if name == "serving" else serving.Cluster
+    # The cluster-wide pool sits above this package's core (nothing below imports it).
+    if name == "DistributedStore":
+        import importlib
+
+        return importlib.import_module(".pool", __name__).DistributedStore
     if name in _CLIENT_TYPES:
         import importlib
 

@@ -3,10 +3,30 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from collections.abc import Sequence
 
 from .errors import MooncakeError
+
+# What each extra brings that a command imports (pyproject.toml's optional dependencies).
+_EXTRAS = {
+    "torch": ("torch", "safetensors"),
+    "http": ("starlette", "uvicorn", "tokenizers", "jinja2"),
+    "upstream": ("msgspec", "zmq", "starlette", "uvicorn", "httpx", "tokenizers", "jinja2"),
+    "plot": ("matplotlib",),
+}
+
+
+def _missing_extras(command: str, *extras: str) -> int | None:
+    """None when every module of ``extras`` is importable; otherwise prints one line that
+    says what to install and returns the exit status 2 (checked before any work starts)."""
+    missing = [m for e in extras for m in _EXTRAS[e] if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    print(f"mooncake-rs {command} needs pip install \"mooncake-rs[{','.join(extras)}]\" "
+          f"(not installed: {', '.join(dict.fromkeys(missing))})", file=sys.stderr)
+    return 2
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -22,9 +42,7 @@ def _demo(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
         )
         return 0
-    try:
-        import torch  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("torch") is None:
         print("mooncake-rs demo: the cluster demo needs torch (pip install \"mooncake-rs[torch]\"); "
               "`mooncake-rs demo --index-only` runs without it", file=sys.stderr)
         return 2
@@ -42,34 +60,69 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    if args.plot and (rc := _missing_extras("replay --plot", "plot")):
+        return rc  # before the run, not after it
     from .sim.cli import replay
 
     return replay(args)
 
 
+def _trace(args: argparse.Namespace) -> int:
+    from .sim import generate_trace, save_trace
+
+    trace = generate_trace(args.requests, rate=args.rate, kind=args.kind, seed=args.seed)
+    save_trace(trace, args.out)
+    print(f"mooncake-rs: wrote {len(trace)} requests ({args.kind}, {args.rate:g}/s) to {args.out}", file=sys.stderr)
+    return 0
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    if rc := _missing_extras("make-model", "torch", "http"):
+        return rc
+    from .models.tiny import write_model_dir
+
+    path = write_model_dir(args.dir, seed=args.seed, max_position_embeddings=args.max_position_embeddings)
+    print(f"mooncake-rs: wrote a tiny random-weight Llama (tokenizer, chat template) to {path}", file=sys.stderr)
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
-    if getattr(args, "etcd", None):
+    """Every mode of ``serve`` is chosen here, and only here: ``--etcd`` the conductor of a
+    deployment across hosts (with ``--model``, its OpenAI front too); ``--upstream`` a
+    router over engines we did not write; otherwise an embedded cluster of ``--model``."""
+    if getattr(args, "rest", None) is not None:  # the http extra is missing: its options are not known
+        return _missing_extras("serve", "http") or 2
+    if args.etcd:
+        if args.model and (rc := _missing_extras("serve --etcd --model", "http")):
+            return rc
         from .deploy.serve import run_service
 
         return run_service(args)
-    try:
-        from .http.server import serve
-    except ImportError as e:
-        print(f"mooncake-rs serve: the HTTP front needs the http extra (pip install \"mooncake-rs[http,torch]\"): {e}",
-              file=sys.stderr)
-        return 2
+    if args.upstream:
+        if rc := _missing_extras("serve --upstream", "upstream"):
+            return rc
+        from .interop.serve_upstream import serve_upstreams
+
+        return serve_upstreams(args)
+    if rc := _missing_extras("serve", "torch", "http"):
+        return rc
+    from .http.server import serve
+
     return serve(args)
 
 
 def _worker(args: argparse.Namespace) -> int:
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        print("mooncake-rs worker needs torch (pip install \"mooncake-rs[torch]\")", file=sys.stderr)
-        return 2
+    if rc := _missing_extras("worker", "torch"):
+        return rc
     from .deploy.worker import run_worker
 
     return run_worker(args)
+
+
+def _store(args: argparse.Namespace) -> int:
+    from .pool.serve_node import run_store
+
+    return run_store(args)
 
 
 def _indexer(args: argparse.Namespace) -> int:
@@ -119,6 +172,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_replay_arguments(replay)
     replay.set_defaults(func=_replay)
 
+    trace = sub.add_parser("trace", help="write a generated Mooncake-format trace (JSON lines) for replay")
+    trace.add_argument("out", help="the .jsonl file to write")
+    trace.add_argument("--requests", type=int, default=1000, help="requests (default 1000)")
+    trace.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second (default 4)")
+    trace.add_argument("--kind", choices=("chat", "agentic"), default="chat",
+                       help="chat: conversations over shared system prompts and documents; agentic: tool loops")
+    trace.add_argument("--seed", type=int, default=0)
+    trace.set_defaults(func=_trace)
+
+    make_model = sub.add_parser("make-model", help="write a tiny random-weight Llama directory (config.json, "
+                                                   "safetensors, tokenizer, chat template) for serve and worker")
+    make_model.add_argument("dir", help="the directory to write (created if missing)")
+    make_model.add_argument("--seed", type=int, default=0, help="the random weights' seed")
+    make_model.add_argument("--max-position-embeddings", type=int, default=4096)
+    make_model.set_defaults(func=_make_model)
+
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server over an embedded cluster")
     try:
         from .http.server import add_serve_arguments
@@ -136,6 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_worker_arguments(worker)
     worker.set_defaults(func=_worker)
+    store = sub.add_parser("store", help="a store node of the cluster-wide KV pool (Mooncake-Store compatible "
+                                         "clients: mooncake_rs.compat)")
+    from .pool.serve_node import add_store_arguments
+
+    add_store_arguments(store)
+    store.set_defaults(func=_store)
     indexer = sub.add_parser("indexer", help="the Mooncake Conductor Indexer HTTP API: KV events in, prefix hits out")
     indexer.add_argument("--listen", default="127.0.0.1:8800", help="HOST:PORT to serve on (default 127.0.0.1:8800)")
     indexer.add_argument("--hash", choices=["rfc", "mooncake"], default="rfc",

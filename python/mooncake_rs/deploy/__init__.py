@@ -1,9 +1,10 @@
 """Deployment across hosts: membership on etcd (issue 12's foundation).
 
 - ``etcd.py``: a small etcd v3 client over its JSON gateway (leases, keys, a
-  create-if-absent transaction, prefix watches), standard library only.
-- ``records.py``: what a worker announces (``WorkerRecord``, ``ModelFingerprint``) and the
-  key layout under a cluster prefix.
+  create-if-absent transaction, prefix watches; etcd's user/password and TLS), standard
+  library only.
+- ``records.py``: what a worker announces (``WorkerRecord``, ``ModelFingerprint``), the
+  key layout under a cluster prefix, and the records' signatures (cluster token).
 - ``lease.py``: a lease kept alive by a thread.
 - ``registration.py``: a worker's registration (fingerprint check, unique name, rejoin
   after an outage).
@@ -11,7 +12,8 @@
   last known view while etcd is down).
 - ``election.py``: leader election among ``serve`` processes.
 - ``auth_socket.py``: TCP control connections authenticated by the cluster token
-  (mutual HMAC challenge-response).
+  (mutual HMAC challenge-response); ``sealed.py``: the sealed session that follows
+  (AES-256-GCM records under keys bound to the handshake).
 - ``worker.py`` / ``worker_link.py``: ``mooncake-rs worker``, one instance on a host, and
   the control links its conductors open to it.
 - ``service.py`` / ``service_clients.py`` / ``serve.py``: ``mooncake-rs serve --etcd``, the

@@ -14,9 +14,10 @@ keep one side's proof from being reflected as the other's. A client that fails s
 :class:`~mooncake_rs.errors.ServiceUnavailable` (nothing listening, timeout); the server
 logs the refusal with the peer's address and closes that connection only.
 
-What this does not do: encrypt, or authenticate each frame after the handshake. On a
-network where an attacker can inject into an established TCP stream, run the cluster
-over a VPN/WireGuard or a private network (docs/deploy.md, threat model).
+After the handshake both ends derive one key per direction from the token and both
+nonces (sealed.py), and the connection is handed over as a :class:`SealedSocket`: every
+byte that follows travels in AES-256-GCM records, so a relay that forwarded the
+handshake can neither read nor change what follows (docs/deploy.md, threat model).
 
 The listener bounds what unauthenticated peers can hold: at most ``max_handshakes``
 handshakes at once (the oldest is dropped to admit a new one), each with a deadline, so a
@@ -35,13 +36,14 @@ import time
 from collections.abc import Callable
 
 from ..errors import InvalidArgument, ServiceUnavailable, Unauthorized
+from .sealed import SealedSocket, session_keys
 
 __all__ = ["connect", "AuthListener", "MIN_TOKEN_BYTES"]
 
 log = logging.getLogger("mooncake_rs.deploy")
 
 MAGIC = b"MCRS"
-VERSION = 1
+VERSION = 2  # 2: the stream after the handshake is sealed (sealed.py)
 NONCE = 32
 MAC = 32
 MIN_TOKEN_BYTES = 16
@@ -74,8 +76,8 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     return bytes(buf)
 
 
-def connect(address: str, token: str | bytes, timeout_s: float = 5.0) -> socket.socket:
-    """An authenticated connection to ``HOST:PORT`` (blocking socket, no timeout set)."""
+def connect(address: str, token: str | bytes, timeout_s: float = 5.0) -> SealedSocket:
+    """An authenticated, sealed connection to ``HOST:PORT`` (blocking, no timeout set)."""
     tok = _token_bytes(token)
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -102,7 +104,8 @@ def connect(address: str, token: str | bytes, timeout_s: float = 5.0) -> socket.
         if not hmac.compare_digest(proof, _mac(tok, b"s", nc, ns)):
             raise Unauthorized(f"{address} does not hold the cluster token")
         sock.settimeout(None)
-        return sock
+        c2s, s2c = session_keys(tok, ns, nc)
+        return SealedSocket(sock, c2s, s2c, peer=address)
     except Unauthorized:  # an OSError (PermissionError) too: re-raised as it is
         sock.close()
         raise
@@ -116,10 +119,11 @@ def connect(address: str, token: str | bytes, timeout_s: float = 5.0) -> socket.
 
 class AuthListener:
     """Accepts connections on ``host:port`` (0: any free port; see ``address``) and hands
-    each authenticated socket to ``on_connection(sock, peer)`` on the handshake's thread."""
+    each authenticated, sealed socket to ``on_connection(sock, peer)`` on the handshake's
+    thread."""
 
     def __init__(self, host: str, port: int, token: str | bytes,
-                 on_connection: Callable[[socket.socket, str], None], *,
+                 on_connection: Callable[[SealedSocket, str], None], *,
                  handshake_timeout_s: float = 3.0, max_handshakes: int = 64) -> None:
         if max_handshakes < 1 or not handshake_timeout_s > 0:
             raise InvalidArgument("max_handshakes >= 1 and handshake_timeout_s > 0 are required")
@@ -166,6 +170,7 @@ class AuthListener:
     def _handshake(self, conn: socket.socket, peer: str) -> None:
         deadline = time.monotonic() + self.handshake_timeout_s
         ok = False
+        ns = nc = b""
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             ns = secrets.token_bytes(NONCE)
@@ -188,7 +193,8 @@ class AuthListener:
             conn.close()
             return
         conn.settimeout(None)
-        self._on_connection(conn, peer)
+        c2s, s2c = session_keys(self._token, ns, nc)
+        self._on_connection(SealedSocket(conn, s2c, c2s, peer=peer), peer)
 
     def close(self) -> None:
         with self._lock:

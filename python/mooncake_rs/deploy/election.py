@@ -7,6 +7,9 @@ create-if-absent transaction and, while another candidate holds the key, polls i
 round trip) after the leader's last keep-alive. A leader that learns its lease is gone
 (etcd said so after an outage) stops leading at once and ``on_lost`` runs: it must stop
 routing, since another candidate may lead by then.
+
+With the cluster ``token`` the key holds a signed ``LeaderRecord`` (records.py): clients
+that hold the token ignore (and log) a leader record that an etcd writer put there.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Callable
 from ..errors import InvalidArgument, ServiceUnavailable
 from .etcd import EtcdClient
 from .lease import KeptLease
-from .records import leader_key
+from .records import decode_leader, encode_leader, leader_key, records_key
 
 __all__ = ["LeaderElection"]
 
@@ -28,13 +31,15 @@ log = logging.getLogger("mooncake_rs.deploy")
 
 class LeaderElection:
     def __init__(self, client: EtcdClient, prefix: str, candidate: str, *, ttl_s: int = 3,
-                 poll_s: float = 0.25, on_lost: Callable[[], None] | None = None) -> None:
+                 poll_s: float = 0.25, on_lost: Callable[[], None] | None = None,
+                 token: str | bytes | None = None) -> None:
         if not candidate:
             raise InvalidArgument("a candidate needs a non-empty name (its address, say)")
         if not poll_s > 0:
             raise InvalidArgument(f"poll_s must be > 0, got {poll_s!r}")
         self.client, self.candidate, self.ttl_s, self.poll_s = client, candidate, ttl_s, poll_s
         self.key = leader_key(prefix)
+        self._sign_key = records_key(token) if token is not None else None
         self._on_lost = on_lost
         self._lease: KeptLease | None = None
         self._leading = threading.Event()
@@ -47,7 +52,7 @@ class LeaderElection:
     def leader(self) -> str | None:
         """Who leads now, as etcd says (None: nobody)."""
         kv = self.client.get(self.key)
-        return kv.value.decode() if kv is not None else None
+        return decode_leader(kv.value, self._sign_key, self.key, kv.lease) if kv is not None else None
 
     def campaign(self, timeout_s: float | None = None) -> bool:
         """Blocks until this candidate leads (True) or ``timeout_s`` passes (False). etcd
@@ -69,7 +74,8 @@ class LeaderElection:
     def _try_once(self) -> bool:
         if self._lease is None or self._lease.lost:
             self._lease = KeptLease(self.client, self.ttl_s, on_lost=self._lost, name="leader")
-        if self.client.create(self.key, self.candidate.encode(), self._lease.id):
+        value = encode_leader(self.candidate, self._sign_key, self.key, self._lease.id)
+        if self.client.create(self.key, value, self._lease.id):
             self._leading.set()
             log.info("%s leads (lease %x, ttl %d s)", self.candidate, self._lease.id, self.ttl_s)
             return True

@@ -7,6 +7,12 @@ of them as JSON over HTTP on its client port, so no gRPC stack and no third-part
 package is needed (the Python ``etcd3`` package pins old protobuf/grpcio and is not
 maintained). Keys and values are bytes; the gateway wants them base64-encoded.
 
+etcd's own access control is supported: ``user``/``password`` (``/v3/auth/authenticate``
+gives a token sent with every call, fetched again when etcd says it expired) and TLS
+(``https://``, with ``ca_file`` to trust etcd's certificate and ``cert_file``/``key_file``
+for client-certificate authentication). Enable them wherever etcd is reachable by others:
+without them anyone who can reach etcd can write to it (docs/deploy.md, threat model).
+
 Every call has a deadline (``timeout_s``); an unreachable or failing etcd raises
 :class:`~mooncake_rs.errors.ServiceUnavailable`, never hangs. A watch is a long-lived
 streaming response read by the caller's thread; :meth:`Watch.close` (from any thread)
@@ -20,6 +26,7 @@ import base64
 import http.client
 import json
 import socket
+import ssl
 import threading
 import urllib.parse
 from collections.abc import Iterator
@@ -64,6 +71,7 @@ class WatchEvent:
     key: bytes
     value: bytes
     mod_revision: int
+    lease: int = 0
 
 
 def _kv(raw: dict[str, Any]) -> KeyValue:
@@ -72,27 +80,83 @@ def _kv(raw: dict[str, Any]) -> KeyValue:
 
 
 class EtcdClient:
-    """One etcd endpoint, ``http://HOST:PORT``. Thread-safe: each call opens its own
-    connection (calls are rare: registration, keep-alives, elections)."""
+    """One etcd endpoint, ``http://HOST:PORT`` or ``https://HOST:PORT``. Thread-safe: each
+    call opens its own connection (calls are rare: registration, keep-alives, elections).
 
-    def __init__(self, url: str, timeout_s: float = 2.0) -> None:
+    ``user``/``password``: etcd's authentication (``etcdctl auth enable``). ``ca_file``:
+    the CA that signed etcd's certificate (default: the system's); ``cert_file`` and
+    ``key_file``: this client's certificate (etcd's ``--client-cert-auth``)."""
+
+    def __init__(self, url: str, timeout_s: float = 2.0, *, user: str | None = None, password: str | None = None,
+                 ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None) -> None:
         u = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
-        if u.scheme != "http" or not u.hostname:
-            raise InvalidArgument(f"etcd URL {url!r}: expected http://HOST:PORT (TLS is not supported yet)")
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise InvalidArgument(f"etcd URL {url!r}: expected http://HOST:PORT or https://HOST:PORT")
         if not timeout_s > 0:
             raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s!r}")
-        self.url = f"http://{u.hostname}:{u.port or 2379}"
+        if (user is None) != (password is None):
+            raise InvalidArgument("etcd authentication needs both user and password")
+        if (cert_file is None) != (key_file is None):
+            raise InvalidArgument("a client certificate needs both cert_file and key_file")
+        self._tls: ssl.SSLContext | None = None
+        if u.scheme == "https":
+            try:
+                self._tls = ssl.create_default_context(cafile=ca_file)
+                if cert_file is not None:
+                    self._tls.load_cert_chain(cert_file, key_file)
+            except (OSError, ssl.SSLError) as e:
+                raise InvalidArgument(f"etcd TLS files: {e}") from e
+        elif ca_file or cert_file:
+            raise InvalidArgument(f"TLS files given for a plain-HTTP etcd URL {url!r}: use https://")
+        self.url = f"{u.scheme}://{u.hostname}:{u.port or 2379}"
         self._host, self._port = u.hostname, u.port or 2379
         self.timeout_s = float(timeout_s)
+        self._user, self._password = user, password
+        self._auth_token: str | None = None
+        self._auth_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"EtcdClient({self.url!r})"
 
     # ---- transport
+    def _connection(self, timeout: float | None) -> http.client.HTTPConnection:
+        if self._tls is not None:
+            return http.client.HTTPSConnection(self._host, self._port, timeout=timeout, context=self._tls)
+        return http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+
+    def _headers(self) -> dict[str, str]:
+        h = {"Content-Type": "application/json"}
+        if self._user is not None:
+            h["Authorization"] = self._token()
+        return h
+
+    def _token(self, stale: str | None = None) -> str:
+        """etcd's auth token for this user (fetched once, again when ``stale`` expired)."""
+        with self._auth_lock:
+            if self._auth_token is None or self._auth_token == stale:
+                out = self._post("/v3/auth/authenticate", {"name": self._user, "password": self._password},
+                                 {"Content-Type": "application/json"})
+                token = out.get("token")
+                if not token:
+                    raise ServiceUnavailable(f"etcd at {self.url} gave no auth token for user {self._user!r}")
+                self._auth_token = str(token)
+            return self._auth_token
+
     def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        conn = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout_s)
+        headers = self._headers()
         try:
-            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            return self._post(path, body, headers)
+        except ServiceUnavailable as e:
+            if self._user is None or "token" not in str(e):
+                raise
+            # the auth token expired (etcd's simple tokens live minutes): once more with a new one
+            headers["Authorization"] = self._token(stale=headers.get("Authorization"))
+            return self._post(path, body, headers)
+
+    def _post(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+        conn = self._connection(self.timeout_s)
+        try:
+            conn.request("POST", path, json.dumps(body), headers)
             resp = conn.getresponse()
             data = resp.read()
         except (OSError, http.client.HTTPException) as e:
@@ -171,11 +235,12 @@ class Watch:
 
     def __init__(self, client: EtcdClient, prefix: bytes, start_revision: int) -> None:
         self._closed = threading.Event()
-        self._conn = http.client.HTTPConnection(client._host, client._port, timeout=client.timeout_s)
+        headers = client._headers()
+        self._conn = client._connection(client.timeout_s)
         body = {"create_request": {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)),
                                    "start_revision": str(start_revision)}}
         try:
-            self._conn.request("POST", "/v3/watch", json.dumps(body), {"Content-Type": "application/json"})
+            self._conn.request("POST", "/v3/watch", json.dumps(body), headers)
             self._resp = self._conn.getresponse()
             # the stream is read with no timeout: events come when they come; close() and
             # the caller's health check end it (membership.py)
@@ -227,7 +292,8 @@ class Watch:
             if "error" in msg or res.get("canceled") or int(res.get("compact_revision", 0) or 0):
                 raise ServiceUnavailable(f"etcd watch at {self._url} cancelled: {msg.get('error') or res.get('cancel_reason') or 'compacted'}")
             events = [WatchEvent("delete" if ev.get("type") == "DELETE" else "put", _unb64(ev["kv"].get("key")),
-                                 _unb64(ev["kv"].get("value")), int(ev["kv"].get("mod_revision", 0)))
+                                 _unb64(ev["kv"].get("value")), int(ev["kv"].get("mod_revision", 0)),
+                                 int(ev["kv"].get("lease", 0)))
                       for ev in res.get("events", [])]
             if events:
                 yield events

@@ -12,7 +12,8 @@ When etcd answers again the thread reads the prefix afresh and reports the diffe
 
 Records whose fingerprint differs from ``fingerprint`` (when given) are refused: kept in
 ``refused`` with the reason, logged, never reported as members. Malformed records are
-skipped the same way.
+skipped the same way, and so, with the cluster ``token``, are records not signed with it
+for their key and lease (records.py): etcd is not trusted to say who is a worker.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Callable
 
 from ..errors import InvalidArgument, ServiceUnavailable
 from .etcd import EtcdClient, Watch
-from .records import ModelFingerprint, WorkerRecord, decode_record, workers_prefix
+from .records import ModelFingerprint, WorkerRecord, decode_record, records_key, verify_record, workers_prefix
 
 __all__ = ["Membership"]
 
@@ -34,11 +35,13 @@ log = logging.getLogger("mooncake_rs.deploy")
 class Membership:
     def __init__(self, client: EtcdClient, prefix: str, *, fingerprint: ModelFingerprint | None = None,
                  on_join: Callable[[WorkerRecord], None] | None = None,
-                 on_leave: Callable[[str], None] | None = None, check_s: float = 1.0) -> None:
+                 on_leave: Callable[[str], None] | None = None, check_s: float = 1.0,
+                 token: str | bytes | None = None) -> None:
         if not check_s > 0:
             raise InvalidArgument(f"check_s must be > 0, got {check_s!r}")
         self.client, self.fingerprint, self.check_s = client, fingerprint, check_s
         self._prefix = workers_prefix(prefix)
+        self._sign_key = records_key(token) if token is not None else None
         self._on_join, self._on_leave = on_join, on_leave
         self._members: dict[str, WorkerRecord] = {}
         self.refused: dict[str, str] = {}
@@ -80,12 +83,14 @@ class Membership:
             else:
                 self._members[name] = record
             self._cond.notify_all()
-        if old is not None and (record is None or record != old) and self._on_leave is not None:
+        # the same worker under a new lease (it registered again after an outage) is no change
+        changed = record is not None and (old is None or not record.same_worker(old))
+        if old is not None and (record is None or changed) and self._on_leave is not None:
             self._on_leave(name)
-        if record is not None and record != old and self._on_join is not None:
-            self._on_join(record)
+        if changed and self._on_join is not None:
+            self._on_join(record)  # type: ignore[arg-type]
 
-    def _decode(self, key: bytes, value: bytes) -> WorkerRecord | None:
+    def _decode(self, key: bytes, value: bytes, lease: int) -> WorkerRecord | None:
         name = key[len(self._prefix):].decode(errors="replace")
         try:
             rec = decode_record(value)
@@ -95,6 +100,11 @@ class Membership:
         if rec.name != name:
             self._refuse(name, f"record names {rec.name!r} under the key of {name!r}")
             return None
+        if self._sign_key is not None:
+            why = verify_record(rec, self._sign_key, key, lease)
+            if why is not None:
+                self._refuse(name, f"ignored: {why}")
+                return None
         if self.fingerprint is not None:
             diff = self.fingerprint.mismatch(rec.fingerprint)
             if diff:
@@ -114,7 +124,7 @@ class Membership:
         kvs, revision = self.client.get_prefix(self._prefix)
         fresh: dict[str, WorkerRecord] = {}
         for kv in kvs:
-            rec = self._decode(kv.key, kv.value)
+            rec = self._decode(kv.key, kv.value, kv.lease)
             if rec is not None:
                 fresh[rec.name] = rec
         for name in set(self.members()) - set(fresh):
@@ -135,7 +145,7 @@ class Membership:
                 for events in self._watch:
                     for ev in events:
                         name = ev.key[len(self._prefix):].decode(errors="replace")
-                        self._apply(name, self._decode(ev.key, ev.value) if ev.kind == "put" else None)
+                        self._apply(name, self._decode(ev.key, ev.value, ev.lease) if ev.kind == "put" else None)
             except ServiceUnavailable as e:
                 if self.available:
                     log.warning("etcd unavailable, routing on the last known %d workers: %s", len(self.members()), e)

@@ -9,16 +9,29 @@ its value a JSON-encoded :class:`WorkerRecord` (JSON rather than msgpack so that
 A record is decoded strictly (unknown fields ignored, wrong types refused) with
 :func:`decode_record`; a malformed one is a ``InvalidArgument`` the watcher logs and
 skips, never a crash.
+
+etcd is not a trust anchor: whoever can write to it could otherwise announce a relay as
+a worker's control address, or as the leader. So records are signed with a key derived
+from the cluster token (:func:`records_key`): HMAC-SHA256 over the etcd key, the record
+(name, role, addresses, fingerprint, sizes) and the id of the lease it was put under.
+Readers that hold the token (membership.py, the client's leader lookup) verify the
+signature and that the key really sits under that lease (:func:`verify_record`), and
+ignore and log a record that fails: a copy under another name, another address, an old
+record put back under another lease.
 """
 
 from __future__ import annotations
+
+import hashlib
+import hmac
 
 import msgspec
 
 from ..errors import InvalidArgument
 
-__all__ = ["ModelFingerprint", "WorkerRecord", "RECORD_VERSION", "worker_key", "workers_prefix", "leader_key",
-           "encode_record", "decode_record"]
+__all__ = ["ModelFingerprint", "WorkerRecord", "LeaderRecord", "RECORD_VERSION", "worker_key", "workers_prefix",
+           "leader_key", "encode_record", "decode_record", "records_key", "sign_record", "verify_record",
+           "encode_leader", "decode_leader"]
 
 RECORD_VERSION = 1
 
@@ -55,12 +68,29 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True):
     block_bytes: int
     capacity_blocks: int
     version: int = RECORD_VERSION
+    #: the etcd lease the record was put under, and its signature (hex; sign_record)
+    lease: int = 0
+    signature: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise InvalidArgument(f"role must be 'prefill' or 'decode', got {self.role!r}")
         if not self.name or "/" in self.name:
             raise InvalidArgument(f"a worker name is non-empty and has no '/', got {self.name!r}")
+
+    def same_worker(self, other: "WorkerRecord") -> bool:
+        """Equal but for the lease and signature: the same worker, registered again (after
+        an etcd outage lapsed its lease) rather than a new one."""
+        return msgspec.structs.replace(self, lease=0, signature="") == \
+            msgspec.structs.replace(other, lease=0, signature="")
+
+
+class LeaderRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``{prefix}/leader`` holds: the leading ``serve``'s client address, signed."""
+
+    address: str
+    lease: int = 0
+    signature: str = ""
 
 
 def workers_prefix(prefix: str) -> bytes:
@@ -91,3 +121,61 @@ def decode_record(data: bytes) -> WorkerRecord:
     if rec.version != RECORD_VERSION:
         raise InvalidArgument(f"worker record version {rec.version}, this build reads {RECORD_VERSION}")
     return rec
+
+
+# ---- signatures (the cluster token's, never etcd's)
+_leader_decoder = msgspec.json.Decoder(LeaderRecord)
+
+
+def records_key(token: str | bytes) -> bytes:
+    """The key records are signed with: derived from the cluster token (so a signature
+    reveals nothing usable for the control handshake, and the other way round)."""
+    tok = token.encode() if isinstance(token, str) else bytes(token)
+    return hmac.new(tok, b"mooncake_rs etcd records v1", hashlib.sha256).digest()
+
+
+def _mac(key: bytes, etcd_key: bytes, unsigned: bytes) -> str:
+    return hmac.new(key, len(etcd_key).to_bytes(4, "big") + etcd_key + unsigned, hashlib.sha256).hexdigest()
+
+
+def sign_record(record: "WorkerRecord | LeaderRecord", key: bytes, etcd_key: bytes, lease: int) -> bytes:
+    """The value to put at ``etcd_key`` under ``lease``: the record with both set."""
+    unsigned = msgspec.structs.replace(record, lease=lease, signature="")
+    return _encoder.encode(msgspec.structs.replace(unsigned, signature=_mac(key, etcd_key,
+                                                                            _encoder.encode(unsigned))))
+
+
+def verify_record(record: "WorkerRecord | LeaderRecord", key: bytes, etcd_key: bytes, kv_lease: int) -> str | None:
+    """None if ``record`` was signed with ``key`` for ``etcd_key`` and sits under the
+    lease it names; else why not (for the log)."""
+    if not record.signature:
+        return "unsigned (written by something that does not hold the cluster token)"
+    want = _mac(key, etcd_key, _encoder.encode(msgspec.structs.replace(record, signature="")))
+    if not hmac.compare_digest(want, record.signature):
+        return "its signature does not match (forged, altered, or copied from another key)"
+    if record.lease == 0 or record.lease != kv_lease:
+        return f"signed for lease {record.lease:x}, found under lease {kv_lease:x} (replayed)"
+    return None
+
+
+def encode_leader(address: str, key: bytes | None, etcd_key: bytes, lease: int) -> bytes:
+    if key is None:
+        return address.encode()
+    return sign_record(LeaderRecord(address=address), key, etcd_key, lease)
+
+
+def decode_leader(value: bytes, key: bytes | None, etcd_key: bytes, kv_lease: int) -> str:
+    """The leader's address; ``InvalidArgument`` saying why when it does not verify."""
+    if key is None:
+        try:
+            return _leader_decoder.decode(value).address
+        except (msgspec.DecodeError, ValueError):
+            return value.decode(errors="replace")
+    try:
+        rec = _leader_decoder.decode(value)
+    except (msgspec.DecodeError, ValueError) as e:
+        raise InvalidArgument(f"the leader record in etcd is not a signed record: {e}") from e
+    why = verify_record(rec, key, etcd_key, kv_lease)
+    if why is not None:
+        raise InvalidArgument(f"the leader record in etcd ({rec.address}) is refused: {why}")
+    return rec.address

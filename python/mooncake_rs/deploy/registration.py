@@ -7,6 +7,9 @@ and go), and a name another live worker holds. Then the key lives as long as the
 ``close()`` revokes it (the worker leaves at once); a crashed worker's key expires with
 its TTL. A lease lost during a long etcd outage is re-granted and the record put again
 when etcd returns, so a worker that outlived an outage rejoins by itself.
+
+With the cluster token (``token=``, what ``mooncake-rs worker`` passes) the record is
+signed for its key and lease (records.py): conductors ignore records that are not.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import msgspec
 from ..errors import InvalidArgument, ServiceUnavailable
 from .etcd import EtcdClient
 from .lease import KeptLease
-from .records import ModelFingerprint, WorkerRecord, encode_record, worker_key
+from .records import ModelFingerprint, WorkerRecord, encode_record, records_key, sign_record, worker_key
 
 __all__ = ["WorkerRegistration", "claim_fingerprint"]
 
@@ -55,10 +58,13 @@ def claim_fingerprint(client: EtcdClient, prefix: str, fingerprint: ModelFingerp
 
 
 class WorkerRegistration:
-    """Registers ``record`` under ``prefix`` (e.g. ``/mooncake/<cluster>``) until ``close()``."""
+    """Registers ``record`` under ``prefix`` (e.g. ``/mooncake/<cluster>``) until ``close()``;
+    signed with the cluster ``token`` when given."""
 
-    def __init__(self, client: EtcdClient, prefix: str, record: WorkerRecord, ttl_s: int = 5) -> None:
+    def __init__(self, client: EtcdClient, prefix: str, record: WorkerRecord, ttl_s: int = 5, *,
+                 token: str | bytes | None = None) -> None:
         self.client, self.prefix, self.record, self.ttl_s = client, prefix, record, ttl_s
+        self._sign_key = records_key(token) if token is not None else None
         self.key = worker_key(prefix, record.name)
         self._lock = threading.Lock()
         self._closed = False
@@ -91,7 +97,9 @@ class WorkerRegistration:
     def _put(self) -> None:
         lease = KeptLease(self.client, self.ttl_s, on_lost=self._lost, name=f"worker-{self.record.name}")
         try:
-            created = self.client.create(self.key, encode_record(self.record), lease.id)
+            value = encode_record(self.record) if self._sign_key is None else \
+                sign_record(self.record, self._sign_key, self.key, lease.id)
+            created = self.client.create(self.key, value, lease.id)
         except BaseException:
             lease.revoke()
             raise

@@ -33,7 +33,7 @@ from . import auth_socket
 from .client_protocol import (FROM_SERVICE, Admitted, Answer, CancelSubmitted, ClientMessage, Error, Finished, Query,
                               Submit, Tokens)
 from .etcd import EtcdClient
-from .records import leader_key
+from .records import decode_leader, leader_key, records_key
 from .settings import cluster_prefix
 
 __all__ = ["RemoteCluster"]
@@ -156,8 +156,8 @@ class _Connection:
 
 
 def _output(handle: "_RemoteHandle", msg: Finished) -> Any:
-    from ..engine.outputs import RequestOutput
-    from ..serving.metrics import RequestMetrics
+    from ..base.outputs import RequestOutput
+    from ..base.metrics import RequestMetrics
 
     fields = set(RequestMetrics.__dataclass_fields__)
     metrics = RequestMetrics(**{k: v for k, v in msg.metrics.items() if k in fields})
@@ -183,14 +183,14 @@ class RemoteCluster(GenerateMixin):
     (the leader is looked up there, under ``cluster``'s prefix) or ``address`` (a
     ``serve`` process's ``--listen``); ``auth_token`` is the cluster token."""
 
-    def __init__(self, address: str | None = None, *, etcd: str | None = None, auth_token: str,
+    def __init__(self, address: str | None = None, *, etcd: "str | EtcdClient | None" = None, auth_token: str,
                  cluster: str = "default", connect_timeout_s: float = 10.0) -> None:
         if (address is None) == (etcd is None):
             raise InvalidArgument("give either etcd= (find the leading serve process there) or address=HOST:PORT")
         if not isinstance(auth_token, str) or len(auth_token) < 16:
             raise InvalidArgument("auth_token must be the cluster token (a string of at least 16 characters)")
         self._address, self._token = address, auth_token
-        self._etcd = EtcdClient(etcd) if etcd is not None else None
+        self._etcd = EtcdClient(etcd) if isinstance(etcd, str) else etcd
         self._prefix = cluster_prefix(cluster)
         self._connect_timeout_s = connect_timeout_s
         self._ids = itertools.count(1)
@@ -203,10 +203,15 @@ class RemoteCluster(GenerateMixin):
         if self._address is not None:
             return self._address
         assert self._etcd is not None
-        kv = self._etcd.get(leader_key(self._prefix))
+        key = leader_key(self._prefix)
+        kv = self._etcd.get(key)
         if kv is None:
             raise ServiceUnavailable(f"no serve process leads {self._prefix} (is `mooncake-rs serve --etcd` running?)")
-        return kv.value.decode()
+        try:
+            return decode_leader(kv.value, records_key(self._token), key, kv.lease)
+        except InvalidArgument as e:  # an etcd writer's record: never connect to it
+            log.error("%s; waiting for a signed one", e)
+            raise ServiceUnavailable(str(e)) from e
 
     def _connection(self) -> _Connection:
         """The live connection, or a new one to the current leader (tried until
@@ -237,7 +242,7 @@ class RemoteCluster(GenerateMixin):
     def submit(self, prompt: Sequence[int], params: Any = None, *, timeout_s: float | None = None) -> RequestHandle:
         """As ``Cluster.submit``: admits one request (raises what the service raised:
         ``Overloaded``, ``InvalidArgument``, ``ServiceUnavailable``) and returns its handle."""
-        from ..engine.params import SamplingParams
+        from ..base.params import SamplingParams
         from ..engine.tokens import prompt_tokens
 
         params = params or SamplingParams()

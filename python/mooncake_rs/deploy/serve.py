@@ -15,17 +15,19 @@ lead by then.
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from typing import Any
 
 from ..errors import InvalidArgument
 from .election import LeaderElection
-from .etcd import EtcdClient
-from .settings import cluster_prefix, read_token, split_hostport
+from .settings import add_etcd_arguments, cluster_prefix, etcd_client, read_token, split_hostport
 
 __all__ = ["add_service_arguments", "run_service"]
 
@@ -44,6 +46,7 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --etcd: fetch a prefix from every prefill worker holding it at once (DualPath)")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="with --etcd: seconds a worker may go without a heartbeat before it is dropped")
+    add_etcd_arguments(p)
 
 
 def _http_front(service: object, args: argparse.Namespace) -> Any:
@@ -54,9 +57,17 @@ def _http_front(service: object, args: argparse.Namespace) -> Any:
     from ..http.front import Frontend
     from ..http.server import ServerThread
 
+    from ..base.model_config import PRESETS
+    from ..models.tiny import front_dir
+
     api_key = args.api_key or os.environ.get("MOONCAKE_API_KEY") or None
-    front = Frontend.from_model_dir(service, args.model, tokenizer_dir=args.tokenizer,
-                                    model_name=args.served_model_name, api_key=api_key,
+    # a preset name (the workers' --model tiny) gets its byte-level front in a scratch directory
+    scratch = tempfile.mkdtemp(prefix="mooncake-front-")
+    atexit.register(shutil.rmtree, scratch, True)
+    model_dir = front_dir(args.model, scratch, weights=False)
+    name = args.served_model_name or (args.model if args.model in PRESETS else None)
+    front = Frontend.from_model_dir(service, model_dir, tokenizer_dir=args.tokenizer,
+                                    model_name=name, api_key=api_key,
                                     request_timeout_s=args.request_timeout)
     return ServerThread(front, args.host, args.port, log_level=args.log_level).start()
 
@@ -71,7 +82,7 @@ def run_service(args: argparse.Namespace) -> int:
     token = read_token(args.auth_token_file)
     prefix = cluster_prefix(args.cluster)
     host, port = split_hostport(args.listen, "--listen")
-    client = EtcdClient(args.etcd)
+    client = etcd_client(args)
     stop = threading.Event()
     lost = threading.Event()
 
@@ -80,7 +91,7 @@ def run_service(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    election = LeaderElection(client, prefix, args.listen, ttl_s=args.lease_ttl, on_lost=lost.set)
+    election = LeaderElection(client, prefix, args.listen, ttl_s=args.lease_ttl, on_lost=lost.set, token=token)
     print(f"mooncake-rs serve: candidate {args.listen} for {prefix}", file=sys.stderr, flush=True)
     while not stop.is_set():
         if not election.campaign(timeout_s=1.0):

@@ -148,7 +148,9 @@ class ConductorService(RoutedCluster):
         threading.Thread(target=watch, args=(lambda: list(self._members.values()), self._stop_watch,
                                              float(heartbeat_timeout_s), self._report_silent),
                          name="mooncake-watchdog", daemon=True).start()
-        self.membership = Membership(client, prefix, on_join=self._on_join, on_leave=self._on_leave, check_s=check_s)
+        self._reattempts: dict[str, int] = {}  # name -> re-attaches since it was last ready
+        self.membership = Membership(client, prefix, on_join=self._on_join, on_leave=self._on_leave, check_s=check_s,
+                                     token=token)
 
     # ---- membership (the membership thread) and attaching (a thread per joining worker)
     def _on_join(self, record: WorkerRecord) -> None:
@@ -183,9 +185,16 @@ class ConductorService(RoutedCluster):
         with self._lock:
             old = self._by_name.get(record.name)
             if old is not None and self._members[old].alive:
-                if getattr(self._members[old], "record", None) == record:
-                    return  # the same worker, seen again after a resync
+                known = getattr(self._members[old], "record", None)
+                if known is not None and known.same_worker(record):
+                    return  # the same worker, seen again after a resync (or registered again)
                 self._router.events.put((old, Lost("replaced by a new registration of its name")))
+            twin = next((m for m in self._members.values() if m.alive and m.spec.name != record.name
+                         and getattr(getattr(m, "record", None), "control", None) == record.control), None)
+            if twin is not None:  # one worker, one attach: a second record cannot take it over
+                log.error("conductor: worker record %s names the control address %s of live worker %s; ignored",
+                          record.name, record.control, twin.spec.name)
+                return
             inst = next(self._next_id)
         deadline = time.monotonic() + self._attach_timeout_s
         while True:
@@ -216,6 +225,7 @@ class ConductorService(RoutedCluster):
             self._router.events.put((inst, Lost(f"did not answer Attach within {self._attach_timeout_s:g}s")))
             return
         if m.error is None:
+            self._reattempts.pop(record.name, None)
             log.info("conductor: %s %s joined as instance %d (control %s, KV %s)", record.role, record.name, inst,
                      record.control, record.transfer)
 
@@ -266,7 +276,32 @@ class ConductorService(RoutedCluster):
         what = m.down_reason or reason
         if not self._closed:
             log.warning("conductor: worker %s left (%s); failing its requests", m.spec.name, what)
+            if m.info is not None and m.error is None:
+                self._reattach_later(m.record)
         return f"worker {m.spec.name} left the cluster ({what})"
+
+    def _reattach_later(self, record: WorkerRecord) -> None:
+        """A worker that was serving lost its link while its record is still live: it may
+        have been displaced (another conductor, or anything holding the token, attached it),
+        or it crashed and its lease has not lapsed yet. Attach it again after a backoff
+        (0.5 s doubling to 8 s); ``_attach`` gives up once its record leaves etcd."""
+        k = self._reattempts.get(record.name, 0)
+        self._reattempts[record.name] = k + 1
+        delay = min(0.5 * 2 ** k, 8.0)
+
+        def again() -> None:
+            if self._closed:
+                return
+            live = self.membership.members().get(record.name)
+            with self._lock:
+                taken = (i := self._by_name.get(record.name)) is not None and self._members[i].alive
+            if live is not None and live.same_worker(record) and not taken:
+                log.warning("conductor: attaching worker %s again (its record is live)", record.name)
+                self._attach(live)
+
+        t = threading.Timer(delay, again)
+        t.daemon = True
+        t.start()
 
     def _ready_infos(self) -> list[Ready]:
         return [m.info for m in list(self._members.values()) if m.alive and m.info is not None]

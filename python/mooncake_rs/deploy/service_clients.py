@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
-import socket
 import threading
 from typing import Any
 
@@ -23,6 +22,7 @@ from ..serving.protocol import Codec
 from .auth_socket import AuthListener
 from .client_protocol import (CLIENT_PROTOCOL_VERSION, TO_SERVICE, Admitted, Answer, CancelSubmitted, ClientMessage,
                               Error, Finished, Query, Submit, Tokens)
+from .sealed import SealedSocket
 
 __all__ = ["ClientEndpoint", "error_message"]
 
@@ -60,7 +60,7 @@ class _Forward(RequestHandle):
 
 
 class _Connection:
-    def __init__(self, service: Any, sock: socket.socket, peer: str, on_close: Any) -> None:
+    def __init__(self, service: Any, sock: SealedSocket, peer: str, on_close: Any) -> None:
         self.service, self.peer = service, peer
         self._out: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._codec = Codec(types=ClientMessage)
@@ -102,7 +102,7 @@ class _Connection:
             self._closed(msg.reason)
 
     def _submit(self, msg: Submit) -> None:
-        from ..engine.params import SamplingParams
+        from ..base.params import SamplingParams
 
         cid = msg.cid
         if msg.version != CLIENT_PROTOCOL_VERSION:
@@ -171,7 +171,7 @@ class ClientEndpoint:
         self._listener = AuthListener(host, port, token, self._accept)
         self.address = self._listener.address
 
-    def _accept(self, sock: socket.socket, peer: str) -> None:
+    def _accept(self, sock: SealedSocket, peer: str) -> None:
         conn = _Connection(self.service, sock, peer, self._gone)
         with self._lock:
             self._conns.add(conn)

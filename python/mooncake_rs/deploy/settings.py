@@ -1,14 +1,17 @@
 """What the deployment's processes (``worker``, ``serve --etcd``) and clients read the
-same way: the cluster's key prefix in etcd, the cluster token, a HOST:PORT to listen on."""
+same way: the cluster's key prefix in etcd, the cluster token, a HOST:PORT to listen on,
+how to reach etcd (its own authentication and TLS)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
+from typing import Any
 
 from ..errors import InvalidArgument
 
-__all__ = ["cluster_prefix", "read_token", "split_hostport"]
+__all__ = ["cluster_prefix", "read_token", "split_hostport", "add_etcd_arguments", "etcd_client"]
 
 
 def cluster_prefix(cluster: str) -> str:
@@ -42,3 +45,31 @@ def split_hostport(address: str, what: str) -> tuple[str, int]:
     if host in ("0.0.0.0", "::", "[::]"):
         raise InvalidArgument(f"{what} needs the address its peers reach this host at, not {host}")
     return host.strip("[]"), int(port)
+
+
+def add_etcd_arguments(p: argparse.ArgumentParser) -> None:
+    """etcd's own access control, for ``worker`` and ``serve --etcd`` alike."""
+    p.add_argument("--etcd-user", default=None, help="etcd user (etcd's authentication); its password from "
+                                                     "--etcd-password-file or $MOONCAKE_ETCD_PASSWORD")
+    p.add_argument("--etcd-password-file", default=None, help="a file holding the etcd user's password")
+    p.add_argument("--etcd-ca", default=None, help="with an https:// etcd URL: the CA file of etcd's certificate")
+    p.add_argument("--etcd-cert", default=None, help="with https://: this client's certificate (client-cert auth)")
+    p.add_argument("--etcd-key", default=None, help="with https://: the key of --etcd-cert")
+
+
+def etcd_client(args: argparse.Namespace) -> Any:
+    """The ``EtcdClient`` the command line describes."""
+    from .etcd import EtcdClient
+
+    user = getattr(args, "etcd_user", None)
+    password = None
+    if user:
+        path = getattr(args, "etcd_password_file", None)
+        try:
+            password = Path(path).read_text().strip() if path else os.environ.get("MOONCAKE_ETCD_PASSWORD")
+        except OSError as e:
+            raise InvalidArgument(f"cannot read the etcd password file {path!r}: {e}") from e
+        if not password:
+            raise InvalidArgument("--etcd-user needs a password: --etcd-password-file FILE or $MOONCAKE_ETCD_PASSWORD")
+    return EtcdClient(args.etcd, user=user or None, password=password, ca_file=getattr(args, "etcd_ca", None),
+                      cert_file=getattr(args, "etcd_cert", None), key_file=getattr(args, "etcd_key", None))

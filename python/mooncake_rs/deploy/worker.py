@@ -32,7 +32,7 @@ from typing import Any
 
 from ..errors import InvalidArgument, MooncakeError
 from .records import ModelFingerprint, WorkerRecord
-from .settings import cluster_prefix, read_token, split_hostport
+from .settings import add_etcd_arguments, cluster_prefix, etcd_client, read_token, split_hostport
 
 __all__ = ["add_worker_arguments", "run_worker", "fingerprint_of"]
 
@@ -73,6 +73,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats to the conductor")
     p.add_argument("--no-stream-layers", action="store_true",
                    help="a prefill worker sends a request's KV after its whole prefill, not layer by layer")
+    add_etcd_arguments(p)
     p.add_argument("--kv-events", default=None,
                    help="publish this prefill worker's store events in vLLM's ZMQ format on tcp://HOST:PORT "
                         "(its replay endpoint on PORT+1)")
@@ -84,13 +85,16 @@ def run_worker(args: argparse.Namespace) -> int:
     from ..serving.protocol import InstanceSpec, Stop
     from ..serving.worker import beat_loop
     from .auth_socket import AuthListener
-    from .etcd import EtcdClient
     from .registration import WorkerRegistration
     from .worker_link import ConductorLinks
+
+    from .token_check import check_token_with_leader
 
     token = read_token(args.auth_token_file)
     prefix = cluster_prefix(args.cluster)
     host, port = split_hostport(args.listen, "--listen")
+    # a wrong token exits now (2, one line) instead of registering to be refused forever
+    check_token_with_leader(EtcdClient(args.etcd), prefix, token, args.auth_token_file)
     name = args.name or f"{args.role}-{host}-{port}"
     transports = [t.strip() for t in args.transports.split(",")] if args.transports else None
     engine_kwargs: dict[str, Any] = {}
@@ -132,7 +136,8 @@ def run_worker(args: argparse.Namespace) -> int:
         record = WorkerRecord(name=name, role=args.role, control=listener.address, transfer=inst.endpoint.address,
                               fingerprint=fp, block_bytes=int(inst.layout.block_nbytes),
                               capacity_blocks=int(st.slots_dram + st.slots_ssd))
-        reg = WorkerRegistration(EtcdClient(args.etcd), prefix, record, ttl_s=args.ttl).register(wait_s=30.0)
+        reg = WorkerRegistration(etcd_client(args), prefix, record, ttl_s=args.ttl,
+                                 token=token).register(wait_s=30.0)
         print(f"mooncake-rs worker {name}: {args.role} on {listener.address} (KV on {inst.endpoint.address}), "
               f"registered in {prefix}", file=sys.stderr, flush=True)
         # (sent to the attached conductor; dropped while none is)

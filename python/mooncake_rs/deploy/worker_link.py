@@ -20,12 +20,12 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
-import socket
 import threading
 from typing import Any, Iterator
 
 from ..serving.control import CLUSTER, Counts, Detached, Lost, SocketChannel
 from ..serving.protocol import TO_REMOTE, Attach, Message, Relay
+from .sealed import SealedSocket
 
 __all__ = ["ConductorLinks", "RelayPeers"]
 
@@ -66,7 +66,7 @@ class ConductorLinks:
         self._closed = False
 
     # ---- the listener's side (AuthListener's on_connection, on its handshake thread)
-    def accept(self, sock: socket.socket, peer: str) -> None:
+    def accept(self, sock: SealedSocket, peer: str) -> None:
         with self._lock:
             if self._closed:
                 sock.close()
@@ -113,6 +113,17 @@ class ConductorLinks:
         if old is not None and old != self._current:
             log.warning("worker %s: a new conductor attached; closing the link to the previous one", self.name)
             self._drop(old)
+
+    def refuse_pending(self, msg: Message) -> None:
+        """Answers the pending link's ``Attach`` with ``msg`` (``InitFailed``) and closes
+        it; the current conductor, if any, stays."""
+        with self._lock:
+            epoch, self._pending = self._pending, None
+            link = self._links.get(epoch) if epoch is not None else None
+        if link is not None:
+            log.warning("worker %s: refused an Attach: %s", self.name, getattr(msg, "error", msg))
+            link.send(msg)
+            self._drop(epoch)  # type: ignore[arg-type]
 
     @property
     def attached(self) -> bool:

@@ -13,7 +13,7 @@ run time; the engine vouches only for powers of two up to 128 (the default page 
 from __future__ import annotations
 
 from ..errors import InvalidArgument
-from .config import DTYPES
+from ..base.model_config import DTYPES
 
 __all__ = ["BACKENDS", "FLASHINFER_DTYPES", "FLASHINFER_HEAD_DIMS", "FLASHINFER_PAGE_SIZES",
            "flashinfer_unsupported", "choose_backend", "default_dtype", "resolve_dtype"]

@@ -16,17 +16,19 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from ..base.layout import BlockLayout
+from ..base.model_config import DTYPES, ModelConfig
+from ..base.outputs import LayerEvent, RequestOutput, TokenEvent
+from ..base.params import SamplingParams
 from ..errors import InvalidArgument
 from .attention import BatchMeta, make_backend
 from .backend_choice import resolve_dtype
-from .config import DTYPES, ModelConfig
 from .handoff import HandoffMixin
-from .kv_cache import BlockLayout, KVCache
+from .kv_cache import KVCache
 from .model import LlamaModel
-from .outputs import LayerEvent, RequestOutput, TokenEvent
-from .sampler import Sampler, SamplingParams
+from .sampler import Sampler
 from .scheduler import Request, RequestStatus, Scheduler
-from .tokens import prompt_tokens, token_id  # prompt_tokens: re-exported, its old home
+from .tokens import prompt_tokens, token_id
 from .weights import load_hf_dir, random_weights, torch_dtype
 
 __all__ = ["Engine"]
@@ -242,10 +244,22 @@ class Engine(HandoffMixin):
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
+        """One step in three parts: schedule (which tokens of which requests run, as the
+        model's inputs), run (the forward pass), post-process (sample, stop, outputs)."""
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         if not batch.requests:
             return outputs
+        meta, starts, sampling, rows = self._batch_inputs(batch)
+        logits = self._run(batch, meta, starts, rows)
+        if logits is not None:
+            outputs.extend(self._sample_and_finish(logits, [batch.requests[i] for i in sampling]))
+        return outputs
+
+    def _batch_inputs(self, batch: Any) -> tuple[BatchMeta, list[int], list[int], torch.Tensor | slice | None]:
+        """The scheduled batch as the model's inputs: its attention metadata (tokens, KV
+        lengths, page tables), each request's first new position, the requests that
+        sample a token this step (their prompt is done) and the logits rows they read."""
         tokens: list[int] = []
         kv_lens, tables, starts = [], [], []
         for req, n in zip(batch.requests, batch.num_new):
@@ -262,23 +276,33 @@ class Engine(HandoffMixin):
         elif sampling:
             ends = list(itertools.accumulate(batch.num_new))
             rows = torch.tensor([ends[i] - 1 for i in sampling], dtype=torch.long, device=self.device)
+        return meta, starts, sampling, rows
+
+    def _run(self, batch: Any, meta: BatchMeta, starts: list[int],
+             rows: torch.Tensor | slice | None) -> torch.Tensor | None:
+        """The forward pass (per-layer hooks for requests that save their KV as it is
+        made); the logits of ``rows``, or None when no request samples."""
         ids = meta.token_ids
         assert ids is not None
         hook = self._layer_hook(batch.requests, starts)
         logits = self.model.forward(ids, meta, self.cache, self.attn, rows, hook)
         for req in batch.requests:
             req.num_computed = req.kv_end
-        if logits is not None:
-            picked = [batch.requests[i] for i in sampling]
-            toks = self.sampler.sample(logits, [r.params for r in picked], [len(r.output_token_ids) for r in picked])
-            for req, tok in zip(picked, toks):
-                req.output_token_ids.append(tok)
-                reason = self._stop_reason(req, tok)
-                if reason is not None:
-                    self.scheduler.finish(req, reason)
-                    if not req.hold_kv:
-                        del self._requests[req.request_id]
-                outputs.append(self._output(req, [tok]))
+        return logits
+
+    def _sample_and_finish(self, logits: torch.Tensor, picked: list[Request]) -> list[RequestOutput]:
+        """A token for each request that samples; the ones that stop are finished (and
+        forgotten unless they hold their KV); an output each."""
+        outputs = []
+        toks = self.sampler.sample(logits, [r.params for r in picked], [len(r.output_token_ids) for r in picked])
+        for req, tok in zip(picked, toks):
+            req.output_token_ids.append(tok)
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+                if not req.hold_kv:
+                    del self._requests[req.request_id]
+            outputs.append(self._output(req, [tok]))
         return outputs
 
     # ---- convenience

@@ -19,16 +19,17 @@ import torch
 from ..errors import InvalidArgument
 from .attention import BatchMeta
 from .kv_cache import as_byte_tensor
-from .outputs import PrefillTiming
-from .sampler import SamplingParams
+from ..base.outputs import PrefillTiming
+from ..base.params import SamplingParams
 from .tokens import token_id
 
 if TYPE_CHECKING:
-    from .config import ModelConfig
-    from .kv_cache import BlockLayout, KVCache
+    from ..base.model_config import ModelConfig
+    from ..base.layout import BlockLayout
+    from .kv_cache import KVCache
     from .model import LlamaModel
     from .attention import AttentionBackend
-    from .outputs import RequestOutput
+    from ..base.outputs import RequestOutput
     from .scheduler import Request, Scheduler
 
 __all__ = ["HandoffMixin"]

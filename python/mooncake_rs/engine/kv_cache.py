@@ -21,12 +21,11 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgument
-from .config import ModelConfig
-# BlockLayout and LayerSpan live in the torch-free .layout; re-exported from here, their old home.
-from .layout import BlockLayout, LayerSpan
+from ..base.model_config import ModelConfig
+from ..base.layout import BlockLayout
 from .weights import torch_dtype
 
-__all__ = ["BlockLayout", "LayerSpan", "KVCache", "as_byte_tensor"]
+__all__ = ["KVCache", "as_byte_tensor"]
 
 
 def as_byte_tensor(buf: Any, *, writable: bool) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import AttentionBackend, BatchMeta
-from .config import ModelConfig
+from ..base.model_config import ModelConfig
 from .kv_cache import KVCache
 from .weights import LlamaWeights
 

@@ -4,7 +4,7 @@ A request with a ``seed`` draws the noise for its ``n``-th generated token from 
 generator seeded with ``(seed, n)``: the same request gives the same tokens whatever it
 is batched with, after a preemption (recompute), and when its first token is sampled on a
 prefill instance and the rest on a decode instance. :class:`SamplingParams` lives in the
-torch-free :mod:`.params` and is re-exported here.
+torch-free bottom layer (:mod:`mooncake_rs.base.params`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Sequence
 
 import torch
 
-from .params import SamplingParams  # re-exported: its home before it moved out of torch's way
+from ..base.params import SamplingParams
 
-__all__ = ["SamplingParams", "Sampler", "filtered_probs"]
+__all__ = ["Sampler", "filtered_probs"]
 
 _MASK63 = (1 << 63) - 1
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from .kv_cache import KVCache
-from .sampler import SamplingParams
+from ..base.params import SamplingParams
 
 __all__ = ["Request", "RequestStatus", "Scheduler", "ScheduledBatch"]
 
@@ -48,10 +48,6 @@ class Request:
     staged: list[tuple[int, torch.Tensor]] | None = None  # (tokens, bytes) loaded at admission
     num_preemptions: int = 0
     kv_end: int = 0  # tokens whose KV is (being) written this step
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens ``start:end`` of prompt + output, without building the whole list."""

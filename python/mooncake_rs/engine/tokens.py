@@ -7,7 +7,7 @@ import operator
 from typing import Any, Sequence
 
 from ..errors import InvalidArgument
-from .params import SamplingParams
+from ..base.params import SamplingParams
 
 __all__ = ["token_id", "prompt_tokens"]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InvalidArgument
-from .config import ModelConfig
+from ..base.model_config import ModelConfig
 
 __all__ = ["LayerWeights", "LlamaWeights", "random_weights", "load_hf_dir", "torch_dtype"]
 

@@ -100,7 +100,7 @@ async def _stream_frames(gen: Generation, shapes: Shapes, req: GenerateRequest, 
         if gen.stop_string is not None:
             front.metrics.count("stop_strings")
         if req.include_usage:
-            yield sse(shapes.usage_chunk(gen.prompt_tokens, gen.completion_tokens))
+            yield sse(shapes.usage_chunk(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
     front.metrics.count("prompt_tokens", gen.prompt_tokens)
     front.metrics.count("completion_tokens", gen.completion_tokens)
     yield SSE_DONE
@@ -169,7 +169,8 @@ def create_app(front: Frontend) -> Starlette:
         front.metrics.count("completion_tokens", gen.completion_tokens)
         if gen.stop_string is not None:
             front.metrics.count("stop_strings")
-        return JSONResponse(shapes.full(text, gen.finish_reason, gen.prompt_tokens, gen.completion_tokens),
+        return JSONResponse(shapes.full(text, gen.finish_reason, gen.prompt_tokens, gen.completion_tokens,
+                                        gen.cached_tokens),
                             headers=headers)
 
     async def completions(request: Request, headers: dict[str, str]) -> Response:

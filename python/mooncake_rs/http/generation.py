@@ -45,6 +45,19 @@ class Generation:
         self._closed = False
 
     @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV was reused from a store instead of computed (``usage``'s
+        ``prompt_tokens_details.cached_tokens``), from the finished request's metrics; 0
+        while it runs or when it ended without an output (a stop string cancels it)."""
+        if not self.handle.done:
+            return 0
+        try:
+            out = self.handle.result(0)
+        except Exception:  # noqa: BLE001 - cancelled or failed: no metrics to report
+            return 0
+        return int(out.metrics.reused_tokens)
+
+    @property
     def stop_string(self) -> str | None:
         """The stop string that ended the output, if one did."""
         return self._stops.stopped

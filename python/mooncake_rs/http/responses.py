@@ -19,9 +19,12 @@ def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: the prompt tokens
+    whose KV was reused rather than computed (as vLLM and OpenAI report prefix-cache hits)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class Shapes:
@@ -35,7 +38,8 @@ class Shapes:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, text: str, finish_reason: str | None, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def full(self, text: str, finish_reason: str | None, prompt_tokens: int, completion_tokens: int,
+             cached_tokens: int = 0) -> dict[str, Any]:
         if self.chat:
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
                                       "logprobs": None, "finish_reason": finish_reason}
@@ -44,7 +48,7 @@ class Shapes:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
             body = self._head("text_completion")
         body["choices"] = [choice]
-        body["usage"] = usage(prompt_tokens, completion_tokens)
+        body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         return body
 
     def chunk(self, text: str, finish_reason: str | None = None, *, first: bool = False,
@@ -65,8 +69,8 @@ class Shapes:
             body["usage"] = None
         return body
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")
         body["choices"] = []
-        body["usage"] = usage(prompt_tokens, completion_tokens)
+        body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         return body

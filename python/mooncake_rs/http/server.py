@@ -83,7 +83,9 @@ class ServerThread:
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="a Hugging Face model directory (config.json, *.safetensors, tokenizer.json, "
-                        "tokenizer_config.json with the chat template); required unless --upstream is given")
+                        "tokenizer_config.json with the chat template; `mooncake-rs make-model DIR` makes a tiny "
+                        "one) or a preset name (tiny: random weights, a byte-level tokenizer); required unless "
+                        "--upstream is given")
     p.add_argument("--upstream", action="append", default=[], metavar="NAME=URL,events=tcp://HOST:PORT[,replay=..]",
                    help="route over external OpenAI-compatible engines instead of serving a model: one per "
                         "engine, its KV events endpoint (vLLM's ZMQ format) and optional replay endpoint; "
@@ -100,7 +102,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                                                 "docs/deploy.md) instead of an embedded cluster")
     p.add_argument("--prefill", type=int, default=2, help="prefill instances (default 2)")
     p.add_argument("--decode", type=int, default=1, help="decode instances (default 1)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="KV block size in tokens (default: 16 for a cluster served here; with --upstream, "
+                        "what the engines report)")
     p.add_argument("--processes", action="store_true", help="one worker process per instance")
     p.add_argument("--policy", default="mooncake")
     p.add_argument("--rejection", default="none", help="conductor admission: none, early, predictive")
@@ -123,43 +127,47 @@ def cluster_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         engine["dtype"] = args.dtype
     if args.device:
         engine["device"] = args.device
-    return dict(prefill=args.prefill, decode=args.decode, block_size=args.block_size,
+    return dict(prefill=args.prefill, decode=args.decode, block_size=args.block_size or 16,
                 dram_bytes_per_instance=args.dram_bytes, ssd_path=args.ssd_path, policy=args.policy,
                 ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo, processes=args.processes, seed=args.seed,
                 rejection=args.rejection, prefix_reuse=not args.no_prefix_reuse, engine_kwargs=engine)
 
 
 def serve(args: argparse.Namespace) -> int:
-    """``mooncake-rs serve``: blocks until Ctrl-C / SIGTERM."""
-    if getattr(args, "upstream", None):
-        from ..interop.serve_upstream import serve_upstreams
-
-        return serve_upstreams(args)
+    """``mooncake-rs serve --model``: blocks until Ctrl-C / SIGTERM. ``--model`` is a model
+    directory or a preset name (``tiny``: a random-weight model with a byte-level
+    tokenizer, as ``worker --model tiny`` takes)."""
     if args.model is None:
-        raise InvalidArgument("--model is required: a Hugging Face model directory to serve (or --upstream "
-                              "NAME=URL,events=... to route over external engines)")
-    if not os.path.isdir(args.model):
-        raise InvalidArgument(f"--model {args.model!r} is not a directory; pass a Hugging Face model directory")
+        raise InvalidArgument("--model is required: a Hugging Face model directory or a preset name such as tiny "
+                              "(or --upstream NAME=URL,events=... to route over external engines)")
+    import tempfile
+
     import uvicorn
 
+    from ..base.model_config import PRESETS
+    from ..models.tiny import front_dir
     from ..serving import Cluster
     from .app import create_app
     from .front import Frontend
 
     api_key = args.api_key or os.environ.get("MOONCAKE_API_KEY") or None
-    # The tokenizer first: a directory without one fails in a second, not after the cluster starts.
-    from ..text import Tokenizer
+    with tempfile.TemporaryDirectory(prefix="mooncake-front-") as scratch:
+        # Checked first: a directory without config.json, weights or a tokenizer fails
+        # in a second with one line, not after the cluster starts.
+        model_dir = front_dir(args.model, scratch)
+        from ..text import Tokenizer
 
-    Tokenizer.from_dir(args.tokenizer or args.model)
-    cluster = Cluster(args.model, **cluster_kwargs(args))
-    try:
-        front = Frontend.from_model_dir(cluster, args.model, tokenizer_dir=args.tokenizer,
-                                        model_name=args.served_model_name, api_key=api_key,
-                                        request_timeout_s=args.request_timeout)
-        print(f"mooncake-rs: serving {front.model_name!r} on http://{args.host}:{args.port} "
-              f"({args.prefill} prefill + {args.decode} decode instances)", file=sys.stderr, flush=True)
-        uvicorn.run(create_app(front), host=args.host, port=args.port,
-                    log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5)
-    finally:
-        cluster.close()
+        Tokenizer.from_dir(args.tokenizer or model_dir)
+        cluster = Cluster(args.model, **cluster_kwargs(args))
+        try:
+            name = args.served_model_name or (args.model if args.model in PRESETS else None)
+            front = Frontend.from_model_dir(cluster, model_dir, tokenizer_dir=args.tokenizer,
+                                            model_name=name, api_key=api_key,
+                                            request_timeout_s=args.request_timeout)
+            print(f"mooncake-rs: serving {front.model_name!r} on http://{args.host}:{args.port} "
+                  f"({args.prefill} prefill + {args.decode} decode instances)", file=sys.stderr, flush=True)
+            uvicorn.run(create_app(front), host=args.host, port=args.port,
+                        log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5)
+        finally:
+            cluster.close()
     return 0

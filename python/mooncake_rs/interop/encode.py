@@ -34,7 +34,11 @@ def encode_event(event: KVEvent, form: Form = "positional") -> object:
             "medium": event.medium,
             "lora_name": event.lora_name,
         }
-        optional = {"extra_keys": event.extra_keys, "group_idx": event.group_idx}
+        optional = {
+            "extra_keys": event.extra_keys,
+            "group_idx": event.group_idx,
+            "kv_cache_spec_kind": event.kv_cache_spec_kind,
+        }
         tag = "BlockStored"
     elif isinstance(event, BlockRemoved):
         fields = {"block_hashes": list(event.block_hashes), "medium": event.medium}

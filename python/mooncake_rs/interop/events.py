@@ -3,18 +3,20 @@
 A message is three frames: ``[topic, sequence number (u64 big-endian), msgpack payload]``.
 The payload is an event batch, shipped in two forms by different engine versions:
 
-- positional: ``[ts, [event, ...], data_parallel_rank]`` (the rank may be missing);
+- positional: ``[ts, [event, ...], data_parallel_rank]`` (the rank may be missing; what
+  vLLM 0.32 sends, with map events inside);
 - a map: ``{"ts": ..., "events": [...], "data_parallel_rank": ...}``.
 
 Each event is tagged with its type and is itself positional (``["BlockStored", hashes,
-parent, token_ids, block_size, lora_id, medium, lora_name, extra_keys, group_idx, ...]``)
+parent, token_ids, block_size, lora_id, medium, lora_name, extra_keys, group_idx,
+kv_cache_spec_kind, ...]``)
 or a map with a ``"type"`` field. Trailing positional fields and unknown map keys are
 ignored, so newer engines that append fields still decode. Engine block hashes arrive as
 integers (u64, or i64 from older versions) or as bytes; they are opaque to us and kept
 as sent (see :mod:`.hashmap`).
 
 The fast path decodes a whole batch with one typed msgspec decoder (C code, no Python
-per event); a batch that mixes forms or carries an event type we do not know falls back
+per event; one decoder per shape, tried in turn); a batch that mixes forms or carries an event type we do not know falls back
 to decoding event by event, skipping unknown types (counted in ``Batch.unknown``).
 """
 
@@ -57,8 +59,9 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", frozen=Tr
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
-    extra_keys: Any = None
+    extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", frozen=True, gc=False):
@@ -153,9 +156,24 @@ class _BatchRawMap(msgspec.Struct, gc=False):
     data_parallel_rank: int | None = None
 
 
+# What vLLM 0.32 really sends: a positional batch whose events are maps.
+class _BatchPosOfMaps(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
+    data_parallel_rank: int | None = None
+
+
+class _BatchRawPosOfMaps(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[Union[_BlockStoredRawMap, BlockRemoved, AllBlocksCleared]]
+    data_parallel_rank: int | None = None
+
+
 _dec_raw_tokens_pos = msgspec.msgpack.Decoder(_BatchRawPos)
 _dec_raw_tokens_map = msgspec.msgpack.Decoder(_BatchRawMap)
+_dec_raw_tokens_pos_of_maps = msgspec.msgpack.Decoder(_BatchRawPosOfMaps)
 _dec_pos = msgspec.msgpack.Decoder(_BatchPos)
+_dec_pos_of_maps = msgspec.msgpack.Decoder(_BatchPosOfMaps)
 _dec_map = msgspec.msgpack.Decoder(_BatchMap)
 _dec_raw_pos = msgspec.msgpack.Decoder(_RawBatchPos)
 _dec_raw_map = msgspec.msgpack.Decoder(_RawBatchMap)
@@ -231,15 +249,22 @@ def decode_payload(payload: bytes | memoryview, raw_tokens: bool = False) -> Eve
             f"{bytes(payload[:8])!r}"
         )
     b: Any
-    try:
-        if raw_tokens:
-            b = (_dec_raw_tokens_pos if array else _dec_raw_tokens_map).decode(payload)
-        else:
-            b = (_dec_pos if array else _dec_map).decode(payload)
-    except msgspec.ValidationError:
+    # Typed decoders, one per shape, most likely first: a positional batch of map events
+    # (vLLM 0.32), of positional events (older vLLM, SGLang), a map batch of map events.
+    if array:
+        decoders = ((_dec_raw_tokens_pos_of_maps, _dec_raw_tokens_pos) if raw_tokens else (_dec_pos_of_maps, _dec_pos))
+    else:
+        decoders = (_dec_raw_tokens_map,) if raw_tokens else (_dec_map,)
+    for dec in decoders:
+        try:
+            b = dec.decode(payload)
+            break
+        except msgspec.ValidationError:
+            continue
+        except msgspec.DecodeError as e:  # truncated or not msgpack at all
+            raise MalformedEvent(f"KV event payload is not valid msgpack: {e}") from None
+    else:
         return _decode_slow(payload, array, raw_tokens)
-    except msgspec.DecodeError as e:  # truncated or not msgpack at all
-        raise MalformedEvent(f"KV event payload is not valid msgpack: {e}") from None
     return EventBatch(b.ts, b.events, b.data_parallel_rank)  # type: ignore[arg-type]
 
 

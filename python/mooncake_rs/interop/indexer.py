@@ -34,6 +34,7 @@ from typing import Literal
 from .._core import PrefixHasher, Xxh3RollingHasher
 from ..errors import InvalidArgument
 from .events import EventBatch
+from .extra_keys import vllm_block_extras
 from .indexer_api import QueryByHashRequest, QueryRequest, RegisterRequest, UnregisterRequest
 from .ingest import BlockHasher, Ingestor
 from .targets import MediumIndex
@@ -68,6 +69,14 @@ class _Group:
     hasher: BlockHasher
     media: MediumIndex = field(default_factory=MediumIndex)
     members: dict[MemberKey, _Member] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Fold:
+    """A request's cache salt and LoRA adapter, to fold into its block hashes."""
+
+    cache_salt: str | None = None
+    lora_name: str | None = None
 
 
 def _group_key(model: str, lora_name: str | None, block_size: int, salt: str | None) -> GroupKey:
@@ -207,12 +216,17 @@ class Indexer:
     # --- queries -------------------------------------------------------------------
 
     def query(self, req: QueryRequest) -> dict[str, dict[str, dict[str, object]]]:
-        group, members = self._select(req.model, req.lora_name, req.lora_id, req.block_size, req.cache_salt,
-                                      req.tenant_id, req.instance_id)
+        group, members, fold = self._select(req.model, req.lora_name, req.lora_id, req.block_size, req.cache_salt,
+                                            req.tenant_id, req.instance_id)
         if group is None:
             return {req.tenant_id: {}}
         try:
-            hashes = group.hasher.hash(req.token_ids)
+            if fold.cache_salt is None and fold.lora_name is None:
+                hashes = group.hasher.hash(req.token_ids)
+            else:
+                extras = vllm_block_extras(len(req.token_ids) // req.block_size, cache_salt=fold.cache_salt,
+                                           lora_name=fold.lora_name)
+                hashes = group.hasher.hash(req.token_ids, extras=extras)
         except InvalidArgument as e:
             raise InvalidArgument(f"token_ids: {e}") from None
         return {req.tenant_id: self._answer(group, members, hashes)}
@@ -225,8 +239,10 @@ class Indexer:
         for i, h in enumerate(hashes):
             if not 0 <= h < limit:
                 raise InvalidArgument(f"seq_hashes[{i}] = {h} is not a {'u64' if limit == 1 << 64 else 'u128'}")
-        group, members = self._select(req.model, req.lora_name, req.lora_id, req.block_size, req.cache_salt,
-                                      req.tenant_id, req.instance_id)
+        # The caller's hashes already carry whatever it folded in; salt and adapter only
+        # choose the group here.
+        group, members, _fold = self._select(req.model, req.lora_name, req.lora_id, req.block_size, req.cache_salt,
+                                             req.tenant_id, req.instance_id)
         if group is None:
             return {req.tenant_id: {}}
         return {req.tenant_id: self._answer(group, members, hashes)}
@@ -234,19 +250,34 @@ class Indexer:
     def _select(
         self, model: str, lora_name: str | None, lora_id: int | None, block_size: int, salt: str | None,
         tenant_id: str, instance_id: str | None,
-    ) -> tuple[_Group | None, list[_Member]]:
+    ) -> tuple[_Group | None, list[_Member], _Fold]:
+        """The group a query reads, and what its hashes must fold in.
+
+        A publisher registered with that LoRA name / salt (``additionalsalt``) is its own
+        group, as in Mooncake's API. Otherwise the query reads the group registered without
+        them, and the request's salt and adapter are folded into its hashes as the engine
+        folds them into its own (vLLM: a per-request ``cache_salt``, one engine serving
+        many adapters), so salted or adapted blocks never answer a plain query, nor the
+        reverse."""
         if lora_id is not None:
             raise InvalidArgument("lora_id is deprecated and not supported: pass lora_name")
         if block_size < 1:
             raise InvalidArgument(f"block_size must be >= 1, got {block_size}")
-        gk = _group_key(model, lora_name, block_size, salt)
+        candidates = [(_group_key(model, lora_name, block_size, salt), _Fold())]
+        if salt:
+            candidates.append((_group_key(model, lora_name, block_size, None), _Fold(cache_salt=salt)))
+        if lora_name:
+            candidates.append((_group_key(model, None, block_size, salt), _Fold(lora_name=lora_name)))
+        if salt and lora_name:
+            candidates.append((_group_key(model, None, block_size, None), _Fold(salt, lora_name)))
         with self._lock:
-            group = self._groups.get(gk)
-            if group is None:
-                return None, []
-            members = [m for m in group.members.values()
-                       if m.key[0] == tenant_id and (instance_id is None or m.key[1] == instance_id)]
-        return group, members
+            for gk, fold in candidates:
+                group = self._groups.get(gk)
+                if group is not None:
+                    members = [m for m in group.members.values()
+                               if m.key[0] == tenant_id and (instance_id is None or m.key[1] == instance_id)]
+                    return group, members, fold
+        return None, [], _Fold()
 
     def _answer(self, group: _Group, members: list[_Member], hashes: list[int]) -> dict[str, dict[str, object]]:
         bs = group.key[2]

@@ -29,7 +29,7 @@ from .._core import EngineHashMap, EventIngestor, PrefixHasher, Xxh3RollingHashe
 from ..errors import InvalidArgument
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent, decode_payload
 from .hashmap import DictEngineHashMap
-from .ingest_ref import ReferenceIngestor
+from .ingest_ref import ReferenceIngestor, block_extras
 from .ingest_types import BlockHasher, IngestStats
 from .targets import Target
 
@@ -54,6 +54,7 @@ class Ingestor:
         self.block_size = hasher.block_size
         self._fast: EventIngestor | None = None
         self._ref: ReferenceIngestor | None = None
+        self._size_warned = False
         sink = getattr(target, "sink", None)
         all_indexes = getattr(target, "all_indexes", None)
         if not reference and isinstance(hasher, (PrefixHasher, Xxh3RollingHasher)) and callable(sink) and callable(all_indexes):
@@ -123,15 +124,41 @@ class Ingestor:
         if isinstance(ev, BlockStored):
             tokens: Any = ev.token_ids
             raw = type(tokens) is msgspec.Raw
-            while (name := fast.stored(ev.block_hashes, ev.parent_block_hash, tokens, ev.block_size, ev.medium, raw)) is not None:
+            extras = block_extras(ev)
+            args = (ev.block_hashes, ev.parent_block_hash, tokens, ev.block_size, ev.medium, raw, extras)
+            while (name := fast.stored(*args, ev.group_idx, ev.kv_cache_spec_kind)) is not None:
                 self._register(name)
         elif isinstance(ev, BlockRemoved):
-            while (name := fast.removed(ev.block_hashes, ev.medium)) is not None:
+            while (name := fast.removed(ev.block_hashes, ev.medium, ev.group_idx)) is not None:
                 self._register(name)
         elif isinstance(ev, AllBlocksCleared):
             fast.cleared()
         else:  # pragma: no cover - the decoder yields only the three types
             fast.count_batch(1, 0)
+
+    def groups(self) -> list[tuple[int, bool]]:
+        """The KV cache groups this instance's events named: ``(group_idx, full attention)``."""
+        if self._fast is None:
+            assert self._ref is not None
+            return self._ref.groups()
+        return self._fast.groups()
+
+    def check_block_size(self, payload: bytes | memoryview) -> None:
+        """Say once, with both sizes, that this instance's blocks are not ours (its events
+        count as ``mismatched`` and are ignored): ``payload`` is a recent message, read to
+        find the engine's size. Cheap after the first warning; callers call it per poll."""
+        if self._size_warned or self.stats().mismatched == 0:
+            return
+        self._size_warned = True
+        try:
+            sizes = sorted({ev.block_size for ev in decode_payload(payload).events
+                            if isinstance(ev, BlockStored) and ev.block_size and ev.block_size != self.block_size})
+        except InvalidArgument:
+            sizes = []
+        theirs = ", ".join(map(str, sizes)) or "another size (token counts not a multiple of ours)"
+        log.warning("KV events of instance slot %d: the engine caches blocks of %s tokens, we hash blocks of %d: "
+                    "its blocks are ignored; give the engine's block size (--block-size %s)", self.slot, theirs,
+                    self.block_size, sizes[0] if sizes else "N")
 
     def reset(self, reason: str) -> None:
         """Events were lost: forget everything this instance holds, rebuild from new events."""

@@ -7,10 +7,17 @@ and what it uses for a target or a hasher the Rust path does not know.
 
 For ``BlockStored`` we recompute our chained hashes from its ``token_ids``, starting
 from our hash of its ``parent_block_hash`` (translated through the instance's
-:class:`.hashmap.DictEngineHashMap`), insert them, and remember engine hash -> ours.
+:class:`.hashmap.DictEngineHashMap`) and folding in each block's ``extra_keys`` entry
+(its msgpack bytes: a salt, a LoRA name, multimodal ids), insert them, and remember
+engine hash -> ours.
 ``BlockRemoved`` translates back and removes; ``AllBlocksCleared`` drops the instance.
 Events the index cannot use are counted, not raised: a publisher that is out of step
 with us must not stop ingestion (``stats()`` shows them).
+
+KV cache groups (hybrid models: one per attention kind): only full-attention groups
+(``kv_cache_spec_kind`` ``"full_attention"``, or not said; ``group_idx`` nil is group
+0) decide, and a block is held when every one of them seen so far holds it; events of
+other groups are counted (``other_groups``) and skipped.
 """
 
 from __future__ import annotations
@@ -23,14 +30,29 @@ import msgspec
 
 from .._core import msgpack_tokens
 from ..errors import InvalidArgument, MalformedEvent
+from .extra_keys import encode_extra_keys
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
-from .hashmap import MEDIA_BITS, DictEngineHashMap
+from .hashmap import MAX_GROUPS, MEDIA_BITS, DictEngineHashMap
 from .ingest_types import BlockHasher, IngestStats
 from .targets import Target, canonical_medium
 
-__all__ = ["ReferenceIngestor"]
+__all__ = ["ReferenceIngestor", "block_extras"]
 
 log = logging.getLogger("mooncake_rs.interop")
+
+FULL_ATTENTION = "full_attention"
+"""vLLM's ``kv_cache_spec_kind`` of full-attention groups, the ones that decide whether an
+instance holds a block (a group that does not say its kind counts as one)."""
+
+
+def block_extras(ev: BlockStored) -> list[bytes | None]:
+    """The ``extra_keys`` entries of ``ev`` as the bytes our hashers fold in (one per
+    block; empty when it has none): each re-encoded with msgspec, which gives back the
+    bytes vLLM sent (both write msgpack in its shortest form)."""
+    keys = ev.extra_keys
+    if not keys:
+        return []
+    return [encode_extra_keys(e) for e in keys]
 
 
 class ReferenceIngestor:
@@ -49,6 +71,31 @@ class ReferenceIngestor:
         self._media: dict[str | None, tuple[int, str]] = {}
         self._bits: list[tuple[str, str]] = []  # bit index -> (medium, key)
         self._same_key: dict[str, int] = {}
+        # KV cache groups: group_idx (nil: 0) -> [number in the map, full attention]
+        self._groups: dict[int, list[Any]] = {}
+        self._deciding = 0  # mask of the numbers of the groups that decide holding
+
+    def _group(self, idx: int | None, kind: str | None) -> int | None:
+        """The map number of an event's group, learning it (and its kind, when a
+        ``BlockStored`` says it); ``None`` when the group does not decide."""
+        idx = 0 if idx is None else idx
+        g = self._groups.get(idx)
+        if g is None:
+            if len(self._groups) >= MAX_GROUPS:
+                return None
+            g = self._groups[idx] = [len(self._groups), True]
+            self._deciding |= 1 << g[0]
+        if kind is not None:
+            g[1] = kind == FULL_ATTENTION
+            if g[1]:
+                self._deciding |= 1 << g[0]
+            else:
+                self._deciding &= ~(1 << g[0])
+        return g[0] if g[1] else None
+
+    def groups(self) -> list[tuple[int, bool]]:
+        """The KV cache groups seen so far: ``(group_idx, full attention)``."""
+        return [(idx, g[1]) for idx, g in self._groups.items()]
 
     def _medium(self, medium: str | None) -> tuple[int, str] | None:
         got = self._media.get(medium)
@@ -97,6 +144,10 @@ class ReferenceIngestor:
         n = len(engine)
         if n == 0:
             return
+        group = self._group(ev.group_idx, ev.kv_cache_spec_kind)
+        if group is None:
+            st.other_groups += 1
+            return
         bs = self.block_size
         tokens: Any = ev.token_ids
         if type(tokens) is msgspec.Raw:  # left undecoded by decode_payload(raw_tokens=True)
@@ -104,12 +155,13 @@ class ReferenceIngestor:
                 tokens = memoryview(msgpack_tokens(tokens)).cast("I")
             except InvalidArgument as e:
                 raise MalformedEvent(f"BlockStored token_ids: {e}") from None
-        if (ev.block_size and ev.block_size != bs) or len(tokens) != n * bs:
+        extras = block_extras(ev)
+        if (ev.block_size and ev.block_size != bs) or len(tokens) != n * bs or len(extras) > n:
             st.mismatched += 1
             return
         parent: int | None = None
         if ev.parent_block_hash is not None:
-            parent = self.map.ours(ev.parent_block_hash)
+            parent = self.map.ours(ev.parent_block_hash, group)
             if parent is None:
                 st.orphans += 1
                 return
@@ -119,12 +171,15 @@ class ReferenceIngestor:
             return
         bit, key = med
         try:
-            ours = self.hasher.hash(tokens, parent)
+            ours = self.hasher.hash(tokens, parent, extras) if any(e is not None for e in extras) else self.hasher.hash(tokens, parent)
         except InvalidArgument as e:  # token ids outside u32
             raise MalformedEvent(f"BlockStored token_ids: {e}") from None
-        replaced = self.map.store(engine, ours, bit)
+        replaced = self.map.store(engine, ours, bit, group)
         if replaced:
             self._remove_masks(replaced)
+        if self._deciding != 1 << group:  # several deciding groups: insert what each holds
+            same, deciding = self._same_key[key], self._deciding
+            ours = [o for o in ours if self.map.held(o, same, deciding)]
         self.target.insert(self.slot, ours, key)
         st.stored_blocks += n
         if len(self.map) > self.map.capacity:
@@ -133,26 +188,34 @@ class ReferenceIngestor:
             self._remove_masks(gone)
 
     def _removed(self, ev: BlockRemoved) -> None:
+        group = self._group(ev.group_idx, None)
+        if group is None:
+            self._stats.other_groups += 1
+            return
         med = self._medium(ev.medium)
         if med is None:
             self._stats.media_overflow += 1
             return
         bit, key = med
-        out, unknown = self.map.remove(ev.block_hashes, bit, self._same_key[key])
+        out, unknown = self.map.remove(ev.block_hashes, bit, self._same_key[key], group, self._deciding)
         self._stats.unknown_removed += unknown
         if out:
             self.target.remove(self.slot, out, key)
             self._stats.removed_blocks += len(out)
 
     def _remove_masks(self, entries: Iterable[tuple[int, int]]) -> None:
-        """Remove these (our hash, media mask) blocks from every key their media use."""
+        """Remove these (our hash, media mask) blocks, entries just replaced or evicted,
+        from every key their media use, unless the map still holds them there."""
         per_key: dict[str, list[int]] = {}
         for ours, mask in entries:
             keys = {self._bits[b][1] for b in range(len(self._bits)) if mask >> b & 1}
             for k in keys:
-                per_key.setdefault(k, []).append(ours)
-        for k, hs in per_key.items():
-            self.target.remove(self.slot, hs, k)
+                if not self.map.held(ours, self._same_key[k], self._deciding):
+                    per_key.setdefault(k, []).append(ours)
+        # in the order the keys were first named, as the Rust path does
+        for k in dict.fromkeys(key for _, key in self._bits):
+            if k in per_key:
+                self.target.remove(self.slot, per_key[k], k)
 
     def _drop(self) -> None:
         self.target.clear(self.slot)

@@ -14,7 +14,7 @@ class BlockHasher(Protocol):
 
     @property
     def block_size(self) -> int: ...
-    def hash(self, tokens: Any, parent: int | None = None) -> list[int]: ...
+    def hash(self, tokens: Any, parent: int | None = None, extras: Any = None) -> list[int]: ...
 
 
 @dataclass
@@ -36,3 +36,6 @@ class IngestStats:
     """Hash-map entries dropped when full (their blocks left the index)."""
     media_overflow: int = 0
     """Events naming a medium beyond the 8 one instance can track (skipped)."""
+    other_groups: int = 0
+    """Events of a KV cache group that does not decide what the instance holds (not full
+    attention: sliding window, mamba...; or beyond the 64 tracked): skipped."""

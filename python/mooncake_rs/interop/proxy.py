@@ -126,7 +126,12 @@ def create_proxy_app(router: UpstreamRouter, tokenizer: Any, *, api_key: str | N
             # the conductor's estimate of the output; the upstream judges max_tokens itself
             expected = (min(mt, router.conductor.config.max_output_len)
                         if isinstance(mt, int) and not isinstance(mt, bool) and mt > 0 else None)
-            r = router.route(ids, expected_output_len=expected)
+            salt = body.get("cache_salt")
+            if salt is not None and (not isinstance(salt, str) or not salt):
+                raise bad_request("'cache_salt' must be a non-empty string", "cache_salt")
+            model = body.get("model")
+            lora = model if isinstance(model, str) and model in router.lora_adapters else None
+            r = router.route(ids, expected_output_len=expected, cache_salt=salt, lora_name=lora)
         except Exception as e:  # noqa: BLE001 - every failure answers in the OpenAI error shape
             return error(e, headers)
         out_headers = {"content-type": "application/json", "x-request-id": rid}
@@ -144,7 +149,7 @@ def create_proxy_app(router: UpstreamRouter, tokenizer: Any, *, api_key: str | N
                 # elsewhere. Any other transport error may have been half-served: no retry.
                 if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)) and router.mark_down(r):
                     try:
-                        r = router.route(ids, expected_output_len=expected)
+                        r = router.route(ids, expected_output_len=expected, cache_salt=salt, lora_name=lora)
                         continue
                     except Exception as e2:  # noqa: BLE001
                         return error(e2, headers)

@@ -2,13 +2,15 @@
 
 Sequence numbers are per publisher and consecutive. When one is skipped we ask the
 engine's replay endpoint (a ROUTER; we connect as a REQ would, send the first missing sequence
-number as 8 big-endian bytes and read ``[seq, payload]`` replies until ``[-1, b""]``)
-for what we missed. If no replay endpoint is configured, it does not answer in time, or
+number as 8 big-endian bytes and read ``[seq, payload]`` or ``[topic, seq, payload]``
+replies until the sequence -1) for what we missed, within a time and count bound. If no replay endpoint is configured, it does not answer in time, or
 it no longer has the first missing batch, the instance's index entries are dropped
 (``Ingestor.reset``: logged and counted) and rebuilt from the events that follow; the
 index then under-reports what the engine holds until it stores again, which only costs a
 worse routing choice, never a wrong hit. A sequence number that goes backwards means
-the publisher restarted, which is handled the same way.
+the publisher restarted, which is handled the same way, and so is a publisher that
+disconnects (a ZMQ socket monitor sees it at once): a stopped or restarted engine's
+entries go without waiting for its next event.
 
 Sockets are owned by the thread that polls them: call :meth:`poll` from one thread, or
 :meth:`start` a background thread and :meth:`stop` it.
@@ -22,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import InvalidArgument, MalformedEvent
 from .events import REPLAY_END, decode_message, decode_seq
@@ -42,8 +45,27 @@ class SubscriberStats:
     """Gaps the replay could not fill (the instance was reset)."""
     restarts: int = 0
     duplicates: int = 0
+    disconnects: int = 0
+    """Times the publisher went away (each dropped the instance's entries)."""
     malformed: int = 0
     """Messages that did not decode (skipped and logged)."""
+
+
+def _replay_reply(frames: list[bytes]) -> tuple[int, bytes]:
+    """One reply of a replay ROUTER, as a DEALER receives it: ``(seq, payload)``.
+
+    Two shapes are in use, after the empty delimiter frame: ``[seq, payload]`` (SGLang,
+    our own publisher) and ``[topic, seq, payload]`` (vLLM 0.32). The end is the sequence
+    :data:`REPLAY_END` (vLLM sends it as ``[b"", REPLAY_END, b""]``).
+    """
+    if frames and frames[0] == b"":
+        frames = frames[1:]
+    if len(frames) == 2:
+        return decode_seq(frames[0]), frames[1]
+    if len(frames) == 3:
+        return decode_seq(frames[1]), frames[2]
+    raise MalformedEvent(
+        f"a replay reply has [seq, payload] or [topic, seq, payload] after the delimiter, got {len(frames)} frames")
 
 
 class KVEventSubscriber:
@@ -59,11 +81,19 @@ class KVEventSubscriber:
         replay_timeout_s: float = 2.0,
         rcvhwm: int = 100_000,
         catch_up: bool = True,
+        replay_max_s: float = 10.0,
+        replay_max_messages: int = 100_000,
     ) -> None:
         if not endpoint:
             raise InvalidArgument("a KV event subscriber needs an endpoint such as tcp://host:5557")
         if replay_timeout_s <= 0:
             raise InvalidArgument(f"replay_timeout_s must be > 0, got {replay_timeout_s}")
+        if replay_max_s <= 0 or replay_max_messages < 1:
+            raise InvalidArgument(f"replay_max_s must be > 0 and replay_max_messages >= 1, got {replay_max_s}, "
+                                  f"{replay_max_messages}")
+        self.replay_max_s = replay_max_s
+        """One replay's whole time budget (an endpoint that keeps answering is cut off)."""
+        self.replay_max_messages = replay_max_messages
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint or None
         self.ingestor = ingestor
@@ -80,6 +110,11 @@ class KVEventSubscriber:
         except zmq.ZMQError as e:
             self._sub.close(0)
             raise InvalidArgument(f"cannot connect to KV event endpoint {endpoint!r}: {e}") from None
+        # A publisher that goes away (its engine stopped, crashed or is restarting) took its
+        # cache with it: the monitor tells us at once, not at the engine's next event.
+        self._monitor = self._sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._join_replay = catch_up and self.replay_endpoint is not None
+        """Catch up on the first poll, before any live message (an idle engine sends none)."""
         self._last: int | None = None  # highest sequence number applied
         self._sub_last: int | None = None  # highest seen on the SUB socket itself
         self.stats = SubscriberStats()
@@ -96,19 +131,54 @@ class KVEventSubscriber:
     def poll(self, timeout_s: float = 0.0, max_messages: int | None = None) -> int:
         """Handle the messages that arrive within ``timeout_s``; returns how many."""
         n = 0
+        last: list[bytes] = []
         deadline = time.monotonic() + max(timeout_s, 0.0)
         sub = self._sub
+        if self._join_replay:
+            self._join_replay = False
+            self._catch_up()
         while max_messages is None or n < max_messages:
+            self._check_monitor()
             try:
                 frames = sub.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 left = deadline - time.monotonic()
-                if left <= 0 or not sub.poll(max(1, int(left * 1000))):
+                if left <= 0:
                     break
+                # Wake for a message or for the publisher going away, whichever first.
+                zmq.select([sub, self._monitor], [], [], left)
                 continue
             self._handle(frames)
             n += 1
+            last = frames
+        if n and len(last) == 3:
+            self.ingestor.check_block_size(last[2])
         return n
+
+    def _catch_up(self) -> None:
+        """Joining: apply what the engine's replay buffer holds from its start."""
+        if self._replay(0, 0, from_start=True):
+            return
+        self.stats.replay_failures += 1
+        if self._last is not None:  # part of the history came, then it stopped
+            self.ingestor.reset(f"catch-up replay stopped at {self._last}")
+            self._last = None
+
+    def _check_monitor(self) -> None:
+        """The publisher disconnected: drop the instance's entries now (its engine is gone,
+        or restarting with an empty cache); what it publishes after reconnecting is a new
+        stream (caught up through replay if it is the same engine)."""
+        went_away = False
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            went_away |= event["event"] == zmq.EVENT_DISCONNECTED
+        if went_away:
+            self.stats.disconnects += 1
+            self.ingestor.reset(f"the publisher at {self.endpoint} went away")
+            self._last = self._sub_last = None
 
     def _handle(self, frames: list[bytes]) -> None:
         self.stats.messages += 1
@@ -141,6 +211,8 @@ class KVEventSubscriber:
             if s > 0 and self.catch_up and self.replay_endpoint is not None:
                 # Joining a running engine: fetch what it still buffers from before.
                 done = self._replay(0, s, from_start=True)
+                if not done:
+                    self.stats.replay_failures += 1
                 if self._last is not None and s <= self._last:
                     return
                 if not done and self._last is not None:
@@ -185,6 +257,12 @@ class KVEventSubscriber:
 
         ``from_start``: catching up after joining, so a buffer that begins later than
         ``start`` is fine (we never had those events anyway): apply what it has.
+
+        Bounded: it gives up after ``replay_max_s`` in all, ``replay_max_messages``
+        replies, or as soon as :meth:`stop` is called, so an endpoint that keeps answering
+        cannot stall the subscriber; live messages wait in the SUB socket's queue meanwhile
+        and are applied right after. Every way it can fail is counted in
+        ``stats.replay_failures`` by the caller (a False return).
         """
         if self.replay_endpoint is None:
             return False
@@ -193,19 +271,29 @@ class KVEventSubscriber:
         req = self._ctx.socket(zmq.DEALER)
         req.setsockopt(zmq.LINGER, 0)
         timeout_ms = max(1, int(self.replay_timeout_s * 1000))
-        req.setsockopt(zmq.RCVTIMEO, timeout_ms)
         req.setsockopt(zmq.SNDTIMEO, timeout_ms)
         expect = start
+        deadline = time.monotonic() + self.replay_max_s
+        replies = 0
         try:
             req.connect(self.replay_endpoint)
             req.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
-                frames = req.recv_multipart()
-                if frames and frames[0] == b"":
-                    frames = frames[1:]
-                if len(frames) != 2:
-                    raise MalformedEvent(f"a replay reply has 2 frames [seq, payload], got {len(frames)}")
-                s = decode_seq(frames[0])
+                if self._stop.is_set():
+                    log.warning("KV event replay from %s stopped: the subscriber is stopping", self.replay_endpoint)
+                    return False
+                left = deadline - time.monotonic()
+                if left <= 0 or replies >= self.replay_max_messages:
+                    log.warning("KV event replay from %s gave up after %d replies in %.1f s (bounds: %d, %.1f s)",
+                                self.replay_endpoint, replies, self.replay_max_s - max(left, 0.0),
+                                self.replay_max_messages, self.replay_max_s)
+                    return False
+                if not req.poll(min(timeout_ms, max(1, int(left * 1000)))):
+                    log.warning("KV event replay from %s: no reply within %.1f s", self.replay_endpoint,
+                                min(self.replay_timeout_s, left))
+                    return False
+                s, payload = _replay_reply(req.recv_multipart())
+                replies += 1
                 if s == REPLAY_END:
                     break
                 if s < expect:
@@ -216,13 +304,10 @@ class KVEventSubscriber:
                     # The engine's buffer no longer holds ``expect``: the gap stays.
                     log.warning("KV event replay from %s starts at %d, needed %d", self.replay_endpoint, s, expect)
                     return False
-                self.ingestor.apply_payload(frames[1])
+                self.ingestor.apply_payload(payload)
                 self._last = s
                 self.stats.replayed += 1
                 expect = s + 1
-        except zmq.Again:
-            log.warning("KV event replay from %s timed out after %.1fs", self.replay_endpoint, self.replay_timeout_s)
-            return False
         except (zmq.ZMQError, MalformedEvent) as e:
             log.warning("KV event replay from %s failed: %s", self.replay_endpoint, e)
             return False
@@ -247,18 +332,24 @@ class KVEventSubscriber:
         except Exception:  # noqa: BLE001 - a dying thread must say why
             log.exception("KV event subscriber of %s stopped", self.endpoint)
         finally:
-            self._sub.close(0)
-            self._closed = True
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        self._sub.disable_monitor()
+        self._monitor.close(0)
+        self._sub.close(0)
+        self._closed = True
 
     def stop(self, timeout_s: float = 2.0) -> None:
         """Stop the thread (if started) and close the socket."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+            if self._thread.is_alive():  # it checks the flag at least every replay_timeout_s
+                log.warning("KV event subscriber of %s did not stop within %.1f s", self.endpoint, timeout_s)
             self._thread = None
         elif not self._closed:
-            self._sub.close(0)
-            self._closed = True
+            self._close_sockets()
 
     close = stop
 

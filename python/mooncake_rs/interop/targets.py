@@ -37,7 +37,8 @@ def canonical_medium(medium: str | None) -> str:
     """The upper-case medium name (vLLM's ``"GPU"``/``"CPU"``, Mooncake's gpu/cpu/disk, SGLang's CPU_PINNED...).
 
     ``None`` is the engine's own device cache (vLLM leaves it unset for GPU blocks).
-    GPU aliases: NPU, HBM, DEVICE; CPU: CPU_PINNED, DRAM, HOST; DISK: SSD, NVME, FILE.
+    GPU aliases: NPU, HBM, DEVICE; CPU: CPU_PINNED, DRAM, HOST; DISK: SSD, NVME, FILE,
+    STORAGE (vLLM's offloading tier behind CPU: a file system or object store).
     Unknown names are kept, upper-cased, as media of their own. (The table is in Rust,
     shared with the Rust ingest path.)
     """

@@ -32,6 +32,7 @@ from typing import Any
 
 from .._core import Conductor, ConductorConfig, PrefixHasher
 from ..errors import InvalidArgument
+from .extra_keys import vllm_block_extras
 from .ingest import Ingestor
 from .targets import TierTarget
 
@@ -77,6 +78,24 @@ def parse_upstream(text: str) -> UpstreamSpec:
     return UpstreamSpec(name, url.rstrip("/"), opts.get("events"), opts.get("replay"))
 
 
+def _learn_block_size(upstreams: Sequence[UpstreamSpec]) -> int:
+    """The block size every upstream reports (metrics, else replay buffer); they must agree."""
+    from .engine_info import discover_block_size
+
+    sizes = {u.name: discover_block_size(u.url, u.replay) for u in upstreams}
+    known = {n: s for n, s in sizes.items() if s is not None}
+    if not known:
+        raise InvalidArgument(f"could not learn the KV block size of the upstreams {list(sizes)} (no "
+                              "vllm:cache_config_info in their /metrics, nothing in their replay buffers): "
+                              "pass --block-size, the engines' --block-size")
+    if len(set(known.values())) > 1:
+        raise InvalidArgument(f"the upstreams cache blocks of different sizes {known}: route engines of one "
+                              "block size together")
+    size = next(iter(known.values()))
+    log.info("upstream KV block size %d (reported by %s)", size, ", ".join(known))
+    return size
+
+
 @dataclass
 class _Upstream:
     spec: UpstreamSpec
@@ -110,7 +129,7 @@ class UpstreamRouter:
     ``clock``: seconds, monotonic (the conductor's ``now``).
     """
 
-    def __init__(self, upstreams: Sequence[UpstreamSpec], *, block_size: int = 16, seed: int = 0,
+    def __init__(self, upstreams: Sequence[UpstreamSpec], *, block_size: int | None = None, seed: int = 0,
                  policy: str = "local_cache_aware", rejection: str = "none", ttft_slo_s: float = 30.0,
                  subscribe: bool = True, map_capacity: int = 1 << 20, down_cooldown_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic, **conductor_kw: Any) -> None:
@@ -120,6 +139,10 @@ class UpstreamRouter:
         dup = next((n for n in names if names.count(n) > 1), None)
         if dup is not None:
             raise InvalidArgument(f"upstream name {dup!r} is given twice; names must be unique")
+        if block_size is None:
+            block_size = _learn_block_size(upstreams)
+        if block_size < 1:
+            raise InvalidArgument(f"block_size must be >= 1, got {block_size}")
         self.hasher = PrefixHasher(block_size, seed)
         self.block_size = block_size
         self.conductor = Conductor(ConductorConfig(block_size=block_size, policy=policy, rejection=rejection,
@@ -138,6 +161,9 @@ class UpstreamRouter:
             self.conductor.add_prefill(slot)
             up = _Upstream(spec, slot, Ingestor(target, slot, self.hasher, map_capacity))
             self._by_slot[slot] = self._by_name[spec.name] = up
+        self.lora_adapters: set[str] = set()
+        """Model names the upstreams serve as LoRA adapters (a request naming one is hashed
+        with the adapter folded in, as the engine partitions its cache)."""
         self._subscribed = False
         if subscribe:
             self.subscribe()
@@ -149,7 +175,10 @@ class UpstreamRouter:
         from .subscriber import KVEventSubscriber  # pyzmq only when events are used
 
         self._subscribed = True
+        from .engine_info import lora_adapters
+
         for up in self._by_slot.values():
+            self.lora_adapters |= lora_adapters(up.spec.url)
             if up.spec.events:
                 up.subscriber = KVEventSubscriber(up.spec.events, up.ingestor, replay_endpoint=up.spec.replay)
                 up.subscriber.start()
@@ -180,9 +209,20 @@ class UpstreamRouter:
             raise InvalidArgument(f"no upstream named {name!r}; the upstreams are {self.names}")
         return up
 
-    def held_blocks(self, name: str, prompt_ids: Sequence[int]) -> int:
+    def block_hashes(self, prompt_ids: Sequence[int], cache_salt: str | None = None,
+                     lora_name: str | None = None) -> list[int]:
+        """Our hashes of the prompt's full blocks, partitioned as the engines partition their
+        caches: a request's ``cache_salt`` and LoRA adapter are folded in (vLLM's extra keys)."""
+        ids = list(prompt_ids)
+        if cache_salt is None and lora_name is None:
+            return self.hasher.hash_blocks(ids)
+        extras = vllm_block_extras(len(ids) // self.block_size, cache_salt=cache_salt, lora_name=lora_name)
+        return self.hasher.hash(ids, extras=extras)
+
+    def held_blocks(self, name: str, prompt_ids: Sequence[int], cache_salt: str | None = None,
+                    lora_name: str | None = None) -> int:
         """How many leading full blocks of ``prompt_ids`` the index says ``name`` holds."""
-        got = self.conductor.index.match_prefix(self.hasher.hash_blocks(list(prompt_ids)))
+        got = self.conductor.index.match_prefix(self.block_hashes(prompt_ids, cache_salt, lora_name))
         return int(got.get(self._up(name).slot, 0))
 
     def stats(self) -> dict[str, dict[str, Any]]:
@@ -202,14 +242,18 @@ class UpstreamRouter:
     def _now(self) -> float:
         return self._clock() - self._t0
 
-    def route(self, prompt_ids: Sequence[int], expected_output_len: int | None = None) -> Route:
-        """Schedules a prompt; raises ``Overloaded`` (-> 429) when the conductor refuses it."""
+    def route(self, prompt_ids: Sequence[int], expected_output_len: int | None = None, *,
+              cache_salt: str | None = None, lora_name: str | None = None) -> Route:
+        """Schedules a prompt; raises ``Overloaded`` (-> 429) when the conductor refuses it.
+
+        ``cache_salt`` (the OpenAI request's field) and ``lora_name`` (an adapter the
+        request names as its model) partition the cache as the engine does."""
         ids = list(prompt_ids)
         if not ids:
             raise InvalidArgument("the prompt encodes to no tokens; send some text")
         self._revive()
         rid = next(self._ids)
-        d = self.conductor.schedule(rid, self.hasher.hash_blocks(ids), len(ids), self._now(),
+        d = self.conductor.schedule(rid, self.block_hashes(ids, cache_salt, lora_name), len(ids), self._now(),
                                     expected_output_len=expected_output_len)
         up = self._by_slot[d.prefill]
         with self._lock:

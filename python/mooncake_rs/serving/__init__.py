@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .cluster import Cluster
 from .handle import RequestHandle
-from .metrics import ClusterMetrics, RequestMetrics
+from ..base.metrics import RequestMetrics
+from .metrics import ClusterMetrics
 
 __all__ = ["Cluster", "RequestHandle", "RequestMetrics", "ClusterMetrics"]

@@ -244,19 +244,17 @@ class Cluster(RoutedCluster):
     # ---- construction
     @staticmethod
     def _model_config(model: Any) -> Any:
-        from ..engine.config import ModelConfig
+        from ..base.model_config import ModelConfig, model_dir_config
 
         if isinstance(model, ModelConfig):
             return model
         if isinstance(model, (str, Path)) and Path(model).is_dir():
-            import json
-
-            return ModelConfig.from_hf_config(json.loads((Path(model) / "config.json").read_text()))
+            return model_dir_config(model)
         return ModelConfig.preset(str(model))
 
     @classmethod
     def _block_bytes(cls, model: Any, block_size: int) -> int:
-        from ..engine.layout import BlockLayout
+        from ..base.layout import BlockLayout
 
         return BlockLayout.for_model(cls._model_config(model), block_size, "float32").block_nbytes
 
@@ -291,11 +289,12 @@ class Cluster(RoutedCluster):
         return mark_down(m, reason, quiet=self._closed)
 
     @staticmethod
-    def connect(address: str | None = None, *, etcd: str | None = None, auth_token: str, cluster: str = "default",
+    def connect(address: str | None = None, *, etcd: Any = None, auth_token: str, cluster: str = "default",
                 connect_timeout_s: float = 10.0) -> Any:
         """A running deployment across hosts (``mooncake-rs serve --etcd``), with this
         class's request API: a ``deploy.RemoteCluster``. ``etcd``: find the leading
-        ``serve`` there (under ``cluster``); or ``address``: a ``serve``'s ``--listen``.
+        ``serve`` there (under ``cluster``; a URL, or a ``deploy.EtcdClient`` for etcd's
+        authentication and TLS); or ``address``: a ``serve``'s ``--listen``.
         ``auth_token``: the cluster token. See docs/deploy.md."""
         from ..deploy.remote import RemoteCluster
 

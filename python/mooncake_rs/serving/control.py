@@ -149,7 +149,7 @@ class QueuePeer:
         self.alive = False
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+def _recv_exact(sock: Any, n: int) -> bytes | None:
     parts, got = [], 0
     while got < n:
         chunk = sock.recv(min(n - got, 1 << 20))
@@ -160,7 +160,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return b"".join(parts)
 
 
-def read_message(sock: socket.socket, codec: Codec) -> Message | None:
+def read_message(sock: Any, codec: Codec) -> Message | None:
     """The next message on ``sock``; None when the peer closed it (also mid-frame: a
     peer that dies while writing). Raises ``ProtocolError`` for a bad frame."""
     hdr = _recv_exact(sock, 4)
@@ -180,10 +180,12 @@ class SocketChannel:
     ``to_instance`` / ``send`` write a frame (the cluster and the instance side share
     the framing); ``recv`` reads the sink (for a worker whose only link it is)."""
 
-    def __init__(self, sock: socket.socket, source_id: int, sink: Any,
+    def __init__(self, sock: Any, source_id: int, sink: Any,
                  allowed: tuple[type, ...], name: str = "", types: Any = None) -> None:
-        """``sink``: anything with ``put((source_id, msg))``. ``types``: the tagged union
-        the link decodes (default: the serving protocol's ``Message``)."""
+        """``sock``: a socket, or what stands for one (``deploy.sealed.SealedSocket``:
+        ``sendall``, ``recv``, ``shutdown``, ``close``). ``sink``: anything with
+        ``put((source_id, msg))``. ``types``: the tagged union the link decodes (default:
+        the serving protocol's ``Message``)."""
         self.sock = sock
         self.source_id = source_id
         self.name = name or f"link-{source_id}"

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import InvalidArgument, Overloaded, TransferTimeout
 from .handle import RequestHandle, wait_seconds
-from .metrics import RequestMetrics
+from ..base.metrics import RequestMetrics
 
 __all__ = ["GenerateMixin"]
 
@@ -31,8 +31,8 @@ class GenerateMixin:
         whole call: what has not finished by then is cancelled on the instances and
         ``TransferTimeout`` is raised. Whatever ends the call early (a rejection, a
         timeout, a failed request, KeyboardInterrupt) cancels the requests still running."""
-        from ..engine.outputs import RequestOutput
-        from ..engine.params import SamplingParams
+        from ..base.outputs import RequestOutput
+        from ..base.params import SamplingParams
 
         wait = wait_seconds(timeout_s, "timeout_s")
         if wait is not None and wait <= 0:

@@ -142,6 +142,12 @@ class Instance:
     def attach(self, msg: Attach) -> None:
         """A conductor service took this worker (deploy/): serve as ``msg.id`` from now
         on, after dropping what an earlier conductor left, and tell it all the store holds."""
+        if msg.name != self.spec.name and hasattr(self.ch, "refuse_pending"):
+            # A conductor that took another worker's record for this one (a copy in etcd
+            # under another name, pointing here through a relay): refusing keeps the
+            # conductor that attached this worker under its own name.
+            self.ch.refuse_pending(InitFailed(f"this worker is {self.spec.name!r}, not {msg.name!r}"))
+            return
         self.release_all()  # what it says of those still goes to the old conductor, if any
         self.ch.adopt()
         if msg.version != PROTOCOL_VERSION:

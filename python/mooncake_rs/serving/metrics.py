@@ -1,4 +1,5 @@
-"""Per-request metrics, cluster totals and the Prometheus text exposition."""
+"""Cluster totals and the Prometheus text exposition (a request's own metrics are
+``base.metrics.RequestMetrics``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["RequestMetrics", "ClusterMetrics", "Histogram", "tbt_of", "percentile"]
+from ..base.metrics import RequestMetrics
+
+__all__ = ["ClusterMetrics", "Histogram", "tbt_of", "percentile"]
 
 #: recent samples kept for the summaries' quantiles (a server runs for months: the
 #: lifetime distribution lives in the fixed-size histograms, not in a list)
@@ -61,36 +64,6 @@ def percentile(values: Sequence[float], q: float) -> float:
         return math.nan
     s = sorted(values)
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
-
-
-@dataclass
-class RequestMetrics:
-    """What one request cost and where it ran (``RequestOutput.metrics``).
-
-    ``reused_tokens``: prompt tokens whose KV came from a store (this instance's or
-    fetched); ``fetched_tokens``: the part fetched from another instance;
-    ``computed_tokens``: prompt tokens prefilled here; ``transferred_bytes``: KV bytes
-    moved for it (prefix fetch + prefill -> decode). ``kv_ready_s``: from prefill start to
-    the decode instance having every block. ``fetch_sources``: the holders its prefix
-    fetch read from at once (0: no fetch; 2 or more: a multi-source fetch,
-    ``Cluster(multipath=True)``); ``fetch_s``: how long that fetch took, at the prefill
-    instance (0: no fetch).
-    """
-
-    ttft_s: float = math.nan
-    tbt_s: float = 0.0
-    reused_tokens: int = 0
-    fetched_tokens: int = 0
-    computed_tokens: int = 0
-    transferred_bytes: int = 0
-    prefill_instance: int = -1
-    decode_instance: int = -1
-    kv_ready_s: float = math.nan
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    fetch_sources: int = 0
-    fetch_s: float = 0.0
-    token_intervals: list[float] = field(default_factory=list, repr=False)
 
 
 class ClusterMetrics:

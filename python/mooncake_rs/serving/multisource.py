@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._core import WritableBlock
-from ..errors import InvalidArgument, MooncakeError, TransferFailed, TransferTimeout
+from ..errors import InvalidArgument, MooncakeError, TransferTimeout
 from .arena import StoreSlots
 from .transport import Span
 
@@ -276,10 +276,3 @@ class MultiFetch:
             raise TransferTimeout(f"a fetch of {len(self.keys)} blocks did not end within {timeout_s}s")
         res = self.finish()
         return res
-
-
-def raise_for(res: FetchResult) -> FetchResult:
-    """``res``, or ``TransferFailed`` with its error."""
-    if res.error is not None:
-        raise TransferFailed(f"multi-source fetch failed: {res.error}")
-    return res

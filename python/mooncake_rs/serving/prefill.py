@@ -30,7 +30,6 @@ from typing import Any, Callable
 import msgspec
 
 from .._core import BlockHashes, WritableBlock
-from ..errors import MooncakeError
 from .multisource import FetchSource, MultiFetch
 from .protocol import (Cancel, Cancelled, Endpoint, Failed, Fetched, InstanceSpec, KvReady, Message, Prefill,
                        PrefillReport, ProtocolError, op_of)
@@ -155,38 +154,10 @@ class PrefillRole:
             if fetch is not None:
                 self.up(Fetched(rid))  # not fetched after all: the holder may let go
             self._compute(st)
-        elif msg.fetch_also and hasattr(self.transport, "new_tag"):
+        elif msg.fetch_also:
             self._fetch_multi(st, msg)
-        elif hasattr(self.transport, "read"):
-            self._fetch_async(st, fetch)
         else:
-            t0 = time.monotonic()
-            self._fetch_now(st, fetch)
-            st.sources, st.fetch_s = (1 if st.fetched else 0), time.monotonic() - t0
-            self.up(Fetched(rid))
-            self._compute(st)
-
-    def _fetch_now(self, st: _PState, fetch: Any) -> None:
-        """Copies the holder's blocks one by one, waiting for each (a transport without
-        an asynchronous read)."""
-        store, ep = self.store, fetch.arena.as_dict()
-        for k, off in zip(BlockHashes(fetch.keys), fetch.offsets):
-            s = store.lookup(k)
-            if s is None:
-                try:
-                    wb = store.reserve(k)
-                except MooncakeError:
-                    break
-                try:
-                    self.transport.read_now(st.rid, ep, [Span(wb.offset, off, store.block_bytes)])
-                except (MooncakeError, OSError):  # the holder is gone: compute the rest
-                    wb.abort()
-                    break
-                s = store.commit(wb, lease=True)
-                if s is None:
-                    break
-                st.fetched += 1
-            st.leases.append(s)
+            self._fetch_async(st, fetch)
 
     def _fetch_async(self, st: _PState, fetch: Any) -> None:
         """Starts one read of every block to fetch and returns: the instance loop goes on

@@ -37,7 +37,7 @@ MAX_FETCH_SOURCES = 4
 def request_output(record: RequestRecord, reason: str) -> Any:
     """The ``RequestOutput`` of a finished request (``ClusterPort.output``). The record is
     dropped once finished: its token list is handed over, not copied."""
-    from ..engine.outputs import RequestOutput
+    from ..base.outputs import RequestOutput
 
     m = record.metrics
     return RequestOutput(str(record.plan.rid), record.plan.prompt, record.tokens, reason, [], m.reused_tokens, 0, m)
@@ -113,7 +113,7 @@ class RoutedCluster(GenerateMixin):
                 handle_type: Callable[[int, list[int], Any], RequestHandle]) -> Any:
         """``submit`` with the handle's maker: ``handle_type(rid, prompt, on_cancel)``
         (the conductor service forwards a remote client's tokens through its own)."""
-        from ..engine.params import SamplingParams
+        from ..base.params import SamplingParams
         from ..engine.tokens import prompt_tokens
 
         if self._closed:

@@ -31,7 +31,8 @@ from .control import CLUSTER, Counts, Lost
 from .handle import RequestHandle
 from .lifecycle import (CancelRequest, Command, Conduct, Deliver, Fail, Finish, InstanceDown, Plan,
                         RequestLifecycle, Send, Tick)
-from .metrics import ClusterMetrics, RequestMetrics, tbt_of
+from ..base.metrics import RequestMetrics
+from .metrics import ClusterMetrics, tbt_of
 from .protocol import (Cancelled, Exported, Failed, Fetched, InitFailed, Message, PeerLost, Ready, Relay,
                        RoleSwitched,
                        StatsReply, Step, StoreEvents, Timings, Tokens)

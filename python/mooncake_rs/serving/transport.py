@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import BatchCompletion, CompletionQueue, TransferEngine, TransferRegistry, TransferRequest
-from ..errors import TransferFailed
 
 __all__ = ["Transport", "Span"]
 
@@ -141,9 +140,11 @@ class Transport:
         """The connected peer of ``ep`` (connects on first use). The first connect also
         starts looking up the peer's arena in the background (a zero-length read: on the
         shm path, mapping the peer's segment takes tens of ms for a large arena), so a
-        caller that connects ahead of its first transfer does not pay that in it."""
+        caller that connects ahead of its first transfer does not pay that in it. A TCP
+        peer with no connection left (the server closed an idle one to make room, or
+        restarted) is connected again."""
         p = self._peers.get(ep["name"])
-        if p is None:
+        if p is None or (p.transport == "tcp" and p.connections == 0):
             p = self.te.connect(ep["name"]) if self._in_process else self.te.connect(ep["name"], ep["address"])
             self._peers[ep["name"]] = p
             if p.transport != "local":
@@ -195,17 +196,6 @@ class Transport:
         with self._lock:
             self._next_tag -= 1
             return self._next_tag
-
-    def read_now(self, tag: int, ep: dict[str, Any], spans: list[Span]) -> None:
-        """Pulls the peer's spans into our arena and waits (a prefix fetch)."""
-        peer = self.peer(ep)
-        reqs = [TransferRequest("read", self.region, s.local_off, peer, ep["region"], s.remote_off, s.length)
-                for s in spans]
-        for st in self.te.submit(reqs, timeout_s=BATCH_TIMEOUT_S).wait():
-            if not st.ok:
-                raise TransferFailed(f"fetch from {ep['name']} failed: {st.error}")
-        with self._lock:
-            self._bytes[tag] += sum(s.length for s in spans)
 
     # ---- completions (the caller holds self._lock)
     def _done(self, tag: int) -> None:

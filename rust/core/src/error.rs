@@ -29,6 +29,9 @@ pub enum ErrorCategory {
     /// A KV event payload (vLLM/SGLang wire format) that does not decode; a kind of
     /// `InvalidArgument` (the Python class subclasses it).
     MalformedEvent,
+    /// A peer failed authentication, or a sealed record failed its integrity check
+    /// (tampered, replayed, reordered, or from another session).
+    Unauthorized,
 }
 
 impl ErrorCategory {
@@ -44,6 +47,7 @@ impl ErrorCategory {
             ErrorCategory::Overloaded => "Overloaded",
             ErrorCategory::Internal => "InternalError",
             ErrorCategory::MalformedEvent => "MalformedEvent",
+            ErrorCategory::Unauthorized => "Unauthorized",
         }
     }
 }

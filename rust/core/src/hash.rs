@@ -67,6 +67,8 @@ pub enum HashError {
     ExtraNotSupported,
     #[error("parent {0:#x} is not an xxh3-64-rfc hash (those are below 2^64)")]
     ParentOutOfRange(u128),
+    #[error("extras has {extras} entries but the tokens make {blocks} full blocks; pass at most one per full block")]
+    TooManyExtras { extras: usize, blocks: usize },
 }
 
 impl Categorized for HashError {
@@ -184,6 +186,36 @@ impl PrefixHasher {
         }
     }
 
+    /// `mix(parent, extra)`: what block `i` is chained from when it carries per-block
+    /// extra keys `extra` (the msgpack bytes of an engine's `extra_keys` entry: a cache
+    /// salt, a LoRA name, multimodal identifiers), so that blocks with different extras
+    /// never share a hash, while blocks without any hash exactly as before.
+    /// `parent` `None`: the root (for `Xxh3Rfc`, 0: see [`Xxh3RollingHasher::mix_extra`]).
+    pub fn mix_extra(&self, parent: Option<BlockHash>, extra: &[u8]) -> BlockHash {
+        if let Some(rfc) = &self.rfc {
+            return BlockHash::from(rfc.mix_extra(parent.map(|p| p as u64), extra));
+        }
+        let mut input = Vec::with_capacity(EXTRA_KEYS_TAG.len() + 16 + extra.len());
+        input.extend_from_slice(EXTRA_KEYS_TAG);
+        input.extend_from_slice(&parent.unwrap_or(self.root).to_le_bytes());
+        input.extend_from_slice(extra);
+        self.digest(&input)
+    }
+
+    /// [`hash_tokens`](Self::hash_tokens) with per-block extra keys: `extras[i]` (if
+    /// any) is folded into block `i`'s parent with [`mix_extra`](Self::mix_extra).
+    /// Fewer entries than full blocks: the rest have none; more: an error.
+    pub fn hash_tokens_with_extras(
+        &self,
+        tokens: &[u32],
+        parent: Option<BlockHash>,
+        extras: &[Option<&[u8]>],
+    ) -> Result<Vec<BlockHash>, HashError> {
+        fold_extras(self.block_size, tokens, parent, extras, |t, p, out| out.extend(self.hash_tokens(t, p)), |p, e| {
+            self.mix_extra(p, e)
+        })
+    }
+
     /// One hash per full block of `tokens`; a trailing partial block gets none.
     ///
     /// The hot path of every request (1,024 blocks for a 16k-token prompt at block 16):
@@ -244,6 +276,40 @@ impl PrefixHasher {
         }
         Ok(hashes)
     }
+}
+
+/// Domain tag of [`PrefixHasher::mix_extra`] (and the RFC chain's).
+pub(crate) const EXTRA_KEYS_TAG: &[u8] = b"mooncake_rs/extra-keys/v1";
+
+/// Hashes `tokens`' full blocks in runs: a run of blocks without extras in one `run`
+/// call (the fast path, as without extras), and each block with an extra chained from
+/// `mix(its parent, extra)`. Shared by both hashers.
+pub(crate) fn fold_extras<H: Copy>(
+    block_size: usize,
+    tokens: &[u32],
+    parent: Option<H>,
+    extras: &[Option<&[u8]>],
+    mut run: impl FnMut(&[u32], Option<H>, &mut Vec<H>),
+    mut mix: impl FnMut(Option<H>, &[u8]) -> H,
+) -> Result<Vec<H>, HashError> {
+    let blocks = tokens.len() / block_size;
+    if extras.len() > blocks {
+        return Err(HashError::TooManyExtras { extras: extras.len(), blocks });
+    }
+    let mut out = Vec::with_capacity(blocks);
+    let mut prev = parent;
+    let mut start = 0;
+    for (i, extra) in extras.iter().enumerate() {
+        let Some(extra) = extra else { continue };
+        run(&tokens[start * block_size..i * block_size], prev, &mut out);
+        prev = out.last().copied().or(prev);
+        let mixed = mix(prev, extra);
+        run(&tokens[i * block_size..(i + 1) * block_size], Some(mixed), &mut out);
+        prev = out.last().copied();
+        start = i + 1;
+    }
+    run(&tokens[start * block_size..blocks * block_size], prev, &mut out);
+    Ok(out)
 }
 
 /// `src` as little-endian bytes into `dst` (`4 * src.len()` bytes).
@@ -366,6 +432,39 @@ mod tests {
                 Ok(())
             });
             prop_assert_eq!(via_fill.unwrap(), h.hash_tokens(&toks, None));
+        }
+    }
+
+    #[test]
+    fn extras_fold_into_the_chain_and_none_changes_nothing() {
+        let toks: Vec<u32> = (0..24).map(|i| i * 31 + 1).collect();
+        for alg in [HashAlgorithm::Xxh3, HashAlgorithm::Blake3, HashAlgorithm::Xxh3Rfc] {
+            let h = PrefixHasher::new(4, 5, None, alg).unwrap();
+            let plain = h.hash_tokens(&toks, None);
+            // no extras, or only `None`s: exactly the plain chain
+            assert_eq!(h.hash_tokens_with_extras(&toks, None, &[]).unwrap(), plain);
+            assert_eq!(h.hash_tokens_with_extras(&toks, None, &[None; 6]).unwrap(), plain);
+            // a salt on block 0 changes every block (each covers its prefix)
+            let salted = h.hash_tokens_with_extras(&toks, None, &[Some(b"\x91\xa1a")]).unwrap();
+            assert!(salted.iter().zip(&plain).all(|(a, b)| a != b), "{alg:?}");
+            let other = h.hash_tokens_with_extras(&toks, None, &[Some(b"\x91\xa1b")]).unwrap();
+            assert!(salted.iter().zip(&other).all(|(a, b)| a != b));
+            // an extra on block 2 leaves blocks 0-1 and changes 2..
+            let mid = h.hash_tokens_with_extras(&toks, None, &[None, None, Some(b"x")]).unwrap();
+            assert_eq!(mid[..2], plain[..2]);
+            assert!(mid[2..].iter().zip(&plain[2..]).all(|(a, b)| a != b));
+            // by definition: block 2 is chained from mix(block 1, extra)
+            assert_eq!(mid[2..], h.hash_tokens(&toks[8..], Some(h.mix_extra(Some(plain[1]), b"x")))[..]);
+            assert_eq!(salted[0], h.hash_tokens(&toks[..4], Some(h.mix_extra(None, b"\x91\xa1a")))[0]);
+            // continuing a chain from a parent agrees with hashing the whole
+            let every: Vec<Option<&[u8]>> = vec![Some(b"l"); 6];
+            let all = h.hash_tokens_with_extras(&toks, None, &every).unwrap();
+            let tail = h.hash_tokens_with_extras(&toks[8..], Some(all[1]), &every[2..]).unwrap();
+            assert_eq!(all[2..], tail[..]);
+            assert_eq!(
+                h.hash_tokens_with_extras(&toks, None, &[None; 7]),
+                Err(HashError::TooManyExtras { extras: 7, blocks: 6 })
+            );
         }
     }
 

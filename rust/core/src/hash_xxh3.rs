@@ -12,7 +12,7 @@
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use crate::hash::HashError;
+use crate::hash::{fold_extras, HashError, EXTRA_KEYS_TAG};
 
 /// A standard (RFC) sequence hash.
 pub type SeqHash = u64;
@@ -56,6 +56,31 @@ impl Xxh3RollingHasher {
         buf[..8].copy_from_slice(&parent.to_le_bytes());
         buf[8..].copy_from_slice(&local.to_le_bytes());
         xxh3_64_with_seed(&buf, self.seed)
+    }
+
+    /// `mix(parent, extra)`, the parent a block with extra keys is rolled from:
+    /// `XXH3-64(tag ‖ parent LE ‖ extra, S)`, `parent` `None` as 0 (so the first block of
+    /// a salted chain is `roll(mix(0, salt), local)`, never its bare local hash). Our
+    /// extension of the RFC chain (which has no extra keys): see [`crate::hash`].
+    pub fn mix_extra(&self, parent: Option<SeqHash>, extra: &[u8]) -> SeqHash {
+        let mut input = Vec::with_capacity(EXTRA_KEYS_TAG.len() + 8 + extra.len());
+        input.extend_from_slice(EXTRA_KEYS_TAG);
+        input.extend_from_slice(&parent.unwrap_or(0).to_le_bytes());
+        input.extend_from_slice(extra);
+        xxh3_64_with_seed(&input, self.seed)
+    }
+
+    /// [`hash_tokens`](Self::hash_tokens) with per-block extra keys (see
+    /// [`crate::PrefixHasher::hash_tokens_with_extras`]).
+    pub fn hash_tokens_with_extras(
+        &self,
+        tokens: &[u32],
+        parent: Option<SeqHash>,
+        extras: &[Option<&[u8]>],
+    ) -> Result<Vec<SeqHash>, HashError> {
+        fold_extras(self.block_size, tokens, parent, extras, |t, p, out| out.extend(self.hash_tokens(t, p)), |p, e| {
+            self.mix_extra(p, e)
+        })
     }
 
     /// Local hashes of every full block; a trailing partial block gets none.
@@ -126,5 +151,21 @@ mod tests {
         let locals = h.local_hashes(&t[..32]);
         assert_eq!(h.roll(all[0], locals[1]), all[1]);
         assert!(Xxh3RollingHasher::new(0, 0).is_err());
+    }
+
+    #[test]
+    fn extras_roll_from_the_mix() {
+        let t: Vec<u32> = (0..12).collect();
+        let h = Xxh3RollingHasher::new(4, 3).unwrap();
+        let plain = h.hash_tokens(&t, None);
+        let locals = h.local_hashes(&t);
+        let got = h.hash_tokens_with_extras(&t, None, &[Some(b"s"), None, Some(b"l")]).unwrap();
+        let m0 = h.mix_extra(None, b"s");
+        assert_eq!(m0, h.mix_extra(Some(0), b"s"));
+        assert_eq!(got[0], h.roll(m0, locals[0]));
+        assert_eq!(got[1], h.roll(got[0], locals[1]));
+        assert_eq!(got[2], h.roll(h.mix_extra(Some(got[1]), b"l"), locals[2]));
+        assert_ne!(got[0], plain[0]);
+        assert_eq!(h.hash_tokens_with_extras(&t, None, &[None, None]).unwrap(), plain);
     }
 }

@@ -12,6 +12,7 @@
 //! - [`mem`]: page-aligned private or shared-memory mappings (store arenas, transfer regions).
 //! - [`conductor`]: global scheduling (Algorithm 1 and better), admission, replica hints.
 //! - [`transfer`]: batch transfers between registered memory (local, shm, tcp).
+//! - [`seal`]: AES-256-GCM records for the sealed sessions of a deployment's control plane.
 //! - [`error`]: the error categories every module's error enum maps to.
 
 pub mod conductor;
@@ -21,6 +22,7 @@ pub mod hash_xxh3;
 pub mod index;
 pub mod interop;
 pub mod mem;
+pub mod seal;
 pub mod store;
 pub mod transfer;
 

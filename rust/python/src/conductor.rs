@@ -7,12 +7,12 @@
 use std::sync::Arc;
 
 use mooncake_core::conductor::{Conductor, ConductorError, DecodeSpec, PrefillSpec, RoleSpec, ScheduleRequest};
-use mooncake_core::{ErrorCategory, InstanceId, Tier};
+use mooncake_core::{ErrorCategory, InstanceId};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::conductor_types::{PyConductorConfig, PyDecision, PyReplicationHint, PySnapshot};
-use crate::convert::hash_from_py;
+use crate::convert::{hash_from_py, parse_tier};
 use crate::keys::keys_from_py;
 use crate::errors::{new_err, to_pyerr};
 use crate::gil::DETACH_THRESHOLD;
@@ -42,10 +42,6 @@ fn map_err(py: Python<'_>, e: ConductorError) -> PyErr {
 /// A core decision (or rejection) as Python sees it.
 fn decide(py: Python<'_>, d: Result<mooncake_core::conductor::Decision, ConductorError>) -> PyResult<PyDecision> {
     d.map(PyDecision::from).map_err(|e| map_err(py, e))
-}
-
-fn parse_tier(py: Python<'_>, tier: &str) -> PyResult<Tier> {
-    Tier::parse(tier).map_err(|e| to_pyerr(py, &e))
 }
 
 #[pymethods]

@@ -1,16 +1,16 @@
-//! Conversions at the Python boundary: token sequences (lists or any buffer) and
-//! 128-bit block hashes (Python ints).
+//! Conversions at the Python boundary: token sequences (lists or any buffer),
+//! 128-bit block hashes (Python ints) and storage tier names.
 
 use std::ffi::CStr;
 use std::os::raw::c_int;
 
-use mooncake_core::BlockHash;
+use mooncake_core::{BlockHash, Tier};
 use pyo3::exceptions::PyTypeError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
-use crate::errors::invalid;
+use crate::errors::{invalid, to_pyerr};
 
 /// A read-only, C-contiguous buffer export, released on drop (with the GIL held: it
 /// never leaves the calling thread, so it cannot outlive the attached section).
@@ -421,4 +421,43 @@ pub fn hashes_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockHash>> {
         out.push(hash_from_py(&x?)?);
     }
     Ok(out)
+}
+
+/// `extras` of `hash(..., extras=...)`: one `bytes | None` per full block (the msgpack
+/// bytes of an engine's per-block `extra_keys` entry). `None`: no extras.
+pub fn extras_arg(py: Python<'_>, extras: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<Option<Vec<u8>>>> {
+    let Some(extras) = extras else { return Ok(Vec::new()) };
+    if extras.is_instance_of::<pyo3::types::PyBytes>() || extras.is_instance_of::<pyo3::types::PyString>() {
+        return Err(invalid(py, "extras must be a sequence with one bytes | None per full block, not a single value"));
+    }
+    let items = extras
+        .try_iter()
+        .map_err(|_| invalid(py, "extras must be a sequence with one bytes | None per full block"))?;
+    items
+        .enumerate()
+        .map(|(i, item)| {
+            let item = item?;
+            if item.is_none() {
+                return Ok(None);
+            }
+            match item.cast::<pyo3::types::PyBytes>() {
+                Ok(b) => Ok(Some(b.as_bytes().to_vec())),
+                Err(_) => {
+                    let t = item.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+                    Err(invalid(py, format!("extras[{i}] must be bytes or None, got {t}")))
+                }
+            }
+        })
+        .collect()
+}
+
+/// Borrowed views of [`extras_arg`]'s result, as the core hashers take them.
+pub fn extras_refs(extras: &[Option<Vec<u8>>]) -> Vec<Option<&[u8]>> {
+    extras.iter().map(|e| e.as_deref()).collect()
+}
+
+/// A tier name (`"dram"`, `"ssd"`) → `Tier`; an unknown name is an `InvalidArgument`
+/// that lists the known ones (the core's own error).
+pub fn parse_tier(py: Python<'_>, tier: &str) -> PyResult<Tier> {
+    Tier::parse(tier).map_err(|e| to_pyerr(py, &e))
 }

@@ -5,7 +5,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyList;
 
 use crate::block_hashes::PyBlockHashes;
-use crate::convert::{hash_from_py, hashes_to_list, Tokens};
+use crate::convert::{extras_arg, extras_refs, hash_from_py, hashes_to_list, Tokens};
 use crate::errors::{invalid, to_pyerr};
 use crate::gil::detached;
 
@@ -49,18 +49,18 @@ impl PyPrefixHasher {
         self.inner.root()
     }
 
-    /// One chained hash per full block of `tokens`.
-    #[pyo3(signature = (tokens, parent = None))]
+    /// One chained hash per full block of `tokens`. `extras`: one `bytes | None` per
+    /// full block (an engine's per-block `extra_keys` entry as msgpack), folded into the
+    /// chain; fewer than the blocks: the rest have none.
+    #[pyo3(signature = (tokens, parent = None, extras = None))]
     fn hash<'py>(
         &self,
         py: Python<'py>,
         tokens: &Bound<'py, PyAny>,
         parent: Option<&Bound<'py, PyAny>>,
+        extras: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let parent = parent.map(hash_from_py).transpose()?;
-        self.inner.check_parent(parent).map_err(|e| to_pyerr(py, &e))?;
-        let tokens = Tokens::extract(tokens)?;
-        let hashes = tokens.with_u32(|t| self.inner.hash_tokens(t, parent));
+        let hashes = self.hash_vec(py, tokens, parent, extras)?;
         hashes_to_list(py, &hashes)
     }
 
@@ -68,14 +68,15 @@ impl PyPrefixHasher {
     /// built per block; the index, the conductor and the store take it as it is.
     /// Tokens: a list/tuple of ints or a 1-D integer buffer (numpy int32/uint32 is read in
     /// place); `parent` continues a chain (e.g. `previous[-1]`).
-    #[pyo3(signature = (tokens, parent = None))]
-    fn hash_blocks(&self, tokens: &Bound<'_, PyAny>, parent: Option<&Bound<'_, PyAny>>) -> PyResult<PyBlockHashes> {
-        let parent = parent.map(hash_from_py).transpose()?;
-        self.inner.check_parent(parent).map_err(|e| to_pyerr(tokens.py(), &e))?;
-        let tokens = Tokens::extract(tokens)?;
-        // With the GIL held, as `hash`: a 16k-token prompt at block 16 is ~10-20 us, and
-        // a released GIL would let another thread change a numpy buffer being read.
-        let hashes = tokens.with_u32(|t| self.inner.hash_tokens(t, parent));
+    /// `extras` as for `hash`.
+    #[pyo3(signature = (tokens, parent = None, extras = None))]
+    fn hash_blocks(
+        &self,
+        tokens: &Bound<'_, PyAny>,
+        parent: Option<&Bound<'_, PyAny>>,
+        extras: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyBlockHashes> {
+        let hashes = self.hash_vec(tokens.py(), tokens, parent, extras)?;
         Ok(PyBlockHashes::from_vec(hashes))
     }
 
@@ -106,6 +107,31 @@ impl PyPrefixHasher {
             self.inner.seed(),
             self.inner.algorithm().name()
         )
+    }
+}
+
+impl PyPrefixHasher {
+    /// `hash` and `hash_blocks`: with the GIL held (a 16k-token prompt at block 16 is
+    /// ~10-20 us, and a released GIL would let another thread change a numpy buffer
+    /// being read).
+    fn hash_vec(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        parent: Option<&Bound<'_, PyAny>>,
+        extras: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<mooncake_core::BlockHash>> {
+        let parent = parent.map(hash_from_py).transpose()?;
+        self.inner.check_parent(parent).map_err(|e| to_pyerr(py, &e))?;
+        let extras = extras_arg(py, extras)?;
+        let tokens = Tokens::extract(tokens)?;
+        if extras.is_empty() {
+            return Ok(tokens.with_u32(|t| self.inner.hash_tokens(t, parent)));
+        }
+        let refs = extras_refs(&extras);
+        tokens
+            .with_u32(|t| self.inner.hash_tokens_with_extras(t, parent, &refs))
+            .map_err(|e| to_pyerr(py, &e))
     }
 }
 

@@ -4,7 +4,7 @@ use mooncake_core::Xxh3RollingHasher;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use crate::convert::Tokens;
+use crate::convert::{extras_arg, extras_refs, Tokens};
 use crate::errors::{invalid, to_pyerr};
 use crate::gil::detached;
 
@@ -55,17 +55,27 @@ impl PyXxh3RollingHasher {
         self.inner.seed()
     }
 
-    /// Rolling sequence hashes of every full block; `parent` continues a chain.
-    #[pyo3(signature = (tokens, parent = None))]
+    /// Rolling sequence hashes of every full block; `parent` continues a chain;
+    /// `extras`: one `bytes | None` per full block, folded into the chain (our extension).
+    #[pyo3(signature = (tokens, parent = None, extras = None))]
     fn hash<'py>(
         &self,
         py: Python<'py>,
         tokens: &Bound<'py, PyAny>,
         parent: Option<&Bound<'py, PyAny>>,
+        extras: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyList>> {
         let parent = parent_from_py(py, parent)?;
+        let extras = extras_arg(py, extras)?;
         let tokens = Tokens::extract(tokens)?;
-        let hashes = tokens.with_u32(|t| self.inner.hash_tokens(t, parent));
+        let hashes = if extras.is_empty() {
+            tokens.with_u32(|t| self.inner.hash_tokens(t, parent))
+        } else {
+            let refs = extras_refs(&extras);
+            tokens
+                .with_u32(|t| self.inner.hash_tokens_with_extras(t, parent, &refs))
+                .map_err(|e| to_pyerr(py, &e))?
+        };
         PyList::new(py, hashes)
     }
 

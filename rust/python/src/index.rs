@@ -3,10 +3,10 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use mooncake_core::{BlockIndex, ErrorCategory, IndexError, InstanceId, PrefixMatch, Tier};
+use mooncake_core::{BlockIndex, ErrorCategory, IndexError, InstanceId, PrefixMatch};
 use pyo3::prelude::*;
 
-use crate::convert::hash_from_py;
+use crate::convert::{hash_from_py, parse_tier};
 use crate::keys::keys_from_py;
 use crate::errors::{new_err, to_pyerr};
 use crate::gil::{detached, DETACH_THRESHOLD};
@@ -75,10 +75,6 @@ impl PyIndexStats {
             self.blocks, self.entries, self.instances, self.memory_bytes
         )
     }
-}
-
-fn parse_tier(py: Python<'_>, tier: &str) -> PyResult<Tier> {
-    Tier::parse(tier).map_err(|e| to_pyerr(py, &e))
 }
 
 /// Runs `f` detached when the call is large enough for that to pay.

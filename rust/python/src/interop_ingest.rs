@@ -4,13 +4,13 @@
 
 use std::sync::Arc;
 
-use mooncake_core::interop::{ChainHasher, EventIngestor, KeyRef, Sink, Step, Tokens};
+use mooncake_core::interop::{ChainHasher, EventIngestor, KeyRef, Sink, Step, StoredMeta, Tokens};
 use mooncake_core::{InstanceId, Tier};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::convert::{BufferView, Tokens as PyTokens};
+use crate::convert::{extras_arg, extras_refs, BufferView, Tokens as PyTokens};
 use crate::errors::{invalid, to_pyerr};
 use crate::hash::PyPrefixHasher;
 use crate::hash_xxh3::PyXxh3RollingHasher;
@@ -136,8 +136,10 @@ impl PyEventIngestor {
 
     /// One `BlockStored` from Python objects. `raw`: `tokens` is the msgpack bytes of
     /// the token ids (a `msgspec.Raw`); otherwise a list or an integer array. Returns a
-    /// medium name to register first (then call again), or `None`.
-    #[pyo3(signature = (hashes, parent, tokens, block_size, medium, raw = false))]
+    /// medium name to register first (then call again), or `None`. `extras`: the
+    /// `extra_keys` entries as msgpack bytes (one `bytes | None` per block); `group_idx`
+    /// and `kind` (`kv_cache_spec_kind`): its KV cache group.
+    #[pyo3(signature = (hashes, parent, tokens, block_size, medium, raw = false, extras = None, group_idx = None, kind = None))]
     #[allow(clippy::too_many_arguments)]
     fn stored(
         &self,
@@ -148,26 +150,32 @@ impl PyEventIngestor {
         block_size: i128,
         medium: Option<&str>,
         raw: bool,
+        extras: Option<&Bound<'_, PyAny>>,
+        group_idx: Option<i128>,
+        kind: Option<&str>,
     ) -> PyResult<Option<String>> {
         let keys = engine_hashes_arg(hashes)?;
         if keys.is_empty() {
             return Ok(None);
         }
+        let extras = extras_arg(py, extras)?;
+        let extras = extras_refs(&extras);
+        let meta = StoredMeta { extras: &extras, group_idx, kind };
         let parent = parent.map(engine_hash_arg).transpose()?;
         let refs: Vec<KeyRef<'_>> = keys.iter().map(|k| k.as_key()).collect();
         let parent = parent.as_ref().map(|p| p.as_key());
         let mut ing = self.inner.lock();
         let got = if raw {
             let view = BufferView::get_contiguous(tokens, "token_ids")?;
-            ing.stored(&refs, parent, Tokens::Msgpack(view.bytes()), block_size, medium)
+            ing.stored(&refs, parent, Tokens::Msgpack(view.bytes()), block_size, medium, meta)
         } else {
             match PyTokens::extract(tokens) {
-                Ok(t) => t.with_u32(|s| ing.stored(&refs, parent, Tokens::U32(s), block_size, medium)),
+                Ok(t) => t.with_u32(|s| ing.stored(&refs, parent, Tokens::U32(s), block_size, medium, meta)),
                 Err(e) => {
                     drop(ing);
                     let len = tokens.len()?;
                     let message = e.value(py).str().map(|s| s.to_string()).unwrap_or_default();
-                    self.inner.lock().stored(&refs, parent, Tokens::Invalid { len, message }, block_size, medium)
+                    self.inner.lock().stored(&refs, parent, Tokens::Invalid { len, message }, block_size, medium, meta)
                 }
             }
         };
@@ -175,11 +183,16 @@ impl PyEventIngestor {
     }
 
     /// One `BlockRemoved`. Returns a medium name to register first, or `None`.
-    #[pyo3(signature = (hashes, medium))]
-    fn removed(&self, hashes: &Bound<'_, PyAny>, medium: Option<&str>) -> PyResult<Option<String>> {
+    #[pyo3(signature = (hashes, medium, group_idx = None))]
+    fn removed(&self, hashes: &Bound<'_, PyAny>, medium: Option<&str>, group_idx: Option<i128>) -> PyResult<Option<String>> {
         let keys = engine_hashes_arg(hashes)?;
         let refs: Vec<KeyRef<'_>> = keys.iter().map(|k| k.as_key()).collect();
-        Ok(self.inner.lock().removed(&refs, medium))
+        Ok(self.inner.lock().removed(&refs, medium, group_idx))
+    }
+
+    /// The KV cache groups seen so far: `[(group_idx, full attention), ...]` (nil is 0).
+    fn groups(&self) -> Vec<(i128, bool)> {
+        self.inner.lock().groups()
     }
 
     /// `AllBlocksCleared`.
@@ -212,6 +225,7 @@ impl PyEventIngestor {
             ("unknown_events", s.unknown_events),
             ("evicted", evicted),
             ("media_overflow", s.media_overflow),
+            ("other_groups", s.other_groups),
         ] {
             d.set_item(k, v)?;
         }

@@ -58,6 +58,13 @@ fn bit_arg(py: Python<'_>, what: &str, v: i64) -> PyResult<u8> {
     u8::try_from(v).map_err(|_| invalid(py, format!("{what} must be a media bit mask in 0..255, got {v}")))
 }
 
+fn group_arg(py: Python<'_>, v: i64) -> PyResult<u8> {
+    u8::try_from(v)
+        .ok()
+        .filter(|&g| u32::from(g) < mooncake_core::interop::MAX_GROUPS)
+        .ok_or_else(|| invalid(py, format!("group must be a group number in 0..{}, got {v}", mooncake_core::interop::MAX_GROUPS)))
+}
+
 /// Who owns the map.
 enum Owner {
     Own(Mutex<EngineHashMap>),
@@ -117,48 +124,70 @@ impl PyEngineHashMap {
         }
     }
 
-    /// Our hash for an engine hash seen in a `BlockStored` (held or not).
-    fn ours<'py>(&self, py: Python<'py>, h: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
+    /// Our hash for an engine hash of `group` seen in a `BlockStored` (held or not).
+    #[pyo3(signature = (h, group = 0))]
+    fn ours<'py>(&self, py: Python<'py>, h: &Bound<'py, PyAny>, group: i64) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let group = group_arg(py, group)?;
         let Some(k) = engine_hash_from_py(h) else { return Ok(None) };
-        self.with(|m| m.ours(k.as_key())).map(|o| hash_to_py(py, o)).transpose()
+        self.with(|m| m.ours_in(k.as_key(), group)).map(|o| hash_to_py(py, o)).transpose()
     }
 
     /// The media bit mask that holds the block now (0: none or unknown).
-    fn media(&self, h: &Bound<'_, PyAny>) -> u8 {
-        match engine_hash_from_py(h) {
-            Some(k) => self.with(|m| m.media(k.as_key())),
+    #[pyo3(signature = (h, group = 0))]
+    fn media(&self, py: Python<'_>, h: &Bound<'_, PyAny>, group: i64) -> PyResult<u8> {
+        let group = group_arg(py, group)?;
+        Ok(match engine_hash_from_py(h) {
+            Some(k) => self.with(|m| m.media_in(k.as_key(), group)),
             None => 0,
-        }
+        })
     }
 
-    /// Records that `engine[i]` (= our `ours[i]`) is now held in medium `bit`; returns
-    /// `(our old hash, media mask)` of entries whose engine hash now names other tokens.
+    /// Whether our block `ours` is held on a medium of `mask` by every group of the
+    /// mask `deciding` (some entry of each maps to it and holds one of those media).
+    #[pyo3(signature = (ours, mask, deciding = 1))]
+    fn held(&self, ours: &Bound<'_, PyAny>, mask: i64, deciding: u64) -> PyResult<bool> {
+        let mask = bit_arg(ours.py(), "mask", mask)?;
+        let o = hash_from_py(ours)?;
+        Ok(self.with(|m| m.held(o, mask, deciding)))
+    }
+
+    /// Records that `engine[i]` (= our `ours[i]`) of `group` is now held in medium
+    /// `bit`; returns `(our old hash, media mask)` of entries whose engine hash now names
+    /// other tokens (the caller checks `held` before dropping them).
+    #[pyo3(signature = (engine, ours, bit, group = 0))]
     fn store<'py>(
         &self,
         py: Python<'py>,
         engine: &Bound<'py, PyAny>,
         ours: &Bound<'py, PyAny>,
         bit: i64,
+        group: i64,
     ) -> PyResult<Bound<'py, PyList>> {
         let bit = bit_arg(py, "bit", bit)?;
+        let group = group_arg(py, group)?;
         let keys = engine_hashes_arg(engine)?;
         let ours: Vec<BlockHash> = ours.try_iter()?.map(|x| hash_from_py(&x?)).collect::<PyResult<_>>()?;
         let refs: Vec<KeyRef<'_>> = keys.iter().map(|k| k.as_key()).collect();
         let mut replaced = Vec::new();
-        self.with(|m| m.store(&refs, &ours, bit, &mut replaced));
+        self.with(|m| m.store(&refs, &ours, bit, group, &mut replaced));
         pairs_to_list(py, &replaced)
     }
 
-    /// Clears medium `bit` for these engine hashes; returns our hashes whose index entry
-    /// must go (no other medium in `same_key` holds them) and how many were unknown.
+    /// Clears medium `bit` for these engine hashes of `group`; returns our hashes whose
+    /// index entry must go (no longer held on a medium of `same_key` by every group of
+    /// `deciding`) and how many were unknown.
+    #[pyo3(signature = (engine, bit, same_key, group = 0, deciding = 1))]
     fn remove<'py>(
         &self,
         py: Python<'py>,
         engine: &Bound<'py, PyAny>,
         bit: i64,
         same_key: i64,
+        group: i64,
+        deciding: u64,
     ) -> PyResult<(Bound<'py, PyList>, usize)> {
         let (bit, same) = (bit_arg(py, "bit", bit)?, bit_arg(py, "same_key", same_key)?);
+        let group = group_arg(py, group)?;
         let mut out = Vec::new();
         let mut unknown = 0;
         // Hashes of no valid form are unknown, as a dict lookup would find nothing.
@@ -170,7 +199,7 @@ impl PyEngineHashMap {
             }
         }
         let refs: Vec<KeyRef<'_>> = keys.iter().map(|k| k.as_key()).collect();
-        unknown += self.with(|m| m.remove(&refs, bit, same, &mut out));
+        unknown += self.with(|m| m.remove(&refs, bit, same, group, deciding, &mut out));
         Ok((hashes_to_list(py, &out)?, unknown))
     }
 

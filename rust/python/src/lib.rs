@@ -24,6 +24,7 @@ mod interop_map;
 mod logging;
 mod mem;
 mod pyint;
+mod seal;
 mod store;
 mod store_block;
 mod store_events;
@@ -50,5 +51,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     transfer::register(m)?;
     transfer_rights::register(m)?;
     mem::register(m)?;
+    seal::register(m)?;
     Ok(())
 }

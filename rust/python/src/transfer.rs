@@ -347,6 +347,9 @@ pub struct PyTransferStats {
     retries: u64,
     late_responses: u64,
     handshakes_evicted: u64,
+    /// Served connections closed to make room (oldest idle first), or idle past
+    /// `idle_timeout_s` on a server without a token.
+    idle_evicted: u64,
     regions: u64,
     /// Batches submitted / ended / in flight now.
     batches: u64,
@@ -394,7 +397,7 @@ pub struct PyTransferEngine {
 impl PyTransferEngine {
     #[new]
     #[pyo3(signature = (name, listen = "127.0.0.1:0", auth_token = None, transports = None, *, registry = None,
-        slice_size = 1_048_576, io_timeout_s = 10.0, connect_timeout_s = 5.0, connections_per_endpoint = 1, copy_threads = 2,
+        slice_size = 1_048_576, io_timeout_s = 10.0, idle_timeout_s = 60.0, connect_timeout_s = 5.0, connections_per_endpoint = 1, copy_threads = 2,
         inline_send_bytes = 16384, peer_tokens = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -406,6 +409,7 @@ impl PyTransferEngine {
         registry: Option<PyRef<'_, PyTransferRegistry>>,
         slice_size: usize,
         io_timeout_s: f64,
+        idle_timeout_s: f64,
         connect_timeout_s: f64,
         connections_per_endpoint: usize,
         copy_threads: usize,
@@ -424,6 +428,7 @@ impl PyTransferEngine {
             slice_size,
             connect_timeout: dur(py, "connect_timeout_s", connect_timeout_s)?,
             io_timeout: dur(py, "io_timeout_s", io_timeout_s)?,
+            idle_timeout: dur(py, "idle_timeout_s", idle_timeout_s)?,
             connections_per_endpoint,
             copy_threads,
             inline_send_bytes,
@@ -461,6 +466,7 @@ impl PyTransferEngine {
             retries: s.retries,
             late_responses: s.late_responses,
             handshakes_evicted: s.handshakes_evicted,
+            idle_evicted: s.idle_evicted,
             regions: s.regions,
             batches: s.batches,
             batches_done: s.batches_done,

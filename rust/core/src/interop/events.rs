@@ -9,20 +9,23 @@
 //! - each event is positional (the type tag first) or a map with a `"type"` field
 //!   (anywhere in the map; the first one counts); both forms may mix in one batch;
 //! - `BlockStored [hashes, parent, token_ids, block_size, lora_id, medium, lora_name,
-//!   extra_keys, group_idx]`, `BlockRemoved [hashes, medium, group_idx]`,
+//!   extra_keys, group_idx, kv_cache_spec_kind]`, `BlockRemoved [hashes, medium, group_idx]`,
 //!   `AllBlocksCleared []`: fields after `hashes` may be missing (defaults: nil, an
 //!   empty token array, block size 0), and trailing positional fields and unknown map
 //!   keys are skipped unread; a repeated map key: the last one counts;
+//! - `extra_keys` is nil or an array, each entry kept as its msgpack bytes (nil: none);
 //! - hashes are ints (u64 or i64) or bytes; `token_ids` is decoded when it is an array
 //!   of u32s, and otherwise kept as its msgpack bytes (any one value: the ingestor says
 //!   what is wrong with it, after applying the events before it);
 //! - an event of a type we do not know is skipped and counted; every other type error,
 //!   a truncated payload or bytes after the batch is an [`EventError`] (nothing decoded).
 //!
-//! Known differences from the reference, all on malformed input: the contents of an
-//! `extra_keys` value or an unknown event are checked for structure and UTF-8 only (the
-//! reference also builds Python objects of them: an invalid timestamp ext or a map with
-//! an unhashable key fails there); a map event with two `"type"` keys uses the first.
+//! Known differences from the reference, all on input vLLM does not send: the contents
+//! of an `extra_keys` entry or an unknown event are checked for structure and UTF-8 only
+//! (the reference also builds Python objects of them: an invalid timestamp ext or a map
+//! with an unhashable key fails there); an entry is kept as sent where the reference
+//! re-encodes it (the same bytes for msgpack in its shortest form, as msgspec and
+//! msgpack-python write it); a map event with two `"type"` keys uses the first.
 
 use std::ops::Range;
 
@@ -46,8 +49,14 @@ pub enum TokenIds<'a> {
     Raw(&'a [u8]),
 }
 
-/// A `BlockStored` event. `hashes` indexes [`Batch::keys`].
-#[derive(Debug, Clone, PartialEq)]
+impl Default for TokenIds<'_> {
+    fn default() -> Self {
+        TokenIds::Decoded(0..0)
+    }
+}
+
+/// A `BlockStored` event. `hashes` indexes [`Batch::keys`], `extras` [`Batch::extras`].
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Stored<'a> {
     pub hashes: Range<usize>,
     pub parent: Option<KeyRef<'a>>,
@@ -55,13 +64,19 @@ pub struct Stored<'a> {
     pub tokens: TokenIds<'a>,
     pub block_size: i128,
     pub medium: Option<&'a str>,
+    pub lora_name: Option<&'a str>,
+    /// `extra_keys`, one entry per block (an empty range when nil or missing).
+    pub extras: Range<usize>,
+    pub group_idx: Option<i128>,
+    pub kind: Option<&'a str>,
 }
 
 /// A `BlockRemoved` event. `hashes` indexes [`Batch::keys`].
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Removed<'a> {
     pub hashes: Range<usize>,
     pub medium: Option<&'a str>,
+    pub group_idx: Option<i128>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -83,12 +98,26 @@ pub struct Batch<'a> {
     pub keys: Vec<KeyRef<'a>>,
     /// The decoded token ids of every `BlockStored`, back to back.
     pub tokens: Vec<u32>,
+    /// The `extra_keys` entries of every `BlockStored`, back to back: each the msgpack
+    /// bytes of the entry as sent, `None` for nil.
+    pub extras: Vec<Option<&'a [u8]>>,
 }
 
 impl<'a> Batch<'a> {
     pub fn hashes(&self, r: &Range<usize>) -> &[KeyRef<'a>] {
         &self.keys[r.clone()]
     }
+
+    pub fn extras(&self, r: &Range<usize>) -> &[Option<&'a [u8]>] {
+        &self.extras[r.clone()]
+    }
+}
+
+/// Where one batch's events put their variable-length parts.
+struct Out<'o, 'a> {
+    keys: &'o mut Vec<KeyRef<'a>>,
+    tokens: &'o mut Vec<u32>,
+    extras: &'o mut Vec<Option<&'a [u8]>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -208,6 +237,26 @@ fn token_ids<'a>(c: &mut Cursor<'a>, buf: &'a [u8], out: &mut Vec<u32>) -> Resul
     Ok(TokenIds::Raw(c.since(start)))
 }
 
+/// `extra_keys`: nil, or an array with one entry per block, each kept as its msgpack
+/// bytes (nil: `None`), checked for structure and UTF-8.
+fn extra_keys<'a>(c: &mut Cursor<'a>, out: &mut Vec<Option<&'a [u8]>>) -> Result<Range<usize>, Bad> {
+    let start = out.len();
+    match c.head()? {
+        Head::Nil => Ok(start..start),
+        Head::Array(n) => {
+            out.reserve(n.min(c.remaining()));
+            for _ in 0..n {
+                let at = c.pos();
+                c.skip(true)?;
+                let entry = c.since(at);
+                out.push(if entry == [0xc0] { None } else { Some(entry) });
+            }
+            Ok(start..out.len())
+        }
+        h => Err(expected("array | nil", "extra_keys", &h)),
+    }
+}
+
 fn block_size(c: &mut Cursor<'_>) -> Result<i128, Bad> {
     match c.head()? {
         Head::Int(v) => Ok(v),
@@ -234,13 +283,7 @@ fn kind_of(tag: &[u8]) -> Option<Kind> {
 }
 
 /// `[tag, fields...]` with `n` items, the array head already read.
-fn positional<'a>(
-    c: &mut Cursor<'a>,
-    buf: &'a [u8],
-    n: usize,
-    keys: &mut Vec<KeyRef<'a>>,
-    tokens: &mut Vec<u32>,
-) -> Result<Option<Event<'a>>, Bad> {
+fn positional<'a>(c: &mut Cursor<'a>, buf: &'a [u8], n: usize, out: &mut Out<'_, 'a>) -> Result<Option<Event<'a>>, Bad> {
     if n == 0 {
         return Err(Bad::Type("expected an array of at least length 1 (the type tag)".into()));
     }
@@ -261,39 +304,41 @@ fn positional<'a>(
     let ev = match kind {
         Kind::Cleared => Event::Cleared,
         Kind::Stored => {
-            let hashes = hashes(c, keys)?;
-            let empty = TokenIds::Decoded(tokens.len()..tokens.len());
-            let mut ev = Stored { hashes, parent: None, tokens: empty, block_size: 0, medium: None };
+            let hashes = hashes(c, out.keys)?;
+            let (t, e) = (out.tokens.len(), out.extras.len());
+            let mut ev = Stored { hashes, tokens: TokenIds::Decoded(t..t), extras: e..e, ..Stored::default() };
             read = 2;
-            // parent, token_ids, block_size, lora_id, medium, lora_name, extra_keys, group_idx
-            for field in 0..8 {
+            // parent, token_ids, block_size, lora_id, medium, lora_name, extra_keys,
+            // group_idx, kv_cache_spec_kind
+            for field in 0..9 {
                 if read == n {
                     break;
                 }
                 match field {
                     0 => ev.parent = parent(c)?,
-                    1 => ev.tokens = token_ids(c, buf, tokens)?,
+                    1 => ev.tokens = token_ids(c, buf, out.tokens)?,
                     2 => ev.block_size = block_size(c)?,
                     3 => drop(int_or_nil(c, "lora_id")?),
                     4 => ev.medium = str_or_nil(c, "medium")?,
-                    5 => drop(str_or_nil(c, "lora_name")?),
-                    6 => c.skip(true)?,
-                    _ => drop(int_or_nil(c, "group_idx")?),
+                    5 => ev.lora_name = str_or_nil(c, "lora_name")?,
+                    6 => ev.extras = extra_keys(c, out.extras)?,
+                    7 => ev.group_idx = int_or_nil(c, "group_idx")?,
+                    _ => ev.kind = str_or_nil(c, "kv_cache_spec_kind")?,
                 }
                 read += 1;
             }
             Event::Stored(ev)
         }
         Kind::Removed => {
-            let hashes = hashes(c, keys)?;
-            let mut ev = Removed { hashes, medium: None };
+            let hashes = hashes(c, out.keys)?;
+            let mut ev = Removed { hashes, ..Removed::default() };
             read = 2;
             if read < n {
                 ev.medium = str_or_nil(c, "medium")?;
                 read += 1;
             }
             if read < n {
-                int_or_nil(c, "group_idx")?;
+                ev.group_idx = int_or_nil(c, "group_idx")?;
                 read += 1;
             }
             Event::Removed(ev)
@@ -307,14 +352,8 @@ fn positional<'a>(
 
 /// `{"type": ..., fields...}` with `n` entries, the map head already read: one pass to
 /// find the tag and where each field's value is, then the fields of that type.
-fn mapped<'a>(
-    c: &mut Cursor<'a>,
-    buf: &'a [u8],
-    n: usize,
-    keys: &mut Vec<KeyRef<'a>>,
-    tokens: &mut Vec<u32>,
-) -> Result<Option<Event<'a>>, Bad> {
-    const FIELDS: [&[u8]; 9] = [
+fn mapped<'a>(c: &mut Cursor<'a>, buf: &'a [u8], n: usize, out: &mut Out<'_, 'a>) -> Result<Option<Event<'a>>, Bad> {
+    const FIELDS: [&[u8]; 10] = [
         b"block_hashes",
         b"parent_block_hash",
         b"token_ids",
@@ -324,8 +363,9 @@ fn mapped<'a>(
         b"lora_name",
         b"extra_keys",
         b"group_idx",
+        b"kv_cache_spec_kind",
     ];
-    let mut at: [Option<usize>; 9] = [None; 9];
+    let mut at: [Option<usize>; 10] = [None; 10];
     let mut tag: Option<&[u8]> = None;
     let start = c.pos();
     for _ in 0..n {
@@ -365,24 +405,26 @@ fn mapped<'a>(
             let Some(mut hc) = field(0) else {
                 return Err(Bad::Type("missing the \"block_hashes\" field".into()));
             };
-            let hashes = hashes(&mut hc, keys)?;
+            let hashes = hashes(&mut hc, out.keys)?;
             let medium = match field(5) {
                 Some(mut f) => str_or_nil(&mut f, "medium")?,
                 None => None,
             };
-            if let Some(mut f) = field(8) {
-                int_or_nil(&mut f, "group_idx")?;
-            }
+            let group_idx = match field(8) {
+                Some(mut f) => int_or_nil(&mut f, "group_idx")?,
+                None => None,
+            };
             if kind == Kind::Removed {
-                Event::Removed(Removed { hashes, medium })
+                Event::Removed(Removed { hashes, medium, group_idx })
             } else {
-                let empty = TokenIds::Decoded(tokens.len()..tokens.len());
-                let mut ev = Stored { hashes, parent: None, tokens: empty, block_size: 0, medium };
+                let (t, e) = (out.tokens.len(), out.extras.len());
+                let mut ev =
+                    Stored { hashes, tokens: TokenIds::Decoded(t..t), extras: e..e, medium, group_idx, ..Stored::default() };
                 if let Some(mut f) = field(1) {
                     ev.parent = parent(&mut f)?;
                 }
                 if let Some(mut f) = field(2) {
-                    ev.tokens = token_ids(&mut f, buf, tokens)?;
+                    ev.tokens = token_ids(&mut f, buf, out.tokens)?;
                 }
                 if let Some(mut f) = field(3) {
                     ev.block_size = block_size(&mut f)?;
@@ -391,10 +433,13 @@ fn mapped<'a>(
                     int_or_nil(&mut f, "lora_id")?;
                 }
                 if let Some(mut f) = field(6) {
-                    str_or_nil(&mut f, "lora_name")?;
+                    ev.lora_name = str_or_nil(&mut f, "lora_name")?;
                 }
                 if let Some(mut f) = field(7) {
-                    f.skip(true)?;
+                    ev.extras = extra_keys(&mut f, out.extras)?;
+                }
+                if let Some(mut f) = field(9) {
+                    ev.kind = str_or_nil(&mut f, "kv_cache_spec_kind")?;
                 }
                 Event::Stored(ev)
             }
@@ -410,13 +455,15 @@ fn events<'a>(c: &mut Cursor<'a>, buf: &'a [u8], batch: &mut Batch<'a>) -> Resul
     batch.events.clear();
     batch.keys.clear();
     batch.tokens.clear();
+    batch.extras.clear();
     batch.unknown = 0;
     batch.events.reserve(n.min(buf.len()));
     for index in 0..n {
         let err = in_event(index);
+        let mut out = Out { keys: &mut batch.keys, tokens: &mut batch.tokens, extras: &mut batch.extras };
         let got = match c.head().map_err(|f| err(f.into()))? {
-            Head::Array(k) => positional(c, buf, k, &mut batch.keys, &mut batch.tokens),
-            Head::Map(k) => mapped(c, buf, k, &mut batch.keys, &mut batch.tokens),
+            Head::Array(k) => positional(c, buf, k, &mut out),
+            Head::Map(k) => mapped(c, buf, k, &mut out),
             _ => return Err(err(Bad::Type("an event must be an array or a map".into()))),
         };
         match got.map_err(err)? {

@@ -157,7 +157,7 @@ fn defaults_unknown_fields_and_unknown_events() {
         (V::S("events"), V::A(vec![V::M(vec![(V::S("type"), V::S("BlockRemoved")), (V::S("block_hashes"), ints(&[3])), (V::S("future"), V::M(vec![]))])])),
     ]));
     let got = decode_batch(&map).unwrap();
-    assert_eq!(got.events, vec![Event::Removed(Removed { hashes: 0..1, medium: None })]);
+    assert_eq!(got.events, vec![Event::Removed(Removed { hashes: 0..1, medium: None, group_idx: None })]);
 }
 
 #[test]
@@ -231,4 +231,54 @@ fn random_bytes_never_panic() {
         let junk: Vec<u8> = (0..rng.gen_range(0..40)).map(|_| rng.gen()).collect();
         let _ = decode_batch(&junk);
     }
+}
+
+#[test]
+fn extra_keys_lora_group_and_kind_are_kept() {
+    let salt = V::A(vec![V::S("tenant-a")]);
+    let extras = V::A(vec![salt.clone(), V::Nil, V::A(vec![V::S("img"), V::Int(3)])]);
+    let pos = V::A(vec![
+        V::S("BlockStored"),
+        ints(&[1, 2, 3]),
+        V::Nil,
+        ints(&[0; 12]),
+        V::Int(4),
+        V::Nil,
+        V::S("GPU"),
+        V::S("lora-x"),
+        extras.clone(),
+        V::Int(1),
+        V::S("sliding_window"),
+        V::Int(128), // kv_cache_spec_sliding_window and later: skipped
+    ]);
+    let map = V::M(vec![
+        (V::S("kv_cache_spec_kind"), V::S("sliding_window")),
+        (V::S("type"), V::S("BlockStored")),
+        (V::S("block_hashes"), ints(&[1, 2, 3])),
+        (V::S("token_ids"), ints(&[0; 12])),
+        (V::S("block_size"), V::Int(4)),
+        (V::S("medium"), V::S("GPU")),
+        (V::S("lora_name"), V::S("lora-x")),
+        (V::S("extra_keys"), extras),
+        (V::S("group_idx"), V::Int(1)),
+    ]);
+    for ev in [pos, map] {
+        let buf = bytes(&V::A(vec![V::F(0.0), V::A(vec![ev, V::A(vec![V::S("BlockRemoved"), ints(&[2]), V::Nil, V::Int(1)])])]));
+        let got = decode_batch(&buf).unwrap();
+        let Event::Stored(s) = &got.events[0] else { panic!("{:?}", got.events) };
+        assert_eq!((s.lora_name, s.group_idx, s.kind), (Some("lora-x"), Some(1), Some("sliding_window")));
+        let ex = got.extras(&s.extras);
+        assert_eq!(ex.len(), 3);
+        assert_eq!(ex[0], Some(&bytes(&salt)[..]));
+        assert_eq!(ex[1], None);
+        assert_eq!(ex[2], Some(&bytes(&V::A(vec![V::S("img"), V::Int(3)]))[..]));
+        assert_eq!(got.events[1], Event::Removed(Removed { hashes: 3..4, medium: None, group_idx: Some(1) }));
+    }
+    // nil or missing: no extras; anything else is malformed
+    let nil = bytes(&V::A(vec![V::F(0.0), V::A(vec![V::A(vec![V::S("BlockStored"), ints(&[1]), V::Nil, ints(&[0; 4]), V::Int(4), V::Nil, V::Nil, V::Nil, V::Nil])])]));
+    let Event::Stored(s) = &decode_batch(&nil).unwrap().events[0] else { panic!() };
+    assert!(s.extras.is_empty());
+    let bad = bytes(&V::A(vec![V::F(0.0), V::A(vec![V::A(vec![V::S("BlockStored"), ints(&[1]), V::Nil, ints(&[0; 4]), V::Int(4), V::Nil, V::Nil, V::Nil, V::S("x")])])]));
+    let err = decode_batch(&bad).unwrap_err();
+    assert!(err.to_string().contains("extra_keys: expected array | nil"), "{err}");
 }

@@ -22,7 +22,7 @@ use crate::error::{Categorized, ErrorCategory};
 use crate::hash::{BlockHash, HashError, PrefixHasher};
 use crate::hash_xxh3::Xxh3RollingHasher;
 use crate::index::{BlockIndex, IndexError, InstanceId, Tier};
-use crate::interop::engine_map::{EngineHashMap, MapError, MEDIA_BITS};
+use crate::interop::engine_map::{EngineHashMap, MapError, MAX_GROUPS, MEDIA_BITS};
 use crate::interop::events::{decode_batch, Event, EventError, KeyRef, TokenIds};
 use crate::interop::media::canonical_medium;
 use crate::interop::msgpack::decode_u32_array;
@@ -42,18 +42,26 @@ impl ChainHasher {
         }
     }
 
-    fn hash(&self, tokens: &[u32], parent: Option<BlockHash>) -> Result<Vec<BlockHash>, HashError> {
+    /// The chain of `tokens`' blocks; `extras` (one entry per block, or fewer) folded in.
+    /// Without any extra, one call over every block (the common case).
+    fn hash(&self, tokens: &[u32], parent: Option<BlockHash>, extras: &[Option<&[u8]>]) -> Result<Vec<BlockHash>, HashError> {
+        let plain = extras.iter().all(Option::is_none);
         match self {
             ChainHasher::Prefix(h) => {
                 h.check_parent(parent)?;
-                Ok(h.hash_tokens(tokens, parent))
+                if plain {
+                    Ok(h.hash_tokens(tokens, parent))
+                } else {
+                    h.hash_tokens_with_extras(tokens, parent, extras)
+                }
             }
             ChainHasher::Rfc(h) => {
                 let parent = match parent {
                     Some(p) => Some(u64::try_from(p).map_err(|_| HashError::ParentOutOfRange(p))?),
                     None => None,
                 };
-                Ok(h.hash_tokens(tokens, parent).into_iter().map(BlockHash::from).collect())
+                let got = if plain { h.hash_tokens(tokens, parent) } else { h.hash_tokens_with_extras(tokens, parent, extras)? };
+                Ok(got.into_iter().map(BlockHash::from).collect())
             }
         }
     }
@@ -88,13 +96,28 @@ pub struct IngestStats {
     pub resets: u64,
     /// `BlockStored` events whose parent we never saw (skipped: we cannot chain them).
     pub orphans: u64,
-    /// `BlockStored` events whose block size or token count does not fit our hasher.
+    /// `BlockStored` events whose block size or token count does not fit our hasher (or
+    /// with more `extra_keys` entries than blocks).
     pub mismatched: u64,
     /// Removed engine hashes we had no entry for.
     pub unknown_removed: u64,
     pub unknown_events: u64,
     /// Events naming a medium beyond the [`MEDIA_BITS`] one instance can track.
     pub media_overflow: u64,
+    /// Events of a KV cache group that does not decide what the instance holds (not
+    /// full attention: sliding window, mamba...; or beyond the [`MAX_GROUPS`] tracked):
+    /// skipped.
+    pub other_groups: u64,
+}
+
+/// What a `BlockStored` says beyond its blocks and tokens.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StoredMeta<'e, 'a> {
+    /// `extra_keys`: one entry per block (msgpack bytes; none: empty), folded into our chain.
+    pub extras: &'e [Option<&'a [u8]>],
+    pub group_idx: Option<i128>,
+    /// `kv_cache_spec_kind`.
+    pub kind: Option<&'e str>,
 }
 
 /// A `BlockStored`'s token ids as they came.
@@ -152,6 +175,19 @@ enum Medium {
     Need(String),
 }
 
+/// A KV cache group an instance's events name (hybrid models have one per attention
+/// kind; `group_idx` nil is group 0).
+struct Group {
+    idx: i128,
+    /// Its number in the engine-hash map (its bit in `deciding`).
+    number: u8,
+    /// Full attention (or a kind not said yet): decides whether the instance holds a block.
+    full: bool,
+}
+
+/// The kind vLLM gives full-attention groups (`kv_cache_spec_kind`).
+const FULL_ATTENTION: &str = "full_attention";
+
 /// Raw medium spellings remembered (beyond, each is resolved again: still cheap).
 const RAW_CACHE: usize = 64;
 
@@ -171,6 +207,9 @@ pub struct EventIngestor {
     toks: Vec<u32>,
     replaced: Vec<(BlockHash, u8)>,
     out: Vec<BlockHash>,
+    groups: Vec<Group>,
+    /// The groups (by number) that decide: a block is held when each holds it.
+    deciding: u64,
 }
 
 impl EventIngestor {
@@ -190,6 +229,8 @@ impl EventIngestor {
             toks: Vec::new(),
             replaced: Vec::new(),
             out: Vec::new(),
+            groups: Vec::new(),
+            deciding: 0,
         };
         for idx in clear {
             ing.add_clear(idx);
@@ -268,6 +309,40 @@ impl EventIngestor {
         got.map_or(Medium::Overflow, Medium::Bit)
     }
 
+    /// The map number of the group of an event (`group_idx`, and `kind` when a
+    /// `BlockStored` says it), learning the group and its kind; `None` when the group
+    /// does not decide (its events are skipped). A group is full attention until a
+    /// `BlockStored` says otherwise (the kind a later one says wins).
+    fn group(&mut self, idx: Option<i128>, kind: Option<&str>) -> Option<u8> {
+        let idx = idx.unwrap_or(0);
+        let full = kind.map(|k| k == FULL_ATTENTION);
+        let g = match self.groups.iter().position(|g| g.idx == idx) {
+            Some(g) => g,
+            None if self.groups.len() >= MAX_GROUPS as usize => return None,
+            None => {
+                let number = self.groups.len() as u8; // < MAX_GROUPS
+                self.groups.push(Group { idx, number, full: true });
+                self.deciding |= 1 << number;
+                self.groups.len() - 1
+            }
+        };
+        let group = &mut self.groups[g];
+        if let Some(full) = full {
+            group.full = full;
+            if full {
+                self.deciding |= 1 << group.number;
+            } else {
+                self.deciding &= !(1 << group.number);
+            }
+        }
+        group.full.then_some(group.number)
+    }
+
+    /// The groups known so far: (group_idx, full attention).
+    pub fn groups(&self) -> Vec<(i128, bool)> {
+        self.groups.iter().map(|g| (g.idx, g.full)).collect()
+    }
+
     /// Decodes the payload only (the whole batch must decode, as for `apply_payload`).
     pub fn check_payload(payload: &[u8]) -> Result<(), EventError> {
         decode_batch(payload).map(|_| ())
@@ -294,9 +369,10 @@ impl EventIngestor {
                         TokenIds::Decoded(r) => Tokens::U32(&batch.tokens[r.clone()]),
                         TokenIds::Raw(b) => Tokens::Msgpack(b),
                     };
-                    self.stored(batch.hashes(&s.hashes), s.parent, tokens, s.block_size, s.medium)?
+                    let ev = StoredMeta { extras: batch.extras(&s.extras), group_idx: s.group_idx, kind: s.kind };
+                    self.stored(batch.hashes(&s.hashes), s.parent, tokens, s.block_size, s.medium, ev)?
                 }
-                Event::Removed(r) => self.removed(batch.hashes(&r.hashes), r.medium),
+                Event::Removed(r) => self.removed(batch.hashes(&r.hashes), r.medium, r.group_idx),
                 Event::Cleared => {
                     self.cleared();
                     None
@@ -324,17 +400,23 @@ impl EventIngestor {
         tokens: Tokens<'_>,
         block_size: i128,
         medium: Option<&str>,
+        meta: StoredMeta<'_, '_>,
     ) -> Result<Option<String>, IngestError> {
         let n = hashes.len();
         if n == 0 {
             return Ok(None);
         }
+        let Some(group) = self.group(meta.group_idx, meta.kind) else {
+            self.stats.other_groups += 1;
+            return Ok(None);
+        };
         let mut toks = std::mem::take(&mut self.toks);
-        let got = self.stored_with(hashes, parent, &tokens, &mut toks, block_size, medium);
+        let got = self.stored_with(hashes, parent, &tokens, &mut toks, block_size, medium, meta.extras, group);
         self.toks = toks;
         got
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn stored_with(
         &mut self,
         hashes: &[KeyRef<'_>],
@@ -343,6 +425,8 @@ impl EventIngestor {
         scratch: &mut Vec<u32>,
         block_size: i128,
         medium: Option<&str>,
+        extras: &[Option<&[u8]>],
+        group: u8,
     ) -> Result<Option<String>, IngestError> {
         let n = hashes.len();
         let bs = self.block_size;
@@ -354,13 +438,13 @@ impl EventIngestor {
             Tokens::U32(t) => t.len(),
             Tokens::Invalid { len, .. } => *len,
         };
-        if (block_size != 0 && block_size != bs as i128) || Some(len) != n.checked_mul(bs) {
+        if (block_size != 0 && block_size != bs as i128) || Some(len) != n.checked_mul(bs) || extras.len() > n {
             self.stats.mismatched += 1;
             return Ok(None);
         }
         let parent = match parent {
             None => None,
-            Some(p) => match self.map.ours(p) {
+            Some(p) => match self.map.ours_in(p, group) {
                 Some(o) => Some(o),
                 None => {
                     self.stats.orphans += 1;
@@ -381,15 +465,24 @@ impl EventIngestor {
             Tokens::U32(t) => t,
             Tokens::Invalid { message, .. } => return Err(IngestError::Tokens(message.clone())),
         };
-        let ours = self.hasher.hash(toks, parent).map_err(|e| IngestError::Tokens(e.to_string()))?;
+        let ours = self.hasher.hash(toks, parent, extras).map_err(|e| IngestError::Tokens(e.to_string()))?;
         let mut replaced = std::mem::take(&mut self.replaced);
         replaced.clear();
-        self.map.store(hashes, &ours, 1 << bit, &mut replaced);
+        self.map.store(hashes, &ours, 1 << bit, group, &mut replaced);
         if !replaced.is_empty() {
             self.remove_masks(&replaced);
         }
         let key = self.bits[bit as usize].1;
-        if let Err(e) = self.keys[key].sink.insert(self.slot, &ours) {
+        // With one deciding group, every block just stored is held; with several, those
+        // every deciding group holds.
+        let inserted = if self.deciding == 1 << group {
+            self.keys[key].sink.insert(self.slot, &ours)
+        } else {
+            let same = self.keys[key].same;
+            let held: Vec<BlockHash> = ours.iter().copied().filter(|&o| self.map.held(o, same, self.deciding)).collect();
+            self.keys[key].sink.insert(self.slot, &held)
+        };
+        if let Err(e) = inserted {
             self.replaced = replaced;
             return Err(e.into());
         }
@@ -404,7 +497,11 @@ impl EventIngestor {
     }
 
     /// One `BlockRemoved`. `Some(name)`: medium `name` must be registered first.
-    pub fn removed(&mut self, hashes: &[KeyRef<'_>], medium: Option<&str>) -> Option<String> {
+    pub fn removed(&mut self, hashes: &[KeyRef<'_>], medium: Option<&str>, group_idx: Option<i128>) -> Option<String> {
+        let Some(group) = self.group(group_idx, None) else {
+            self.stats.other_groups += 1;
+            return None;
+        };
         let bit = match self.medium(medium) {
             Medium::Bit(b) => b,
             Medium::Overflow => {
@@ -416,7 +513,7 @@ impl EventIngestor {
         let key = self.bits[bit as usize].1;
         let mut out = std::mem::take(&mut self.out);
         out.clear();
-        let unknown = self.map.remove(hashes, 1 << bit, self.keys[key].same, &mut out);
+        let unknown = self.map.remove(hashes, 1 << bit, self.keys[key].same, group, self.deciding, &mut out);
         self.stats.unknown_removed += unknown as u64;
         if !out.is_empty() {
             self.keys[key].sink.remove(self.slot, &out);
@@ -442,12 +539,19 @@ impl EventIngestor {
         self.map.clear();
     }
 
-    /// Removes these (our hash, media mask) blocks from every key their media use.
+    /// Removes these (our hash, media mask) blocks, entries just replaced or evicted,
+    /// from every key their media use, unless the map still holds them there (under
+    /// other engine hashes).
     fn remove_masks(&mut self, entries: &[(BlockHash, u8)]) {
         let mut hs = std::mem::take(&mut self.out);
         for k in &self.keys {
             hs.clear();
-            hs.extend(entries.iter().filter(|(_, m)| m & k.same != 0).map(|(o, _)| *o));
+            hs.extend(
+                entries
+                    .iter()
+                    .filter(|&&(o, m)| m & k.same != 0 && !self.map.held(o, k.same, self.deciding))
+                    .map(|(o, _)| *o),
+            );
             if !hs.is_empty() {
                 k.sink.remove(self.slot, &hs);
             }

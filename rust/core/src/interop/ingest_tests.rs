@@ -125,3 +125,73 @@ fn more_than_eight_media_overflow() {
     assert_eq!(f.ing.media().len(), 8);
     assert!(matches!(f.ing.add_medium("Z", "Z", Sink { index: f.gpu.clone(), tier: None }), Err(IngestError::TooManyMedia(_))));
 }
+
+/// A vLLM 0.32 BlockStored (a map) with a group, its kind and extra_keys.
+fn stored_in(hashes: &[i128], tokens: V, group: i128, kind: &'static str, extra_keys: V) -> V {
+    V::M(vec![
+        (V::S("type"), V::S("BlockStored")),
+        (V::S("block_hashes"), V::A(hashes.iter().map(|&h| V::Int(h)).collect())),
+        (V::S("token_ids"), tokens),
+        (V::S("block_size"), V::Int(BS as i128)),
+        (V::S("extra_keys"), extra_keys),
+        (V::S("group_idx"), V::Int(group)),
+        (V::S("kv_cache_spec_kind"), V::S(kind)),
+    ])
+}
+
+fn removed_in(hashes: &[i128], group: i128) -> V {
+    V::M(vec![
+        (V::S("type"), V::S("BlockRemoved")),
+        (V::S("block_hashes"), V::A(hashes.iter().map(|&h| V::Int(h)).collect())),
+        (V::S("group_idx"), V::Int(group)),
+    ])
+}
+
+#[test]
+fn a_block_is_held_while_every_full_attention_group_holds_it() {
+    let mut f = fixture(1 << 10);
+    let ours = f.hasher.hash_tokens(&(0..8).collect::<Vec<u32>>(), None);
+    // two full-attention groups (same engine hashes in both) and a sliding-window one
+    f.apply(&batch(vec![
+        stored_in(&[1, 2], toks(0..8), 0, "full_attention", V::Nil),
+        stored_in(&[1, 2], toks(0..8), 1, "full_attention", V::Nil),
+        stored_in(&[1, 2], toks(0..8), 2, "sliding_window", V::Nil),
+    ]))
+    .unwrap();
+    assert_eq!(f.gpu.match_prefix(&ours)[0].total(), 2);
+    assert_eq!(f.ing.groups(), vec![(0, true), (1, true), (2, false)]);
+    // the sliding-window group's removals change nothing (counted)
+    f.apply(&batch(vec![removed_in(&[1, 2], 2)])).unwrap();
+    assert_eq!(f.gpu.match_prefix(&ours)[0].total(), 2);
+    assert_eq!(f.ing.stats().other_groups, 2);
+    // a removal in one full-attention group drops the block
+    f.apply(&batch(vec![removed_in(&[2], 1)])).unwrap();
+    assert_eq!(f.gpu.match_prefix(&ours)[0].total(), 1);
+    // stored again in group 1: held by both again
+    f.apply(&batch(vec![stored_in(&[1, 2], toks(0..8), 1, "full_attention", V::Nil)])).unwrap();
+    assert_eq!(f.gpu.match_prefix(&ours)[0].total(), 2);
+    // group 0 loses block 0: the prefix is gone
+    f.apply(&batch(vec![removed_in(&[1], 0)])).unwrap();
+    assert!(f.gpu.match_prefix(&ours).is_empty());
+    f.ing.map().check_integrity().unwrap();
+}
+
+#[test]
+fn salted_and_plain_copies_are_distinct_and_refcounted() {
+    let mut f = fixture(1 << 10);
+    let all: Vec<u32> = (0..8).collect();
+    let salt = bytes(&V::A(vec![V::S("tenant-a")]));
+    let salted = f.hasher.hash_tokens_with_extras(&all, None, &[Some(&salt)]).unwrap();
+    let plain = f.hasher.hash_tokens(&all, None);
+    f.apply(&batch(vec![stored_in(&[1, 2], toks(0..8), 0, "full_attention", V::A(vec![V::A(vec![V::S("tenant-a")]), V::Nil]))]))
+        .unwrap();
+    assert!(f.gpu.match_prefix(&plain).is_empty());
+    assert_eq!(f.gpu.match_prefix(&salted)[0].total(), 2);
+    // the plain copy under two engine hashes each (say, two engines' hashing of it)
+    f.apply(&batch(vec![stored(&[3, 4], None, toks(0..8), None), stored(&[5, 6], None, toks(0..8), None)])).unwrap();
+    f.apply(&batch(vec![removed(&[1, 2], None), removed(&[3, 4], None)])).unwrap();
+    assert!(f.gpu.match_prefix(&salted).is_empty());
+    assert_eq!(f.gpu.match_prefix(&plain)[0].total(), 2); // 5, 6 still hold it
+    f.apply(&batch(vec![removed(&[5, 6], None)])).unwrap();
+    assert!(f.gpu.match_prefix(&plain).is_empty());
+}

@@ -1,7 +1,9 @@
 //! Media names as engines spell them, to one canonical name per medium.
 
-/// Aliases of the standard media (upper case).
-const ALIASES: [(&str, &str); 12] = [
+/// Aliases of the standard media (upper case). vLLM's offloading connector publishes
+/// its tiers as `"CPU"` and `"STORAGE"` (a file system or object store behind the CPU
+/// tier): storage is the disk tier, priced as a read, not host memory.
+const ALIASES: [(&str, &str); 13] = [
     ("GPU", "GPU"),
     ("NPU", "GPU"),
     ("HBM", "GPU"),
@@ -14,6 +16,7 @@ const ALIASES: [(&str, &str); 12] = [
     ("SSD", "DISK"),
     ("NVME", "DISK"),
     ("FILE", "DISK"),
+    ("STORAGE", "DISK"),
 ];
 
 /// The upper-case medium name (vLLM's `"GPU"`/`"CPU"`, Mooncake's gpu/cpu/disk, SGLang's
@@ -36,10 +39,11 @@ mod tests {
 
     #[test]
     fn aliases_and_unknown_names() {
-        let got: Vec<String> = [None, Some("GPU"), Some("gpu"), Some("cpu"), Some("CPU_PINNED"), Some("disk"), Some("SSD"), Some("external")]
-            .into_iter()
-            .map(canonical_medium)
-            .collect();
-        assert_eq!(got, ["GPU", "GPU", "GPU", "CPU", "CPU", "DISK", "DISK", "EXTERNAL"]);
+        let got: Vec<String> =
+            [None, Some("GPU"), Some("gpu"), Some("cpu"), Some("CPU_PINNED"), Some("disk"), Some("SSD"), Some("external"), Some("STORAGE"), Some("storage")]
+                .into_iter()
+                .map(canonical_medium)
+                .collect();
+        assert_eq!(got, ["GPU", "GPU", "GPU", "CPU", "CPU", "DISK", "DISK", "EXTERNAL", "DISK", "DISK"]);
     }
 }

@@ -15,8 +15,8 @@ pub mod media;
 pub mod msgpack;
 pub mod wire;
 
-pub use engine_map::{EngineHash, EngineHashMap, MapError, MEDIA_BITS};
+pub use engine_map::{EngineHash, EngineHashMap, MapError, MAX_GROUPS, MEDIA_BITS};
 pub use events::{decode_batch, Batch, Event, EventError, KeyRef};
-pub use ingest::{ChainHasher, EventIngestor, IngestError, IngestStats, Sink, Step, Tokens};
+pub use ingest::{ChainHasher, EventIngestor, IngestError, IngestStats, Sink, Step, StoredMeta, Tokens};
 pub use media::canonical_medium;
 pub use msgpack::{decode_u32_array, WireError};

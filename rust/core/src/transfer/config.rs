@@ -57,6 +57,11 @@ pub struct EngineConfig {
     pub connect_timeout: Duration,
     /// A peer that neither reads nor answers for this long is declared dead.
     pub io_timeout: Duration,
+    /// Without a token, a served connection that waits this long for its next request is
+    /// closed (its client reconnects when it needs it again): idle connections of peers
+    /// nobody authenticated must not pile up. Authenticated ones may idle; both kinds are
+    /// evicted oldest-idle-first when the server or one peer address is at its cap.
+    pub idle_timeout: Duration,
     pub connections_per_endpoint: usize,
     pub window: usize,
     pub max_attempts: u32,
@@ -77,6 +82,7 @@ impl Default for EngineConfig {
             slice_size: 1 << 20,
             connect_timeout: Duration::from_secs(5),
             io_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
             connections_per_endpoint: 1,
             window: 16,
             max_attempts: 3,
@@ -95,7 +101,7 @@ impl EngineConfig {
         if self.slice_size == 0 || self.slice_size > super::protocol::MAX_DATA {
             return bad(format!("slice_size must be in 1..={}, got {}", super::protocol::MAX_DATA, self.slice_size));
         }
-        if self.io_timeout.is_zero() || self.connect_timeout.is_zero() {
+        if self.io_timeout.is_zero() || self.connect_timeout.is_zero() || self.idle_timeout.is_zero() {
             return bad("timeouts must be positive".into());
         }
         if !(1..=64).contains(&self.connections_per_endpoint) || self.window == 0 || self.max_attempts == 0 {
@@ -134,6 +140,9 @@ pub struct Counters {
     pub late_responses: AtomicU64,
     /// Handshakes cut short to make room for a new connection (all slots were taken).
     pub handshakes_evicted: AtomicU64,
+    /// Served connections closed to make room (oldest idle first) or after idling past
+    /// `idle_timeout` without a token.
+    pub idle_evicted: AtomicU64,
     // Initiator side, counted by the batches themselves as they end.
     /// Batches submitted / batches whose every request ended.
     pub batches: AtomicU64,
@@ -200,6 +209,7 @@ pub struct EngineStats {
     pub retries: u64,
     pub late_responses: u64,
     pub handshakes_evicted: u64,
+    pub idle_evicted: u64,
     pub regions: u64,
     pub batches: u64,
     pub batches_done: u64,

@@ -161,6 +161,7 @@ impl Engine {
                 host,
                 counters: counters.clone(),
                 io_timeout: cfg.io_timeout,
+                idle_timeout: cfg.idle_timeout,
                 share_shm: cfg.transports.shm,
             };
             Some(Server::bind(&cfg.listen, ctx)?)
@@ -428,6 +429,7 @@ impl Engine {
             retries: l(&c.retries),
             late_responses: l(&c.late_responses),
             handshakes_evicted: l(&c.handshakes_evicted),
+            idle_evicted: l(&c.idle_evicted),
             regions: self.inner.regions.len() as u64,
             batches: l(&c.batches),
             batches_done: l(&c.batches_done),

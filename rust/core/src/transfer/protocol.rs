@@ -10,7 +10,8 @@
 use super::AccessError;
 
 pub const MAGIC: [u8; 2] = *b"MC";
-pub const VERSION: u16 = 2;
+/// 3: frames after a keyed handshake are sealed with AES-256-GCM (tcp/seal.rs), not BLAKE3-tagged.
+pub const VERSION: u16 = 3;
 pub const HEADER_LEN: usize = 8;
 /// Largest payload of one data frame (slices are at most this long).
 pub const MAX_DATA: usize = 16 << 20;

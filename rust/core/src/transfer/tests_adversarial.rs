@@ -184,3 +184,34 @@ fn connect_again_reuses_the_peer_and_replaces_a_dead_one() {
 fn engine_plain(name: &str) -> Engine {
     Engine::new(cfg(name, &["tcp"]), None).unwrap()
 }
+
+// Issue 26 item 7: without a token anyone completes the handshake, and a served
+// connection used to stay until its peer closed it: 300 idle ones took every served slot
+// and locked good clients out. Now the idlest is evicted to admit a new connection (per
+// server and per peer address), and an idle one is closed after `idle_timeout`.
+#[test]
+fn idle_handshaken_connections_do_not_lock_out_good_clients_without_a_token() {
+    let mut c = cfg("srv", &["tcp"]);
+    c.idle_timeout = Duration::from_secs(2);
+    let b = Engine::new(c, None).unwrap();
+    let addr = b.address();
+    // Load: 300 connections that complete the (tokenless) handshake, then idle.
+    let mut idle: Vec<TcpStream> = (0..300)
+        .map(|i| {
+            let mut s = TcpStream::connect(&addr).unwrap();
+            tcp::handshake::client(&mut s, None, &format!("idle-{i}")).unwrap();
+            s
+        })
+        .collect();
+    wait_until("the server to admit all 300 (evicting the idlest past its caps)", || b.stats().connections >= 300);
+    // Good clients connect on their first try and move data, under that load.
+    for i in 0..10 {
+        let a = engine_plain(&format!("good-{i}"));
+        let p = a.connect("srv", Some(&addr)).unwrap();
+        roundtrip(&a, &b, &p, 64 << 10);
+    }
+    assert!(b.stats().idle_evicted > 0);
+    // And an idle handshaken connection is closed by the deadline (2 s) at the latest.
+    let mut last = idle.pop().unwrap();
+    assert!(closed_within(&mut last, T), "an idle connection was kept open past idle_timeout");
+}

@@ -6,7 +6,7 @@
 //! tries; with no connection left, the peer's requests fail at once.
 
 use std::collections::VecDeque;
-use std::io::{BufReader, Read};
+use std::io::BufReader;
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -24,7 +24,7 @@ use super::super::protocol::{encode, Msg};
 use super::super::{AccessError, Op, TransferError};
 use super::handshake::{self, ServerHello};
 use super::seal::{FrameKeys, FrameReader, FrameWriter};
-use super::{discard, read_control, read_header, read_msg_body, ConnError};
+use super::{read_control, read_header, read_msg_body, ConnError};
 
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
@@ -428,7 +428,6 @@ impl TcpPeer {
         if !payload {
             r.end_frame().map_err(|e| e.to_string())?;
         }
-        let end_payload = |r: &mut Reader| if payload { r.end_frame() } else { Ok(()) };
         let slice = conn.inflight.lock().remove(&id).ok_or_else(|| format!("response to unknown request {id}"))?;
         conn.room.notify_one();
         let refused = |reason: AccessError| TransferError::Refused { side: "peer", region: slice.remote_region, reason };
@@ -444,14 +443,13 @@ impl TcpPeer {
                     // A late answer: the request already ended (timeout, cancel, another
                     // slice failed) and its buffer may be in use again. Drop the payload.
                     self.counters.late_responses.fetch_add(1, Ordering::Relaxed);
-                    discard(r, n).map_err(|e| e.to_string())?;
-                    return end_payload(r).map_err(|e| e.to_string());
+                    return r.discard_payload(n).map_err(|e| e.to_string());
                 }
                 // SAFETY: the local range was bounds-checked at submit (and checked
                 // writable); the span keeps the memory mapped while we receive into it,
                 // and begin_io keeps the request from being reported final meanwhile.
                 let dst = unsafe { std::slice::from_raw_parts_mut(slice.local.ptr, n) };
-                let got = r.read_exact(dst).map_err(ConnError::from).and_then(|()| end_payload(r));
+                let got = r.read_payload(dst);
                 slice.batch.end_io(slice.index);
                 if let Err(e) = got {
                     let why = e.to_string();

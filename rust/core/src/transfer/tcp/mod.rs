@@ -5,6 +5,7 @@
 //! peer over several endpoints, retrying a failed connection's slices on another.
 //! Both sides use blocking sockets with timeouts, one thread per direction.
 
+mod admission;
 pub mod client;
 pub mod handshake;
 pub mod seal;
@@ -87,11 +88,3 @@ pub fn read_control(r: &mut impl Read) -> Result<Msg, ConnError> {
     }
 }
 
-/// Reads and throws away `n` bytes (the payload of a refused write).
-pub fn discard(r: &mut impl Read, n: usize) -> io::Result<()> {
-    let copied = io::copy(&mut r.take(n as u64), &mut io::sink())?;
-    if copied as usize != n {
-        return Err(io::ErrorKind::UnexpectedEof.into());
-    }
-    Ok(())
-}

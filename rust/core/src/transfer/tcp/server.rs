@@ -11,6 +11,15 @@
 //! byte at a time gains nothing). When every handshake slot is taken, a new connection
 //! evicts the oldest handshake: an honest client's handshake takes one round trip, an
 //! idle or trickling one is the oldest and goes first.
+//!
+//! Served connections are bounded the same way: at most [`MAX_CONNECTIONS`] in all and
+//! [`MAX_PER_PEER`] from one peer address. A connection at a cap evicts the served
+//! connection of the same scope that has waited longest for its next request (never one
+//! in the middle of a request); only when none is idle is it refused. Without a token
+//! (anyone may complete the handshake) a served connection that waits `idle_timeout`
+//! for its next request is closed too. So idle connections, handshaken or not, never
+//! lock out a client that comes to move data; a client whose idle connection was closed
+//! connects again when it needs it (client.rs retries).
 
 use std::collections::BTreeMap;
 use std::io::{self, BufReader, Read, Write};
@@ -29,12 +38,12 @@ use super::super::engine::Counters;
 use super::super::protocol::{encode, Header, Msg, MAX_DATA};
 use super::super::region::RegionTable;
 use super::super::{AccessError, TransferError};
+use super::admission::{make_room, Activity, Served};
+pub use super::admission::{MAX_CONNECTIONS, MAX_PER_PEER};
 use super::handshake::{self, Refusal};
 use super::seal::{FrameReader, FrameWriter};
-use super::{discard, read_header, read_msg_body, ConnError};
+use super::{read_header, read_msg_body, ConnError};
 
-/// Most authenticated connections served at once (each costs a thread).
-pub const MAX_CONNECTIONS: usize = 256;
 /// Most connections in their handshake at once (each costs a thread).
 pub const MAX_HANDSHAKES: usize = 64;
 /// The longest a handshake may take from accept (the I/O timeout, if shorter).
@@ -49,6 +58,8 @@ pub struct ServeCtx {
     pub host: [u8; 16],
     pub counters: Arc<Counters>,
     pub io_timeout: Duration,
+    /// Without a key: how long a served connection may wait for its next request.
+    pub idle_timeout: Duration,
     /// Whether peers may learn shm names (the engine allows the shm transport).
     pub share_shm: bool,
 }
@@ -57,8 +68,10 @@ struct Shared {
     ctx: ServeCtx,
     closed: AtomicBool,
     next_conn: AtomicU64,
-    /// Authenticated connections (to shut them down on close).
-    conns: Mutex<HashMap<u64, TcpStream>>,
+    /// Served connections (to shut them down on close, or evict the idlest at a cap).
+    conns: Mutex<HashMap<u64, Served>>,
+    /// The clock of `Activity::idle_since`.
+    epoch: Instant,
     /// Connections in their handshake, by accept order (the first is the oldest).
     handshaking: Mutex<BTreeMap<u64, TcpStream>>,
 }
@@ -80,6 +93,7 @@ impl Server {
             closed: AtomicBool::new(false),
             next_conn: AtomicU64::new(0),
             conns: Mutex::new(HashMap::new()),
+            epoch: Instant::now(),
             handshaking: Mutex::new(BTreeMap::new()),
         });
         let mut listeners = Vec::new();
@@ -115,8 +129,8 @@ impl Server {
                 let _ = h.join();
             }
         }
-        for (_, s) in self.shared.conns.lock().drain() {
-            let _ = s.shutdown(std::net::Shutdown::Both);
+        for (_, c) in self.shared.conns.lock().drain() {
+            let _ = c.stream.shutdown(std::net::Shutdown::Both);
         }
         for (_, s) in std::mem::take(&mut *self.shared.handshaking.lock()) {
             let _ = s.shutdown(std::net::Shutdown::Both);
@@ -218,27 +232,38 @@ fn serve(stream: TcpStream, id: u64, sh: &Shared) {
             return;
         }
     };
+    let Ok(addr) = stream.peer_addr() else { return };
+    let activity = Arc::new(Activity::default());
+    activity.idle(sh.epoch);
     {
         let mut conns = sh.conns.lock();
-        if conns.len() >= MAX_CONNECTIONS || sh.closed.load(Ordering::SeqCst) {
-            tracing::warn!(engine = %ctx.name, "refused an authenticated connection: {MAX_CONNECTIONS} already served");
+        if sh.closed.load(Ordering::SeqCst) {
+            return;
+        }
+        if let Err(what) = make_room(&mut conns, addr.ip(), &ctx.counters) {
+            tracing::warn!(engine = %ctx.name, peer = %addr, "refused a connection: every one of the {what} \
+                           served is in the middle of a request");
             return;
         }
         match stream.try_clone() {
-            Ok(c) => conns.insert(id, c),
+            Ok(c) => conns.insert(id, Served { stream: c, peer: addr.ip(), activity: activity.clone() }),
             Err(_) => return,
         };
     }
     ctx.counters.connections.fetch_add(1, Ordering::Relaxed);
-    serve_frames(stream, &peer, keys, ctx, &sh.closed);
+    serve_frames(stream, &peer, keys, ctx, sh, &activity);
     sh.conns.lock().remove(&id);
 }
 
 /// The authenticated part of a connection: one request at a time, in order.
 /// `peer`: the client's engine name, what grants of restricted regions are checked against.
-fn serve_frames(stream: TcpStream, peer: &str, keys: super::seal::FrameKeys, ctx: &ServeCtx, closed: &AtomicBool) {
-    // After the handshake a connection may sit idle as long as it likes.
-    let _ = stream.set_read_timeout(None);
+fn serve_frames(stream: TcpStream, peer: &str, keys: super::seal::FrameKeys, ctx: &ServeCtx, sh: &Shared,
+                activity: &Activity) {
+    let closed = &sh.closed;
+    // After an authenticated handshake a connection may sit idle (until evicted for
+    // room); without a token, only for `idle_timeout`.
+    let idle_limit = if keys.recv.is_none() { Some(ctx.idle_timeout) } else { None };
+    let _ = stream.set_read_timeout(idle_limit);
     let _ = stream.set_write_timeout(Some(ctx.io_timeout));
     let Ok(read_half) = stream.try_clone() else { return };
     let mut r = FrameReader::new(BufReader::with_capacity(8 << 10, read_half), keys.recv);
@@ -248,9 +273,14 @@ fn serve_frames(stream: TcpStream, peer: &str, keys: super::seal::FrameKeys, ctx
         if closed.load(Ordering::SeqCst) {
             return;
         }
+        activity.idle(sh.epoch);
         let result = read_header(&mut r).and_then(|h| match h {
-            Some(h) => handle(h, peer, &mut r, &mut w, &mut stage, ctx),
-            None => Ok(()),
+            Some(h) => {
+                activity.busy();
+                handle(h, peer, &mut r, &mut w, &mut stage, ctx)
+            }
+            // (no request within the read timeout: only set without a token)
+            None => Err(ConnError::Io(io::ErrorKind::TimedOut.into())),
         });
         match result {
             Ok(()) => {}
@@ -261,6 +291,9 @@ fn serve_frames(stream: TcpStream, peer: &str, keys: super::seal::FrameKeys, ctx
                 return;
             }
             Err(ConnError::Io(e)) => {
+                if idle_limit.is_some() && matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) {
+                    ctx.counters.idle_evicted.fetch_add(1, Ordering::Relaxed);
+                }
                 tracing::debug!(engine = %ctx.name, error = %e, "connection ended");
                 return;
             }
@@ -311,8 +344,7 @@ fn handle(h: Header, peer: &str, r: &mut Reader, w: &mut FrameWriter<TcpStream>,
                     if r.keyed() {
                         // Stage, verify, then land: an unverified byte never reaches `dst`.
                         stage.resize(data_len, 0);
-                        r.read_exact(stage)?;
-                        r.end_frame()?;
+                        r.read_payload(stage)?;
                         dst.copy_from_slice(stage);
                         if stage.capacity() > 4 * (1 << 20) {
                             *stage = Vec::new(); // bound what an idle connection holds
@@ -324,8 +356,7 @@ fn handle(h: Header, peer: &str, r: &mut Reader, w: &mut FrameWriter<TcpStream>,
                     Ok(())
                 }
                 Err(e) => {
-                    discard(r, data_len)?;
-                    r.end_frame()?;
+                    r.discard_payload(data_len)?;
                     refuse(ctx, e)
                 }
             };

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from ..errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from .config import ModelConfig
+    from .model_config import ModelConfig
 
 __all__ = ["BlockLayout", "LayerSpan", "DTYPE_SIZES", "dtype_size"]
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidArgument
 
-__all__ = ["ModelConfig", "PRESETS", "DTYPES", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["ModelConfig", "PRESETS", "DTYPES", "SUPPORTED_ARCHITECTURES", "model_dir_config"]
 
 #: dtype names accepted by the engine.
 DTYPES = ("float32", "bfloat16", "float16")
@@ -306,3 +307,27 @@ PRESETS: dict[str, ModelConfig] = {
                                rope_theta=500000.0, rope_scaling=dict(_LLAMA3_ROPE), rms_norm_eps=1e-5,
                                eos_token_ids=(128001, 128009), dtype="bfloat16", name="llama-3-70b"),
 }
+
+
+def model_dir_config(path: str | Path, *, weights: bool = True) -> ModelConfig:
+    """The ModelConfig of a local Hugging Face model directory, checked before anything
+    starts on it: a readable config.json of a supported family and (``weights``) its
+    ``*.safetensors`` files. Raises :class:`InvalidArgument` with a one-line reason."""
+    import json
+
+    d = Path(path)
+    if not d.is_dir():
+        raise InvalidArgument(f"{str(path)!r} is not a directory: pass a Hugging Face model directory, a preset "
+                              f"name ({', '.join(sorted(PRESETS))}), or make one with `mooncake-rs make-model DIR`")
+    try:
+        raw = json.loads((d / "config.json").read_text())
+    except FileNotFoundError:
+        raise InvalidArgument(f"{d} has no config.json: a model directory holds the Hugging Face config.json, "
+                              "*.safetensors weights and the tokenizer files") from None
+    except (OSError, ValueError) as e:
+        raise InvalidArgument(f"{d / 'config.json'} is not readable JSON: {e}") from None
+    cfg = ModelConfig.from_hf_config(raw)
+    if weights and not (d / "model.safetensors.index.json").is_file() and not any(d.glob("*.safetensors")):
+        raise InvalidArgument(f"{d} holds no *.safetensors weights (only safetensors are read; convert a "
+                              "pytorch_model.bin with safetensors' convert script)")
+    return cfg

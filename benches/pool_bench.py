@@ -1,0 +1,166 @@
+"""The pool against the real Mooncake Store, side by side in one run, through the same
+Mooncake API calls (ours: mooncake_rs.compat's facade):
+
+- local: one process holds the pool (ours: the embedded pool; Mooncake: a client that owns
+  the only segment, which takes its memcpy shortcut, with a master beside it);
+- remote (needs root: network namespaces, tests/netns_helpers.py): the client on host 0,
+  the pool on host 1, every byte over TCP (ours: a ``mooncake-rs store --tcp-only`` node
+  found through etcd on the bridge; Mooncake: master + segment owner on host 1); plus our
+  transfer engine's own TCP batches of the same bytes between the same hosts.
+
+Rows: batch_put_from / batch_get_into of 32 x 512 KiB and 32 x 4 MiB (GB/s, median over
+rounds; fresh keys per round), and 128 B keys put / get / batch_is_exist (ops/s).
+
+    python benches/pool_bench.py [--runs 3] [--peer-venv /tmp/peer-mc] [--no-remote]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT / "tests"))
+ROLES = str(HERE / "pool_bench_roles.py")
+MiB = 1 << 20
+TOKEN = "pool-bench-token-0123456789abcdef"
+
+
+def run_role(argv_prefix: list[str], python: str, role: str, args: dict, env: dict | None = None,
+             timeout: float = 600) -> dict:
+    r = subprocess.run([*argv_prefix, python, ROLES, role, json.dumps(args)], capture_output=True, text=True,
+                       timeout=timeout, env=env)
+    if r.returncode != 0:
+        raise RuntimeError(f"{role} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def our_env(extra: dict | None = None) -> dict:
+    e = dict(os.environ, MOONCAKE_LOG="warn")
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), e.get("PYTHONPATH", "")])
+    e.update(extra or {})
+    return e
+
+
+def local_run(peer_py: str, tmp: str) -> dict:
+    seg = 640 * MiB
+    ours = run_role([], sys.executable, "store", {"impl": "ours", "host": "127.0.0.1", "meta": "P2PHANDSHAKE",
+                                                  "master": "127.0.0.1:50051", "segment": seg,
+                                                  "parts": ["bulk", "small"]}, our_env())
+    penv = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1")
+    theirs = run_role([], peer_py, "store", {"impl": "mooncake", "host": "127.0.0.1", "start_master": True,
+                                             "segment": seg, "log": f"{tmp}/mc-master-local.log",
+                                             "parts": ["bulk", "small"]}, penv)
+    return {"ours": ours, "mooncake": theirs}
+
+
+def remote_run(peer_py: str, tmp: str) -> dict:
+    from etcd_helpers import EtcdServer, etcd_binary
+    from netns_helpers import TestHosts
+    from pool_helpers import start_node
+
+    out: dict = {}
+    with TestHosts(2) as hosts:
+        cli, srv = 0, 1
+        ns = ["ip", "netns", "exec", hosts.names[cli]]
+        # ours: a store node on host 1, the client on host 0
+        etcd = EtcdServer(etcd_binary(), Path(tmp) / "etcd", host=hosts.gateway)
+        etcd.start()
+        try:
+            node, _ = start_node(lambda argv, **kw: hosts.popen(srv, argv, **kw), etcd.url, hosts.ip(srv), 7600,
+                                 "bench", "bench", dram="1GB")
+            env = our_env({"MOONCAKE_AUTH_TOKEN": "pool-test-token-0123456789abcdef", "MOONCAKE_CLUSTER": "bench",
+                           "MOONCAKE_RS_TRANSPORTS": "tcp"})
+            etcd_addr = "etcd://" + etcd.url[len("http://"):]
+            out["ours"] = run_role(ns, sys.executable, "store", {"impl": "ours", "host": hosts.ip(cli), "meta": etcd_addr,
+                                                                 "master": etcd_addr, "segment": 0,
+                                                                 "parts": ["bulk", "small"]}, env)
+            node.terminate()
+            node.wait(10)
+        finally:
+            etcd.stop()
+        # our transfer engine, same bytes, same hosts
+        ts = hosts.popen(srv, [sys.executable, ROLES, "te-server", json.dumps({"host": hosts.ip(srv), "token": TOKEN})],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=our_env())
+        info = json.loads(ts.stdout.readline())
+        out["te"] = run_role(ns, sys.executable, "te-client", {"token": TOKEN, **info}, our_env())
+        ts.stdin.close()
+        ts.wait(10)
+        # Mooncake: master + segment owner on host 1, the client (no segment) on host 0
+        owner = hosts.popen(srv, [peer_py, ROLES, "mc-owner", json.dumps({"host": hosts.ip(srv), "segment": 1536 * MiB,
+                                                                          "log": f"{tmp}/mc-master-remote.log"})],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, MC_TCP_BIND_ADDRESS=hosts.ip(srv)))
+        info = json.loads(owner.stdout.readline())
+        out["mooncake"] = run_role(ns, peer_py, "store", {"impl": "mooncake", "host": hosts.ip(cli), "segment": 0,
+                                                          "parts": ["bulk", "small"], **info},
+                                   dict(os.environ, MC_TCP_BIND_ADDRESS=hosts.ip(cli)))
+        owner.stdin.close()
+        owner.wait(20)
+    return out
+
+
+def median_of(runs: list[dict], path: tuple[str, str]) -> float:
+    return statistics.median(r[path[0]][path[1]] for r in runs)
+
+
+def ratio(runs: list[dict], a: str, b: str, name: str, name_b: str | None = None) -> float:
+    """The median over runs of each run's own ratio (robust to a load that drifts between
+    runs on a shared machine)."""
+    return statistics.median(r[a][name] / r[b][name_b or name] for r in runs)
+
+
+def table(runs: list[dict], title: str, with_te: bool) -> str:
+    rows = [f"### {title} (median of {len(runs)} runs)", "",
+            "| operation | ours | Mooncake Store | ours / Mooncake (median of per-run ratios) |"
+            + (" TE TCP | ours / TE |" if with_te else ""),
+            "|---|---|---|---|" + ("---|---|" if with_te else "")]
+    for name in runs[0]["ours"]:
+        o, m = median_of(runs, ("ours", name)), median_of(runs, ("mooncake", name))
+        unit = "GB/s" if name.startswith(("batch_put_from", "batch_get_into", "memcpy")) else "ops/s"
+        fmt = (lambda x: f"{x:.2f} {unit}") if unit == "GB/s" else (lambda x: f"{x:,.0f} {unit}")
+        line = f"| {name} | {fmt(o)} | {fmt(m)} | {ratio(runs, 'ours', 'mooncake', name):.2f}x |"
+        if with_te:
+            te_name = name.replace("batch_put_from", "te write").replace("batch_get_into", "te read")
+            if te_name in runs[0].get("te", {}):
+                t = median_of(runs, ("te", te_name))
+                line += f" {t:.2f} GB/s | {ratio(runs, 'ours', 'te', name, te_name):.2f}x |"
+            else:
+                line += " | |"
+        rows.append(line)
+    return "\n".join(rows) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--peer-venv", default=os.environ.get("MC_PEER_VENV", "/tmp/peer-mc"))
+    ap.add_argument("--no-remote", action="store_true")
+    ap.add_argument("--json", default=None, help="also write the raw results here")
+    a = ap.parse_args()
+    peer_py = str(Path(a.peer_venv) / "bin" / "python")
+    tmp = tempfile.mkdtemp(prefix="pool-bench-")
+    local, remote = [], []
+    for i in range(a.runs):
+        t = time.time()
+        local.append(local_run(peer_py, tmp))
+        if not a.no_remote:
+            remote.append(remote_run(peer_py, tmp))
+        print(f"run {i + 1}/{a.runs} done in {time.time() - t:.0f} s", file=sys.stderr, flush=True)
+    print(table(local, "local: one process holds the pool", False))
+    if remote:
+        print(table(remote, "remote: client and pool on two namespace hosts, TCP", True))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"local": local, "remote": remote}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""The processes of benches/pool_bench.py, one role each (``python pool_bench_roles.py ROLE
+ARGS-JSON``); each prints one JSON line of results. The Mooncake roles run under the
+peer venv's python (no mooncake_rs there); ours under the project's."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+KiB, MiB = 1 << 10, 1 << 20
+BULK = [(512 * KiB, 8), (4 * MiB, 4)]  # (value size, rounds) for batches of 32
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_port(host: str, port: int, timeout_s: float = 30.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            socket.create_connection((host, port), timeout=0.5).close()
+            return True
+        except OSError:
+            time.sleep(0.1)
+    return False
+
+
+def start_master(host: str, log: str) -> tuple[subprocess.Popen, int, str]:
+    rpc, metrics, http = free_port(host), free_port(host), free_port(host)
+    exe = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+    p = subprocess.Popen([exe, f"--rpc_address={host}", f"--rpc_port={rpc}", f"--metrics_host={host}",
+                          f"--metrics_port={metrics}", "--rpc_thread_num=2", "--logtostderr=true",
+                          "--enable_http_metadata_server=true", f"--http_metadata_server_host={host}",
+                          f"--http_metadata_server_port={http}"], stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    if not (wait_port(host, rpc) and wait_port(host, http)):
+        p.kill()
+        raise RuntimeError("mooncake_master did not start")
+    return p, rpc, f"http://{host}:{http}/metadata"
+
+
+def open_store(a: dict):
+    """The store under test, through Mooncake's API (ours: the facade)."""
+    if a["impl"] == "ours":
+        from mooncake_rs.compat import install_as_mooncake
+
+        install_as_mooncake()
+    from mooncake.store import MooncakeDistributedStore
+
+    s = MooncakeDistributedStore()
+    rc = s.setup(a["host"], a["meta"], a["segment"], a.get("local_buffer", 256 * MiB), "tcp", "", a["master"])
+    assert rc == 0, f"setup returned {rc}"
+    return s
+
+
+def memcpy_gbps(n: int = 128 * MiB) -> float:
+    """This process's own memcpy (ctypes.memmove, libc) right now: the control of a local
+    row, since both stores' local paths are one memcpy per byte."""
+    import ctypes
+
+    src = np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8)
+    dst = np.ones_like(src)
+    ts = []
+    for _ in range(5):
+        t = time.perf_counter()
+        ctypes.memmove(dst.ctypes.data, src.ctypes.data, n)
+        ts.append(time.perf_counter() - t)
+    return n / 1e9 / statistics.median(ts)
+
+
+def bulk(s, tag: str) -> dict:
+    out = {"memcpy 128 MiB in this process (control)": memcpy_gbps()}
+    for size, rounds in BULK:
+        vals = np.random.default_rng(size).integers(0, 256, (32, size), dtype=np.uint8)
+        dst = np.zeros_like(vals)
+        assert s.register_buffer(vals.ctypes.data, vals.nbytes) == 0
+        assert s.register_buffer(dst.ctypes.data, dst.nbytes) == 0
+        ptrs = [vals[i].ctypes.data for i in range(32)]
+        dptrs = [dst[i].ctypes.data for i in range(32)]
+        put_t, get_t = [], []
+        for r in range(rounds):
+            keys = [f"{tag}-{size}-{r}-{i}" for i in range(32)]
+            t = time.perf_counter()
+            rc = s.batch_put_from(keys, ptrs, [size] * 32)
+            put_t.append(time.perf_counter() - t)
+            assert all(x == 0 for x in rc), rc
+            for _ in range(2):
+                dst[:] = 0
+                t = time.perf_counter()
+                rc = s.batch_get_into(keys, dptrs, [size] * 32)
+                get_t.append(time.perf_counter() - t)
+                assert all(x == size for x in rc), rc
+            assert (dst == vals).all()
+            s.remove_all(True)
+        s.unregister_buffer(vals.ctypes.data)
+        s.unregister_buffer(dst.ctypes.data)
+        gb = 32 * size / 1e9
+        name = f"{size // KiB} KiB" if size < MiB else f"{size // MiB} MiB"
+        out[f"batch_put_from 32 x {name}"] = gb / statistics.median(put_t)
+        out[f"batch_get_into 32 x {name}"] = gb / statistics.median(get_t)
+    return out
+
+
+def small(s, tag: str, n: int = 2000) -> dict:
+    val = b"v" * 128
+    keys = [f"{tag}-small-{i}" for i in range(n)]
+    t = time.perf_counter()
+    for k in keys:
+        assert s.put(k, val) == 0
+    put = n / (time.perf_counter() - t)
+    t = time.perf_counter()
+    for k in keys:
+        assert len(s.get(k)) == 128
+    get = n / (time.perf_counter() - t)
+    t = time.perf_counter()
+    for i in range(0, n, 100):
+        assert s.batch_is_exist(keys[i:i + 100]) == [1] * 100
+    bie = n / (time.perf_counter() - t)
+    s.remove_all(True)
+    return {"put 128 B": put, "get 128 B": get, "batch_is_exist x100 (keys/s)": bie}
+
+
+def role_store(a: dict) -> dict:
+    """bulk + small keys through Mooncake's API."""
+    master = None
+    if a["impl"] == "mooncake" and a.get("start_master"):
+        master, rpc, meta = start_master(a["host"], a["log"])
+        a = dict(a, master=f"{a['host']}:{rpc}", meta=meta)
+    try:
+        s = open_store(a)
+        res = {}
+        if "bulk" in a["parts"]:
+            res.update(bulk(s, a["impl"]))
+        if "small" in a["parts"]:
+            res.update(small(s, a["impl"]))
+        s.close()
+        return res
+    finally:
+        if master is not None:
+            master.kill()
+
+
+def role_mc_owner(a: dict) -> dict:
+    """A Mooncake client that owns the only segment, on its own host (the remote rows)."""
+    master, rpc, meta = start_master(a["host"], a["log"])
+    from mooncake.store import MooncakeDistributedStore
+
+    s = MooncakeDistributedStore()
+    assert s.setup(a["host"], meta, a["segment"], 16 * MiB, "tcp", "", f"{a['host']}:{rpc}") == 0
+    print(json.dumps({"master": f"{a['host']}:{rpc}", "meta": meta}), flush=True)
+    try:
+        sys.stdin.read()  # until the orchestrator closes our stdin
+    finally:
+        s.close()
+        master.kill()
+    return {}
+
+
+def role_te_server(a: dict) -> dict:
+    import mooncake_rs as mc
+
+    with mc.TransferEngine("srv", listen=f"{a['host']}:0", auth_token=a["token"], transports=["tcp"]) as eng:
+        region = eng.allocate(160 * MiB)
+        print(json.dumps({"address": eng.address, "region": region.id}), flush=True)
+        sys.stdin.read()
+    return {}
+
+
+def role_te_client(a: dict) -> dict:
+    import mooncake_rs as mc
+
+    out = {}
+    with mc.TransferEngine("cli", listen="", auth_token=a["token"], transports=["tcp"]) as eng:
+        peer = eng.connect("srv", a["address"])
+        for size, rounds in BULK:
+            buf = np.random.default_rng(1).integers(0, 256, 32 * size, dtype=np.uint8)
+            local = eng.register(buf)
+            for op in ("write", "read"):
+                ts = []
+                for _ in range(2 * rounds):
+                    reqs = [mc.TransferRequest(op, local, i * size, peer, a["region"], i * size, size) for i in range(32)]
+                    t = time.perf_counter()
+                    for st in eng.submit(reqs, timeout_s=60).wait():
+                        st.raise_for_error()
+                    ts.append(time.perf_counter() - t)
+                name = f"{size // KiB} KiB" if size < MiB else f"{size // MiB} MiB"
+                out[f"te {op} 32 x {name}"] = 32 * size / 1e9 / statistics.median(ts)
+            eng.unregister(local)
+    return out
+
+
+ROLES = {"store": role_store, "mc-owner": role_mc_owner, "te-server": role_te_server, "te-client": role_te_client}
+
+if __name__ == "__main__":
+    args = json.loads(sys.argv[2])
+    print(json.dumps(ROLES[sys.argv[1]](args)), flush=True)

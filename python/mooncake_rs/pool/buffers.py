@@ -1,0 +1,92 @@
+"""Memory given by address (what Mooncake's API takes: ``ptr, size`` ints) as numpy views,
+so the Rust store and transfer engine read and write it in place.
+
+An address is only as valid as its caller says: the facade checks that it lies inside a
+buffer the caller registered (``register_buffer``) when it has that information, but a
+raw address cannot be checked further. Views made here do not own the memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import InvalidArgument
+
+__all__ = ["view_at", "gather", "scatter", "RegisteredBuffers", "RegisteredBuffer"]
+
+
+def view_at(ptr: int, size: int) -> np.ndarray:
+    """A writable uint8 view of ``size`` bytes at ``ptr`` (no copy)."""
+    if not isinstance(ptr, int) or not isinstance(size, int) or ptr <= 0 or size < 0:
+        raise InvalidArgument(f"a buffer is a positive address and a size >= 0, got ptr={ptr!r} size={size!r}")
+    if size == 0:
+        return np.empty(0, dtype=np.uint8)
+    return np.frombuffer((ctypes.c_char * size).from_address(ptr), dtype=np.uint8)
+
+
+def gather(ptrs: list[int], sizes: list[int], out: np.ndarray) -> None:
+    """Copies the pieces one after another into ``out``."""
+    pos = 0
+    base = out.ctypes.data
+    for p, n in zip(ptrs, sizes):
+        ctypes.memmove(base + pos, p, n)
+        pos += n
+
+
+def scatter(src: np.ndarray, ptrs: list[int], sizes: list[int]) -> None:
+    """Copies ``src`` piece by piece out to the addresses."""
+    pos = 0
+    base = src.ctypes.data
+    for p, n in zip(ptrs, sizes):
+        ctypes.memmove(p, base + pos, n)
+        pos += n
+
+
+@dataclass(frozen=True)
+class RegisteredBuffer:
+    ptr: int
+    size: int
+    #: what the transfer engine gave it (None while the client has no engine)
+    region: object | None = None
+
+
+class RegisteredBuffers:
+    """The address ranges a caller registered, to find the one holding a pointer."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_ptr: dict[int, RegisteredBuffer] = {}
+        self._sorted: list[RegisteredBuffer] = []
+
+    def add(self, buf: RegisteredBuffer) -> None:
+        with self._lock:
+            self._by_ptr[buf.ptr] = buf
+            self._sorted = sorted(self._by_ptr.values(), key=lambda b: b.ptr)
+
+    def remove(self, ptr: int) -> RegisteredBuffer | None:
+        with self._lock:
+            buf = self._by_ptr.pop(ptr, None)
+            self._sorted = sorted(self._by_ptr.values(), key=lambda b: b.ptr)
+            return buf
+
+    def find(self, ptr: int, size: int) -> RegisteredBuffer | None:
+        """The registered buffer containing ``[ptr, ptr+size)``, or None."""
+        bufs = self._sorted
+        lo, hi = 0, len(bufs)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if bufs[mid].ptr <= ptr:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo == 0:
+            return None
+        b = bufs[lo - 1]
+        return b if ptr + size <= b.ptr + b.size else None
+
+    def all(self) -> list[RegisteredBuffer]:
+        return list(self._sorted)

@@ -1,0 +1,247 @@
+"""A store node (``mooncake-rs store``): contributes one ObjectSegment (DRAM + SSD tier) to
+the pool, serves the control protocol (protocol.py) on an authenticated listener, lets
+clients' transfer engines write into reserved slots and read leased ones, registers in
+etcd under a lease, and serves ``/metrics``.
+
+The segment's stores are shared-memory mappings registered with the node's transfer
+engine: a client on another host reaches them over TCP, one on this host can map them
+(the engine's shm path, one copy by the client).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from .._core import TransferEngine
+from ..deploy.auth_socket import AuthListener
+from ..deploy.etcd import EtcdClient
+from ..errors import InvalidArgument, MooncakeError
+from .members import NodeRegistration, StoreNodeRecord
+from .metrics import prometheus_text, segment_metrics
+from .protocol import (INLINE_MAX, Answer, Commit, Exists, Failure, FrameIO, Leased, Lookup, PutInline, Release,
+                       Remove, RemoveAll, Request, Reserve, Reserved, Sizes, Stats)
+from .objects import Lease, Reservation
+from .segment import DEFAULT_CHUNK_BYTES, ObjectSegment
+from .status import KeyStatus
+
+__all__ = ["StoreNode"]
+
+log = logging.getLogger("mooncake_rs.pool")
+
+
+class _Conn:
+    """What one client connection holds: its reservations and leases."""
+
+    def __init__(self) -> None:
+        self.reservations: dict[int, Reservation] = {}
+        self.leases: dict[int, Lease] = {}
+
+
+class StoreNode:
+    def __init__(self, *, name: str, listen: str, dram_bytes: int, auth_token: str, ssd_path: str | None = None,
+                 ssd_bytes: int = 0, transfer_listen: str | None = None, metrics_listen: str | None = None,
+                 etcd: str | None = None, prefix: str = "/mooncake/default", ttl_s: int = 3,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, transports: tuple[str, ...] = ("tcp", "shm")) -> None:
+        host, _, port = listen.rpartition(":")
+        if not host or not port.isdigit():
+            raise InvalidArgument(f"--listen must be HOST:PORT, got {listen!r}")
+        self.name = name
+        self.segment = ObjectSegment(dram_bytes, ssd_path=ssd_path, ssd_bytes=ssd_bytes, chunk_bytes=chunk_bytes,
+                                     shared_memory=True)
+        self.te = TransferEngine(f"store-{name}", listen=transfer_listen or f"{host}:0", auth_token=auth_token,
+                                 transports=list(transports))
+        # peers write reserved slots and read leased ones; the store decides which are which
+        self.regions = [self.te.register(sc.store) for sc in self.segment.classes]
+        self._ids = itertools.count(1)
+        self._closed = threading.Event()
+        self.listener = AuthListener(host, int(port), auth_token, self._serve)
+        self.address = self.listener.address
+        self._http = _metrics_server(metrics_listen or f"{host}:0", self)
+        self.metrics_address = "{}:{}".format(*self._http.server_address[:2])
+        threading.Thread(target=self._http.serve_forever, name="mooncake-store-metrics", daemon=True).start()
+        self.record = StoreNodeRecord(name=name, control=self.address, transfer=self.te.address,
+                                      metrics=self.metrics_address, dram_bytes=dram_bytes, ssd_bytes=ssd_bytes)
+        self.registration = NodeRegistration(EtcdClient(etcd), prefix, self.record, ttl_s=ttl_s) if etcd else None
+
+    # ---- one connection
+    def _serve(self, sock: socket.socket, peer: str) -> None:
+        io = FrameIO(sock, Request)
+        conn = _Conn()
+        try:
+            while not self._closed.is_set():
+                msg = io.recv()
+                try:
+                    reply = self._handle(msg, conn)
+                except MooncakeError as e:
+                    reply = Failure(msg.rid, type(e).__name__, str(e))
+                io.send(reply)
+        except EOFError:
+            pass
+        except (OSError, InvalidArgument) as e:
+            log.warning("store node %s: connection from %s ended: %s", self.name, peer, e)
+        finally:
+            for r in conn.reservations.values():
+                self.segment.abort(r)
+            for lease in conn.leases.values():
+                lease.release()
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def _handle(self, msg: object, conn: _Conn) -> object:
+        seg = self.segment
+        if isinstance(msg, Reserve):
+            return self._reserve(msg, conn)
+        if isinstance(msg, Commit):
+            out = []
+            for pid, ok in zip(msg.put_ids, msg.ok):
+                res = conn.reservations.pop(pid, None)
+                if res is None:
+                    out.append(int(KeyStatus.INVALID))
+                elif ok:
+                    out.append(int(seg.commit(res)))
+                else:
+                    seg.abort(res)
+                    out.append(int(KeyStatus.TRANSFER_FAILED))
+            return Answer(msg.rid, out)
+        if isinstance(msg, PutInline):
+            if len(msg.keys) != len(msg.values) or any(len(v) > INLINE_MAX for v in msg.values):
+                raise InvalidArgument(f"put_inline: one value per key, each at most {INLINE_MAX} bytes")
+            return Answer(msg.rid, [int(seg.put_value(k, v, msg.pin)) if v else int(KeyStatus.INVALID)
+                                    for k, v in zip(msg.keys, msg.values)])
+        if isinstance(msg, Lookup):
+            return self._lookup(msg, conn)
+        if isinstance(msg, Release):
+            for lid in msg.lease_ids:
+                held = conn.leases.pop(lid, None)
+                if held is not None:
+                    held.release()
+            return Answer(msg.rid)
+        if isinstance(msg, Exists):
+            seg.reap_evicted()
+            return Answer(msg.rid, [1 if seg.exists(k) else 0 for k in msg.keys])
+        if isinstance(msg, Sizes):
+            known = [seg.size_of(k) for k in msg.keys]
+            return Answer(msg.rid, [int(KeyStatus.MISSING) if n is None else n for n in known])
+        if isinstance(msg, Remove):
+            return Answer(msg.rid, [1 if seg.remove(k) else 0 for k in msg.keys])
+        if isinstance(msg, RemoveAll):
+            return Answer(msg.rid, [seg.remove_all()])
+        if isinstance(msg, Stats):
+            return Answer(msg.rid, metrics=segment_metrics(seg).as_dict())
+        raise InvalidArgument(f"unexpected message {type(msg).__name__}")
+
+    def _reserve(self, msg: Reserve, conn: _Conn) -> Reserved:
+        if len(msg.keys) != len(msg.sizes):
+            raise InvalidArgument("reserve: keys and sizes differ in length")
+        seg = self.segment
+        st, ids, regions, chunk, offsets = [], [], [], [], []
+        for key, size in zip(msg.keys, msg.sizes):
+            res = seg.reserve(key, size, msg.pin)
+            if isinstance(res, Reservation):
+                pid = next(self._ids)
+                conn.reservations[pid] = res
+                st.append(0)
+                ids.append(pid)
+                regions.append(self.regions[res.meta.cls].id)
+                chunk.append(seg.classes[res.meta.cls].chunk_bytes)
+                offsets.append(res.offsets)
+            else:  # OK with put id 0: held already; or why not
+                st.append(int(res))
+                ids.append(0)
+                regions.append(0)
+                chunk.append(0)
+                offsets.append([])
+        return Reserved(msg.rid, st, ids, regions, chunk, offsets)
+
+    def _lookup(self, msg: Lookup, conn: _Conn) -> Leased:
+        seg = self.segment
+        inline = min(msg.inline_max, INLINE_MAX)
+        st: list[int] = []
+        ids: list[int] = []
+        sizes: list[int] = []
+        regions: list[int] = []
+        chunk: list[int] = []
+        offsets: list[list[int]] = []
+        data: list[bytes] = []
+
+        def answer(status: int, lid: int = 0, size: int = 0, region: int = 0, cb: int = 0,
+                   offs: list[int] | None = None, value: bytes = b"") -> None:
+            st.append(status)
+            ids.append(lid)
+            sizes.append(size)
+            regions.append(region)
+            chunk.append(cb)
+            offsets.append(offs or [])
+            data.append(value)
+
+        for key in msg.keys:
+            size = seg.size_of(key)
+            if size is not None and size <= inline:
+                v = seg.get_bytes(key)
+                if isinstance(v, bytes):
+                    answer(0, size=len(v), value=v)  # small: the bytes themselves, no lease
+                    continue
+            if size is not None and not msg.lease_large:
+                answer(0, size=size)  # only sized: the client reads it with a leased lookup
+                continue
+            lease = seg.lease(key)
+            if isinstance(lease, Lease):
+                lid = next(self._ids)
+                conn.leases[lid] = lease
+                m = lease.meta
+                answer(0, lid, m.size, self.regions[m.cls].id, seg.classes[m.cls].chunk_bytes, list(lease.offsets))
+            else:
+                answer(int(lease))
+        return Leased(msg.rid, st, ids, sizes, regions, chunk, offsets, data)
+
+    def metrics_text(self) -> str:
+        return prometheus_text(segment_metrics(self.segment), {"node": self.name})
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        if self.registration is not None:
+            self.registration.close()
+        self.listener.close()
+        self._http.shutdown()
+        self._http.server_close()
+        self.te.close()
+
+    def __enter__(self) -> "StoreNode":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _metrics_server(address: str, node: StoreNode) -> ThreadingHTTPServer:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise InvalidArgument(f"--metrics must be HOST:PORT, got {address!r}")
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if self.path.split("?")[0] != "/metrics":
+                self.send_error(404, "only /metrics here")
+                return
+            body = node.metrics_text().encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    try:
+        return ThreadingHTTPServer((host, int(port)), Handler)
+    except OSError as e:
+        raise InvalidArgument(f"cannot serve /metrics on {address}: {e}") from e

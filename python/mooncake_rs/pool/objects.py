@@ -1,0 +1,76 @@
+"""The records of a node's objects and its size classes (segment.py uses them): what an
+object is (oid, size, class, chunks, pinned), a class's Rust ``Store``, reservations and
+leases held for remote writers and readers, and the segment's counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from .._core import Store
+
+__all__ = ["ObjectMeta", "SegmentCounters", "SizeClass", "Reservation", "Lease", "clip_sizes"]
+
+
+class ObjectMeta(NamedTuple):
+    oid: int
+    size: int
+    cls: int
+    nchunks: int
+    pinned: bool
+
+
+@dataclass
+class SegmentCounters:
+    puts: int = 0
+    puts_existing: int = 0
+    puts_no_space: int = 0
+    hits: int = 0
+    misses: int = 0
+    #: in the table, but a chunk was gone when read ("present but failed to read")
+    failed_reads: int = 0
+    objects_evicted: int = 0
+    removes: int = 0
+
+
+class SizeClass:
+    def __init__(self, chunk_bytes: int, dram_bytes: int, ssd_path: str | None, ssd_bytes: int,
+                 eviction: str, shared_memory: bool) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.ssd = bool(ssd_path and ssd_bytes)
+        self.store = Store(chunk_bytes, dram_bytes, ssd_path=ssd_path if self.ssd else None,
+                           ssd_bytes=ssd_bytes if self.ssd else 0, eviction=eviction, shared_memory=shared_memory)
+        st = self.store.stats()
+        self.capacity_chunks = st.slots_dram + st.slots_ssd
+
+
+@dataclass
+class Reservation:
+    """Slots reserved for one object a remote writer fills in place, then commits."""
+
+    key: str
+    meta: ObjectMeta
+    blocks: list = field(default_factory=list)  # WritableBlock per chunk
+    offsets: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Lease:
+    """One object's chunks held for a remote reader (released by ``release()``)."""
+
+    meta: ObjectMeta
+    run: object  # LeasedRun
+    offsets: list[int]
+
+    def release(self) -> None:
+        self.run.release()
+
+
+def clip_sizes(sizes: list[int], total: int) -> list[int]:
+    """The piece sizes that cover the first ``total`` bytes."""
+    out, left = [], total
+    for n in sizes:
+        take = min(n, left)
+        out.append(take)
+        left -= take
+    return out

@@ -1,0 +1,173 @@
+"""The control messages between a pool client and a store node.
+
+A frame is a 4-byte big-endian length, then one msgpack-encoded message of the union
+below (one ``msgspec.Struct`` per op, decoded strictly, never pickled). The connection is
+authenticated first with the cluster token (deploy/auth_socket.py). Requests carry an id
+(``rid``) that the answer repeats; a client sends one request at a time per connection.
+Bytes never travel here: they move over the transfer engine, into slots a ``Reserve``
+answered or out of slots a ``Lookup`` leased.
+
+Reservations and leases belong to the connection that made them: when it closes (the
+client ended or died), the node aborts its reservations and releases its leases.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Union
+
+import msgspec
+
+from ..errors import InvalidArgument
+
+__all__ = ["INLINE_MAX", "Reserve", "Commit", "PutInline", "Lookup", "Release", "Exists", "Sizes", "Remove", "RemoveAll", "Stats",
+           "Reserved", "Leased", "Answer", "Failure", "Request", "Reply", "FrameIO", "MAX_FRAME"]
+
+MAX_FRAME = 64 << 20
+#: values up to this size travel inside control messages (PutInline, Lookup.inline_max)
+INLINE_MAX = 4096
+_HDR = struct.Struct(">I")
+
+
+class _M(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
+    pass
+
+
+class Reserve(_M, frozen=True, tag="reserve"):
+    """Slots for each key (``sizes[i]`` bytes); ``pin``: never evicted."""
+
+    rid: int
+    keys: list[str]
+    sizes: list[int]
+    pin: bool = False
+
+
+class Commit(_M, frozen=True, tag="commit"):
+    """Publishes the reservations whose transfer succeeded (``ok[i]``), aborts the others."""
+
+    rid: int
+    put_ids: list[int]
+    ok: list[bool]
+
+
+class PutInline(_M, frozen=True, tag="put_inline"):
+    """Small values (at most ``INLINE_MAX`` bytes each) carried in the message itself: one
+    round trip instead of reserve + transfer + commit."""
+
+    rid: int
+    keys: list[str]
+    values: list[bytes]
+    pin: bool = False
+
+
+class Lookup(_M, frozen=True, tag="lookup"):
+    """``inline_max``: objects up to this size come back in ``Leased.data`` (no lease);
+    ``lease_large`` False: larger ones are only sized (status OK, lease id 0, no data)."""
+
+    rid: int
+    keys: list[str]
+    inline_max: int = 0
+    lease_large: bool = True
+
+
+class Release(_M, frozen=True, tag="release"):
+    rid: int
+    lease_ids: list[int]
+
+
+class Exists(_M, frozen=True, tag="exists"):
+    rid: int
+    keys: list[str]
+
+
+class Sizes(_M, frozen=True, tag="sizes"):
+    rid: int
+    keys: list[str]
+
+
+class Remove(_M, frozen=True, tag="remove"):
+    rid: int
+    keys: list[str]
+
+
+class RemoveAll(_M, frozen=True, tag="remove_all"):
+    rid: int
+
+
+class Stats(_M, frozen=True, tag="stats"):
+    rid: int
+
+
+class Reserved(_M, frozen=True, tag="reserved"):
+    """Per key: a KeyStatus (OK with ``put_ids[i]`` > 0: write into ``offsets[i]`` of
+    region ``regions[i]``, ``chunk_bytes[i]`` per chunk; OK with put id 0: already held)."""
+
+    rid: int
+    statuses: list[int]
+    put_ids: list[int]
+    regions: list[int]
+    chunk_bytes: list[int]
+    offsets: list[list[int]]
+
+
+class Leased(_M, frozen=True, tag="leased"):
+    """Per key: a KeyStatus; when OK, the leased chunks' ``offsets`` in ``regions[i]``."""
+
+    rid: int
+    statuses: list[int]
+    lease_ids: list[int]
+    sizes: list[int]
+    regions: list[int]
+    chunk_bytes: list[int]
+    offsets: list[list[int]]
+    data: list[bytes] = []
+
+
+class Answer(_M, frozen=True, tag="answer"):
+    rid: int
+    values: list[int] = []
+    metrics: dict[str, int] = {}
+
+
+class Failure(_M, frozen=True, tag="failure"):
+    rid: int
+    kind: str
+    message: str
+
+
+Request = Union[Reserve, Commit, PutInline, Lookup, Release, Exists, Sizes, Remove, RemoveAll, Stats]
+Reply = Union[Reserved, Leased, Answer, Failure]
+
+
+class FrameIO:
+    """Reads and writes frames of one union on a blocking socket."""
+
+    def __init__(self, sock: socket.socket, types: object) -> None:
+        self.sock = sock
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(types)
+
+    def send(self, msg: object) -> None:
+        body = self._enc.encode(msg)
+        self.sock.sendall(_HDR.pack(len(body)) + body)
+
+    def recv(self) -> object:
+        """The next message; EOFError when the peer closed, InvalidArgument if malformed."""
+        (n,) = _HDR.unpack(self._exact(_HDR.size))
+        if n > MAX_FRAME:
+            raise InvalidArgument(f"a pool frame of {n} bytes exceeds the limit ({MAX_FRAME})")
+        body = self._exact(n)
+        try:
+            return self._dec.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise InvalidArgument(f"malformed pool message: {e}") from None
+
+    def _exact(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                raise EOFError("connection closed")
+            buf += chunk
+        return bytes(buf)

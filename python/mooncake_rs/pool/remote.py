@@ -1,0 +1,420 @@
+"""The pool as a deployment: the store nodes etcd lists, keys placed by rendezvous
+hashing (placement.py), bytes moved by this client's transfer engine straight between
+the caller's memory and the nodes' slots.
+
+A put reserves slots on each of the key's ``replicas`` top nodes, writes every replica
+with one transfer batch per node (all nodes' batches in flight together), then commits
+the replicas whose transfer succeeded; a key is OK when at least one replica committed
+(fewer than asked is counted as ``under_replicated``). A get asks the key's nodes in
+rank order: a node that is down or does not hold the key passes the key to the next
+one; the first that holds it leases the chunks, the client reads them, then releases.
+So a lost node's keys come from their other replicas, or are reported missing once
+every live node was asked; never another key's bytes (chunk keys are unique per put).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import secrets
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import numpy as np
+
+from .._core import Region, TransferEngine, TransferRequest
+from ..deploy.etcd import EtcdClient
+from ..deploy.settings import read_token
+from ..errors import ServiceUnavailable
+from .buffers import RegisteredBuffer, RegisteredBuffers, scatter, view_at
+from .links import NodeDown, NodeLink
+from .members import NodeDirectory
+from .metrics import PoolMetrics
+from .placement import rank_nodes
+from .objects import clip_sizes
+from .protocol import (INLINE_MAX, Commit, Exists, Leased, Lookup, PutInline, Release, Remove, RemoveAll, Reserve,
+                       Reserved, Sizes, Stats)
+from .status import KeyStatus
+
+__all__ = ["RemoteBackend"]
+
+log = logging.getLogger("mooncake_rs.pool")
+
+_DOWN_S = 1.0
+
+
+class RemoteBackend:
+    def __init__(self, etcd: str, *, auth_token: str | bytes | None, prefix: str, name: str | None,
+                 wait_nodes: int, timeout_s: float, io_timeout_s: float,
+                 transports: tuple[str, ...] = ("tcp", "shm")) -> None:
+        self.token = auth_token if auth_token else read_token(None)
+        self.io_timeout_s = io_timeout_s
+        self.directory = NodeDirectory(EtcdClient(etcd), prefix)
+        if not self.directory.wait_for(wait_nodes, timeout_s):
+            self.directory.close()
+            raise ServiceUnavailable(f"fewer than {wait_nodes} store nodes registered under {prefix} in etcd at "
+                                     f"{etcd} after {timeout_s} s; start `mooncake-rs store --etcd {etcd} ...`")
+        self.name = name or f"pool-client-{os.getpid()}-{secrets.token_hex(3)}"
+        self.te = TransferEngine(self.name, listen="", auth_token=self.token, transports=list(transports))
+        self.buffers = RegisteredBuffers()  # DistributedStore replaces it with its own
+        self._lock = threading.Lock()
+        self._links: dict[str, NodeLink] = {}
+        self._down: dict[str, float] = {}
+        self.replicas_lost = 0
+        self.under_replicated = 0
+
+    # ---- nodes
+    def _live(self) -> list[str]:
+        now = time.monotonic()
+        return [n for n in self.directory.nodes() if self._down.get(n, 0.0) <= now]
+
+    def _link(self, node: str) -> NodeLink:
+        with self._lock:
+            link = self._links.get(node)
+            if link is not None and not link.broken:
+                return link
+        rec = self.directory.nodes().get(node)
+        if rec is None:
+            raise NodeDown(f"store node {node} left")
+        try:
+            link = NodeLink(rec, self.token, self.te, self.io_timeout_s)
+        except NodeDown:
+            self._mark_down(node)
+            raise
+        with self._lock:
+            self._links[node] = link
+        return link
+
+    def _mark_down(self, node: str) -> None:
+        with self._lock:
+            self._down[node] = time.monotonic() + _DOWN_S
+            link = self._links.pop(node, None)
+        if link is not None:
+            link.close()
+
+    def _call(self, node: str, make: type, **fields: object) -> object:
+        try:
+            return self._link(node).call(make, **fields)
+        except NodeDown:
+            self._mark_down(node)
+            raise
+
+    # ---- memory
+    def register(self, buf: RegisteredBuffer) -> RegisteredBuffer:
+        region = self.te.register(view_at(buf.ptr, buf.size))
+        return RegisteredBuffer(buf.ptr, buf.size, region)
+
+    def unregister(self, buf: RegisteredBuffer) -> None:
+        if buf.region is not None:
+            self.te.unregister(buf.region)
+
+    def _local(self, ptr: int, size: int, temps: list[Region]) -> tuple[Region, int]:
+        """The registered region holding ``[ptr, ptr+size)`` and the offset in it; memory
+        nobody registered is registered for this call only."""
+        buf = self.buffers.find(ptr, size)
+        if buf is not None and buf.region is not None:
+            return buf.region, ptr - buf.ptr
+        region = self.te.register(view_at(ptr, size))
+        temps.append(region)
+        return region, 0
+
+    def _requests(self, op: str, pieces: tuple[list[int], list[int]], size: int, peer: object, region: int,
+                  chunk: int, offsets: list[int], temps: list[Region]) -> list[TransferRequest]:
+        """One request per (piece, chunk) overlap of the first ``size`` bytes."""
+        out, pos = [], 0
+        for ptr, n in zip(*pieces):
+            n = min(n, size - pos)
+            if n <= 0:
+                break
+            local, loff = self._local(ptr, n, temps)
+            s, e = pos, pos + n
+            while s < e:
+                c, within = divmod(s, chunk)
+                take = min(e - s, chunk - within)
+                out.append(TransferRequest(op, local, loff + (s - pos), peer, region, offsets[c] + within, take))
+                s += take
+            pos += n
+        return out
+
+    # ---- puts
+    def put_many(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]], replicas: int,
+                 pin: bool) -> list[KeyStatus]:
+        live = self._live()
+        if not live:
+            return [KeyStatus.RPC_FAILED] * len(keys)
+        totals = [sum(s) for s in sizes]
+        by_node: dict[str, list[int]] = defaultdict(list)
+        for i, k in enumerate(keys):
+            for node in rank_nodes(k, live)[:replicas]:
+                by_node[node].append(i)
+        done = [0] * len(keys)
+        errors: list[KeyStatus | None] = [None] * len(keys)
+        temps: list[Region] = []
+        pending = []  # (node, idx, reserved, batch)
+        try:
+            for node, all_idx in by_node.items():
+                small = [i for i in all_idx if 0 < totals[i] <= INLINE_MAX]
+                if small:
+                    values = [b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs[i], sizes[i])) for i in small]
+                    try:
+                        res = self._call(node, PutInline, keys=[keys[i] for i in small], values=values,
+                                         pin=pin).values
+                    except NodeDown as e:
+                        log.warning("put: %s", e)
+                        res = [int(KeyStatus.RPC_FAILED)] * len(small)
+                    for i, st in zip(small, res):
+                        if st == 0:
+                            done[i] += 1
+                        else:
+                            errors[i] = errors[i] or KeyStatus(st)
+                idx = [i for i in all_idx if not 0 < totals[i] <= INLINE_MAX]
+                if not idx:
+                    continue
+                try:
+                    rep: Reserved = self._call(node, Reserve, keys=[keys[i] for i in idx],
+                                               sizes=[totals[i] for i in idx], pin=pin)
+                except NodeDown as e:
+                    log.warning("put: %s", e)
+                    for i in idx:
+                        errors[i] = errors[i] or KeyStatus.RPC_FAILED
+                    continue
+                link = self._links.get(node)
+                if link is None:  # dropped by another thread since the answer: its reservations went with it
+                    for i in idx:
+                        errors[i] = errors[i] or KeyStatus.RPC_FAILED
+                    continue
+                reqs, owners = [], []
+                for j, i in enumerate(idx):
+                    st = rep.statuses[j]
+                    if st != 0:
+                        errors[i] = KeyStatus(st) if errors[i] in (None, KeyStatus.RPC_FAILED) else errors[i]
+                    elif rep.put_ids[j] == 0:
+                        done[i] += 1  # already held there
+                    else:
+                        rs = self._requests("write", (ptrs[i], sizes[i]), totals[i], link.peer, rep.regions[j],
+                                            rep.chunk_bytes[j], rep.offsets[j], temps)
+                        reqs.extend(rs)
+                        owners.extend([j] * len(rs))
+                batch = self.te.submit(reqs, timeout_s=max(self.io_timeout_s, 30.0)) if reqs else None
+                pending.append((node, idx, rep, batch, owners))
+            for node, idx, rep, batch, owners in pending:
+                ok = [True] * len(idx)
+                if batch is not None:
+                    for j, s in zip(owners, batch.wait()):
+                        if not s.ok:
+                            ok[j] = False
+                ids = [rep.put_ids[j] for j in range(len(idx)) if rep.put_ids[j] > 0]
+                oks = [ok[j] for j in range(len(idx)) if rep.put_ids[j] > 0]
+                if not ids:
+                    continue
+                try:
+                    res = self._call(node, Commit, put_ids=ids, ok=oks).values
+                except NodeDown as e:
+                    log.warning("put commit: %s", e)
+                    res = [int(KeyStatus.RPC_FAILED)] * len(ids)
+                it = iter(res)
+                for j, i in enumerate(idx):
+                    if rep.put_ids[j] > 0:
+                        st = next(it)
+                        if st == 0:
+                            done[i] += 1
+                        else:
+                            errors[i] = errors[i] or KeyStatus(st)
+        finally:
+            for r in temps:
+                self.te.unregister(r)
+        out = []
+        for i in range(len(keys)):
+            if done[i]:
+                if done[i] < replicas:
+                    self.under_replicated += 1
+                out.append(KeyStatus.OK)
+            else:
+                out.append(errors[i] or KeyStatus.RPC_FAILED)
+        return out
+
+    # ---- gets
+    def get_many(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
+        live = self._live()
+        ranks = [rank_nodes(k, live) for k in keys]
+        result: list[int] = [int(KeyStatus.MISSING)] * len(keys)
+        todo = list(range(len(keys)))
+        temps: list[Region] = []
+        try:
+            for rnd in range(len(live)):
+                by_node: dict[str, list[int]] = defaultdict(list)
+                for i in todo:
+                    if rnd < len(ranks[i]):
+                        by_node[ranks[i][rnd]].append(i)
+                if not by_node:
+                    break
+                todo = []
+                inflight = []
+                for node, idx in by_node.items():
+                    try:
+                        rep: Leased = self._call(node, Lookup, keys=[keys[i] for i in idx], inline_max=INLINE_MAX)
+                    except NodeDown as e:
+                        log.warning("get: %s", e)
+                        self.replicas_lost += len(idx)
+                        todo.extend(idx)
+                        continue
+                    link = self._links.get(node)
+                    if link is None:  # dropped by another thread since the answer: its leases went with it
+                        todo.extend(idx)
+                        continue
+                    reqs, owners, leases = [], [], []
+                    for j, i in enumerate(idx):
+                        if rep.statuses[j] != 0:
+                            todo.append(i)
+                            continue
+                        if rep.lease_ids[j] == 0:  # a small value, in the answer itself
+                            if sum(sizes[i]) < rep.sizes[j]:
+                                result[i] = int(KeyStatus.INVALID)
+                            else:
+                                scatter(np.frombuffer(rep.data[j], dtype=np.uint8), ptrs[i], clip_sizes(sizes[i], rep.sizes[j]))
+                                result[i] = rep.sizes[j]
+                            continue
+                        leases.append(rep.lease_ids[j])
+                        if sum(sizes[i]) < rep.sizes[j]:
+                            result[i] = int(KeyStatus.INVALID)
+                            continue
+                        rs = self._requests("read", (ptrs[i], sizes[i]), rep.sizes[j], link.peer, rep.regions[j],
+                                            rep.chunk_bytes[j], rep.offsets[j], temps)
+                        reqs.extend(rs)
+                        owners.extend([(i, rep.sizes[j])] * len(rs))
+                    batch = self.te.submit(reqs, timeout_s=max(self.io_timeout_s, 30.0)) if reqs else None
+                    inflight.append((node, batch, owners, leases))
+                for node, batch, owners, leases in inflight:
+                    failed: set[int] = set()
+                    if batch is not None:
+                        for (i, n), s in zip(owners, batch.wait()):
+                            if not s.ok:
+                                failed.add(i)
+                            else:
+                                result[i] = n
+                    for i in failed:
+                        result[i] = int(KeyStatus.MISSING)
+                        todo.append(i)  # try the next replica
+                    if leases:
+                        try:
+                            self._call(node, Release, lease_ids=leases)
+                        except NodeDown:
+                            pass
+                if not todo:
+                    break
+        finally:
+            for r in temps:
+                self.te.unregister(r)
+        return result
+
+    def get_bytes_many(self, keys: list[str]) -> list[bytes | None]:
+        """Small values come back inside the lookup (one round trip); larger ones are read
+        by ``get_many`` into buffers of the size the lookup reported."""
+        live = self._live()
+        ranks = [rank_nodes(k, live) for k in keys]
+        out: list[bytes | None] = [None] * len(keys)
+        large: dict[int, int] = {}
+        todo = list(range(len(keys)))
+        for rnd in range(len(live)):
+            by_node: dict[str, list[int]] = defaultdict(list)
+            for i in todo:
+                by_node[ranks[i][rnd]].append(i)
+            todo = []
+            for node, idx in by_node.items():
+                try:
+                    rep: Leased = self._call(node, Lookup, keys=[keys[i] for i in idx], inline_max=INLINE_MAX,
+                                             lease_large=False)
+                except NodeDown:
+                    self.replicas_lost += len(idx)
+                    todo.extend(idx)
+                    continue
+                for j, i in enumerate(idx):
+                    if rep.statuses[j] != 0:
+                        todo.append(i)
+                    elif rep.sizes[j] <= INLINE_MAX:
+                        out[i] = bytes(rep.data[j])
+                    else:
+                        large[i] = rep.sizes[j]
+            if not todo:
+                break
+        if large:
+            idx = list(large)
+            bufs = [np.empty(large[i], dtype=np.uint8) for i in idx]
+            got = self.get_many([keys[i] for i in idx], [[b.ctypes.data] for b in bufs], [[b.nbytes] for b in bufs])
+            for i, b, g in zip(idx, bufs, got):
+                out[i] = b.tobytes() if g == b.nbytes else None
+        return out
+
+    # ---- metadata
+    def _ask_ranked(self, keys: list[str], make: type, found: Callable[[int], bool]) -> list[int]:
+        """Asks each key's nodes in rank order until ``found(value)``; the last answer."""
+        live = self._live()
+        ranks = [rank_nodes(k, live) for k in keys]
+        out = [0] * len(keys)
+        todo = list(range(len(keys)))
+        for rnd in range(len(live)):
+            by_node: dict[str, list[int]] = defaultdict(list)
+            for i in todo:
+                by_node[ranks[i][rnd]].append(i)
+            todo = []
+            for node, idx in by_node.items():
+                try:
+                    vals = self._call(node, make, keys=[keys[i] for i in idx]).values
+                except NodeDown:
+                    todo.extend(idx)
+                    continue
+                for i, v in zip(idx, vals):
+                    out[i] = v
+                    if not found(v):
+                        todo.append(i)
+            if not todo:
+                break
+        return out
+
+    def exists_many(self, keys: list[str]) -> list[bool]:
+        return [v == 1 for v in self._ask_ranked(keys, Exists, lambda v: v == 1)]
+
+    def size_many(self, keys: list[str]) -> list[int | None]:
+        vals = self._ask_ranked(keys, Sizes, lambda v: v >= 0)
+        return [v if v >= 0 else None for v in vals]
+
+    def remove_many(self, keys: list[str]) -> list[bool]:
+        removed = [False] * len(keys)
+        for node in self._live():  # every replica, wherever it is
+            try:
+                vals = self._call(node, Remove, keys=keys).values
+            except NodeDown:
+                continue
+            removed = [r or bool(v) for r, v in zip(removed, vals)]
+        return removed
+
+    def remove_all(self) -> int:
+        total = 0
+        for node in self._live():
+            try:
+                total += self._call(node, RemoveAll).values[0]
+            except NodeDown:
+                continue
+        return total
+
+    def metrics(self) -> PoolMetrics:
+        m = PoolMetrics()
+        for node in self._live():
+            try:
+                d = self._call(node, Stats).metrics
+            except NodeDown:
+                continue
+            m = m + PoolMetrics(**{k: int(v) for k, v in d.items() if k in PoolMetrics.__dataclass_fields__})
+        m.replicas_lost, m.under_replicated = self.replicas_lost, self.under_replicated
+        return m
+
+    def close(self) -> None:
+        with self._lock:
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.close()
+        self.directory.close()
+        self.te.close()

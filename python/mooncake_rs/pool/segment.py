@@ -1,0 +1,392 @@
+"""One node's share of the pool: objects (string key -> bytes of any length) kept in the
+Rust tiered ``Store`` (DRAM slots + SSD tier), chunked as chunks.py describes.
+
+Two size classes, each its own ``Store``: values up to ``small_bytes`` take one small slot;
+larger ones are cut into ``chunk_bytes`` chunks. The Rust store owns the bytes, the
+eviction policy, the SSD tier, leases and pins; this file owns only the object table
+(key -> oid, size, class, pinned), which the store cannot know.
+
+Rules kept here:
+- put-if-absent: the first committed put of a key wins; a later put returns OK and
+  changes nothing (Mooncake's behaviour; the loser's chunks are freed).
+- a value never becomes visible before all its chunks are in: the table entry is made
+  after they are.
+- an object that lost any chunk (evicted, SSD slot corrupt) is dropped whole the first
+  time anyone looks (a read, an existence check, the eviction events drained after each
+  put); it is reported missing, never partially served.
+- a read holds the chunks' leases (Rust refcounts) while copying or while a remote
+  reader's transfer runs, so no slot it reads is freed or reused meanwhile.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import numpy as np
+
+from ..errors import InvalidArgument, StoreFull
+from .buffers import gather, scatter, view_at
+from .chunks import chunk_key, chunk_keys, evicted_oids, new_oid
+from .objects import Lease, ObjectMeta, Reservation, SegmentCounters, SizeClass, clip_sizes
+from .status import KeyStatus
+
+__all__ = ["ObjectSegment", "ObjectMeta", "Reservation", "Lease", "SegmentCounters", "DEFAULT_CHUNK_BYTES"]
+
+DEFAULT_CHUNK_BYTES = 256 << 10
+DEFAULT_SMALL_BYTES = 4 << 10
+
+
+class ObjectSegment:
+    def __init__(self, dram_bytes: int, *, ssd_path: str | None = None, ssd_bytes: int = 0,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, small_bytes: int = DEFAULT_SMALL_BYTES,
+                 eviction: str = "lru", shared_memory: bool = False) -> None:
+        if not (isinstance(chunk_bytes, int) and isinstance(small_bytes, int) and 0 < small_bytes < chunk_bytes):
+            raise InvalidArgument(f"need 0 < small_bytes < chunk_bytes, got {small_bytes!r}, {chunk_bytes!r}")
+        if not isinstance(dram_bytes, int) or dram_bytes < 2 * chunk_bytes:
+            raise InvalidArgument(f"dram_bytes must be at least two chunks ({2 * chunk_bytes}), got {dram_bytes!r}")
+        # small values get 1/16 of the memory: they are many but tiny (128 B keys, metadata)
+        small_dram = max(16 * small_bytes, dram_bytes // 16)
+        small_ssd = ssd_bytes // 16 if ssd_bytes else 0
+
+        def sub(name: str) -> str | None:
+            if not ssd_path:
+                return None
+            p = os.path.join(ssd_path, name)
+            os.makedirs(p, exist_ok=True)
+            return p
+
+        self.classes = [
+            SizeClass(small_bytes, small_dram, sub("small"), small_ssd, eviction, shared_memory),
+            SizeClass(chunk_bytes, dram_bytes - small_dram, sub("large"), ssd_bytes - small_ssd, eviction,
+                       shared_memory),
+        ]
+        self.dram_bytes, self.ssd_bytes = dram_bytes, ssd_bytes
+        self._lock = threading.Lock()
+        self._objects: dict[str, ObjectMeta] = {}
+        self._by_oid: dict[int, str] = {}
+        self._since_reap = 0
+        self.counters = SegmentCounters()
+
+    # ---- helpers
+    def _class_of(self, size: int) -> int:
+        return 0 if size <= self.classes[0].chunk_bytes else 1
+
+    def _new_meta(self, size: int, pin: bool) -> ObjectMeta | KeyStatus:
+        if not isinstance(size, int) or size < 0:
+            return KeyStatus.INVALID
+        c = self._class_of(size)
+        sc = self.classes[c]
+        n = max(1, -(-size // sc.chunk_bytes))
+        if n > sc.capacity_chunks:  # would evict everything, itself included: refuse at once
+            return KeyStatus.NO_SPACE
+        return ObjectMeta(new_oid(), size, c, n, pin)
+
+    def _drop_chunks(self, meta: ObjectMeta) -> None:
+        store = self.classes[meta.cls].store
+        for i in range(meta.nchunks):
+            k = chunk_key(meta.oid, i)
+            if meta.pinned:
+                try:
+                    store.unpin(k)
+                except Exception:  # noqa: BLE001 - evicted meanwhile or never pinned
+                    pass
+            store.remove(k)
+
+    def _forget(self, key: str, meta: ObjectMeta) -> None:
+        """Drops a broken/removed object from the table (caller holds the lock)."""
+        if self._objects.get(key) is meta:
+            del self._objects[key]
+            self._by_oid.pop(meta.oid, None)
+
+    def _publish(self, key: str, meta: ObjectMeta) -> KeyStatus:
+        """Makes a fully written object visible, unless the key won meanwhile."""
+        with self._lock:
+            if key in self._objects:
+                lost = True
+            else:
+                lost = False
+                self._objects[key] = meta
+                self._by_oid[meta.oid] = key
+                self.counters.puts += 1
+        if lost:
+            self._drop_chunks(meta)
+            self.counters.puts_existing += 1
+        return KeyStatus.OK
+
+    def _maybe_reap(self) -> None:
+        """After every 64 writes: reads and existence checks find a lost chunk themselves,
+        this only keeps the table (and the event log) from carrying the dead for long."""
+        self._since_reap += 1
+        if self._since_reap >= 64:
+            self.reap_evicted()
+
+    def reap_evicted(self) -> int:
+        """Drops every object that lost a chunk to eviction (from the stores' events)."""
+        self._since_reap = 0
+        dropped = 0
+        for sc in self.classes:
+            oids = evicted_oids(sc.store.drain_events_batch().to_bytes(), sc.ssd)
+            for oid in oids:
+                with self._lock:
+                    key = self._by_oid.get(oid)
+                    meta = self._objects.get(key) if key is not None else None
+                    if meta is None:
+                        continue
+                    self._forget(key, meta)
+                self._drop_chunks(meta)
+                dropped += 1
+        self.counters.objects_evicted += dropped
+        return dropped
+
+    # ---- local writes and reads (memory given by address)
+    def put_from(self, key: str, ptrs: list[int], sizes: list[int], pin: bool = False) -> KeyStatus:
+        if key in self._objects:
+            self.counters.puts_existing += 1
+            return KeyStatus.OK
+        meta = self._new_meta(sum(sizes), pin)
+        if isinstance(meta, KeyStatus):
+            if meta is KeyStatus.NO_SPACE:
+                self.counters.puts_no_space += 1
+            return meta
+        sc = self.classes[meta.cls]
+        cb, size, n = sc.chunk_bytes, meta.size, meta.nchunks
+        if n == 1 and size < cb:  # a small value: one padded slot, nothing to chunk
+            pad = np.zeros(cb, dtype=np.uint8)
+            gather(ptrs, sizes, pad)
+            return self._put_one(key, meta, pad)
+        keys = chunk_keys(meta.oid, n)
+        full = size // cb
+        try:
+            if len(ptrs) == 1 and full:
+                sc.store.put_many(keys[:full], view_at(ptrs[0], full * cb))
+                tail = size - full * cb
+                if tail:
+                    pad = np.zeros(cb, dtype=np.uint8)
+                    pad[:tail] = view_at(ptrs[0] + full * cb, tail)
+                    sc.store.put(chunk_key(meta.oid, full), pad)
+            else:
+                staging = np.zeros(n * cb, dtype=np.uint8)
+                gather(ptrs, sizes, staging)
+                sc.store.put_many(keys, staging)
+            # a value close to the class's size can push out its own first chunks while
+            # its last ones go in: check they are all there before publishing it
+            run = sc.store.lookup_prefix_run(keys, promote=False)
+            whole = len(run) == n
+            run.release()
+            if not whole:
+                raise StoreFull("the value did not fit beside what is leased, pinned or reserved")
+            if pin:
+                for i in range(n):
+                    sc.store.pin(chunk_key(meta.oid, i))
+        except StoreFull:
+            self._drop_chunks(meta)
+            self.counters.puts_no_space += 1
+            return KeyStatus.NO_SPACE
+        except Exception:  # noqa: BLE001 - a chunk evicted before its pin: no room kept
+            self._drop_chunks(meta)
+            self.counters.puts_no_space += 1
+            return KeyStatus.NO_SPACE
+        st = self._publish(key, meta)
+        self._maybe_reap()
+        return st
+
+    def put_value(self, key: str, value: bytes, pin: bool = False) -> KeyStatus:
+        """A value given as bytes; one that fits a small slot costs one store call."""
+        if key in self._objects:
+            self.counters.puts_existing += 1
+            return KeyStatus.OK
+        if not isinstance(value, (bytes, bytearray)):
+            value = memoryview(value).cast("B")
+        size = len(value)
+        sc0 = self.classes[0]
+        if 0 < size <= sc0.chunk_bytes:
+            if isinstance(value, memoryview):
+                value = value.tobytes()
+            meta = ObjectMeta(new_oid(), size, 0, 1, pin)
+            return self._put_one(key, meta, value + bytes(sc0.chunk_bytes - size) if size < sc0.chunk_bytes
+                                 else value)
+        arr = np.frombuffer(value, dtype=np.uint8)
+        return self.put_from(key, [arr.ctypes.data], [size], pin) if size else KeyStatus.INVALID
+
+    def _put_one(self, key: str, meta: ObjectMeta, slot: object) -> KeyStatus:
+        store = self.classes[meta.cls].store
+        try:
+            store.put(meta.oid, slot)
+            if meta.pinned:
+                store.pin(meta.oid)
+        except Exception:  # noqa: BLE001 - StoreFull, or evicted before its pin
+            self._drop_chunks(meta)
+            self.counters.puts_no_space += 1
+            return KeyStatus.NO_SPACE
+        st = self._publish(key, meta)
+        self._maybe_reap()
+        return st
+
+    def get_bytes(self, key: str) -> bytes | KeyStatus:
+        """The value as bytes (one copy out of the slots), or MISSING."""
+        meta = self._objects.get(key)
+        if meta is None:
+            self.counters.misses += 1
+            return KeyStatus.MISSING
+        if meta.nchunks == 1:
+            blk = self.classes[meta.cls].store.get(meta.oid)
+            if blk is not None:
+                with blk:
+                    data = bytes(memoryview(blk)[: meta.size])
+                self.counters.hits += 1
+                return data
+        out = np.empty(meta.size, dtype=np.uint8)
+        got = self.get_into(key, [out.ctypes.data], [meta.size])
+        return out.tobytes() if got >= 0 else KeyStatus(got)
+
+    def get_into(self, key: str, ptrs: list[int], sizes: list[int]) -> int:
+        """Bytes read (the object's size), or a negative KeyStatus."""
+        meta = self._objects.get(key)
+        if meta is None:
+            self.counters.misses += 1
+            return KeyStatus.MISSING
+        if sum(sizes) < meta.size:
+            return KeyStatus.INVALID
+        sc = self.classes[meta.cls]
+        cb, size, n = sc.chunk_bytes, meta.size, meta.nchunks
+        keys = chunk_keys(meta.oid, n)
+        full = size // cb
+        ok = True
+        if len(ptrs) == 1:
+            if full:
+                ok = all(sc.store.get_many_into(keys[:full], view_at(ptrs[0], full * cb)))
+            tail = size - full * cb
+            if ok and tail:
+                blk = sc.store.get(chunk_key(meta.oid, full))
+                if blk is None:
+                    ok = False
+                else:
+                    with blk:
+                        view_at(ptrs[0] + full * cb, tail)[:] = np.asarray(blk)[:tail]
+        else:
+            staging = np.empty(n * cb, dtype=np.uint8)
+            ok = all(sc.store.get_many_into(keys, staging))
+            if ok:
+                scatter(staging[:size], ptrs, clip_sizes(sizes, size))
+        if not ok:
+            self.counters.failed_reads += 1
+            with self._lock:
+                self._forget(key, meta)
+            self._drop_chunks(meta)
+            return KeyStatus.MISSING
+        self.counters.hits += 1
+        return size
+
+    # ---- remote writes and reads (a transfer engine moves the bytes)
+    def reserve(self, key: str, size: int, pin: bool = False) -> Reservation | KeyStatus:
+        """Reserved slots for ``key`` (offsets in the class store's region), OK if the key
+        is already stored (nothing to write), or NO_SPACE / INVALID."""
+        if key in self._objects:
+            self.counters.puts_existing += 1
+            return KeyStatus.OK
+        meta = self._new_meta(size, pin)
+        if isinstance(meta, KeyStatus):
+            if meta is KeyStatus.NO_SPACE:
+                self.counters.puts_no_space += 1
+            return meta
+        sc = self.classes[meta.cls]
+        res = Reservation(key, meta)
+        try:
+            for i in range(meta.nchunks):
+                w = sc.store.reserve(chunk_key(meta.oid, i))
+                res.blocks.append(w)
+                res.offsets.append(w.offset)
+        except StoreFull:
+            self.abort(res)
+            self.counters.puts_no_space += 1
+            return KeyStatus.NO_SPACE
+        return res
+
+    def commit(self, res: Reservation) -> KeyStatus:
+        sc = self.classes[res.meta.cls]
+        try:
+            for w in res.blocks:
+                blk = w.commit()
+                if blk is not None:
+                    blk.release()
+            res.blocks.clear()
+            if res.meta.pinned:
+                for i in range(res.meta.nchunks):
+                    sc.store.pin(chunk_key(res.meta.oid, i))
+        except Exception:  # noqa: BLE001 - a chunk evicted before its pin
+            self.abort(res)
+            self._drop_chunks(res.meta)
+            self.counters.puts_no_space += 1
+            return KeyStatus.NO_SPACE
+        st = self._publish(res.key, res.meta)
+        self._maybe_reap()
+        return st
+
+    def abort(self, res: Reservation) -> None:
+        for w in res.blocks:
+            try:
+                w.abort()
+            except Exception:  # noqa: BLE001 - already committed or aborted
+                pass
+        res.blocks.clear()
+
+    def lease(self, key: str) -> Lease | KeyStatus:
+        """The object's chunks, leased, with their slot offsets (for a remote read)."""
+        meta = self._objects.get(key)
+        if meta is None:
+            self.counters.misses += 1
+            return KeyStatus.MISSING
+        sc = self.classes[meta.cls]
+        run = sc.store.lookup_prefix_run(chunk_keys(meta.oid, meta.nchunks))
+        if len(run) < meta.nchunks:
+            run.release()
+            self.counters.failed_reads += 1
+            with self._lock:
+                self._forget(key, meta)
+            self._drop_chunks(meta)
+            return KeyStatus.MISSING
+        self.counters.hits += 1
+        return Lease(meta, run, run.offsets)
+
+    # ---- metadata
+    def exists(self, key: str) -> bool:
+        return key in self._objects
+
+    def size_of(self, key: str) -> int | None:
+        meta = self._objects.get(key)
+        return None if meta is None else meta.size
+
+    def remove(self, key: str) -> bool:
+        with self._lock:
+            meta = self._objects.get(key)
+            if meta is None:
+                return False
+            self._forget(key, meta)
+        self._drop_chunks(meta)
+        self.counters.removes += 1
+        return True
+
+    def remove_all(self) -> int:
+        with self._lock:
+            items = list(self._objects.items())
+            self._objects.clear()
+            self._by_oid.clear()
+        for _, meta in items:
+            self._drop_chunks(meta)
+        self.counters.removes += len(items)
+        return len(items)
+
+    def keys(self) -> list[str]:
+        return list(self._objects)
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+    def object_bytes(self) -> int:
+        return sum(m.size for m in list(self._objects.values()))
+
+    def check_integrity(self) -> None:
+        for sc in self.classes:
+            sc.store.check_integrity()
