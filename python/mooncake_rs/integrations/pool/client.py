@@ -7,7 +7,6 @@ a pool that is gone or does not answer within ``timeout_s`` is ``ServiceUnavaila
 
 from __future__ import annotations
 
-import socket
 import threading
 from typing import Any
 
@@ -28,7 +27,7 @@ class PoolClient:
         self.timeout_s = timeout_s
         self._codec = Codec(types=p.Reply)
         self._lock = threading.Lock()
-        self._sock: socket.socket | None = None
+        self._sock: Any = None  # a SealedSocket once connected
 
     def call(self, msg: Any) -> Any:
         with self._lock:

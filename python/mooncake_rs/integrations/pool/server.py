@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import socket
 import threading
 import time
 import uuid
@@ -127,7 +126,7 @@ class KVPoolServer:
 
     # --- connections --------------------------------------------------------------
 
-    def _serve(self, sock: socket.socket, peer: str) -> None:
+    def _serve(self, sock: Any, peer: str) -> None:
         codec = Codec(types=p.Request)
         conn = _Conn()
         with self._lock:
