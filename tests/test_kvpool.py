@@ -151,3 +151,21 @@ def test_pools_registered_in_etcd_are_followed(pool, etcd):
         regs[1].close()  # a pool that leaves is no longer listed
         assert pool_addresses(etcd.url) == [pool.address]
         regs[0].close()
+
+
+def test_submit_spans_moves_what_the_requests_would():
+    """TransferEngine.submit_spans: one batch from two offset buffers, the same bytes as a
+    TransferRequest per span; mismatched lists are a typed error."""
+    with mc.TransferEngine("spans-a", listen="") as a:
+        src = a.allocate(1 << 16)
+        dst = a.allocate(1 << 16)
+        np.asarray(src)[:] = np.random.default_rng(3).integers(0, 256, 1 << 16, dtype=np.uint8)
+        peer = a.connect("spans-a")
+        local = np.array([0, 4096, 40960], dtype=np.uint64)
+        remote = [8192, 0, 16384]
+        statuses = a.submit_spans("write", src, local, peer, dst.id, remote, 1024).wait()
+        assert [s.ok for s in statuses] == [True] * 3
+        for lo, ro in zip(local.tolist(), remote):
+            assert np.array_equal(np.asarray(dst)[ro:ro + 1024], np.asarray(src)[lo:lo + 1024])
+        with pytest.raises(mc.InvalidArgument, match="one each per request"):
+            a.submit_spans("read", src, [0, 1], peer, dst.id, [0], 8)
