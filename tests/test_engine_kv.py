@@ -123,3 +123,36 @@ def test_allocator_and_backend_choice():
     assert make_backend("auto", 4, 2, 16, torch.float32, torch.device("cpu")).name == "torch"
     with pytest.raises(InvalidArgument, match="flashinfer"):
         make_backend("flashinfer", 4, 2, 16, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("page_size", [2, 8])
+def test_save_blocks_equals_save_block_per_block(page_size):
+    """The batched save (one call for many blocks, whole or one layer) writes exactly what
+    save_block writes block by block; bad arguments are typed errors."""
+    g = torch.Generator().manual_seed(2)
+    b = 8
+    lay = BlockLayout.for_model(CFG, b, "float32")
+    cache = KVCache(CFG, num_pages=64, page_size=page_size, dtype="float32", device="cpu")
+    cache.data.copy_(torch.randn(cache.data.shape, generator=g))
+    per = b // page_size
+    pages = cache.allocate(5 * per)
+    pages = pages[::-1]  # not in page order: the gather must follow the list
+    ref = b"".join(_one_block(cache, lay, pages[i * per:(i + 1) * per], None) for i in range(5))
+    out = bytearray(5 * lay.block_nbytes)
+    cache.save_blocks(lay, pages, 5, out)
+    assert bytes(out) == ref
+    for layer in range(CFG.num_layers):
+        ref_l = b"".join(_one_block(cache, lay, pages[i * per:(i + 1) * per], layer) for i in range(5))
+        out_l = bytearray(5 * lay.layer_nbytes)
+        cache.save_blocks(lay, pages, 5, out_l, layer=layer)
+        assert bytes(out_l) == ref_l
+    with pytest.raises(InvalidArgument):
+        cache.save_blocks(lay, pages, 4, out)  # 5 blocks of pages for 4 blocks
+    with pytest.raises(InvalidArgument):
+        cache.save_blocks(lay, pages, 5, bytearray(10))
+
+
+def _one_block(cache, lay, pages, layer):
+    buf = bytearray(lay.block_nbytes if layer is None else lay.layer_nbytes)
+    cache.save_block(lay, pages, lay.block_size, buf, layer=layer)
+    return bytes(buf)

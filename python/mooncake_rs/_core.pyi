@@ -842,6 +842,20 @@ class TransferEngine:
         queue: CompletionQueue | None = None,
         tag: int = 0,
     ) -> Batch: ...
+    def submit_spans(
+        self,
+        op: str,
+        local: Region,
+        local_offsets: Any,
+        peer: Peer,
+        remote_region: int | Region,
+        remote_offsets: Any,
+        length: int,
+        timeout_s: float = 30.0,
+        *,
+        queue: CompletionQueue | None = None,
+        tag: int = 0,
+    ) -> Batch: ...
     def close(self) -> None: ...
     def __enter__(self) -> TransferEngine: ...
     def __exit__(self, *_args: object) -> bool: ...

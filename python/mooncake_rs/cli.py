@@ -137,6 +137,12 @@ def _indexer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kv_pool(args: argparse.Namespace) -> int:
+    from .integrations.pool.cli import run_pool
+
+    return run_pool(args)
+
+
 def _version(args: argparse.Namespace) -> int:
     from . import __version__
 
@@ -216,6 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
     indexer.add_argument("--max-publishers", type=int, default=256,
                          help="publishers registered at once (a thread and a socket each; default 256)")
     indexer.set_defaults(func=_indexer)
+
+    kv_pool = sub.add_parser("kv-pool", help="a KV pool service for external engines (the vLLM connector "
+                                             "MooncakeRsConnector saves and loads KV through it)")
+    from .integrations.pool.cli import add_pool_arguments
+
+    add_pool_arguments(kv_pool)
+    kv_pool.set_defaults(func=_kv_pool)
 
     version = sub.add_parser("version", help="print the version")
     version.set_defaults(func=_version)

@@ -157,6 +157,24 @@ class HandoffMixin:
         self.cache.save_block(self.layout, pages, n, buf, layer)
         return n
 
+    def save_blocks(self, request_id: str, first_block: int, num_blocks: int, buf: Any,
+                    layer: int | None = None) -> None:
+        """Copies full blocks ``first_block .. first_block + num_blocks`` of a request (all
+        layers, or layer ``layer``) into ``buf`` in one call: ``num_blocks`` whole blocks
+        (or layer spans) back to back, each laid out as :meth:`save_block` writes it.
+        ``InvalidArgument`` if one of them is not a full block of computed KV."""
+        req = self._requests.get(str(request_id))
+        if req is None or not req.pages:
+            raise InvalidArgument(f"request {request_id!r} holds no KV pages")
+        b = self.block_size
+        avail = max(req.kv_end, req.num_computed)
+        if first_block < 0 or num_blocks < 1 or (first_block + num_blocks) * b > avail:
+            raise InvalidArgument(f"blocks {first_block}..{first_block + num_blocks - 1} of request {request_id!r} "
+                                  f"are not all full blocks of computed KV ({avail} tokens computed)")
+        per_block = b // self.page_size
+        pages = req.pages[first_block * per_block:(first_block + num_blocks) * per_block]
+        self.cache.save_blocks(self.layout, pages, num_blocks, buf, layer)
+
     # ---- measurements
     def _standalone_prefill(self, token_ids: list[int], cached: int,
                             all_logits: bool) -> torch.Tensor | None:

@@ -139,6 +139,34 @@ class KVCache:
         src = src.reshape(src.shape[0], 2, -1, *src.shape[-2:])[:, :, :num_tokens]
         dst.copy_(src)
 
+    def save_blocks(self, layout: BlockLayout, pages: Sequence[int], num_blocks: int, buf: Any,
+                    layer: int | None = None) -> None:
+        """Copies ``num_blocks`` full blocks held in ``pages`` (``pages_for(block_size)`` pages
+        a block, in order) into ``buf``: ``num_blocks`` whole blocks back to back, or with
+        ``layer`` that layer's bytes of each block back to back. One gather and one copy for
+        all of them, where :meth:`save_block` is a call (and a gather) per block."""
+        b = layout.block_size
+        if b % self.page_size:
+            raise InvalidArgument(f"block_size {b} is not a multiple of page_size {self.page_size}")
+        per = b // self.page_size
+        if num_blocks < 1 or len(pages) != num_blocks * per:
+            raise InvalidArgument(f"{num_blocks} blocks need {num_blocks * per} pages, got {len(pages)}")
+        dt = self.dtype
+        if torch_dtype(layout.dtype) != dt:
+            raise InvalidArgument(f"block layout dtype {layout.dtype} differs from the cache's {dt}")
+        h, d = self.cfg.num_kv_heads, self.cfg.head_dim
+        nl = layout.num_layers if layer is None else 1
+        per_bytes = layout.block_nbytes if layer is None else layout.layer_nbytes
+        out = as_byte_tensor(buf, writable=True)
+        if out.numel() != num_blocks * per_bytes:
+            raise InvalidArgument(f"buffer holds {out.numel()} bytes; {num_blocks} blocks need {num_blocks * per_bytes}")
+        ls = slice(None) if layer is None else slice(layer, layer + 1)
+        idx = torch.tensor(list(pages), dtype=torch.long, device=self.device)
+        src = self.data[ls].index_select(2, idx).view(nl, 2, num_blocks, b, h, d)
+        # [blocks, layers, K/V, tokens, heads, dim] in the buffer, seen in the cache's order
+        dst = out.view(dt).view(num_blocks, nl, 2, b, h, d).permute(1, 2, 0, 3, 4, 5)
+        dst.copy_(src)
+
     def load_block(self, layout: BlockLayout, pages: Sequence[int], num_tokens: int, buf: Any,
                    layer: int | None = None) -> None:
         """Copies the KV of ``num_tokens`` tokens from ``buf`` (bytes of a block) into ``pages``."""

@@ -653,6 +653,60 @@ impl PyTransferEngine {
         Ok(PyBatch { batch })
     }
 
+    /// One batch of equal-length requests between one local region and one remote region,
+    /// request `i` moving `length` bytes between `local_offsets[i]` and `remote_offsets[i]`:
+    /// what a KV connector submits per layer, without a Python object per request.
+    /// Offsets: a sequence of ints or a buffer of u64 (a numpy uint64 array).
+    #[pyo3(signature = (op, local, local_offsets, peer, remote_region, remote_offsets, length, timeout_s = 30.0, *,
+                        queue = None, tag = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit_spans(
+        &self,
+        py: Python<'_>,
+        op: &str,
+        local: PyRef<'_, PyRegion>,
+        local_offsets: &Bound<'_, PyAny>,
+        peer: PyRef<'_, PyPeer>,
+        remote_region: &Bound<'_, PyAny>,
+        remote_offsets: &Bound<'_, PyAny>,
+        length: u64,
+        timeout_s: f64,
+        queue: Option<PyRef<'_, crate::transfer_completion::PyCompletionQueue>>,
+        tag: u64,
+    ) -> PyResult<PyBatch> {
+        let op = Op::parse(op).map_err(|e| to_pyerr(py, &e))?;
+        let timeout = dur(py, "timeout_s", timeout_s)?;
+        let lo = offsets(py, local_offsets, "local_offsets")?;
+        let ro = offsets(py, remote_offsets, "remote_offsets")?;
+        if lo.len() != ro.len() {
+            return Err(invalid(py, &format!("local_offsets has {} entries, remote_offsets {}: one each per request",
+                                            lo.len(), ro.len())));
+        }
+        let (local, remote, peer) = (local.region.id, region_id(remote_region)?, peer.peer.clone());
+        let reqs: Vec<Request> = lo
+            .iter()
+            .zip(&ro)
+            .map(|(&l, &r)| Request {
+                op,
+                local,
+                local_offset: l,
+                peer: peer.clone(),
+                remote_region: remote,
+                remote_offset: r,
+                length,
+            })
+            .collect();
+        let n = reqs.len();
+        let e = &self.engine;
+        let q = queue.map(|q| q.queue());
+        let go = move || match &q {
+            Some(q) => e.submit_to(reqs, timeout, q, tag),
+            None => e.submit(reqs, timeout),
+        };
+        let batch = if n <= 64 { go().map_err(|x| to_pyerr(py, &x))? } else { detached(py, go)? };
+        Ok(PyBatch { batch })
+    }
+
     /// Stops serving and closes peers; pending requests fail. Idempotent.
     fn close(&self, py: Python<'_>) {
         let e = &self.engine;
@@ -679,6 +733,15 @@ impl PyTransferEngine {
         let region = self.engine.region(id).ok_or_else(|| new_err(py, ErrorCategory::Internal, "region vanished"))?;
         Ok(PyRegion { region, writable })
     }
+}
+
+/// A list of offsets: a u64 buffer read at once, else any sequence of ints.
+fn offsets(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u64>> {
+    if let Ok(buf) = pyo3::buffer::PyBuffer::<u64>::get(obj) {
+        return buf.to_vec(py);
+    }
+    obj.extract::<Vec<u64>>()
+        .map_err(|_| invalid(py, &format!("{what} must be a sequence of non-negative ints or a uint64 buffer")))
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -1,0 +1,257 @@
+"""The worker side of ``MooncakeRsConnector``: moves blocks between vLLM's KV tensors and
+KV pools with our transfer engine, layer by layer.
+
+- ``register_kv_caches``: learns the layout (layout.py) and registers each KV storage with
+  a :class:`~mooncake_rs.TransferEngine` of this process (no listener: it only initiates).
+- Loads: ``start_load_kv`` submits one read batch per layer for every planned block (pool
+  slot -> vLLM block; one memcpy over shm on this host, TCP from another host's pool) and
+  returns; ``wait_for_layer_load`` waits for that layer's batch only, so layer ``l`` is
+  used while later layers still copy. After the last layer each block's CRC-32 is checked
+  against the one the pool took at commit; a block that failed to copy or to check is
+  reported by ``get_block_ids_with_load_errors`` (vLLM recomputes it and every block after
+  it) and removed from its pool.
+- Saves: ``begin_step`` (the metadata is bound before the forward) reserves pool slots for the step's finished blocks (one call);
+  ``save_kv_layer`` submits that layer's writes and returns at once (the forward goes on);
+  ``wait_for_save`` waits for them and commits the slots whose every write landed (one
+  call). A full pool gives no slot: that block is skipped and counted, serving goes on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import uuid
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..._core import TransferEngine
+from ...errors import MooncakeError
+from ..pool.client import PoolClient
+from .config import ConnectorSettings
+from .layout import KVLayout, learn_layout
+from .metadata import LoadSpec, MooncakeRsConnectorMetadata
+
+__all__ = ["ConnectorWorker"]
+
+log = logging.getLogger("mooncake_rs.vllm")
+
+
+@dataclass
+class _Pool:
+    client: PoolClient
+    region: int
+    peer: Any
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    pool: _Pool
+    failed: set[int] = field(default_factory=set)  # indices into spec.block_ids
+
+
+@dataclass
+class _Save:
+    block_ids: list[int]
+    offsets: list[int]  # -1: no slot (held already, or the pool is full)
+    reservation: int
+    ok: list[bool]
+
+
+class ConnectorWorker:
+    def __init__(self, settings: ConnectorSettings, num_blocks: int) -> None:
+        self.settings = settings
+        self.num_blocks = num_blocks
+        self.engine = TransferEngine(f"vllm-kv-{uuid.uuid4().hex[:12]}", listen="", auth_token=settings.auth_token)
+        self.layout: KVLayout | None = None
+        self._regions: dict[int, Any] = {}  # storage ptr -> Region
+        self._views: dict[int, memoryview] = {}  # storage ptr -> bytes of that storage
+        self._pools: dict[str, _Pool] = {}
+        self._loads: list[_Load] = []
+        self._load_batches: dict[str, list[tuple[Any, _Load, int]]] = {}  # layer -> (batch, load, segments a block)
+        self._saves: list[_Save] = []
+        self._save_batches: list[tuple[Any, _Save, list[int], int]] = []  # (batch, save, its block indices, per)
+        self._errors: set[int] = set()
+        self.counters = {"blocks_loaded": 0, "blocks_load_failed": 0, "blocks_corrupt": 0, "blocks_saved": 0,
+                         "saves_skipped_full": 0, "saves_skipped_present": 0, "saves_failed": 0,
+                         "bytes_loaded": 0, "bytes_saved": 0}
+
+    # --- setup --------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self.layout = learn_layout(kv_caches, self.num_blocks)
+        for layer in self.layout.layers:
+            if layer.storage_ptr in self._regions:
+                continue
+            # The storage's bytes as a writable buffer; the tensors (kept by vLLM for the
+            # worker's life) own the memory, the engine only borrows it.
+            raw = (ctypes.c_char * layer.storage_bytes).from_address(layer.storage_ptr)
+            self._views[layer.storage_ptr] = memoryview(raw).cast("B")
+            self._regions[layer.storage_ptr] = self.engine.register(raw)
+        log.info("MooncakeRsConnector: %d layers, %d-byte pool blocks (%d segments of %d bytes a layer)",
+                 len(self.layout.layers), self.layout.block_bytes, len(self.layout.layers[0].outer),
+                 self.layout.layers[0].segment_bytes)
+        self._pool(self.settings.pool)  # fail at start, not at the first request, if the pool is wrong
+
+    def _pool(self, address: str) -> _Pool:
+        pool = self._pools.get(address)
+        if pool is None:
+            assert self.layout is not None
+            client = PoolClient(address, self.settings.auth_token, timeout_s=self.settings.timeout_s)
+            opened = client.open(self.layout.block_bytes, self.layout.fingerprint)
+            peer = self.engine.connect(opened.engine_name, opened.engine_address)
+            pool = self._pools[address] = _Pool(client, opened.region, peer)
+        return pool
+
+    # --- loads --------------------------------------------------------------------
+
+    def start_load_kv(self, meta: MooncakeRsConnectorMetadata) -> None:
+        self._finish_loads()  # a previous step's, if vLLM skipped the waits
+        assert self.layout is not None
+        for spec in meta.loads:
+            try:
+                pool = self._pool(spec.pool)
+            except MooncakeError as e:
+                log.warning("MooncakeRsConnector: cannot reach pool %s for %s: %s; recomputing its %d blocks",
+                            spec.pool, spec.req_id, e, len(spec.block_ids))
+                self._fail_blocks(spec.block_ids)
+                continue
+            self._loads.append(_Load(spec, pool))
+        if self._loads:
+            for layer in self.layout.layers:
+                region = self._regions[layer.storage_ptr]
+                per = len(layer.outer)
+                for load in self._loads:
+                    local, remote = layer.spans(load.spec.block_ids, load.spec.offsets)
+                    batch = self.engine.submit_spans("read", region, local, load.pool.peer, load.pool.region, remote,
+                                                     layer.segment_bytes, timeout_s=self.settings.timeout_s)
+                    self._load_batches.setdefault(layer.name, []).append((batch, load, per))
+
+    def begin_step(self, meta: MooncakeRsConnectorMetadata) -> None:
+        """Bound before the forward of every step (start_load_kv may run after it)."""
+        if meta.saves and self.settings.saves:
+            self._reserve(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        for batch, load, per in self._load_batches.pop(layer_name, ()):
+            for i, status in enumerate(batch.wait()):
+                if not status.ok:
+                    load.failed.add(i // per)
+
+    def _finish_loads(self) -> None:
+        """Wait for every layer still in flight, check checksums, record the failures."""
+        if not self._loads:
+            return
+        for name in list(self._load_batches):
+            self.wait_for_layer_load(name)
+        assert self.layout is not None
+        for load in self._loads:
+            spec = load.spec
+            bad_keys = []
+            for j, bid in enumerate(spec.block_ids):
+                if j not in load.failed and self.settings.verify_checksums and spec.checksums[j] >= 0:
+                    if self._crc(bid) != spec.checksums[j]:
+                        self.counters["blocks_corrupt"] += 1
+                        bad_keys.append(spec.keys[16 * j:16 * j + 16])
+                        load.failed.add(j)
+                if j in load.failed:
+                    self._errors.add(bid)
+                    self.counters["blocks_load_failed"] += 1
+                else:
+                    self.counters["blocks_loaded"] += 1
+                    self.counters["bytes_loaded"] += self.layout.block_bytes
+            if bad_keys:
+                log.warning("MooncakeRsConnector: %d blocks of %s failed their checksum; removed from pool %s and "
+                            "recomputed", len(bad_keys), spec.req_id, spec.pool)
+                try:
+                    load.pool.client.remove(b"".join(bad_keys), corrupt=True)
+                except MooncakeError as e:
+                    log.warning("MooncakeRsConnector: could not remove corrupt blocks from %s: %s", spec.pool, e)
+        self._loads = []
+
+    def _crc(self, block_id: int) -> int:
+        """CRC-32 of one vLLM block in pool order (the pool's checksum covers the same bytes)."""
+        assert self.layout is not None
+        crc = 0
+        for layer in self.layout.layers:
+            view = self._views[layer.storage_ptr]
+            for off in layer.segments(block_id):
+                crc = zlib.crc32(view[off:off + layer.segment_bytes], crc)
+        return crc
+
+    def _fail_blocks(self, block_ids: list[int]) -> None:
+        self._errors.update(block_ids)
+        self.counters["blocks_load_failed"] += len(block_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_loads()
+        errors, self._errors = self._errors, set()
+        return errors
+
+    # --- saves --------------------------------------------------------------------
+
+    def _reserve(self, meta: MooncakeRsConnectorMetadata) -> None:
+        block_ids = [b for s in meta.saves for b in s.block_ids]
+        keys = b"".join(s.keys for s in meta.saves)
+        try:
+            pool = self._pool(self.settings.pool)
+            r = pool.client.reserve(keys, lease_s=max(30.0, self.settings.timeout_s))
+        except MooncakeError as e:
+            log.warning("MooncakeRsConnector: pool %s refused a save of %d blocks: %s", self.settings.pool,
+                        len(block_ids), e)
+            self.counters["saves_failed"] += len(block_ids)
+            return
+        self.counters["saves_skipped_full"] += r.full
+        self.counters["saves_skipped_present"] += r.present
+        self._saves.append(_Save(block_ids, list(r.offsets), r.reservation,
+                                 [off >= 0 for off in r.offsets]))
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        if not self._saves:
+            return
+        assert self.layout is not None
+        try:
+            _, layer = self.layout.layer(layer_name)
+        except KeyError:
+            return
+        pool = self._pools[self.settings.pool]
+        region = self._regions[layer.storage_ptr]
+        per = len(layer.outer)
+        for save in self._saves:
+            which = [j for j, slot in enumerate(save.offsets) if slot >= 0]
+            if not which:
+                continue
+            local, remote = layer.spans([save.block_ids[j] for j in which], [save.offsets[j] for j in which])
+            batch = self.engine.submit_spans("write", region, local, pool.peer, pool.region, remote,
+                                             layer.segment_bytes, timeout_s=self.settings.timeout_s)
+            self._save_batches.append((batch, save, which, per))
+
+    def wait_for_save(self) -> None:
+        self._finish_loads()
+        if not self._saves:
+            return
+        for batch, save, which, per in self._save_batches:
+            for i, status in enumerate(batch.wait()):
+                if not status.ok:
+                    save.ok[which[i // per]] = False
+        self._save_batches = []
+        assert self.layout is not None
+        pool = self._pools[self.settings.pool]
+        for save in self._saves:
+            try:
+                stored = pool.client.commit(save.reservation, save.ok)
+            except MooncakeError as e:
+                log.warning("MooncakeRsConnector: commit to pool %s failed: %s", self.settings.pool, e)
+                self.counters["saves_failed"] += sum(save.ok)
+                continue
+            self.counters["blocks_saved"] += stored
+            self.counters["bytes_saved"] += stored * self.layout.block_bytes
+            self.counters["saves_failed"] += sum(1 for off, ok in zip(save.offsets, save.ok) if off >= 0 and not ok)
+        self._saves = []
+
+    def shutdown(self) -> None:
+        for pool in self._pools.values():
+            pool.client.close()
+        self.engine.close()
+
