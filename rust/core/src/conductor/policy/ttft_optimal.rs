@@ -40,7 +40,7 @@ pub(super) fn option_for(input: &PolicyInput<'_>, idx: usize) -> Choice {
                 fetch_from: Some(h.instance),
                 queue_s: c.queue_s,
                 prefill_s: input.prefill_s(c, b),
-                transfer_s: local_load_s + t.fetch(fetch_tokens, ssd_fraction),
+                transfer_s: local_load_s + input.fetch_s(c, h.instance, fetch_tokens, ssd_fraction),
             },
         );
     }
