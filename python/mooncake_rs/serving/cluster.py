@@ -192,6 +192,7 @@ class Cluster(RoutedCluster):
         self._heartbeat_timeout_s = None if heartbeat_timeout_s is None else float(heartbeat_timeout_s)
         self._limits = Limits(self._model_config(model), block_size)  # instance capacities, once all are ready
         self._prefill_model = PrefillCostModel(c0=0.002, c_new=2e-5, c_new2=0.0, c_cross=0.0)
+        self._link_bandwidth = link_bandwidth
         self.conductor = self._new_conductor(self._prefill_model)
         names = {i: f"prefill-{i}" for i in self.prefill_ids} | {
             i: f"decode-{i - prefill}" for i in self.decode_ids}
@@ -262,7 +263,7 @@ class Cluster(RoutedCluster):
 
     def _new_conductor(self, prefill_model: Any, index: Any = None) -> Conductor:
         return new_conductor(self._cfg_args, self._layout_bytes, prefill_model, self.prefill_ids, self.decode_ids,
-                             index)
+                             index, link_bandwidth=self._link_bandwidth)
 
     @staticmethod
     def _wire_model(model: Any) -> str | dict[str, Any]:

@@ -44,14 +44,18 @@ def request_output(record: RequestRecord, reason: str) -> Any:
 
 
 def new_conductor(cfg_args: dict[str, Any], block_bytes: int, prefill_model: Any, prefill_ids: Sequence[int],
-                  decode_ids: Sequence[int], index: Any = None) -> Conductor:
+                  decode_ids: Sequence[int], index: Any = None, link_bandwidth: float | None = None) -> Conductor:
     """A conductor over these instances. ``cfg_args``: ``ConductorConfig``'s keywords
     (block size, SLOs, policy, rejection, seed); the transfer cost of a token follows
-    the instances' block bytes."""
+    the instances' block bytes. ``link_bandwidth`` (the instances' emulated links,
+    bytes/s): the network the conductor prices fetches on, and every instance's NIC
+    capacity in its link loads (issue 25; docs/conductor.md)."""
     per_token = block_bytes / cfg_args["block_size"]
     cfg = ConductorConfig(
         **cfg_args, prefill_model=prefill_model,
-        transfer_model=TransferCostModel(bytes_per_token=per_token, network_bandwidth=2e9, latency_s=1e-4),
+        transfer_model=TransferCostModel(bytes_per_token=per_token,
+                                         network_bandwidth=2e9 if link_bandwidth is None else link_bandwidth,
+                                         latency_s=1e-4),
         decode_model=DecodeCostModel(base_s=0.004, per_seq_s=2e-4, per_token_s=1e-7),
         default_output_len=32)
     c = Conductor(cfg, index)
@@ -59,6 +63,9 @@ def new_conductor(cfg_args: dict[str, Any], block_bytes: int, prefill_model: Any
         c.add_prefill(i)
     for i in decode_ids:
         c.add_decode(i)
+    if link_bandwidth is not None:
+        for i in (*prefill_ids, *decode_ids):
+            c.set_link_bandwidth(i, link_bandwidth, float("inf"))
     return c
 
 

@@ -120,6 +120,9 @@ class SimConfig:
     #: with the link model on: a fetch still running when finishing it would be slower
     #: than recomputing is given up at the decision's ``fetch_abandon_s``
     abandon_late_fetches: bool = True
+    #: replication (``replicate_every_s``): at most this many bytes of replicas per
+    #: round (the conductor's ``hot_replica_max_bytes``)
+    hot_replica_max_bytes: float = 64e9
 
     def __post_init__(self) -> None:
         _posint("prefill", self.prefill)
@@ -279,6 +282,7 @@ class SimConfig:
             decode_model=d,
             # the conductor sees contention where the simulated cluster has it
             contention_aware=self.links and self.contention_aware,
+            hot_replica_max_bytes=self.hot_replica_max_bytes,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -331,4 +335,5 @@ _NEW_FIELDS: dict[str, Any] = {
     "contention_aware": True,
     "link_report_every_s": 0.2,
     "abandon_late_fetches": True,
+    "hot_replica_max_bytes": 64e9,
 }
