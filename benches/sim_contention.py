@@ -10,6 +10,8 @@ The checks per cell: ``mooncake`` mean <= the best of ``local_cache_aware`` and
 ``win%``: how much lower its mean is than that best baseline's.
 
     nice python benches/sim_contention.py [--jobs 2] [--agentic-requests 2000] [--json out.jsonl]
+    nice python benches/sim_contention.py --links 100,off --json b.jsonl   # a subset of the cells
+    python benches/sim_contention.py --from-json a.jsonl b.jsonl           # the table of saved cells
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from sim_common import TRACE  # noqa: E402
 from mooncake_rs import sim  # noqa: E402
 
 POLICIES = ("random", "load_balance", "local_cache_aware", "mooncake", "ttft_optimal")
-LINKS = (None, 100e9, 25e9, 10e9)
 CLUSTERS = (4, 8)
 
 
@@ -94,13 +95,20 @@ def main() -> None:
     ap.add_argument("--agentic-requests", type=int, default=2000)
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--json", help="also write every cell as JSON lines here")
+    ap.add_argument("--links", default="10,25,100,off", help="NIC GB/s values to run (off: no link model)")
+    ap.add_argument("--from-json", nargs="+", help="print the table of cells saved by --json runs, run nothing")
     a = ap.parse_args()
+    if a.from_json:
+        rows = [json.loads(line) for path in a.from_json for line in open(path) if line.strip()]
+        report(rows)
+        return
+    links = [None if x == "off" else float(x) * 1e9 for x in a.links.split(",")]
     names = [f"agentic-{s}" for s in a.seeds.split(",") if s]
     if os.path.exists(TRACE):
         names.insert(0, "synthetic")
     else:
         print(f"(synthetic trace {TRACE} not found: skipped; set MOONCAKE_TRACE)", file=sys.stderr)
-    jobs = [(n, pd, nic, p, a.agentic_requests) for n in names for pd in CLUSTERS for nic in LINKS for p in POLICIES]
+    jobs = [(n, pd, nic, p, a.agentic_requests) for n in names for pd in CLUSTERS for nic in links for p in POLICIES]
     # the slow cells (low bandwidth: many concurrent flows) first, so the pool ends together
     jobs.sort(key=lambda j: (j[2] or 1e18))
     t0 = time.perf_counter()

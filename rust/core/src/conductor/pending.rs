@@ -62,14 +62,25 @@ impl Pending {
         self.by_last.values().map(|v| v.len()).sum()
     }
 
-    /// For each instance, the longest prefix of `blocks` some admitted request will
-    /// leave there, longer than `floor` blocks: calls `f(instance, blocks)`, longest
-    /// first per instance (an instance may be reported more than once; keep the first).
+    /// Every prefix of `blocks` longer than `floor` blocks that an admitted request will
+    /// leave on an instance: calls `f(instance, blocks)` (in no particular order; an
+    /// instance may be reported more than once: keep the longest).
     pub fn longest(&self, blocks: &[BlockHash], floor: usize, mut f: impl FnMut(InstanceId, usize)) {
         if self.by_last.is_empty() {
             return;
         }
         let Some(&first) = blocks.first() else { return };
+        if self.by_last.len() < blocks.len().saturating_sub(floor) {
+            // fewer entries than positions to probe: check each entry instead
+            for (last, v) in &self.by_last {
+                for e in v {
+                    if e.blocks > floor && e.blocks <= blocks.len() && blocks[e.blocks - 1] == *last && e.first == first {
+                        f(e.instance, e.blocks);
+                    }
+                }
+            }
+            return;
+        }
         for j in (floor..blocks.len()).rev() {
             if let Some(v) = self.by_last.get(&blocks[j]) {
                 for e in v {
@@ -100,20 +111,33 @@ mod tests {
         p.add(&[h(40), h(2)], 9, 4);
         p.add(&[h(41), h(1), h(2)], 9, 5);
         let mut seen: Vec<(InstanceId, usize)> = Vec::new();
-        p.longest(&prompt, 0, |i, n| {
-            if !seen.iter().any(|s| s.0 == i) {
-                seen.push((i, n));
-            }
+        p.longest(&prompt, 0, |i, n| match seen.iter_mut().find(|s| s.0 == i) {
+            Some(s) => s.1 = s.1.max(n),
+            None => seen.push((i, n)),
         });
         seen.sort_unstable();
         assert_eq!(seen, vec![(7, 3), (8, 5)]);
+        // the same with more entries than positions (the probing path)
+        let mut q = Pending::default();
+        for k in 0..20u64 {
+            q.add(&[h(1000 + k)], 50, 100 + k);
+        }
+        q.add(&prompt[..3], 7, 1);
+        q.add(&prompt[..5], 8, 2);
+        let mut many = Vec::new();
+        q.longest(&prompt, 0, |i, n| many.push((i, n)));
+        many.sort_unstable();
+        assert_eq!(many, vec![(7, 3), (8, 5)]);
+        assert_eq!(q.len(), 22);
         let mut above = Vec::new();
         p.longest(&prompt, 3, |i, n| above.push((i, n)));
+        above.sort_unstable();
         assert_eq!(above, vec![(8, 5)]);
         p.remove(h(4), 2);
         p.remove(h(4), 99); // unknown: nothing
         let mut after = Vec::new();
         p.longest(&prompt, 0, |i, n| after.push((i, n)));
+        after.sort_unstable();
         assert_eq!(after, vec![(7, 3), (8, 2)]);
         assert_eq!(p.len(), 4);
     }

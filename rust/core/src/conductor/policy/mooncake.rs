@@ -26,6 +26,12 @@ pub(super) fn option_for(input: &PolicyInput<'_>, idx: usize) -> Choice {
     }
     let fetch_tokens = input.tokens(b) - input.tokens(l);
     let prefill_s = input.prefill_s(c, b);
+    // a fetch on idle links is a lower bound of one under load: when even that loses,
+    // the link loads need not be looked at (most candidates, most of the time)
+    let idle = input.cost.transfer.fetch(fetch_tokens, 0.0);
+    if local.queue_s + idle + prefill_s >= local.ttft() {
+        return local;
+    }
     let mut out = local;
     for h in input.matches {
         if h.instance == c.id || h.total() < b {
