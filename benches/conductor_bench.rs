@@ -34,7 +34,14 @@ struct Setup {
 }
 
 fn setup(policy: PolicyKind, rejection: RejectionKind) -> Setup {
-    let cfg = ConductorConfig { policy, rejection, ttft_slo_s: 1e9, tbt_slo_s: 1e9, ..Default::default() };
+    // CONDUCTOR_BALANCING_THRESHOLD: Algorithm 1's threshold (default: the config's, 1.0
+    // since issue 25; 2.0 before, which fetches less often, so each decision does less
+    // index work: set it to compare the estimate's cost alone with an older build)
+    let threshold = std::env::var("CONDUCTOR_BALANCING_THRESHOLD").ok().and_then(|v| v.parse().ok());
+    let mut cfg = ConductorConfig { policy, rejection, ttft_slo_s: 1e9, tbt_slo_s: 1e9, ..Default::default() };
+    if let Some(t) = threshold {
+        cfg.balancing_threshold = t;
+    }
     let c = Conductor::new(cfg).expect("config");
     for i in 0..INSTANCES {
         c.add_prefill(i, PrefillSpec::default()).expect("add");

@@ -42,6 +42,9 @@ def test_mooncake_fetches_to_the_idle_instance():
     c.add_decode(10)
     c.on_blocks_stored(2, H)
     assert c.schedule(99, [], 1000, now=0.0, expected_output_len=10).prefill == 2  # 1 s of work on 2
+    # its KV stream to decode is planned on 2's NIC out; 2 reports that NIC idle (the
+    # contention-aware cases are in test_conductor_links.py)
+    assert c.report_link_load(2, 0.0, 0.0)
     c.add_prefill(1)
     d = c.schedule(1, H, 120, now=0.0, expected_output_len=10)
     assert isinstance(d, Decision)
@@ -68,6 +71,7 @@ def test_fetch_not_worth_it_and_local_policies():
         c.add_decode(10)
         c.on_blocks_stored(2, H)
         c.schedule(99, [], 1000, 0.0, 10)
+        c.report_link_load(2, 0.0, 0.0)  # its KV stream has left: an idle NIC
         c.add_prefill(1)
         d = c.schedule(1, H, 120, 0.0, 10)
         assert (d.prefill, d.reused_blocks, d.fetch_blocks) == want, policy

@@ -86,6 +86,9 @@ def test_whole_run_conserves_bytes_respects_capacities_and_keeps_the_index_exact
         capacity_tokens_per_instance=100_000,
         ssd_capacity_tokens_per_instance=2_000_000,
         multipath=multipath,
+        # every path must carry bytes here: a contention-aware conductor declines the
+        # fetches over these saturated NICs (test_sim_contention.py covers that side)
+        contention_aware=False,
     )
     sim, rep, worst = _run_checked(cfg, trace, monkeypatch)
     assert 0.99 < worst <= 1 + 1e-9  # the links were saturated at times, never above capacity

@@ -194,6 +194,7 @@ class Cluster(RoutedCluster):
         self._engine_kwargs = dict(engine_kwargs or {})
         self._decode_capacity: tuple[int, int] | None = None  # (batch, KV tokens), once the instances said
         self._prefill_model = PrefillCostModel(c0=0.002, c_new=2e-5, c_new2=0.0, c_cross=0.0)
+        self._link_bandwidth = link_bandwidth
         self.conductor = self._new_conductor(self._prefill_model)
         names = {i: f"prefill-{i}" for i in self.prefill_ids} | {
             i: f"decode-{i - prefill}" for i in self.decode_ids}
@@ -268,7 +269,7 @@ class Cluster(RoutedCluster):
 
     def _new_conductor(self, prefill_model: Any, index: Any = None) -> Conductor:
         return new_conductor(self._cfg_args, self._layout_bytes, prefill_model, self.prefill_ids, self.decode_ids,
-                             index, decode_capacity=self._decode_capacity)
+                             index, decode_capacity=self._decode_capacity, link_bandwidth=self._link_bandwidth)
 
     @staticmethod
     def _wire_model(model: Any) -> str | dict[str, Any]:

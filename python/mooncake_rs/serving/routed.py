@@ -44,17 +44,22 @@ def request_output(record: RequestRecord, reason: str) -> Any:
 
 
 def new_conductor(cfg_args: dict[str, Any], block_bytes: int, prefill_model: Any, prefill_ids: Sequence[int],
-                  decode_ids: Sequence[int], index: Any = None, decode_capacity: tuple[int, int] | None = None) -> Conductor:
+                  decode_ids: Sequence[int], index: Any = None, decode_capacity: tuple[int, int] | None = None,
+                  link_bandwidth: float | None = None) -> Conductor:
     """A conductor over these instances. ``cfg_args``: ``ConductorConfig``'s keywords
     (block size, SLOs, policy, rejection, seed); the transfer cost of a token follows
     the instances' block bytes. ``decode_capacity``: (largest batch, KV tokens) of a
     decode instance, what admission fills them to (None: the conductor's defaults, until
     the instances said). With rejection on, the admission's estimates are calibrated
-    online on what this cluster measures (conductor.md, admission)."""
+    online on what this cluster measures (conductor.md, admission). ``link_bandwidth``
+    (the instances' emulated links, bytes/s): the network the conductor prices fetches
+    on, and every instance's NIC capacity in its link loads (issue 25; docs/conductor.md)."""
     per_token = block_bytes / cfg_args["block_size"]
     cfg = ConductorConfig(
         **cfg_args, prefill_model=prefill_model,
-        transfer_model=TransferCostModel(bytes_per_token=per_token, network_bandwidth=2e9, latency_s=1e-4),
+        transfer_model=TransferCostModel(bytes_per_token=per_token,
+                                         network_bandwidth=2e9 if link_bandwidth is None else link_bandwidth,
+                                         latency_s=1e-4),
         decode_model=DecodeCostModel(base_s=0.004, per_seq_s=2e-4, per_token_s=1e-7),
         default_output_len=32)
     c = Conductor(cfg, index)
@@ -66,6 +71,9 @@ def new_conductor(cfg_args: dict[str, Any], block_bytes: int, prefill_model: Any
             c.add_decode(i)
         else:
             c.add_decode(i, max_batch=max(1, decode_capacity[0]), kv_capacity_tokens=max(1, decode_capacity[1]))
+    if link_bandwidth is not None:
+        for i in (*prefill_ids, *decode_ids):
+            c.set_link_bandwidth(i, link_bandwidth, float("inf"))
     return c
 
 

@@ -66,7 +66,7 @@ class SimConfig:
     speedup: float = 1.0
     seed: int = 0
     block_tokens: int = BLOCK_TOKENS
-    balancing_threshold: float = 2.0
+    balancing_threshold: float = 1.0
     #: decode instance limits (also given to the conductor)
     decode_max_batch: int = 128
     decode_kv_capacity_tokens: int = 1_500_000
@@ -110,6 +110,19 @@ class SimConfig:
     adaptive_roles: bool = False
     #: a ``sim.RolePolicy`` (None: its defaults); used only with ``adaptive_roles``
     role_policy: Any = None
+    #: with the link model on: the conductor prices fetches on the links as loaded
+    #: (what it scheduled, corrected by the instances' reports every
+    #: ``link_report_every_s``); False: on idle links, as before issue 25
+    contention_aware: bool = True
+    #: how often (virtual seconds) every instance reports its links' backlog to the
+    #: conductor (None: never; the conductor then counts only what it scheduled)
+    link_report_every_s: float | None = 0.2
+    #: with the link model on: a fetch still running when finishing it would be slower
+    #: than recomputing is given up at the decision's ``fetch_abandon_s``
+    abandon_late_fetches: bool = True
+    #: replication (``replicate_every_s``): at most this many bytes of replicas per
+    #: round (the conductor's ``hot_replica_max_bytes``)
+    hot_replica_max_bytes: float = 64e9
 
     def __post_init__(self) -> None:
         _posint("prefill", self.prefill)
@@ -166,6 +179,11 @@ class SimConfig:
                 "nic_bandwidth, storage_bandwidth, ssd_capacity_tokens_per_instance and multipath"
                 " model the disaggregated cluster only; use architecture='disaggregated'"
             )
+        for name in ("contention_aware", "abandon_late_fetches"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgument(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.link_report_every_s is not None:
+            _pos("link_report_every_s", self.link_report_every_s)
         if not isinstance(self.adaptive_roles, bool):
             raise InvalidArgument(f"adaptive_roles must be a bool, got {self.adaptive_roles!r}")
         if self.adaptive_roles and (self.architecture != "disaggregated" or self.links):
@@ -262,6 +280,9 @@ class SimConfig:
             prefill_model=p,
             transfer_model=t,
             decode_model=d,
+            # the conductor sees contention where the simulated cluster has it
+            contention_aware=self.links and self.contention_aware,
+            hot_replica_max_bytes=self.hot_replica_max_bytes,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -311,4 +332,8 @@ _NEW_FIELDS: dict[str, Any] = {
     "layout": None,
     "adaptive_roles": False,
     "role_policy": None,
+    "contention_aware": True,
+    "link_report_every_s": 0.2,
+    "abandon_late_fetches": True,
+    "hot_replica_max_bytes": 64e9,
 }

@@ -21,15 +21,21 @@ long moving KV takes:
   the KV streams to the decode instance from then as one flow (prefill NIC out ->
   decode NIC in) and is ready at ``max(prefill end, stream end + latency)``.
 
-The conductor estimates with its transfer model (by default an idle link of
-``nic_bandwidth``/``storage_bandwidth``): it does not see contention. ``estimate_error``
-applies to the compute only here (the links give the transfer times).
+The conductor is told every link's capacity and, with ``contention_aware`` (the
+default), prices a fetch on the links as loaded: what it scheduled on them (fetches and
+KV streams) corrected every ``link_report_every_s`` by each instance's report of the
+bytes still queued on its links (:meth:`Links.queued`, what a transfer engine's counters
+give). A fetch still running at the decision's ``fetch_abandon_s`` is given up for
+recompute when finishing it at its current rate would take longer than recomputing the
+blocks it brings (``abandon_late_fetches``). ``estimate_error`` applies to the compute
+only here (the links give the transfer times).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from .._core import BlockCache
 from .config import SimConfig
@@ -43,8 +49,9 @@ from .trace import Request
 __all__ = ["run_linked"]
 
 _NET = 3
+_ABANDON = 4
 # what a flow is for (its tag is (kind, request))
-_LOAD, _STREAM, _WRITE = 0, 1, 2
+_LOAD, _STREAM, _WRITE, _REPL = 0, 1, 2, 3
 
 PATHS = ("dram_local", "dram_peer", "ssd_direct", "ssd_relay")
 
@@ -59,6 +66,17 @@ class _LinkedRun(_Run):
         for _ in range(n):
             caps += [nic, nic, stor]
         self.net = Links(caps)
+        if cfg.contention_aware:
+            for k in range(n):
+                self.conductor.set_link_bandwidth(k, nic, stor)
+        #: per request: its decision's fetch_abandon_s, and while its peer fetch runs,
+        #: (prefill instance, local blocks, the fetch's flows)
+        self.abandon_s = [math.inf] * len(trace)
+        self.peer_loads: dict[int, tuple[int, int, list[Flow]]] = {}
+        self._next_report = 0.0
+        #: replicas on their way: flow tag -> (target instance, blocks)
+        self.repl_pending: dict[int, tuple[int, list[int]]] = {}
+        self._repl_seq = 0
         ssd = cfg.ssd_blocks
         self.ssd: list[BlockCache | None] = [BlockCache(max(ssd, 1), cfg.eviction) if ssd else None for _ in self.pids]
         self.block_bytes = cfg.block_tokens * self.tm.bytes_per_token
@@ -69,7 +87,7 @@ class _LinkedRun(_Run):
         self.bytes = dict.fromkeys(PATHS, 0)
         #: per prefill instance, its flow of demotion writes (None: none active)
         self.writes: list[Flow | None] = [None] * cfg.prefill
-        self.counters.update(kv_stream_bytes=0, ssd_write_bytes=0, multipath_splits=0)
+        self.counters.update(kv_stream_bytes=0, ssd_write_bytes=0, multipath_splits=0, fetch_abandoned=0)
         self._net_version = 0
         #: when the pending network event is due (inf: none)
         self._net_at = math.inf
@@ -107,9 +125,13 @@ class _LinkedRun(_Run):
             if kind == _LOAD:
                 self.outstanding[i] -= 1
                 if self.outstanding[i] == 0:
+                    self.peer_loads.pop(i, None)
                     p = self.s.prefill[i]
                     assert p is not None
                     self.compute(p, i, t, self.tm.latency_s)
+            elif kind == _REPL:
+                to, blocks = self.repl_pending.pop(i)
+                self.store(to, blocks, t)
             elif kind == _STREAM:
                 self.stream_left[i] = False
                 if self.ended[i]:
@@ -122,10 +144,32 @@ class _LinkedRun(_Run):
             self.prefill_done(a, b, t)
         elif kind == _KV_READY:
             self.kv_ready(a, b, t)
+        elif kind == _ABANDON:
+            self.maybe_abandon(a, t)
         else:
             self.boundary(a, b, c)
         if self._net_touched:
             self.sync_net()
+
+    def schedule_or_reject(self, i: int, t: float) -> Any:
+        d = super().schedule_or_reject(i, t)
+        if d is not None and d.fetch_from is not None:
+            self.abandon_s[i] = d.fetch_abandon_s
+        return d
+
+    def before_arrival(self, t: float) -> None:
+        super().before_arrival(t)
+        every = self.cfg.link_report_every_s
+        if every is not None and self.cfg.contention_aware and t >= self._next_report:
+            self.report_links(t)
+            self._next_report = t + every
+
+    def report_links(self, t: float) -> None:
+        """Every instance tells the conductor what is queued on its links now."""
+        net, c = self.net, self.conductor
+        net.advance(t)
+        for k in range(len(net.cap) // 3):
+            c.report_link_load(k, t, net.queued(3 * k), net.queued(3 * k + 1), net.queued(3 * k + 2))
 
     def arrive(self, i: int, t: float) -> None:
         super().arrive(i, t)
@@ -171,7 +215,12 @@ class _LinkedRun(_Run):
             n += self.load_ssd(t, i, p, d, ssd_bytes)
         if peer_dram:
             assert src is not None
+            before = set(self.net.flows)
             n += self.load_peer(t, i, p, src, keys[local:reused], peer_dram * bb)
+            if self.cfg.abandon_late_fetches and math.isfinite(self.abandon_s[i]):
+                flows = [f for fid, f in self.net.flows.items() if fid not in before]
+                self.peer_loads[i] = (p, local, flows)
+                self.push(t + self.abandon_s[i], _ABANDON, i)
         self.outstanding[i] = n
         if n == 0:
             self.compute(p, i, t)
@@ -218,6 +267,36 @@ class _LinkedRun(_Run):
         if out > 1:
             self.counters["multipath_splits"] += 1
         return out
+
+    def maybe_abandon(self, i: int, t: float) -> None:
+        """Request ``i``'s fetch is due: if it is still running and finishing it at its
+        current rates takes longer than recomputing what it brings, give it up."""
+        entry = self.peer_loads.pop(i, None)
+        if entry is None:
+            return
+        p, local, flows = entry
+        net = self.net
+        live = [f for f in flows if f.id in net.flows]
+        if not live:
+            return
+        net.advance(t)
+        left_s = max((net.left_now(f) / f.rate if f.rate > 0 else math.inf) for f in live)
+        s = self.s
+        L = self.trace[i].input_length
+        bt = self.cfg.block_tokens
+        extra = self.pm.predict(L, min(local * bt, L)) - self.pm.predict(L, min(s.reused[i] * bt, L))
+        if left_s <= extra:
+            return
+        for f in live:
+            self.bytes["dram_peer"] -= int(net.left_now(f))  # never sent
+            net.remove(t, f)
+        self._net_touched = True
+        self.counters["fetch_abandoned"] += 1
+        s.reused[i] = local
+        s.fetched[i] = 0
+        self.outstanding[i] -= len(live)
+        if self.outstanding[i] == 0:
+            self.compute(p, i, t)
 
     def avail(self, k: int) -> float:
         """The free bandwidth of link ``k`` for a new flow: what its flows leave unused,
@@ -285,9 +364,14 @@ class _LinkedRun(_Run):
         self.push(t, _KV_READY, d - self.cfg.prefill, i)
 
     def replicate(self, t: float) -> None:
+        """Acts on the conductor's hints: each replica crosses the holder's NIC out and the
+        target's NIC in, and is stored (and indexed) when it has arrived."""
         for h in self.conductor.replication_hints(t):
-            self.store(h.to_instance, h.blocks, t)
-            self.counters["replicated_blocks"] += len(h.blocks)
+            blocks = list(h.blocks)
+            self._repl_seq += 1
+            self.repl_pending[self._repl_seq] = (h.to_instance, blocks)
+            self.flow(t, [3 * h.from_instance, 3 * h.to_instance + 1], len(blocks) * self.block_bytes, _REPL, self._repl_seq)
+            self.counters["replicated_blocks"] += len(blocks)
 
     def report(self, samples: list[HotSample], wall: float) -> Report:
         return build_report(

@@ -119,6 +119,31 @@ class Links:
             f.stamp += 1
             heapq.heappush(self._heap, (self.t + f.left / f.rate, f.stamp, f.id))
 
+    def remove(self, t: float, f: Flow) -> None:
+        """Stops the active flow ``f`` at time ``t`` (a transfer given up): what it moved
+        so far stays carried, the rest is never sent, the others' rates are re-solved."""
+        if f.id not in self.flows:
+            raise InvalidArgument(f"flow {f.id} is not active")
+        self.advance(t)
+        self._settle(f)
+        for k in f.links:
+            self.on[k].discard(f.id)
+        del self.flows[f.id]
+        f.rate = 0.0
+        self._dirty.update(f.links)
+
+    def left_now(self, f: Flow) -> float:
+        """Bytes ``f`` still has to move at the current time (at its current rate)."""
+        self.rates()
+        return max(0.0, f.left - f.rate * (self.t - f.t0))
+
+    def queued(self, k: int) -> float:
+        """Bytes the active flows on link ``k`` still have to move (what an instance's
+        transfer engine would report as queued or in flight on that link)."""
+        left_now = self.left_now
+        flows = self.flows
+        return sum(left_now(flows[fid]) for fid in self.on[k])
+
     def advance(self, t: float) -> None:
         """Moves the clock to ``t`` (flows move at their rates; bytes are settled lazily)."""
         if t < self.t:

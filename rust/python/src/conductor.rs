@@ -11,7 +11,7 @@ use mooncake_core::{ErrorCategory, InstanceId};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::conductor_types::{PyConductorConfig, PyDecision, PyReplicationHint, PySnapshot};
+use crate::conductor_types::{PyConductorConfig, PyDecision, PyLinkLoad, PyReplicationHint, PySnapshot};
 use crate::convert::{hash_from_py, parse_tier};
 use crate::keys::keys_from_py;
 use crate::errors::{new_err, to_pyerr};
@@ -230,6 +230,27 @@ impl PyConductor {
         let inner = &self.inner;
         let hints = detached_infallible(py, || inner.replication_hints(now)).map_err(|e| map_err(py, e))?;
         Ok(hints.into_iter().map(|inner| PyReplicationHint { inner }).collect())
+    }
+
+    /// Capacities of an instance's links, bytes/s (NIC each way; storage link);
+    /// `float("inf")`: never a bottleneck. Default: the transfer model's bandwidths.
+    fn set_link_bandwidth(&self, py: Python<'_>, instance: InstanceId, nic_bps: f64, storage_bps: f64) -> PyResult<()> {
+        self.inner.set_link_bandwidth(instance, nic_bps, storage_bps).map_err(|e| map_err(py, e))
+    }
+
+    /// An instance's link counters measured at `at`: bytes queued or in flight on its
+    /// NIC out, NIC in and storage link. Returns False when ignored (older than the
+    /// last report, or the conductor is not contention-aware).
+    #[pyo3(signature = (instance, at, nic_out_bytes, nic_in_bytes = 0.0, storage_bytes = 0.0))]
+    fn report_link_load(&self, py: Python<'_>, instance: InstanceId, at: f64, nic_out_bytes: f64, nic_in_bytes: f64, storage_bytes: f64) -> PyResult<bool> {
+        self.inner.report_link_load(instance, at, nic_out_bytes, nic_in_bytes, storage_bytes).map_err(|e| map_err(py, e))
+    }
+
+    /// Every instance's link backlog at `now` (default: latest time seen), by id.
+    #[pyo3(signature = (now = None))]
+    fn link_loads(&self, py: Python<'_>, now: Option<f64>) -> PyResult<Vec<PyLinkLoad>> {
+        let l = self.inner.link_loads(now).map_err(|e| map_err(py, e))?;
+        Ok(l.into_iter().map(PyLinkLoad::from).collect())
     }
 
     /// Read-only per-instance queue and load estimates at `now` (default: latest time seen).

@@ -2,7 +2,7 @@
 //! `ReplicationHint`, `ConductorSnapshot`, `PrefillLoad`, `DecodeLoad`).
 
 use mooncake_core::conductor::{
-    ConductorConfig, Decision, DecodeLoad, PolicyKind, PrefillLoad, RejectionKind, ReplicationHint, Snapshot,
+    ConductorConfig, Decision, DecodeLoad, LinkLoad, PolicyKind, PrefillLoad, RejectionKind, ReplicationHint, Snapshot,
 };
 use mooncake_core::InstanceId;
 use pyo3::prelude::*;
@@ -24,10 +24,11 @@ impl PyConductorConfig {
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (
         block_size = 512, ttft_slo_s = 10.0, tbt_slo_s = 0.1, policy = "mooncake",
-        balancing_threshold = 2.0, rejection = "none", seed = 0, prefill_model = None,
+        balancing_threshold = 1.0, rejection = "none", seed = 0, prefill_model = None,
         transfer_model = None, decode_model = None, default_output_len = 256,
         output_len_ewma = 0.2, hot_min_hits = 4.0, hot_half_life_s = 60.0,
         hot_busy_fraction = 0.25, hot_capacity = 4096, max_output_len = 1048576,
+        contention_aware = true, hot_link_busy_s = 0.5, hot_replica_max_bytes = 64e9,
     ))]
     fn new(
         py: Python<'_>,
@@ -48,6 +49,9 @@ impl PyConductorConfig {
         hot_busy_fraction: f64,
         hot_capacity: usize,
         max_output_len: usize,
+        contention_aware: bool,
+        hot_link_busy_s: f64,
+        hot_replica_max_bytes: f64,
     ) -> PyResult<Self> {
         let mut inner = ConductorConfig {
             block_size,
@@ -64,6 +68,9 @@ impl PyConductorConfig {
             hot_busy_fraction,
             hot_capacity,
             max_output_len,
+            contention_aware,
+            hot_link_busy_s,
+            hot_replica_max_bytes,
             ..Default::default()
         };
         if let Some(m) = prefill_model {
@@ -144,6 +151,18 @@ impl PyConductorConfig {
         self.inner.hot_busy_fraction
     }
     #[getter]
+    fn contention_aware(&self) -> bool {
+        self.inner.contention_aware
+    }
+    #[getter]
+    fn hot_link_busy_s(&self) -> f64 {
+        self.inner.hot_link_busy_s
+    }
+    #[getter]
+    fn hot_replica_max_bytes(&self) -> f64 {
+        self.inner.hot_replica_max_bytes
+    }
+    #[getter]
     fn hot_capacity(&self) -> usize {
         self.inner.hot_capacity
     }
@@ -172,6 +191,7 @@ pub struct PyDecision {
     pub est_ttft_s: f64,
     pub est_tbt_s: f64,
     pub retry_after_s: f64,
+    pub fetch_abandon_s: f64,
 }
 
 impl From<Decision> for PyDecision {
@@ -188,6 +208,7 @@ impl From<Decision> for PyDecision {
             est_ttft_s: d.est_ttft_s,
             est_tbt_s: d.est_tbt_s,
             retry_after_s: d.retry_after_s,
+            fetch_abandon_s: d.fetch_abandon_s,
         }
     }
 }
@@ -308,8 +329,45 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyConductorConfig>()?;
     m.add_class::<PyDecision>()?;
     m.add_class::<PyReplicationHint>()?;
+    m.add_class::<PyLinkLoad>()?;
     m.add_class::<PyPrefillLoad>()?;
     m.add_class::<PyDecodeLoad>()?;
     m.add_class::<PySnapshot>()?;
     Ok(())
+}
+
+/// One instance's links as the conductor sees them: bytes queued or in flight on its
+/// NIC out, NIC in and storage link, and their capacities (bytes/s).
+#[pyclass(name = "LinkLoad", module = "mooncake_rs._core", frozen, get_all, eq)]
+#[derive(Clone, PartialEq)]
+pub struct PyLinkLoad {
+    pub instance: InstanceId,
+    pub nic_out_bytes: f64,
+    pub nic_in_bytes: f64,
+    pub storage_bytes: f64,
+    pub nic_bps: f64,
+    pub storage_bps: f64,
+}
+
+impl From<LinkLoad> for PyLinkLoad {
+    fn from(l: LinkLoad) -> Self {
+        PyLinkLoad {
+            instance: l.instance,
+            nic_out_bytes: l.nic_out_bytes,
+            nic_in_bytes: l.nic_in_bytes,
+            storage_bytes: l.storage_bytes,
+            nic_bps: l.nic_bps,
+            storage_bps: l.storage_bps,
+        }
+    }
+}
+
+#[pymethods]
+impl PyLinkLoad {
+    fn __repr__(&self) -> String {
+        format!(
+            "LinkLoad(instance={}, nic_out_bytes={:.0}, nic_in_bytes={:.0}, storage_bytes={:.0})",
+            self.instance, self.nic_out_bytes, self.nic_in_bytes, self.storage_bytes
+        )
+    }
 }

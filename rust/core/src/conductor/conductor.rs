@@ -15,6 +15,7 @@ use parking_lot::Mutex;
 use super::admission::{decode_free_in, select_decode, DecodeAsk, OutputLenEstimator, RejectReason};
 use super::calibration::Calibration;
 use super::config::{ConductorConfig, RejectionKind};
+use super::links::LinkLoads;
 use super::policy::{self, Candidate, PolicyInput};
 use super::replication::HotTable;
 use super::state::{Member, Req, Stage, State};
@@ -41,6 +42,11 @@ pub struct Decision {
     /// the TTFT estimate over its SLO, or until a decode instance is predicted to free
     /// a place); 0 for an admitted request.
     pub retry_after_s: f64,
+    /// With a fetch: seconds after the fetch starts past which the prefill instance
+    /// should give it up and recompute (the recompute time of the fetched blocks: by
+    /// then the fetch has cost what it was to save, so the loss is at most 2x). Infinite
+    /// without a fetch.
+    pub fetch_abandon_s: f64,
 }
 
 /// The arguments of `schedule`.
@@ -123,7 +129,10 @@ impl Conductor {
     pub fn with_index(config: ConductorConfig, index: Arc<BlockIndex>) -> Result<Self, ConductorError> {
         config.validate()?;
         Ok(Conductor {
-            state: Mutex::new(State::new(config.seed)),
+            state: Mutex::new(State::new(
+                config.seed,
+                config.contention_aware.then(|| LinkLoads::new(config.cost.transfer.network_bandwidth, config.cost.transfer.ssd_bandwidth)),
+            )),
             outlen: Mutex::new(OutputLenEstimator::new(config.default_output_len, config.output_len_ewma, 1 << 16, config.max_output_len)),
             hot: Mutex::new(HotTable::new(config.hot_half_life_s, config.hot_capacity)),
             calibration: Mutex::new(Calibration::default()),
@@ -201,29 +210,18 @@ impl Conductor {
         if st.reqs.contains_key(&req.request_id) {
             return Err(ConductorError::DuplicateRequest(req.request_id));
         }
-        cands.clear();
-        let mut mi = 0;
-        for p in &st.prefill {
-            while mi < matches.len() && matches[mi].instance < p.id {
-                mi += 1;
-            }
-            if p.draining {
-                continue; // takes no new request (a policy still sees it as a fetch source via `matches`)
-            }
-            let (dram, ssd, gpu) = match matches.get(mi) {
-                Some(m) if m.instance == p.id => (m.dram, m.ssd, m.gpu),
-                _ => (0, 0, 0),
-            };
-            cands.push(Candidate { id: p.id, queue_s: p.queue_s(now), speed: p.spec.speed, dram, ssd, gpu });
-        }
+        let best = best_of(matches);
+        candidates(&st, req, matches, best.map_or(0, |b| b.total()), cands);
         let input = PolicyInput {
             prompt_len: req.prompt_len,
             block_size: cfg.block_size,
             cands,
             matches,
-            best: best_of(matches),
+            best,
             cost: &cfg.cost,
             balancing_threshold: cfg.balancing_threshold,
+            now,
+            links: st.links.as_ref(),
         };
         let mut rng = st.rng;
         let overloaded = |reason: RejectReason, detail: String, est: Option<Decision>| ConductorError::Overloaded {
@@ -233,6 +231,12 @@ impl Conductor {
         };
         let Some(choice) = policy::choose(cfg.policy, &input, &mut rng) else {
             return Err(overloaded(RejectReason::NoPrefillInstance, "no prefill instance registered (or all are draining)".into(), None));
+        };
+        let fetch_abandon_s = if choice.fetch_blocks > 0 {
+            let c = &cands[choice.idx];
+            (input.prefill_s(c, choice.reused_blocks - choice.fetch_blocks) - choice.prefill_s).max(0.0)
+        } else {
+            f64::INFINITY
         };
         let key = req.block_hashes.first().copied();
         let out_pred = match req.expected_output_len {
@@ -267,6 +271,7 @@ impl Conductor {
             est_ttft_s: ttft,
             est_tbt_s: tbt,
             retry_after_s: 0.0,
+            fetch_abandon_s,
         };
         if cfg.rejection != RejectionKind::None {
             if let Some((reason, detail, retry_after_s)) = self.rejection(&st.decode, &decision, pick.room, now) {
@@ -283,6 +288,7 @@ impl Conductor {
             let local = choice.reused_blocks - choice.fetch_blocks;
             self.index.insert(prefill_id, &req.block_hashes[local..choice.reused_blocks], Tier::Dram)?;
         }
+        self.plan_links(&mut st, req, &decision);
         let work_s = choice.transfer_s + choice.prefill_s;
         st.prefill[pi].queued_s += work_s;
         st.prefill[pi].queued_n += 1;
@@ -291,6 +297,8 @@ impl Conductor {
         d.members.push(member);
         d.kv_reserved += ask.kv_tokens();
         d.ctx_tokens += member.ctx;
+        let pending_last = req.block_hashes.last().copied();
+        st.pending.add(req.block_hashes, prefill_id, req.request_id);
         st.reqs.insert(
             req.request_id,
             Req {
@@ -306,6 +314,7 @@ impl Conductor {
                 raw_ttft_s: raw_ttft,
                 raw_tbt_s: raw_tbt,
                 decode_t: None,
+                pending_last,
             },
         );
         st.rng = rng;
@@ -316,6 +325,52 @@ impl Conductor {
         }
         Ok(decision)
     }
+
+    /// An admitted request's transfers on the link loads: its fetch (holder NIC out,
+    /// prefill NIC in) when its prefill is expected to start, its KV stream to decode
+    /// (prefill NIC out, decode NIC in) when its compute is.
+    fn plan_links(&self, st: &mut State, req: &ScheduleRequest<'_>, d: &Decision) {
+        let Some(links) = st.links.as_mut() else { return };
+        let bpt = self.config.cost.transfer.bytes_per_token;
+        let start = req.now + d.est_queue_s;
+        if let Some(src) = d.fetch_from {
+            let tokens = (d.reused_blocks * self.config.block_size).min(req.prompt_len)
+                - ((d.reused_blocks - d.fetch_blocks) * self.config.block_size).min(req.prompt_len);
+            links.plan_transfer(src, d.prefill, start, tokens as f64 * bpt);
+        }
+        links.plan_transfer(d.prefill, d.decode, start + d.est_transfer_s, req.prompt_len as f64 * bpt);
+    }
+}
+
+/// One candidate per prefill instance that takes requests: its queue at `now`, speed
+/// and local prefix by tier, the prefix an admitted request will leave there counted
+/// as DRAM (`pending.rs`; only prefixes longer than `floor`, the index's best, are
+/// looked up: a shorter one would not change the choice the index already offers).
+fn candidates(st: &State, req: &ScheduleRequest<'_>, matches: &[PrefixMatch], floor: usize, cands: &mut Vec<Candidate>) {
+    let now = req.now;
+    cands.clear();
+    let mut mi = 0;
+    for p in &st.prefill {
+        while mi < matches.len() && matches[mi].instance < p.id {
+            mi += 1;
+        }
+        if p.draining {
+            continue; // takes no new request (a policy still sees it as a fetch source via `matches`)
+        }
+        let (dram, ssd, gpu) = match matches.get(mi) {
+            Some(m) if m.instance == p.id => (m.dram, m.ssd, m.gpu),
+            _ => (0, 0, 0),
+        };
+        cands.push(Candidate { id: p.id, queue_s: p.queue_s(now), speed: p.spec.speed, dram, ssd, gpu });
+    }
+    st.pending.longest(req.block_hashes, floor, |inst, n| {
+        if let Ok(k) = cands.binary_search_by_key(&inst, |c| c.id) {
+            let c = &mut cands[k];
+            if n > c.local() {
+                c.dram += n - c.local();
+            }
+        }
+    });
 }
 
 impl Conductor {

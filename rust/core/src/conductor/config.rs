@@ -84,7 +84,10 @@ pub struct ConductorConfig {
     pub tbt_slo_s: f64,
     pub policy: PolicyKind,
     /// Algorithm 1's kvcache_balancing_threshold: fetch the global best prefix only
-    /// when best_len / local_len exceeds it (>= 1).
+    /// when best_len / local_len exceeds it (>= 1). The paper's 2.0 kept instances from
+    /// fetching small increments from an idle-priced network; with the load-aware
+    /// estimate (`contention_aware`) a fetch is taken only where it wins, so the
+    /// default is 1.0 (no extra guard; docs/conductor.md, "Why mooncake lost").
     pub balancing_threshold: f64,
     pub rejection: RejectionKind,
     /// Seed of the `random` policy.
@@ -107,6 +110,14 @@ pub struct ConductorConfig {
     pub hot_busy_fraction: f64,
     /// Replication: at most this many prefixes are tracked.
     pub hot_capacity: usize,
+    /// Price fetches on the links as they are loaded (`links.rs`): what the conductor
+    /// scheduled on each link plus what instances report. Off: an idle network.
+    pub contention_aware: bool,
+    /// Replication: a prefix is also hot when every holder's NIC out is backed up by
+    /// more than this many seconds (its links are the bottleneck, not its queue).
+    pub hot_link_busy_s: f64,
+    /// Replication: at most this many bytes of replicas per `replication_hints` call.
+    pub hot_replica_max_bytes: f64,
 }
 
 impl Default for ConductorConfig {
@@ -116,7 +127,7 @@ impl Default for ConductorConfig {
             ttft_slo_s: 10.0,
             tbt_slo_s: 0.1,
             policy: PolicyKind::Mooncake,
-            balancing_threshold: 2.0,
+            balancing_threshold: 1.0,
             rejection: RejectionKind::None,
             seed: 0,
             cost: CostModels::default(),
@@ -127,6 +138,9 @@ impl Default for ConductorConfig {
             hot_half_life_s: 60.0,
             hot_busy_fraction: 0.25,
             hot_capacity: 4096,
+            contention_aware: true,
+            hot_link_busy_s: 0.5,
+            hot_replica_max_bytes: 64e9,
         }
     }
 }
@@ -162,6 +176,8 @@ impl ConductorConfig {
         check_nonneg("hot_min_hits", self.hot_min_hits)?;
         check_pos("hot_half_life_s", self.hot_half_life_s)?;
         check_nonneg("hot_busy_fraction", self.hot_busy_fraction)?;
+        check_nonneg("hot_link_busy_s", self.hot_link_busy_s)?;
+        check_nonneg("hot_replica_max_bytes", self.hot_replica_max_bytes)?;
         if self.hot_capacity == 0 {
             return Err(ConductorError::InvalidConfig("hot_capacity must be > 0".into()));
         }

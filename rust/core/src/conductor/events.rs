@@ -2,6 +2,7 @@
 //! replica hints. Every method validates before it changes anything.
 
 use super::conductor::{check_time, Conductor, DecodeLoad, PrefillLoad, Snapshot};
+use super::links::LinkDir;
 use super::config::{DecodeSpec, PrefillSpec};
 use super::replication::ReplicationHint;
 use super::state::{DecodeInst, PrefillInst, Req, Stage, State};
@@ -43,7 +44,8 @@ impl Conductor {
             st.reqs.iter().filter(|(_, r)| r.prefill == id || r.decode == id).map(|(&k, _)| k).collect();
         dropped.sort_unstable();
         for rid in &dropped {
-            if let Some(r) = st.reqs.remove(rid) {
+            if let Some(mut r) = st.reqs.remove(rid) {
+                st.drop_pending(*rid, &mut r);
                 st.leave_prefill(*rid, &r);
                 st.leave_decode(*rid, &r);
             }
@@ -53,6 +55,9 @@ impl Conductor {
         }
         if let Ok(i) = st.decode_pos(id) {
             st.decode.remove(i);
+        }
+        if let Some(l) = st.links.as_mut() {
+            l.forget(id);
         }
         self.index.remove_instance(id);
         Ok(dropped)
@@ -122,6 +127,7 @@ impl Conductor {
                 return Err(ConductorError::InvalidArgument(format!("request {rid} already finished prefill")));
             }
             st.leave_prefill(rid, &r);
+            st.drop_pending(rid, &mut r);
             if let Some(m) = st.member_mut(rid, r.decode) {
                 m.arrive_t = t;
                 m.end_t = t + r.out_pred * r.tbt_s;
@@ -137,6 +143,7 @@ impl Conductor {
                 return Err(ConductorError::InvalidArgument(format!("request {rid} already started decoding")));
             }
             st.leave_prefill(rid, &r);
+            st.drop_pending(rid, &mut r);
             if let Some(m) = st.member_mut(rid, r.decode) {
                 m.arrive_t = t;
                 m.end_t = t + r.out_pred * r.tbt_s;
@@ -159,7 +166,8 @@ impl Conductor {
                  report the number of tokens the request really produced"
             )));
         }
-        self.event(rid, now, |st, t, r| {
+        self.event(rid, now, |st, t, mut r| {
+            st.drop_pending(rid, &mut r);
             st.leave_prefill(rid, &r);
             st.leave_decode(rid, &r);
             self.outlen.lock().record(r.key, output_len);
@@ -170,7 +178,8 @@ impl Conductor {
 
     /// Drops a request wherever it is (client gone, failure), without recording history.
     pub fn cancel(&self, rid: RequestId) -> Result<(), ConductorError> {
-        self.event(rid, None, |st, _, r| {
+        self.event(rid, None, |st, _, mut r| {
+            st.drop_pending(rid, &mut r);
             st.leave_prefill(rid, &r);
             st.leave_decode(rid, &r);
             Ok((None, ()))
@@ -215,32 +224,53 @@ impl Conductor {
         self.outlen.lock().predict(first_block)
     }
 
-    /// Replicas worth making now (the paper's hotspot migration), hottest first.
+    /// Replicas worth making now (the paper's hotspot migration), hottest first: for a
+    /// hot prefix whose every prefill holder is busy — its queue above
+    /// `hot_busy_fraction × ttft_slo_s`, or (contention-aware) its NIC out backed up by
+    /// more than `hot_link_busy_s`, so fetching from it is slow — a copy from the holder
+    /// that could serve it soonest to the least busy prefill instance without it, if that
+    /// one is less busy. The hints' bytes add up to at most `hot_replica_max_bytes`.
     pub fn replication_hints(&self, now: Option<f64>) -> Result<Vec<ReplicationHint>, ConductorError> {
         if let Some(t) = now {
             check_time(t)?;
         }
-        let (t, queues) = {
+        let cfg = &self.config;
+        // per prefill instance: (id, queue, NIC out wait, NIC in wait)
+        let (t, loads) = {
             let st = self.state.lock();
             let t = now.unwrap_or(st.clock);
-            (t, st.prefill.iter().map(|p| (p.id, p.queue_s(t))).collect::<Vec<_>>())
+            let wait = |id: InstanceId, d: LinkDir| st.links.as_ref().map_or(0.0, |l| l.wait_s(id, d, t));
+            let loads: Vec<(InstanceId, f64, f64, f64)> =
+                st.prefill.iter().map(|p| (p.id, p.queue_s(t), wait(p.id, LinkDir::NicOut), wait(p.id, LinkDir::NicIn))).collect();
+            (t, loads)
         };
-        let hot = self.hot.lock().hot(t, self.config.hot_min_hits);
-        let busy = self.config.hot_busy_fraction * self.config.ttft_slo_s;
+        let hot = self.hot.lock().hot(t, cfg.hot_min_hits);
+        let busy = cfg.hot_busy_fraction * cfg.ttft_slo_s;
+        let block_bytes = cfg.block_size as f64 * cfg.cost.transfer.bytes_per_token;
+        let mut budget = cfg.hot_replica_max_bytes;
         let mut hints = Vec::new();
         for (blocks, hits) in hot {
+            let bytes = blocks.len() as f64 * block_bytes;
+            if bytes > budget {
+                continue; // a smaller one may still fit
+            }
             let matches = self.index.match_prefix(&blocks);
             let full = |id: InstanceId| matches.iter().any(|m| m.instance == id && m.total() == blocks.len());
-            let holders: Vec<(InstanceId, f64)> = queues.iter().copied().filter(|&(id, _)| full(id)).collect();
-            let Some(&(from, from_q)) = holders.iter().min_by(|a, b| a.1.total_cmp(&b.1)) else {
+            // the holder that can serve it soonest, by its queue or its links
+            let Some(&(from, from_q, from_out, _)) =
+                loads.iter().filter(|l| full(l.0)).min_by(|a, b| a.1.min(a.2).total_cmp(&b.1.min(b.2)))
+            else {
                 continue;
             };
-            if from_q <= busy {
+            let queue_bound = from_q > busy;
+            let link_bound = from_out > cfg.hot_link_busy_s;
+            if !queue_bound && !link_bound {
                 continue; // some holder still has time for it
             }
-            let target = queues.iter().copied().filter(|&(id, _)| !full(id)).min_by(|a, b| a.1.total_cmp(&b.1));
-            if let Some((to, to_q)) = target {
-                if to_q < from_q {
+            let target = loads.iter().copied().filter(|l| !full(l.0) && l.3 <= cfg.hot_link_busy_s).min_by(|a, b| a.1.total_cmp(&b.1));
+            if let Some((to, to_q, _, _)) = target {
+                if to_q < from_q || link_bound {
+                    budget -= bytes;
                     hints.push(ReplicationHint { blocks, from_instance: from, to_instance: to, hits, from_queue_s: from_q, to_queue_s: to_q });
                 }
             }

@@ -24,12 +24,16 @@ mod events;
 pub mod policy;
 pub mod replication;
 mod state;
+pub mod links;
+mod pending;
+mod link_events;
 mod store_events;
 
 pub use admission::{OutputLenEstimator, RejectReason};
 pub use config::{ConductorConfig, DecodeSpec, PolicyKind, PrefillSpec, RejectionKind};
 pub use conductor::{Conductor, Decision, DecodeLoad, PrefillLoad, ScheduleRequest, Snapshot};
 pub use drain::RoleSpec;
+pub use links::{LinkDir, LinkLoad, LinkLoads};
 pub use cost::{CostModels, DecodeCostModel, FitError, PrefillCostModel, TransferCostModel};
 pub use replication::ReplicationHint;
 pub use store_events::AppliedEvents;
@@ -99,6 +103,8 @@ pub(crate) fn check_pos(name: &str, v: f64) -> Result<(), ConductorError> {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod link_tests;
 #[cfg(test)]
 mod proptests;
 #[cfg(test)]

@@ -48,7 +48,7 @@ proptest! {
         let n_blocks = matches.iter().map(|m| m.total()).max().unwrap_or(0);
         let input = PolicyInput {
             prompt_len: n_blocks * bs + tail, block_size: bs, cands: &cands, matches: &matches,
-            best: best_of(&matches), cost: &cost, balancing_threshold: threshold,
+            best: best_of(&matches), cost: &cost, balancing_threshold: threshold, now: 0.0, links: None,
         };
         for kind in [PolicyKind::Mooncake, PolicyKind::TtftOptimal, PolicyKind::LocalCacheAware] {
             let mut rng = 0;

@@ -3,6 +3,8 @@
 use hashbrown::HashMap;
 
 use super::config::{DecodeSpec, PrefillSpec};
+use super::links::LinkLoads;
+use super::pending::Pending;
 use super::RequestId;
 use crate::hash::BlockHash;
 use crate::index::InstanceId;
@@ -89,6 +91,8 @@ pub(crate) struct Req {
     pub raw_ttft_s: f64,
     pub raw_tbt_s: f64,
     pub decode_t: Option<f64>,
+    /// Its entry in `State::pending` (the prompt's last full block) until its prefill ends.
+    pub pending_last: Option<BlockHash>,
 }
 
 #[derive(Debug)]
@@ -101,11 +105,22 @@ pub(crate) struct State {
     pub rng: u64,
     /// Latest `now` seen (the clock events without a time use).
     pub clock: f64,
+    /// Prefixes admitted requests will leave on their prefill instance (`pending.rs`).
+    pub pending: Pending,
+    /// Bytes queued on each instance's links (`links.rs`); None: contention-blind.
+    pub links: Option<LinkLoads>,
 }
 
 impl State {
-    pub fn new(seed: u64) -> Self {
-        State { prefill: Vec::new(), decode: Vec::new(), reqs: HashMap::new(), rng: seed, clock: 0.0 }
+    pub fn new(seed: u64, links: Option<LinkLoads>) -> Self {
+        State { prefill: Vec::new(), decode: Vec::new(), reqs: HashMap::new(), rng: seed, clock: 0.0, pending: Pending::default(), links }
+    }
+
+    /// The request's prefill is over (or it is gone): its blocks are the index's business now.
+    pub fn drop_pending(&mut self, rid: RequestId, req: &mut Req) {
+        if let Some(last) = req.pending_last.take() {
+            self.pending.remove(last, rid);
+        }
     }
 
     pub fn prefill_pos(&self, id: InstanceId) -> Result<usize, usize> {
@@ -203,7 +218,14 @@ impl State {
                 }
             }
         }
+        let pending = self.reqs.values().filter(|r| r.pending_last.is_some()).count();
+        if pending != self.pending.len() {
+            return Err(format!("{} pending prefixes recorded, {pending} requests say they have one", self.pending.len()));
+        }
         for (rid, r) in &self.reqs {
+            if r.pending_last.is_some() && r.stage > Stage::Prefilling {
+                return Err(format!("request {rid} is past its prefill but still has a pending prefix"));
+            }
             // Past its prefill, a request's prefill instance may have switched role since.
             let prefill_ok = if r.stage <= Stage::Prefilling { self.prefill_pos(r.prefill).is_ok() } else { self.knows(r.prefill) };
             if !prefill_ok || self.decode_pos(r.decode).is_err() {

@@ -10,7 +10,7 @@ use super::policy::{self, estimate_for, Candidate, Choice, PolicyInput};
 use super::*;
 use crate::index::{BlockIndex, PrefixMatch, Tier};
 
-fn unit_costs() -> CostModels {
+pub(super) fn unit_costs() -> CostModels {
     CostModels {
         prefill: PrefillCostModel { c0: 0.0, c_new: 0.001, c_new2: 0.0, c_cross: 0.0 },
         transfer: TransferCostModel {
@@ -41,6 +41,8 @@ fn run(kind: PolicyKind, cands: &[Candidate], matches: &[PrefixMatch], threshold
         best: crate::index::best_of(matches),
         cost,
         balancing_threshold: threshold,
+        now: 0.0,
+        links: None,
     };
     let mut rng = 7;
     policy::choose(kind, &input, &mut rng).expect("candidates")
@@ -78,7 +80,7 @@ fn load_balance_ignores_cache() {
 fn random_covers_every_instance_and_reuses_local() {
     let c = unit_costs();
     let cands = [cand(1, 0.0, 0, 0), cand(2, 0.0, 4, 0), cand(3, 0.0, 0, 0)];
-    let input = PolicyInput { prompt_len: 120, block_size: 10, cands: &cands, matches: &[pm(2, 4, 0)], best: Some(pm(2, 4, 0)), cost: &c, balancing_threshold: 2.0 };
+    let input = PolicyInput { prompt_len: 120, block_size: 10, cands: &cands, matches: &[pm(2, 4, 0)], best: Some(pm(2, 4, 0)), cost: &c, balancing_threshold: 2.0, now: 0.0, links: None };
     let mut rng = 1;
     let mut seen = [0; 3];
     for _ in 0..300 {
@@ -176,7 +178,9 @@ const HASHES: [u128; 10] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10];
 
 #[test]
 fn schedule_fetches_and_records_the_replica() {
-    let c = conductor(PolicyKind::Mooncake, RejectionKind::None);
+    // On an idle-priced network (the contention-aware case is in link_tests.rs).
+    let cfg = ConductorConfig { policy: PolicyKind::Mooncake, contention_aware: false, ..conductor_cfg(RejectionKind::None) };
+    let c = Conductor::new(cfg).unwrap();
     c.add_prefill(2, PrefillSpec::default()).unwrap();
     c.add_decode(10, DecodeSpec::default()).unwrap();
     c.on_blocks_stored(2, &HASHES, Tier::Dram).unwrap();

@@ -12,6 +12,7 @@ mod ttft_optimal;
 
 use super::config::PolicyKind;
 use super::cost::CostModels;
+use super::links::LinkLoads;
 use crate::index::{InstanceId, PrefixMatch};
 
 /// One prefill instance as a policy sees it.
@@ -45,6 +46,10 @@ pub struct PolicyInput<'a> {
     pub best: Option<PrefixMatch>,
     pub cost: &'a CostModels,
     pub balancing_threshold: f64,
+    /// Current time (a fetch on candidate `c` starts at `now + c.queue_s`).
+    pub now: f64,
+    /// Link loads (None: fetches are priced on an idle network).
+    pub links: Option<&'a LinkLoads>,
 }
 
 impl PolicyInput<'_> {
@@ -57,6 +62,18 @@ impl PolicyInput<'_> {
     #[inline]
     pub fn tokens(&self, blocks: usize) -> usize {
         (blocks * self.block_size).min(self.prompt_len)
+    }
+
+    /// Seconds to fetch `tokens` (a share `ssd_fraction` from the holder's SSD) from
+    /// `holder` to candidate `c`: the cost model's idle-link time, plus the wait behind
+    /// the bytes queued on the fetch's bottleneck link when it would start.
+    #[inline]
+    pub fn fetch_s(&self, c: &Candidate, holder: InstanceId, tokens: usize, ssd_fraction: f64) -> f64 {
+        let idle = self.cost.transfer.fetch(tokens, ssd_fraction);
+        match self.links {
+            Some(l) if tokens > 0 => idle + l.fetch_wait_s(holder, c.id, self.now + c.queue_s),
+            _ => idle,
+        }
     }
 
     /// The choice that reuses `c`'s local prefix and fetches nothing.

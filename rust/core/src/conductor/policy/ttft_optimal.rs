@@ -31,6 +31,12 @@ pub(super) fn option_for(input: &PolicyInput<'_>, idx: usize) -> Choice {
         }
         let ssd_fraction = h.ssd as f64 / b as f64;
         let fetch_tokens = input.tokens(b) - input.tokens(l);
+        // the idle-link fetch bounds the loaded one from below: skip the link loads
+        // when even that cannot win
+        let floor = c.queue_s + local_load_s + t.fetch(fetch_tokens, ssd_fraction) + input.prefill_s(c, b);
+        if best.is_some_and(|x: Choice| floor >= x.ttft()) {
+            continue;
+        }
         keep_best(
             &mut best,
             Choice {
@@ -40,7 +46,7 @@ pub(super) fn option_for(input: &PolicyInput<'_>, idx: usize) -> Choice {
                 fetch_from: Some(h.instance),
                 queue_s: c.queue_s,
                 prefill_s: input.prefill_s(c, b),
-                transfer_s: local_load_s + t.fetch(fetch_tokens, ssd_fraction),
+                transfer_s: local_load_s + input.fetch_s(c, h.instance, fetch_tokens, ssd_fraction),
             },
         );
     }

@@ -1,0 +1,118 @@
+"""Issue 25 in the simulator: the contention-aware conductor against the link model.
+
+- a fetch over a holder whose NIC is saturated by KV streams is declined (the
+  contention-blind conductor takes it and the prefill waits on the link);
+- a late fetch is abandoned for recompute, and the bytes still add up;
+- hot-prefix replicas cross the links and respect the byte cap;
+- property (hypothesis): where no fetch can beat recomputing under the links' load,
+  ``mooncake`` decides exactly as ``local_cache_aware``, request by request.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mooncake_rs.sim import SimConfig, Simulator, generate_trace, linked
+
+NO_SLO = dict(ttft_slo_s=1e9, tbt_slo_s=1e9)
+
+
+def _mean(rep) -> float:
+    tt = [r.ttft_s for r in rep.requests]
+    return sum(tt) / len(tt)
+
+
+def test_saturated_holders_are_declined_where_the_blind_conductor_fetches():
+    trace = generate_trace(300, kind="agentic", seed=3)
+    aware = Simulator(SimConfig(prefill=4, decode=4, nic_bandwidth=10e9, **NO_SLO))
+    blind = Simulator(SimConfig(prefill=4, decode=4, nic_bandwidth=10e9, contention_aware=False, **NO_SLO))
+    ra, rb = aware.run(trace), blind.run(trace)
+    # every prefill NIC carries KV streams of ~8 GB per request at 10 GB/s: a fetch from
+    # a holder waits behind them, so the aware conductor recomputes instead
+    assert rb.counters["fetches"] > 10
+    assert ra.counters["fetches"] < rb.counters["fetches"] / 5
+    assert _mean(ra) < _mean(rb)
+    # the conductor's view: the prefill instances' NICs out are backed up
+    loads = aware.conductor.link_loads()
+    assert [l.instance for l in loads] == list(range(8))
+    assert all(l.nic_bps == 10e9 for l in loads)
+
+
+def test_late_fetches_are_abandoned_and_bytes_still_add_up():
+    # a blind conductor prices fetches on idle 25 GB/s links that KV streams saturate:
+    # many run late; the abandoned ones stop moving bytes and the prefill recomputes
+    trace = generate_trace(200, kind="agentic", seed=5, rate=2.0)
+    cfg = SimConfig(prefill=3, decode=2, nic_bandwidth=25e9, contention_aware=False, **NO_SLO)
+    s = Simulator(cfg)
+    rep = s.run(trace)
+    assert rep.counters["fetch_abandoned"] > 0
+    net = s.links
+    assert net is not None and not net.flows
+    P, D = cfg.prefill, cfg.decode
+    into_prefill = sum(net.carried[3 * p + 1] for p in range(P))
+    assert into_prefill == pytest.approx(rep.bytes_loaded_per_path["dram_peer"], rel=1e-9, abs=64 * rep.counters["fetch_abandoned"] + 64)
+    # an abandoned fetch reuses only the local prefix: the blocks counted as fetched are
+    # those of completed fetches, less than what the links carried (the abandoned
+    # fetches' partial bytes)
+    fetched = sum(r.fetched_blocks for r in rep.requests)
+    assert 0 < fetched * cfg.block_tokens * s.conductor.config.transfer_model.bytes_per_token < into_prefill
+    # without abandoning, the same run waits longer
+    rep2 = Simulator(SimConfig(prefill=3, decode=2, nic_bandwidth=25e9, contention_aware=False, abandon_late_fetches=False, **NO_SLO)).run(trace)
+    assert rep2.counters["fetch_abandoned"] == 0
+    assert _mean(rep) < _mean(rep2)
+
+
+def test_hot_replicas_cross_the_links_within_the_byte_cap(monkeypatch):
+    # one agent context shared by every task: a hot prefix on busy holders
+    trace = generate_trace(300, kind="agentic", seed=4, agents=1, rate=2.0)
+    rounds: list[int] = []
+    orig = linked._LinkedRun.replicate
+
+    def replicate(self, t):
+        hints = self.conductor.replication_hints(t)
+        rounds.append(sum(len(h.blocks) for h in hints))
+        orig(self, t)
+
+    monkeypatch.setattr(linked._LinkedRun, "replicate", replicate)
+    base = dict(prefill=4, decode=2, nic_bandwidth=20e9, replicate_every_s=0.5, **NO_SLO)
+    s = Simulator(SimConfig(**base))
+    rep = s.run(trace)
+    assert rep.counters["replicated_blocks"] > 0 and max(rounds) > 0
+    net = s.links
+    assert net is not None and not net.flows  # the replicas' flows were delivered too
+    # a cap of 20 blocks' bytes per round: no round goes above it
+    block_bytes = 512 * s.conductor.config.transfer_model.bytes_per_token
+    rounds.clear()
+    rep = Simulator(SimConfig(**base, hot_replica_max_bytes=20 * block_bytes)).run(trace)
+    assert max(rounds) <= 20
+    rounds.clear()
+    rep = Simulator(SimConfig(**base, hot_replica_max_bytes=0.0)).run(trace)
+    assert max(rounds) == 0 and rep.counters["replicated_blocks"] == 0
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    n=st.integers(10, 40),
+    seed=st.integers(0, 10**6),
+    prefill=st.integers(2, 4),
+    decode=st.integers(1, 2),
+    gbps=st.floats(0.5, 2.0),
+    rate=st.sampled_from([1.0, 2.0, 5.0]),
+)
+def test_no_fetch_pays_so_mooncake_decides_like_local_cache_aware(n, seed, prefill, decode, gbps, rate):
+    """At 0.5-2 GB/s a fetch of an agent's context (>= 8k tokens, >= 2.6 GB) can never
+    beat recomputing it: a contention-aware mooncake then never fetches, so it takes
+    local_cache_aware's decision for every request (same instance, same reuse) and the
+    two runs are identical."""
+    trace = generate_trace(n, kind="agentic", seed=seed, rate=rate)
+    runs = {}
+    for policy in ("local_cache_aware", "mooncake"):
+        cfg = SimConfig(prefill=prefill, decode=decode, policy=policy, nic_bandwidth=gbps * 1e9, **NO_SLO)
+        runs[policy] = Simulator(cfg).run(trace)
+    a, b = runs["local_cache_aware"], runs["mooncake"]
+    assert b.counters["fetches"] == 0
+    assert [(r.prefill_instance, r.reused_blocks, r.ttft_s) for r in a.requests] == [
+        (r.prefill_instance, r.reused_blocks, r.ttft_s) for r in b.requests
+    ]
