@@ -81,3 +81,25 @@ def test_router_refuses_engines_of_different_or_unknown_block_sizes(engines):
         UpstreamRouter([UpstreamSpec("a", a.url), UpstreamSpec("b", b.url)], subscribe=False)
     with pytest.raises(InvalidArgument, match="pass --block-size"):
         UpstreamRouter([UpstreamSpec("c", engines(None).url)], subscribe=False)
+
+
+def test_register_without_block_size_learns_it_from_the_replay_buffer():
+    pytest.importorskip("zmq")
+    from interop_helpers import FakePublisher
+
+    from mooncake_rs.interop import BlockStored, encode_batch
+    from mooncake_rs.interop.indexer import Indexer
+    from mooncake_rs.interop.indexer_api import RegisterRequest
+
+    pub = FakePublisher(replay=True)
+    try:
+        pub.publish(0, encode_batch([BlockStored([1], None, list(range(64)), 64, None, "GPU")]), send=False)
+        ix = Indexer(subscribe=False)
+        ix.register(RegisterRequest(endpoint=pub.endpoint, type="vLLM", modelname="m", instance_id="i",
+                                    replay_endpoint=pub.replay_endpoint))
+        assert [g[2] for g in ix._groups] == [64]
+        with pytest.raises(InvalidArgument, match="block_size is missing"):
+            ix.register(RegisterRequest(endpoint=pub.endpoint, type="vLLM", modelname="m", instance_id="j"))
+        ix.close()
+    finally:
+        pub.close()

@@ -275,3 +275,9 @@ def test_the_block_size_is_learned_from_the_engine(vllm_pair):
     assert block_size_from_metrics(a.url) == BS
     a.complete(prompt(9, 2 * BS), max_tokens=1)
     assert block_size_from_replay(a.replay_endpoint) == BS
+    # The indexer API's /register without block_size: learned from the replay buffer.
+    indexer = Indexer(hash="mooncake", subscribe=False)
+    indexer.register(RegisterRequest(endpoint=a.events_endpoint, type="vLLM", modelname=MODEL_NAME,
+                                     instance_id="a", replay_endpoint=a.replay_endpoint))
+    assert [g[2] for g in indexer._groups] == [BS]
+    indexer.close()

@@ -31,6 +31,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
+import msgspec
+
 from .._core import PrefixHasher, Xxh3RollingHasher
 from ..errors import InvalidArgument, Overloaded
 from .events import EventBatch
@@ -127,7 +129,24 @@ class Indexer:
 
     # --- registration ------------------------------------------------------------
 
+    @staticmethod
+    def _learn_block_size(req: RegisterRequest) -> int:
+        """A registration without ``block_size``: the engine's, from its replay buffer."""
+        from .engine_info import block_size_from_replay
+
+        size = block_size_from_replay(req.replay_endpoint) if req.replay_endpoint else None
+        if size is None:
+            raise InvalidArgument(
+                f"block_size is missing and could not be learned from {req.instance_id!r}'s events "
+                f"({'no replay_endpoint given' if not req.replay_endpoint else 'nothing in its replay buffer yet'}): "
+                "pass the engine's block size (vLLM: its --block-size; 128 on CPU by default)")
+        log.info("publisher %s: block size %d learned from its replay buffer", req.instance_id, size)
+        return size
+
     def register(self, req: RegisterRequest) -> dict[str, object]:
+        if req.block_size is None:
+            req = msgspec.structs.replace(req, block_size=self._learn_block_size(req))
+        assert req.block_size is not None
         if req.block_size < 1:
             raise InvalidArgument(f"block_size must be >= 1, got {req.block_size}")
         if req.dp_rank < 0:

@@ -31,7 +31,9 @@ class RegisterRequest(msgspec.Struct, frozen=True):
     type: str
     modelname: str
     instance_id: str
-    block_size: int
+    block_size: int | None = None
+    """The engine's KV block size; absent: learned from its replay buffer (the first
+    ``BlockStored`` it still holds), or the registration is refused saying so."""
     dp_rank: int = 0
     replay_endpoint: str | None = None
     lora_name: str | None = None
