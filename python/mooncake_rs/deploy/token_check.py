@@ -15,7 +15,7 @@ from __future__ import annotations
 from ..errors import ServiceUnavailable, Unauthorized
 from .auth_socket import connect
 from .etcd import EtcdClient
-from .records import leader_key
+from .records import decode_leader, leader_key
 
 __all__ = ["check_token_with_leader"]
 
@@ -25,10 +25,13 @@ def check_token_with_leader(etcd: EtcdClient, prefix: str, token: str, token_fil
     """The leader's address the token was proven against, or None when no ``serve``
     leads (or the leader does not answer). Raises :class:`Unauthorized` when the leader
     refuses the token."""
-    kv = etcd.get(leader_key(prefix))
+    key = leader_key(prefix)
+    kv = etcd.get(key)
     if kv is None:
         return None
-    address = kv.value.decode()
+    # The address only, unverified: a signature that does not verify under our token says
+    # nothing yet (a wrong token, or a forged record); the handshake below decides.
+    address = decode_leader(kv.value, None, key, kv.lease)
     try:
         connect(address, token, timeout_s).close()
     except Unauthorized:

@@ -94,7 +94,7 @@ def run_worker(args: argparse.Namespace) -> int:
     prefix = cluster_prefix(args.cluster)
     host, port = split_hostport(args.listen, "--listen")
     # a wrong token exits now (2, one line) instead of registering to be refused forever
-    check_token_with_leader(EtcdClient(args.etcd), prefix, token, args.auth_token_file)
+    check_token_with_leader(etcd_client(args), prefix, token, args.auth_token_file)
     name = args.name or f"{args.role}-{host}-{port}"
     transports = [t.strip() for t in args.transports.split(",")] if args.transports else None
     engine_kwargs: dict[str, Any] = {}
