@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 
 from ..errors import InvalidArgument
+from .listen import run_app
 
 __all__ = ["serve_upstreams"]
 
@@ -35,7 +35,7 @@ def serve_upstreams(args: argparse.Namespace) -> int:
     if missing:
         print(f"mooncake-rs: upstreams {missing} have no events=: routed by load only", file=sys.stderr)
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 - checked here: a missing extra fails in one line
 
         from ..text import Tokenizer
         from .proxy import create_proxy_app
@@ -51,20 +51,6 @@ def serve_upstreams(args: argparse.Namespace) -> int:
                         rejection=args.rejection, ttft_slo_s=args.ttft_slo) as router:
         print(f"mooncake-rs: routing over {len(specs)} upstreams ({', '.join(router.names)}) on "
               f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-        # Our own listening socket, for TCP_NODELAY (see ServerThread): every answer is a
-        # header write then a body write, which Nagle would hold for a delayed ACK.
-        sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            sock.bind((args.host, args.port))
-        except OSError as e:
-            sock.close()
-            raise InvalidArgument(f"cannot listen on {args.host}:{args.port}: {e}; pick another --port") from None
-        config = uvicorn.Config(create_proxy_app(router, tok, api_key=api_key, request_timeout_s=args.request_timeout),
-                                log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5)
-        try:
-            uvicorn.Server(config).run(sockets=[sock])
-        finally:
-            sock.close()
+        app = create_proxy_app(router, tok, api_key=api_key, request_timeout_s=args.request_timeout)
+        run_app(app, args.host, args.port, args.log_level)
     return 0

@@ -1,0 +1,31 @@
+"""Serving an ASGI app of ``serve --upstream`` (the KV-aware proxy and the P/D proxy) on
+its own listening socket, run by uvicorn until Ctrl-C / SIGTERM."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+from ..errors import InvalidArgument
+
+__all__ = ["run_app"]
+
+
+def run_app(app: Any, host: str, port: int, log_level: str) -> None:
+    """Blocks until stopped. Our own socket, for TCP_NODELAY (see ``ServerThread``): every
+    answer is a header write then a body write, which Nagle would hold for a delayed ACK."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise InvalidArgument(f"cannot listen on {host}:{port}: {e}; pick another --port") from None
+    config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
