@@ -88,7 +88,11 @@ def create_pd_app(router: PDRouter, tokenizer: Any, *, api_key: str | None = Non
         """The prefill step: (kv_transfer_params, None), (None, None) to fall back, or (None, an error)."""
         mt = body.get("max_tokens")
         expected = mt if isinstance(mt, int) and not isinstance(mt, bool) and mt > 0 else None
-        r = router.prefill.route(ids, expected_output_len=expected)
+        # The cache partitions as the engines fold them: a tenant's salt, a LoRA adapter.
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) and body.get("cache_salt") else None
+        model = body.get("model")
+        lora = model if isinstance(model, str) and model in router.prefill.lora_adapters else None
+        r = router.prefill.route(ids, expected_output_len=expected, cache_salt=salt, lora_name=lora)
         headers[PREFILL_HEADER] = r.name
         try:
             resp = await client().post(r.url + path, json=prefill_body(body), headers=fwd,
