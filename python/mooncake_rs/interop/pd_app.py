@@ -31,9 +31,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as HttpRoute
 
-from ..http.errors import ApiError, bad_request, from_exception
+from ..http.errors import ApiError, bad_request
 from .pd import DecodeChoice, PDRouter
 from .proxy import prompt_ids_of
+from .upstream_http import UpstreamHttp
 
 __all__ = ["create_pd_app", "PREFILL_HEADER", "DECODE_HEADER"]
 
@@ -58,30 +59,9 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 def create_pd_app(router: PDRouter, tokenizer: Any, *, api_key: str | None = None,
                   request_timeout_s: float | None = None, prefill_timeout_s: float = 60.0,
                   connect_timeout_s: float = 5.0) -> Starlette:
-    timeout = httpx.Timeout(request_timeout_s, connect=connect_timeout_s)
-    state: dict[str, httpx.AsyncClient] = {}
-
-    def client() -> httpx.AsyncClient:
-        c = state.get("client")
-        if c is None:
-            c = state["client"] = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None))
-        return c
-
-    def check_auth(request: Request) -> None:
-        if api_key is None:
-            return
-        import hmac
-
-        got = request.headers.get("authorization") or ""
-        if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
-            raise ApiError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
-
-    def error(e: BaseException, headers: dict[str, str]) -> JSONResponse:
-        err = from_exception(e)
-        if err.status >= 500 and not isinstance(e, ApiError):
-            log.exception("P/D request failed")
-        return JSONResponse(err.body(), status_code=err.status, headers={**headers, **err.headers})
+    shared = UpstreamHttp(api_key=api_key, request_timeout_s=request_timeout_s,
+                          connect_timeout_s=connect_timeout_s, what="P/D request")
+    client, check_auth, error = shared.client, shared.check_auth, shared.error
 
     async def run_prefill(ids: list[int], body: dict[str, Any], path: str, fwd: dict[str, str],
                           headers: dict[str, str]) -> tuple[dict[str, Any] | None, Response | None]:
@@ -232,9 +212,7 @@ def create_pd_app(router: PDRouter, tokenizer: Any, *, api_key: str | None = Non
         try:
             yield
         finally:
-            c = state.pop("client", None)
-            if c is not None:
-                await c.aclose()
+            await shared.aclose()
 
     return Starlette(routes=[
         HttpRoute("/v1/completions", completions, methods=["POST"]),

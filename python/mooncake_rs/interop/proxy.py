@@ -12,7 +12,6 @@ reached is 502, bad input is 400. An upstream's own error answer is passed throu
 from __future__ import annotations
 
 import contextlib
-import hmac
 import json
 import logging
 import uuid
@@ -25,8 +24,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as HttpRoute
 
 from ..errors import InvalidArgument
-from ..http.errors import ApiError, bad_request, from_exception
+from ..http.errors import ApiError, bad_request
 from .upstream import Route, UpstreamRouter
+from .upstream_http import UpstreamHttp
 
 __all__ = ["create_proxy_app", "prompt_ids_of"]
 
@@ -72,23 +72,9 @@ def _usage_tokens(body: bytes) -> int | None:
 def create_proxy_app(router: UpstreamRouter, tokenizer: Any, *, api_key: str | None = None,
                      request_timeout_s: float | None = None, connect_timeout_s: float = 5.0) -> Starlette:
     """The ASGI app routing ``/v1/completions`` and ``/v1/chat/completions`` over ``router``'s upstreams."""
-    timeout = httpx.Timeout(request_timeout_s, connect=connect_timeout_s)
-    state: dict[str, httpx.AsyncClient] = {}
-
-    def client() -> httpx.AsyncClient:
-        # Made on first use, inside the server's event loop (an httpx client is bound to it).
-        c = state.get("client")
-        if c is None:
-            c = state["client"] = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None))
-        return c
-
-    def check_auth(request: Request) -> None:
-        if api_key is None:
-            return
-        got = request.headers.get("authorization") or ""
-        if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
-            raise ApiError(401, "a valid API key is required: send 'Authorization: Bearer <key>' (the key the "
-                                "server was started with, --api-key)", code="invalid_api_key")
+    shared = UpstreamHttp(api_key=api_key, request_timeout_s=request_timeout_s,
+                          connect_timeout_s=connect_timeout_s, what="proxied request")
+    client, check_auth, error = shared.client, shared.check_auth, shared.error
 
     async def body_of(request: Request) -> bytes:
         chunks, size = [], 0
@@ -99,12 +85,6 @@ def create_proxy_app(router: UpstreamRouter, tokenizer: Any, *, api_key: str | N
                                code="body_too_large")
             chunks.append(chunk)
         return b"".join(chunks)
-
-    def error(e: BaseException, headers: dict[str, str]) -> JSONResponse:
-        err = from_exception(e)
-        if err.status >= 500 and not isinstance(e, ApiError):
-            log.exception("proxied request failed")
-        return JSONResponse(err.body(), status_code=err.status, headers={**headers, **err.headers})
 
     def unreachable(r: Route, e: Exception) -> ApiError:
         return ApiError(502, f"upstream {r.name!r} ({r.url}) cannot be reached: {type(e).__name__}: {e}; "
@@ -238,9 +218,7 @@ def create_proxy_app(router: UpstreamRouter, tokenizer: Any, *, api_key: str | N
         try:
             yield
         finally:
-            c = state.pop("client", None)
-            if c is not None:
-                await c.aclose()
+            await shared.aclose()
 
     routes = [
         HttpRoute("/v1/completions", completions, methods=["POST"]),

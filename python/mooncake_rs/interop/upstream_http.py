@@ -1,0 +1,55 @@
+"""What both ``serve --upstream`` apps (the KV-aware proxy, ``proxy.py``; the P/D proxy,
+``pd_app.py``) do the same way around the engines they forward to: one httpx client,
+made in the server's event loop on first use (a client is bound to its loop), the API
+key check, and failures answered in the OpenAI error shape."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from ..http.errors import ApiError, from_exception
+
+__all__ = ["UpstreamHttp"]
+
+log = logging.getLogger("mooncake_rs.interop")
+
+
+class UpstreamHttp:
+    """``what`` names the app's requests in the log of an unexpected failure."""
+
+    def __init__(self, *, api_key: str | None, request_timeout_s: float | None, connect_timeout_s: float,
+                 what: str) -> None:
+        self.api_key = api_key
+        self.timeout = httpx.Timeout(request_timeout_s, connect=connect_timeout_s)
+        self.what = what
+        self._client: httpx.AsyncClient | None = None
+
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self.timeout, limits=httpx.Limits(max_connections=None))
+        return self._client
+
+    async def aclose(self) -> None:
+        """At the app's shutdown (its lifespan): the client goes with the loop it was made in."""
+        c, self._client = self._client, None
+        if c is not None:
+            await c.aclose()
+
+    def check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        got = request.headers.get("authorization") or ""
+        if not hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
+            raise ApiError(401, "a valid API key is required: send 'Authorization: Bearer <key>' (the key the "
+                                "server was started with, --api-key)", code="invalid_api_key")
+
+    def error(self, e: BaseException, headers: dict[str, str]) -> JSONResponse:
+        err = from_exception(e)
+        if err.status >= 500 and not isinstance(e, ApiError):
+            log.exception("%s failed", self.what)
+        return JSONResponse(err.body(), status_code=err.status, headers={**headers, **err.headers})
