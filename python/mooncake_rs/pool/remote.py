@@ -313,33 +313,27 @@ class RemoteBackend:
     def get_bytes_many(self, keys: list[str]) -> list[bytes | None]:
         """Small values come back inside the lookup (one round trip); larger ones are read
         by ``get_many`` into buffers of the size the lookup reported."""
-        live = self._live()
-        ranks = [rank_nodes(k, live) for k in keys]
         out: list[bytes | None] = [None] * len(keys)
         large: dict[int, int] = {}
-        todo = list(range(len(keys)))
-        for rnd in range(len(live)):
-            by_node: dict[str, list[int]] = defaultdict(list)
-            for i in todo:
-                by_node[ranks[i][rnd]].append(i)
-            todo = []
-            for node, idx in by_node.items():
-                try:
-                    rep: Leased = self._call(node, Lookup, keys=[keys[i] for i in idx], inline_max=INLINE_MAX,
-                                             lease_large=False)
-                except NodeDown:
-                    self.replicas_lost += len(idx)
-                    todo.extend(idx)
-                    continue
-                for j, i in enumerate(idx):
-                    if rep.statuses[j] != 0:
-                        todo.append(i)
-                    elif rep.sizes[j] <= INLINE_MAX:
-                        out[i] = bytes(rep.data[j])
-                    else:
-                        large[i] = rep.sizes[j]
-            if not todo:
-                break
+
+        def ask(node: str, idx: list[int]) -> list[int]:
+            try:
+                rep: Leased = self._call(node, Lookup, keys=[keys[i] for i in idx], inline_max=INLINE_MAX,
+                                         lease_large=False)
+            except NodeDown:
+                self.replicas_lost += len(idx)
+                return idx
+            retry = []
+            for j, i in enumerate(idx):
+                if rep.statuses[j] != 0:
+                    retry.append(i)
+                elif rep.sizes[j] <= INLINE_MAX:
+                    out[i] = bytes(rep.data[j])
+                else:
+                    large[i] = rep.sizes[j]
+            return retry
+
+        self._by_rank(keys, ask)
         if large:
             idx = list(large)
             bufs = [np.empty(large[i], dtype=np.uint8) for i in idx]
@@ -351,28 +345,34 @@ class RemoteBackend:
     # ---- metadata
     def _ask_ranked(self, keys: list[str], make: type, found: Callable[[int], bool]) -> list[int]:
         """Asks each key's nodes in rank order until ``found(value)``; the last answer."""
+        out = [0] * len(keys)
+
+        def ask(node: str, idx: list[int]) -> list[int]:
+            try:
+                vals = self._call(node, make, keys=[keys[i] for i in idx]).values
+            except NodeDown:
+                return idx
+            for i, v in zip(idx, vals):
+                out[i] = v
+            return [i for i, v in zip(idx, vals) if not found(v)]
+
+        self._by_rank(keys, ask)
+        return out
+
+    def _by_rank(self, keys: list[str], ask: Callable[[str, list[int]], list[int]]) -> None:
+        """Each key's replica nodes in rank order, one rank a round: ``ask(node, indices)``
+        handles the keys asked of that node and returns those to ask of their next-ranked
+        node; stops when none is left or every live node was asked."""
         live = self._live()
         ranks = [rank_nodes(k, live) for k in keys]
-        out = [0] * len(keys)
         todo = list(range(len(keys)))
         for rnd in range(len(live)):
+            if not todo:
+                break
             by_node: dict[str, list[int]] = defaultdict(list)
             for i in todo:
                 by_node[ranks[i][rnd]].append(i)
-            todo = []
-            for node, idx in by_node.items():
-                try:
-                    vals = self._call(node, make, keys=[keys[i] for i in idx]).values
-                except NodeDown:
-                    todo.extend(idx)
-                    continue
-                for i, v in zip(idx, vals):
-                    out[i] = v
-                    if not found(v):
-                        todo.append(i)
-            if not todo:
-                break
-        return out
+            todo = [i for node, idx in by_node.items() for i in ask(node, idx)]
 
     def exists_many(self, keys: list[str]) -> list[bool]:
         return [v == 1 for v in self._ask_ranked(keys, Exists, lambda v: v == 1)]
