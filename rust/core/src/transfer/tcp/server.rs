@@ -12,8 +12,9 @@
 //! evicts the oldest handshake: an honest client's handshake takes one round trip, an
 //! idle or trickling one is the oldest and goes first.
 //!
-//! Served connections are bounded the same way: at most [`MAX_CONNECTIONS`] in all and
-//! [`MAX_PER_PEER`] from one peer address. A connection at a cap evicts the served
+//! Served connections of sessions without a token are bounded the same way: at most
+//! [`MAX_CONNECTIONS`] in all and [`MAX_PER_PEER`] from one peer address (an
+//! authenticated session is a token holder's, never evicted for others' load). A connection at a cap evicts the served
 //! connection of the same scope that has waited longest for its next request (never one
 //! in the middle of a request); only when none is idle is it refused. Without a token
 //! (anyone may complete the handshake) a served connection that waits `idle_timeout`
@@ -240,7 +241,11 @@ fn serve(stream: TcpStream, id: u64, sh: &Shared) {
         if sh.closed.load(Ordering::SeqCst) {
             return;
         }
-        if let Err(what) = make_room(&mut conns, addr.ip(), &ctx.counters) {
+        // The caps are for sessions anyone may open (no token): an authenticated client
+        // holds the cluster token, and evicting its idle connection under a flood of
+        // others from its address would lock it out, which the caps are there to prevent.
+        let capped = keys.recv.is_none();
+        if let Err(what) = if capped { make_room(&mut conns, addr.ip(), &ctx.counters) } else { Ok(()) } {
             tracing::warn!(engine = %ctx.name, peer = %addr, "refused a connection: every one of the {what} \
                            served is in the middle of a request");
             return;
