@@ -11,6 +11,7 @@ The checks per cell: ``mooncake`` mean <= the best of ``local_cache_aware`` and
 
     nice python benches/sim_contention.py [--jobs 2] [--agentic-requests 2000] [--json out.jsonl]
     nice python benches/sim_contention.py --links 100,off --json b.jsonl   # a subset of the cells
+    nice python benches/sim_contention.py --policies mooncake --json c.jsonl # one policy's cells
     python benches/sim_contention.py --from-json a.jsonl b.jsonl           # the table of saved cells
 """
 
@@ -96,6 +97,7 @@ def main() -> None:
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--json", help="also write every cell as JSON lines here")
     ap.add_argument("--links", default="10,25,100,off", help="NIC GB/s values to run (off: no link model)")
+    ap.add_argument("--policies", default=",".join(POLICIES), help="the policies to run (a subset: for split runs)")
     ap.add_argument("--from-json", nargs="+", help="print the table of cells saved by --json runs, run nothing")
     a = ap.parse_args()
     if a.from_json:
@@ -108,7 +110,7 @@ def main() -> None:
         names.insert(0, "synthetic")
     else:
         print(f"(synthetic trace {TRACE} not found: skipped; set MOONCAKE_TRACE)", file=sys.stderr)
-    jobs = [(n, pd, nic, p, a.agentic_requests) for n in names for pd in CLUSTERS for nic in links for p in POLICIES]
+    jobs = [(n, pd, nic, p, a.agentic_requests) for n in names for pd in CLUSTERS for nic in links for p in a.policies.split(",")]
     # the slow cells (low bandwidth: many concurrent flows) first, so the pool ends together
     jobs.sort(key=lambda j: (j[2] or 1e18))
     t0 = time.perf_counter()

@@ -12,16 +12,17 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::admission::{decode_free_in, select_decode, DecodeAsk, OutputLenEstimator, RejectReason};
+use super::admission::{decode_free_in, OutputLenEstimator, RejectReason};
 use super::calibration::Calibration;
 use super::config::{ConductorConfig, RejectionKind};
+use super::decide::candidates;
 use super::links::LinkLoads;
-use super::policy::{self, Candidate, PolicyInput};
+use super::policy::Candidate;
 use super::replication::HotTable;
-use super::state::{Member, Req, Stage, State};
+use super::state::State;
 use super::{ConductorError, RequestId};
 use crate::hash::BlockHash;
-use crate::index::{best_of, BlockIndex, InstanceId, PrefixMatch, Tier};
+use crate::index::{best_of, BlockIndex, InstanceId, PrefixMatch};
 
 /// Where a request goes, and the estimates behind the choice.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -197,6 +198,10 @@ impl Conductor {
         })
     }
 
+    /// One decision in three steps (decide.rs): the candidates (each prefill instance's
+    /// queue and local prefix, pending prefixes included), the estimate (policy,
+    /// decode instance, calibrated TTFT/TBT), then admission: the rejection rules, and,
+    /// when `commit`, the state written (loads, link plans, replica, pending prefix).
     fn decide_with(
         &self,
         req: &ScheduleRequest<'_>,
@@ -204,173 +209,32 @@ impl Conductor {
         matches: &[PrefixMatch],
         cands: &mut Vec<Candidate>,
     ) -> Result<Decision, ConductorError> {
-        let cfg = &self.config;
-        let now = req.now;
         let mut st = self.state.lock();
         if st.reqs.contains_key(&req.request_id) {
             return Err(ConductorError::DuplicateRequest(req.request_id));
         }
         let best = best_of(matches);
         candidates(&st, req, matches, best.map_or(0, |b| b.total()), cands);
-        let input = PolicyInput {
-            prompt_len: req.prompt_len,
-            block_size: cfg.block_size,
-            cands,
-            matches,
-            best,
-            cost: &cfg.cost,
-            balancing_threshold: cfg.balancing_threshold,
-            now,
-            links: st.links.as_ref(),
-        };
-        let mut rng = st.rng;
-        let overloaded = |reason: RejectReason, detail: String, est: Option<Decision>| ConductorError::Overloaded {
-            reason,
-            detail,
-            estimates: est.map(Box::new),
-        };
-        let Some(choice) = policy::choose(cfg.policy, &input, &mut rng) else {
-            return Err(overloaded(RejectReason::NoPrefillInstance, "no prefill instance registered (or all are draining)".into(), None));
-        };
-        let fetch_abandon_s = if choice.fetch_blocks > 0 {
-            let c = &cands[choice.idx];
-            (input.prefill_s(c, choice.reused_blocks - choice.fetch_blocks) - choice.prefill_s).max(0.0)
-        } else {
-            f64::INFINITY
-        };
-        let key = req.block_hashes.first().copied();
-        let out_pred = match req.expected_output_len {
-            Some(n) if n > cfg.max_output_len => {
-                return Err(ConductorError::InvalidArgument(format!(
-                    "expected_output_len {n} exceeds max_output_len {} (ConductorConfig)",
-                    cfg.max_output_len
-                )));
-            }
-            Some(n) => n as f64,
-            None => self.outlen.lock().predict(key),
-        };
-        let raw_ttft = choice.ttft();
-        let (ttft_scale, tbt_scale) = self.calibration.lock().scales(now);
-        let ttft = raw_ttft * ttft_scale;
-        let ask = DecodeAsk { prompt_len: req.prompt_len, out_pred, arrive_t: now + ttft };
-        let Some(pick) = select_decode(&st.decode, cfg.rejection, &cfg.cost.decode, &ask) else {
-            return Err(overloaded(RejectReason::NoDecodeInstance, "no decode instance registered (or all are draining)".into(), None));
-        };
-        let (di, raw_tbt) = (pick.idx, pick.tbt);
-        let tbt = raw_tbt * tbt_scale;
-        let prefill_id = cands[choice.idx].id;
-        let decision = Decision {
-            prefill: prefill_id,
-            decode: st.decode[di].id,
-            reused_blocks: choice.reused_blocks,
-            fetch_blocks: choice.fetch_blocks,
-            fetch_from: choice.fetch_from,
-            est_queue_s: choice.queue_s,
-            est_prefill_s: choice.prefill_s,
-            est_transfer_s: choice.transfer_s,
-            est_ttft_s: ttft,
-            est_tbt_s: tbt,
-            retry_after_s: 0.0,
-            fetch_abandon_s,
-        };
-        if cfg.rejection != RejectionKind::None {
-            if let Some((reason, detail, retry_after_s)) = self.rejection(&st.decode, &decision, pick.room, now) {
-                return Err(overloaded(reason, detail, Some(Decision { retry_after_s, ..decision })));
+        let est = self.estimate(&st, req, matches, best, cands)?;
+        if self.config.rejection != RejectionKind::None {
+            if let Some((reason, detail, retry_after_s)) = self.rejection(&st.decode, &est.decision, est.room, req.now) {
+                return Err(ConductorError::Overloaded {
+                    reason,
+                    detail,
+                    estimates: Some(Box::new(Decision { retry_after_s, ..est.decision })),
+                });
             }
         }
         if !commit {
-            return Ok(decision);
+            return Ok(est.decision);
         }
-        // `cands` skips draining instances, so its index is not the table's
-        let pi = st.prefill_pos(prefill_id).map_err(|_| ConductorError::UnknownInstance(prefill_id))?;
-        // Admitted: record the replica the fetch creates, then the loads.
-        if choice.fetch_blocks > 0 {
-            let local = choice.reused_blocks - choice.fetch_blocks;
-            self.index.insert(prefill_id, &req.block_hashes[local..choice.reused_blocks], Tier::Dram)?;
-        }
-        self.plan_links(&mut st, req, &decision);
-        let work_s = choice.transfer_s + choice.prefill_s;
-        st.prefill[pi].queued_s += work_s;
-        st.prefill[pi].queued_n += 1;
-        let member = Member { rid: req.request_id, arrive_t: ask.arrive_t, end_t: ask.arrive_t + out_pred * tbt_or(tbt, cfg), ctx: ask.ctx() };
-        let d = &mut st.decode[di];
-        d.members.push(member);
-        d.kv_reserved += ask.kv_tokens();
-        d.ctx_tokens += member.ctx;
-        let pending_last = req.block_hashes.last().copied();
-        st.pending.add(req.block_hashes, prefill_id, req.request_id);
-        st.reqs.insert(
-            req.request_id,
-            Req {
-                prefill: prefill_id,
-                decode: decision.decode,
-                stage: Stage::Queued,
-                work_s,
-                kv_tokens: ask.kv_tokens(),
-                out_pred,
-                tbt_s: tbt_or(tbt, cfg),
-                key,
-                admit_t: now,
-                raw_ttft_s: raw_ttft,
-                raw_tbt_s: raw_tbt,
-                decode_t: None,
-                pending_last,
-            },
-        );
-        st.rng = rng;
-        st.clock = st.clock.max(now);
+        self.admit(&mut st, req, &est)?;
         drop(st);
-        if choice.reused_blocks > 0 {
-            self.hot.lock().record(&req.block_hashes[..choice.reused_blocks], now);
+        if est.decision.reused_blocks > 0 {
+            self.hot.lock().record(&req.block_hashes[..est.decision.reused_blocks], req.now);
         }
-        Ok(decision)
+        Ok(est.decision)
     }
-
-    /// An admitted request's transfers on the link loads: its fetch (holder NIC out,
-    /// prefill NIC in) when its prefill is expected to start, its KV stream to decode
-    /// (prefill NIC out, decode NIC in) when its compute is.
-    fn plan_links(&self, st: &mut State, req: &ScheduleRequest<'_>, d: &Decision) {
-        let Some(links) = st.links.as_mut() else { return };
-        let bpt = self.config.cost.transfer.bytes_per_token;
-        let start = req.now + d.est_queue_s;
-        if let Some(src) = d.fetch_from {
-            let tokens = (d.reused_blocks * self.config.block_size).min(req.prompt_len)
-                - ((d.reused_blocks - d.fetch_blocks) * self.config.block_size).min(req.prompt_len);
-            links.plan_transfer(src, d.prefill, start, tokens as f64 * bpt);
-        }
-        links.plan_transfer(d.prefill, d.decode, start + d.est_transfer_s, req.prompt_len as f64 * bpt);
-    }
-}
-
-/// One candidate per prefill instance that takes requests: its queue at `now`, speed
-/// and local prefix by tier, the prefix an admitted request will leave there counted
-/// as DRAM (`pending.rs`; only prefixes longer than `floor`, the index's best, are
-/// looked up: a shorter one would not change the choice the index already offers).
-fn candidates(st: &State, req: &ScheduleRequest<'_>, matches: &[PrefixMatch], floor: usize, cands: &mut Vec<Candidate>) {
-    let now = req.now;
-    cands.clear();
-    let mut mi = 0;
-    for p in &st.prefill {
-        while mi < matches.len() && matches[mi].instance < p.id {
-            mi += 1;
-        }
-        if p.draining {
-            continue; // takes no new request (a policy still sees it as a fetch source via `matches`)
-        }
-        let (dram, ssd, gpu) = match matches.get(mi) {
-            Some(m) if m.instance == p.id => (m.dram, m.ssd, m.gpu),
-            _ => (0, 0, 0),
-        };
-        cands.push(Candidate { id: p.id, queue_s: p.queue_s(now), speed: p.spec.speed, dram, ssd, gpu });
-    }
-    st.pending.longest(req.block_hashes, floor, |inst, n| {
-        if let Ok(k) = cands.binary_search_by_key(&inst, |c| c.id) {
-            let c = &mut cands[k];
-            if n > c.local() {
-                c.dram += n - c.local();
-            }
-        }
-    });
 }
 
 impl Conductor {
@@ -414,14 +278,5 @@ impl Conductor {
             return Some((RejectReason::TbtSlo, detail, decode_free_in(decode, now)));
         }
         None
-    }
-}
-
-/// A finite TBT for load predictions (an over-full instance under `none` still decodes).
-fn tbt_or(tbt: f64, cfg: &ConductorConfig) -> f64 {
-    if tbt.is_finite() {
-        tbt
-    } else {
-        cfg.tbt_slo_s
     }
 }

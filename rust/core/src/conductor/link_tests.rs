@@ -157,3 +157,35 @@ fn a_queued_prompt_counts_as_local_for_its_next_step() {
     assert_eq!(d2.reused_blocks, 0);
     c.check_integrity().unwrap();
 }
+
+/// Issue 25's 100 GB/s misses: the holders of the longest prefix were the busy ones and
+/// Algorithm 1 looked no further. Now a slightly shorter prefix on an idle holder is
+/// priced too (with the load-aware estimate), and wins when the long one waits behind
+/// a backlog.
+#[test]
+fn a_shorter_prefix_on_an_idle_holder_beats_the_longest_on_a_saturated_one() {
+    let c = conductor();
+    c.add_decode(10, DecodeSpec::default()).unwrap();
+    c.add_prefill(2, PrefillSpec::default()).unwrap();
+    c.add_prefill(3, PrefillSpec::default()).unwrap();
+    c.on_blocks_stored(2, &HASHES, Tier::Dram).unwrap();
+    c.on_blocks_stored(3, &HASHES[..9], Tier::Dram).unwrap();
+    // both holders busy for 1 s (a 1,000-token request each, ties to the lowest id)
+    assert_eq!(c.schedule(&req(99, &[], 1000, 0.0)).unwrap().prefill, 2);
+    assert_eq!(c.schedule(&req(98, &[], 1000, 0.0)).unwrap().prefill, 3);
+    // their KV streams went elsewhere: both NICs idle, 1 fetches the longest prefix
+    assert!(c.report_link_load(2, 0.0, 0.0, 0.0, 0.0).unwrap());
+    assert!(c.report_link_load(3, 0.0, 0.0, 0.0, 0.0).unwrap());
+    c.add_prefill(1, PrefillSpec::default()).unwrap();
+    let d = c.preview(&req(1, &HASHES, 120, 0.0)).unwrap();
+    assert_eq!((d.prefill, d.fetch_from, d.reused_blocks), (1, Some(2), 10), "{d:?}");
+    // now 2's NIC out is 2,000 bytes behind (0.2 s)
+    assert!(c.report_link_load(2, 0.0, 2000.0, 0.0, 0.0).unwrap());
+    let d = c.schedule(&req(1, &HASHES, 120, 0.0)).unwrap();
+    // on 1: 9 blocks from 3 = 10 ms + 9 ms, then 30 tokens = 30 ms: 49 ms; the 10 from 2
+    // would be 0.2 + 0.02 + 0.02 s; recomputing 120 ms. Algorithm 1 as the paper has it
+    // (holders of the longest prefix only) would have computed locally.
+    assert_eq!((d.prefill, d.fetch_from, d.fetch_blocks, d.reused_blocks), (1, Some(3), 9, 9), "{d:?}");
+    assert!(close(d.est_ttft_s, 0.049), "{d:?}");
+    c.check_integrity().unwrap();
+}

@@ -3,6 +3,7 @@
 //! hot-prefix replication decisions.
 //!
 //! - [`conductor`]: the instance registry, `schedule`, progress events, snapshots.
+//! - `decide`: one decision's steps (candidates, estimate, admit).
 //! - [`policy`]: one file per prefill-selection policy.
 //! - [`cost`]: fitted cost models (prefill, KV transfer, decode step).
 //! - [`admission`]: decode selection, rejection rules, output-length estimates.
@@ -19,6 +20,7 @@ pub mod config;
 #[allow(clippy::module_inception)]
 pub mod conductor;
 pub mod cost;
+mod decide;
 pub mod drain;
 mod events;
 pub mod policy;

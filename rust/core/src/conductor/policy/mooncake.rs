@@ -1,14 +1,19 @@
 //! `mooncake`: Algorithm 1 of the Mooncake paper (KVCache-centric scheduling), with the
 //! fetch priced on the links as they are loaded.
 //!
-//! For each prefill instance with local prefix `l` and the global best prefix `b`: when
-//! `b / l > balancing_threshold` (with `l = 0`, whenever `b > 0`), the instance may
-//! fetch blocks `l..b` from a holder of `b` and prefill from `b`; among the holders of
-//! `b` it takes the one whose fetch is fastest under the current link loads (the one
-//! with the most free bandwidth), and it fetches only when queue + fetch + prefill
-//! from `b` beats prefilling from `l` (the fetch-vs-recompute decision). Otherwise it
-//! prefills from `l`. The lowest TTFT wins, ties to the lowest id. Tiers are ignored, as
-//! in the paper (a block counts the same in DRAM or on SSD).
+//! For each prefill instance with local prefix `l`: every other holder `h` of a longer
+//! prefix `b_h` (with `b_h / l > balancing_threshold`; with `l = 0`, whenever `b_h > 0`)
+//! is an option: fetch blocks `l..b_h` from `h` and prefill from `b_h`, priced as queue
+//! + fetch under the current link loads + prefill. The instance takes the fastest of
+//! these and of prefilling from `l` (the fetch-vs-recompute decision). The lowest TTFT
+//! over instances wins, ties to the lowest id. Tiers are ignored, as in the paper (a
+//! block counts the same in DRAM or on SSD).
+//!
+//! The paper offers only the holders of the single longest prefix. With links loaded,
+//! those are often the busy ones (an agent's latest step was just computed there, and
+//! its KV stream to decode fills that NIC), and the paper's rule then either waits on
+//! them or recomputes; a holder of a slightly shorter prefix on an idle NIC is usually
+//! the better fetch (issue 25's 100 GB/s misses, BENCHMARKS.md).
 
 use super::{keep_best, Choice, PolicyInput};
 
@@ -16,25 +21,22 @@ use super::{keep_best, Choice, PolicyInput};
 pub(super) fn option_for(input: &PolicyInput<'_>, idx: usize) -> Choice {
     let local = input.local_choice(idx);
     let c = &input.cands[idx];
-    let Some(best) = input.best else {
+    if input.best.is_none() {
         return local;
-    };
+    }
     let l = c.local();
-    let b = best.total();
-    if b <= l || (b as f64) <= input.balancing_threshold * l as f64 {
-        return local;
-    }
-    let fetch_tokens = input.tokens(b) - input.tokens(l);
-    let prefill_s = input.prefill_s(c, b);
-    // a fetch on idle links is a lower bound of one under load: when even that loses,
-    // the link loads need not be looked at (most candidates, most of the time)
-    let idle = input.cost.transfer.fetch(fetch_tokens, 0.0);
-    if local.queue_s + idle + prefill_s >= local.ttft() {
-        return local;
-    }
     let mut out = local;
     for h in input.matches {
-        if h.instance == c.id || h.total() < b {
+        let b = h.total();
+        if h.instance == c.id || b <= l || (b as f64) <= input.balancing_threshold * l as f64 {
+            continue;
+        }
+        let fetch_tokens = input.tokens(b) - input.tokens(l);
+        let prefill_s = input.prefill_s(c, b);
+        // a fetch on idle links is a lower bound of one under load: when even that loses,
+        // the link loads need not be looked at (most candidates, most of the time)
+        let idle = input.cost.transfer.fetch(fetch_tokens, 0.0);
+        if local.queue_s + idle + prefill_s >= out.ttft() {
             continue;
         }
         let fetch = Choice {
