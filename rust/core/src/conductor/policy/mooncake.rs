@@ -19,6 +19,13 @@ use super::{keep_best, Choice, PolicyInput};
 
 /// The option Algorithm 1 takes on candidate `idx`.
 pub(super) fn option_for(input: &PolicyInput<'_>, idx: usize) -> Choice {
+    option_below(input, idx, f64::INFINITY)
+}
+
+/// `option_for`, except that fetch options whose TTFT cannot be below `bound` (another
+/// candidate's) are not priced on the links: the returned option may then differ, but
+/// only where it cannot be chosen (its TTFT is >= `bound` either way).
+fn option_below(input: &PolicyInput<'_>, idx: usize, bound: f64) -> Choice {
     let local = input.local_choice(idx);
     let c = &input.cands[idx];
     if input.best.is_none() {
@@ -36,7 +43,8 @@ pub(super) fn option_for(input: &PolicyInput<'_>, idx: usize) -> Choice {
         // a fetch on idle links is a lower bound of one under load: when even that loses,
         // the link loads need not be looked at (most candidates, most of the time)
         let idle = input.cost.transfer.fetch(fetch_tokens, 0.0);
-        if local.queue_s + idle + prefill_s >= out.ttft() {
+        let floor = local.queue_s + idle + prefill_s;
+        if floor >= out.ttft() || floor >= bound {
             continue;
         }
         let fetch = Choice {
@@ -55,9 +63,15 @@ pub(super) fn option_for(input: &PolicyInput<'_>, idx: usize) -> Choice {
 }
 
 pub(super) fn choose(input: &PolicyInput<'_>) -> Choice {
-    let mut best = None;
-    for i in 0..input.cands.len() {
-        keep_best(&mut best, option_for(input, i));
+    let mut best: Option<Choice> = None;
+    for (i, c) in input.cands.iter().enumerate() {
+        let bound = best.map_or(f64::INFINITY, |b| b.ttft());
+        // every option on `c` takes at least its queue: it cannot win (ties go to the
+        // first seen), so its fetch options need not be priced
+        if c.queue_s >= bound {
+            continue;
+        }
+        keep_best(&mut best, option_below(input, i, bound));
     }
     best.unwrap_or_else(|| input.local_choice(0))
 }
