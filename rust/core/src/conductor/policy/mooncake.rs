@@ -3,8 +3,8 @@
 //!
 //! For each prefill instance with local prefix `l`: every other holder `h` of a longer
 //! prefix `b_h` (with `b_h / l > balancing_threshold`; with `l = 0`, whenever `b_h > 0`)
-//! is an option: fetch blocks `l..b_h` from `h` and prefill from `b_h`, priced as queue
-//! + fetch under the current link loads + prefill. The instance takes the fastest of
+//! is an option: fetch blocks `l..b_h` from `h` and prefill from `b_h`, priced as the
+//! queue plus the fetch under the current link loads plus the prefill. The instance takes the fastest of
 //! these and of prefilling from `l` (the fetch-vs-recompute decision). The lowest TTFT
 //! over instances wins, ties to the lowest id. Tiers are ignored, as in the paper (a
 //! block counts the same in DRAM or on SSD).
