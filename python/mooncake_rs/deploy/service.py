@@ -97,7 +97,7 @@ class _ServicePort:
         return []
 
     def reply(self, inst: int, msg: Message) -> None:
-        self._s._replies.put((inst, msg))
+        self._s._replies.deliver(inst, msg)
 
     def output(self, record: RequestRecord, reason: str) -> Any:
         return request_output(record, reason)
@@ -136,7 +136,6 @@ class ConductorService(RoutedCluster):
         self._members: dict[int, Member] = {}
         self._by_name: dict[str, int] = {}
         self._next_id = itertools.count(0)
-        self._replies: queue.Queue[tuple[int, Message]] = queue.Queue()
         self.block_size: int | None = None
         self.conductor: Any = None  # built when the first worker is ready (its block size and bytes)
         self._hasher: Any = None
@@ -319,22 +318,6 @@ class ConductorService(RoutedCluster):
     def instances(self) -> dict[int, str]:
         """Live, ready workers: id -> name."""
         return {i: m.spec.name for i, m in list(self._members.items()) if m.alive and m.info is not None}
-
-    def instance_stats(self, timeout_s: float = 30.0) -> dict[int, dict[str, float]]:
-        """Per live worker: what its transfer engine moved and the rest of
-        ``Cluster.instance_stats``. Call it idle."""
-        out = {}
-        for i, m in list(self._members.items()):
-            if not (m.alive and m.info is not None):
-                continue
-            m.ch.send(Stats())
-            try:
-                src, reply = self._replies.get(timeout=timeout_s)
-            except queue.Empty:
-                raise MooncakeError(f"worker {m.spec.name} did not report its stats") from None
-            if isinstance(reply, StatsReply):
-                out[src] = reply.stats
-        return out
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stops routing: fails what is in flight, closes the workers' links (the workers

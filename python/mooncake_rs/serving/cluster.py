@@ -102,7 +102,7 @@ class _RouterPort:
         return [i for i, m in self._c._members.items() if m.alive and m.proc is not None and m.proc.poll() is not None]
 
     def reply(self, inst: int, msg: Message) -> None:
-        self._c._measured.put((inst, msg))
+        self._c._replies.deliver(inst, msg)
 
     def output(self, record: RequestRecord, reason: str) -> Any:
         return request_output(record, reason)
@@ -175,7 +175,6 @@ class Cluster(RoutedCluster):
         self._model = model
         self._hasher = PrefixHasher(block_size, seed=0)
         self._init_routing()
-        self._measured: queue.Queue[tuple[int, Message]] = queue.Queue()
         self._stop_watch = threading.Event()
         self._token = uuid.uuid4().hex[:8]
         self._transfer_token = secrets.token_hex(32)  # the workers' transfer engines share it
@@ -316,26 +315,6 @@ class Cluster(RoutedCluster):
         m = self._members.get(instance)
         return m.proc.pid if m is not None and m.proc is not None else None
 
-    def instance_stats(self, timeout_s: float = 30.0) -> dict[int, dict[str, float]]:
-        """Per live instance: bytes its transfer engine moved (``copied_bytes``), seconds its
-        transfers were in flight (``copy_busy_s``), blocks held, evictions. Call it idle."""
-        out = {}
-        for i, m in self._members.items():
-            if not m.alive:
-                continue
-            m.ch.to_instance(Stats())
-            reply = self._reply(timeout_s)
-            if not isinstance(reply, StatsReply):
-                raise MooncakeError(f"instance {m.spec.name} did not report its stats")
-            out[i] = reply.stats
-        return out
-
-    def _reply(self, timeout_s: float) -> Message | None:
-        try:
-            return self._measured.get(timeout=timeout_s)[1]
-        except queue.Empty:
-            return None
-
     def message_counts(self, timeout_s: float = 30.0) -> dict[str, int]:
         """Control messages sent so far on every link of the cluster, by op (``new``:
         requests handed to the router): what docs/serving.md counts as hops. Heartbeats
@@ -365,8 +344,8 @@ class Cluster(RoutedCluster):
         inst = next((i for i in self.prefill_ids if self._members[i].alive), None)
         if inst is None:
             raise MooncakeError("no live prefill instance to calibrate on")
-        self._members[inst].ch.to_instance(Measure([(int(n), int(c)) for n, c in points], repeats))
-        msg = self._reply(timeout_s)
+        pts = [(int(n), int(c)) for n, c in points]
+        msg = self._ask(inst, lambda qid: Measure(pts, repeats, qid=qid), timeout_s)
         if msg is None:
             raise MooncakeError(f"calibration did not finish within {timeout_s}s")
         if isinstance(msg, Failed):
@@ -376,8 +355,10 @@ class Cluster(RoutedCluster):
         samples = [(new + cached, cached, s) for new, cached, s in msg.timings]
         model = PrefillCostModel.fit(samples)
         self._prefill_model = model
-        # swapped on the router thread, which drops the instances it knows are down
-        self._swap_conductor(self._new_conductor(model, index=self.conductor.index))
+        # swapped on the router thread, which drops the instances it knows are down; never
+        # during a role switch (the fresh conductor is built from the pools it ends with)
+        with self._switch_lock:
+            self._swap_conductor(self._new_conductor(model, index=self.conductor.index))
         self.calibration = samples
         return model
 
@@ -385,10 +366,12 @@ class Cluster(RoutedCluster):
         """Moves ``instance`` to the ``role`` pool ("prefill" or "decode") under load,
         failing no request: the conductor drains it, it finishes what it holds, takes the
         new role and comes back (serving/roles.py). Returns a ``roles.RoleSwitch``. Not
-        with ``kv_grants``; not while ``calibrate`` / ``instance_stats`` run."""
+        with ``kv_grants``. One switch at a time; ``calibrate`` and ``instance_stats`` may
+        run beside it (each call's answer carries its query id)."""
         from .roles import switch_role
 
-        return switch_role(self, instance, role, timeout_s=timeout_s)
+        with self._switch_lock:
+            return switch_role(self, instance, role, timeout_s=timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stops every instance (worker processes exit), fails what is in flight and

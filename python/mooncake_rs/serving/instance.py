@@ -84,6 +84,7 @@ class Instance:
         # requests it dropped still reach it, see handle); arenas registered for an
         # earlier role, unregistered once no pin of a peer's fetch may read them
         self._switch_to: str | None = None
+        self._switch_qid = 0  # the SwitchRole's query id, which RoleSwitched answers
         self._former: PrefillRole | DecodeRole | None = None
         self._retired: list[Any] = []
         self.stopped = False
@@ -225,19 +226,19 @@ class Instance:
                 case Unpin(rid=rid):
                     for blk in self._pins.pop(rid, []):
                         blk.release()
-                case Stats():
-                    self.ch.send(StatsReply(self.stats()))
-                case SwitchRole(role=role):
-                    self._switch_to = role
+                case Stats(qid=qid):
+                    self.ch.send(StatsReply(self.stats(), qid=qid))
+                case SwitchRole(role=role, qid=qid):
+                    self._switch_to, self._switch_qid = role, qid
                     self._switch_role()
-                case Measure(points=points, repeats=repeats):
+                case Measure(points=points, repeats=repeats, qid=qid):
                     # one point at a time (each warms up on its own anyway), beating in between:
                     # a long calibration in-process is no wedged loop (liveness.py)
                     timings = []
                     for point in points:
                         timings += self.engine.measure_prefill([point], repeats=repeats)
                         self._beat()
-                    self.ch.send(Timings([(t.new_tokens, t.cached_tokens, t.seconds) for t in timings]))
+                    self.ch.send(Timings([(t.new_tokens, t.cached_tokens, t.seconds) for t in timings], qid=qid))
                 case Prefill() | KvReady() | Cancel() if self._former is not None:
                     self._after_switch(src, msg)
                 case _:
@@ -245,7 +246,9 @@ class Instance:
         except Exception as e:  # a bad request fails that request, not the instance
             log.exception("instance %s: %s failed", self.spec.name, type(msg).__name__)
             of = getattr(msg, "rid", None)
-            self.ch.send(Failed(of if isinstance(of, int) else None, f"{type(e).__name__}: {e}"))
+            # a call of the cluster's own (stats, calibration, a switch) is answered under its query id
+            qid = msg.qid if isinstance(msg, (Stats, Measure, SwitchRole)) else 0
+            self.ch.send(Failed(of if isinstance(of, int) else None, f"{type(e).__name__}: {e}", qid=qid))
 
     def _switch_role(self) -> None:
         """Takes the role ``SwitchRole`` asked for once this instance holds nothing (no
@@ -271,7 +274,7 @@ class Instance:
             self.endpoint = Endpoint(str(ep["name"]), str(ep["address"]), int(ep["region"]))
             self._former, self.role = self.role, self._make_role()
             log.info("instance %s: now a %s instance", spec.name, to)
-        self.ch.send(RoleSwitched(self.spec.role, self.endpoint))
+        self.ch.send(RoleSwitched(self.spec.role, self.endpoint, qid=self._switch_qid))
         if to == "prefill":  # what it kept as a decode instance is reusable now
             self._announce_held()
 

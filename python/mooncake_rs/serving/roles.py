@@ -29,13 +29,13 @@ The instance keeps its id and name (``prefill-0`` stays the name of instance 0: 
 its transfer engine's name, which peers know it by). ``Cluster.prefill_ids`` /
 ``decode_ids`` follow the switch. Not supported: ``kv_grants=True`` (a decode arena is
 restricted and each prefill has its own transfer token, set up at spawn), and calling it
-while ``calibrate`` or ``instance_stats`` run (they share the cluster's reply queue).
+One switch at a time per cluster (``Cluster.switch_role`` holds its lock);
+``calibrate`` and ``instance_stats`` may run beside it: every call's answer carries the
+query id it answers (replies.py).
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -47,10 +47,6 @@ __all__ = ["RoleSwitch", "switch_role"]
 
 ROLES = ("prefill", "decode")
 _POLL_S = 0.005  # how often the drain is checked (a conductor call: cheap)
-
-# one switch at a time per cluster (they share the reply queue and the pools' counts)
-_locks: dict[int, threading.Lock] = {}
-_locks_guard = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -66,11 +62,6 @@ class RoleSwitch:
     total_s: float
 
 
-def _lock_of(cluster: Any) -> threading.Lock:
-    with _locks_guard:
-        return _locks.setdefault(id(cluster), threading.Lock())
-
-
 def role_of(cluster: Any, instance: int) -> str:
     return "prefill" if instance in cluster.prefill_ids else "decode"
 
@@ -82,8 +73,7 @@ def switch_role(cluster: Any, instance: int, role: str, *, timeout_s: float = 12
         raise InvalidArgument(f"role must be 'prefill' or 'decode', got {role!r}")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
         raise InvalidArgument(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-    with _lock_of(cluster):
-        return _switch(cluster, instance, role, float(timeout_s))
+    return _switch(cluster, instance, role, float(timeout_s))
 
 
 def _switch(c: Any, inst: int, role: str, timeout_s: float) -> RoleSwitch:
@@ -123,8 +113,7 @@ def _switch(c: Any, inst: int, role: str, timeout_s: float) -> RoleSwitch:
             pass
         raise
     t_drained = time.monotonic()
-    m.ch.to_instance(SwitchRole(role))
-    reply = _reply_of(c, inst, max(deadline - time.monotonic(), 5.0))
+    reply = c._ask(inst, lambda qid: SwitchRole(role, qid=qid), max(deadline - time.monotonic(), 5.0))
     if not isinstance(reply, RoleSwitched) or reply.role != role:
         # the instance may still switch later: take it out of service rather than guess
         what = reply.error if isinstance(reply, Failed) else ("no answer" if reply is None else repr(reply))
@@ -144,18 +133,3 @@ def _switch(c: Any, inst: int, role: str, timeout_s: float) -> RoleSwitch:
     t1 = time.monotonic()
     return RoleSwitch(inst, m.spec.name, old, role, t_drained - t0, t1 - t0)
 
-
-def _reply_of(c: Any, inst: int, timeout_s: float) -> Any:
-    """The instance's answer to ``SwitchRole`` (others' replies are not expected here:
-    see the module docstring)."""
-    end = time.monotonic() + timeout_s
-    while True:
-        left = end - time.monotonic()
-        if left <= 0:
-            return None
-        try:
-            src, msg = c._measured.get(timeout=left)
-        except queue.Empty:
-            return None
-        if src == inst and isinstance(msg, (RoleSwitched, Failed)):
-            return msg

@@ -13,18 +13,20 @@ fetches) is off unless the subclass turns it on.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, Callable, Self
 
 from .._core import Conductor, ConductorConfig, DecodeCostModel, TransferCostModel
-from ..errors import InvalidArgument, Overloaded
+from ..errors import InvalidArgument, MooncakeError, Overloaded
 from .generate import GenerateMixin
 from .handle import RequestHandle, wait_seconds
 from .lifecycle import CancelRequest, Plan
 from .limits import Limits
 from .metrics import ClusterMetrics
-from .protocol import Params
+from .protocol import Message, Params, Stats, StatsReply
+from .replies import Replies
 from .router import RequestRecord, Router
 
 __all__ = ["RoutedCluster", "new_conductor", "request_output", "MAX_FETCH_SOURCES"]
@@ -95,6 +97,8 @@ class RoutedCluster(GenerateMixin):
         self._t0 = time.monotonic()
         self.metrics = ClusterMetrics()
         self._closed = False
+        self._replies = Replies()  # answers to Stats / Measure / SwitchRole, by query id
+        self._switch_lock = threading.Lock()  # one role switch at a time (the pools' counts)
 
     def __enter__(self) -> Self:
         return self
@@ -123,6 +127,28 @@ class RoutedCluster(GenerateMixin):
         deadline from now; past it the request is cancelled on every instance and fails
         with ``TransferTimeout`` (None: no deadline)."""
         return self._submit(prompt, params, timeout_s, RequestHandle)
+
+    def _ask(self, inst: int, make: Callable[[int], Message], timeout_s: float) -> Message | None:
+        """Sends ``make(qid)`` to live instance ``inst`` and waits for its answer (None:
+        none within ``timeout_s``, or ``inst`` is not live)."""
+        m = self._members.get(inst)
+        if m is None or not m.alive:
+            return None
+        got = self._replies.ask(m.ch.to_instance, make, timeout_s)
+        return None if got is None else got[1]
+
+    def instance_stats(self, timeout_s: float = 30.0) -> dict[int, dict[str, float]]:
+        """Per live instance: bytes its transfer engine moved (``copied_bytes``), seconds its
+        transfers were in flight (``copy_busy_s``), blocks held, evictions. Call it idle."""
+        out = {}
+        for i, m in list(self._members.items()):
+            if not (m.alive and m.info is not None):
+                continue
+            reply = self._ask(i, lambda qid: Stats(qid=qid), timeout_s)
+            if not isinstance(reply, StatsReply):
+                raise MooncakeError(f"instance {m.spec.name} did not report its stats")
+            out[i] = reply.stats
+        return out
 
     def _submit(self, prompt: Sequence[int], params: Any, timeout_s: float | None,
                 handle_type: Callable[[int, list[int], Any], RequestHandle]) -> Any:
