@@ -38,10 +38,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import InvalidArgument, MooncakeError
-from .protocol import Failed, RoleSwitched, SwitchRole
+from .members import Members
+from .protocol import Failed, Message, RoleSwitched, SwitchRole
 
 __all__ = ["RoleSwitch", "switch_role"]
 
@@ -62,39 +63,36 @@ class RoleSwitch:
     total_s: float
 
 
-def role_of(cluster: Any, instance: int) -> str:
-    return "prefill" if instance in cluster.prefill_ids else "decode"
+Ask = Callable[[int, Callable[[int], Message], float], "Message | None"]
 
 
-def switch_role(cluster: Any, instance: int, role: str, *, timeout_s: float = 120.0) -> RoleSwitch:
-    """Drains ``instance``, switches it to ``role`` and puts it back in service (see the
-    module docstring). Returns a ``RoleSwitch``; switching to the role it has is a no-op."""
+def check_role(role: str, timeout_s: Any) -> None:
     if role not in ROLES:
         raise InvalidArgument(f"role must be 'prefill' or 'decode', got {role!r}")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
         raise InvalidArgument(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-    return _switch(cluster, instance, role, float(timeout_s))
 
 
-def _switch(c: Any, inst: int, role: str, timeout_s: float) -> RoleSwitch:
+def switch_role(cond: Any, members: Members, ask: Ask, inst: int, role: str, *,
+                timeout_s: float = 120.0) -> RoleSwitch:
+    """Drains ``inst``, switches it to ``role`` and puts it back in service (see the
+    module docstring), on conductor ``cond`` and in the ``members`` table (whose pools
+    follow the switch); ``ask(inst, make, timeout_s)`` sends the instance ``make(qid)``
+    and waits for its answer. Returns a ``RoleSwitch``; switching to the role it has is
+    a no-op."""
+    check_role(role, timeout_s)
     t0 = time.monotonic()
-    if c._closed:
-        raise InvalidArgument("the cluster is closed")
-    if c.kv_grants:
-        raise InvalidArgument("switch_role is not supported with kv_grants=True (a decode arena is restricted and "
-                              "each prefill has its own transfer token, both set up at spawn); start the cluster "
-                              "with the roles it needs instead")
-    m = c._members.get(inst)
-    if m is None or not m.alive:
-        raise InvalidArgument(f"instance {inst} is not a live instance of this cluster (live: {c.instances()})")
-    old = role_of(c, inst)
+    timeout_s = float(timeout_s)
+    m = members.get(inst)
+    if m is None or not m.live:
+        live = {i: x.spec.name for i, x in members.live().items()}
+        raise InvalidArgument(f"instance {inst} is not a live instance of this cluster (live: {live})")
+    old = m.role
     if old == role:
         return RoleSwitch(inst, m.spec.name, old, role, 0.0, 0.0)
-    pool = c.prefill_ids if old == "prefill" else c.decode_ids
-    if not any(i != inst and c._members[i].alive for i in pool):
+    if not any(i != inst and members[i].alive for i in members.ids(old)):
         raise InvalidArgument(f"instance {inst} is the last live {old} instance; the cluster needs one of each "
                               f"(switch another instance to {old} first)")
-    cond = c.conductor
     cond.drain_instance(inst)
     deadline = t0 + timeout_s
     try:
@@ -113,7 +111,7 @@ def _switch(c: Any, inst: int, role: str, timeout_s: float) -> RoleSwitch:
             pass
         raise
     t_drained = time.monotonic()
-    reply = c._ask(inst, lambda qid: SwitchRole(role, qid=qid), max(deadline - time.monotonic(), 5.0))
+    reply = ask(inst, lambda qid: SwitchRole(role, qid=qid), max(deadline - time.monotonic(), 5.0))
     if not isinstance(reply, RoleSwitched) or reply.role != role:
         # the instance may still switch later: take it out of service rather than guess
         what = reply.error if isinstance(reply, Failed) else ("no answer" if reply is None else repr(reply))
@@ -122,14 +120,8 @@ def _switch(c: Any, inst: int, role: str, timeout_s: float) -> RoleSwitch:
     if role == "decode":
         cond.index.remove_instance(inst)
     cond.switch_role(inst, role)
-    # the cluster's own lists (calibrate and a rebuilt conductor read them); replaced,
-    # not mutated, so a reader never sees an instance in both or neither
-    if role == "decode":
-        c.prefill_ids = [i for i in c.prefill_ids if i != inst]
-        c.decode_ids = sorted([*c.decode_ids, inst])
-    else:
-        c.decode_ids = [i for i in c.decode_ids if i != inst]
-        c.prefill_ids = sorted([*c.prefill_ids, inst])
+    # the pools of the members table (calibrate and a rebuilt conductor read them)
+    members.switched(inst, role)
     t1 = time.monotonic()
     return RoleSwitch(inst, m.spec.name, old, role, t_drained - t0, t1 - t0)
 
