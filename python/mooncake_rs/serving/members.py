@@ -115,6 +115,8 @@ class Members:
         takes it into service (the conductor), or says why not. Returns the error, None
         when it is ready."""
         m = self._by_id[inst]
+        if not m.alive:  # declared down first (it did not answer in time): a late answer admits nothing
+            return m.error or "the instance is down"
         if isinstance(msg, InitFailed):
             err: str | None = msg.error
         elif msg.version != PROTOCOL_VERSION:
