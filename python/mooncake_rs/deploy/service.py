@@ -29,7 +29,6 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any
 
 from .._core import PrefixHasher
 from ..errors import MooncakeError, ServiceUnavailable
