@@ -151,3 +151,49 @@ def test_switch_role_refusals(ref) -> None:
     with (Cluster(ModelConfig.tiny(), prefill=1, decode=1, block_size=BLOCK, seed=3, kv_grants=True) as c,
           pytest.raises(InvalidArgument, match="kv_grants")):
         c.switch_role(0, "decode")
+
+
+def test_switch_role_beside_calibrate_and_stats(ref) -> None:
+    """``switch_role``, ``calibrate`` and ``instance_stats`` from three threads at once:
+    each call's answer carries its query id, so none takes another's reply, and the
+    conductor ``calibrate`` rebuilds knows the switched pools."""
+    from mooncake_rs import Cluster
+
+    with Cluster(ModelConfig.tiny(), prefill=2, decode=1, block_size=BLOCK, dram_bytes_per_instance=8 << 20,
+                 seed=3) as c:
+        start = threading.Barrier(3)
+        done = threading.Event()
+        got: dict[str, object] = {}
+        errors: list[BaseException] = []
+
+        def run(name, fn) -> None:
+            start.wait(10)
+            try:
+                got[name] = fn()
+            except BaseException as e:  # noqa: BLE001 - the test fails on it
+                errors.append(e)
+
+        def stats_until_done() -> int:
+            n = 0
+            while not done.is_set():
+                assert set(c.instance_stats()) == {0, 1, 2}
+                n += 1
+            return n
+
+        threads = [threading.Thread(target=run, args=("switch", lambda: c.switch_role(1, "decode"))),
+                   threading.Thread(target=run, args=("calibrate", lambda: c.calibrate(
+                       [(BLOCK, 0), (2 * BLOCK, 0), (2 * BLOCK, BLOCK), (4 * BLOCK, BLOCK)], repeats=1))),
+                   threading.Thread(target=run, args=("stats", stats_until_done))]
+        for t in threads:
+            t.start()
+        threads[0].join(120)
+        threads[1].join(120)
+        done.set()
+        threads[2].join(60)
+        assert not errors, errors
+        assert got["switch"].new_role == "decode" and got["stats"] >= 1
+        assert len(c.calibration) == 4
+        assert c.prefill_ids == [0] and c.decode_ids == [1, 2]
+        snap = c.conductor.snapshot(0.0)
+        assert [p.id for p in snap.prefill] == [0] and sorted(d.id for d in snap.decode) == [1, 2]
+        assert c.generate([PROMPTS[0]], GREEDY)[0].token_ids == ref[0]

@@ -26,6 +26,7 @@ import threading
 from typing import Any
 
 from ..errors import InvalidArgument
+from ..serving.config import ServingConfig
 from .election import LeaderElection
 from .settings import add_etcd_arguments, cluster_prefix, etcd_client, read_token, split_hostport
 
@@ -43,9 +44,10 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
                                                            "(default: $MOONCAKE_AUTH_TOKEN)")
     p.add_argument("--lease-ttl", type=int, default=3, help="with --etcd: the leader lease's TTL in seconds")
     p.add_argument("--multipath", action="store_true",
-                   help="with --etcd: fetch a prefix from every prefill worker holding it at once (DualPath)")
-    p.add_argument("--heartbeat-timeout", type=float, default=5.0,
-                   help="with --etcd: seconds a worker may go without a heartbeat before it is dropped")
+                   help="fetch a prefix from every prefill instance (worker) holding it at once (DualPath)")
+    p.add_argument("--heartbeat-timeout", type=float, default=None,
+                   help="seconds an instance (worker) may go without a heartbeat before it is dropped "
+                        "(default: 5 with --etcd, else 10)")
     add_etcd_arguments(p)
 
 
@@ -79,6 +81,7 @@ def run_service(args: argparse.Namespace) -> int:
 
     if not args.listen:
         raise InvalidArgument("serve --etcd needs --listen HOST:PORT (where RemoteCluster clients connect)")
+    config = ServingConfig.from_args(args)  # checked before anything starts
     token = read_token(args.auth_token_file)
     prefix = cluster_prefix(args.cluster)
     host, port = split_hostport(args.listen, "--listen")
@@ -101,10 +104,7 @@ def run_service(args: argparse.Namespace) -> int:
         if not election.campaign(timeout_s=1.0):
             continue
         lost.clear()
-        service = ConductorService(client, prefix, token, policy=args.policy, ttft_slo_s=args.ttft_slo,
-                                   tbt_slo_s=args.tbt_slo, rejection=args.rejection,
-                                   prefix_reuse=not args.no_prefix_reuse, heartbeat_timeout_s=args.heartbeat_timeout,
-                                   multipath=args.multipath)
+        service = ConductorService(client, prefix, token, config=config)
         try:
             endpoint = ClientEndpoint(service, host, port, token)
         except BaseException:

@@ -121,9 +121,16 @@ class ConductorLinks:
             epoch, self._pending = self._pending, None
             link = self._links.get(epoch) if epoch is not None else None
         if link is not None:
-            log.warning("worker %s: refused an Attach: %s", self.name, getattr(msg, "error", msg))
+            log.warning("worker %s: refused an Attach: %r", self.name, msg)
             link.send(msg)
             self._drop(epoch)  # type: ignore[arg-type]
+
+    def beat(self, msg: Any) -> None:
+        pass  # the worker's beat thread sends its beats on this channel (deploy/worker.py)
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed
 
     @property
     def attached(self) -> bool:

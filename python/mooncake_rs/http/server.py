@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import InvalidArgument, MooncakeError
 
-__all__ = ["ServerThread", "add_serve_arguments", "serve", "cluster_kwargs"]
+__all__ = ["ServerThread", "add_serve_arguments", "serve"]
 
 log = logging.getLogger("mooncake_rs.http")
 
@@ -125,19 +125,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="open connections at most; more are answered 503 (default: from the descriptor limit)")
 
 
-def cluster_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``Cluster`` keywords of parsed ``serve`` arguments."""
-    engine: dict[str, Any] = {}
-    if args.dtype:
-        engine["dtype"] = args.dtype
-    if args.device:
-        engine["device"] = args.device
-    return dict(prefill=args.prefill, decode=args.decode, block_size=args.block_size or 16,
-                dram_bytes_per_instance=args.dram_bytes, ssd_path=args.ssd_path, policy=args.policy,
-                ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo, processes=args.processes, seed=args.seed,
-                rejection=args.rejection, prefix_reuse=not args.no_prefix_reuse, engine_kwargs=engine)
-
-
 def serve(args: argparse.Namespace) -> int:
     """``mooncake-rs serve --model``: blocks until Ctrl-C / SIGTERM. ``--model`` is a model
     directory or a preset name (``tiny``: a random-weight model with a byte-level
@@ -150,6 +137,7 @@ def serve(args: argparse.Namespace) -> int:
     from ..base.model_config import PRESETS
     from ..models.tiny import front_dir
     from ..serving import Cluster
+    from ..serving.config import ServingConfig
     from .app import create_app
     from .front import Frontend
     from .guard import DrainingServer, make_config
@@ -162,7 +150,7 @@ def serve(args: argparse.Namespace) -> int:
         from ..text import Tokenizer
 
         Tokenizer.from_dir(args.tokenizer or model_dir)
-        cluster = Cluster(args.model, **cluster_kwargs(args))
+        cluster = Cluster.from_config(args.model, ServingConfig.from_args(args))
         server = None
         try:
             if args.rejection != "none":

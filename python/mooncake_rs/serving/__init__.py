@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 from .cluster import Cluster
+from .config import ServingConfig
 from .handle import RequestHandle
 from ..base.metrics import RequestMetrics
 from .metrics import ClusterMetrics
 
-__all__ = ["Cluster", "RequestHandle", "RequestMetrics", "ClusterMetrics"]
+__all__ = ["Cluster", "ServingConfig", "RequestHandle", "RequestMetrics", "ClusterMetrics"]

@@ -8,7 +8,8 @@ the decision fetches a prefix, the holder pins it first; then the decode instanc
 which streams KV into those slots layer by layer and tells the decode instance when
 all of it is in; the decode instance sends the tokens, which the router forwards to the
 request's handle. Store events go to the conductor's index, progress to its load model.
-The router sees the cluster only through ``_RouterPort``.
+The router sees the cluster only through the routed core's port (routed.py); the
+instances come and go through ``SpawnedInstances`` (members.py).
 
 Liveness: workers send heartbeats on their control socket, in-process instances beat
 from their loop; the watchdog thread here kills a worker silent for
@@ -24,91 +25,26 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import math
 import os
-import queue
 import secrets
 import subprocess
-import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Sequence
 
-from .._core import (Conductor, PrefillCostModel, PrefixHasher, TransferRegistry)
+from .._core import Conductor, PrefillCostModel, TransferRegistry
 from ..errors import InvalidArgument, MooncakeError
+from .config import ServingConfig
 from .kv_events import endpoints_for
-from .control import Lost
 from .limits import Limits
-from .liveness import watch
-from .members import Member, mark_down, remove_segments_of, spawn_all
-from .protocol import (PROTOCOL_VERSION, Failed, InitFailed, InstanceSpec, Measure, Message, Ready, Stats,
-                       StatsReply, Stop, Timings)
-from .routed import RoutedCluster, new_conductor, request_output
-from .router import RequestRecord, Router, Shutdown, SwapConductor
+from .members import Members, SpawnedInstances, remove_segments_of, spawn_all
+from .protocol import Failed, InstanceSpec, Measure, Stop, Timings
+from .routed import RoutedCluster, default_prefill_model, new_conductor
 
 __all__ = ["Cluster", "remove_segments_of"]
 
 
 log = logging.getLogger("mooncake_rs.serving")
-
-
-class _RouterPort:
-    """The cluster as the router sees it (router.ClusterPort): these methods and
-    attributes, nothing else of the cluster's state."""
-
-    def __init__(self, cluster: "Cluster") -> None:
-        self._c = cluster
-        self.prefix_reuse = cluster.prefix_reuse
-        self.block_size = cluster.block_size
-        self.metrics = cluster.metrics
-
-    @property
-    def conductor(self) -> Any:
-        return self._c.conductor
-
-    @conductor.setter
-    def conductor(self, value: Any) -> None:  # SwapConductor, on the router thread
-        self._c.conductor = value
-
-    def send(self, inst: int, msg: Message) -> None:
-        m = self._c._members.get(inst)
-        if m is not None and m.alive:
-            m.ch.to_instance(msg)
-
-    def instance_ready(self, inst: int, msg: Ready | InitFailed) -> None:
-        m = self._c._members[inst]
-        if isinstance(msg, Ready):
-            if msg.version != PROTOCOL_VERSION:
-                m.error = f"protocol version {msg.version}, the cluster speaks {PROTOCOL_VERSION}"
-            m.info = msg
-        else:
-            m.error = msg.error
-        m.ready.set()
-
-    def instance_down(self, inst: int, reason: str) -> str | None:
-        return self._c._instance_down(inst, reason)
-
-    def peer_lost(self, inst: int, peer: int, reason: str) -> None:
-        c = self._c
-        m = c._members.get(peer)
-        if c._closed or m is None or not m.alive or m.proc is None or m.proc.poll() is not None:
-            return  # closing, or the peer is dead already (its own link says so)
-        log.warning("serving: %s lost its link to %s (%s); killing %s", c._members[inst].spec.name, m.spec.name,
-                    reason, m.spec.name)
-        m.proc.kill()  # its control link then closes: the usual death path
-
-    def exited(self) -> list[int]:
-        return [i for i, m in self._c._members.items() if m.alive and m.proc is not None and m.proc.poll() is not None]
-
-    def reply(self, inst: int, msg: Message) -> None:
-        self._c._measured.put((inst, msg))
-
-    def output(self, record: RequestRecord, reason: str) -> Any:
-        return request_output(record, reason)
-
-    def now(self) -> float:
-        return self._c._now()
 
 
 def _kv_events_of(eps: tuple[str, str] | None) -> dict[str, Any]:
@@ -151,104 +87,96 @@ class Cluster(RoutedCluster):
                  link_bandwidth: float | None = None, ssd_bytes_per_instance: int | None = None,
                  heartbeat_timeout_s: float | None = 10.0, kv_events: str | dict[str, str] | None = None,
                  kv_grants: bool = False, multipath: bool = False) -> None:
-        if not isinstance(prefill, int) or not isinstance(decode, int) or prefill < 1 or decode < 1:
-            raise InvalidArgument("a cluster needs prefill >= 1 and decode >= 1 instances")
-        if not isinstance(block_size, int) or block_size < 1:
-            raise InvalidArgument(f"block_size must be an int >= 1, got {block_size!r}")
-        if ssd_bytes_per_instance is not None and (not isinstance(ssd_bytes_per_instance, int) or ssd_bytes_per_instance < 0):
-            raise InvalidArgument(f"ssd_bytes_per_instance must be an int >= 0, got {ssd_bytes_per_instance!r}")
-        if heartbeat_timeout_s is not None and (
-                isinstance(heartbeat_timeout_s, bool) or not isinstance(heartbeat_timeout_s, (int, float))
-                or not 0 < heartbeat_timeout_s < math.inf):
-            raise InvalidArgument(f"heartbeat_timeout_s must be a positive number of seconds or None, "
-                                  f"got {heartbeat_timeout_s!r}")
-        if ssd_path is not None:
+        self._start(model, ServingConfig(
+            policy=policy, ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s, rejection=rejection, prefix_reuse=prefix_reuse,
+            multipath=multipath, seed=seed, heartbeat_timeout_s=heartbeat_timeout_s, block_size=block_size,
+            prefill=prefill, decode=decode, dram_bytes_per_instance=dram_bytes_per_instance, ssd_path=ssd_path,
+            ssd_bytes_per_instance=ssd_bytes_per_instance, processes=processes, stream_layers=stream_layers,
+            engine_kwargs=engine_kwargs or {}, link_bandwidth=link_bandwidth, kv_events=kv_events,
+            kv_grants=kv_grants, start_timeout_s=start_timeout_s))
+
+    @classmethod
+    def from_config(cls, model: Any, config: ServingConfig) -> "Cluster":
+        """A cluster of ``model`` as ``config`` says (``ServingConfig.from_args`` for a
+        command line's)."""
+        self = cls.__new__(cls)
+        self._start(model, config)
+        return self
+
+    def _start(self, model: Any, cfg: ServingConfig) -> None:
+        if cfg.ssd_path is not None:
             # Each instance's store gets its own SSD tier under ssd_path/<instance name>.
-            os.makedirs(ssd_path, exist_ok=True)
-        ssd_bytes = 0 if ssd_path is None else (
-            4 * int(dram_bytes_per_instance) if ssd_bytes_per_instance is None else ssd_bytes_per_instance)
-        self.block_size = block_size
-        self.processes = bool(processes)
-        self.prefix_reuse = bool(prefix_reuse)
-        self.multipath = bool(multipath)
-        self.seed = seed
+            os.makedirs(cfg.ssd_path, exist_ok=True)
+        self.processes = cfg.processes
+        self.seed = cfg.seed
+        self.kv_grants = cfg.kv_grants
         self._model = model
-        self._hasher = PrefixHasher(block_size, seed=0)
-        self._init_routing()
-        self._measured: queue.Queue[tuple[int, Message]] = queue.Queue()
-        self._stop_watch = threading.Event()
-        self._token = uuid.uuid4().hex[:8]
         self._transfer_token = secrets.token_hex(32)  # the workers' transfer engines share it
-        self.kv_grants = bool(kv_grants)
         self._registry = TransferRegistry()  # in-process: how the instances' engines find each other
-        self._members: dict[int, Member] = {}
-        self._cfg_args: dict[str, Any] = dict(block_size=block_size, ttft_slo_s=float(ttft_slo_s), tbt_slo_s=float(tbt_slo_s),
-                              policy=policy, rejection=rejection, seed=seed)
-        self.prefill_ids = list(range(prefill))
-        self.decode_ids = list(range(prefill, prefill + decode))
-        # until the instances report their real block bytes (the engine's dtype): a float32 estimate
-        self._layout_bytes = self._block_bytes(model, block_size)
-        # in-process instances beat from their loop (liveness.py); workers from a thread
-        self._heartbeat_timeout_s = None if heartbeat_timeout_s is None else float(heartbeat_timeout_s)
-        self._limits = Limits(self._model_config(model), block_size)  # instance capacities, once all are ready
-        self._engine_kwargs = dict(engine_kwargs or {})
+        self._prefill_model = default_prefill_model()
         self._decode_capacity: tuple[int, int] | None = None  # (batch, KV tokens), once the instances said
-        self._prefill_model = PrefillCostModel(c0=0.002, c_new=2e-5, c_new2=0.0, c_cross=0.0)
-        self._link_bandwidth = link_bandwidth
-        self.conductor = self._new_conductor(self._prefill_model)
-        names = {i: f"prefill-{i}" for i in self.prefill_ids} | {
-            i: f"decode-{i - prefill}" for i in self.decode_ids}
+        self._layout_bytes = 0  # the instances' block bytes (their engines' dtype), once they said
+        prefill_ids = list(range(cfg.prefill))
+        decode_ids = list(range(cfg.prefill, cfg.prefill + cfg.decode))
+        names = {i: f"prefill-{i}" for i in prefill_ids} | {i: f"decode-{i - cfg.prefill}" for i in decode_ids}
+        members = Members()
+        super().__init__(cfg, members, SpawnedInstances(members, lambda: self._closed), block_size=cfg.block_size,
+                         limits=Limits(self._model_config(model), cfg.block_size), names=names)
         #: prefill instance name -> (PUB, replay ROUTER) of its KV events (serving/kv_events.py)
-        self.kv_event_endpoints = endpoints_for(kv_events, [names[i] for i in self.prefill_ids])
-        self._router = Router(_RouterPort(self), names)
-        self._router_thread = threading.Thread(target=self._router.run, name="mooncake-router", daemon=True)
-        self._router_thread.start()
+        self.kv_event_endpoints = endpoints_for(cfg.kv_events, [names[i] for i in prefill_ids])
+        # in-process instances beat from their loop (liveness.py); workers from a thread
+        beat_s = (cfg.heartbeat_timeout_s or 0.0) / 4  # a few beats per timeout: one late beat is no false alarm
         try:
             wire_model = self._wire_model(model)
-            specs = [InstanceSpec(i, "prefill" if i in self.prefill_ids else "decode", names[i], wire_model, block_size,
-                                  int(dram_bytes_per_instance), seed, stream_layers, link_bandwidth,
-                                  dict(engine_kwargs or {}),
-                                  ssd_path=None if ssd_path is None else os.path.join(ssd_path, names[i]),
-                                  ssd_bytes=ssd_bytes,
-                                  # a few beats per timeout, so one late beat is no false alarm
-                                  heartbeat_s=(self._heartbeat_timeout_s or 0.0) / 4,
-                                  kv_grants=self.kv_grants,
+            specs = [InstanceSpec(i, "prefill" if i in prefill_ids else "decode", names[i], wire_model,
+                                  cfg.block_size, cfg.dram_bytes_per_instance, cfg.seed, cfg.stream_layers,
+                                  cfg.link_bandwidth, dict(cfg.engine_kwargs),
+                                  ssd_path=None if cfg.ssd_path is None else os.path.join(cfg.ssd_path, names[i]),
+                                  ssd_bytes=cfg.ssd_bytes, heartbeat_s=beat_s, kv_grants=cfg.kv_grants,
                                   **_kv_events_of(self.kv_event_endpoints.get(names[i])))
-                     for i in self.prefill_ids + self.decode_ids]
+                     for i in prefill_ids + decode_ids]
             # kv_grants across processes: a token of its own (sent privately in Init) for
             # each instance that connects out, the prefills; a decode instance only serves
             # (the cluster token authenticates unlisted names there, which hold no grant)
-            self._instance_tokens = {i: secrets.token_hex(32) for i in self.prefill_ids} \
-                if self.kv_grants and self.processes else {}
-            if self.processes:  # segments of an earlier cluster whose process was killed
+            self._instance_tokens = {i: secrets.token_hex(32) for i in prefill_ids} \
+                if cfg.kv_grants and cfg.processes else {}
+            if cfg.processes:  # segments of an earlier cluster whose process was killed
                 from .shm import clean_at_exit, sweep_dead
 
                 sweep_dead()
                 clean_at_exit()
             # filled in place, before any instance starts: a fast one's Ready may reach the
             # router before spawn_all returns
-            spawn_all(specs, self.processes, self._router.events, self._registry, self._transfer_token,
-                      self._instance_tokens, members=self._members)
-            deadline = time.monotonic() + start_timeout_s
-            for m in self._members.values():
+            spawn_all(specs, cfg.processes, self._router.events, self._registry, self._transfer_token,
+                      self._instance_tokens, members=members)
+            deadline = time.monotonic() + cfg.start_timeout_s
+            for m in members.values():
                 if not m.ready.wait(max(0.0, deadline - time.monotonic())) or m.error:
                     raise MooncakeError(f"instance {m.spec.name} did not start: {m.error or 'timeout'}")
-            ready = [m.info for m in self._members.values() if m.info is not None]
+            ready = members.ready_infos()
             self._limits.learn(ready)
-            # The conductor's transfer cost uses the block bytes the instances report (a
-            # bfloat16 engine's blocks are half a float32 estimate). Nothing is routed yet.
-            # ... and admission fills a decode instance to what its engine holds: its batch
-            # (max_num_seqs) and its KV pool, not a default sized for a large GPU
+            # The conductor, now that the instances said what they hold: its transfer cost
+            # on their real block bytes (a bfloat16 engine's blocks are half a float32's),
+            # and admission filling a decode instance to what its engine holds: its batch
+            # (max_num_seqs) and its KV pool, not a default sized for a large GPU.
             self._layout_bytes = max(r.block_bytes for r in ready)
-            self._decode_capacity = (int(self._engine_kwargs.get("max_num_seqs", 64)), self._limits.kv_tokens or 1_000_000)
-            self._swap_conductor(self._new_conductor(self._prefill_model, index=self.conductor.index))
+            self._decode_capacity = (int(cfg.engine_kwargs.get("max_num_seqs", 64)), self._limits.kv_tokens or 1_000_000)
+            self._swap_conductor(self._new_conductor(self._prefill_model))
         except BaseException:
             self.close()
             raise
-        if self._heartbeat_timeout_s is not None:
-            threading.Thread(target=watch, args=(lambda: list(self._members.values()), self._stop_watch,
-                                                 self._heartbeat_timeout_s, self._report_down),
-                             name="mooncake-watchdog", daemon=True).start()
+        if cfg.heartbeat_timeout_s is not None:
+            self._start_watchdog(cfg.heartbeat_timeout_s)
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """The prefill instances' ids (down ones too); a role switch moves an id."""
+        return self._members.ids("prefill")
+
+    @property
+    def decode_ids(self) -> list[int]:
+        """The decode instances' ids (down ones too); a role switch moves an id."""
+        return self._members.ids("decode")
 
     # ---- construction
     @staticmethod
@@ -261,15 +189,10 @@ class Cluster(RoutedCluster):
             return model_dir_config(model)
         return ModelConfig.preset(str(model))
 
-    @classmethod
-    def _block_bytes(cls, model: Any, block_size: int) -> int:
-        from ..base.layout import BlockLayout
-
-        return BlockLayout.for_model(cls._model_config(model), block_size, "float32").block_nbytes
-
     def _new_conductor(self, prefill_model: Any, index: Any = None) -> Conductor:
-        return new_conductor(self._cfg_args, self._layout_bytes, prefill_model, self.prefill_ids, self.decode_ids,
-                             index, decode_capacity=self._decode_capacity, link_bandwidth=self._link_bandwidth)
+        return new_conductor(self.config.conductor_args(self.config.block_size), self._layout_bytes, prefill_model,
+                             self.prefill_ids, self.decode_ids, index, decode_capacity=self._decode_capacity,
+                             link_bandwidth=self.config.link_bandwidth)
 
     @staticmethod
     def _wire_model(model: Any) -> str | dict[str, Any]:
@@ -278,24 +201,6 @@ class Cluster(RoutedCluster):
         if isinstance(model, (str, Path)):
             return str(model)
         return dataclasses.asdict(model)
-
-    def _swap_conductor(self, fresh: Conductor, timeout_s: float = 30.0) -> None:
-        """Replaces the conductor on the router thread (never under a call of its)."""
-        done = threading.Event()
-        self._router.post(SwapConductor(fresh, done))
-        if not done.wait(timeout_s):
-            raise MooncakeError("the router did not take the new conductor")
-
-    def _report_down(self, inst: int, reason: str) -> None:
-        """The watchdog: an in-process instance stopped beating. The router takes it as
-        a closed link (its usual death path)."""
-        self._router.events.put((inst, Lost(reason)))
-
-    def _instance_down(self, inst: int, reason: str) -> str | None:
-        m = self._members.get(inst)
-        if m is None or not m.alive:
-            return None
-        return mark_down(m, reason, quiet=self._closed)
 
     @staticmethod
     def connect(address: str | None = None, *, etcd: Any = None, auth_token: str, cluster: str = "default",
@@ -315,26 +220,6 @@ class Cluster(RoutedCluster):
         """The worker process id of an instance (``processes=True``), else None."""
         m = self._members.get(instance)
         return m.proc.pid if m is not None and m.proc is not None else None
-
-    def instance_stats(self, timeout_s: float = 30.0) -> dict[int, dict[str, float]]:
-        """Per live instance: bytes its transfer engine moved (``copied_bytes``), seconds its
-        transfers were in flight (``copy_busy_s``), blocks held, evictions. Call it idle."""
-        out = {}
-        for i, m in self._members.items():
-            if not m.alive:
-                continue
-            m.ch.to_instance(Stats())
-            reply = self._reply(timeout_s)
-            if not isinstance(reply, StatsReply):
-                raise MooncakeError(f"instance {m.spec.name} did not report its stats")
-            out[i] = reply.stats
-        return out
-
-    def _reply(self, timeout_s: float) -> Message | None:
-        try:
-            return self._measured.get(timeout=timeout_s)[1]
-        except queue.Empty:
-            return None
 
     def message_counts(self, timeout_s: float = 30.0) -> dict[str, int]:
         """Control messages sent so far on every link of the cluster, by op (``new``:
@@ -360,13 +245,13 @@ class Cluster(RoutedCluster):
         if self._router.in_flight():
             raise InvalidArgument("calibrate() needs an idle cluster")
         if points is None:
-            b = self.block_size
+            b = self.config.block_size
             points = [(n * b, c * b) for n in (1, 2, 4, 8, 16) for c in (0, 4, 16)]
-        inst = next((i for i in self.prefill_ids if self._members[i].alive), None)
+        inst = next((i for i in self.prefill_ids if self._members[i].live), None)
         if inst is None:
             raise MooncakeError("no live prefill instance to calibrate on")
-        self._members[inst].ch.to_instance(Measure([(int(n), int(c)) for n, c in points], repeats))
-        msg = self._reply(timeout_s)
+        pts = [(int(n), int(c)) for n, c in points]
+        msg = self._ask(inst, lambda qid: Measure(pts, repeats, qid=qid), timeout_s)
         if msg is None:
             raise MooncakeError(f"calibration did not finish within {timeout_s}s")
         if isinstance(msg, Failed):
@@ -376,8 +261,11 @@ class Cluster(RoutedCluster):
         samples = [(new + cached, cached, s) for new, cached, s in msg.timings]
         model = PrefillCostModel.fit(samples)
         self._prefill_model = model
-        # swapped on the router thread, which drops the instances it knows are down
-        self._swap_conductor(self._new_conductor(model, index=self.conductor.index))
+        # swapped on the router thread, which drops the instances it knows are down; never
+        # during a role switch (the fresh conductor is built from the pools it ends with)
+        with self._switch_lock:
+            assert self.conductor is not None  # built before the constructor returned
+            self._swap_conductor(self._new_conductor(model, index=self.conductor.index))
         self.calibration = samples
         return model
 
@@ -385,10 +273,19 @@ class Cluster(RoutedCluster):
         """Moves ``instance`` to the ``role`` pool ("prefill" or "decode") under load,
         failing no request: the conductor drains it, it finishes what it holds, takes the
         new role and comes back (serving/roles.py). Returns a ``roles.RoleSwitch``. Not
-        with ``kv_grants``; not while ``calibrate`` / ``instance_stats`` run."""
-        from .roles import switch_role
+        with ``kv_grants``. One switch at a time; ``calibrate`` and ``instance_stats`` may
+        run beside it (each call's answer carries its query id)."""
+        from .roles import check_role, switch_role
 
-        return switch_role(self, instance, role, timeout_s=timeout_s)
+        check_role(role, timeout_s)
+        if self._closed:
+            raise InvalidArgument("the cluster is closed")
+        if self.kv_grants:
+            raise InvalidArgument("switch_role is not supported with kv_grants=True (a decode arena is restricted and "
+                                  "each prefill has its own transfer token, both set up at spawn); start the cluster "
+                                  "with the roles it needs instead")
+        with self._switch_lock:
+            return switch_role(self.conductor, self._members, self._ask, instance, role, timeout_s=timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stops every instance (worker processes exit), fails what is in flight and
@@ -412,10 +309,7 @@ class Cluster(RoutedCluster):
                     m.proc.kill()
                     m.proc.wait(5)
                 m.ch.close()
-        self._router.post(Shutdown())
-        self._router_thread.join(5)
-        if not self._router_thread.is_alive():
-            self._router.fail_all(MooncakeError("the cluster was closed"))
+        self._stop_routing(MooncakeError("the cluster was closed"), 5.0)
         self._cleanup_shm()
 
     def _cleanup_shm(self) -> None:

@@ -14,6 +14,14 @@ why and closes that connection; it never raises into the process.
 - ``SocketChannel``: a stream socket (a ``socketpair`` made by the cluster at spawn)
   carrying length-prefixed msgpack frames, for worker processes: the control link and
   the peer links alike.
+- deploy/worker_link.py: a remote worker's ``ConductorLinks`` (its instance's channel)
+  and ``RelayPeers`` (its peers, reached through the conductor).
+
+Each kind implements a declared protocol, so no caller probes for a method: ``Link``
+(what every link is: ``send``, ``counts``, ``alive``, ``close``), ``InstanceChannel``
+(an instance's link to its cluster: ``recv``, ``beat``, ``adopt``, ``refuse_pending``)
+and ``ControlLink`` (the cluster's end of it: ``to_instance``, ``cluster_counts``,
+``last_seen``, ``last_beat``, ``fence``).
 
 Every link counts the messages it sends, by op (``counts``): the hop count of
 docs/serving.md is measured with them. A worker's control link also carries ``Beat``
@@ -32,11 +40,12 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from .protocol import Beat, Codec, Message, ProtocolError, Stop, op_of
 
-__all__ = ["CLUSTER", "Lost", "Detached", "Counts", "QueueChannel", "QueuePeer", "SocketChannel", "read_message"]
+__all__ = ["CLUSTER", "Lost", "Detached", "Counts", "Link", "InstanceChannel", "ControlLink", "QueueChannel",
+           "QueuePeer", "SocketChannel", "read_message"]
 
 log = logging.getLogger("mooncake_rs.serving")
 
@@ -77,6 +86,62 @@ class Counts:
             return collections.Counter(self._c)
 
 
+class Link(Protocol):
+    """Every link: where a message is sent, what it sent (by op), whether it is open."""
+
+    counts: Counts
+    alive: bool
+
+    def send(self, msg: Any) -> None:
+        """One message to the other end (dropped once the link is closed)."""
+
+    def close(self) -> None: ...
+
+
+class InstanceChannel(Link, Protocol):
+    """An instance's link to its cluster (or conductor): ``send`` goes to the cluster,
+    ``recv`` reads the instance's inbox (the cluster's messages and its peers')."""
+
+    def recv(self, timeout: float | None) -> tuple[int, Any] | None:
+        """The next ``(source, message)``; None after ``timeout`` (0: do not wait)."""
+
+    def beat(self, msg: Beat) -> None:
+        """The loop's heartbeat (in-process: stamped here; a worker's beat thread sends
+        its own, so a socket's is a no-op)."""
+
+    def adopt(self) -> None:
+        """The instance took an ``Attach`` (a worker across hosts): its link is the one
+        it serves from now on."""
+
+    def refuse_pending(self, msg: Message) -> None:
+        """Answers a pending ``Attach`` with ``msg`` and closes that link."""
+
+
+class ControlLink(Protocol):
+    """The cluster's end of an instance's control link."""
+
+    counts: Counts
+    alive: bool
+    last_seen: float  # time.monotonic() of the instance's last sign of life
+    last_beat: Beat | None  # its latest heartbeat (memory use)
+
+    @property
+    def cluster_counts(self) -> Counts:
+        """Messages the cluster sent on it (the same as ``counts`` on a socket, whose
+        ends each count their own sends)."""
+
+    def to_instance(self, msg: Message) -> None: ...
+
+    def fence(self) -> None:
+        """The instance was declared down: nothing it says from now on is taken."""
+
+    def close(self) -> None: ...
+
+
+def _not_across_hosts(what: str) -> None:
+    raise ProtocolError(f"{what}: only a worker across hosts (deploy/) is attached by a conductor")
+
+
 def _get(q: "queue.SimpleQueue[Any]", timeout: float | None) -> Any:
     """The next item of ``q``: waits up to ``timeout`` (None: forever, 0: not at all)."""
     try:
@@ -98,6 +163,7 @@ class QueueChannel:
         self.last_seen = time.monotonic()
         self.last_beat: Beat | None = None  # the latest heartbeat (the instance's memory use)
         self.fenced = False
+        self.alive = True
 
     # instance side
     def recv(self, timeout: float | None) -> tuple[int, Any] | None:
@@ -123,6 +189,12 @@ class QueueChannel:
         reads return ``Stop`` and its sends are dropped, so a thread that wakes up exits
         at its next read instead of acting on requests the cluster has failed."""
         self.fenced = True
+
+    def adopt(self) -> None:
+        _not_across_hosts("adopt")
+
+    def refuse_pending(self, msg: Message) -> None:
+        _not_across_hosts("refuse_pending")
 
     def to_instance(self, msg: Message) -> None:
         self.cluster_counts.add(msg)
@@ -248,6 +320,24 @@ class SocketChannel:
                 pass  # the reader notices the closed socket and reports it
 
     to_instance = send
+
+    @property
+    def cluster_counts(self) -> Counts:
+        """The cluster's end counts what it sends in ``counts``."""
+        return self.counts
+
+    def fence(self) -> None:
+        """A worker process is fenced by killing it (members.mark_down); a remote worker
+        by closing this link (its conductor's ``on_down``)."""
+
+    def beat(self, msg: Beat) -> None:
+        pass  # a worker's beat thread sends its beats on this link (worker.py)
+
+    def adopt(self) -> None:
+        _not_across_hosts("adopt")
+
+    def refuse_pending(self, msg: Message) -> None:
+        _not_across_hosts("refuse_pending")
 
     def recv(self, timeout: float | None) -> tuple[int, Any] | None:
         return _get(self._sink, timeout)

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 
 from .._core import BlockHashes
 from ..errors import MooncakeError, StoreFull
-from .protocol import (Cancel, Dest, Endpoint, Expect, Failed, InstanceSpec, KvReady, Message, Params, Prefill,
-                       ProtocolError, Step, Tokens, op_of)
+from .protocol import (Cancel, Dest, Expect, Failed, InstanceSpec, KvReady, Message, Params, Prefill, ProtocolError,
+                       Step, Tokens, op_of)
+from .role import RoleContext
 
 __all__ = ["DecodeRole"]
 
@@ -45,15 +46,21 @@ class _DState:
 
 
 class DecodeRole:
-    def __init__(self, spec: InstanceSpec, engine: Any, store: Any, transport: Any, endpoint: Endpoint,
-                 up: Callable[[Message], None], peers: dict[int, Any], flush: Callable[[], None]) -> None:
-        self.spec, self.engine, self.store, self.endpoint = spec, engine, store, endpoint
-        self.transport = transport
-        self.up = up  # to the cluster
-        self.peers = peers  # prefill instance id -> link
+    """A decode instance's behaviour (role.Role)."""
+
+    def __init__(self, ctx: RoleContext) -> None:
+        self.ctx = ctx
+        self.engine, self.store, self.endpoint = ctx.engine, ctx.store, ctx.endpoint
+        self.transport = ctx.transport
+        self.up = ctx.up  # to the cluster
+        self.peers = ctx.peers  # prefill instance id -> link
         self.waiting: dict[int, _DState] = {}
         self.active: set[int] = set()
         self._out: list[Tokens] = []  # sent together by send_pending (one frame per loop phase)
+
+    @property
+    def spec(self) -> InstanceSpec:
+        return self.ctx.spec
 
     def busy(self) -> bool:
         return False
@@ -103,7 +110,7 @@ class DecodeRole:
             self.up(Failed(rid, f"StoreFull: {e}"))
             return
         link = self.peers.get(msg.prefill)
-        if link is None or not getattr(link, "alive", True):
+        if link is None or not link.alive:
             self._cancel(rid)
             self.up(Failed(rid, f"prefill instance {msg.prefill} is not reachable"))
             return

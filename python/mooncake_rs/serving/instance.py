@@ -23,10 +23,11 @@ import msgspec
 
 from .._core import BlockHashes
 from .arena import StoreSlots
-from .control import CLUSTER, Detached, Lost
+from .control import CLUSTER, Detached, InstanceChannel, Lost
 from .decode import DecodeRole
 from .kv_events import KVEventsOut
 from .prefill import PrefillRole
+from .role import Role, RoleContext
 from .protocol import (PROTOCOL_VERSION, Attach, Beat, Cancel, Endpoint, Export, Exported, Failed, InitFailed,
                        InstanceSpec, KvReady, Measure, Message, PeerLost, Prefill, Ready, RoleSwitched, Stats,
                        StatsReply, Stop, StoreEvents, SwitchRole, Timings, Unpin)
@@ -56,7 +57,7 @@ class Instance:
         from ..engine import Engine
 
         self.spec = spec
-        self.ch = channel  # to the cluster; ``recv`` reads the inbox (cluster and peers)
+        self.ch: InstanceChannel = channel  # to the cluster; ``recv`` reads the inbox (cluster and peers)
         # shared with the roles, not copied: a remote worker's table (deploy/worker_link.py)
         # reaches any peer through its conductor
         self.peers: Any = peers if peers is not None else {}
@@ -78,13 +79,14 @@ class Instance:
             st = self.store.store.stats()
             self.kv_events = KVEventsOut(spec.kv_events, spec.kv_events_replay, spec.block_size,
                                          capacity=KVEventsOut.capacity_for(st.slots_dram + st.slots_ssd))
-        self.role: PrefillRole | DecodeRole = self._make_role()
+        self.role: Role = self._make_role()
         # a role switch (SwitchRole, Cluster.switch_role): the role asked for, until this
         # instance holds nothing and takes it; the role it had before (late messages of
         # requests it dropped still reach it, see handle); arenas registered for an
         # earlier role, unregistered once no pin of a peer's fetch may read them
         self._switch_to: str | None = None
-        self._former: PrefillRole | DecodeRole | None = None
+        self._switch_qid = 0  # the SwitchRole's query id, which RoleSwitched answers
+        self._former: Role | None = None
         self._retired: list[Any] = []
         self.stopped = False
         # the latest memory use, refreshed by the loop every beat period: what a worker's
@@ -93,14 +95,10 @@ class Instance:
         self._beat_every = spec.heartbeat_s if spec.heartbeat_s > 0 else 1.0
         self._beat_next = 0.0
 
-    def _make_role(self) -> PrefillRole | DecodeRole:
-        spec = self.spec
-        role_cls = PrefillRole if spec.role == "prefill" else DecodeRole
-        role = role_cls(spec, self.engine, self.store, self.transport, self.endpoint, self.ch.send, self.peers,
-                        self.flush_store_events)
-        if isinstance(role, PrefillRole) and self.kv_events is not None:
-            role.kv_events = self.kv_events
-        return role
+    def _make_role(self) -> Role:
+        ctx = RoleContext(self.spec, self.engine, self.store, self.transport, self.endpoint, self.ch.send, self.peers,
+                          self.flush_store_events, self.kv_events)
+        return PrefillRole(ctx) if self.spec.role == "prefill" else DecodeRole(ctx)
 
     # ---- the loop
     def run(self) -> None:
@@ -167,7 +165,7 @@ class Instance:
     def attach(self, msg: Attach) -> None:
         """A conductor service took this worker (deploy/): serve as ``msg.id`` from now
         on, after dropping what an earlier conductor left, and tell it all the store holds."""
-        if msg.name != self.spec.name and hasattr(self.ch, "refuse_pending"):
+        if msg.name != self.spec.name:
             # A conductor that took another worker's record for this one (a copy in etcd
             # under another name, pointing here through a relay): refusing keeps the
             # conductor that attached this worker under its own name.
@@ -180,7 +178,7 @@ class Instance:
                                     f"{PROTOCOL_VERSION}"))
             return
         self.spec = msgspec.structs.replace(self.spec, id=msg.id)
-        self.role.spec = self.spec
+        self.role.ctx.spec = self.spec
         self.ch.send(self.ready())
         if self.spec.role == "prefill":
             self._announce_held()
@@ -225,19 +223,19 @@ class Instance:
                 case Unpin(rid=rid):
                     for blk in self._pins.pop(rid, []):
                         blk.release()
-                case Stats():
-                    self.ch.send(StatsReply(self.stats()))
-                case SwitchRole(role=role):
-                    self._switch_to = role
+                case Stats(qid=qid):
+                    self.ch.send(StatsReply(self.stats(), qid=qid))
+                case SwitchRole(role=role, qid=qid):
+                    self._switch_to, self._switch_qid = role, qid
                     self._switch_role()
-                case Measure(points=points, repeats=repeats):
+                case Measure(points=points, repeats=repeats, qid=qid):
                     # one point at a time (each warms up on its own anyway), beating in between:
                     # a long calibration in-process is no wedged loop (liveness.py)
                     timings = []
                     for point in points:
                         timings += self.engine.measure_prefill([point], repeats=repeats)
                         self._beat()
-                    self.ch.send(Timings([(t.new_tokens, t.cached_tokens, t.seconds) for t in timings]))
+                    self.ch.send(Timings([(t.new_tokens, t.cached_tokens, t.seconds) for t in timings], qid=qid))
                 case Prefill() | KvReady() | Cancel() if self._former is not None:
                     self._after_switch(src, msg)
                 case _:
@@ -245,7 +243,9 @@ class Instance:
         except Exception as e:  # a bad request fails that request, not the instance
             log.exception("instance %s: %s failed", self.spec.name, type(msg).__name__)
             of = getattr(msg, "rid", None)
-            self.ch.send(Failed(of if isinstance(of, int) else None, f"{type(e).__name__}: {e}"))
+            # a call of the cluster's own (stats, calibration, a switch) is answered under its query id
+            qid = msg.qid if isinstance(msg, (Stats, Measure, SwitchRole)) else 0
+            self.ch.send(Failed(of if isinstance(of, int) else None, f"{type(e).__name__}: {e}", qid=qid))
 
     def _switch_role(self) -> None:
         """Takes the role ``SwitchRole`` asked for once this instance holds nothing (no
@@ -271,7 +271,7 @@ class Instance:
             self.endpoint = Endpoint(str(ep["name"]), str(ep["address"]), int(ep["region"]))
             self._former, self.role = self.role, self._make_role()
             log.info("instance %s: now a %s instance", spec.name, to)
-        self.ch.send(RoleSwitched(self.spec.role, self.endpoint))
+        self.ch.send(RoleSwitched(self.spec.role, self.endpoint, qid=self._switch_qid))
         if to == "prefill":  # what it kept as a decode instance is reusable now
             self._announce_held()
 
@@ -287,11 +287,11 @@ class Instance:
         if isinstance(msg, Cancel):
             known = self.role.holds(msg.rid)
             self.role.handle(src, msg)
-            if not known and type(former) is not type(self.role):
+            if not known and former.ctx.spec.role != self.spec.role:
                 former.handle(src, msg)
-        elif isinstance(msg, Prefill) and isinstance(self.role, DecodeRole):
+        elif isinstance(msg, Prefill) and self.spec.role == "decode":
             former.handle(src, msg)
-        elif isinstance(msg, KvReady) and isinstance(self.role, PrefillRole):
+        elif isinstance(msg, KvReady) and self.spec.role == "prefill":
             former.handle(src, msg)
         else:
             self.role.handle(src, msg)
@@ -308,9 +308,7 @@ class Instance:
         sched = self.engine.scheduler
         self.usage = Beat(self.engine.cache.num_pages, self.engine.num_free_pages, st.blocks_dram, st.slots_dram,
                           st.bytes_dram, len(sched.running), len(sched.waiting))
-        beat = getattr(self.ch, "beat", None)  # QueueChannel; a worker's beat thread sends ``usage``
-        if beat is not None:
-            beat(self.usage)
+        self.ch.beat(self.usage)  # in-process: stamped; a worker's beat thread sends ``usage`` itself
 
     def stats(self) -> dict[str, float]:
         t = self.transport

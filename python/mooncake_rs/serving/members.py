@@ -1,7 +1,11 @@
 """The cluster's instances as members: how they are started (threads in this process,
 or worker processes) with their control links and peer links, and what is known of
-each (ready, alive, its capacities, why it went down). ``Cluster`` owns the members;
-the router sees them only through the cluster's port.
+each (ready, alive, its role, its capacities, why it went down).
+
+``Members`` is the table of one routed cluster (routed.py): add, ready, down, the roles'
+pools and the instances' memory use as of their heartbeats. ``SpawnedInstances`` is the
+membership source of an embedded ``Cluster`` (instances it started itself); the
+conductor service's is deploy/service.py's (workers found in etcd).
 """
 
 from __future__ import annotations
@@ -13,14 +17,15 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from .._core import remove_shm_segments_of
-from .control import Lost, QueueChannel, QueuePeer, SocketChannel
-from .protocol import FROM_INSTANCE, PROTOCOL_VERSION, Codec, Init, InstanceSpec, Ready
+from .control import ControlLink, Lost, QueueChannel, QueuePeer, SocketChannel
+from .protocol import FROM_INSTANCE, PROTOCOL_VERSION, Codec, Init, InitFailed, InstanceSpec, Ready
 
-__all__ = ["Member", "spawn_all", "mark_down", "remove_segments_of"]
+__all__ = ["Member", "Members", "SpawnedInstances", "spawn_all", "mark_down", "remove_segments_of"]
 
 log = logging.getLogger("mooncake_rs.serving")
 
@@ -32,9 +37,10 @@ def remove_segments_of(pid: int) -> None:
 
 
 class Member:
-    def __init__(self, spec: InstanceSpec, channel: Any, proc: subprocess.Popen[bytes] | None = None,
+    def __init__(self, spec: InstanceSpec, channel: ControlLink, proc: subprocess.Popen[bytes] | None = None,
                  thread: threading.Thread | None = None) -> None:
         self.spec, self.ch, self.proc, self.thread = spec, channel, proc, thread
+        self.role = spec.role  # the pool it serves now (a role switch changes it, roles.py)
         self.ready = threading.Event()
         self.alive = True
         self.error: str | None = None
@@ -44,22 +50,163 @@ class Member:
         self.remote = False  # a worker of another host (deploy/): neither our thread nor our child
         self.record: Any = None  # deploy/: its etcd record
 
+    @property
+    def live(self) -> bool:
+        """Alive and ready: the conductor routes to it."""
+        return self.alive and self.info is not None
+
     def cluster_counts(self) -> collections.Counter[str]:
         """Messages the cluster sent this instance."""
-        c = getattr(self.ch, "cluster_counts", None) or self.ch.counts
-        return c.snapshot()
+        return self.ch.cluster_counts.snapshot()
+
+
+class Members:
+    """The instances of one routed cluster, by id. Written by the thread that adds an
+    instance and by the router thread (ready, down); read from any thread."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, Member] = {}
+        self._lock = threading.Lock()
+
+    # ---- the table
+    def add(self, m: Member) -> None:
+        with self._lock:
+            self._by_id[m.spec.id] = m
+
+    def __setitem__(self, inst: int, m: Member) -> None:
+        if inst != m.spec.id:
+            raise ValueError(f"member {m.spec.name} has id {m.spec.id}, not {inst}")
+        self.add(m)
+
+    def get(self, inst: int) -> Member | None:
+        return self._by_id.get(inst)
+
+    def __getitem__(self, inst: int) -> Member:
+        return self._by_id[inst]
+
+    def __contains__(self, inst: object) -> bool:
+        return inst in self._by_id
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(self._by_id))
+
+    def values(self) -> list[Member]:
+        return list(self._by_id.values())
+
+    def items(self) -> list[tuple[int, Member]]:
+        return list(self._by_id.items())
+
+    def live(self) -> dict[int, Member]:
+        """Alive and ready instances, by id."""
+        return {i: m for i, m in self.items() if m.live}
+
+    def ready_infos(self) -> list[Ready]:
+        """The ``Ready`` of every live instance (its capacities; Limits learns them)."""
+        return [m.info for m in self.values() if m.live and m.info is not None]
+
+    # ---- ready and down (the router thread)
+    def ready(self, inst: int, msg: Ready | InitFailed, speaker: str = "the cluster",
+              admit: Callable[[Member, Ready], str | None] | None = None) -> str | None:
+        """Instance ``inst`` answered: records its ``Ready`` (or why it did not start) and
+        wakes whoever waits for it. ``admit(member, ready)``, before it counts as live:
+        takes it into service (the conductor), or says why not. Returns the error, None
+        when it is ready."""
+        m = self._by_id[inst]
+        if not m.alive:  # declared down first (it did not answer in time): a late answer admits nothing
+            return m.error or "the instance is down"
+        if isinstance(msg, InitFailed):
+            err: str | None = msg.error
+        elif msg.version != PROTOCOL_VERSION:
+            err = f"protocol version {msg.version}, {speaker} speaks {PROTOCOL_VERSION}"
+        else:
+            err = None if admit is None else admit(m, msg)
+        if err is None:
+            assert isinstance(msg, Ready)
+            m.info = msg
+        else:
+            m.error = err
+        m.ready.set()
+        return err
+
+    def down(self, inst: int, reason: str) -> Member | None:
+        """Marks a live member dead; the member, or None if it was not alive."""
+        m = self._by_id.get(inst)
+        if m is None or not m.alive:
+            return None
+        m.alive = False
+        if not m.ready.is_set():
+            m.error = m.error or reason or "the instance went away during start-up"
+            m.ready.set()
+        return m
+
+    # ---- the roles' pools
+    def ids(self, role: str) -> list[int]:
+        """Every instance of ``role`` (down ones too: the ids a conductor is built over)."""
+        return sorted(i for i, m in self.items() if m.role == role)
+
+    def switched(self, inst: int, role: str) -> None:
+        """``inst`` serves ``role`` from now on (roles.py, once the instance said so)."""
+        self._by_id[inst].role = role
+
+    # ---- memory use, as of the heartbeats
+    def usage(self) -> dict[int, dict[str, float]]:
+        """Per live instance, its memory use as of its latest heartbeat (see
+        ``RoutedCluster.kv_usage``); an instance that has not beaten yet is left out."""
+        out: dict[int, dict[str, float]] = {}
+        now = time.monotonic()
+        for i, m in self.items():
+            b = m.ch.last_beat
+            if not m.alive or b is None or b.kv_pages < 0:
+                continue
+            out[i] = {"kv_used_blocks": float(b.kv_pages - b.kv_free_pages), "kv_free_blocks": float(b.kv_free_pages),
+                      "store_used_blocks": float(b.store_blocks), "store_slots": float(b.store_slots),
+                      "store_used_bytes": float(b.store_bytes), "engine_running": float(b.running),
+                      "engine_waiting": float(b.waiting), "heartbeat_age_seconds": now - m.ch.last_seen}
+        return out
+
+
+class SpawnedInstances:
+    """The membership source of an embedded cluster (routed.MembershipSource): instances
+    it started itself, in threads or child processes (``spawn_all``)."""
+
+    def __init__(self, members: Members, closing: Callable[[], bool]) -> None:
+        self.members = members
+        self._closing = closing
+
+    def on_ready(self, inst: int, msg: Ready | InitFailed) -> None:
+        self.members.ready(inst, msg)
+
+    def on_down(self, inst: int, reason: str) -> str | None:
+        m = self.members.get(inst)
+        if m is None or not m.alive:
+            return None
+        return mark_down(m, reason, quiet=self._closing())
+
+    def on_peer_lost(self, inst: int, peer: int, reason: str) -> None:
+        m = self.members.get(peer)
+        if self._closing() or m is None or not m.alive or m.proc is None or m.proc.poll() is not None:
+            return  # closing, or the peer is dead already (its own link says so)
+        log.warning("serving: %s lost its link to %s (%s); killing %s", self.members[inst].spec.name, m.spec.name,
+                    reason, m.spec.name)
+        m.proc.kill()  # its control link then closes: the usual death path
+
+    def exited(self) -> list[int]:
+        return [i for i, m in self.members.items() if m.alive and m.proc is not None and m.proc.poll() is not None]
 
 
 
 def spawn_all(specs: list[InstanceSpec], processes: bool, events: Any, registry: Any,
               transfer_token: str, instance_tokens: dict[int, str] | None = None, *,
-              members: dict[int, Member] | None = None) -> dict[int, Member]:
+              members: Members | dict[int, Member] | None = None) -> Members | dict[int, Member]:
     """Starts every instance with its control link to the cluster (into ``events``) and
     a peer link to every other instance (decode hands requests to prefill directly; links
     between instances of one role carry nothing until one of them switches roles). ``instance_tokens`` (worker processes, ``kv_grants``): instance id -> its
     own transfer token; each worker gets its own and every other one's by engine name.
 
-    ``members``: the dict to fill (the cluster's own). Each member is in it before its
+    ``members``: the table to fill (the cluster's own). Each member is in it before its
     instance can say anything: an in-process instance may send ``Ready`` before this
     function returns, and the router looks the sender up in this dict when it does."""
     # every pair of instances, not only prefill x decode: an instance can change its role
@@ -67,7 +214,7 @@ def spawn_all(specs: list[InstanceSpec], processes: bool, events: Any, registry:
     # role on links that exist already (a worker's links are fds it inherits at spawn)
     ids = [s.id for s in specs]
     pairs = [(a, b) for i, a in enumerate(ids) for b in ids[i + 1:]]
-    members = {} if members is None else members
+    members = Members() if members is None else members
     if not processes:
         chans = {s.id: QueueChannel(s.id, events) for s in specs}
         peers: dict[int, dict[int, Any]] = {s.id: {} for s in specs}

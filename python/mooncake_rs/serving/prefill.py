@@ -2,9 +2,9 @@
 
 For each request a decode instance hands it (``Prefill``, on the peer link, with the
 slots it reserved): take the prefix blocks this instance holds, fetch the ones the
-decision names from their holder into the local store (one copy from the holder's
-arena; then ``Fetched`` tells the cluster the holder may unpin; with ``fetch_also``, a
-``MultiFetch`` reads a share from each holder at once, see multisource.py), load them all into
+decision names from their holders into the local store (a ``MultiFetch``, multisource.py:
+a share from each holder at once, or all of it from the one holder when the decision
+names no others; then ``Fetched`` tells the cluster the holders may unpin), load them all into
 pages through ``Engine.add_request(restored_kv=...)``, and compute the rest in chunks.
 After each layer of each step, ``on_layer`` saves that layer's part of every newly
 completed full block into a reserved store slot and queues its copy into the slot the
@@ -25,14 +25,15 @@ import collections
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 
-from .._core import BlockHashes, WritableBlock
+from .._core import BlockHashes
 from .multisource import FetchSource, MultiFetch
-from .protocol import (Cancel, Cancelled, Endpoint, Failed, Fetched, InstanceSpec, KvReady, Message, Prefill,
-                       PrefillReport, ProtocolError, op_of)
+from .protocol import (Cancel, Cancelled, Failed, Fetched, InstanceSpec, KvReady, Message, Prefill, PrefillReport,
+                       ProtocolError, op_of)
+from .role import RoleContext
 from .transport import Span
 
 __all__ = ["PrefillRole"]
@@ -81,27 +82,31 @@ class _PState:
     done: bool = False
     t_compute: float = 0.0
     msg: Any = None  # the Prefill, until computing starts
-    fetching: list[Any] = field(default_factory=list)  # the fetch in flight: Blocks held, WritableBlocks read into
     in_fetch: bool = False
-    multi: MultiFetch | None = None  # a multi-source fetch in flight (it holds its own slots)
+    fetch: MultiFetch | None = None  # the prefix fetch in flight (it holds its own slots)
     sources: int = 0  # holders the fetch read from
-    fetch_bytes: int = 0  # bytes a multi-source fetch moved (under its own transport tags)
+    fetch_bytes: int = 0  # bytes the fetch moved (under its own transport tags)
     fetch_s: float = 0.0  # the fetch's start (monotonic), then how long it took
 
 
 class PrefillRole:
-    kv_events: Any = None  # a kv_events.KVEventsOut, set by the instance when it publishes
+    """A prefill instance's behaviour (role.Role)."""
 
-    def __init__(self, spec: InstanceSpec, engine: Any, store: Any, transport: Any, endpoint: Endpoint,
-                 up: Callable[[Message], None], peers: dict[int, Any], flush: Callable[[], None]) -> None:
-        self.spec, self.engine, self.store, self.transport = spec, engine, store, transport
-        self.layout = engine.layout
-        self.up = up  # to the cluster
-        self.peers = peers  # decode instance id -> link
-        self.flush = flush  # store events to the cluster
+    def __init__(self, ctx: RoleContext) -> None:
+        self.ctx = ctx
+        self.engine, self.store, self.transport = ctx.engine, ctx.store, ctx.transport
+        self.layout = ctx.engine.layout
+        self.up = ctx.up  # to the cluster
+        self.peers = ctx.peers  # decode instance id -> link
+        self.flush = ctx.flush  # store events to the cluster
+        self.kv_events = ctx.kv_events  # a kv_events.KVEventsOut when the instance publishes
         self.reqs: dict[int, _PState] = {}
         self._overtaken = _Recent()  # cancelled before their Prefill came
         self._seen = _Recent()
+
+    @property
+    def spec(self) -> InstanceSpec:
+        return self.ctx.spec
 
     def busy(self) -> bool:
         return any(st.done or st.in_fetch for st in self.reqs.values())
@@ -154,75 +159,32 @@ class PrefillRole:
             if fetch is not None:
                 self.up(Fetched(rid))  # not fetched after all: the holder may let go
             self._compute(st)
-        elif msg.fetch_also:
-            self._fetch_multi(st, msg)
         else:
-            self._fetch_async(st, fetch)
+            self._fetch(st, msg)
 
-    def _fetch_async(self, st: _PState, fetch: Any) -> None:
-        """Starts one read of every block to fetch and returns: the instance loop goes on
-        computing other requests; ``poll`` finishes the fetch when the read has ended."""
-        store = self.store
-        st.fetch_s = time.monotonic()
-        st.fetching = store.hold_or_reserve(BlockHashes(fetch.keys))
-        spans = [Span(s.offset, off, store.block_bytes) for s, off in zip(st.fetching, fetch.offsets)
-                 if isinstance(s, WritableBlock)]
-        if spans:
-            st.in_fetch = True
-            self.transport.read(st.rid, fetch.arena.as_dict(), spans)
-        else:
-            self._fetched(st)
-
-    def _fetch_multi(self, st: _PState, msg: Prefill) -> None:
-        """Starts a read of each holder's share (``fetch_split``, made by the cluster from
-        the holders' free bandwidth) and returns; ``poll`` drives it to its end."""
+    def _fetch(self, st: _PState, msg: Prefill) -> None:
+        """Starts a read of each holder's share (the decision's holder alone, or with
+        ``fetch_also`` the others too, split by ``fetch_split``, which the cluster made from
+        the holders' free bandwidth) and returns: the instance loop goes on computing
+        other requests; ``poll`` drives the fetch to its end."""
         fetch = msg.fetch
         assert fetch is not None
         sources = [FetchSource(f.holder, f.arena.as_dict(), f.offsets) for f in (fetch, *msg.fetch_also)]
-        st.multi = MultiFetch(self.transport, self.store, BlockHashes(fetch.keys).tolist(), sources,
+        st.fetch = MultiFetch(self.transport, self.store, BlockHashes(fetch.keys).tolist(), sources,
                               msg.fetch_split or None)
         st.in_fetch, st.fetch_s = True, time.monotonic()
-        st.multi.start()
+        st.fetch.start()
 
-    def _multi_fetched(self, st: _PState, mf: MultiFetch) -> None:
+    def _fetched(self, st: _PState, mf: MultiFetch) -> None:
         """Every share has ended: the run is committed whole or not at all (a share that
-        failed and could not be read around): then the rest is computed."""
-        st.in_fetch, st.multi = False, None
+        failed and could not be read around), the cluster is told, the rest computed."""
+        st.in_fetch, st.fetch = False, None
         st.fetch_s = time.monotonic() - st.fetch_s
         res = mf.finish()
         st.leases.extend(res.blocks)
         st.fetched += res.fetched
         st.fetch_bytes += res.bytes
         st.sources = sum(1 for n in res.per_holder.values() if n) if res.error is None else 0
-        self.up(Fetched(st.rid))
-        self._compute(st)
-
-    def _fetched(self, st: _PState) -> None:
-        """The read ended: commit what it brought (all of it, or none after an error:
-        the rest is computed), tell the cluster, start computing."""
-        st.in_fetch = False
-        st.fetch_s = time.monotonic() - st.fetch_s
-        err = self.transport.error(st.rid)
-        got, ok = [], err is None
-        for s in st.fetching:
-            if not isinstance(s, WritableBlock):  # held here already
-                if ok:
-                    got.append(s)
-                else:
-                    s.release()
-                continue
-            if not ok:  # after an error (or a lost commit) nothing more of the prefix counts
-                s.abort()
-                continue
-            b = self.store.commit(s, lease=True)
-            if b is None:
-                ok = False
-                continue
-            got.append(b)
-            st.fetched += 1
-        st.fetching = []
-        st.leases.extend(got)
-        st.sources = 1 if st.fetched else 0
         self.up(Fetched(st.rid))
         self._compute(st)
 
@@ -314,12 +276,9 @@ class PrefillRole:
     def poll(self) -> None:
         for st in [st for st in self.reqs.values() if st.in_fetch]:
             try:
-                mf = st.multi
-                if mf is not None:
-                    if mf.poll():
-                        self._multi_fetched(st, mf)
-                elif not self.transport.pending(st.rid):
-                    self._fetched(st)
+                mf = st.fetch
+                if mf is not None and mf.poll():
+                    self._fetched(st, mf)
             except Exception as e:  # noqa: BLE001 - fails alone, like a bad Prefill
                 self._drop(st.rid)
                 self.up(Failed(st.rid, f"{type(e).__name__}: {e}"))
@@ -374,13 +333,8 @@ class PrefillRole:
             st.partial.abort()
         for s in st.leases:
             s.release()
-        for s in st.fetching:
-            if isinstance(s, WritableBlock):
-                s.abort()
-            else:
-                s.release()
-        if st.multi is not None:  # waits for its reads (they write into its slots), then frees them
-            st.multi.abort()
-            st.multi = None
+        if st.fetch is not None:  # waits for its reads (they write into its slots), then frees them
+            st.fetch.abort()
+            st.fetch = None
         transport.take_bytes(rid)
         return True

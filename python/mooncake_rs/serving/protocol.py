@@ -384,6 +384,9 @@ class Step(_Msg, frozen=True, tag="step"):
 class Failed(_Msg, frozen=True, tag="failed"):
     rid: Union[int, None]
     error: str
+    #: the query this answers / asks (the cluster's own calls: stats, calibration, a role
+    #: switch), so a reply finds its caller however the calls interleave (0: none)
+    qid: int = 0
 
 
 class Cancel(_Msg, frozen=True, tag="cancel"):
@@ -415,20 +418,31 @@ class StoreEvents(_Msg, frozen=True, tag="store"):
 
 
 class Stats(_Msg, frozen=True, tag="stats"):
-    pass
+    #: the query this answers / asks (the cluster's own calls: stats, calibration, a role
+    #: switch), so a reply finds its caller however the calls interleave (0: none)
+    qid: int = 0
 
 
 class StatsReply(_Msg, frozen=True, tag="stats_reply"):
     stats: dict[str, float]
+    #: the query this answers / asks (the cluster's own calls: stats, calibration, a role
+    #: switch), so a reply finds its caller however the calls interleave (0: none)
+    qid: int = 0
 
 
 class Measure(_Msg, frozen=True, tag="measure"):
     points: list[tuple[int, int]]
     repeats: int = 3
+    #: the query this answers / asks (the cluster's own calls: stats, calibration, a role
+    #: switch), so a reply finds its caller however the calls interleave (0: none)
+    qid: int = 0
 
 
 class Timings(_Msg, frozen=True, tag="timings"):
     timings: list[tuple[int, int, float]]
+    #: the query this answers / asks (the cluster's own calls: stats, calibration, a role
+    #: switch), so a reply finds its caller however the calls interleave (0: none)
+    qid: int = 0
 
 
 class Stop(_Msg, frozen=True, tag="stop"):
@@ -441,6 +455,9 @@ class SwitchRole(_Msg, frozen=True, tag="switch_role"):
     drained the instance first, so nothing new comes meanwhile."""
 
     role: str
+    #: the query this answers / asks (the cluster's own calls: stats, calibration, a role
+    #: switch), so a reply finds its caller however the calls interleave (0: none)
+    qid: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -453,6 +470,9 @@ class RoleSwitched(_Msg, frozen=True, tag="role_switched"):
 
     role: str
     arena: Endpoint
+    #: the query this answers / asks (the cluster's own calls: stats, calibration, a role
+    #: switch), so a reply finds its caller however the calls interleave (0: none)
+    qid: int = 0
 
 
 Message = Union[Init, Attach, Relay, Ready, InitFailed, Beat, Expect, Prefill, KvReady, Export, Exported, Unpin,

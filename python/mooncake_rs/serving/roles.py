@@ -29,28 +29,25 @@ The instance keeps its id and name (``prefill-0`` stays the name of instance 0: 
 its transfer engine's name, which peers know it by). ``Cluster.prefill_ids`` /
 ``decode_ids`` follow the switch. Not supported: ``kv_grants=True`` (a decode arena is
 restricted and each prefill has its own transfer token, set up at spawn), and calling it
-while ``calibrate`` or ``instance_stats`` run (they share the cluster's reply queue).
+One switch at a time per cluster (``Cluster.switch_role`` holds its lock);
+``calibrate`` and ``instance_stats`` may run beside it: every call's answer carries the
+query id it answers (replies.py).
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import InvalidArgument, MooncakeError
-from .protocol import Failed, RoleSwitched, SwitchRole
+from .members import Members
+from .protocol import Failed, Message, RoleSwitched, SwitchRole
 
 __all__ = ["RoleSwitch", "switch_role"]
 
 ROLES = ("prefill", "decode")
 _POLL_S = 0.005  # how often the drain is checked (a conductor call: cheap)
-
-# one switch at a time per cluster (they share the reply queue and the pools' counts)
-_locks: dict[int, threading.Lock] = {}
-_locks_guard = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -66,45 +63,36 @@ class RoleSwitch:
     total_s: float
 
 
-def _lock_of(cluster: Any) -> threading.Lock:
-    with _locks_guard:
-        return _locks.setdefault(id(cluster), threading.Lock())
+Ask = Callable[[int, Callable[[int], Message], float], "Message | None"]
 
 
-def role_of(cluster: Any, instance: int) -> str:
-    return "prefill" if instance in cluster.prefill_ids else "decode"
-
-
-def switch_role(cluster: Any, instance: int, role: str, *, timeout_s: float = 120.0) -> RoleSwitch:
-    """Drains ``instance``, switches it to ``role`` and puts it back in service (see the
-    module docstring). Returns a ``RoleSwitch``; switching to the role it has is a no-op."""
+def check_role(role: str, timeout_s: Any) -> None:
     if role not in ROLES:
         raise InvalidArgument(f"role must be 'prefill' or 'decode', got {role!r}")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
         raise InvalidArgument(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-    with _lock_of(cluster):
-        return _switch(cluster, instance, role, float(timeout_s))
 
 
-def _switch(c: Any, inst: int, role: str, timeout_s: float) -> RoleSwitch:
+def switch_role(cond: Any, members: Members, ask: Ask, inst: int, role: str, *,
+                timeout_s: float = 120.0) -> RoleSwitch:
+    """Drains ``inst``, switches it to ``role`` and puts it back in service (see the
+    module docstring), on conductor ``cond`` and in the ``members`` table (whose pools
+    follow the switch); ``ask(inst, make, timeout_s)`` sends the instance ``make(qid)``
+    and waits for its answer. Returns a ``RoleSwitch``; switching to the role it has is
+    a no-op."""
+    check_role(role, timeout_s)
     t0 = time.monotonic()
-    if c._closed:
-        raise InvalidArgument("the cluster is closed")
-    if c.kv_grants:
-        raise InvalidArgument("switch_role is not supported with kv_grants=True (a decode arena is restricted and "
-                              "each prefill has its own transfer token, both set up at spawn); start the cluster "
-                              "with the roles it needs instead")
-    m = c._members.get(inst)
-    if m is None or not m.alive:
-        raise InvalidArgument(f"instance {inst} is not a live instance of this cluster (live: {c.instances()})")
-    old = role_of(c, inst)
+    timeout_s = float(timeout_s)
+    m = members.get(inst)
+    if m is None or not m.live:
+        live = {i: x.spec.name for i, x in members.live().items()}
+        raise InvalidArgument(f"instance {inst} is not a live instance of this cluster (live: {live})")
+    old = m.role
     if old == role:
         return RoleSwitch(inst, m.spec.name, old, role, 0.0, 0.0)
-    pool = c.prefill_ids if old == "prefill" else c.decode_ids
-    if not any(i != inst and c._members[i].alive for i in pool):
+    if not any(i != inst and members[i].alive for i in members.ids(old)):
         raise InvalidArgument(f"instance {inst} is the last live {old} instance; the cluster needs one of each "
                               f"(switch another instance to {old} first)")
-    cond = c.conductor
     cond.drain_instance(inst)
     deadline = t0 + timeout_s
     try:
@@ -123,8 +111,7 @@ def _switch(c: Any, inst: int, role: str, timeout_s: float) -> RoleSwitch:
             pass
         raise
     t_drained = time.monotonic()
-    m.ch.to_instance(SwitchRole(role))
-    reply = _reply_of(c, inst, max(deadline - time.monotonic(), 5.0))
+    reply = ask(inst, lambda qid: SwitchRole(role, qid=qid), max(deadline - time.monotonic(), 5.0))
     if not isinstance(reply, RoleSwitched) or reply.role != role:
         # the instance may still switch later: take it out of service rather than guess
         what = reply.error if isinstance(reply, Failed) else ("no answer" if reply is None else repr(reply))
@@ -133,29 +120,8 @@ def _switch(c: Any, inst: int, role: str, timeout_s: float) -> RoleSwitch:
     if role == "decode":
         cond.index.remove_instance(inst)
     cond.switch_role(inst, role)
-    # the cluster's own lists (calibrate and a rebuilt conductor read them); replaced,
-    # not mutated, so a reader never sees an instance in both or neither
-    if role == "decode":
-        c.prefill_ids = [i for i in c.prefill_ids if i != inst]
-        c.decode_ids = sorted([*c.decode_ids, inst])
-    else:
-        c.decode_ids = [i for i in c.decode_ids if i != inst]
-        c.prefill_ids = sorted([*c.prefill_ids, inst])
+    # the pools of the members table (calibrate and a rebuilt conductor read them)
+    members.switched(inst, role)
     t1 = time.monotonic()
     return RoleSwitch(inst, m.spec.name, old, role, t_drained - t0, t1 - t0)
 
-
-def _reply_of(c: Any, inst: int, timeout_s: float) -> Any:
-    """The instance's answer to ``SwitchRole`` (others' replies are not expected here:
-    see the module docstring)."""
-    end = time.monotonic() + timeout_s
-    while True:
-        left = end - time.monotonic()
-        if left <= 0:
-            return None
-        try:
-            src, msg = c._measured.get(timeout=left)
-        except queue.Empty:
-            return None
-        if src == inst and isinstance(msg, (RoleSwitched, Failed)):
-            return msg

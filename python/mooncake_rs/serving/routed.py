@@ -4,30 +4,40 @@ the router thread, whatever runs its instances.
 The embedded ``Cluster`` (instances in this process or in child processes) and the
 ``serve`` process's ``ConductorService`` (workers on other hosts, found in etcd) both
 are one: they differ in how instances start, join and leave, not in how a request is
-admitted and followed. A subclass provides ``conductor``, ``_router``, ``_limits``,
-``_hasher``, ``_members`` (instance id -> a member with ``alive``, ``spec``, ``ch``),
-``metrics``, ``prefix_reuse`` and ``_closed``; ``multipath`` (multi-source prefix
-fetches) is off unless the subclass turns it on.
+admitted and followed. Each builds this core with its ``ServingConfig`` (config.py),
+its ``Members`` table (members.py) and its ``MembershipSource``: what happens when an
+instance says ``Ready``, goes down, loses a peer, or exits (``SpawnedInstances`` for
+the embedded cluster; the service itself across hosts). The core owns the router
+thread and its one port, the conductor (built once the instances have reported, with
+the cost models below), admission, the instances' stats and the calls' replies.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Callable, Self
+from typing import Any, Callable, Protocol, Self
 
-from .._core import Conductor, ConductorConfig, DecodeCostModel, TransferCostModel
-from ..errors import InvalidArgument, Overloaded
+from .._core import (Conductor, ConductorConfig, DecodeCostModel, PrefillCostModel, PrefixHasher,
+                     TransferCostModel)
+from ..errors import InvalidArgument, MooncakeError, Overloaded, ServiceUnavailable
+from .config import ServingConfig
+from .control import Lost
 from .generate import GenerateMixin
 from .handle import RequestHandle, wait_seconds
 from .lifecycle import CancelRequest, Plan
 from .limits import Limits
+from .liveness import watch
+from .members import Members
 from .metrics import ClusterMetrics
-from .protocol import Params
-from .router import RequestRecord, Router
+from .protocol import InitFailed, Message, Params, Ready, Stats, StatsReply
+from .replies import Replies
+from .router import RequestRecord, Router, Shutdown, SwapConductor
 
-__all__ = ["RoutedCluster", "new_conductor", "request_output", "MAX_FETCH_SOURCES"]
+__all__ = ["RoutedCluster", "MembershipSource", "new_conductor", "default_prefill_model", "request_output",
+           "MAX_FETCH_SOURCES"]
 
 #: the most holders one prefix fetch reads from at once (the decision's holder included):
 #: past a few, each share is too small to gain more than the extra Export round trips cost
@@ -41,6 +51,67 @@ def request_output(record: RequestRecord, reason: str) -> Any:
 
     m = record.metrics
     return RequestOutput(str(record.plan.rid), record.plan.prompt, record.tokens, reason, [], m.reused_tokens, 0, m)
+
+
+def default_prefill_model() -> PrefillCostModel:
+    """The prefill cost model before any calibration (``Cluster.calibrate`` fits the
+    host's; with rejection on, the conductor refines it online)."""
+    return PrefillCostModel(c0=0.002, c_new=2e-5, c_new2=0.0, c_cross=0.0)
+
+
+class MembershipSource(Protocol):
+    """How a routed cluster's instances come and go; called on the router thread."""
+
+    def on_ready(self, inst: int, msg: Ready | InitFailed) -> None:
+        """``inst`` answered its start (``Init`` / ``Attach``)."""
+
+    def on_down(self, inst: int, reason: str) -> str | None:
+        """``inst`` is out (the conductor dropped it already): mark it dead, reap what is
+        left of it; say what happened ("instance decode-0 died (signal 9)"), or None if
+        it was down already."""
+
+    def on_peer_lost(self, inst: int, peer: int, reason: str) -> None:
+        """``inst`` lost its link to ``peer``: fence the peer."""
+
+    def exited(self) -> list[int]:
+        """Live instances whose process has exited (a socket may miss it)."""
+
+
+class _Port:
+    """The routed cluster as its router sees it (router.ClusterPort)."""
+
+    def __init__(self, core: "RoutedCluster", source: MembershipSource) -> None:
+        self._c, self._source = core, source
+        self.prefix_reuse = core.prefix_reuse
+        self.metrics = core.metrics
+        self.instance_ready = source.on_ready
+        self.instance_down = source.on_down
+        self.peer_lost = source.on_peer_lost
+        self.exited = source.exited
+        self.reply = core._replies.deliver
+
+    @property
+    def block_size(self) -> int:
+        return self._c.block_size or 1
+
+    @property
+    def conductor(self) -> Any:
+        return self._c.conductor
+
+    @conductor.setter
+    def conductor(self, value: Any) -> None:  # SwapConductor, on the router thread
+        self._c.conductor = value
+
+    def send(self, inst: int, msg: Message) -> None:
+        m = self._c._members.get(inst)
+        if m is not None and m.alive:
+            m.ch.to_instance(msg)
+
+    def output(self, record: RequestRecord, reason: str) -> Any:
+        return request_output(record, reason)
+
+    def now(self) -> float:
+        return self._c._now()
 
 
 def new_conductor(cfg_args: dict[str, Any], block_bytes: int, prefill_model: Any, prefill_ids: Sequence[int],
@@ -78,23 +149,56 @@ def new_conductor(cfg_args: dict[str, Any], block_bytes: int, prefill_model: Any
 
 
 class RoutedCluster(GenerateMixin):
-    #: fetch a reused prefix from every prefill instance that holds it, at once
-    #: (multisource.py); off: from the one holder the conductor's decision names
-    multipath: bool = False
-    conductor: Any
-    metrics: ClusterMetrics
-    prefix_reuse: bool
-    _closed: bool
-    _members: dict[int, Any]
-    _router: Router
-    _limits: Limits
-    _hasher: Any  # PrefixHasher
-
-    def _init_routing(self) -> None:
+    def __init__(self, config: ServingConfig, members: Members, source: MembershipSource, *,
+                 block_size: int | None, limits: Limits, names: dict[int, str] | None = None) -> None:
+        """``block_size``: the instances' (None: learnt from the first to report).
+        ``names``: instance id -> name, of the instances known from the start."""
+        self.config = config
+        self.prefix_reuse = config.prefix_reuse
+        #: fetch a reused prefix from every prefill instance that holds it, at once
+        #: (multisource.py); off: from the one holder the conductor's decision names
+        self.multipath = config.multipath
+        self.block_size = block_size
+        self._hasher: PrefixHasher | None = None if block_size is None else PrefixHasher(block_size, seed=0)
+        #: built once the instances have reported (their block bytes and capacities)
+        self.conductor: Conductor | None = None
+        self._members = members
+        self._limits = limits
         self._ids = itertools.count(1)
         self._t0 = time.monotonic()
         self.metrics = ClusterMetrics()
         self._closed = False
+        self._replies = Replies()  # answers to Stats / Measure / SwitchRole, by query id
+        self._switch_lock = threading.Lock()  # one role switch at a time (the pools' counts)
+        self._stop_watch = threading.Event()
+        self._router = Router(_Port(self, source), dict(names or {}))
+        self._router_thread = threading.Thread(target=self._router.run, name="mooncake-router", daemon=True)
+        self._router_thread.start()
+
+    def _start_watchdog(self, limit_s: float) -> None:
+        """Declares an instance silent for ``limit_s`` down (liveness.py)."""
+        threading.Thread(target=watch, args=(self._members.values, self._stop_watch, limit_s, self._report_down),
+                         name="mooncake-watchdog", daemon=True).start()
+
+    def _report_down(self, inst: int, reason: str) -> None:
+        """An instance is out (silent, or its membership says so): the router takes it
+        as a closed link, its usual death path."""
+        self._router.events.put((inst, Lost(reason)))
+
+    def _swap_conductor(self, fresh: Conductor, timeout_s: float = 30.0) -> None:
+        """Replaces the conductor on the router thread (never under a call of its)."""
+        done = threading.Event()
+        self._router.post(SwapConductor(fresh, done))
+        if not done.wait(timeout_s):
+            raise MooncakeError("the router did not take the new conductor")
+
+    def _stop_routing(self, error: BaseException, timeout_s: float) -> None:
+        """Ends the router thread and fails what is still in flight with ``error``."""
+        self._stop_watch.set()
+        self._router.post(Shutdown())
+        self._router_thread.join(timeout_s)
+        if not self._router_thread.is_alive():
+            self._router.fail_all(error)
 
     def __enter__(self) -> Self:
         return self
@@ -102,7 +206,7 @@ class RoutedCluster(GenerateMixin):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def close(self) -> None:  # pragma: no cover - every subclass has its own
+    def close(self) -> None:  # pragma: no cover - each membership stops its instances its own way
         raise NotImplementedError
 
     def _now(self) -> float:
@@ -110,12 +214,11 @@ class RoutedCluster(GenerateMixin):
 
     def instances(self) -> dict[int, str]:
         """Live instances: id -> name."""
-        return {i: m.spec.name for i, m in list(self._members.items()) if m.alive}
+        return {i: m.spec.name for i, m in self._members.live().items()}
 
     def instance_roles(self) -> dict[int, str]:
         """Live instances: id -> ``"prefill"`` or ``"decode"``."""
-        names = self.instances()
-        return {i: m.spec.role for i, m in list(self._members.items()) if i in names}
+        return {i: m.role for i, m in self._members.live().items()}
 
     def submit(self, prompt: Sequence[int], params: Any = None, *, timeout_s: float | None = None) -> RequestHandle:
         """Admits one request and returns its handle; raises ``Overloaded`` when rejected
@@ -123,6 +226,26 @@ class RoutedCluster(GenerateMixin):
         deadline from now; past it the request is cancelled on every instance and fails
         with ``TransferTimeout`` (None: no deadline)."""
         return self._submit(prompt, params, timeout_s, RequestHandle)
+
+    def _ask(self, inst: int, make: Callable[[int], Message], timeout_s: float) -> Message | None:
+        """Sends ``make(qid)`` to live instance ``inst`` and waits for its answer (None:
+        none within ``timeout_s``, or ``inst`` is not live)."""
+        m = self._members.get(inst)
+        if m is None or not m.alive:
+            return None
+        got = self._replies.ask(m.ch.to_instance, make, timeout_s)
+        return None if got is None else got[1]
+
+    def instance_stats(self, timeout_s: float = 30.0) -> dict[int, dict[str, float]]:
+        """Per live instance: bytes its transfer engine moved (``copied_bytes``), seconds its
+        transfers were in flight (``copy_busy_s``), blocks held, evictions. Call it idle."""
+        out = {}
+        for i, m in self._members.live().items():
+            reply = self._ask(i, lambda qid: Stats(qid=qid), timeout_s)
+            if not isinstance(reply, StatsReply):
+                raise MooncakeError(f"instance {m.spec.name} did not report its stats")
+            out[i] = reply.stats
+        return out
 
     def _submit(self, prompt: Sequence[int], params: Any, timeout_s: float | None,
                 handle_type: Callable[[int, list[int], Any], RequestHandle]) -> Any:
@@ -133,17 +256,20 @@ class RoutedCluster(GenerateMixin):
 
         if self._closed:
             raise InvalidArgument("the cluster is closed")
+        cond, hasher = self.conductor, self._hasher
+        if cond is None or hasher is None:
+            raise ServiceUnavailable("no worker has joined the cluster yet; start `mooncake-rs worker` processes")
         params = params or SamplingParams()
         toks = prompt_tokens(prompt, params)
         wait = wait_seconds(timeout_s, "timeout_s")
         if wait is not None and wait <= 0:
             raise InvalidArgument(f"timeout_s must be positive (or None for no deadline), got {timeout_s!r}")
         self._limits.check(toks, params)
-        keys = self._hasher.hash_blocks(toks)  # BlockHashes: no Python int per block
+        keys = hasher.hash_blocks(toks)  # BlockHashes: no Python int per block
         rid = next(self._ids)
         self.metrics.count("requests")
         try:
-            d = self.conductor.schedule(rid, keys if self.prefix_reuse else [], len(toks), self._now(),
+            d = cond.schedule(rid, keys if self.prefix_reuse else [], len(toks), self._now(),
                                         expected_output_len=params.max_tokens)
         except Overloaded:
             self.metrics.count("rejected")
@@ -151,7 +277,7 @@ class RoutedCluster(GenerateMixin):
         t_submit = time.monotonic()
         local = d.reused_blocks - d.fetch_blocks
         fetch = d.fetch_blocks > 0 and d.fetch_from is not None
-        also = self._other_holders(keys[:d.reused_blocks], d) if fetch and self.multipath else ()
+        also = self._other_holders(cond, keys[:d.reused_blocks], d) if fetch and self.multipath else ()
         plan = Plan(rid, toks, Params.of(params), bytes(keys), d.prefill, d.decode, local=local,
                     fetch_from=d.fetch_from if fetch else None,
                     fetch_keys=bytes(keys[local:d.reused_blocks]) if fetch else b"",
@@ -164,19 +290,19 @@ class RoutedCluster(GenerateMixin):
         self._router.submit(rec)
         return rec.handle
 
-    def _other_holders(self, prefix: Any, d: Any) -> tuple[int, ...]:
+    def _other_holders(self, cond: Conductor, prefix: Any, d: Any) -> tuple[int, ...]:
         """Live prefill instances besides the decision's holder that the index says hold
         all of ``prefix`` (the request's reused blocks, from the first): the other sources
         of a multi-source fetch. A holder the index is wrong about answers ``Exported``
         with fewer blocks and is left out of the fetch then (lifecycle.py)."""
         want = len(prefix)
-        held = self.conductor.index.match_prefix(prefix)
+        held = cond.index.match_prefix(prefix)
         out = []
         for i, n in sorted(held.items()):
             if n < want or i in (d.prefill, d.decode, d.fetch_from):
                 continue
             m = self._members.get(i)
-            if m is None or not m.alive or m.spec.role != "prefill":
+            if m is None or not m.alive or m.role != "prefill":
                 continue
             out.append(i)
             if len(out) + 1 >= MAX_FETCH_SOURCES:
@@ -190,6 +316,8 @@ class RoutedCluster(GenerateMixin):
 
     def metrics_text(self) -> str:
         """Prometheus text exposition of the cluster's totals and instance gauges."""
+        if self.conductor is None:
+            return self.metrics.prometheus({"instances_alive": 0.0})
         snap = self.conductor.snapshot(self._now())
         gauges: dict[str, float] = {"instances_alive": float(len(self.instances()))}
         for p in snap.prefill:
@@ -211,14 +339,4 @@ class RoutedCluster(GenerateMixin):
         ``engine_waiting`` (its engine scheduler's sequences) and ``heartbeat_age_seconds``.
         An instance that has not beaten yet (or with ``heartbeat_timeout_s=None`` in
         worker processes, which then send no beats) is left out."""
-        out: dict[int, dict[str, float]] = {}
-        now = time.monotonic()
-        for i, m in list(self._members.items()):
-            b = getattr(m.ch, "last_beat", None)
-            if not m.alive or b is None or b.kv_pages < 0:
-                continue
-            out[i] = {"kv_used_blocks": float(b.kv_pages - b.kv_free_pages), "kv_free_blocks": float(b.kv_free_pages),
-                      "store_used_blocks": float(b.store_blocks), "store_slots": float(b.store_slots),
-                      "store_used_bytes": float(b.store_bytes), "engine_running": float(b.running),
-                      "engine_waiting": float(b.waiting), "heartbeat_age_seconds": now - m.ch.last_seen}
-        return out
+        return self._members.usage()

@@ -82,8 +82,11 @@ class ClusterPort(Protocol):
 
     conductor: Any
     prefix_reuse: bool
-    block_size: int
     metrics: ClusterMetrics
+
+    @property
+    def block_size(self) -> int:
+        """The instances' block size in tokens."""
 
     def send(self, inst: int, msg: Message) -> None:
         """To a live instance (dropped for a dead one)."""
@@ -180,9 +183,10 @@ class Router:
             self._records[r.plan.rid] = r
             self._run(self.lifecycle.submit(r.plan))
         elif isinstance(ev, StoreEvents):
-            if self.port.prefix_reuse and src not in self.lifecycle.down:
+            cond = self.port.conductor  # None until the instances have reported (nothing is stored then)
+            if self.port.prefix_reuse and cond is not None and src not in self.lifecycle.down:
                 try:
-                    self.port.conductor.apply_store_events(src, ev.events)
+                    cond.apply_store_events(src, ev.events)
                 except MooncakeError as e:  # malformed bytes: the instance is at fault
                     log.error("instance %s sent store events the conductor refused: %s", src, e)
                     self._down(src, f"malformed store events: {e}")
