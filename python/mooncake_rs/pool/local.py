@@ -61,4 +61,4 @@ class LocalBackend:
         return segment_metrics(self.segment, nodes=1)
 
     def close(self) -> None:
-        pass
+        self.segment.flush()

@@ -212,6 +212,7 @@ class StoreNode:
         self.listener.close()
         self._http.shutdown()
         self._http.server_close()
+        self.segment.flush()
         self.te.close()
 
     def __enter__(self) -> "StoreNode":

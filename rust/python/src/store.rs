@@ -255,6 +255,26 @@ impl PyStore {
         r.or_raise(py)
     }
 
+    /// Writes the DRAM blocks of `keys` into the SSD tier now (write-through, so they
+    /// survive this process); per key, whether it is on disk afterwards.
+    fn persist(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+        let keys = keys_from_py(keys)?;
+        let s = &*self.inner;
+        detached_infallible(py, || s.persist(&keys)).or_raise(py)
+    }
+
+    /// Stores `data` (exactly block_bytes) in the SSD tier only, written now; False if
+    /// `key` exists already or the write failed.
+    fn put_ssd(&self, py: Python<'_>, key: &Bound<'_, PyAny>, data: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let key = hash_from_py(key)?;
+        let view = BufferView::get_contiguous(data, "data")?;
+        let p = SendPtr(view.as_ptr(), view.len_bytes());
+        let s = &*self.inner;
+        // SAFETY: `view` keeps the export alive across the call.
+        let r = detached_infallible(py, move || s.put_ssd(key, unsafe { p.slice() }));
+        r.or_raise(py)
+    }
+
     /// A writable slot for `key` to fill in place; publish it with `.commit()`.
     fn reserve(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<PyWritableBlock> {
         let key = hash_from_py(key)?;

@@ -11,6 +11,7 @@
 pub mod arena;
 mod cache;
 mod config;
+mod durable;
 mod error;
 mod events;
 mod event_wire;
