@@ -27,15 +27,12 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import TYPE_CHECKING
+from typing import Any
 
 from .._core import Store
 from .chunks import chunk_key, chunk_keys, oid_of, stored_keys
 from .objects import ObjectMeta
 from .status import KeyStatus
-
-if TYPE_CHECKING:
-    from .segment import ObjectSegment
 
 __all__ = ["DurableObjects", "MANIFEST_BYTES", "MAX_DURABLE_KEY_BYTES", "encode_manifest", "decode_manifest"]
 
@@ -113,9 +110,10 @@ class DurableObjects:
         return out
 
 
-def recover(seg: ObjectSegment, durable: DurableObjects) -> tuple[int, int]:
+def recover(seg: Any, durable: DurableObjects) -> tuple[int, int]:
     """Rebuilds ``seg``'s object table from what its stores recovered; returns (objects
-    back, objects dropped because a chunk or the manifest was lost or damaged)."""
+    back, objects dropped because a chunk or the manifest was lost or damaged). ``seg`` is
+    the ObjectSegment being opened (not imported here: segment.py imports this module)."""
     chunks = [set(stored_keys(sc.store.drain_events_batch().to_bytes())) for sc in seg.classes]
     back = dropped = 0
     for oid, entry in durable.recovered():

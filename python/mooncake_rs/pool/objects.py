@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from .._core import Store
+from .._core import LeasedRun, Store
 
 __all__ = ["ObjectMeta", "SegmentCounters", "SizeClass", "Reservation", "Lease", "clip_sizes"]
 
@@ -64,7 +64,7 @@ class Lease:
     """One object's chunks held for a remote reader (released by ``release()``)."""
 
     meta: ObjectMeta
-    run: object  # LeasedRun
+    run: LeasedRun
     offsets: list[int]
 
     def release(self) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from typing import Any
 
 import numpy as np
 
@@ -150,7 +151,7 @@ class ObjectSegment:
                 with self._lock:
                     key = self._by_oid.get(oid)
                     meta = self._objects.get(key) if key is not None else None
-                    if meta is None:
+                    if key is None or meta is None:
                         continue
                     # a pinned object is whole in DRAM: it loses only its disk copy, rewritten
                     if meta.pinned and self.durable is not None and self.durable.write(
@@ -214,7 +215,7 @@ class ObjectSegment:
         self._maybe_reap()
         return st
 
-    def put_value(self, key: str, value: bytes, pin: bool = False) -> KeyStatus:
+    def put_value(self, key: str, value: Any, pin: bool = False) -> KeyStatus:
         """A value given as bytes; one that fits a small slot costs one store call."""
         if key in self._objects:
             self.counters.puts_existing += 1

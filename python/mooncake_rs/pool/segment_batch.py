@@ -12,17 +12,14 @@ path (``put_from`` / ``get_into``), which is the reference these are tested agai
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import MooncakeError
 from .chunks import chunk_key, chunk_keys
 from .objects import ObjectMeta
+from .segment import ObjectSegment
 from .status import KeyStatus
-
-if TYPE_CHECKING:
-    from .segment import ObjectSegment
 
 __all__ = ["put_batch", "get_batch"]
 
