@@ -26,7 +26,7 @@ def install_as_mooncake() -> types.ModuleType:
     if pkg is None or not hasattr(pkg, "__path__"):
         pkg = types.ModuleType("mooncake")
         pkg.__path__ = []  # a package, so `import mooncake.store` looks in sys.modules
-        pkg.__mooncake_rs_shim__ = True
+        setattr(pkg, "__mooncake_rs_shim__", True)  # marks a package made here, not the real one
         sys.modules["mooncake"] = pkg
     sys.modules["mooncake.store"] = mooncake_store
     pkg.store = mooncake_store  # type: ignore[attr-defined]

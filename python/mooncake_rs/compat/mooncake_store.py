@@ -209,7 +209,7 @@ class MooncakeDistributedStore:
         outs = [bytearray(n) if n else None for n in sizes]
         live = [i for i, o in enumerate(outs) if o is not None]
         got = self._batch_get([keys[i] for i in live], [[_addr(outs[i])[1]] for i in live],
-                              [[sizes[i]] for i in live]) if live else []
+                              [[sizes[i] or 0] for i in live]) if live else []
         for i, g in zip(live, got):
             if g < 0:
                 outs[i] = None

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._core import Region
 from ..errors import InvalidArgument
 
 __all__ = ["view_at", "gather", "scatter", "RegisteredBuffers", "RegisteredBuffer"]
@@ -25,7 +26,7 @@ def view_at(ptr: int, size: int) -> np.ndarray:
         raise InvalidArgument(f"a buffer is a positive address and a size >= 0, got ptr={ptr!r} size={size!r}")
     if size == 0:
         return np.empty(0, dtype=np.uint8)
-    return np.frombuffer((ctypes.c_char * size).from_address(ptr), dtype=np.uint8)
+    return np.frombuffer(memoryview((ctypes.c_char * size).from_address(ptr)).cast("B"), dtype=np.uint8)
 
 
 def gather(ptrs: list[int], sizes: list[int], out: np.ndarray) -> None:
@@ -51,7 +52,7 @@ class RegisteredBuffer:
     ptr: int
     size: int
     #: what the transfer engine gave it (None while the client has no engine)
-    region: object | None = None
+    region: Region | None = None
 
 
 class RegisteredBuffers:

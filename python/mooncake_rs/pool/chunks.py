@@ -16,14 +16,14 @@ import random
 
 import numpy as np
 
-__all__ = ["CHUNK_BITS", "new_oid", "chunk_keys", "chunk_key", "oid_of", "evicted_oids"]
+__all__ = ["CHUNK_BITS", "new_oid", "chunk_keys", "chunk_key", "oid_of", "evicted_oids", "stored_keys"]
 
 CHUNK_BITS = 24
 _LOW_MASK = (1 << 64) - 1
 _CHUNK_MASK = (1 << CHUNK_BITS) - 1
 
 _EVENT = np.dtype([("kind", "u1"), ("tier", "u1"), ("lo", "<u8"), ("hi", "<u8")])
-_EVICTED, _SSD = 1, 1
+_STORED, _EVICTED, _SSD = 0, 1, 1
 
 
 # ids need to be unique, not secret: a PRNG seeded from the OS, no syscall per put
@@ -63,3 +63,13 @@ def evicted_oids(encoded: bytes, ssd_tier: bool) -> set[int]:
     lo = ev["lo"][hit] & np.uint64(~_CHUNK_MASK & _LOW_MASK)
     hi = ev["hi"][hit]
     return {int(h) << 64 | int(l) for l, h in zip(lo.tolist(), hi.tolist())}
+
+
+def stored_keys(encoded: bytes, tier: int = _SSD) -> list[int]:
+    """The keys of ``stored`` events in ``tier`` (what a store announces for every block its
+    SSD tier recovered when it opened), from ``StoreEvents.to_bytes()``."""
+    if len(encoded) <= 4:
+        return []
+    ev = np.frombuffer(encoded, dtype=_EVENT, offset=4)
+    hit = (ev["kind"] == _STORED) & (ev["tier"] == tier)
+    return [int(h) << 64 | int(l) for l, h in zip(ev["lo"][hit].tolist(), ev["hi"][hit].tolist())]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -53,7 +54,7 @@ def _raise_for(status: int, key: str) -> None:
         raise TransferFailed(f"moving {key!r} failed ({KeyStatus(status).name}); retry, or check the store nodes")
 
 
-def _address_of(value: object) -> tuple[np.ndarray, int]:
+def _address_of(value: Any) -> tuple[np.ndarray, int]:
     arr = np.frombuffer(memoryview(value).cast("B"), dtype=np.uint8) if not isinstance(value, np.ndarray) \
         else value.reshape(-1).view(np.uint8)
     return arr, (arr.ctypes.data if arr.size else 0)
@@ -114,7 +115,7 @@ class DistributedStore:
             raise InvalidArgument(f"replicas must be an int >= 1, got {replicas!r}")
         return self._backend.put_many(keys, [list(p) for p in ptrs], [list(s) for s in sizes], replicas, pin)
 
-    def batch_put_values(self, keys: Sequence[str], values: Sequence[object], *, replicas: int = 1,
+    def batch_put_values(self, keys: Sequence[str], values: Sequence[Any], *, replicas: int = 1,
                          pin: bool = False) -> list[KeyStatus]:
         """Stores each key's value given as a buffer (bytes, numpy, memoryview...)."""
         keys = [_check_key(k) for k in keys]
@@ -152,7 +153,7 @@ class DistributedStore:
         return self._backend.remove_many([_check_key(k) for k in keys])
 
     # ---- single keys (typed exceptions)
-    def put(self, key: str, value: object, *, replicas: int = 1, pin: bool = False) -> None:
+    def put(self, key: str, value: Any, *, replicas: int = 1, pin: bool = False) -> None:
         if memoryview(value).nbytes == 0:
             raise InvalidArgument(f"an empty value cannot be stored (key {key!r})")
         _raise_for(self.batch_put_values([key], [value], replicas=replicas, pin=pin)[0], key)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import socket
 import threading
+from typing import Any
 
 from .._core import TransferEngine
 from ..deploy import auth_socket
@@ -34,7 +35,7 @@ class NodeLink:
         self._rids = itertools.count(1)
         self.broken = False
 
-    def call(self, make: type, **fields: object) -> object:
+    def call(self, make: type, **fields: object) -> Any:
         """Sends ``make(rid=..., **fields)`` and returns the answer."""
         with self._lock:
             if self.broken:

@@ -1,11 +1,13 @@
 """The pool on one host with no etcd: one in-process ObjectSegment (the embedded default a
-new user gets). Bytes move by memcpy between the caller's memory and the store's slots."""
+new user gets). Bytes move by memcpy between the caller's memory and the store's slots,
+a whole batch in one Rust call per size class (segment_batch.py)."""
 
 from __future__ import annotations
 
 from .buffers import RegisteredBuffer, RegisteredBuffers
 from .metrics import PoolMetrics, segment_metrics
 from .segment import ObjectSegment
+from .segment_batch import get_batch, put_batch
 from .status import KeyStatus
 
 __all__ = ["LocalBackend"]
@@ -19,16 +21,14 @@ class LocalBackend:
 
     def put_many(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]], replicas: int,
                  pin: bool) -> list[KeyStatus]:
-        seg = self.segment
-        return [seg.put_from(k, p, s, pin) for k, p, s in zip(keys, ptrs, sizes)]
+        return put_batch(self.segment, keys, ptrs, sizes, pin)
 
     def put_values(self, keys: list[str], values: list[object], replicas: int, pin: bool) -> list[KeyStatus]:
         seg = self.segment
         return [seg.put_value(k, v, pin) for k, v in zip(keys, values)]
 
     def get_many(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
-        seg = self.segment
-        return [seg.get_into(k, p, s) for k, p, s in zip(keys, ptrs, sizes)]
+        return get_batch(self.segment, keys, ptrs, sizes)
 
     def get_bytes_many(self, keys: list[str]) -> list[bytes | None]:
         out = []
@@ -61,4 +61,4 @@ class LocalBackend:
         return segment_metrics(self.segment, nodes=1)
 
     def close(self) -> None:
-        pass
+        self.segment.flush()

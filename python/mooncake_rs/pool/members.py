@@ -55,7 +55,17 @@ class NodeRegistration:
         self._lock = threading.Lock()
         self._closed = False
         self._lease: KeptLease | None = None
-        self._put()
+        # A node restarted after a crash finds its old record until that lease expires
+        # (at most ttl_s): wait that long before calling the name taken by a live node.
+        deadline = time.monotonic() + ttl_s + 1
+        while True:
+            try:
+                self._put()
+                return
+            except InvalidArgument:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.25)
 
     def _put(self) -> None:
         lease = KeptLease(self.client, self.ttl_s, on_lost=self._lost, name=f"store-{self.record.name}")

@@ -33,6 +33,9 @@ class PoolMetrics:
     evictions_ssd: int = 0
     objects_evicted: int = 0
     removes: int = 0
+    #: objects a durable node found again on disk when it started / dropped there (damaged)
+    objects_recovered: int = 0
+    objects_recovery_dropped: int = 0
     #: reads that found a replica's node dead or unreachable (client side)
     replicas_lost: int = 0
     #: puts that placed fewer replicas than asked for (client side)
@@ -61,6 +64,7 @@ def segment_metrics(segment, nodes: int = 1) -> PoolMetrics:  # noqa: ANN001 - O
     m.object_hits, m.object_misses, m.object_failed_reads = c.hits, c.misses, c.failed_reads
     m.puts, m.puts_existing, m.puts_no_space = c.puts, c.puts_existing, c.puts_no_space
     m.objects_evicted, m.removes = c.objects_evicted, c.removes
+    m.objects_recovered, m.objects_recovery_dropped = c.recovered, c.recovery_dropped
     return m
 
 
@@ -71,6 +75,7 @@ _HELP = {
     "object_misses": "reads of keys not in the pool",
     "object_failed_reads": "reads of keys present in the table whose bytes could not be read",
     "replicas_lost": "reads that found a replica's node gone",
+    "objects_recovery_dropped": "objects found damaged or incomplete on disk at start, dropped",
 }
 
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .._core import TransferEngine
 from ..deploy.auth_socket import AuthListener
 from ..deploy.etcd import EtcdClient
+from ..deploy.sealed import SealedSocket
 from ..errors import InvalidArgument, MooncakeError
 from .members import NodeRegistration, StoreNodeRecord
 from .metrics import prometheus_text, segment_metrics
@@ -68,7 +68,7 @@ class StoreNode:
         self.registration = NodeRegistration(EtcdClient(etcd), prefix, self.record, ttl_s=ttl_s) if etcd else None
 
     # ---- one connection
-    def _serve(self, sock: socket.socket, peer: str) -> None:
+    def _serve(self, sock: SealedSocket, peer: str) -> None:
         io = FrameIO(sock, Request)
         conn = _Conn()
         try:
@@ -212,6 +212,7 @@ class StoreNode:
         self.listener.close()
         self._http.shutdown()
         self._http.server_close()
+        self.segment.flush()
         self.te.close()
 
     def __enter__(self) -> "StoreNode":

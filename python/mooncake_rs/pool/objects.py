@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from .._core import Store
+from .._core import LeasedRun, Store
 
 __all__ = ["ObjectMeta", "SegmentCounters", "SizeClass", "Reservation", "Lease", "clip_sizes"]
 
@@ -31,6 +31,9 @@ class SegmentCounters:
     failed_reads: int = 0
     objects_evicted: int = 0
     removes: int = 0
+    #: objects found again on disk when a durable segment opened / dropped there (damaged)
+    recovered: int = 0
+    recovery_dropped: int = 0
 
 
 class SizeClass:
@@ -41,7 +44,9 @@ class SizeClass:
         self.store = Store(chunk_bytes, dram_bytes, ssd_path=ssd_path if self.ssd else None,
                            ssd_bytes=ssd_bytes if self.ssd else 0, eviction=eviction, shared_memory=shared_memory)
         st = self.store.stats()
-        self.capacity_chunks = st.slots_dram + st.slots_ssd
+        # with an SSD tier every chunk is written through to it (durable.py): its slots
+        # are the capacity, DRAM a cache in front of them
+        self.capacity_chunks = st.slots_ssd if self.ssd else st.slots_dram
 
 
 @dataclass
@@ -59,7 +64,7 @@ class Lease:
     """One object's chunks held for a remote reader (released by ``release()``)."""
 
     meta: ObjectMeta
-    run: object  # LeasedRun
+    run: LeasedRun
     offsets: list[int]
 
     def release(self) -> None:

@@ -13,9 +13,8 @@ client ended or died), the node aborts its reservations and releases its leases.
 
 from __future__ import annotations
 
-import socket
 import struct
-from typing import Union
+from typing import Any, Protocol, Union
 
 import msgspec
 
@@ -140,10 +139,18 @@ Request = Union[Reserve, Commit, PutInline, Lookup, Release, Exists, Sizes, Remo
 Reply = Union[Reserved, Leased, Answer, Failure]
 
 
+class StreamSocket(Protocol):
+    """What FrameIO needs of a socket (a plain one, or deploy's SealedSocket)."""
+
+    def sendall(self, data: bytes) -> Any: ...
+
+    def recv(self, n: int) -> bytes: ...
+
+
 class FrameIO:
     """Reads and writes frames of one union on a blocking socket."""
 
-    def __init__(self, sock: socket.socket, types: object) -> None:
+    def __init__(self, sock: StreamSocket, types: object) -> None:
         self.sock = sock
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(types)
@@ -152,8 +159,8 @@ class FrameIO:
         body = self._enc.encode(msg)
         self.sock.sendall(_HDR.pack(len(body)) + body)
 
-    def recv(self) -> object:
-        """The next message; EOFError when the peer closed, InvalidArgument if malformed."""
+    def recv(self) -> Any:
+        """The next message (one of the union's types); EOFError when the peer closed, InvalidArgument if malformed."""
         (n,) = _HDR.unpack(self._exact(_HDR.size))
         if n > MAX_FRAME:
             raise InvalidArgument(f"a pool frame of {n} bytes exceeds the limit ({MAX_FRAME})")

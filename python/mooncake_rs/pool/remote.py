@@ -22,10 +22,11 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from .._core import Region, TransferEngine, TransferRequest
+from .._core import Peer, Region, TransferEngine, TransferRequest
 from ..deploy.etcd import EtcdClient
 from ..deploy.settings import read_token
 from ..errors import ServiceUnavailable
@@ -50,6 +51,8 @@ class RemoteBackend:
     def __init__(self, etcd: str, *, auth_token: str | bytes | None, prefix: str, name: str | None,
                  wait_nodes: int, timeout_s: float, io_timeout_s: float,
                  transports: tuple[str, ...] = ("tcp", "shm")) -> None:
+        if isinstance(auth_token, bytes):
+            auth_token = auth_token.decode()
         self.token = auth_token if auth_token else read_token(None)
         self.io_timeout_s = io_timeout_s
         self.directory = NodeDirectory(EtcdClient(etcd), prefix)
@@ -95,7 +98,7 @@ class RemoteBackend:
         if link is not None:
             link.close()
 
-    def _call(self, node: str, make: type, **fields: object) -> object:
+    def _call(self, node: str, make: type, **fields: object) -> Any:
         try:
             return self._link(node).call(make, **fields)
         except NodeDown:
@@ -121,7 +124,7 @@ class RemoteBackend:
         temps.append(region)
         return region, 0
 
-    def _requests(self, op: str, pieces: tuple[list[int], list[int]], size: int, peer: object, region: int,
+    def _requests(self, op: str, pieces: tuple[list[int], list[int]], size: int, peer: Peer, region: int,
                   chunk: int, offsets: list[int], temps: list[Region]) -> list[TransferRequest]:
         """One request per (piece, chunk) overlap of the first ``size`` bytes."""
         out, pos = [], 0

@@ -23,12 +23,14 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from typing import Any
 
 import numpy as np
 
 from ..errors import InvalidArgument, StoreFull
 from .buffers import gather, scatter, view_at
 from .chunks import chunk_key, chunk_keys, evicted_oids, new_oid
+from .durable import DurableObjects, recover
 from .objects import Lease, ObjectMeta, Reservation, SegmentCounters, SizeClass, clip_sizes
 from .status import KeyStatus
 
@@ -48,7 +50,9 @@ class ObjectSegment:
             raise InvalidArgument(f"dram_bytes must be at least two chunks ({2 * chunk_bytes}), got {dram_bytes!r}")
         # small values get 1/16 of the memory: they are many but tiny (128 B keys, metadata)
         small_dram = max(16 * small_bytes, dram_bytes // 16)
+        # with an SSD tier: 1/16 for small values, 1/16 for the manifests (durable.py)
         small_ssd = ssd_bytes // 16 if ssd_bytes else 0
+        large_ssd = ssd_bytes - 2 * small_ssd if ssd_bytes else 0
 
         def sub(name: str) -> str | None:
             if not ssd_path:
@@ -59,7 +63,7 @@ class ObjectSegment:
 
         self.classes = [
             SizeClass(small_bytes, small_dram, sub("small"), small_ssd, eviction, shared_memory),
-            SizeClass(chunk_bytes, dram_bytes - small_dram, sub("large"), ssd_bytes - small_ssd, eviction,
+            SizeClass(chunk_bytes, dram_bytes - small_dram, sub("large"), large_ssd, eviction,
                        shared_memory),
         ]
         self.dram_bytes, self.ssd_bytes = dram_bytes, ssd_bytes
@@ -68,6 +72,10 @@ class ObjectSegment:
         self._by_oid: dict[int, str] = {}
         self._since_reap = 0
         self.counters = SegmentCounters()
+        # an SSD tier makes the objects durable: written through, found again after a restart
+        self.durable = DurableObjects(ssd_path, small_ssd) if ssd_path and ssd_bytes else None
+        if self.durable is not None:
+            self.counters.recovered, self.counters.recovery_dropped = recover(self, self.durable)
 
     # ---- helpers
     def _class_of(self, size: int) -> int:
@@ -93,6 +101,8 @@ class ObjectSegment:
                 except Exception:  # noqa: BLE001 - evicted meanwhile or never pinned
                     pass
             store.remove(k)
+        if self.durable is not None:
+            self.durable.forget(meta)
 
     def _forget(self, key: str, meta: ObjectMeta) -> None:
         """Drops a broken/removed object from the table (caller holds the lock)."""
@@ -101,7 +111,14 @@ class ObjectSegment:
             self._by_oid.pop(meta.oid, None)
 
     def _publish(self, key: str, meta: ObjectMeta) -> KeyStatus:
-        """Makes a fully written object visible, unless the key won meanwhile."""
+        """Makes a fully written object visible, unless the key won meanwhile. A durable
+        segment writes it (chunks, then manifest) to disk first."""
+        if self.durable is not None and key not in self._objects:
+            st = self.durable.write(key, meta, self.classes[meta.cls].store)
+            if st is not KeyStatus.OK:
+                self._drop_chunks(meta)
+                self.counters.puts_no_space += st is KeyStatus.NO_SPACE
+                return st
         with self._lock:
             if key in self._objects:
                 lost = True
@@ -126,13 +143,19 @@ class ObjectSegment:
         """Drops every object that lost a chunk to eviction (from the stores' events)."""
         self._since_reap = 0
         dropped = 0
-        for sc in self.classes:
-            oids = evicted_oids(sc.store.drain_events_batch().to_bytes(), sc.ssd)
-            for oid in oids:
+        sources = [(sc.store.drain_events_batch().to_bytes(), sc.ssd) for sc in self.classes]
+        if self.durable is not None:
+            sources.append((self.durable.events(), True))
+        for events, ssd in sources:
+            for oid in evicted_oids(events, ssd):
                 with self._lock:
                     key = self._by_oid.get(oid)
                     meta = self._objects.get(key) if key is not None else None
-                    if meta is None:
+                    if key is None or meta is None:
+                        continue
+                    # a pinned object is whole in DRAM: it loses only its disk copy, rewritten
+                    if meta.pinned and self.durable is not None and self.durable.write(
+                            key, meta, self.classes[meta.cls].store) is KeyStatus.OK:
                         continue
                     self._forget(key, meta)
                 self._drop_chunks(meta)
@@ -192,7 +215,7 @@ class ObjectSegment:
         self._maybe_reap()
         return st
 
-    def put_value(self, key: str, value: bytes, pin: bool = False) -> KeyStatus:
+    def put_value(self, key: str, value: Any, pin: bool = False) -> KeyStatus:
         """A value given as bytes; one that fits a small slot costs one store call."""
         if key in self._objects:
             self.counters.puts_existing += 1
@@ -386,6 +409,14 @@ class ObjectSegment:
 
     def object_bytes(self) -> int:
         return sum(m.size for m in list(self._objects.values()))
+
+    def flush(self) -> None:
+        """Syncs the SSD tiers to the device (a put is in the file already; this makes it
+        survive a power loss too). Called at close."""
+        for sc in self.classes:
+            sc.store.flush()
+        if self.durable is not None:
+            self.durable.store.flush()
 
     def check_integrity(self) -> None:
         for sc in self.classes:

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use mooncake_core::mem::MappedMemory;
-use mooncake_core::store::{BlockRef, Store, StoreConfig, StoreError, StoreEvent, StoreStats};
+use mooncake_core::store::{AddressedChunk, BlockRef, Store, StoreConfig, StoreError, StoreEvent, StoreStats};
 use mooncake_core::BlockHash;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
@@ -255,6 +255,49 @@ impl PyStore {
         r.or_raise(py)
     }
 
+    /// Writes the DRAM blocks of `keys` into the SSD tier now (write-through, so they
+    /// survive this process); per key, whether it is on disk afterwards.
+    fn persist(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+        let keys = keys_from_py(keys)?;
+        let s = &*self.inner;
+        detached_infallible(py, || s.persist(&keys)).or_raise(py)
+    }
+
+    /// Stores `data` (exactly block_bytes) in the SSD tier only, written now; False if
+    /// `key` exists already or the write failed.
+    fn put_ssd(&self, py: Python<'_>, key: &Bound<'_, PyAny>, data: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let key = hash_from_py(key)?;
+        let view = BufferView::get_contiguous(data, "data")?;
+        let p = SendPtr(view.as_ptr(), view.len_bytes());
+        let s = &*self.inner;
+        // SAFETY: `view` keeps the export alive across the call.
+        let r = detached_infallible(py, move || s.put_ssd(key, unsafe { p.slice() }));
+        r.or_raise(py)
+    }
+
+    /// Stores one chunk per key, copied from memory given by address: `addrs[i]`,
+    /// `lens[i]` bytes (at most block_bytes; the slot's rest is zero-filled). One call
+    /// for a whole batch, without the GIL, large batches copied by several threads.
+    /// Per key: True if stored now, False if stored already. StoreFull (nothing stored)
+    /// when the whole batch does not fit. The caller vouches for the addresses.
+    fn put_from_addresses(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, addrs: Vec<usize>, lens: Vec<usize>) -> PyResult<Vec<bool>> {
+        let chunks = addressed(py, keys, addrs, lens)?;
+        let s = &*self.inner;
+        // SAFETY: the addresses are the caller's readable memory (this method's contract,
+        // as for a transfer engine's registered buffers).
+        detached_infallible(py, || unsafe { s.put_from_addresses(&chunks) }).or_raise(py)
+    }
+
+    /// Copies the first `lens[i]` bytes of each key's block to `addrs[i]` (disjoint,
+    /// writable ranges), one call for the batch; per key, whether it was found.
+    #[pyo3(signature = (keys, addrs, lens, promote = true))]
+    fn get_into_addresses(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, addrs: Vec<usize>, lens: Vec<usize>, promote: bool) -> PyResult<Vec<bool>> {
+        let chunks = addressed(py, keys, addrs, lens)?;
+        let s = &*self.inner;
+        // SAFETY: the addresses are the caller's writable, disjoint memory (the contract).
+        detached_infallible(py, || unsafe { s.get_into_addresses(&chunks, promote) }).or_raise(py)
+    }
+
     /// A writable slot for `key` to fill in place; publish it with `.commit()`.
     fn reserve(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<PyWritableBlock> {
         let key = hash_from_py(key)?;
@@ -462,6 +505,14 @@ impl PyStore {
             c.ssd_path
         )
     }
+}
+
+fn addressed(py: Python<'_>, keys: &Bound<'_, PyAny>, addrs: Vec<usize>, lens: Vec<usize>) -> PyResult<Vec<AddressedChunk>> {
+    let keys = keys_from_py(keys)?;
+    if keys.len() != addrs.len() || keys.len() != lens.len() {
+        return Err(invalid(py, format!("{} keys, {} addrs and {} lens: give one address and length per key", keys.len(), addrs.len(), lens.len())));
+    }
+    Ok(keys.iter().zip(addrs).zip(lens).map(|((&key, addr), len)| AddressedChunk { key, addr, len }).collect())
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

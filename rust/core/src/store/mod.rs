@@ -9,8 +9,10 @@
 //! - `tiered`: [`Store`], tying them together.
 
 pub mod arena;
+mod batch_copy;
 mod cache;
 mod config;
+mod durable;
 mod error;
 mod events;
 mod event_wire;
@@ -23,6 +25,7 @@ mod table;
 mod tiered;
 
 pub use arena::{Lease, Reservation};
+pub use batch_copy::AddressedChunk;
 pub use cache::{BlockCache, CacheEvent};
 pub use config::StoreConfig;
 pub use error::StoreError;

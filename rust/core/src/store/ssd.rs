@@ -272,29 +272,35 @@ impl SsdTier {
         Some((slot, gen))
     }
 
-    /// The writer's handling of one demotion.
-    fn write(&self, key: BlockHash, data: &[u8]) {
+    /// On disk (not merely pending).
+    pub fn on_disk(&self, key: BlockHash) -> bool {
+        self.state.lock().index.contains_key(&key)
+    }
+
+    /// The writer's handling of one demotion (also called directly by a write-through,
+    /// durable.rs). Returns whether `key` is on disk afterwards.
+    pub(super) fn write(&self, key: BlockHash, data: &[u8]) -> bool {
         {
             let pending = self.pending.lock();
             if !pending.contains_key(&key) {
-                return; // removed before its turn
+                return false; // removed before its turn
             }
             if self.state.lock().index.contains_key(&key) {
                 drop(pending);
                 self.drop_pending(key);
-                return;
+                return true;
             }
         }
         let Some((slot, gen)) = self.take_slot() else {
             self.drop_pending(key);
-            return;
+            return false;
         };
         if let Err(e) = self.file.write(slot, key, gen, data) {
             self.state.lock().free.push(slot);
             self.drop_pending(key);
             bump(&self.counters.demotion_failures);
             self.note_error(&e);
-            return;
+            return false;
         }
         let mut pending = self.pending.lock();
         let mut st = self.state.lock();
@@ -303,7 +309,7 @@ impl SsdTier {
             drop(st);
             drop(pending);
             self.erase(slot);
-            return;
+            return false;
         }
         st.index.insert(key, (slot, gen));
         st.policy.begin_access();
@@ -312,6 +318,7 @@ impl SsdTier {
         drop(pending);
         bump(&self.counters.demotions);
         self.log.push(EventKind::Demoted, key, Tier::Ssd);
+        true
     }
 
     fn flush(&self) -> Result<(), StoreError> {
@@ -326,7 +333,9 @@ impl SsdTier {
     pub fn run_writer(self: Arc<Self>, jobs: Receiver<Job>) {
         for job in jobs {
             match job {
-                Job::Write(key, data) => self.write(key, &data),
+                Job::Write(key, data) => {
+                    self.write(key, &data);
+                }
                 Job::Flush(reply) => {
                     let _ = reply.send(self.flush());
                 }

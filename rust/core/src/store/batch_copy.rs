@@ -1,0 +1,316 @@
+//! Batches copied between caller memory given by address and the store's slots, in one
+//! call: what a pool segment needs for `batch_put_from` / `batch_get_into` of many
+//! objects (every chunk of every object of the batch at once, no per-chunk call from
+//! Python, no staging buffer). Slots are reserved (puts) or leased (gets) first, under
+//! the store's locks; the bytes are then copied with no lock held, split over a few
+//! threads when the batch is large (one core's memcpy is well below what the memory
+//! system moves), and puts are committed in batch order afterwards.
+//!
+//! The addresses are the caller's word (as a transfer engine's are): the functions are
+//! `unsafe` and say what the caller guarantees.
+
+use super::arena::Reservation;
+use super::error::StoreError;
+use super::tiered::{BlockRef, Store};
+use crate::hash::BlockHash;
+
+/// One chunk: its key and the caller's memory it is copied from or into. `len` may be
+/// shorter than `block_bytes` (an object's last chunk): a put zero-fills the rest of the
+/// slot, a get copies only `len` bytes.
+#[derive(Debug, Clone, Copy)]
+pub struct AddressedChunk {
+    pub key: BlockHash,
+    pub addr: usize,
+    pub len: usize,
+}
+
+/// Below this many bytes a batch is copied by the calling thread alone (a thread start
+/// costs tens of microseconds).
+const PARALLEL_MIN_BYTES: usize = 4 << 20;
+/// At most this many copy threads (past that the memory system, not the cores, limits).
+const MAX_COPY_THREADS: usize = 8;
+
+fn copy_threads(total_bytes: usize) -> usize {
+    if total_bytes < PARALLEL_MIN_BYTES {
+        return 1;
+    }
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    cores
+        .min(MAX_COPY_THREADS)
+        .min(total_bytes / (1 << 20))
+        .max(1)
+}
+
+/// One copy of the batch: `dst`, `src`, `len`, then `zero` bytes cleared after `dst+len`.
+#[derive(Clone, Copy)]
+struct Copy {
+    dst: usize,
+    src: usize,
+    len: usize,
+    zero: usize,
+}
+
+/// Runs the copies, split into contiguous runs of about equal bytes over the threads.
+///
+/// # Safety
+/// Every `[src, src+len)` is readable and every `[dst, dst+len+zero)` writable for the
+/// call, and no destination overlaps another copy's source or destination.
+unsafe fn run_copies(copies: &[Copy]) {
+    let total: usize = copies.iter().map(|c| c.len + c.zero).sum();
+    let threads = copy_threads(total).min(copies.len().max(1));
+    let one = |c: &Copy| {
+        // SAFETY: the caller's guarantee above, per copy.
+        unsafe {
+            std::ptr::copy_nonoverlapping(c.src as *const u8, c.dst as *mut u8, c.len);
+            if c.zero > 0 {
+                std::ptr::write_bytes((c.dst + c.len) as *mut u8, 0, c.zero);
+            }
+        }
+    };
+    if threads <= 1 {
+        copies.iter().for_each(one);
+        return;
+    }
+    // contiguous runs of ~total/threads bytes each
+    let share = total.div_ceil(threads);
+    let mut runs: Vec<&[Copy]> = Vec::with_capacity(threads);
+    let (mut start, mut acc) = (0, 0);
+    for (i, c) in copies.iter().enumerate() {
+        acc += c.len + c.zero;
+        if acc >= share {
+            runs.push(&copies[start..=i]);
+            start = i + 1;
+            acc = 0;
+        }
+    }
+    if start < copies.len() {
+        runs.push(&copies[start..]);
+    }
+    std::thread::scope(|s| {
+        let (first, rest) = runs.split_first().expect("at least one run");
+        for run in rest {
+            s.spawn(move || run.iter().for_each(one));
+        }
+        first.iter().for_each(one);
+    });
+}
+
+impl Store {
+    /// Stores every chunk, copied from its address (zero-filled past `len`), as chain
+    /// positions 0..n. Per chunk: true if stored now, false if its key was stored
+    /// already (nothing written). All slots are reserved before any byte moves: when
+    /// the store cannot hold the whole batch it answers `Full` and stores none of it.
+    ///
+    /// # Safety
+    /// Each `[addr, addr+len)` is readable memory for the whole call.
+    pub unsafe fn put_from_addresses(
+        &self,
+        chunks: &[AddressedChunk],
+    ) -> Result<Vec<bool>, StoreError> {
+        let bb = self.block_bytes();
+        if let Some(c) = chunks.iter().find(|c| c.len > bb || c.addr == 0) {
+            return Err(StoreError::Invalid(format!(
+                "a chunk is at most block_bytes={bb} bytes at a non-null address, got {} bytes at {:#x}",
+                c.len, c.addr
+            )));
+        }
+        let mut reserved: Vec<Option<Reservation>> = Vec::with_capacity(chunks.len());
+        for c in chunks {
+            if self.contains(c.key) {
+                reserved.push(None);
+                continue;
+            }
+            // an error drops the reservations made so far: their slots return to the free list
+            reserved.push(Some(self.reserve(c.key)?));
+        }
+        let copies: Vec<Copy> = reserved
+            .iter()
+            .zip(chunks)
+            .filter_map(|(r, c)| {
+                r.as_ref().map(|r| Copy {
+                    dst: r.as_mut_ptr() as usize,
+                    src: c.addr,
+                    len: c.len,
+                    zero: bb - c.len,
+                })
+            })
+            .collect();
+        // SAFETY: destinations are slots reserved by this call alone (each `bb` bytes);
+        // sources are the caller's readable ranges (this function's contract), never a
+        // reserved slot (a reserved slot is not visible to anyone else).
+        unsafe { run_copies(&copies) };
+        Ok(reserved
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| r.is_some_and(|r| self.commit(r, i.min(u32::MAX as usize) as u32)))
+            .collect())
+    }
+
+    /// Copies the first `len` bytes of every chunk to its address. Per chunk: true if it
+    /// was found (SSD chunks are promoted unless `promote` is false) and copied.
+    ///
+    /// # Safety
+    /// Each `[addr, addr+len)` is writable memory for the whole call, and no two ranges
+    /// overlap.
+    pub unsafe fn get_into_addresses(
+        &self,
+        chunks: &[AddressedChunk],
+        promote: bool,
+    ) -> Result<Vec<bool>, StoreError> {
+        let bb = self.block_bytes();
+        if let Some(c) = chunks.iter().find(|c| c.len > bb || c.addr == 0) {
+            return Err(StoreError::Invalid(format!(
+                "a chunk is at most block_bytes={bb} bytes at a non-null address, got {} bytes at {:#x}",
+                c.len, c.addr
+            )));
+        }
+        let keys: Vec<BlockHash> = chunks.iter().map(|c| c.key).collect();
+        // leases (or private SSD copies) held until every copy is done
+        let blocks: Vec<Option<BlockRef>> = self.get_batch(&keys, promote)?;
+        let copies: Vec<Copy> = blocks
+            .iter()
+            .zip(chunks)
+            .filter_map(|(b, c)| {
+                b.as_ref().map(|b| Copy {
+                    dst: c.addr,
+                    src: b.bytes().as_ptr() as usize,
+                    len: c.len,
+                    zero: 0,
+                })
+            })
+            .collect();
+        // SAFETY: sources are leased slots or owned copies held in `blocks` until after
+        // the copies; destinations are the caller's writable, disjoint ranges.
+        unsafe { run_copies(&copies) };
+        Ok(blocks.iter().map(Option::is_some).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::StoreConfig;
+
+    const BB: usize = 8192;
+
+    fn store(slots: usize) -> Store {
+        Store::open(StoreConfig {
+            block_bytes: BB,
+            dram_bytes: slots * BB,
+            ..Default::default()
+        })
+        .unwrap()
+    }
+
+    fn pattern(n: usize, seed: u8) -> Vec<u8> {
+        (0..n)
+            .map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed))
+            .collect()
+    }
+
+    /// The reference: one `put`/`get_into` per chunk, against the batch call, on a batch
+    /// large enough to be copied by several threads.
+    #[test]
+    fn batch_copies_match_per_chunk_puts_and_gets() {
+        let n = 1200; // ~9.4 MiB: above PARALLEL_MIN_BYTES
+        let src = pattern(n * BB - 100, 7);
+        let chunks: Vec<AddressedChunk> = (0..n)
+            .map(|i| {
+                let len = if i == n - 1 { BB - 100 } else { BB };
+                AddressedChunk {
+                    key: 1000 + i as u128,
+                    addr: src.as_ptr() as usize + i * BB,
+                    len,
+                }
+            })
+            .collect();
+        let fast = store(n + 8);
+        // SAFETY: every range lies inside `src`.
+        let put = unsafe { fast.put_from_addresses(&chunks) }.unwrap();
+        assert!(put.iter().all(|&b| b));
+        let slow = store(n + 8);
+        for c in &chunks {
+            let mut block = vec![0u8; BB];
+            block[..c.len].copy_from_slice(&src[c.addr - src.as_ptr() as usize..][..c.len]);
+            slow.put(c.key, &block).unwrap();
+        }
+        let mut got = vec![0u8; src.len()];
+        let outs: Vec<AddressedChunk> = chunks
+            .iter()
+            .map(|c| AddressedChunk {
+                addr: c.addr - src.as_ptr() as usize + got.as_mut_ptr() as usize,
+                ..*c
+            })
+            .collect();
+        // SAFETY: every range lies inside `got`, disjoint.
+        assert!(unsafe { fast.get_into_addresses(&outs, true) }
+            .unwrap()
+            .iter()
+            .all(|&b| b));
+        assert_eq!(got, src);
+        for c in &chunks {
+            assert_eq!(
+                fast.get(c.key, true).unwrap().unwrap().bytes(),
+                slow.get(c.key, true).unwrap().unwrap().bytes()
+            );
+        }
+        // stored already: false, nothing written; a missing key: false, its range untouched
+        // SAFETY: as above.
+        assert_eq!(
+            unsafe { fast.put_from_addresses(&chunks[..2]) }.unwrap(),
+            vec![false, false]
+        );
+        let mut one = vec![9u8; 16];
+        let miss = [AddressedChunk {
+            key: 5,
+            addr: one.as_mut_ptr() as usize,
+            len: 16,
+        }];
+        assert_eq!(
+            unsafe { fast.get_into_addresses(&miss, true) }.unwrap(),
+            vec![false]
+        );
+        assert_eq!(one, vec![9u8; 16]);
+        fast.check_integrity().unwrap();
+    }
+
+    #[test]
+    fn a_batch_larger_than_the_store_stores_none_of_it_and_bad_chunks_are_refused() {
+        let s = store(4);
+        let src = pattern(6 * BB, 1);
+        let chunks: Vec<AddressedChunk> = (0..6)
+            .map(|i| AddressedChunk {
+                key: i as u128 + 1,
+                addr: src.as_ptr() as usize + i * BB,
+                len: BB,
+            })
+            .collect();
+        // SAFETY: inside `src`.
+        assert!(matches!(
+            unsafe { s.put_from_addresses(&chunks) },
+            Err(StoreError::Full { .. })
+        ));
+        assert_eq!(s.stats().blocks_dram, 0);
+        let long = [AddressedChunk {
+            key: 1,
+            addr: src.as_ptr() as usize,
+            len: BB + 1,
+        }];
+        assert!(matches!(
+            unsafe { s.put_from_addresses(&long) },
+            Err(StoreError::Invalid(_))
+        ));
+        let null = [AddressedChunk {
+            key: 1,
+            addr: 0,
+            len: 1,
+        }];
+        assert!(matches!(
+            unsafe { s.get_into_addresses(&null, true) },
+            Err(StoreError::Invalid(_))
+        ));
+        s.check_integrity().unwrap();
+    }
+}
