@@ -30,7 +30,7 @@ def fleet(tmp_path_factory):
 
     from mooncake_rs.http.server import ServerThread
     from mooncake_rs.interop.proxy import create_proxy_app
-    from mooncake_rs.interop.standin import StandIn
+    from standin import StandIn
     from mooncake_rs.text import Tokenizer
 
     d = th.write_model_dir(tmp_path_factory.mktemp("models") / "tiny-chat")

@@ -35,7 +35,7 @@ from .targets import Target
 
 __all__ = ["BlockHasher", "Ingestor", "IngestStats"]
 
-log = logging.getLogger("mooncake_rs.interop")
+log = logging.getLogger("mooncake_rs.kv_events")
 
 
 class Ingestor:

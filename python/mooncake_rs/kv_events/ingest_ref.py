@@ -38,7 +38,7 @@ from .targets import Target, canonical_medium
 
 __all__ = ["ReferenceIngestor", "block_extras"]
 
-log = logging.getLogger("mooncake_rs.interop")
+log = logging.getLogger("mooncake_rs.kv_events")
 
 FULL_ATTENTION = "full_attention"
 """vLLM's ``kv_cache_spec_kind`` of full-attention groups, the ones that decide whether an
