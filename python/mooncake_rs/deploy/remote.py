@@ -28,7 +28,6 @@ from ..errors import InvalidArgument, MooncakeError, ServiceUnavailable, Unautho
 from ..serving.control import Lost, SocketChannel
 from ..serving.generate import GenerateMixin
 from ..serving.handle import RequestHandle, wait_seconds
-from ..serving.protocol import Params
 from . import auth_socket
 from .client_protocol import (FROM_SERVICE, Admitted, Answer, CancelSubmitted, ClientMessage, Error, Finished, Query,
                               Submit, Tokens)
@@ -255,7 +254,7 @@ class RemoteCluster(GenerateMixin):
         handle = _RemoteHandle(cid, toks, lambda rid, err, outcome: self._cancel(conn, rid))
         p = _Pending(handle)
         conn.add(cid, p)
-        conn.link.send(Submit(cid, toks, Params.of(params), wait))
+        conn.link.send(Submit(cid, toks, params, wait))
         if not p.answered.wait(self._connect_timeout_s + 30.0):
             handle.cancel()
             raise ServiceUnavailable(f"the conductor service at {conn.address} did not answer a submit")

@@ -24,7 +24,6 @@ from .handle import RequestHandle, wait_seconds
 from .lifecycle import CancelRequest, Plan
 from .limits import Limits
 from .metrics import ClusterMetrics
-from .protocol import Params
 from .router import RequestRecord, Router
 
 __all__ = ["RoutedCluster", "new_conductor", "request_output", "MAX_FETCH_SOURCES"]
@@ -152,7 +151,7 @@ class RoutedCluster(GenerateMixin):
         local = d.reused_blocks - d.fetch_blocks
         fetch = d.fetch_blocks > 0 and d.fetch_from is not None
         also = self._other_holders(keys[:d.reused_blocks], d) if fetch and self.multipath else ()
-        plan = Plan(rid, toks, Params.of(params), bytes(keys), d.prefill, d.decode, local=local,
+        plan = Plan(rid, toks, params, bytes(keys), d.prefill, d.decode, local=local,
                     fetch_from=d.fetch_from if fetch else None,
                     fetch_keys=bytes(keys[local:d.reused_blocks]) if fetch else b"",
                     deadline=None if wait is None else t_submit + wait, timeout_s=0.0 if wait is None else wait,
