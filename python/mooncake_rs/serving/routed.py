@@ -134,6 +134,7 @@ class RoutedCluster(GenerateMixin):
             raise InvalidArgument("the cluster is closed")
         params = params or SamplingParams()
         toks = prompt_tokens(prompt, params)
+        params = params.checked()  # what goes on the wire is valid (SamplingParams.checked)
         wait = wait_seconds(timeout_s, "timeout_s")
         if wait is not None and wait <= 0:
             raise InvalidArgument(f"timeout_s must be positive (or None for no deadline), got {timeout_s!r}")
