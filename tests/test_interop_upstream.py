@@ -322,3 +322,15 @@ def test_cli_serve_upstream_needs_a_tokenizer(capsys):
     assert "--tokenizer" in capsys.readouterr().err
     assert main(["serve"]) == 2
     assert "--model is required" in capsys.readouterr().err
+
+
+def test_serve_chooses_the_upstream_mode_by_the_specs(capsys):
+    """``cli._serve`` alone picks the mode: any ``prefill:``/``decode:`` role goes to the
+    P/D proxy (which then refuses a spec without a role), plain specs to the KV-aware
+    proxy (which then asks for its tokenizer). Both refuse before listening."""
+    from mooncake_rs.cli import main
+
+    assert main(["serve", "--upstream", "prefill:p=http://127.0.0.1:9", "--upstream", "a=http://127.0.0.1:9"]) == 2
+    assert "has no role" in capsys.readouterr().err
+    assert main(["serve", "--upstream", "a=http://127.0.0.1:9"]) == 2
+    assert "needs --tokenizer" in capsys.readouterr().err
