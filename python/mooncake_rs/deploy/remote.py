@@ -27,7 +27,7 @@ from .. import errors as _errors
 from ..errors import InvalidArgument, MooncakeError, ServiceUnavailable, Unauthorized
 from ..serving.control import Lost, SocketChannel
 from ..serving.generate import GenerateMixin
-from ..serving.handle import RequestHandle, wait_seconds
+from ..serving.handle import RequestHandle, request_entry
 from . import auth_socket
 from .client_protocol import (FROM_SERVICE, Admitted, Answer, CancelSubmitted, ClientMessage, Error, Finished, Query,
                               Submit, Tokens)
@@ -241,15 +241,7 @@ class RemoteCluster(GenerateMixin):
     def submit(self, prompt: Sequence[int], params: Any = None, *, timeout_s: float | None = None) -> RequestHandle:
         """As ``Cluster.submit``: admits one request (raises what the service raised:
         ``Overloaded``, ``InvalidArgument``, ``ServiceUnavailable``) and returns its handle."""
-        from ..base.params import SamplingParams
-        from ..engine.tokens import prompt_tokens
-
-        params = params or SamplingParams()
-        toks = prompt_tokens(prompt, params)
-        params = params.checked()  # what goes on the wire is valid (SamplingParams.checked)
-        wait = wait_seconds(timeout_s, "timeout_s")
-        if wait is not None and wait <= 0:
-            raise InvalidArgument(f"timeout_s must be positive (or None for no deadline), got {timeout_s!r}")
+        toks, params, wait = request_entry(prompt, params, timeout_s)
         conn = self._connection()
         cid = next(self._ids)
         handle = _RemoteHandle(cid, toks, lambda rid, err, outcome: self._cancel(conn, rid))

@@ -20,7 +20,7 @@ from typing import Any, Callable, Self
 from .._core import Conductor, ConductorConfig, DecodeCostModel, TransferCostModel
 from ..errors import InvalidArgument, Overloaded
 from .generate import GenerateMixin
-from .handle import RequestHandle, wait_seconds
+from .handle import RequestHandle, request_entry
 from .lifecycle import CancelRequest, Plan
 from .limits import Limits
 from .metrics import ClusterMetrics
@@ -127,17 +127,9 @@ class RoutedCluster(GenerateMixin):
                 handle_type: Callable[[int, list[int], Any], RequestHandle]) -> Any:
         """``submit`` with the handle's maker: ``handle_type(rid, prompt, on_cancel)``
         (the conductor service forwards a remote client's tokens through its own)."""
-        from ..base.params import SamplingParams
-        from ..engine.tokens import prompt_tokens
-
         if self._closed:
             raise InvalidArgument("the cluster is closed")
-        params = params or SamplingParams()
-        toks = prompt_tokens(prompt, params)
-        params = params.checked()  # what goes on the wire is valid (SamplingParams.checked)
-        wait = wait_seconds(timeout_s, "timeout_s")
-        if wait is not None and wait <= 0:
-            raise InvalidArgument(f"timeout_s must be positive (or None for no deadline), got {timeout_s!r}")
+        toks, params, wait = request_entry(prompt, params, timeout_s)
         self._limits.check(toks, params)
         keys = self._hasher.hash_blocks(toks)  # BlockHashes: no Python int per block
         rid = next(self._ids)
