@@ -36,7 +36,7 @@ def make_payloads(
     """Batches of BlockStored events, each event chained on the previous one's last block.
     ``salt``: each sequence's first event carries vLLM's ``extra_keys`` of a request with a
     ``cache_salt`` (the salt on its first block, nil after)."""
-    from mooncake_rs.interop import BlockStored, encode_batch
+    from mooncake_rs.kv_events import BlockStored, encode_batch
 
     rng = np.random.default_rng(seed)
     per_batch = blocks_per_event * events_per_batch
@@ -107,9 +107,9 @@ def bench_ingest(
     from mooncake_rs import PrefixHasher, Xxh3RollingHasher
     from mooncake_rs._core import msgpack_tokens
     from mooncake_rs import BlockIndex
-    from mooncake_rs.interop import Ingestor, MediumIndex, decode_payload
-    from mooncake_rs.interop.hashmap import DictEngineHashMap
-    from mooncake_rs.interop.subscriber import KVEventSubscriber
+    from mooncake_rs.kv_events import Ingestor, MediumIndex, decode_payload
+    from mooncake_rs.kv_events.hashmap import DictEngineHashMap
+    from mooncake_rs.kv_events.subscriber import KVEventSubscriber
 
     payloads = make_payloads(total, per_event, per_batch, salt)
     blocks = len(payloads) * per_event * per_batch

@@ -20,8 +20,8 @@ import statistics
 import time
 
 from mooncake_rs import BlockIndex, PrefixHasher, Store
-from mooncake_rs.interop import Ingestor, KVEventSubscriber
-from mooncake_rs.interop.targets import TierTarget
+from mooncake_rs.kv_events import Ingestor, KVEventSubscriber
+from mooncake_rs.kv_events.targets import TierTarget
 from mooncake_rs.serving.kv_events import KVEventsOut
 
 BS, BLOCKS = 16, 64

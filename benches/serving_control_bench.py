@@ -145,6 +145,7 @@ def isolated_old(requests: int, max_tokens: int, encode: bool, pkg: str = "moonc
 
 def isolated_new(requests: int, max_tokens: int, encode: bool):  # noqa: ANN201 - the redesigned router
     from mooncake_rs.base.outputs import RequestOutput
+    from mooncake_rs.base.params import SamplingParams
     from mooncake_rs.serving import protocol as P
     from mooncake_rs.serving.handle import RequestHandle
     from mooncake_rs.serving.lifecycle import Plan
@@ -174,7 +175,7 @@ def isolated_new(requests: int, max_tokens: int, encode: bool):  # noqa: ANN201 
     port = Port()
     router = Router(port, {0: "prefill-0", 1: "decode-0"})
     rng = random.Random(0)
-    params = P.Params(max_tokens=max_tokens)
+    params = SamplingParams(max_tokens=max_tokens)
     report = P.PrefillReport(0, 0, 65536, 0.0, 0.1, 0.2)
 
     def one(rid: int) -> float:

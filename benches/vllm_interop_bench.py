@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from vllm_support import MODEL_NAME, free_port, make_vllm_model, start_vllm  # noqa: E402
 
 from mooncake_rs import PrefixHasher  # noqa: E402
-from mooncake_rs.interop import Ingestor, MediumIndex  # noqa: E402
-from mooncake_rs.interop.subscriber import KVEventSubscriber  # noqa: E402
+from mooncake_rs.kv_events import Ingestor, MediumIndex  # noqa: E402
+from mooncake_rs.kv_events.subscriber import KVEventSubscriber  # noqa: E402
 
 
 class _Ts(msgspec.Struct, array_like=True):

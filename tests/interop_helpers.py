@@ -8,7 +8,7 @@ import time
 
 import zmq
 
-from mooncake_rs.interop.encode import encode_message
+from mooncake_rs.kv_events.encode import encode_message
 
 END = (-1).to_bytes(8, "big", signed=True)
 

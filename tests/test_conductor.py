@@ -183,6 +183,29 @@ def test_replication_hints():
     assert c.replication_hints(now=0.0) == []
 
 
+_CONFIG_FIELDS = ["block_size", "ttft_slo_s", "tbt_slo_s", "policy", "balancing_threshold", "rejection", "seed",
+                  "default_output_len", "output_len_ewma", "max_output_len", "hot_min_hits", "hot_half_life_s",
+                  "hot_busy_fraction", "hot_capacity", "contention_aware", "hot_link_busy_s", "hot_replica_max_bytes"]
+
+
+def test_config_defaults_come_from_the_core_and_are_read_from_it():
+    """The defaults are written once (the core's ``ConductorConfig::default``): a field
+    left out or None takes it, one given changes only itself, and the simulator's and the
+    CLIs' conductor options start from ``ConductorConfig()``."""
+    from mooncake_rs.sim import SimConfig
+
+    d = ConductorConfig()
+    values = {f: getattr(d, f) for f in _CONFIG_FIELDS}
+    assert {f: getattr(ConductorConfig(**{f: None for f in _CONFIG_FIELDS}), f) for f in _CONFIG_FIELDS} == values
+    changed = ConductorConfig(policy="random", hot_capacity=7, block_size=16)
+    assert (changed.policy, changed.hot_capacity, changed.block_size) == ("random", 7, 16)
+    assert {f: getattr(changed, f) for f in _CONFIG_FIELDS if f not in ("policy", "hot_capacity", "block_size")} == {
+        f: v for f, v in values.items() if f not in ("policy", "hot_capacity", "block_size")}
+    sim = SimConfig()
+    assert (sim.policy, sim.rejection, sim.balancing_threshold, sim.contention_aware, sim.hot_replica_max_bytes) == (
+        d.policy, d.rejection, d.balancing_threshold, d.contention_aware, d.hot_replica_max_bytes)
+
+
 def test_bad_input():
     for kw in [dict(ttft_slo_s=math.nan), dict(tbt_slo_s=-1.0), dict(balancing_threshold=0.5), dict(policy="best"),
                dict(rejection="sometimes"), dict(block_size=0), dict(output_len_ewma=0.0)]:

@@ -20,8 +20,8 @@ from deploy_helpers import TOKEN, Deployment, LoopbackHosts, wait_until  # noqa:
 from etcd_helpers import etcd  # noqa: E402,F401,F811  (the fixture)
 
 from mooncake_rs import BlockIndex, PrefixHasher  # noqa: E402
-from mooncake_rs.interop import Ingestor, KVEventSubscriber  # noqa: E402
-from mooncake_rs.interop.targets import TierTarget  # noqa: E402
+from mooncake_rs.kv_events import Ingestor, KVEventSubscriber  # noqa: E402
+from mooncake_rs.kv_events.targets import TierTarget  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 

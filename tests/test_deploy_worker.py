@@ -16,7 +16,8 @@ import pytest
 from mooncake_rs import Conductor, ConductorConfig, Store, StoreEvents
 from mooncake_rs.deploy.worker_link import ConductorLinks
 from mooncake_rs.serving.control import CLUSTER, Detached
-from mooncake_rs.serving.protocol import Attach, Codec, Expect, KvReady, Params, PrefillReport, Relay, Stats
+from mooncake_rs.base.params import SamplingParams
+from mooncake_rs.serving.protocol import Attach, Codec, Expect, KvReady, PrefillReport, Relay, Stats
 
 BLOCK_BYTES = 4096
 
@@ -82,7 +83,7 @@ def _conductor_end(links: ConductorLinks) -> socket.socket:
 
 
 def _expect(rid: int) -> Expect:
-    return Expect(rid, [1, 2, 3], Params(), b"", 0, None, 0)
+    return Expect(rid, [1, 2, 3], SamplingParams(), b"", 0, None, 0)
 
 
 def _recv(links: ConductorLinks, timeout: float = 5.0):

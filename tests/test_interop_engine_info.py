@@ -87,7 +87,7 @@ def test_register_without_block_size_learns_it_from_the_replay_buffer():
     pytest.importorskip("zmq")
     from interop_helpers import FakePublisher
 
-    from mooncake_rs.interop import BlockStored, encode_batch
+    from mooncake_rs.kv_events import BlockStored, encode_batch
     from mooncake_rs.interop.indexer import Indexer
     from mooncake_rs.interop.indexer_api import RegisterRequest
 

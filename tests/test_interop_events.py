@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from mooncake_rs import BlockIndex, InvalidArgument, MalformedEvent, MooncakeError, PrefixHasher
-from mooncake_rs.interop import (
+from mooncake_rs.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -364,7 +364,7 @@ def _vllm_032_payload() -> bytes:
 
 @pytest.mark.parametrize("raw_tokens", [False, True])
 def test_vllm_032_batches_take_the_typed_fast_path(monkeypatch, raw_tokens):
-    from mooncake_rs.interop import events
+    from mooncake_rs.kv_events import events
 
     def slow(*_a, **_k):
         raise AssertionError("a vLLM 0.32 batch fell back to event-by-event decoding")

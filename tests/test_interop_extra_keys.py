@@ -10,9 +10,9 @@ import msgspec
 import pytest
 
 from mooncake_rs import BlockIndex, InvalidArgument, PrefixHasher, Xxh3RollingHasher
-from mooncake_rs.interop import Ingestor, MediumIndex, TierTarget, decode_payload
-from mooncake_rs.interop.extra_keys import encode_extra_keys, vllm_block_extras
-from mooncake_rs.interop.ingest_ref import ReferenceIngestor
+from mooncake_rs.kv_events import Ingestor, MediumIndex, TierTarget, decode_payload
+from mooncake_rs.kv_events.extra_keys import encode_extra_keys, vllm_block_extras
+from mooncake_rs.kv_events.ingest_ref import ReferenceIngestor
 
 BS = 4
 enc = msgspec.msgpack.Encoder()

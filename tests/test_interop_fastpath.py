@@ -20,7 +20,7 @@ import msgspec
 import pytest
 
 from mooncake_rs import BlockIndex, MalformedEvent, PrefixHasher, Xxh3RollingHasher
-from mooncake_rs.interop import (
+from mooncake_rs.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -31,8 +31,8 @@ from mooncake_rs.interop import (
     decode_payload,
     encode_event,
 )
-from mooncake_rs.interop.hashmap import DictEngineHashMap
-from mooncake_rs.interop.ingest_ref import ReferenceIngestor
+from mooncake_rs.kv_events.hashmap import DictEngineHashMap
+from mooncake_rs.kv_events.ingest_ref import ReferenceIngestor
 
 pytestmark = pytest.mark.timeout(300)
 

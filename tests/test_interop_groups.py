@@ -7,8 +7,8 @@ import msgspec
 import pytest
 
 from mooncake_rs import BlockIndex, PrefixHasher
-from mooncake_rs.interop import Ingestor, MediumIndex, TierTarget, decode_payload
-from mooncake_rs.interop.ingest_ref import ReferenceIngestor
+from mooncake_rs.kv_events import Ingestor, MediumIndex, TierTarget, decode_payload
+from mooncake_rs.kv_events.ingest_ref import ReferenceIngestor
 
 BS = 4
 enc = msgspec.msgpack.Encoder()

@@ -18,7 +18,7 @@ pytest.importorskip("httpx")
 from starlette.testclient import TestClient  # noqa: E402
 
 from mooncake_rs import Xxh3RollingHasher  # noqa: E402
-from mooncake_rs.interop import AllBlocksCleared, BlockRemoved, BlockStored, decode_payload, encode_batch  # noqa: E402
+from mooncake_rs.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_payload, encode_batch  # noqa: E402
 from mooncake_rs.interop.http import create_app  # noqa: E402
 from mooncake_rs.interop.indexer import Indexer  # noqa: E402
 

@@ -14,7 +14,7 @@ from starlette.testclient import TestClient  # noqa: E402
 from mooncake_rs.errors import MalformedEvent  # noqa: E402
 from mooncake_rs.interop.indexer import Indexer  # noqa: E402
 from mooncake_rs.interop.indexer_api import RegisterRequest  # noqa: E402
-from mooncake_rs.interop.events import MAX_ENGINE_HASH_BYTES, decode_payload  # noqa: E402
+from mooncake_rs.kv_events.events import MAX_ENGINE_HASH_BYTES, decode_payload  # noqa: E402
 from mooncake_rs.interop.http import MAX_BODY, create_app  # noqa: E402
 from mooncake_rs.interop.indexer_api import MAX_QUERY_HASHES, MAX_QUERY_TOKENS  # noqa: E402
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from mooncake_rs import InvalidArgument, PrefixHasher
-from mooncake_rs.interop import BlockStored, Ingestor, MediumIndex, encode_batch
+from mooncake_rs.kv_events import BlockStored, Ingestor, MediumIndex, encode_batch
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -18,7 +18,7 @@ zmq = pytest.importorskip("zmq")
 
 from interop_helpers import FakePublisher, pump  # noqa: E402
 
-from mooncake_rs.interop.subscriber import KVEventSubscriber  # noqa: E402
+from mooncake_rs.kv_events.subscriber import KVEventSubscriber  # noqa: E402
 
 
 def _store(i, toks, parent=None):
@@ -293,7 +293,7 @@ def test_a_publisher_that_goes_away_takes_its_entries_with_it():
 def test_a_block_size_mismatch_is_said_once_with_both_sizes(pub_plain, caplog):
     sub, ing, target, hasher = _subscriber(pub_plain)
     wrong = [encode_batch([BlockStored([i], None, list(range(2 * BS)), 2 * BS, None, "GPU")]) for i in range(3)]
-    with caplog.at_level("WARNING", logger="mooncake_rs.interop"):
+    with caplog.at_level("WARNING", logger="mooncake_rs.kv_events"):
         for i, p in enumerate(wrong):
             pub_plain.publish(i, p)
         pump(sub, lambda: sub.last_seq == 2)

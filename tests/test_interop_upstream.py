@@ -16,7 +16,7 @@ pytest.importorskip("starlette")
 httpx = pytest.importorskip("httpx")
 
 from mooncake_rs.errors import InvalidArgument, Overloaded  # noqa: E402
-from mooncake_rs.interop import BlockRemoved, BlockStored, decode_payload, encode_batch  # noqa: E402
+from mooncake_rs.kv_events import BlockRemoved, BlockStored, decode_payload, encode_batch  # noqa: E402
 from mooncake_rs.interop.upstream import UpstreamRouter, UpstreamSpec, parse_upstream  # noqa: E402
 from upstream_helpers import BS, free_port, wait_for  # noqa: E402
 
@@ -117,8 +117,10 @@ def test_router_overloaded_when_the_conductor_refuses():
 
 @pytest.mark.parametrize("form, bytes_hashes", [("positional", False), ("map", True)])
 def test_standin_cache_events_and_replay_to_a_late_subscriber(form, bytes_hashes):
-    from mooncake_rs.interop import AllBlocksCleared, decode_message
-    from mooncake_rs.interop.standin import EventPublisher, _PrefixCache
+    from mooncake_rs.kv_events import AllBlocksCleared, decode_message
+    from standin import _PrefixCache
+
+    from mooncake_rs.kv_events.publisher import EventPublisher
 
     cache = _PrefixCache(BS, capacity_blocks=6, bytes_hashes=bytes_hashes)
     p1, p2 = list(range(10, 22)), list(range(10, 18)) + [7, 7, 7, 7, 9]  # 3 blocks; 2 shared + 1 new
@@ -320,3 +322,15 @@ def test_cli_serve_upstream_needs_a_tokenizer(capsys):
     assert "--tokenizer" in capsys.readouterr().err
     assert main(["serve"]) == 2
     assert "--model is required" in capsys.readouterr().err
+
+
+def test_serve_chooses_the_upstream_mode_by_the_specs(capsys):
+    """``cli._serve`` alone picks the mode: any ``prefill:``/``decode:`` role goes to the
+    P/D proxy (which then refuses a spec without a role), plain specs to the KV-aware
+    proxy (which then asks for its tokenizer). Both refuse before listening."""
+    from mooncake_rs.cli import main
+
+    assert main(["serve", "--upstream", "prefill:p=http://127.0.0.1:9", "--upstream", "a=http://127.0.0.1:9"]) == 2
+    assert "has no role" in capsys.readouterr().err
+    assert main(["serve", "--upstream", "a=http://127.0.0.1:9"]) == 2
+    assert "needs --tokenizer" in capsys.readouterr().err

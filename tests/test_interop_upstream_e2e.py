@@ -30,7 +30,7 @@ def fleet(tmp_path_factory):
 
     from mooncake_rs.http.server import ServerThread
     from mooncake_rs.interop.proxy import create_proxy_app
-    from mooncake_rs.interop.standin import StandIn
+    from standin import StandIn
     from mooncake_rs.text import Tokenizer
 
     d = th.write_model_dir(tmp_path_factory.mktemp("models") / "tiny-chat")
@@ -73,6 +73,22 @@ def _complete(url, prompt, **kw):
     return r
 
 
+def _while_busy(engine, url, blocker_prompt, prompt):
+    """``prompt``'s response while ``engine`` holds a request (``blocker_prompt``) in
+    flight, then that blocker's response once the engine is let go."""
+    engine.hold()
+    blocker: dict = {}
+    t = threading.Thread(target=lambda: blocker.update(r=_complete(url, blocker_prompt)))
+    t.start()
+    try:
+        wait_for(lambda: engine.waiting == 1, what="the blocker waiting on the busy engine")
+        response = _complete(url, prompt)
+    finally:
+        engine.release()
+        t.join(60)
+    return response, blocker["r"]
+
+
 def test_end_to_end_prefix_then_eviction_then_load(fleet):
     a, b, router, server, tok, _ = fleet
     url = server.url
@@ -80,18 +96,9 @@ def test_end_to_end_prefix_then_eviction_then_load(fleet):
     full = len(ids) // BS
     assert full >= 3
     # 1. a is busy (a request waits on it): a shared-prefix request goes to b by load
-    a.hold()
-    blocker: dict = {}
-    t = threading.Thread(target=lambda: blocker.update(r=_complete(url, "zebra zebra zebra zebra zebra")))
-    t.start()
-    try:
-        wait_for(lambda: a.waiting == 1, what="the blocker waiting on a")
-        r1 = _complete(url, PREFIX + " one")
-        assert r1.headers["x-mooncake-upstream"] == "b"
-    finally:
-        a.release()
-        t.join(60)
-    assert blocker["r"].headers["x-mooncake-upstream"] == "a"
+    r1, blocked = _while_busy(a, url, "zebra zebra zebra zebra zebra", PREFIX + " one")
+    assert r1.headers["x-mooncake-upstream"] == "b"
+    assert blocked.headers["x-mooncake-upstream"] == "a"
     # b published the prompt's blocks (map form, bytes hashes): the index has them
     wait_for(lambda: router.held_blocks("b", ids) >= full - 1, what="b's BlockStored in the index")
     # 2. both idle: the second shared-prefix request follows the prefix to b
@@ -105,16 +112,8 @@ def test_end_to_end_prefix_then_eviction_then_load(fleet):
     assert r3.headers["x-mooncake-upstream"] == "a"
     wait_for(lambda: router.held_blocks("a", ids) >= full - 1, what="a's BlockStored in the index")
     # 4. a holds the prefix but is busy: the load wins over a short prefix
-    a.hold()
-    t = threading.Thread(target=lambda: blocker.update(r=_complete(url, "yak yak yak yak yak yak")))
-    t.start()
-    try:
-        wait_for(lambda: a.waiting == 1, what="the second blocker waiting on a")
-        r4 = _complete(url, PREFIX + " four")
-        assert r4.headers["x-mooncake-upstream"] == "b"
-    finally:
-        a.release()
-        t.join(60)
+    r4, _ = _while_busy(a, url, "yak yak yak yak yak yak", PREFIX + " four")
+    assert r4.headers["x-mooncake-upstream"] == "b"
     st = router.stats()
     assert st["a"]["in_flight"] == 0 and st["b"]["in_flight"] == 0
     assert st["b"]["ingest"]["removed_blocks"] >= full - 1

@@ -1,7 +1,7 @@
 """Issue 26, item 1: one request never kills an instance.
 
 Every sampling field is bounded where it enters (``SamplingParams``, the HTTP schema, the
-wire ``Params`` an instance rebuilds), and an exception while serving one request fails
+wire, where ``SamplingParams`` itself is decoded and validated), and an exception while serving one request fails
 that request only: the engine's step (forward, sampling) and the instance loop go on.
 The hypothesis fuzzers throw every field and type at a live cluster and at the HTTP
 front over it and check that both keep serving.
@@ -79,8 +79,9 @@ def test_top_k_past_int64_is_refused_and_the_instance_keeps_serving(cluster):
 
 
 def test_a_value_that_bypassed_the_client_check_fails_only_its_request(cluster):
-    """A ``SamplingParams`` forced past its checks (as a raw wire frame would be): the
-    instance rebuilds and checks it, so the request fails typed and the instance lives."""
+    """A ``SamplingParams`` forced past its checks: the cluster checks it again where the
+    request enters (``SamplingParams.checked``; on the wire it is the frame's type, checked
+    on decode), so the request fails typed and the instance lives."""
     p = _sp(max_tokens=4, temperature=1.0)
     object.__setattr__(p, "top_k", 2 ** 63)
     with pytest.raises(MooncakeError, match="top_k"):

@@ -15,8 +15,8 @@ pytest.importorskip("torch")
 from mooncake_rs import BlockHashes as BlockHashesOf  # noqa: E402
 from mooncake_rs import BlockIndex, InvalidArgument, PrefixHasher  # noqa: E402
 from mooncake_rs.engine import ModelConfig, SamplingParams  # noqa: E402
-from mooncake_rs.interop import Ingestor, KVEventSubscriber  # noqa: E402
-from mooncake_rs.interop.targets import TierTarget  # noqa: E402
+from mooncake_rs.kv_events import Ingestor, KVEventSubscriber  # noqa: E402
+from mooncake_rs.kv_events.targets import TierTarget  # noqa: E402
 from mooncake_rs.serving.kv_events import endpoints_for  # noqa: E402
 from serving_helpers import BLOCK  # noqa: E402
 
@@ -111,7 +111,7 @@ def test_publisher_events_from_a_real_store():
     import zmq
 
     from mooncake_rs import Store
-    from mooncake_rs.interop.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_message
+    from mooncake_rs.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_message
     from mooncake_rs.serving.kv_events import KVEventsOut
 
     bs = 4

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from mooncake_rs.base.params import SamplingParams
 from mooncake_rs.errors import MooncakeError, TransferFailed, TransferTimeout
 from mooncake_rs.serving import protocol as p
 from mooncake_rs.serving.lifecycle import (Arrived, CancelRequest, Conduct, Deliver, Fail, Finish, InstanceDown,
@@ -18,7 +19,7 @@ NAMES = {P: "prefill-0", H: "prefill-1", D: "decode-0"}
 NAMES2 = NAMES | {H2: "prefill-2"}
 RID = 7
 KEYS = p.pack_keys([11, 12, 13, 14])
-PARAMS = p.Params(max_tokens=4)
+PARAMS = SamplingParams(max_tokens=4)
 EP = p.Endpoint("prefill-1", "", 3)
 REPORT = p.PrefillReport(2, 2, 4096, 0.0, 0.1, 0.2)
 

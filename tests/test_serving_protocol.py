@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mooncake_rs.base.params import SamplingParams
 from mooncake_rs.errors import MooncakeError
 from mooncake_rs.serving import protocol as p
 
@@ -27,9 +28,9 @@ SAMPLES: list[p.Message] = [
     p.Ready(p.PROTOCOL_VERSION, EP, 1234, 8192, 512, 4096),
     p.InitFailed("RuntimeError: no"),
     p.Beat(),
-    p.Expect(9, [1, 2, 3], p.Params(max_tokens=4, stop_token_ids=(3,)), KEYS, 1, FETCH, 0),
-    p.Expect(9, [1], p.Params(), b"", 0, None, 1),
-    p.Prefill(9, [1, 2, 3], p.Params(temperature=0.5, seed=7), KEYS, 1, None, DEST, 3),
+    p.Expect(9, [1, 2, 3], SamplingParams(max_tokens=4, stop_token_ids=(3,)), KEYS, 1, FETCH, 0),
+    p.Expect(9, [1], SamplingParams(), b"", 0, None, 1),
+    p.Prefill(9, [1, 2, 3], SamplingParams(temperature=0.5, seed=7), KEYS, 1, None, DEST, 3),
     p.KvReady(9, 17, "prefill", REPORT),
     p.KvReady(9, None, "length", REPORT),
     p.Export(9, KEYS),
@@ -55,10 +56,10 @@ SAMPLES: list[p.Message] = [
     p.Ready(p.PROTOCOL_VERSION, EP, 1234, 8192, 512, 4096, vocab_size=256, max_positions=2048),
     p.Attach(p.PROTOCOL_VERSION, 3, "prefill-a"),
     p.Relay(2, p.KvReady(9, 17, "prefill", REPORT)),
-    p.Relay(4, p.Prefill(9, [1, 2, 3], p.Params(), KEYS, 1, None, DEST, 3)),
+    p.Relay(4, p.Prefill(9, [1, 2, 3], SamplingParams(), KEYS, 1, None, DEST, 3)),
     # a multi-source fetch (Cluster(multipath=True)): the other holders and the split
-    p.Expect(9, [1, 2, 3], p.Params(), KEYS, 1, FETCH, 0, fetch_also=[FETCH2], fetch_split=[1, 1]),
-    p.Prefill(9, [1, 2, 3], p.Params(), KEYS, 1, FETCH, DEST, 3, fetch_also=[FETCH2], fetch_split=[0, 2]),
+    p.Expect(9, [1, 2, 3], SamplingParams(), KEYS, 1, FETCH, 0, fetch_also=[FETCH2], fetch_split=[1, 1]),
+    p.Prefill(9, [1, 2, 3], SamplingParams(), KEYS, 1, FETCH, DEST, 3, fetch_also=[FETCH2], fetch_split=[0, 2]),
     p.Tokens(9, [4], None, p.PrefillReport(2, 2, 65536, 1.5, 1.75, 2.0, sources=2)),
 ]
 
@@ -81,7 +82,7 @@ def test_multipath_fields_are_additive():
     """At their defaults the new fields are not on the wire: what an older peer sends and
     reads, byte for byte (no version bump)."""
     c = p.Codec()
-    for msg in (p.Expect(9, [1], p.Params(), KEYS, 1, FETCH, 0), p.Prefill(9, [1], p.Params(), KEYS, 1, FETCH, DEST, 3),
+    for msg in (p.Expect(9, [1], SamplingParams(), KEYS, 1, FETCH, 0), p.Prefill(9, [1], SamplingParams(), KEYS, 1, FETCH, DEST, 3),
                 p.KvReady(9, 1, "prefill", REPORT)):
         body = c.encode(msg)[4:]
         for name in (b"fetch_also", b"fetch_split", b"sources"):
@@ -91,17 +92,32 @@ def test_multipath_fields_are_additive():
 
 def test_multipath_fields_are_checked():
     with pytest.raises(ValueError, match="one count >= 0 per source"):
-        p.Expect(9, [1], p.Params(), KEYS, 1, FETCH, 0, fetch_also=[FETCH2], fetch_split=[2, 1])
+        p.Expect(9, [1], SamplingParams(), KEYS, 1, FETCH, 0, fetch_also=[FETCH2], fetch_split=[2, 1])
     with pytest.raises(ValueError, match="another run"):
-        p.Expect(9, [1], p.Params(), KEYS, 1, FETCH, 0, fetch_also=[p.Fetch(4, EP, [0], p.pack_keys([5]))])
+        p.Expect(9, [1], SamplingParams(), KEYS, 1, FETCH, 0, fetch_also=[p.Fetch(4, EP, [0], p.pack_keys([5]))])
     with pytest.raises(ValueError, match="need a primary fetch"):
-        p.Prefill(9, [1], p.Params(), KEYS, 1, None, DEST, 3, fetch_also=[FETCH2])
+        p.Prefill(9, [1], SamplingParams(), KEYS, 1, None, DEST, 3, fetch_also=[FETCH2])
     c = p.Codec()  # and on the wire: a bad split is a ProtocolError, like any bad field
     body = msgspec.msgpack.encode({"op": "expect", "rid": 1, "prompt": [1], "params": {}, "keys": KEYS, "local": 0,
                                    "fetch": msgspec.to_builtins(FETCH, builtin_types=(bytes,)), "prefill": 0,
                                    "fetch_also": [msgspec.to_builtins(FETCH2, builtin_types=(bytes,))], "fetch_split": [5, 5]})
     with pytest.raises(p.ProtocolError, match="fetch_split"):
         c.decode(len(body).to_bytes(4, "big") + body)
+
+
+def test_sampling_params_are_the_wire_type_and_are_validated_on_decode():
+    """A request's parameters travel as the public ``SamplingParams`` itself: they come
+    back equal, and a value its constructor refuses is a ProtocolError on the wire."""
+    c = p.Codec()
+    params = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, top_p=0.9, seed=11, stop_token_ids=(2, 5),
+                            ignore_eos=True)
+    got = c.decode(c.encode(p.Expect(1, [1, 2], params, KEYS, 0, None, 0)))
+    assert isinstance(got.params, SamplingParams) and got.params == params
+    for bad in ({"max_tokens": 0}, {"temperature": -1.0}, {"top_k": 0}, {"stop_token_ids": [-1]}, {"seed": "x"}):
+        body = msgspec.msgpack.encode({"op": "expect", "rid": 1, "prompt": [1], "params": bad, "keys": b"",
+                                       "local": 0, "fetch": None, "prefill": 0})
+        with pytest.raises(p.ProtocolError):
+            c.decode(len(body).to_bytes(4, "big") + body)
 
 
 def test_keys_pack_as_16_byte_little_endian():
@@ -127,7 +143,7 @@ def test_oversized_and_truncated_frames():
     with pytest.raises(p.ProtocolError, match="exceeds"):
         c.body_length((1 << 20).to_bytes(4, "big"))
     with pytest.raises(p.ProtocolError, match="exceeds"):
-        c.encode(p.Expect(1, list(range(1000)), p.Params(), b"", 0, None, 0))
+        c.encode(p.Expect(1, list(range(1000)), SamplingParams(), b"", 0, None, 0))
     frame = c.encode(p.Cancel(3))
     with pytest.raises(p.ProtocolError):
         c.decode(frame[:2])
@@ -239,7 +255,7 @@ def test_a_link_refuses_a_message_of_the_wrong_direction():
     from mooncake_rs.serving.control import Lost
 
     link, other, sink = _link_pair(p.FROM_INSTANCE)
-    other.sendall(p.Codec().encode(p.Expect(1, [1], p.Params(), b"", 0, None, 0)))  # cluster -> decode only
+    other.sendall(p.Codec().encode(p.Expect(1, [1], SamplingParams(), b"", 0, None, 0)))  # cluster -> decode only
     src, lost = sink.get(timeout=10)
     assert isinstance(lost, Lost) and "not expected" in lost.reason
     link.close()

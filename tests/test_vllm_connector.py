@@ -294,7 +294,7 @@ def test_take_events_publishes_the_pool_blocks_as_vllm_events(pair):
     vLLM's block hashes and tokens (what a KV-event consumer indexes)."""
     import zmq
 
-    from mooncake_rs.interop.events import BlockStored, decode_payload
+    from mooncake_rs.kv_events.events import BlockStored, decode_payload
     from upstream_helpers import wait_for
 
     a, _ = pair

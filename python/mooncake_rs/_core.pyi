@@ -189,28 +189,29 @@ class DecodeCostModel:
 
 @final
 class ConductorConfig:
+    # None (or left out): the core's default, written once in rust/core/src/conductor/config.rs
     def __new__(
         cls,
-        block_size: int = 512,
-        ttft_slo_s: float = 10.0,
-        tbt_slo_s: float = 0.1,
-        policy: str = "mooncake",
-        balancing_threshold: float = 1.0,
-        rejection: str = "none",
-        seed: int = 0,
+        block_size: int | None = None,
+        ttft_slo_s: float | None = None,
+        tbt_slo_s: float | None = None,
+        policy: str | None = None,
+        balancing_threshold: float | None = None,
+        rejection: str | None = None,
+        seed: int | None = None,
         prefill_model: PrefillCostModel | None = None,
         transfer_model: TransferCostModel | None = None,
         decode_model: DecodeCostModel | None = None,
-        default_output_len: int = 256,
-        output_len_ewma: float = 0.2,
-        hot_min_hits: float = 4.0,
-        hot_half_life_s: float = 60.0,
-        hot_busy_fraction: float = 0.25,
-        hot_capacity: int = 4096,
-        max_output_len: int = 1048576,
-        contention_aware: bool = True,
-        hot_link_busy_s: float = 0.5,
-        hot_replica_max_bytes: float = 64e9,
+        default_output_len: int | None = None,
+        output_len_ewma: float | None = None,
+        hot_min_hits: float | None = None,
+        hot_half_life_s: float | None = None,
+        hot_busy_fraction: float | None = None,
+        hot_capacity: int | None = None,
+        max_output_len: int | None = None,
+        contention_aware: bool | None = None,
+        hot_link_busy_s: float | None = None,
+        hot_replica_max_bytes: float | None = None,
     ) -> ConductorConfig: ...
     @property
     def max_output_len(self) -> int: ...

@@ -89,7 +89,8 @@ def _make_model(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     """Every mode of ``serve`` is chosen here, and only here: ``--etcd`` the conductor of a
     deployment across hosts (with ``--model``, its OpenAI front too); ``--upstream`` a
-    router over engines we did not write; otherwise an embedded cluster of ``--model``."""
+    router over engines we did not write (with ``prefill:``/``decode:`` roles, the P/D
+    proxy); otherwise an embedded cluster of ``--model``."""
     if getattr(args, "rest", None) is not None:  # the http extra is missing: its options are not known
         return _missing_extras("serve", "http") or 2
     if args.etcd:
@@ -101,6 +102,12 @@ def _serve(args: argparse.Namespace) -> int:
     if args.upstream:
         if rc := _missing_extras("serve --upstream", "upstream"):
             return rc
+        from .interop.pd import is_role_spec
+
+        if any(is_role_spec(s) for s in args.upstream):
+            from .interop.pd_serve import serve_pd
+
+            return serve_pd(args)
         from .interop.serve_upstream import serve_upstreams
 
         return serve_upstreams(args)

@@ -81,6 +81,6 @@ class InternalError(MooncakeError):
 class MalformedEvent(InvalidArgument):
     """A KV event message (ZMQ frames or msgpack payload) that cannot be decoded.
 
-    Raised by :mod:`mooncake_rs.interop` for a truncated or malformed frame; the message
+    Raised by :mod:`mooncake_rs.kv_events` for a truncated or malformed frame; the message
     says which frame or field is wrong.
     """

@@ -11,7 +11,7 @@ of 2**63 once overflowed ``torch.tensor`` inside an instance's loop).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import InvalidArgument
@@ -89,6 +89,13 @@ class SamplingParams:
         object.__setattr__(self, "temperature", float(t))
         object.__setattr__(self, "top_p", float(self.top_p))
         object.__setattr__(self, "stop_token_ids", tuple(int(s) for s in stops))
+
+    def checked(self) -> "SamplingParams":
+        """These values checked again, as a copy: a cluster calls it where a request
+        enters, so that an object forced past the constructor (``object.__setattr__``)
+        fails that request there, typed, instead of reaching the wire, where this class is
+        the frame's type and a bad value would be a protocol error on the connection."""
+        return replace(self)
 
     @property
     def greedy(self) -> bool:

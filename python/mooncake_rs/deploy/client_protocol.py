@@ -17,7 +17,7 @@ from typing import Any, Union
 
 import msgspec
 
-from ..serving.protocol import Params
+from ..base.params import SamplingParams
 
 __all__ = ["Submit", "CancelSubmitted", "Query", "Admitted", "Tokens", "Finished", "Error", "Answer",
            "ClientMessage", "TO_SERVICE", "FROM_SERVICE", "CLIENT_PROTOCOL_VERSION"]
@@ -32,7 +32,7 @@ class _C(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"
 class Submit(_C, frozen=True, tag="submit"):
     cid: int
     prompt: list[int]
-    params: Params
+    params: SamplingParams
     timeout_s: Union[float, None] = None
     version: int = CLIENT_PROTOCOL_VERSION
 

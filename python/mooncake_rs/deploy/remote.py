@@ -27,8 +27,7 @@ from .. import errors as _errors
 from ..errors import InvalidArgument, MooncakeError, ServiceUnavailable, Unauthorized
 from ..serving.control import Lost, SocketChannel
 from ..serving.generate import GenerateMixin
-from ..serving.handle import RequestHandle, wait_seconds
-from ..serving.protocol import Params
+from ..serving.handle import RequestHandle, request_entry
 from . import auth_socket
 from .client_protocol import (FROM_SERVICE, Admitted, Answer, CancelSubmitted, ClientMessage, Error, Finished, Query,
                               Submit, Tokens)
@@ -242,20 +241,13 @@ class RemoteCluster(GenerateMixin):
     def submit(self, prompt: Sequence[int], params: Any = None, *, timeout_s: float | None = None) -> RequestHandle:
         """As ``Cluster.submit``: admits one request (raises what the service raised:
         ``Overloaded``, ``InvalidArgument``, ``ServiceUnavailable``) and returns its handle."""
-        from ..base.params import SamplingParams
-        from ..engine.tokens import prompt_tokens
-
-        params = params or SamplingParams()
-        toks = prompt_tokens(prompt, params)
-        wait = wait_seconds(timeout_s, "timeout_s")
-        if wait is not None and wait <= 0:
-            raise InvalidArgument(f"timeout_s must be positive (or None for no deadline), got {timeout_s!r}")
+        toks, params, wait = request_entry(prompt, params, timeout_s)
         conn = self._connection()
         cid = next(self._ids)
         handle = _RemoteHandle(cid, toks, lambda rid, err, outcome: self._cancel(conn, rid))
         p = _Pending(handle)
         conn.add(cid, p)
-        conn.link.send(Submit(cid, toks, Params.of(params), wait))
+        conn.link.send(Submit(cid, toks, params, wait))
         if not p.answered.wait(self._connect_timeout_s + 30.0):
             handle.cancel()
             raise ServiceUnavailable(f"the conductor service at {conn.address} did not answer a submit")

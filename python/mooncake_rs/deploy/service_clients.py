@@ -102,8 +102,6 @@ class _Connection:
             self._closed(msg.reason)
 
     def _submit(self, msg: Submit) -> None:
-        from ..base.params import SamplingParams
-
         cid = msg.cid
         if msg.version != CLIENT_PROTOCOL_VERSION:
             self.post(Error(cid, "InvalidArgument", f"client protocol version {msg.version}, the service speaks "
@@ -111,10 +109,7 @@ class _Connection:
             return
 
         try:
-            import msgspec
-
-            params = SamplingParams(**msgspec.structs.asdict(msg.params))
-            h = self.service._submit(msg.prompt, params, msg.timeout_s,
+            h = self.service._submit(msg.prompt, msg.params, msg.timeout_s,
                                      lambda rid, toks, cancel: _Forward(rid, toks, cancel, self, cid))
         except Exception as e:  # noqa: BLE001 - every refusal goes back typed
             self.post(error_message(cid, e))

@@ -15,6 +15,7 @@ import sys
 import threading
 from typing import Any
 
+from .._core import ConductorConfig
 from ..errors import InvalidArgument, MooncakeError
 
 __all__ = ["ServerThread", "add_serve_arguments", "serve"]
@@ -105,8 +106,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV block size in tokens (default: 16 for a cluster served here; with --upstream, "
                         "what the engines report)")
     p.add_argument("--processes", action="store_true", help="one worker process per instance")
-    p.add_argument("--policy", default="mooncake")
-    p.add_argument("--rejection", default="none", help="conductor admission: none, early, predictive")
+    defaults = ConductorConfig()  # the conductor's defaults, written once in the core
+    p.add_argument("--policy", default=defaults.policy)
+    p.add_argument("--rejection", default=defaults.rejection, help="conductor admission: none, early, predictive")
     p.add_argument("--no-prefix-reuse", action="store_true", help="compute every prompt (no KV reuse; baselines)")
     p.add_argument("--ttft-slo", type=float, default=30.0, help="seconds")
     p.add_argument("--tbt-slo", type=float, default=1.0, help="seconds")

@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 
 from ..errors import MalformedEvent
-from .events import REPLAY_END, BlockStored, decode_payload
+from ..kv_events.events import REPLAY_END, BlockStored, decode_payload
 
 __all__ = ["block_size_from_metrics", "block_size_from_replay", "discover_block_size", "lora_adapters"]
 
@@ -48,7 +48,7 @@ def block_size_from_replay(replay_endpoint: str, timeout_s: float = 2.0, max_rep
     """The block size of the first ``BlockStored`` the engine's replay buffer still holds."""
     import zmq  # pyzmq only when events are used
 
-    from .subscriber import _replay_reply
+    from ..kv_events.subscriber import _replay_reply
 
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

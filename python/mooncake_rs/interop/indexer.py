@@ -35,11 +35,11 @@ import msgspec
 
 from .._core import PrefixHasher, Xxh3RollingHasher
 from ..errors import InvalidArgument, Overloaded
-from .events import EventBatch
-from .extra_keys import vllm_block_extras
+from ..kv_events.events import EventBatch
+from ..kv_events.extra_keys import vllm_block_extras
 from .indexer_api import QueryByHashRequest, QueryRequest, RegisterRequest, UnregisterRequest, check_limits
-from .ingest import BlockHasher, Ingestor
-from .targets import MediumIndex
+from ..kv_events.ingest import BlockHasher, Ingestor
+from ..kv_events.targets import MediumIndex
 
 __all__ = ["Indexer", "GroupKey", "HashName"]
 
@@ -170,7 +170,7 @@ class Indexer:
         if old is not None:  # re-registration replaces the old subscription
             self._retire(group, old)
         if self.subscribe:
-            from .subscriber import KVEventSubscriber
+            from ..kv_events.subscriber import KVEventSubscriber
 
             try:
                 sub = KVEventSubscriber(req.endpoint, member.ingestor, req.replay_endpoint,

@@ -13,13 +13,8 @@ __all__ = ["serve_upstreams"]
 
 
 def serve_upstreams(args: argparse.Namespace) -> int:
-    """Blocks until Ctrl-C / SIGTERM."""
-    from .pd import is_role_spec
-
-    if any(is_role_spec(s) for s in args.upstream):  # prefill:/decode: roles: P/D (pd_serve.py)
-        from .pd_serve import serve_pd
-
-        return serve_pd(args)
+    """Blocks until Ctrl-C / SIGTERM. Upstreams without roles (``cli._serve`` sends those
+    with ``prefill:``/``decode:`` roles to pd_serve.py)."""
     from .upstream import UpstreamRouter, parse_upstream
 
     specs = [parse_upstream(s) for s in args.upstream]

@@ -32,9 +32,9 @@ from typing import Any
 
 from .._core import Conductor, ConductorConfig, PrefixHasher
 from ..errors import InvalidArgument
-from .extra_keys import vllm_block_extras
-from .ingest import Ingestor
-from .targets import TierTarget
+from ..kv_events.extra_keys import vllm_block_extras
+from ..kv_events.ingest import Ingestor
+from ..kv_events.targets import TierTarget
 
 __all__ = ["UpstreamSpec", "parse_upstream", "UpstreamRouter", "Route", "DECODE_SLOT"]
 
@@ -172,7 +172,7 @@ class UpstreamRouter:
         """Start one KV event subscriber thread per upstream that has ``events=``."""
         if self._subscribed:
             return
-        from .subscriber import KVEventSubscriber  # pyzmq only when events are used
+        from ..kv_events.subscriber import KVEventSubscriber  # pyzmq only when events are used
 
         self._subscribed = True
         from .engine_info import lora_adapters

@@ -17,11 +17,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from .._core import BlockHashes
+from ..base.params import SamplingParams
 from ..errors import MooncakeError, StoreFull
-from .protocol import (Cancel, Dest, Expect, Failed, InstanceSpec, KvReady, Message, Params, Prefill, ProtocolError,
+from .protocol import (Cancel, Dest, Expect, Failed, InstanceSpec, KvReady, Message, Prefill, ProtocolError,
                        Step, Tokens, op_of)
 from .role import RoleContext
 
@@ -36,7 +35,7 @@ GRANT_BOUND_S = 3600.0
 class _DState:
     keys: BlockHashes  # every full prompt block's hash (a buffer, no int per block)
     prompt: list[int]
-    params: Params
+    params: SamplingParams
     prefill: int
     have: dict[int, Any] = field(default_factory=dict)  # block -> Block already held (leased)
     reserved: dict[int, Any] = field(default_factory=dict)  # block -> WritableBlock being filled
@@ -163,9 +162,7 @@ class DecodeRole:
             views = [store.view(b) for b in blocks]
             if st.partial is not None:
                 views.append(store.view(st.partial))
-            from ..engine import SamplingParams
-
-            self.engine.add_decode_request(st.prompt, msg.first, SamplingParams(**msgspec.structs.asdict(st.params)),
+            self.engine.add_decode_request(st.prompt, msg.first, st.params,
                                            views, request_id=str(rid))
             del views  # the engine copied the KV into its pages
         finally:

@@ -118,6 +118,10 @@ def run(conversations: int = 32, turns: int = 5, seed: int = 0, processes: bool 
             print(ln)
         a, b = reports
         p50 = lambda r: percentile(r.ttft, 0.5)  # noqa: E731
-        print(f"== prefix reuse: TTFT p50 {p50(b) / p50(a):.2f}x lower, "
+        # both sides and the direction: on a loaded machine reuse can lose on TTFT, and
+        # "0.5x lower" would read as a gain
+        ratio = p50(b) / p50(a)
+        change = f"{ratio:.2f}x lower" if ratio >= 1 else f"{1 / ratio:.2f}x higher"
+        print(f"== prefix reuse: TTFT p50 {p50(a) * 1e3:.1f} ms vs {p50(b) * 1e3:.1f} ms without ({change}), "
               f"{b.computed_tokens / max(a.computed_tokens, 1):.2f}x fewer prompt tokens computed")
     return reports

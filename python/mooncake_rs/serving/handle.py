@@ -32,6 +32,22 @@ def wait_seconds(timeout: Any, what: str = "timeout") -> float | None:
     return min(max(t, 0.0), threading.TIMEOUT_MAX)
 
 
+def request_entry(prompt: Any, params: Any, timeout_s: Any) -> tuple[list[int], Any, float | None]:
+    """What every cluster's ``submit`` (``Cluster``, ``RemoteCluster``) checks where a
+    request enters, before anything is sent: the prompt as token ids, the parameters
+    (None: the defaults) checked again (``SamplingParams.checked``: they go on the wire as
+    they are) and the deadline, positive or None. Returns (tokens, params, wait)."""
+    from ..base.params import SamplingParams
+    from ..engine.tokens import prompt_tokens
+
+    params = params or SamplingParams()
+    toks = prompt_tokens(prompt, params)
+    wait = wait_seconds(timeout_s, "timeout_s")
+    if wait is not None and wait <= 0:
+        raise InvalidArgument(f"timeout_s must be positive (or None for no deadline), got {timeout_s!r}")
+    return toks, params.checked(), wait
+
+
 class RequestHandle:
     """One submitted request. Iterate it (``for tok in h`` / ``async for tok in h``) for
     its token ids as they come; :meth:`result` waits for the :class:`RequestOutput`.

@@ -1,6 +1,6 @@
 """KV events out: a prefill instance's store events in the vLLM/SGLang ZMQ wire format.
 
-Other indexers (Dynamo, llm-d, Mooncake's) and our own ``interop.KVEventSubscriber``
+Other indexers (Dynamo, llm-d, Mooncake's) and our own ``kv_events.KVEventSubscriber``
 index an engine by its published ``BlockStored`` / ``BlockRemoved`` /
 ``AllBlocksCleared`` events. This module turns the store's drained events
 (``StoreEvents``: kind, key, tier; no tokens) into those events:
@@ -18,7 +18,7 @@ tokens were forgotten (more distinct blocks than ``capacity`` since) is not publ
 stored (counted in ``untracked``): a subscriber then under-reports, never over-reports.
 
 Runs on the instance's loop thread (learn and convert), so the map needs no lock; the
-sockets live on the publisher's own thread (``interop.standin.EventPublisher``, which
+sockets live on the publisher's own thread (``kv_events.publisher.EventPublisher``, which
 also answers replay requests on its ROUTER).
 """
 
@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 from .._core import BlockHashes, StoreEvents
 from ..errors import InvalidArgument
 
-if TYPE_CHECKING:  # the interop package is imported when an instance publishes, not before
-    from ..interop.events import KVEvent
+if TYPE_CHECKING:  # the kv_events package is imported when an instance publishes, not before
+    from ..kv_events.events import KVEvent
 
 __all__ = ["KVEventsOut", "endpoints_for", "MEDIUM_OF_TIER"]
 
@@ -100,7 +100,7 @@ class KVEventsOut:
 
     def __init__(self, endpoint: str, replay_endpoint: str | None, block_size: int, *,
                  capacity: int = DEFAULT_CAPACITY, keep: int = 10_000) -> None:
-        from ..interop.publisher import EventPublisher
+        from ..kv_events.publisher import EventPublisher
 
         if capacity < 1:
             raise InvalidArgument(f"KVEventsOut capacity must be >= 1, got {capacity}")
@@ -144,7 +144,7 @@ class KVEventsOut:
         """Publish one drained batch (``StoreSlots.drain_events()`` bytes) as one event batch."""
         if not data:
             return
-        from ..interop.events import BlockRemoved, BlockStored
+        from ..kv_events.events import BlockRemoved, BlockStored
 
         out: list[KVEvent] = []
         # a run of stored blocks of one chain (each the parent of the next, one medium)
@@ -193,7 +193,7 @@ class KVEventsOut:
 
     def close(self) -> None:
         """Tell subscribers this instance holds nothing any more, then stop the sockets."""
-        from ..interop.events import AllBlocksCleared
+        from ..kv_events.events import AllBlocksCleared
 
         self._send([AllBlocksCleared()])
         time.sleep(0.05)  # let the PUB thread send it before the sockets close

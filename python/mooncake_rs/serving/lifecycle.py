@@ -47,9 +47,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import Union
 
+from ..base.params import SamplingParams
 from ..errors import MooncakeError, TransferFailed, TransferTimeout
 from .multisource import Holder, split_blocks
-from .protocol import (Cancel, Cancelled, Expect, Export, Exported, Failed, Fetch, Fetched, Message, Params,
+from .protocol import (Cancel, Cancelled, Expect, Export, Exported, Failed, Fetch, Fetched, Message,
                        PrefillReport, Tokens, Unpin)
 
 __all__ = [
@@ -71,7 +72,7 @@ class Plan:
 
     rid: int
     prompt: list[int]
-    params: Params
+    params: SamplingParams
     keys: bytes  # every full block's hash: the bytes of a BlockHashes
     prefill: int
     decode: int

@@ -8,7 +8,6 @@ import collections
 import math
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from ..base.metrics import RequestMetrics
 

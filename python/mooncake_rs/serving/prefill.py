@@ -27,8 +27,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from .._core import BlockHashes
 from .multisource import FetchSource, MultiFetch
 from .protocol import (Cancel, Cancelled, Failed, Fetched, InstanceSpec, KvReady, Message, Prefill, PrefillReport,
@@ -203,10 +201,8 @@ class PrefillRole:
         for i, s in enumerate(slots):  # reused blocks travel right away, while the rest computes
             self._span(st, i, store.offset(s), 0, store.block_bytes, spans)
         self._write(st, spans)
-        from ..engine import SamplingParams
-
         stream = self.spec.stream_layers
-        self.engine.add_request(msg.prompt, SamplingParams(**msgspec.structs.asdict(msg.params)),
+        self.engine.add_request(msg.prompt, msg.params,
                                 request_id=str(st.rid), restored_kv=[store.view(s) for s in slots],
                                 prefill_only=True, hold_kv=True,
                                 on_layer=functools.partial(self._on_layer, st) if stream else None)

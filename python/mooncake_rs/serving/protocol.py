@@ -7,7 +7,9 @@ then the msgpack body; a frame longer than ``MAX_FRAME`` is refused before its b
 read. In-process channels pass the Struct objects themselves (nothing to encode).
 
 Decoding never runs code from the peer (no pickle): the decoder builds only the types
-named here, with their declared field types, and rejects unknown fields. Whatever is
+named here, with their declared field types, and rejects unknown fields (a request's
+``SamplingParams``, the public dataclass itself on the wire, ignores them and
+validates its values as its constructor does). Whatever is
 wrong with a frame (too long, truncated, not msgpack, an unknown op, a field of the
 wrong type) raises ``ProtocolError``; a channel reader that gets one closes that
 connection with the reason logged (see control.py), which the cluster treats as the
@@ -34,11 +36,12 @@ from typing import Any, Sequence, Union
 import msgspec
 
 from .._core import BlockHashes
+from ..base.params import SamplingParams
 from ..errors import MooncakeError
 
 __all__ = [
     "PROTOCOL_VERSION", "MAX_FRAME", "ProtocolError", "Message", "TO_INSTANCE", "FROM_INSTANCE", "PEER",
-    "Endpoint", "Params", "Fetch", "Dest", "PrefillReport", "InstanceSpec",
+    "Endpoint", "Fetch", "Dest", "PrefillReport", "InstanceSpec",
     "Init", "Attach", "Relay", "TO_REMOTE", "FROM_REMOTE", "Ready", "InitFailed", "Beat", "Expect", "Export",
     "Exported", "Unpin", "Prefill", "Fetched",
     "KvReady", "Tokens", "Step", "Failed", "Cancel", "Cancelled", "PeerLost", "StoreEvents", "Stats", "StatsReply", "Measure",
@@ -111,23 +114,6 @@ class Endpoint(_Base, frozen=True):
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "address": self.address, "region": self.region}
-
-
-class Params(_Base, frozen=True):
-    """``SamplingParams`` on the wire (the engine rebuilds and validates it)."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = -1
-    top_p: float = 1.0
-    seed: Union[int, None] = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    @classmethod
-    def of(cls, p: Any) -> "Params":
-        return cls(p.max_tokens, float(p.temperature), p.top_k, float(p.top_p), p.seed, tuple(p.stop_token_ids),
-                   bool(p.ignore_eos))
 
 
 class Fetch(_Base, frozen=True):
@@ -280,7 +266,7 @@ class Expect(_Msg, frozen=True, tag="expect", omit_defaults=True):
 
     rid: int
     prompt: list[int]
-    params: Params
+    params: SamplingParams
     keys: bytes  # every full prompt block's hash
     local: int  # leading blocks the prefill instance holds itself
     fetch: Union[Fetch, None]
@@ -304,7 +290,7 @@ class Prefill(_Msg, frozen=True, tag="prefill", omit_defaults=True):
 
     rid: int
     prompt: list[int]
-    params: Params
+    params: SamplingParams
     keys: bytes
     local: int
     fetch: Union[Fetch, None]

@@ -26,13 +26,13 @@ from ..errors import InvalidArgument, MooncakeError, Overloaded, ServiceUnavaila
 from .config import ServingConfig
 from .control import Lost
 from .generate import GenerateMixin
-from .handle import RequestHandle, wait_seconds
+from .handle import RequestHandle, request_entry
 from .lifecycle import CancelRequest, Plan
 from .limits import Limits
 from .liveness import watch
 from .members import Members
 from .metrics import ClusterMetrics
-from .protocol import InitFailed, Message, Params, Ready, Stats, StatsReply
+from .protocol import InitFailed, Message, Ready, Stats, StatsReply
 from .replies import Replies
 from .router import RequestRecord, Router, Shutdown, SwapConductor
 
@@ -251,19 +251,12 @@ class RoutedCluster(GenerateMixin):
                 handle_type: Callable[[int, list[int], Any], RequestHandle]) -> Any:
         """``submit`` with the handle's maker: ``handle_type(rid, prompt, on_cancel)``
         (the conductor service forwards a remote client's tokens through its own)."""
-        from ..base.params import SamplingParams
-        from ..engine.tokens import prompt_tokens
-
         if self._closed:
             raise InvalidArgument("the cluster is closed")
         cond, hasher = self.conductor, self._hasher
         if cond is None or hasher is None:
             raise ServiceUnavailable("no worker has joined the cluster yet; start `mooncake-rs worker` processes")
-        params = params or SamplingParams()
-        toks = prompt_tokens(prompt, params)
-        wait = wait_seconds(timeout_s, "timeout_s")
-        if wait is not None and wait <= 0:
-            raise InvalidArgument(f"timeout_s must be positive (or None for no deadline), got {timeout_s!r}")
+        toks, params, wait = request_entry(prompt, params, timeout_s)
         self._limits.check(toks, params)
         keys = hasher.hash_blocks(toks)  # BlockHashes: no Python int per block
         rid = next(self._ids)
@@ -278,7 +271,7 @@ class RoutedCluster(GenerateMixin):
         local = d.reused_blocks - d.fetch_blocks
         fetch = d.fetch_blocks > 0 and d.fetch_from is not None
         also = self._other_holders(cond, keys[:d.reused_blocks], d) if fetch and self.multipath else ()
-        plan = Plan(rid, toks, Params.of(params), bytes(keys), d.prefill, d.decode, local=local,
+        plan = Plan(rid, toks, params, bytes(keys), d.prefill, d.decode, local=local,
                     fetch_from=d.fetch_from if fetch else None,
                     fetch_keys=bytes(keys[local:d.reused_blocks]) if fetch else b"",
                     deadline=None if wait is None else t_submit + wait, timeout_s=0.0 if wait is None else wait,

@@ -8,6 +8,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from .config import CONDUCTOR_DEFAULTS
+
 __all__ = ["add_replay_arguments", "replay"]
 
 SWEEPS = ("policy", "rejection", "cache", "architecture")
@@ -17,8 +19,8 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="Mooncake JSONL trace (timestamp, input_length, output_length, hash_ids)")
     p.add_argument("--prefill", type=int, default=16, help="prefill instances (default 16)")
     p.add_argument("--decode", type=int, default=16, help="decode instances (default 16)")
-    p.add_argument("--policy", default="mooncake", help="conductor policy (default mooncake)")
-    p.add_argument("--rejection", default="none", help="none, early or predictive")
+    p.add_argument("--policy", default=CONDUCTOR_DEFAULTS.policy, help=f"conductor policy (default {CONDUCTOR_DEFAULTS.policy})")
+    p.add_argument("--rejection", default=CONDUCTOR_DEFAULTS.rejection, help="none, early or predictive")
     p.add_argument("--cache", default="global", help="global or local")
     p.add_argument("--capacity-tokens", type=int, default=None, help="cache tokens per instance (default unbounded)")
     p.add_argument("--eviction", default="lru", help="store eviction policy (lru, s3fifo, prefix)")

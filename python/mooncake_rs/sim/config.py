@@ -11,6 +11,10 @@ from ..errors import InvalidArgument
 from .layouts import bytes_per_token, describe
 from .trace import BLOCK_TOKENS
 
+#: the conductor's own defaults (written once, in the Rust core): the simulator's conductor
+#: options start from them
+CONDUCTOR_DEFAULTS = ConductorConfig()
+
 __all__ = ["SimConfig", "POLICIES", "REJECTIONS"]
 
 #: The conductor's policies by name (the conductor validates them; this is the sweep list).
@@ -55,8 +59,8 @@ class SimConfig:
     cache: str = "global"
     capacity_tokens_per_instance: int | None = None
     eviction: str = "lru"
-    policy: str = "mooncake"
-    rejection: str = "none"
+    policy: str = CONDUCTOR_DEFAULTS.policy
+    rejection: str = CONDUCTOR_DEFAULTS.rejection
     ttft_slo_s: float = 30.0
     tbt_slo_s: float = 0.1
     bandwidth: float | None = None
@@ -66,7 +70,7 @@ class SimConfig:
     speedup: float = 1.0
     seed: int = 0
     block_tokens: int = BLOCK_TOKENS
-    balancing_threshold: float = 1.0
+    balancing_threshold: float = CONDUCTOR_DEFAULTS.balancing_threshold
     #: decode instance limits (also given to the conductor)
     decode_max_batch: int = 128
     decode_kv_capacity_tokens: int = 1_500_000
@@ -113,7 +117,7 @@ class SimConfig:
     #: with the link model on: the conductor prices fetches on the links as loaded
     #: (what it scheduled, corrected by the instances' reports every
     #: ``link_report_every_s``); False: on idle links, as before issue 25
-    contention_aware: bool = True
+    contention_aware: bool = CONDUCTOR_DEFAULTS.contention_aware
     #: how often (virtual seconds) every instance reports its links' backlog to the
     #: conductor (None: never; the conductor then counts only what it scheduled)
     link_report_every_s: float | None = 0.2
@@ -122,7 +126,7 @@ class SimConfig:
     abandon_late_fetches: bool = True
     #: replication (``replicate_every_s``): at most this many bytes of replicas per
     #: round (the conductor's ``hot_replica_max_bytes``)
-    hot_replica_max_bytes: float = 64e9
+    hot_replica_max_bytes: float = CONDUCTOR_DEFAULTS.hot_replica_max_bytes
 
     def __post_init__(self) -> None:
         _posint("prefill", self.prefill)
@@ -332,8 +336,8 @@ _NEW_FIELDS: dict[str, Any] = {
     "layout": None,
     "adaptive_roles": False,
     "role_policy": None,
-    "contention_aware": True,
+    "contention_aware": CONDUCTOR_DEFAULTS.contention_aware,
     "link_report_every_s": 0.2,
     "abandon_late_fetches": True,
-    "hot_replica_max_bytes": 64e9,
+    "hot_replica_max_bytes": CONDUCTOR_DEFAULTS.hot_replica_max_bytes,
 }

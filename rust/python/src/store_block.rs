@@ -14,6 +14,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 
 use crate::convert::{hash_to_py, BufferView};
+use crate::gil::{detached_if, DETACH_STORE_BYTES};
 use crate::errors::invalid;
 
 /// Fills `view` over `len` bytes at `buf`, owned by `owner` (a new reference).
@@ -294,11 +295,7 @@ impl PyWritableBlock {
             // by `src`. `copy` (memmove) because `data` may be a view of this very slot.
             unsafe { std::ptr::copy(p.1, p.0, p.2) };
         };
-        if n >= 1 << 16 {
-            py.detach(copy);
-        } else {
-            copy();
-        }
+        detached_if(py, n >= DETACH_STORE_BYTES, copy);
         Ok(())
     }
 

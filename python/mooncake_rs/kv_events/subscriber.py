@@ -32,7 +32,7 @@ from .ingest import Ingestor
 
 __all__ = ["KVEventSubscriber", "SubscriberStats"]
 
-log = logging.getLogger("mooncake_rs.interop")
+log = logging.getLogger("mooncake_rs.kv_events")
 
 
 @dataclass

@@ -33,12 +33,12 @@ from ..errors import InvalidArgument, MalformedEvent
 from .extra_keys import encode_extra_keys
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
 from .hashmap import MAX_GROUPS, MEDIA_BITS, DictEngineHashMap
-from .ingest_types import BlockHasher, IngestStats
+from .ingest_types import BlockHasher, IngestStats, InstanceFeed
 from .targets import Target, canonical_medium
 
 __all__ = ["ReferenceIngestor", "block_extras"]
 
-log = logging.getLogger("mooncake_rs.interop")
+log = logging.getLogger("mooncake_rs.kv_events")
 
 FULL_ATTENTION = "full_attention"
 """vLLM's ``kv_cache_spec_kind`` of full-attention groups, the ones that decide whether an
@@ -55,16 +55,11 @@ def block_extras(ev: BlockStored) -> list[bytes | None]:
     return [encode_extra_keys(e) for e in keys]
 
 
-class ReferenceIngestor:
+class ReferenceIngestor(InstanceFeed):
     """Feeds one instance (``slot``) of ``target`` from that instance's event stream."""
 
     def __init__(self, target: Target, slot: int, hasher: BlockHasher, map_capacity: int = 1 << 20) -> None:
-        if slot < 0 or slot >= 1 << 64:
-            raise InvalidArgument(f"slot must be a u64 instance id, got {slot}")
-        self.target = target
-        self.slot = slot
-        self.hasher = hasher
-        self.block_size = hasher.block_size
+        super().__init__(target, slot, hasher)
         self.map = DictEngineHashMap(map_capacity)
         self._stats = IngestStats()
         # medium -> (bit, target key); bit masks of media sharing a key.

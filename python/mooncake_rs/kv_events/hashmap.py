@@ -1,7 +1,7 @@
 """One engine instance's map from its own block hashes to ours, bounded in memory.
 
 :class:`EngineHashMap` is the Rust map (``_core.EngineHashMap``) that
-:class:`~mooncake_rs.interop.Ingestor` keeps per instance; :class:`DictEngineHashMap` is
+:class:`~mooncake_rs.kv_events.Ingestor` keeps per instance; :class:`DictEngineHashMap` is
 the pure-Python version with the same API and semantics, described below, which the
 reference ingestor (:mod:`.ingest_ref`) uses and the tests compare the Rust map with.
 

@@ -8,7 +8,7 @@ are kept in an LRU of ``capacity_blocks`` blocks, keyed by the engine's own chai
 A prompt's blocks not yet cached are one ``BlockStored`` (with ``parent_block_hash`` and
 ``token_ids``); LRU overflow, :meth:`StandIn.evict` and :meth:`StandIn.clear` publish
 ``BlockRemoved`` / ``AllBlocksCleared``. ``form`` picks the positional or map payload,
-``bytes_hashes`` 16-byte hashes instead of u64 ints. Tests and demos only.
+``bytes_hashes`` 16-byte hashes instead of u64 ints. Used by the tests only (test_interop_upstream*.py).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .encode import Form
-from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from .publisher import EventPublisher
+from mooncake_rs.kv_events.encode import Form
+from mooncake_rs.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from mooncake_rs.kv_events.publisher import EventPublisher
 
-__all__ = ["EventPublisher", "StandIn"]  # EventPublisher: re-exported from publisher.py
+__all__ = ["StandIn"]
 
 class _PrefixCache:
     """The engine-side LRU of blocks; returns the events each change makes."""
@@ -109,10 +109,10 @@ class StandIn:
     def __init__(self, model_dir: str | Path, *, block_size: int = 16, capacity_blocks: int = 1024,
                  form: Form = "positional", bytes_hashes: bool = False, model_name: str | None = None,
                  **cluster_kw: Any) -> None:
-        from ..http import Frontend
-        from ..http.app import create_app
-        from ..http.server import ServerThread
-        from ..serving import Cluster
+        from mooncake_rs.http import Frontend
+        from mooncake_rs.http.app import create_app
+        from mooncake_rs.http.server import ServerThread
+        from mooncake_rs.serving import Cluster
 
         self.publisher = EventPublisher(form=form)
         self.cache = _PrefixCache(block_size, capacity_blocks, bytes_hashes)

@@ -1,12 +1,17 @@
-"""The types :class:`.ingest.Ingestor` and its reference share: the hasher protocol and
-the counters."""
+"""The types :class:`.ingest.Ingestor` and its reference share: the hasher protocol, what
+feeds one instance, and the counters."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-__all__ = ["BlockHasher", "IngestStats"]
+from ..errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from .targets import Target
+
+__all__ = ["BlockHasher", "InstanceFeed", "IngestStats"]
 
 
 class BlockHasher(Protocol):
@@ -15,6 +20,19 @@ class BlockHasher(Protocol):
     @property
     def block_size(self) -> int: ...
     def hash(self, tokens: Any, parent: int | None = None, extras: Any = None) -> list[int]: ...
+
+
+class InstanceFeed:
+    """Feeds one instance (``slot``, a u64 id) of ``target`` from that instance's event
+    stream, hashing blocks with ``hasher``: what both ingestors are."""
+
+    def __init__(self, target: "Target", slot: int, hasher: BlockHasher) -> None:
+        if slot < 0 or slot >= 1 << 64:
+            raise InvalidArgument(f"slot must be a u64 instance id, got {slot}")
+        self.target = target
+        self.slot = slot
+        self.hasher = hasher
+        self.block_size = hasher.block_size
 
 
 @dataclass

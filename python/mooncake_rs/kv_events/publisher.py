@@ -2,7 +2,7 @@
 owned by one thread (ZMQ sockets are not thread-safe).
 
 Used by our own instances (``serving/kv_events.py``, ``Cluster(kv_events=...)``) and by
-the stand-in engine of the tests (``interop/standin.py``). It imports nothing of the
+the stand-in engine of the tests (``tests/standin.py``). It imports nothing of the
 serving or HTTP layers, so both can use it without an import cycle.
 """
 

@@ -30,15 +30,15 @@ from ..errors import InvalidArgument
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent, decode_payload
 from .hashmap import DictEngineHashMap
 from .ingest_ref import ReferenceIngestor, block_extras
-from .ingest_types import BlockHasher, IngestStats
+from .ingest_types import BlockHasher, IngestStats, InstanceFeed
 from .targets import Target
 
 __all__ = ["BlockHasher", "Ingestor", "IngestStats"]
 
-log = logging.getLogger("mooncake_rs.interop")
+log = logging.getLogger("mooncake_rs.kv_events")
 
 
-class Ingestor:
+class Ingestor(InstanceFeed):
     """Feeds one instance (``slot``) of ``target`` from that instance's event stream."""
 
     def __init__(
@@ -46,12 +46,7 @@ class Ingestor:
     ) -> None:
         """``reference=True``: apply events with the pure-Python reference path (for
         tests and benchmarks; slower, same behaviour)."""
-        if slot < 0 or slot >= 1 << 64:
-            raise InvalidArgument(f"slot must be a u64 instance id, got {slot}")
-        self.target = target
-        self.slot = slot
-        self.hasher = hasher
-        self.block_size = hasher.block_size
+        super().__init__(target, slot, hasher)
         self._fast: EventIngestor | None = None
         self._ref: ReferenceIngestor | None = None
         self._size_warned = False

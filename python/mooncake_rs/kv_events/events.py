@@ -244,7 +244,7 @@ def decode_payload(payload: bytes | memoryview, raw_tokens: bool = False) -> Eve
 
     ``raw_tokens=True`` (what ingestion uses) may leave a ``BlockStored``'s
     ``token_ids`` as the undecoded msgpack array (a ``msgspec.Raw``), which
-    :class:`~mooncake_rs.interop.Ingestor` decodes in Rust.
+    :class:`~mooncake_rs.kv_events.Ingestor` decodes in Rust.
     """
     array = _is_array(payload)
     if array is None:
