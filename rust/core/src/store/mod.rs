@@ -11,12 +11,14 @@
 pub mod arena;
 mod cache;
 mod config;
+pub mod crc32;
 mod error;
 mod events;
 mod event_wire;
 pub mod eviction;
 mod inspect;
 mod read;
+pub mod segment_copy;
 mod slotfile;
 mod ssd;
 mod table;
