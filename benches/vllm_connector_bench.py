@@ -85,7 +85,7 @@ def bench_shape(name: str, layers: int, heads: int, dim: int, block: int, n: int
     num_blocks = 4 * n
     kv = {f"layer.{i}": torch.randn(num_blocks, 2, block, heads * dim).to(torch.bfloat16) for i in range(layers)}
     settings = ConnectorSettings(pool=pool, auth_token=TOKEN, advertise=pool, role="kv_both", model_id="bench",
-                                 verify_checksums=True)
+                                 verify_checksums=True, timeout_s=30.0)
     w = ConnectorWorker(settings, num_blocks)
     w.register_kv_caches(kv)
     layer_bytes = n * w.layout.layers[0].block_bytes

@@ -59,7 +59,11 @@ class SharedArena:
                 log.warning("pool arena %s holds %d bytes, the pool reported %d; not mapping it", path, size,
                             need_bytes)
                 return None
-            return cls(mmap.mmap(fd, size))
+            # MAP_POPULATE: the page tables are made now, once; without it the first copy
+            # into each 4 KiB page of a slot takes a fault, which made a fresh mapping's
+            # copies 10-20x slower than a warm one's (BENCHMARKS.md, issue 23).
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            return cls(mmap.mmap(fd, size, flags=flags))
         finally:
             os.close(fd)
 
