@@ -99,6 +99,10 @@ mod clmul {
     // Folding constants of the reflected polynomial: x^(4*128+32), x^(4*128-32) mod P
     // (four lanes), x^(128+32), x^(128-32) (one lane), x^64 mod P, then P and mu for the
     // Barrett reduction (all bit-reflected, shifted left by one).
+    // The same two for eight lanes (1024 bits apart): (x^(1024+32) mod P)' << 1 and
+    // (x^(1024-32) mod P)' << 1, computed as the others are (the test recomputes all).
+    const K1_8: i64 = 0x1_e88e_f372;
+    const K2_8: i64 = 0x1_4a7f_e880;
     const K1: i64 = 0x1_5444_2bd4;
     const K2: i64 = 0x1_c6e4_1596;
     const K3: i64 = 0x1_7519_97d0;
@@ -154,6 +158,32 @@ mod clmul {
             x3 = _mm_xor_si128(x3, _mm_cvtsi32_si128(!crc as i32));
             let mut at = 64;
             let k1k2 = _mm_set_epi64x(K2, K1);
+            if len >= 256 {
+                // eight lanes while 128 bytes remain: twice the independent carry-less
+                // multiplications in flight (each has a latency of several cycles)
+                let mut y3 = take(src, dst, 64);
+                let mut y2 = take(src, dst, 80);
+                let mut y1 = take(src, dst, 96);
+                let mut y0 = take(src, dst, 112);
+                at = 128;
+                let k8 = _mm_set_epi64x(K2_8, K1_8);
+                while len - at >= 128 {
+                    x3 = fold16(x3, take(src, dst, at), k8);
+                    x2 = fold16(x2, take(src, dst, at + 16), k8);
+                    x1 = fold16(x1, take(src, dst, at + 32), k8);
+                    x0 = fold16(x0, take(src, dst, at + 48), k8);
+                    y3 = fold16(y3, take(src, dst, at + 64), k8);
+                    y2 = fold16(y2, take(src, dst, at + 80), k8);
+                    y1 = fold16(y1, take(src, dst, at + 96), k8);
+                    y0 = fold16(y0, take(src, dst, at + 112), k8);
+                    at += 128;
+                }
+                // the first four lanes are 64 bytes ahead of the last four: fold them in
+                x3 = fold16(x3, y3, k1k2);
+                x2 = fold16(x2, y2, k1k2);
+                x1 = fold16(x1, y1, k1k2);
+                x0 = fold16(x0, y0, k1k2);
+            }
             while len - at >= 64 {
                 x3 = fold16(x3, take(src, dst, at), k1k2);
                 x2 = fold16(x2, take(src, dst, at + 16), k1k2);
@@ -221,6 +251,30 @@ mod tests {
                 x as u8
             })
             .collect()
+    }
+
+    /// (x^n mod P)' << 1: how every folding constant above is made.
+    fn fold_constant(n: u32) -> i64 {
+        let mut r: u64 = 1;
+        for _ in 0..n {
+            r <<= 1;
+            if r & (1 << 32) != 0 {
+                r ^= 0x1_04C1_1DB7;
+            }
+        }
+        ((r as u32).reverse_bits() as i64) << 1
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn folding_constants_are_powers_of_x_mod_p() {
+        assert_eq!(fold_constant(1024 + 32), 0x1_e88e_f372);
+        assert_eq!(fold_constant(1024 - 32), 0x1_4a7f_e880);
+        assert_eq!(fold_constant(512 + 32), 0x1_5444_2bd4);
+        assert_eq!(fold_constant(512 - 32), 0x1_c6e4_1596);
+        assert_eq!(fold_constant(128 + 32), 0x1_7519_97d0);
+        assert_eq!(fold_constant(128 - 32), 0x0_ccaa_009e);
+        assert_eq!(fold_constant(64), 0x1_63cd_6124);
     }
 
     #[test]
