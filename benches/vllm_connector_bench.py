@@ -2,20 +2,22 @@
 
 The worker side of the connector (integrations/vllm/worker.py) runs as vLLM drives it,
 without vLLM's model: KV tensors in vLLM's CPU layout ([num_blocks, 2, block, heads*dim],
-bf16), a KV pool in another process (``mooncake-rs kv-pool``: the copies go over shm, one
-memcpy by this process), and per layer:
-- save: ``save_kv_layer`` (submit the layer's writes of N blocks into reserved slots) and
-  the wait for them; the reserve and commit calls (one each per step) are timed apart;
-- load: ``start_load_kv`` (every layer's reads submitted) and ``wait_for_layer_load`` of
-  each layer, divided by the layers; the CRC check of the loaded blocks is timed apart
-  (it runs once per step) and shown added.
+bf16), a KV pool in another process (``mooncake-rs kv-pool``; the worker maps its arena and
+copies a layer's blocks with one ``copy_segments`` call, each block's CRC-32 folded into
+the copy; ``--transports tcp`` measures the transfer engine's path instead), and per layer:
+- save: ``save_kv_layer`` (N blocks of the layer into reserved slots, with checksums) and
+  the wait for its writes; the reserve and commit calls (one each per step) are timed apart;
+- load: ``start_load_kv`` and ``wait_for_layer_load`` of each layer, divided by the
+  layers (the checksums are taken in the copy); the end-of-step comparison of the
+  checksums (``get_block_ids_with_load_errors``; on the engine's path, a CRC pass over the
+  loaded bytes) is timed apart and shown added.
 Reference, same bytes, same run, between the same tensors: the pool's arena mapped here
 as a ``[slots, slot_stride]`` uint8 tensor and ``arena[slots, :n] = layer[ids]`` (one torch
 call that gathers one layer's blocks and writes them into the very slots the connector
 wrote), and a ``copy_`` per block between the same views; the faster of the two is the
 reference, timed right after the connector's save of those blocks.
 
-    python benches/vllm_connector_bench.py [--blocks 64] [--repeat 20]
+    python benches/vllm_connector_bench.py [--blocks 64] [--repeat 20] [--transports tcp]
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ def median_s(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def bench_shape(name: str, layers: int, heads: int, dim: int, block: int, n: int, repeat: int, pool: str) -> None:
+def bench_shape(name: str, layers: int, heads: int, dim: int, block: int, n: int, repeat: int, pool: str,
+                transports: tuple[str, ...] | None) -> None:
     from mooncake_rs.integrations.vllm.config import ConnectorSettings
     from mooncake_rs.integrations.vllm.metadata import LoadSpec, MooncakeRsConnectorMetadata, SaveSpec
     from mooncake_rs.integrations.vllm.worker import ConnectorWorker
@@ -85,7 +88,7 @@ def bench_shape(name: str, layers: int, heads: int, dim: int, block: int, n: int
     num_blocks = 4 * n
     kv = {f"layer.{i}": torch.randn(num_blocks, 2, block, heads * dim).to(torch.bfloat16) for i in range(layers)}
     settings = ConnectorSettings(pool=pool, auth_token=TOKEN, advertise=pool, role="kv_both", model_id="bench",
-                                 verify_checksums=True)
+                                 verify_checksums=True, timeout_s=30.0, transports=transports)
     w = ConnectorWorker(settings, num_blocks)
     w.register_kv_caches(kv)
     layer_bytes = n * w.layout.layers[0].block_bytes
@@ -159,15 +162,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, default=64, help="blocks per layer per step (default 64)")
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--transports", default=None, help="the worker's transports, e.g. tcp (default: shm, tcp)")
     args = ap.parse_args()
     torch.set_num_threads(1)  # as a vLLM CPU worker bound to one core (VLLM_CPU_OMP_THREADS_BIND)
     print("| shape | blocks | bytes/layer | torch, same tensors GB/s | save GB/s (x ref) | load GB/s (x ref) | "
-          "load+CRC GB/s (x ref) | reserve+commit per step |")
+          "load + step's check GB/s (x ref) | reserve+commit per step |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, (layers, heads, dim, block) in SHAPES.items():
         proc, pool = start_pool("1G")  # one pool serves one layout
         try:
-            bench_shape(name, layers, heads, dim, block, args.blocks, args.repeat, pool)
+            bench_shape(name, layers, heads, dim, block, args.blocks, args.repeat, pool,
+                        tuple(args.transports.split(",")) if args.transports else None)
         finally:
             proc.terminate()
             proc.wait(10)

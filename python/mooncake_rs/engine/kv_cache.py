@@ -160,12 +160,49 @@ class KVCache:
         out = as_byte_tensor(buf, writable=True)
         if out.numel() != num_blocks * per_bytes:
             raise InvalidArgument(f"buffer holds {out.numel()} bytes; {num_blocks} blocks need {num_blocks * per_bytes}")
+        if self.device.type == "cpu":
+            self._save_blocks_cpu(pages, num_blocks, per, out, 0 if layer is None else layer, nl)
+            return
         ls = slice(None) if layer is None else slice(layer, layer + 1)
         idx = torch.tensor(list(pages), dtype=torch.long, device=self.device)
         src = self.data[ls].index_select(2, idx).view(nl, 2, num_blocks, b, h, d)
         # [blocks, layers, K/V, tokens, heads, dim] in the buffer, seen in the cache's order
         dst = out.view(dt).view(num_blocks, nl, 2, b, h, d).permute(1, 2, 0, 3, 4, 5)
         dst.copy_(src)
+
+    def _save_blocks_cpu(self, pages: Sequence[int], num_blocks: int, per: int, out: torch.Tensor, first_layer: int,
+                         nl: int) -> None:
+        """save_blocks on CPU: every (layer, K/V, page) of the blocks is one contiguous run
+        of the cache, so the whole save is one ``copy_segments`` call (Rust, GIL released,
+        one pass) instead of a gather into a temporary and a permuted copy."""
+        from .._core import copy_segments
+
+        page_bytes = self.page_size * self.cfg.num_kv_heads * self.cfg.head_dim * self.data.element_size()
+        planes = self._planes(first_layer, nl, page_bytes)  # byte offset of each (layer, K/V) plane
+        pg = np.asarray(pages, dtype=np.uint64) * np.uint64(page_bytes)
+        src = (pg.reshape(num_blocks, 1, per) + planes).ravel()  # [block, layer, K/V, page], the buffer's order
+        copy_segments(self._cache_bytes(), src, out.numpy(), self._runs(src.size, page_bytes), page_bytes)
+
+    def _planes(self, first_layer: int, nl: int, page_bytes: int) -> np.ndarray:
+        key = (first_layer, nl)
+        cache = self.__dict__.setdefault("_plane_cache", {})
+        if key not in cache:
+            idx = np.arange(2 * first_layer, 2 * (first_layer + nl), dtype=np.uint64)
+            cache[key] = (idx * np.uint64(self.data.shape[2] * page_bytes)).reshape(1, 2 * nl, 1)
+        return cache[key]
+
+    def _runs(self, n: int, page_bytes: int) -> np.ndarray:
+        """Offsets of ``n`` back-to-back runs of ``page_bytes`` (a view of one cached array)."""
+        runs = getattr(self, "_runs_cache", None)
+        if runs is None or len(runs) < n:
+            runs = self._runs_cache = np.arange(max(n, 1024), dtype=np.uint64) * np.uint64(page_bytes)
+        return runs[:n]
+
+    def _cache_bytes(self) -> np.ndarray:
+        """The (contiguous, CPU) cache as a flat uint8 array sharing its memory."""
+        if getattr(self, "_bytes", None) is None:
+            self._bytes = self.data.view(-1).view(torch.uint8).numpy()
+        return self._bytes
 
     def load_block(self, layout: BlockLayout, pages: Sequence[int], num_tokens: int, buf: Any,
                    layer: int | None = None) -> None:

@@ -25,6 +25,7 @@ mod logging;
 mod mem;
 mod pyint;
 mod seal;
+mod segment_copy;
 mod store;
 mod store_block;
 mod store_events;
@@ -52,5 +53,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     transfer_rights::register(m)?;
     mem::register(m)?;
     seal::register(m)?;
+    segment_copy::register(m)?;
     Ok(())
 }

@@ -85,8 +85,8 @@ class PoolClient:
         assert isinstance(r, p.Reserved)
         return r
 
-    def commit(self, reservation: int, ok: list[bool]) -> int:
-        r = self.call(p.Commit(reservation, ok))
+    def commit(self, reservation: int, ok: list[bool], checksums: list[int] | None = None) -> int:
+        r = self.call(p.Commit(reservation, ok, list(checksums or ())))
         assert isinstance(r, p.Committed)
         return r.stored
 

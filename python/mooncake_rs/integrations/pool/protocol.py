@@ -46,7 +46,8 @@ class Opened(_Msg, frozen=True, tag="opened"):
     slots: int
     layout: str
     slot_stride: int = 0
-    shm_name: str = ""  # the arena's segment (same-host tools; clients copy through the engine)
+    shm_name: str = ""  # the arena's segment: a client on the same host maps it and copies directly
+    host_id: str = ""  # the pool host's boot id: a client maps ``shm_name`` only when its own is equal
 
 
 class Lookup(_Msg, frozen=True, tag="lookup"):
@@ -82,10 +83,13 @@ class Reserved(_Msg, frozen=True, tag="reserved"):
 
 
 class Commit(_Msg, frozen=True, tag="commit"):
-    """Publish the written slots of a reservation (``ok[i]``), abort the others."""
+    """Publish the written slots of a reservation (``ok[i]``), abort the others.
+    ``checksums[i]``: the CRC-32 of block ``i`` as the client wrote it (taken in its copy
+    pass); empty: the pool takes them from the slots."""
 
     reservation: int
     ok: list[bool]
+    checksums: list[int] = []
 
 
 class Committed(_Msg, frozen=True, tag="committed"):

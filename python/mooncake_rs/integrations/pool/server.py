@@ -6,7 +6,7 @@ socket (protocol.py) through which engines we did not write (vLLM, via
 Bytes never pass through this process's Python: a client writes a block layer by layer
 into a reserved slot and reads a leased one with its own transfer engine (one memcpy over
 shm on this host, TCP from another). The pool keeps, per stored block, a CRC-32 of its
-bytes taken at commit, so a reader can tell a block that changed in the store (a flipped
+bytes (the writer's, taken in its copy pass, or the pool's own at commit), so a reader can tell a block that changed in the store (a flipped
 bit, a stray writer) from the one that was saved, and report it instead of using it.
 
 State a client holds (leases, reservations) belongs to its connection: when it closes (a
@@ -21,16 +21,16 @@ import logging
 import threading
 import time
 import uuid
-import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..._core import BlockHashes, Store, TransferEngine
+from ..._core import BlockHashes, Store, TransferEngine, crc32
 from ...deploy.auth_socket import AuthListener
 from ...errors import InvalidArgument, MooncakeError
 from ...serving.protocol import Codec, ProtocolError
 from . import protocol as p
+from .shared_arena import host_id
 from .wire import recv_message
 
 __all__ = ["KVPoolServer", "PoolConfig"]
@@ -242,7 +242,7 @@ class KVPoolServer:
                                   f"{msg.layout!r} (one pool serves one model layout)")
         region = self._store.region()
         return p.Opened(self.engine.name, self.engine.address, self._region.id, self._store.block_bytes,
-                        self._store.slots, self._layout, region.slot_stride, region.shm_name or "")
+                        self._store.slots, self._layout, region.slot_stride, region.shm_name or "", host_id())
 
     def _lookup(self, store: Store, msg: p.Lookup, conn: _Conn) -> p.Found:
         self.counters["lookups"] += 1
@@ -290,20 +290,26 @@ class KVPoolServer:
         if entry is None:
             raise InvalidArgument(f"no reservation {msg.reservation} (committed already, or expired)")
         blocks = entry[0]
-        if len(msg.ok) != len(blocks):
+        if len(msg.ok) != len(blocks) or (msg.checksums and len(msg.checksums) != len(blocks)):
             self._abort(blocks)
-            raise InvalidArgument(f"commit names {len(msg.ok)} blocks, the reservation has {len(blocks)}")
+            raise InvalidArgument(f"commit names {len(msg.ok)} blocks ({len(msg.checksums)} checksums), the "
+                                  f"reservation has {len(blocks)}")
         stored = 0
-        for w, ok in zip(blocks, msg.ok):
+        for i, (w, ok) in enumerate(zip(blocks, msg.ok)):
             if w is None:
                 continue
             if not ok:
                 w.abort()
                 self.counters["saves_aborted"] += 1
                 continue
-            # The checksum of the bytes as the writer left them, before anyone can read them.
-            with memoryview(w) as view:
-                crc = zlib.crc32(view)
+            # The checksum of the bytes as the writer left them, before anyone can read them:
+            # the writer's own (taken while it copied, so a write that went wrong on the way
+            # is caught at the first read), else the slot's.
+            if msg.checksums:
+                crc = msg.checksums[i] & 0xFFFFFFFF
+            else:
+                with memoryview(w) as view:
+                    crc = crc32(view)
             block = w.commit()
             if block is not None:
                 self._checksums[block.key] = crc

@@ -12,6 +12,7 @@
 | ``lease_s`` | how long a planned load keeps its blocks leased at most (default 60) |
 | ``verify_checksums`` | check each loaded block's CRC-32 against the pool's (default true) |
 | ``timeout_s`` | a pool call's bound (default 5) |
+| ``transports`` | the transfer engine's transports, e.g. ``["tcp"]`` (default: shm and tcp). With ``shm`` (the default) a pool on this host has its arena mapped and blocks are copied directly |
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ class ConnectorSettings:
     lease_s: float = 60.0
     verify_checksums: bool = True
     timeout_s: float = 5.0
+    transports: tuple[str, ...] | None = None
+
+    @property
+    def direct_copies(self) -> bool:
+        """May a pool on this host be copied into directly (its arena mapped here)?"""
+        return self.transports is None or "shm" in self.transports
 
     @property
     def saves(self) -> bool:
@@ -75,7 +82,17 @@ class ConnectorSettings:
                    etcd_prefix=str(extra.get("etcd_prefix") or "/mooncake"),
                    lease_s=float(extra.get("lease_s", 60.0)),
                    verify_checksums=_flag(extra.get("verify_checksums", True)),
-                   timeout_s=float(extra.get("timeout_s", 5.0)))
+                   timeout_s=float(extra.get("timeout_s", 5.0)), transports=_transports(extra.get("transports")))
+
+
+def _transports(v: Any) -> tuple[str, ...] | None:
+    if v is None:
+        return None
+    items = [t for t in v.split(",") if t] if isinstance(v, str) else [str(t) for t in v]
+    bad = [t for t in items if t not in ("shm", "tcp")]
+    if bad or not items:
+        raise InvalidArgument(f"transports {v!r}: a list of \"shm\" and/or \"tcp\"")
+    return tuple(items)
 
 
 def _flag(v: Any) -> bool:

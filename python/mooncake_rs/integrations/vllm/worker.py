@@ -3,16 +3,22 @@ KV pools with our transfer engine, layer by layer.
 
 - ``register_kv_caches``: learns the layout (layout.py) and registers each KV storage with
   a :class:`~mooncake_rs.TransferEngine` of this process (no listener: it only initiates).
-- Loads: ``start_load_kv`` submits one read batch per layer for every planned block (pool
-  slot -> vLLM block; one memcpy over shm on this host, TCP from another host's pool) and
-  returns; ``wait_for_layer_load`` waits for that layer's batch only, so layer ``l`` is
-  used while later layers still copy. After the last layer each block's CRC-32 is checked
-  against the one the pool took at commit; a block that failed to copy or to check is
-  reported by ``get_block_ids_with_load_errors`` (vLLM recomputes it and every block after
-  it) and removed from its pool.
-- Saves: ``begin_step`` (the metadata is bound before the forward) reserves pool slots for the step's finished blocks (one call);
-  ``save_kv_layer`` submits that layer's writes and returns at once (the forward goes on);
-  ``wait_for_save`` waits for them and commits the slots whose every write landed (one
+- Two paths for the bytes. A pool on this host (same boot id, ``shm`` transport on) has
+  its arena mapped here (pool/shared_arena.py): a layer's blocks move in one
+  ``copy_segments`` call (Rust, GIL released) with each block's CRC-32 folded into the
+  copy, on this thread: on a CPU host the copy costs the same cores wherever it runs, and
+  one pass beats the engine's hand-off to copy threads. A pool on another host: one
+  ``submit_spans`` batch per layer through the transfer engine (TCP), asynchronous.
+- Loads: ``start_load_kv`` copies (or submits) every layer's planned blocks (pool slot ->
+  vLLM block); ``wait_for_layer_load`` waits for that layer's batch only. After the last
+  layer each block's CRC-32 (the copy's, or one pass over the loaded bytes) is compared
+  with the pool's; a block that failed to copy or to check is reported by
+  ``get_block_ids_with_load_errors`` (vLLM recomputes it and every block after it) and
+  removed from its pool.
+- Saves: ``begin_step`` (the metadata is bound before the forward) reserves pool slots for
+  the step's finished blocks (one call); ``save_kv_layer`` copies (or submits) that layer's
+  writes, taking the blocks' checksums on the way; ``wait_for_save`` waits for the
+  submitted ones and commits the slots whose every write landed, with their checksums (one
   call). A full pool gives no slot: that block is skipped and counted, serving goes on.
 """
 
@@ -21,13 +27,15 @@ from __future__ import annotations
 import ctypes
 import logging
 import uuid
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..._core import TransferEngine
+import numpy as np
+
+from ..._core import TransferEngine, copy_segments
 from ...errors import MooncakeError
 from ..pool.client import PoolClient
+from ..pool.shared_arena import SharedArena
 from .config import ConnectorSettings
 from .layout import KVLayout, learn_layout
 from .metadata import LoadSpec, MooncakeRsConnectorMetadata
@@ -42,6 +50,7 @@ class _Pool:
     client: PoolClient
     region: int
     peer: Any
+    arena: SharedArena | None = None  # mapped here: copy directly
 
 
 @dataclass
@@ -49,6 +58,7 @@ class _Load:
     spec: LoadSpec
     pool: _Pool
     failed: set[int] = field(default_factory=set)  # indices into spec.block_ids
+    crcs: np.ndarray | None = None  # uint32 a block, continued layer by layer as they are copied
 
 
 @dataclass
@@ -57,6 +67,9 @@ class _Save:
     offsets: list[int]  # -1: no slot (held already, or the pool is full)
     reservation: int
     ok: list[bool]
+    which: list[int]  # indices of the blocks with a slot
+    crcs: np.ndarray  # uint32 for each of ``which``, continued layer by layer
+    layers_done: int = 0  # layers saved in pool order; the checksums are whole only at the last
 
 
 class ConnectorWorker:
@@ -101,7 +114,10 @@ class ConnectorWorker:
             client = PoolClient(address, self.settings.auth_token, timeout_s=self.settings.timeout_s)
             opened = client.open(self.layout.block_bytes, self.layout.fingerprint)
             peer = self.engine.connect(opened.engine_name, opened.engine_address)
-            pool = self._pools[address] = _Pool(client, opened.region, peer)
+            arena = None
+            if self.settings.direct_copies:
+                arena = SharedArena.open(opened.shm_name, opened.host_id, opened.slots * opened.slot_stride)
+            pool = self._pools[address] = _Pool(client, opened.region, peer, arena)
         return pool
 
     # --- loads --------------------------------------------------------------------
@@ -117,16 +133,26 @@ class ConnectorWorker:
                             spec.pool, spec.req_id, e, len(spec.block_ids))
                 self._fail_blocks(spec.block_ids)
                 continue
-            self._loads.append(_Load(spec, pool))
-        if self._loads:
-            for layer in self.layout.layers:
-                region = self._regions[layer.storage_ptr]
-                per = len(layer.outer)
-                for load in self._loads:
-                    local, remote = layer.spans(load.spec.block_ids, load.spec.offsets)
-                    batch = self.engine.submit_spans("read", region, local, load.pool.peer, load.pool.region, remote,
-                                                     layer.segment_bytes, timeout_s=self.settings.timeout_s)
-                    self._load_batches.setdefault(layer.name, []).append((batch, load, per))
+            crcs = np.zeros(len(spec.block_ids), np.uint32) if self.settings.verify_checksums else None
+            self._loads.append(_Load(spec, pool, crcs=crcs))
+        for layer in self.layout.layers if self._loads else ():
+            region = self._regions[layer.storage_ptr]
+            per = len(layer.outer)
+            for load in self._loads:
+                local, remote = layer.spans(load.spec.block_ids, load.spec.offsets)
+                arena = load.pool.arena
+                if arena is not None:
+                    try:  # pool slot -> vLLM block, checksummed in the same pass
+                        copy_segments(arena.view, remote, self._views[layer.storage_ptr], local,
+                                      layer.segment_bytes, load.crcs, per)
+                    except MooncakeError as e:  # an offset outside the arena: a pool we cannot trust
+                        log.warning("MooncakeRsConnector: load of %s from %s failed: %s", load.spec.req_id,
+                                    load.spec.pool, e)
+                        load.failed.update(range(len(load.spec.block_ids)))
+                    continue
+                batch = self.engine.submit_spans("read", region, local, load.pool.peer, load.pool.region, remote,
+                                                 layer.segment_bytes, timeout_s=self.settings.timeout_s)
+                self._load_batches.setdefault(layer.name, []).append((batch, load, per))
 
     def begin_step(self, meta: MooncakeRsConnectorMetadata) -> None:
         """Bound before the forward of every step (start_load_kv may run after it)."""
@@ -146,12 +172,13 @@ class ConnectorWorker:
         for name in list(self._load_batches):
             self.wait_for_layer_load(name)
         assert self.layout is not None
+        self._checksum_engine_loads()
         for load in self._loads:
             spec = load.spec
             bad_keys = []
             for j, bid in enumerate(spec.block_ids):
-                if j not in load.failed and self.settings.verify_checksums and spec.checksums[j] >= 0:
-                    if self._crc(bid) != spec.checksums[j]:
+                if j not in load.failed and load.crcs is not None and spec.checksums[j] >= 0:
+                    if int(load.crcs[j]) != spec.checksums[j]:
                         self.counters["blocks_corrupt"] += 1
                         bad_keys.append(spec.keys[16 * j:16 * j + 16])
                         load.failed.add(j)
@@ -170,15 +197,16 @@ class ConnectorWorker:
                     log.warning("MooncakeRsConnector: could not remove corrupt blocks from %s: %s", spec.pool, e)
         self._loads = []
 
-    def _crc(self, block_id: int) -> int:
-        """CRC-32 of one vLLM block in pool order (the pool's checksum covers the same bytes)."""
+    def _checksum_engine_loads(self) -> None:
+        """CRC-32s of the blocks the transfer engine loaded (direct copies took theirs while
+        copying): one pass over the loaded bytes, layer after layer in pool order."""
         assert self.layout is not None
-        crc = 0
-        for layer in self.layout.layers:
-            view = self._views[layer.storage_ptr]
-            for off in layer.segments(block_id):
-                crc = zlib.crc32(view[off:off + layer.segment_bytes], crc)
-        return crc
+        loads = [ld for ld in self._loads if ld.pool.arena is None and ld.crcs is not None]
+        for layer in self.layout.layers if loads else ():
+            for load in loads:
+                local, _ = layer.spans(load.spec.block_ids, load.spec.offsets)
+                copy_segments(self._views[layer.storage_ptr], local, None, local, layer.segment_bytes, load.crcs,
+                              len(layer.outer))
 
     def _fail_blocks(self, block_ids: list[int]) -> None:
         self._errors.update(block_ids)
@@ -204,28 +232,43 @@ class ConnectorWorker:
             return
         self.counters["saves_skipped_full"] += r.full
         self.counters["saves_skipped_present"] += r.present
-        self._saves.append(_Save(block_ids, list(r.offsets), r.reservation,
-                                 [off >= 0 for off in r.offsets]))
+        which = [j for j, slot in enumerate(r.offsets) if slot >= 0]
+        self._saves.append(_Save(block_ids, list(r.offsets), r.reservation, [off >= 0 for off in r.offsets], which,
+                                 np.zeros(len(which), np.uint32)))
 
     def save_kv_layer(self, layer_name: str) -> None:
         if not self._saves:
             return
         assert self.layout is not None
         try:
-            _, layer = self.layout.layer(layer_name)
+            index, layer = self.layout.layer(layer_name)
         except KeyError:
             return
         pool = self._pools[self.settings.pool]
-        region = self._regions[layer.storage_ptr]
+        view = self._views[layer.storage_ptr]
         per = len(layer.outer)
         for save in self._saves:
-            which = [j for j, slot in enumerate(save.offsets) if slot >= 0]
+            which = save.which
             if not which:
                 continue
             local, remote = layer.spans([save.block_ids[j] for j in which], [save.offsets[j] for j in which])
-            batch = self.engine.submit_spans("write", region, local, pool.peer, pool.region, remote,
-                                             layer.segment_bytes, timeout_s=self.settings.timeout_s)
+            # the checksums stay whole only while layers come in pool order (vLLM's order)
+            crcs = save.crcs if save.layers_done == index else None
+            if crcs is not None:
+                save.layers_done += 1
+            if pool.arena is not None:
+                try:  # vLLM block -> reserved slot, checksummed in the same pass
+                    copy_segments(view, local, pool.arena.view, remote, layer.segment_bytes, crcs, per)
+                except MooncakeError as e:
+                    log.warning("MooncakeRsConnector: save into %s failed: %s", self.settings.pool, e)
+                    for j in which:
+                        save.ok[j] = False
+                continue
+            batch = self.engine.submit_spans("write", self._regions[layer.storage_ptr], local, pool.peer, pool.region,
+                                             remote, layer.segment_bytes, timeout_s=self.settings.timeout_s)
             self._save_batches.append((batch, save, which, per))
+            if crcs is not None:  # the source's checksums: a write that goes wrong on the way is caught at load
+                copy_segments(view, local, None, local, layer.segment_bytes, crcs, per)
 
     def wait_for_save(self) -> None:
         self._finish_loads()
@@ -238,9 +281,15 @@ class ConnectorWorker:
         self._save_batches = []
         assert self.layout is not None
         pool = self._pools[self.settings.pool]
+        whole = len(self.layout.layers)
         for save in self._saves:
+            sums: list[int] | None = None
+            if save.which and save.layers_done == whole:
+                sums = [0] * len(save.offsets)
+                for j, crc in zip(save.which, save.crcs.tolist()):
+                    sums[j] = crc
             try:
-                stored = pool.client.commit(save.reservation, save.ok)
+                stored = pool.client.commit(save.reservation, save.ok, sums)
             except MooncakeError as e:
                 log.warning("MooncakeRsConnector: commit to pool %s failed: %s", self.settings.pool, e)
                 self.counters["saves_failed"] += sum(save.ok)
@@ -253,5 +302,7 @@ class ConnectorWorker:
     def shutdown(self) -> None:
         for pool in self._pools.values():
             pool.client.close()
+            if pool.arena is not None:
+                pool.arena.close()
         self.engine.close()
 
