@@ -64,3 +64,12 @@ def test_no_block_dimension_or_scattered_blocks_are_refused():
     scattered = torch.zeros(40, 8, 2).transpose(1, 2)  # [40, 2, 8]: a block's bytes interleave
     with pytest.raises(InvalidArgument, match="not dense"):
         learn_layout({"l": scattered}, 40)
+
+
+def test_kv_caches_off_the_host_are_refused_before_any_pointer_is_read():
+    from mooncake_rs.errors import InvalidArgument
+    from mooncake_rs.integrations.vllm.layout import learn_layout
+
+    # "meta" stands in for any device memory the copy paths must never read as host memory
+    with pytest.raises(InvalidArgument, match="host \\(CPU\\) KV caches only"):
+        learn_layout({"l": torch.zeros(40, 2, 16, 2, 32, device="meta")}, 40)

@@ -92,6 +92,12 @@ def learn_layout(kv_caches: dict[str, Any], num_blocks: int) -> KVLayout:
     pool_offset = 0
     parts = []
     for name, t in kv_caches.items():
+        if t.device.type != "cpu":
+            # The copy paths read and write the tensors' memory as host memory (a mapped
+            # pool, or the transfer engine's registered regions); device memory there
+            # would be undefined behaviour, not a slow path.
+            raise InvalidArgument(f"KV tensor {name} is on {t.device}: MooncakeRsConnector moves host (CPU) "
+                                  "KV caches only; run vLLM's CPU backend, or use a GPU-capable connector")
         shape, stride = tuple(t.shape), tuple(t.stride())
         dims = [d for d, s in enumerate(shape) if s == num_blocks]
         if not dims:
