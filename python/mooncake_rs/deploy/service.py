@@ -254,7 +254,9 @@ class ConductorService(RoutedCluster):
         if m.spec.role == "prefill":
             self.conductor.add_prefill(inst)
         else:
-            self.conductor.add_decode(inst, kv_capacity_tokens=max(1, msg.kv_tokens))
+            # the worker's own batch limit (an older worker that does not say: the default)
+            batch = {"max_batch": msg.max_num_seqs} if msg.max_num_seqs > 0 else {}
+            self.conductor.add_decode(inst, kv_capacity_tokens=max(1, msg.kv_tokens), **batch)
         self._limits.block_size = self.block_size
         self._limits.learn(self._ready_infos())
         m.ready.set()
