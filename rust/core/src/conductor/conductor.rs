@@ -250,7 +250,11 @@ impl Conductor {
             None => self.outlen.lock().predict(key),
         };
         let raw_ttft = choice.ttft();
-        let (ttft_scale, tbt_scale) = self.calibration.lock().scales(now);
+        let (ttft_scale, tbt_scale, ttft_target) = {
+            let cal = self.calibration.lock();
+            let (a, b) = cal.scales(now);
+            (a, b, cal.ttft_target(cfg.ttft_slo_s, now))
+        };
         let ttft = raw_ttft * ttft_scale;
         let ask = DecodeAsk { prompt_len: req.prompt_len, out_pred, arrive_t: now + ttft };
         let Some(pick) = select_decode(&st.decode, cfg.rejection, &cfg.cost.decode, &ask) else {
@@ -274,7 +278,8 @@ impl Conductor {
             fetch_abandon_s,
         };
         if cfg.rejection != RejectionKind::None {
-            if let Some((reason, detail, retry_after_s)) = self.rejection(&st.decode, &decision, pick.room, now) {
+            let admit = Admit { room: pick.room, ttft_target, ttft_scale, now };
+            if let Some((reason, detail, retry_after_s)) = self.rejection(&st.decode, &decision, &admit) {
                 return Err(overloaded(reason, detail, Some(Decision { retry_after_s, ..decision })));
             }
         }
@@ -373,25 +378,42 @@ fn candidates(st: &State, req: &ScheduleRequest<'_>, matches: &[PrefixMatch], fl
     });
 }
 
+/// What the rejection rules need besides the decision.
+struct Admit {
+    /// Whether the chosen decode instance has room.
+    room: bool,
+    /// The TTFT admission aims at (the SLO times the learned headroom, calibration.rs).
+    ttft_target: f64,
+    /// The calibration's TTFT scale (measured over predicted).
+    ttft_scale: f64,
+    now: f64,
+}
+
 impl Conductor {
     /// Why the admission rejects `d` (reason, detail, seconds to retry after), or None.
-    /// The checks in order: TTFT over its SLO, no decode instance with room, TBT over
+    /// The checks in order: TTFT over its target, no decode instance with room, TBT over
     /// its SLO. Every estimate here is finite (calibrated when that is on).
     fn rejection(
         &self,
         decode: &[super::state::DecodeInst],
         d: &Decision,
-        room: bool,
-        now: f64,
+        a: &Admit,
     ) -> Option<(RejectReason, String, f64)> {
         let cfg = &self.config;
-        if d.est_ttft_s > cfg.ttft_slo_s {
-            let detail = format!(
-                "estimated TTFT {:.4}s (queue {:.4}s) exceeds the SLO {}s",
-                d.est_ttft_s, d.est_queue_s, cfg.ttft_slo_s
-            );
-            // the queue drains at about real time: the excess is the wait
-            return Some((RejectReason::TtftSlo, detail, d.est_ttft_s - cfg.ttft_slo_s));
+        let (room, now) = (a.room, a.now);
+        if d.est_ttft_s > a.ttft_target {
+            let target = if a.ttft_target < cfg.ttft_slo_s {
+                format!("the admission target {:.4}s (the SLO {}s less the margin its misses ask for)", a.ttft_target, cfg.ttft_slo_s)
+            } else {
+                format!("the SLO {}s", cfg.ttft_slo_s)
+            };
+            let detail = format!("estimated TTFT {:.4}s (queue {:.4}s) exceeds {target}", d.est_ttft_s, d.est_queue_s);
+            // The wait: until the queue ahead has drained (its predicted time, calibrated),
+            // and at least until the estimate would be back under the target. The queue
+            // drains at about real time; waiting only the excess would send every
+            // rejected client back while the queue that refused it is still there.
+            let drain = d.est_queue_s * a.ttft_scale;
+            return Some((RejectReason::TtftSlo, detail, drain.max(d.est_ttft_s - a.ttft_target)));
         }
         if !room {
             let di = decode.iter().position(|x| x.id == d.decode);
