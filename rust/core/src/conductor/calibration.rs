@@ -81,9 +81,11 @@ impl Ratio {
 /// The share of admitted requests whose first token may come after the TTFT SLO (the
 /// SLO is judged at p90: half that leaves the margin).
 pub const TARGET_MISS: f64 = 0.05;
-/// The lowest headroom: admission keeps admitting what is predicted to take a fifth of
-/// the SLO (an idle cluster's requests), whatever the misses say.
-pub const MIN_HEADROOM: f64 = 0.2;
+/// The lowest headroom: admission keeps admitting what is predicted to take half the
+/// SLO, whatever the misses say. Misses that no admission can prevent (a host whose
+/// other work stalls every process now and then) would otherwise drive the target down
+/// until admission shuts (a floor of 0.2 admitted ~3% at 2x overload on a host at load 20).
+pub const MIN_HEADROOM: f64 = 0.5;
 
 /// The fraction of the TTFT SLO admission aims at, learned from outcomes: each admitted
 /// request's first token within the SLO raises it by `STEP * TARGET_MISS` (log units),
