@@ -38,9 +38,10 @@ pub struct Decision {
     pub est_transfer_s: f64,
     pub est_ttft_s: f64,
     pub est_tbt_s: f64,
-    /// On a rejection: seconds after which the request may be admitted (the excess of
-    /// the TTFT estimate over its SLO, or until a decode instance is predicted to free
-    /// a place); 0 for an admitted request.
+    /// On a rejection: seconds after which the request may be admitted (the predicted
+    /// drain time of the prefill queue that refused it, at least the TTFT estimate's
+    /// excess over its target; or until a decode instance is predicted to free a
+    /// place); 0 for an admitted request.
     pub retry_after_s: f64,
     /// With a fetch: seconds after the fetch starts past which the prefill instance
     /// should give it up and recompute (the recompute time of the fetched blocks: by
