@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import random
 import shutil
@@ -63,8 +64,25 @@ def proc_stats(pid: int) -> tuple[float, int, int]:
         return 0.0, 0, 0
 
 
-def shm_entries() -> int:
-    return sum(1 for n in os.listdir("/dev/shm") if n.startswith("mooncake_rs."))
+def error_type(body: bytes) -> str:
+    """The OpenAI error ``type`` of an error body, or UNTYPED when it has none (an internal
+    error is counted as untyped too: it is a bug, not a refusal)."""
+    import json
+
+    try:
+        kind = json.loads(body)["error"]["type"]
+    except (ValueError, KeyError, TypeError):
+        return "UNTYPED (no error type)"
+    return f"UNTYPED {kind}" if kind == "internal_error" else f"typed {kind}"
+
+
+def shm_entries(pids: set[int] | None = None) -> int:
+    """``mooncake_rs.<pid>.*`` entries in /dev/shm: of ``pids`` (this soak's processes, live
+    or dead: other users of the machine make their own), or all of them."""
+    names = [n for n in os.listdir("/dev/shm") if n.startswith("mooncake_rs.")]
+    if pids is None:
+        return len(names)
+    return sum(1 for n in names if n.split(".")[1].isdigit() and int(n.split(".")[1]) in pids)
 
 
 class Soak:
@@ -78,6 +96,7 @@ class Soak:
         self.etcd_url = f"http://127.0.0.1:{self.etcd_port}"
         self.etcd: subprocess.Popen | None = None
         self.procs: dict[str, subprocess.Popen] = {}
+        self.pids = {os.getpid()}  # every process this soak started, for its /dev/shm entries
         self.http_port, self.listen_port = free_port(), free_port()
         self.counts: collections.Counter[str] = collections.Counter()
         self.lock = threading.Lock()
@@ -100,6 +119,7 @@ class Soak:
         log = open(self.tmp / f"{name}.log", "ab")
         self.procs[name] = subprocess.Popen([sys.executable, "-m", "mooncake_rs", *args], stdout=log, stderr=log,
                                             stdin=subprocess.DEVNULL)
+        self.pids.add(self.procs[name].pid)
 
     def start_worker(self, name: str, role: str, port: int) -> None:
         self.start(name, ["worker", "--role", role, "--model", str(self.model), "--etcd", self.etcd_url,
@@ -157,8 +177,7 @@ class Soak:
             try:
                 with httpx.stream("POST", url, json=body, timeout=60) as r:
                     if r.status_code != 200:
-                        r.read()
-                        self.count(f"http {r.status_code}")
+                        self.count(f"http {r.status_code} {error_type(r.read())}")
                         time.sleep(0.2)
                         continue
                     lines = []
@@ -168,14 +187,18 @@ class Soak:
                         lines.append(line)
                         if abandon and len(lines) > 2:
                             break
-                    if abandon:
-                        self.count("http abandoned")
-                    elif lines and lines[-1] == "data: [DONE]" and not any('"error"' in ln for ln in lines):
+                    errors = [ln for ln in lines if '"error"' in ln]
+                    if abandon and not errors:
+                        self.count("http abandoned mid-stream")
+                    elif errors:
+                        self.count(f"http error event {error_type(errors[0].removeprefix('data: ').encode())}")
+                    elif lines and lines[-1] == "data: [DONE]":
                         self.count("http completed")
                     else:
-                        self.count("http failed (error event)")
+                        self.count("http UNTYPED stream ended without [DONE]")
             except httpx.HTTPError as e:
-                self.count(f"http {type(e).__name__}")
+                # the front is never down in this soak: a broken connection is a failure without a type
+                self.count(f"http UNTYPED {type(e).__name__}")
                 time.sleep(0.5)
 
     def remote_client(self, seed: int) -> None:
@@ -195,7 +218,11 @@ class Soak:
                 if rng.random() < 0.2:
                     time.sleep(rng.random() * 0.05)
                     h.cancel()
-                    self.count("remote cancelled")
+                    try:  # a cancelled request either finished first or fails with a typed error
+                        h.result(90)
+                        self.count("remote cancelled (finished first)")
+                    except MooncakeError as e:
+                        self.count(f"remote cancelled ({type(e).__name__})")
                 else:
                     h.result(90)
                     self.count("remote completed")
@@ -230,7 +257,12 @@ class Soak:
                 etcd_done = True
 
     def sample(self) -> dict[str, float]:
-        out: dict[str, float] = {"shm": shm_entries()}
+        for p in list(self.procs.values()):  # instance processes a worker may start count as ours
+            try:
+                self.pids.update(int(c) for c in Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split())
+            except OSError:
+                pass
+        out: dict[str, float] = {"shm": shm_entries(self.pids), "load1": os.getloadavg()[0]}
         for name, p in self.procs.items():
             rss, th, fds = proc_stats(p.pid)
             out[f"{name}.rss"], out[f"{name}.threads"], out[f"{name}.fds"] = rss, th, fds
@@ -248,6 +280,9 @@ class Soak:
         try:
             while time.monotonic() - t0 < self.seconds:
                 samples.append((time.monotonic() - t0, self.sample()))
+                with self.lock:
+                    done = sum(v for k, v in self.counts.items() if not k.startswith("chaos"))
+                print(f"t={samples[-1][0]:.0f}s requests={done} {samples[-1][1]}", flush=True)
                 time.sleep(10)
         finally:
             self.stop.set()
@@ -259,13 +294,17 @@ class Soak:
         print("| outcome | count |\n| --- | --- |")
         for k, v in sorted(self.counts.items()):
             print(f"| {k} | {v} |")
-        warm = next((s for t, s in samples if t >= 60), samples[0][1])
-        last = samples[-2][1] if len(samples) > 1 else samples[-1][1]
-        print("| resource | after warm-up | at the end |\n| --- | --- | --- |")
+        with open(self.tmp / "samples.jsonl", "w") as f:  # the whole series, to plot or re-read
+            for t, smp in samples:
+                f.write(json.dumps({"t": round(t, 1), **smp}) + "\n")
+        live = samples[:-1] if len(samples) > 1 else samples  # the last one is taken after traffic stopped
+        warm = next((smp for t, smp in live if t >= 60), live[0][1])
+        print("| resource | start | after warm-up (60 s) | end | max |\n| --- | --- | --- | --- | --- |")
         for key in sorted(warm):
-            if key.startswith("serve") or key == "shm":
-                print(f"| {key} | {warm[key]:.0f} | {last.get(key, 0):.0f} |")
-        print(f"| /dev/shm mooncake_rs.* after shutdown | | {shm_entries()} |")
+            series = [smp.get(key, 0) for _, smp in live]
+            print(f"| {key} | {series[0]:.0f} | {warm[key]:.0f} | {series[-1]:.0f} | {max(series):.0f} |")
+        print(f"(workers are SIGKILLed and restarted, so their series restart; every sample: {self.tmp}/samples.jsonl)")
+        print(f"/dev/shm mooncake_rs.* of this soak's processes after shutdown: {shm_entries(self.pids)}")
         untyped = sum(v for k, v in self.counts.items() if "UNTYPED" in k)
         return 1 if untyped else 0
 

@@ -12,6 +12,7 @@ import textwrap
 import time
 from collections.abc import Callable
 
+import msgspec
 import pytest
 
 from etcd_helpers import EtcdServer, etcd  # noqa: F401  (the fixture)
@@ -246,3 +247,36 @@ def test_register_waits_for_etcd_when_asked(etcd: EtcdServer) -> None:
         assert kv is not None and kv.value == encode_record(record("w-wait"))
     finally:
         reg.close()
+
+
+def test_a_forged_fingerprint_cannot_keep_workers_out(etcd: EtcdServer) -> None:
+    """Issue 26: ``{prefix}/fingerprint`` was unsigned, so an etcd writer could put another
+    model's there and every worker was refused. With the cluster token it is signed: a
+    worker ignores one that does not verify (unsigned, or a bad signature) and puts its
+    own; a signed one of another model still refuses a worker."""
+    from mooncake_rs.deploy.records import sign_fingerprint, verify_fingerprint, records_key
+
+    c = EtcdClient(etcd.url)
+    prefix, token = "/mooncake/fp-forged", "fp-test-token-0123456789abcdef"
+    key = f"{prefix}/fingerprint".encode()
+    other = FP.__class__(**{**{f: getattr(FP, f) for f in FP.__struct_fields__}, "model": "another"})
+    forgeries = [
+        msgspec.json.encode(other),  # what an unsigned cluster writes
+        sign_fingerprint(other, records_key("not-the-cluster-token"), key),  # signed with another key
+        sign_fingerprint(other, records_key(token), b"/mooncake/elsewhere/fingerprint"),  # copied from another key
+        b"\xff not json",
+    ]
+    for i, forged in enumerate(forgeries):
+        c.put(key, forged)
+        with WorkerRegistration(c, prefix, record(f"w{i}"), token=token):
+            fp, why = verify_fingerprint(c.get(key).value, records_key(token), key)
+            assert why is None and fp == FP, (i, why)
+    # a signed fingerprint of another model is the cluster's: a worker of this one is refused
+    c.put(key, sign_fingerprint(other, records_key(token), key))
+    with pytest.raises(InvalidArgument, match="model: 'another' != 'tiny'"):
+        WorkerRegistration(c, prefix, record("w9"), token=token).register()
+    # without a token nothing can be verified: what is there is the cluster's (the
+    # threat model says so)
+    c.put(key, msgspec.json.encode(other))
+    with pytest.raises(InvalidArgument, match="model: 'another' != 'tiny'"):
+        WorkerRegistration(c, "/mooncake/fp-forged", record("w8")).register()

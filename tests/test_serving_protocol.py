@@ -53,7 +53,7 @@ SAMPLES: list[p.Message] = [
     p.Stop(),
     p.SwitchRole("decode"),
     p.RoleSwitched("prefill", EP),
-    p.Ready(p.PROTOCOL_VERSION, EP, 1234, 8192, 512, 4096, vocab_size=256, max_positions=2048),
+    p.Ready(p.PROTOCOL_VERSION, EP, 1234, 8192, 512, 4096, vocab_size=256, max_positions=2048, max_num_seqs=8),
     p.Attach(p.PROTOCOL_VERSION, 3, "prefill-a"),
     p.Relay(2, p.KvReady(9, 17, "prefill", REPORT)),
     p.Relay(4, p.Prefill(9, [1, 2, 3], SamplingParams(), KEYS, 1, None, DEST, 3)),

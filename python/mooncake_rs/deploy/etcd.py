@@ -203,6 +203,15 @@ class EtcdClient:
         })
         return bool(out.get("succeeded", False))
 
+    def replace(self, key: bytes, value: bytes, mod_revision: int) -> bool:
+        """Puts ``key`` only if it was last modified at ``mod_revision`` (one
+        transaction: nobody changed it since it was read); True if it was."""
+        out = self._call("/v3/kv/txn", {
+            "compare": [{"key": _b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": str(mod_revision)}],
+            "success": [{"request_put": {"key": _b64(key), "value": _b64(value)}}],
+        })
+        return bool(out.get("succeeded", False))
+
     # ---- leases
     def lease_grant(self, ttl_s: int) -> int:
         if ttl_s < 1:

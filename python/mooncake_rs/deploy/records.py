@@ -17,7 +17,11 @@ from the cluster token (:func:`records_key`): HMAC-SHA256 over the etcd key, the
 Readers that hold the token (membership.py, the client's leader lookup) verify the
 signature and that the key really sits under that lease (:func:`verify_record`), and
 ignore and log a record that fails: a copy under another name, another address, an old
-record put back under another lease.
+record put back under another lease. The cluster's model fingerprint
+(``{prefix}/fingerprint``, no lease: it outlives the workers) is signed the same way over
+its key (:func:`sign_fingerprint`): a worker ignores one that does not verify and puts
+its own in its place, so an etcd writer cannot keep workers from joining with a forged
+fingerprint of another model.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from ..errors import InvalidArgument
 
 __all__ = ["ModelFingerprint", "WorkerRecord", "LeaderRecord", "RECORD_VERSION", "worker_key", "workers_prefix",
            "leader_key", "encode_record", "decode_record", "records_key", "sign_record", "verify_record",
-           "encode_leader", "decode_leader"]
+           "encode_leader", "decode_leader",
+           "SignedFingerprint", "sign_fingerprint", "verify_fingerprint"]
 
 RECORD_VERSION = 1
 
@@ -179,3 +184,32 @@ def decode_leader(value: bytes, key: bytes | None, etcd_key: bytes, kv_lease: in
     if why is not None:
         raise InvalidArgument(f"the leader record in etcd ({rec.address}) is refused: {why}")
     return rec.address
+
+
+class SignedFingerprint(msgspec.Struct, frozen=True, kw_only=True):
+    """``{prefix}/fingerprint`` in a cluster with a token: the fingerprint and its signature."""
+
+    fingerprint: ModelFingerprint
+    signature: str = ""
+
+
+_fingerprint_decoder = msgspec.json.Decoder(SignedFingerprint)
+
+
+def sign_fingerprint(fingerprint: ModelFingerprint, key: bytes, etcd_key: bytes) -> bytes:
+    """The value to put at ``etcd_key`` (the cluster's fingerprint key), signed."""
+    return _encoder.encode(SignedFingerprint(fingerprint=fingerprint,
+                                             signature=_mac(key, etcd_key, _encoder.encode(fingerprint))))
+
+
+def verify_fingerprint(value: bytes, key: bytes, etcd_key: bytes) -> tuple[ModelFingerprint | None, str | None]:
+    """(the fingerprint, None) when ``value`` was signed with ``key`` for ``etcd_key``;
+    else (None, why not, for the log)."""
+    try:
+        rec = _fingerprint_decoder.decode(value)
+    except (msgspec.DecodeError, ValueError):
+        return None, "not a signed fingerprint (written by something that does not hold the cluster token)"
+    want = _mac(key, etcd_key, _encoder.encode(rec.fingerprint))
+    if not rec.signature or not hmac.compare_digest(want, rec.signature):
+        return None, "its signature does not match (forged, altered, or copied from another cluster)"
+    return rec.fingerprint, None

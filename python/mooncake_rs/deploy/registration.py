@@ -9,7 +9,9 @@ its TTL. A lease lost during a long etcd outage is re-granted and the record put
 when etcd returns, so a worker that outlived an outage rejoins by itself.
 
 With the cluster token (``token=``, what ``mooncake-rs worker`` passes) the record is
-signed for its key and lease (records.py): conductors ignore records that are not.
+signed for its key and lease (records.py): conductors ignore records that are not. The
+fingerprint is signed too; one that does not verify is replaced (a forged fingerprint
+cannot keep the cluster's workers out).
 """
 
 from __future__ import annotations
@@ -23,38 +25,64 @@ import msgspec
 from ..errors import InvalidArgument, ServiceUnavailable
 from .etcd import EtcdClient
 from .lease import KeptLease
-from .records import ModelFingerprint, WorkerRecord, encode_record, records_key, sign_record, worker_key
+from .records import (ModelFingerprint, SignedFingerprint, WorkerRecord, encode_record, records_key, sign_fingerprint,
+                      sign_record, verify_fingerprint, worker_key)
 
 __all__ = ["WorkerRegistration", "claim_fingerprint"]
 
 log = logging.getLogger("mooncake_rs.deploy")
 
 _RETRY_S = 0.5
+_CLAIM_TRIES = 8
 
 
 def _fingerprint_key(prefix: str) -> bytes:
     return f"{prefix.rstrip('/')}/fingerprint".encode()
 
 
-def claim_fingerprint(client: EtcdClient, prefix: str, fingerprint: ModelFingerprint) -> None:
+def claim_fingerprint(client: EtcdClient, prefix: str, fingerprint: ModelFingerprint,
+                      sign_key: bytes | None = None) -> None:
     """Records ``fingerprint`` as the cluster's if none is, else checks it is the same
-    (InvalidArgument naming the fields that differ)."""
+    (InvalidArgument naming the fields that differ). With ``sign_key`` (the records key
+    of the cluster token) the fingerprint is signed, and one in etcd that does not
+    verify is not the cluster's: it is logged and replaced by this one."""
     key = _fingerprint_key(prefix)
-    data = msgspec.json.encode(fingerprint)
-    if client.create(key, data):
+    data = msgspec.json.encode(fingerprint) if sign_key is None else sign_fingerprint(fingerprint, sign_key, key)
+    for _ in range(_CLAIM_TRIES):
+        if client.create(key, data):
+            return
+        kv = client.get(key)
+        if kv is None:  # deleted in between by an operator: claim again
+            continue
+        if sign_key is None:
+            theirs = _plain_fingerprint(kv.value, key)
+        else:
+            theirs, why = verify_fingerprint(kv.value, sign_key, key)
+            if theirs is None:
+                log.warning("the fingerprint at %s is ignored: %s; putting this worker's (signed) in its place",
+                            key.decode(), why)
+                if client.replace(key, data, kv.mod_revision):
+                    return
+                continue  # changed in between: read it again
+        diff = theirs.mismatch(fingerprint)
+        if diff:
+            raise InvalidArgument(f"this worker's model does not match the cluster's ({diff}); "
+                                  "start it with the cluster's model, dtype and block size")
         return
-    kv = client.get(key)
-    if kv is None:  # deleted in between by an operator: claim again
-        claim_fingerprint(client, prefix, fingerprint)
-        return
+    raise ServiceUnavailable(f"the fingerprint at {key.decode()} kept changing while it was claimed "
+                             f"({_CLAIM_TRIES} tries); is something rewriting it?")
+
+
+def _plain_fingerprint(value: bytes, key: bytes) -> ModelFingerprint:
+    """A cluster without a token: the fingerprint as written (a signed one's inner one)."""
     try:
-        theirs = msgspec.json.decode(kv.value, type=ModelFingerprint)
+        return msgspec.json.decode(value, type=ModelFingerprint)
+    except msgspec.DecodeError:
+        pass
+    try:
+        return msgspec.json.decode(value, type=SignedFingerprint).fingerprint
     except msgspec.DecodeError as e:
         raise InvalidArgument(f"the cluster's fingerprint at {key.decode()} is malformed ({e}); delete it") from e
-    diff = theirs.mismatch(fingerprint)
-    if diff:
-        raise InvalidArgument(f"this worker's model does not match the cluster's ({diff}); "
-                              "start it with the cluster's model, dtype and block size")
 
 
 class WorkerRegistration:
@@ -83,7 +111,7 @@ class WorkerRegistration:
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                claim_fingerprint(self.client, self.prefix, self.record.fingerprint)
+                claim_fingerprint(self.client, self.prefix, self.record.fingerprint, self._sign_key)
                 with self._lock:
                     self._put()
                 return self

@@ -193,7 +193,9 @@ class ConductorService(RoutedCluster):
         if m.role == "prefill":
             self.conductor.add_prefill(m.spec.id)
         else:
-            self.conductor.add_decode(m.spec.id, kv_capacity_tokens=max(1, msg.kv_tokens))
+            # the worker's own batch limit (an older worker that does not say: the default)
+            batch = {"max_batch": msg.max_num_seqs} if msg.max_num_seqs > 0 else {}
+            self.conductor.add_decode(m.spec.id, kv_capacity_tokens=max(1, msg.kv_tokens), **batch)
         self._limits.learn([*self._members.ready_infos(), msg])
         return None
 

@@ -66,6 +66,9 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="the random-weight seed of a preset model")
     p.add_argument("--dtype", default=None, help="engine dtype (float32, bfloat16, float16)")
     p.add_argument("--device", default=None, help="engine device (cpu, cuda)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="the engine's largest batch (default: the engine's, 64); told to the conductor, whose "
+                        "admission holds a decode worker to it")
     p.add_argument("--transfer-port", type=int, default=0, help="the transfer engine's port (default: any)")
     p.add_argument("--transports", default=None,
                    help="comma-separated transfer paths to allow, of local,shm,tcp (default: all)")
@@ -102,6 +105,10 @@ def run_worker(args: argparse.Namespace) -> int:
         engine_kwargs["dtype"] = args.dtype
     if args.device:
         engine_kwargs["device"] = args.device
+    if args.max_num_seqs is not None:
+        if args.max_num_seqs < 1:
+            raise InvalidArgument(f"--max-num-seqs must be at least 1, got {args.max_num_seqs}")
+        engine_kwargs["max_num_seqs"] = args.max_num_seqs
     kv_events = kv_replay = None
     if args.kv_events:
         if args.role != "prefill":

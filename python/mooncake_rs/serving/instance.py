@@ -160,7 +160,7 @@ class Instance:
         cache, cfg = self.engine.cache, self.engine.config
         return Ready(PROTOCOL_VERSION, self.endpoint, os.getpid(), self.layout.block_nbytes, self.store.store.slots,
                      cache.num_pages * cache.page_size, vocab_size=cfg.vocab_size,
-                     max_positions=cfg.max_position_embeddings)
+                     max_positions=cfg.max_position_embeddings, max_num_seqs=self.engine.max_num_seqs)
 
     def attach(self, msg: Attach) -> None:
         """A conductor service took this worker (deploy/): serve as ``msg.id`` from now

@@ -220,6 +220,9 @@ class Ready(_Msg, frozen=True, tag="ready"):
     #: the vocabulary size and the model's context; 0 when not said
     vocab_size: int = 0
     max_positions: int = 0
+    #: the engine's largest batch (``max_num_seqs``): a remote conductor's admission
+    #: holds a decode instance to it; 0 when not said (a worker of an older version)
+    max_num_seqs: int = 0
 
 
 class Attach(_Msg, frozen=True, tag="attach"):

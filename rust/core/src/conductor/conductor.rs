@@ -39,9 +39,10 @@ pub struct Decision {
     pub est_transfer_s: f64,
     pub est_ttft_s: f64,
     pub est_tbt_s: f64,
-    /// On a rejection: seconds after which the request may be admitted (the excess of
-    /// the TTFT estimate over its SLO, or until a decode instance is predicted to free
-    /// a place); 0 for an admitted request.
+    /// On a rejection: seconds after which the request may be admitted (the predicted
+    /// drain time of the prefill queue that refused it, at least the TTFT estimate's
+    /// excess over its target; or until a decode instance is predicted to free a
+    /// place); 0 for an admitted request.
     pub retry_after_s: f64,
     /// With a fetch: seconds after the fetch starts past which the prefill instance
     /// should give it up and recompute (the recompute time of the fetched blocks: by
@@ -217,7 +218,8 @@ impl Conductor {
         candidates(&st, req, matches, best.map_or(0, |b| b.total()), cands);
         let est = self.estimate(&st, req, matches, best, cands)?;
         if self.config.rejection != RejectionKind::None {
-            if let Some((reason, detail, retry_after_s)) = self.rejection(&st.decode, &est.decision, est.room, req.now) {
+            let admit = Admit { room: est.room, ttft_target: est.ttft_target, ttft_scale: est.ttft_scale, now: req.now };
+            if let Some((reason, detail, retry_after_s)) = self.rejection(&st.decode, &est.decision, &admit) {
                 return Err(ConductorError::Overloaded {
                     reason,
                     detail,
@@ -237,25 +239,42 @@ impl Conductor {
     }
 }
 
+/// What the rejection rules need besides the decision.
+struct Admit {
+    /// Whether the chosen decode instance has room.
+    room: bool,
+    /// The TTFT admission aims at (the SLO times the learned headroom, calibration.rs).
+    ttft_target: f64,
+    /// The calibration's TTFT scale (measured over predicted).
+    ttft_scale: f64,
+    now: f64,
+}
+
 impl Conductor {
     /// Why the admission rejects `d` (reason, detail, seconds to retry after), or None.
-    /// The checks in order: TTFT over its SLO, no decode instance with room, TBT over
+    /// The checks in order: TTFT over its target, no decode instance with room, TBT over
     /// its SLO. Every estimate here is finite (calibrated when that is on).
     fn rejection(
         &self,
         decode: &[super::state::DecodeInst],
         d: &Decision,
-        room: bool,
-        now: f64,
+        a: &Admit,
     ) -> Option<(RejectReason, String, f64)> {
         let cfg = &self.config;
-        if d.est_ttft_s > cfg.ttft_slo_s {
-            let detail = format!(
-                "estimated TTFT {:.4}s (queue {:.4}s) exceeds the SLO {}s",
-                d.est_ttft_s, d.est_queue_s, cfg.ttft_slo_s
-            );
-            // the queue drains at about real time: the excess is the wait
-            return Some((RejectReason::TtftSlo, detail, d.est_ttft_s - cfg.ttft_slo_s));
+        let (room, now) = (a.room, a.now);
+        if d.est_ttft_s > a.ttft_target {
+            let target = if a.ttft_target < cfg.ttft_slo_s {
+                format!("the admission target {:.4}s (the SLO {}s less the margin its misses ask for)", a.ttft_target, cfg.ttft_slo_s)
+            } else {
+                format!("the SLO {}s", cfg.ttft_slo_s)
+            };
+            let detail = format!("estimated TTFT {:.4}s (queue {:.4}s) exceeds {target}", d.est_ttft_s, d.est_queue_s);
+            // The wait: until the queue ahead has drained (its predicted time, calibrated),
+            // and at least until the estimate would be back under the target. The queue
+            // drains at about real time; waiting only the excess would send every
+            // rejected client back while the queue that refused it is still there.
+            let drain = d.est_queue_s * a.ttft_scale;
+            return Some((RejectReason::TtftSlo, detail, drain.max(d.est_ttft_s - a.ttft_target)));
         }
         if !room {
             let di = decode.iter().position(|x| x.id == d.decode);

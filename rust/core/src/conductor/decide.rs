@@ -16,6 +16,10 @@ pub(super) struct Estimate {
     pub decision: Decision,
     /// A decode instance with room (false: every one is at its batch or KV capacity).
     pub room: bool,
+    /// The TTFT admission aims at (the SLO times the learned headroom, calibration.rs).
+    pub ttft_target: f64,
+    /// The calibration's TTFT scale (measured over predicted).
+    pub ttft_scale: f64,
     choice: Choice,
     /// Index of the decode instance in `State::decode`.
     decode_idx: usize,
@@ -104,7 +108,11 @@ impl Conductor {
             None => self.outlen.lock().predict(req.block_hashes.first().copied()),
         };
         let raw_ttft_s = choice.ttft();
-        let (ttft_scale, tbt_scale) = self.calibration.lock().scales(now);
+        let (ttft_scale, tbt_scale, ttft_target) = {
+            let cal = self.calibration.lock();
+            let (a, b) = cal.scales(now);
+            (a, b, cal.ttft_target(cfg.ttft_slo_s, now))
+        };
         let ttft = raw_ttft_s * ttft_scale;
         let ask = DecodeAsk { prompt_len: req.prompt_len, out_pred, arrive_t: now + ttft };
         let Some(pick) = select_decode(&st.decode, cfg.rejection, &cfg.cost.decode, &ask) else {
@@ -124,7 +132,7 @@ impl Conductor {
             retry_after_s: 0.0,
             fetch_abandon_s,
         };
-        Ok(Estimate { decision, room: pick.room, choice, decode_idx: pick.idx, ask, out_pred, raw_ttft_s, raw_tbt_s: pick.tbt, rng })
+        Ok(Estimate { decision, room: pick.room, ttft_target, ttft_scale, choice, decode_idx: pick.idx, ask, out_pred, raw_ttft_s, raw_tbt_s: pick.tbt, rng })
     }
 
     /// Writes an admitted request into the state: the replica its fetch creates (in the
