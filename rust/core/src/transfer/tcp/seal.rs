@@ -28,7 +28,8 @@
 //! tag matched: an unverified byte never lands in served memory (a write cut short
 //! after some records leaves those verified bytes and fails the request, as a write
 //! without a token cut short does). A read response is received straight into the
-//! initiator's own buffer and decrypted there, whose content is undefined until the
+//! initiator's own buffer and decrypted there (on a helper thread while the next record
+//! arrives, when there is more than one: [`Overlap`]), whose content is undefined until the
 //! request reports `ok` (a bad tag fails or retries the request, never reports it done).
 
 use std::io::{self, IoSlice, Read, Write};
@@ -84,56 +85,16 @@ pub struct FrameWriter<W> {
     /// One record's ciphertext (the caller's bytes are never written to); at most
     /// [`RECORD`] bytes, allocated once per connection.
     scratch: Vec<u8>,
-    /// Frames without payload held back by [`hold`](Self::hold), already sealed.
-    held: Vec<u8>,
-    held_frames: usize,
 }
-
-/// Most frames [`FrameWriter::hold`] keeps back before it writes them anyway: a few
-/// responses per write saves the peer's receiver that many wake-ups, while most of a
-/// pipelined window (16 slices by default) stays answered one by one.
-pub const HOLD_FRAMES: usize = 4;
 
 impl<W: Write> FrameWriter<W> {
     pub fn new(inner: W, key: Option<[u8; 32]>) -> Self {
-        FrameWriter { inner, seal: key.as_ref().map(Direction::new), scratch: Vec::new(), held: Vec::new(), held_frames: 0 }
-    }
-
-    /// Queues a frame without payload (a short response), to be written with the next
-    /// [`send`](Self::send) or [`flush`](Self::flush), or now once [`HOLD_FRAMES`] wait.
-    /// Frames keep their order (and their sealing sequence) on the wire.
-    pub fn hold(&mut self, head: &[u8]) -> io::Result<()> {
-        self.held.extend_from_slice(head);
-        if let Some(dir) = &mut self.seal {
-            let nonce = dir.next_nonce();
-            let tag = dir
-                .key
-                .seal_in_place_separate_tag(nonce, Aad::from(head), &mut [])
-                .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "record too large to seal"))?;
-            self.held.extend_from_slice(tag.as_ref());
-        }
-        self.held_frames += 1;
-        if self.held_frames >= HOLD_FRAMES {
-            return self.flush();
-        }
-        Ok(())
-    }
-
-    /// Writes the frames [`hold`](Self::hold) kept back, in one write.
-    pub fn flush(&mut self) -> io::Result<()> {
-        if self.held.is_empty() {
-            return Ok(());
-        }
-        let r = write_all_parts(&mut self.inner, &mut [&self.held, &[], &[]]);
-        self.held.clear();
-        self.held_frames = 0;
-        r
+        FrameWriter { inner, seal: key.as_ref().map(Direction::new), scratch: Vec::new() }
     }
 
     /// Writes one frame (`head`, then `data`, sealed record by record when keyed) with
     /// one vectored write per record, and no allocation after the first frame.
     pub fn send(&mut self, head: &[u8], data: &[u8]) -> io::Result<()> {
-        self.flush()?;
         let Some(dir) = &mut self.seal else {
             return write_all_parts(&mut self.inner, &mut [head, data, &[]]);
         };
@@ -224,10 +185,6 @@ impl<R: Read> FrameReader<R> {
     /// Whether frames are sealed (then payloads must be verified before use).
     pub fn keyed(&self) -> bool {
         self.open.is_some()
-    }
-
-    pub fn get_ref(&self) -> &R {
-        &self.inner
     }
 
     /// Reads the frame's payload into `buf`, decrypting and verifying it in place record
@@ -483,37 +440,6 @@ mod tests {
         let mut r = FrameReader::new(&wire[..], Some(k));
         r.read_exact(&mut [0u8; 6]).unwrap();
         assert!(r.discard_payload(payload.len()).is_ok());
-    }
-
-    #[test]
-    fn held_frames_keep_their_order_and_seal() {
-        for key in [None, Some([9u8; 32])] {
-            let mut w = FrameWriter::new(Vec::new(), key);
-            w.hold(b"resp-1").unwrap();
-            w.hold(b"resp-2").unwrap();
-            assert!(w.inner.is_empty(), "held frames were written early");
-            w.send(b"data-3", b"xyz").unwrap();
-            for _ in 0..HOLD_FRAMES {
-                w.hold(b"resp-n").unwrap();
-            }
-            assert!(!w.inner.is_empty());
-            let mut r = FrameReader::new(&w.inner[..], key);
-            for want in [&b"resp-1"[..], b"resp-2"] {
-                let mut h = [0u8; 6];
-                r.read_exact(&mut h).unwrap();
-                assert_eq!(&h[..], want);
-                r.end_frame().unwrap();
-            }
-            let mut h = [0u8; 6];
-            r.read_exact(&mut h).unwrap();
-            let mut p = [0u8; 3];
-            r.read_payload(&mut p).unwrap();
-            assert_eq!((&h, &p), (b"data-3", b"xyz"));
-            for _ in 0..HOLD_FRAMES {
-                r.read_exact(&mut h).unwrap();
-                r.end_frame().unwrap();
-            }
-        }
     }
 
     #[test]

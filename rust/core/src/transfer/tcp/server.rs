@@ -281,15 +281,7 @@ fn serve_frames(stream: TcpStream, peer: &str, keys: super::seal::FrameKeys, ctx
         let result = read_header(&mut r).and_then(|h| match h {
             Some(h) => {
                 activity.busy();
-                // Short responses wait while the next request is already arriving (see
-                // `FrameWriter::hold`); the last one goes out before we wait for more.
-                handle(h, peer, &mut r, &mut w, ctx).and_then(|()| {
-                    if more_input(&r) {
-                        Ok(())
-                    } else {
-                        w.flush().map_err(ConnError::from)
-                    }
-                })
+                handle(h, peer, &mut r, &mut w, ctx)
             }
             // (no request within the read timeout: only set without a token)
             None => Err(ConnError::Io(io::ErrorKind::TimedOut.into())),
@@ -311,22 +303,6 @@ fn serve_frames(stream: TcpStream, peer: &str, keys: super::seal::FrameKeys, ctx
             }
         }
     }
-}
-
-/// Whether bytes of a next request are already here (buffered, or in the socket). A
-/// client writes a frame whole once it starts one, so the rest of it arrives without
-/// waiting for our responses: holding them meanwhile cannot stall the connection.
-fn more_input(r: &Reader) -> bool {
-    if !r.get_ref().buffer().is_empty() {
-        return true;
-    }
-    let mut byte = 0u8;
-    // SAFETY: a one-byte peek into a byte on our stack, on a socket this connection owns;
-    // MSG_DONTWAIT makes it return at once whether or not anything is there.
-    let n = unsafe {
-        libc::recv(r.get_ref().get_ref().as_raw_fd(), (&mut byte as *mut u8).cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT)
-    };
-    n > 0
 }
 
 fn refuse(ctx: &ServeCtx, e: AccessError) -> Result<(), AccessError> {
@@ -359,7 +335,7 @@ fn handle(h: Header, peer: &str, r: &mut Reader, w: &mut FrameWriter<TcpStream>,
                 }
                 Err(e) => {
                     let _ = refuse(ctx, e);
-                    w.hold(&encode(&Msg::ReadResp { id, status: Err(e), data_len: 0 }))?
+                    w.send(&encode(&Msg::ReadResp { id, status: Err(e), data_len: 0 }), &[])?
                 }
             }
         }
@@ -380,7 +356,7 @@ fn handle(h: Header, peer: &str, r: &mut Reader, w: &mut FrameWriter<TcpStream>,
                     refuse(ctx, e)
                 }
             };
-            w.hold(&encode(&Msg::WriteResp { id, status }))?;
+            w.send(&encode(&Msg::WriteResp { id, status }), &[])?;
         }
         Msg::QueryRegion { id, region } => {
             r.end_frame()?;
