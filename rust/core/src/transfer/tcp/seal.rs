@@ -37,7 +37,7 @@ use std::io::{self, IoSlice, Read, Write};
 use ring::aead::{Aad, LessSafeKey, Nonce, Tag, UnboundKey, AES_256_GCM};
 
 use super::super::protocol::FrameError;
-use super::overlap::{Job, Overlap};
+use super::overlap::{nonce_bytes, Job, Overlap, GROUP};
 use super::ConnError;
 
 pub const TAG_LEN: usize = 16;
@@ -67,14 +67,9 @@ impl Direction {
     /// The nonce of the next record (unique per key: one key per connection and
     /// direction, records counted from 0; a connection never sends 2^64 records).
     fn next_nonce(&mut self) -> Nonce {
-        Nonce::assume_unique_for_key(self.next_nonce_bytes())
-    }
-
-    fn next_nonce_bytes(&mut self) -> [u8; 12] {
-        let mut n = [0u8; 12];
-        n[4..].copy_from_slice(&self.seq.to_be_bytes());
+        let n = nonce_bytes(self.seq);
         self.seq = self.seq.wrapping_add(1);
-        n
+        Nonce::assume_unique_for_key(n)
     }
 }
 
@@ -210,18 +205,22 @@ impl<R: Read> FrameReader<R> {
             }
             return Ok(());
         };
-        // Receive record k+1 while the helper opens record k; collect every verdict
-        // before returning, on every path, since the helper writes into `buf`.
+        // Receive the next records while the helper opens the ones before (GROUP a
+        // job); collect every verdict before returning, on every path, since the
+        // helper writes into `buf`.
         let mut received = Ok(());
-        for record in buf.chunks_mut(RECORD) {
-            let mut tag = [0u8; TAG_LEN];
-            if let Err(e) = self.inner.read_exact(record).and_then(|()| self.inner.read_exact(&mut tag)) {
-                received = Err(ConnError::from(e));
-                break;
+        'spans: for span in buf.chunks_mut(GROUP * RECORD) {
+            let first_seq = op.dir.seq;
+            let mut tags = [[0u8; TAG_LEN]; GROUP];
+            for (record, tag) in span.chunks_mut(RECORD).zip(tags.iter_mut()) {
+                if let Err(e) = self.inner.read_exact(record).and_then(|()| self.inner.read_exact(tag)) {
+                    received = Err(ConnError::from(e));
+                    break 'spans;
+                }
+                op.dir.seq = op.dir.seq.wrapping_add(1);
             }
-            let (ptr, len) = (record.as_mut_ptr(), record.len());
-            let nonce = op.dir.next_nonce_bytes();
-            overlap.submit(Job { ptr, len, nonce, tag, aad: std::mem::take(&mut op.head) });
+            let (ptr, len) = (span.as_mut_ptr(), span.len());
+            overlap.submit(Job { ptr, len, first_seq, tags, record_len: RECORD, aad: std::mem::take(&mut op.head) });
         }
         let verified = overlap.finish();
         received?;
@@ -440,6 +439,32 @@ mod tests {
         let mut r = FrameReader::new(&wire[..], Some(k));
         r.read_exact(&mut [0u8; 6]).unwrap();
         assert!(r.discard_payload(payload.len()).is_ok());
+    }
+
+    #[test]
+    fn a_payload_of_several_helper_jobs_is_verified_whole() {
+        let k = [5u8; 32];
+        let payload: Vec<u8> = (0..(GROUP + 2) * RECORD + 7).map(|i| (i % 253) as u8).collect();
+        let mut w = FrameWriter::new(Vec::new(), Some(k));
+        w.send(b"head", &payload).unwrap();
+        w.send(b"next", b"").unwrap();
+        let wire = w.inner;
+        let read = |wire: &[u8]| -> Result<Vec<u8>, ConnError> {
+            let mut r = FrameReader::new(wire, Some(k));
+            r.read_exact(&mut [0u8; 4]).map_err(ConnError::from)?;
+            let mut dst = vec![0u8; payload.len()];
+            r.read_payload(&mut dst)?;
+            r.read_exact(&mut [0u8; 4]).map_err(ConnError::from)?;
+            r.end_frame()?;
+            Ok(dst)
+        };
+        assert_eq!(read(&wire).unwrap(), payload);
+        // A byte of a record in the second job, and the last record's tag.
+        for at in [4 + (GROUP + 1) * (RECORD + TAG_LEN) + 3, 4 + payload.len() + (GROUP + 3) * TAG_LEN - 1] {
+            let mut bad = wire.clone();
+            bad[at] ^= 1;
+            assert!(matches!(read(&bad), Err(ConnError::Frame(FrameError::BadTag))), "byte {at}");
+        }
     }
 
     #[test]
