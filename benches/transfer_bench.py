@@ -56,6 +56,20 @@ def timed(fn, budget, min_reps=3, max_reps=2000):
     return out
 
 
+def cpu_s(*pids):
+    """CPU seconds the processes' threads have run so far (schedstat: ns, every thread),
+    so a figure counts the work both ends did, whatever else loads the machine."""
+    total = 0
+    for pid in pids:
+        for stat in glob.glob(f"/proc/{pid}/task/*/schedstat"):
+            try:
+                with open(stat) as f:
+                    total += int(f.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                pass  # a thread that just ended
+    return total / 1e9
+
+
 def start_peer(**cfg):
     cfg.setdefault("lifetime_s", 240)
     p = subprocess.Popen([sys.executable, PEER, json.dumps(cfg)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -227,8 +241,12 @@ def bench_tcp(budget, sizes, batches, rounds, auth=False):
             for size in sizes:
                 for nb in batches:
                     total = size * nb
+                    c0 = cpu_s(os.getpid(), ref.p.pid)
                     ref_lat = timed(lambda: ref.stream(size, total), budget)
-                    acc.setdefault(f"sock_{size}_{nb}_GBps", []).append(total / med(ref_lat) / 1e9)
+                    sock_cpu = (cpu_s(os.getpid(), ref.p.pid) - c0) / (total * len(ref_lat) / 1e9)
+                    sock = total / med(ref_lat) / 1e9
+                    acc.setdefault(f"sock_{size}_{nb}_GBps", []).append(sock)
+                    acc.setdefault(f"sock_{size}_{nb}_cpu_s_per_GB", []).append(sock_cpu)
                     for label, (e, p, mine, rid) in sides.items():
                         for op in ("write", "read"):
                             k = [0]
@@ -244,9 +262,21 @@ def bench_tcp(budget, sizes, batches, rounds, auth=False):
                                 assert all(s.ok for s in st), st[0]
 
                             one()
-                            acc.setdefault(f"{label}_{op}_{size}_{nb}_GBps", []).append(
-                                total / med(timed(one, budget)) / 1e9)
+                            c0 = cpu_s(os.getpid(), peers[label][0].pid)
+                            lat = timed(one, budget)
+                            cpu = (cpu_s(os.getpid(), peers[label][0].pid) - c0) / (total * len(lat) / 1e9)
+                            acc.setdefault(f"{label}_{op}_{size}_{nb}_cpu_s_per_GB", []).append(cpu)
+                            v = total / med(lat) / 1e9
+                            acc.setdefault(f"{label}_{op}_{size}_{nb}_GBps", []).append(v)
+                            # Ratios within the round (the load moves between rounds).
+                            acc.setdefault(f"{label}_{op}_{size}_{nb}_x_sock", []).append(v / sock)
+                            if label == "tcpauth":
+                                plain = acc[f"tcp_{op}_{size}_{nb}_GBps"][-1]
+                                acc.setdefault(f"tcpauth_{op}_{size}_{nb}_x_plain", []).append(v / plain)
+                                plain_cpu = acc[f"tcp_{op}_{size}_{nb}_cpu_s_per_GB"][-1]
+                                acc.setdefault(f"tcpauth_{op}_{size}_{nb}_cpu_x_plain", []).append(cpu / plain_cpu)
         out.update({key: med(v) for key, v in acc.items()})
+        out.update({f"{key}_range": [min(v), max(v)] for key, v in acc.items() if "_x_" in key})
     finally:
         for e in engines:
             e.close()
@@ -355,8 +385,9 @@ def main():
     ap.add_argument("--only", choices=("latency", "tcp"), help="only the 4 KiB write latency (and --peer's), "
                                                                  "or only the TCP bandwidth cases")
     ap.add_argument("--auth", action="store_true", help="TCP cases also with an auth token (sealed frames)")
+    ap.add_argument("--sizes", default="64,512,4096", help="TCP request sizes in KiB")
     args = ap.parse_args()
-    sizes = [64 << 10, 512 << 10, 4 << 20]
+    sizes = [int(k) << 10 for k in args.sizes.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     t0 = time.time()
     r = {}
@@ -396,10 +427,24 @@ def print_tcp(r, sizes, batches, peer):
                 for op in ("write", "read"):
                     v = r.get(f"{label}_{op}_{size}_{nb}_GBps")
                     if v is not None:
-                        line += f" | {'token ' if label == 'tcpauth' else ''}{op} {v:5.2f} GB/s ({v / s:.2f}x)"
+                        x = r.get(f"{label}_{op}_{size}_{nb}_x_sock", v / s)
+                        line += f" | {'token ' if label == 'tcpauth' else ''}{op} {v:5.2f} GB/s ({x:.2f}x)"
+                        if label == "tcpauth":
+                            line += f" [{r[f'tcpauth_{op}_{size}_{nb}_x_plain']:.2f}x no token]"
             if peer and f"te_write_{size}_GBps" in peer and nb == 32:
                 line += f" | mooncake TE write {peer[f'te_write_{size}_GBps']:.2f} read {peer[f'te_read_{size}_GBps']:.2f}"
             print(line + "  (target >= 0.9x)")
+            cpu = [f"socket {r[f'sock_{size}_{nb}_cpu_s_per_GB']:.2f}"]
+            for label in ("tcp", "tcpauth"):
+                for op in ("write", "read"):
+                    c = r.get(f"{label}_{op}_{size}_{nb}_cpu_s_per_GB")
+                    if c is not None:
+                        cpu.append(f"{'token ' if label == 'tcpauth' else ''}{op} {c:.2f}"
+                                   + (f" ({r[f'tcpauth_{op}_{size}_{nb}_cpu_x_plain']:.2f}x no token)"
+                                      if label == "tcpauth" else ""))
+            print(f"    CPU s/GB, both ends: {' | '.join(cpu)}")
+    print("(Nx): median over rounds of the ratio to the socket stream of the same round; "
+          "[Nx no token]: of token to no token, same round")
 
 
 def print_latency(r, peer):

@@ -11,7 +11,8 @@ use super::AccessError;
 
 pub const MAGIC: [u8; 2] = *b"MC";
 /// 3: frames after a keyed handshake are sealed with AES-256-GCM (tcp/seal.rs), not BLAKE3-tagged.
-pub const VERSION: u16 = 3;
+/// 4: a sealed frame's payload is cut into records of at most `seal::RECORD` bytes, each tagged.
+pub const VERSION: u16 = 4;
 pub const HEADER_LEN: usize = 8;
 /// Largest payload of one data frame (slices are at most this long).
 pub const MAX_DATA: usize = 16 << 20;

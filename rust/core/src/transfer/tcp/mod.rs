@@ -8,6 +8,7 @@
 mod admission;
 pub mod client;
 pub mod handshake;
+mod overlap;
 pub mod seal;
 pub mod server;
 

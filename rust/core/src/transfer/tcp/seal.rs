@@ -15,21 +15,34 @@
 //! (BENCHMARKS.md, "The cost of security"), so confidentiality costs no more than
 //! integrity did.
 //!
-//! A receiver can check a tag only after the frame's last byte. So the server stages a
-//! write's payload and copies it into the region only once the tag matched: an
-//! unverified byte never lands in served memory. A read response is received straight
-//! into the initiator's own buffer and decrypted there, whose content is undefined until
-//! the request reports `ok` (a bad tag fails or retries the request, never reports it
-//! done).
+//! A frame's payload is sealed in records of at most [`RECORD`] bytes, each with its own
+//! tag and nonce (the first record's authenticated data is the head; a frame without a
+//! payload is one empty record). Bounded records keep the work in cache: the sender
+//! copies a record into a [`RECORD`]-byte buffer it reuses, seals it there and hands it
+//! to the kernel while it is still hot, and a receiver verifies each record right after
+//! receiving it, instead of a second pass over a whole slice (1 MiB) from memory. A
+//! record dropped, repeated, reordered or moved into another frame fails its nonce.
+//!
+//! A receiver can check a tag only after the record's last byte. So the server stages a
+//! write's payload record by record and copies a record into the region only once its
+//! tag matched: an unverified byte never lands in served memory (a write cut short
+//! after some records leaves those verified bytes and fails the request, as a write
+//! without a token cut short does). A read response is received straight into the
+//! initiator's own buffer and decrypted there (on a helper thread while the next record
+//! arrives, when there is more than one: [`Overlap`]), whose content is undefined until the
+//! request reports `ok` (a bad tag fails or retries the request, never reports it done).
 
 use std::io::{self, IoSlice, Read, Write};
 
 use ring::aead::{Aad, LessSafeKey, Nonce, Tag, UnboundKey, AES_256_GCM};
 
-use super::super::protocol::{FrameError, MAX_DATA};
+use super::super::protocol::FrameError;
+use super::overlap::{nonce_bytes, Job, Overlap, GROUP};
 use super::ConnError;
 
 pub const TAG_LEN: usize = 16;
+/// Most payload bytes of one sealed record (a frame's payload is one or more records).
+pub const RECORD: usize = 64 << 10;
 
 /// One end's keys of a connection (`None` everywhere without a token).
 #[derive(Clone, Copy, Default)]
@@ -38,7 +51,7 @@ pub struct FrameKeys {
     pub recv: Option<[u8; 32]>,
 }
 
-/// A direction's cipher and the number of the next frame.
+/// A direction's cipher and the number of the next record.
 struct Direction {
     key: LessSafeKey,
     seq: u64,
@@ -51,11 +64,10 @@ impl Direction {
         Direction { key: LessSafeKey::new(unbound), seq: 0 }
     }
 
-    /// The nonce of the next frame (unique per key: one key per connection and
-    /// direction, frames counted from 0; a connection never sends 2^64 frames).
+    /// The nonce of the next record (unique per key: one key per connection and
+    /// direction, records counted from 0; a connection never sends 2^64 records).
     fn next_nonce(&mut self) -> Nonce {
-        let mut n = [0u8; 12];
-        n[4..].copy_from_slice(&self.seq.to_be_bytes());
+        let n = nonce_bytes(self.seq);
         self.seq = self.seq.wrapping_add(1);
         Nonce::assume_unique_for_key(n)
     }
@@ -65,7 +77,8 @@ impl Direction {
 pub struct FrameWriter<W> {
     inner: W,
     seal: Option<Direction>,
-    /// The payload's ciphertext (the caller's bytes are never written to).
+    /// One record's ciphertext (the caller's bytes are never written to); at most
+    /// [`RECORD`] bytes, allocated once per connection.
     scratch: Vec<u8>,
 }
 
@@ -74,24 +87,31 @@ impl<W: Write> FrameWriter<W> {
         FrameWriter { inner, seal: key.as_ref().map(Direction::new), scratch: Vec::new() }
     }
 
-    /// Writes one frame (`head`, then `data`, then the tag) with as few syscalls as the
-    /// kernel allows.
+    /// Writes one frame (`head`, then `data`, sealed record by record when keyed) with
+    /// one vectored write per record, and no allocation after the first frame.
     pub fn send(&mut self, head: &[u8], data: &[u8]) -> io::Result<()> {
         let Some(dir) = &mut self.seal else {
             return write_all_parts(&mut self.inner, &mut [head, data, &[]]);
         };
-        self.scratch.clear();
-        self.scratch.extend_from_slice(data);
-        let nonce = dir.next_nonce();
-        let tag = dir
-            .key
-            .seal_in_place_separate_tag(nonce, Aad::from(head), &mut self.scratch)
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "frame too large to seal"))?;
-        let r = write_all_parts(&mut self.inner, &mut [head, &self.scratch, tag.as_ref()]);
-        if self.scratch.capacity() > 2 * MAX_DATA {
-            self.scratch = Vec::new(); // bound what an idle connection holds
+        let mut aad = head;
+        let mut rest = data;
+        loop {
+            let n = rest.len().min(RECORD);
+            let (record, after) = rest.split_at(n);
+            self.scratch.clear();
+            self.scratch.extend_from_slice(record);
+            let nonce = dir.next_nonce();
+            let tag = dir
+                .key
+                .seal_in_place_separate_tag(nonce, Aad::from(aad), &mut self.scratch)
+                .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "record too large to seal"))?;
+            write_all_parts(&mut self.inner, &mut [aad, &self.scratch, tag.as_ref()])?;
+            aad = &[];
+            rest = after;
+            if rest.is_empty() {
+                return Ok(());
+            }
         }
-        r
     }
 
     pub fn get_ref(&self) -> &W {
@@ -127,18 +147,34 @@ fn write_all_parts(w: &mut impl Write, parts: &mut [&[u8]; 3]) -> io::Result<()>
     Ok(())
 }
 
-/// The receiving half. The frame's head is read through [`Read`] (kept as the frame's
-/// authenticated data when keyed); a payload through [`read_payload`](Self::read_payload)
+/// The receiving half. The frame's head is read through [`Read`] (kept as the first
+/// record's authenticated data when keyed); a payload through
+/// [`read_payload`](Self::read_payload), [`read_payload_verified`](Self::read_payload_verified)
 /// or [`discard_payload`](Self::discard_payload), which also end the frame; a frame
 /// without a payload ends with [`end_frame`](Self::end_frame).
 pub struct FrameReader<R> {
     inner: R,
-    open: Option<(Direction, Vec<u8>)>,
+    open: Option<Opener>,
+}
+
+struct Opener {
+    dir: Direction,
+    /// The direction's key, for the helper that opens large payloads (started on the
+    /// first one; see [`Overlap`]).
+    key: [u8; 32],
+    overlap: Option<Overlap>,
+    /// The frame's head as read so far (the first record's authenticated data).
+    head: Vec<u8>,
+    /// One record, where a payload that must not land unverified is checked first.
+    stage: Vec<u8>,
 }
 
 impl<R: Read> FrameReader<R> {
     pub fn new(inner: R, key: Option<[u8; 32]>) -> Self {
-        FrameReader { inner, open: key.as_ref().map(|k| (Direction::new(k), Vec::new())) }
+        let open = key
+            .as_ref()
+            .map(|k| Opener { dir: Direction::new(k), key: *k, overlap: None, head: Vec::new(), stage: Vec::new() });
+        FrameReader { inner, open }
     }
 
     /// Whether frames are sealed (then payloads must be verified before use).
@@ -146,42 +182,122 @@ impl<R: Read> FrameReader<R> {
         self.open.is_some()
     }
 
-    /// Reads the frame's payload into `buf` and, when keyed, its tag, and decrypts `buf`
-    /// in place: `Err` (the connection must close) if the tag does not match, and then
-    /// `buf` holds garbage the caller must not use.
+    /// Reads the frame's payload into `buf`, decrypting and verifying it in place record
+    /// by record when keyed: `Err` (the connection must close) if a tag does not match,
+    /// and then `buf` holds garbage the caller must not use. For the caller's own memory
+    /// only; memory others read uses [`read_payload_verified`](Self::read_payload_verified).
     pub fn read_payload(&mut self, buf: &mut [u8]) -> Result<(), ConnError> {
-        self.inner.read_exact(buf)?;
-        self.verify(buf)
+        let Some(op) = &mut self.open else {
+            self.inner.read_exact(buf)?;
+            return Ok(());
+        };
+        if buf.len() > RECORD && op.overlap.is_none() {
+            op.overlap = Overlap::start(&op.key).ok(); // without a helper: opened here
+        }
+        let Some(overlap) = &mut op.overlap else {
+            let mut records = buf.chunks_mut(RECORD);
+            let first = records.next().unwrap_or_default();
+            self.inner.read_exact(first)?;
+            op.verify(&mut self.inner, first)?;
+            for record in records {
+                self.inner.read_exact(record)?;
+                op.verify(&mut self.inner, record)?;
+            }
+            return Ok(());
+        };
+        // Receive the next records while the helper opens the ones before (GROUP a
+        // job); collect every verdict before returning, on every path, since the
+        // helper writes into `buf`.
+        let mut received = Ok(());
+        'spans: for span in buf.chunks_mut(GROUP * RECORD) {
+            let first_seq = op.dir.seq;
+            let mut tags = [[0u8; TAG_LEN]; GROUP];
+            for (record, tag) in span.chunks_mut(RECORD).zip(tags.iter_mut()) {
+                if let Err(e) = self.inner.read_exact(record).and_then(|()| self.inner.read_exact(tag)) {
+                    received = Err(ConnError::from(e));
+                    break 'spans;
+                }
+                op.dir.seq = op.dir.seq.wrapping_add(1);
+            }
+            let (ptr, len) = (span.as_mut_ptr(), span.len());
+            overlap.submit(Job { ptr, len, first_seq, tags, record_len: RECORD, aad: std::mem::take(&mut op.head) });
+        }
+        let verified = overlap.finish();
+        received?;
+        if verified {
+            Ok(())
+        } else {
+            Err(ConnError::Frame(FrameError::BadTag))
+        }
     }
 
-    /// Reads and drops a payload of `n` bytes, verifying the frame when keyed.
+    /// Reads the frame's payload into `dst` such that no byte lands before its record's
+    /// tag matched (each record is staged, verified, then copied). On `Err`, the
+    /// verified records before the bad one have landed, nothing after.
+    pub fn read_payload_verified(&mut self, dst: &mut [u8]) -> Result<(), ConnError> {
+        let Some(op) = &mut self.open else {
+            self.inner.read_exact(dst)?;
+            return Ok(());
+        };
+        op.stage.resize(dst.len().min(RECORD), 0);
+        let mut stage = std::mem::take(&mut op.stage);
+        let r = op.each_record(&mut self.inner, dst.len(), &mut stage, |at, plain| dst[at..at + plain.len()].copy_from_slice(plain));
+        op.stage = stage;
+        r
+    }
+
+    /// Reads and drops a payload of `n` bytes, verifying it when keyed.
     pub fn discard_payload(&mut self, n: usize) -> Result<(), ConnError> {
-        if self.open.is_none() {
+        let Some(op) = &mut self.open else {
             let copied = io::copy(&mut (&mut self.inner).take(n as u64), &mut io::sink())?;
             return if copied as usize == n { Ok(()) } else { Err(io::Error::from(io::ErrorKind::UnexpectedEof).into()) };
-        }
-        if n > MAX_DATA {
-            return Err(ConnError::Frame(FrameError::Malformed));
-        }
-        let mut buf = vec![0u8; n];
-        self.read_payload(&mut buf)
+        };
+        op.stage.resize(n.min(RECORD), 0);
+        let mut stage = std::mem::take(&mut op.stage);
+        let r = op.each_record(&mut self.inner, n, &mut stage, |_, _| {});
+        op.stage = stage;
+        r
     }
 
     /// Ends a frame that has no payload: reads its tag and checks it. A no-op without a key.
     pub fn end_frame(&mut self) -> Result<(), ConnError> {
-        self.verify(&mut [])
+        match &mut self.open {
+            Some(op) => op.verify(&mut self.inner, &mut []),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Opener {
+    /// Reads the `n`-byte payload record by record into `stage`, verifies each and hands
+    /// its plaintext, with its offset in the payload, to `land`.
+    fn each_record(&mut self, r: &mut impl Read, n: usize, stage: &mut [u8],
+                   mut land: impl FnMut(usize, &[u8])) -> Result<(), ConnError> {
+        let mut at = 0;
+        loop {
+            let k = (n - at).min(RECORD);
+            let record = &mut stage[..k];
+            r.read_exact(record)?;
+            self.verify(r, record)?;
+            land(at, record);
+            at += k;
+            if at == n {
+                return Ok(());
+            }
+        }
     }
 
-    fn verify(&mut self, payload: &mut [u8]) -> Result<(), ConnError> {
-        let Some((dir, head)) = &mut self.open else { return Ok(()) };
+    /// Reads the tag that follows `record` and decrypts the record in place.
+    fn verify(&mut self, r: &mut impl Read, record: &mut [u8]) -> Result<(), ConnError> {
         let mut tag = [0u8; TAG_LEN];
-        self.inner.read_exact(&mut tag)?;
-        let nonce = dir.next_nonce();
-        let ok = dir
+        r.read_exact(&mut tag)?;
+        let nonce = self.dir.next_nonce();
+        let ok = self
+            .dir
             .key
-            .open_in_place_separate_tag(nonce, Aad::from(&head[..]), Tag::from(tag), payload, 0..)
+            .open_in_place_separate_tag(nonce, Aad::from(&self.head[..]), Tag::from(tag), record, 0..)
             .is_ok();
-        head.clear();
+        self.head.clear();
         if ok {
             Ok(())
         } else {
@@ -193,12 +309,12 @@ impl<R: Read> FrameReader<R> {
 impl<R: Read> Read for FrameReader<R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let n = self.inner.read(buf)?;
-        if let Some((_, head)) = &mut self.open {
-            if head.len() + n > 4096 {
+        if let Some(op) = &mut self.open {
+            if op.head.len() + n > 4096 {
                 // A head is a header and a small body (MAX_CONTROL); more is not a frame.
                 return Err(io::Error::new(io::ErrorKind::InvalidData, "frame head too long"));
             }
-            head.extend_from_slice(&buf[..n]);
+            op.head.extend_from_slice(&buf[..n]);
         }
         Ok(n)
     }
@@ -256,6 +372,99 @@ mod tests {
         let mut r = FrameReader::new(&bad[..], Some(k));
         r.read_exact(&mut b).unwrap();
         assert!(r.discard_payload(7).is_err());
+    }
+
+    /// A payload of several records (the last one short), the way a 1 MiB slice goes.
+    fn big_frame(k: [u8; 32]) -> (Vec<u8>, Vec<u8>) {
+        let payload: Vec<u8> = (0..2 * RECORD + 100).map(|i| (i * 7 % 251) as u8).collect();
+        let mut w = FrameWriter::new(Vec::new(), Some(k));
+        w.send(b"head-1", &payload).unwrap();
+        w.send(b"head-2", b"").unwrap();
+        (w.inner, payload)
+    }
+
+    #[test]
+    fn payloads_go_in_records_each_verified_before_it_lands() {
+        let k = [3u8; 32];
+        let (wire, payload) = big_frame(k);
+        let rec = RECORD + TAG_LEN;
+        assert_eq!(wire.len(), 6 + payload.len() + 3 * TAG_LEN + 6 + TAG_LEN, "three records and an empty one");
+        let read = |wire: &[u8], staged: bool| -> (Result<(), ConnError>, Vec<u8>) {
+            let mut r = FrameReader::new(wire, Some(k));
+            let mut head = [0u8; 6];
+            r.read_exact(&mut head).unwrap();
+            let mut dst = vec![0u8; payload.len()];
+            let got = if staged { r.read_payload_verified(&mut dst) } else { r.read_payload(&mut dst) };
+            let got = got.and_then(|()| {
+                r.read_exact(&mut head).map_err(ConnError::from)?;
+                r.end_frame()
+            });
+            (got, dst)
+        };
+        for staged in [false, true] {
+            let (ok, dst) = read(&wire, staged);
+            assert!(ok.is_ok() && dst == payload, "an intact frame (staged: {staged})");
+        }
+        // A byte flipped in the second record: the first lands (verified), nothing of the
+        // second or third reaches memory that others read.
+        let mut bad = wire.clone();
+        bad[6 + rec + 10] ^= 1;
+        let (got, dst) = read(&bad, true);
+        assert!(matches!(got, Err(ConnError::Frame(FrameError::BadTag))));
+        assert_eq!(dst[..RECORD], payload[..RECORD]);
+        assert!(dst[RECORD..].iter().all(|&b| b == 0), "an unverified record landed");
+        // Into the reader's own buffer (records opened on the helper thread): refused too.
+        assert!(matches!(read(&bad, false).0, Err(ConnError::Frame(FrameError::BadTag))));
+        let mut bad_first = wire.clone();
+        bad_first[3] ^= 1; // the head, authenticated by the first record
+        assert!(read(&bad_first, false).0.is_err() && read(&bad_first, true).0.is_err());
+        // Records swapped within the frame, or one repeated in place of the next (a
+        // replay), fail their nonce.
+        let (r0, rest) = wire[6..].split_at(rec);
+        let (r1, rest) = rest.split_at(rec);
+        for body in [[r1, r0, rest].concat(), [r0, r0, rest].concat()] {
+            let spliced = [&wire[..6], &body[..]].concat();
+            for staged in [false, true] {
+                assert!(read(&spliced, staged).0.is_err(), "a moved record went unnoticed (staged: {staged})");
+            }
+        }
+        // A frame cut after its first record fails (the stream ends), as does a dropped one.
+        assert!(read(&wire[..6 + rec], true).0.is_err());
+        let dropped = [&wire[..6 + rec], &wire[6 + 2 * rec..]].concat();
+        assert!(read(&dropped, true).0.is_err());
+        // Discarding a payload verifies every record too.
+        let mut r = FrameReader::new(&bad[..], Some(k));
+        r.read_exact(&mut [0u8; 6]).unwrap();
+        assert!(r.discard_payload(payload.len()).is_err());
+        let mut r = FrameReader::new(&wire[..], Some(k));
+        r.read_exact(&mut [0u8; 6]).unwrap();
+        assert!(r.discard_payload(payload.len()).is_ok());
+    }
+
+    #[test]
+    fn a_payload_of_several_helper_jobs_is_verified_whole() {
+        let k = [5u8; 32];
+        let payload: Vec<u8> = (0..(GROUP + 2) * RECORD + 7).map(|i| (i % 253) as u8).collect();
+        let mut w = FrameWriter::new(Vec::new(), Some(k));
+        w.send(b"head", &payload).unwrap();
+        w.send(b"next", b"").unwrap();
+        let wire = w.inner;
+        let read = |wire: &[u8]| -> Result<Vec<u8>, ConnError> {
+            let mut r = FrameReader::new(wire, Some(k));
+            r.read_exact(&mut [0u8; 4]).map_err(ConnError::from)?;
+            let mut dst = vec![0u8; payload.len()];
+            r.read_payload(&mut dst)?;
+            r.read_exact(&mut [0u8; 4]).map_err(ConnError::from)?;
+            r.end_frame()?;
+            Ok(dst)
+        };
+        assert_eq!(read(&wire).unwrap(), payload);
+        // A byte of a record in the second job, and the last record's tag.
+        for at in [4 + (GROUP + 1) * (RECORD + TAG_LEN) + 3, 4 + payload.len() + (GROUP + 3) * TAG_LEN - 1] {
+            let mut bad = wire.clone();
+            bad[at] ^= 1;
+            assert!(matches!(read(&bad), Err(ConnError::Frame(FrameError::BadTag))), "byte {at}");
+        }
     }
 
     #[test]

@@ -273,7 +273,6 @@ fn serve_frames(stream: TcpStream, peer: &str, keys: super::seal::FrameKeys, ctx
     let Ok(read_half) = stream.try_clone() else { return };
     let mut r = FrameReader::new(BufReader::with_capacity(8 << 10, read_half), keys.recv);
     let mut w = FrameWriter::new(stream, keys.send);
-    let mut stage = Vec::new();
     loop {
         if closed.load(Ordering::SeqCst) {
             return;
@@ -282,7 +281,7 @@ fn serve_frames(stream: TcpStream, peer: &str, keys: super::seal::FrameKeys, ctx
         let result = read_header(&mut r).and_then(|h| match h {
             Some(h) => {
                 activity.busy();
-                handle(h, peer, &mut r, &mut w, &mut stage, ctx)
+                handle(h, peer, &mut r, &mut w, ctx)
             }
             // (no request within the read timeout: only set without a token)
             None => Err(ConnError::Io(io::ErrorKind::TimedOut.into())),
@@ -315,7 +314,7 @@ type Reader = FrameReader<BufReader<TcpStream>>;
 
 /// Serves one frame. Nothing is acted on before the frame's tag verified (with a
 /// token), so a forged request reads, writes and answers nothing.
-fn handle(h: Header, peer: &str, r: &mut Reader, w: &mut FrameWriter<TcpStream>, stage: &mut Vec<u8>, ctx: &ServeCtx) -> Result<(), ConnError> {
+fn handle(h: Header, peer: &str, r: &mut Reader, w: &mut FrameWriter<TcpStream>, ctx: &ServeCtx) -> Result<(), ConnError> {
     match read_msg_body(r, h)? {
         Msg::ReadReq { id, region, offset, len } => {
             r.end_frame()?;
@@ -346,17 +345,9 @@ fn handle(h: Header, peer: &str, r: &mut Reader, w: &mut FrameWriter<TcpStream>,
                     // SAFETY: resolve() checked the range and that the region is writable;
                     // `reg` keeps it mapped while we receive into it.
                     let dst = unsafe { std::slice::from_raw_parts_mut(reg.at(offset), data_len) };
-                    if r.keyed() {
-                        // Stage, verify, then land: an unverified byte never reaches `dst`.
-                        stage.resize(data_len, 0);
-                        r.read_payload(stage)?;
-                        dst.copy_from_slice(stage);
-                        if stage.capacity() > 4 * (1 << 20) {
-                            *stage = Vec::new(); // bound what an idle connection holds
-                        }
-                    } else {
-                        r.read_exact(dst)?;
-                    }
+                    // With a token each record is staged and verified before it lands:
+                    // an unverified byte never reaches `dst`.
+                    r.read_payload_verified(dst)?;
                     ctx.counters.bytes_served.fetch_add(data_len as u64, Ordering::Relaxed);
                     Ok(())
                 }
