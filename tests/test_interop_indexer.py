@@ -246,6 +246,13 @@ def test_events_from_a_zmq_publisher_reach_the_query():
                                                   replay_endpoint=pub.replay_endpoint))
             assert r.status_code == 200
             pub.wait_subscriber()
+            # The subscriber catches up at join (a replay from the start) on its thread; wait
+            # for that request, so what follows is live and seq 1 is a gap, not history (under
+            # load the join could otherwise come after the three publishes below).
+            deadline = time.monotonic() + 10
+            while not pub.replay_requests:
+                assert time.monotonic() < deadline, "the subscriber never caught up at join"
+                time.sleep(0.01)
             doc = list(range(100, 100 + 3 * BS))
             pub.publish(0, encode_batch([BlockStored([10, 11], None, doc[:2 * BS], BS, None, "GPU")]))
             pub.publish(1, encode_batch([BlockStored([12], 11, doc[2 * BS:], BS, None, "CPU")], form="map"),
