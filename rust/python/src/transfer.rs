@@ -17,7 +17,7 @@ use pyo3::types::{PyList, PyTuple};
 
 use crate::convert::BufferView;
 use crate::errors::{invalid, new_err, to_pyerr, OrRaise};
-use crate::gil::detached;
+use crate::gil::{detached, detached_infallible};
 
 pub(crate) fn dur(py: Python<'_>, what: &str, secs: f64) -> PyResult<Duration> {
     // NaN, zero and negative are refused; anything too large to represent (1e300, inf)
@@ -287,7 +287,7 @@ impl PyBatch {
     fn wait<'py>(&self, py: Python<'py>, timeout_s: Option<f64>) -> PyResult<Bound<'py, PyList>> {
         let t = timeout_s.map(|s| if s <= 0.0 { Ok(Duration::ZERO) } else { dur(py, "timeout_s", s) }).transpose()?;
         let b = &self.batch;
-        let v = if b.is_done() { b.status() } else { py.detach(|| b.wait(t)) };
+        let v = if b.is_done() { b.status() } else { detached_infallible(py, || b.wait(t)) };
         statuses(py, v)
     }
     /// Current statuses, without waiting.
@@ -710,7 +710,7 @@ impl PyTransferEngine {
     /// Stops serving and closes peers; pending requests fail. Idempotent.
     fn close(&self, py: Python<'_>) {
         let e = &self.engine;
-        py.detach(|| e.close())
+        detached_infallible(py, || e.close())
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

@@ -8,6 +8,7 @@ use mooncake_core::transfer::{Completion, CompletionQueue};
 use pyo3::prelude::*;
 
 use crate::errors::to_pyerr;
+use crate::gil::detached_infallible;
 use crate::transfer::{dur, PyBatch};
 
 /// One ended batch, as a `CompletionQueue` reports it.
@@ -121,7 +122,7 @@ impl PyCompletionQueue {
             None => Duration::MAX,
         };
         let q = &self.q;
-        let out = py.detach(|| q.wait(t));
+        let out = detached_infallible(py, || q.wait(t));
         Ok(out.into_iter().map(|c| PyBatchCompletion { c }).collect())
     }
     /// Batches submitted to this queue and not handed back yet.

@@ -10,7 +10,7 @@ use hashbrown::HashMap;
 
 use super::batch::{Batch, Report};
 use super::completion::CompletionQueue;
-use super::engine::{EngineInner, PeerKind};
+use super::inner::{EngineInner, PeerKind};
 use super::local::{CopyJob, Span, INLINE_COPY_BYTES};
 use super::region::{Region, RegionId, RegionTable};
 use super::shm::{self, Lookup, ShmPeer};

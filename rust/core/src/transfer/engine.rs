@@ -1,8 +1,10 @@
-//! The engine: configuration, region registry, peers, submit, close.
+//! The public facade of an engine: start, regions and grants, connect, submit, stats,
+//! close. The state it shares lives in [`super::inner`]; batches go out through
+//! [`super::dispatch`].
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -10,6 +12,7 @@ use parking_lot::Mutex;
 use super::auth::{self, AuthKey};
 use super::batch::Batch;
 use super::completion::CompletionQueue;
+use super::inner::PeerKind;
 use super::local::CopyPool;
 use super::region::{Access, Grant, Region, RegionId, RegionTable};
 use super::registry::EngineRegistry;
@@ -18,114 +21,16 @@ use super::tcp::client::{ClientConfig, TcpPeer};
 use super::tcp::server::{ServeCtx, Server};
 use super::{Request, TransferError};
 pub use super::config::{Counters, EngineConfig, EngineStats, Transports};
+// `EngineInner` and `Peer` keep their public paths under `engine`.
+pub use super::inner::{EngineInner, Peer};
 use crate::mem::MappedMemory;
-
-/// A peer as seen by the initiator.
-pub struct Peer {
-    pub name: String,
-    pub(crate) kind: PeerKind,
-}
-
-pub(crate) enum PeerKind {
-    /// This engine or another engine of this process: memcpy.
-    Local(Weak<EngineInner>),
-    Remote { tcp: Arc<TcpPeer>, shm: Option<ShmPeer> },
-}
-
-impl std::fmt::Debug for Peer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Peer").field("name", &self.name).field("transport", &self.transport()).finish()
-    }
-}
-
-impl Peer {
-    /// "local", "shm" (same host; shm used where the region allows) or "tcp".
-    pub fn transport(&self) -> &'static str {
-        match &self.kind {
-            PeerKind::Local(_) => "local",
-            PeerKind::Remote { shm: Some(_), .. } => "shm",
-            PeerKind::Remote { shm: None, .. } => "tcp",
-        }
-    }
-
-    /// TCP connections up (0 for a local peer).
-    pub fn connections(&self) -> usize {
-        match &self.kind {
-            PeerKind::Local(_) => 0,
-            PeerKind::Remote { tcp, .. } => tcp.alive(),
-        }
-    }
-
-    pub(crate) fn close(&self) {
-        if let PeerKind::Remote { tcp, shm } = &self.kind {
-            tcp.close();
-            if let Some(s) = shm {
-                s.clear();
-            }
-        }
-    }
-}
-
-pub struct EngineInner {
-    pub(crate) name: String,
-    pub(crate) cfg: EngineConfig,
-    pub(crate) regions: Arc<RegionTable>,
-    pub(crate) counters: Arc<Counters>,
-    pub(crate) pool: CopyPool,
-    server: Mutex<Option<Server>>,
-    addresses: Vec<SocketAddr>,
-    peers: Mutex<Vec<Arc<Peer>>>,
-    key: Option<AuthKey>,
-    host: [u8; 16],
-    closed: AtomicBool,
-    registry: Option<Arc<EngineRegistry>>,
-    me: Weak<EngineInner>,
-}
-
-impl EngineInner {
-    pub(crate) fn is_closed(&self) -> bool {
-        self.closed.load(Ordering::SeqCst)
-    }
-
-    pub(crate) fn address(&self) -> String {
-        self.addresses.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(",")
-    }
-
-    /// `connect` to a peer we already reach at the same endpoints returns that peer, so
-    /// calling it again (the documented recovery, or just a habit) never piles up
-    /// connections on the peer. A peer of that name with no connection left is closed
-    /// and forgotten, so the caller gets fresh connections.
-    fn reuse_peer(&self, name: &str, endpoints: &[SocketAddr]) -> Option<Arc<Peer>> {
-        let mut dead = Vec::new();
-        let found = {
-            let mut peers = self.peers.lock();
-            let mut found = None;
-            peers.retain(|p| {
-                let PeerKind::Remote { tcp, .. } = &p.kind else { return true };
-                if p.name != name {
-                    return true;
-                }
-                if tcp.alive() == 0 {
-                    dead.push(p.clone());
-                    return false;
-                }
-                if found.is_none() && tcp.endpoints() == endpoints {
-                    found = Some(p.clone());
-                }
-                true
-            });
-            found
-        };
-        for p in dead {
-            p.close();
-        }
-        found
-    }
-}
 
 /// A transfer engine. Dropping it closes it.
 pub struct Engine {
     inner: Arc<EngineInner>,
+    /// The registry this engine joined (it leaves on close); held here, not in the
+    /// shared state, because the registry itself holds that state.
+    registry: Option<Arc<EngineRegistry>>,
 }
 
 fn parse_endpoints(address: &str) -> Result<Vec<SocketAddr>, TransferError> {
@@ -189,16 +94,15 @@ impl Engine {
             key,
             host,
             closed: AtomicBool::new(false),
-            registry: registry.clone(),
             me: me.clone(),
         });
         if let Some(r) = &registry {
             if let Err(e) = r.insert(&inner.name, Arc::downgrade(&inner)) {
-                Engine { inner }.close();
+                Engine { inner, registry: registry.clone() }.close();
                 return Err(e);
             }
         }
-        Ok(Engine { inner })
+        Ok(Engine { inner, registry })
     }
 
     pub fn name(&self) -> &str {
@@ -344,8 +248,7 @@ impl Engine {
         let local_target = if peer_name == inner.name {
             Some(inner.me.clone())
         } else {
-            inner
-                .registry
+            self.registry
                 .as_ref()
                 .and_then(|r| r.get(peer_name))
                 .filter(|e| address.is_none_or(|a| a.is_empty() || a == e.address()))
@@ -361,7 +264,7 @@ impl Engine {
                 }
                 let address = match address {
                     Some(a) if !a.is_empty() => a.to_string(),
-                    _ => inner.registry.as_ref().and_then(|r| r.address_of(peer_name)).ok_or_else(|| {
+                    _ => self.registry.as_ref().and_then(|r| r.address_of(peer_name)).ok_or_else(|| {
                         TransferError::InvalidRequest(format!("no address known for peer {peer_name:?}; pass one"))
                     })?,
                 };
@@ -461,7 +364,7 @@ impl Engine {
         }
         inner.pool.shutdown();
         inner.regions.clear();
-        if let Some(r) = &inner.registry {
+        if let Some(r) = &self.registry {
             r.remove(&inner.name, &inner.me);
         }
     }

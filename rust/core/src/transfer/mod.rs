@@ -18,6 +18,7 @@ pub mod completion;
 pub mod config;
 mod dispatch;
 pub mod engine;
+mod inner;
 pub mod local;
 pub mod protocol;
 pub mod region;

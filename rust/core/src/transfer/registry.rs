@@ -6,7 +6,7 @@ use std::sync::{Arc, OnceLock, Weak};
 use hashbrown::HashMap;
 use parking_lot::Mutex;
 
-use super::engine::EngineInner;
+use super::inner::EngineInner;
 use super::TransferError;
 
 #[derive(Default)]

@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use hashbrown::HashMap;
 
-use super::super::engine::Counters;
+use super::super::config::Counters;
 
 /// Most connections served at once (each costs a thread).
 pub const MAX_CONNECTIONS: usize = 256;

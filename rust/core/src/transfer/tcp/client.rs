@@ -18,7 +18,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::super::auth::AuthKey;
 use super::super::batch::Batch;
-use super::super::engine::Counters;
+use super::super::config::Counters;
 use super::super::local::Span;
 use super::super::protocol::{encode, Msg};
 use super::super::{AccessError, Op, TransferError};

@@ -35,7 +35,7 @@ use hashbrown::HashMap;
 use parking_lot::Mutex;
 
 use super::super::auth::AuthKey;
-use super::super::engine::Counters;
+use super::super::config::Counters;
 use super::super::protocol::{encode, Header, Msg, MAX_DATA};
 use super::super::region::RegionTable;
 use super::super::{AccessError, TransferError};
