@@ -147,7 +147,7 @@ def isolated_new(requests: int, max_tokens: int, encode: bool):  # noqa: ANN201 
     from mooncake_rs.base.outputs import RequestOutput
     from mooncake_rs.base.params import SamplingParams
     from mooncake_rs.serving import protocol as P
-    from mooncake_rs.serving.handle import RequestHandle
+    from mooncake_rs.client.handle import RequestHandle
     from mooncake_rs.serving.lifecycle import Plan
     from mooncake_rs.serving.metrics import ClusterMetrics
     from mooncake_rs.serving.router import New, RequestRecord, Router

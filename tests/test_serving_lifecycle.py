@@ -498,7 +498,7 @@ def _router():
 def _record(rid, fetch=False):
     import time as _t
 
-    from mooncake_rs.serving.handle import RequestHandle
+    from mooncake_rs.client.handle import RequestHandle
     from mooncake_rs.serving.router import RequestRecord
 
     pl = plan(fetch)
@@ -816,7 +816,7 @@ def test_router_keeps_a_real_conductors_loads_right():
 def test_handle_result_waits_for_every_waiter_and_times_out():
     import threading
 
-    from mooncake_rs.serving.handle import RequestHandle
+    from mooncake_rs.client.handle import RequestHandle
 
     h = RequestHandle(1, [1, 2])
     cancelled = []

@@ -26,8 +26,8 @@ from typing import Any
 from .. import errors as _errors
 from ..errors import InvalidArgument, MooncakeError, ServiceUnavailable, Unauthorized
 from ..serving.control import Lost, SocketChannel
-from ..serving.generate import GenerateMixin
-from ..serving.handle import RequestHandle, request_entry
+from ..client.generate import GenerateMixin
+from ..client.handle import RequestHandle, request_entry
 from . import auth_socket
 from .client_protocol import (FROM_SERVICE, Admitted, Answer, CancelSubmitted, ClientMessage, Error, Finished, Query,
                               Submit, Tokens)

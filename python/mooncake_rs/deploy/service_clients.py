@@ -17,7 +17,7 @@ from typing import Any
 
 from .. import errors as _errors
 from ..serving.control import Lost, SocketChannel
-from ..serving.handle import RequestHandle
+from ..client.handle import RequestHandle
 from ..serving.protocol import Codec
 from .auth_socket import AuthListener
 from .client_protocol import (CLIENT_PROTOCOL_VERSION, TO_SERVICE, Admitted, Answer, CancelSubmitted, ClientMessage,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .cluster import Cluster
 from .config import ServingConfig
-from .handle import RequestHandle
+from ..client.handle import RequestHandle
 from ..base.metrics import RequestMetrics
 from .metrics import ClusterMetrics
 

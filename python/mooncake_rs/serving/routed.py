@@ -25,8 +25,8 @@ from .._core import (Conductor, ConductorConfig, DecodeCostModel, PrefillCostMod
 from ..errors import InvalidArgument, MooncakeError, Overloaded, ServiceUnavailable
 from .config import ServingConfig
 from .control import Lost
-from .generate import GenerateMixin
-from .handle import RequestHandle, request_entry
+from ..client.generate import GenerateMixin
+from ..client.handle import RequestHandle, request_entry
 from .lifecycle import CancelRequest, Plan
 from .limits import Limits
 from .liveness import watch

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from ..errors import MooncakeError
 from .control import CLUSTER, Counts, Lost
-from .handle import RequestHandle
+from ..client.handle import RequestHandle
 from .lifecycle import (CancelRequest, Command, Conduct, Deliver, Fail, Finish, InstanceDown, Plan,
                         RequestLifecycle, Send, Tick)
 from ..base.metrics import RequestMetrics
