@@ -131,6 +131,20 @@ def test_role_switches_in_worker_processes(ref) -> None:
         _run_switches(c, ref, per_phase=5)
 
 
+def test_a_switched_decode_instance_gets_its_engines_capacities() -> None:
+    """A prefill instance switched to decode is registered with the batch and KV tokens its
+    engine reported, as the instance started as decode is (not the conductor's default batch
+    of 256, which would let admission overfill it)."""
+    from mooncake_rs import Cluster
+
+    with Cluster(ModelConfig.tiny(), prefill=2, decode=1, block_size=BLOCK, dram_bytes_per_instance=8 << 20,
+                 seed=3, engine_kwargs={"max_num_seqs": 7}) as c:
+        c.switch_role(1, "decode")
+        dec = {d.id: d for d in c.conductor.snapshot().decode}
+        assert dec[1].max_batch == dec[2].max_batch == 7
+        assert dec[1].kv_capacity_tokens == dec[2].kv_capacity_tokens
+
+
 def test_switch_role_refusals(ref) -> None:
     from mooncake_rs import Cluster
 

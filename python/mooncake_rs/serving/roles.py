@@ -119,7 +119,19 @@ def switch_role(cond: Any, members: Members, ask: Ask, inst: int, role: str, *,
     # the index first: a decode instance's store is not reported, its entries would go stale
     if role == "decode":
         cond.index.remove_instance(inst)
-    cond.switch_role(inst, role)
+    if role == "decode":
+        # the capacities the instance reported at Ready (its engine's batch and KV tokens),
+        # as a decode instance started in that role is registered; the Rust defaults
+        # (a batch of 256) would let admission overfill it
+        info = m.info
+        cap = {}
+        if info is not None and info.max_num_seqs > 0:
+            cap["max_batch"] = info.max_num_seqs
+        if info is not None and info.kv_tokens > 0:
+            cap["kv_capacity_tokens"] = info.kv_tokens
+        cond.switch_role(inst, role, **cap)
+    else:
+        cond.switch_role(inst, role)
     # the pools of the members table (calibrate and a rebuilt conductor read them)
     members.switched(inst, role)
     t1 = time.monotonic()
