@@ -9,7 +9,7 @@ import os
 import sys
 
 from ..errors import InvalidArgument
-from .listen import run_app
+from .listen import run_app, upstream_basics
 
 __all__ = ["serve_pd"]
 
@@ -25,18 +25,11 @@ def serve_pd(args: argparse.Namespace) -> int:
     if not args.tokenizer or not os.path.isdir(args.tokenizer):
         raise InvalidArgument("--upstream with roles needs --tokenizer DIR (the upstreams' tokenizer.json and "
                               "tokenizer_config.json): prompts are tokenized to hash their blocks")
-    try:
-        import uvicorn  # noqa: F401 - checked here: a missing extra fails in one line
-
-        from ..text import Tokenizer
-        from .pd_app import create_pd_app
-    except ImportError as e:
-        print(f"mooncake-rs serve --upstream needs the upstream extra (pip install \"mooncake-rs[upstream]\"): {e}",
-              file=sys.stderr)
+    basics = upstream_basics(args)
+    if basics is None:
         return 2
-    tok = Tokenizer.from_dir(args.tokenizer)
-    api_key = args.api_key or os.environ.get("MOONCAKE_API_KEY") or None
-    policy = "local_cache_aware" if args.policy == "mooncake" else args.policy
+    tok, api_key, policy = basics
+    from .pd_app import create_pd_app
     with PDRouter(args.upstream, block_size=args.block_size, seed=args.seed, policy=policy,
                   rejection=args.rejection, ttft_slo_s=args.ttft_slo) as router:
         print(f"mooncake-rs: P/D over prefill {router.prefill.names} and decode {router.decode_names} on "

@@ -7,7 +7,7 @@ import os
 import sys
 
 from ..errors import InvalidArgument
-from .listen import run_app
+from .listen import run_app, upstream_basics
 
 __all__ = ["serve_upstreams"]
 
@@ -29,19 +29,11 @@ def serve_upstreams(args: argparse.Namespace) -> int:
     missing = [s.name for s in specs if not s.events]
     if missing:
         print(f"mooncake-rs: upstreams {missing} have no events=: routed by load only", file=sys.stderr)
-    try:
-        import uvicorn  # noqa: F401 - checked here: a missing extra fails in one line
-
-        from ..text import Tokenizer
-        from .proxy import create_proxy_app
-    except ImportError as e:
-        print(f"mooncake-rs serve --upstream needs the upstream extra (pip install \"mooncake-rs[upstream]\"): {e}",
-              file=sys.stderr)
+    basics = upstream_basics(args)
+    if basics is None:
         return 2
-
-    tok = Tokenizer.from_dir(args.tokenizer)
-    api_key = args.api_key or os.environ.get("MOONCAKE_API_KEY") or None
-    policy = "local_cache_aware" if args.policy == "mooncake" else args.policy  # no fetches between engines
+    tok, api_key, policy = basics
+    from .proxy import create_proxy_app
     with UpstreamRouter(specs, block_size=args.block_size, seed=args.seed, policy=policy,
                         rejection=args.rejection, ttft_slo_s=args.ttft_slo) as router:
         print(f"mooncake-rs: routing over {len(specs)} upstreams ({', '.join(router.names)}) on "
