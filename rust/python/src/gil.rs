@@ -18,6 +18,9 @@ pub const DETACH_STORE_BYTES: usize = 1 << 16;
 /// Bytes of one KV-event payload at or above which it is applied released (other
 /// subscriber threads ingest meanwhile).
 pub const DETACH_EVENT_BYTES: usize = 32 << 10;
+/// Transfer requests in one submitted batch above which the submit runs released
+/// (checking a large batch's regions takes longer than the release).
+pub const DETACH_TRANSFER_REQUESTS: usize = 64;
 
 /// Runs `f` with the GIL released and maps its error.
 pub fn detached<T, E, F>(py: Python<'_>, f: F) -> PyResult<T>

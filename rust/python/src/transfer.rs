@@ -17,7 +17,7 @@ use pyo3::types::{PyList, PyTuple};
 
 use crate::convert::BufferView;
 use crate::errors::{invalid, new_err, to_pyerr, OrRaise};
-use crate::gil::{detached, detached_infallible};
+use crate::gil::{detached, detached_if, detached_infallible, DETACH_TRANSFER_REQUESTS};
 
 pub(crate) fn dur(py: Python<'_>, what: &str, secs: f64) -> PyResult<Duration> {
     // NaN, zero and negative are refused; anything too large to represent (1e300, inf)
@@ -393,6 +393,29 @@ pub struct PyTransferEngine {
     engine: Engine,
 }
 
+impl PyTransferEngine {
+    /// The one submit behind `submit` and `submit_spans`: to `queue` (with `tag`) when
+    /// given, with the GIL released for a batch large enough for that to pay.
+    fn submit_requests(
+        &self,
+        py: Python<'_>,
+        reqs: Vec<Request>,
+        timeout: Duration,
+        queue: Option<PyRef<'_, crate::transfer_completion::PyCompletionQueue>>,
+        tag: u64,
+    ) -> PyResult<PyBatch> {
+        let costly = reqs.len() > DETACH_TRANSFER_REQUESTS;
+        let e = &self.engine;
+        let q = queue.map(|q| q.queue());
+        let go = move || match &q {
+            Some(q) => e.submit_to(reqs, timeout, q, tag),
+            None => e.submit(reqs, timeout),
+        };
+        let batch = detached_if(py, costly, go).map_err(|x| to_pyerr(py, &x))?;
+        Ok(PyBatch { batch })
+    }
+}
+
 #[pymethods]
 impl PyTransferEngine {
     #[new]
@@ -642,15 +665,7 @@ impl PyTransferEngine {
                 push(&item?)?;
             }
         }
-        let n = reqs.len();
-        let e = &self.engine;
-        let q = queue.map(|q| q.queue());
-        let go = move || match &q {
-            Some(q) => e.submit_to(reqs, timeout, q, tag),
-            None => e.submit(reqs, timeout),
-        };
-        let batch = if n <= 64 { go().map_err(|x| to_pyerr(py, &x))? } else { detached(py, go)? };
-        Ok(PyBatch { batch })
+        self.submit_requests(py, reqs, timeout, queue, tag)
     }
 
     /// One batch of equal-length requests between one local region and one remote region,
@@ -696,15 +711,7 @@ impl PyTransferEngine {
                 length,
             })
             .collect();
-        let n = reqs.len();
-        let e = &self.engine;
-        let q = queue.map(|q| q.queue());
-        let go = move || match &q {
-            Some(q) => e.submit_to(reqs, timeout, q, tag),
-            None => e.submit(reqs, timeout),
-        };
-        let batch = if n <= 64 { go().map_err(|x| to_pyerr(py, &x))? } else { detached(py, go)? };
-        Ok(PyBatch { batch })
+        self.submit_requests(py, reqs, timeout, queue, tag)
     }
 
     /// Stops serving and closes peers; pending requests fail. Idempotent.
