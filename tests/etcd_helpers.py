@@ -86,3 +86,9 @@ def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def etcd_url(etcd: EtcdServer) -> str:
+    """The client URL of a fresh etcd (the ``etcd`` fixture), for tests that only point at it."""
+    return etcd.url

@@ -5,7 +5,6 @@ byte for byte; a damaged slot file makes its object missing, never wrong bytes."
 from __future__ import annotations
 
 import gc
-import os
 import signal
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from etcd_helpers import EtcdServer, etcd_binary
+from etcd_helpers import etcd, etcd_url  # noqa: F401,F811 (the fixtures)
 from pool_helpers import TOKEN, env, start_node
 
 from mooncake_rs.errors import BlockNotFound
@@ -114,19 +113,6 @@ def test_embedded_segment_survives_sigkill_and_drops_a_damaged_object(tmp_path):
         assert s.metrics().objects_recovery_dropped == 1
 
 
-@pytest.fixture
-def etcd(tmp_path):
-    binary = etcd_binary()
-    if binary is None:
-        if os.environ.get("MOONCAKE_REQUIRE_ETCD") == "1":
-            pytest.fail("etcd is required here (MOONCAKE_REQUIRE_ETCD=1) but not installed")
-        pytest.skip("etcd not installed")
-    server = EtcdServer(binary, tmp_path / "etcd")
-    server.start()
-    yield server.url
-    server.stop()
-
-
 def _node(etcd_url: str, ssd: Path) -> subprocess.Popen:
     p, _ = start_node(subprocess.Popen, etcd_url, "127.0.0.1", 0, "durable", "restart", dram="16MB",
                       extra=("--ssd-path", str(ssd), "--ssd-bytes", "64MB", "--chunk-bytes", str(CHUNK)))
@@ -152,28 +138,28 @@ def _get_all(etcd_url: str, keys: list[str]) -> dict[str, bytes | int]:
             time.sleep(0.5)
 
 
-def test_store_node_restarted_with_its_ssd_path_serves_its_keys_again(etcd, tmp_path):
+def test_store_node_restarted_with_its_ssd_path_serves_its_keys_again(etcd_url, tmp_path):
     ssd = tmp_path / "ssd"
     want = expected()
-    p = _node(etcd, ssd)
+    p = _node(etcd_url, ssd)
     try:
-        with DistributedStore.connect(etcd, auth_token=TOKEN, prefix="/mooncake/restart") as s:
+        with DistributedStore.connect(etcd_url, auth_token=TOKEN, prefix="/mooncake/restart") as s:
             for k, v in want.items():
                 s.put(k, v)
             assert s.metrics().keys == len(want)
     finally:
         p.send_signal(signal.SIGKILL)
         p.wait(10)
-    p = _node(etcd, ssd)
+    p = _node(etcd_url, ssd)
     try:
-        assert _get_all(etcd, list(want)) == want
+        assert _get_all(etcd_url, list(want)) == want
     finally:
         p.terminate()
         p.wait(10)
     damage_one_slot(ssd / "large" / "blocks.slots", CHUNK)
-    p = _node(etcd, ssd)
+    p = _node(etcd_url, ssd)
     try:
-        got = _get_all(etcd, list(want))
+        got = _get_all(etcd_url, list(want))
         lost = [k for k, v in got.items() if v == KeyStatus.MISSING]
         assert len(lost) == 1, lost
         assert {k: v for k, v in got.items() if k not in lost} == {k: v for k, v in want.items() if k not in lost}

@@ -3,7 +3,6 @@ the cluster token, a dead client's reservations and leases, node records in etcd
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from etcd_helpers import EtcdServer, etcd_binary
+from etcd_helpers import etcd, etcd_url  # noqa: F401,F811 (the fixtures)
 from pool_helpers import TOKEN, env, start_node, value_of
 
 from mooncake_rs.errors import InvalidArgument, ServiceUnavailable, TransferFailed
@@ -24,21 +23,8 @@ pytestmark = [pytest.mark.timeout(120)]
 
 
 @pytest.fixture
-def etcd(tmp_path):
-    binary = etcd_binary()
-    if binary is None:
-        if os.environ.get("MOONCAKE_REQUIRE_ETCD") == "1":
-            pytest.fail("etcd is required here (MOONCAKE_REQUIRE_ETCD=1) but not installed")
-        pytest.skip("etcd not installed")
-    server = EtcdServer(binary, tmp_path / "etcd")
-    server.start()
-    yield server.url
-    server.stop()
-
-
-@pytest.fixture
-def node(etcd):
-    with StoreNode(name="a", listen="127.0.0.1:0", dram_bytes=32 << 20, auth_token=TOKEN, etcd=etcd,
+def node(etcd_url):
+    with StoreNode(name="a", listen="127.0.0.1:0", dram_bytes=32 << 20, auth_token=TOKEN, etcd=etcd_url,
                    prefix="/mooncake/unit", chunk_bytes=64 << 10) as n:
         yield n
 
@@ -47,8 +33,8 @@ def connect(etcd_url: str, **kw) -> DistributedStore:
     return DistributedStore.connect(etcd_url, auth_token=TOKEN, prefix="/mooncake/unit", **kw)
 
 
-def test_metrics_endpoint_counts_keys_hits_and_misses(etcd, node):
-    with connect(etcd) as s:
+def test_metrics_endpoint_counts_keys_hits_and_misses(etcd_url, node):
+    with connect(etcd_url) as s:
         v = value_of("m", 200_000)
         s.put("m", v)
         assert s.get("m") == v.tobytes()
@@ -61,22 +47,22 @@ def test_metrics_endpoint_counts_keys_hits_and_misses(etcd, node):
     assert 'mooncake_pool_object_misses{node="a"} 1' in text
 
 
-def test_a_client_with_the_wrong_token_is_refused(etcd, node):
-    with DistributedStore.connect(etcd, auth_token="another-token-0123456789abcdef", prefix="/mooncake/unit") as s:
+def test_a_client_with_the_wrong_token_is_refused(etcd_url, node):
+    with DistributedStore.connect(etcd_url, auth_token="another-token-0123456789abcdef", prefix="/mooncake/unit") as s:
         with pytest.raises(TransferFailed):
             s.put("x", b"y" * 10)
         assert s.batch_exists(["x"]) == [False]
     assert node.listener.refused >= 1 and not node.segment.exists("x")
 
 
-def test_no_nodes_is_a_typed_error(etcd):
+def test_no_nodes_is_a_typed_error(etcd_url):
     with pytest.raises(ServiceUnavailable):
-        connect(etcd, timeout_s=0.5)
+        connect(etcd_url, timeout_s=0.5)
 
 
-def test_a_dead_clients_reservations_and_leases_are_released(etcd, node):
+def test_a_dead_clients_reservations_and_leases_are_released(etcd_url, node):
     seg = node.segment
-    with connect(etcd) as s:
+    with connect(etcd_url) as s:
         s.put("held", value_of("held", 300_000))
         link = s.backend._link("a")
         rep = link.call(Reserve, keys=["never-committed"], sizes=[500_000])
@@ -99,19 +85,19 @@ def test_a_dead_clients_reservations_and_leases_are_released(etcd, node):
     seg.check_integrity()
 
 
-def test_the_cli_refuses_bad_flags_and_serves(etcd, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "mooncake_rs", "store", "--etcd", etcd, "--listen", "127.0.0.1:0",
+def test_the_cli_refuses_bad_flags_and_serves(etcd_url, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "mooncake_rs", "store", "--etcd", etcd_url, "--listen", "127.0.0.1:0",
                         "--dram-bytes", "16MB", "--ssd-path", str(tmp_path)], capture_output=True, text=True,
                        env=env(), timeout=60)
     assert r.returncode != 0 and "--ssd-bytes" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "mooncake_rs", "store", "--etcd", etcd, "--listen", "127.0.0.1:0",
+    r = subprocess.run([sys.executable, "-m", "mooncake_rs", "store", "--etcd", etcd_url, "--listen", "127.0.0.1:0",
                         "--dram-bytes", "lots"], capture_output=True, text=True, env=env(), timeout=60)
     assert r.returncode != 0 and "byte count" in r.stderr
-    p, line = start_node(subprocess.Popen, etcd, "127.0.0.1", 0, "cli", "unit2", dram="16MB",
+    p, line = start_node(subprocess.Popen, etcd_url, "127.0.0.1", 0, "cli", "unit2", dram="16MB",
                          extra=("--ssd-path", str(tmp_path / "ssd"), "--ssd-bytes", "64MB"))
     try:
         assert "control=127.0.0.1:" in line and "metrics=" in line
-        with DistributedStore.connect(etcd, auth_token=TOKEN, prefix="/mooncake/unit2") as s:
+        with DistributedStore.connect(etcd_url, auth_token=TOKEN, prefix="/mooncake/unit2") as s:
             s.put("k", b"v" * 5000)
             m = s.metrics()
             assert m.keys == 1 and m.capacity_ssd > 0
@@ -128,11 +114,11 @@ def test_store_node_arguments_are_checked():
 
 
 @pytest.mark.parametrize("transports", [("tcp",), ("tcp", "shm")])
-def test_pieces_across_chunk_boundaries_match_a_reference(etcd, node, transports):
+def test_pieces_across_chunk_boundaries_match_a_reference(etcd_url, node, transports):
     """vLLM's shape: each key's value is several pieces (one per layer) whose boundaries
     fall anywhere relative to the node's 64 KiB chunks; read back into other pieces."""
     rng = np.random.default_rng(7)
-    with connect(etcd, transports=transports) as s:
+    with connect(etcd_url, transports=transports) as s:
         src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
         s.register_buffer(src.ctypes.data, src.nbytes)  # registered: written in place
         keys, ptrs, sizes, refs = [], [], [], []
