@@ -3,7 +3,8 @@
 namespace 2 (veth pairs on a bridge, tests/netns_helpers.py), both loading our connector
 with ``transports: ["tcp"]`` and the pool's address on the bridge. B answers a prompt that
 only A computed with the prefix loaded from the pool (vLLM's own ``cached_tokens``) and
-the same greedy tokens as B computing it alone. The test process talks to every host
+the same greedy tokens as B computing it alone; and P/D through ``serve --upstream``
+with A as the prefill and B as the decode. The test process talks to every host
 from the root namespace through the bridge, as a client on another machine would.
 
 Where ``test_vllm_connector_netns.py`` drives the connector's worker directly, this runs
@@ -110,3 +111,52 @@ def test_a_loads_a_prefix_b_computed_and_extends_it(pair):
     assert cached == 4 * BS
     alone, _ = _complete(a, longer, cache_salt=f"ref-{uuid.uuid4().hex}")
     assert tokens == alone
+
+
+def _external_hits(server) -> float:
+    """vLLM's count of prompt tokens its KV connector supplied (summed over labels)."""
+    import httpx
+
+    name = "vllm:external_prefix_cache_hits_total"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def test_pd_across_hosts_through_serve_upstream(pair, vllm_model_dir, tmp_path):
+    """P/D with the prefill on one host and the decode on another: ``serve --upstream`` (in
+    the test's namespace) sends the prefill request, then the decode request with the
+    returned ``kv_transfer_params``; the decode loads every full block over TCP."""
+    import httpx
+    from upstream_helpers import free_port, wait_for
+
+    a, b = pair
+    port = free_port()
+    log = tmp_path / "proxy.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "mooncake_rs", "serve", "--tokenizer", str(vllm_model_dir),
+                                 "--block-size", str(BS), "--port", str(port), "--upstream", f"prefill:a={a.url}",
+                                 "--upstream", f"decode:b={b.url}"],
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def up() -> bool:
+            assert proc.poll() is None, f"serve --upstream exited {proc.returncode}: {log.read_text()}"
+            try:
+                return httpx.get(url + "/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(up, timeout_s=60, what="serve --upstream with roles")
+        prompt = _prompt(35, 5 * BS + 7)
+        hits = _external_hits(b)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
+                "return_token_ids": True}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-mooncake-prefill"] == "a" and r.headers["x-mooncake-decode"] == "b"
+        assert _external_hits(b) - hits == 5 * BS  # the decode computed only the partial last block
+        alone, _ = _complete(b, prompt, cache_salt=f"ref-{uuid.uuid4().hex}")
+        assert list(r.json()["choices"][0]["token_ids"]) == alone
+    finally:
+        proc.terminate()
+        proc.wait(20)
