@@ -226,7 +226,7 @@ LAYERS: list[set[str]] = [
     {"base"},                                   # shared torch-free vocabulary
     {"(root)", "text", "workload"},             # the core's facade; tokenizers; workloads
     {"engine", "sim", "models", "demo",         # one instance's model; the simulator; model makers;
-     "kv_events"},                              # KV events in vLLM's wire format, in and out
+     "kv_events", "net"},                       # KV events in vLLM's wire format; framing, sockets, etcd
     {"client"},                                 # what a cluster and its clients share: the handle, generate
     {"serving"},                                # the cluster
     {"http"},                                   # the OpenAI front over a cluster

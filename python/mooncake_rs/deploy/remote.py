@@ -25,7 +25,7 @@ from typing import Any
 
 from .. import errors as _errors
 from ..errors import InvalidArgument, MooncakeError, ServiceUnavailable, Unauthorized
-from ..serving.control import Lost, SocketChannel
+from ..net.channel import FramedChannel, Lost
 from ..client.generate import GenerateMixin
 from ..client.handle import RequestHandle, request_entry
 from . import auth_socket
@@ -66,7 +66,7 @@ class _Connection:
         self.pending: dict[int, _Pending] = {}
         self.queries: dict[int, list[Any]] = {}  # qid -> [Event, answer]
         self.alive = True
-        self.link = SocketChannel(sock, 0, self, FROM_SERVICE, name=f"client->{address}", types=ClientMessage)
+        self.link = FramedChannel(sock, 0, self, FROM_SERVICE, ClientMessage, name=f"client->{address}")
 
     def add(self, cid: int, p: _Pending) -> None:
         with self._lock:

@@ -16,9 +16,9 @@ import threading
 from typing import Any
 
 from .. import errors as _errors
-from ..serving.control import Lost, SocketChannel
+from ..net.channel import FramedChannel, Lost
+from ..net.framing import Codec
 from ..client.handle import RequestHandle
-from ..serving.protocol import Codec
 from .auth_socket import AuthListener
 from .client_protocol import (CLIENT_PROTOCOL_VERSION, TO_SERVICE, Admitted, Answer, CancelSubmitted, ClientMessage,
                               Error, Finished, Query, Submit, Tokens)
@@ -63,14 +63,14 @@ class _Connection:
     def __init__(self, service: Any, sock: SealedSocket, peer: str, on_close: Any) -> None:
         self.service, self.peer = service, peer
         self._out: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._codec = Codec(types=ClientMessage)
+        self._codec = Codec(ClientMessage)
         self._sock = sock
         self._handles: dict[int, RequestHandle] = {}  # cid -> the service's handle
         self._lock = threading.Lock()
         self._on_close = on_close
         self._writer = threading.Thread(target=self._write, name=f"mooncake-client-out-{peer}", daemon=True)
         self._writer.start()
-        self._link = SocketChannel(sock, 0, self, TO_SERVICE, name=f"service<-client@{peer}", types=ClientMessage)
+        self._link = FramedChannel(sock, 0, self, TO_SERVICE, ClientMessage, name=f"service<-client@{peer}")
 
     # ---- out (any thread; the writer sends)
     def post(self, msg: Any) -> None:
