@@ -28,12 +28,11 @@ from ..errors import InvalidArgument, MooncakeError, ServiceUnavailable, Unautho
 from ..net.channel import FramedChannel, Lost
 from ..client.generate import GenerateMixin
 from ..client.handle import RequestHandle, request_entry
-from . import auth_socket
-from .client_protocol import (FROM_SERVICE, Admitted, Answer, CancelSubmitted, ClientMessage, Error, Finished, Query,
+from ..net import auth_socket
+from ..client.protocol import (FROM_SERVICE, Admitted, Answer, CancelSubmitted, ClientMessage, Error, Finished, Query,
                               Submit, Tokens)
-from .etcd import EtcdClient
-from .records import decode_leader, leader_key, records_key
-from .settings import cluster_prefix
+from ..net.etcd import EtcdClient
+from ..client.records import cluster_prefix, decode_leader, leader_key, records_key
 
 __all__ = ["RemoteCluster"]
 

@@ -38,10 +38,10 @@ from ..serving.limits import Limits
 from ..serving.members import Member, Members
 from ..serving.protocol import FROM_REMOTE, PROTOCOL_VERSION, Attach, InitFailed, InstanceSpec, Ready
 from ..serving.routed import RoutedCluster, default_prefill_model, new_conductor
-from . import auth_socket
-from .etcd import EtcdClient
+from ..net import auth_socket
+from ..net.etcd import EtcdClient
 from .membership import Membership
-from .records import WorkerRecord
+from ..client.records import WorkerRecord
 
 __all__ = ["ConductorService"]
 

@@ -19,10 +19,10 @@ from .. import errors as _errors
 from ..net.channel import FramedChannel, Lost
 from ..net.framing import Codec
 from ..client.handle import RequestHandle
-from .auth_socket import AuthListener
-from .client_protocol import (CLIENT_PROTOCOL_VERSION, TO_SERVICE, Admitted, Answer, CancelSubmitted, ClientMessage,
+from ..net.auth_socket import AuthListener
+from ..client.protocol import (CLIENT_PROTOCOL_VERSION, TO_SERVICE, Admitted, Answer, CancelSubmitted, ClientMessage,
                               Error, Finished, Query, Submit, Tokens)
-from .sealed import SealedSocket
+from ..net.sealed import SealedSocket
 
 __all__ = ["ClientEndpoint", "error_message"]
 

@@ -11,7 +11,7 @@ import threading
 from typing import Any
 
 from ... import errors
-from ...deploy.auth_socket import connect
+from ...net.auth_socket import connect
 from ...errors import ServiceUnavailable, Unauthorized
 from ...net.framing import Codec, ProtocolError
 from . import protocol as p

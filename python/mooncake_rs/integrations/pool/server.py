@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..._core import BlockHashes, Store, TransferEngine, crc32
-from ...deploy.auth_socket import AuthListener
+from ...net.auth_socket import AuthListener
 from ...errors import InvalidArgument, MooncakeError
 from ...net.framing import Codec, ProtocolError
 from . import protocol as p
