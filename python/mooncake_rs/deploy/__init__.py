@@ -20,8 +20,9 @@
 - ``service.py`` / ``service_clients.py`` / ``serve.py``: ``mooncake-rs serve --etcd``, the
   conductor over the workers in etcd, its client endpoint, and the leader election
   around it.
-- ``remote.py`` / ``client_protocol.py``: ``RemoteCluster`` (``Cluster.connect``), the
-  Python client of a running deployment, and what it says on the wire.
+- ``client/remote.py`` / ``client/protocol.py`` (below ``serving``; ``RemoteCluster``
+  re-exported here): ``Cluster.connect``'s Python client of a running deployment, and
+  what it says on the wire.
 
 See docs/deploy.md.
 """
@@ -31,7 +32,7 @@ from ..net.etcd import EtcdClient
 from .membership import Membership
 from ..client.records import ModelFingerprint, WorkerRecord
 from .registration import WorkerRegistration
-from .remote import RemoteCluster
+from ..client.remote import RemoteCluster
 
 __all__ = ["EtcdClient", "LeaderElection", "Membership", "ModelFingerprint", "RemoteCluster", "WorkerRecord",
            "WorkerRegistration"]

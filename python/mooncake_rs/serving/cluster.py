@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .._core import Conductor, PrefillCostModel, TransferRegistry
+from ..client.remote import RemoteCluster
 from ..errors import InvalidArgument, MooncakeError
 from .config import ServingConfig
 from .kv_events import endpoints_for
@@ -204,14 +205,13 @@ class Cluster(RoutedCluster):
 
     @staticmethod
     def connect(address: str | None = None, *, etcd: Any = None, auth_token: str, cluster: str = "default",
-                connect_timeout_s: float = 10.0) -> Any:
+                connect_timeout_s: float = 10.0) -> RemoteCluster:
         """A running deployment across hosts (``mooncake-rs serve --etcd``), with this
-        class's request API: a ``deploy.RemoteCluster``. ``etcd``: find the leading
+        class's request API: a ``RemoteCluster`` (client/remote.py; also
+        ``mooncake_rs.deploy.RemoteCluster``). ``etcd``: find the leading
         ``serve`` there (under ``cluster``; a URL, or a ``deploy.EtcdClient`` for etcd's
         authentication and TLS); or ``address``: a ``serve``'s ``--listen``.
         ``auth_token``: the cluster token. See docs/deploy.md."""
-        from ..deploy.remote import RemoteCluster
-
         return RemoteCluster(address, etcd=etcd, auth_token=auth_token, cluster=cluster,
                              connect_timeout_s=connect_timeout_s)
 

@@ -13,7 +13,8 @@ why and closes that connection; it never raises into the process.
 - ``QueuePeer``: in-process instance -> instance.
 - ``SocketChannel``: a stream socket (a ``socketpair`` made by the cluster at spawn)
   carrying length-prefixed msgpack frames, for worker processes: the control link and
-  the peer links alike.
+  the peer links alike. It is net/channel.py's ``FramedChannel`` (the reader thread,
+  ``Lost``, the framing) with the heartbeat and the cluster-side methods below.
 - deploy/worker_link.py: a remote worker's ``ConductorLinks`` (its instance's channel)
   and ``RelayPeers`` (its peers, reached through the conductor).
 

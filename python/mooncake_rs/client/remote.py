@@ -6,7 +6,7 @@
 
 It finds the leading ``serve`` process in etcd (``{prefix}/leader`` holds its client
 address), or takes ``address`` directly, and talks the client protocol
-(client_protocol.py) on a connection authenticated with the cluster token. ``submit``
+(protocol.py) on a connection authenticated with the cluster token. ``submit``
 waits for the service's answer (admitted, or refused: ``Overloaded``,
 ``InvalidArgument``, ``ServiceUnavailable`` ... as the service raised it), then the
 handle streams the tokens. If the connection drops (the leader died), every request on
@@ -25,14 +25,14 @@ from typing import Any
 
 from .. import errors as _errors
 from ..errors import InvalidArgument, MooncakeError, ServiceUnavailable, Unauthorized
-from ..net.channel import FramedChannel, Lost
-from ..client.generate import GenerateMixin
-from ..client.handle import RequestHandle, request_entry
 from ..net import auth_socket
-from ..client.protocol import (FROM_SERVICE, Admitted, Answer, CancelSubmitted, ClientMessage, Error, Finished, Query,
-                              Submit, Tokens)
+from ..net.channel import FramedChannel, Lost
 from ..net.etcd import EtcdClient
-from ..client.records import cluster_prefix, decode_leader, leader_key, records_key
+from .generate import GenerateMixin
+from .handle import RequestHandle, request_entry
+from .protocol import (FROM_SERVICE, Admitted, Answer, CancelSubmitted, ClientMessage, Error, Finished, Query, Submit,
+                       Tokens)
+from .records import cluster_prefix, decode_leader, leader_key, records_key
 
 __all__ = ["RemoteCluster"]
 
