@@ -34,7 +34,7 @@ from starlette.routing import Route as HttpRoute
 from ..http.errors import ApiError, bad_request
 from .pd import DecodeChoice, PDRouter
 from .proxy import prompt_ids_of
-from .upstream_http import UpstreamHttp
+from .upstream_http import UpstreamHttp, passthrough
 
 __all__ = ["create_pd_app", "PREFILL_HEADER", "DECODE_HEADER"]
 
@@ -167,21 +167,9 @@ def create_pd_app(router: PDRouter, tokenizer: Any, *, api_key: str | None = Non
             router.decode_done(d, failed=resp.status_code >= 500)
             return Response(data, status_code=resp.status_code, headers=headers)
 
-        async def passthrough() -> AsyncIterator[bytes]:
-            failed = True
-            try:
-                async for chunk in resp.aiter_raw():
-                    yield chunk
-                failed = resp.status_code >= 500
-            except httpx.TransportError as e:
-                broke = ApiError(502, f"the stream from decode {d.name!r} broke: {type(e).__name__}: {e}",
-                                 type="upstream_error", code="upstream_stream_broken")
-                yield b"data: " + json.dumps(broke.body()).encode() + b"\n\n"
-            finally:
-                router.decode_done(d, failed=failed)
-                await resp.aclose()
-
-        return StreamingResponse(passthrough(), status_code=resp.status_code, headers=headers)
+        stream = passthrough(resp, f"decode {d.name!r}", failed_from=500,
+                             on_end=lambda _chunks, failed: router.decode_done(d, failed=failed))
+        return StreamingResponse(stream, status_code=resp.status_code, headers=headers)
 
     async def completions(request: Request) -> Response:
         return await forward(request, "/v1/completions", "completion")

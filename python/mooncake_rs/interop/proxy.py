@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import uuid
 from typing import Any, AsyncIterator
 
@@ -26,11 +25,10 @@ from starlette.routing import Route as HttpRoute
 from ..errors import InvalidArgument
 from ..http.errors import ApiError, bad_request
 from .upstream import Route, UpstreamRouter
-from .upstream_http import UpstreamHttp
+from .upstream_http import UpstreamHttp, passthrough
 
 __all__ = ["create_proxy_app", "prompt_ids_of"]
 
-log = logging.getLogger("mooncake_rs.interop")
 
 _MAX_BODY = 16 << 20
 UPSTREAM_HEADER = "X-Mooncake-Upstream"
@@ -155,29 +153,11 @@ def create_proxy_app(router: UpstreamRouter, tokenizer: Any, *, api_key: str | N
             router.finish(r, _usage_tokens(data), failed=not ok)
             return Response(data, status_code=resp.status_code, headers=headers)
 
-        async def passthrough() -> AsyncIterator[bytes]:
-            chunks = 0
-            failed = True
-            try:
-                async for chunk in resp.aiter_raw():
-                    if chunks == 0:
-                        router.first_token(r)
-                    chunks += chunk.count(b"data:")
-                    yield chunk
-                failed = resp.status_code >= 400
-            except httpx.TransportError as e:
-                log.warning("stream from upstream %r broke: %s", r.name, e)
-                broke = ApiError(502, f"the stream from upstream {r.name!r} ({r.url}) broke: {type(e).__name__}: {e}",
-                                 type="upstream_error", code="upstream_stream_broken")
-                yield b"data: " + json.dumps(broke.body()).encode() + b"\n\n"
-            finally:
-                # First, before any await: a client that went away cancels this generator,
-                # and an await here could be cancelled again before the slot is freed.
-                # data chunks less the [DONE] line: about one a token (a usage chunk aside)
-                router.finish(r, max(0, chunks - 1), failed=failed)
-                await resp.aclose()
-
-        return StreamingResponse(passthrough(), status_code=resp.status_code, headers=headers)
+        # data chunks less the [DONE] line: about one a token (a usage chunk aside)
+        stream = passthrough(resp, f"upstream {r.name!r} ({r.url})", failed_from=400,
+                             on_first=lambda: router.first_token(r),
+                             on_end=lambda chunks, failed: router.finish(r, max(0, chunks - 1), failed=failed))
+        return StreamingResponse(stream, status_code=resp.status_code, headers=headers)
 
     async def completions(request: Request) -> Response:
         return await forward(request, "/v1/completions", "completion")

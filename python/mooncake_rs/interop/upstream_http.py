@@ -1,12 +1,15 @@
 """What both ``serve --upstream`` apps (the KV-aware proxy, ``proxy.py``; the P/D proxy,
 ``pd_app.py``) do the same way around the engines they forward to: one httpx client,
 made in the server's event loop on first use (a client is bound to its loop), the API
-key check, and failures answered in the OpenAI error shape."""
+key check, failures answered in the OpenAI error shape, and a streamed answer passed
+through as it comes (``passthrough``)."""
 
 from __future__ import annotations
 
 import hmac
+import json
 import logging
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 from starlette.requests import Request
@@ -14,7 +17,7 @@ from starlette.responses import JSONResponse
 
 from ..http.errors import ApiError, from_exception
 
-__all__ = ["UpstreamHttp"]
+__all__ = ["UpstreamHttp", "passthrough"]
 
 log = logging.getLogger("mooncake_rs.interop")
 
@@ -53,3 +56,33 @@ class UpstreamHttp:
         if err.status >= 500 and not isinstance(e, ApiError):
             log.exception("%s failed", self.what)
         return JSONResponse(err.body(), status_code=err.status, headers={**headers, **err.headers})
+
+
+async def passthrough(resp: httpx.Response, source: str, *, failed_from: int,
+                      on_end: Callable[[int, bool], None],
+                      on_first: Callable[[], None] | None = None) -> AsyncIterator[bytes]:
+    """An engine's event stream, chunk for chunk as it comes (``StreamingResponse``'s
+    body). ``on_first()`` before each chunk while no ``data:`` line has passed (the first
+    token); a stream that breaks ends with one ``data:`` event in the OpenAI error shape
+    naming ``source``. ``on_end(data_chunks, failed)`` once, however it ends: the
+    ``data:`` lines passed and whether it failed (it broke, or the engine answered with
+    a status of ``failed_from`` or more)."""
+    chunks = 0
+    failed = True
+    try:
+        async for chunk in resp.aiter_raw():
+            if chunks == 0 and on_first is not None:
+                on_first()
+            chunks += chunk.count(b"data:")
+            yield chunk
+        failed = resp.status_code >= failed_from
+    except httpx.TransportError as e:
+        log.warning("the stream from %s broke: %s", source, e)
+        broke = ApiError(502, f"the stream from {source} broke: {type(e).__name__}: {e}",
+                         type="upstream_error", code="upstream_stream_broken")
+        yield b"data: " + json.dumps(broke.body()).encode() + b"\n\n"
+    finally:
+        # First, before any await: a client that went away cancels this generator, and
+        # an await here could be cancelled again before the caller's slot is freed.
+        on_end(chunks, failed)
+        await resp.aclose()
