@@ -1,5 +1,5 @@
 """The client endpoint of a conductor service: ``RemoteCluster`` connections
-(client_protocol.py) on an authenticated listener.
+(client/protocol.py) on an authenticated listener.
 
 Each connection has a reader (the link's thread: submits and cancels) and a writer
 thread with a queue: the router thread hands a request's tokens to the connection's
@@ -109,8 +109,8 @@ class _Connection:
             return
 
         try:
-            h = self.service._submit(msg.prompt, msg.params, msg.timeout_s,
-                                     lambda rid, toks, cancel: _Forward(rid, toks, cancel, self, cid))
+            h = self.service.submit_forwarded(msg.prompt, msg.params, msg.timeout_s,
+                                              lambda rid, toks, cancel: _Forward(rid, toks, cancel, self, cid))
         except Exception as e:  # noqa: BLE001 - every refusal goes back typed
             self.post(error_message(cid, e))
             return
@@ -118,7 +118,7 @@ class _Connection:
             if not h.done:  # (one that ended already was forgotten before it was known)
                 self._handles[cid] = h
         # The router may post the request's first tokens (or its failure) before this:
-        # the client takes those as admission too (remote.py)
+        # the client takes those as admission too (client/remote.py)
         self.post(Admitted(cid, h.request_id, h.prefill_instance, h.decode_instance))
 
     def _forget(self, cid: int) -> None:
