@@ -34,7 +34,7 @@ from starlette.routing import Route as HttpRoute
 from ..http.errors import ApiError, bad_request
 from .pd import DecodeChoice, PDRouter
 from .proxy import prompt_ids_of
-from .upstream_http import UpstreamHttp, passthrough
+from .upstream_http import UpstreamHttp, is_stream, passthrough, read_body
 
 __all__ = ["create_pd_app", "PREFILL_HEADER", "DECODE_HEADER"]
 
@@ -152,18 +152,13 @@ def create_pd_app(router: PDRouter, tokenizer: Any, *, api_key: str | None = Non
         return await relay(resp, d, headers)
 
     async def relay(resp: httpx.Response, d: DecodeChoice, headers: dict[str, str]) -> Response:
-        for h in ("content-type", "cache-control"):
-            if h in resp.headers:
-                headers[h] = resp.headers[h]
-        if not resp.headers.get("content-type", "").startswith("text/event-stream"):
+        if not is_stream(resp, headers):
             try:
-                data = await resp.aread()
+                data = await read_body(resp)
             except httpx.TransportError as e:
                 router.decode_done(d, failed=True)
                 return error(ApiError(502, f"decode {d.name!r} broke: {type(e).__name__}: {e}",
                                       type="upstream_error", code="upstream_stream_broken"), headers)
-            finally:
-                await resp.aclose()
             router.decode_done(d, failed=resp.status_code >= 500)
             return Response(data, status_code=resp.status_code, headers=headers)
 

@@ -25,14 +25,13 @@ from starlette.routing import Route as HttpRoute
 from ..errors import InvalidArgument
 from ..http.errors import ApiError, bad_request
 from .upstream import Route, UpstreamRouter
-from .upstream_http import UpstreamHttp, passthrough
+from .upstream_http import UpstreamHttp, is_stream, passthrough, read_body
 
 __all__ = ["create_proxy_app", "prompt_ids_of"]
 
 
 _MAX_BODY = 16 << 20
 UPSTREAM_HEADER = "X-Mooncake-Upstream"
-_PASS_HEADERS = ("content-type", "cache-control")
 
 
 def prompt_ids_of(tokenizer: Any, kind: str, body: Any) -> list[int]:
@@ -135,18 +134,12 @@ def create_proxy_app(router: UpstreamRouter, tokenizer: Any, *, api_key: str | N
             except BaseException:
                 router.finish(r, failed=True)
                 raise
-        for h in _PASS_HEADERS:
-            if h in resp.headers:
-                headers[h] = resp.headers[h]
-        streaming = resp.headers.get("content-type", "").startswith("text/event-stream")
-        if not streaming:
+        if not is_stream(resp, headers):
             try:
-                data = await resp.aread()
+                data = await read_body(resp)
             except httpx.TransportError as e:
                 router.finish(r, failed=True)
                 return error(unreachable(r, e), headers)
-            finally:
-                await resp.aclose()
             ok = resp.status_code < 400
             if ok:
                 router.first_token(r)

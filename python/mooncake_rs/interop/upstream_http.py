@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse
 
 from ..http.errors import ApiError, from_exception
 
-__all__ = ["UpstreamHttp", "passthrough"]
+__all__ = ["UpstreamHttp", "is_stream", "read_body", "passthrough"]
 
 log = logging.getLogger("mooncake_rs.interop")
 
@@ -56,6 +56,28 @@ class UpstreamHttp:
         if err.status >= 500 and not isinstance(e, ApiError):
             log.exception("%s failed", self.what)
         return JSONResponse(err.body(), status_code=err.status, headers={**headers, **err.headers})
+
+
+#: the engine's answer headers a proxy passes on to its client
+_PASS_HEADERS = ("content-type", "cache-control")
+
+
+def is_stream(resp: httpx.Response, headers: dict[str, str]) -> bool:
+    """Copies the engine's ``content-type`` and ``cache-control`` into ``headers`` (the
+    client's answer); whether the engine answers with an event stream."""
+    for h in _PASS_HEADERS:
+        if h in resp.headers:
+            headers[h] = resp.headers[h]
+    return resp.headers.get("content-type", "").startswith("text/event-stream")
+
+
+async def read_body(resp: httpx.Response) -> bytes:
+    """An answer that is not a stream, whole; ``resp`` is closed either way (the
+    ``httpx.TransportError`` of one that broke is the caller's to answer)."""
+    try:
+        return await resp.aread()
+    finally:
+        await resp.aclose()
 
 
 async def passthrough(resp: httpx.Response, source: str, *, failed_from: int,
