@@ -19,17 +19,15 @@ decode stream that breaks ends with an error event. ``X-Mooncake-Prefill`` /
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route as HttpRoute
 
 from ..http.errors import ApiError, bad_request
 from .pd import DecodeChoice, PDRouter
@@ -166,12 +164,6 @@ def create_pd_app(router: PDRouter, tokenizer: Any, *, api_key: str | None = Non
                              on_end=lambda _chunks, failed: router.decode_done(d, failed=failed))
         return StreamingResponse(stream, status_code=resp.status_code, headers=headers)
 
-    async def completions(request: Request) -> Response:
-        return await forward(request, "/v1/completions", "completion")
-
-    async def chat(request: Request) -> Response:
-        return await forward(request, "/v1/chat/completions", "chat")
-
     async def models(request: Request) -> Response:
         for name in router.decode_names:
             url = router._decode[name].spec.url
@@ -187,20 +179,4 @@ def create_pd_app(router: PDRouter, tokenizer: Any, *, api_key: str | None = Non
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "prefill": router.prefill.names, "decode": router.decode_names})
 
-    async def stats(request: Request) -> Response:
-        return JSONResponse(router.stats())
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
-        try:
-            yield
-        finally:
-            await shared.aclose()
-
-    return Starlette(routes=[
-        HttpRoute("/v1/completions", completions, methods=["POST"]),
-        HttpRoute("/v1/chat/completions", chat, methods=["POST"]),
-        HttpRoute("/v1/models", models, methods=["GET"]),
-        HttpRoute("/health", health, methods=["GET"]),
-        HttpRoute("/stats", stats, methods=["GET"]),
-    ], lifespan=lifespan)
+    return shared.app(forward, models=models, health=health, stats=router.stats)

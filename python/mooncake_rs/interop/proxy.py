@@ -11,16 +11,14 @@ reached is 502, bad input is 400. An upstream's own error answer is passed throu
 
 from __future__ import annotations
 
-import contextlib
 import json
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route as HttpRoute
 
 from ..errors import InvalidArgument
 from ..http.errors import ApiError, bad_request
@@ -152,12 +150,6 @@ def create_proxy_app(router: UpstreamRouter, tokenizer: Any, *, api_key: str | N
                              on_end=lambda chunks, failed: router.finish(r, max(0, chunks - 1), failed=failed))
         return StreamingResponse(stream, status_code=resp.status_code, headers=headers)
 
-    async def completions(request: Request) -> Response:
-        return await forward(request, "/v1/completions", "completion")
-
-    async def chat(request: Request) -> Response:
-        return await forward(request, "/v1/chat/completions", "chat")
-
     async def models(request: Request) -> Response:
         try:
             check_auth(request)
@@ -183,21 +175,4 @@ def create_proxy_app(router: UpstreamRouter, tokenizer: Any, *, api_key: str | N
         return JSONResponse({"status": "ok" if up else "unavailable", "upstreams": router.names,
                              "down": [n for n in router.names if n not in up]}, status_code=200 if up else 503)
 
-    async def stats(request: Request) -> Response:
-        return JSONResponse(router.stats())
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
-        try:
-            yield
-        finally:
-            await shared.aclose()
-
-    routes = [
-        HttpRoute("/v1/completions", completions, methods=["POST"]),
-        HttpRoute("/v1/chat/completions", chat, methods=["POST"]),
-        HttpRoute("/v1/models", models, methods=["GET"]),
-        HttpRoute("/health", health, methods=["GET"]),
-        HttpRoute("/stats", stats, methods=["GET"]),
-    ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    return shared.app(forward, models=models, health=health, stats=router.stats)

@@ -6,14 +6,18 @@ through as it comes (``passthrough``)."""
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import httpx
+from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from ..http.errors import ApiError, from_exception
 
@@ -50,6 +54,37 @@ class UpstreamHttp:
         if not hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
             raise ApiError(401, "a valid API key is required: send 'Authorization: Bearer <key>' (the key the "
                                 "server was started with, --api-key)", code="invalid_api_key")
+
+    def app(self, forward: Callable[[Request, str, str], Awaitable[Response]], *,
+            models: Callable[[Request], Awaitable[Response]], health: Callable[[Request], Awaitable[Response]],
+            stats: Callable[[], dict[str, Any]]) -> Starlette:
+        """A proxy's OpenAI routes: completions and chat through ``forward(request, path,
+        kind)``, ``/v1/models``, ``/health``, ``/stats`` (``stats()`` as JSON); the client
+        closed at the app's shutdown."""
+
+        async def completions(request: Request) -> Response:
+            return await forward(request, "/v1/completions", "completion")
+
+        async def chat(request: Request) -> Response:
+            return await forward(request, "/v1/chat/completions", "chat")
+
+        async def stats_route(request: Request) -> Response:
+            return JSONResponse(stats())
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+            try:
+                yield
+            finally:
+                await self.aclose()
+
+        return Starlette(routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/stats", stats_route, methods=["GET"]),
+        ], lifespan=lifespan)
 
     def error(self, e: BaseException, headers: dict[str, str]) -> JSONResponse:
         err = from_exception(e)
