@@ -275,7 +275,7 @@ impl Engine {
                 let cfg = ClientConfig {
                     connect_timeout: inner.cfg.connect_timeout,
                     io_timeout: inner.cfg.io_timeout,
-                    connections_per_endpoint: inner.cfg.connections_per_endpoint,
+                    connections_per_endpoint: inner.cfg.connections(),
                     window: inner.cfg.window,
                     max_attempts: inner.cfg.max_attempts,
                     inline_send_bytes: inner.cfg.inline_send_bytes,

@@ -190,3 +190,5 @@ mod tests_adversarial;
 mod tests_completion;
 #[cfg(test)]
 mod tests_rights;
+#[cfg(test)]
+mod tests_sealed;
