@@ -344,6 +344,9 @@ pub struct PyTransferStats {
     grant_refusals: u64,
     connections: u64,
     bytes_served: u64,
+    /// Of `bytes_served`: committed by same-host peers through their staging buffers
+    /// into restricted regions.
+    bytes_staged: u64,
     retries: u64,
     late_responses: u64,
     handshakes_evicted: u64,
@@ -492,6 +495,7 @@ impl PyTransferEngine {
             grant_refusals: s.grant_refusals,
             connections: s.connections,
             bytes_served: s.bytes_served,
+            bytes_staged: s.bytes_staged,
             retries: s.retries,
             late_responses: s.late_responses,
             handshakes_evicted: s.handshakes_evicted,

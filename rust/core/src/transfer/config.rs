@@ -172,6 +172,9 @@ pub struct Counters {
     pub grant_refusals: AtomicU64,
     pub connections: AtomicU64,
     pub bytes_served: AtomicU64,
+    /// Of `bytes_served`: bytes a same-host peer committed through its staging buffer
+    /// into a restricted region (`staged_server`).
+    pub bytes_staged: AtomicU64,
     pub retries: AtomicU64,
     /// Answers that arrived after their request had ended (payload dropped, unread).
     pub late_responses: AtomicU64,
@@ -243,6 +246,7 @@ pub struct EngineStats {
     pub grant_refusals: u64,
     pub connections: u64,
     pub bytes_served: u64,
+    pub bytes_staged: u64,
     pub retries: u64,
     pub late_responses: u64,
     pub handshakes_evicted: u64,
