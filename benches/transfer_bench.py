@@ -211,7 +211,7 @@ def bench_shm(budget):
     return out
 
 
-def bench_tcp(budget, sizes, batches, rounds, auth=False):
+def bench_tcp(budget, sizes, batches, rounds, auth=False, auth_conns=None):
     """TCP requests against the plain socket stream, interleaved per round; with ``auth``
     also an engine pair holding a token (per-frame tags), in the same rounds."""
     variants = [("tcp", None)] + ([("tcpauth", "bench-token-0123456789")] if auth else [])
@@ -223,11 +223,13 @@ def bench_tcp(budget, sizes, batches, rounds, auth=False):
     try:
         sides = {}
         for label, tok in variants:
+            conns = {"connections_per_endpoint": auth_conns} if tok and auth_conns else {}
             e = mc.TransferEngine(f"bench-{label}-init", auth_token=tok, transports=["tcp"],
-                                  registry=mc.TransferRegistry())
+                                  registry=mc.TransferRegistry(), **conns)
             engines.append(e)
             info = peers[label][1]
             p = e.connect(f"bench-{label}", info["address"])
+            out[f"{label}_connections"] = p.connections
             mine = e.allocate(WS)
             np.asarray(mine)[:] = 1
             rid = info["regions"]["r"]
@@ -386,6 +388,8 @@ def main():
                                                                  "or only the TCP bandwidth cases")
     ap.add_argument("--auth", action="store_true", help="TCP cases also with an auth token (sealed frames)")
     ap.add_argument("--sizes", default="64,512,4096", help="TCP request sizes in KiB")
+    ap.add_argument("--auth-conns", type=int, default=None,
+                    help="connections_per_endpoint of the token engine (default: the engine's automatic choice)")
     args = ap.parse_args()
     sizes = [int(k) << 10 for k in args.sizes.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
@@ -395,7 +399,7 @@ def main():
         r.update(bench_overhead(args.budget))
         r.update(bench_shm(args.budget))
     if args.only != "latency":
-        r.update(bench_tcp(args.budget, sizes, batches, args.rounds, auth=args.auth))
+        r.update(bench_tcp(args.budget, sizes, batches, args.rounds, auth=args.auth, auth_conns=args.auth_conns))
     if args.only == "tcp":
         print_tcp(r, sizes, batches, None)
         print(json.dumps(r))
@@ -443,6 +447,8 @@ def print_tcp(r, sizes, batches, peer):
                                    + (f" ({r[f'tcpauth_{op}_{size}_{nb}_cpu_x_plain']:.2f}x no token)"
                                       if label == "tcpauth" else ""))
             print(f"    CPU s/GB, both ends: {' | '.join(cpu)}")
+    if "tcpauth_connections" in r:
+        print(f"connections per endpoint: no token {r['tcp_connections']}, token {r['tcpauth_connections']}")
     print("(Nx): median over rounds of the ratio to the socket stream of the same round; "
           "[Nx no token]: of token to no token, same round")
 

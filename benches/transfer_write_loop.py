@@ -23,10 +23,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="requests per batch")
     ap.add_argument("--op", choices=("write", "read"), default="write")
     ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--conns", type=int, default=None, help="connections_per_endpoint (default: the engine's)")
     args = ap.parse_args()
     tok = None if args.token == "none" else args.token
     with mc.TransferEngine("srv", auth_token=tok, transports=["tcp"]) as b, \
-            mc.TransferEngine("cli", listen="", auth_token=tok, transports=["tcp"]) as a:
+            mc.TransferEngine("cli", listen="", auth_token=tok, transports=["tcp"],
+                              **({} if args.conns is None else {"connections_per_endpoint": args.conns})) as a:
         n = max(64 << 20, args.size * args.batch)
         rb, la = b.allocate(n), a.allocate(n)
         p = a.connect("srv", b.address)

@@ -196,3 +196,30 @@ def test_store_arena_registers_and_receives_a_transfer():
         assert store.slot_offset(77) == req.remote_offset
         assert bytes(memoryview(store.get(77))) == payload.tobytes()
         assert not np.asarray(dst).flags.writeable  # the arena is not writable from Python
+
+
+def test_connections_per_endpoint_defaults_to_automatic_and_rejects_zero():
+    """Issue 26: with a token the default opens as many connections per endpoint as the
+    host's cores make useful (1 without a token); 0 is not a count."""
+    with pytest.raises(mc.InvalidArgument, match="connections_per_endpoint"):
+        mc.TransferEngine("zero", listen="", connections_per_endpoint=0)
+    with pytest.raises(mc.InvalidArgument, match="connections_per_endpoint"):
+        mc.TransferEngine("many", listen="", connections_per_endpoint=65)
+    reg = mc.TransferRegistry()
+    with mc.TransferEngine("srv", auth_token="t", transports=["tcp"], registry=reg) as srv, \
+            mc.TransferEngine("plain", transports=["tcp"], registry=reg) as open_srv, \
+            mc.TransferEngine("cli", listen="", auth_token="t", transports=["tcp"], registry=mc.TransferRegistry()) as cli, \
+            mc.TransferEngine("cli2", listen="", transports=["tcp"], registry=mc.TransferRegistry()) as cli2, \
+            mc.TransferEngine("cli3", listen="", auth_token="t", transports=["tcp"], connections_per_endpoint=3,
+                              registry=mc.TransferRegistry()) as cli3:
+        # Half the cores the process may use, 1 to 4 (the rule is unit-tested in Rust).
+        assert 1 <= cli.connect("srv", srv.address).connections <= 4
+        assert cli2.connect("plain", open_srv.address).connections == 1
+        p3 = cli3.connect("srv", srv.address)
+        assert p3.connections == 3
+        src, dst = cli3.allocate(3 << 20), srv.allocate(3 << 20)
+        data = rand(3 << 20, 5)
+        np.asarray(src)[:] = data
+        reqs = [mc.TransferRequest("write", src, i << 20, p3, dst.id, i << 20, 1 << 20) for i in range(3)]
+        assert all(s.ok for s in cli3.submit(reqs).wait())
+        assert np.array_equal(np.asarray(dst), data)

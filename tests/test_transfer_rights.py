@@ -118,8 +118,11 @@ def test_restricted_regions_go_through_the_server_even_on_the_same_host():
         d.grant(arena, "prefill-0", 0, 4096)
         assert write(p, peer, src, arena, 0, 4096).ok
         assert d.stats().bytes_served == 4096  # the server moved (and checked) it
+        # ... from the peer's staging buffer (a sealed memfd it was handed), not over TCP
+        assert d.stats().bytes_staged == 4096
         d.revoke(arena, "prefill-0")
         assert write(p, peer, src, arena, 0, 4096).code == "no_grant"
+        assert d.stats().bytes_staged == 4096 and d.stats().grant_refusals == 1
 
 
 def test_register_restricted_buffer_and_bad_grants():
@@ -213,5 +216,7 @@ def test_grants_across_processes(transports):
             assert write(p, peer, src, arena, 8192, 16).code == "no_grant"
             s = decode.stats()
             assert s["grant_refusals"] == 3 and s["bytes_served"] == 4096  # through the server, even same-host
+            # same host: staged (the server copied it out of our staging buffer), else TCP
+            assert s["bytes_staged"] == (4096 if "shm" in transports else 0)
     finally:
         decode.close()

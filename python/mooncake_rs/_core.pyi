@@ -778,6 +778,8 @@ class TransferStats:
     @property
     def bytes_served(self) -> int: ...
     @property
+    def bytes_staged(self) -> int: ...
+    @property
     def retries(self) -> int: ...
     @property
     def late_responses(self) -> int: ...
@@ -843,7 +845,7 @@ class TransferEngine:
         io_timeout_s: float = 10.0,
         idle_timeout_s: float = 60.0,
         connect_timeout_s: float = 5.0,
-        connections_per_endpoint: int = 1,
+        connections_per_endpoint: int | None = None,
         copy_threads: int = 2,
         inline_send_bytes: int = 16384,
         peer_tokens: Mapping[str, str] | None = None,

@@ -318,7 +318,9 @@ class Instance:
                                  "requests": self.role.tracked(), "pinned_requests": len(self._pins),
                                  "free_pages": self.engine.num_free_pages, "pages": self.engine.cache.num_pages,
                                  # live transfer grants on the arena (kv_grants: none once idle)
-                                 "grants": len(t.te.grants(t.region)) if t.region.restricted else 0}
+                                 "grants": len(t.te.grants(t.region)) if t.region.restricted else 0,
+                                 # bytes same-host peers wrote into the arena through staging buffers
+                                 "staged_bytes": t.te.stats().bytes_staged}
         # messages this instance sent, by op (the hop count, docs/serving.md)
         for link in [self.ch, *self.peers.values()]:
             for op, n in link.counts.snapshot().items():

@@ -157,6 +157,18 @@ impl MappedMemory {
         Ok(MappedMemory { ptr: mapped?, len, shm_name: Some(name.to_string()), owns_name: false })
     }
 
+    /// Maps `len` bytes of a memory file this process holds an fd of (a memfd received
+    /// over a unix socket), shared and unnamed: nothing in `/dev/shm`, the memory goes
+    /// away with the last mapping and fd. The caller keeps (or closes) `fd`.
+    pub fn map_fd(fd: std::os::fd::BorrowedFd<'_>, len: usize) -> io::Result<Self> {
+        use std::os::fd::AsRawFd;
+        if len == 0 {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "cannot map 0 bytes"));
+        }
+        let ptr = map(len, fd.as_raw_fd(), libc::MAP_SHARED)?;
+        Ok(MappedMemory { ptr, len, shm_name: None, owns_name: false })
+    }
+
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }

@@ -344,6 +344,9 @@ pub struct PyTransferStats {
     grant_refusals: u64,
     connections: u64,
     bytes_served: u64,
+    /// Of `bytes_served`: committed by same-host peers through their staging buffers
+    /// into restricted regions.
+    bytes_staged: u64,
     retries: u64,
     late_responses: u64,
     handshakes_evicted: u64,
@@ -420,7 +423,7 @@ impl PyTransferEngine {
 impl PyTransferEngine {
     #[new]
     #[pyo3(signature = (name, listen = "127.0.0.1:0", auth_token = None, transports = None, *, registry = None,
-        slice_size = 1_048_576, io_timeout_s = 10.0, idle_timeout_s = 60.0, connect_timeout_s = 5.0, connections_per_endpoint = 1, copy_threads = 2,
+        slice_size = 1_048_576, io_timeout_s = 10.0, idle_timeout_s = 60.0, connect_timeout_s = 5.0, connections_per_endpoint = None, copy_threads = 2,
         inline_send_bytes = 16384, peer_tokens = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -434,7 +437,7 @@ impl PyTransferEngine {
         io_timeout_s: f64,
         idle_timeout_s: f64,
         connect_timeout_s: f64,
-        connections_per_endpoint: usize,
+        connections_per_endpoint: Option<usize>,
         copy_threads: usize,
         inline_send_bytes: usize,
         peer_tokens: Option<std::collections::BTreeMap<String, String>>,
@@ -443,6 +446,12 @@ impl PyTransferEngine {
             Some(t) => Transports::parse(t.iter().map(String::as_str)).or_raise(py)?,
             None => Transports::default(),
         };
+        if connections_per_endpoint == Some(0) {
+            return Err(crate::errors::invalid(
+                py,
+                "connections_per_endpoint must be 1..=64, or None for automatic (1 without a token, more with one)",
+            ));
+        }
         let cfg = EngineConfig {
             name: name.to_string(),
             listen: listen.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect(),
@@ -452,7 +461,7 @@ impl PyTransferEngine {
             connect_timeout: dur(py, "connect_timeout_s", connect_timeout_s)?,
             io_timeout: dur(py, "io_timeout_s", io_timeout_s)?,
             idle_timeout: dur(py, "idle_timeout_s", idle_timeout_s)?,
-            connections_per_endpoint,
+            connections_per_endpoint: connections_per_endpoint.unwrap_or(0),
             copy_threads,
             inline_send_bytes,
             peer_tokens: peer_tokens.unwrap_or_default().into_iter().collect(),
@@ -486,6 +495,7 @@ impl PyTransferEngine {
             grant_refusals: s.grant_refusals,
             connections: s.connections,
             bytes_served: s.bytes_served,
+            bytes_staged: s.bytes_staged,
             retries: s.retries,
             late_responses: s.late_responses,
             handshakes_evicted: s.handshakes_evicted,

@@ -62,6 +62,8 @@ pub struct EngineConfig {
     /// nobody authenticated must not pile up. Authenticated ones may idle; both kinds are
     /// evicted oldest-idle-first when the server or one peer address is at its cap.
     pub idle_timeout: Duration,
+    /// TCP connections to each endpoint of a peer; 0 (the default): automatic, see
+    /// [`EngineConfig::connections`].
     pub connections_per_endpoint: usize,
     /// Slices a connection may have unanswered. 64 (it was 16): a batch of 32 or 64
     /// slices then goes out without the sender waiting for room, one wake-up per
@@ -87,7 +89,7 @@ impl Default for EngineConfig {
             connect_timeout: Duration::from_secs(5),
             io_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(60),
-            connections_per_endpoint: 1,
+            connections_per_endpoint: 0,
             window: 64,
             max_attempts: 3,
             copy_threads: 2,
@@ -97,6 +99,16 @@ impl Default for EngineConfig {
 }
 
 impl EngineConfig {
+    /// The connections opened to each endpoint of a peer: `connections_per_endpoint`, or
+    /// when it is 0, 1 without a token and [`sealed_connections`] with one.
+    pub fn connections(&self) -> usize {
+        match self.connections_per_endpoint {
+            0 if self.auth_token.is_some() => sealed_connections(available_cores()),
+            0 => 1,
+            n => n,
+        }
+    }
+
     pub fn validate(&self) -> Result<(), TransferError> {
         let bad = |m: String| Err(TransferError::InvalidRequest(m));
         if self.name.is_empty() || self.name.len() > super::protocol::MAX_NAME {
@@ -108,8 +120,8 @@ impl EngineConfig {
         if self.io_timeout.is_zero() || self.connect_timeout.is_zero() || self.idle_timeout.is_zero() {
             return bad("timeouts must be positive".into());
         }
-        if !(1..=64).contains(&self.connections_per_endpoint) || self.window == 0 || self.max_attempts == 0 {
-            return bad("connections_per_endpoint must be 1..=64, window and max_attempts >= 1".into());
+        if self.connections_per_endpoint > 64 || self.window == 0 || self.max_attempts == 0 {
+            return bad("connections_per_endpoint must be 1..=64 (0: automatic), window and max_attempts >= 1".into());
         }
         if self.inline_send_bytes > 1 << 20 {
             return bad(format!("inline_send_bytes must be at most 1 MiB, got {}", self.inline_send_bytes));
@@ -129,6 +141,27 @@ impl EngineConfig {
     }
 }
 
+/// Connections per endpoint for sealed (token) sessions on a host with `cores` cores.
+///
+/// A sealed connection's throughput is bound by one thread per side: the server's
+/// thread opens each record of a write and seals each record of a read response, the
+/// client's sender seals, and each of them also does the socket copy. Measured at 512 KiB
+/// requests that is ~0.4 CPU-s per GB per side (AES-256-GCM plus the copies: ~2.5 GB/s a
+/// connection), while a plain socket stream moves 6 GB/s and more on loopback
+/// (BENCHMARKS.md, "The cost of security, third pass"). Several connections put that
+/// work on several threads on both sides, with the same frames (no new code path to
+/// trust). Each sealed connection keeps about two cores busy at full speed (its sender
+/// and the server's thread), so: half the cores, at most 4 (beyond that, the loopback
+/// copies and the memory bandwidth bound the stream anyway), at least 1. Without a token
+/// a connection is not CPU-bound that way and one stays the default.
+pub fn sealed_connections(cores: usize) -> usize {
+    (cores / 2).clamp(1, 4)
+}
+
+fn available_cores() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}
+
 /// Counters of one engine (serving and initiating sides).
 #[derive(Debug, Default)]
 pub struct Counters {
@@ -139,6 +172,9 @@ pub struct Counters {
     pub grant_refusals: AtomicU64,
     pub connections: AtomicU64,
     pub bytes_served: AtomicU64,
+    /// Of `bytes_served`: bytes a same-host peer committed through its staging buffer
+    /// into a restricted region (`staged_server`).
+    pub bytes_staged: AtomicU64,
     pub retries: AtomicU64,
     /// Answers that arrived after their request had ended (payload dropped, unread).
     pub late_responses: AtomicU64,
@@ -210,6 +246,7 @@ pub struct EngineStats {
     pub grant_refusals: u64,
     pub connections: u64,
     pub bytes_served: u64,
+    pub bytes_staged: u64,
     pub retries: u64,
     pub late_responses: u64,
     pub handshakes_evicted: u64,

@@ -14,6 +14,7 @@ use super::inner::{EngineInner, PeerKind};
 use super::local::{CopyJob, Span, INLINE_COPY_BYTES};
 use super::region::{Region, RegionId, RegionTable};
 use super::shm::{self, Lookup, ShmPeer};
+use super::staged::{StagedLink, StagedWrite};
 use super::tcp::client::{Slice, TcpPeer};
 use super::{AccessError, Op, Request, TransferError};
 
@@ -194,7 +195,8 @@ pub(crate) fn submit(
                             Err(e) => batch.fail(c.index, e),
                         }
                     }
-                    Lookup::NotShared => match tcp_plan(t, inner.cfg.slice_size, &c.req) {
+                    Lookup::Staged(link) if use_staging(&c.req) => staged_write(&batch, &c, &link, t),
+                    Lookup::Staged(_) | Lookup::NotShared => match tcp_plan(t, inner.cfg.slice_size, &c.req) {
                         TcpPlan::Send => {
                             let s = slices(inner.cfg.slice_size, &batch, &c);
                             tcp.entry(Arc::as_ptr(t)).or_insert_with(|| (t.clone(), Vec::new())).1.extend(s);
@@ -215,6 +217,31 @@ pub(crate) fn submit(
         spawn_resolver(inner, batch.clone(), deferred);
     }
     Ok(batch)
+}
+
+/// Writes into a same-host peer's restricted region go through its staging link; reads
+/// (and empty requests, which only check) stay on TCP.
+fn use_staging(r: &Request) -> bool {
+    r.op == Op::Write && r.length > 0
+}
+
+/// Hands a write to the staging link after checking it whole against what the peer said
+/// of the region (the peer checks each chunk against its live grants before it lands).
+fn staged_write(batch: &Arc<Batch>, c: &Checked, link: &StagedLink, tcp: &TcpPeer) {
+    let r = &c.req;
+    if let Some(Err(e)) = tcp.known_region(r.remote_region).map(|info| info.check(r.remote_offset, r.length, true)) {
+        batch.fail(c.index, refused(r, e));
+        return;
+    }
+    batch.set_slices(c.index, r.length.div_ceil(link.chunk()) as usize);
+    link.submit(StagedWrite {
+        batch: batch.clone(),
+        index: c.index,
+        local: Span::region(&c.local, r.local_offset),
+        region: r.remote_region,
+        offset: r.remote_offset,
+        len: r.length,
+    });
 }
 
 fn refused(r: &Request, reason: AccessError) -> TransferError {
@@ -278,12 +305,18 @@ impl Resolver {
         let r = &c.req;
         if let Some(shm) = shm {
             let shm: &ShmPeer = shm;
-            if let Some(m) = shm.resolve(tcp, r.remote_region) {
-                match shm::copy_job(batch, c.index, r.op, &c.local, r.local_offset, &m, r.remote_offset, r.length) {
-                    Ok(j) => j.run(),
-                    Err(e) => batch.fail(c.index, e),
+            match shm.resolve(tcp, r.remote_region) {
+                Lookup::Mapped(m) => {
+                    match shm::copy_job(batch, c.index, r.op, &c.local, r.local_offset, &m, r.remote_offset, r.length) {
+                        Ok(j) => j.run(),
+                        Err(e) => batch.fail(c.index, e),
+                    }
+                    return;
                 }
-                return;
+                Lookup::Staged(link) if use_staging(r) => {
+                    return staged_write(batch, &c, &link, tcp);
+                }
+                _ => {}
             }
         }
         let plan = match tcp_plan(tcp, self.slice_size, r) {

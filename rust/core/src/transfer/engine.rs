@@ -68,6 +68,7 @@ impl Engine {
                 io_timeout: cfg.io_timeout,
                 idle_timeout: cfg.idle_timeout,
                 share_shm: cfg.transports.shm,
+                staging: None,
             };
             Some(Server::bind(&cfg.listen, ctx)?)
         } else {
@@ -275,7 +276,7 @@ impl Engine {
                 let cfg = ClientConfig {
                     connect_timeout: inner.cfg.connect_timeout,
                     io_timeout: inner.cfg.io_timeout,
-                    connections_per_endpoint: inner.cfg.connections_per_endpoint,
+                    connections_per_endpoint: inner.cfg.connections(),
                     window: inner.cfg.window,
                     max_attempts: inner.cfg.max_attempts,
                     inline_send_bytes: inner.cfg.inline_send_bytes,
@@ -329,6 +330,7 @@ impl Engine {
             grant_refusals: l(&c.grant_refusals),
             connections: l(&c.connections),
             bytes_served: l(&c.bytes_served),
+            bytes_staged: l(&c.bytes_staged),
             retries: l(&c.retries),
             late_responses: l(&c.late_responses),
             handshakes_evicted: l(&c.handshakes_evicted),

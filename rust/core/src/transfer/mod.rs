@@ -17,6 +17,7 @@ pub mod batch;
 pub mod completion;
 pub mod config;
 mod dispatch;
+pub mod fdpass;
 pub mod engine;
 mod inner;
 pub mod local;
@@ -24,6 +25,8 @@ pub mod protocol;
 pub mod region;
 pub mod registry;
 pub mod shm;
+pub mod staged;
+pub mod staged_server;
 pub mod tcp;
 
 use std::fmt;
@@ -190,3 +193,7 @@ mod tests_adversarial;
 mod tests_completion;
 #[cfg(test)]
 mod tests_rights;
+#[cfg(test)]
+mod tests_sealed;
+#[cfg(test)]
+mod tests_staged;

@@ -3,6 +3,10 @@
 //! control connection), maps it, and from then on copies with one memcpy — the peer's
 //! CPU is not involved. Regions that are not shared (or cannot be mapped) fall back to
 //! TCP. Bounds and read-only are checked against what the peer reported.
+//!
+//! A restricted region is answered with the peer's staging socket (`"@name"`) instead of
+//! a segment: writes into it go through a [`StagedLink`] (one per peer server), checked
+//! by the peer against its live grants chunk by chunk; reads stay on TCP.
 
 use std::sync::Arc;
 
@@ -12,6 +16,7 @@ use parking_lot::{Condvar, Mutex};
 use super::batch::Batch;
 use super::local::{CopyJob, Keep, Span};
 use super::region::{Region, RegionId};
+use super::staged::StagedLink;
 use super::tcp::client::TcpPeer;
 use super::{AccessError, Op, TransferError};
 use crate::mem::MappedMemory;
@@ -32,6 +37,8 @@ impl ShmRegion {
 /// What is known about one remote region.
 pub enum Lookup {
     Mapped(Arc<ShmRegion>),
+    /// A restricted region: writes go through the peer's staging link.
+    Staged(Arc<StagedLink>),
     NotShared,
     Unknown,
 }
@@ -39,6 +46,7 @@ pub enum Lookup {
 /// What the cache knows of one region.
 enum Entry {
     Mapped(Arc<ShmRegion>),
+    Staged(Arc<StagedLink>),
     NotShared,
     /// A resolver is asking the peer / mapping the segment right now.
     Resolving,
@@ -49,28 +57,32 @@ enum Entry {
 pub struct ShmPeer {
     cache: Mutex<HashMap<RegionId, Entry>>,
     resolved: Condvar,
+    /// Staging links by socket name (a peer's restricted regions share one).
+    links: Mutex<HashMap<String, Arc<StagedLink>>>,
 }
 
 impl ShmPeer {
     pub fn lookup(&self, id: RegionId) -> Lookup {
         match self.cache.lock().get(&id) {
             Some(Entry::Mapped(r)) => Lookup::Mapped(r.clone()),
-            Some(Entry::NotShared) => Lookup::NotShared,
+            Some(Entry::Staged(l)) if !l.is_dead() => Lookup::Staged(l.clone()),
+            Some(Entry::Staged(_)) | Some(Entry::NotShared) => Lookup::NotShared,
             Some(Entry::Resolving) | None => Lookup::Unknown,
         }
     }
 
     /// Asks the peer and maps the segment (blocking: never called from `submit`).
-    /// `None` means "use TCP". Concurrent calls for one region (the first batches to a
+    /// `NotShared` means "use TCP". Concurrent calls for one region (the first batches to a
     /// new peer, one resolver each) wait for the first one instead of mapping the
     /// segment again: mapping a large arena takes tens of milliseconds.
-    pub fn resolve(&self, tcp: &TcpPeer, id: RegionId) -> Option<Arc<ShmRegion>> {
+    pub fn resolve(&self, tcp: &TcpPeer, id: RegionId) -> Lookup {
         {
             let mut c = self.cache.lock();
             loop {
                 match c.get(&id) {
-                    Some(Entry::Mapped(r)) => return Some(r.clone()),
-                    Some(Entry::NotShared) => return None,
+                    Some(Entry::Mapped(r)) => return Lookup::Mapped(r.clone()),
+                    Some(Entry::Staged(l)) if !l.is_dead() => return Lookup::Staged(l.clone()),
+                    Some(Entry::Staged(_)) | Some(Entry::NotShared) => return Lookup::NotShared,
                     // Bounded: the resolver's query has the connection's I/O timeouts.
                     Some(Entry::Resolving) => self.resolved.wait(&mut c),
                     None => break,
@@ -78,14 +90,17 @@ impl ShmPeer {
             }
             c.insert(id, Entry::Resolving);
         }
-        let mapped = self.query_and_map(tcp, id);
+        let found = self.query_and_map(tcp, id);
         let mut c = self.cache.lock();
-        match &mapped {
-            Some(m) => {
+        match &found {
+            Lookup::Mapped(m) => {
                 c.insert(id, Entry::Mapped(m.clone()));
             }
+            Lookup::Staged(l) => {
+                c.insert(id, Entry::Staged(l.clone()));
+            }
             // A failed query is not cached (the next batch asks again), a plain region is.
-            None => {
+            Lookup::NotShared | Lookup::Unknown => {
                 if c.get(&id).is_some_and(|e| matches!(e, Entry::Resolving)) {
                     c.remove(&id);
                 }
@@ -93,15 +108,27 @@ impl ShmPeer {
         }
         drop(c);
         self.resolved.notify_all();
-        mapped
+        match found {
+            Lookup::Unknown => Lookup::NotShared,
+            other => other,
+        }
     }
 
-    fn query_and_map(&self, tcp: &TcpPeer, id: RegionId) -> Option<Arc<ShmRegion>> {
+    fn query_and_map(&self, tcp: &TcpPeer, id: RegionId) -> Lookup {
         let info = match tcp.query_region(id) {
             Ok(info) => info,
             // Unknown region or lost control connection: let TCP report the verdict.
-            Err(_) => return None,
+            Err(_) => return Lookup::NotShared,
         };
+        if let Some(socket) = info.shm.as_deref().and_then(|n| n.strip_prefix('@')) {
+            return match self.link(tcp, socket) {
+                Some(l) => Lookup::Staged(l),
+                None => {
+                    self.cache.lock().insert(id, Entry::NotShared);
+                    Lookup::NotShared
+                }
+            };
+        }
         let mapped = info.shm.as_deref().and_then(|name| match MappedMemory::open_shared(name, info.len as usize) {
             Ok(m) => Some(Arc::new(ShmRegion { id, mem: Arc::new(m), readonly: info.readonly })),
             Err(e) => {
@@ -109,15 +136,48 @@ impl ShmPeer {
                 None
             }
         });
-        if mapped.is_none() {
-            self.cache.lock().insert(id, Entry::NotShared);
+        match mapped {
+            Some(m) => Lookup::Mapped(m),
+            None => {
+                self.cache.lock().insert(id, Entry::NotShared);
+                Lookup::NotShared
+            }
         }
-        mapped
     }
 
-    /// Unmaps everything (peer closed).
+    /// The live staging link to the peer's socket `name`, connected on first use.
+    fn link(&self, tcp: &TcpPeer, name: &str) -> Option<Arc<StagedLink>> {
+        let mut links = self.links.lock();
+        if let Some(l) = links.get(name).filter(|l| !l.is_dead()) {
+            return Some(l.clone());
+        }
+        let (key, me, io_timeout) = tcp.identity();
+        match StagedLink::connect(name, key, me, io_timeout) {
+            Ok(l) => {
+                if let Some(old) = links.insert(name.to_string(), l.clone()) {
+                    old.close();
+                }
+                Some(l)
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "no staging link to the peer; restricted regions go over TCP");
+                None
+            }
+        }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn links(&self) -> Vec<Arc<StagedLink>> {
+        self.links.lock().values().cloned().collect()
+    }
+
+    /// Unmaps everything and closes the staging links (peer closed).
     pub fn clear(&self) {
         self.cache.lock().clear();
+        let links: Vec<Arc<StagedLink>> = self.links.lock().drain().map(|(_, l)| l).collect();
+        for l in links {
+            l.close();
+        }
     }
 }
 

@@ -188,6 +188,12 @@ impl TcpPeer {
         Ok(())
     }
 
+    /// Who this side is to the peer (key, engine name) and its I/O timeout: what the
+    /// staged path's own connection to the peer authenticates with.
+    pub fn identity(&self) -> (Option<&AuthKey>, &str, Duration) {
+        (self.key.as_ref(), &self.local_name, self.cfg.io_timeout)
+    }
+
     pub fn endpoints(&self) -> &[SocketAddr] {
         &self.endpoints
     }

@@ -41,6 +41,7 @@ use super::super::region::RegionTable;
 use super::super::{AccessError, TransferError};
 use super::admission::{make_room, Activity, Served};
 pub use super::admission::{MAX_CONNECTIONS, MAX_PER_PEER};
+use super::super::staged_server::{StagingCtx, StagingServer};
 use super::handshake::{self, Refusal};
 use super::seal::{FrameReader, FrameWriter};
 use super::{read_header, read_msg_body, ConnError};
@@ -63,6 +64,8 @@ pub struct ServeCtx {
     pub idle_timeout: Duration,
     /// Whether peers may learn shm names (the engine allows the shm transport).
     pub share_shm: bool,
+    /// The staging socket offered for restricted regions (set by [`Server::bind`]).
+    pub staging: Option<String>,
 }
 
 struct Shared {
@@ -84,11 +87,15 @@ type Listener = (SocketAddr, TcpListener, Option<JoinHandle<()>>);
 pub struct Server {
     shared: Arc<Shared>,
     listeners: Mutex<Vec<Listener>>,
+    /// Same-host writes into restricted regions (`staged_server`), with the shm transport.
+    staging: Option<StagingServer>,
 }
 
 impl Server {
     /// Binds every address in `listen` (each a `host:port`).
-    pub fn bind(listen: &[String], ctx: ServeCtx) -> Result<Server, TransferError> {
+    pub fn bind(listen: &[String], mut ctx: ServeCtx) -> Result<Server, TransferError> {
+        let staging = if ctx.share_shm { start_staging(&ctx) } else { None };
+        ctx.staging = staging.as_ref().map(|s| s.name().to_string());
         let shared = Arc::new(Shared {
             ctx,
             closed: AtomicBool::new(false),
@@ -110,7 +117,7 @@ impl Server {
                 .map_err(TransferError::io)?;
             listeners.push((local, l, Some(h)));
         }
-        Ok(Server { shared, listeners: Mutex::new(listeners) })
+        Ok(Server { shared, listeners: Mutex::new(listeners), staging })
     }
 
     pub fn addresses(&self) -> Vec<SocketAddr> {
@@ -120,6 +127,9 @@ impl Server {
     /// Stops accepting, closes every served connection and joins the accept threads.
     pub fn close(&self) {
         self.shared.closed.store(true, Ordering::SeqCst);
+        if let Some(s) = &self.staging {
+            s.close();
+        }
         let mut ls = self.listeners.lock();
         for (_, l, _) in ls.iter() {
             // SAFETY: shutting down our own listening socket wakes its blocked accept().
@@ -142,6 +152,27 @@ impl Server {
 impl Drop for Server {
     fn drop(&mut self) {
         self.close();
+    }
+}
+
+fn start_staging(ctx: &ServeCtx) -> Option<StagingServer> {
+    let sctx = StagingCtx {
+        name: ctx.name.clone(),
+        regions: ctx.regions.clone(),
+        key: ctx.key.clone(),
+        peer_keys: ctx.peer_keys.clone(),
+        host: ctx.host,
+        counters: ctx.counters.clone(),
+        io_timeout: ctx.io_timeout,
+        idle_timeout: ctx.idle_timeout,
+    };
+    match StagingServer::start(sctx) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            // Restricted regions then go over TCP only, as before.
+            tracing::debug!(engine = %ctx.name, error = %e, "no staging socket");
+            None
+        }
     }
 }
 
@@ -367,9 +398,14 @@ fn handle(h: Header, peer: &str, r: &mut Reader, w: &mut FrameWriter<TcpStream>,
                     len: reg.len() as u64,
                     readonly: reg.readonly_to_peers(),
                     // A restricted region is never offered over shm: a mapping cannot
-                    // be revoked, a grant must be. Its peers stay on TCP, where every
-                    // request is checked against the live grants.
-                    shm: if ctx.share_shm && !reg.restricted { reg.shm().map(|(n, _)| n.to_string()) } else { None },
+                    // be revoked, a grant must be. Same-host peers get the staging
+                    // socket instead ("@name": staged_server.rs), where every commit is
+                    // checked against the live grants; others stay on TCP.
+                    shm: match (ctx.share_shm, reg.restricted) {
+                        (true, false) => reg.shm().map(|(n, _)| n.to_string()),
+                        (true, true) => ctx.staging.as_ref().map(|n| format!("@{n}")),
+                        (false, _) => None,
+                    },
                 },
                 None => Msg::RegionInfo { id, status: Err(AccessError::NoSuchRegion), len: 0, readonly: false, shm: None },
             };

@@ -1,0 +1,210 @@
+//! Serving side of the staged path: restricted regions to same-host peers at memcpy speed,
+//! without ever giving a peer a mapping of the region.
+//!
+//! A restricted region cannot go over shm (a mapping cannot be revoked; a grant must be).
+//! Instead the server listens on an abstract unix socket (no file: nothing to leave behind),
+//! named to peers in the authenticated answer to a region query. A peer that connects
+//! passes the same handshake as on TCP (so its engine name, which grants are made out
+//! to, is proven with a token) from a process of this user (`SO_PEERCRED`), and gets
+//! the fd of a staging buffer of its own: a memfd sealed against resizing, passed with
+//! `SCM_RIGHTS` (proven by possession, never named). The peer copies a write's bytes into
+//! it and commits; the server checks the commit against the live grants exactly as a TCP
+//! write (`RegionTable::resolve`) and only then copies the bytes into the region. So
+//! revoke and expiry take effect at the next commit, the peer's mapping is of its own
+//! staging buffer only (it holds nothing but what that peer wrote), and the buffer goes
+//! away with the connection.
+//!
+//! Wire, after the handshake (a local stream between processes of one user; nothing sits
+//! in between): the server sends the staging length (u64 LE) with the fd; then each
+//! commit is 40 bytes (id, region, offset, len, staging offset: u64 LE each) answered by
+//! 9 (id, status as in `protocol::status_to_u8`), in order.
+
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, AsRawFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use hashbrown::HashMap;
+use parking_lot::Mutex;
+
+use super::auth::AuthKey;
+use super::config::Counters;
+use super::fdpass;
+use super::protocol::status_to_u8;
+use super::region::RegionTable;
+use super::tcp::handshake::{self, Refusal};
+use crate::mem::MappedMemory;
+
+/// Bytes of one peer's staging buffer: two halves, so the peer fills one while the
+/// server copies the other out.
+pub const STAGING_LEN: usize = 8 << 20;
+/// Most staging connections served at once (each holds a thread and a buffer).
+pub const MAX_STAGED: usize = 64;
+pub const COMMIT_LEN: usize = 40;
+pub const REPLY_LEN: usize = 9;
+
+/// What the staging server checks commits with (the TCP server's context, in part).
+pub struct StagingCtx {
+    pub name: String,
+    pub regions: Arc<RegionTable>,
+    pub key: Option<AuthKey>,
+    pub peer_keys: HashMap<String, AuthKey>,
+    pub host: [u8; 16],
+    pub counters: Arc<Counters>,
+    pub io_timeout: Duration,
+    pub idle_timeout: Duration,
+}
+
+struct Shared {
+    ctx: StagingCtx,
+    closed: AtomicBool,
+    next: AtomicU64,
+    conns: Mutex<HashMap<u64, UnixStream>>,
+}
+
+pub struct StagingServer {
+    name: String,
+    listener: UnixListener,
+    shared: Arc<Shared>,
+    accept: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl StagingServer {
+    /// Binds a fresh abstract socket and starts accepting.
+    pub fn start(ctx: StagingCtx) -> std::io::Result<StagingServer> {
+        let rnd = super::auth::nonce()?;
+        let tail = u64::from_le_bytes(rnd[..8].try_into().unwrap_or_default());
+        let name = format!("mooncake_rs.stage.{}.{tail:016x}", std::process::id());
+        let listener = UnixListener::bind_addr(&SocketAddr::from_abstract_name(name.as_bytes())?)?;
+        let shared = Arc::new(Shared { ctx, closed: AtomicBool::new(false), next: AtomicU64::new(0), conns: Mutex::new(HashMap::new()) });
+        let (l, sh) = (listener.try_clone()?, shared.clone());
+        let accept = std::thread::Builder::new().name("mc-stage-accept".into()).spawn(move || accept_loop(l, sh))?;
+        Ok(StagingServer { name, listener, shared, accept: Mutex::new(Some(accept)) })
+    }
+
+    /// The abstract socket's name (without the leading NUL).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn close(&self) {
+        self.shared.closed.store(true, Ordering::SeqCst);
+        // SAFETY: shutting down our own listening socket wakes its blocked accept().
+        unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
+        if let Some(h) = self.accept.lock().take() {
+            let _ = h.join();
+        }
+        for (_, s) in self.shared.conns.lock().drain() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+impl Drop for StagingServer {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+fn accept_loop(l: UnixListener, sh: Arc<Shared>) {
+    // SAFETY: getuid has no preconditions.
+    let me = unsafe { libc::getuid() };
+    for s in l.incoming() {
+        if sh.closed.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(s) = s else { continue };
+        // Another user's process (abstract sockets have no file permissions) is refused.
+        if fdpass::peer_uid(&s).ok() != Some(me) {
+            continue;
+        }
+        let id = sh.next.fetch_add(1, Ordering::Relaxed);
+        {
+            let mut conns = sh.conns.lock();
+            if conns.len() >= MAX_STAGED {
+                continue; // dropped: the peer falls back to TCP
+            }
+            let Ok(c) = s.try_clone() else { continue };
+            conns.insert(id, c);
+        }
+        let sh2 = sh.clone();
+        let spawned = std::thread::Builder::new().name("mc-stage".into()).spawn(move || {
+            serve(&s, &sh2.ctx);
+            sh2.conns.lock().remove(&id);
+        });
+        if spawned.is_err() {
+            sh.conns.lock().remove(&id);
+        }
+    }
+}
+
+fn serve(s: &UnixStream, ctx: &StagingCtx) {
+    let _ = s.set_read_timeout(Some(super::tcp::server::HANDSHAKE_DEADLINE.min(ctx.io_timeout)));
+    let _ = s.set_write_timeout(Some(ctx.io_timeout));
+    let peer = match handshake::server_with(&mut &*s, ctx.key.as_ref(), &ctx.peer_keys, ctx.host, &ctx.name) {
+        Ok((peer, _)) => peer,
+        Err(Refusal::BadToken) => {
+            ctx.counters.auth_failures.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        Err(Refusal::Other(why)) => {
+            tracing::debug!(engine = %ctx.name, %why, "staging handshake failed");
+            return;
+        }
+    };
+    let staging = match fdpass::sealed_memfd("mooncake_rs.stage", STAGING_LEN) {
+        Ok(fd) => match MappedMemory::map_fd(fd.as_fd(), STAGING_LEN) {
+            Ok(m) => (fd, m),
+            Err(_) => return,
+        },
+        Err(_) => return,
+    };
+    if fdpass::send_with_fd(s, &(STAGING_LEN as u64).to_le_bytes(), staging.0.as_fd()).is_err() {
+        return;
+    }
+    drop(staging.0); // the mapping and the peer's fd keep the buffer
+    let mem = staging.1;
+    // An authenticated peer may idle; without a token, only for idle_timeout.
+    let _ = s.set_read_timeout(if ctx.key.is_some() { None } else { Some(ctx.idle_timeout) });
+    ctx.counters.connections.fetch_add(1, Ordering::Relaxed);
+    let mut commit = [0u8; COMMIT_LEN];
+    loop {
+        if (&*s).read_exact(&mut commit).is_err() {
+            return;
+        }
+        let f = |i: usize| u64::from_le_bytes(commit[i * 8..i * 8 + 8].try_into().unwrap_or_default());
+        let (id, region, offset, len, at) = (f(0), f(1), f(2), f(3), f(4));
+        // A commit outside the staging buffer is no request of ours: close the connection.
+        if at.checked_add(len).is_none_or(|end| end > mem.len() as u64) {
+            ctx.counters.bad_frames.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(engine = %ctx.name, %peer, "closing a staging connection after a commit outside its buffer");
+            return;
+        }
+        let status = match ctx.regions.resolve(region, &peer, offset, len, true) {
+            Ok(reg) => {
+                // SAFETY: resolve() checked offset+len against the region (which `reg`
+                // keeps mapped) and that this peer may write it now; at+len is inside the
+                // staging mapping (checked above), whose size is sealed. The peer may
+                // write its buffer meanwhile: then it lands torn, in its own grant only.
+                unsafe { std::ptr::copy_nonoverlapping(mem.as_ptr().add(at as usize), reg.at(offset), len as usize) };
+                ctx.counters.bytes_served.fetch_add(len, Ordering::Relaxed);
+                ctx.counters.bytes_staged.fetch_add(len, Ordering::Relaxed);
+                Ok(())
+            }
+            Err(e) => {
+                ctx.counters.count_refusal(e);
+                Err(e)
+            }
+        };
+        let mut reply = [0u8; REPLY_LEN];
+        reply[..8].copy_from_slice(&id.to_le_bytes());
+        reply[8] = status_to_u8(status);
+        if (&*s).write_all(&reply).is_err() {
+            return;
+        }
+    }
+}
