@@ -15,7 +15,7 @@ use parking_lot::Mutex;
 use super::admission::{decode_free_in, OutputLenEstimator, RejectReason};
 use super::calibration::Calibration;
 use super::config::{ConductorConfig, RejectionKind};
-use super::decide::candidates;
+use super::decide::{candidates, Calibrated};
 use super::links::LinkLoads;
 use super::policy::Candidate;
 use super::replication::HotTable;
@@ -157,9 +157,16 @@ impl Conductor {
         self.calibration.lock().enabled = enabled;
     }
 
-    /// (TTFT scale, TBT scale) the admission applies to the cost models' estimates now.
+    /// (prefill work scale, TBT scale) the admission applies to the cost models'
+    /// estimates now (the TTFT estimate is `floor + work scale x (queue + work)`).
     pub fn calibration_scales(&self, now: f64) -> (f64, f64) {
         self.calibration.lock().scales(now)
+    }
+
+    /// Seconds the calibration adds to every TTFT estimate now: what a first token
+    /// takes beyond its queue and own work on this cluster (0 with calibration off).
+    pub fn calibration_floor(&self, now: f64) -> f64 {
+        self.calibration.lock().floor_s(now)
     }
 
     /// Chooses the prefill and decode instances of a request and admits it (it then
@@ -214,11 +221,22 @@ impl Conductor {
         if st.reqs.contains_key(&req.request_id) {
             return Err(ConductorError::DuplicateRequest(req.request_id));
         }
+        let cal = {
+            let c = self.calibration.lock();
+            let (work_scale, tbt_scale) = c.scales(req.now);
+            Calibrated {
+                enabled: c.enabled,
+                work_scale,
+                tbt_scale,
+                floor_s: c.floor_s(req.now),
+                ttft_target: c.ttft_target(self.config.ttft_slo_s, req.now),
+            }
+        };
         let best = best_of(matches);
-        candidates(&st, req, matches, best.map_or(0, |b| b.total()), cands);
-        let est = self.estimate(&st, req, matches, best, cands)?;
+        candidates(&st, req, matches, best.map_or(0, |b| b.total()), &cal, cands);
+        let est = self.estimate(&st, req, matches, best, cands, cal)?;
         if self.config.rejection != RejectionKind::None {
-            let admit = Admit { room: est.room, ttft_target: est.ttft_target, ttft_scale: est.ttft_scale, now: req.now };
+            let admit = Admit { room: est.room, ttft_target: cal.ttft_target, ttft_scale: cal.work_scale, now: req.now };
             if let Some((reason, detail, retry_after_s)) = self.rejection(&st.decode, &est.decision, &admit) {
                 return Err(ConductorError::Overloaded {
                     reason,
@@ -245,7 +263,7 @@ struct Admit {
     room: bool,
     /// The TTFT admission aims at (the SLO times the learned headroom, calibration.rs).
     ttft_target: f64,
-    /// The calibration's TTFT scale (measured over predicted).
+    /// The calibration's prefill work scale (real seconds per predicted second).
     ttft_scale: f64,
     now: f64,
 }
