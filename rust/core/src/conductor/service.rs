@@ -60,11 +60,12 @@ impl ServiceScale {
         }
         let w = SERVICE_WEIGHT;
         if self.samples == 0 {
-            (self.busy_s, self.work_s) = (interval, work);
-        } else {
-            self.busy_s += w * (interval - self.busy_s);
-            self.work_s += w * (work - self.work_s);
+            // the cost model's word (a scale of 1) as the prior: one slow first request
+            // moves the scale by a step, not to its own ratio
+            (self.busy_s, self.work_s) = (work, work);
         }
+        self.busy_s += w * (interval - self.busy_s);
+        self.work_s += w * (work - self.work_s);
         self.samples += 1;
     }
 
@@ -144,7 +145,11 @@ mod tests {
         s.observe(-1.0, 0.001);
         assert_eq!(s.samples(), 4000);
         let mut s = ServiceScale::default();
-        s.observe(1e9, 1e-9);
+        s.observe(0.01, 0.001); // the first sample is one step from the prior (1)
+        assert!((s.at() - 1.45).abs() < 1e-9, "{}", s.at());
+        for _ in 0..100 {
+            s.observe(1e9, 1e-9);
+        }
         assert_eq!(s.at(), MAX_SERVICE);
     }
 

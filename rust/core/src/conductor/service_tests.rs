@@ -165,11 +165,15 @@ fn retry_after_grows_with_the_queue_that_refused() {
             c.on_prefill_started(rid, Some(0.0)).unwrap();
         }
         c.set_online_calibration(true);
-        c.calibration.lock().service.observe(5.0 * w, w);
+        for _ in 0..400 {
+            c.calibration.lock().service.observe(5.0 * w, w);
+        }
+        let scale = c.calibration_scales(0.0).0;
+        assert!((scale - 5.0).abs() < 0.01, "{scale}");
         match c.schedule(&ask(999, 0.0)) {
             Err(ConductorError::Overloaded { reason: RejectReason::TtftSlo, estimates, .. }) => {
                 let e = estimates.unwrap();
-                assert!((e.retry_after_s - 5.0 * w * k as f64).abs() < 1e-9, "{k}: {e:?}");
+                assert!((e.retry_after_s - scale * w * k as f64).abs() < 1e-9, "{k}: {e:?}");
                 assert!(e.retry_after_s > last);
                 last = e.retry_after_s;
             }
