@@ -88,6 +88,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.rejection != "none":
         c.calibrate(repeats=1)
     rng = random.Random(1)
+    trace: list[tuple[float, float, float]] = []  # (t, work scale, floor) every 0.5 s
+    t_start = time.monotonic()
+
+    def watch() -> None:
+        while time.monotonic() < t_start + args.seconds:
+            now = c._now()
+            trace.append((time.monotonic() - t_start, c.conductor.calibration_scales(now)[0],
+                          c.conductor.calibration_floor(now)))
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, daemon=True).start()
     admitted: list[tuple[int, float, float, object]] = []
     refusal_wall: list[float] = []
     refusal_cpu: list[float] = []
@@ -126,6 +137,13 @@ def main(argv: list[str] | None = None) -> int:
         hops["back"].append(first - rep.t_ready)  # type: ignore[attr-defined]
         hops["ttft"].append(first - t0)
     c.close()
+    per_s: dict[int, list[float]] = {}
+    for (rid, t0, _t1, _h), ttft in zip(admitted, hops["ttft"]):
+        per_s.setdefault(int(t0 - t_start), []).append(ttft)
+    print("second: admitted, TTFT p90 ms | work scale, floor ms (at 0.5 s steps)")
+    for sec in sorted(per_s):
+        tr = [f"{w:.2f},{f * 1e3:.1f}" for (t, w, f) in trace if int(t) == sec]
+        print(f"  {sec}: {len(per_s[sec])}, {q(per_s[sec], .9) * 1e3:.0f} | {' '.join(tr)}")
     n_off = len(admitted) + len(refusal_wall)
     print(f"rate {args.rate:g}/s for {args.seconds:g} s, rejection={args.rejection}: offered {n_off}, "
           f"admitted {len(admitted)} ({len(admitted) / max(1, n_off):.0%})")

@@ -173,12 +173,15 @@ impl Calibration {
         }
     }
 
-    /// A request's first token came at `now`: admitted at `admit_t`, when its queue and
-    /// own work were estimated at `work_ttft_s` (scaled, without the floor), under the
-    /// TTFT SLO `slo`.
-    pub fn first_token(&mut self, admit_t: f64, work_ttft_s: f64, slo: f64, now: f64) {
+    /// A request's first token came at `now`: admitted at `admit_t`, when the cost model
+    /// put its queue and own work at `raw_ttft_s` (unscaled), under the TTFT SLO `slo`.
+    /// What the floor learns is the latency beyond that work at the service scale known
+    /// *now*, which has meanwhile seen this request's own service: at a cold start the
+    /// first requests are admitted on the prior scale, and their queue, under-predicted
+    /// then, must not pass for hops (a floor of 60 ms shut admission for 10 s).
+    pub fn first_token(&mut self, admit_t: f64, raw_ttft_s: f64, slo: f64, now: f64) {
         if self.enabled {
-            self.floor.observe(now - admit_t - work_ttft_s, slo, now);
+            self.floor.observe(now - admit_t - raw_ttft_s * self.service.at(), slo, now);
             self.ttft_headroom.observe(now - admit_t, slo, now);
         }
     }

@@ -20,6 +20,7 @@ use super::links::LinkLoads;
 use super::policy::Candidate;
 use super::replication::HotTable;
 use super::state::State;
+
 use super::{ConductorError, RequestId};
 use crate::hash::BlockHash;
 use crate::index::{best_of, BlockIndex, InstanceId, PrefixMatch};
@@ -230,6 +231,7 @@ impl Conductor {
                 tbt_scale,
                 floor_s: c.floor_s(req.now),
                 ttft_target: c.ttft_target(self.config.ttft_slo_s, req.now),
+                first_tokens: c.floor.samples(),
             }
         };
         let best = best_of(matches);
@@ -237,7 +239,8 @@ impl Conductor {
         let est = self.estimate(&st, req, matches, best, cands, cal)?;
         if self.config.rejection != RejectionKind::None {
             let admit = Admit { room: est.room, ttft_target: cal.ttft_target, ttft_scale: cal.work_scale, now: req.now };
-            if let Some((reason, detail, retry_after_s)) = self.rejection(&st.decode, &est.decision, &admit) {
+            let probe = self.probing(&st, &cal, &est.decision);
+            if let Some((reason, detail, retry_after_s)) = probe.or_else(|| self.rejection(&st.decode, &est.decision, &admit)) {
                 return Err(ConductorError::Overloaded {
                     reason,
                     detail,
@@ -257,6 +260,10 @@ impl Conductor {
     }
 }
 
+/// First tokens the online calibration measures before admission trusts its estimates
+/// (`Conductor::probing`).
+pub const PROBE_FIRST_TOKENS: u64 = 8;
+
 /// What the rejection rules need besides the decision.
 struct Admit {
     /// Whether the chosen decode instance has room.
@@ -269,6 +276,31 @@ struct Admit {
 }
 
 impl Conductor {
+    /// A cold start (calibration on, fewer than [`PROBE_FIRST_TOKENS`] first tokens
+    /// measured): the estimates are still the cost model's, which on a CPU host priced a
+    /// prefill at a fifth of what it took, and at 4x overload the first half second
+    /// admitted a queue that took 350 ms. So until the cluster has measured itself, a
+    /// request is admitted only onto a prefill instance with nothing in its prefill
+    /// stage (a queue of 0 is the one estimate the model cannot get wrong), which
+    /// measures the latency floor on an idle instance and the service cost at once.
+    fn probing(&self, st: &State, cal: &Calibrated, d: &Decision) -> Option<(RejectReason, String, f64)> {
+        if !cal.enabled || cal.first_tokens >= PROBE_FIRST_TOKENS {
+            return None;
+        }
+        let p = &st.prefill[st.prefill_pos(d.prefill).ok()?];
+        if p.queued_n + p.running.len() == 0 {
+            return None;
+        }
+        let detail = format!(
+            "the admission is still measuring this cluster ({} of {PROBE_FIRST_TOKENS} first tokens): one request per \
+             prefill instance at a time until then, and instance {} has {}",
+            cal.first_tokens,
+            p.id,
+            p.queued_n + p.running.len()
+        );
+        Some((RejectReason::TtftSlo, detail, (d.est_queue_s * cal.work_scale).max(d.est_ttft_s.min(self.config.ttft_slo_s))))
+    }
+
     /// Why the admission rejects `d` (reason, detail, seconds to retry after), or None.
     /// The checks in order: TTFT over its target, no decode instance with room, TBT over
     /// its SLO. Every estimate here is finite (calibrated when that is on).

@@ -21,8 +21,9 @@ pub(super) struct Estimate {
     decode_idx: usize,
     ask: DecodeAsk,
     out_pred: f64,
-    /// The TTFT estimate without the latency floor (queue and own work, scaled).
-    work_ttft_s: f64,
+    /// The TTFT estimate without the latency floor or the scale (queue and own work in
+    /// the cost model's seconds).
+    raw_ttft_s: f64,
     raw_tbt_s: f64,
     /// The random policy's state after this decision (kept only when admitted).
     rng: u64,
@@ -40,6 +41,8 @@ pub(super) struct Calibrated {
     pub floor_s: f64,
     /// The TTFT admission aims at (the SLO times the learned headroom).
     pub ttft_target: f64,
+    /// First tokens the calibration has measured (a cold start trusts nothing yet).
+    pub first_tokens: u64,
 }
 
 /// One candidate per prefill instance that takes requests: its queue at `now`, speed
@@ -125,8 +128,8 @@ impl Conductor {
         };
         // queue + transfer + prefill at the instances' measured speed, plus what every
         // first token takes besides (service.rs)
-        let work_ttft_s = choice.ttft() * cal.work_scale;
-        let ttft = cal.floor_s + work_ttft_s;
+        let raw_ttft_s = choice.ttft();
+        let ttft = cal.floor_s + raw_ttft_s * cal.work_scale;
         let ask = DecodeAsk { prompt_len: req.prompt_len, out_pred, arrive_t: now + ttft };
         let Some(pick) = select_decode(&st.decode, cfg.rejection, &cfg.cost.decode, &ask) else {
             return Err(overloaded(RejectReason::NoDecodeInstance, "no decode instance registered (or all are draining)"));
@@ -145,7 +148,7 @@ impl Conductor {
             retry_after_s: 0.0,
             fetch_abandon_s,
         };
-        Ok(Estimate { decision, room: pick.room, choice, decode_idx: pick.idx, ask, out_pred, work_ttft_s, raw_tbt_s: pick.tbt, rng })
+        Ok(Estimate { decision, room: pick.room, choice, decode_idx: pick.idx, ask, out_pred, raw_ttft_s, raw_tbt_s: pick.tbt, rng })
     }
 
     /// Writes an admitted request into the state: the replica its fetch creates (in the
@@ -184,7 +187,7 @@ impl Conductor {
                 tbt_s,
                 key: req.block_hashes.first().copied(),
                 admit_t: req.now,
-                work_ttft_s: est.work_ttft_s,
+                raw_ttft_s: est.raw_ttft_s,
                 raw_tbt_s: est.raw_tbt_s,
                 decode_t: None,
                 pending_last: req.block_hashes.last().copied(),

@@ -181,7 +181,7 @@ impl Conductor {
             }
             r.stage = Stage::Decoding;
             r.decode_t = Some(t);
-            self.calibration.lock().first_token(r.admit_t, r.work_ttft_s, self.config.ttft_slo_s, t);
+            self.calibration.lock().first_token(r.admit_t, r.raw_ttft_s, self.config.ttft_slo_s, t);
             Ok((Some(r), ()))
         })
     }

@@ -30,7 +30,7 @@
 //! queue served first in, first out (state.rs, `fifo_queue_s`).
 
 /// Weight of one departure in the service scale's moving sums.
-pub const SERVICE_WEIGHT: f64 = 0.05;
+pub const SERVICE_WEIGHT: f64 = 0.1;
 /// Bounds of the service scale (one odd interval cannot shut or flood admission).
 pub const MIN_SERVICE: f64 = 0.2;
 pub const MAX_SERVICE: f64 = 100.0;
@@ -80,10 +80,12 @@ impl ServiceScale {
 pub const FLOOR_QUANTILE: f64 = 0.95;
 /// Step of the floor per sample, as a share of the TTFT SLO (1 ms at a 50 ms SLO).
 pub const FLOOR_STEP: f64 = 0.02;
-/// How fast the floor relaxes toward 0 without observations.
-pub const FLOOR_HALF_LIFE_S: f64 = 10.0;
-/// The floor never exceeds this many SLOs (one absurd sample cannot shut admission).
-pub const MAX_FLOOR_SLOS: f64 = 10.0;
+/// How fast the floor relaxes toward 0 without observations (only admitted requests
+/// feed it: a floor that refuses everything must come down by itself, in seconds).
+pub const FLOOR_HALF_LIFE_S: f64 = 3.0;
+/// The floor never exceeds this many SLOs: past one it refuses everything anyway, and
+/// the higher it went the longer it would take to open again.
+pub const MAX_FLOOR_SLOS: f64 = 1.0;
 
 /// Seconds a first token takes beyond its queue and its own work (0 before any sample).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -146,7 +148,7 @@ mod tests {
         assert_eq!(s.samples(), 4000);
         let mut s = ServiceScale::default();
         s.observe(0.01, 0.001); // the first sample is one step from the prior (1)
-        assert!((s.at() - 1.45).abs() < 1e-9, "{}", s.at());
+        assert!((s.at() - 1.9).abs() < 1e-9, "{}", s.at());
         for _ in 0..100 {
             s.observe(1e9, 1e-9);
         }

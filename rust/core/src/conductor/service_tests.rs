@@ -6,6 +6,7 @@
 
 use proptest::prelude::*;
 
+use super::conductor::PROBE_FIRST_TOKENS;
 use super::*;
 
 const HOP_S: f64 = 0.02;
@@ -223,4 +224,35 @@ proptest! {
             }
         }
     }
+}
+
+#[test]
+fn a_cold_start_admits_one_request_per_instance_until_it_has_measured_itself() {
+    // a burst at a fresh cluster: the model's estimates would admit a queue (the cost
+    // model puts 32 tokens at ~6 ms, so ~8 fit a 50 ms SLO); until PROBE_FIRST_TOKENS
+    // first tokens are in, only an idle instance takes a request
+    let c = conductor(RejectionKind::Early, 0.05);
+    c.schedule(&ask(0, 0.0)).unwrap();
+    c.on_prefill_started(0, Some(0.0)).unwrap();
+    match c.schedule(&ask(1, 0.0)) {
+        Err(ConductorError::Overloaded { reason: RejectReason::TtftSlo, detail, estimates }) => {
+            assert!(detail.contains("still measuring"), "{detail}");
+            let e = estimates.unwrap();
+            assert!(e.retry_after_s > 0.0 && e.retry_after_s.is_finite(), "{e:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    let mut t = 0.0;
+    let mut rid = 0;
+    for _ in 0..PROBE_FIRST_TOKENS {
+        t += 0.03;
+        c.on_prefill_served(rid, 0.005).unwrap();
+        c.on_decode_started(rid, Some(t)).unwrap();
+        c.on_decode_finished(rid, 8, Some(t)).unwrap();
+        rid += 1;
+        c.schedule(&ask(rid, t)).unwrap();
+        c.on_prefill_started(rid, Some(t)).unwrap();
+    }
+    // measured: now the estimates decide, and a request may queue behind another
+    assert!(c.schedule(&ask(1000, t)).is_ok());
 }

@@ -118,11 +118,11 @@ pub(crate) struct Req {
     pub tbt_s: f64,
     /// Output-length history key (first block of the prompt), if any.
     pub key: Option<BlockHash>,
-    /// For the online calibration (calibration.rs): when it was admitted, its TTFT
-    /// estimate then without the latency floor (queue and own work, scaled), the raw
-    /// (uncalibrated) TBT estimate, and when it started decoding.
+    /// For the online calibration (calibration.rs): when it was admitted, the raw
+    /// (uncalibrated) TTFT (queue and own work) and TBT estimates then, and when it
+    /// started decoding.
     pub admit_t: f64,
-    pub work_ttft_s: f64,
+    pub raw_ttft_s: f64,
     pub raw_tbt_s: f64,
     pub decode_t: Option<f64>,
     /// Its entry in `State::pending` (the prompt's last full block) until its prefill ends.
