@@ -263,6 +263,9 @@ impl Conductor {
 /// First tokens the online calibration measures before admission trusts its estimates
 /// (`Conductor::probing`).
 pub const PROBE_FIRST_TOKENS: u64 = 8;
+/// How many times slower than the cost model a cold cluster may turn out to be (a CPU
+/// host under load measured 5-30x).
+pub const PROBE_SCALE: f64 = 10.0;
 
 /// What the rejection rules need besides the decision.
 struct Admit {
@@ -280,20 +283,23 @@ impl Conductor {
     /// measured): the estimates are still the cost model's, which on a CPU host priced a
     /// prefill at a fifth of what it took, and at 4x overload the first half second
     /// admitted a queue that took 350 ms. So until the cluster has measured itself, a
-    /// request is admitted only onto a prefill instance with nothing in its prefill
-    /// stage (a queue of 0 is the one estimate the model cannot get wrong), which
-    /// measures the latency floor on an idle instance and the service cost at once.
+    /// request joins a prefill instance's queue only when its estimate with the work
+    /// taking [`PROBE_SCALE`] times the model's still meets the target; onto an idle
+    /// instance it goes anyway (a queue of 0 is the one estimate the model cannot get
+    /// wrong), which measures the latency floor and the service cost at once.
     fn probing(&self, st: &State, cal: &Calibrated, d: &Decision) -> Option<(RejectReason, String, f64)> {
         if !cal.enabled || cal.first_tokens >= PROBE_FIRST_TOKENS {
             return None;
         }
         let p = &st.prefill[st.prefill_pos(d.prefill).ok()?];
-        if p.queued_n + p.running.len() == 0 {
+        let pessimistic = d.est_ttft_s * (PROBE_SCALE / cal.work_scale).max(1.0);
+        if p.queued_n + p.running.len() == 0 || pessimistic <= cal.ttft_target {
             return None;
         }
         let detail = format!(
             "the admission is still measuring this cluster ({} of {PROBE_FIRST_TOKENS} first tokens): one request per \
-             prefill instance at a time until then, and instance {} has {}",
+             prefill instance at a time until then unless {PROBE_SCALE}x its estimate ({pessimistic:.4}s) meets \
+             the target, and instance {} has {}",
             cal.first_tokens,
             p.id,
             p.queued_n + p.running.len()

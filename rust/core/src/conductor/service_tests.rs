@@ -255,4 +255,11 @@ fn a_cold_start_admits_one_request_per_instance_until_it_has_measured_itself() {
     }
     // measured: now the estimates decide, and a request may queue behind another
     assert!(c.schedule(&ask(1000, t)).is_ok());
+    // a loose SLO (the demo's 5 s): even 10x the model's estimate fits, so a cold
+    // cluster queues a burst at once
+    let loose = conductor(RejectionKind::Early, 5.0);
+    for rid in 0..6 {
+        loose.schedule(&ask(rid, 0.0)).unwrap();
+        loose.on_prefill_started(rid, Some(0.0)).unwrap();
+    }
 }
