@@ -166,3 +166,24 @@ def test_ssd_tier_serves_blocks_evicted_from_dram(tmp_path):
         assert again.token_ids == ref[0]
         assert again.metrics.reused_tokens > 0
     assert any((tmp_path / "prefill-0").iterdir())  # the tier lives in the instance's own directory
+
+
+def test_the_admission_learns_this_clusters_service_cost_from_the_prefill_reports():
+    """Issue 26: the TTFT estimate is the latency floor plus the queue and work at the
+    service scale the prefill instances measure (``PrefillReport.busy_s``): after a few
+    requests both have left their starting values (1 and 0), and every estimate is
+    finite. (No timing is asserted: only that the measurements reached the conductor.)"""
+    from mooncake_rs import Cluster
+
+    with Cluster(ModelConfig.tiny(), prefill=1, decode=1, block_size=BLOCK, dram_bytes_per_instance=8 << 20,
+                 seed=0, ttft_slo_s=30.0, rejection="early") as c:
+        cond = c.conductor
+        assert cond.calibration_scales(c._now())[0] == 1.0 and cond.calibration_floor(c._now()) == 0.0
+        rng = random.Random(5)
+        for _ in range(12):  # one at a time: a cold start admits one per idle instance
+            out = c.generate([[rng.randrange(1, 200) for _ in range(40)]], SamplingParams(max_tokens=2, ignore_eos=True))
+            assert len(out[0].token_ids) == 2
+        scale, _ = cond.calibration_scales(c._now())
+        assert scale != 1.0 and 0.2 <= scale <= 100.0
+        d = cond.preview(10**9, [], 40, c._now(), expected_output_len=2)
+        assert d.est_ttft_s >= cond.calibration_floor(c._now()) and d.est_ttft_s < float("inf")

@@ -60,7 +60,7 @@ SAMPLES: list[p.Message] = [
     # a multi-source fetch (Cluster(multipath=True)): the other holders and the split
     p.Expect(9, [1, 2, 3], SamplingParams(), KEYS, 1, FETCH, 0, fetch_also=[FETCH2], fetch_split=[1, 1]),
     p.Prefill(9, [1, 2, 3], SamplingParams(), KEYS, 1, FETCH, DEST, 3, fetch_also=[FETCH2], fetch_split=[0, 2]),
-    p.Tokens(9, [4], None, p.PrefillReport(2, 2, 65536, 1.5, 1.75, 2.0, sources=2)),
+    p.Tokens(9, [4], None, p.PrefillReport(2, 2, 65536, 1.5, 1.75, 2.0, sources=2, busy_s=0.004)),
 ]
 
 
@@ -85,7 +85,7 @@ def test_multipath_fields_are_additive():
     for msg in (p.Expect(9, [1], SamplingParams(), KEYS, 1, FETCH, 0), p.Prefill(9, [1], SamplingParams(), KEYS, 1, FETCH, DEST, 3),
                 p.KvReady(9, 1, "prefill", REPORT)):
         body = c.encode(msg)[4:]
-        for name in (b"fetch_also", b"fetch_split", b"sources"):
+        for name in (b"fetch_also", b"fetch_split", b"sources", b"busy_s"):
             assert name not in body
         assert c.decode(c.encode(msg)) == msg
 

@@ -79,6 +79,8 @@ class _PState:
     finish: str | None = None
     done: bool = False
     t_compute: float = 0.0
+    t_engine: float = 0.0  # when it joined the engine (after any fetch)
+    busy_s: float = 0.0  # this instance's time spent on it (PrefillReport.busy_s)
     msg: Any = None  # the Prefill, until computing starts
     in_fetch: bool = False
     fetch: MultiFetch | None = None  # the prefix fetch in flight (it holds its own slots)
@@ -99,6 +101,7 @@ class PrefillRole:
         self.flush = ctx.flush  # store events to the cluster
         self.kv_events = ctx.kv_events  # a kv_events.KVEventsOut when the instance publishes
         self.reqs: dict[int, _PState] = {}
+        self._free_at = 0.0  # when the latest request's compute and save ended (busy_s)
         self._overtaken = _Recent()  # cancelled before their Prefill came
         self._seen = _Recent()
 
@@ -202,6 +205,7 @@ class PrefillRole:
             self._span(st, i, store.offset(s), 0, store.block_bytes, spans)
         self._write(st, spans)
         stream = self.spec.stream_layers
+        st.t_engine = time.monotonic()
         self.engine.add_request(msg.prompt, msg.params,
                                 request_id=str(st.rid), restored_kv=[store.view(s) for s in slots],
                                 prefill_only=True, hold_kv=True,
@@ -267,6 +271,10 @@ class PrefillRole:
                     self._save(st, range(nfull), partial, None)
                 except Exception as e:  # noqa: BLE001 - fail the request, not the instance
                     st.error = f"{type(e).__name__}: {e}"
+            # its share of this instance's time: one request of a batched step carries
+            # the step, the others only their save (the sum is the time spent)
+            end = time.monotonic()
+            st.busy_s, self._free_at = end - max(st.t_engine, self._free_at), end
             st.done = True
 
     def poll(self) -> None:
@@ -300,7 +308,8 @@ class PrefillRole:
             return
         self.flush()  # the index learns the new blocks before the request ends
         report = PrefillReport(st.reused, st.fetched, transport.take_bytes(st.rid) + st.fetch_bytes, st.t_start,
-                               st.t_compute, time.monotonic(), st.sources, st.fetch_s if st.sources else 0.0)
+                               st.t_compute, time.monotonic(), st.sources, st.fetch_s if st.sources else 0.0,
+                               st.busy_s)
         link = self.peers.get(st.decode)
         if link is not None:  # a lost decode instance: the cluster fails the request
             link.send(KvReady(st.rid, st.first, st.finish or "prefill", report))

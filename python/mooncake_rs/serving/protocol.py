@@ -134,7 +134,11 @@ class PrefillReport(_Base, frozen=True, omit_defaults=True):
     holders its prefix fetch read from (0: no fetch; 2 or more: a multi-source fetch),
     ``fetch_s`` how long that fetch took (from its start to its last block in); both
     additive and left off the wire at their defaults, so a report without them decodes
-    the same on either side (no version bump)."""
+    the same on either side (no version bump). ``busy_s``: the instance's time spent on
+    this request (its engine step and KV save, from when it joined the engine or the
+    previous request's end, whichever is later; None from an instance that does
+    not measure it): the real service cost
+    the admission's calibration learns (docs/conductor.md)."""
 
     reused_blocks: int
     fetched_blocks: int
@@ -144,6 +148,7 @@ class PrefillReport(_Base, frozen=True, omit_defaults=True):
     t_ready: float
     sources: int = 0
     fetch_s: float = 0.0
+    busy_s: float | None = None
 
 
 class InstanceSpec(_Base, frozen=True):

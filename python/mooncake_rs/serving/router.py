@@ -226,7 +226,18 @@ class Router:
         if self.lifecycle.more_tokens(src, msg):  # a decoding request's next tokens: no commands
             self._deliver(msg.rid, msg.tokens, None)
         else:
+            if msg.report is not None and msg.report.busy_s is not None:
+                self._served(msg.rid, msg.report.busy_s)
             self._run(self.lifecycle.tokens(src, msg))
+
+    def _served(self, rid: int, busy_s: float) -> None:
+        """The first token's report says what the prefill instance spent on the request:
+        the admission's calibration learns the real service cost from it (before the
+        first token ends the request's prefill stage in the conductor)."""
+        try:
+            self.port.conductor.on_prefill_served(rid, busy_s)
+        except Exception:  # noqa: BLE001 - advisory, like every progress call (a dropped request)
+            log.debug("conductor on_prefill_served(%d) failed", rid, exc_info=True)
 
     def fail_all(self, error: BaseException) -> None:
         """After the thread ended (``Cluster.close``): fail what is still in flight."""

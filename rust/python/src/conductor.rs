@@ -97,9 +97,16 @@ impl PyConductor {
         self.inner.set_online_calibration(enabled)
     }
 
-    /// (TTFT scale, TBT scale) the admission applies now (1.0 each when off).
+    /// (prefill work scale, TBT scale) the admission applies now (1.0 each when off):
+    /// the TTFT estimate is `calibration_floor + work scale x (queue + own work)`.
     fn calibration_scales(&self, now: f64) -> (f64, f64) {
         self.inner.calibration_scales(now)
+    }
+
+    /// Seconds every TTFT estimate carries besides its queue and own work: what a first
+    /// token takes on this cluster beyond them (0.0 when off).
+    fn calibration_floor(&self, now: f64) -> f64 {
+        self.inner.calibration_floor(now)
     }
 
     /// Ends a drain; returns how many requests the instance holds.
@@ -177,6 +184,13 @@ impl PyConductor {
     #[pyo3(signature = (request_id, now = None))]
     fn on_prefill_finished(&self, py: Python<'_>, request_id: u64, now: Option<f64>) -> PyResult<()> {
         self.inner.on_prefill_finished(request_id, now).map_err(|e| map_err(py, e))
+    }
+
+    /// The prefill instance's engine spent `busy_s` seconds on the request (its report):
+    /// a sample of the real service cost for the online calibration; before
+    /// `on_decode_started`.
+    fn on_prefill_served(&self, py: Python<'_>, request_id: u64, busy_s: f64) -> PyResult<()> {
+        self.inner.on_prefill_served(request_id, busy_s).map_err(|e| map_err(py, e))
     }
 
     #[pyo3(signature = (request_id, now = None))]

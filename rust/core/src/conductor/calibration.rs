@@ -7,15 +7,16 @@
 //! admitted under a 50 ms TTFT SLO). So each finished stage feeds back the ratio of
 //! what was measured to what was predicted at admission:
 //!
-//! - TTFT: the time from admission to the first token (`on_decode_started`) over the
-//!   estimate then;
+//! - TTFT: not one ratio (the hops of a first token would multiply the queue) but a
+//!   service scale (real seconds per second of predicted prefill work, as the
+//!   instances measure their engines' time per request) and a latency floor (what a first token takes
+//!   beyond its queue and own work): the estimate is `floor + scale x (queue + work)`
+//!   (service.rs says why);
 //! - TBT: the mean interval of the request's decode (`on_decode_finished`) over the
-//!   decode model's prediction at admission.
+//!   decode model's prediction at admission, as a ratio that tracks the [`QUANTILE`]
+//!   (p95) of the measured/predicted ratios, not their mean.
 //!
-//! Each ratio tracks the [`QUANTILE`] (p95) of the measured/predicted ratios, not their
-//! mean: the SLOs are judged at p90, so an estimate scaled by the mean ratio would
-//! admit requests of which a good share misses (p95 leaves a margin: on a shared host
-//! a p90-scaled estimate still missed the p90 in half the runs, BENCHMARKS.md). It is a stochastic quantile estimate in
+//! The TBT ratio is a stochastic quantile estimate in
 //! log space (a 10x miss and a 0.1x miss weigh alike): each sample above it moves it up
 //! by `STEP * QUANTILE`, each below down by `STEP * (1 - QUANTILE)`; clamped; and it
 //! decays back toward 1 when nothing is observed (half-life [`HALF_LIFE_S`]): a cluster
@@ -26,11 +27,13 @@
 //! A calibrated estimate is still an estimate: under overload every admitted request is
 //! one whose estimate sits just under the SLO, and on a shared host the latency it then
 //! sees moves with work admission cannot see (the rejected requests' own cost, other
-//! processes), so a p95-scaled estimate still left the TTFT p90 *at* the SLO (issue 26).
+//! processes), so the TTFT p90 can still sit at the SLO (issue 26).
 //! So the TTFT target also learns from the outcome itself: [`Headroom`] tracks whether
 //! each admitted request's first token came within the SLO and shrinks the admission
 //! target (the SLO times the headroom, at most 1) until no more than [`TARGET_MISS`] of
 //! them miss: the p90 then sits under the SLO with a margin.
+
+use super::service::{LatencyFloor, ServiceScale};
 
 /// The quantile of the measured/predicted ratio that scales the estimates.
 pub const QUANTILE: f64 = 0.95;
@@ -128,22 +131,35 @@ impl Headroom {
     }
 }
 
-/// The admission's calibration: one ratio for TTFT, one for TBT, and the TTFT headroom.
+/// The admission's calibration: the TTFT's service scale and latency floor (service.rs),
+/// the TBT ratio, and the TTFT headroom.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Calibration {
     pub enabled: bool,
-    pub ttft: Ratio,
+    /// Real seconds per second of predicted prefill work (a backlogged instance's throughput).
+    pub service: ServiceScale,
+    /// Seconds a first token takes beyond its queue and own work.
+    pub floor: LatencyFloor,
     pub tbt: Ratio,
     pub ttft_headroom: Headroom,
 }
 
 impl Calibration {
-    /// (TTFT scale, TBT scale) at `now`: what multiplies the models' estimates.
+    /// (prefill work scale, TBT scale) at `now`: what multiplies the models' estimates.
     pub fn scales(&self, now: f64) -> (f64, f64) {
         if self.enabled {
-            (self.ttft.at(now), self.tbt.at(now))
+            (self.service.at(), self.tbt.at(now))
         } else {
             (1.0, 1.0)
+        }
+    }
+
+    /// Seconds every first token takes besides its queue and own work (0 when off).
+    pub fn floor_s(&self, now: f64) -> f64 {
+        if self.enabled {
+            self.floor.at(now)
+        } else {
+            0.0
         }
     }
 
@@ -157,12 +173,24 @@ impl Calibration {
         }
     }
 
-    /// A request's first token came at `now`: admitted at `admit_t` with the raw
-    /// (uncalibrated) TTFT estimate `est_ttft_s`, under the TTFT SLO `slo`.
-    pub fn first_token(&mut self, admit_t: f64, est_ttft_s: f64, slo: f64, now: f64) {
+    /// A request's first token came at `now`: admitted at `admit_t`, when the cost model
+    /// put its queue and own work at `raw_ttft_s` (unscaled), under the TTFT SLO `slo`.
+    /// What the floor learns is the latency beyond that work at the service scale known
+    /// *now*, which has meanwhile seen this request's own service: at a cold start the
+    /// first requests are admitted on the prior scale, and their queue, under-predicted
+    /// then, must not pass for hops (a floor of 60 ms shut admission for 10 s).
+    pub fn first_token(&mut self, admit_t: f64, raw_ttft_s: f64, slo: f64, now: f64) {
         if self.enabled {
-            self.ttft.observe(est_ttft_s, now - admit_t, now);
+            self.floor.observe(now - admit_t - raw_ttft_s * self.service.at(), slo, now);
             self.ttft_headroom.observe(now - admit_t, slo, now);
+        }
+    }
+
+    /// A prefill instance's engine spent `interval` seconds on a request priced at
+    /// `work_s` (see `ServiceScale`).
+    pub fn served(&mut self, interval: f64, work_s: f64) {
+        if self.enabled {
+            self.service.observe(interval, work_s);
         }
     }
 
@@ -220,14 +248,17 @@ mod tests {
     fn disabled_calibration_scales_nothing() {
         let mut c = Calibration::default();
         c.first_token(0.0, 0.01, 0.5, 1.0);
+        c.served(0.01, 0.001);
         c.finished(Some(0.0), 10, 0.001, 1.0);
         assert_eq!(c.scales(1.0), (1.0, 1.0));
+        assert_eq!(c.floor_s(1.0), 0.0);
         assert_eq!(c.ttft_target(0.5, 1.0), 0.5);
         c.enabled = true;
-        c.first_token(0.0, 0.01, 0.5, 1.0);
+        c.first_token(0.0, 0.01, 0.5, 1.0); // 0.99 s beyond its queue and work
+        c.served(0.01, 0.001); // 10x the predicted work
         c.finished(Some(0.0), 11, 0.01, 1.0); // 0.1 s a token: 10x
         let (a, b) = c.scales(1.0);
-        assert!(a > 1.0 && b > 1.0, "{a} {b}");
+        assert!(a > 1.0 && b > 1.0 && c.floor_s(1.0) > 0.0, "{a} {b}");
         c.finished(Some(0.0), 1, 0.01, 1.0); // one token: no interval, nothing learned
         assert_eq!(c.tbt.samples(), 1);
     }
@@ -364,48 +395,6 @@ mod tests {
             assert!(c.calibration.lock().ttft_target(0.05, 0.07) < 0.05);
             // a quiet minute later the target is back near the SLO
             assert!(c.calibration.lock().ttft_target(0.05, 60.0) > 0.045);
-        }
-
-        #[test]
-        fn measured_latency_calibrates_the_ttft_estimate_and_relaxes_without_samples() {
-            let c = conductor(64, 10.0);
-            c.set_online_calibration(true);
-            let raw = c.preview(&ask(100, 0.0)).unwrap().est_ttft_s;
-            assert!(raw < 0.05, "the default model predicts {raw}");
-            // every first token comes 20x later than predicted
-            let mut now = 0.0;
-            for rid in 0..60 {
-                let d = c.schedule(&ask(rid, now)).unwrap();
-                c.on_decode_started(rid, Some(now + 20.0 * d.est_ttft_s / c.calibration_scales(now).0)).unwrap();
-                c.on_decode_finished(rid, 8, Some(now + 0.1)).unwrap();
-                now += 0.001;
-            }
-            let (ttft_scale, _) = c.calibration_scales(now);
-            assert!(ttft_scale > 15.0, "{ttft_scale}");
-            let e = c.preview(&ask(100, now)).unwrap().est_ttft_s;
-            assert!((e / raw - ttft_scale).abs() < 1e-6 * ttft_scale, "{e} {raw}");
-            // off: the raw estimate again
-            c.set_online_calibration(false);
-            assert_eq!(c.preview(&ask(100, now)).unwrap().est_ttft_s, raw);
-            c.set_online_calibration(true);
-            // a minute without samples: back near 1
-            assert!(c.calibration_scales(now + 60.0).0 < 1.1);
-            // and the scaled estimate is what the SLO is checked against
-            let strict = conductor(64, 0.05);
-            strict.set_online_calibration(true);
-            for rid in 0..500 {
-                let Ok(d) = strict.schedule(&ask(rid, 0.0)) else {
-                    break; // calibrated past the SLO already
-                };
-                strict.on_decode_started(rid, Some(0.05 + d.est_ttft_s)).unwrap();
-                strict.on_decode_finished(rid, 8, Some(0.2)).unwrap();
-            }
-            match strict.schedule(&ask(999, 0.0)) {
-                Err(ConductorError::Overloaded { reason: RejectReason::TtftSlo, estimates, .. }) => {
-                    assert!(estimates.unwrap().retry_after_s > 0.0)
-                }
-                other => panic!("{other:?}"),
-            }
         }
     }
 }

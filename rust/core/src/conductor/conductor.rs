@@ -15,11 +15,12 @@ use parking_lot::Mutex;
 use super::admission::{decode_free_in, OutputLenEstimator, RejectReason};
 use super::calibration::Calibration;
 use super::config::{ConductorConfig, RejectionKind};
-use super::decide::candidates;
+use super::decide::{candidates, Calibrated};
 use super::links::LinkLoads;
 use super::policy::Candidate;
 use super::replication::HotTable;
 use super::state::State;
+
 use super::{ConductorError, RequestId};
 use crate::hash::BlockHash;
 use crate::index::{best_of, BlockIndex, InstanceId, PrefixMatch};
@@ -157,9 +158,16 @@ impl Conductor {
         self.calibration.lock().enabled = enabled;
     }
 
-    /// (TTFT scale, TBT scale) the admission applies to the cost models' estimates now.
+    /// (prefill work scale, TBT scale) the admission applies to the cost models'
+    /// estimates now (the TTFT estimate is `floor + work scale x (queue + work)`).
     pub fn calibration_scales(&self, now: f64) -> (f64, f64) {
         self.calibration.lock().scales(now)
+    }
+
+    /// Seconds the calibration adds to every TTFT estimate now: what a first token
+    /// takes beyond its queue and own work on this cluster (0 with calibration off).
+    pub fn calibration_floor(&self, now: f64) -> f64 {
+        self.calibration.lock().floor_s(now)
     }
 
     /// Chooses the prefill and decode instances of a request and admits it (it then
@@ -214,12 +222,25 @@ impl Conductor {
         if st.reqs.contains_key(&req.request_id) {
             return Err(ConductorError::DuplicateRequest(req.request_id));
         }
+        let cal = {
+            let c = self.calibration.lock();
+            let (work_scale, tbt_scale) = c.scales(req.now);
+            Calibrated {
+                enabled: c.enabled,
+                work_scale,
+                tbt_scale,
+                floor_s: c.floor_s(req.now),
+                ttft_target: c.ttft_target(self.config.ttft_slo_s, req.now),
+                first_tokens: c.floor.samples(),
+            }
+        };
         let best = best_of(matches);
-        candidates(&st, req, matches, best.map_or(0, |b| b.total()), cands);
-        let est = self.estimate(&st, req, matches, best, cands)?;
+        candidates(&st, req, matches, best.map_or(0, |b| b.total()), &cal, cands);
+        let est = self.estimate(&st, req, matches, best, cands, cal)?;
         if self.config.rejection != RejectionKind::None {
-            let admit = Admit { room: est.room, ttft_target: est.ttft_target, ttft_scale: est.ttft_scale, now: req.now };
-            if let Some((reason, detail, retry_after_s)) = self.rejection(&st.decode, &est.decision, &admit) {
+            let admit = Admit { room: est.room, ttft_target: cal.ttft_target, ttft_scale: cal.work_scale, now: req.now };
+            let probe = self.probing(&st, &cal, &est.decision);
+            if let Some((reason, detail, retry_after_s)) = probe.or_else(|| self.rejection(&st.decode, &est.decision, &admit)) {
                 return Err(ConductorError::Overloaded {
                     reason,
                     detail,
@@ -239,18 +260,53 @@ impl Conductor {
     }
 }
 
+/// First tokens the online calibration measures before admission trusts its estimates
+/// (`Conductor::probing`).
+pub const PROBE_FIRST_TOKENS: u64 = 8;
+/// How many times slower than the cost model a cold cluster may turn out to be (a CPU
+/// host under load measured 5-30x).
+pub const PROBE_SCALE: f64 = 10.0;
+
 /// What the rejection rules need besides the decision.
 struct Admit {
     /// Whether the chosen decode instance has room.
     room: bool,
     /// The TTFT admission aims at (the SLO times the learned headroom, calibration.rs).
     ttft_target: f64,
-    /// The calibration's TTFT scale (measured over predicted).
+    /// The calibration's prefill work scale (real seconds per predicted second).
     ttft_scale: f64,
     now: f64,
 }
 
 impl Conductor {
+    /// A cold start (calibration on, fewer than [`PROBE_FIRST_TOKENS`] first tokens
+    /// measured): the estimates are still the cost model's, which on a CPU host priced a
+    /// prefill at a fifth of what it took, and at 4x overload the first half second
+    /// admitted a queue that took 350 ms. So until the cluster has measured itself, a
+    /// request joins a prefill instance's queue only when its estimate with the work
+    /// taking [`PROBE_SCALE`] times the model's still meets the target; onto an idle
+    /// instance it goes anyway (a queue of 0 is the one estimate the model cannot get
+    /// wrong), which measures the latency floor and the service cost at once.
+    fn probing(&self, st: &State, cal: &Calibrated, d: &Decision) -> Option<(RejectReason, String, f64)> {
+        if !cal.enabled || cal.first_tokens >= PROBE_FIRST_TOKENS {
+            return None;
+        }
+        let p = &st.prefill[st.prefill_pos(d.prefill).ok()?];
+        let pessimistic = d.est_ttft_s * (PROBE_SCALE / cal.work_scale).max(1.0);
+        if p.queued_n + p.running.len() == 0 || pessimistic <= cal.ttft_target {
+            return None;
+        }
+        let detail = format!(
+            "the admission is still measuring this cluster ({} of {PROBE_FIRST_TOKENS} first tokens): one request per \
+             prefill instance at a time until then unless {PROBE_SCALE}x its estimate ({pessimistic:.4}s) meets \
+             the target, and instance {} has {}",
+            cal.first_tokens,
+            p.id,
+            p.queued_n + p.running.len()
+        );
+        Some((RejectReason::TtftSlo, detail, (d.est_queue_s * cal.work_scale).max(d.est_ttft_s.min(self.config.ttft_slo_s))))
+    }
+
     /// Why the admission rejects `d` (reason, detail, seconds to retry after), or None.
     /// The checks in order: TTFT over its target, no decode instance with room, TBT over
     /// its SLO. Every estimate here is finite (calibrated when that is on).

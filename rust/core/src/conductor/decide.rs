@@ -16,26 +16,43 @@ pub(super) struct Estimate {
     pub decision: Decision,
     /// A decode instance with room (false: every one is at its batch or KV capacity).
     pub room: bool,
-    /// The TTFT admission aims at (the SLO times the learned headroom, calibration.rs).
-    pub ttft_target: f64,
-    /// The calibration's TTFT scale (measured over predicted).
-    pub ttft_scale: f64,
     choice: Choice,
     /// Index of the decode instance in `State::decode`.
     decode_idx: usize,
     ask: DecodeAsk,
     out_pred: f64,
+    /// The TTFT estimate without the latency floor or the scale (queue and own work in
+    /// the cost model's seconds).
     raw_ttft_s: f64,
     raw_tbt_s: f64,
     /// The random policy's state after this decision (kept only when admitted).
     rng: u64,
 }
 
+/// The online calibration as one decision reads it (calibration.rs, service.rs).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Calibrated {
+    /// Whether the calibration is on (the queue is then served first in, first out).
+    pub enabled: bool,
+    /// Real seconds per second of predicted prefill work.
+    pub work_scale: f64,
+    pub tbt_scale: f64,
+    /// Seconds a first token takes beyond its queue and own work.
+    pub floor_s: f64,
+    /// The TTFT admission aims at (the SLO times the learned headroom).
+    pub ttft_target: f64,
+    /// First tokens the calibration has measured (a cold start trusts nothing yet).
+    pub first_tokens: u64,
+}
+
 /// One candidate per prefill instance that takes requests: its queue at `now`, speed
 /// and local prefix by tier, the prefix an admitted request will leave there counted
 /// as DRAM (`pending.rs`; only prefixes longer than `floor`, the index's best, are
 /// looked up: a shorter one would not change the choice the index already offers).
-pub(super) fn candidates(st: &State, req: &ScheduleRequest<'_>, matches: &[PrefixMatch], floor: usize, cands: &mut Vec<Candidate>) {
+/// With the calibration on, the queue is the instance's first-in-first-out backlog at
+/// its measured speed, in the cost model's seconds (divided by the scale again: the
+/// estimate multiplies the whole TTFT by it).
+pub(super) fn candidates(st: &State, req: &ScheduleRequest<'_>, matches: &[PrefixMatch], floor: usize, cal: &Calibrated, cands: &mut Vec<Candidate>) {
     let now = req.now;
     cands.clear();
     let mut mi = 0;
@@ -50,7 +67,8 @@ pub(super) fn candidates(st: &State, req: &ScheduleRequest<'_>, matches: &[Prefi
             Some(m) if m.instance == p.id => (m.dram, m.ssd, m.gpu),
             _ => (0, 0, 0),
         };
-        cands.push(Candidate { id: p.id, queue_s: p.queue_s(now), speed: p.spec.speed, dram, ssd, gpu });
+        let queue_s = if cal.enabled { p.fifo_queue_s(now, cal.work_scale) / cal.work_scale } else { p.queue_s(now) };
+        cands.push(Candidate { id: p.id, queue_s, speed: p.spec.speed, dram, ssd, gpu });
     }
     st.pending.longest(req.block_hashes, floor, |inst, n| {
         if let Ok(k) = cands.binary_search_by_key(&inst, |c| c.id) {
@@ -72,6 +90,7 @@ impl Conductor {
         matches: &[PrefixMatch],
         best: Option<PrefixMatch>,
         cands: &[Candidate],
+        cal: Calibrated,
     ) -> Result<Estimate, ConductorError> {
         let cfg = &self.config;
         let now = req.now;
@@ -107,13 +126,10 @@ impl Conductor {
             Some(n) => n as f64,
             None => self.outlen.lock().predict(req.block_hashes.first().copied()),
         };
+        // queue + transfer + prefill at the instances' measured speed, plus what every
+        // first token takes besides (service.rs)
         let raw_ttft_s = choice.ttft();
-        let (ttft_scale, tbt_scale, ttft_target) = {
-            let cal = self.calibration.lock();
-            let (a, b) = cal.scales(now);
-            (a, b, cal.ttft_target(cfg.ttft_slo_s, now))
-        };
-        let ttft = raw_ttft_s * ttft_scale;
+        let ttft = cal.floor_s + raw_ttft_s * cal.work_scale;
         let ask = DecodeAsk { prompt_len: req.prompt_len, out_pred, arrive_t: now + ttft };
         let Some(pick) = select_decode(&st.decode, cfg.rejection, &cfg.cost.decode, &ask) else {
             return Err(overloaded(RejectReason::NoDecodeInstance, "no decode instance registered (or all are draining)"));
@@ -128,11 +144,11 @@ impl Conductor {
             est_prefill_s: choice.prefill_s,
             est_transfer_s: choice.transfer_s,
             est_ttft_s: ttft,
-            est_tbt_s: pick.tbt * tbt_scale,
+            est_tbt_s: pick.tbt * cal.tbt_scale,
             retry_after_s: 0.0,
             fetch_abandon_s,
         };
-        Ok(Estimate { decision, room: pick.room, ttft_target, ttft_scale, choice, decode_idx: pick.idx, ask, out_pred, raw_ttft_s, raw_tbt_s: pick.tbt, rng })
+        Ok(Estimate { decision, room: pick.room, choice, decode_idx: pick.idx, ask, out_pred, raw_ttft_s, raw_tbt_s: pick.tbt, rng })
     }
 
     /// Writes an admitted request into the state: the replica its fetch creates (in the

@@ -81,6 +81,18 @@ impl Conductor {
         Ok(self.index.remove(instance, hashes, tier))
     }
 
+    /// With the online calibration on: `r`'s prefill is over; its instance's line moves
+    /// on from its predicted end (`PrefillInst::served`).
+    fn served_in_line(&self, st: &mut State, rid: RequestId, r: &Req) {
+        let cal = self.calibration.lock();
+        if !cal.enabled || r.stage != Stage::Prefilling {
+            return;
+        }
+        if let Ok(i) = st.prefill_pos(r.prefill) {
+            st.prefill[i].served(rid, cal.service.at());
+        }
+    }
+
     /// Runs `f` on a request after validating the time; the clock moves only on success.
     fn event<T>(
         &self,
@@ -121,11 +133,29 @@ impl Conductor {
         })
     }
 
+    /// The prefill instance spent `busy_s` seconds of its engine's time on `rid` (from
+    /// when the request reached it, or the previous request's end there if later, to
+    /// the end of its compute): one sample of the real per-request service cost for the
+    /// online calibration (service.rs). Call it before `on_decode_started`; ignored
+    /// for a request past its prefill, and unless the time is finite and >= 0.
+    pub fn on_prefill_served(&self, rid: RequestId, busy_s: f64) -> Result<(), ConductorError> {
+        if !(busy_s.is_finite() && busy_s >= 0.0) {
+            return Err(ConductorError::InvalidArgument(format!("busy_s must be a finite number of seconds >= 0, got {busy_s}")));
+        }
+        self.event(rid, None, |_, _, r| {
+            if r.stage <= Stage::Prefilling {
+                self.calibration.lock().served(busy_s, r.work_s);
+            }
+            Ok((Some(r), ()))
+        })
+    }
+
     pub fn on_prefill_finished(&self, rid: RequestId, now: Option<f64>) -> Result<(), ConductorError> {
         self.event(rid, now, |st, t, mut r| {
             if r.stage > Stage::Prefilling {
                 return Err(ConductorError::InvalidArgument(format!("request {rid} already finished prefill")));
             }
+            self.served_in_line(st, rid, &r);
             st.leave_prefill(rid, &r);
             st.drop_pending(rid, &mut r);
             if let Some(m) = st.member_mut(rid, r.decode) {
@@ -142,6 +172,7 @@ impl Conductor {
             if r.stage == Stage::Decoding {
                 return Err(ConductorError::InvalidArgument(format!("request {rid} already started decoding")));
             }
+            self.served_in_line(st, rid, &r);
             st.leave_prefill(rid, &r);
             st.drop_pending(rid, &mut r);
             if let Some(m) = st.member_mut(rid, r.decode) {

@@ -7,7 +7,8 @@
 //! - [`policy`]: one file per prefill-selection policy.
 //! - [`cost`]: fitted cost models (prefill, KV transfer, decode step).
 //! - [`admission`]: decode selection, rejection rules, output-length estimates.
-//! - [`calibration`]: the admission estimates calibrated online on the serving cluster.
+//! - [`calibration`]: the admission estimates calibrated online on the serving cluster;
+//!   [`service`]: the prefill service scale and the TTFT latency floor it learns.
 //! - [`drain`]: draining an instance and switching its role without losing a request.
 //! - [`replication`]: hot-prefix counters and replica hints.
 //! - [`config`]: configuration and its validation.
@@ -16,6 +17,7 @@
 
 pub mod admission;
 pub mod calibration;
+pub mod service;
 pub mod config;
 #[allow(clippy::module_inception)]
 pub mod conductor;
@@ -109,5 +111,7 @@ mod tests;
 mod link_tests;
 #[cfg(test)]
 mod proptests;
+#[cfg(test)]
+mod service_tests;
 #[cfg(test)]
 mod drain_tests;

@@ -20,11 +20,44 @@ pub(crate) struct PrefillInst {
     pub running: Vec<(RequestId, f64, f64)>,
     /// Draining: `schedule` never picks it; what it holds finishes normally.
     pub draining: bool,
+    /// When the started request that left last was predicted to end (`fifo_queue_s`):
+    /// the next one's service starts no earlier.
+    pub served_until: f64,
 }
 
 impl PrefillInst {
     pub fn new(id: InstanceId, spec: PrefillSpec) -> Self {
-        PrefillInst { id, spec, queued_s: 0.0, queued_n: 0, running: Vec::new(), draining: false }
+        PrefillInst { id, spec, queued_s: 0.0, queued_n: 0, running: Vec::new(), draining: false, served_until: f64::NEG_INFINITY }
+    }
+
+    /// Started request `rid` leaves (its prefill is over): when it is the first in line,
+    /// the next one's service is taken to start when its predicted end was, at `scale`
+    /// times its estimated work (a request leaves when its first token reaches the
+    /// router, after its successor has started on the instance: forgetting the queue
+    /// it waited in would predict the successor's start from its own hand-over).
+    pub fn served(&mut self, rid: RequestId, scale: f64) {
+        if let Some(&(head, start, est)) = self.running.first() {
+            if head == rid {
+                self.served_until = self.served_until.max(start) + scale * est;
+            }
+        }
+    }
+
+    /// Seconds until this instance could start a new request at `now` when it serves
+    /// its requests one after another, each taking `scale` times its estimated work
+    /// (the online calibration's service scale): the started ones in the order they
+    /// started, each from its start or the end of the one before, then the queued
+    /// ones. `queue_s` lets started requests count down side by side, which is what a
+    /// simulated instance that starts one when the last ends does; a serving instance
+    /// is told a request has "started" when it is handed over, so several overlap there
+    /// while the engine works through them one batch at a time.
+    #[inline]
+    pub fn fifo_queue_s(&self, now: f64, scale: f64) -> f64 {
+        let mut free_at = self.served_until;
+        for &(_, start, est) in &self.running {
+            free_at = free_at.max(start) + scale * est;
+        }
+        (free_at - now).max(0.0) + scale * self.queued_s.max(0.0)
     }
 
     /// Estimated seconds until this instance could start a new request at `now`.
@@ -86,7 +119,8 @@ pub(crate) struct Req {
     /// Output-length history key (first block of the prompt), if any.
     pub key: Option<BlockHash>,
     /// For the online calibration (calibration.rs): when it was admitted, the raw
-    /// (uncalibrated) TTFT and TBT estimates then, and when it started decoding.
+    /// (uncalibrated) TTFT (queue and own work) and TBT estimates then, and when it
+    /// started decoding.
     pub admit_t: f64,
     pub raw_ttft_s: f64,
     pub raw_tbt_s: f64,
