@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def watch() -> None:
         while time.monotonic() < t_start + args.seconds:
-            now = c._now()
+            now = c._core.now()
             trace.append((time.monotonic() - t_start, c.conductor.calibration_scales(now)[0],
                           c.conductor.calibration_floor(now)))
             time.sleep(0.5)

@@ -178,12 +178,12 @@ def test_the_admission_learns_this_clusters_service_cost_from_the_prefill_report
     with Cluster(ModelConfig.tiny(), prefill=1, decode=1, block_size=BLOCK, dram_bytes_per_instance=8 << 20,
                  seed=0, ttft_slo_s=30.0, rejection="early") as c:
         cond = c.conductor
-        assert cond.calibration_scales(c._now())[0] == 1.0 and cond.calibration_floor(c._now()) == 0.0
+        assert cond.calibration_scales(c._core.now())[0] == 1.0 and cond.calibration_floor(c._core.now()) == 0.0
         rng = random.Random(5)
         for _ in range(12):  # one at a time: a cold start admits one per idle instance
             out = c.generate([[rng.randrange(1, 200) for _ in range(40)]], SamplingParams(max_tokens=2, ignore_eos=True))
             assert len(out[0].token_ids) == 2
-        scale, _ = cond.calibration_scales(c._now())
+        scale, _ = cond.calibration_scales(c._core.now())
         assert scale != 1.0 and 0.2 <= scale <= 100.0
-        d = cond.preview(10**9, [], 40, c._now(), expected_output_len=2)
-        assert d.est_ttft_s >= cond.calibration_floor(c._now()) and d.est_ttft_s < float("inf")
+        d = cond.preview(10**9, [], 40, c._core.now(), expected_output_len=2)
+        assert d.est_ttft_s >= cond.calibration_floor(c._core.now()) and d.est_ttft_s < float("inf")
