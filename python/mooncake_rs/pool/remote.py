@@ -31,7 +31,7 @@ from ..deploy.etcd import EtcdClient
 from ..deploy.settings import read_token
 from ..errors import ServiceUnavailable
 from .buffers import RegisteredBuffer, RegisteredBuffers, scatter, view_at
-from .links import NodeDown, NodeLink
+from .links import NodeDown, NodeLink, Pending
 from .members import NodeDirectory
 from .metrics import PoolMetrics
 from .placement import rank_nodes
@@ -99,11 +99,34 @@ class RemoteBackend:
             link.close()
 
     def _call(self, node: str, make: type, **fields: object) -> Any:
+        return self._result(node, self._submit(node, make, **fields))
+
+    def _submit(self, node: str, make: type, **fields: object) -> Pending:
+        """Sends a request to ``node`` without waiting (the link is pipelined)."""
         try:
-            return self._link(node).call(make, **fields)
+            return self._link(node).submit(make, **fields)
         except NodeDown:
             self._mark_down(node)
             raise
+
+    def _result(self, node: str, pending: Pending) -> Any:
+        try:
+            return pending.result()
+        except NodeDown:
+            self._mark_down(node)
+            raise
+
+    def _asked(self, node: str, make: type, **fields: object) -> Pending | NodeDown:
+        """``_submit``, with a node that cannot be asked as a value (batches ask many)."""
+        try:
+            return self._submit(node, make, **fields)
+        except NodeDown as e:
+            return e
+
+    def _answer(self, node: str, asked: Pending | NodeDown) -> Any:
+        if isinstance(asked, NodeDown):
+            raise asked
+        return self._result(node, asked)
 
     # ---- memory
     def register(self, buf: RegisteredBuffer) -> RegisteredBuffer:
@@ -155,39 +178,52 @@ class RemoteBackend:
                 by_node[node].append(i)
         done = [0] * len(keys)
         errors: list[KeyStatus | None] = [None] * len(keys)
+
+        def fail(idx: list[int], st: KeyStatus) -> None:
+            for i in idx:
+                errors[i] = errors[i] or st
+
+        def settle(idx: list[int], res: list[int]) -> None:
+            for i, st in zip(idx, res):
+                if st == 0:
+                    done[i] += 1
+                else:
+                    errors[i] = errors[i] or KeyStatus(st)
+
+        # every node is asked before any answer is read: their round trips overlap
+        asked = []  # (node, small indices, their PutInline, large indices, their Reserve)
+        for node, all_idx in by_node.items():
+            small = [i for i in all_idx if 0 < totals[i] <= INLINE_MAX]
+            large = [i for i in all_idx if not 0 < totals[i] <= INLINE_MAX]
+            inline = reserve = None
+            if small:
+                values = [b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs[i], sizes[i])) for i in small]
+                inline = self._asked(node, PutInline, keys=[keys[i] for i in small], values=values, pin=pin)
+            if large:
+                reserve = self._asked(node, Reserve, keys=[keys[i] for i in large], sizes=[totals[i] for i in large],
+                                      pin=pin)
+            asked.append((node, small, inline, large, reserve))
         temps: list[Region] = []
-        pending = []  # (node, idx, reserved, batch)
+        pending = []  # (node, idx, reserved, batch, owners)
         try:
-            for node, all_idx in by_node.items():
-                small = [i for i in all_idx if 0 < totals[i] <= INLINE_MAX]
-                if small:
-                    values = [b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs[i], sizes[i])) for i in small]
+            for node, small, inline, idx, reserve in asked:
+                if inline is not None:
                     try:
-                        res = self._call(node, PutInline, keys=[keys[i] for i in small], values=values,
-                                         pin=pin).values
+                        settle(small, self._answer(node, inline).values)
                     except NodeDown as e:
                         log.warning("put: %s", e)
-                        res = [int(KeyStatus.RPC_FAILED)] * len(small)
-                    for i, st in zip(small, res):
-                        if st == 0:
-                            done[i] += 1
-                        else:
-                            errors[i] = errors[i] or KeyStatus(st)
-                idx = [i for i in all_idx if not 0 < totals[i] <= INLINE_MAX]
-                if not idx:
+                        fail(small, KeyStatus.RPC_FAILED)
+                if reserve is None:
                     continue
                 try:
-                    rep: Reserved = self._call(node, Reserve, keys=[keys[i] for i in idx],
-                                               sizes=[totals[i] for i in idx], pin=pin)
+                    rep: Reserved = self._answer(node, reserve)
                 except NodeDown as e:
                     log.warning("put: %s", e)
-                    for i in idx:
-                        errors[i] = errors[i] or KeyStatus.RPC_FAILED
+                    fail(idx, KeyStatus.RPC_FAILED)
                     continue
-                link = self._links.get(node)
-                if link is None:  # dropped by another thread since the answer: its reservations went with it
-                    for i in idx:
-                        errors[i] = errors[i] or KeyStatus.RPC_FAILED
+                link = reserve.link
+                if link.broken:  # closed since the answer: its reservations went with it
+                    fail(idx, KeyStatus.RPC_FAILED)
                     continue
                 reqs, owners = [], []
                 for j, i in enumerate(idx):
@@ -203,29 +239,24 @@ class RemoteBackend:
                         owners.extend([j] * len(rs))
                 batch = self.te.submit(reqs, timeout_s=max(self.io_timeout_s, 30.0)) if reqs else None
                 pending.append((node, idx, rep, batch, owners))
+            commits = []  # each node's Commit leaves as soon as its own transfer ended
             for node, idx, rep, batch, owners in pending:
                 ok = [True] * len(idx)
                 if batch is not None:
-                    for j, s in zip(owners, batch.wait()):
-                        if not s.ok:
+                    for j, st in zip(owners, batch.wait()):
+                        if not st.ok:
                             ok[j] = False
-                ids = [rep.put_ids[j] for j in range(len(idx)) if rep.put_ids[j] > 0]
-                oks = [ok[j] for j in range(len(idx)) if rep.put_ids[j] > 0]
-                if not ids:
-                    continue
+                mine = [j for j in range(len(idx)) if rep.put_ids[j] > 0]
+                if mine:
+                    commits.append((node, [idx[j] for j in mine],
+                                    self._asked(node, Commit, put_ids=[rep.put_ids[j] for j in mine],
+                                                ok=[ok[j] for j in mine])))
+            for node, committed, commit in commits:
                 try:
-                    res = self._call(node, Commit, put_ids=ids, ok=oks).values
+                    settle(committed, self._answer(node, commit).values)
                 except NodeDown as e:
                     log.warning("put commit: %s", e)
-                    res = [int(KeyStatus.RPC_FAILED)] * len(ids)
-                it = iter(res)
-                for j, i in enumerate(idx):
-                    if rep.put_ids[j] > 0:
-                        st = next(it)
-                        if st == 0:
-                            done[i] += 1
-                        else:
-                            errors[i] = errors[i] or KeyStatus(st)
+                    fail(committed, KeyStatus.RPC_FAILED)
         finally:
             for r in temps:
                 self.te.unregister(r)
@@ -255,17 +286,20 @@ class RemoteBackend:
                 if not by_node:
                     break
                 todo = []
+                # every node of this round is asked before any answer is read
+                asked = [(node, idx, self._asked(node, Lookup, keys=[keys[i] for i in idx], inline_max=INLINE_MAX))
+                         for node, idx in by_node.items()]
                 inflight = []
-                for node, idx in by_node.items():
+                for node, idx, lookup in asked:
                     try:
-                        rep: Leased = self._call(node, Lookup, keys=[keys[i] for i in idx], inline_max=INLINE_MAX)
+                        rep: Leased = self._answer(node, lookup)
                     except NodeDown as e:
                         log.warning("get: %s", e)
                         self.replicas_lost += len(idx)
                         todo.extend(idx)
                         continue
-                    link = self._links.get(node)
-                    if link is None:  # dropped by another thread since the answer: its leases went with it
+                    link = lookup.link
+                    if link.broken:  # closed since the answer: its leases went with it
                         todo.extend(idx)
                         continue
                     reqs, owners, leases = [], [], []
@@ -289,12 +323,12 @@ class RemoteBackend:
                         reqs.extend(rs)
                         owners.extend([(i, rep.sizes[j])] * len(rs))
                     batch = self.te.submit(reqs, timeout_s=max(self.io_timeout_s, 30.0)) if reqs else None
-                    inflight.append((node, batch, owners, leases))
-                for node, batch, owners, leases in inflight:
+                    inflight.append((node, link, batch, owners, leases))
+                for node, link, batch, owners, leases in inflight:
                     failed: set[int] = set()
                     if batch is not None:
-                        for (i, n), s in zip(owners, batch.wait()):
-                            if not s.ok:
+                        for (i, n), st in zip(owners, batch.wait()):
+                            if not st.ok:
                                 failed.add(i)
                             else:
                                 result[i] = n
@@ -302,8 +336,10 @@ class RemoteBackend:
                         result[i] = int(KeyStatus.MISSING)
                         todo.append(i)  # try the next replica
                     if leases:
+                        # nobody waits for this answer: the bytes are here, the node frees the
+                        # leases when it reads the request (or when this connection closes)
                         try:
-                            self._call(node, Release, lease_ids=leases)
+                            link.post(Release, lease_ids=leases)
                         except NodeDown:
                             pass
                 if not todo:
@@ -319,11 +355,8 @@ class RemoteBackend:
         out: list[bytes | None] = [None] * len(keys)
         large: dict[int, int] = {}
 
-        def ask(node: str, idx: list[int]) -> list[int]:
-            try:
-                rep: Leased = self._call(node, Lookup, keys=[keys[i] for i in idx], inline_max=INLINE_MAX,
-                                         lease_large=False)
-            except NodeDown:
+        def take(idx: list[int], rep: Leased | None) -> list[int]:
+            if rep is None:
                 self.replicas_lost += len(idx)
                 return idx
             retry = []
@@ -336,7 +369,8 @@ class RemoteBackend:
                     large[i] = rep.sizes[j]
             return retry
 
-        self._by_rank(keys, ask)
+        self._by_rank(keys, lambda idx: (Lookup, {"keys": [keys[i] for i in idx], "inline_max": INLINE_MAX,
+                                                  "lease_large": False}), take)
         if large:
             idx = list(large)
             bufs = [np.empty(large[i], dtype=np.uint8) for i in idx]
@@ -346,26 +380,38 @@ class RemoteBackend:
         return out
 
     # ---- metadata
+    def _ask_each(self, asks: list[tuple[str, type, dict[str, Any]]]) -> list[Any]:
+        """Each ``(node, request type, fields)`` sent before any answer is read (their round
+        trips overlap); the answers in order, None for a node that could not answer."""
+        sent = [(node, self._asked(node, make, **fields)) for node, make, fields in asks]
+        out = []
+        for node, asked in sent:
+            try:
+                out.append(self._answer(node, asked))
+            except NodeDown:
+                out.append(None)
+        return out
+
     def _ask_ranked(self, keys: list[str], make: type, found: Callable[[int], bool]) -> list[int]:
         """Asks each key's nodes in rank order until ``found(value)``; the last answer."""
         out = [0] * len(keys)
 
-        def ask(node: str, idx: list[int]) -> list[int]:
-            try:
-                vals = self._call(node, make, keys=[keys[i] for i in idx]).values
-            except NodeDown:
+        def take(idx: list[int], rep: Any) -> list[int]:
+            if rep is None:
                 return idx
-            for i, v in zip(idx, vals):
+            for i, v in zip(idx, rep.values):
                 out[i] = v
-            return [i for i, v in zip(idx, vals) if not found(v)]
+            return [i for i, v in zip(idx, rep.values) if not found(v)]
 
-        self._by_rank(keys, ask)
+        self._by_rank(keys, lambda idx: (make, {"keys": [keys[i] for i in idx]}), take)
         return out
 
-    def _by_rank(self, keys: list[str], ask: Callable[[str, list[int]], list[int]]) -> None:
-        """Each key's replica nodes in rank order, one rank a round: ``ask(node, indices)``
-        handles the keys asked of that node and returns those to ask of their next-ranked
-        node; stops when none is left or every live node was asked."""
+    def _by_rank(self, keys: list[str], request: Callable[[list[int]], tuple[type, dict[str, Any]]],
+                 take: Callable[[list[int], Any], list[int]]) -> None:
+        """Each key's replica nodes in rank order, one rank a round, every node of a round
+        asked at once: ``request(indices)`` is what a node is asked about those keys,
+        ``take(indices, answer or None)`` handles its answer and returns the keys to ask of
+        their next-ranked node; stops when none is left or every live node was asked."""
         live = self._live()
         ranks = [rank_nodes(k, live) for k in keys]
         todo = list(range(len(keys)))
@@ -375,7 +421,9 @@ class RemoteBackend:
             by_node: dict[str, list[int]] = defaultdict(list)
             for i in todo:
                 by_node[ranks[i][rnd]].append(i)
-            todo = [i for node, idx in by_node.items() for i in ask(node, idx)]
+            groups = list(by_node.items())
+            answers = self._ask_each([(node, *request(idx)) for node, idx in groups])
+            todo = [i for (_, idx), rep in zip(groups, answers) for i in take(idx, rep)]
 
     def exists_many(self, keys: list[str]) -> list[bool]:
         return [v == 1 for v in self._ask_ranked(keys, Exists, lambda v: v == 1)]
@@ -386,31 +434,21 @@ class RemoteBackend:
 
     def remove_many(self, keys: list[str]) -> list[bool]:
         removed = [False] * len(keys)
-        for node in self._live():  # every replica, wherever it is
-            try:
-                vals = self._call(node, Remove, keys=keys).values
-            except NodeDown:
-                continue
-            removed = [r or bool(v) for r, v in zip(removed, vals)]
+        for rep in self._ask_each([(node, Remove, {"keys": keys}) for node in self._live()]):  # every replica
+            if rep is not None:
+                removed = [r or bool(v) for r, v in zip(removed, rep.values)]
         return removed
 
     def remove_all(self) -> int:
-        total = 0
-        for node in self._live():
-            try:
-                total += self._call(node, RemoveAll).values[0]
-            except NodeDown:
-                continue
-        return total
+        return sum(rep.values[0] for rep in self._ask_each([(n, RemoveAll, {}) for n in self._live()])
+                   if rep is not None)
 
     def metrics(self) -> PoolMetrics:
         m = PoolMetrics()
-        for node in self._live():
-            try:
-                d = self._call(node, Stats).metrics
-            except NodeDown:
-                continue
-            m = m + PoolMetrics(**{k: int(v) for k, v in d.items() if k in PoolMetrics.__dataclass_fields__})
+        for rep in self._ask_each([(n, Stats, {}) for n in self._live()]):
+            if rep is not None:
+                m = m + PoolMetrics(**{k: int(v) for k, v in rep.metrics.items()
+                                       if k in PoolMetrics.__dataclass_fields__})
         m.replicas_lost, m.under_replicated = self.replicas_lost, self.under_replicated
         return m
 
