@@ -64,6 +64,7 @@ class RemoteBackend:
         self.te = TransferEngine(self.name, listen="", auth_token=self.token, transports=list(transports))
         self.buffers = RegisteredBuffers()  # DistributedStore replaces it with its own
         self._lock = threading.Lock()
+        self._connecting = threading.Lock()
         self._links: dict[str, NodeLink] = {}
         self._down: dict[str, float] = {}
         self.replicas_lost = 0
@@ -79,17 +80,22 @@ class RemoteBackend:
             link = self._links.get(node)
             if link is not None and not link.broken:
                 return link
-        rec = self.directory.nodes().get(node)
-        if rec is None:
-            raise NodeDown(f"store node {node} left")
-        try:
-            link = NodeLink(rec, self.token, self.te, self.io_timeout_s)
-        except NodeDown:
-            self._mark_down(node)
-            raise
-        with self._lock:
-            self._links[node] = link
-        return link
+        with self._connecting:  # one connection per node: threads that need it together share it
+            with self._lock:
+                link = self._links.get(node)
+                if link is not None and not link.broken:
+                    return link
+            rec = self.directory.nodes().get(node)
+            if rec is None:
+                raise NodeDown(f"store node {node} left")
+            try:
+                link = NodeLink(rec, self.token, self.te, self.io_timeout_s)
+            except NodeDown:
+                self._mark_down(node)
+                raise
+            with self._lock:
+                self._links[node] = link
+            return link
 
     def _mark_down(self, node: str) -> None:
         with self._lock:
@@ -204,7 +210,7 @@ class RemoteBackend:
                                       pin=pin)
             asked.append((node, small, inline, large, reserve))
         temps: list[Region] = []
-        pending = []  # (node, idx, reserved, batch, owners)
+        pending = []  # (node, link, idx, reserved, batch, owners)
         try:
             for node, small, inline, idx, reserve in asked:
                 if inline is not None:
@@ -221,7 +227,7 @@ class RemoteBackend:
                     log.warning("put: %s", e)
                     fail(idx, KeyStatus.RPC_FAILED)
                     continue
-                link = reserve.link
+                link = reserve.link  # type: ignore[union-attr]  # answered: a Pending
                 if link.broken:  # closed since the answer: its reservations went with it
                     fail(idx, KeyStatus.RPC_FAILED)
                     continue
@@ -238,19 +244,22 @@ class RemoteBackend:
                         reqs.extend(rs)
                         owners.extend([j] * len(rs))
                 batch = self.te.submit(reqs, timeout_s=max(self.io_timeout_s, 30.0)) if reqs else None
-                pending.append((node, idx, rep, batch, owners))
+                pending.append((node, link, idx, rep, batch, owners))
             commits = []  # each node's Commit leaves as soon as its own transfer ended
-            for node, idx, rep, batch, owners in pending:
+            for node, link, idx, rep, batch, owners in pending:
                 ok = [True] * len(idx)
                 if batch is not None:
-                    for j, st in zip(owners, batch.wait()):
-                        if not st.ok:
+                    for j, ts in zip(owners, batch.wait()):
+                        if not ts.ok:
                             ok[j] = False
                 mine = [j for j in range(len(idx)) if rep.put_ids[j] > 0]
                 if mine:
-                    commits.append((node, [idx[j] for j in mine],
-                                    self._asked(node, Commit, put_ids=[rep.put_ids[j] for j in mine],
-                                                ok=[ok[j] for j in mine])))
+                    try:  # on the connection that holds the reservations
+                        commit: Pending | NodeDown = link.submit(Commit, put_ids=[rep.put_ids[j] for j in mine],
+                                                                 ok=[ok[j] for j in mine])
+                    except NodeDown as e:
+                        commit = e
+                    commits.append((node, [idx[j] for j in mine], commit))
             for node, committed, commit in commits:
                 try:
                     settle(committed, self._answer(node, commit).values)
@@ -298,7 +307,7 @@ class RemoteBackend:
                         self.replicas_lost += len(idx)
                         todo.extend(idx)
                         continue
-                    link = lookup.link
+                    link = lookup.link  # type: ignore[union-attr]  # answered: a Pending
                     if link.broken:  # closed since the answer: its leases went with it
                         todo.extend(idx)
                         continue
@@ -327,8 +336,8 @@ class RemoteBackend:
                 for node, link, batch, owners, leases in inflight:
                     failed: set[int] = set()
                     if batch is not None:
-                        for (i, n), st in zip(owners, batch.wait()):
-                            if not st.ok:
+                        for (i, n), ts in zip(owners, batch.wait()):
+                            if not ts.ok:
                                 failed.add(i)
                             else:
                                 result[i] = n
