@@ -2,11 +2,13 @@
 transfer engine's peer for the node's segment.
 
 The socket is pipelined: any number of requests may be in flight, from any threads. Each
-carries an id (``rid``); one reader thread per link hands each answer to the request that
-has its id (the node answers in the order it read, but nothing here relies on it). So a
-batch can ask several nodes at once and go on with its transfers while a ``Release`` is
-still on the wire, and threads that share a client do not queue behind each other's
-round trips.
+carries an id (``rid``); whichever waiting thread is reading the socket hands each answer
+to the request that has its id (the node answers in the order it read, but nothing here
+relies on it). No reader thread: a lone caller reads its own answer, as a plain
+request/response would (a hand-over to a reader thread cost ~20 us of CPU per round
+trip). So a batch can ask several nodes at once and go on with its transfers while a
+``Release`` is still on the wire, and threads that share a client do not queue behind
+each other's round trips.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import itertools
 import logging
 import socket
 import threading
+import time
 from typing import Any
 
 from .._core import TransferEngine
@@ -33,19 +36,22 @@ class NodeDown(Exception):
 
 
 class Pending:
-    """The answer to one request, once the link's reader has it."""
+    """The answer to one request. Its ``result()`` reads the link itself when no other
+    thread is reading it (no hand-over to a reader thread: a lone caller's round trip
+    costs what a plain request/response does), else waits for the reader to pass the
+    answer on, or to leave the reading to it."""
 
-    __slots__ = ("_link", "_rid", "_done", "_reply", "_error")
+    __slots__ = ("_link", "_rid", "done", "_reply", "_error")
 
     def __init__(self, link: "NodeLink", rid: int) -> None:
         self._link, self._rid = link, rid
-        self._done = threading.Event()
+        self.done = False
         self._reply: Any = None
         self._error: NodeDown | None = None
 
     def _set(self, reply: Any = None, error: NodeDown | None = None) -> None:
-        self._reply, self._error = reply, error
-        self._done.set()
+        """Called with the link's condition held."""
+        self._reply, self._error, self.done = reply, error, True
 
     @property
     def link(self) -> "NodeLink":
@@ -54,8 +60,7 @@ class Pending:
     def result(self) -> Any:
         """The answer; NodeDown if the link broke, timed out or the node refused."""
         link = self._link
-        if not self._done.wait(link.timeout_s):
-            link._fail(f"no answer to request {self._rid} within {link.timeout_s} s")
+        link._await(self)
         if self._error is not None:
             raise self._error
         reply = self._reply
@@ -70,25 +75,25 @@ class NodeLink:
         self.timeout_s = timeout_s
         try:
             self.sock = auth_socket.connect(record.control, token, timeout_s=timeout_s)
-            # the reader blocks until an answer or the close; waits are bounded by Pending.result
-            self.sock.settimeout(None)
+            # bounds each read: a node silent this long with a request in flight is down
+            self.sock.settimeout(timeout_s)
             self.peer = te.connect(f"store-{record.name}", record.transfer)
         except (MooncakeError, OSError) as e:
             raise NodeDown(f"store node {record.name} at {record.control}: {e}") from e
         self.io = FrameIO(self.sock, Reply)
-        self._lock = threading.Lock()  # the table of requests in flight, and the order of sends
+        self._send_lock = threading.Lock()  # frames leave whole
+        self._cond = threading.Condition()  # the table of requests in flight, and who reads
         self._waiting: dict[int, Pending] = {}
+        self._reading = False
         self._rids = itertools.count(1)
         self.broken = False
-        self._reader = threading.Thread(target=self._read, name=f"mooncake-pool-link-{record.name}", daemon=True)
-        self._reader.start()
 
     def submit(self, make: type, **fields: object) -> Pending:
         """Sends ``make(rid=..., **fields)`` now; the answer comes with ``.result()``."""
         return self._send(make, True, fields)  # type: ignore[return-value]
 
     def post(self, make: type, **fields: object) -> None:
-        """Sends a request whose answer nobody waits for (its reader drops it)."""
+        """Sends a request whose answer nobody waits for (the next reader drops it)."""
         self._send(make, False, fields)
 
     def call(self, make: type, **fields: object) -> Any:
@@ -96,51 +101,76 @@ class NodeLink:
         return self.submit(make, **fields).result()
 
     def _send(self, make: type, wait: bool, fields: dict[str, object]) -> Pending | None:
-        with self._lock:
+        with self._cond:
             if self.broken:
                 raise NodeDown(f"store node {self.record.name}: link closed")
             rid = next(self._rids)
             pending = Pending(self, rid) if wait else None
             if pending is not None:
                 self._waiting[rid] = pending
-            try:
-                # under the lock: frames leave whole and in rid order
-                self.io.send(make(rid=rid, **fields))
-            except (OSError, InvalidArgument) as e:
-                failed = f"{type(e).__name__}: {e}"
-            else:
-                return pending
-        self._fail(failed)
-        raise NodeDown(f"store node {self.record.name}: {failed}")
-
-    def _read(self) -> None:
-        why = "link closed"
         try:
-            while True:
+            with self._send_lock:
+                self.io.send(make(rid=rid, **fields))
+        except (OSError, InvalidArgument) as e:
+            failed = f"{type(e).__name__}: {e}"
+            self._fail(failed)
+            raise NodeDown(f"store node {self.record.name}: {failed}") from e
+        return pending
+
+    def _await(self, pending: Pending) -> None:
+        """Until ``pending`` is answered (or the link fails): reads the socket while no
+        other thread does, passing on each answer to the request with its id."""
+        end = time.monotonic() + self.timeout_s
+        while True:
+            with self._cond:
+                while not pending.done and self._reading:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                if pending.done:
+                    return
+                if self._reading:  # another thread reads, and our answer did not come in time
+                    stuck = True
+                else:
+                    self._reading, stuck = True, False
+            if stuck:
+                self._fail(f"no answer to request {pending._rid} within {self.timeout_s} s")
+                return
+            try:
+                self._read_until(pending)
+            finally:
+                with self._cond:
+                    self._reading = False
+                    self._cond.notify_all()  # a waiter takes over the reading
+
+    def _read_until(self, pending: Pending) -> None:
+        while not pending.done:
+            try:
                 reply = self.io.recv()
-                with self._lock:
-                    pending = self._waiting.pop(getattr(reply, "rid", -1), None)
-                if pending is not None:
-                    pending._set(reply)
-                elif isinstance(reply, Failure):  # a posted request the node refused
-                    log.warning("store node %s refused request %s: %s: %s", self.record.name, reply.rid, reply.kind,
-                                reply.message)
-        except (OSError, EOFError, socket.timeout, InvalidArgument) as e:
-            why = f"{type(e).__name__}: {e}"
-        self._fail(why)
+            except (OSError, EOFError, socket.timeout, InvalidArgument) as e:
+                self._fail(f"{type(e).__name__}: {e}")
+                return
+            with self._cond:
+                waiter = self._waiting.pop(getattr(reply, "rid", -1), None)
+                if waiter is not None:
+                    waiter._set(reply)
+                    if waiter is not pending:
+                        self._cond.notify_all()
+            if waiter is None and isinstance(reply, Failure):  # a posted request the node refused
+                log.warning("store node %s refused request %s: %s: %s", self.record.name, reply.rid, reply.kind,
+                            reply.message)
 
     def _fail(self, why: str) -> None:
         """Breaks the link: every request in flight ends with NodeDown."""
-        with self._lock:
+        with self._cond:
             self.broken = True
             waiting, self._waiting = self._waiting, {}
-        for p in waiting.values():
-            p._set(error=NodeDown(f"store node {self.record.name}: {why}"))
-        self._shut()
-
-    def _shut(self) -> None:
+            for p in waiting.values():
+                p._set(error=NodeDown(f"store node {self.record.name}: {why}"))
+            self._cond.notify_all()
         try:
-            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the reader
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes a reader
         except OSError:
             pass
         try:
