@@ -35,6 +35,7 @@ from .links import NodeDown, NodeLink, Pending
 from .members import NodeDirectory
 from .metrics import PoolMetrics
 from .placement import rank_nodes
+from .spans import plan_spans
 from .objects import clip_sizes
 from .protocol import (INLINE_MAX, Commit, Exists, Leased, Lookup, PutInline, Release, Remove, RemoveAll, Reserve,
                        Reserved, Sizes, Stats)
@@ -155,21 +156,16 @@ class RemoteBackend:
 
     def _requests(self, op: str, pieces: tuple[list[int], list[int]], size: int, peer: Peer, region: int,
                   chunk: int, offsets: list[int], temps: list[Region]) -> list[TransferRequest]:
-        """One request per (piece, chunk) overlap of the first ``size`` bytes."""
-        out, pos = [], 0
-        for ptr, n in zip(*pieces):
-            n = min(n, size - pos)
-            if n <= 0:
-                break
-            local, loff = self._local(ptr, n, temps)
-            s, e = pos, pos + n
-            while s < e:
-                c, within = divmod(s, chunk)
-                take = min(e - s, chunk - within)
-                out.append(TransferRequest(op, local, loff + (s - pos), peer, region, offsets[c] + within, take))
-                s += take
-            pos += n
-        return out
+        """The transfer requests of the first ``size`` bytes (spans.py: one per run of
+        chunks whose slots follow each other)."""
+        ptrs, sizes = pieces
+        spans = plan_spans(sizes, size, chunk, offsets)
+        used: dict[int, int] = {}  # bytes of each piece the spans touch
+        for p, poff, _, n in spans:
+            used[p] = max(used.get(p, 0), poff + n)
+        held = {p: self._local(ptrs[p], n, temps) for p, n in used.items()}
+        return [TransferRequest(op, held[p][0], held[p][1] + poff, peer, region, roff, n)
+                for p, poff, roff, n in spans]
 
     # ---- puts
     def put_many(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]], replicas: int,
