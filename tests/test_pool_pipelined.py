@@ -15,6 +15,8 @@ import pytest
 from etcd_helpers import etcd, etcd_url  # noqa: F401,F811 (the fixtures)
 from pool_helpers import TOKEN, value_of
 
+from mooncake_rs.compat.config import tcp_connections_from_env
+from mooncake_rs.errors import InvalidArgument
 from mooncake_rs.pool import DistributedStore, KeyStatus
 from mooncake_rs.pool.links import NodeDown
 from mooncake_rs.pool.node import StoreNode
@@ -125,3 +127,21 @@ def test_a_node_that_stops_answering_ends_requests_in_flight(etcd_url, node):
         finally:
             hold.set()
             node._handle = handle
+
+
+def test_several_data_connections_per_node_move_the_same_bytes(etcd_url, node, monkeypatch):
+    with pytest.raises(InvalidArgument, match="tcp_connections"):
+        connect(etcd_url, tcp_connections=0)
+    monkeypatch.setenv("MOONCAKE_RS_TCP_CONNECTIONS", "many")
+    with pytest.raises(InvalidArgument, match="MOONCAKE_RS_TCP_CONNECTIONS"):
+        tcp_connections_from_env()
+    monkeypatch.setenv("MOONCAKE_RS_TCP_CONNECTIONS", "3")
+    assert tcp_connections_from_env() == 3
+    with connect(etcd_url, tcp_connections=3) as s:
+        keys = [f"c{i}" for i in range(8)]
+        vals = [value_of(k, 1_300_000 + 4099 * i) for i, k in enumerate(keys)]  # each over several slices
+        assert s.batch_put_from(keys, [[v.ctypes.data] for v in vals], [[v.nbytes] for v in vals]) == [KeyStatus.OK] * 8
+        dst = [np.zeros(v.nbytes, np.uint8) for v in vals]
+        assert s.batch_get_into(keys, [[d.ctypes.data] for d in dst], [[d.nbytes] for d in dst]) == [v.nbytes for v in vals]
+        for k, d in zip(keys, dst):
+            assert np.array_equal(d, value_of(k, d.nbytes)), k

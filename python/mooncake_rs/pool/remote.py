@@ -51,7 +51,7 @@ _DOWN_S = 1.0
 class RemoteBackend:
     def __init__(self, etcd: str, *, auth_token: str | bytes | None, prefix: str, name: str | None,
                  wait_nodes: int, timeout_s: float, io_timeout_s: float,
-                 transports: tuple[str, ...] = ("tcp", "shm")) -> None:
+                 transports: tuple[str, ...] = ("tcp", "shm"), tcp_connections: int = 1) -> None:
         if isinstance(auth_token, bytes):
             auth_token = auth_token.decode()
         self.token = auth_token if auth_token else read_token(None)
@@ -62,7 +62,8 @@ class RemoteBackend:
             raise ServiceUnavailable(f"fewer than {wait_nodes} store nodes registered under {prefix} in etcd at "
                                      f"{etcd} after {timeout_s} s; start `mooncake-rs store --etcd {etcd} ...`")
         self.name = name or f"pool-client-{os.getpid()}-{secrets.token_hex(3)}"
-        self.te = TransferEngine(self.name, listen="", auth_token=self.token, transports=list(transports))
+        self.te = TransferEngine(self.name, listen="", auth_token=self.token, transports=list(transports),
+                                 connections_per_endpoint=tcp_connections)
         self.buffers = RegisteredBuffers()  # DistributedStore replaces it with its own
         self._lock = threading.Lock()
         self._connecting = threading.Lock()
