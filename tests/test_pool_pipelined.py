@@ -40,7 +40,7 @@ def test_many_requests_in_flight_each_gets_its_own_answer(etcd_url, node):
     with connect(etcd_url) as s:
         for i in range(20):
             s.put(f"k{i}", value_of(f"k{i}", 100 + 37 * i))
-        link = s.backend._link("p")
+        link = s.backend.nodes.link("p")
         # 60 requests sent before any answer is read; answers matched by id, not by order
         sent = [(i, link.submit(Sizes, keys=[f"k{i % 20}", f"none{i}"])) for i in range(60)]
         for i, p in reversed(sent):
@@ -74,7 +74,7 @@ def test_threads_sharing_one_client_read_their_own_bytes(etcd_url, node):
         for th in threads:
             th.join(90)
         assert not errors, errors
-        assert len(s.backend._links) == 1  # one connection carried all of it
+        assert len(s.backend.nodes.links) == 1  # one connection carried all of it
 
 
 def test_a_posted_release_frees_the_leases(etcd_url, node):
@@ -109,7 +109,7 @@ def test_a_node_that_stops_answering_ends_requests_in_flight(etcd_url, node):
 
         node._handle = stalled
         try:
-            link = s.backend._link("p")
+            link = s.backend.nodes.link("p")
             p1, p2 = link.submit(Exists, keys=["x"]), link.submit(Exists, keys=["x"])
             t = time.monotonic()
             with pytest.raises(NodeDown):

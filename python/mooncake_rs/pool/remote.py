@@ -18,8 +18,6 @@ import ctypes
 import logging
 import os
 import secrets
-import threading
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -31,8 +29,9 @@ from ..deploy.etcd import EtcdClient
 from ..deploy.settings import read_token
 from ..errors import ServiceUnavailable
 from .buffers import RegisteredBuffer, RegisteredBuffers, scatter, view_at
-from .links import NodeDown, NodeLink, Pending
+from .links import NodeDown, Pending
 from .members import NodeDirectory
+from .node_links import NodeLinks
 from .metrics import PoolMetrics
 from .placement import rank_nodes
 from .spans import plan_spans
@@ -44,8 +43,6 @@ from .status import KeyStatus
 __all__ = ["RemoteBackend"]
 
 log = logging.getLogger("mooncake_rs.pool")
-
-_DOWN_S = 1.0
 
 
 class RemoteBackend:
@@ -65,76 +62,9 @@ class RemoteBackend:
         self.te = TransferEngine(self.name, listen="", auth_token=self.token, transports=list(transports),
                                  connections_per_endpoint=tcp_connections)
         self.buffers = RegisteredBuffers()  # DistributedStore replaces it with its own
-        self._lock = threading.Lock()
-        self._connecting = threading.Lock()
-        self._links: dict[str, NodeLink] = {}
-        self._down: dict[str, float] = {}
+        self.nodes = NodeLinks(self.directory, self.token, self.te, io_timeout_s)
         self.replicas_lost = 0
         self.under_replicated = 0
-
-    # ---- nodes
-    def _live(self) -> list[str]:
-        now = time.monotonic()
-        return [n for n in self.directory.nodes() if self._down.get(n, 0.0) <= now]
-
-    def _link(self, node: str) -> NodeLink:
-        with self._lock:
-            link = self._links.get(node)
-            if link is not None and not link.broken:
-                return link
-        with self._connecting:  # one connection per node: threads that need it together share it
-            with self._lock:
-                link = self._links.get(node)
-                if link is not None and not link.broken:
-                    return link
-            rec = self.directory.nodes().get(node)
-            if rec is None:
-                raise NodeDown(f"store node {node} left")
-            try:
-                link = NodeLink(rec, self.token, self.te, self.io_timeout_s)
-            except NodeDown:
-                self._mark_down(node)
-                raise
-            with self._lock:
-                self._links[node] = link
-            return link
-
-    def _mark_down(self, node: str) -> None:
-        with self._lock:
-            self._down[node] = time.monotonic() + _DOWN_S
-            link = self._links.pop(node, None)
-        if link is not None:
-            link.close()
-
-    def _call(self, node: str, make: type, **fields: object) -> Any:
-        return self._result(node, self._submit(node, make, **fields))
-
-    def _submit(self, node: str, make: type, **fields: object) -> Pending:
-        """Sends a request to ``node`` without waiting (the link is pipelined)."""
-        try:
-            return self._link(node).submit(make, **fields)
-        except NodeDown:
-            self._mark_down(node)
-            raise
-
-    def _result(self, node: str, pending: Pending) -> Any:
-        try:
-            return pending.result()
-        except NodeDown:
-            self._mark_down(node)
-            raise
-
-    def _asked(self, node: str, make: type, **fields: object) -> Pending | NodeDown:
-        """``_submit``, with a node that cannot be asked as a value (batches ask many)."""
-        try:
-            return self._submit(node, make, **fields)
-        except NodeDown as e:
-            return e
-
-    def _answer(self, node: str, asked: Pending | NodeDown) -> Any:
-        if isinstance(asked, NodeDown):
-            raise asked
-        return self._result(node, asked)
 
     # ---- memory
     def register(self, buf: RegisteredBuffer) -> RegisteredBuffer:
@@ -171,7 +101,7 @@ class RemoteBackend:
     # ---- puts
     def put_many(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]], replicas: int,
                  pin: bool) -> list[KeyStatus]:
-        live = self._live()
+        live = self.nodes.live()
         if not live:
             return [KeyStatus.RPC_FAILED] * len(keys)
         totals = [sum(s) for s in sizes]
@@ -201,9 +131,9 @@ class RemoteBackend:
             inline = reserve = None
             if small:
                 values = [b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs[i], sizes[i])) for i in small]
-                inline = self._asked(node, PutInline, keys=[keys[i] for i in small], values=values, pin=pin)
+                inline = self.nodes.asked(node, PutInline, keys=[keys[i] for i in small], values=values, pin=pin)
             if large:
-                reserve = self._asked(node, Reserve, keys=[keys[i] for i in large], sizes=[totals[i] for i in large],
+                reserve = self.nodes.asked(node, Reserve, keys=[keys[i] for i in large], sizes=[totals[i] for i in large],
                                       pin=pin)
             asked.append((node, small, inline, large, reserve))
         temps: list[Region] = []
@@ -212,14 +142,14 @@ class RemoteBackend:
             for node, small, inline, idx, reserve in asked:
                 if inline is not None:
                     try:
-                        settle(small, self._answer(node, inline).values)
+                        settle(small, self.nodes.answer(node, inline).values)
                     except NodeDown as e:
                         log.warning("put: %s", e)
                         fail(small, KeyStatus.RPC_FAILED)
                 if reserve is None:
                     continue
                 try:
-                    rep: Reserved = self._answer(node, reserve)
+                    rep: Reserved = self.nodes.answer(node, reserve)
                 except NodeDown as e:
                     log.warning("put: %s", e)
                     fail(idx, KeyStatus.RPC_FAILED)
@@ -259,7 +189,7 @@ class RemoteBackend:
                     commits.append((node, [idx[j] for j in mine], commit))
             for node, committed, commit in commits:
                 try:
-                    settle(committed, self._answer(node, commit).values)
+                    settle(committed, self.nodes.answer(node, commit).values)
                 except NodeDown as e:
                     log.warning("put commit: %s", e)
                     fail(committed, KeyStatus.RPC_FAILED)
@@ -278,7 +208,7 @@ class RemoteBackend:
 
     # ---- gets
     def get_many(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
-        live = self._live()
+        live = self.nodes.live()
         ranks = [rank_nodes(k, live) for k in keys]
         result: list[int] = [int(KeyStatus.MISSING)] * len(keys)
         todo = list(range(len(keys)))
@@ -293,12 +223,12 @@ class RemoteBackend:
                     break
                 todo = []
                 # every node of this round is asked before any answer is read
-                asked = [(node, idx, self._asked(node, Lookup, keys=[keys[i] for i in idx], inline_max=INLINE_MAX))
+                asked = [(node, idx, self.nodes.asked(node, Lookup, keys=[keys[i] for i in idx], inline_max=INLINE_MAX))
                          for node, idx in by_node.items()]
                 inflight = []
                 for node, idx, lookup in asked:
                     try:
-                        rep: Leased = self._answer(node, lookup)
+                        rep: Leased = self.nodes.answer(node, lookup)
                     except NodeDown as e:
                         log.warning("get: %s", e)
                         self.replicas_lost += len(idx)
@@ -386,18 +316,6 @@ class RemoteBackend:
         return out
 
     # ---- metadata
-    def _ask_each(self, asks: list[tuple[str, type, dict[str, Any]]]) -> list[Any]:
-        """Each ``(node, request type, fields)`` sent before any answer is read (their round
-        trips overlap); the answers in order, None for a node that could not answer."""
-        sent = [(node, self._asked(node, make, **fields)) for node, make, fields in asks]
-        out = []
-        for node, asked in sent:
-            try:
-                out.append(self._answer(node, asked))
-            except NodeDown:
-                out.append(None)
-        return out
-
     def _ask_ranked(self, keys: list[str], make: type, found: Callable[[int], bool]) -> list[int]:
         """Asks each key's nodes in rank order until ``found(value)``; the last answer."""
         out = [0] * len(keys)
@@ -418,7 +336,7 @@ class RemoteBackend:
         asked at once: ``request(indices)`` is what a node is asked about those keys,
         ``take(indices, answer or None)`` handles its answer and returns the keys to ask of
         their next-ranked node; stops when none is left or every live node was asked."""
-        live = self._live()
+        live = self.nodes.live()
         ranks = [rank_nodes(k, live) for k in keys]
         todo = list(range(len(keys)))
         for rnd in range(len(live)):
@@ -428,7 +346,7 @@ class RemoteBackend:
             for i in todo:
                 by_node[ranks[i][rnd]].append(i)
             groups = list(by_node.items())
-            answers = self._ask_each([(node, *request(idx)) for node, idx in groups])
+            answers = self.nodes.ask_each([(node, *request(idx)) for node, idx in groups])
             todo = [i for (_, idx), rep in zip(groups, answers) for i in take(idx, rep)]
 
     def exists_many(self, keys: list[str]) -> list[bool]:
@@ -440,18 +358,18 @@ class RemoteBackend:
 
     def remove_many(self, keys: list[str]) -> list[bool]:
         removed = [False] * len(keys)
-        for rep in self._ask_each([(node, Remove, {"keys": keys}) for node in self._live()]):  # every replica
+        for rep in self.nodes.ask_each([(node, Remove, {"keys": keys}) for node in self.nodes.live()]):  # every replica
             if rep is not None:
                 removed = [r or bool(v) for r, v in zip(removed, rep.values)]
         return removed
 
     def remove_all(self) -> int:
-        return sum(rep.values[0] for rep in self._ask_each([(n, RemoveAll, {}) for n in self._live()])
+        return sum(rep.values[0] for rep in self.nodes.ask_each([(n, RemoveAll, {}) for n in self.nodes.live()])
                    if rep is not None)
 
     def metrics(self) -> PoolMetrics:
         m = PoolMetrics()
-        for rep in self._ask_each([(n, Stats, {}) for n in self._live()]):
+        for rep in self.nodes.ask_each([(n, Stats, {}) for n in self.nodes.live()]):
             if rep is not None:
                 m = m + PoolMetrics(**{k: int(v) for k, v in rep.metrics.items()
                                        if k in PoolMetrics.__dataclass_fields__})
@@ -459,9 +377,6 @@ class RemoteBackend:
         return m
 
     def close(self) -> None:
-        with self._lock:
-            links, self._links = list(self._links.values()), {}
-        for link in links:
-            link.close()
+        self.nodes.close()
         self.directory.close()
         self.te.close()
