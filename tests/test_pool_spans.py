@@ -88,3 +88,21 @@ def test_a_reput_object_gets_ascending_slots_and_its_bytes_stay_its_own():
         else:
             seg.remove_all()
     seg.check_integrity()
+
+
+def test_rendezvous_ranking_is_the_keyed_blake2b_order():
+    """placement.py's cached keyed hashes give exactly the order of a fresh keyed hash
+    per (key, node), the function every client and node version agrees on."""
+    import hashlib
+
+    from mooncake_rs.pool.placement import rank_nodes
+
+    def reference(key: str, nodes: list[str]) -> list[str]:
+        score = {n: hashlib.blake2b(key.encode(), key=n.encode()[:64], digest_size=8).digest() for n in nodes}
+        return sorted(nodes, key=lambda n: (score[n], n), reverse=True)
+
+    rng = random.Random(3)
+    for _ in range(300):
+        nodes = [f"node-{rng.randint(0, 40)}" + "x" * rng.randint(0, 70) for _ in range(rng.randint(0, 6))]
+        key = "".join(rng.choice("abcé/:-0") for _ in range(rng.randint(1, 50)))
+        assert rank_nodes(key, nodes) == reference(key, nodes)
