@@ -51,7 +51,7 @@ def main() -> None:
                 first = c.generate([prefix + [1]], params)[0].metrics.prefill_instance
                 c.conductor.drain_instance(first)
                 second = c.generate([prefix + [2]], params)[0].metrics.prefill_instance
-                keys = c._hasher.hash_blocks(prefix)
+                keys = c._core.hasher.hash_blocks(prefix)
                 end = time.monotonic() + 30  # the index hears of the second copy through store events
                 while sum(n >= a.blocks for n in c.conductor.index.match_prefix(keys).values()) < 2:
                     assert time.monotonic() < end, "the index never showed two holders"

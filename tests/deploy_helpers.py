@@ -13,6 +13,7 @@ when a check fails); ``close()`` stops all of them.
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 import time
@@ -29,7 +30,11 @@ TOKEN = "test-cluster-token-0123456789abcdef"
 
 
 class LoopbackHosts:
-    """Hosts as distinct loopback addresses (no namespaces): nothing can be cut."""
+    """Hosts as distinct loopback addresses (no namespaces): nothing can be cut.
+
+    Each instance takes its own random 127.a.b.0/24 (all of 127/8 is loopback on Linux),
+    so the fixed ports the deployments use never collide with another suite running on
+    the same machine at the same time."""
 
     __test__ = False
     netns = False
@@ -37,10 +42,11 @@ class LoopbackHosts:
     def __init__(self, n: int) -> None:
         self.n = n
         self.gateway = "127.0.0.1"
+        self._net = f"127.{random.randrange(1, 255)}.{random.randrange(0, 256)}"
         self._procs: list[subprocess.Popen[Any]] = []
 
     def ip(self, i: int) -> str:
-        return f"127.0.0.{10 + i}"
+        return f"{self._net}.{10 + i}"
 
     def popen(self, i: int, argv: Sequence[str], **kw: Any) -> "subprocess.Popen[Any]":
         p = subprocess.Popen(list(argv), **kw)

@@ -7,7 +7,7 @@ import sys
 
 from pool_helpers import TOKEN, value_of
 
-from mooncake_rs.deploy.settings import cluster_prefix
+from mooncake_rs.client.records import cluster_prefix
 from mooncake_rs.pool import DistributedStore, KeyStatus
 
 

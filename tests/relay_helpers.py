@@ -13,7 +13,7 @@ import threading
 
 import msgspec
 
-from mooncake_rs.deploy.client_protocol import ClientMessage, Tokens
+from mooncake_rs.client.protocol import ClientMessage, Tokens
 
 __all__ = ["Relay"]
 

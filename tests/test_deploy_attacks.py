@@ -21,10 +21,10 @@ from relay_helpers import Relay  # noqa: E402
 
 import mooncake_rs as mc  # noqa: E402
 from mooncake_rs.deploy import EtcdClient, RemoteCluster  # noqa: E402
-from mooncake_rs.deploy import auth_socket  # noqa: E402
-from mooncake_rs.deploy.records import decode_record, encode_record, leader_key, worker_key  # noqa: E402
+from mooncake_rs.net import auth_socket  # noqa: E402
+from mooncake_rs.client.records import decode_record, encode_record, leader_key, worker_key  # noqa: E402
 from mooncake_rs.engine import SamplingParams  # noqa: E402
-from mooncake_rs.serving.control import read_message  # noqa: E402
+from mooncake_rs.net.framing import read_message  # noqa: E402
 from mooncake_rs.serving.protocol import PROTOCOL_VERSION, Attach, Codec, InitFailed, Ready  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]

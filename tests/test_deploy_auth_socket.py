@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from mooncake_rs.deploy.auth_socket import AuthListener, connect
+from mooncake_rs.net.auth_socket import AuthListener, connect
 from mooncake_rs.errors import InvalidArgument, ServiceUnavailable, Unauthorized
 
 TOKEN = "k" * 32
@@ -149,7 +149,7 @@ def test_the_session_after_the_handshake_is_sealed() -> None:
         assert bytes(range(64)) not in wire
 
     # a relay's flipped byte: the receiver refuses the record, typed
-    from mooncake_rs.deploy.sealed import SealedSocket
+    from mooncake_rs.net.sealed import SealedSocket
 
     from mooncake_rs._core import RecordSealer
 

@@ -226,7 +226,7 @@ def test_a_lapsed_lease_of_a_live_worker_fails_nothing(dep):
     """A lease can lapse while etcd is away although the worker is fine: it registers
     again by itself, and the conductor (whose link to it kept beating) keeps it."""
     from mooncake_rs.deploy import EtcdClient
-    from mooncake_rs.deploy.records import worker_key
+    from mooncake_rs.client.records import worker_key
 
     c = dep.client_
     etcd = EtcdClient(dep.etcd.url)

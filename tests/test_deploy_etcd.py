@@ -17,7 +17,7 @@ import pytest
 
 from etcd_helpers import EtcdServer, etcd  # noqa: F401  (the fixture)
 from mooncake_rs.deploy import EtcdClient, LeaderElection, Membership, ModelFingerprint, WorkerRecord, WorkerRegistration
-from mooncake_rs.deploy.records import encode_record, worker_key
+from mooncake_rs.client.records import encode_record, worker_key
 from mooncake_rs.errors import InvalidArgument, ServiceUnavailable
 
 PREFIX = "/mooncake/test"
@@ -254,7 +254,7 @@ def test_a_forged_fingerprint_cannot_keep_workers_out(etcd: EtcdServer) -> None:
     model's there and every worker was refused. With the cluster token it is signed: a
     worker ignores one that does not verify (unsigned, or a bad signature) and puts its
     own; a signed one of another model still refuses a worker."""
-    from mooncake_rs.deploy.records import sign_fingerprint, verify_fingerprint, records_key
+    from mooncake_rs.client.records import sign_fingerprint, verify_fingerprint, records_key
 
     c = EtcdClient(etcd.url)
     prefix, token = "/mooncake/fp-forged", "fp-test-token-0123456789abcdef"

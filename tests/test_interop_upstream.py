@@ -283,6 +283,48 @@ def test_proxy_stream_that_breaks_ends_with_an_error_event():
         eng.stop()
 
 
+def test_pd_stream_that_breaks_ends_with_an_error_event():
+    """The P/D proxy relays the decode's stream through the same passthrough as the
+    KV-aware proxy: what came before the break, then one error event; the decode's
+    slot is freed and the failure counted."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from mooncake_rs.http.server import ServerThread
+    from mooncake_rs.interop.pd import PDRouter
+    from mooncake_rs.interop.pd_app import create_pd_app
+
+    seen = []
+
+    async def frames():
+        yield b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+        raise RuntimeError("the engine died mid-stream")
+
+    async def completions(request):
+        body = await request.json()
+        seen.append(body)
+        if not body.get("stream"):  # the prefill step
+            return JSONResponse({"choices": [{"index": 0, "text": "a"}], "kv_transfer_params": {"k": 1}})
+        return StreamingResponse(frames(), media_type="text/event-stream")
+
+    eng = ServerThread(None, app=Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])).start()
+    try:
+        with PDRouter([f"prefill:p={eng.url}", f"decode:d={eng.url}"], block_size=BS, subscribe=False) as r:
+            with TestClient(create_pd_app(r, _NoTokenizer(), connect_timeout_s=2.0)) as c:
+                resp = c.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
+                assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+                events = [json.loads(ln[6:]) for ln in resp.text.splitlines() if ln.startswith("data: ")]
+            assert events[0]["choices"][0]["text"] == "a"
+            assert events[-1]["error"]["code"] == "upstream_stream_broken" and "decode 'd'" in events[-1]["error"]["message"]
+            assert seen[1]["kv_transfer_params"] == {"k": 1}  # the prefill's params went to the decode
+            st = r.stats()["decode"]["d"]
+            assert st["in_flight"] == 0 and st["failures"] == 1
+    finally:
+        eng.stop()
+
+
 @pytest.mark.parametrize("cooldown, second", [(3600, 503), (0, 502)])
 def test_proxy_only_upstream_down(cooldown, second):
     r = UpstreamRouter([UpstreamSpec("down", f"http://127.0.0.1:{free_port()}")], block_size=BS, subscribe=False,

@@ -20,7 +20,7 @@ from netns_helpers import TestHosts, available
 from pool_helpers import TOKEN, env, start_node, value_of
 
 from mooncake_rs.compat.mooncake_store import MooncakeDistributedStore, ReplicateConfig
-from mooncake_rs.deploy.settings import cluster_prefix
+from mooncake_rs.client.records import cluster_prefix
 from mooncake_rs.pool import DistributedStore, KeyStatus
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]

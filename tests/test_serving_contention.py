@@ -46,12 +46,12 @@ def test_fetch_over_a_saturated_holder_is_declined(saturated):
                  seed=3, link_bandwidth=LINK) as c:
         cond = c.conductor
         assert all(l.nic_bps == LINK for l in cond.link_loads())
-        keys = c._hasher.hash_blocks(prefix)
+        keys = c._core.hasher.hash_blocks(prefix)
         o1 = c.generate([prompts[0]], GREEDY)[0]
         a = o1.metrics.prefill_instance
         _wait(lambda: cond.index.match_prefix(keys).get(a, 0) >= PREFIX_BLOCKS, "the index never showed A's prefix")
         cond.drain_instance(a)
-        now = c._now()
+        now = c._core.now()
         # A's NIC out: 10 s of KV streams queued, or nothing
         assert cond.report_link_load(a, now, 10 * LINK if saturated else 0.0)
         d = cond.preview(10**9, keys, len(prompts[1]), now, 8)

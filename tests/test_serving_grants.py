@@ -76,7 +76,7 @@ def test_a_prefix_fetched_from_another_prefill_still_works(cluster):
 
 def test_a_peer_without_a_grant_cannot_write_a_decode_arena(cluster):
     d = cluster.decode_ids[0]
-    arena = cluster._members[d].info.arena
+    arena = cluster._core.members[d].info.arena
     prompt = list(range(2 * BLOCK + 3))
     before = cluster.generate([prompt], GREEDY)[0].token_ids
     if cluster.processes:

@@ -226,7 +226,7 @@ def test_a_wedged_in_process_instance_is_marked_down(monkeypatch):
         finally:
             release.set()
         # once it wakes, the fenced thread reads Stop and exits
-        member = c._members[wedged_id]
+        member = c._core.members[wedged_id]
         member.thread.join(30)
         assert not member.thread.is_alive()
 

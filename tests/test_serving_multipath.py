@@ -41,7 +41,7 @@ def _wait(cond, what: str, timeout_s: float = 30.0) -> None:
 
 def _three_requests(c, prefix: list[int]):
     """Runs the three steps; returns (outputs, holders A and B, the fetching instance C)."""
-    keys = c._hasher.hash_blocks(prefix)
+    keys = c._core.hasher.hash_blocks(prefix)
     outs = []
     o1 = c.generate([prefix + [1, 2, 3]], GREEDY)[0]
     a = o1.metrics.prefill_instance
@@ -92,7 +92,7 @@ def test_a_prefix_is_fetched_from_two_holders_at_once(monkeypatch, multipath):
         _wait(lambda: _drained(c), "a pin, a request or a page was left behind")
         # the bytes: C's copy of every prefix block is A's (which computed it) and B's
         # (which fetched it from A alone: a single-source fetch's result)
-        keys = c._hasher.hash_blocks(prefix)
+        keys = c._core.hasher.hash_blocks(prefix)
         for k in keys:
             got = []
             for i in (a, b, third):
@@ -132,7 +132,7 @@ def test_cancel_while_a_two_source_fetch_is_in_flight(gated_read):  # noqa: F811
     prefix = [rng.randrange(256) for _ in range(PREFIX_BLOCKS * BLOCK)]
     with Cluster(ModelConfig.tiny(), prefill=3, decode=1, block_size=BLOCK, dram_bytes_per_instance=8 << 20,
                  seed=3, multipath=True) as c:
-        keys = c._hasher.hash_blocks(prefix)
+        keys = c._core.hasher.hash_blocks(prefix)
         a = c.generate([prefix + [1]], GREEDY)[0].metrics.prefill_instance
         c.conductor.drain_instance(a)
         b = c.generate([prefix + [2]], GREEDY)[0].metrics.prefill_instance

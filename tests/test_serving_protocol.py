@@ -285,7 +285,7 @@ def test_garbage_to_a_worker_kills_only_that_instance():
         ref = c.generate([[1, 2, 3, 4, 5]], params)[0].token_ids
         victim = 1
         pid = c.pid_of(victim)
-        c._members[victim].ch.sock.sendall(b"\x00\x00\x00\x04junk")  # the worker's reader gets garbage
+        c._core.members[victim].ch.sock.sendall(b"\x00\x00\x00\x04junk")  # the worker's reader gets garbage
         # (the worker drops the link and exits; the cluster sees the link close, fences
         # the process and routes around it)
         deadline = __import__("time").monotonic() + 60
@@ -393,7 +393,7 @@ def test_a_lost_peer_link_fences_that_peer():
                  processes=True, seed=5) as c:
         ref = c.generate([[3, 1, 4, 1, 5]], params)[0].token_ids
         victim = 2
-        c._router.events.put((0, p.PeerLost(victim, "bad frame: test")))  # as prefill-0's worker would
+        c._core.router.events.put((0, p.PeerLost(victim, "bad frame: test")))  # as prefill-0's worker would
         deadline = time.monotonic() + 60
         while victim in c.instances():
             assert time.monotonic() < deadline, "the peer was not fenced"

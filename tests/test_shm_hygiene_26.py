@@ -74,7 +74,7 @@ def test_a_cluster_of_worker_processes_sweeps_dead_segments_at_start():
     c = Cluster(ModelConfig.tiny(), prefill=1, decode=1, processes=True)
     try:
         assert not os.path.exists(fake)
-        workers = {m.proc.pid for m in c._members.values()}
+        workers = {m.proc.pid for m in c._core.members.values()}
         # SIGTERM a worker: it stops through its loop and unlinks its arena
         victim = next(iter(workers))
         os.kill(victim, signal.SIGTERM)

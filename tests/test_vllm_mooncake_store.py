@@ -19,7 +19,7 @@ from pool_helpers import TOKEN, start_node
 from vllm_support import BLOCK_SIZE, package_root, vllm_server
 
 from mooncake_rs.compat import shim_path
-from mooncake_rs.deploy.settings import cluster_prefix
+from mooncake_rs.client.records import cluster_prefix
 from mooncake_rs.pool import DistributedStore
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]

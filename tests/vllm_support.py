@@ -88,19 +88,23 @@ class VllmServer:
     env: dict[str, str]
     log_path: Path
     block_size: int = BLOCK_SIZE
+    host: str = "127.0.0.1"
+    launcher: tuple[str, ...] = ()
+    """A prefix of the command (e.g. ``ip netns exec NS``: it execs in place, so the
+    process group is still the server's)."""
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def events_endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{self.events_port}"
+        return f"tcp://{self.host}:{self.events_port}"
 
     @property
     def replay_endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{self.replay_port}"
+        return f"tcp://{self.host}:{self.replay_port}"
 
     # --- life -------------------------------------------------------------------
 
@@ -115,7 +119,7 @@ class VllmServer:
             raise RuntimeError(f"vLLM on port {self.port} is already running")
         log = open(self.log_path, "ab")
         try:
-            self.proc = subprocess.Popen(self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen([*self.launcher, *self.args], env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         finally:
             log.close()
@@ -199,19 +203,22 @@ def vllm_server(model_dir: str | Path, *, block_size: int = BLOCK_SIZE, num_gpu_
                 kv_events: bool = True, kv_transfer_config: dict[str, Any] | None = None,
                 extra_args: tuple[str, ...] | list[str] = (), env: dict[str, str] | None = None,
                 cpu: str | None = None, max_model_len: int = 2048, log_dir: str | Path | None = None,
-                ports: tuple[int, int, int] | None = None) -> VllmServer:
+                ports: tuple[int, int, int] | None = None, host: str = "127.0.0.1",
+                launcher: tuple[str, ...] = ()) -> VllmServer:
     """A configured, not yet started, server (``.start()`` it). Ports are free ones unless
-    given; ``cpu`` pins its OpenMP threads (e.g. ``"0"``; default: not pinned)."""
+    given; ``cpu`` pins its OpenMP threads (e.g. ``"0"``; default: not pinned). ``host``:
+    the address it listens on (and announces), ``launcher``: a command prefix such as
+    ``ip netns exec NS`` to run it on another "host"."""
     port, events_port, replay_port = ports or (free_port(), free_port(), free_port())
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
+            "--served-model-name", MODEL_NAME, "--host", host, "--port", str(port),
             "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--enforce-eager",
             "--block-size", str(block_size), "--enable-prefix-caching", "--enable-prompt-tokens-details",
             "--max-num-seqs", "8", "--max-num-batched-tokens", "2048", "--seed", "0"]
     if kv_events:
         args += ["--kv-events-config", json.dumps({
             "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}",
-            "replay_endpoint": f"tcp://127.0.0.1:{replay_port}", "topic": "kv"})]
+            "replay_endpoint": f"tcp://{host}:{replay_port}", "topic": "kv"})]
     if num_gpu_blocks is not None:
         args += ["--num-gpu-blocks-override", str(num_gpu_blocks)]
     if kv_transfer_config is not None:
@@ -219,7 +226,7 @@ def vllm_server(model_dir: str | Path, *, block_size: int = BLOCK_SIZE, num_gpu_
     args += list(extra_args)
     full_env = dict(os.environ)
     full_env.update({
-        "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu", "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu", "VLLM_HOST_IP": host,
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
         "VLLM_SERVER_DEV_MODE": "1", "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1",
         # The test's own sys.path (this checkout's python/ for connectors) reaches vLLM's processes.
@@ -233,7 +240,7 @@ def vllm_server(model_dir: str | Path, *, block_size: int = BLOCK_SIZE, num_gpu_
     log_dir = Path(log_dir or os.environ.get("MOONCAKE_VLLM_LOG_DIR") or tempfile.gettempdir())
     log_dir.mkdir(parents=True, exist_ok=True)
     return VllmServer(Path(model_dir), port, events_port, replay_port, args, full_env,
-                      log_dir / f"vllm-{port}.log", block_size)
+                      log_dir / f"vllm-{port}.log", block_size, host, tuple(launcher))
 
 
 def package_root() -> str:

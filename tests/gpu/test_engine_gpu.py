@@ -107,3 +107,28 @@ def test_flashinfer_engine_greedy_matches_torch_backend(dtype):
             f"prompt of {len(p)} tokens diverges at token {i} with a logit gap {gap:.3g}: not a tie")
         ties += 1
     assert ties <= 1, f"{ties} of {len(GPU_PROMPTS)} prompts diverged at near-ties"
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_save_blocks_on_cuda_equals_save_block(pinned):
+    """The CUDA save_blocks (blocks put in the buffer's order on the device, one contiguous
+    copy out) writes the bytes save_block writes block by block, whole blocks and one layer,
+    into pinned and pageable host memory and into device memory."""
+    eng = Engine(ModelConfig.preset("tiny-gpu"), device="cuda", num_pages=256, seed=5, attention_backend="torch")
+    rid = eng.add_request(list(range(3, 3 + 5 * eng.block_size + 7)), SamplingParams(max_tokens=1, ignore_eos=True),
+                          prefill_only=True, hold_kv=True)
+    while eng.has_unfinished():
+        eng.step()
+    nb, n = eng.layout.block_nbytes, 5
+    for layer, per in ((None, nb), (1, eng.layout.layer_nbytes)):
+        want = torch.empty(n * per, dtype=torch.uint8, pin_memory=pinned)
+        for b in range(n):
+            eng.save_block(rid, b, want[b * per:(b + 1) * per], layer=layer)
+        for dev in ("cpu", "cuda"):
+            got = torch.zeros(n * per, dtype=torch.uint8, device=dev, pin_memory=pinned and dev == "cpu")
+            eng.save_blocks(rid, 0, n, got, layer=layer)
+            assert torch.equal(got.cpu(), want), f"layer {layer}, buffer on {dev}"
+        part = torch.zeros(2 * per, dtype=torch.uint8)
+        eng.save_blocks(rid, 2, 2, part, layer=layer)
+        assert torch.equal(part, want[2 * per:4 * per])
+    eng.release(rid)

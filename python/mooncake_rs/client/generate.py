@@ -1,7 +1,7 @@
 """``generate`` over any ``submit``: run a batch of prompts to completion, in order.
 
 Shared by the embedded ``Cluster``, the ``serve`` process's conductor service and the
-remote client (``deploy.remote.RemoteCluster``): each only has to provide
+remote client (``client.remote.RemoteCluster``): each only has to provide
 ``submit(prompt, params, timeout_s=...) -> RequestHandle``. Torch-free.
 """
 

@@ -110,7 +110,7 @@ def auth_token_from_env() -> str | None:
 
 def pool_prefix() -> str:
     """The etcd prefix of the cluster named by ``MOONCAKE_CLUSTER`` (the nodes' --cluster)."""
-    from ..deploy.settings import cluster_prefix
+    from ..client.records import cluster_prefix
 
     return cluster_prefix(os.environ.get("MOONCAKE_CLUSTER", "default"))
 

@@ -20,9 +20,9 @@ import time
 from collections.abc import Callable
 
 from ..errors import InvalidArgument, ServiceUnavailable
-from .etcd import EtcdClient
+from ..net.etcd import EtcdClient
 from .lease import KeptLease
-from .records import decode_leader, encode_leader, leader_key, records_key
+from ..client.records import decode_leader, encode_leader, leader_key, records_key
 
 __all__ = ["LeaderElection"]
 

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 
 from ..errors import InvalidArgument, ServiceUnavailable
-from .etcd import EtcdClient
+from ..net.etcd import EtcdClient
 
 __all__ = ["KeptLease"]
 

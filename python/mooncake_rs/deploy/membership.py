@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable
 
 from ..errors import InvalidArgument, ServiceUnavailable
-from .etcd import EtcdClient, Watch
-from .records import ModelFingerprint, WorkerRecord, decode_record, records_key, verify_record, workers_prefix
+from ..net.etcd import EtcdClient, Watch
+from ..client.records import ModelFingerprint, WorkerRecord, decode_record, records_key, verify_record, workers_prefix
 
 __all__ = ["Membership"]
 

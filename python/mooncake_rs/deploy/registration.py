@@ -23,9 +23,9 @@ import time
 import msgspec
 
 from ..errors import InvalidArgument, ServiceUnavailable
-from .etcd import EtcdClient
+from ..net.etcd import EtcdClient
 from .lease import KeptLease
-from .records import (ModelFingerprint, SignedFingerprint, WorkerRecord, encode_record, records_key, sign_fingerprint,
+from ..client.records import (ModelFingerprint, SignedFingerprint, WorkerRecord, encode_record, records_key, sign_fingerprint,
                       sign_record, verify_fingerprint, worker_key)
 
 __all__ = ["WorkerRegistration", "claim_fingerprint"]

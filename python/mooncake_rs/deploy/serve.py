@@ -28,7 +28,8 @@ from typing import Any
 from ..errors import InvalidArgument
 from ..serving.config import ServingConfig
 from .election import LeaderElection
-from .settings import add_etcd_arguments, cluster_prefix, etcd_client, read_token, split_hostport
+from ..client.records import cluster_prefix
+from .settings import add_etcd_arguments, etcd_client, read_token, split_hostport
 
 __all__ = ["add_service_arguments", "run_service"]
 

@@ -1,8 +1,9 @@
 """``ConductorService``: the conductor and router of a deployment across hosts, over the
 workers etcd knows (what ``mooncake-rs serve --etcd`` runs while it leads).
 
-It is a ``RoutedCluster`` like the embedded ``Cluster`` (same ``submit`` / ``generate``
-/ ``metrics_text``); only membership differs. ``Membership`` (membership.py) reports
+Like the embedded ``Cluster`` it holds a routed core (serving/routed.py) and exposes its
+request API (``RoutedApi``: ``submit`` / ``generate`` / ``metrics_text``); only
+membership differs. ``Membership`` (membership.py) reports
 workers as they join and leave; for each one that joins the service opens an
 authenticated control link to its ``control`` address and sends ``Attach`` with an id
 of its own (ids are never reused within a service, so a worker that comes back is a
@@ -29,19 +30,21 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
-from .._core import PrefixHasher
 from ..errors import MooncakeError, ServiceUnavailable
 from ..serving.config import HEARTBEAT_ACROSS_HOSTS_S, ServingConfig
 from ..serving.control import SocketChannel
 from ..serving.limits import Limits
 from ..serving.members import Member, Members
 from ..serving.protocol import FROM_REMOTE, PROTOCOL_VERSION, Attach, InitFailed, InstanceSpec, Ready
-from ..serving.routed import RoutedCluster, default_prefill_model, new_conductor
-from . import auth_socket
-from .etcd import EtcdClient
+from ..serving.routed import RoutedApi, RoutedCluster, default_prefill_model, new_conductor
+from ..client.handle import RequestHandle
+from ..client.records import WorkerRecord
+from ..net import auth_socket
+from ..net.etcd import EtcdClient
 from .membership import Membership
-from .records import WorkerRecord
 
 __all__ = ["ConductorService"]
 
@@ -51,7 +54,7 @@ log = logging.getLogger("mooncake_rs.deploy")
 _LEASE_GONE = "its etcd lease expired or was revoked (shut down, crashed or cut off)"
 
 
-class ConductorService(RoutedCluster):
+class ConductorService(RoutedApi):
     """Routes requests over the workers registered under ``prefix`` in etcd.
 
     ``token``: the cluster token (control links are authenticated with it).
@@ -65,8 +68,8 @@ class ConductorService(RoutedCluster):
     ``ServingConfig``: ``serve --etcd`` makes it with ``ServingConfig.from_args``; its
     instance fields are the workers' own business and not read here).
 
-    It is its routed core's membership source (routed.MembershipSource): workers join
-    through etcd and ``Attach``, and leave with their link or lease."""
+    It is the membership source of the routed core it holds (routed.MembershipSource):
+    workers join through etcd and ``Attach``, and leave with their link or lease."""
 
     def __init__(self, client: EtcdClient, prefix: str, token: str, *, policy: str = "mooncake",
                  ttft_slo_s: float = 30.0, tbt_slo_s: float = 1.0, rejection: str = "none",
@@ -90,8 +93,8 @@ class ConductorService(RoutedCluster):
         self._next_id = itertools.count(0)
         # block size, hasher and conductor: from the first worker that is ready (its block
         # size and bytes); the vocabulary, context and capacities: from the workers' Ready
-        super().__init__(config, Members(), self, block_size=None, limits=Limits(None, 1))
-        self._start_watchdog(config.heartbeat_timeout_s)
+        self._core = RoutedCluster(config, Members(), self, block_size=None, limits=Limits(None, 1))
+        self._core.start_watchdog(config.heartbeat_timeout_s)
         self._reattempts: dict[str, int] = {}  # name -> re-attaches since it was last ready
         self.membership = Membership(client, prefix, on_join=self._on_join, on_leave=self._on_leave, check_s=check_s,
                                      token=token)
@@ -105,7 +108,7 @@ class ConductorService(RoutedCluster):
         inst = self._by_name.get(name)
         if inst is None:
             return
-        m = self._members[inst]
+        m = self._core.members[inst]
         if m.alive and time.monotonic() - m.ch.last_seen < self._heartbeat_timeout_s / 2:
             # Its link is alive and beating: a lease that lapsed while etcd was away (the
             # worker registers again by itself) is no reason to fail its requests. Drop it
@@ -115,24 +118,24 @@ class ConductorService(RoutedCluster):
             t.daemon = True
             t.start()
             return
-        self._report_down(inst, _LEASE_GONE)
+        self._core.report_down(inst, _LEASE_GONE)
 
     def _leave_if_gone(self, inst: int, name: str) -> None:
-        if not self._closed and name not in self.membership.members():
-            self._report_down(inst, _LEASE_GONE + f", and it did not register again within {self._leave_grace_s:g}s")
+        if not self._core.closed and name not in self.membership.members():
+            self._core.report_down(inst, _LEASE_GONE + f", and it did not register again within {self._leave_grace_s:g}s")
 
     def _attach(self, record: WorkerRecord) -> None:
-        if self._closed:
+        if self._core.closed:
             return
         fp = record.fingerprint
         with self._lock:
             old = self._by_name.get(record.name)
-            if old is not None and self._members[old].alive:
-                known = self._members[old].record
+            if old is not None and self._core.members[old].alive:
+                known = self._core.members[old].record
                 if known is not None and known.same_worker(record):
                     return  # the same worker, seen again after a resync (or registered again)
-                self._report_down(old, "replaced by a new registration of its name")
-            twin = next((m for m in self._members.values() if m.alive and m.spec.name != record.name
+                self._core.report_down(old, "replaced by a new registration of its name")
+            twin = next((m for m in self._core.members.values() if m.alive and m.spec.name != record.name
                          and m.record is not None and m.record.control == record.control), None)
             if twin is not None:  # one worker, one attach: a second record cannot take it over
                 log.error("conductor: worker record %s names the control address %s of live worker %s; ignored",
@@ -145,7 +148,7 @@ class ConductorService(RoutedCluster):
                 sock = auth_socket.connect(record.control, self._token, timeout_s=5.0)
                 break
             except ServiceUnavailable as e:
-                if time.monotonic() > deadline or self._closed or record.name not in self.membership.members():
+                if time.monotonic() > deadline or self._core.closed or record.name not in self.membership.members():
                     log.error("conductor: cannot reach worker %s at %s: %s", record.name, record.control, e)
                     return
                 time.sleep(0.2)
@@ -154,18 +157,18 @@ class ConductorService(RoutedCluster):
                 return
         spec = InstanceSpec(inst, record.role, record.name, fp.model, fp.block_size, 0)
         with self._lock:
-            if self._closed:
+            if self._core.closed:
                 sock.close()
                 return
-            self._router.lifecycle.names[inst] = record.name
-            m = Member(spec, SocketChannel(sock, inst, self._router.events, FROM_REMOTE,
+            self._core.router.lifecycle.names[inst] = record.name
+            m = Member(spec, SocketChannel(sock, inst, self._core.router.events, FROM_REMOTE,
                                            name=f"conductor<-{record.name}"))
             m.record, m.remote = record, True
-            self._members.add(m)
+            self._core.members.add(m)
             self._by_name[record.name] = inst
         m.ch.to_instance(Attach(PROTOCOL_VERSION, inst, record.name))
         if not m.ready.wait(max(0.1, deadline - time.monotonic())):
-            self._report_down(inst, f"did not answer Attach within {self._attach_timeout_s:g}s")
+            self._core.report_down(inst, f"did not answer Attach within {self._attach_timeout_s:g}s")
             return
         if m.error is None:
             self._reattempts.pop(record.name, None)
@@ -176,41 +179,40 @@ class ConductorService(RoutedCluster):
     def on_ready(self, inst: int, msg: Ready | InitFailed) -> None:
         """A worker answered ``Attach``. The conductor routes to it from here on (built now
         if this is the first worker)."""
-        err = self._members.ready(inst, msg, "the conductor", admit=self._admit)
+        err = self._core.members.ready(inst, msg, "the conductor", admit=self._admit)
         if err is not None:
-            log.error("conductor: worker %s refused to attach: %s", self._members[inst].spec.name, err)
-            self._report_down(inst, err)
+            log.error("conductor: worker %s refused to attach: %s", self._core.members[inst].spec.name, err)
+            self._core.report_down(inst, err)
 
     def _admit(self, m: Member, msg: Ready) -> str | None:
-        if self.conductor is None:
-            self.block_size = m.spec.block_size
-            self._hasher = PrefixHasher(self.block_size, seed=0)
-            self._limits.block_size = self.block_size
-            self.conductor = new_conductor(self.config.conductor_args(self.block_size), msg.block_bytes,
+        core = self._core
+        if core.conductor is None:
+            core.set_block_size(m.spec.block_size)
+            core.conductor = new_conductor(self.config.conductor_args(m.spec.block_size), msg.block_bytes,
                                            default_prefill_model(), [], [])
-        elif m.spec.block_size != self.block_size:
-            return f"block size {m.spec.block_size}, the cluster's is {self.block_size}"
+        elif m.spec.block_size != core.block_size:
+            return f"block size {m.spec.block_size}, the cluster's is {core.block_size}"
         if m.role == "prefill":
-            self.conductor.add_prefill(m.spec.id)
+            core.conductor.add_prefill(m.spec.id)
         else:
             # the worker's own batch limit (an older worker that does not say: the default)
             batch = {"max_batch": msg.max_num_seqs} if msg.max_num_seqs > 0 else {}
-            self.conductor.add_decode(m.spec.id, kv_capacity_tokens=max(1, msg.kv_tokens), **batch)
-        self._limits.learn([*self._members.ready_infos(), msg])
+            core.conductor.add_decode(m.spec.id, kv_capacity_tokens=max(1, msg.kv_tokens), **batch)
+        core.limits.learn([*core.members.ready_infos(), msg])
         return None
 
     def on_down(self, inst: int, reason: str) -> str | None:
         """``inst`` is out (the conductor dropped it already)."""
-        m = self._members.down(inst, reason)
+        m = self._core.members.down(inst, reason)
         if m is None:
             return None
         m.ch.close()
         with self._lock:
             if self._by_name.get(m.spec.name) == inst:
                 del self._by_name[m.spec.name]
-        self._limits.learn(self._members.ready_infos())
+        self._core.limits.learn(self._core.members.ready_infos())
         what = m.down_reason or reason
-        if not self._closed:
+        if not self._core.closed:
             log.warning("conductor: worker %s left (%s); failing its requests", m.spec.name, what)
             if m.info is not None and m.error is None:
                 self._reattach_later(m.record)
@@ -232,11 +234,11 @@ class ConductorService(RoutedCluster):
         delay = min(0.5 * 2 ** k, 8.0)
 
         def again() -> None:
-            if self._closed:
+            if self._core.closed:
                 return
             live = self.membership.members().get(record.name)
             with self._lock:
-                taken = (i := self._by_name.get(record.name)) is not None and self._members[i].alive
+                taken = (i := self._by_name.get(record.name)) is not None and self._core.members[i].alive
             if live is not None and live.same_worker(record) and not taken:
                 log.warning("conductor: attaching worker %s again (its record is live)", record.name)
                 self._attach(live)
@@ -245,14 +247,20 @@ class ConductorService(RoutedCluster):
         t.daemon = True
         t.start()
 
+    def submit_forwarded(self, prompt: list[int], params: Any, timeout_s: float | None,
+                         handle_type: Callable[[int, list[int], Any], RequestHandle]) -> RequestHandle:
+        """``submit`` of a remote client's request (service_clients.py): its handle is
+        ``handle_type(rid, prompt, on_cancel)``, which forwards the tokens to the client."""
+        return self._core.submit(prompt, params, timeout_s, handle_type)
+
     def close(self, timeout_s: float = 5.0) -> None:
         """Stops routing: fails what is in flight, closes the workers' links (the workers
         keep running and wait for the next conductor)."""
-        if self._closed:
+        if self._core.closed:
             return
-        self._closed = True
+        self._core.closed = True
         self.membership.close()
-        self._stop_routing(ServiceUnavailable("the conductor service stopped"), timeout_s)
-        for m in list(self._members.values()):
+        self._core.stop_routing(ServiceUnavailable("the conductor service stopped"), timeout_s)
+        for m in list(self._core.members.values()):
             m.alive = False
             m.ch.close()

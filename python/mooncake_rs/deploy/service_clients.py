@@ -1,5 +1,5 @@
 """The client endpoint of a conductor service: ``RemoteCluster`` connections
-(client_protocol.py) on an authenticated listener.
+(client/protocol.py) on an authenticated listener.
 
 Each connection has a reader (the link's thread: submits and cancels) and a writer
 thread with a queue: the router thread hands a request's tokens to the connection's
@@ -16,13 +16,13 @@ import threading
 from typing import Any
 
 from .. import errors as _errors
-from ..serving.control import Lost, SocketChannel
+from ..net.channel import FramedChannel, Lost
+from ..net.framing import Codec
 from ..client.handle import RequestHandle
-from ..serving.protocol import Codec
-from .auth_socket import AuthListener
-from .client_protocol import (CLIENT_PROTOCOL_VERSION, TO_SERVICE, Admitted, Answer, CancelSubmitted, ClientMessage,
+from ..net.auth_socket import AuthListener
+from ..client.protocol import (CLIENT_PROTOCOL_VERSION, TO_SERVICE, Admitted, Answer, CancelSubmitted, ClientMessage,
                               Error, Finished, Query, Submit, Tokens)
-from .sealed import SealedSocket
+from ..net.sealed import SealedSocket
 
 __all__ = ["ClientEndpoint", "error_message"]
 
@@ -63,14 +63,14 @@ class _Connection:
     def __init__(self, service: Any, sock: SealedSocket, peer: str, on_close: Any) -> None:
         self.service, self.peer = service, peer
         self._out: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._codec = Codec(types=ClientMessage)
+        self._codec = Codec(ClientMessage)
         self._sock = sock
         self._handles: dict[int, RequestHandle] = {}  # cid -> the service's handle
         self._lock = threading.Lock()
         self._on_close = on_close
         self._writer = threading.Thread(target=self._write, name=f"mooncake-client-out-{peer}", daemon=True)
         self._writer.start()
-        self._link = SocketChannel(sock, 0, self, TO_SERVICE, name=f"service<-client@{peer}", types=ClientMessage)
+        self._link = FramedChannel(sock, 0, self, TO_SERVICE, ClientMessage, name=f"service<-client@{peer}")
 
     # ---- out (any thread; the writer sends)
     def post(self, msg: Any) -> None:
@@ -109,8 +109,8 @@ class _Connection:
             return
 
         try:
-            h = self.service._submit(msg.prompt, msg.params, msg.timeout_s,
-                                     lambda rid, toks, cancel: _Forward(rid, toks, cancel, self, cid))
+            h = self.service.submit_forwarded(msg.prompt, msg.params, msg.timeout_s,
+                                              lambda rid, toks, cancel: _Forward(rid, toks, cancel, self, cid))
         except Exception as e:  # noqa: BLE001 - every refusal goes back typed
             self.post(error_message(cid, e))
             return
@@ -118,7 +118,7 @@ class _Connection:
             if not h.done:  # (one that ended already was forgotten before it was known)
                 self._handles[cid] = h
         # The router may post the request's first tokens (or its failure) before this:
-        # the client takes those as admission too (remote.py)
+        # the client takes those as admission too (client/remote.py)
         self.post(Admitted(cid, h.request_id, h.prefill_instance, h.decode_instance))
 
     def _forget(self, cid: int) -> None:

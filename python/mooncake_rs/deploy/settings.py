@@ -1,6 +1,7 @@
-"""What the deployment's processes (``worker``, ``serve --etcd``) and clients read the
-same way: the cluster's key prefix in etcd, the cluster token, a HOST:PORT to listen on,
-how to reach etcd (its own authentication and TLS)."""
+"""What the deployment's processes (``worker``, ``serve --etcd``) read the same way: the
+cluster token, a HOST:PORT to listen on, how to reach etcd (its own authentication and
+TLS). The cluster's key prefix in etcd is client/records.py's ``cluster_prefix`` (a
+``RemoteCluster`` reads it too)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,7 @@ from typing import Any
 
 from ..errors import InvalidArgument
 
-__all__ = ["cluster_prefix", "read_token", "split_hostport", "add_etcd_arguments", "etcd_client"]
-
-
-def cluster_prefix(cluster: str) -> str:
-    """The etcd key prefix of a named cluster."""
-    if not cluster or "/" in cluster:
-        raise InvalidArgument(f"a cluster name is non-empty and has no '/', got {cluster!r}")
-    return f"/mooncake/{cluster}"
+__all__ = ["read_token", "split_hostport", "add_etcd_arguments", "etcd_client"]
 
 
 def read_token(path: str | None) -> str:
@@ -59,7 +53,7 @@ def add_etcd_arguments(p: argparse.ArgumentParser) -> None:
 
 def etcd_client(args: argparse.Namespace) -> Any:
     """The ``EtcdClient`` the command line describes."""
-    from .etcd import EtcdClient
+    from ..net.etcd import EtcdClient
 
     user = getattr(args, "etcd_user", None)
     password = None

@@ -13,9 +13,9 @@ and the conductor's handshake refuses it later (logged on both sides).
 from __future__ import annotations
 
 from ..errors import ServiceUnavailable, Unauthorized
-from .auth_socket import connect
-from .etcd import EtcdClient
-from .records import decode_leader, leader_key
+from ..net.auth_socket import connect
+from ..net.etcd import EtcdClient
+from ..client.records import decode_leader, leader_key
 
 __all__ = ["check_token_with_leader"]
 

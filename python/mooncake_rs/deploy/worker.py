@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidArgument, MooncakeError
-from .records import ModelFingerprint, WorkerRecord
-from .settings import add_etcd_arguments, cluster_prefix, etcd_client, read_token, split_hostport
+from ..client.records import ModelFingerprint, WorkerRecord
+from ..client.records import cluster_prefix
+from .settings import add_etcd_arguments, etcd_client, read_token, split_hostport
 
 __all__ = ["add_worker_arguments", "run_worker", "fingerprint_of"]
 
@@ -87,7 +88,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from ..serving.instance import Instance
     from ..serving.protocol import InstanceSpec, Stop
     from ..serving.worker import beat_loop
-    from .auth_socket import AuthListener
+    from ..net.auth_socket import AuthListener
     from .registration import WorkerRegistration
     from .worker_link import ConductorLinks
 

@@ -25,7 +25,7 @@ from typing import Any, Iterator
 
 from ..serving.control import CLUSTER, Counts, Detached, Lost, SocketChannel
 from ..serving.protocol import TO_REMOTE, Attach, Message, Relay
-from .sealed import SealedSocket
+from ..net.sealed import SealedSocket
 
 __all__ = ["ConductorLinks", "RelayPeers"]
 

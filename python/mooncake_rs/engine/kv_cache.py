@@ -166,9 +166,12 @@ class KVCache:
         ls = slice(None) if layer is None else slice(layer, layer + 1)
         idx = torch.tensor(list(pages), dtype=torch.long, device=self.device)
         src = self.data[ls].index_select(2, idx).view(nl, 2, num_blocks, b, h, d)
-        # [blocks, layers, K/V, tokens, heads, dim] in the buffer, seen in the cache's order
-        dst = out.view(dt).view(num_blocks, nl, 2, b, h, d).permute(1, 2, 0, 3, 4, 5)
-        dst.copy_(src)
+        # Put the blocks in the buffer's order ([blocks, layers, K/V, tokens, heads, dim]) on
+        # the device, then make one contiguous copy into the buffer: copying into a permuted
+        # view of host memory instead stages the bytes on the host and permutes them there
+        # (1.3 GB/s on an H200 against 55 GB/s for the contiguous copy).
+        staged = src.permute(2, 0, 1, 3, 4, 5).contiguous()
+        out.view(dt).view(staged.shape).copy_(staged)
 
     def _save_blocks_cpu(self, pages: Sequence[int], num_blocks: int, per: int, out: torch.Tensor, first_layer: int,
                          nl: int) -> None:

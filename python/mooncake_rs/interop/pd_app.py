@@ -19,22 +19,20 @@ decode stream that breaks ends with an error event. ``X-Mooncake-Prefill`` /
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route as HttpRoute
 
 from ..http.errors import ApiError, bad_request
 from .pd import DecodeChoice, PDRouter
 from .proxy import prompt_ids_of
-from .upstream_http import UpstreamHttp
+from .upstream_http import UpstreamHttp, is_stream, passthrough, read_body
 
 __all__ = ["create_pd_app", "PREFILL_HEADER", "DECODE_HEADER"]
 
@@ -152,42 +150,19 @@ def create_pd_app(router: PDRouter, tokenizer: Any, *, api_key: str | None = Non
         return await relay(resp, d, headers)
 
     async def relay(resp: httpx.Response, d: DecodeChoice, headers: dict[str, str]) -> Response:
-        for h in ("content-type", "cache-control"):
-            if h in resp.headers:
-                headers[h] = resp.headers[h]
-        if not resp.headers.get("content-type", "").startswith("text/event-stream"):
+        if not is_stream(resp, headers):
             try:
-                data = await resp.aread()
+                data = await read_body(resp)
             except httpx.TransportError as e:
                 router.decode_done(d, failed=True)
                 return error(ApiError(502, f"decode {d.name!r} broke: {type(e).__name__}: {e}",
                                       type="upstream_error", code="upstream_stream_broken"), headers)
-            finally:
-                await resp.aclose()
             router.decode_done(d, failed=resp.status_code >= 500)
             return Response(data, status_code=resp.status_code, headers=headers)
 
-        async def passthrough() -> AsyncIterator[bytes]:
-            failed = True
-            try:
-                async for chunk in resp.aiter_raw():
-                    yield chunk
-                failed = resp.status_code >= 500
-            except httpx.TransportError as e:
-                broke = ApiError(502, f"the stream from decode {d.name!r} broke: {type(e).__name__}: {e}",
-                                 type="upstream_error", code="upstream_stream_broken")
-                yield b"data: " + json.dumps(broke.body()).encode() + b"\n\n"
-            finally:
-                router.decode_done(d, failed=failed)
-                await resp.aclose()
-
-        return StreamingResponse(passthrough(), status_code=resp.status_code, headers=headers)
-
-    async def completions(request: Request) -> Response:
-        return await forward(request, "/v1/completions", "completion")
-
-    async def chat(request: Request) -> Response:
-        return await forward(request, "/v1/chat/completions", "chat")
+        stream = passthrough(resp, f"decode {d.name!r}", failed_from=500,
+                             on_end=lambda _chunks, failed: router.decode_done(d, failed=failed))
+        return StreamingResponse(stream, status_code=resp.status_code, headers=headers)
 
     async def models(request: Request) -> Response:
         for name in router.decode_names:
@@ -204,20 +179,4 @@ def create_pd_app(router: PDRouter, tokenizer: Any, *, api_key: str | None = Non
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "prefill": router.prefill.names, "decode": router.decode_names})
 
-    async def stats(request: Request) -> Response:
-        return JSONResponse(router.stats())
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
-        try:
-            yield
-        finally:
-            await shared.aclose()
-
-    return Starlette(routes=[
-        HttpRoute("/v1/completions", completions, methods=["POST"]),
-        HttpRoute("/v1/chat/completions", chat, methods=["POST"]),
-        HttpRoute("/v1/models", models, methods=["GET"]),
-        HttpRoute("/health", health, methods=["GET"]),
-        HttpRoute("/stats", stats, methods=["GET"]),
-    ], lifespan=lifespan)
+    return shared.app(forward, models=models, health=health, stats=router.stats)

@@ -11,30 +11,25 @@ reached is 502, bad input is 400. An upstream's own error answer is passed throu
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route as HttpRoute
 
 from ..errors import InvalidArgument
 from ..http.errors import ApiError, bad_request
 from .upstream import Route, UpstreamRouter
-from .upstream_http import UpstreamHttp
+from .upstream_http import UpstreamHttp, is_stream, passthrough, read_body
 
 __all__ = ["create_proxy_app", "prompt_ids_of"]
 
-log = logging.getLogger("mooncake_rs.interop")
 
 _MAX_BODY = 16 << 20
 UPSTREAM_HEADER = "X-Mooncake-Upstream"
-_PASS_HEADERS = ("content-type", "cache-control")
 
 
 def prompt_ids_of(tokenizer: Any, kind: str, body: Any) -> list[int]:
@@ -137,53 +132,23 @@ def create_proxy_app(router: UpstreamRouter, tokenizer: Any, *, api_key: str | N
             except BaseException:
                 router.finish(r, failed=True)
                 raise
-        for h in _PASS_HEADERS:
-            if h in resp.headers:
-                headers[h] = resp.headers[h]
-        streaming = resp.headers.get("content-type", "").startswith("text/event-stream")
-        if not streaming:
+        if not is_stream(resp, headers):
             try:
-                data = await resp.aread()
+                data = await read_body(resp)
             except httpx.TransportError as e:
                 router.finish(r, failed=True)
                 return error(unreachable(r, e), headers)
-            finally:
-                await resp.aclose()
             ok = resp.status_code < 400
             if ok:
                 router.first_token(r)
             router.finish(r, _usage_tokens(data), failed=not ok)
             return Response(data, status_code=resp.status_code, headers=headers)
 
-        async def passthrough() -> AsyncIterator[bytes]:
-            chunks = 0
-            failed = True
-            try:
-                async for chunk in resp.aiter_raw():
-                    if chunks == 0:
-                        router.first_token(r)
-                    chunks += chunk.count(b"data:")
-                    yield chunk
-                failed = resp.status_code >= 400
-            except httpx.TransportError as e:
-                log.warning("stream from upstream %r broke: %s", r.name, e)
-                broke = ApiError(502, f"the stream from upstream {r.name!r} ({r.url}) broke: {type(e).__name__}: {e}",
-                                 type="upstream_error", code="upstream_stream_broken")
-                yield b"data: " + json.dumps(broke.body()).encode() + b"\n\n"
-            finally:
-                # First, before any await: a client that went away cancels this generator,
-                # and an await here could be cancelled again before the slot is freed.
-                # data chunks less the [DONE] line: about one a token (a usage chunk aside)
-                router.finish(r, max(0, chunks - 1), failed=failed)
-                await resp.aclose()
-
-        return StreamingResponse(passthrough(), status_code=resp.status_code, headers=headers)
-
-    async def completions(request: Request) -> Response:
-        return await forward(request, "/v1/completions", "completion")
-
-    async def chat(request: Request) -> Response:
-        return await forward(request, "/v1/chat/completions", "chat")
+        # data chunks less the [DONE] line: about one a token (a usage chunk aside)
+        stream = passthrough(resp, f"upstream {r.name!r} ({r.url})", failed_from=400,
+                             on_first=lambda: router.first_token(r),
+                             on_end=lambda chunks, failed: router.finish(r, max(0, chunks - 1), failed=failed))
+        return StreamingResponse(stream, status_code=resp.status_code, headers=headers)
 
     async def models(request: Request) -> Response:
         try:
@@ -210,21 +175,4 @@ def create_proxy_app(router: UpstreamRouter, tokenizer: Any, *, api_key: str | N
         return JSONResponse({"status": "ok" if up else "unavailable", "upstreams": router.names,
                              "down": [n for n in router.names if n not in up]}, status_code=200 if up else 503)
 
-    async def stats(request: Request) -> Response:
-        return JSONResponse(router.stats())
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
-        try:
-            yield
-        finally:
-            await shared.aclose()
-
-    routes = [
-        HttpRoute("/v1/completions", completions, methods=["POST"]),
-        HttpRoute("/v1/chat/completions", chat, methods=["POST"]),
-        HttpRoute("/v1/models", models, methods=["GET"]),
-        HttpRoute("/health", health, methods=["GET"]),
-        HttpRoute("/stats", stats, methods=["GET"]),
-    ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    return shared.app(forward, models=models, health=health, stats=router.stats)

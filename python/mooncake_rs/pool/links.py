@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from .._core import TransferEngine
-from ..deploy import auth_socket
+from ..net import auth_socket
 from ..errors import InvalidArgument, MooncakeError
 from .members import StoreNodeRecord
 from .protocol import Failure, FrameIO, Reply

@@ -15,7 +15,7 @@ import time
 
 import msgspec
 
-from ..deploy.etcd import EtcdClient
+from ..net.etcd import EtcdClient
 from ..deploy.lease import KeptLease
 from ..errors import InvalidArgument, ServiceUnavailable
 

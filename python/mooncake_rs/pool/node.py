@@ -16,9 +16,9 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .._core import TransferEngine
-from ..deploy.auth_socket import AuthListener
-from ..deploy.etcd import EtcdClient
-from ..deploy.sealed import SealedSocket
+from ..net.auth_socket import AuthListener
+from ..net.etcd import EtcdClient
+from ..net.sealed import SealedSocket
 from ..errors import InvalidArgument, MooncakeError
 from .members import NodeRegistration, StoreNodeRecord
 from .metrics import prometheus_text, segment_metrics

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .._core import Peer, Region, TransferEngine, TransferRequest
-from ..deploy.etcd import EtcdClient
+from ..net.etcd import EtcdClient
 from ..deploy.settings import read_token
 from ..errors import ServiceUnavailable
 from .buffers import RegisteredBuffer, RegisteredBuffers, scatter, view_at

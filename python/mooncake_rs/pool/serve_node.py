@@ -15,7 +15,8 @@ import signal
 import socket
 import threading
 
-from ..deploy.settings import cluster_prefix, read_token
+from ..client.records import cluster_prefix
+from ..deploy.settings import read_token
 from ..errors import InvalidArgument
 
 __all__ = ["add_store_arguments", "run_store", "parse_bytes"]

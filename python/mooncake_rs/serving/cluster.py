@@ -33,13 +33,14 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .._core import Conductor, PrefillCostModel, TransferRegistry
+from ..client.remote import RemoteCluster
 from ..errors import InvalidArgument, MooncakeError
 from .config import ServingConfig
 from .kv_events import endpoints_for
 from .limits import Limits
 from .members import Members, SpawnedInstances, remove_segments_of, spawn_all
 from .protocol import Failed, InstanceSpec, Measure, Stop, Timings
-from .routed import RoutedCluster, default_prefill_model, new_conductor
+from .routed import RoutedApi, RoutedCluster, default_prefill_model, new_conductor
 
 __all__ = ["Cluster", "remove_segments_of"]
 
@@ -51,7 +52,7 @@ def _kv_events_of(eps: tuple[str, str] | None) -> dict[str, Any]:
     return {} if eps is None else {"kv_events": eps[0], "kv_events_replay": eps[1]}
 
 
-class Cluster(RoutedCluster):
+class Cluster(RoutedApi):
     """An embedded cluster: ``prefill`` + ``decode`` instances and a conductor (see docs/serving.md).
 
     ``model``: a ModelConfig, a preset name or a model directory; every instance builds
@@ -120,8 +121,10 @@ class Cluster(RoutedCluster):
         decode_ids = list(range(cfg.prefill, cfg.prefill + cfg.decode))
         names = {i: f"prefill-{i}" for i in prefill_ids} | {i: f"decode-{i - cfg.prefill}" for i in decode_ids}
         members = Members()
-        super().__init__(cfg, members, SpawnedInstances(members, lambda: self._closed), block_size=cfg.block_size,
-                         limits=Limits(self._model_config(model), cfg.block_size), names=names)
+        #: the routed core this cluster feeds with its spawned instances (routed.py)
+        self._core = core = RoutedCluster(cfg, members, SpawnedInstances(members, lambda: core.closed),
+                                          block_size=cfg.block_size,
+                                          limits=Limits(self._model_config(model), cfg.block_size), names=names)
         #: prefill instance name -> (PUB, replay ROUTER) of its KV events (serving/kv_events.py)
         self.kv_event_endpoints = endpoints_for(cfg.kv_events, [names[i] for i in prefill_ids])
         # in-process instances beat from their loop (liveness.py); workers from a thread
@@ -147,36 +150,37 @@ class Cluster(RoutedCluster):
                 clean_at_exit()
             # filled in place, before any instance starts: a fast one's Ready may reach the
             # router before spawn_all returns
-            spawn_all(specs, cfg.processes, self._router.events, self._registry, self._transfer_token,
+            spawn_all(specs, cfg.processes, self._core.router.events, self._registry, self._transfer_token,
                       self._instance_tokens, members=members)
             deadline = time.monotonic() + cfg.start_timeout_s
             for m in members.values():
                 if not m.ready.wait(max(0.0, deadline - time.monotonic())) or m.error:
                     raise MooncakeError(f"instance {m.spec.name} did not start: {m.error or 'timeout'}")
             ready = members.ready_infos()
-            self._limits.learn(ready)
+            self._core.limits.learn(ready)
             # The conductor, now that the instances said what they hold: its transfer cost
             # on their real block bytes (a bfloat16 engine's blocks are half a float32's),
             # and admission filling a decode instance to what its engine holds: its batch
             # (max_num_seqs) and its KV pool, not a default sized for a large GPU.
             self._layout_bytes = max(r.block_bytes for r in ready)
-            self._decode_capacity = (int(cfg.engine_kwargs.get("max_num_seqs", 64)), self._limits.kv_tokens or 1_000_000)
-            self._swap_conductor(self._new_conductor(self._prefill_model))
+            self._decode_capacity = (int(cfg.engine_kwargs.get("max_num_seqs", 64)),
+                                     core.limits.kv_tokens or 1_000_000)
+            self._core.swap_conductor(self._new_conductor(self._prefill_model))
         except BaseException:
             self.close()
             raise
         if cfg.heartbeat_timeout_s is not None:
-            self._start_watchdog(cfg.heartbeat_timeout_s)
+            self._core.start_watchdog(cfg.heartbeat_timeout_s)
 
     @property
     def prefill_ids(self) -> list[int]:
         """The prefill instances' ids (down ones too); a role switch moves an id."""
-        return self._members.ids("prefill")
+        return self._core.members.ids("prefill")
 
     @property
     def decode_ids(self) -> list[int]:
         """The decode instances' ids (down ones too); a role switch moves an id."""
-        return self._members.ids("decode")
+        return self._core.members.ids("decode")
 
     # ---- construction
     @staticmethod
@@ -204,21 +208,20 @@ class Cluster(RoutedCluster):
 
     @staticmethod
     def connect(address: str | None = None, *, etcd: Any = None, auth_token: str, cluster: str = "default",
-                connect_timeout_s: float = 10.0) -> Any:
+                connect_timeout_s: float = 10.0) -> RemoteCluster:
         """A running deployment across hosts (``mooncake-rs serve --etcd``), with this
-        class's request API: a ``deploy.RemoteCluster``. ``etcd``: find the leading
+        class's request API: a ``RemoteCluster`` (client/remote.py; also
+        ``mooncake_rs.deploy.RemoteCluster``). ``etcd``: find the leading
         ``serve`` there (under ``cluster``; a URL, or a ``deploy.EtcdClient`` for etcd's
         authentication and TLS); or ``address``: a ``serve``'s ``--listen``.
         ``auth_token``: the cluster token. See docs/deploy.md."""
-        from ..deploy.remote import RemoteCluster
-
         return RemoteCluster(address, etcd=etcd, auth_token=auth_token, cluster=cluster,
                              connect_timeout_s=connect_timeout_s)
 
-    # ---- the public API (submit, generate, metrics_text, kv_usage: RoutedCluster)
+    # ---- the public API (submit, generate, metrics_text, kv_usage: RoutedApi, over the core)
     def pid_of(self, instance: int) -> int | None:
         """The worker process id of an instance (``processes=True``), else None."""
-        m = self._members.get(instance)
+        m = self._core.members.get(instance)
         return m.proc.pid if m is not None and m.proc is not None else None
 
     def message_counts(self, timeout_s: float = 30.0) -> dict[str, int]:
@@ -226,8 +229,8 @@ class Cluster(RoutedCluster):
         requests handed to the router): what docs/serving.md counts as hops. Heartbeats
         and the stats exchange this call makes are left out. Call it idle."""
         total: collections.Counter[str] = collections.Counter({k.lower(): v for k, v in
-                                                               self._router.counts.snapshot().items()})
-        for m in self._members.values():
+                                                               self._core.router.counts.snapshot().items()})
+        for m in self._core.members.values():
             total.update(m.cluster_counts())
         for st in self.instance_stats(timeout_s).values():
             for k, v in st.items():
@@ -242,16 +245,16 @@ class Cluster(RoutedCluster):
         """Measures real prefill times on a prefill instance (``(new, cached)`` token
         points) and refits the conductor's prefill cost model; returns the fitted model.
         Run it while the cluster is idle."""
-        if self._router.in_flight():
+        if self._core.router.in_flight():
             raise InvalidArgument("calibrate() needs an idle cluster")
         if points is None:
             b = self.config.block_size
             points = [(n * b, c * b) for n in (1, 2, 4, 8, 16) for c in (0, 4, 16)]
-        inst = next((i for i in self.prefill_ids if self._members[i].live), None)
+        inst = next((i for i in self.prefill_ids if self._core.members[i].live), None)
         if inst is None:
             raise MooncakeError("no live prefill instance to calibrate on")
         pts = [(int(n), int(c)) for n, c in points]
-        msg = self._ask(inst, lambda qid: Measure(pts, repeats, qid=qid), timeout_s)
+        msg = self._core.ask(inst, lambda qid: Measure(pts, repeats, qid=qid), timeout_s)
         if msg is None:
             raise MooncakeError(f"calibration did not finish within {timeout_s}s")
         if isinstance(msg, Failed):
@@ -263,9 +266,9 @@ class Cluster(RoutedCluster):
         self._prefill_model = model
         # swapped on the router thread, which drops the instances it knows are down; never
         # during a role switch (the fresh conductor is built from the pools it ends with)
-        with self._switch_lock:
+        with self._core.switch_lock:
             assert self.conductor is not None  # built before the constructor returned
-            self._swap_conductor(self._new_conductor(model, index=self.conductor.index))
+            self._core.swap_conductor(self._new_conductor(model, index=self.conductor.index))
         self.calibration = samples
         return model
 
@@ -278,27 +281,27 @@ class Cluster(RoutedCluster):
         from .roles import check_role, switch_role
 
         check_role(role, timeout_s)
-        if self._closed:
+        if self._core.closed:
             raise InvalidArgument("the cluster is closed")
         if self.kv_grants:
             raise InvalidArgument("switch_role is not supported with kv_grants=True (a decode arena is restricted and "
                                   "each prefill has its own transfer token, both set up at spawn); start the cluster "
                                   "with the roles it needs instead")
-        with self._switch_lock:
-            return switch_role(self.conductor, self._members, self._ask, instance, role, timeout_s=timeout_s)
+        with self._core.switch_lock:
+            return switch_role(self.conductor, self._core.members, self._core.ask, instance, role, timeout_s=timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stops every instance (worker processes exit), fails what is in flight and
         removes every shared-memory segment. Idempotent."""
-        if self._closed:
+        if self._core.closed:
             return
-        self._closed = True
-        self._stop_watch.set()
-        for m in self._members.values():
+        self._core.closed = True
+        self._core.stop_watchdog()
+        for m in self._core.members.values():
             if m.alive:
                 m.ch.to_instance(Stop())
         deadline = time.monotonic() + timeout_s
-        for m in self._members.values():
+        for m in self._core.members.values():
             if m.thread is not None and not (m.down_reason is not None and m.thread.is_alive()):
                 # (a thread declared wedged is not waited for: it exits if it ever wakes)
                 m.thread.join(max(0.1, deadline - time.monotonic()))
@@ -309,11 +312,11 @@ class Cluster(RoutedCluster):
                     m.proc.kill()
                     m.proc.wait(5)
                 m.ch.close()
-        self._stop_routing(MooncakeError("the cluster was closed"), 5.0)
+        self._core.stop_routing(MooncakeError("the cluster was closed"), 5.0)
         self._cleanup_shm()
 
     def _cleanup_shm(self) -> None:
-        for m in self._members.values():
+        for m in self._core.members.values():
             if m.proc is not None:
                 remove_segments_of(m.proc.pid)
 

@@ -13,7 +13,8 @@ why and closes that connection; it never raises into the process.
 - ``QueuePeer``: in-process instance -> instance.
 - ``SocketChannel``: a stream socket (a ``socketpair`` made by the cluster at spawn)
   carrying length-prefixed msgpack frames, for worker processes: the control link and
-  the peer links alike.
+  the peer links alike. It is net/channel.py's ``FramedChannel`` (the reader thread,
+  ``Lost``, the framing) with the heartbeat and the cluster-side methods below.
 - deploy/worker_link.py: a remote worker's ``ConductorLinks`` (its instance's channel)
   and ``RelayPeers`` (its peers, reached through the conductor).
 
@@ -33,31 +34,22 @@ instance's loop beats through ``QueueChannel.beat`` instead (no router trip).
 
 from __future__ import annotations
 
-import collections
 import logging
 import queue
-import socket
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .protocol import Beat, Codec, Message, ProtocolError, Stop, op_of
+from ..net.channel import Counts, FramedChannel, Lost, get_from
+from .protocol import Beat, Message, ProtocolError, Stop
 
 __all__ = ["CLUSTER", "Lost", "Detached", "Counts", "Link", "InstanceChannel", "ControlLink", "QueueChannel",
-           "QueuePeer", "SocketChannel", "read_message"]
+           "QueuePeer", "SocketChannel"]
 
 log = logging.getLogger("mooncake_rs.serving")
 
 #: the source id of messages from the cluster in an instance's inbox
 CLUSTER = -1
-
-
-@dataclass(frozen=True)
-class Lost:
-    """Posted by a link that closed: EOF, a socket error or a bad frame (``reason``)."""
-
-    reason: str
 
 
 @dataclass(frozen=True)
@@ -67,23 +59,6 @@ class Detached:
     what it holds for that conductor and waits for the next one to attach."""
 
     reason: str
-
-
-class Counts:
-    """Messages sent on one link, by op (thread-safe: a link may send from two threads)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._c: collections.Counter[str] = collections.Counter()
-
-    def add(self, msg: Any) -> None:
-        op = op_of(msg)
-        with self._lock:
-            self._c[op] += 1
-
-    def snapshot(self) -> collections.Counter[str]:
-        with self._lock:
-            return collections.Counter(self._c)
 
 
 class Link(Protocol):
@@ -142,14 +117,6 @@ def _not_across_hosts(what: str) -> None:
     raise ProtocolError(f"{what}: only a worker across hosts (deploy/) is attached by a conductor")
 
 
-def _get(q: "queue.SimpleQueue[Any]", timeout: float | None) -> Any:
-    """The next item of ``q``: waits up to ``timeout`` (None: forever, 0: not at all)."""
-    try:
-        return q.get(timeout=timeout) if timeout != 0 else q.get_nowait()
-    except queue.Empty:
-        return None
-
-
 class QueueChannel:
     """In-process cluster <-> instance: the instance reads ``inbox``; what it sends lands
     in the cluster's event queue tagged with its id."""
@@ -169,7 +136,7 @@ class QueueChannel:
     def recv(self, timeout: float | None) -> tuple[int, Any] | None:
         if self.fenced:
             return CLUSTER, Stop()
-        return _get(self.inbox, timeout)
+        return get_from(self.inbox, timeout)
 
     def beat(self, msg: Beat) -> None:
         """The instance loop's heartbeat: stamps ``last_seen`` here, without a trip
@@ -221,105 +188,30 @@ class QueuePeer:
         self.alive = False
 
 
-def _recv_exact(sock: Any, n: int) -> bytes | None:
-    parts, got = [], 0
-    while got < n:
-        chunk = sock.recv(min(n - got, 1 << 20))
-        if not chunk:
-            return None
-        parts.append(chunk)
-        got += len(chunk)
-    return b"".join(parts)
+class SocketChannel(FramedChannel):
+    """The serving protocol on a socket link (net/channel.py's ``FramedChannel``): a
+    worker's control link and its peer links alike. Its reader takes the instance's
+    ``Beat`` itself (``last_beat``, and ``last_seen`` as for any frame) and delivers the
+    rest into ``sink``; ``to_instance`` / ``send`` write a frame (the cluster and the
+    instance side share the framing); ``recv`` reads the sink (for a worker whose only
+    link it is)."""
 
-
-def read_message(sock: Any, codec: Codec) -> Message | None:
-    """The next message on ``sock``; None when the peer closed it (also mid-frame: a
-    peer that dies while writing). Raises ``ProtocolError`` for a bad frame."""
-    hdr = _recv_exact(sock, 4)
-    if hdr is None:
-        return None
-    n = codec.body_length(hdr)
-    body = _recv_exact(sock, n)
-    if body is None:
-        return None
-    return codec.decode_body(body)
-
-
-class SocketChannel:
-    """One end of a socket link; a reader thread delivers ``(source_id, msg)`` into
-    ``sink`` for every message of the types in ``allowed``.
-
-    ``to_instance`` / ``send`` write a frame (the cluster and the instance side share
-    the framing); ``recv`` reads the sink (for a worker whose only link it is)."""
+    log = log
 
     def __init__(self, sock: Any, source_id: int, sink: Any,
                  allowed: tuple[type, ...], name: str = "", types: Any = None) -> None:
-        """``sock``: a socket, or what stands for one (``deploy.sealed.SealedSocket``:
-        ``sendall``, ``recv``, ``shutdown``, ``close``). ``sink``: anything with
-        ``put((source_id, msg))``. ``types``: the tagged union the link decodes (default:
+        """As ``FramedChannel``; ``types``: the tagged union the link decodes (default:
         the serving protocol's ``Message``)."""
-        self.sock = sock
-        self.source_id = source_id
-        self.name = name or f"link-{source_id}"
-        self._allowed = allowed
-        self._sink = sink
-        self._types = types
-        self._send_lock = threading.Lock()
-        self._enc = Codec()
-        self.counts = Counts()
-        self.alive = True
-        #: time.monotonic() of the last frame received (any op): the peer's liveness
-        self.last_seen = time.monotonic()
         self.last_beat: Beat | None = None  # the latest heartbeat received (the instance's memory use)
-        self._reader = threading.Thread(target=self._read, name=f"mooncake-ctl-{self.name}", daemon=True)
-        self._reader.start()
+        super().__init__(sock, source_id, sink, allowed, Message if types is None else types, name)
 
-    def _read(self) -> None:
-        codec = Codec() if self._types is None else Codec(types=self._types)
-        reason = "closed"
-        while True:
-            try:
-                msg = read_message(self.sock, codec)
-            except ProtocolError as e:
-                reason = f"bad frame: {e}"
-                log.warning("serving: %s: %s; closing the connection", self.name, reason)
-                break
-            except OSError as e:
-                reason = f"{type(e).__name__}: {e}"
-                break
-            if msg is None:
-                break
-            self.last_seen = time.monotonic()
-            if isinstance(msg, Beat):
-                self.last_beat = msg
-                continue
-            if not isinstance(msg, self._allowed):
-                reason = f"bad frame: a {op_of(msg)} message is not expected on this link"
-                log.warning("serving: %s: %s; closing the connection", self.name, reason)
-                break
-            self._sink.put((self.source_id, msg))
-        self.alive = False
-        self._shutdown()
-        self._sink.put((self.source_id, Lost(reason)))
+    def _taken(self, msg: Any) -> bool:
+        if isinstance(msg, Beat):
+            self.last_beat = msg
+            return True
+        return False
 
-    def _shutdown(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-    def send(self, msg: Any) -> None:
-        """One message of the link's protocol (the serving one's ``Message``, or the
-        client protocol's on a client link)."""
-        with self._send_lock:  # one writer at a time per socket (and per encoder)
-            frame = self._enc.encode(msg)
-            self.counts.add(msg)
-            try:
-                self.sock.sendall(frame)
-            except OSError:
-                pass  # the reader notices the closed socket and reports it
-
-    to_instance = send
+    to_instance = FramedChannel.send
 
     @property
     def cluster_counts(self) -> Counts:
@@ -338,10 +230,3 @@ class SocketChannel:
 
     def refuse_pending(self, msg: Message) -> None:
         _not_across_hosts("refuse_pending")
-
-    def recv(self, timeout: float | None) -> tuple[int, Any] | None:
-        return _get(self._sink, timeout)
-
-    def close(self) -> None:
-        self._shutdown()
-        self.sock.close()

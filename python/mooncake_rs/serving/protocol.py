@@ -2,9 +2,9 @@
 
 Every message between the cluster, its instances and instance peers is a
 ``msgspec.Struct`` of this module, tagged by its ``op`` field (one tagged union,
-``Message``). On a socket a message travels as one frame: a 4-byte big-endian length,
-then the msgpack body; a frame longer than ``MAX_FRAME`` is refused before its body is
-read. In-process channels pass the Struct objects themselves (nothing to encode).
+``Message``). On a socket a message travels as one frame (net/framing.py: a 4-byte
+big-endian length, then the msgpack body; a frame longer than ``MAX_FRAME`` is refused
+before its body is read). In-process channels pass the Struct objects themselves (nothing to encode).
 
 Decoding never runs code from the peer (no pickle): the decoder builds only the types
 named here, with their declared field types, and rejects unknown fields (a request's
@@ -30,14 +30,14 @@ as ``Relay``.
 
 from __future__ import annotations
 
-import struct
 from typing import Any, Sequence, Union
 
 import msgspec
 
 from .._core import BlockHashes
 from ..base.params import SamplingParams
-from ..errors import MooncakeError
+from ..net import framing
+from ..net.framing import MAX_FRAME, ProtocolError, op_of
 
 __all__ = [
     "PROTOCOL_VERSION", "MAX_FRAME", "ProtocolError", "Message", "TO_INSTANCE", "FROM_INSTANCE", "PEER",
@@ -49,16 +49,6 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 1
-#: the longest frame a reader accepts (a 4,096-token prompt is ~20 KB; store event
-#: batches of a large arena a few MB)
-MAX_FRAME = 16 << 20
-_HDR = struct.Struct("!I")
-HEADER_BYTES = _HDR.size
-
-
-class ProtocolError(MooncakeError):
-    """A control frame that is not a valid message of this protocol (oversized,
-    truncated, not msgpack, unknown op, wrong field types, wrong version)."""
 
 
 def pack_keys(keys: Sequence[int]) -> bytes:
@@ -480,58 +470,9 @@ FROM_REMOTE: tuple[type, ...] = FROM_INSTANCE + (Relay,)
 PEER: tuple[type, ...] = (Prefill, KvReady)
 
 
-_OPS: dict[type, str] = {}
-
-
-def op_of(msg: Any) -> str:
-    """The op tag of a message (a counter key; the class name for other objects)."""
-    t = type(msg)
-    op = _OPS.get(t)
-    if op is None:
-        tag = t.__struct_config__.tag if isinstance(msg, msgspec.Struct) else None
-        op = _OPS[t] = tag if isinstance(tag, str) else t.__name__
-    return op
-
-
-class Codec:
-    """Frames messages for one link. Not shared between threads (one per reader, one
-    per sender under its lock)."""
+class Codec(framing.Codec):
+    """Frames the serving protocol's messages (``Message``) for one link, unless given
+    another union (net/framing.py has the framing itself)."""
 
     def __init__(self, max_frame: int = MAX_FRAME, types: Any = Message) -> None:
-        """``types``: the tagged union this link carries (the serving protocol's, or the
-        client protocol's of deploy/client_protocol.py: same framing, other ops)."""
-        self.max_frame = max_frame
-        self._enc = msgspec.msgpack.Encoder()
-        self._dec = msgspec.msgpack.Decoder(types)
-
-    def encode(self, msg: Any) -> bytes:
-        body = self._enc.encode(msg)
-        if len(body) > self.max_frame:
-            raise ProtocolError(f"a {op_of(msg)} message of {len(body)} bytes exceeds the frame limit "
-                                f"({self.max_frame})")
-        return _HDR.pack(len(body)) + body
-
-    def body_length(self, header: bytes) -> int:
-        """The body length a frame header announces; ``ProtocolError`` past the limit."""
-        if len(header) != _HDR.size:
-            raise ProtocolError(f"truncated frame header ({len(header)} of {_HDR.size} bytes)")
-        (n,) = _HDR.unpack(header)
-        if n > self.max_frame:
-            raise ProtocolError(f"frame of {n} bytes exceeds the limit ({self.max_frame})")
-        return n
-
-    def decode_body(self, body: bytes) -> Any:
-        try:
-            return self._dec.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise ProtocolError(f"malformed control message: {e}") from None
-        except (ValueError, TypeError, OverflowError, RecursionError, UnicodeDecodeError) as e:
-            raise ProtocolError(f"malformed control message: {type(e).__name__}: {e}") from None
-
-    def decode(self, frame: bytes) -> Message:
-        """One whole frame (header + body) -> its message."""
-        n = self.body_length(bytes(frame[:_HDR.size]))
-        body = frame[_HDR.size:]
-        if len(body) != n:
-            raise ProtocolError(f"frame announces {n} body bytes, has {len(body)}")
-        return self.decode_body(bytes(body))
+        super().__init__(types, max_frame)

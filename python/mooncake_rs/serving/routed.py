@@ -2,14 +2,16 @@
 the router thread, whatever runs its instances.
 
 The embedded ``Cluster`` (instances in this process or in child processes) and the
-``serve`` process's ``ConductorService`` (workers on other hosts, found in etcd) both
-are one: they differ in how instances start, join and leave, not in how a request is
-admitted and followed. Each builds this core with its ``ServingConfig`` (config.py),
-its ``Members`` table (members.py) and its ``MembershipSource``: what happens when an
-instance says ``Ready``, goes down, loses a peer, or exits (``SpawnedInstances`` for
-the embedded cluster; the service itself across hosts). The core owns the router
-thread and its one port, the conductor (built once the instances have reported, with
-the cost models below), admission, the instances' stats and the calls' replies.
+``serve`` process's ``ConductorService`` (workers on other hosts, found in etcd) each
+hold one (composition, not a subclass): they differ in how instances start, join and
+leave, not in how a request is admitted and followed. Each builds its core with its
+``ServingConfig`` (config.py), its ``Members`` table (members.py) and its
+``MembershipSource``: what happens when an instance says ``Ready``, goes down, loses a
+peer, or exits (``SpawnedInstances`` for the embedded cluster; the service itself
+across hosts). The core owns the router thread and its one port, the conductor (built
+once the instances have reported, with the cost models below), admission, the
+instances' stats and the calls' replies. ``RoutedApi`` is the request API both expose
+over the core they hold (``submit``, ``generate``, ``metrics_text``, ...).
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from .._core import (Conductor, ConductorConfig, DecodeCostModel, PrefillCostMod
                      TransferCostModel)
 from ..errors import InvalidArgument, MooncakeError, Overloaded, ServiceUnavailable
 from .config import ServingConfig
-from .control import Lost
 from ..client.generate import GenerateMixin
 from ..client.handle import RequestHandle, request_entry
+from .control import Lost
 from .lifecycle import CancelRequest, Plan
 from .limits import Limits
 from .liveness import watch
@@ -36,7 +38,7 @@ from .protocol import InitFailed, Message, Ready, Stats, StatsReply
 from .replies import Replies
 from .router import RequestRecord, Router, Shutdown, SwapConductor
 
-__all__ = ["RoutedCluster", "MembershipSource", "new_conductor", "default_prefill_model", "request_output",
+__all__ = ["RoutedCluster", "RoutedApi", "MembershipSource", "new_conductor", "default_prefill_model", "request_output",
            "MAX_FETCH_SOURCES"]
 
 #: the most holders one prefix fetch reads from at once (the decision's holder included):
@@ -103,7 +105,7 @@ class _Port:
         self._c.conductor = value
 
     def send(self, inst: int, msg: Message) -> None:
-        m = self._c._members.get(inst)
+        m = self._c.members.get(inst)
         if m is not None and m.alive:
             m.ch.to_instance(msg)
 
@@ -111,7 +113,7 @@ class _Port:
         return request_output(record, reason)
 
     def now(self) -> float:
-        return self._c._now()
+        return self._c.now()
 
 
 def new_conductor(cfg_args: dict[str, Any], block_bytes: int, prefill_model: Any, prefill_ids: Sequence[int],
@@ -148,7 +150,10 @@ def new_conductor(cfg_args: dict[str, Any], block_bytes: int, prefill_model: Any
     return c
 
 
-class RoutedCluster(GenerateMixin):
+class RoutedCluster:
+    """The routed core of one deployment (see the module docs); its shell (``Cluster``,
+    ``ConductorService``) holds it as ``_core`` and sets ``closed`` when it closes."""
+
     def __init__(self, config: ServingConfig, members: Members, source: MembershipSource, *,
                  block_size: int | None, limits: Limits, names: dict[int, str] | None = None) -> None:
         """``block_size``: the instances' (None: learnt from the first to report).
@@ -159,111 +164,104 @@ class RoutedCluster(GenerateMixin):
         #: (multisource.py); off: from the one holder the conductor's decision names
         self.multipath = config.multipath
         self.block_size = block_size
-        self._hasher: PrefixHasher | None = None if block_size is None else PrefixHasher(block_size, seed=0)
+        self.hasher: PrefixHasher | None = None if block_size is None else PrefixHasher(block_size, seed=0)
         #: built once the instances have reported (their block bytes and capacities)
         self.conductor: Conductor | None = None
-        self._members = members
-        self._limits = limits
+        self.members = members
+        self.limits = limits
         self._ids = itertools.count(1)
         self._t0 = time.monotonic()
         self.metrics = ClusterMetrics()
-        self._closed = False
+        #: set by the shell when it closes: no request is admitted from then on
+        self.closed = False
         self._replies = Replies()  # answers to Stats / Measure / SwitchRole, by query id
-        self._switch_lock = threading.Lock()  # one role switch at a time (the pools' counts)
+        self.switch_lock = threading.Lock()  # one role switch at a time (the pools' counts)
         self._stop_watch = threading.Event()
-        self._router = Router(_Port(self, source), dict(names or {}))
-        self._router_thread = threading.Thread(target=self._router.run, name="mooncake-router", daemon=True)
+        self.router = Router(_Port(self, source), dict(names or {}))
+        self._router_thread = threading.Thread(target=self.router.run, name="mooncake-router", daemon=True)
         self._router_thread.start()
 
-    def _start_watchdog(self, limit_s: float) -> None:
+    def set_block_size(self, block_size: int) -> None:
+        """The instances' block size, learnt from the first to report (the conductor
+        service's workers): the hasher and the limits follow it."""
+        self.block_size = block_size
+        self.hasher = PrefixHasher(block_size, seed=0)
+        self.limits.block_size = block_size
+
+    def start_watchdog(self, limit_s: float) -> None:
         """Declares an instance silent for ``limit_s`` down (liveness.py)."""
-        threading.Thread(target=watch, args=(self._members.values, self._stop_watch, limit_s, self._report_down),
+        threading.Thread(target=watch, args=(self.members.values, self._stop_watch, limit_s, self.report_down),
                          name="mooncake-watchdog", daemon=True).start()
 
-    def _report_down(self, inst: int, reason: str) -> None:
+    def stop_watchdog(self) -> None:
+        self._stop_watch.set()
+
+    def report_down(self, inst: int, reason: str) -> None:
         """An instance is out (silent, or its membership says so): the router takes it
         as a closed link, its usual death path."""
-        self._router.events.put((inst, Lost(reason)))
+        self.router.events.put((inst, Lost(reason)))
 
-    def _swap_conductor(self, fresh: Conductor, timeout_s: float = 30.0) -> None:
+    def swap_conductor(self, fresh: Conductor, timeout_s: float = 30.0) -> None:
         """Replaces the conductor on the router thread (never under a call of its)."""
         done = threading.Event()
-        self._router.post(SwapConductor(fresh, done))
+        self.router.post(SwapConductor(fresh, done))
         if not done.wait(timeout_s):
             raise MooncakeError("the router did not take the new conductor")
 
-    def _stop_routing(self, error: BaseException, timeout_s: float) -> None:
+    def stop_routing(self, error: BaseException, timeout_s: float) -> None:
         """Ends the router thread and fails what is still in flight with ``error``."""
         self._stop_watch.set()
-        self._router.post(Shutdown())
+        self.router.post(Shutdown())
         self._router_thread.join(timeout_s)
         if not self._router_thread.is_alive():
-            self._router.fail_all(error)
+            self.router.fail_all(error)
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:  # pragma: no cover - each membership stops its instances its own way
-        raise NotImplementedError
-
-    def _now(self) -> float:
+    def now(self) -> float:
+        """Seconds since the core started (the conductor's clock)."""
         return time.monotonic() - self._t0
 
     def instances(self) -> dict[int, str]:
-        """Live instances: id -> name."""
-        return {i: m.spec.name for i, m in self._members.live().items()}
+        return {i: m.spec.name for i, m in self.members.live().items()}
 
     def instance_roles(self) -> dict[int, str]:
-        """Live instances: id -> ``"prefill"`` or ``"decode"``."""
-        return {i: m.role for i, m in self._members.live().items()}
+        return {i: m.role for i, m in self.members.live().items()}
 
-    def submit(self, prompt: Sequence[int], params: Any = None, *, timeout_s: float | None = None) -> RequestHandle:
-        """Admits one request and returns its handle; raises ``Overloaded`` when rejected
-        and ``InvalidArgument`` for a prompt no instance could serve. ``timeout_s``: a
-        deadline from now; past it the request is cancelled on every instance and fails
-        with ``TransferTimeout`` (None: no deadline)."""
-        return self._submit(prompt, params, timeout_s, RequestHandle)
-
-    def _ask(self, inst: int, make: Callable[[int], Message], timeout_s: float) -> Message | None:
+    def ask(self, inst: int, make: Callable[[int], Message], timeout_s: float) -> Message | None:
         """Sends ``make(qid)`` to live instance ``inst`` and waits for its answer (None:
         none within ``timeout_s``, or ``inst`` is not live)."""
-        m = self._members.get(inst)
+        m = self.members.get(inst)
         if m is None or not m.alive:
             return None
         got = self._replies.ask(m.ch.to_instance, make, timeout_s)
         return None if got is None else got[1]
 
-    def instance_stats(self, timeout_s: float = 30.0) -> dict[int, dict[str, float]]:
-        """Per live instance: bytes its transfer engine moved (``copied_bytes``), seconds its
-        transfers were in flight (``copy_busy_s``), blocks held, evictions. Call it idle."""
+    def instance_stats(self, timeout_s: float) -> dict[int, dict[str, float]]:
         out = {}
-        for i, m in self._members.live().items():
-            reply = self._ask(i, lambda qid: Stats(qid=qid), timeout_s)
+        for i, m in self.members.live().items():
+            reply = self.ask(i, lambda qid: Stats(qid=qid), timeout_s)
             if not isinstance(reply, StatsReply):
                 raise MooncakeError(f"instance {m.spec.name} did not report its stats")
             out[i] = reply.stats
         return out
 
-    def _submit(self, prompt: Sequence[int], params: Any, timeout_s: float | None,
-                handle_type: Callable[[int, list[int], Any], RequestHandle]) -> Any:
-        """``submit`` with the handle's maker: ``handle_type(rid, prompt, on_cancel)``
-        (the conductor service forwards a remote client's tokens through its own)."""
-        if self._closed:
+    def submit(self, prompt: Sequence[int], params: Any, timeout_s: float | None,
+               handle_type: Callable[[int, list[int], Any], RequestHandle] = RequestHandle) -> Any:
+        """Admits one request (``RoutedApi.submit``); its handle is made by
+        ``handle_type(rid, prompt, on_cancel)`` (the conductor service forwards a remote
+        client's tokens through its own)."""
+        if self.closed:
             raise InvalidArgument("the cluster is closed")
-        cond, hasher = self.conductor, self._hasher
+        cond, hasher = self.conductor, self.hasher
         if cond is None or hasher is None:
             raise ServiceUnavailable("no worker has joined the cluster yet; start `mooncake-rs worker` processes")
         toks, params, wait = request_entry(prompt, params, timeout_s)
-        self._limits.check(toks, params)
+        self.limits.check(toks, params)
         keys = hasher.hash_blocks(toks)  # BlockHashes: no Python int per block
         rid = next(self._ids)
         self.metrics.count("requests")
         try:
-            d = cond.schedule(rid, keys if self.prefix_reuse else [], len(toks), self._now(),
-                                        expected_output_len=params.max_tokens)
+            d = cond.schedule(rid, keys if self.prefix_reuse else [], len(toks), self.now(),
+                              expected_output_len=params.max_tokens)
         except Overloaded:
             self.metrics.count("rejected")
             raise
@@ -280,7 +278,7 @@ class RoutedCluster(GenerateMixin):
         rec.metrics.prefill_instance, rec.metrics.decode_instance = d.prefill, d.decode
         rec.handle.prefill_instance, rec.handle.decode_instance = d.prefill, d.decode
         rec.metrics.prompt_tokens = len(toks)
-        self._router.submit(rec)
+        self.router.submit(rec)
         return rec.handle
 
     def _other_holders(self, cond: Conductor, prefix: Any, d: Any) -> tuple[int, ...]:
@@ -294,7 +292,7 @@ class RoutedCluster(GenerateMixin):
         for i, n in sorted(held.items()):
             if n < want or i in (d.prefill, d.decode, d.fetch_from):
                 continue
-            m = self._members.get(i)
+            m = self.members.get(i)
             if m is None or not m.alive or m.role != "prefill":
                 continue
             out.append(i)
@@ -305,13 +303,12 @@ class RoutedCluster(GenerateMixin):
     def _cancel(self, rid: int, error: BaseException, outcome: str = "cancelled") -> None:
         """RequestHandle.cancel: the router ends the request everywhere (lifecycle.py);
         ``outcome`` is the metrics counter it lands in."""
-        self._router.post(CancelRequest(rid, error, outcome))
+        self.router.post(CancelRequest(rid, error, outcome))
 
     def metrics_text(self) -> str:
-        """Prometheus text exposition of the cluster's totals and instance gauges."""
         if self.conductor is None:
             return self.metrics.prometheus({"instances_alive": 0.0})
-        snap = self.conductor.snapshot(self._now())
+        snap = self.conductor.snapshot(self.now())
         gauges: dict[str, float] = {"instances_alive": float(len(self.instances()))}
         for p in snap.prefill:
             gauges[f'prefill_queue_seconds{{instance="{p.id}"}}'] = p.queue_s
@@ -325,6 +322,69 @@ class RoutedCluster(GenerateMixin):
         return self.metrics.prometheus(gauges)
 
     def kv_usage(self) -> dict[int, dict[str, float]]:
+        return self.members.usage()
+
+
+class RoutedApi(GenerateMixin):
+    """The request API of a deployment over the routed core it holds (``_core``): what
+    the embedded ``Cluster`` and the conductor service expose the same way, each
+    delegating here to its own core (neither is a subclass of it)."""
+
+    _core: RoutedCluster
+
+    @property
+    def config(self) -> ServingConfig:
+        return self._core.config
+
+    @property
+    def conductor(self) -> Conductor | None:
+        """The conductor (None until the instances have reported; replaced by a
+        calibration)."""
+        return self._core.conductor
+
+    @property
+    def metrics(self) -> ClusterMetrics:
+        return self._core.metrics
+
+    @property
+    def block_size(self) -> int | None:
+        return self._core.block_size
+
+    @property
+    def prefix_reuse(self) -> bool:
+        return self._core.prefix_reuse
+
+    @property
+    def multipath(self) -> bool:
+        """Fetch a reused prefix from every prefill instance that holds it, at once
+        (multisource.py); off: from the one holder the conductor's decision names."""
+        return self._core.multipath
+
+    def instances(self) -> dict[int, str]:
+        """Live instances: id -> name."""
+        return self._core.instances()
+
+    def instance_roles(self) -> dict[int, str]:
+        """Live instances: id -> ``"prefill"`` or ``"decode"``."""
+        return self._core.instance_roles()
+
+    def submit(self, prompt: Sequence[int], params: Any = None, *, timeout_s: float | None = None) -> RequestHandle:
+        """Admits one request and returns its handle; raises ``Overloaded`` when rejected
+        and ``InvalidArgument`` for a prompt no instance could serve. ``timeout_s``: a
+        deadline from now; past it the request is cancelled on every instance and fails
+        with ``TransferTimeout`` (None: no deadline)."""
+        return self._core.submit(prompt, params, timeout_s)
+
+    def instance_stats(self, timeout_s: float = 30.0) -> dict[int, dict[str, float]]:
+        """Per live instance: bytes its transfer engine moved (``copied_bytes``), seconds its
+        transfers were in flight (``copy_busy_s``), blocks held, evictions. Call it idle."""
+        return self._core.instance_stats(timeout_s)
+
+    def metrics_text(self) -> str:
+        """Prometheus text exposition of the cluster's totals and instance gauges."""
+        return self._core.metrics_text()
+
+    def kv_usage(self) -> dict[int, dict[str, float]]:
         """Per live instance, its memory use as of its latest heartbeat (no round trip:
         cheap enough for every ``/metrics`` scrape): ``kv_used_blocks`` / ``kv_free_blocks``
         (its engine's KV cache pages, a block of tokens each), ``store_used_blocks`` /
@@ -332,4 +392,13 @@ class RoutedCluster(GenerateMixin):
         ``engine_waiting`` (its engine scheduler's sequences) and ``heartbeat_age_seconds``.
         An instance that has not beaten yet (or with ``heartbeat_timeout_s=None`` in
         worker processes, which then send no beats) is left out."""
-        return self._members.usage()
+        return self._core.kv_usage()
+
+    def close(self) -> None:  # pragma: no cover - each membership stops its instances its own way
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

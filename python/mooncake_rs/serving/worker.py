@@ -29,7 +29,8 @@ import sys
 import threading
 from typing import Any
 
-from .control import CLUSTER, SocketChannel, read_message
+from ..net.framing import read_message
+from .control import CLUSTER, SocketChannel
 from .protocol import (PEER, PROTOCOL_VERSION, TO_INSTANCE, Beat, Codec, Init, InitFailed, ProtocolError)
 
 

@@ -1,13 +1,13 @@
 //! `PrefixHasher`: chained block hashes of token sequences.
 
-use mooncake_core::{HashAlgorithm, PrefixHasher};
+use mooncake_core::{HashAlgorithm, HashError, PrefixHasher};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
 use crate::block_hashes::PyBlockHashes;
 use crate::convert::{extras_arg, extras_refs, hash_from_py, hashes_to_list, Tokens};
-use crate::errors::{invalid, to_pyerr, OrRaise};
-use crate::gil::detached;
+use crate::errors::{invalid, OrRaise};
+use crate::gil::detached_infallible;
 
 #[pyclass(name = "PrefixHasher", module = "mooncake_rs._core", frozen)]
 pub struct PyPrefixHasher {
@@ -82,21 +82,15 @@ impl PyPrefixHasher {
 
     /// `hash` of every sequence, in one call with the GIL released.
     fn hash_many<'py>(&self, py: Python<'py>, sequences: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyList>>> {
-        let owned = owned_sequences(py, sequences)?;
         let hasher = self.inner.clone();
-        let all = detached(py, move || {
-            Ok::<_, mooncake_core::HashError>(owned.iter().map(|t| hasher.hash_tokens(t, None)).collect::<Vec<_>>())
-        })?;
+        let all = hash_sequences(py, sequences, move |t| hasher.hash_tokens(t, None))?;
         all.iter().map(|h| hashes_to_list(py, h)).collect()
     }
 
     /// `hash_many` returning one `BlockHashes` per sequence (GIL released while hashing).
     fn hash_many_blocks(&self, py: Python<'_>, sequences: &Bound<'_, PyAny>) -> PyResult<Vec<PyBlockHashes>> {
-        let owned = owned_sequences(py, sequences)?;
         let hasher = self.inner.clone();
-        let all = detached(py, move || {
-            Ok::<_, mooncake_core::HashError>(owned.iter().map(|t| hasher.hash_tokens(t, None)).collect::<Vec<_>>())
-        })?;
+        let all = hash_sequences(py, sequences, move |t| hasher.hash_tokens(t, None))?;
         Ok(all.into_iter().map(PyBlockHashes::from_vec).collect())
     }
 
@@ -122,21 +116,42 @@ impl PyPrefixHasher {
         extras: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<mooncake_core::BlockHash>> {
         let parent = parent.map(hash_from_py).transpose()?;
-        self.inner.check_parent(parent).map_err(|e| to_pyerr(py, &e))?;
-        let extras = extras_arg(py, extras)?;
-        let tokens = Tokens::extract(tokens)?;
-        if extras.is_empty() {
-            return Ok(tokens.with_u32(|t| self.inner.hash_tokens(t, parent)));
-        }
-        let refs = extras_refs(&extras);
-        tokens
-            .with_u32(|t| self.inner.hash_tokens_with_extras(t, parent, &refs))
-            .map_err(|e| to_pyerr(py, &e))
+        self.inner.check_parent(parent).or_raise(py)?;
+        hash_tokens_arg(
+            py,
+            tokens,
+            extras,
+            |t| self.inner.hash_tokens(t, parent),
+            |t, refs| self.inner.hash_tokens_with_extras(t, parent, refs),
+        )
     }
 }
 
-/// Every token sequence of `sequences`, converted (owned, for hashing without the GIL).
-fn owned_sequences(py: Python<'_>, sequences: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
+/// `hash(tokens, extras=...)` of either hasher (this one, `Xxh3RollingHasher`): `plain`
+/// when no extras are given, else `with_extras` with one `bytes | None` per block.
+pub(crate) fn hash_tokens_arg<H>(
+    py: Python<'_>,
+    tokens: &Bound<'_, PyAny>,
+    extras: Option<&Bound<'_, PyAny>>,
+    plain: impl FnOnce(&[u32]) -> Vec<H>,
+    with_extras: impl FnOnce(&[u32], &[Option<&[u8]>]) -> Result<Vec<H>, HashError>,
+) -> PyResult<Vec<H>> {
+    let extras = extras_arg(py, extras)?;
+    let tokens = Tokens::extract(tokens)?;
+    if extras.is_empty() {
+        return Ok(tokens.with_u32(plain));
+    }
+    let refs = extras_refs(&extras);
+    tokens.with_u32(|t| with_extras(t, &refs)).or_raise(py)
+}
+
+/// `hash_many` of either hasher: every token sequence of `sequences` converted (owned),
+/// then each hashed by `hash` with the GIL released.
+pub(crate) fn hash_sequences<H: Send>(
+    py: Python<'_>,
+    sequences: &Bound<'_, PyAny>,
+    hash: impl Fn(&[u32]) -> Vec<H> + Send,
+) -> PyResult<Vec<Vec<H>>> {
     let mut owned = Vec::new();
     for (i, seq) in sequences
         .try_iter()
@@ -147,7 +162,7 @@ fn owned_sequences(py: Python<'_>, sequences: &Bound<'_, PyAny>) -> PyResult<Vec
         let tokens = Tokens::extract(&seq).map_err(|e| invalid(py, format!("sequence {i}: {}", e.value(py))))?;
         owned.push(tokens.to_vec());
     }
-    Ok(owned)
+    Ok(detached_infallible(py, move || owned.iter().map(|t| hash(t)).collect()))
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

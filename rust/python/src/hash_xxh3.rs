@@ -4,9 +4,9 @@ use mooncake_core::Xxh3RollingHasher;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use crate::convert::{extras_arg, extras_refs, Tokens};
-use crate::errors::{invalid, to_pyerr, OrRaise};
-use crate::gil::detached;
+use crate::convert::Tokens;
+use crate::errors::{invalid, OrRaise};
+use crate::hash::{hash_sequences, hash_tokens_arg};
 
 #[pyclass(name = "Xxh3RollingHasher", module = "mooncake_rs._core", frozen)]
 pub struct PyXxh3RollingHasher {
@@ -66,16 +66,13 @@ impl PyXxh3RollingHasher {
         extras: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyList>> {
         let parent = parent_from_py(py, parent)?;
-        let extras = extras_arg(py, extras)?;
-        let tokens = Tokens::extract(tokens)?;
-        let hashes = if extras.is_empty() {
-            tokens.with_u32(|t| self.inner.hash_tokens(t, parent))
-        } else {
-            let refs = extras_refs(&extras);
-            tokens
-                .with_u32(|t| self.inner.hash_tokens_with_extras(t, parent, &refs))
-                .map_err(|e| to_pyerr(py, &e))?
-        };
+        let hashes = hash_tokens_arg(
+            py,
+            tokens,
+            extras,
+            |t| self.inner.hash_tokens(t, parent),
+            |t, refs| self.inner.hash_tokens_with_extras(t, parent, refs),
+        )?;
         PyList::new(py, hashes)
     }
 
@@ -96,26 +93,8 @@ impl PyXxh3RollingHasher {
         py: Python<'py>,
         sequences: &Bound<'py, PyAny>,
     ) -> PyResult<Vec<Bound<'py, PyList>>> {
-        let mut owned = Vec::new();
-        for (i, seq) in sequences
-            .try_iter()
-            .map_err(|_| invalid(py, "hash_many takes a list of token sequences"))?
-            .enumerate()
-        {
-            let seq = seq?;
-            let tokens = Tokens::extract(&seq)
-                .map_err(|e| invalid(py, format!("sequence {i}: {}", e.value(py))))?;
-            owned.push(tokens.to_vec());
-        }
         let hasher = self.inner;
-        let all = detached(py, move || {
-            Ok::<_, mooncake_core::HashError>(
-                owned
-                    .iter()
-                    .map(|t| hasher.hash_tokens(t, None))
-                    .collect::<Vec<_>>(),
-            )
-        })?;
+        let all = hash_sequences(py, sequences, move |t| hasher.hash_tokens(t, None))?;
         all.into_iter().map(|h| PyList::new(py, h)).collect()
     }
 

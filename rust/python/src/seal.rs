@@ -1,5 +1,5 @@
 //! `RecordSealer` / `RecordOpener`: one direction each of a sealed session (core `seal`),
-//! used by `mooncake_rs.deploy.sealed` for the control, client and relay links.
+//! used by `mooncake_rs.net.sealed` for the control, client and relay links.
 
 use mooncake_core::seal::{Opener, SealError, Sealer, HEADER_LEN};
 use parking_lot::Mutex;

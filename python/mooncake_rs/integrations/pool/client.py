@@ -11,9 +11,9 @@ import threading
 from typing import Any
 
 from ... import errors
-from ...deploy.auth_socket import connect
+from ...net.auth_socket import connect
 from ...errors import ServiceUnavailable, Unauthorized
-from ...serving.protocol import Codec, ProtocolError
+from ...net.framing import Codec, ProtocolError
 from . import protocol as p
 from .wire import recv_message
 
@@ -25,7 +25,7 @@ class PoolClient:
         self.address = address
         self._token = auth_token
         self.timeout_s = timeout_s
-        self._codec = Codec(types=p.Reply)
+        self._codec = Codec(p.Reply)
         self._lock = threading.Lock()
         self._sock: Any = None  # a SealedSocket once connected
 

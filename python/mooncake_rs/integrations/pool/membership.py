@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import logging
 
-from ...deploy.etcd import EtcdClient
+from ...net.etcd import EtcdClient
 from ...deploy.lease import KeptLease
 from ...errors import InvalidArgument
 

@@ -1,7 +1,7 @@
 """The KV pool's control protocol: one frozen msgspec message per op, msgpack frames.
 
-Framing is the serving protocol's (a 4-byte big-endian length, then the msgpack body;
-:class:`~mooncake_rs.serving.protocol.Codec` with this module's tagged union), so the
+Framing is net/framing.py's (a 4-byte big-endian length, then the msgpack body;
+:class:`~mooncake_rs.net.framing.Codec` with this module's tagged union), so the
 decoder builds only the types named here (no pickle, unknown fields refused). Block keys
 (128-bit hashes) travel as ``bytes`` of 16-byte little-endian keys.
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..._core import BlockHashes, Store, TransferEngine, crc32
-from ...deploy.auth_socket import AuthListener
+from ...net.auth_socket import AuthListener
 from ...errors import InvalidArgument, MooncakeError
-from ...serving.protocol import Codec, ProtocolError
+from ...net.framing import Codec, ProtocolError
 from . import protocol as p
 from .shared_arena import host_id
 from .wire import recv_message
@@ -127,7 +127,7 @@ class KVPoolServer:
     # --- connections --------------------------------------------------------------
 
     def _serve(self, sock: Any, peer: str) -> None:
-        codec = Codec(types=p.Request)
+        codec = Codec(p.Request)
         conn = _Conn()
         with self._lock:
             self._conns.add(conn)

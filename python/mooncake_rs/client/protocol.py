@@ -1,10 +1,10 @@
 """The client protocol of a conductor service (``mooncake-rs serve --etcd``): how a
 ``RemoteCluster`` submits requests and gets their tokens back.
 
-Same framing as the serving protocol (a 4-byte length, then msgpack; ``Codec`` with
-this module's union): one frozen ``msgspec.Struct`` per op, decoded strictly, never
-pickled. The connection is authenticated first with the cluster token
-(auth_socket.py). A client numbers its own requests (``cid``); the service answers each
+Same framing as the serving protocol (net/framing.py: a 4-byte length, then msgpack;
+``Codec`` with this module's union): one frozen ``msgspec.Struct`` per op, decoded
+strictly, never pickled. The connection is authenticated first with the cluster token
+(net/auth_socket.py). A client numbers its own requests (``cid``); the service answers each
 ``Submit`` with ``Admitted`` or ``Error`` (a rejection is an ``Error`` of kind
 ``Overloaded``), then ``Tokens`` as they come and ``Finished`` or ``Error`` at the end.
 ``Error.kind`` names an exception class of ``mooncake_rs.errors``, re-raised as such on

@@ -6,7 +6,7 @@
 
 It finds the leading ``serve`` process in etcd (``{prefix}/leader`` holds its client
 address), or takes ``address`` directly, and talks the client protocol
-(client_protocol.py) on a connection authenticated with the cluster token. ``submit``
+(protocol.py) on a connection authenticated with the cluster token. ``submit``
 waits for the service's answer (admitted, or refused: ``Overloaded``,
 ``InvalidArgument``, ``ServiceUnavailable`` ... as the service raised it), then the
 handle streams the tokens. If the connection drops (the leader died), every request on
@@ -25,15 +25,14 @@ from typing import Any
 
 from .. import errors as _errors
 from ..errors import InvalidArgument, MooncakeError, ServiceUnavailable, Unauthorized
-from ..serving.control import Lost, SocketChannel
-from ..client.generate import GenerateMixin
-from ..client.handle import RequestHandle, request_entry
-from . import auth_socket
-from .client_protocol import (FROM_SERVICE, Admitted, Answer, CancelSubmitted, ClientMessage, Error, Finished, Query,
-                              Submit, Tokens)
-from .etcd import EtcdClient
-from .records import decode_leader, leader_key, records_key
-from .settings import cluster_prefix
+from ..net import auth_socket
+from ..net.channel import FramedChannel, Lost
+from ..net.etcd import EtcdClient
+from .generate import GenerateMixin
+from .handle import RequestHandle, request_entry
+from .protocol import (FROM_SERVICE, Admitted, Answer, CancelSubmitted, ClientMessage, Error, Finished, Query, Submit,
+                       Tokens)
+from .records import cluster_prefix, decode_leader, leader_key, records_key
 
 __all__ = ["RemoteCluster"]
 
@@ -66,7 +65,7 @@ class _Connection:
         self.pending: dict[int, _Pending] = {}
         self.queries: dict[int, list[Any]] = {}  # qid -> [Event, answer]
         self.alive = True
-        self.link = SocketChannel(sock, 0, self, FROM_SERVICE, name=f"client->{address}", types=ClientMessage)
+        self.link = FramedChannel(sock, 0, self, FROM_SERVICE, ClientMessage, name=f"client->{address}")
 
     def add(self, cid: int, p: _Pending) -> None:
         with self._lock:

@@ -40,7 +40,7 @@ from .sealed import SealedSocket, session_keys
 
 __all__ = ["connect", "AuthListener", "MIN_TOKEN_BYTES"]
 
-log = logging.getLogger("mooncake_rs.deploy")
+log = logging.getLogger("mooncake_rs.deploy")  # the name operators of a deployment filter on
 
 MAGIC = b"MCRS"
 VERSION = 2  # 2: the stream after the handshake is sealed (sealed.py)

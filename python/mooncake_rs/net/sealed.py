@@ -30,7 +30,7 @@ from ..errors import Unauthorized
 
 __all__ = ["SealedSocket", "session_keys"]
 
-log = logging.getLogger("mooncake_rs.deploy")
+log = logging.getLogger("mooncake_rs.deploy")  # the name operators of a deployment filter on
 
 #: plaintext per record (the core's bound is 1 MiB)
 _CHUNK = 1 << 20

@@ -1,4 +1,6 @@
-"""What a worker announces in etcd, and how the keys are laid out.
+"""What a worker announces in etcd, and how the keys are laid out: shared by the
+deployment's processes (deploy/) and its clients (``RemoteCluster`` finds the leader
+here).
 
 One key per worker, ``{prefix}/workers/{name}``, held under the worker's lease (it goes
 when the worker revokes the lease on shutdown, or when the lease expires after a crash),
@@ -33,7 +35,7 @@ import msgspec
 
 from ..errors import InvalidArgument
 
-__all__ = ["ModelFingerprint", "WorkerRecord", "LeaderRecord", "RECORD_VERSION", "worker_key", "workers_prefix",
+__all__ = ["cluster_prefix", "ModelFingerprint", "WorkerRecord", "LeaderRecord", "RECORD_VERSION", "worker_key", "workers_prefix",
            "leader_key", "encode_record", "decode_record", "records_key", "sign_record", "verify_record",
            "encode_leader", "decode_leader",
            "SignedFingerprint", "sign_fingerprint", "verify_fingerprint"]
@@ -96,6 +98,13 @@ class LeaderRecord(msgspec.Struct, frozen=True, kw_only=True):
     address: str
     lease: int = 0
     signature: str = ""
+
+
+def cluster_prefix(cluster: str) -> str:
+    """The etcd key prefix of a named cluster."""
+    if not cluster or "/" in cluster:
+        raise InvalidArgument(f"a cluster name is non-empty and has no '/', got {cluster!r}")
+    return f"/mooncake/{cluster}"
 
 
 def workers_prefix(prefix: str) -> bytes:
