@@ -64,7 +64,7 @@ def test_a_dead_clients_reservations_and_leases_are_released(etcd_url, node):
     seg = node.segment
     with connect(etcd_url) as s:
         s.put("held", value_of("held", 300_000))
-        link = s.backend._link("a")
+        link = s.backend.nodes.link("a")
         rep = link.call(Reserve, keys=["never-committed"], sizes=[500_000])
         assert rep.statuses == [0]
         leased = link.call(Lookup, keys=["held"])

@@ -10,7 +10,8 @@ Which pool it opens:
   ``MOONCAKE_AUTH_TOKEN`` or the file named by ``MOONCAKE_AUTH_TOKEN_FILE``; cluster name
   ``MOONCAKE_CLUSTER``, default ``default``, as the nodes' ``--cluster``; transports
   ``MOONCAKE_RS_TRANSPORTS``, default ``tcp,shm``: ``tcp`` alone sends every byte over
-  TCP even to a node on this host);
+  TCP even to a node on this host; ``MOONCAKE_RS_TCP_CONNECTIONS``, default 1: TCP
+  connections per node, each sealed and opened on its own thread at both ends);
 - anything else (``P2PHANDSHAKE``, an HTTP metadata URL, a master address): an embedded
   pool of ``global_segment_size`` bytes in this process, no etcd, no network.
 """
@@ -25,7 +26,8 @@ from typing import Any
 
 from ..errors import InvalidArgument
 
-__all__ = ["SetupConfig", "parse_size", "etcd_url_of", "auth_token_from_env", "pool_prefix", "transports_from_env"]
+__all__ = ["SetupConfig", "parse_size", "etcd_url_of", "auth_token_from_env", "pool_prefix", "transports_from_env",
+           "tcp_connections_from_env"]
 
 _UNITS = {"": 1, "b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30, "tb": 1 << 40}
 
@@ -119,3 +121,10 @@ def transports_from_env() -> tuple[str, ...]:
     if not names or any(t not in ("tcp", "shm") for t in names):
         raise InvalidArgument(f"MOONCAKE_RS_TRANSPORTS lists tcp and/or shm, got {raw!r}")
     return names
+
+
+def tcp_connections_from_env() -> int:
+    raw = os.environ.get("MOONCAKE_RS_TCP_CONNECTIONS", "1").strip()
+    if not raw.isdigit() or not 1 <= int(raw) <= 64:
+        raise InvalidArgument(f"MOONCAKE_RS_TCP_CONNECTIONS is a count of connections per node, 1 to 64, got {raw!r}")
+    return int(raw)

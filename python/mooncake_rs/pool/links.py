@@ -1,11 +1,23 @@
-"""A client's connection to one store node: the authenticated control socket (one request
-at a time) and the transfer engine's peer for the node's segment."""
+"""A client's connection to one store node: the authenticated control socket and the
+transfer engine's peer for the node's segment.
+
+The socket is pipelined: any number of requests may be in flight, from any threads. Each
+carries an id (``rid``); whichever waiting thread is reading the socket hands each answer
+to the request that has its id (the node answers in the order it read, but nothing here
+relies on it). No reader thread: a lone caller reads its own answer, as a plain
+request/response would (a hand-over to a reader thread cost ~20 us of CPU per round
+trip). So a batch can ask several nodes at once and go on with its transfers while a
+``Release`` is still on the wire, and threads that share a client do not queue behind
+each other's round trips.
+"""
 
 from __future__ import annotations
 
 import itertools
+import logging
 import socket
 import threading
+import time
 from typing import Any
 
 from .._core import TransferEngine
@@ -14,49 +26,157 @@ from ..errors import InvalidArgument, MooncakeError
 from .members import StoreNodeRecord
 from .protocol import Failure, FrameIO, Reply
 
-__all__ = ["NodeLink", "NodeDown"]
+__all__ = ["NodeLink", "NodeDown", "Pending"]
+
+log = logging.getLogger("mooncake_rs.pool")
 
 
 class NodeDown(Exception):
     """The node could not be asked (unreachable, closed, timed out, malformed answer)."""
 
 
+class Pending:
+    """The answer to one request. Its ``result()`` reads the link itself when no other
+    thread is reading it (no hand-over to a reader thread: a lone caller's round trip
+    costs what a plain request/response does), else waits for the reader to pass the
+    answer on, or to leave the reading to it."""
+
+    __slots__ = ("_link", "_rid", "done", "_reply", "_error")
+
+    def __init__(self, link: "NodeLink", rid: int) -> None:
+        self._link, self._rid = link, rid
+        self.done = False
+        self._reply: Any = None
+        self._error: NodeDown | None = None
+
+    def _set(self, reply: Any = None, error: NodeDown | None = None) -> None:
+        """Called with the link's condition held."""
+        self._reply, self._error, self.done = reply, error, True
+
+    @property
+    def link(self) -> "NodeLink":
+        return self._link
+
+    def result(self) -> Any:
+        """The answer; NodeDown if the link broke, timed out or the node refused."""
+        link = self._link
+        link._await(self)
+        if self._error is not None:
+            raise self._error
+        reply = self._reply
+        if isinstance(reply, Failure):
+            raise NodeDown(f"store node {link.record.name} refused: {reply.kind}: {reply.message}")
+        return reply
+
+
 class NodeLink:
     def __init__(self, record: StoreNodeRecord, token: str | bytes, te: TransferEngine, timeout_s: float) -> None:
         self.record = record
+        self.timeout_s = timeout_s
         try:
             self.sock = auth_socket.connect(record.control, token, timeout_s=timeout_s)
+            # bounds each read: a node silent this long with a request in flight is down
             self.sock.settimeout(timeout_s)
             self.peer = te.connect(f"store-{record.name}", record.transfer)
         except (MooncakeError, OSError) as e:
             raise NodeDown(f"store node {record.name} at {record.control}: {e}") from e
         self.io = FrameIO(self.sock, Reply)
-        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()  # frames leave whole
+        self._cond = threading.Condition()  # the table of requests in flight, and who reads
+        self._waiting: dict[int, Pending] = {}
+        self._reading = False
         self._rids = itertools.count(1)
         self.broken = False
 
+    def submit(self, make: type, **fields: object) -> Pending:
+        """Sends ``make(rid=..., **fields)`` now; the answer comes with ``.result()``."""
+        return self._send(make, True, fields)  # type: ignore[return-value]
+
+    def post(self, make: type, **fields: object) -> None:
+        """Sends a request whose answer nobody waits for (the next reader drops it)."""
+        self._send(make, False, fields)
+
     def call(self, make: type, **fields: object) -> Any:
         """Sends ``make(rid=..., **fields)`` and returns the answer."""
-        with self._lock:
+        return self.submit(make, **fields).result()
+
+    def _send(self, make: type, wait: bool, fields: dict[str, object]) -> Pending | None:
+        with self._cond:
             if self.broken:
                 raise NodeDown(f"store node {self.record.name}: link closed")
             rid = next(self._rids)
-            try:
+            pending = Pending(self, rid) if wait else None
+            if pending is not None:
+                self._waiting[rid] = pending
+        try:
+            with self._send_lock:
                 self.io.send(make(rid=rid, **fields))
+        except (OSError, InvalidArgument) as e:
+            failed = f"{type(e).__name__}: {e}"
+            self._fail(failed)
+            raise NodeDown(f"store node {self.record.name}: {failed}") from e
+        return pending
+
+    def _await(self, pending: Pending) -> None:
+        """Until ``pending`` is answered (or the link fails): reads the socket while no
+        other thread does, passing on each answer to the request with its id."""
+        end = time.monotonic() + self.timeout_s
+        while True:
+            with self._cond:
+                while not pending.done and self._reading:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                if pending.done:
+                    return
+                if self._reading:  # another thread reads, and our answer did not come in time
+                    stuck = True
+                else:
+                    self._reading, stuck = True, False
+            if stuck:
+                self._fail(f"no answer to request {pending._rid} within {self.timeout_s} s")
+                return
+            try:
+                self._read_until(pending)
+            finally:
+                with self._cond:
+                    self._reading = False
+                    self._cond.notify_all()  # a waiter takes over the reading
+
+    def _read_until(self, pending: Pending) -> None:
+        while not pending.done:
+            try:
                 reply = self.io.recv()
             except (OSError, EOFError, socket.timeout, InvalidArgument) as e:
-                self.close()
-                raise NodeDown(f"store node {self.record.name}: {type(e).__name__}: {e}") from e
-        if getattr(reply, "rid", None) != rid:
-            self.close()
-            raise NodeDown(f"store node {self.record.name} answered request {getattr(reply, 'rid', None)}, not {rid}")
-        if isinstance(reply, Failure):
-            raise NodeDown(f"store node {self.record.name} refused: {reply.kind}: {reply.message}")
-        return reply
+                self._fail(f"{type(e).__name__}: {e}")
+                return
+            with self._cond:
+                waiter = self._waiting.pop(getattr(reply, "rid", -1), None)
+                if waiter is not None:
+                    waiter._set(reply)
+                    if waiter is not pending:
+                        self._cond.notify_all()
+            if waiter is None and isinstance(reply, Failure):  # a posted request the node refused
+                log.warning("store node %s refused request %s: %s: %s", self.record.name, reply.rid, reply.kind,
+                            reply.message)
 
-    def close(self) -> None:
-        self.broken = True
+    def _fail(self, why: str) -> None:
+        """Breaks the link: every request in flight ends with NodeDown."""
+        with self._cond:
+            self.broken = True
+            waiting, self._waiting = self._waiting, {}
+            for p in waiting.values():
+                p._set(error=NodeDown(f"store node {self.record.name}: {why}"))
+            self._cond.notify_all()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes a reader
+        except OSError:
+            pass
         try:
             self.sock.close()
         except OSError:
             pass
+
+    def close(self) -> None:
+        self._fail("link closed")

@@ -3,7 +3,8 @@
 A frame is a 4-byte big-endian length, then one msgpack-encoded message of the union
 below (one ``msgspec.Struct`` per op, decoded strictly, never pickled). The connection is
 authenticated first with the cluster token (net/auth_socket.py). Requests carry an id
-(``rid``) that the answer repeats; a client sends one request at a time per connection.
+(``rid``) that the answer repeats; a client may have many requests in flight on one
+connection (links.py matches answers to requests by id); the node answers each in turn.
 Bytes never travel here: they move over the transfer engine, into slots a ``Reserve``
 answered or out of slots a ``Lookup`` leased.
 

@@ -18,8 +18,6 @@ import ctypes
 import logging
 import os
 import secrets
-import threading
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -31,10 +29,12 @@ from ..net.etcd import EtcdClient
 from ..deploy.settings import read_token
 from ..errors import ServiceUnavailable
 from .buffers import RegisteredBuffer, RegisteredBuffers, scatter, view_at
-from .links import NodeDown, NodeLink
+from .links import NodeDown, Pending
 from .members import NodeDirectory
+from .node_links import NodeLinks
 from .metrics import PoolMetrics
 from .placement import rank_nodes
+from .spans import plan_spans
 from .objects import clip_sizes
 from .protocol import (INLINE_MAX, Commit, Exists, Leased, Lookup, PutInline, Release, Remove, RemoveAll, Reserve,
                        Reserved, Sizes, Stats)
@@ -44,13 +44,11 @@ __all__ = ["RemoteBackend"]
 
 log = logging.getLogger("mooncake_rs.pool")
 
-_DOWN_S = 1.0
-
 
 class RemoteBackend:
     def __init__(self, etcd: str, *, auth_token: str | bytes | None, prefix: str, name: str | None,
                  wait_nodes: int, timeout_s: float, io_timeout_s: float,
-                 transports: tuple[str, ...] = ("tcp", "shm")) -> None:
+                 transports: tuple[str, ...] = ("tcp", "shm"), tcp_connections: int = 1) -> None:
         if isinstance(auth_token, bytes):
             auth_token = auth_token.decode()
         self.token = auth_token if auth_token else read_token(None)
@@ -61,49 +59,12 @@ class RemoteBackend:
             raise ServiceUnavailable(f"fewer than {wait_nodes} store nodes registered under {prefix} in etcd at "
                                      f"{etcd} after {timeout_s} s; start `mooncake-rs store --etcd {etcd} ...`")
         self.name = name or f"pool-client-{os.getpid()}-{secrets.token_hex(3)}"
-        self.te = TransferEngine(self.name, listen="", auth_token=self.token, transports=list(transports))
+        self.te = TransferEngine(self.name, listen="", auth_token=self.token, transports=list(transports),
+                                 connections_per_endpoint=tcp_connections)
         self.buffers = RegisteredBuffers()  # DistributedStore replaces it with its own
-        self._lock = threading.Lock()
-        self._links: dict[str, NodeLink] = {}
-        self._down: dict[str, float] = {}
+        self.nodes = NodeLinks(self.directory, self.token, self.te, io_timeout_s)
         self.replicas_lost = 0
         self.under_replicated = 0
-
-    # ---- nodes
-    def _live(self) -> list[str]:
-        now = time.monotonic()
-        return [n for n in self.directory.nodes() if self._down.get(n, 0.0) <= now]
-
-    def _link(self, node: str) -> NodeLink:
-        with self._lock:
-            link = self._links.get(node)
-            if link is not None and not link.broken:
-                return link
-        rec = self.directory.nodes().get(node)
-        if rec is None:
-            raise NodeDown(f"store node {node} left")
-        try:
-            link = NodeLink(rec, self.token, self.te, self.io_timeout_s)
-        except NodeDown:
-            self._mark_down(node)
-            raise
-        with self._lock:
-            self._links[node] = link
-        return link
-
-    def _mark_down(self, node: str) -> None:
-        with self._lock:
-            self._down[node] = time.monotonic() + _DOWN_S
-            link = self._links.pop(node, None)
-        if link is not None:
-            link.close()
-
-    def _call(self, node: str, make: type, **fields: object) -> Any:
-        try:
-            return self._link(node).call(make, **fields)
-        except NodeDown:
-            self._mark_down(node)
-            raise
 
     # ---- memory
     def register(self, buf: RegisteredBuffer) -> RegisteredBuffer:
@@ -126,26 +87,21 @@ class RemoteBackend:
 
     def _requests(self, op: str, pieces: tuple[list[int], list[int]], size: int, peer: Peer, region: int,
                   chunk: int, offsets: list[int], temps: list[Region]) -> list[TransferRequest]:
-        """One request per (piece, chunk) overlap of the first ``size`` bytes."""
-        out, pos = [], 0
-        for ptr, n in zip(*pieces):
-            n = min(n, size - pos)
-            if n <= 0:
-                break
-            local, loff = self._local(ptr, n, temps)
-            s, e = pos, pos + n
-            while s < e:
-                c, within = divmod(s, chunk)
-                take = min(e - s, chunk - within)
-                out.append(TransferRequest(op, local, loff + (s - pos), peer, region, offsets[c] + within, take))
-                s += take
-            pos += n
-        return out
+        """The transfer requests of the first ``size`` bytes (spans.py: one per run of
+        chunks whose slots follow each other)."""
+        ptrs, sizes = pieces
+        spans = plan_spans(sizes, size, chunk, offsets)
+        used: dict[int, int] = {}  # bytes of each piece the spans touch
+        for p, poff, _, n in spans:
+            used[p] = max(used.get(p, 0), poff + n)
+        held = {p: self._local(ptrs[p], n, temps) for p, n in used.items()}
+        return [TransferRequest(op, held[p][0], held[p][1] + poff, peer, region, roff, n)
+                for p, poff, roff, n in spans]
 
     # ---- puts
     def put_many(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]], replicas: int,
                  pin: bool) -> list[KeyStatus]:
-        live = self._live()
+        live = self.nodes.live()
         if not live:
             return [KeyStatus.RPC_FAILED] * len(keys)
         totals = [sum(s) for s in sizes]
@@ -155,39 +111,52 @@ class RemoteBackend:
                 by_node[node].append(i)
         done = [0] * len(keys)
         errors: list[KeyStatus | None] = [None] * len(keys)
+
+        def fail(idx: list[int], st: KeyStatus) -> None:
+            for i in idx:
+                errors[i] = errors[i] or st
+
+        def settle(idx: list[int], res: list[int]) -> None:
+            for i, st in zip(idx, res):
+                if st == 0:
+                    done[i] += 1
+                else:
+                    errors[i] = errors[i] or KeyStatus(st)
+
+        # every node is asked before any answer is read: their round trips overlap
+        asked = []  # (node, small indices, their PutInline, large indices, their Reserve)
+        for node, all_idx in by_node.items():
+            small = [i for i in all_idx if 0 < totals[i] <= INLINE_MAX]
+            large = [i for i in all_idx if not 0 < totals[i] <= INLINE_MAX]
+            inline = reserve = None
+            if small:
+                values = [b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs[i], sizes[i])) for i in small]
+                inline = self.nodes.asked(node, PutInline, keys=[keys[i] for i in small], values=values, pin=pin)
+            if large:
+                reserve = self.nodes.asked(node, Reserve, keys=[keys[i] for i in large], sizes=[totals[i] for i in large],
+                                      pin=pin)
+            asked.append((node, small, inline, large, reserve))
         temps: list[Region] = []
-        pending = []  # (node, idx, reserved, batch)
+        pending = []  # (node, link, idx, reserved, batch, owners)
         try:
-            for node, all_idx in by_node.items():
-                small = [i for i in all_idx if 0 < totals[i] <= INLINE_MAX]
-                if small:
-                    values = [b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs[i], sizes[i])) for i in small]
+            for node, small, inline, idx, reserve in asked:
+                if inline is not None:
                     try:
-                        res = self._call(node, PutInline, keys=[keys[i] for i in small], values=values,
-                                         pin=pin).values
+                        settle(small, self.nodes.answer(node, inline).values)
                     except NodeDown as e:
                         log.warning("put: %s", e)
-                        res = [int(KeyStatus.RPC_FAILED)] * len(small)
-                    for i, st in zip(small, res):
-                        if st == 0:
-                            done[i] += 1
-                        else:
-                            errors[i] = errors[i] or KeyStatus(st)
-                idx = [i for i in all_idx if not 0 < totals[i] <= INLINE_MAX]
-                if not idx:
+                        fail(small, KeyStatus.RPC_FAILED)
+                if reserve is None:
                     continue
                 try:
-                    rep: Reserved = self._call(node, Reserve, keys=[keys[i] for i in idx],
-                                               sizes=[totals[i] for i in idx], pin=pin)
+                    rep: Reserved = self.nodes.answer(node, reserve)
                 except NodeDown as e:
                     log.warning("put: %s", e)
-                    for i in idx:
-                        errors[i] = errors[i] or KeyStatus.RPC_FAILED
+                    fail(idx, KeyStatus.RPC_FAILED)
                     continue
-                link = self._links.get(node)
-                if link is None:  # dropped by another thread since the answer: its reservations went with it
-                    for i in idx:
-                        errors[i] = errors[i] or KeyStatus.RPC_FAILED
+                link = reserve.link  # type: ignore[union-attr]  # answered: a Pending
+                if link.broken:  # closed since the answer: its reservations went with it
+                    fail(idx, KeyStatus.RPC_FAILED)
                     continue
                 reqs, owners = [], []
                 for j, i in enumerate(idx):
@@ -202,30 +171,28 @@ class RemoteBackend:
                         reqs.extend(rs)
                         owners.extend([j] * len(rs))
                 batch = self.te.submit(reqs, timeout_s=max(self.io_timeout_s, 30.0)) if reqs else None
-                pending.append((node, idx, rep, batch, owners))
-            for node, idx, rep, batch, owners in pending:
+                pending.append((node, link, idx, rep, batch, owners))
+            commits = []  # each node's Commit leaves as soon as its own transfer ended
+            for node, link, idx, rep, batch, owners in pending:
                 ok = [True] * len(idx)
                 if batch is not None:
-                    for j, s in zip(owners, batch.wait()):
-                        if not s.ok:
+                    for j, ts in zip(owners, batch.wait()):
+                        if not ts.ok:
                             ok[j] = False
-                ids = [rep.put_ids[j] for j in range(len(idx)) if rep.put_ids[j] > 0]
-                oks = [ok[j] for j in range(len(idx)) if rep.put_ids[j] > 0]
-                if not ids:
-                    continue
+                mine = [j for j in range(len(idx)) if rep.put_ids[j] > 0]
+                if mine:
+                    try:  # on the connection that holds the reservations
+                        commit: Pending | NodeDown = link.submit(Commit, put_ids=[rep.put_ids[j] for j in mine],
+                                                                 ok=[ok[j] for j in mine])
+                    except NodeDown as e:
+                        commit = e
+                    commits.append((node, [idx[j] for j in mine], commit))
+            for node, committed, commit in commits:
                 try:
-                    res = self._call(node, Commit, put_ids=ids, ok=oks).values
+                    settle(committed, self.nodes.answer(node, commit).values)
                 except NodeDown as e:
                     log.warning("put commit: %s", e)
-                    res = [int(KeyStatus.RPC_FAILED)] * len(ids)
-                it = iter(res)
-                for j, i in enumerate(idx):
-                    if rep.put_ids[j] > 0:
-                        st = next(it)
-                        if st == 0:
-                            done[i] += 1
-                        else:
-                            errors[i] = errors[i] or KeyStatus(st)
+                    fail(committed, KeyStatus.RPC_FAILED)
         finally:
             for r in temps:
                 self.te.unregister(r)
@@ -241,7 +208,7 @@ class RemoteBackend:
 
     # ---- gets
     def get_many(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
-        live = self._live()
+        live = self.nodes.live()
         ranks = [rank_nodes(k, live) for k in keys]
         result: list[int] = [int(KeyStatus.MISSING)] * len(keys)
         todo = list(range(len(keys)))
@@ -255,17 +222,20 @@ class RemoteBackend:
                 if not by_node:
                     break
                 todo = []
+                # every node of this round is asked before any answer is read
+                asked = [(node, idx, self.nodes.asked(node, Lookup, keys=[keys[i] for i in idx], inline_max=INLINE_MAX))
+                         for node, idx in by_node.items()]
                 inflight = []
-                for node, idx in by_node.items():
+                for node, idx, lookup in asked:
                     try:
-                        rep: Leased = self._call(node, Lookup, keys=[keys[i] for i in idx], inline_max=INLINE_MAX)
+                        rep: Leased = self.nodes.answer(node, lookup)
                     except NodeDown as e:
                         log.warning("get: %s", e)
                         self.replicas_lost += len(idx)
                         todo.extend(idx)
                         continue
-                    link = self._links.get(node)
-                    if link is None:  # dropped by another thread since the answer: its leases went with it
+                    link = lookup.link  # type: ignore[union-attr]  # answered: a Pending
+                    if link.broken:  # closed since the answer: its leases went with it
                         todo.extend(idx)
                         continue
                     reqs, owners, leases = [], [], []
@@ -289,12 +259,12 @@ class RemoteBackend:
                         reqs.extend(rs)
                         owners.extend([(i, rep.sizes[j])] * len(rs))
                     batch = self.te.submit(reqs, timeout_s=max(self.io_timeout_s, 30.0)) if reqs else None
-                    inflight.append((node, batch, owners, leases))
-                for node, batch, owners, leases in inflight:
+                    inflight.append((node, link, batch, owners, leases))
+                for node, link, batch, owners, leases in inflight:
                     failed: set[int] = set()
                     if batch is not None:
-                        for (i, n), s in zip(owners, batch.wait()):
-                            if not s.ok:
+                        for (i, n), ts in zip(owners, batch.wait()):
+                            if not ts.ok:
                                 failed.add(i)
                             else:
                                 result[i] = n
@@ -302,8 +272,10 @@ class RemoteBackend:
                         result[i] = int(KeyStatus.MISSING)
                         todo.append(i)  # try the next replica
                     if leases:
+                        # nobody waits for this answer: the bytes are here, the node frees the
+                        # leases when it reads the request (or when this connection closes)
                         try:
-                            self._call(node, Release, lease_ids=leases)
+                            link.post(Release, lease_ids=leases)
                         except NodeDown:
                             pass
                 if not todo:
@@ -319,11 +291,8 @@ class RemoteBackend:
         out: list[bytes | None] = [None] * len(keys)
         large: dict[int, int] = {}
 
-        def ask(node: str, idx: list[int]) -> list[int]:
-            try:
-                rep: Leased = self._call(node, Lookup, keys=[keys[i] for i in idx], inline_max=INLINE_MAX,
-                                         lease_large=False)
-            except NodeDown:
+        def take(idx: list[int], rep: Leased | None) -> list[int]:
+            if rep is None:
                 self.replicas_lost += len(idx)
                 return idx
             retry = []
@@ -336,7 +305,8 @@ class RemoteBackend:
                     large[i] = rep.sizes[j]
             return retry
 
-        self._by_rank(keys, ask)
+        self._by_rank(keys, lambda idx: (Lookup, {"keys": [keys[i] for i in idx], "inline_max": INLINE_MAX,
+                                                  "lease_large": False}), take)
         if large:
             idx = list(large)
             bufs = [np.empty(large[i], dtype=np.uint8) for i in idx]
@@ -350,23 +320,23 @@ class RemoteBackend:
         """Asks each key's nodes in rank order until ``found(value)``; the last answer."""
         out = [0] * len(keys)
 
-        def ask(node: str, idx: list[int]) -> list[int]:
-            try:
-                vals = self._call(node, make, keys=[keys[i] for i in idx]).values
-            except NodeDown:
+        def take(idx: list[int], rep: Any) -> list[int]:
+            if rep is None:
                 return idx
-            for i, v in zip(idx, vals):
+            for i, v in zip(idx, rep.values):
                 out[i] = v
-            return [i for i, v in zip(idx, vals) if not found(v)]
+            return [i for i, v in zip(idx, rep.values) if not found(v)]
 
-        self._by_rank(keys, ask)
+        self._by_rank(keys, lambda idx: (make, {"keys": [keys[i] for i in idx]}), take)
         return out
 
-    def _by_rank(self, keys: list[str], ask: Callable[[str, list[int]], list[int]]) -> None:
-        """Each key's replica nodes in rank order, one rank a round: ``ask(node, indices)``
-        handles the keys asked of that node and returns those to ask of their next-ranked
-        node; stops when none is left or every live node was asked."""
-        live = self._live()
+    def _by_rank(self, keys: list[str], request: Callable[[list[int]], tuple[type, dict[str, Any]]],
+                 take: Callable[[list[int], Any], list[int]]) -> None:
+        """Each key's replica nodes in rank order, one rank a round, every node of a round
+        asked at once: ``request(indices)`` is what a node is asked about those keys,
+        ``take(indices, answer or None)`` handles its answer and returns the keys to ask of
+        their next-ranked node; stops when none is left or every live node was asked."""
+        live = self.nodes.live()
         ranks = [rank_nodes(k, live) for k in keys]
         todo = list(range(len(keys)))
         for rnd in range(len(live)):
@@ -375,7 +345,9 @@ class RemoteBackend:
             by_node: dict[str, list[int]] = defaultdict(list)
             for i in todo:
                 by_node[ranks[i][rnd]].append(i)
-            todo = [i for node, idx in by_node.items() for i in ask(node, idx)]
+            groups = list(by_node.items())
+            answers = self.nodes.ask_each([(node, *request(idx)) for node, idx in groups])
+            todo = [i for (_, idx), rep in zip(groups, answers) for i in take(idx, rep)]
 
     def exists_many(self, keys: list[str]) -> list[bool]:
         return [v == 1 for v in self._ask_ranked(keys, Exists, lambda v: v == 1)]
@@ -386,38 +358,25 @@ class RemoteBackend:
 
     def remove_many(self, keys: list[str]) -> list[bool]:
         removed = [False] * len(keys)
-        for node in self._live():  # every replica, wherever it is
-            try:
-                vals = self._call(node, Remove, keys=keys).values
-            except NodeDown:
-                continue
-            removed = [r or bool(v) for r, v in zip(removed, vals)]
+        for rep in self.nodes.ask_each([(node, Remove, {"keys": keys}) for node in self.nodes.live()]):  # every replica
+            if rep is not None:
+                removed = [r or bool(v) for r, v in zip(removed, rep.values)]
         return removed
 
     def remove_all(self) -> int:
-        total = 0
-        for node in self._live():
-            try:
-                total += self._call(node, RemoveAll).values[0]
-            except NodeDown:
-                continue
-        return total
+        return sum(rep.values[0] for rep in self.nodes.ask_each([(n, RemoveAll, {}) for n in self.nodes.live()])
+                   if rep is not None)
 
     def metrics(self) -> PoolMetrics:
         m = PoolMetrics()
-        for node in self._live():
-            try:
-                d = self._call(node, Stats).metrics
-            except NodeDown:
-                continue
-            m = m + PoolMetrics(**{k: int(v) for k, v in d.items() if k in PoolMetrics.__dataclass_fields__})
+        for rep in self.nodes.ask_each([(n, Stats, {}) for n in self.nodes.live()]):
+            if rep is not None:
+                m = m + PoolMetrics(**{k: int(v) for k, v in rep.metrics.items()
+                                       if k in PoolMetrics.__dataclass_fields__})
         m.replicas_lost, m.under_replicated = self.replicas_lost, self.under_replicated
         return m
 
     def close(self) -> None:
-        with self._lock:
-            links, self._links = list(self._links.values()), {}
-        for link in links:
-            link.close()
+        self.nodes.close()
         self.directory.close()
         self.te.close()

@@ -93,7 +93,10 @@ class ObjectSegment:
 
     def _drop_chunks(self, meta: ObjectMeta) -> None:
         store = self.classes[meta.cls].store
-        for i in range(meta.nchunks):
+        # last chunk first: freed slots go on a last-in-first-out list, so the next object
+        # gets them back in ascending order (its chunks then follow each other in the
+        # region, and a remote transfer moves each run as one request: spans.py)
+        for i in reversed(range(meta.nchunks)):
             k = chunk_key(meta.oid, i)
             if meta.pinned:
                 try:
@@ -348,7 +351,7 @@ class ObjectSegment:
         return st
 
     def abort(self, res: Reservation) -> None:
-        for w in res.blocks:
+        for w in reversed(res.blocks):  # last first, as _drop_chunks
             try:
                 w.abort()
             except Exception:  # noqa: BLE001 - already committed or aborted
@@ -396,7 +399,7 @@ class ObjectSegment:
             items = list(self._objects.items())
             self._objects.clear()
             self._by_oid.clear()
-        for _, meta in items:
+        for _, meta in reversed(items):  # (the first object's slots end up on top: _drop_chunks)
             self._drop_chunks(meta)
         self.counters.removes += len(items)
         return len(items)
