@@ -475,6 +475,9 @@ class FakePort:
     def exited(self):
         return []
 
+    def link_reports(self):
+        return []
+
     def peer_lost(self, inst, peer, reason):
         self.lost_peers.append((inst, peer))
 

@@ -306,8 +306,9 @@ class Instance:
         self._beat_next = now + self._beat_every
         st = self.store.store.stats()
         sched = self.engine.scheduler
+        out_b, in_b = self.transport.link_queued()
         self.usage = Beat(self.engine.cache.num_pages, self.engine.num_free_pages, st.blocks_dram, st.slots_dram,
-                          st.bytes_dram, len(sched.running), len(sched.waiting))
+                          st.bytes_dram, len(sched.running), len(sched.waiting), out_b, in_b, now)
         self.ch.beat(self.usage)  # in-process: stamped; a worker's beat thread sends ``usage`` itself
 
     def stats(self) -> dict[str, float]:

@@ -254,6 +254,15 @@ class Beat(_Msg, frozen=True, tag="beat"):
     store_bytes: int = -1  # bytes of DRAM those blocks take
     running: int = -1  # the engine's scheduler: sequences running and waiting
     waiting: int = -1
+    #: the instance's transfer engine: bytes of its transfers still queued or in flight
+    #: on its NIC out (writes: KV streams to decode) and in (reads: prefix fetches), as
+    #: of ``link_t`` (the instance's time.monotonic(); a reading's identity: a worker's
+    #: beat thread re-sends the latest reading). ``link_age_s``: how old the reading was
+    #: when the beat left, so the cluster dates it on its own clock (docs/conductor.md)
+    link_out_bytes: float = -1.0
+    link_in_bytes: float = -1.0
+    link_t: float = -1.0
+    link_age_s: float = 0.0
 
 
 # ---- one request

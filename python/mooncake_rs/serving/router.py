@@ -8,8 +8,9 @@ instance, a conductor call, tokens / the output / the error for the request's ha
 The rest it routes itself: ``Ready`` / ``InitFailed`` and replies (stats, timings) go
 to the cluster, store events to the conductor's index, a closed link (``Lost``) makes
 the instance dead (the conductor drops it; the lifecycle fails what depended on it).
-Every 0.25 s it also polls the worker processes for an exit the socket missed and
-gives the lifecycle the time (deadlines).
+Every 0.25 s it also polls the worker processes for an exit the socket missed,
+gives the lifecycle the time (deadlines) and hands the instances' link counters (their
+heartbeats) to the conductor.
 
 It knows the cluster only through ``ClusterPort``, a handful of methods, and it is the
 one thread that touches the lifecycle, the request records and the conductor's
@@ -110,6 +111,11 @@ class ClusterPort(Protocol):
     def output(self, record: RequestRecord, reason: str) -> Any:
         """The ``RequestOutput`` of a finished request."""
 
+    def link_reports(self) -> list[tuple[int, float, float, float]]:
+        """``(instance, when, bytes out, bytes in)`` of the instances' link readings (their
+        heartbeats) not handed out yet; ``when`` on the conductor's clock."""
+        ...
+
     def now(self) -> float:
         """The conductor's clock."""
 
@@ -169,6 +175,22 @@ class Router:
                 for inst in self.port.exited():
                     self._down(inst, "exited")
                 self._run(self.lifecycle.on(Tick(now)))
+                self._report_links()
+
+    def _report_links(self) -> None:
+        """The instances' link counters (heartbeats) into the conductor's link loads: each
+        replaces the conductor's own count of that instance's links up to its time; an
+        older one than the last applied is ignored there (docs/conductor.md)."""
+        cond = self.port.conductor
+        if cond is None:
+            return
+        for inst, at, out_b, in_b in self.port.link_reports():
+            if inst in self.lifecycle.down:
+                continue
+            try:
+                cond.report_link_load(inst, at, out_b, in_b, 0.0)
+            except MooncakeError:  # no longer the conductor's (removed, or a swapped conductor)
+                pass
 
     def handle(self, src: int, ev: Any) -> None:
         # the per-request messages by isinstance first (a match's class patterns with
