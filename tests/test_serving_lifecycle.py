@@ -478,6 +478,9 @@ class FakePort:
     def link_reports(self):
         return []
 
+    replicate_every_s = None
+    replica_max_bytes = 0.0
+
     def peer_lost(self, inst, peer, reason):
         self.lost_peers.append((inst, peer))
 

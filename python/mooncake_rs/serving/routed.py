@@ -34,7 +34,7 @@ from .members import Members
 from .metrics import ClusterMetrics
 from .protocol import InitFailed, Message, Ready, Stats, StatsReply
 from .replies import Replies
-from .router import RequestRecord, Router, Shutdown, SwapConductor
+from .router import ReplicateNow, RequestRecord, Router, Shutdown, SwapConductor
 
 __all__ = ["RoutedCluster", "MembershipSource", "new_conductor", "default_prefill_model", "request_output",
            "MAX_FETCH_SOURCES"]
@@ -89,6 +89,8 @@ class _Port:
         self.peer_lost = source.on_peer_lost
         self.exited = source.exited
         self.reply = core._replies.deliver
+        self.replicate_every_s = core.config.replicate_every_s
+        self.replica_max_bytes = core.config.replica_max_bytes
 
     @property
     def block_size(self) -> int:
@@ -339,3 +341,15 @@ class RoutedCluster(GenerateMixin):
         An instance that has not beaten yet (or with ``heartbeat_timeout_s=None`` in
         worker processes, which then send no beats) is left out."""
         return self._members.usage()
+
+    def replicate_hot_prefixes(self, timeout_s: float = 10.0) -> int:
+        """One round of hot-prefix replication now (what ``replicate_every_s`` runs on its
+        own): the conductor's replica hints that fit in ``replica_max_bytes`` with the
+        copies in flight are started (serving/replication.py). Returns how many; the
+        copies finish in the background (the target's store events then show them in
+        the conductor's index)."""
+        ev = ReplicateNow(threading.Event(), [])
+        self._router.post(ev)
+        if not ev.done.wait(timeout_s):
+            raise ServiceUnavailable(f"the router did not run the replication round within {timeout_s}s")
+        return ev.result[0]

@@ -34,11 +34,12 @@ from .lifecycle import (CancelRequest, Command, Conduct, Deliver, Fail, Finish, 
                         RequestLifecycle, Send, Tick)
 from ..base.metrics import RequestMetrics
 from .metrics import ClusterMetrics, tbt_of
+from .replication import Replicator
 from .protocol import (Cancelled, Exported, Failed, Fetched, InitFailed, Message, PeerLost, Ready, Relay,
                        RoleSwitched,
                        StatsReply, Step, StoreEvents, Timings, Tokens)
 
-__all__ = ["Router", "ClusterPort", "RequestRecord", "New", "SwapConductor", "Shutdown"]
+__all__ = ["Router", "ClusterPort", "RequestRecord", "New", "SwapConductor", "Shutdown", "ReplicateNow"]
 
 log = logging.getLogger("mooncake_rs.serving")
 
@@ -76,6 +77,15 @@ class SwapConductor:
 @dataclass(frozen=True)
 class Shutdown:
     pass
+
+
+@dataclass(frozen=True)
+class ReplicateNow:
+    """``Cluster.replicate_hot_prefixes``: one replication round now; the number of
+    copies it started goes into ``result``, then ``done`` is set."""
+
+    done: threading.Event
+    result: list[int]
 
 
 class ClusterPort(Protocol):
@@ -119,6 +129,11 @@ class ClusterPort(Protocol):
     def now(self) -> float:
         """The conductor's clock."""
 
+    #: seconds between hot-prefix replication rounds (None: only on ``ReplicateNow``)
+    replicate_every_s: float | None
+    #: bytes of KV a round may copy, and may have in flight
+    replica_max_bytes: float
+
 
 class Router:
     def __init__(self, port: ClusterPort, names: dict[int, str]) -> None:
@@ -133,6 +148,8 @@ class Router:
         self._submitted_lock = threading.Lock()
         self._submitted = 0
         self._ended_n = 0
+        self.replicator = Replicator(port.send, self._block_bytes, port.replica_max_bytes)
+        self._next_round = 0.0
 
     # ---- any thread
     def submit(self, record: RequestRecord) -> None:
@@ -176,6 +193,22 @@ class Router:
                     self._down(inst, "exited")
                 self._run(self.lifecycle.on(Tick(now)))
                 self._report_links()
+                every = self.port.replicate_every_s
+                if every is not None and now >= self._next_round:
+                    self._next_round = now + every
+                    self._replicate()
+
+    def _block_bytes(self) -> float:
+        cfg = self.port.conductor.config
+        return cfg.block_size * cfg.transfer_model.bytes_per_token
+
+    def _replicate(self) -> int:
+        """One round of hot-prefix replication (replication.py); how many copies started."""
+        try:
+            return self.replicator.round(self.port.conductor, self.port.now())
+        except MooncakeError:
+            log.exception("router: replication round")
+            return 0
 
     def _report_links(self) -> None:
         """The instances' link counters (heartbeats) into the conductor's link loads: each
@@ -221,8 +254,13 @@ class Router:
                 self._run(self.lifecycle.on(ev))
             case Failed(rid=None):
                 self.port.reply(src, ev)
+            case Exported() | Fetched() | Failed() if self.replicator.owns(ev.rid):
+                self.replicator.on_message(src, ev)
             case Exported() | Fetched() | Failed() | Cancelled():
                 self._run(self.lifecycle.arrived(src, ev))
+            case ReplicateNow(done=done, result=result):
+                result.append(self._replicate())
+                done.set()
             case Ready() | InitFailed():
                 self.port.instance_ready(src, ev)
             case StatsReply() | Timings() | RoleSwitched():
@@ -267,6 +305,7 @@ class Router:
     def _down(self, inst: int, reason: str) -> None:
         if inst in self.lifecycle.down:
             return
+        self.replicator.instance_down(inst)
         try:  # first, so no new decision names it once the cluster shows it gone
             self.port.conductor.remove_instance(inst)
         except Exception:  # noqa: BLE001 - already gone
