@@ -90,3 +90,53 @@ def test_a_hot_prefix_on_a_link_bound_holder_is_copied_within_the_byte_cap(fits)
         assert o2.metrics.reused_tokens == PREFIX_BLOCKS * BLOCK and o2.metrics.fetched_tokens == 0
         assert [o1.token_ids, o2.token_ids] == ref
         cond.undrain_instance(a)
+
+
+def test_replicator_keeps_copies_in_flight_within_the_cap_and_unpins_every_holder():
+    """The cluster's side against a scripted conductor: hints that do not fit in the cap
+    with the copies in flight wait; ``Exported`` goes on to the target as
+    ``Replicate``; ``Fetched`` (or a ``Failed``, or an empty export) unpins the holder
+    and frees the bytes; an instance going down drops its copies."""
+    from types import SimpleNamespace as NS
+
+    from mooncake_rs.serving.protocol import Endpoint, Export, Exported, Failed, Fetched, Replicate, Unpin
+    from mooncake_rs.serving.replication import Replicator
+
+    sent: list[tuple[int, object]] = []
+    hints: list[NS] = []
+    cond = NS(replication_hints=lambda now: list(hints))
+    rep = Replicator(lambda inst, msg: sent.append((inst, msg)), lambda: 100.0, max_bytes=500.0)
+    hot = lambda frm, to, n, first: NS(from_instance=frm, to_instance=to, blocks=list(range(first, first + n)))  # noqa: E731
+    hints[:] = [hot(1, 2, 3, 10), hot(1, 3, 3, 20)]  # 300 + 300 bytes: only the first fits
+    assert rep.round(cond, 0.0) == 1 and rep.in_flight_bytes() == 300.0
+    (holder, exp), = sent
+    assert holder == 1 and isinstance(exp, Export) and exp.rid < 0
+    sent.clear()
+    # the same hint again is on its way: not started twice; the second still does not fit
+    assert rep.round(cond, 1.0) == 0 and not sent
+    ep = Endpoint("h", "", 1)
+    rep.on_message(1, Exported(exp.rid, ep, [0, 4096]))  # the holder kept 2 of the 3 blocks
+    (target, msg), = sent
+    assert target == 2 and isinstance(msg, Replicate) and msg.fetch.offsets == [0, 4096]
+    assert len(msg.fetch.keys) == 2 * 16
+    sent.clear()
+    rep.on_message(2, Fetched(exp.rid))
+    assert sent == [(1, Unpin(exp.rid))] and rep.in_flight_bytes() == 0.0 and rep.done == 1
+    sent.clear()
+    # the second fits now, with a third (300 + 100 <= 500)
+    hints[:] = [hot(1, 3, 3, 20), hot(6, 7, 1, 40)]
+    assert rep.round(cond, 2.0) == 2
+    rids = [m.rid for _, m in sent]
+    sent.clear()
+    rep.on_message(6, Exported(rids[1], ep, []))  # its holder exported nothing: unpinned, no copy
+    assert sent == [(6, Unpin(rids[1]))] and rep.done == 1
+    sent.clear()
+    rep.on_message(3, Failed(rids[0], "boom"))  # the target failed the copy
+    assert sent == [(1, Unpin(rids[0]))] and not rep.copies and rep.done == 1
+    # a target that goes down: its copy is dropped and the holder unpinned
+    hints[:] = [hot(4, 5, 1, 30)]
+    assert rep.round(cond, 3.0) == 1
+    rid = sent[-1][1].rid
+    sent.clear()
+    rep.instance_down(5)
+    assert sent == [(4, Unpin(rid))] and not rep.copies and rep.in_flight_bytes() == 0.0
