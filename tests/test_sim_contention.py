@@ -193,7 +193,7 @@ def test_overloaded_agentic_late_fetch_case():
     fetch's window, so re-pricing it did not apply; they started at 3.6-3.7 s, because
     request 15 queued on instance 1 ahead of them, priced as a 0.97 s recompute (no
     holder of its prefix at admission), found 36 of its blocks there when it started
-    (request 13, queued before it, shares that prefix and left it) and took 0.11 s.
+    (left by a request queued there before it that shares that prefix) and took 0.11 s.
     Five streams then shared 1's NIC out with the fetch, which took ~1.4 s, and the 15
     requests that had followed their sessions' pending prefixes to instance 0 waited
     behind it. The fix left: pending prefixes that match a prefix *shared* with a queued
