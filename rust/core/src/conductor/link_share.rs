@@ -131,6 +131,7 @@ impl PlannedFetches {
         self.v.iter().find(|f| f.rid == rid).copied()
     }
 
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.v.len()
     }
