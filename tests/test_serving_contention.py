@@ -12,6 +12,7 @@ whole prompt; idle, B fetches from A. Outputs are the single-Engine reference ei
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -24,6 +25,8 @@ from serving_helpers import BLOCK, reference_outputs  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 GREEDY = SamplingParams(max_tokens=8)
 PREFIX_BLOCKS = 6
+#: the tiny model's KV: 2 layers x (K, V) x 2 KV heads x 16 x 4 bytes (float32)
+KV_BYTES_PER_TOKEN = 512
 LINK = 1e9  # bytes/s per emulated link: fetching the 6-block prefix (tens of us) beats recomputing it (~2 ms) when idle
 
 
@@ -67,3 +70,47 @@ def test_fetch_over_a_saturated_holder_is_declined(saturated):
             assert o2.metrics.fetched_tokens == PREFIX_BLOCKS * BLOCK and o2.metrics.fetch_s > 0
         assert [o1.token_ids, o2.token_ids] == ref
         cond.undrain_instance(a)
+
+
+@pytest.mark.parametrize("processes", [False, True], ids=["in_process", "workers"])
+def test_heartbeats_carry_link_counters_that_correct_the_conductor(processes):
+    """Each instance's heartbeat carries its transfer engine's bytes queued or in flight
+    on its NIC out and in (``Beat.link_out_bytes`` / ``link_in_bytes``, dated on the
+    cluster's clock by their age), and the router hands them to the conductor's link
+    loads (``report_link_load``): during a KV stream over a slow emulated link the
+    prefill instance reports bytes queued out; and a backlog the conductor believes in
+    (10,000 s of it, reported here by hand) is replaced by the instance's next reading,
+    which says the link is idle."""
+    from mooncake_rs import Cluster
+
+    rng = random.Random(26)
+    prompt = [rng.randrange(256) for _ in range(8 * BLOCK)]
+    link = len(prompt) * KV_BYTES_PER_TOKEN / 3.0  # the prompt's KV stream takes ~3 s on this link
+    with Cluster(ModelConfig.tiny(), prefill=1, decode=1, block_size=BLOCK, dram_bytes_per_instance=8 << 20,
+                 seed=3, heartbeat_timeout_s=4.0, processes=processes, link_bandwidth=link) as c:
+        cond = c.conductor
+        assert cond.config.transfer_model.bytes_per_token == KV_BYTES_PER_TOKEN
+        p = cond.snapshot().prefill[0].id
+        member = c._members[p]
+        seen: list[float] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                c.generate([prompt], GREEDY)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+        while not done.wait(0.02):
+            b = member.ch.last_beat
+            if b is not None and b.link_t >= 0:
+                seen.append(b.link_out_bytes)
+        assert max(seen, default=0.0) > 0, f"no heartbeat reported the KV stream queued on the link out: {seen[-5:]}"
+
+        def out_bytes() -> float:
+            return next(l for l in cond.link_loads(c._now()) if l.instance == p).nic_out_bytes
+
+        assert cond.report_link_load(p, c._now(), 1e4 * link)
+        assert out_bytes() > 1e3 * link
+        _wait(lambda: out_bytes() == 0.0, "the instance's heartbeat never replaced the conductor's backlog", 20.0)

@@ -475,6 +475,12 @@ class FakePort:
     def exited(self):
         return []
 
+    def link_reports(self):
+        return []
+
+    replicate_every_s = None
+    replica_max_bytes = 0.0
+
     def peer_lost(self, inst, peer, reason):
         self.lost_peers.append((inst, peer))
 

@@ -219,6 +219,8 @@ def test_transport_write_read_and_counters_without_a_waiter_thread(in_process):
         assert a.take_bytes(2) == 70_000 and a.take_bytes(3) == 10
         assert a.total_bytes == 1000 + 50_000 + 4096 + 70_000 + 10
         assert a.busy_s > 0
+        # every batch ended: nothing queued on either side of the instance's link
+        assert a.link_queued() == (0.0, 0.0)
     finally:
         a.close()
         b.close()
@@ -254,7 +256,10 @@ def test_transport_errors_and_timeouts_land_on_the_right_tag(monkeypatch):
         stop(peer.proc.pid)
         try:
             t.write(9, ep, [Span(0, 0, 4096)])
+            # the heartbeat's link counters: the stuck write is queued on the NIC out
+            assert t.link_queued() == (4096.0, 0.0)
             _settle(t, 9)
+            assert t.link_queued() == (0.0, 0.0)  # a batch that failed is no longer queued
             assert "timed out" in (t.error(9) or "")
             assert t.error(8) is None and t.take_bytes(9) == 0
         finally:
@@ -274,6 +279,23 @@ def test_transport_link_emulation_holds_batches_until_the_link_is_free():
         assert np.array_equal(b_mem[:400_000], np.concatenate([a_mem[:200_000], a_mem[:200_000]]))
         assert a.take_bytes(1) == a.take_bytes(2) == 200_000
         assert a.busy_s > 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_transport_link_counters_with_an_emulated_link():
+    # 1 MB/s: two 200 kB writes hold the link out 0.4 s, a 100 kB read the holder's 0.1 s
+    a, b, _, _ = _pair(True, link_bandwidth=1e6)
+    try:
+        a.write(1, b.endpoint, [Span(0, 0, 200_000)])
+        a.write(2, b.endpoint, [Span(0, 200_000, 200_000)])
+        a.read(3, b.endpoint, [Span(500_000, 600_000, 100_000)])
+        out, inn = a.link_queued()
+        assert 0 < out <= 400_000 and 0 < inn <= 100_000, (out, inn)
+        for tag in (1, 2, 3):
+            _settle(a, tag)
+        assert a.link_queued() == (0.0, 0.0)
     finally:
         a.close()
         b.close()

@@ -78,6 +78,11 @@ class Cluster(RoutedApi):
     holds the prefix at once, each sending a share split by its free bandwidth
     (serving/multisource.py, DualPath's multi-path loading); ``RequestMetrics.fetch_sources``
     says how many it read from. Off: from the one holder the conductor names.
+    ``replicate_every_s``: act on the conductor's hot-prefix replica hints that often (a
+    prefix whose holders are all busy, by queue or by their link out, is copied from one
+    of them to an idle prefill instance; serving/replication.py), at most
+    ``replica_max_bytes`` of KV per round and in flight; ``replicate_hot_prefixes()`` runs
+    one round now.
     """
 
     def __init__(self, model: Any = "tiny", prefill: int = 2, decode: int = 1, block_size: int = 16,
@@ -87,14 +92,16 @@ class Cluster(RoutedApi):
                  engine_kwargs: dict[str, Any] | None = None, start_timeout_s: float = 180.0,
                  link_bandwidth: float | None = None, ssd_bytes_per_instance: int | None = None,
                  heartbeat_timeout_s: float | None = 10.0, kv_events: str | dict[str, str] | None = None,
-                 kv_grants: bool = False, multipath: bool = False) -> None:
+                 kv_grants: bool = False, multipath: bool = False, replicate_every_s: float | None = None,
+                 replica_max_bytes: float = 64e9) -> None:
         self._start(model, ServingConfig(
             policy=policy, ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s, rejection=rejection, prefix_reuse=prefix_reuse,
             multipath=multipath, seed=seed, heartbeat_timeout_s=heartbeat_timeout_s, block_size=block_size,
             prefill=prefill, decode=decode, dram_bytes_per_instance=dram_bytes_per_instance, ssd_path=ssd_path,
             ssd_bytes_per_instance=ssd_bytes_per_instance, processes=processes, stream_layers=stream_layers,
             engine_kwargs=engine_kwargs or {}, link_bandwidth=link_bandwidth, kv_events=kv_events,
-            kv_grants=kv_grants, start_timeout_s=start_timeout_s))
+            kv_grants=kv_grants, start_timeout_s=start_timeout_s, replicate_every_s=replicate_every_s,
+            replica_max_bytes=replica_max_bytes))
 
     @classmethod
     def from_config(cls, model: Any, config: ServingConfig) -> "Cluster":

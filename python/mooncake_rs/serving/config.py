@@ -73,6 +73,11 @@ class ServingConfig:
     kv_events: str | Mapping[str, str] | None = None
     kv_grants: bool = False
     start_timeout_s: float = 180.0
+    #: seconds between rounds of hot-prefix replication (the conductor's replica hints
+    #: acted on: serving/replication.py); None: never on its own (``Cluster.replicate_hot_prefixes``)
+    replicate_every_s: float | None = None
+    #: bytes of KV one round may copy, and may have in flight, at most
+    replica_max_bytes: float = 64e9
 
     def __post_init__(self) -> None:
         for n in (self.prefill, self.decode):
@@ -90,6 +95,10 @@ class ServingConfig:
         ConductorConfig(**self.conductor_args(self.block_size))
         _positive("heartbeat_timeout_s", self.heartbeat_timeout_s, none_ok=True)
         _positive("start_timeout_s", self.start_timeout_s)
+        _positive("replicate_every_s", self.replicate_every_s, none_ok=True)
+        if isinstance(self.replica_max_bytes, bool) or not isinstance(self.replica_max_bytes, (int, float)) or not (
+                0 <= self.replica_max_bytes < math.inf):
+            raise InvalidArgument(f"replica_max_bytes must be a finite number of bytes >= 0, got {self.replica_max_bytes!r}")
         if self.link_bandwidth is not None and (isinstance(self.link_bandwidth, bool) or not isinstance(
                 self.link_bandwidth, (int, float)) or not 0 < self.link_bandwidth < math.inf):
             raise InvalidArgument(f"link_bandwidth must be a positive number of bytes/s or None, "
@@ -120,7 +129,8 @@ class ServingConfig:
         """``ConductorConfig``'s keywords of this configuration (routing/routed.py adds the
         cost models), for instances of ``block_size`` tokens a block."""
         return dict(block_size=block_size, ttft_slo_s=self.ttft_slo_s, tbt_slo_s=self.tbt_slo_s,
-                    policy=self.policy, rejection=self.rejection, seed=self.seed)
+                    policy=self.policy, rejection=self.rejection, seed=self.seed,
+                    hot_replica_max_bytes=float(self.replica_max_bytes))
 
     @classmethod
     def from_args(cls, args: Any) -> "ServingConfig":

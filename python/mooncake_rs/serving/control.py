@@ -98,7 +98,8 @@ class ControlLink(Protocol):
     counts: Counts
     alive: bool
     last_seen: float  # time.monotonic() of the instance's last sign of life
-    last_beat: Beat | None  # its latest heartbeat (memory use)
+    last_beat: Beat | None  # its latest heartbeat (memory use, link counters)
+    last_beat_at: float  # time.monotonic() here when that beat's link reading was taken
 
     @property
     def cluster_counts(self) -> Counts:
@@ -129,6 +130,7 @@ class QueueChannel:
         self.cluster_counts = Counts()  # sent by the cluster
         self.last_seen = time.monotonic()
         self.last_beat: Beat | None = None  # the latest heartbeat (the instance's memory use)
+        self.last_beat_at = 0.0  # when its link reading was taken (time.monotonic())
         self.fenced = False
         self.alive = True
 
@@ -142,7 +144,7 @@ class QueueChannel:
         """The instance loop's heartbeat: stamps ``last_seen`` here, without a trip
         through the router (nothing there needs it; the watchdog reads the stamp)."""
         self.last_beat = msg
-        self.last_seen = time.monotonic()
+        self.last_seen = self.last_beat_at = time.monotonic()
 
     def send(self, msg: Message) -> None:
         if self.fenced:  # declared down: what it says now would be about requests it lost
@@ -203,10 +205,12 @@ class SocketChannel(FramedChannel):
         """As ``FramedChannel``; ``types``: the tagged union the link decodes (default:
         the serving protocol's ``Message``)."""
         self.last_beat: Beat | None = None  # the latest heartbeat received (the instance's memory use)
+        self.last_beat_at = 0.0  # when its link reading was taken, on this host's clock (less its age)
         super().__init__(sock, source_id, sink, allowed, Message if types is None else types, name)
 
     def _taken(self, msg: Any) -> bool:
         if isinstance(msg, Beat):
+            self.last_beat_at = self.last_seen - msg.link_age_s
             self.last_beat = msg
             return True
         return False

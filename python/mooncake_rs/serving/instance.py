@@ -28,9 +28,10 @@ from .decode import DecodeRole
 from .kv_events import KVEventsOut
 from .prefill import PrefillRole
 from .role import Role, RoleContext
+from .replication import ReplicaCopies
 from .protocol import (PROTOCOL_VERSION, Attach, Beat, Cancel, Endpoint, Export, Exported, Failed, InitFailed,
                        InstanceSpec, KvReady, Measure, Message, PeerLost, Prefill, Ready, RoleSwitched, Stats,
-                       StatsReply, Stop, StoreEvents, SwitchRole, Timings, Unpin)
+                       Replicate, StatsReply, Stop, StoreEvents, SwitchRole, Timings, Unpin)
 from .transport import Transport
 
 __all__ = ["InstanceSpec", "Instance", "model_of"]
@@ -72,6 +73,8 @@ class Instance:
         ep: dict[str, Any] = self.transport.endpoint
         self.endpoint = Endpoint(str(ep["name"]), str(ep["address"]), int(ep["region"]))
         self._pins: dict[int, list[Any]] = {}
+        # hot-prefix copies into this instance's store (the cluster's Replicate, replication.py)
+        self.replicas = ReplicaCopies(self.transport, self.store, self.ch.send)
         self.remote = remote  # a worker of a deployment across hosts: Ready comes on Attach
         self.kv_events: KVEventsOut | None = None
         if spec.kv_events is not None and spec.role == "prefill":
@@ -134,6 +137,7 @@ class Instance:
             self.role.on_outputs(self.engine.step())
             self.role.send_pending()
         self.role.poll()
+        self.replicas.poll()
         self.flush_store_events()
         if self._switch_to is not None or self._retired:
             self._switch_role()
@@ -200,6 +204,7 @@ class Instance:
             for blk in blocks:
                 blk.release()
         self._pins.clear()
+        self.replicas.drop_all()
 
     def handle(self, src: int, msg: Message | Lost | Detached) -> None:
         try:
@@ -220,6 +225,8 @@ class Instance:
                     self.attach(msg)
                 case Export():
                     self._export(msg)
+                case Replicate():
+                    self.replicas.start(msg)
                 case Unpin(rid=rid):
                     for blk in self._pins.pop(rid, []):
                         blk.release()
@@ -306,8 +313,9 @@ class Instance:
         self._beat_next = now + self._beat_every
         st = self.store.store.stats()
         sched = self.engine.scheduler
+        out_b, in_b = self.transport.link_queued()
         self.usage = Beat(self.engine.cache.num_pages, self.engine.num_free_pages, st.blocks_dram, st.slots_dram,
-                          st.bytes_dram, len(sched.running), len(sched.waiting))
+                          st.bytes_dram, len(sched.running), len(sched.waiting), out_b, in_b, now)
         self.ch.beat(self.usage)  # in-process: stamped; a worker's beat thread sends ``usage`` itself
 
     def stats(self) -> dict[str, float]:

@@ -49,6 +49,7 @@ class Member:
         self.peers: list[Any] = []  # in-process: the instance's links to its peers (their counts)
         self.remote = False  # a worker of another host (deploy/): neither our thread nor our child
         self.record: Any = None  # deploy/: its etcd record
+        self.link_taken = -1.0  # link_t of the last link reading handed to the conductor
 
     @property
     def live(self) -> bool:
@@ -165,6 +166,22 @@ class Members:
                       "store_used_blocks": float(b.store_blocks), "store_slots": float(b.store_slots),
                       "store_used_bytes": float(b.store_bytes), "engine_running": float(b.running),
                       "engine_waiting": float(b.waiting), "heartbeat_age_seconds": now - m.ch.last_seen}
+        return out
+
+
+    # ---- link counters, as of the heartbeats
+    def link_reports(self) -> list[tuple[int, float, float, float]]:
+        """``(instance, when, bytes out, bytes in)``: each live instance's latest link
+        reading (its transfer engine's bytes queued or in flight, ``Beat``) not handed
+        out yet, once per reading; ``when`` is ``time.monotonic()`` on this host when it
+        was taken (the beat's arrival less its age). Called by the router thread."""
+        out = []
+        for i, m in self.items():
+            b = m.ch.last_beat
+            if not m.live or b is None or b.link_t < 0 or b.link_t == m.link_taken:
+                continue
+            m.link_taken = b.link_t
+            out.append((i, m.ch.last_beat_at, max(0.0, b.link_out_bytes), max(0.0, b.link_in_bytes)))
         return out
 
 

@@ -19,7 +19,7 @@ Block hashes are 128-bit, beyond msgpack's integers, so they travel as ``bytes``
 16-byte little-endian keys (``pack_keys`` / ``unpack_keys``): an opaque buffer.
 
 Directions (see docs/serving.md for the flow and the hop count):
-cluster -> instance: ``Init`` (socket only), ``Expect``, ``Export``, ``Unpin``,
+cluster -> instance: ``Init`` (socket only), ``Expect``, ``Export``, ``Unpin``, ``Replicate``,
 ``Cancel``, ``Stats``, ``Measure``, ``Stop``, ``SwitchRole``; instance -> cluster: ``Ready``,
 ``InitFailed``, ``Beat``, ``StoreEvents``, ``Exported``, ``Fetched``, ``Tokens``, ``Step``,
 ``Failed``, ``Cancelled``, ``PeerLost``, ``StatsReply``, ``Timings``, ``RoleSwitched``; decode -> prefill:
@@ -43,7 +43,7 @@ __all__ = [
     "PROTOCOL_VERSION", "MAX_FRAME", "ProtocolError", "Message", "TO_INSTANCE", "FROM_INSTANCE", "PEER",
     "Endpoint", "Fetch", "Dest", "PrefillReport", "InstanceSpec",
     "Init", "Attach", "Relay", "TO_REMOTE", "FROM_REMOTE", "Ready", "InitFailed", "Beat", "Expect", "Export",
-    "Exported", "Unpin", "Prefill", "Fetched",
+    "Exported", "Unpin", "Replicate", "Prefill", "Fetched",
     "KvReady", "Tokens", "Step", "Failed", "Cancel", "Cancelled", "PeerLost", "StoreEvents", "Stats", "StatsReply", "Measure",
     "Timings", "Stop", "SwitchRole", "RoleSwitched", "Codec", "pack_keys", "unpack_keys", "op_of",
 ]
@@ -249,6 +249,15 @@ class Beat(_Msg, frozen=True, tag="beat"):
     store_bytes: int = -1  # bytes of DRAM those blocks take
     running: int = -1  # the engine's scheduler: sequences running and waiting
     waiting: int = -1
+    #: the instance's transfer engine: bytes of its transfers still queued or in flight
+    #: on its NIC out (writes: KV streams to decode) and in (reads: prefix fetches), as
+    #: of ``link_t`` (the instance's time.monotonic(); a reading's identity: a worker's
+    #: beat thread re-sends the latest reading). ``link_age_s``: how old the reading was
+    #: when the beat left, so the cluster dates it on its own clock (docs/conductor.md)
+    link_out_bytes: float = -1.0
+    link_in_bytes: float = -1.0
+    link_t: float = -1.0
+    link_age_s: float = 0.0
 
 
 # ---- one request
@@ -340,6 +349,15 @@ class Exported(_Msg, frozen=True, tag="exported"):
 
 class Unpin(_Msg, frozen=True, tag="unpin"):
     rid: int
+
+
+class Replicate(_Msg, frozen=True, tag="replicate"):
+    """cluster -> prefill: copy ``fetch`` (a hot prefix its holder exported and pinned
+    under ``rid``, a replication id, negative) into this instance's store, then answer
+    ``Fetched(rid)`` (the holder may unpin) whether it came in or not."""
+
+    rid: int
+    fetch: Fetch
 
 
 class Fetched(_Msg, frozen=True, tag="fetched"):
@@ -460,17 +478,17 @@ class RoleSwitched(_Msg, frozen=True, tag="role_switched"):
 
 
 Message = Union[Init, Attach, Relay, Ready, InitFailed, Beat, Expect, Prefill, KvReady, Export, Exported, Unpin,
-                Fetched, Tokens,
+                Replicate, Fetched, Tokens,
                 Step, Failed, Cancel, Cancelled, PeerLost, StoreEvents, Stats, StatsReply, Measure, Timings, Stop,
                 SwitchRole, RoleSwitched]
 
 #: what each kind of link may carry (a reader closes a link that gets anything else)
-TO_INSTANCE: tuple[type, ...] = (Init, Expect, Export, Unpin, Cancel, Stats, Measure, Stop, SwitchRole)
+TO_INSTANCE: tuple[type, ...] = (Init, Expect, Export, Unpin, Replicate, Cancel, Stats, Measure, Stop, SwitchRole)
 FROM_INSTANCE: tuple[type, ...] = (Ready, InitFailed, Beat, StoreEvents, Exported, Fetched, Tokens, Step, Failed,
                                    Cancelled, PeerLost, StatsReply, Timings, RoleSwitched)
 #: a worker's control link to a conductor service across hosts (deploy/): peer messages
 #: travel on it too, as ``Relay``
-TO_REMOTE: tuple[type, ...] = (Attach, Relay, Expect, Export, Unpin, Cancel, Stats, Measure, Stop)
+TO_REMOTE: tuple[type, ...] = (Attach, Relay, Expect, Export, Unpin, Replicate, Cancel, Stats, Measure, Stop)
 FROM_REMOTE: tuple[type, ...] = FROM_INSTANCE + (Relay,)
 PEER: tuple[type, ...] = (Prefill, KvReady)
 

@@ -36,7 +36,7 @@ from .members import Members
 from .metrics import ClusterMetrics
 from .protocol import InitFailed, Message, Ready, Stats, StatsReply
 from .replies import Replies
-from .router import RequestRecord, Router, Shutdown, SwapConductor
+from .router import ReplicateNow, RequestRecord, Router, Shutdown, SwapConductor
 
 __all__ = ["RoutedCluster", "RoutedApi", "MembershipSource", "new_conductor", "default_prefill_model", "request_output",
            "MAX_FETCH_SOURCES"]
@@ -91,6 +91,8 @@ class _Port:
         self.peer_lost = source.on_peer_lost
         self.exited = source.exited
         self.reply = core._replies.deliver
+        self.replicate_every_s = core.config.replicate_every_s
+        self.replica_max_bytes = core.config.replica_max_bytes
 
     @property
     def block_size(self) -> int:
@@ -103,6 +105,12 @@ class _Port:
     @conductor.setter
     def conductor(self, value: Any) -> None:  # SwapConductor, on the router thread
         self._c.conductor = value
+
+    def link_reports(self) -> list[tuple[int, float, float, float]]:
+        """The instances' link readings not handed out yet (``Members.link_reports``),
+        dated on the conductor's clock."""
+        since = time.monotonic() - self._c._now()  # the conductor's time 0 on this host's clock
+        return [(i, at - since, o, n) for i, at, o, n in self._c._members.link_reports()]
 
     def send(self, inst: int, msg: Message) -> None:
         m = self._c.members.get(inst)
@@ -324,6 +332,13 @@ class RoutedCluster:
     def kv_usage(self) -> dict[int, dict[str, float]]:
         return self.members.usage()
 
+    def replicate_hot_prefixes(self, timeout_s: float) -> int:
+        ev = ReplicateNow(threading.Event(), [])
+        self.router.post(ev)
+        if not ev.done.wait(timeout_s):
+            raise ServiceUnavailable(f"the router did not run the replication round within {timeout_s}s")
+        return ev.result[0]
+
 
 class RoutedApi(GenerateMixin):
     """The request API of a deployment over the routed core it holds (``_core``): what
@@ -393,6 +408,14 @@ class RoutedApi(GenerateMixin):
         An instance that has not beaten yet (or with ``heartbeat_timeout_s=None`` in
         worker processes, which then send no beats) is left out."""
         return self._core.kv_usage()
+
+    def replicate_hot_prefixes(self, timeout_s: float = 10.0) -> int:
+        """One round of hot-prefix replication now (what ``replicate_every_s`` runs on its
+        own): the conductor's replica hints that fit in ``replica_max_bytes`` with the
+        copies in flight are started (serving/replication.py). Returns how many; the
+        copies finish in the background (the target's store events then show them in
+        the conductor's index)."""
+        return self._core.replicate_hot_prefixes(timeout_s)
 
     def close(self) -> None:  # pragma: no cover - each membership stops its instances its own way
         raise NotImplementedError

@@ -8,8 +8,9 @@ instance, a conductor call, tokens / the output / the error for the request's ha
 The rest it routes itself: ``Ready`` / ``InitFailed`` and replies (stats, timings) go
 to the cluster, store events to the conductor's index, a closed link (``Lost``) makes
 the instance dead (the conductor drops it; the lifecycle fails what depended on it).
-Every 0.25 s it also polls the worker processes for an exit the socket missed and
-gives the lifecycle the time (deadlines).
+Every 0.25 s it also polls the worker processes for an exit the socket missed,
+gives the lifecycle the time (deadlines) and hands the instances' link counters (their
+heartbeats) to the conductor.
 
 It knows the cluster only through ``ClusterPort``, a handful of methods, and it is the
 one thread that touches the lifecycle, the request records and the conductor's
@@ -33,11 +34,12 @@ from .lifecycle import (CancelRequest, Command, Conduct, Deliver, Fail, Finish, 
                         RequestLifecycle, Send, Tick)
 from ..base.metrics import RequestMetrics
 from .metrics import ClusterMetrics, tbt_of
+from .replication import Replicator
 from .protocol import (Cancelled, Exported, Failed, Fetched, InitFailed, Message, PeerLost, Ready, Relay,
                        RoleSwitched,
                        StatsReply, Step, StoreEvents, Timings, Tokens)
 
-__all__ = ["Router", "ClusterPort", "RequestRecord", "New", "SwapConductor", "Shutdown"]
+__all__ = ["Router", "ClusterPort", "RequestRecord", "New", "SwapConductor", "Shutdown", "ReplicateNow"]
 
 log = logging.getLogger("mooncake_rs.serving")
 
@@ -77,6 +79,15 @@ class Shutdown:
     pass
 
 
+@dataclass(frozen=True)
+class ReplicateNow:
+    """``Cluster.replicate_hot_prefixes``: one replication round now; the number of
+    copies it started goes into ``result``, then ``done`` is set."""
+
+    done: threading.Event
+    result: list[int]
+
+
 class ClusterPort(Protocol):
     """What the router needs of its cluster."""
 
@@ -110,8 +121,18 @@ class ClusterPort(Protocol):
     def output(self, record: RequestRecord, reason: str) -> Any:
         """The ``RequestOutput`` of a finished request."""
 
+    def link_reports(self) -> list[tuple[int, float, float, float]]:
+        """``(instance, when, bytes out, bytes in)`` of the instances' link readings (their
+        heartbeats) not handed out yet; ``when`` on the conductor's clock."""
+        ...
+
     def now(self) -> float:
         """The conductor's clock."""
+
+    #: seconds between hot-prefix replication rounds (None: only on ``ReplicateNow``)
+    replicate_every_s: float | None
+    #: bytes of KV a round may copy, and may have in flight
+    replica_max_bytes: float
 
 
 class Router:
@@ -127,6 +148,8 @@ class Router:
         self._submitted_lock = threading.Lock()
         self._submitted = 0
         self._ended_n = 0
+        self.replicator = Replicator(port.send, self._block_bytes, port.replica_max_bytes)
+        self._next_round = 0.0
 
     # ---- any thread
     def submit(self, record: RequestRecord) -> None:
@@ -169,6 +192,38 @@ class Router:
                 for inst in self.port.exited():
                     self._down(inst, "exited")
                 self._run(self.lifecycle.on(Tick(now)))
+                self._report_links()
+                every = self.port.replicate_every_s
+                if every is not None and now >= self._next_round:
+                    self._next_round = now + every
+                    self._replicate()
+
+    def _block_bytes(self) -> float:
+        cfg = self.port.conductor.config
+        return cfg.block_size * cfg.transfer_model.bytes_per_token
+
+    def _replicate(self) -> int:
+        """One round of hot-prefix replication (replication.py); how many copies started."""
+        try:
+            return self.replicator.round(self.port.conductor, self.port.now())
+        except MooncakeError:
+            log.exception("router: replication round")
+            return 0
+
+    def _report_links(self) -> None:
+        """The instances' link counters (heartbeats) into the conductor's link loads: each
+        replaces the conductor's own count of that instance's links up to its time; an
+        older one than the last applied is ignored there (docs/conductor.md)."""
+        cond = self.port.conductor
+        if cond is None:
+            return
+        for inst, at, out_b, in_b in self.port.link_reports():
+            if inst in self.lifecycle.down:
+                continue
+            try:
+                cond.report_link_load(inst, at, out_b, in_b, 0.0)
+            except MooncakeError:  # no longer the conductor's (removed, or a swapped conductor)
+                pass
 
     def handle(self, src: int, ev: Any) -> None:
         # the per-request messages by isinstance first (a match's class patterns with
@@ -199,8 +254,13 @@ class Router:
                 self._run(self.lifecycle.on(ev))
             case Failed(rid=None):
                 self.port.reply(src, ev)
+            case Exported() | Fetched() | Failed() if self.replicator.owns(ev.rid):
+                self.replicator.on_message(src, ev)
             case Exported() | Fetched() | Failed() | Cancelled():
                 self._run(self.lifecycle.arrived(src, ev))
+            case ReplicateNow(done=done, result=result):
+                result.append(self._replicate())
+                done.set()
             case Ready() | InitFailed():
                 self.port.instance_ready(src, ev)
             case StatsReply() | Timings() | RoleSwitched():
@@ -256,6 +316,7 @@ class Router:
     def _down(self, inst: int, reason: str) -> None:
         if inst in self.lifecycle.down:
             return
+        self.replicator.instance_down(inst)
         try:  # first, so no new decision names it once the cluster shows it gone
             self.port.conductor.remove_instance(inst)
         except Exception:  # noqa: BLE001 - already gone

@@ -93,6 +93,8 @@ class Transport:
         self._errors: dict[int, str] = {}
         self._link_busy_s = 0.0
         self._busy_until = 0.0
+        # bytes of the batches submitted and not ended, writes (NIC out) and reads (NIC in)
+        self._queued = [0, 0]
 
     # ---- engine counters
     @property
@@ -110,6 +112,22 @@ class Transport:
                 self._drain()
                 return self._link_busy_s
         return self.te.stats().busy_s
+
+    def link_queued(self) -> tuple[float, float]:
+        """Bytes this instance's transfers still have to move, (out, in): its writes to
+        peers (KV streams to decode) and its reads from them (prefix fetches), queued or
+        in flight now. With an emulated link, what the emulated links still hold (a
+        batch the engine ended waits there for its emulated time); otherwise the bytes
+        of the batches submitted and not ended. What the heartbeat reports to the
+        conductor's link loads (docs/conductor.md)."""
+        now = time.monotonic()
+        with self._lock:
+            self._drain()
+            if self._link:
+                out = max(0.0, self._link_free - now) * self._link
+                inn = sum(max(0.0, f - now) for f in self._read_link_free.values()) * self._link
+                return out, inn
+            return float(self._queued[0]), float(self._queued[1])
 
     def reregister(self, store: Any, *, peers_write: bool, restricted: bool = False) -> Any:
         """Registers the arena again with other rights for peers (a role switch: a
@@ -166,16 +184,19 @@ class Transport:
                 name = ep["name"]
                 free = max(self._read_link_free.get(name, 0.0), time.monotonic()) + n / self._link
                 self._read_link_free[name] = ready = free
+        nbytes, way = sum(s.length for s in spans), 0 if link else 1
         with self._lock:
             self._seq += 1
             seq = self._seq
-            self._meta[seq] = (tag, ready)
+            self._meta[seq] = (tag, ready, nbytes, way)
             self._pending[tag] += 1
+            self._queued[way] += nbytes
         try:
             self.te.submit(reqs, timeout_s=BATCH_TIMEOUT_S, queue=self._cq, tag=seq)
         except BaseException:
             with self._lock:
                 del self._meta[seq]
+                self._queued[way] -= nbytes
                 self._done(tag)
             raise
 
@@ -204,7 +225,8 @@ class Transport:
             del self._pending[tag]
 
     def _finish(self, c: BatchCompletion, ready: float) -> None:
-        tag, _ = self._meta.pop(c.tag)
+        tag, _, nbytes, way = self._meta.pop(c.tag)
+        self._queued[way] -= nbytes
         if ready:
             t0 = c.submitted_ns * 1e-9
             start = max(t0, self._busy_until)

@@ -27,7 +27,10 @@ import signal
 import socket
 import sys
 import threading
+import time
 from typing import Any
+
+import msgspec
 
 from ..net.framing import read_message
 from .control import CLUSTER, SocketChannel
@@ -101,7 +104,10 @@ def beat_loop(ch: Any, every_s: float, stop: threading.Event, built: list[Any]) 
     missed beat (liveness.py); also a remote worker's (deploy/worker.py)."""
     # ``usage`` is an immutable Beat the instance loop replaces: reading it here is safe
     while not stop.wait(every_s):
-        ch.send(built[0].usage if built else Beat())
+        u = built[0].usage if built else Beat()
+        if u.link_t >= 0:  # how old its link reading is now (the cluster dates it on its clock)
+            u = msgspec.structs.replace(u, link_age_s=max(0.0, time.monotonic() - u.link_t))
+        ch.send(u)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ impl Conductor {
         for rid in &dropped {
             if let Some(mut r) = st.reqs.remove(rid) {
                 st.drop_pending(*rid, &mut r);
+                st.fetch_over(*rid);
                 st.leave_prefill(*rid, &r);
                 st.leave_decode(*rid, &r);
             }
@@ -128,6 +129,9 @@ impl Conductor {
             if let Ok(i) = st.prefill_pos(r.prefill) {
                 st.prefill[i].running.push((rid, t, r.work_s));
             }
+            if let Some(l) = st.links.as_mut() {
+                l.fetches.started(rid, t);
+            }
             r.stage = Stage::Prefilling;
             Ok((Some(r), ()))
         })
@@ -158,6 +162,7 @@ impl Conductor {
             self.served_in_line(st, rid, &r);
             st.leave_prefill(rid, &r);
             st.drop_pending(rid, &mut r);
+            st.fetch_over(rid);
             if let Some(m) = st.member_mut(rid, r.decode) {
                 m.arrive_t = t;
                 m.end_t = t + r.out_pred * r.tbt_s;
@@ -175,6 +180,7 @@ impl Conductor {
             self.served_in_line(st, rid, &r);
             st.leave_prefill(rid, &r);
             st.drop_pending(rid, &mut r);
+            st.fetch_over(rid);
             if let Some(m) = st.member_mut(rid, r.decode) {
                 m.arrive_t = t;
                 m.end_t = t + r.out_pred * r.tbt_s;
@@ -199,6 +205,7 @@ impl Conductor {
         }
         self.event(rid, now, |st, t, mut r| {
             st.drop_pending(rid, &mut r);
+            st.fetch_over(rid);
             st.leave_prefill(rid, &r);
             st.leave_decode(rid, &r);
             self.outlen.lock().record(r.key, output_len);
@@ -211,6 +218,7 @@ impl Conductor {
     pub fn cancel(&self, rid: RequestId) -> Result<(), ConductorError> {
         self.event(rid, None, |st, _, mut r| {
             st.drop_pending(rid, &mut r);
+            st.fetch_over(rid);
             st.leave_prefill(rid, &r);
             st.leave_decode(rid, &r);
             Ok((None, ()))
