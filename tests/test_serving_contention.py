@@ -91,7 +91,7 @@ def test_heartbeats_carry_link_counters_that_correct_the_conductor(processes):
         cond = c.conductor
         assert cond.config.transfer_model.bytes_per_token == KV_BYTES_PER_TOKEN
         p = cond.snapshot().prefill[0].id
-        member = c._members[p]
+        member = c._core.members[p]
         seen: list[float] = []
         done = threading.Event()
 
@@ -109,8 +109,8 @@ def test_heartbeats_carry_link_counters_that_correct_the_conductor(processes):
         assert max(seen, default=0.0) > 0, f"no heartbeat reported the KV stream queued on the link out: {seen[-5:]}"
 
         def out_bytes() -> float:
-            return next(l for l in cond.link_loads(c._now()) if l.instance == p).nic_out_bytes
+            return next(l for l in cond.link_loads(c._core.now()) if l.instance == p).nic_out_bytes
 
-        assert cond.report_link_load(p, c._now(), 1e4 * link)
+        assert cond.report_link_load(p, c._core.now(), 1e4 * link)
         assert out_bytes() > 1e3 * link
         _wait(lambda: out_bytes() == 0.0, "the instance's heartbeat never replaced the conductor's backlog", 20.0)

@@ -51,7 +51,7 @@ def test_a_hot_prefix_on_a_link_bound_holder_is_copied_within_the_byte_cap(fits)
                  seed=3, link_bandwidth=LINK, replica_max_bytes=cap) as c:
         cond = c.conductor
         assert cond.config.transfer_model.bytes_per_token == KV_BYTES_PER_TOKEN
-        keys = c._hasher.hash_blocks(prefix)
+        keys = c._core.hasher.hash_blocks(prefix)
         o1 = c.generate([prompts[0]], GREEDY)[0]
         a = o1.metrics.prefill_instance
         b = next(p.id for p in cond.snapshot().prefill if p.id != a)
@@ -60,7 +60,7 @@ def test_a_hot_prefix_on_a_link_bound_holder_is_copied_within_the_byte_cap(fits)
         # six hits on A, more than the 4 the conductor asks (they decay) (B drained meanwhile, so none is a fetch that would put it on B)
         cond.drain_instance(b)
         for k in range(6):
-            d = cond.schedule(10**9 + k, keys, len(prompts[0]), c._now(), 8)
+            d = cond.schedule(10**9 + k, keys, len(prompts[0]), c._core.now(), 8)
             assert (d.prefill, d.reused_blocks) == (a, PREFIX_BLOCKS), d
             cond.cancel(10**9 + k)
         cond.undrain_instance(b)
@@ -69,12 +69,12 @@ def test_a_hot_prefix_on_a_link_bound_holder_is_copied_within_the_byte_cap(fits)
         # between the report and the round: then report again
         started = 0
         for _ in range(5):
-            assert cond.report_link_load(a, c._now(), 10 * LINK)
-            hints = cond.replication_hints(c._now())
+            assert cond.report_link_load(a, c._core.now(), 10 * LINK)
+            hints = cond.replication_hints(c._core.now())
             started = c.replicate_hot_prefixes()
             if started or not fits:
                 break
-        rep = c._router.replicator
+        rep = c._core.router.replicator
         if not fits:
             assert hints == [] and started == 0 and rep.started == 0
             return

@@ -109,8 +109,8 @@ class _Port:
     def link_reports(self) -> list[tuple[int, float, float, float]]:
         """The instances' link readings not handed out yet (``Members.link_reports``),
         dated on the conductor's clock."""
-        since = time.monotonic() - self._c._now()  # the conductor's time 0 on this host's clock
-        return [(i, at - since, o, n) for i, at, o, n in self._c._members.link_reports()]
+        since = time.monotonic() - self._c.now()  # the conductor's time 0 on this host's clock
+        return [(i, at - since, o, n) for i, at, o, n in self._c.members.link_reports()]
 
     def send(self, inst: int, msg: Message) -> None:
         m = self._c.members.get(inst)

@@ -86,7 +86,7 @@ class Transport:
         # Each batch is submitted with a sequence number as its queue tag; this maps it
         # to the caller's tag and the time the emulated link lets it finish (0: none).
         self._seq = 0
-        self._meta: dict[int, tuple[int, float]] = {}
+        self._meta: dict[int, tuple[int, float, int, int]] = {}  # seq -> (tag, ready, bytes, way)
         self._held: list[tuple[float, BatchCompletion]] = []  # ended, waiting for the link
         self._pending: collections.Counter[int] = collections.Counter()
         self._bytes: collections.Counter[int] = collections.Counter()
