@@ -200,25 +200,17 @@ impl Conductor {
 
     /// An admitted request's transfers on the link loads: its fetch (holder NIC out,
     /// prefill NIC in) when its prefill is expected to start, its KV stream to decode
-    /// (prefill NIC out, decode NIC in) when its compute is. Planned fetches of other
-    /// requests on those links are re-priced for the share these take of them
-    /// (`link_share.rs`), and those requests' work grows by their delay.
+    /// (prefill NIC out, decode NIC in) when its compute is.
     fn plan_links(&self, st: &mut State, req: &ScheduleRequest<'_>, d: &Decision) {
         let Some(links) = st.links.as_mut() else { return };
         let bpt = self.config.cost.transfer.bytes_per_token;
         let start = req.now + d.est_queue_s;
-        let mut slowed = Vec::new();
         if let Some(src) = d.fetch_from {
             let tokens = (d.reused_blocks * self.config.block_size).min(req.prompt_len)
                 - ((d.reused_blocks - d.fetch_blocks) * self.config.block_size).min(req.prompt_len);
-            let end = start + d.est_transfer_s;
-            links.plan_shared(req.request_id, src, d.prefill, start, tokens as f64 * bpt, Some(end), &mut slowed);
+            links.plan_transfer(src, d.prefill, start, tokens as f64 * bpt);
         }
-        let stream_bytes = req.prompt_len as f64 * bpt;
-        links.plan_shared(req.request_id, d.prefill, d.decode, start + d.est_transfer_s, stream_bytes, None, &mut slowed);
-        for (rid, delay) in slowed {
-            st.slow_request(rid, delay);
-        }
+        links.plan_transfer(d.prefill, d.decode, start + d.est_transfer_s, req.prompt_len as f64 * bpt);
     }
 }
 

@@ -46,7 +46,6 @@ impl Conductor {
         for rid in &dropped {
             if let Some(mut r) = st.reqs.remove(rid) {
                 st.drop_pending(*rid, &mut r);
-                st.fetch_over(*rid);
                 st.leave_prefill(*rid, &r);
                 st.leave_decode(*rid, &r);
             }
@@ -129,9 +128,6 @@ impl Conductor {
             if let Ok(i) = st.prefill_pos(r.prefill) {
                 st.prefill[i].running.push((rid, t, r.work_s));
             }
-            if let Some(l) = st.links.as_mut() {
-                l.fetches.started(rid, t);
-            }
             r.stage = Stage::Prefilling;
             Ok((Some(r), ()))
         })
@@ -162,7 +158,6 @@ impl Conductor {
             self.served_in_line(st, rid, &r);
             st.leave_prefill(rid, &r);
             st.drop_pending(rid, &mut r);
-            st.fetch_over(rid);
             if let Some(m) = st.member_mut(rid, r.decode) {
                 m.arrive_t = t;
                 m.end_t = t + r.out_pred * r.tbt_s;
@@ -180,7 +175,6 @@ impl Conductor {
             self.served_in_line(st, rid, &r);
             st.leave_prefill(rid, &r);
             st.drop_pending(rid, &mut r);
-            st.fetch_over(rid);
             if let Some(m) = st.member_mut(rid, r.decode) {
                 m.arrive_t = t;
                 m.end_t = t + r.out_pred * r.tbt_s;
@@ -205,7 +199,6 @@ impl Conductor {
         }
         self.event(rid, now, |st, t, mut r| {
             st.drop_pending(rid, &mut r);
-            st.fetch_over(rid);
             st.leave_prefill(rid, &r);
             st.leave_decode(rid, &r);
             self.outlen.lock().record(r.key, output_len);
@@ -218,7 +211,6 @@ impl Conductor {
     pub fn cancel(&self, rid: RequestId) -> Result<(), ConductorError> {
         self.event(rid, None, |st, _, mut r| {
             st.drop_pending(rid, &mut r);
-            st.fetch_over(rid);
             st.leave_prefill(rid, &r);
             st.leave_decode(rid, &r);
             Ok((None, ()))

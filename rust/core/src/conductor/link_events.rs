@@ -38,16 +38,10 @@ impl Conductor {
         if !st.knows(instance) {
             return Err(ConductorError::UnknownInstance(instance));
         }
-        let mut slowed = Vec::new();
         let applied = match st.links.as_mut() {
-            Some(l) => l.report(instance, at, [nic_out_bytes, nic_in_bytes, storage_bytes], &mut slowed),
+            Some(l) => l.report(instance, at, [nic_out_bytes, nic_in_bytes, storage_bytes]),
             None => false,
         };
-        // fetches running on a link the report shows backed up end later: so does the
-        // work of their requests (link_share.rs)
-        for (rid, delay) in slowed {
-            st.slow_request(rid, delay);
-        }
         st.clock = st.clock.max(at);
         Ok(applied)
     }

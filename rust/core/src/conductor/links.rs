@@ -25,8 +25,6 @@
 
 use hashbrown::HashMap;
 
-use super::link_share::{PlannedFetch, PlannedFetches};
-use super::RequestId;
 use crate::index::InstanceId;
 
 /// Which of an instance's links.
@@ -81,27 +79,6 @@ impl Link {
         b
     }
 
-    /// Bytes of the planned transfers starting in `(t0, t1)`, each counted up to `cap_each`:
-    /// what they take of a transfer of `cap_each` bytes running then when the link is
-    /// shared fairly (each takes at most as much as it brings, and at most as much as
-    /// the transfer they share with).
-    fn later_bytes(&self, t0: f64, t1: f64, cap_each: f64) -> f64 {
-        let k = self.planned.partition_point(|p| p.start <= t0);
-        self.planned[k..].iter().take_while(|p| p.start < t1).map(|p| p.bytes.min(cap_each)).sum()
-    }
-
-    /// Seconds a transfer of `bytes` starting at `t` waits on this link: the backlog
-    /// ahead of it (served in order), plus the fair share taken by the transfers
-    /// planned to start while it runs.
-    fn wait_for(&self, t: f64, bytes: f64) -> f64 {
-        if !self.cap.is_finite() {
-            return 0.0;
-        }
-        let ahead = self.backlog_at(t);
-        let end = t + (ahead + bytes) / self.cap;
-        (ahead + self.later_bytes(t, end, bytes)) / self.cap
-    }
-
     /// Moves the planned transfers that started by `t` into the backlog.
     fn fold(&mut self, t: f64) {
         if t <= self.as_of {
@@ -151,8 +128,6 @@ pub struct LinkLoads {
     reported: HashMap<InstanceId, f64>,
     nic_bps: f64,
     storage_bps: f64,
-    /// The fetches planned, re-priced as transfers join their links (`link_share.rs`).
-    pub(crate) fetches: PlannedFetches,
 }
 
 /// One instance's three links as a snapshot sees them (bytes queued at `now`).
@@ -169,7 +144,7 @@ pub struct LinkLoad {
 impl LinkLoads {
     /// Default capacities for instances without their own (`set_bandwidth`).
     pub fn new(nic_bps: f64, storage_bps: f64) -> Self {
-        LinkLoads { links: HashMap::new(), reported: HashMap::new(), nic_bps, storage_bps, fetches: PlannedFetches::default() }
+        LinkLoads { links: HashMap::new(), reported: HashMap::new(), nic_bps, storage_bps }
     }
 
     fn entry(&mut self, id: InstanceId) -> &mut [Link; 3] {
@@ -187,7 +162,6 @@ impl LinkLoads {
     pub fn forget(&mut self, id: InstanceId) {
         self.links.remove(&id);
         self.reported.remove(&id);
-        self.fetches.forget_instance(id);
     }
 
     /// Seconds a transfer starting at `t` waits on link `dir` of `id` for what is ahead of it.
@@ -202,14 +176,10 @@ impl LinkLoads {
         }
     }
 
-    /// Seconds a fetch of `bytes` from `src` to `dst` starting at `t` waits on its
-    /// bottleneck link: the backlog ahead of it, plus the fair share of the transfers
-    /// already planned to start while it runs (the KV streams of requests queued on the
-    /// holder: they do not wait for it on a fair-shared link).
+    /// Seconds a fetch from `src` to `dst` starting at `t` waits (its bottleneck link).
     #[inline]
-    pub fn fetch_wait_s(&self, src: InstanceId, dst: InstanceId, t: f64, bytes: f64) -> f64 {
-        let on = |id: InstanceId, d: LinkDir| self.links.get(&id).map_or(0.0, |l| l[d as usize].wait_for(t, bytes));
-        on(src, LinkDir::NicOut).max(on(dst, LinkDir::NicIn))
+    pub fn fetch_wait_s(&self, src: InstanceId, dst: InstanceId, t: f64) -> f64 {
+        self.wait_s(src, LinkDir::NicOut, t).max(self.wait_s(dst, LinkDir::NicIn, t))
     }
 
     /// The conductor scheduled `bytes` from `src` to `dst`, starting at `start`.
@@ -220,50 +190,16 @@ impl LinkLoads {
         }
     }
 
-    /// Request `rid`'s transfer of `bytes` from `src` to `dst`, planned to start at
-    /// `start`; `fetch_end`: it is a fetch priced to end then (kept, and re-priced as
-    /// later transfers join its links). Every planned fetch of another request that
-    /// runs on `src`'s NIC out or `dst`'s NIC in when this one starts is slowed by its
-    /// fair share: `(request, seconds later)` goes into `slowed` (`link_share.rs`).
-    pub fn plan_shared(
-        &mut self,
-        rid: RequestId,
-        src: InstanceId,
-        dst: InstanceId,
-        start: f64,
-        bytes: f64,
-        fetch_end: Option<f64>,
-        slowed: &mut Vec<(RequestId, f64)>,
-    ) {
-        if !(bytes > 0.0 && start.is_finite()) {
-            return;
-        }
-        let out_cap = self.entry(src)[LinkDir::NicOut as usize].cap;
-        let in_cap = self.entry(dst)[LinkDir::NicIn as usize].cap;
-        self.fetches.share(src, true, start, bytes, out_cap, rid, slowed);
-        self.fetches.share(dst, false, start, bytes, in_cap, rid, slowed);
-        self.plan_transfer(src, dst, start, bytes);
-        if let Some(end) = fetch_end {
-            self.fetches.add(PlannedFetch { rid, src, dst, start, end: end.max(start), bytes });
-        }
-    }
-
     /// An instance's report: bytes queued or in flight on each link, measured at `at`.
     /// Returns false (and changes nothing) when it is older than the last applied.
-    /// Planned fetches running on a link the report shows backed up end no sooner than
-    /// its bytes drain: `(request, seconds later)` goes into `slowed` (`link_share.rs`).
-    pub fn report(&mut self, id: InstanceId, at: f64, bytes: [f64; 3], slowed: &mut Vec<(RequestId, f64)>) -> bool {
+    pub fn report(&mut self, id: InstanceId, at: f64, bytes: [f64; 3]) -> bool {
         if self.reported.get(&id).is_some_and(|&r| at < r) {
             return false;
         }
         self.reported.insert(id, at);
-        let l = self.entry(id);
-        let (out_cap, in_cap) = (l[LinkDir::NicOut as usize].cap, l[LinkDir::NicIn as usize].cap);
-        for (k, b) in l.iter_mut().zip(bytes) {
+        for (k, b) in self.entry(id).iter_mut().zip(bytes) {
             k.report(at, b);
         }
-        self.fetches.reported(id, true, at, bytes[LinkDir::NicOut as usize], out_cap, slowed);
-        self.fetches.reported(id, false, at, bytes[LinkDir::NicIn as usize], in_cap, slowed);
         true
     }
 
@@ -330,17 +266,9 @@ mod tests {
                 let probe = now + ((r >> 32) % 500) as f64 / 100.0;
                 let want = reference(10.0, &events, probe);
                 let got = l.wait_s(1, LinkDir::NicOut, probe) * 10.0;
-                // a transfer of 0 bytes shares nothing: its wait is the backlog's
-                assert!((l.fetch_wait_s(1, 2, probe, 0.0) * 10.0 - want).abs() < 1e-6 * (1.0 + want));
                 assert!((got - want).abs() < 1e-6 * (1.0 + want), "{got} vs {want}");
                 assert_eq!(l.wait_s(2, LinkDir::NicIn, probe), l.wait_s(1, LinkDir::NicOut, probe));
             }
-        }
-    }
-
-    impl LinkLoads {
-        fn report_(&mut self, id: InstanceId, at: f64, bytes: [f64; 3]) -> bool {
-            self.report(id, at, bytes, &mut Vec::new())
         }
     }
 
@@ -351,14 +279,14 @@ mod tests {
         l.plan_transfer(1, 2, 5.0, 40.0); // planned for 5
         assert!((l.wait_s(1, LinkDir::NicOut, 1.0) - 9.0).abs() < 1e-9);
         // the instance says its NIC out is idle at 1: the first transfer went elsewhere
-        assert!(l.report_(1, 1.0, [0.0, 0.0, 0.0]));
+        assert!(l.report(1, 1.0, [0.0, 0.0, 0.0]));
         assert_eq!(l.wait_s(1, LinkDir::NicOut, 2.0), 0.0);
         assert!((l.wait_s(1, LinkDir::NicOut, 5.0) - 4.0).abs() < 1e-9);
         // an older report is ignored
-        assert!(!l.report_(1, 0.5, [1e9, 0.0, 0.0]));
+        assert!(!l.report(1, 0.5, [1e9, 0.0, 0.0]));
         assert!((l.wait_s(1, LinkDir::NicOut, 5.0) - 4.0).abs() < 1e-9);
         // a stale report drains at the link's capacity
-        assert!(l.report_(1, 6.0, [50.0, 0.0, 0.0]));
+        assert!(l.report(1, 6.0, [50.0, 0.0, 0.0]));
         assert!((l.wait_s(1, LinkDir::NicOut, 8.0) - 3.0).abs() < 1e-9);
         assert_eq!(l.wait_s(1, LinkDir::NicOut, 100.0), 0.0);
     }
@@ -368,44 +296,10 @@ mod tests {
         let mut l = LinkLoads::new(10.0, 10.0);
         l.plan_transfer(3, 4, 0.0, 50.0); // 3 out busy 5 s
         l.plan_transfer(5, 6, 0.0, 20.0); // 6 in busy 2 s
-        assert!((l.fetch_wait_s(3, 6, 0.0, 0.0) - 5.0).abs() < 1e-9);
-        assert!((l.fetch_wait_s(5, 6, 0.0, 0.0) - 2.0).abs() < 1e-9);
-        assert_eq!(l.fetch_wait_s(7, 8, 0.0, 0.0), 0.0);
+        assert!((l.fetch_wait_s(3, 6, 0.0) - 5.0).abs() < 1e-9);
+        assert!((l.fetch_wait_s(5, 6, 0.0) - 2.0).abs() < 1e-9);
+        assert_eq!(l.fetch_wait_s(7, 8, 0.0), 0.0);
         l.set_bandwidth(3, 50.0, 1.0);
-        assert!((l.fetch_wait_s(3, 8, 0.0, 0.0) - 1.0).abs() < 1e-9);
-    }
-
-    #[test]
-    fn transfers_planned_during_a_fetch_take_their_fair_share_of_it() {
-        let mut l = LinkLoads::new(10.0, 10.0);
-        // 3's NIC out: a 30-byte stream planned at 2 (a request queued on the holder)
-        l.plan_transfer(3, 4, 2.0, 30.0);
-        // a 50-byte fetch from 3 at 0 runs 0..5 alone; the stream starting at 2 takes
-        // its share: 30 bytes more on the link while the fetch runs, 3 s of wait
-        assert!((l.fetch_wait_s(3, 9, 0.0, 50.0) - 3.0).abs() < 1e-9);
-        // a 10-byte fetch is over (at 1) before the stream starts
-        assert_eq!(l.fetch_wait_s(3, 9, 0.0, 10.0), 0.0);
-        // a stream longer than the fetch takes at most the fetch's own size
-        l.plan_transfer(3, 4, 1.0, 1000.0);
-        assert!((l.fetch_wait_s(3, 9, 0.0, 20.0) - 2.0).abs() < 1e-9);
-    }
-
-    #[test]
-    fn planning_a_stream_over_a_planned_fetch_slows_it() {
-        let mut l = LinkLoads::new(10.0, 10.0);
-        let mut slowed = Vec::new();
-        l.plan_shared(1, 3, 9, 0.0, 100.0, Some(10.0), &mut slowed); // fetch 3 -> 9, 0..10
-        assert!(slowed.is_empty());
-        l.plan_shared(2, 3, 4, 5.0, 20.0, None, &mut slowed); // 3's KV stream to 4 at 5
-        assert_eq!(slowed, vec![(1, 2.0)]);
-        // a fetch into 9 from elsewhere shares 9's NIC in
-        slowed.clear();
-        l.plan_shared(5, 6, 9, 6.0, 10.0, Some(7.0), &mut slowed);
-        assert_eq!(slowed, vec![(1, 1.0)]);
-        // once forgotten, nothing is slowed
-        l.forget(9);
-        slowed.clear();
-        l.plan_shared(7, 3, 4, 5.0, 20.0, None, &mut slowed);
-        assert!(slowed.is_empty());
+        assert!((l.fetch_wait_s(3, 8, 0.0) - 1.0).abs() < 1e-9);
     }
 }

@@ -29,7 +29,6 @@ pub mod policy;
 pub mod replication;
 mod state;
 pub mod links;
-mod link_share;
 mod pending;
 mod link_events;
 mod store_events;

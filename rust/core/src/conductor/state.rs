@@ -180,35 +180,6 @@ impl State {
         self.decode_pos(id).ok().map(|i| self.decode[i].members.len())
     }
 
-    /// A request's fetch was re-priced `delay` seconds longer (`link_share.rs`): its
-    /// work, and so its prefill instance's queue, grows by that much.
-    pub fn slow_request(&mut self, rid: RequestId, delay: f64) {
-        let Some(r) = self.reqs.get_mut(&rid) else { return };
-        if !(delay.is_finite() && delay > 0.0) || r.stage > Stage::Prefilling {
-            return;
-        }
-        r.work_s += delay;
-        let (stage, prefill) = (r.stage, r.prefill);
-        if let Ok(i) = self.prefill_pos(prefill) {
-            let p = &mut self.prefill[i];
-            match stage {
-                Stage::Queued => p.queued_s += delay,
-                _ => {
-                    if let Some(e) = p.running.iter_mut().find(|e| e.0 == rid) {
-                        e.2 += delay;
-                    }
-                }
-            }
-        }
-    }
-
-    /// The request's prefill is over, or it is gone: its planned fetch no longer runs.
-    pub fn fetch_over(&mut self, rid: RequestId) {
-        if let Some(l) = self.links.as_mut() {
-            l.fetches.done(rid);
-        }
-    }
-
     /// Takes a request out of its prefill queue (queued or running).
     pub fn leave_prefill(&mut self, rid: RequestId, req: &Req) {
         if let Ok(i) = self.prefill_pos(req.prefill) {

@@ -66,16 +66,12 @@ impl PolicyInput<'_> {
 
     /// Seconds to fetch `tokens` (a share `ssd_fraction` from the holder's SSD) from
     /// `holder` to candidate `c`: the cost model's idle-link time, plus the wait behind
-    /// the bytes queued on the fetch's bottleneck link when it would start and the fair
-    /// share of the transfers planned to start while it runs.
+    /// the bytes queued on the fetch's bottleneck link when it would start.
     #[inline]
     pub fn fetch_s(&self, c: &Candidate, holder: InstanceId, tokens: usize, ssd_fraction: f64) -> f64 {
         let idle = self.cost.transfer.fetch(tokens, ssd_fraction);
         match self.links {
-            Some(l) if tokens > 0 => {
-                let bytes = tokens as f64 * self.cost.transfer.bytes_per_token;
-                idle + l.fetch_wait_s(holder, c.id, self.now + c.queue_s, bytes)
-            }
+            Some(l) if tokens > 0 => idle + l.fetch_wait_s(holder, c.id, self.now + c.queue_s),
             _ => idle,
         }
     }
