@@ -4,7 +4,7 @@
 //! the GIL is released while bytes move.
 
 use mooncake_core::store::crc32::crc32 as core_crc32;
-use mooncake_core::store::segment_copy::copy_segments as core_copy_segments;
+use mooncake_core::store::segment_copy::{copy_segments as core_copy_segments, Stores};
 use pyo3::prelude::*;
 
 use crate::convert::BufferView;
@@ -27,11 +27,13 @@ fn overlaps(a: &BufferView, b: &BufferView) -> bool {
 /// Copies `length` bytes from `src[src_offsets[i]:]` to `dst[dst_offsets[i]:]` for every
 /// `i`, in one call with the GIL released; with `crcs` (a writable uint32 buffer of one
 /// entry per `group` segments) each entry is continued with the CRC-32 (zlib's) of its
-/// segments, taken in the same pass. `dst=None`: checksums only. `InvalidArgument` before
+/// segments, taken in the same pass. `dst=None`: checksums only. `streaming=True` writes
+/// `dst` with non-temporal stores (bypassing the cache; fenced before returning): for a
+/// destination not read soon, such as a store slot. `InvalidArgument` before
 /// anything moves if an offset is out of range, the lists differ in length, `crcs` has the
 /// wrong size, or `src` and `dst` share memory.
 #[pyfunction]
-#[pyo3(signature = (src, src_offsets, dst, dst_offsets, length, crcs=None, group=1))]
+#[pyo3(signature = (src, src_offsets, dst, dst_offsets, length, crcs=None, group=1, streaming=false))]
 #[allow(clippy::too_many_arguments)]
 fn copy_segments(
     py: Python<'_>,
@@ -42,6 +44,7 @@ fn copy_segments(
     length: usize,
     crcs: Option<&Bound<'_, PyAny>>,
     group: usize,
+    streaming: bool,
 ) -> PyResult<()> {
     let src_view = BufferView::get_contiguous(src, "src")?;
     let dst_view = dst.map(|d| BufferView::get_writable(d, "dst")).transpose()?;
@@ -77,7 +80,8 @@ fn copy_segments(
                 crc_raw.map(|(p, n)| std::slice::from_raw_parts_mut(p as *mut u32, n)),
             )
         };
-        core_copy_segments(s, &so, d, &to, length, c, group)
+        let stores = if streaming { Stores::Streaming } else { Stores::Cached };
+        core_copy_segments(s, &so, d, &to, length, c, group, stores)
     });
     drop((src_view, dst_view, crc_view));
     result.map_err(|e| invalid(py, e.0))
