@@ -4,6 +4,7 @@
 //! metadata per call.
 
 use mooncake_core::store::page_gather::{gather_pages, PagedLayout};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
@@ -53,14 +54,14 @@ fn out_bytes(py: Python<'_>, out: &Bound<'_, PyAny>) -> PyResult<Out> {
     }
     if let Some(tensor) = torch_tensor_type(py)? {
         if out.is_instance(tensor)? {
-            if !out.getattr("is_cpu")?.extract::<bool>()? {
+            if !out.getattr(intern!(py, "is_cpu"))?.extract::<bool>()? {
                 return Err(invalid(py, "out is a tensor outside host memory: save into a CPU tensor or buffer"));
             }
-            if !out.call_method0("is_contiguous")?.extract::<bool>()? {
+            if !out.call_method0(intern!(py, "is_contiguous"))?.extract::<bool>()? {
                 return Err(invalid(py, "out is a non-contiguous tensor: pass a contiguous one"));
             }
-            let ptr: usize = out.call_method0("data_ptr")?.extract()?;
-            let len: usize = out.getattr("nbytes")?.extract()?;
+            let ptr: usize = out.call_method0(intern!(py, "data_ptr"))?.extract()?;
+            let len: usize = out.getattr(intern!(py, "nbytes"))?.extract()?;
             return Ok(Out::Tensor(ptr, len));
         }
     }
