@@ -132,10 +132,16 @@ def save_and_load(w, kv, save_ids, load_ids, pool_address):
     return found, w.get_block_ids_with_load_errors()
 
 
-@pytest.mark.parametrize("transports", [None, ["tcp"]], ids=["direct", "engine-tcp"])
-def test_worker_round_trip_is_byte_exact_and_checksums_are_the_slots(pool, transports):
+@pytest.mark.parametrize("transports", [None, ["tcp"], "stream-loads"],
+                         ids=["direct", "engine-tcp", "direct-streaming-loads"])
+def test_worker_round_trip_is_byte_exact_and_checksums_are_the_slots(pool, transports, monkeypatch):
     import torch
 
+    if transports == "stream-loads":  # the direct path with every load in streaming stores (as large ones are)
+        from mooncake_rs.integrations.vllm import worker
+
+        monkeypatch.setattr(worker, "STREAM_LOADS_FROM_BYTES", 0)
+        transports = None
     kv = _kv(16)
     w = _worker(pool.address, 16, kv, transports)
     try:
