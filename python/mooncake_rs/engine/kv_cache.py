@@ -69,6 +69,7 @@ class KVCache:
                                 dtype=self.dtype, device=self.device)
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: pops low ids first
         self._save_layout: tuple[BlockLayout, int] | None = None  # the layout save_blocks last checked
+        self._num_layers = cfg.num_layers
         # On CPU, save_blocks is one Rust call over the cache's bytes (kept here with its
         # shape: planes = each layer's K then V, of num_pages pages each).
         self._gather: PageGather | None = None
@@ -154,10 +155,11 @@ class KVCache:
         a block, in order) into ``buf``: ``num_blocks`` whole blocks back to back, or with
         ``layer`` that layer's bytes of each block back to back. One call for all of them,
         where :meth:`save_block` is a call (and a gather) per block."""
-        per = self._pages_per_block(layout)
+        known = self._save_layout  # the layout checked last time: skip the call (the common case)
+        per = known[1] if known is not None and known[0] is layout else self._pages_per_block(layout)
         if num_blocks < 1 or len(pages) != num_blocks * per:
             raise InvalidArgument(f"{num_blocks} blocks need {num_blocks * per} pages, got {len(pages)}")
-        nl = self.cfg.num_layers
+        nl = self._num_layers
         if layer is not None and not 0 <= layer < nl:
             raise InvalidArgument(f"layer {layer} out of range 0..{nl - 1}")
         gather = self._gather
