@@ -150,6 +150,63 @@ def test_save_blocks_equals_save_block_per_block(page_size):
         cache.save_blocks(lay, pages, 4, out)  # 5 blocks of pages for 4 blocks
     with pytest.raises(InvalidArgument):
         cache.save_blocks(lay, pages, 5, bytearray(10))
+    # pages in cache order (a block's pages move as one run), into a CPU tensor of any
+    # dtype and into a numpy array: the same bytes as block by block
+    pages = sorted(pages)
+    ref = b"".join(_one_block(cache, lay, pages[i * per:(i + 1) * per], None) for i in range(5))
+    as_tensor = torch.zeros(5 * lay.block_nbytes // 4, dtype=torch.float32)
+    cache.save_blocks(lay, pages, 5, as_tensor)
+    assert as_tensor.view(torch.uint8).numpy().tobytes() == ref
+    as_array = np.zeros(5 * lay.block_nbytes, np.uint8)
+    cache.save_blocks(lay, pages, 5, as_array)
+    assert as_array.tobytes() == ref
+    # bad destinations and layers: typed errors, nothing written
+    as_array[:] = 0
+    for bad, match in [(torch.zeros(10 * lay.block_nbytes, dtype=torch.uint8)[::2], "contiguous"),
+                       (torch.empty(5 * lay.block_nbytes, dtype=torch.uint8, device="meta"), "host memory"),
+                       (bytes(5 * lay.block_nbytes), "writable"), ("no buffer", "writable buffer")]:
+        with pytest.raises(InvalidArgument, match=match):
+            cache.save_blocks(lay, pages, 5, bad)
+    for layer in (-1, CFG.num_layers):
+        with pytest.raises(InvalidArgument, match="layer"):
+            cache.save_blocks(lay, pages, 5, as_array[:5 * lay.layer_nbytes], layer=layer)
+    with pytest.raises(InvalidArgument, match="shares memory"):
+        cache.save_blocks(lay, pages, 5, cache.data.view(-1).view(torch.uint8)[:5 * lay.block_nbytes])
+    assert not as_array.any()
+
+
+def test_page_gather_equals_a_page_by_page_reference():
+    """PageGather (the CPU save's one Rust call) against numpy, page by page: many blocks,
+    runs and gaps, one plane range at a time; bad pages, planes and sizes are refused."""
+    from mooncake_rs._core import PageGather
+
+    rng = np.random.default_rng(5)
+    planes, num_pages, page_bytes = 6, 50, 40
+    cache = rng.integers(0, 256, planes * num_pages * page_bytes, dtype=np.uint8)
+    g = PageGather(cache, planes, num_pages, page_bytes)
+    assert (g.planes, g.num_pages, g.page_bytes) == (planes, num_pages, page_bytes)
+    view = cache.reshape(planes, num_pages, page_bytes)
+    for per in (1, 3, 4):
+        for n_blocks in (1, 7):
+            pages = rng.integers(0, num_pages, per * n_blocks)
+            pages[:per] = np.arange(per) + 10  # one block of consecutive pages (one run)
+            for first, n in ((0, planes), (2, 2), (5, 1)):
+                want = np.concatenate([view[first:first + n, pages[b * per:(b + 1) * per]].ravel()
+                                       for b in range(n_blocks)])
+                out = np.zeros(want.size, np.uint8)
+                g.save(pages.tolist(), per, first, n, out)
+                assert np.array_equal(out, want)
+                out[:] = 0
+                g.save(pages.astype(np.uint64), per, first, n, out)  # a uint64 buffer of page ids
+                assert np.array_equal(out, want)
+    out = np.zeros(2 * planes * page_bytes, np.uint8)
+    for pages, per, first, n in (([0, num_pages], 1, 0, planes), ([0, 1, 2], 2, 0, planes), ([0, 1], 1, 4, 3),
+                                 ([0, 1], 0, 0, planes), ([0], 1, 0, planes)):
+        with pytest.raises(InvalidArgument):
+            g.save(pages, per, first, n, out)
+    assert not out.any()
+    with pytest.raises(InvalidArgument, match="need"):
+        PageGather(cache[:-1], planes, num_pages, page_bytes)
 
 
 def _one_block(cache, lay, pages, layer):

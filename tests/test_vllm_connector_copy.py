@@ -21,20 +21,25 @@ from mooncake_rs.integrations.pool import KVPoolServer, PoolConfig
 TOKEN = "copy-test-token-0123456789abcdef"
 
 
-def test_copy_segments_equals_a_numpy_gather_and_zlib_checksums():
+@pytest.mark.parametrize("streaming", [False, True], ids=["cached", "streaming"])
+def test_copy_segments_equals_a_numpy_gather_and_zlib_checksums(streaming):
     rng = np.random.default_rng(1)
     src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
-    for length in (1, 100, 128, 4096, 65536 + 3):
+    for length in (1, 100, 127, 128, 129, 4096, 65536 + 3):
         n = 8
         so = rng.choice((len(src) - length) // 7, n, replace=False).astype(np.uint64) * 7
-        to = np.arange(n, dtype=np.uint64)[::-1] * np.uint64(length)
+        # destinations at odd addresses too (streaming stores start at the first 16-aligned byte)
+        to = np.arange(n, dtype=np.uint64)[::-1] * np.uint64(length) + np.uint64(3)
         dst = np.zeros(n * length + 5, np.uint8)
         crcs = np.zeros(n // 2, np.uint32)
-        copy_segments(src, so, dst, to.copy(), length, crcs, 2)
+        copy_segments(src, so, dst, to.copy(), length, crcs, 2, streaming)
         want = np.zeros_like(dst)
         for s, t in zip(so.tolist(), to.tolist()):
             want[t:t + length] = src[s:s + length]
         assert np.array_equal(dst, want)
+        plain = np.zeros_like(dst)
+        copy_segments(src, so, plain, to.copy(), length, None, 1, streaming=streaming)
+        assert np.array_equal(plain, want)
         for g in range(n // 2):
             ref = 0
             for i in (2 * g, 2 * g + 1):
@@ -127,10 +132,16 @@ def save_and_load(w, kv, save_ids, load_ids, pool_address):
     return found, w.get_block_ids_with_load_errors()
 
 
-@pytest.mark.parametrize("transports", [None, ["tcp"]], ids=["direct", "engine-tcp"])
-def test_worker_round_trip_is_byte_exact_and_checksums_are_the_slots(pool, transports):
+@pytest.mark.parametrize("transports", [None, ["tcp"], "stream-loads"],
+                         ids=["direct", "engine-tcp", "direct-streaming-loads"])
+def test_worker_round_trip_is_byte_exact_and_checksums_are_the_slots(pool, transports, monkeypatch):
     import torch
 
+    if transports == "stream-loads":  # the direct path with every load in streaming stores (as large ones are)
+        from mooncake_rs.integrations.vllm import worker
+
+        monkeypatch.setattr(worker, "STREAM_LOADS_FROM_BYTES", 0)
+        transports = None
     kv = _kv(16)
     w = _worker(pool.address, 16, kv, transports)
     try:

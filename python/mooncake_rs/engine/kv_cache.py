@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from .._core import PageGather
 from ..errors import InvalidArgument
 from ..base.model_config import ModelConfig
 from ..base.layout import BlockLayout
@@ -67,6 +68,15 @@ class KVCache:
         self.data = torch.zeros(cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
                                 dtype=self.dtype, device=self.device)
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: pops low ids first
+        self._save_layout: tuple[BlockLayout, int] | None = None  # the layout save_blocks last checked
+        self._num_layers = cfg.num_layers
+        # On CPU, save_blocks is one Rust call over the cache's bytes (kept here with its
+        # shape: planes = each layer's K then V, of num_pages pages each).
+        self._gather: PageGather | None = None
+        if self.device.type == "cpu":
+            page_bytes = page_size * cfg.num_kv_heads * cfg.head_dim * self.data.element_size()
+            self._gather = PageGather(self.data.view(-1).view(torch.uint8).numpy(), 2 * cfg.num_layers, num_pages,
+                                      page_bytes)
 
     # ---- pages
     @property
@@ -143,29 +153,35 @@ class KVCache:
                     layer: int | None = None) -> None:
         """Copies ``num_blocks`` full blocks held in ``pages`` (``pages_for(block_size)`` pages
         a block, in order) into ``buf``: ``num_blocks`` whole blocks back to back, or with
-        ``layer`` that layer's bytes of each block back to back. One gather and one copy for
-        all of them, where :meth:`save_block` is a call (and a gather) per block."""
-        b = layout.block_size
-        if b % self.page_size:
-            raise InvalidArgument(f"block_size {b} is not a multiple of page_size {self.page_size}")
-        per = b // self.page_size
+        ``layer`` that layer's bytes of each block back to back. One call for all of them,
+        where :meth:`save_block` is a call (and a gather) per block."""
+        known = self._save_layout  # the layout checked last time: skip the call (the common case)
+        per = known[1] if known is not None and known[0] is layout else self._pages_per_block(layout)
         if num_blocks < 1 or len(pages) != num_blocks * per:
             raise InvalidArgument(f"{num_blocks} blocks need {num_blocks * per} pages, got {len(pages)}")
-        dt = self.dtype
-        if torch_dtype(layout.dtype) != dt:
-            raise InvalidArgument(f"block layout dtype {layout.dtype} differs from the cache's {dt}")
+        nl = self._num_layers
+        if layer is not None and not 0 <= layer < nl:
+            raise InvalidArgument(f"layer {layer} out of range 0..{nl - 1}")
+        gather = self._gather
+        if gather is not None:
+            # CPU: one Rust call walks (block, layer, K/V, page) and copies each run of the
+            # cache straight into the buffer (a CPU tensor or any writable buffer), which
+            # it checks (size, writable, contiguous)
+            if layer is None:
+                gather.save(pages, per, 0, 2 * nl, buf)
+            else:
+                gather.save(pages, per, 2 * layer, 2, buf)
+            return
+        b, dt = layout.block_size, self.dtype
         h, d = self.cfg.num_kv_heads, self.cfg.head_dim
-        nl = layout.num_layers if layer is None else 1
+        n = nl if layer is None else 1
         per_bytes = layout.block_nbytes if layer is None else layout.layer_nbytes
         out = as_byte_tensor(buf, writable=True)
         if out.numel() != num_blocks * per_bytes:
             raise InvalidArgument(f"buffer holds {out.numel()} bytes; {num_blocks} blocks need {num_blocks * per_bytes}")
-        if self.device.type == "cpu":
-            self._save_blocks_cpu(pages, num_blocks, per, out, 0 if layer is None else layer, nl)
-            return
         ls = slice(None) if layer is None else slice(layer, layer + 1)
         idx = torch.tensor(list(pages), dtype=torch.long, device=self.device)
-        src = self.data[ls].index_select(2, idx).view(nl, 2, num_blocks, b, h, d)
+        src = self.data[ls].index_select(2, idx).view(n, 2, num_blocks, b, h, d)
         # Put the blocks in the buffer's order ([blocks, layers, K/V, tokens, heads, dim]) on
         # the device, then make one contiguous copy into the buffer: copying into a permuted
         # view of host memory instead stages the bytes on the host and permutes them there
@@ -173,39 +189,23 @@ class KVCache:
         staged = src.permute(2, 0, 1, 3, 4, 5).contiguous()
         out.view(dt).view(staged.shape).copy_(staged)
 
-    def _save_blocks_cpu(self, pages: Sequence[int], num_blocks: int, per: int, out: torch.Tensor, first_layer: int,
-                         nl: int) -> None:
-        """save_blocks on CPU: every (layer, K/V, page) of the blocks is one contiguous run
-        of the cache, so the whole save is one ``copy_segments`` call (Rust, GIL released,
-        one pass) instead of a gather into a temporary and a permuted copy."""
-        from .._core import copy_segments
-
-        page_bytes = self.page_size * self.cfg.num_kv_heads * self.cfg.head_dim * self.data.element_size()
-        planes = self._planes(first_layer, nl, page_bytes)  # byte offset of each (layer, K/V) plane
-        pg = np.asarray(pages, dtype=np.uint64) * np.uint64(page_bytes)
-        src = (pg.reshape(num_blocks, 1, per) + planes).ravel()  # [block, layer, K/V, page], the buffer's order
-        copy_segments(self._cache_bytes(), src, out.numpy(), self._runs(src.size, page_bytes), page_bytes)
-
-    def _planes(self, first_layer: int, nl: int, page_bytes: int) -> np.ndarray:
-        key = (first_layer, nl)
-        cache = self.__dict__.setdefault("_plane_cache", {})
-        if key not in cache:
-            idx = np.arange(2 * first_layer, 2 * (first_layer + nl), dtype=np.uint64)
-            cache[key] = (idx * np.uint64(self.data.shape[2] * page_bytes)).reshape(1, 2 * nl, 1)
-        return cache[key]
-
-    def _runs(self, n: int, page_bytes: int) -> np.ndarray:
-        """Offsets of ``n`` back-to-back runs of ``page_bytes`` (a view of one cached array)."""
-        runs = getattr(self, "_runs_cache", None)
-        if runs is None or len(runs) < n:
-            runs = self._runs_cache = np.arange(max(n, 1024), dtype=np.uint64) * np.uint64(page_bytes)
-        return runs[:n]
-
-    def _cache_bytes(self) -> np.ndarray:
-        """The (contiguous, CPU) cache as a flat uint8 array sharing its memory."""
-        if getattr(self, "_bytes", None) is None:
-            self._bytes = self.data.view(-1).view(torch.uint8).numpy()
-        return self._bytes
+    def _pages_per_block(self, layout: BlockLayout) -> int:
+        """Pages a block of ``layout``; the layout is checked against this cache once (a
+        BlockLayout is immutable) and remembered, so a save pays the checks only once."""
+        known = self._save_layout
+        if known is not None and known[0] is layout:
+            return known[1]
+        b = layout.block_size
+        if b % self.page_size:
+            raise InvalidArgument(f"block_size {b} is not a multiple of page_size {self.page_size}")
+        if torch_dtype(layout.dtype) != self.dtype:
+            raise InvalidArgument(f"block layout dtype {layout.dtype} differs from the cache's {self.dtype}")
+        if layout.num_layers != self.cfg.num_layers or layout.layer_nbytes != (
+                2 * b * self.cfg.num_kv_heads * self.cfg.head_dim * self.data.element_size()):
+            raise InvalidArgument(f"block layout of {layout.num_layers} layers x {layout.layer_nbytes} bytes does "
+                                  "not match this cache's model")
+        self._save_layout = (layout, b // self.page_size)
+        return b // self.page_size
 
     def load_block(self, layout: BlockLayout, pages: Sequence[int], num_tokens: int, buf: Any,
                    layer: int | None = None) -> None:

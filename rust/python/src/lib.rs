@@ -23,6 +23,7 @@ mod interop_ingest;
 mod interop_map;
 mod logging;
 mod mem;
+mod page_gather;
 mod pyint;
 mod seal;
 mod segment_copy;
@@ -54,5 +55,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     mem::register(m)?;
     seal::register(m)?;
     segment_copy::register(m)?;
+    page_gather::register(m)?;
     Ok(())
 }

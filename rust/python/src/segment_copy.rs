@@ -4,14 +4,21 @@
 //! the GIL is released while bytes move.
 
 use mooncake_core::store::crc32::crc32 as core_crc32;
-use mooncake_core::store::segment_copy::copy_segments as core_copy_segments;
+use mooncake_core::store::segment_copy::{copy_segments as core_copy_segments, Stores};
 use pyo3::prelude::*;
 
 use crate::convert::BufferView;
 use crate::errors::invalid;
 use crate::gil::{detached_if, DETACH_STORE_BYTES};
 
-fn offsets(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u64>> {
+pub(crate) fn offsets(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u64>> {
+    // a list first: trying the buffer protocol on one raises (and drops) a TypeError,
+    // which costs more than a short list's whole conversion
+    if obj.is_instance_of::<pyo3::types::PyList>() {
+        return obj
+            .extract::<Vec<u64>>()
+            .map_err(|_| invalid(py, format!("{what} must be a sequence of non-negative ints or a uint64 buffer")));
+    }
     if let Ok(buf) = pyo3::buffer::PyBuffer::<u64>::get(obj) {
         return buf.to_vec(py);
     }
@@ -27,11 +34,13 @@ fn overlaps(a: &BufferView, b: &BufferView) -> bool {
 /// Copies `length` bytes from `src[src_offsets[i]:]` to `dst[dst_offsets[i]:]` for every
 /// `i`, in one call with the GIL released; with `crcs` (a writable uint32 buffer of one
 /// entry per `group` segments) each entry is continued with the CRC-32 (zlib's) of its
-/// segments, taken in the same pass. `dst=None`: checksums only. `InvalidArgument` before
+/// segments, taken in the same pass. `dst=None`: checksums only. `streaming=True` writes
+/// `dst` with non-temporal stores (bypassing the cache; fenced before returning): for a
+/// destination not read soon, such as a store slot. `InvalidArgument` before
 /// anything moves if an offset is out of range, the lists differ in length, `crcs` has the
 /// wrong size, or `src` and `dst` share memory.
 #[pyfunction]
-#[pyo3(signature = (src, src_offsets, dst, dst_offsets, length, crcs=None, group=1))]
+#[pyo3(signature = (src, src_offsets, dst, dst_offsets, length, crcs=None, group=1, streaming=false))]
 #[allow(clippy::too_many_arguments)]
 fn copy_segments(
     py: Python<'_>,
@@ -42,6 +51,7 @@ fn copy_segments(
     length: usize,
     crcs: Option<&Bound<'_, PyAny>>,
     group: usize,
+    streaming: bool,
 ) -> PyResult<()> {
     let src_view = BufferView::get_contiguous(src, "src")?;
     let dst_view = dst.map(|d| BufferView::get_writable(d, "dst")).transpose()?;
@@ -77,7 +87,8 @@ fn copy_segments(
                 crc_raw.map(|(p, n)| std::slice::from_raw_parts_mut(p as *mut u32, n)),
             )
         };
-        core_copy_segments(s, &so, d, &to, length, c, group)
+        let stores = if streaming { Stores::Streaming } else { Stores::Cached };
+        core_copy_segments(s, &so, d, &to, length, c, group, stores)
     });
     drop((src_view, dst_view, crc_view));
     result.map_err(|e| invalid(py, e.0))

@@ -44,6 +44,13 @@ __all__ = ["ConnectorWorker"]
 
 log = logging.getLogger("mooncake_rs.vllm")
 
+# A layer's load at least this large is written into vLLM's blocks with streaming
+# (non-temporal) stores: it does not fit a core's L2 (2 MiB on current x86 servers), so
+# the forward would read most of it from farther away anyway, and the ordinary stores'
+# read of every destination line first doubles the memory traffic of a copy into cold
+# blocks (BENCHMARKS.md, issue 23). Smaller loads stay in cache for the forward.
+STREAM_LOADS_FROM_BYTES = 2 << 20
+
 
 @dataclass
 class _Pool:
@@ -142,9 +149,10 @@ class ConnectorWorker:
                 local, remote = layer.spans(load.spec.block_ids, load.spec.offsets)
                 arena = load.pool.arena
                 if arena is not None:
+                    streaming = local.size * layer.segment_bytes >= STREAM_LOADS_FROM_BYTES
                     try:  # pool slot -> vLLM block, checksummed in the same pass
                         copy_segments(arena.view, remote, self._views[layer.storage_ptr], local,
-                                      layer.segment_bytes, load.crcs, per)
+                                      layer.segment_bytes, load.crcs, per, streaming)
                     except MooncakeError as e:  # an offset outside the arena: a pool we cannot trust
                         log.warning("MooncakeRsConnector: load of %s from %s failed: %s", load.spec.req_id,
                                     load.spec.pool, e)
@@ -257,8 +265,9 @@ class ConnectorWorker:
             if crcs is not None:
                 save.layers_done += 1
             if pool.arena is not None:
-                try:  # vLLM block -> reserved slot, checksummed in the same pass
-                    copy_segments(view, local, pool.arena.view, remote, layer.segment_bytes, crcs, per)
+                try:  # vLLM block -> reserved slot, checksummed in the same pass; streaming
+                    # stores: the slot is read by a later request, not by this forward
+                    copy_segments(view, local, pool.arena.view, remote, layer.segment_bytes, crcs, per, True)
                 except MooncakeError as e:
                     log.warning("MooncakeRsConnector: save into %s failed: %s", self.settings.pool, e)
                     for j in which:

@@ -6,6 +6,11 @@
 //! Polynomials Using PCLMULQDQ", 2009: four 128-bit lanes, then Barrett reduction);
 //! elsewhere (and for short inputs and tails) slicing-by-8 tables.
 //!
+//! [`copy_crc32_streaming`] is the same with non-temporal stores, for a destination that
+//! will not be read soon (a slot of the store being filled): the stores go to memory
+//! without first reading each destination line into the cache (a cold destination costs
+//! one memory pass instead of two) and without evicting what the caller works on.
+//!
 //! Values follow zlib's convention: `crc32(crc32(0, a), b) == crc32(0, a ++ b)`.
 
 const POLY: u32 = 0xEDB8_8320; // reflected 0x04C11DB7
@@ -67,7 +72,7 @@ pub fn crc32(crc: u32, data: &[u8]) -> u32 {
     if data.len() >= 128 && clmul::available() {
         // SAFETY: the CPU has the features `fold` is compiled for (checked just above);
         // `data` is readable for its length and no destination is written.
-        return unsafe { clmul::fold(crc, data.as_ptr(), std::ptr::null_mut(), data.len()) };
+        return unsafe { clmul::fold::<false>(crc, data.as_ptr(), std::ptr::null_mut(), data.len()) };
     }
     crc32_tables(crc, data)
 }
@@ -82,13 +87,50 @@ pub unsafe fn copy_crc32(crc: u32, src: *const u8, dst: *mut u8, len: usize) -> 
     #[cfg(target_arch = "x86_64")]
     if len >= 128 && clmul::available() {
         // SAFETY: features checked; the caller's contract covers both ranges.
-        return unsafe { clmul::fold(crc, src, dst, len) };
+        return unsafe { clmul::fold::<false>(crc, src, dst, len) };
     }
     // SAFETY: the caller's contract: both ranges valid for `len`, no overlap.
     unsafe {
         std::ptr::copy_nonoverlapping(src, dst, len);
         crc32_tables(crc, std::slice::from_raw_parts(dst, len))
     }
+}
+
+/// [`copy_crc32`] with non-temporal stores (the destination bypasses the cache). Call
+/// [`store_fence`] after the last of a batch of these and before anything that makes the
+/// bytes visible to another thread or process (the stores are weakly ordered).
+///
+/// # Safety
+/// As [`copy_crc32`].
+pub unsafe fn copy_crc32_streaming(crc: u32, src: *const u8, dst: *mut u8, len: usize) -> u32 {
+    #[cfg(target_arch = "x86_64")]
+    if clmul::available() {
+        // streaming stores need 16-byte aligned destinations: the bytes before the first
+        // aligned address go the ordinary way
+        let head = dst.align_offset(16).min(len);
+        if len - head >= 128 {
+            // SAFETY: `head <= len`, so both parts stay inside the caller's ranges; the
+            // features are checked; `dst + head` is 16-aligned.
+            unsafe {
+                let c = if head == 0 { crc } else { copy_crc32(crc, src, dst, head) };
+                return clmul::fold::<true>(c, src.add(head), dst.add(head), len - head);
+            }
+        }
+    }
+    // SAFETY: the caller's contract.
+    unsafe { copy_crc32(crc, src, dst, len) }
+}
+
+/// Orders every non-temporal store made before it ([`copy_crc32_streaming`]) before every
+/// store after it.
+pub fn store_fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: sfence has no operands and is part of the x86-64 baseline (SSE).
+    unsafe {
+        std::arch::x86_64::_mm_sfence();
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -116,14 +158,21 @@ mod clmul {
         *HAS.get_or_init(|| is_x86_feature_detected!("pclmulqdq") && is_x86_feature_detected!("sse4.1"))
     }
 
-    /// Reads 16 bytes at `src + at` and, when copying, stores them at `dst + at`.
+    /// Reads 16 bytes at `src + at` and, when copying, stores them at `dst + at`
+    /// (non-temporally when `STREAM`).
     #[inline(always)]
-    unsafe fn take(src: *const u8, dst: *mut u8, at: usize) -> __m128i {
-        // SAFETY: the caller (fold) keeps `at + 16 <= len`; unaligned loads/stores.
+    unsafe fn take<const STREAM: bool>(src: *const u8, dst: *mut u8, at: usize) -> __m128i {
+        // SAFETY: the caller (fold) keeps `at + 16 <= len`; unaligned loads and stores,
+        // except streaming stores, for which fold's caller gave a 16-aligned `dst` (and
+        // `at` is a multiple of 16).
         unsafe {
             let v = _mm_loadu_si128(src.add(at) as *const __m128i);
             if !dst.is_null() {
-                _mm_storeu_si128(dst.add(at) as *mut __m128i, v);
+                if STREAM {
+                    _mm_stream_si128(dst.add(at) as *mut __m128i, v);
+                } else {
+                    _mm_storeu_si128(dst.add(at) as *mut __m128i, v);
+                }
             }
             v
         }
@@ -140,42 +189,42 @@ mod clmul {
     }
 
     /// CRC-32 of `len >= 128` bytes at `src` continued from `crc`; when `dst` is not
-    /// null the bytes are also copied there.
+    /// null the bytes are also copied there (with non-temporal stores when `STREAM`).
     ///
     /// # Safety
     /// The CPU has pclmulqdq and sse4.1; `src` readable for `len`, `dst` null or
-    /// writable for `len` and not overlapping `src`.
+    /// writable for `len` and not overlapping `src`; with `STREAM`, `dst` 16-aligned.
     #[target_feature(enable = "pclmulqdq", enable = "sse2", enable = "sse4.1")]
-    pub unsafe fn fold(crc: u32, src: *const u8, dst: *mut u8, len: usize) -> u32 {
+    pub unsafe fn fold<const STREAM: bool>(crc: u32, src: *const u8, dst: *mut u8, len: usize) -> u32 {
         debug_assert!(len >= 128);
         // SAFETY: every `take(.., at)` below has `at + 16 <= len` (the loop bounds), and
         // the tail is copied and hashed within `len`.
         unsafe {
-            let mut x3 = take(src, dst, 0);
-            let mut x2 = take(src, dst, 16);
-            let mut x1 = take(src, dst, 32);
-            let mut x0 = take(src, dst, 48);
+            let mut x3 = take::<STREAM>(src, dst, 0);
+            let mut x2 = take::<STREAM>(src, dst, 16);
+            let mut x1 = take::<STREAM>(src, dst, 32);
+            let mut x0 = take::<STREAM>(src, dst, 48);
             x3 = _mm_xor_si128(x3, _mm_cvtsi32_si128(!crc as i32));
             let mut at = 64;
             let k1k2 = _mm_set_epi64x(K2, K1);
             if len >= 256 {
                 // eight lanes while 128 bytes remain: twice the independent carry-less
                 // multiplications in flight (each has a latency of several cycles)
-                let mut y3 = take(src, dst, 64);
-                let mut y2 = take(src, dst, 80);
-                let mut y1 = take(src, dst, 96);
-                let mut y0 = take(src, dst, 112);
+                let mut y3 = take::<STREAM>(src, dst, 64);
+                let mut y2 = take::<STREAM>(src, dst, 80);
+                let mut y1 = take::<STREAM>(src, dst, 96);
+                let mut y0 = take::<STREAM>(src, dst, 112);
                 at = 128;
                 let k8 = _mm_set_epi64x(K2_8, K1_8);
                 while len - at >= 128 {
-                    x3 = fold16(x3, take(src, dst, at), k8);
-                    x2 = fold16(x2, take(src, dst, at + 16), k8);
-                    x1 = fold16(x1, take(src, dst, at + 32), k8);
-                    x0 = fold16(x0, take(src, dst, at + 48), k8);
-                    y3 = fold16(y3, take(src, dst, at + 64), k8);
-                    y2 = fold16(y2, take(src, dst, at + 80), k8);
-                    y1 = fold16(y1, take(src, dst, at + 96), k8);
-                    y0 = fold16(y0, take(src, dst, at + 112), k8);
+                    x3 = fold16(x3, take::<STREAM>(src, dst, at), k8);
+                    x2 = fold16(x2, take::<STREAM>(src, dst, at + 16), k8);
+                    x1 = fold16(x1, take::<STREAM>(src, dst, at + 32), k8);
+                    x0 = fold16(x0, take::<STREAM>(src, dst, at + 48), k8);
+                    y3 = fold16(y3, take::<STREAM>(src, dst, at + 64), k8);
+                    y2 = fold16(y2, take::<STREAM>(src, dst, at + 80), k8);
+                    y1 = fold16(y1, take::<STREAM>(src, dst, at + 96), k8);
+                    y0 = fold16(y0, take::<STREAM>(src, dst, at + 112), k8);
                     at += 128;
                 }
                 // the first four lanes are 64 bytes ahead of the last four: fold them in
@@ -185,10 +234,10 @@ mod clmul {
                 x0 = fold16(x0, y0, k1k2);
             }
             while len - at >= 64 {
-                x3 = fold16(x3, take(src, dst, at), k1k2);
-                x2 = fold16(x2, take(src, dst, at + 16), k1k2);
-                x1 = fold16(x1, take(src, dst, at + 32), k1k2);
-                x0 = fold16(x0, take(src, dst, at + 48), k1k2);
+                x3 = fold16(x3, take::<STREAM>(src, dst, at), k1k2);
+                x2 = fold16(x2, take::<STREAM>(src, dst, at + 16), k1k2);
+                x1 = fold16(x1, take::<STREAM>(src, dst, at + 32), k1k2);
+                x0 = fold16(x0, take::<STREAM>(src, dst, at + 48), k1k2);
                 at += 64;
             }
             let k3k4 = _mm_set_epi64x(K4, K3);
@@ -196,7 +245,7 @@ mod clmul {
             x = fold16(x, x1, k3k4);
             x = fold16(x, x0, k3k4);
             while len - at >= 16 {
-                x = fold16(x, take(src, dst, at), k3k4);
+                x = fold16(x, take::<STREAM>(src, dst, at), k3k4);
                 at += 16;
             }
             // 128 -> 64 bits, 64 -> 32 bits, then Barrett reduction.
@@ -297,6 +346,18 @@ mod tests {
                 let got = unsafe { copy_crc32(start, data.as_ptr(), out.as_mut_ptr(), n) };
                 assert_eq!(got, want, "copy, len {n}");
                 assert_eq!(out, data, "copy, len {n}");
+                // streaming, at every destination alignment (the unaligned head goes the
+                // ordinary way)
+                for shift in [0usize, 1, 7, 15] {
+                    let mut out = vec![0u8; n + 16];
+                    // SAFETY: `out` holds n + 16 >= shift + n bytes; distinct allocations.
+                    let got =
+                        unsafe { copy_crc32_streaming(start, data.as_ptr(), out.as_mut_ptr().add(shift), n) };
+                    store_fence();
+                    assert_eq!(got, want, "streaming copy, len {n} shift {shift}");
+                    assert_eq!(&out[shift..shift + n], &data[..], "streaming copy, len {n} shift {shift}");
+                    assert!(out[..shift].iter().chain(&out[shift + n..]).all(|&b| b == 0), "wrote outside");
+                }
             }
         }
     }

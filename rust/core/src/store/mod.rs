@@ -19,6 +19,7 @@ mod events;
 mod event_wire;
 pub mod eviction;
 mod inspect;
+pub mod page_gather;
 mod read;
 pub mod segment_copy;
 mod slotfile;
