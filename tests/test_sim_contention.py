@@ -170,10 +170,10 @@ def test_mooncake_mean_ttft_is_not_above_the_best_of_local_cache_aware_and_load_
     longer than priced, because KV streams of the holder's queued requests start
     earlier than the conductor predicted and share the holder's NIC (max-min fair)
     while every request queued behind the fetch waits too (the worst case, 1.77x, is the
-    strict xfail below). The conductor re-prices a planned fetch when it plans a
-    transfer on its links (link_share.rs), but only for transfers it expects to overlap
-    it; the cause left is the queue estimate (docstring below). It is excluded here by
-    name rather than hidden in the tolerance."""
+    strict xfail below). The conductor does not re-price a fetch it planned when it
+    plans a later transfer on its links (tried and reverted: BENCHMARKS "Third round");
+    the cause left is the queue estimate (docstring below). It is excluded here by name
+    rather than hidden in the tolerance."""
     assume(not (kind == "agentic" and rate >= 5.0))
     trace = generate_trace(n, kind=kind, seed=seed, rate=rate)
     m = _means(trace, prefill, decode, 10**log_nic)
@@ -185,12 +185,12 @@ def test_mooncake_mean_ttft_is_not_above_the_best_of_local_cache_aware_and_load_
 @pytest.mark.xfail(strict=True, reason="the holder's KV streams start earlier than its queue estimate says (a queued "
                    "request reusing another queued request's prefix is priced as a recompute)")
 def test_overloaded_agentic_late_fetch_case():
-    """The worst case of 300 random ones (1.77x with fair-share re-pricing, 1.82x
-    before): 59 agentic requests at 5/s, 3P+3D, 24.3 GB/s. Request 18 (admitted at
+    """The worst case of 300 random ones (1.82x; 1.77x with the fair-share re-pricing
+    that was tried and reverted): 59 agentic requests at 5/s, 3P+3D, 24.3 GB/s. Request 18 (admitted at
     2.09 s) fetches 36 blocks from instance 1, priced 0.44 s from 3.8 s on the link loads
     the conductor knew. Requests 24, 28 and 29, admitted to instance 1 later, were
     planned to start computing (and streaming ~7 GB of KV each) at 4.5-4.6 s, after the
-    fetch's window, so re-pricing it did not apply; they started at 3.6-3.7 s, because
+    fetch's window (so even the reverted re-pricing did not apply); they started at 3.6-3.7 s, because
     request 15 queued on instance 1 ahead of them, priced as a 0.97 s recompute (no
     holder of its prefix at admission), found 36 of its blocks there when it started
     (left by a request queued there before it that shares that prefix) and took 0.11 s.
