@@ -24,15 +24,11 @@ def vllm_pair(vllm_model_dir, tmp_path_factory):
     same model; the second with a 64-block cache (evictions). Stopped at the end of the
     run even when tests fail. Tests that change a server's state in a way others would
     see (a restart, a cache reset) restore it; each test uses prompts of its own."""
-    from vllm_support import start_all, vllm_server
+    from vllm_support import running, vllm_server
 
     logs = tmp_path_factory.mktemp("vllm-logs")
     servers = [vllm_server(vllm_model_dir, cpu=str(i % max(1, os.cpu_count() or 1)), log_dir=logs,
                            num_gpu_blocks=None if i == 0 else 64, max_model_len=2048 if i == 0 else 1024)
                for i in range(2)]
-    start_all(servers)
-    try:
+    with running(servers):
         yield servers
-    finally:
-        for s in servers:
-            s.stop()

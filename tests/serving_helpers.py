@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 BLOCK = 16
 SHM = "/dev/shm"
@@ -27,3 +28,11 @@ def reference_outputs(prompts: list[list[int]], params, seed: int = 0) -> list[l
 
     eng = Engine(ModelConfig.tiny(), block_size=BLOCK, seed=seed)
     return [o.token_ids for o in eng.generate(prompts, params)]
+
+
+def wait_for(cond, what: str, timeout_s: float = 30.0) -> None:
+    """Polls ``cond`` every 20 ms until it is true; fails with ``what`` after ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < end, what
+        time.sleep(0.02)

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 import pytest
 
 pytest.importorskip("torch")
 
 from mooncake_rs.engine import ModelConfig, SamplingParams  # noqa: E402
-from serving_helpers import BLOCK, reference_outputs  # noqa: E402
+from serving_helpers import BLOCK, reference_outputs, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 GREEDY = SamplingParams(max_tokens=8)
@@ -28,13 +27,6 @@ PREFIX_BLOCKS = 6
 #: the tiny model's KV: 2 layers x (K, V) x 2 KV heads x 16 x 4 bytes (float32)
 KV_BYTES_PER_TOKEN = 512
 LINK = 1e9  # bytes/s per emulated link: fetching the 6-block prefix (tens of us) beats recomputing it (~2 ms) when idle
-
-
-def _wait(cond, what: str, timeout_s: float = 30.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < end, what
-        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("saturated", [True, False], ids=["saturated_holder", "idle_holder"])
@@ -52,7 +44,7 @@ def test_fetch_over_a_saturated_holder_is_declined(saturated):
         keys = c._core.hasher.hash_blocks(prefix)
         o1 = c.generate([prompts[0]], GREEDY)[0]
         a = o1.metrics.prefill_instance
-        _wait(lambda: cond.index.match_prefix(keys).get(a, 0) >= PREFIX_BLOCKS, "the index never showed A's prefix")
+        wait_for(lambda: cond.index.match_prefix(keys).get(a, 0) >= PREFIX_BLOCKS, "the index never showed A's prefix")
         cond.drain_instance(a)
         now = c._core.now()
         # A's NIC out: 10 s of KV streams queued, or nothing
@@ -113,4 +105,4 @@ def test_heartbeats_carry_link_counters_that_correct_the_conductor(processes):
 
         assert cond.report_link_load(p, c._core.now(), 1e4 * link)
         assert out_bytes() > 1e3 * link
-        _wait(lambda: out_bytes() == 0.0, "the instance's heartbeat never replaced the conductor's backlog", 20.0)
+        wait_for(lambda: out_bytes() == 0.0, "the instance's heartbeat never replaced the conductor's backlog", 20.0)

@@ -14,14 +14,13 @@ nothing is copied.
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
 pytest.importorskip("torch")
 
 from mooncake_rs.engine import ModelConfig, SamplingParams  # noqa: E402
-from serving_helpers import BLOCK, reference_outputs  # noqa: E402
+from serving_helpers import BLOCK, reference_outputs, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 GREEDY = SamplingParams(max_tokens=8)
@@ -29,13 +28,6 @@ PREFIX_BLOCKS = 6
 KV_BYTES_PER_TOKEN = 512  # the tiny model: 2 layers x (K, V) x 2 KV heads x 16 x 4 bytes
 PREFIX_BYTES = PREFIX_BLOCKS * BLOCK * KV_BYTES_PER_TOKEN
 LINK = 1e9
-
-
-def _wait(cond, what: str, timeout_s: float = 30.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < end, what
-        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("fits", [True, False], ids=["within_the_cap", "over_the_cap"])
@@ -56,7 +48,7 @@ def test_a_hot_prefix_on_a_link_bound_holder_is_copied_within_the_byte_cap(fits)
         a = o1.metrics.prefill_instance
         b = next(p.id for p in cond.snapshot().prefill if p.id != a)
         held = lambda inst: cond.index.match_prefix(keys).get(inst, 0)  # noqa: E731
-        _wait(lambda: held(a) >= PREFIX_BLOCKS, "the index never showed A's prefix")
+        wait_for(lambda: held(a) >= PREFIX_BLOCKS, "the index never showed A's prefix")
         # six hits on A, more than the 4 the conductor asks (they decay) (B drained meanwhile, so none is a fetch that would put it on B)
         cond.drain_instance(b)
         for k in range(6):
@@ -80,8 +72,8 @@ def test_a_hot_prefix_on_a_link_bound_holder_is_copied_within_the_byte_cap(fits)
             return
         assert [(h.from_instance, h.to_instance, len(h.blocks)) for h in hints] == [(a, b, PREFIX_BLOCKS)]
         assert started == 1
-        _wait(lambda: held(b) >= PREFIX_BLOCKS, "B's store events never showed the replica")
-        _wait(lambda: rep.done == 1 and not rep.copies, "the copy never ended (A still pins the prefix)")
+        wait_for(lambda: held(b) >= PREFIX_BLOCKS, "B's store events never showed the replica")
+        wait_for(lambda: rep.done == 1 and not rep.copies, "the copy never ended (A still pins the prefix)")
         assert rep.copied_bytes == PREFIX_BYTES
         # B serves the prefix from its own store now
         cond.drain_instance(a)

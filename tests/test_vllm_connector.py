@@ -39,7 +39,7 @@ def pool():
 
 @pytest.fixture(scope="module")
 def pair(vllm_model_dir, pool, tmp_path_factory):
-    from vllm_support import start_all, vllm_server
+    from vllm_support import running, vllm_server
 
     ktc = {"kv_connector": "MooncakeRsConnector", "kv_connector_module_path": "mooncake_rs.integrations.vllm",
            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -47,12 +47,8 @@ def pair(vllm_model_dir, pool, tmp_path_factory):
     logs = tmp_path_factory.mktemp("vllm-connector-logs")
     servers = [vllm_server(vllm_model_dir, kv_transfer_config=ktc, cpu=str(i % (os.cpu_count() or 1)), log_dir=logs)
                for i in range(2)]
-    start_all(servers)
-    try:
+    with running(servers):
         yield servers
-    finally:
-        for s in servers:
-            s.stop()
 
 
 def _complete(server_or_url, prompt, max_tokens=8, **extra):

@@ -70,7 +70,7 @@ def pool(hosts):
 
 @pytest.fixture(scope="module")
 def pair(vllm_model_dir, hosts, pool, tmp_path_factory):
-    from vllm_support import start_all, vllm_server
+    from vllm_support import running, vllm_server
 
     ktc = {"kv_connector": "MooncakeRsConnector", "kv_connector_module_path": "mooncake_rs.integrations.vllm",
            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -80,12 +80,8 @@ def pair(vllm_model_dir, hosts, pool, tmp_path_factory):
                            cpu=str(i % (os.cpu_count() or 1)), host=hosts.ip(i + 1),
                            launcher=("ip", "netns", "exec", hosts.names[i + 1]))
                for i in range(2)]
-    start_all(servers)
-    try:
+    with running(servers):
         yield servers
-    finally:
-        for s in servers:
-            s.stop()
 
 
 def test_b_on_another_host_loads_over_tcp_what_only_a_computed(pair):

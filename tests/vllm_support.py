@@ -17,6 +17,7 @@ Facts of vLLM 0.32's CPU build this module relies on:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -30,6 +31,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -268,3 +270,15 @@ def start_all(servers: list[VllmServer], timeout_s: float = START_TIMEOUT_S) -> 
             s.stop()
         raise
     return servers
+
+
+@contextlib.contextmanager
+def running(servers: list[VllmServer], timeout_s: float = START_TIMEOUT_S) -> Iterator[list[VllmServer]]:
+    """:func:`start_all`, and every server stopped when the block ends (a fixture's
+    ``with running(servers) as s: yield s``), even when a test failed."""
+    start_all(servers, timeout_s)
+    try:
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
