@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any
 
-from mooncake_rs.sim import Report, SimConfig, Simulator, load_trace
+from mooncake_rs.sim import Report, Request, SimConfig, Simulator, load_trace
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"  # beside the checkout
 TRACE = os.environ.get("MOONCAKE_TRACE", str(SHARED / "traces" / "synthetic_trace.jsonl"))
@@ -21,6 +21,16 @@ def trace():
         print(f"trace {TRACE} not found; set MOONCAKE_TRACE to a Mooncake JSONL trace", file=sys.stderr)
         raise SystemExit(0)
     return load_trace(TRACE)
+
+
+def tiled(tr, copies: int = 4, limit: int = 12_000) -> list:
+    """``tr`` repeated ``copies`` times one after the other, each copy's block hashes
+    shifted apart (no reuse across copies), cut at ``limit`` requests: a longer trace
+    of the same shape for throughput runs."""
+    span = tr[-1].timestamp_ms + 1.0
+    offset = max(max(r.hash_ids, default=0) for r in tr) + 1
+    return [Request(r.timestamp_ms + c * span, r.input_length, r.output_length, tuple(h + c * offset for h in r.hash_ids))
+            for c in range(copies) for r in tr][:limit]
 
 
 def run(tr, **kw: Any) -> Report:

@@ -8,18 +8,12 @@ target <= 30 s). Peak RSS from getrusage.
 import resource
 import time
 
-from sim_common import table, trace
+from sim_common import table, tiled, trace
 
-from mooncake_rs.sim import Request, SimConfig, Simulator
+from mooncake_rs.sim import SimConfig, Simulator
 
 tr = trace()
-span = tr[-1].timestamp_ms + 1.0
-offset = max(max(r.hash_ids, default=0) for r in tr) + 1
-big = [
-    Request(r.timestamp_ms + c * span, r.input_length, r.output_length, tuple(h + c * offset for h in r.hash_ids))
-    for c in range(4)
-    for r in tr
-][:12_000]
+big = tiled(tr)
 rows = []
 for name, t in (("synthetic 3,993", tr), (f"tiled {len(big):,}", big)):
     for pol, extra in (("mooncake", {}), ("random", {}), ("mooncake", dict(architecture="coupled"))):

@@ -9,22 +9,16 @@ the synthetic trace repeated with shifted ids and times (as benches/sim_perf.py)
 import argparse
 import time
 
-from sim_common import footer, table, trace
+from sim_common import footer, table, tiled, trace
 
-from mooncake_rs.sim import Request, SimConfig, Simulator
+from mooncake_rs.sim import SimConfig, Simulator
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--runs", type=int, default=3)
 a = ap.parse_args()
 t00 = time.perf_counter()
 tr = trace()
-span = tr[-1].timestamp_ms + 1.0
-offset = max(max(r.hash_ids, default=0) for r in tr) + 1
-big = [
-    Request(r.timestamp_ms + c * span, r.input_length, r.output_length, tuple(h + c * offset for h in r.hash_ids))
-    for c in range(4)
-    for r in tr
-][:12_000]
+big = tiled(tr)
 setups = [
     ("links off (today's replay)", {}),
     ("nic 50 GB/s", dict(nic_bandwidth=50e9)),
