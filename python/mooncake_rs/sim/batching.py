@@ -58,10 +58,6 @@ class ContinuousBatch:
         beta = self.per_tok * self.n
         return k * self._alpha() + beta * k * (k - 1) / 2.0
 
-    def step_time(self) -> float:
-        """Seconds of the next step."""
-        return self._alpha()
-
     def steps_within(self, dt: float) -> int:
         """Whole steps that finish within ``dt`` seconds of the segment start."""
         if dt <= 0 or self.n == 0:
