@@ -32,9 +32,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _free_port_pair() -> int:
+    """A port whose next one is free too: ``--kv-events tcp://HOST:P`` replays on P + 1
+    (a port found free alone once collided there in a CI run)."""
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two adjacent free ports on 127.0.0.1")
+
+
 def test_the_http_front_and_kv_events_of_a_deployment(etcd, tmp_path: Path) -> None:  # noqa: F811
     model = th.write_model_dir(tmp_path / "model")
-    http_port, events_port = _free_port(), _free_port()
+    http_port, events_port = _free_port(), _free_port_pair()
     with LoopbackHosts(3) as hosts:
         dep = Deployment(hosts, etcd, tmp_path)
         try:
