@@ -252,7 +252,12 @@ def test_refusals_and_wrong_token_are_typed(peers):
         with mc.TransferEngine("intruder", auth_token=bad, transports=["tcp"], registry=mc.TransferRegistry()) as eng:
             with pytest.raises(mc.TransferFailed, match="auth"):
                 eng.connect("srv", srv.address)
-    assert srv.stats()["auth_failures"] == 1  # the tokenless client gives up before proving
+    # the tokenless client gives up before proving; the server counts the wrong token on
+    # its own thread, which may run after the client has seen the refusal (a CI run read 0)
+    deadline = time.monotonic() + 10
+    while srv.stats()["auth_failures"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert srv.stats()["auth_failures"] == 1
     for ts in (["tcp"], ["shm", "tcp"]):
         with mc.TransferEngine("ok", auth_token="s3cret", transports=ts, registry=mc.TransferRegistry()) as eng:
             p = eng.connect("srv", srv.address)
