@@ -26,17 +26,14 @@ use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
 
 use hashbrown::HashMap;
 use parking_lot::Mutex;
 
-use super::auth::AuthKey;
-use super::config::Counters;
 use super::fdpass;
 use super::protocol::status_to_u8;
-use super::region::RegionTable;
 use super::tcp::handshake::{self, Refusal};
+use super::tcp::server::ServeCtx;
 use crate::mem::MappedMemory;
 
 /// Bytes of one peer's staging buffer: two halves, so the peer fills one while the
@@ -47,20 +44,8 @@ pub const MAX_STAGED: usize = 64;
 pub const COMMIT_LEN: usize = 40;
 pub const REPLY_LEN: usize = 9;
 
-/// What the staging server checks commits with (the TCP server's context, in part).
-pub struct StagingCtx {
-    pub name: String,
-    pub regions: Arc<RegionTable>,
-    pub key: Option<AuthKey>,
-    pub peer_keys: HashMap<String, AuthKey>,
-    pub host: [u8; 16],
-    pub counters: Arc<Counters>,
-    pub io_timeout: Duration,
-    pub idle_timeout: Duration,
-}
-
 struct Shared {
-    ctx: StagingCtx,
+    ctx: ServeCtx,
     closed: AtomicBool,
     next: AtomicU64,
     conns: Mutex<HashMap<u64, UnixStream>>,
@@ -75,7 +60,7 @@ pub struct StagingServer {
 
 impl StagingServer {
     /// Binds a fresh abstract socket and starts accepting.
-    pub fn start(ctx: StagingCtx) -> std::io::Result<StagingServer> {
+    pub fn start(ctx: ServeCtx) -> std::io::Result<StagingServer> {
         let rnd = super::auth::nonce()?;
         let tail = u64::from_le_bytes(rnd[..8].try_into().unwrap_or_default());
         let name = format!("mooncake_rs.stage.{}.{tail:016x}", std::process::id());
@@ -142,7 +127,7 @@ fn accept_loop(l: UnixListener, sh: Arc<Shared>) {
     }
 }
 
-fn serve(s: &UnixStream, ctx: &StagingCtx) {
+fn serve(s: &UnixStream, ctx: &ServeCtx) {
     let _ = s.set_read_timeout(Some(super::tcp::server::HANDSHAKE_DEADLINE.min(ctx.io_timeout)));
     let _ = s.set_write_timeout(Some(ctx.io_timeout));
     let peer = match handshake::server_with(&mut &*s, ctx.key.as_ref(), &ctx.peer_keys, ctx.host, &ctx.name) {

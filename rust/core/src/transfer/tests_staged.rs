@@ -15,7 +15,8 @@ use super::fdpass;
 use super::inner::PeerKind;
 use super::region::RegionTable;
 use super::staged::StagedLink;
-use super::staged_server::{StagingCtx, StagingServer, COMMIT_LEN, REPLY_LEN, STAGING_LEN};
+use super::staged_server::{StagingServer, COMMIT_LEN, REPLY_LEN, STAGING_LEN};
+use super::tcp::server::ServeCtx;
 use super::tests::{bytes, cfg, fill, req, T};
 use super::*;
 
@@ -101,7 +102,7 @@ fn restricted_writes_from_a_same_host_peer_are_staged_checked_and_equal() {
 }
 
 fn server(regions: &Arc<RegionTable>, counters: &Arc<Counters>) -> StagingServer {
-    StagingServer::start(StagingCtx {
+    StagingServer::start(ServeCtx {
         name: "srv".into(),
         regions: regions.clone(),
         key: Some(AuthKey::from_token(TOKEN)),
@@ -110,6 +111,8 @@ fn server(regions: &Arc<RegionTable>, counters: &Arc<Counters>) -> StagingServer
         counters: counters.clone(),
         io_timeout: T,
         idle_timeout: T,
+        share_shm: false,
+        staging: None,
     })
     .unwrap()
 }

@@ -41,7 +41,7 @@ use super::super::region::RegionTable;
 use super::super::{AccessError, TransferError};
 use super::admission::{make_room, Activity, Served};
 pub use super::admission::{MAX_CONNECTIONS, MAX_PER_PEER};
-use super::super::staged_server::{StagingCtx, StagingServer};
+use super::super::staged_server::StagingServer;
 use super::handshake::{self, Refusal};
 use super::seal::{FrameReader, FrameWriter};
 use super::{read_header, read_msg_body, ConnError};
@@ -51,6 +51,8 @@ pub const MAX_HANDSHAKES: usize = 64;
 /// The longest a handshake may take from accept (the I/O timeout, if shorter).
 pub const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(3);
 
+/// What a served connection is checked against (shared with the staging server).
+#[derive(Clone)]
 pub struct ServeCtx {
     pub name: String,
     pub regions: Arc<RegionTable>,
@@ -156,17 +158,8 @@ impl Drop for Server {
 }
 
 fn start_staging(ctx: &ServeCtx) -> Option<StagingServer> {
-    let sctx = StagingCtx {
-        name: ctx.name.clone(),
-        regions: ctx.regions.clone(),
-        key: ctx.key.clone(),
-        peer_keys: ctx.peer_keys.clone(),
-        host: ctx.host,
-        counters: ctx.counters.clone(),
-        io_timeout: ctx.io_timeout,
-        idle_timeout: ctx.idle_timeout,
-    };
-    match StagingServer::start(sctx) {
+    // the staging server checks commits with the same context (its own copy)
+    match StagingServer::start(ctx.clone()) {
         Ok(s) => Some(s),
         Err(e) => {
             // Restricted regions then go over TCP only, as before.
