@@ -269,9 +269,10 @@ def test_joining_catches_up_before_any_live_message(pub_replay):
     for i, p in enumerate(pays):
         pub_replay.publish(i, p, send=False)  # published before we joined; nothing live follows
     sub, ing, target, hasher = _subscriber(pub_replay, joined=False)
+    assert not sub.stats.caught_up  # what /stats shows a client until the history is in
     sub.poll(0.2)
     assert target.index("GPU").match_prefix(hasher.hash(toks)) == {5: 4}
-    assert sub.stats.replayed == 4 and sub.last_seq == 3
+    assert sub.stats.replayed == 4 and sub.last_seq == 3 and sub.stats.caught_up
     sub.stop()
 
 

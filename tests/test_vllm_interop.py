@@ -199,6 +199,10 @@ def proxy(vllm_pair, vllm_model_dir, tmp_path):
                 return False
 
         wait_for(up, timeout_s=60, what="serve --upstream to listen")
+        # Each subscriber first replays what its engine still buffers (earlier tests' blocks);
+        # a count read during that replay would let old blocks pass for a test's new ones.
+        wait_for(lambda: all(s["events"]["caught_up"] for s in proxy_stats(url).values()), timeout_s=30,
+                 what="the router to catch up on the engines' event history")
         yield url
     finally:
         proc.terminate()
@@ -223,10 +227,14 @@ def post(url: str, path: str, body: dict, stream: bool = False) -> tuple[str, st
     return upstream, "".join(chunks[:-1])
 
 
+def proxy_stats(proxy_url: str) -> dict:
+    with urllib.request.urlopen(proxy_url + "/stats", timeout=10) as r:
+        return json.loads(r.read())
+
+
 def stored_blocks(proxy_url: str, name: str) -> int:
     """How many blocks the proxy's router has ingested from upstream ``name``'s events."""
-    with urllib.request.urlopen(proxy_url + "/stats", timeout=10) as r:
-        return int(json.loads(r.read())[name]["ingest"]["stored_blocks"])
+    return int(proxy_stats(proxy_url)[name]["ingest"]["stored_blocks"])
 
 
 def seeded(proxy_url: str, name: str, send, blocks: int) -> None:

@@ -49,6 +49,9 @@ class SubscriberStats:
     """Times the publisher went away (each dropped the instance's entries)."""
     malformed: int = 0
     """Messages that did not decode (skipped and logged)."""
+    caught_up: bool = False
+    """The catch-up at start is over (replayed, given up, or not asked for): from now on the
+    ingested counts grow only with what the engine publishes."""
 
 
 def _replay_reply(frames: list[bytes]) -> tuple[int, bytes]:
@@ -117,7 +120,7 @@ class KVEventSubscriber:
         """Catch up on the first poll, before any live message (an idle engine sends none)."""
         self._last: int | None = None  # highest sequence number applied
         self._sub_last: int | None = None  # highest seen on the SUB socket itself
-        self.stats = SubscriberStats()
+        self.stats = SubscriberStats(caught_up=not self._join_replay)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
@@ -137,6 +140,7 @@ class KVEventSubscriber:
         if self._join_replay:
             self._join_replay = False
             self._catch_up()
+            self.stats.caught_up = True
         while max_messages is None or n < max_messages:
             self._check_monitor()
             try:
