@@ -47,13 +47,15 @@ def test_bad_values_are_typed_errors_naming_the_field(kw, says) -> None:
 
 def test_the_two_command_lines_map_the_same_flags_to_the_same_fields() -> None:
     flags = ["--policy", "random", "--ttft-slo", "2.5", "--tbt-slo", "0.5", "--rejection", "early",
-             "--no-prefix-reuse", "--multipath", "--seed", "7", "--heartbeat-timeout", "3"]
+             "--no-prefix-reuse", "--multipath", "--seed", "7", "--heartbeat-timeout", "3",
+             "--replicate-every", "2", "--replica-max-bytes", "1e9"]
     embedded = ServingConfig.from_args(_args("--model", "tiny", *flags))
     across = ServingConfig.from_args(_args("--etcd", "http://127.0.0.1:2379", "--listen", "127.0.0.1:9000", *flags))
     assert embedded == across
     assert (embedded.policy, embedded.ttft_slo_s, embedded.tbt_slo_s, embedded.rejection, embedded.prefix_reuse,
             embedded.multipath, embedded.seed, embedded.heartbeat_timeout_s) == (
         "random", 2.5, 0.5, "early", False, True, 7, 3.0)
+    assert (embedded.replicate_every_s, embedded.replica_max_bytes) == (2.0, 1e9)
 
 
 def test_defaults_follow_the_mode() -> None:
@@ -74,3 +76,5 @@ def test_instance_flags() -> None:
     assert cfg.ssd_bytes == 4 << 20  # 4x the DRAM unless told
     with pytest.raises(InvalidArgument, match="prefill"):
         ServingConfig.from_args(_args("--model", "tiny", "--prefill", "0"))
+    with pytest.raises(InvalidArgument, match="replicate_every_s"):
+        ServingConfig.from_args(_args("--model", "tiny", "--replicate-every", "0"))

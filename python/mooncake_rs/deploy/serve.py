@@ -46,6 +46,12 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lease-ttl", type=int, default=3, help="with --etcd: the leader lease's TTL in seconds")
     p.add_argument("--multipath", action="store_true",
                    help="fetch a prefix from every prefill instance (worker) holding it at once (DualPath)")
+    p.add_argument("--replicate-every", type=float, default=None, metavar="SECONDS",
+                   help="copy the conductor's hot prefixes to an idle prefill instance this often "
+                        "(hot-block replication; default: never)")
+    p.add_argument("--replica-max-bytes", type=float, default=ServingConfig.replica_max_bytes, metavar="BYTES",
+                   help="with --replicate-every: bytes of KV one round may copy and have in flight "
+                        "(default: %(default).0f)")
     p.add_argument("--heartbeat-timeout", type=float, default=None,
                    help="seconds an instance (worker) may go without a heartbeat before it is dropped "
                         "(default: 5 with --etcd, else 10)")

@@ -146,6 +146,7 @@ class ServingConfig:
             heartbeat = HEARTBEAT_ACROSS_HOSTS_S if args.etcd else cls.heartbeat_timeout_s
         return cls(policy=args.policy, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo, rejection=args.rejection,
                    prefix_reuse=not args.no_prefix_reuse, multipath=args.multipath,
+                   replicate_every_s=args.replicate_every, replica_max_bytes=args.replica_max_bytes,
                    seed=args.seed, heartbeat_timeout_s=heartbeat, block_size=args.block_size or cls.block_size,
                    prefill=args.prefill, decode=args.decode, dram_bytes_per_instance=args.dram_bytes,
                    ssd_path=args.ssd_path, processes=args.processes, engine_kwargs=engine)
