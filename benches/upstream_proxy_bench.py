@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from mooncake_rs.http.server import ServerThread
-from mooncake_rs.interop.proxy import create_proxy_app
+from mooncake_rs.http.upstream.proxy import create_proxy_app
 from mooncake_rs.interop.upstream import UpstreamRouter, UpstreamSpec
 
 

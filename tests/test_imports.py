@@ -227,12 +227,12 @@ LAYERS: list[set[str]] = [
     {"(root)", "text", "workload"},             # the core's facade; tokenizers; workloads
     {"engine", "sim", "models", "demo",         # one instance's model; the simulator; model makers;
      "kv_events", "net"},                       # KV events in vLLM's wire format; framing, sockets, etcd
-    {"client"},                                 # what a cluster and its clients share: the handle, generate
+    {"client", "interop"},                      # what a cluster and its clients share: the handle, generate;
+                                                # the indexer API and routing over engines we did not write
     {"serving"},                                # the cluster
-    {"http"},                                   # the OpenAI front over a cluster
+    {"http"},                                   # the OpenAI front over a cluster; the proxies over upstream engines
     {"deploy"},                                 # across hosts: etcd, workers, serve --etcd
     {"pool"},                                   # the cluster-wide KV pool (store nodes, DistributedStore)
-    {"interop"},                                # the indexer API, routing over engines we did not write
     {"compat", "integrations"},                 # mooncake.store facade; adapters for engines we did not write
     {"cli"},                                    # the command line dispatches to all of them
     {"__main__"},                               # python -m mooncake_rs

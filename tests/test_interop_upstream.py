@@ -185,7 +185,7 @@ class _NoTokenizer:
 def _client(router, **kw):
     from starlette.testclient import TestClient
 
-    from mooncake_rs.interop.proxy import create_proxy_app
+    from mooncake_rs.http.upstream.proxy import create_proxy_app
 
     return TestClient(create_proxy_app(router, _NoTokenizer(), connect_timeout_s=2.0, **kw))
 
@@ -294,7 +294,7 @@ def test_pd_stream_that_breaks_ends_with_an_error_event():
 
     from mooncake_rs.http.server import ServerThread
     from mooncake_rs.interop.pd import PDRouter
-    from mooncake_rs.interop.pd_app import create_pd_app
+    from mooncake_rs.http.upstream.pd_app import create_pd_app
 
     seen = []
 

@@ -29,7 +29,7 @@ def fleet(tmp_path_factory):
     import text_helpers as th
 
     from mooncake_rs.http.server import ServerThread
-    from mooncake_rs.interop.proxy import create_proxy_app
+    from mooncake_rs.http.upstream.proxy import create_proxy_app
     from standin import StandIn
     from mooncake_rs.text import Tokenizer
 

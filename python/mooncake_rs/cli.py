@@ -105,10 +105,10 @@ def _serve(args: argparse.Namespace) -> int:
         from .interop.pd import is_role_spec
 
         if any(is_role_spec(s) for s in args.upstream):
-            from .interop.pd_serve import serve_pd
+            from .http.upstream.pd_serve import serve_pd
 
             return serve_pd(args)
-        from .interop.serve_upstream import serve_upstreams
+        from .http.upstream.serve import serve_upstreams
 
         return serve_upstreams(args)
     if rc := _missing_extras("serve", "torch", "http"):

@@ -57,13 +57,14 @@ def claim_fingerprint(client: EtcdClient, prefix: str, fingerprint: ModelFingerp
         if sign_key is None:
             theirs = _plain_fingerprint(kv.value, key)
         else:
-            theirs, why = verify_fingerprint(kv.value, sign_key, key)
-            if theirs is None:
+            signed, why = verify_fingerprint(kv.value, sign_key, key)
+            if signed is None:
                 log.warning("the fingerprint at %s is ignored: %s; putting this worker's (signed) in its place",
                             key.decode(), why)
                 if client.replace(key, data, kv.mod_revision):
                     return
                 continue  # changed in between: read it again
+            theirs = signed
         diff = theirs.mismatch(fingerprint)
         if diff:
             raise InvalidArgument(f"this worker's model does not match the cluster's ({diff}); "

@@ -1,9 +1,10 @@
 """The engine of one instance: model, paged KV cache, scheduler and sampler in a step loop.
 
 ``generate`` runs prompts to completion; ``add_request`` + ``step`` embed the engine in a
-server loop; ``stream`` yields tokens as they come. The KV hand-off hooks used by the
-serving layer (block layout, save/load of blocks, restored prefixes, prefill-only and
-decode-side requests, prefill timing) live in :mod:`.handoff`.
+server loop; ``stream`` yields tokens as they come. The KV hand-off the serving layer
+uses (block layout, save/load of blocks, restored prefixes, per-layer block events,
+prefill timing) is a part the engine composes, :class:`~.handoff.KVHandoff`
+(``Engine.handoff``); the engine's methods below add the request bookkeeping to it.
 """
 
 from __future__ import annotations
@@ -18,18 +19,18 @@ import torch
 
 from ..base.layout import BlockLayout
 from ..base.model_config import DTYPES, ModelConfig
-from ..base.outputs import LayerEvent, RequestOutput, TokenEvent
+from ..base.outputs import LayerEvent, PrefillTiming, RequestOutput, TokenEvent
 from ..base.params import SamplingParams
 from ..errors import InvalidArgument
 from .attention import BatchMeta, make_backend
 from .backend_choice import resolve_dtype
-from .handoff import HandoffMixin
+from .handoff import KVHandoff
 from .kv_cache import KVCache
 from .model import LlamaModel
 from .sampler import Sampler
 from .scheduler import Request, RequestStatus, Scheduler
 from .tokens import prompt_tokens, token_id
-from .weights import load_hf_dir, random_weights, torch_dtype
+from .weights import load_model, torch_dtype
 
 __all__ = ["Engine"]
 
@@ -39,7 +40,7 @@ _CPU_KV_BYTES = 64 * 1024 * 1024  # default pool size on CPU
 _GPU_KV_FRACTION = 0.85  # default share of free device memory for the pool
 
 
-class Engine(HandoffMixin):
+class Engine:
     """One instance's inference engine (see docs/engine.md).
 
     ``model``: a local Hugging Face directory, a preset name (``"tiny"``,
@@ -73,16 +74,7 @@ class Engine(HandoffMixin):
             page_size = math.gcd(block_size, 16)
         if not isinstance(page_size, int) or page_size < 1 or block_size % page_size:
             raise InvalidArgument(f"page_size {page_size!r} must be a positive divisor of block_size {block_size}")
-        if isinstance(model, ModelConfig):
-            cfg = model.replace(dtype=dtype)
-            weights = random_weights(cfg, seed=seed, dtype=dtype, device=dev)
-        elif isinstance(model, (str, Path)) and Path(model).is_dir():
-            cfg, weights = load_hf_dir(model, dtype=dtype, device=dev)
-        elif isinstance(model, str):
-            cfg = ModelConfig.preset(model).replace(dtype=dtype)
-            weights = random_weights(cfg, seed=seed, dtype=dtype, device=dev)
-        else:
-            raise InvalidArgument(f"model must be a ModelConfig, a preset name or a model directory, got {model!r}")
+        cfg, weights = load_model(model, dtype=dtype, device=dev, seed=seed)
         self.config = cfg
         self.device = dev
         self.dtype = dtype
@@ -102,8 +94,11 @@ class Engine(HandoffMixin):
         self.cache = KVCache(cfg, num_pages=num_pages, page_size=page_size, dtype=dtype, device=dev)
         self.attn = make_backend(attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                  torch_dtype(dtype), dev, page_size=page_size)
+        self.handoff = KVHandoff(cfg, self.layout, self.cache, self.model, self.attn,
+                                 max_num_batched_tokens=max_num_batched_tokens)
         self.scheduler = Scheduler(self.cache, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens, load_staged=self._load_staged)
+                                   max_num_batched_tokens=max_num_batched_tokens,
+                                   load_staged=self.handoff.load_staged)
         self.sampler = Sampler(seed)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -166,20 +161,52 @@ class Engine(HandoffMixin):
         """
         params = params or SamplingParams()
         prompt = self._check_prompt(prompt_token_ids, params)
-        blocks = []
-        if restored_kv:
-            usable = (len(prompt) - 1) // self.block_size
-            blocks = [(self.block_size, b) for b in list(restored_kv)[:usable]]
+        blocks = self.handoff.prefix_blocks(len(prompt), restored_kv)
         req = self._new_request(prompt, params, request_id)
         req.prefill_only, req.hold_kv, req.on_layer = bool(prefill_only), bool(hold_kv), on_layer
-        try:
-            self._restore(req, blocks)
-        except Exception:
-            del self._requests[req.request_id]
-            raise
+        self._restore(req, blocks)
         req.num_cached_tokens = req.num_computed if req.staged is None else sum(n for n, _ in req.staged)
         self.scheduler.add(req)
         return req.request_id
+
+    def add_decode_request(self, prompt_token_ids: Sequence[int], first_token_id: int,
+                           params: SamplingParams | None, kv_blocks: Sequence[Any], *,
+                           request_id: str | None = None) -> str:
+        """Adds a request whose prompt was prefilled elsewhere, straight into the decode batch.
+
+        ``kv_blocks``: one buffer per prompt block, ``ceil(len(prompt) / block_size)`` of
+        them, the last one partial when the prompt is not block-aligned (its first
+        ``len(prompt) % block_size`` token rows are used). ``first_token_id``: the token
+        the prefill instance sampled. The buffers may be released when this returns.
+        """
+        params = params or SamplingParams()
+        prompt = self._check_prompt(prompt_token_ids, params)
+        blocks = self.handoff.prompt_blocks(len(prompt), kv_blocks)
+        tok = token_id(first_token_id)
+        if not 0 <= tok < self.config.vocab_size:
+            raise InvalidArgument(f"first_token_id must be in 0..{self.config.vocab_size - 1}")
+        req = self._new_request(prompt, params, request_id)
+        self._restore(req, blocks)
+        req.num_cached_tokens = len(prompt)
+        req.output_token_ids.append(tok)
+        reason = self._stop_reason(req, tok)
+        if reason is None:
+            self.scheduler.add(req)
+            return req.request_id
+        self.scheduler.free(req)  # done at its first token: nothing to decode
+        req.staged = None
+        req.finish_reason = reason
+        self._pending.append(self._output(req, []))
+        del self._requests[req.request_id]
+        return req.request_id
+
+    def _restore(self, req: Request, blocks: list[tuple[int, Any]]) -> None:
+        """Loads a new request's restored blocks; if that fails, the request is forgotten."""
+        try:
+            self.handoff.restore(req, blocks)
+        except Exception:
+            del self._requests[req.request_id]
+            raise
 
     def abort(self, request_id: str) -> None:
         req = self._requests.get(str(request_id))
@@ -194,6 +221,12 @@ class Engine(HandoffMixin):
         """Ids of the requests queued or running (not finished)."""
         return [rid for rid, r in self._requests.items() if r.status is not RequestStatus.FINISHED]
 
+    def _holding_pages(self, request_id: str) -> Request:
+        req = self._requests.get(str(request_id))
+        if req is None or not req.pages:
+            raise InvalidArgument(f"request {request_id!r} holds no KV pages")
+        return req
+
     def release(self, request_id: str) -> None:
         """Frees the pages of a finished ``hold_kv`` request."""
         req = self._requests.get(str(request_id))
@@ -203,6 +236,37 @@ class Engine(HandoffMixin):
             raise InvalidArgument(f"request {request_id!r} is not finished; abort it first")
         self.scheduler.free(req)
         del self._requests[req.request_id]
+
+    # ---- KV hand-off (the work is :attr:`handoff`'s; these find the request)
+    def save_block(self, request_id: str, block_index: int, buf: Any, layer: int | None = None) -> int:
+        """Copies block ``block_index`` of a request (layer ``layer``, or all layers) into ``buf``.
+
+        ``buf``: a writable buffer of one whole block (:attr:`layout`.block_nbytes; the
+        layer goes to its span) or, with ``layer`` given, of one layer (layer_nbytes).
+        Valid while the request holds its pages: during its steps (from an ``on_layer``
+        callback, for layers already done), while it runs, or after it finished with
+        ``hold_kv=True``. Returns the number of tokens copied (less than block_size for a
+        partial last block).
+        """
+        return self.handoff.save_block(self._holding_pages(request_id), block_index, buf, layer)
+
+    def save_blocks(self, request_id: str, first_block: int, num_blocks: int, buf: Any,
+                    layer: int | None = None) -> None:
+        """Copies full blocks ``first_block .. first_block + num_blocks`` of a request (all
+        layers, or layer ``layer``) into ``buf`` in one call: ``num_blocks`` whole blocks
+        (or layer spans) back to back, each laid out as :meth:`save_block` writes it.
+        ``InvalidArgument`` if one of them is not a full block of computed KV."""
+        self.handoff.save_blocks(self._holding_pages(request_id), first_block, num_blocks, buf, layer)
+
+    def prompt_logits(self, prompt_token_ids: Sequence[int]) -> torch.Tensor:
+        """float32 logits ``[len(prompt), vocab]`` of every prompt position."""
+        return self.handoff.prompt_logits(self._check_prompt(prompt_token_ids, SamplingParams(max_tokens=1)))
+
+    def measure_prefill(self, points: Sequence[tuple[int, int]], *, repeats: int = 3,
+                        warmup: int = 1) -> list[PrefillTiming]:
+        """Median prefill time of each ``(new_tokens, cached_tokens)`` point, chunked as the
+        scheduler would chunk it. Run it on an idle engine (it borrows free pages)."""
+        return self.handoff.measure_prefill(points, repeats=repeats, warmup=warmup)
 
     # ---- the step loop
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
@@ -218,29 +282,6 @@ class Engine(HandoffMixin):
         if req.prefill_only:
             return "prefill"
         return None
-
-    def _layer_hook(self, reqs: list[Request], starts: list[int]) -> Callable[[int], None] | None:
-        b = self.block_size
-        events: list[tuple[Callable[[LayerEvent], None], str, tuple[int, ...], int | None, int, bool]] = []
-        for req, start in zip(reqs, starts):
-            plen = len(req.prompt_token_ids)
-            if req.on_layer is None or start >= plen:
-                continue
-            end = min(req.kv_end, plen)
-            full = tuple(range(start // b, end // b))
-            last = end == plen
-            partial = plen // b if last and plen % b else None
-            if full or partial is not None:
-                events.append((req.on_layer, req.request_id, full, partial, plen % b if partial is not None else 0,
-                               last))
-        if not events:
-            return None
-
-        def hook(layer: int) -> None:
-            for fn, rid, full, partial, ptoks, last in events:
-                fn(LayerEvent(rid, layer, full, partial, ptoks, last and layer == self.config.num_layers - 1))
-
-        return hook
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling step; returns the outputs of requests that got a token or finished."""
@@ -294,7 +335,7 @@ class Engine(HandoffMixin):
         made); the logits of ``rows``, or None when no request samples."""
         ids = meta.token_ids
         assert ids is not None
-        hook = self._layer_hook(batch.requests, starts)
+        hook = self.handoff.layer_hook(batch.requests, starts)
         logits = self.model.forward(ids, meta, self.cache, self.attn, rows, hook)
         for req in batch.requests:
             req.num_computed = req.kv_end
@@ -303,9 +344,11 @@ class Engine(HandoffMixin):
     def _sample_and_finish(self, logits: torch.Tensor, picked: list[Request]) -> list[RequestOutput]:
         """A token for each request that samples; the ones that stop are finished (and
         forgotten unless they hold their KV); an output each. A request whose sampling
-        raised fails alone (see :meth:`_sample`)."""
+        raised fails alone (:meth:`Sampler.sample_each`)."""
         outputs = []
-        for req, tok in zip(picked, self._sample(logits, picked)):
+        tokens = self.sampler.sample_each(logits, [r.params for r in picked],
+                                          [len(r.output_token_ids) for r in picked])
+        for req, tok in zip(picked, tokens):
             if isinstance(tok, str):
                 outputs.append(self._fail(req, tok))
                 continue
@@ -317,24 +360,6 @@ class Engine(HandoffMixin):
                     del self._requests[req.request_id]
             outputs.append(self._output(req, [tok]))
         return outputs
-
-    def _sample(self, logits: torch.Tensor, picked: list[Request]) -> list[int | str]:
-        """One token per request; where sampling a request raises, the error (a str)
-        instead of its token. The batch first; if that raises, row by row, so one
-        request's failure is that request's alone."""
-        params = [r.params for r in picked]
-        indices = [len(r.output_token_ids) for r in picked]
-        try:
-            return list(self.sampler.sample(logits, params, indices))
-        except Exception:  # noqa: BLE001 - find the row(s) at fault below
-            log.exception("engine: sampling a batch of %d failed; sampling row by row", len(picked))
-        out: list[int | str] = []
-        for i in range(len(picked)):
-            try:
-                out.append(self.sampler.sample(logits[i:i + 1], params[i:i + 1], indices[i:i + 1])[0])
-            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
-                out.append(f"sampling failed: {type(e).__name__}: {e}")
-        return out
 
     def _fail(self, req: Request, error: str) -> RequestOutput:
         """Ends ``req`` as failed (``finish_reason`` abort, ``error`` set): its pages are

@@ -1,69 +1,77 @@
-"""KV hand-off hooks of the engine, used by the serving layer (see docs/engine.md).
+"""The engine's KV hand-off: moving a request's KV between the paged cache and store blocks.
 
-- :attr:`Engine.layout`: the byte layout of a store block (:class:`~.kv_cache.BlockLayout`).
-- :meth:`Engine.save_block`: copy a request's block (one layer or all) into a buffer.
-- ``Engine.add_request(..., restored_kv=[...])``: a prefix loaded from buffers.
-- :meth:`Engine.add_decode_request`: a request whose whole prompt KV comes from buffers.
-- :meth:`Engine.measure_prefill`: prefill times for the conductor's cost model.
-- :meth:`Engine.prompt_logits`: logits of every prompt position (tests, debugging).
+:class:`KVHandoff` is a part :class:`~.engine.Engine` composes (``Engine.handoff``). It
+works on the paged cache, the model and the block layout it is built with, and on the
+:class:`~.scheduler.Request` objects it is handed; it never sees the engine's request
+table or scheduler, so what it may touch is its constructor's arguments. The engine keeps
+the request bookkeeping (ids, queueing, finishing) and its public methods
+(``save_block``, ``save_blocks``, ``add_decode_request``, ``add_request(...,
+restored_kv=...)``, ``measure_prefill``, ``prompt_logits``) call into this part.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
+from ..base.layout import BlockLayout
+from ..base.model_config import ModelConfig
+from ..base.outputs import LayerEvent, PrefillTiming
 from ..errors import InvalidArgument
-from .attention import BatchMeta
-from .kv_cache import as_byte_tensor
-from ..base.outputs import PrefillTiming
-from ..base.params import SamplingParams
-from .tokens import token_id
+from .attention import AttentionBackend, BatchMeta
+from .kv_cache import KVCache, as_byte_tensor
+from .model import LlamaModel
+from .scheduler import Request
 
-if TYPE_CHECKING:
-    from ..base.model_config import ModelConfig
-    from ..base.layout import BlockLayout
-    from .kv_cache import KVCache
-    from .model import LlamaModel
-    from .attention import AttentionBackend
-    from ..base.outputs import RequestOutput
-    from .scheduler import Request, Scheduler
-
-__all__ = ["HandoffMixin"]
+__all__ = ["KVHandoff"]
 
 
-class HandoffMixin:
-    """Methods of :class:`~.engine.Engine` that move KV in and out (split off for size)."""
+class KVHandoff:
+    """Loads restored KV into a request's pages, saves a request's blocks into buffers,
+    reports blocks as their layers are written, and runs prefills outside the step loop
+    (timings for the conductor's cost model, all-position logits)."""
 
-    if TYPE_CHECKING:  # provided by Engine
-        config: ModelConfig
-        device: torch.device
-        block_size: int
-        page_size: int
-        layout: BlockLayout
-        cache: KVCache
-        model: LlamaModel
-        attn: AttentionBackend
-        scheduler: Scheduler
-        max_num_batched_tokens: int
-        _requests: dict[str, Request]
-        _pending: list[RequestOutput]
+    def __init__(self, config: ModelConfig, layout: BlockLayout, cache: KVCache, model: LlamaModel,
+                 attn: AttentionBackend, *, max_num_batched_tokens: int) -> None:
+        self.config = config
+        self.layout = layout
+        self.cache = cache
+        self.model = model
+        self.attn = attn
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_size = layout.block_size
+        self.page_size = cache.page_size
+        self.device = cache.device
 
-        def _check_prompt(self, prompt: Sequence[int], params: SamplingParams) -> list[int]: ...
-        def _new_request(self, prompt: list[int], params: SamplingParams, request_id: str | None) -> Request: ...
-        def _stop_reason(self, req: Request, tok: int) -> str | None: ...
-        def _output(self, req: Request, new: list[int]) -> RequestOutput: ...
     # ---- loading restored KV
+    def prompt_blocks(self, prompt_len: int, kv_blocks: Sequence[Any]) -> list[tuple[int, Any]]:
+        """``(tokens, buffer)`` for a prompt whose whole KV comes from ``kv_blocks``: one
+        buffer per block, the last one partial when the prompt is not block-aligned."""
+        b = self.block_size
+        nblocks = -(-prompt_len // b)
+        if len(kv_blocks) != nblocks:
+            raise InvalidArgument(f"a prompt of {prompt_len} tokens needs {nblocks} KV blocks, got {len(kv_blocks)}")
+        sizes = [b] * (nblocks - 1) + [prompt_len - (nblocks - 1) * b]
+        return list(zip(sizes, kv_blocks))
+
+    def prefix_blocks(self, prompt_len: int, restored_kv: Sequence[Any] | None) -> list[tuple[int, Any]]:
+        """``(tokens, buffer)`` for the full prompt blocks ``restored_kv`` covers; the last
+        prompt token is always computed, so at most ``(prompt_len - 1) // block_size``."""
+        if not restored_kv:
+            return []
+        usable = (prompt_len - 1) // self.block_size
+        return [(self.block_size, b) for b in list(restored_kv)[:usable]]
+
     def _block_bytes(self, buf: Any, what: str) -> torch.Tensor:
         t = as_byte_tensor(buf, writable=False)
         if t.numel() != self.layout.block_nbytes:
             raise InvalidArgument(f"{what}: buffer holds {t.numel()} bytes, a block needs {self.layout.block_nbytes}")
         return t
 
-    def _restore(self, req: "Request", blocks: list[tuple[int, Any]]) -> None:
+    def restore(self, req: Request, blocks: list[tuple[int, Any]]) -> None:
         """Loads ``(tokens, buffer)`` blocks (prompt order) into new pages now, or, when the
         pool lacks free pages, keeps a host copy to load when the request is admitted."""
         if not blocks:
@@ -72,11 +80,13 @@ class HandoffMixin:
         need = sum(self.cache.pages_for(n) for n, _ in staged)
         if need <= self.cache.num_free:
             req.staged = staged
-            self._load_staged(req)
+            self.load_staged(req)
         else:
             req.staged = [(n, t.clone()) for n, t in staged]
 
-    def _load_staged(self, req: "Request") -> None:
+    def load_staged(self, req: Request) -> None:
+        """Loads a request's staged blocks into new pages (the scheduler calls it at
+        admission for a request whose blocks did not fit when it was added)."""
         assert req.staged is not None and not req.pages
         per_block = self.block_size // self.page_size
         total = 0
@@ -92,90 +102,61 @@ class HandoffMixin:
         req.num_computed = total
         req.staged = None
 
-    def add_decode_request(self, prompt_token_ids: Sequence[int], first_token_id: int,
-                           params: SamplingParams | None, kv_blocks: Sequence[Any], *,
-                           request_id: str | None = None) -> str:
-        """Adds a request whose prompt was prefilled elsewhere, straight into the decode batch.
-
-        ``kv_blocks``: one buffer per prompt block, ``ceil(len(prompt) / block_size)`` of
-        them, the last one partial when the prompt is not block-aligned (its first
-        ``len(prompt) % block_size`` token rows are used). ``first_token_id``: the token
-        the prefill instance sampled. The buffers may be released when this returns.
-        """
-        params = params or SamplingParams()
-        prompt = self._check_prompt(prompt_token_ids, params)
-        b = self.block_size
-        nblocks = -(-len(prompt) // b)
-        if len(kv_blocks) != nblocks:
-            raise InvalidArgument(f"a prompt of {len(prompt)} tokens needs {nblocks} KV blocks, got {len(kv_blocks)}")
-        first_token_id = token_id(first_token_id)
-        if not 0 <= first_token_id < self.config.vocab_size:
-            raise InvalidArgument(f"first_token_id must be in 0..{self.config.vocab_size - 1}")
-        sizes = [b] * (nblocks - 1) + [len(prompt) - (nblocks - 1) * b]
-        req = self._new_request(prompt, params, request_id)
-        try:
-            self._restore(req, list(zip(sizes, kv_blocks)))
-        except Exception:
-            del self._requests[req.request_id]
-            raise
-        req.num_cached_tokens = len(prompt)
-        tok = first_token_id
-        req.output_token_ids.append(tok)
-        reason = self._stop_reason(req, tok) if not req.prefill_only else None
-        if reason is not None:
-            self.scheduler.free(req)
-            req.staged = None
-            req.finish_reason = reason
-            self._pending.append(self._output(req, []))
-            del self._requests[req.request_id]
-        else:
-            self.scheduler.add(req)
-        return req.request_id
-
     # ---- saving KV
-    def save_block(self, request_id: str, block_index: int, buf: Any, layer: int | None = None) -> int:
-        """Copies block ``block_index`` of a request (layer ``layer``, or all layers) into ``buf``.
-
-        ``buf``: a writable buffer of one whole block (:attr:`layout`.block_nbytes; the
-        layer goes to its span) or, with ``layer`` given, of one layer (layer_nbytes).
-        Valid while the request holds its pages: during its steps (from an ``on_layer``
-        callback, for layers already done), while it runs, or after it finished with
-        ``hold_kv=True``. Returns the number of tokens copied (less than block_size for a
-        partial last block).
-        """
-        req = self._requests.get(str(request_id))
-        if req is None or not req.pages:
-            raise InvalidArgument(f"request {request_id!r} holds no KV pages")
+    def save_block(self, req: Request, block_index: int, buf: Any, layer: int | None = None) -> int:
+        """Copies block ``block_index`` of ``req`` (see :meth:`Engine.save_block`)."""
         b = self.block_size
         avail = max(req.kv_end, req.num_computed)
         n = min(b, avail - int(block_index) * b)
         if block_index < 0 or n <= 0:
-            raise InvalidArgument(f"block {block_index} of request {request_id!r} has no computed KV "
+            raise InvalidArgument(f"block {block_index} of request {req.request_id!r} has no computed KV "
                                   f"({avail} tokens computed)")
         per_block = b // self.page_size
         pages = req.pages[block_index * per_block:(block_index + 1) * per_block]
         self.cache.save_block(self.layout, pages, n, buf, layer)
         return n
 
-    def save_blocks(self, request_id: str, first_block: int, num_blocks: int, buf: Any,
+    def save_blocks(self, req: Request, first_block: int, num_blocks: int, buf: Any,
                     layer: int | None = None) -> None:
-        """Copies full blocks ``first_block .. first_block + num_blocks`` of a request (all
-        layers, or layer ``layer``) into ``buf`` in one call: ``num_blocks`` whole blocks
-        (or layer spans) back to back, each laid out as :meth:`save_block` writes it.
-        ``InvalidArgument`` if one of them is not a full block of computed KV."""
-        req = self._requests.get(str(request_id))
-        if req is None or not req.pages:
-            raise InvalidArgument(f"request {request_id!r} holds no KV pages")
+        """Copies full blocks of ``req`` back to back (see :meth:`Engine.save_blocks`)."""
         b = self.block_size
         avail = max(req.kv_end, req.num_computed)
         if first_block < 0 or num_blocks < 1 or (first_block + num_blocks) * b > avail:
-            raise InvalidArgument(f"blocks {first_block}..{first_block + num_blocks - 1} of request {request_id!r} "
-                                  f"are not all full blocks of computed KV ({avail} tokens computed)")
+            raise InvalidArgument(f"blocks {first_block}..{first_block + num_blocks - 1} of request "
+                                  f"{req.request_id!r} are not all full blocks of computed KV "
+                                  f"({avail} tokens computed)")
         per_block = b // self.page_size
         pages = req.pages[first_block * per_block:(first_block + num_blocks) * per_block]
         self.cache.save_blocks(self.layout, pages, num_blocks, buf, layer)
 
-    # ---- measurements
+    def layer_hook(self, reqs: list[Request], starts: list[int]) -> Callable[[int], None] | None:
+        """For a step that writes KV of ``reqs`` from positions ``starts``: a per-layer
+        callback telling each request's ``on_layer`` which prompt blocks that layer
+        completed (None when no request listens or completes a block)."""
+        b = self.block_size
+        events: list[tuple[Callable[[LayerEvent], None], str, tuple[int, ...], int | None, int, bool]] = []
+        for req, start in zip(reqs, starts):
+            plen = len(req.prompt_token_ids)
+            if req.on_layer is None or start >= plen:
+                continue
+            end = min(req.kv_end, plen)
+            full = tuple(range(start // b, end // b))
+            last = end == plen
+            partial = plen // b if last and plen % b else None
+            if full or partial is not None:
+                events.append((req.on_layer, req.request_id, full, partial, plen % b if partial is not None else 0,
+                               last))
+        if not events:
+            return None
+        last_layer = self.config.num_layers - 1
+
+        def hook(layer: int) -> None:
+            for fn, rid, full, partial, ptoks, last in events:
+                fn(LayerEvent(rid, layer, full, partial, ptoks, last and layer == last_layer))
+
+        return hook
+
+    # ---- prefills outside the step loop
     def _standalone_prefill(self, token_ids: list[int], cached: int,
                             all_logits: bool) -> torch.Tensor | None:
         """Prefills ``token_ids[cached:]`` in budget-sized chunks on pages of its own (the
@@ -196,10 +177,9 @@ class HandoffMixin:
             self.cache.free(pages)
         return torch.cat([c for c in chunks if c is not None]) if chunks else None
 
-    def prompt_logits(self, prompt_token_ids: Sequence[int]) -> torch.Tensor:
-        """float32 logits ``[len(prompt), vocab]`` of every prompt position."""
-        toks = self._check_prompt(prompt_token_ids, SamplingParams(max_tokens=1))
-        out = self._standalone_prefill(toks, 0, all_logits=True)
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """float32 logits ``[len(token_ids), vocab]`` of every position (ids already checked)."""
+        out = self._standalone_prefill(token_ids, 0, all_logits=True)
         assert out is not None
         return out
 

@@ -9,6 +9,7 @@ torch-free bottom layer (:mod:`mooncake_rs.base.params`).
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import torch
@@ -18,6 +19,8 @@ from ..base.params import SamplingParams
 __all__ = ["Sampler", "filtered_probs"]
 
 _MASK63 = (1 << 63) - 1
+
+log = logging.getLogger("mooncake_rs.engine")
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -75,4 +78,21 @@ class Sampler:
         chosen = order.gather(1, pick).squeeze(1).tolist()
         for s, tok in zip(rows, chosen):
             out[s] = tok
+        return out
+
+    def sample_each(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                    indices: Sequence[int]) -> list[int | str]:
+        """:meth:`sample`, except that where sampling a row raises, that row gets the
+        error (a str) instead of a token: the batch first; if that raises, row by row, so
+        one request's failure is that request's alone."""
+        try:
+            return list(self.sample(logits, params, indices))
+        except Exception:  # noqa: BLE001 - find the row(s) at fault below
+            log.exception("engine: sampling a batch of %d failed; sampling row by row", len(params))
+        out: list[int | str] = []
+        for i in range(len(params)):
+            try:
+                out.append(self.sample(logits[i:i + 1], params[i:i + 1], indices[i:i + 1])[0])
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                out.append(f"sampling failed: {type(e).__name__}: {e}")
         return out

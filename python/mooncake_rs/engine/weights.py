@@ -20,7 +20,7 @@ import torch
 from ..errors import InvalidArgument
 from ..base.model_config import ModelConfig
 
-__all__ = ["LayerWeights", "LlamaWeights", "random_weights", "load_hf_dir", "torch_dtype"]
+__all__ = ["LayerWeights", "LlamaWeights", "random_weights", "load_hf_dir", "load_model", "torch_dtype"]
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -232,3 +232,18 @@ def load_hf_dir(path: str | Path, *, dtype: str | None = None,
         raise InvalidArgument(f"checkpoint {p} has tensors that config.json ({cfg.architecture}) does not use: "
                               f"{left[:5]}{more}; is the config of another model?")
     return cfg, LlamaWeights(embed=embed, layers=layers, norm=final, lm_head=lm_head)
+
+
+def load_model(model: str | Path | ModelConfig, *, dtype: str, device: torch.device,
+               seed: int = 0) -> tuple[ModelConfig, LlamaWeights]:
+    """The config and weights the engine runs, from what its ``model`` argument names: a
+    :class:`ModelConfig` or a preset name (seeded random weights), or a local directory."""
+    if isinstance(model, ModelConfig):
+        cfg = model.replace(dtype=dtype)
+    elif isinstance(model, (str, Path)) and Path(model).is_dir():
+        return load_hf_dir(model, dtype=dtype, device=device)
+    elif isinstance(model, str):
+        cfg = ModelConfig.preset(model).replace(dtype=dtype)
+    else:
+        raise InvalidArgument(f"model must be a ModelConfig, a preset name or a model directory, got {model!r}")
+    return cfg, random_weights(cfg, seed=seed, dtype=dtype, device=device)

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from .._core import BlockHashes
 from .multisource import FetchSource, MultiFetch
-from .protocol import Exported, Export, Fetch, Fetched, Message, Replicate, Unpin, pack_keys
+from .protocol import Exported, Export, Failed, Fetch, Fetched, Message, Replicate, Unpin, pack_keys
 
 __all__ = ["Replicator", "ReplicaCopies"]
 
@@ -91,21 +91,25 @@ class Replicator:
     def owns(self, rid: Any) -> bool:
         return isinstance(rid, int) and rid in self.copies
 
-    def on_message(self, src: int, msg: Message) -> None:
-        """``Exported`` from the holder, ``Fetched`` / ``Failed`` from the target."""
-        c = self.copies[msg.rid]  # type: ignore[union-attr]
+    def on_message(self, src: int, msg: Exported | Fetched | Failed) -> None:
+        """``Exported`` from the holder, ``Fetched`` / ``Failed`` from the target, for a
+        copy this replicator :meth:`owns`."""
+        rid = msg.rid
+        if rid is None:  # a Failed of no request: never a copy's (owns(None) is False)
+            return
+        c = self.copies[rid]
         if isinstance(msg, Exported) and src == c.holder and not c.exported:
             n = len(msg.offsets)
             if n == 0:  # the holder no longer has it
-                self._end(msg.rid, copied=False)
+                self._end(rid, copied=False)
                 return
             c.exported = True
             keys = c.keys[:16 * n]
-            self._send(c.target, Replicate(msg.rid, Fetch(c.holder, msg.arena, list(msg.offsets), keys)))
+            self._send(c.target, Replicate(rid, Fetch(c.holder, msg.arena, list(msg.offsets), keys)))
         elif isinstance(msg, Fetched) and src == c.target:
-            self._end(msg.rid, copied=True)
+            self._end(rid, copied=True)
         else:  # a Failed from either end
-            self._end(msg.rid, copied=False)
+            self._end(rid, copied=False)
 
     def _end(self, rid: int, copied: bool) -> None:
         c = self.copies.pop(rid)

@@ -9,7 +9,7 @@ import socket
 import sys
 from typing import Any
 
-from ..errors import InvalidArgument
+from ...errors import InvalidArgument
 
 __all__ = ["run_app", "upstream_basics"]
 
@@ -24,7 +24,7 @@ def upstream_basics(args: argparse.Namespace) -> tuple[Any, str | None, str] | N
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
 
-        from ..text import Tokenizer
+        from ...text import Tokenizer
     except ImportError as e:
         print(f"mooncake-rs serve --upstream needs the upstream extra (pip install \"mooncake-rs[upstream]\"): {e}",
               file=sys.stderr)

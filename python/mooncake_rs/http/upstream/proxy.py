@@ -1,7 +1,7 @@
 """The OpenAI-compatible proxy over external engines (``mooncake-rs serve --upstream ...``).
 
 Per request: tokenize the prompt (the upstreams' tokenizer, ``--tokenizer``) to hash its
-blocks, let :class:`.upstream.UpstreamRouter` pick the upstream, forward the request body
+blocks, let :class:`~mooncake_rs.interop.upstream.UpstreamRouter` pick the upstream, forward the request body
 unchanged (httpx, async) and pass the answer back as it comes: ``text/event-stream``
 chunk by chunk, anything else whole. The chosen upstream is named in the
 ``X-Mooncake-Upstream`` response header. Errors are in the OpenAI shape: a refused
@@ -20,10 +20,10 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..errors import InvalidArgument
-from ..http.errors import ApiError, bad_request
-from .upstream import Route, UpstreamRouter
-from .upstream_http import UpstreamHttp, is_stream, passthrough, read_body
+from ...errors import InvalidArgument
+from ..errors import ApiError, bad_request
+from ...interop.upstream import Route, UpstreamRouter
+from .forward import UpstreamHttp, is_stream, passthrough, read_body
 
 __all__ = ["create_proxy_app", "prompt_ids_of"]
 

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ..errors import InvalidArgument
+from ...errors import InvalidArgument
 from .listen import run_app, upstream_basics
 
 __all__ = ["serve_upstreams"]
@@ -14,8 +14,8 @@ __all__ = ["serve_upstreams"]
 
 def serve_upstreams(args: argparse.Namespace) -> int:
     """Blocks until Ctrl-C / SIGTERM. Upstreams without roles (``cli._serve`` sends those
-    with ``prefill:``/``decode:`` roles to pd_serve.py)."""
-    from .upstream import UpstreamRouter, parse_upstream
+    with ``prefill:``/``decode:`` roles to ``pd_serve.py``)."""
+    from ...interop.upstream import UpstreamRouter, parse_upstream
 
     specs = [parse_upstream(s) for s in args.upstream]
     if args.model is not None:

@@ -1,7 +1,7 @@
 """The OpenAI-compatible P/D proxy (``serve --upstream prefill:...=... decode:...=...``).
 
 Per request, vLLM's disaggregated protocol:
-1. the conductor picks the prefill instance (pd.py); it gets the request with
+1. the conductor picks the prefill instance (``interop/pd.py``); it gets the request with
    ``max_tokens=1``, not streamed, and ``kv_transfer_params={"do_remote_decode": true}``:
    it computes the prompt, its connector saves the blocks, and its answer's
    ``kv_transfer_params`` say where they are;
@@ -29,14 +29,14 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..http.errors import ApiError, bad_request
-from .pd import DecodeChoice, PDRouter
+from ..errors import ApiError, bad_request
+from ...interop.pd import DecodeChoice, PDRouter
 from .proxy import prompt_ids_of
-from .upstream_http import UpstreamHttp, is_stream, passthrough, read_body
+from .forward import UpstreamHttp, is_stream, passthrough, read_body
 
 __all__ = ["create_pd_app", "PREFILL_HEADER", "DECODE_HEADER"]
 
-log = logging.getLogger("mooncake_rs.interop")
+log = logging.getLogger("mooncake_rs.interop")  # the name it logged under before it moved to http
 
 PREFILL_HEADER = "X-Mooncake-Prefill"
 DECODE_HEADER = "X-Mooncake-Decode"
@@ -132,7 +132,7 @@ def create_pd_app(router: PDRouter, tokenizer: Any, *, api_key: str | None = Non
         while True:
             try:
                 d = router.pick_decode(exclude=tried)
-            except Exception as e:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - none left to try: the request fails with 502
                 return error(ApiError(502, f"no decode instance could be reached (tried {tried})",
                                       type="upstream_error", code="upstream_unreachable"), headers)
             headers[DECODE_HEADER] = d.name

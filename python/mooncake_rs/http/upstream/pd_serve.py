@@ -1,5 +1,5 @@
 """``mooncake-rs serve --upstream prefill:NAME=URL,events=... --upstream decode:NAME=URL``:
-the P/D proxy (pd_app.py) run by uvicorn. Reached from serve_upstream.py when an
+the P/D proxy (pd_app.py) run by uvicorn. ``cli._serve`` sends ``serve`` here when an
 ``--upstream`` names a role."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import argparse
 import os
 import sys
 
-from ..errors import InvalidArgument
+from ...errors import InvalidArgument
 from .listen import run_app, upstream_basics
 
 __all__ = ["serve_pd"]
@@ -16,7 +16,7 @@ __all__ = ["serve_pd"]
 
 def serve_pd(args: argparse.Namespace) -> int:
     """Blocks until Ctrl-C / SIGTERM."""
-    from .pd import PDRouter, is_role_spec
+    from ...interop.pd import PDRouter, is_role_spec
 
     plain = [s for s in args.upstream if not is_role_spec(s)]
     if plain:

@@ -19,11 +19,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..http.errors import ApiError, from_exception
+from ..errors import ApiError, from_exception
 
 __all__ = ["UpstreamHttp", "is_stream", "read_body", "passthrough"]
 
-log = logging.getLogger("mooncake_rs.interop")
+log = logging.getLogger("mooncake_rs.interop")  # the name it logged under before it moved to http
 
 
 class UpstreamHttp:
