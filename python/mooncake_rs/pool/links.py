@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from .._core import TransferEngine
-from ..net import auth_socket
+from ..net import auth_socket, plain_socket
 from ..errors import InvalidArgument, MooncakeError
 from .members import StoreNodeRecord
 from .protocol import Failure, FrameIO, Reply
@@ -70,11 +70,14 @@ class Pending:
 
 
 class NodeLink:
-    def __init__(self, record: StoreNodeRecord, token: str | bytes, te: TransferEngine, timeout_s: float) -> None:
+    def __init__(self, record: StoreNodeRecord, token: str | bytes | None, te: TransferEngine,
+                 timeout_s: float) -> None:
+        """``token`` None: a plaintext node (net/plain_socket.py)."""
         self.record = record
         self.timeout_s = timeout_s
         try:
-            self.sock = auth_socket.connect(record.control, token, timeout_s=timeout_s)
+            self.sock = (plain_socket.connect_plain(record.control, timeout_s=timeout_s) if token is None
+                         else auth_socket.connect(record.control, token, timeout_s=timeout_s))
             # bounds each read: a node silent this long with a request in flight is down
             self.sock.settimeout(timeout_s)
             self.peer = te.connect(f"store-{record.name}", record.transfer)

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .._core import TransferEngine
 from ..net.auth_socket import AuthListener
+from ..net.plain_socket import PlainListener
 from ..net.etcd import EtcdClient
 from ..net.sealed import SealedSocket
 from ..errors import InvalidArgument, MooncakeError
@@ -42,13 +44,22 @@ class _Conn:
 
 
 class StoreNode:
-    def __init__(self, *, name: str, listen: str, dram_bytes: int, auth_token: str, ssd_path: str | None = None,
+    def __init__(self, *, name: str, listen: str, dram_bytes: int, auth_token: str | None,
+                 ssd_path: str | None = None,
                  ssd_bytes: int = 0, transfer_listen: str | None = None, metrics_listen: str | None = None,
                  etcd: str | None = None, prefix: str = "/mooncake/default", ttl_s: int = 3,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, transports: tuple[str, ...] = ("tcp", "shm")) -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, transports: tuple[str, ...] = ("tcp", "shm"),
+                 plaintext: bool = False) -> None:
+        """``plaintext``: no cluster token, nothing authenticated or sealed (control and data),
+        like Mooncake Store's TCP; only on a network where every host is trusted. It must be
+        asked for by name: ``auth_token=None`` alone is refused."""
         host, _, port = listen.rpartition(":")
         if not host or not port.isdigit():
             raise InvalidArgument(f"--listen must be HOST:PORT, got {listen!r}")
+        if plaintext == bool(auth_token):
+            raise InvalidArgument("a store node needs the cluster token, or plaintext=True (--plaintext) and no "
+                                  "token; not both")
+        self.plaintext = plaintext
         self.name = name
         self.segment = ObjectSegment(dram_bytes, ssd_path=ssd_path, ssd_bytes=ssd_bytes, chunk_bytes=chunk_bytes,
                                      shared_memory=True)
@@ -58,7 +69,9 @@ class StoreNode:
         self.regions = [self.te.register(sc.store) for sc in self.segment.classes]
         self._ids = itertools.count(1)
         self._closed = threading.Event()
-        self.listener = AuthListener(host, int(port), auth_token, self._serve)
+        self.listener: AuthListener | PlainListener = (
+            PlainListener(host, int(port), self._serve) if plaintext
+            else AuthListener(host, int(port), auth_token or "", self._serve))
         self.address = self.listener.address
         self._http = _metrics_server(metrics_listen or f"{host}:0", self)
         self.metrics_address = "{}:{}".format(*self._http.server_address[:2])
@@ -68,7 +81,7 @@ class StoreNode:
         self.registration = NodeRegistration(EtcdClient(etcd), prefix, self.record, ttl_s=ttl_s) if etcd else None
 
     # ---- one connection
-    def _serve(self, sock: SealedSocket, peer: str) -> None:
+    def _serve(self, sock: SealedSocket | socket.socket, peer: str) -> None:
         io = FrameIO(sock, Request)
         conn = _Conn()
         try:

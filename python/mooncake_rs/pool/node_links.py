@@ -20,7 +20,8 @@ DOWN_S = 1.0
 
 
 class NodeLinks:
-    def __init__(self, directory: NodeDirectory, token: str, te: TransferEngine, io_timeout_s: float) -> None:
+    def __init__(self, directory: NodeDirectory, token: str | None, te: TransferEngine,
+                 io_timeout_s: float) -> None:
         self.directory = directory
         self.token = token
         self.te = te

@@ -27,7 +27,7 @@ import numpy as np
 from .._core import Peer, Region, TransferEngine, TransferRequest
 from ..net.etcd import EtcdClient
 from ..deploy.settings import read_token
-from ..errors import ServiceUnavailable
+from ..errors import InvalidArgument, ServiceUnavailable
 from .buffers import RegisteredBuffer, RegisteredBuffers, scatter, view_at
 from .links import NodeDown, Pending
 from .members import NodeDirectory
@@ -48,10 +48,14 @@ log = logging.getLogger("mooncake_rs.pool")
 class RemoteBackend:
     def __init__(self, etcd: str, *, auth_token: str | bytes | None, prefix: str, name: str | None,
                  wait_nodes: int, timeout_s: float, io_timeout_s: float,
-                 transports: tuple[str, ...] = ("tcp", "shm"), tcp_connections: int = 1) -> None:
+                 transports: tuple[str, ...] = ("tcp", "shm"), tcp_connections: int = 1,
+                 plaintext: bool = False) -> None:
         if isinstance(auth_token, bytes):
             auth_token = auth_token.decode()
-        self.token = auth_token if auth_token else read_token(None)
+        if plaintext and auth_token:
+            raise InvalidArgument("plaintext=True talks to nodes started with --plaintext, without a token: "
+                                  "drop auth_token, or plaintext")
+        self.token: str | None = None if plaintext else (auth_token if auth_token else read_token(None))
         self.io_timeout_s = io_timeout_s
         self.directory = NodeDirectory(EtcdClient(etcd), prefix)
         if not self.directory.wait_for(wait_nodes, timeout_s):
