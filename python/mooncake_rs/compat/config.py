@@ -10,8 +10,9 @@ Which pool it opens:
   ``MOONCAKE_AUTH_TOKEN`` or the file named by ``MOONCAKE_AUTH_TOKEN_FILE``; cluster name
   ``MOONCAKE_CLUSTER``, default ``default``, as the nodes' ``--cluster``; transports
   ``MOONCAKE_RS_TRANSPORTS``, default ``tcp,shm``: ``tcp`` alone sends every byte over
-  TCP even to a node on this host; ``MOONCAKE_RS_TCP_CONNECTIONS``, default 1: TCP
-  connections per node, each sealed and opened on its own thread at both ends;
+  TCP even to a node on this host; ``MOONCAKE_RS_TCP_CONNECTIONS``: TCP connections per
+  node, each sealed and opened on its own thread at both ends (unset: 1 without a token,
+  with one half the cores, 1 to 4);
   ``MOONCAKE_RS_PLAINTEXT=1``: the nodes run ``--plaintext``, no token, nothing sealed);
 - anything else (``P2PHANDSHAKE``, an HTTP metadata URL, a master address): an embedded
   pool of ``global_segment_size`` bytes in this process, no etcd, no network.
@@ -132,8 +133,11 @@ def plaintext_from_env() -> bool:
     return raw in ("1", "true", "yes")
 
 
-def tcp_connections_from_env() -> int:
-    raw = os.environ.get("MOONCAKE_RS_TCP_CONNECTIONS", "1").strip()
+def tcp_connections_from_env() -> int | None:
+    """None when unset: the transfer engine's rule (DistributedStore.connect)."""
+    raw = os.environ.get("MOONCAKE_RS_TCP_CONNECTIONS", "").strip()
+    if not raw:
+        return None
     if not raw.isdigit() or not 1 <= int(raw) <= 64:
         raise InvalidArgument(f"MOONCAKE_RS_TCP_CONNECTIONS is a count of connections per node, 1 to 64, got {raw!r}")
     return int(raw)

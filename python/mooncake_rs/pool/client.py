@@ -80,15 +80,17 @@ class DistributedStore:
     def connect(cls, etcd: str, *, auth_token: str | bytes | None = None, prefix: str = "/mooncake/default",
                 name: str | None = None, wait_nodes: int = 1, timeout_s: float = 10.0,
                 io_timeout_s: float = 5.0, transports: tuple[str, ...] = ("tcp", "shm"),
-                tcp_connections: int = 1, plaintext: bool = False) -> "DistributedStore":
+                tcp_connections: int | None = None, plaintext: bool = False) -> "DistributedStore":
         """``transports``: ("tcp",) makes every byte cross TCP even to a node on this host.
         ``tcp_connections``: data connections per node; each is sealed and opened on its own
         thread at both ends (one runs at about one core's AES-GCM), so more use more cores.
+        None (default): the transfer engine's rule (1 without a token; with one, half the
+        cores this process may use, 1 to 4: docs/transfer.md).
         ``plaintext``: nodes started with ``--plaintext`` (no token: nothing authenticated or
         sealed, like Mooncake Store's TCP; only where every host is trusted)."""
         from .remote import RemoteBackend
 
-        if not isinstance(tcp_connections, int) or not 1 <= tcp_connections <= 64:
+        if tcp_connections is not None and (not isinstance(tcp_connections, int) or not 1 <= tcp_connections <= 64):
             raise InvalidArgument(f"tcp_connections must be an int in 1..64, got {tcp_connections!r}")
         return cls(RemoteBackend(etcd, auth_token=auth_token, prefix=prefix, name=name, wait_nodes=wait_nodes,
                                  timeout_s=timeout_s, io_timeout_s=io_timeout_s, transports=tuple(transports),

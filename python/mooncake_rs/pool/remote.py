@@ -48,7 +48,7 @@ log = logging.getLogger("mooncake_rs.pool")
 class RemoteBackend:
     def __init__(self, etcd: str, *, auth_token: str | bytes | None, prefix: str, name: str | None,
                  wait_nodes: int, timeout_s: float, io_timeout_s: float,
-                 transports: tuple[str, ...] = ("tcp", "shm"), tcp_connections: int = 1,
+                 transports: tuple[str, ...] = ("tcp", "shm"), tcp_connections: int | None = None,
                  plaintext: bool = False) -> None:
         if isinstance(auth_token, bytes):
             auth_token = auth_token.decode()
