@@ -21,11 +21,10 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 
 from ..errors import BlockNotFound, InvalidArgument, StoreFull, TransferFailed
 from .backend import Backend
-from .buffers import RegisteredBuffer, RegisteredBuffers
+from .buffers import RegisteredBuffer, RegisteredBuffers, address_of
 from .local import LocalBackend
 from .metrics import PoolMetrics, prometheus_text
 from .segment import DEFAULT_CHUNK_BYTES, ObjectSegment
@@ -52,12 +51,6 @@ def _raise_for(status: int, key: str) -> None:
         raise InvalidArgument(f"invalid request for {key!r} (a buffer smaller than the value?)")
     if status in (KeyStatus.TRANSFER_FAILED, KeyStatus.RPC_FAILED):
         raise TransferFailed(f"moving {key!r} failed ({KeyStatus(status).name}); retry, or check the store nodes")
-
-
-def _address_of(value: Any) -> tuple[np.ndarray, int]:
-    arr = np.frombuffer(memoryview(value).cast("B"), dtype=np.uint8) if not isinstance(value, np.ndarray) \
-        else value.reshape(-1).view(np.uint8)
-    return arr, (arr.ctypes.data if arr.size else 0)
 
 
 class DistributedStore:
@@ -138,7 +131,7 @@ class DistributedStore:
         fast = getattr(self._backend, "put_values", None)
         if fast is not None:
             return fast(keys, list(values), replicas, pin)
-        held = [_address_of(v) for v in values]
+        held = [address_of(v) for v in values]
         return self._backend.put_many(keys, [[p] for _, p in held], [[a.size] for a, _ in held], replicas, pin)
 
     def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[Pieces], sizes: Sequence[Pieces]) -> list[int]:

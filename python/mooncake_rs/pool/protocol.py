@@ -169,11 +169,13 @@ class FrameIO:
 
     def recv(self) -> Any:
         """The next message (one of the union's types); EOFError when the peer closed, InvalidArgument if malformed."""
-        self._fill(_HDR.size)
+        if len(self._buf) - self._pos < _HDR.size:
+            self._fill(_HDR.size)
         (n,) = _HDR.unpack_from(self._buf, self._pos)
         if n > MAX_FRAME:
             raise InvalidArgument(f"a pool frame of {n} bytes exceeds the limit ({MAX_FRAME})")
-        self._fill(_HDR.size + n)
+        if len(self._buf) - self._pos < _HDR.size + n:
+            self._fill(_HDR.size + n)
         start = self._pos + _HDR.size
         self._pos = start + n
         try:

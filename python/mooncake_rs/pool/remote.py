@@ -28,7 +28,7 @@ from .._core import Peer, Region, TransferEngine, TransferRequest
 from ..net.etcd import EtcdClient
 from ..deploy.settings import read_token
 from ..errors import InvalidArgument, ServiceUnavailable
-from .buffers import RegisteredBuffer, RegisteredBuffers, scatter, view_at
+from .buffers import RegisteredBuffer, RegisteredBuffers, address_of, scatter, view_at
 from .links import NodeDown, Pending
 from .members import NodeDirectory
 from .node_links import NodeLinks
@@ -200,15 +200,51 @@ class RemoteBackend:
         finally:
             for r in temps:
                 self.te.unregister(r)
+        return self._outcome(done, errors, replicas)
+
+    def _outcome(self, done: list[int], errors: list[KeyStatus | None], replicas: int) -> list[KeyStatus]:
+        """OK for a key at least one replica took (fewer than asked: counted), else why not."""
         out = []
-        for i in range(len(keys)):
-            if done[i]:
-                if done[i] < replicas:
+        for n, err in zip(done, errors):
+            if n:
+                if n < replicas:
                     self.under_replicated += 1
                 out.append(KeyStatus.OK)
             else:
-                out.append(errors[i] or KeyStatus.RPC_FAILED)
+                out.append(err or KeyStatus.RPC_FAILED)
         return out
+
+    def put_values(self, keys: list[str], values: list[Any], replicas: int, pin: bool) -> list[KeyStatus]:
+        """Values given as buffers. When all are small, their bytes go inside the
+        ``PutInline`` messages themselves, one per node (one round trip, no address or
+        copy taken here); else as ``put_many``."""
+        try:
+            views = [memoryview(v).cast("B") for v in values]
+        except TypeError:  # not C-contiguous: address_of makes a contiguous copy
+            views = []
+        if not views or any(not 0 < v.nbytes <= INLINE_MAX for v in views):
+            held = [address_of(v) for v in values]
+            return self.put_many(keys, [[p] for _, p in held], [[a.size] for a, _ in held], replicas, pin)
+        live = self.nodes.live()
+        if not live:
+            return [KeyStatus.RPC_FAILED] * len(keys)
+        by_node: dict[str, list[int]] = defaultdict(list)
+        for i, k in enumerate(keys):
+            for node in rank_nodes(k, live)[:replicas]:
+                by_node[node].append(i)
+        groups = list(by_node.items())
+        answers = self.nodes.ask_each([(node, PutInline, {"keys": [keys[i] for i in idx],
+                                                          "values": [views[i] for i in idx], "pin": pin})
+                                       for node, idx in groups])
+        done = [0] * len(keys)
+        errors: list[KeyStatus | None] = [None] * len(keys)
+        for (_, idx), rep in zip(groups, answers):
+            for i, st in zip(idx, rep.values if rep is not None else [int(KeyStatus.RPC_FAILED)] * len(idx)):
+                if st == 0:
+                    done[i] += 1
+                elif errors[i] is None:
+                    errors[i] = KeyStatus(st)
+        return self._outcome(done, errors, replicas)
 
     # ---- gets
     def get_many(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:

@@ -20,7 +20,6 @@ Rules kept here:
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 from typing import Any
