@@ -41,6 +41,15 @@ def _check_key(key: object) -> str:
     return key
 
 
+def _check_keys(keys: Sequence[str]) -> list[str]:
+    """``keys`` as a list, each checked as ``_check_key`` does (one pass, no call per key)."""
+    keys = list(keys)
+    if not all(isinstance(k, str) and k for k in keys):
+        for k in keys:
+            _check_key(k)
+    return keys
+
+
 def _raise_for(status: int, key: str) -> None:
     if status == KeyStatus.MISSING:
         raise BlockNotFound(f"key {key!r} is not in the pool")
@@ -111,7 +120,7 @@ class DistributedStore:
                        replicas: int = 1, pin: bool = False) -> list[KeyStatus]:
         """Stores each key's value from its pieces (``ptrs[i][j]``, ``sizes[i][j]``), if the
         key is not in the pool yet (a stored key is left as it is: OK)."""
-        keys = [_check_key(k) for k in keys]
+        keys = _check_keys(keys)
         if not (len(keys) == len(ptrs) == len(sizes)):
             raise InvalidArgument(f"keys, ptrs and sizes differ in length: {len(keys)}, {len(ptrs)}, {len(sizes)}")
         if not isinstance(replicas, int) or replicas < 1:
@@ -121,7 +130,7 @@ class DistributedStore:
     def batch_put_values(self, keys: Sequence[str], values: Sequence[Any], *, replicas: int = 1,
                          pin: bool = False) -> list[KeyStatus]:
         """Stores each key's value given as a buffer (bytes, numpy, memoryview...)."""
-        keys = [_check_key(k) for k in keys]
+        keys = _check_keys(keys)
         if len(keys) != len(values):
             raise InvalidArgument(f"keys and values differ in length: {len(keys)}, {len(values)}")
         if not isinstance(replicas, int) or replicas < 1:
@@ -136,24 +145,24 @@ class DistributedStore:
 
     def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[Pieces], sizes: Sequence[Pieces]) -> list[int]:
         """Reads each key into its pieces: the value's size, or a negative KeyStatus."""
-        keys = [_check_key(k) for k in keys]
+        keys = _check_keys(keys)
         if not (len(keys) == len(ptrs) == len(sizes)):
             raise InvalidArgument(f"keys, ptrs and sizes differ in length: {len(keys)}, {len(ptrs)}, {len(sizes)}")
         return self._backend.get_many(keys, [list(p) for p in ptrs], [list(s) for s in sizes])
 
     def batch_get_bytes(self, keys: Sequence[str]) -> list[bytes | None]:
         """Each value as bytes, None for a key missing (or lost while read)."""
-        keys = [_check_key(k) for k in keys]
+        keys = _check_keys(keys)
         return self._backend.get_bytes_many(keys)
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        return self._backend.exists_many([_check_key(k) for k in keys])
+        return self._backend.exists_many(_check_keys(keys))
 
     def batch_sizes(self, keys: Sequence[str]) -> list[int | None]:
-        return self._backend.size_many([_check_key(k) for k in keys])
+        return self._backend.size_many(_check_keys(keys))
 
     def batch_remove(self, keys: Sequence[str]) -> list[bool]:
-        return self._backend.remove_many([_check_key(k) for k in keys])
+        return self._backend.remove_many(_check_keys(keys))
 
     # ---- single keys (typed exceptions)
     def put(self, key: str, value: Any, *, replicas: int = 1, pin: bool = False) -> None:

@@ -137,7 +137,7 @@ class StoreNode:
             return Answer(msg.rid)
         if isinstance(msg, Exists):
             seg.reap_evicted()
-            return Answer(msg.rid, [1 if seg.exists(k) else 0 for k in msg.keys])
+            return Answer(msg.rid, seg.exists_many(msg.keys))
         if isinstance(msg, Sizes):
             known = [seg.size_of(k) for k in msg.keys]
             return Answer(msg.rid, [int(KeyStatus.MISSING) if n is None else n for n in known])

@@ -379,6 +379,11 @@ class ObjectSegment:
     def exists(self, key: str) -> bool:
         return key in self._objects
 
+    def exists_many(self, keys: list[str]) -> list[int]:
+        """1 for each key held, else 0 (a batch_is_exist of a node)."""
+        objects = self._objects
+        return [1 if k in objects else 0 for k in keys]
+
     def size_of(self, key: str) -> int | None:
         meta = self._objects.get(key)
         return None if meta is None else meta.size
