@@ -9,7 +9,8 @@ Bytes never travel here: they move over the transfer engine, into slots a ``Rese
 answered or out of slots a ``Lookup`` leased.
 
 Reservations and leases belong to the connection that made them: when it closes (the
-client ended or died), the node aborts its reservations and releases its leases.
+client ended or died), the node aborts its reservations and releases its leases; on a
+node with a lease deadline (holds.py) also when the connection stays silent that long.
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ class _M(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"
 
 
 class Reserve(_M, frozen=True, tag="reserve"):
-    """Slots for each key (``sizes[i]`` bytes); ``pin``: never evicted."""
+    """Slots for each key (``sizes[i]`` bytes); ``pin``: never evicted. ``engine``: the
+    client's transfer engine name (a node with a lease deadline grants the slots to it)."""
 
     rid: int
     keys: list[str]
     sizes: list[int]
     pin: bool = False
+    engine: str = ""
 
 
 class Commit(_M, frozen=True, tag="commit"):
@@ -69,6 +72,7 @@ class Lookup(_M, frozen=True, tag="lookup"):
     keys: list[str]
     inline_max: int = 0
     lease_large: bool = True
+    engine: str = ""
 
 
 class Release(_M, frozen=True, tag="release"):

@@ -137,8 +137,8 @@ class RemoteBackend:
                 values = [b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs[i], sizes[i])) for i in small]
                 inline = self.nodes.asked(node, PutInline, keys=[keys[i] for i in small], values=values, pin=pin)
             if large:
-                reserve = self.nodes.asked(node, Reserve, keys=[keys[i] for i in large], sizes=[totals[i] for i in large],
-                                      pin=pin)
+                reserve = self.nodes.asked(node, Reserve, keys=[keys[i] for i in large],
+                                           sizes=[totals[i] for i in large], pin=pin, engine=self.name)
             asked.append((node, small, inline, large, reserve))
         temps: list[Region] = []
         pending = []  # (node, link, idx, reserved, batch, owners)
@@ -263,7 +263,8 @@ class RemoteBackend:
                     break
                 todo = []
                 # every node of this round is asked before any answer is read
-                asked = [(node, idx, self.nodes.asked(node, Lookup, keys=[keys[i] for i in idx], inline_max=INLINE_MAX))
+                asked = [(node, idx, self.nodes.asked(node, Lookup, keys=[keys[i] for i in idx], inline_max=INLINE_MAX,
+                                                      engine=self.name))
                          for node, idx in by_node.items()]
                 inflight = []
                 for node, idx, lookup in asked:
