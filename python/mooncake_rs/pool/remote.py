@@ -19,7 +19,6 @@ import logging
 import os
 import secrets
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -34,6 +33,7 @@ from .members import NodeDirectory
 from .node_links import NodeLinks
 from .metrics import PoolMetrics
 from .placement import rank_nodes
+from .ranked import RankedAsks
 from .spans import plan_spans
 from .objects import clip_sizes
 from .protocol import (INLINE_MAX, Commit, Exists, Leased, Lookup, PutInline, Release, Remove, RemoveAll, Reserve,
@@ -67,6 +67,7 @@ class RemoteBackend:
                                  connections_per_endpoint=tcp_connections)
         self.buffers = RegisteredBuffers()  # DistributedStore replaces it with its own
         self.nodes = NodeLinks(self.directory, self.token, self.te, io_timeout_s)
+        self.ranked = RankedAsks(self.nodes)
         self.replicas_lost = 0
         self.under_replicated = 0
 
@@ -346,7 +347,7 @@ class RemoteBackend:
                     large[i] = rep.sizes[j]
             return retry
 
-        self._by_rank(keys, lambda idx: (Lookup, {"keys": [keys[i] for i in idx], "inline_max": INLINE_MAX,
+        self.ranked.by_rank(keys, lambda idx: (Lookup, {"keys": [keys[i] for i in idx], "inline_max": INLINE_MAX,
                                                   "lease_large": False}), take)
         if large:
             idx = list(large)
@@ -357,47 +358,11 @@ class RemoteBackend:
         return out
 
     # ---- metadata
-    def _ask_ranked(self, keys: list[str], make: type, found: Callable[[int], bool]) -> list[int]:
-        """Asks each key's nodes in rank order until ``found(value)``; the last answer."""
-        out = [0] * len(keys)
-
-        def take(idx: list[int], rep: Any) -> list[int]:
-            if rep is None:
-                return idx
-            for i, v in zip(idx, rep.values):
-                out[i] = v
-            return [i for i, v in zip(idx, rep.values) if not found(v)]
-
-        self._by_rank(keys, lambda idx: (make, {"keys": [keys[i] for i in idx]}), take)
-        return out
-
-    def _by_rank(self, keys: list[str], request: Callable[[list[int]], tuple[type, dict[str, Any]]],
-                 take: Callable[[list[int], Any], list[int]]) -> None:
-        """Each key's replica nodes in rank order, one rank a round, every node of a round
-        asked at once: ``request(indices)`` is what a node is asked about those keys,
-        ``take(indices, answer or None)`` handles its answer and returns the keys to ask of
-        their next-ranked node; stops when none is left or every live node was asked."""
-        live = self.nodes.live()
-        todo = list(range(len(keys)))
-        if len(live) == 1:  # one node holds every key there is: no ranking, one request
-            take(todo, self.nodes.ask_each([(live[0], *request(todo))])[0])
-            return
-        ranks = [rank_nodes(k, live) for k in keys]
-        for rnd in range(len(live)):
-            if not todo:
-                break
-            by_node: dict[str, list[int]] = defaultdict(list)
-            for i in todo:
-                by_node[ranks[i][rnd]].append(i)
-            groups = list(by_node.items())
-            answers = self.nodes.ask_each([(node, *request(idx)) for node, idx in groups])
-            todo = [i for (_, idx), rep in zip(groups, answers) for i in take(idx, rep)]
-
     def exists_many(self, keys: list[str]) -> list[bool]:
-        return [v == 1 for v in self._ask_ranked(keys, Exists, lambda v: v == 1)]
+        return [v == 1 for v in self.ranked.values(keys, Exists, lambda v: v == 1)]
 
     def size_many(self, keys: list[str]) -> list[int | None]:
-        vals = self._ask_ranked(keys, Sizes, lambda v: v >= 0)
+        vals = self.ranked.values(keys, Sizes, lambda v: v >= 0)
         return [v if v >= 0 else None for v in vals]
 
     def remove_many(self, keys: list[str]) -> list[bool]:
