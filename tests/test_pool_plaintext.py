@@ -71,3 +71,27 @@ def test_plaintext_is_asked_for_by_name(etcd_url):
         StoreNode(name="n", listen="127.0.0.1:0", dram_bytes=16 << 20, auth_token=TOKEN, plaintext=True)
     with pytest.raises(InvalidArgument, match="drop auth_token"):
         DistributedStore.connect(etcd_url, auth_token=TOKEN, plaintext=True, prefix=PREFIX)
+
+
+def test_the_facade_reaches_a_plaintext_deployment_by_environment(etcd_url, plain_node, monkeypatch):
+    from mooncake_rs.compat.config import plaintext_from_env
+    from mooncake_rs.compat.mooncake_store import MooncakeDistributedStore
+
+    monkeypatch.setenv("MOONCAKE_RS_PLAINTEXT", "maybe")
+    with pytest.raises(InvalidArgument, match="MOONCAKE_RS_PLAINTEXT"):
+        plaintext_from_env()
+    monkeypatch.setenv("MOONCAKE_RS_PLAINTEXT", "1")
+    monkeypatch.setenv("MOONCAKE_AUTH_TOKEN", TOKEN)  # ignored: the nodes hold none
+    monkeypatch.setenv("MOONCAKE_CLUSTER", "plain")
+    monkeypatch.setenv("MOONCAKE_RS_TRANSPORTS", "tcp")
+    monkeypatch.setattr("mooncake_rs.compat.mooncake_store.pool_prefix", lambda: PREFIX)
+    url = "etcd://" + etcd_url[len("http://"):]
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", url, 0, 16 << 20, "tcp", "", url) == 0
+    try:
+        v = value_of("f", 5000).tobytes()
+        assert s.put("f", v) == 0
+        assert s.get("f") == v
+        assert s.batch_is_exist(["f", "g"]) == [1, 0]
+    finally:
+        s.close()
