@@ -6,12 +6,14 @@ Mooncake API calls (ours: mooncake_rs.compat's facade):
 - remote (needs root: network namespaces, tests/netns_helpers.py): the client on host 0,
   the pool on host 1, every byte over TCP (ours: a ``mooncake-rs store --tcp-only`` node
   found through etcd on the bridge; Mooncake: master + segment owner on host 1); plus our
-  transfer engine's own TCP batches of the same bytes between the same hosts.
+  transfer engine's own TCP batches of the same bytes between the same hosts. Ours and
+  our engine run twice: plaintext (``--plaintext`` nodes, an engine without a token: like
+  for like with Mooncake, whose TCP is plaintext) and with the cluster token (AES-GCM).
 
 Rows: batch_put_from / batch_get_into of 32 x 512 KiB and 32 x 4 MiB (GB/s, median over
 rounds; fresh keys per round), and 128 B keys put / get / batch_is_exist (ops/s).
 
-    python benches/pool_bench.py [--runs 3] [--peer-venv /tmp/peer-mc] [--no-remote]
+    python benches/pool_bench.py [--runs 3] [--peer-venv /tmp/peer-mc] [--no-remote] [--no-local]
 """
 
 from __future__ import annotations
@@ -75,25 +77,30 @@ def remote_run(peer_py: str, tmp: str) -> dict:
         etcd = EtcdServer(etcd_binary(), Path(tmp) / "etcd", host=hosts.gateway)
         etcd.start()
         try:
-            node, _ = start_node(lambda argv, **kw: hosts.popen(srv, argv, **kw), etcd.url, hosts.ip(srv), 7600,
-                                 "bench", "bench", dram="1GB")
-            env = our_env({"MOONCAKE_AUTH_TOKEN": "pool-test-token-0123456789abcdef", "MOONCAKE_CLUSTER": "bench",
-                           "MOONCAKE_RS_TRANSPORTS": "tcp"})
             etcd_addr = "etcd://" + etcd.url[len("http://"):]
-            out["ours"] = run_role(ns, sys.executable, "store", {"impl": "ours", "host": hosts.ip(cli), "meta": etcd_addr,
-                                                                 "master": etcd_addr, "segment": 0,
-                                                                 "parts": ["bulk", "small"]}, env)
-            node.terminate()
-            node.wait(10)
+            # plaintext first (like for like with Mooncake's TCP), then with the cluster token
+            for key, plain, port in (("ours", True, 7600), ("ours+token", False, 7601)):
+                node, _ = start_node(lambda argv, **kw: hosts.popen(srv, argv, **kw), etcd.url, hosts.ip(srv), port,
+                                     key, f"bench-{port}", dram="1GB", extra=("--plaintext",) if plain else ())
+                env = our_env({"MOONCAKE_CLUSTER": f"bench-{port}", "MOONCAKE_RS_TRANSPORTS": "tcp",
+                               **({"MOONCAKE_RS_PLAINTEXT": "1"} if plain else
+                                  {"MOONCAKE_AUTH_TOKEN": "pool-test-token-0123456789abcdef"})})
+                out[key] = run_role(ns, sys.executable, "store", {"impl": "ours", "host": hosts.ip(cli),
+                                                                  "meta": etcd_addr, "master": etcd_addr, "segment": 0,
+                                                                  "parts": ["bulk", "small"]}, env)
+                node.terminate()
+                node.wait(10)
         finally:
             etcd.stop()
-        # our transfer engine, same bytes, same hosts
-        ts = hosts.popen(srv, [sys.executable, ROLES, "te-server", json.dumps({"host": hosts.ip(srv), "token": TOKEN})],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=our_env())
-        info = json.loads(ts.stdout.readline())
-        out["te"] = run_role(ns, sys.executable, "te-client", {"token": TOKEN, **info}, our_env())
-        ts.stdin.close()
-        ts.wait(10)
+        # our transfer engine, same bytes, same hosts: plaintext and with the token
+        for key, token in (("te", None), ("te+token", TOKEN)):
+            ts = hosts.popen(srv, [sys.executable, ROLES, "te-server", json.dumps({"host": hosts.ip(srv),
+                                                                                   "token": token})],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=our_env())
+            info = json.loads(ts.stdout.readline())
+            out[key] = run_role(ns, sys.executable, "te-client", {"token": token, **info}, our_env())
+            ts.stdin.close()
+            ts.wait(10)
         # Mooncake: master + segment owner on host 1, the client (no segment) on host 0
         owner = hosts.popen(srv, [peer_py, ROLES, "mc-owner", json.dumps({"host": hosts.ip(srv), "segment": 1536 * MiB,
                                                                           "log": f"{tmp}/mc-master-remote.log"})],
@@ -118,24 +125,38 @@ def ratio(runs: list[dict], a: str, b: str, name: str, name_b: str | None = None
     return statistics.median(r[a][name] / r[b][name_b or name] for r in runs)
 
 
-def table(runs: list[dict], title: str, with_te: bool) -> str:
+def table(runs: list[dict], title: str) -> str:
     rows = [f"### {title} (median of {len(runs)} runs)", "",
-            "| operation | ours | Mooncake Store | ours / Mooncake (median of per-run ratios) |"
-            + (" TE TCP | ours / TE |" if with_te else ""),
-            "|---|---|---|---|" + ("---|---|" if with_te else "")]
+            "| operation | ours | Mooncake Store | ours / Mooncake (median of per-run ratios) |",
+            "|---|---|---|---|"]
     for name in runs[0]["ours"]:
         o, m = median_of(runs, ("ours", name)), median_of(runs, ("mooncake", name))
         unit = "GB/s" if name.startswith(("batch_put_from", "batch_get_into", "memcpy")) else "ops/s"
         fmt = (lambda x: f"{x:.2f} {unit}") if unit == "GB/s" else (lambda x: f"{x:,.0f} {unit}")
-        line = f"| {name} | {fmt(o)} | {fmt(m)} | {ratio(runs, 'ours', 'mooncake', name):.2f}x |"
-        if with_te:
-            te_name = name.replace("batch_put_from", "te write").replace("batch_get_into", "te read")
-            if te_name in runs[0].get("te", {}):
-                t = median_of(runs, ("te", te_name))
-                line += f" {t:.2f} GB/s | {ratio(runs, 'ours', 'te', name, te_name):.2f}x |"
+        rows.append(f"| {name} | {fmt(o)} | {fmt(m)} | {ratio(runs, 'ours', 'mooncake', name):.2f}x |")
+    return "\n".join(rows) + "\n"
+
+
+def remote_table(runs: list[dict]) -> str:
+    """Ours plaintext (``--plaintext`` nodes: like for like with Mooncake's TCP, which is
+    plaintext) and ours with the cluster token (AES-256-GCM on control and data), each
+    against Mooncake and against our transfer engine in the same mode."""
+    rows = [f"### remote: client and pool on two namespace hosts, TCP (median of {len(runs)} runs)", "",
+            "| operation | ours plaintext | ours + token | Mooncake Store (plaintext TCP) | plaintext / Mooncake "
+            "| token / Mooncake | TE plaintext | plaintext / TE | TE + token | token / TE + token |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in runs[0]["ours"]:
+        unit = "GB/s" if name.startswith(("batch_put_from", "batch_get_into", "memcpy")) else "ops/s"
+        fmt = (lambda x: f"{x:.2f} {unit}") if unit == "GB/s" else (lambda x: f"{x:,.0f} {unit}")
+        cells = [name] + [fmt(median_of(runs, (k, name))) for k in ("ours", "ours+token", "mooncake")]
+        cells += [f"{ratio(runs, k, 'mooncake', name):.2f}x" for k in ("ours", "ours+token")]
+        te_name = name.replace("batch_put_from", "te write").replace("batch_get_into", "te read")
+        for k, te in (("ours", "te"), ("ours+token", "te+token")):
+            if te_name in runs[0].get(te, {}):
+                cells += [f"{median_of(runs, (te, te_name)):.2f} GB/s", f"{ratio(runs, k, te, name, te_name):.2f}x"]
             else:
-                line += " | |"
-        rows.append(line)
+                cells += ["", ""]
+        rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"
 
 
@@ -144,6 +165,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--peer-venv", default=os.environ.get("MC_PEER_VENV", "/tmp/peer-mc"))
     ap.add_argument("--no-remote", action="store_true")
+    ap.add_argument("--no-local", action="store_true")
     ap.add_argument("--json", default=None, help="also write the raw results here")
     a = ap.parse_args()
     peer_py = str(Path(a.peer_venv) / "bin" / "python")
@@ -151,13 +173,15 @@ def main() -> None:
     local, remote = [], []
     for i in range(a.runs):
         t = time.time()
-        local.append(local_run(peer_py, tmp))
+        if not a.no_local:
+            local.append(local_run(peer_py, tmp))
         if not a.no_remote:
             remote.append(remote_run(peer_py, tmp))
         print(f"run {i + 1}/{a.runs} done in {time.time() - t:.0f} s", file=sys.stderr, flush=True)
-    print(table(local, "local: one process holds the pool", False))
+    if local:
+        print(table(local, "local: one process holds the pool"))
     if remote:
-        print(table(remote, "remote: client and pool on two namespace hosts, TCP", True))
+        print(remote_table(remote))
     if a.json:
         Path(a.json).write_text(json.dumps({"local": local, "remote": remote}, indent=1))
 

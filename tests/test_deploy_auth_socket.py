@@ -183,3 +183,34 @@ class _Spy:
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._sock, name)
+
+
+def test_a_read_timeout_mid_record_keeps_the_sealed_stream_in_step() -> None:
+    """The reader reads ahead; a timeout that cuts a record in two keeps what came, so the
+    next read returns the whole record and the ones behind it (several records in one
+    ``recv`` too)."""
+    from mooncake_rs.net.sealed import SealedSocket
+
+    a, b = socket.socketpair()
+    k1, k2 = b"k" * 32, b"j" * 32
+    tx = SealedSocket(a, k1, k2)
+    rx = SealedSocket(b, k2, k1)
+    raw = socket.socket(fileno=a.detach())  # the same stream, to cut a record's bytes
+    try:
+        from mooncake_rs._core import RecordSealer
+
+        sealer = RecordSealer(k1)
+        first = sealer.seal(b"first record " * 100)
+        raw.sendall(first[:len(first) // 2])
+        b.settimeout(0.2)
+        with pytest.raises(socket.timeout):
+            rx.recv(1 << 16)
+        raw.sendall(first[len(first) // 2:] + sealer.seal(b"second") + sealer.seal(b"third"))
+        got = b""
+        while len(got) < len(b"first record " * 100) + len(b"secondthird"):
+            got += rx.recv(1 << 16)
+        assert got == b"first record " * 100 + b"secondthird"
+    finally:
+        raw.close()
+        rx.close()
+        del tx

@@ -188,3 +188,42 @@ def test_small_values_travel_inline_large_ones_by_transfer_same_bytes(pool):
         # pieces smaller than the value: refused, not truncated
         small = np.zeros(10, np.uint8)
         assert r.batch_get_into(["s100"], [[small.ctypes.data]], [[10]]) == [KeyStatus.INVALID]
+
+
+def test_a_plaintext_node_with_a_lease_deadline_across_hosts(net):
+    """``--plaintext --lease-ttl 1`` on host 0, the client here: bytes equal over the
+    bridge without a token; a lease held by a client silent past the deadline is refused
+    when read late (nothing lands)."""
+    from mooncake_rs import TransferRequest
+    from mooncake_rs.pool.protocol import Lookup
+
+    hosts, server = net
+    cluster = f"t{next(_clusters)}"
+    p, _ = start_node(lambda argv, **kw: hosts.popen(0, argv, **kw), server.url, hosts.ip(0), 7600, "plain0",
+                      cluster, dram="32MB", extra=("--chunk-bytes", "64KB", "--plaintext", "--lease-ttl", "1"))
+    try:
+        with DistributedStore.connect(server.url, plaintext=True, prefix=cluster_prefix(cluster),
+                                      transports=("tcp",), io_timeout_s=3.0) as s:
+            keys = [f"p{i}" for i in range(4)]
+            vals = [value_of(k, 150_000 + 777 * i) for i, k in enumerate(keys)]
+            assert s.batch_put_from(keys, [[v.ctypes.data] for v in vals], [[v.nbytes] for v in vals]) == [0] * 4
+            dst = [np.zeros(v.nbytes, np.uint8) for v in vals]
+            assert s.batch_get_into(keys, [[d.ctypes.data] for d in dst], [[d.nbytes] for d in dst]) == \
+                [v.nbytes for v in vals]
+            assert all(np.array_equal(v, d) for v, d in zip(vals, dst))
+            be = s.backend
+            link = be.nodes.link("plain0")
+            leased = link.call(Lookup, keys=["p0"], engine=be.name)
+            assert leased.statuses == [0]
+            time.sleep(3.0)  # silent: past the deadline (1 s), the reaper's pass and the grace (1 s)
+            late = np.zeros(64 << 10, np.uint8)
+            st = be.te.submit([TransferRequest("read", be.te.register(late), 0, link.peer, leased.regions[0],
+                                               leased.offsets[0][0], late.nbytes)], timeout_s=10).wait()[0]
+            assert not st.ok and st.code == "no_grant", st
+            assert not late.any()
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()

@@ -135,6 +135,8 @@ def test_several_data_connections_per_node_move_the_same_bytes(etcd_url, node, m
     monkeypatch.setenv("MOONCAKE_RS_TCP_CONNECTIONS", "many")
     with pytest.raises(InvalidArgument, match="MOONCAKE_RS_TCP_CONNECTIONS"):
         tcp_connections_from_env()
+    monkeypatch.delenv("MOONCAKE_RS_TCP_CONNECTIONS")
+    assert tcp_connections_from_env() is None  # unset: the transfer engine's own rule
     monkeypatch.setenv("MOONCAKE_RS_TCP_CONNECTIONS", "3")
     assert tcp_connections_from_env() == 3
     with connect(etcd_url, tcp_connections=3) as s:

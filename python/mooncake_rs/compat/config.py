@@ -10,8 +10,10 @@ Which pool it opens:
   ``MOONCAKE_AUTH_TOKEN`` or the file named by ``MOONCAKE_AUTH_TOKEN_FILE``; cluster name
   ``MOONCAKE_CLUSTER``, default ``default``, as the nodes' ``--cluster``; transports
   ``MOONCAKE_RS_TRANSPORTS``, default ``tcp,shm``: ``tcp`` alone sends every byte over
-  TCP even to a node on this host; ``MOONCAKE_RS_TCP_CONNECTIONS``, default 1: TCP
-  connections per node, each sealed and opened on its own thread at both ends);
+  TCP even to a node on this host; ``MOONCAKE_RS_TCP_CONNECTIONS``: TCP connections per
+  node, each sealed and opened on its own thread at both ends (unset: 1 without a token,
+  with one half the cores, 1 to 4);
+  ``MOONCAKE_RS_PLAINTEXT=1``: the nodes run ``--plaintext``, no token, nothing sealed);
 - anything else (``P2PHANDSHAKE``, an HTTP metadata URL, a master address): an embedded
   pool of ``global_segment_size`` bytes in this process, no etcd, no network.
 """
@@ -27,7 +29,7 @@ from typing import Any
 from ..errors import InvalidArgument
 
 __all__ = ["SetupConfig", "parse_size", "etcd_url_of", "auth_token_from_env", "pool_prefix", "transports_from_env",
-           "tcp_connections_from_env"]
+           "tcp_connections_from_env", "plaintext_from_env"]
 
 _UNITS = {"": 1, "b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30, "tb": 1 << 40}
 
@@ -123,8 +125,19 @@ def transports_from_env() -> tuple[str, ...]:
     return names
 
 
-def tcp_connections_from_env() -> int:
-    raw = os.environ.get("MOONCAKE_RS_TCP_CONNECTIONS", "1").strip()
+def plaintext_from_env() -> bool:
+    """``MOONCAKE_RS_PLAINTEXT=1``: the deployment's nodes run ``--plaintext`` (no token)."""
+    raw = os.environ.get("MOONCAKE_RS_PLAINTEXT", "0").strip().lower()
+    if raw not in ("0", "1", "false", "true", "no", "yes", ""):
+        raise InvalidArgument(f"MOONCAKE_RS_PLAINTEXT is 1 (nodes started with --plaintext) or 0, got {raw!r}")
+    return raw in ("1", "true", "yes")
+
+
+def tcp_connections_from_env() -> int | None:
+    """None when unset: the transfer engine's rule (DistributedStore.connect)."""
+    raw = os.environ.get("MOONCAKE_RS_TCP_CONNECTIONS", "").strip()
+    if not raw:
+        return None
     if not raw.isdigit() or not 1 <= int(raw) <= 64:
         raise InvalidArgument(f"MOONCAKE_RS_TCP_CONNECTIONS is a count of connections per node, 1 to 64, got {raw!r}")
     return int(raw)

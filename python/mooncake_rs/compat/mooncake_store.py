@@ -22,7 +22,8 @@ import numpy as np
 
 from ..errors import MooncakeError
 from ..pool import DistributedStore, KeyStatus
-from .config import (SetupConfig, auth_token_from_env, etcd_url_of, pool_prefix, tcp_connections_from_env,
+from .config import (SetupConfig, auth_token_from_env, etcd_url_of, plaintext_from_env, pool_prefix,
+                     tcp_connections_from_env,
                      transports_from_env)
 
 __all__ = ["MooncakeDistributedStore", "ReplicateConfig", "ReplicaDescriptor"]
@@ -123,9 +124,11 @@ class MooncakeDistributedStore:
         try:
             etcd = etcd_url_of(cfg)
             if etcd is not None:
-                self._store = DistributedStore.connect(etcd, auth_token=auth_token_from_env(),
+                plain = plaintext_from_env()
+                self._store = DistributedStore.connect(etcd, auth_token=None if plain else auth_token_from_env(),
                                                        prefix=pool_prefix(), transports=transports_from_env(),
-                                                       tcp_connections=tcp_connections_from_env())
+                                                       tcp_connections=tcp_connections_from_env(),
+                                                       plaintext=plain)
             else:
                 if cfg.global_segment_size <= 0:
                     log.error("an embedded pool needs global_segment_size > 0 (or an etcd:// metadata_server "

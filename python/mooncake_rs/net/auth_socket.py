@@ -43,6 +43,8 @@ __all__ = ["connect", "AuthListener", "MIN_TOKEN_BYTES"]
 log = logging.getLogger("mooncake_rs.deploy")  # the name operators of a deployment filter on
 
 MAGIC = b"MCRS"
+#: what a plaintext listener (plain_socket.py) sends instead: told apart at once, not after a timeout
+PLAIN_MAGIC = b"MCPT"
 VERSION = 2  # 2: the stream after the handshake is sealed (sealed.py)
 NONCE = 32
 MAC = 32
@@ -89,7 +91,11 @@ def connect(address: str, token: str | bytes, timeout_s: float = 5.0) -> SealedS
         raise ServiceUnavailable(f"cannot connect to {address}: {e}") from e
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        hello = _recv_exact(sock, _HELLO, deadline)
+        hello = _recv_exact(sock, len(MAGIC), deadline)
+        if hello == PLAIN_MAGIC:
+            raise Unauthorized(f"{address} serves plaintext (started with --plaintext); connect without a token "
+                               "(plaintext=True) or give the node the cluster token")
+        hello += _recv_exact(sock, _HELLO - len(MAGIC), deadline)
         if hello[:4] != MAGIC:
             raise Unauthorized(f"{address} is not a mooncake_rs control endpoint")
         if hello[4] != VERSION:

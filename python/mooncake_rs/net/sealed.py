@@ -35,6 +35,8 @@ log = logging.getLogger("mooncake_rs.deploy")  # the name operators of a deploym
 #: plaintext per record (the core's bound is 1 MiB)
 _CHUNK = 1 << 20
 _HEADER = 4
+#: what one ``recv`` of the wire asks for at least
+_READ_AHEAD = 64 << 10
 
 
 def session_keys(token: bytes, server_nonce: bytes, client_nonce: bytes) -> tuple[bytes, bytes]:
@@ -47,17 +49,6 @@ def session_keys(token: bytes, server_nonce: bytes, client_nonce: bytes) -> tupl
     return key(b"c2s"), key(b"s2c")
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    parts, got = [], 0
-    while got < n:
-        chunk = sock.recv(n - got)
-        if not chunk:
-            return None
-        parts.append(chunk)
-        got += len(chunk)
-    return b"".join(parts)
-
-
 class SealedSocket:
     """An authenticated socket whose stream is sealed. Any thread may ``sendall`` (one at
     a time, in order: the sequence numbers must match the bytes on the wire); one thread
@@ -68,8 +59,10 @@ class SealedSocket:
         self._sealer = RecordSealer(send_key)
         self._opener = RecordOpener(recv_key)
         self._send_lock = threading.Lock()
-        self._buf = b""
+        self._buf = b""  # plaintext of the record being read, from _pos on
         self._pos = 0
+        self._raw = b""  # wire bytes read ahead, from _raw_pos on
+        self._raw_pos = 0
         self.peer = peer
 
     def sendall(self, data: bytes | bytearray | memoryview) -> None:
@@ -88,15 +81,37 @@ class SealedSocket:
         self._pos += len(out)
         return out
 
+    def _need(self, n: int) -> bool:
+        """At least ``n`` wire bytes buffered (False at the stream's end). Reads ahead: one
+        ``recv`` brings a small record's header and body, not one call each. Nothing is
+        consumed here, so a timeout in the middle of a record leaves the stream in step."""
+        have = len(self._raw) - self._raw_pos
+        if have >= n:
+            return True
+        parts = [self._raw[self._raw_pos:]] if have else []
+        try:
+            while have < n:
+                chunk = self._sock.recv(max(n - have, _READ_AHEAD))
+                if not chunk:
+                    return False
+                parts.append(chunk)
+                have += len(chunk)
+        finally:
+            self._raw, self._raw_pos = b"".join(parts), 0
+        return True
+
     def _fill(self) -> bool:
-        header = _recv_exact(self._sock, _HEADER)
-        if header is None:
+        if not self._need(_HEADER):
             return False
+        at = self._raw_pos
+        header = self._raw[at:at + _HEADER]
         try:
             body_len = RecordOpener.body_length(header)
-            body = _recv_exact(self._sock, body_len)
-            if body is None:
+            if not self._need(_HEADER + body_len):
                 return False
+            at = self._raw_pos  # (_need may have moved the buffer)
+            body = self._raw[at + _HEADER:at + _HEADER + body_len]
+            self._raw_pos = at + _HEADER + body_len  # consumed only when whole
             self._buf, self._pos = self._opener.open(header, body), 0
         except Unauthorized as e:
             log.warning("sealed session with %s broken: %s; closing it", self.peer or "a peer", e)

@@ -17,7 +17,7 @@ import numpy as np
 from .._core import Region
 from ..errors import InvalidArgument
 
-__all__ = ["view_at", "gather", "scatter", "RegisteredBuffers", "RegisteredBuffer"]
+__all__ = ["view_at", "gather", "scatter", "address_of", "RegisteredBuffers", "RegisteredBuffer"]
 
 
 def view_at(ptr: int, size: int) -> np.ndarray:
@@ -91,3 +91,11 @@ class RegisteredBuffers:
 
     def all(self) -> list[RegisteredBuffer]:
         return list(self._sorted)
+
+
+def address_of(value: object) -> tuple[np.ndarray, int]:
+    """A buffer as a flat uint8 array (a copy only when it is not contiguous) and its
+    address (0 when empty); keep the array while the address is used."""
+    arr = np.frombuffer(memoryview(value).cast("B"), dtype=np.uint8) if not isinstance(value, np.ndarray) \
+        else value.reshape(-1).view(np.uint8)
+    return arr, (arr.ctypes.data if arr.size else 0)

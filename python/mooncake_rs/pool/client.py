@@ -21,11 +21,10 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 
 from ..errors import BlockNotFound, InvalidArgument, StoreFull, TransferFailed
 from .backend import Backend
-from .buffers import RegisteredBuffer, RegisteredBuffers
+from .buffers import RegisteredBuffer, RegisteredBuffers, address_of
 from .local import LocalBackend
 from .metrics import PoolMetrics, prometheus_text
 from .segment import DEFAULT_CHUNK_BYTES, ObjectSegment
@@ -42,6 +41,15 @@ def _check_key(key: object) -> str:
     return key
 
 
+def _check_keys(keys: Sequence[str]) -> list[str]:
+    """``keys`` as a list, each checked as ``_check_key`` does (one pass, no call per key)."""
+    keys = list(keys)
+    if not all(isinstance(k, str) and k for k in keys):
+        for k in keys:
+            _check_key(k)
+    return keys
+
+
 def _raise_for(status: int, key: str) -> None:
     if status == KeyStatus.MISSING:
         raise BlockNotFound(f"key {key!r} is not in the pool")
@@ -52,12 +60,6 @@ def _raise_for(status: int, key: str) -> None:
         raise InvalidArgument(f"invalid request for {key!r} (a buffer smaller than the value?)")
     if status in (KeyStatus.TRANSFER_FAILED, KeyStatus.RPC_FAILED):
         raise TransferFailed(f"moving {key!r} failed ({KeyStatus(status).name}); retry, or check the store nodes")
-
-
-def _address_of(value: Any) -> tuple[np.ndarray, int]:
-    arr = np.frombuffer(memoryview(value).cast("B"), dtype=np.uint8) if not isinstance(value, np.ndarray) \
-        else value.reshape(-1).view(np.uint8)
-    return arr, (arr.ctypes.data if arr.size else 0)
 
 
 class DistributedStore:
@@ -80,17 +82,21 @@ class DistributedStore:
     def connect(cls, etcd: str, *, auth_token: str | bytes | None = None, prefix: str = "/mooncake/default",
                 name: str | None = None, wait_nodes: int = 1, timeout_s: float = 10.0,
                 io_timeout_s: float = 5.0, transports: tuple[str, ...] = ("tcp", "shm"),
-                tcp_connections: int = 1) -> "DistributedStore":
+                tcp_connections: int | None = None, plaintext: bool = False) -> "DistributedStore":
         """``transports``: ("tcp",) makes every byte cross TCP even to a node on this host.
         ``tcp_connections``: data connections per node; each is sealed and opened on its own
-        thread at both ends (one runs at about one core's AES-GCM), so more use more cores."""
+        thread at both ends (one runs at about one core's AES-GCM), so more use more cores.
+        None (default): the transfer engine's rule (1 without a token; with one, half the
+        cores this process may use, 1 to 4: docs/transfer.md).
+        ``plaintext``: nodes started with ``--plaintext`` (no token: nothing authenticated or
+        sealed, like Mooncake Store's TCP; only where every host is trusted)."""
         from .remote import RemoteBackend
 
-        if not isinstance(tcp_connections, int) or not 1 <= tcp_connections <= 64:
+        if tcp_connections is not None and (not isinstance(tcp_connections, int) or not 1 <= tcp_connections <= 64):
             raise InvalidArgument(f"tcp_connections must be an int in 1..64, got {tcp_connections!r}")
         return cls(RemoteBackend(etcd, auth_token=auth_token, prefix=prefix, name=name, wait_nodes=wait_nodes,
                                  timeout_s=timeout_s, io_timeout_s=io_timeout_s, transports=tuple(transports),
-                                 tcp_connections=tcp_connections))
+                                 tcp_connections=tcp_connections, plaintext=bool(plaintext)))
 
     # ---- buffers
     def register_buffer(self, ptr: int, size: int) -> None:
@@ -114,7 +120,7 @@ class DistributedStore:
                        replicas: int = 1, pin: bool = False) -> list[KeyStatus]:
         """Stores each key's value from its pieces (``ptrs[i][j]``, ``sizes[i][j]``), if the
         key is not in the pool yet (a stored key is left as it is: OK)."""
-        keys = [_check_key(k) for k in keys]
+        keys = _check_keys(keys)
         if not (len(keys) == len(ptrs) == len(sizes)):
             raise InvalidArgument(f"keys, ptrs and sizes differ in length: {len(keys)}, {len(ptrs)}, {len(sizes)}")
         if not isinstance(replicas, int) or replicas < 1:
@@ -124,7 +130,7 @@ class DistributedStore:
     def batch_put_values(self, keys: Sequence[str], values: Sequence[Any], *, replicas: int = 1,
                          pin: bool = False) -> list[KeyStatus]:
         """Stores each key's value given as a buffer (bytes, numpy, memoryview...)."""
-        keys = [_check_key(k) for k in keys]
+        keys = _check_keys(keys)
         if len(keys) != len(values):
             raise InvalidArgument(f"keys and values differ in length: {len(keys)}, {len(values)}")
         if not isinstance(replicas, int) or replicas < 1:
@@ -134,29 +140,29 @@ class DistributedStore:
         fast = getattr(self._backend, "put_values", None)
         if fast is not None:
             return fast(keys, list(values), replicas, pin)
-        held = [_address_of(v) for v in values]
+        held = [address_of(v) for v in values]
         return self._backend.put_many(keys, [[p] for _, p in held], [[a.size] for a, _ in held], replicas, pin)
 
     def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[Pieces], sizes: Sequence[Pieces]) -> list[int]:
         """Reads each key into its pieces: the value's size, or a negative KeyStatus."""
-        keys = [_check_key(k) for k in keys]
+        keys = _check_keys(keys)
         if not (len(keys) == len(ptrs) == len(sizes)):
             raise InvalidArgument(f"keys, ptrs and sizes differ in length: {len(keys)}, {len(ptrs)}, {len(sizes)}")
         return self._backend.get_many(keys, [list(p) for p in ptrs], [list(s) for s in sizes])
 
     def batch_get_bytes(self, keys: Sequence[str]) -> list[bytes | None]:
         """Each value as bytes, None for a key missing (or lost while read)."""
-        keys = [_check_key(k) for k in keys]
+        keys = _check_keys(keys)
         return self._backend.get_bytes_many(keys)
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        return self._backend.exists_many([_check_key(k) for k in keys])
+        return self._backend.exists_many(_check_keys(keys))
 
     def batch_sizes(self, keys: Sequence[str]) -> list[int | None]:
-        return self._backend.size_many([_check_key(k) for k in keys])
+        return self._backend.size_many(_check_keys(keys))
 
     def batch_remove(self, keys: Sequence[str]) -> list[bool]:
-        return self._backend.remove_many([_check_key(k) for k in keys])
+        return self._backend.remove_many(_check_keys(keys))
 
     # ---- single keys (typed exceptions)
     def put(self, key: str, value: Any, *, replicas: int = 1, pin: bool = False) -> None:

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from .._core import TransferEngine
-from ..net import auth_socket
+from ..net import auth_socket, plain_socket
 from ..errors import InvalidArgument, MooncakeError
 from .members import StoreNodeRecord
 from .protocol import Failure, FrameIO, Reply
@@ -70,11 +70,14 @@ class Pending:
 
 
 class NodeLink:
-    def __init__(self, record: StoreNodeRecord, token: str | bytes, te: TransferEngine, timeout_s: float) -> None:
+    def __init__(self, record: StoreNodeRecord, token: str | bytes | None, te: TransferEngine,
+                 timeout_s: float) -> None:
+        """``token`` None: a plaintext node (net/plain_socket.py)."""
         self.record = record
         self.timeout_s = timeout_s
         try:
-            self.sock = auth_socket.connect(record.control, token, timeout_s=timeout_s)
+            self.sock = (plain_socket.connect_plain(record.control, timeout_s=timeout_s) if token is None
+                         else auth_socket.connect(record.control, token, timeout_s=timeout_s))
             # bounds each read: a node silent this long with a request in flight is down
             self.sock.settimeout(timeout_s)
             self.peer = te.connect(f"store-{record.name}", record.transfer)
@@ -82,7 +85,12 @@ class NodeLink:
             raise NodeDown(f"store node {record.name} at {record.control}: {e}") from e
         self.io = FrameIO(self.sock, Reply)
         self._send_lock = threading.Lock()  # frames leave whole
-        self._cond = threading.Condition()  # the table of requests in flight, and who reads
+        # the table of requests in flight, and who reads. Taken as the plain lock where
+        # nobody waits or is woken (a Condition's own ``with`` is Python code, several
+        # microseconds a small-key call); ``_cond`` on the same lock for waiting
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._sleepers = 0  # threads in _cond.wait: a lone caller never notifies
         self._waiting: dict[int, Pending] = {}
         self._reading = False
         self._rids = itertools.count(1)
@@ -101,7 +109,7 @@ class NodeLink:
         return self.submit(make, **fields).result()
 
     def _send(self, make: type, wait: bool, fields: dict[str, object]) -> Pending | None:
-        with self._cond:
+        with self._lock:
             if self.broken:
                 raise NodeDown(f"store node {self.record.name}: link closed")
             rid = next(self._rids)
@@ -120,6 +128,16 @@ class NodeLink:
     def _await(self, pending: Pending) -> None:
         """Until ``pending`` is answered (or the link fails): reads the socket while no
         other thread does, passing on each answer to the request with its id."""
+        with self._lock:  # the usual case: answered already, or nobody reads: read ourselves
+            if pending.done:
+                return
+            mine = not self._reading
+            if mine:
+                self._reading = True
+        if mine:
+            self._read_then_hand_over(pending)
+            if pending.done:
+                return
         end = time.monotonic() + self.timeout_s
         while True:
             with self._cond:
@@ -127,7 +145,11 @@ class NodeLink:
                     left = end - time.monotonic()
                     if left <= 0:
                         break
-                    self._cond.wait(left)
+                    self._sleepers += 1
+                    try:
+                        self._cond.wait(left)
+                    finally:
+                        self._sleepers -= 1
                 if pending.done:
                     return
                 if self._reading:  # another thread reads, and our answer did not come in time
@@ -137,12 +159,18 @@ class NodeLink:
             if stuck:
                 self._fail(f"no answer to request {pending._rid} within {self.timeout_s} s")
                 return
-            try:
-                self._read_until(pending)
-            finally:
-                with self._cond:
-                    self._reading = False
-                    self._cond.notify_all()  # a waiter takes over the reading
+            self._read_then_hand_over(pending)
+
+    def _read_then_hand_over(self, pending: Pending) -> None:
+        """Reads (this thread holds ``_reading``) until ``pending`` is answered, then lets
+        a waiting thread take over the reading."""
+        try:
+            self._read_until(pending)
+        finally:
+            with self._lock:
+                self._reading = False
+                if self._sleepers:
+                    self._cond.notify_all()
 
     def _read_until(self, pending: Pending) -> None:
         while not pending.done:
@@ -151,11 +179,11 @@ class NodeLink:
             except (OSError, EOFError, socket.timeout, InvalidArgument) as e:
                 self._fail(f"{type(e).__name__}: {e}")
                 return
-            with self._cond:
+            with self._lock:
                 waiter = self._waiting.pop(getattr(reply, "rid", -1), None)
                 if waiter is not None:
                     waiter._set(reply)
-                    if waiter is not pending:
+                    if waiter is not pending and self._sleepers:
                         self._cond.notify_all()
             if waiter is None and isinstance(reply, Failure):  # a posted request the node refused
                 log.warning("store node %s refused request %s: %s: %s", self.record.name, reply.rid, reply.kind,

@@ -148,6 +148,11 @@ class NodeDirectory:
         with self._cond:
             return dict(self._nodes)
 
+    def names(self) -> list[str]:
+        """The nodes' names, without the lock: a refresh replaces the table whole, never
+        changes it in place (asked on every small-key call)."""
+        return list(self._nodes)
+
     def wait_for(self, n: int, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         with self._cond:

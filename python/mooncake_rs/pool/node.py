@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .._core import TransferEngine
 from ..net.auth_socket import AuthListener
+from ..net.plain_socket import PlainListener
 from ..net.etcd import EtcdClient
 from ..net.sealed import SealedSocket
 from ..errors import InvalidArgument, MooncakeError
@@ -24,6 +27,7 @@ from .members import NodeRegistration, StoreNodeRecord
 from .metrics import prometheus_text, segment_metrics
 from .protocol import (INLINE_MAX, Answer, Commit, Exists, Failure, FrameIO, Leased, Lookup, PutInline, Release,
                        Remove, RemoveAll, Request, Reserve, Reserved, Sizes, Stats)
+from .holds import ConnHolds
 from .objects import Lease, Reservation
 from .segment import DEFAULT_CHUNK_BYTES, ObjectSegment
 from .status import KeyStatus
@@ -33,47 +37,64 @@ __all__ = ["StoreNode"]
 log = logging.getLogger("mooncake_rs.pool")
 
 
-class _Conn:
-    """What one client connection holds: its reservations and leases."""
-
-    def __init__(self) -> None:
-        self.reservations: dict[int, Reservation] = {}
-        self.leases: dict[int, Lease] = {}
-
-
 class StoreNode:
-    def __init__(self, *, name: str, listen: str, dram_bytes: int, auth_token: str, ssd_path: str | None = None,
+    def __init__(self, *, name: str, listen: str, dram_bytes: int, auth_token: str | None,
+                 ssd_path: str | None = None,
                  ssd_bytes: int = 0, transfer_listen: str | None = None, metrics_listen: str | None = None,
                  etcd: str | None = None, prefix: str = "/mooncake/default", ttl_s: int = 3,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, transports: tuple[str, ...] = ("tcp", "shm")) -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, transports: tuple[str, ...] = ("tcp", "shm"),
+                 plaintext: bool = False, lease_ttl_s: float = 0.0) -> None:
+        """``lease_ttl_s`` > 0: a client's reservations and leases end that long after its
+        last request even while its connection stays open (holds.py: the slots are granted
+        to its engine alone and revoked first, so a late read or write is refused); 0:
+        they end with the connection. ``plaintext``: no cluster token, nothing authenticated or sealed (control and data),
+        like Mooncake Store's TCP; only on a network where every host is trusted. It must be
+        asked for by name: ``auth_token=None`` alone is refused."""
         host, _, port = listen.rpartition(":")
         if not host or not port.isdigit():
             raise InvalidArgument(f"--listen must be HOST:PORT, got {listen!r}")
+        if plaintext == bool(auth_token):
+            raise InvalidArgument("a store node needs the cluster token, or plaintext=True (--plaintext) and no "
+                                  "token; not both")
+        self.plaintext = plaintext
+        if not lease_ttl_s >= 0:
+            raise InvalidArgument(f"--lease-ttl is seconds >= 0 (0: holds end with the connection), got {lease_ttl_s!r}")
+        self.lease_ttl_s = float(lease_ttl_s)
         self.name = name
         self.segment = ObjectSegment(dram_bytes, ssd_path=ssd_path, ssd_bytes=ssd_bytes, chunk_bytes=chunk_bytes,
                                      shared_memory=True)
         self.te = TransferEngine(f"store-{name}", listen=transfer_listen or f"{host}:0", auth_token=auth_token,
                                  transports=list(transports))
         # peers write reserved slots and read leased ones; the store decides which are which
-        self.regions = [self.te.register(sc.store) for sc in self.segment.classes]
+        # (restricted with a lease deadline: reachable only inside the grants of holds.py)
+        self.regions = [self.te.register(sc.store, restricted=self.lease_ttl_s > 0) for sc in self.segment.classes]
+        self._conns: set[ConnHolds] = set()
+        self._conns_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._closed = threading.Event()
-        self.listener = AuthListener(host, int(port), auth_token, self._serve)
+        self.listener: AuthListener | PlainListener = (
+            PlainListener(host, int(port), self._serve) if plaintext
+            else AuthListener(host, int(port), auth_token or "", self._serve))
         self.address = self.listener.address
         self._http = _metrics_server(metrics_listen or f"{host}:0", self)
         self.metrics_address = "{}:{}".format(*self._http.server_address[:2])
         threading.Thread(target=self._http.serve_forever, name="mooncake-store-metrics", daemon=True).start()
+        if self.lease_ttl_s > 0:
+            threading.Thread(target=self._reap, name="mooncake-store-leases", daemon=True).start()
         self.record = StoreNodeRecord(name=name, control=self.address, transfer=self.te.address,
                                       metrics=self.metrics_address, dram_bytes=dram_bytes, ssd_bytes=ssd_bytes)
         self.registration = NodeRegistration(EtcdClient(etcd), prefix, self.record, ttl_s=ttl_s) if etcd else None
 
     # ---- one connection
-    def _serve(self, sock: SealedSocket, peer: str) -> None:
+    def _serve(self, sock: SealedSocket | socket.socket, peer: str) -> None:
         io = FrameIO(sock, Request)
-        conn = _Conn()
+        conn = ConnHolds(self.te, self.lease_ttl_s, self._free)
+        with self._conns_lock:
+            self._conns.add(conn)
         try:
             while not self._closed.is_set():
                 msg = io.recv()
+                conn.touch()  # any request renews the connection's holds
                 try:
                     reply = self._handle(msg, conn)
                 except MooncakeError as e:
@@ -84,24 +105,46 @@ class StoreNode:
         except (OSError, InvalidArgument) as e:
             log.warning("store node %s: connection from %s ended: %s", self.name, peer, e)
         finally:
-            for r in conn.reservations.values():
-                self.segment.abort(r)
-            for lease in conn.leases.values():
-                lease.release()
+            with self._conns_lock:
+                self._conns.discard(conn)
+            conn.close()
             try:
                 sock.close()
             except OSError:
                 pass
 
-    def _handle(self, msg: object, conn: _Conn) -> object:
+    def _free(self, held: Reservation | Lease) -> None:
+        if isinstance(held, Reservation):
+            self.segment.abort(held)
+        else:
+            held.release()
+
+    def _reap(self) -> None:
+        """Ends the holds of clients silent for ``lease_ttl_s`` (holds.py)."""
+        every = min(max(self.lease_ttl_s / 4, 0.05), 1.0)
+        while not self._closed.wait(every):
+            with self._conns_lock:
+                conns = list(self._conns)
+            now = time.monotonic()
+            for c in conns:
+                c.expire(now)
+
+    def _granting(self, conn: ConnHolds, engine: str) -> None:
+        if conn.granting:
+            if not engine:
+                raise InvalidArgument("this store node grants slots to the client's transfer engine by name "
+                                      "(--lease-ttl); the request named none: update the client")
+            conn.engine = engine
+
+    def _handle(self, msg: object, conn: ConnHolds) -> object:
         seg = self.segment
         if isinstance(msg, Reserve):
             return self._reserve(msg, conn)
         if isinstance(msg, Commit):
             out = []
             for pid, ok in zip(msg.put_ids, msg.ok):
-                res = conn.reservations.pop(pid, None)
-                if res is None:
+                res = conn.take_reservation(pid)
+                if res is None:  # (or it expired: the client was silent for the lease deadline)
                     out.append(int(KeyStatus.INVALID))
                 elif ok:
                     out.append(int(seg.commit(res)))
@@ -118,13 +161,13 @@ class StoreNode:
             return self._lookup(msg, conn)
         if isinstance(msg, Release):
             for lid in msg.lease_ids:
-                held = conn.leases.pop(lid, None)
+                held = conn.take_lease(lid)
                 if held is not None:
                     held.release()
             return Answer(msg.rid)
         if isinstance(msg, Exists):
             seg.reap_evicted()
-            return Answer(msg.rid, [1 if seg.exists(k) else 0 for k in msg.keys])
+            return Answer(msg.rid, seg.exists_many(msg.keys))
         if isinstance(msg, Sizes):
             known = [seg.size_of(k) for k in msg.keys]
             return Answer(msg.rid, [int(KeyStatus.MISSING) if n is None else n for n in known])
@@ -136,20 +179,26 @@ class StoreNode:
             return Answer(msg.rid, metrics=segment_metrics(seg).as_dict())
         raise InvalidArgument(f"unexpected message {type(msg).__name__}")
 
-    def _reserve(self, msg: Reserve, conn: _Conn) -> Reserved:
+    def _reserve(self, msg: Reserve, conn: ConnHolds) -> Reserved:
         if len(msg.keys) != len(msg.sizes):
             raise InvalidArgument("reserve: keys and sizes differ in length")
+        self._granting(conn, msg.engine)
         seg = self.segment
         st, ids, regions, chunk, offsets = [], [], [], [], []
         for key, size in zip(msg.keys, msg.sizes):
             res = seg.reserve(key, size, msg.pin)
             if isinstance(res, Reservation):
                 pid = next(self._ids)
-                conn.reservations[pid] = res
+                region, cb = self.regions[res.meta.cls], seg.classes[res.meta.cls].chunk_bytes
+                try:
+                    conn.hold(pid, res, region, cb, write=True)
+                except Exception:
+                    seg.abort(res)
+                    raise
                 st.append(0)
                 ids.append(pid)
-                regions.append(self.regions[res.meta.cls].id)
-                chunk.append(seg.classes[res.meta.cls].chunk_bytes)
+                regions.append(region.id)
+                chunk.append(cb)
                 offsets.append(res.offsets)
             else:  # OK with put id 0: held already; or why not
                 st.append(int(res))
@@ -159,8 +208,10 @@ class StoreNode:
                 offsets.append([])
         return Reserved(msg.rid, st, ids, regions, chunk, offsets)
 
-    def _lookup(self, msg: Lookup, conn: _Conn) -> Leased:
+    def _lookup(self, msg: Lookup, conn: ConnHolds) -> Leased:
         seg = self.segment
+        if msg.lease_large:
+            self._granting(conn, msg.engine)
         inline = min(msg.inline_max, INLINE_MAX)
         st: list[int] = []
         ids: list[int] = []
@@ -193,9 +244,14 @@ class StoreNode:
             lease = seg.lease(key)
             if isinstance(lease, Lease):
                 lid = next(self._ids)
-                conn.leases[lid] = lease
                 m = lease.meta
-                answer(0, lid, m.size, self.regions[m.cls].id, seg.classes[m.cls].chunk_bytes, list(lease.offsets))
+                region, cb = self.regions[m.cls], seg.classes[m.cls].chunk_bytes
+                try:
+                    conn.hold(lid, lease, region, cb, write=False)
+                except Exception:
+                    lease.release()
+                    raise
+                answer(0, lid, m.size, region.id, cb, list(lease.offsets))
             else:
                 answer(int(lease))
         return Leased(msg.rid, st, ids, sizes, regions, chunk, offsets, data)

@@ -20,7 +20,8 @@ DOWN_S = 1.0
 
 
 class NodeLinks:
-    def __init__(self, directory: NodeDirectory, token: str, te: TransferEngine, io_timeout_s: float) -> None:
+    def __init__(self, directory: NodeDirectory, token: str | None, te: TransferEngine,
+                 io_timeout_s: float) -> None:
         self.directory = directory
         self.token = token
         self.te = te
@@ -31,8 +32,13 @@ class NodeLinks:
         self._down: dict[str, float] = {}
 
     def live(self) -> list[str]:
+        names = self.directory.names()
+        if not self._down:
+            return names
         now = time.monotonic()
-        return [n for n in self.directory.nodes() if self._down.get(n, 0.0) <= now]
+        with self._lock:  # forget the pauses that ended (an empty table is the fast path)
+            self._down = {n: t for n, t in self._down.items() if t > now}
+        return [n for n in names if self._down.get(n, 0.0) <= now]
 
     def link(self, node: str) -> NodeLink:
         with self._lock:

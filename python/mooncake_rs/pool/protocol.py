@@ -9,7 +9,8 @@ Bytes never travel here: they move over the transfer engine, into slots a ``Rese
 answered or out of slots a ``Lookup`` leased.
 
 Reservations and leases belong to the connection that made them: when it closes (the
-client ended or died), the node aborts its reservations and releases its leases.
+client ended or died), the node aborts its reservations and releases its leases; on a
+node with a lease deadline (holds.py) also when the connection stays silent that long.
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ class _M(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"
 
 
 class Reserve(_M, frozen=True, tag="reserve"):
-    """Slots for each key (``sizes[i]`` bytes); ``pin``: never evicted."""
+    """Slots for each key (``sizes[i]`` bytes); ``pin``: never evicted. ``engine``: the
+    client's transfer engine name (a node with a lease deadline grants the slots to it)."""
 
     rid: int
     keys: list[str]
     sizes: list[int]
     pin: bool = False
+    engine: str = ""
 
 
 class Commit(_M, frozen=True, tag="commit"):
@@ -69,6 +72,7 @@ class Lookup(_M, frozen=True, tag="lookup"):
     keys: list[str]
     inline_max: int = 0
     lease_large: bool = True
+    engine: str = ""
 
 
 class Release(_M, frozen=True, tag="release"):
@@ -149,12 +153,19 @@ class StreamSocket(Protocol):
 
 
 class FrameIO:
-    """Reads and writes frames of one union on a blocking socket."""
+    """Reads and writes frames of one union on a blocking socket. Reads are buffered: a
+    small frame's header and body (and any frames behind them) come in one ``recv``, not
+    one for the header and one for the body (a small-key round trip is two frames)."""
+
+    #: what one ``recv`` asks for at least
+    READ_AHEAD = 64 << 10
 
     def __init__(self, sock: StreamSocket, types: object) -> None:
         self.sock = sock
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(types)
+        self._buf = b""  # bytes read and not yet handed out, from _pos on
+        self._pos = 0
 
     def send(self, msg: object) -> None:
         body = self._enc.encode(msg)
@@ -162,20 +173,32 @@ class FrameIO:
 
     def recv(self) -> Any:
         """The next message (one of the union's types); EOFError when the peer closed, InvalidArgument if malformed."""
-        (n,) = _HDR.unpack(self._exact(_HDR.size))
+        if len(self._buf) - self._pos < _HDR.size:
+            self._fill(_HDR.size)
+        (n,) = _HDR.unpack_from(self._buf, self._pos)
         if n > MAX_FRAME:
             raise InvalidArgument(f"a pool frame of {n} bytes exceeds the limit ({MAX_FRAME})")
-        body = self._exact(n)
+        if len(self._buf) - self._pos < _HDR.size + n:
+            self._fill(_HDR.size + n)
+        start = self._pos + _HDR.size
+        self._pos = start + n
         try:
-            return self._dec.decode(body)
+            return self._dec.decode(memoryview(self._buf)[start:start + n])
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise InvalidArgument(f"malformed pool message: {e}") from None
 
-    def _exact(self, n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = self.sock.recv(n - len(buf))
-            if not chunk:
-                raise EOFError("connection closed")
-            buf += chunk
-        return bytes(buf)
+    def _fill(self, need: int) -> None:
+        """Until at least ``need`` unread bytes are buffered."""
+        have = len(self._buf) - self._pos
+        if have >= need:
+            return
+        parts = [self._buf[self._pos:]] if have else []
+        try:
+            while have < need:
+                chunk = self.sock.recv(max(need - have, self.READ_AHEAD))
+                if not chunk:
+                    raise EOFError("connection closed")
+                parts.append(chunk)
+                have += len(chunk)
+        finally:  # (a timeout keeps what came: the stream stays in step)
+            self._buf, self._pos = b"".join(parts), 0

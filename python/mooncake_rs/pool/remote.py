@@ -19,7 +19,6 @@ import logging
 import os
 import secrets
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -27,13 +26,14 @@ import numpy as np
 from .._core import Peer, Region, TransferEngine, TransferRequest
 from ..net.etcd import EtcdClient
 from ..deploy.settings import read_token
-from ..errors import ServiceUnavailable
-from .buffers import RegisteredBuffer, RegisteredBuffers, scatter, view_at
+from ..errors import InvalidArgument, ServiceUnavailable
+from .buffers import RegisteredBuffer, RegisteredBuffers, address_of, scatter, view_at
 from .links import NodeDown, Pending
 from .members import NodeDirectory
 from .node_links import NodeLinks
 from .metrics import PoolMetrics
 from .placement import rank_nodes
+from .ranked import RankedAsks
 from .spans import plan_spans
 from .objects import clip_sizes
 from .protocol import (INLINE_MAX, Commit, Exists, Leased, Lookup, PutInline, Release, Remove, RemoveAll, Reserve,
@@ -48,10 +48,14 @@ log = logging.getLogger("mooncake_rs.pool")
 class RemoteBackend:
     def __init__(self, etcd: str, *, auth_token: str | bytes | None, prefix: str, name: str | None,
                  wait_nodes: int, timeout_s: float, io_timeout_s: float,
-                 transports: tuple[str, ...] = ("tcp", "shm"), tcp_connections: int = 1) -> None:
+                 transports: tuple[str, ...] = ("tcp", "shm"), tcp_connections: int | None = None,
+                 plaintext: bool = False) -> None:
         if isinstance(auth_token, bytes):
             auth_token = auth_token.decode()
-        self.token = auth_token if auth_token else read_token(None)
+        if plaintext and auth_token:
+            raise InvalidArgument("plaintext=True talks to nodes started with --plaintext, without a token: "
+                                  "drop auth_token, or plaintext")
+        self.token: str | None = None if plaintext else (auth_token if auth_token else read_token(None))
         self.io_timeout_s = io_timeout_s
         self.directory = NodeDirectory(EtcdClient(etcd), prefix)
         if not self.directory.wait_for(wait_nodes, timeout_s):
@@ -63,6 +67,7 @@ class RemoteBackend:
                                  connections_per_endpoint=tcp_connections)
         self.buffers = RegisteredBuffers()  # DistributedStore replaces it with its own
         self.nodes = NodeLinks(self.directory, self.token, self.te, io_timeout_s)
+        self.ranked = RankedAsks(self.nodes)
         self.replicas_lost = 0
         self.under_replicated = 0
 
@@ -133,8 +138,8 @@ class RemoteBackend:
                 values = [b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs[i], sizes[i])) for i in small]
                 inline = self.nodes.asked(node, PutInline, keys=[keys[i] for i in small], values=values, pin=pin)
             if large:
-                reserve = self.nodes.asked(node, Reserve, keys=[keys[i] for i in large], sizes=[totals[i] for i in large],
-                                      pin=pin)
+                reserve = self.nodes.asked(node, Reserve, keys=[keys[i] for i in large],
+                                           sizes=[totals[i] for i in large], pin=pin, engine=self.name)
             asked.append((node, small, inline, large, reserve))
         temps: list[Region] = []
         pending = []  # (node, link, idx, reserved, batch, owners)
@@ -196,15 +201,51 @@ class RemoteBackend:
         finally:
             for r in temps:
                 self.te.unregister(r)
+        return self._outcome(done, errors, replicas)
+
+    def _outcome(self, done: list[int], errors: list[KeyStatus | None], replicas: int) -> list[KeyStatus]:
+        """OK for a key at least one replica took (fewer than asked: counted), else why not."""
         out = []
-        for i in range(len(keys)):
-            if done[i]:
-                if done[i] < replicas:
+        for n, err in zip(done, errors):
+            if n:
+                if n < replicas:
                     self.under_replicated += 1
                 out.append(KeyStatus.OK)
             else:
-                out.append(errors[i] or KeyStatus.RPC_FAILED)
+                out.append(err or KeyStatus.RPC_FAILED)
         return out
+
+    def put_values(self, keys: list[str], values: list[Any], replicas: int, pin: bool) -> list[KeyStatus]:
+        """Values given as buffers. When all are small, their bytes go inside the
+        ``PutInline`` messages themselves, one per node (one round trip, no address or
+        copy taken here); else as ``put_many``."""
+        try:
+            views = [memoryview(v).cast("B") for v in values]
+        except TypeError:  # not C-contiguous: address_of makes a contiguous copy
+            views = []
+        if not views or any(not 0 < v.nbytes <= INLINE_MAX for v in views):
+            held = [address_of(v) for v in values]
+            return self.put_many(keys, [[p] for _, p in held], [[a.size] for a, _ in held], replicas, pin)
+        live = self.nodes.live()
+        if not live:
+            return [KeyStatus.RPC_FAILED] * len(keys)
+        by_node: dict[str, list[int]] = defaultdict(list)
+        for i, k in enumerate(keys):
+            for node in rank_nodes(k, live)[:replicas]:
+                by_node[node].append(i)
+        groups = list(by_node.items())
+        answers = self.nodes.ask_each([(node, PutInline, {"keys": [keys[i] for i in idx],
+                                                          "values": [views[i] for i in idx], "pin": pin})
+                                       for node, idx in groups])
+        done = [0] * len(keys)
+        errors: list[KeyStatus | None] = [None] * len(keys)
+        for (_, idx), rep in zip(groups, answers):
+            for i, st in zip(idx, rep.values if rep is not None else [int(KeyStatus.RPC_FAILED)] * len(idx)):
+                if st == 0:
+                    done[i] += 1
+                elif errors[i] is None:
+                    errors[i] = KeyStatus(st)
+        return self._outcome(done, errors, replicas)
 
     # ---- gets
     def get_many(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
@@ -223,7 +264,8 @@ class RemoteBackend:
                     break
                 todo = []
                 # every node of this round is asked before any answer is read
-                asked = [(node, idx, self.nodes.asked(node, Lookup, keys=[keys[i] for i in idx], inline_max=INLINE_MAX))
+                asked = [(node, idx, self.nodes.asked(node, Lookup, keys=[keys[i] for i in idx], inline_max=INLINE_MAX,
+                                                      engine=self.name))
                          for node, idx in by_node.items()]
                 inflight = []
                 for node, idx, lookup in asked:
@@ -305,7 +347,7 @@ class RemoteBackend:
                     large[i] = rep.sizes[j]
             return retry
 
-        self._by_rank(keys, lambda idx: (Lookup, {"keys": [keys[i] for i in idx], "inline_max": INLINE_MAX,
+        self.ranked.by_rank(keys, lambda idx: (Lookup, {"keys": [keys[i] for i in idx], "inline_max": INLINE_MAX,
                                                   "lease_large": False}), take)
         if large:
             idx = list(large)
@@ -316,44 +358,11 @@ class RemoteBackend:
         return out
 
     # ---- metadata
-    def _ask_ranked(self, keys: list[str], make: type, found: Callable[[int], bool]) -> list[int]:
-        """Asks each key's nodes in rank order until ``found(value)``; the last answer."""
-        out = [0] * len(keys)
-
-        def take(idx: list[int], rep: Any) -> list[int]:
-            if rep is None:
-                return idx
-            for i, v in zip(idx, rep.values):
-                out[i] = v
-            return [i for i, v in zip(idx, rep.values) if not found(v)]
-
-        self._by_rank(keys, lambda idx: (make, {"keys": [keys[i] for i in idx]}), take)
-        return out
-
-    def _by_rank(self, keys: list[str], request: Callable[[list[int]], tuple[type, dict[str, Any]]],
-                 take: Callable[[list[int], Any], list[int]]) -> None:
-        """Each key's replica nodes in rank order, one rank a round, every node of a round
-        asked at once: ``request(indices)`` is what a node is asked about those keys,
-        ``take(indices, answer or None)`` handles its answer and returns the keys to ask of
-        their next-ranked node; stops when none is left or every live node was asked."""
-        live = self.nodes.live()
-        ranks = [rank_nodes(k, live) for k in keys]
-        todo = list(range(len(keys)))
-        for rnd in range(len(live)):
-            if not todo:
-                break
-            by_node: dict[str, list[int]] = defaultdict(list)
-            for i in todo:
-                by_node[ranks[i][rnd]].append(i)
-            groups = list(by_node.items())
-            answers = self.nodes.ask_each([(node, *request(idx)) for node, idx in groups])
-            todo = [i for (_, idx), rep in zip(groups, answers) for i in take(idx, rep)]
-
     def exists_many(self, keys: list[str]) -> list[bool]:
-        return [v == 1 for v in self._ask_ranked(keys, Exists, lambda v: v == 1)]
+        return [v == 1 for v in self.ranked.values(keys, Exists, lambda v: v == 1)]
 
     def size_many(self, keys: list[str]) -> list[int | None]:
-        vals = self._ask_ranked(keys, Sizes, lambda v: v >= 0)
+        vals = self.ranked.values(keys, Sizes, lambda v: v >= 0)
         return [v if v >= 0 else None for v in vals]
 
     def remove_many(self, keys: list[str]) -> list[bool]:

@@ -20,7 +20,6 @@ Rules kept here:
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 from typing import Any
@@ -379,6 +378,11 @@ class ObjectSegment:
     # ---- metadata
     def exists(self, key: str) -> bool:
         return key in self._objects
+
+    def exists_many(self, keys: list[str]) -> list[int]:
+        """1 for each key held, else 0 (a batch_is_exist of a node)."""
+        objects = self._objects
+        return [1 if k in objects else 0 for k in keys]
 
     def size_of(self, key: str) -> int | None:
         meta = self._objects.get(key)

@@ -53,6 +53,14 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-bytes", type=parse_bytes, default=None, help="slot size of large values (default 256KB)")
     p.add_argument("--ttl", type=int, default=3, help="seconds of the etcd lease (a crashed node leaves after it)")
     p.add_argument("--tcp-only", action="store_true", help="never offer the segment over shared memory")
+    p.add_argument("--lease-ttl", type=float, default=0.0,
+                   help="seconds after a client's last request when its reservations and leases end even with its "
+                        "connection open (a hung client); its late reads and writes of those slots are refused. "
+                        "0 (default): they end with the connection. Turns off the shm path for this node's slots")
+    p.add_argument("--plaintext", action="store_true",
+                   help="no cluster token: control and data travel unauthenticated and unsealed, like Mooncake "
+                        "Store's TCP (only on a network where every host is trusted; clients connect with "
+                        "plaintext=True / MOONCAKE_RS_PLAINTEXT=1)")
 
 
 def run_store(args: argparse.Namespace) -> int:
@@ -61,14 +69,17 @@ def run_store(args: argparse.Namespace) -> int:
 
     if (args.ssd_path is None) != (args.ssd_bytes == 0):
         raise InvalidArgument("--ssd-path and --ssd-bytes go together")
-    token = read_token(args.auth_token_file)
+    if args.plaintext and args.auth_token_file:  # ($MOONCAKE_AUTH_TOKEN is not read with --plaintext)
+        raise InvalidArgument("--plaintext runs without a cluster token: drop --auth-token-file or --plaintext")
+    token = None if args.plaintext else read_token(args.auth_token_file)
     port = args.listen.rpartition(":")[2]
     name = args.name or f"{socket.gethostname()}-{port}"
     node = StoreNode(name=name, listen=args.listen, dram_bytes=args.dram_bytes, auth_token=token,
                      ssd_path=args.ssd_path, ssd_bytes=args.ssd_bytes, transfer_listen=args.transfer,
                      metrics_listen=args.metrics, etcd=args.etcd, prefix=cluster_prefix(args.cluster),
                      ttl_s=args.ttl, chunk_bytes=args.chunk_bytes or DEFAULT_CHUNK_BYTES,
-                     transports=("tcp",) if args.tcp_only else ("tcp", "shm"))
+                     transports=("tcp",) if args.tcp_only else ("tcp", "shm"), plaintext=args.plaintext,
+                     lease_ttl_s=args.lease_ttl)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -1,0 +1,152 @@
+"""What one client connection holds on a store node: reservations (slots its transfer
+engine writes, then commits) and leases (slots it reads, then releases), and, on a node
+with a lease deadline (``--lease-ttl``), the transfer grants that let that client's
+engine, and only it, reach exactly those slots.
+
+Why grants: the bytes move one-sided, over the transfer engine, without the node's
+control thread. When a hung client's hold ends on the node's clock, freeing its slots
+is safe only if the engine itself refuses that client's late reads and writes of them;
+else a read that comes late would return the bytes of whichever object took the slots
+next, and a late write would corrupt it. So the node's regions are registered
+``restricted`` and every hold grants its slot runs to the client's engine name; when
+the hold ends (commit, release, expiry or the connection's close) its grants are
+revoked first, and an expired hold's slots are given back only ``GRACE_S`` later (a
+request the engine checked just before the revoke finishes its slice copy in well under
+that).
+
+A hold's deadline is renewed by use: any request on the connection moves every hold of
+that connection to ``ttl_s`` from now. A client that stops talking (hung, stopped, its
+connection still open) loses them ``ttl_s`` after its last request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Union
+
+from .._core import Region, TransferEngine
+from .objects import Lease, Reservation
+
+__all__ = ["ConnHolds", "GRACE_S", "slot_runs"]
+
+log = logging.getLogger("mooncake_rs.pool")
+
+#: how long an expired hold's slots stay unused after its grants were revoked
+GRACE_S = 1.0
+
+Held = Union[Reservation, Lease]
+
+
+def slot_runs(offsets: list[int], chunk_bytes: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` of each run of consecutive slots: one grant covers each run, so
+    a client request spanning consecutive chunks (spans.py) falls inside one grant."""
+    runs: list[tuple[int, int]] = []
+    for off in offsets:
+        if runs and runs[-1][0] + runs[-1][1] == off:
+            runs[-1] = (runs[-1][0], runs[-1][1] + chunk_bytes)
+        else:
+            runs.append((off, chunk_bytes))
+    return runs
+
+
+class ConnHolds:
+    """The holds of one connection. ``te`` / ``ttl_s`` None / 0: holds end only with the
+    connection (no grants, no deadline)."""
+
+    def __init__(self, te: TransferEngine | None, ttl_s: float, free: Callable[[Held], None]) -> None:
+        self._te = te if ttl_s > 0 else None
+        self.ttl_s = ttl_s
+        self._free = free  # (held) -> None: aborts a reservation / releases a lease
+        self._lock = threading.Lock()  # the serving thread and the node's reaper
+        self.reservations: dict[int, Reservation] = {}
+        self.leases: dict[int, Lease] = {}
+        self._grants: dict[int, list[tuple[Region, int]]] = {}  # hold id -> (region, grant id)
+        self._expired: list[tuple[float, Held]] = []  # (free at, hold): grants revoked, slots not yet given back
+        self.engine = ""  # the client's transfer engine name, from its requests
+        self.last_use = time.monotonic()
+        self.expired_holds = 0
+
+    @property
+    def granting(self) -> bool:
+        return self._te is not None
+
+    def touch(self) -> None:
+        self.last_use = time.monotonic()
+
+    def hold(self, hid: int, held: Held, region: Region, chunk_bytes: int, write: bool) -> None:
+        """Records a reservation (``write``) or a lease under id ``hid``, granting its slots
+        to the client's engine when the node has a deadline."""
+        grants: list[tuple[Region, int]] = []
+        if self._te is not None:
+            try:
+                for off, n in slot_runs(held.offsets, chunk_bytes):
+                    grants.append((region, self._te.grant(region, self.engine, off, n, write=write)))
+            except Exception:
+                for r, gid in grants:
+                    self._te.revoke(r, self.engine, gid)
+                raise
+        with self._lock:
+            (self.reservations if write else self.leases)[hid] = held  # type: ignore[index]
+            if grants:
+                self._grants[hid] = grants
+
+    def take_reservation(self, pid: int) -> Reservation | None:
+        with self._lock:
+            res = self.reservations.pop(pid, None)
+        if res is not None:
+            self._revoke(pid)
+        return res
+
+    def take_lease(self, lid: int) -> Lease | None:
+        with self._lock:
+            lease = self.leases.pop(lid, None)
+        if lease is not None:
+            self._revoke(lid)
+        return lease
+
+    def _revoke(self, hid: int) -> None:
+        with self._lock:
+            grants = self._grants.pop(hid, [])
+        for region, gid in grants:
+            try:
+                self._te.revoke(region, self.engine, gid)  # type: ignore[union-attr]
+            except Exception as e:  # noqa: BLE001 - the engine closed: nothing reaches the slots any more
+                log.debug("revoke of grant %s failed: %s", gid, e)
+
+    def expire(self, now: float) -> int:
+        """The node's reaper: ends every hold of a connection silent for ``ttl_s`` (grants
+        revoked now, slots given back ``GRACE_S`` later) and gives back those whose grace
+        passed. Returns how many holds ended now."""
+        ended: list[tuple[int, Held]] = []
+        with self._lock:
+            if self.ttl_s > 0 and now - self.last_use > self.ttl_s and (self.reservations or self.leases):
+                ended = [*self.reservations.items(), *self.leases.items()]
+                self.reservations, self.leases = {}, {}
+            due = [h for t, h in self._expired if t <= now]
+            self._expired = [(t, h) for t, h in self._expired if t > now]
+        for hid, held in ended:
+            self._revoke(hid)
+        if ended:
+            with self._lock:
+                self._expired.extend((now + GRACE_S, held) for _, held in ended)
+            self.expired_holds += len(ended)
+            log.warning("store node: a client (engine %r) silent for %.1f s lost %d holds", self.engine,
+                        now - self.last_use, len(ended))
+        for held in due:
+            self._free(held)
+        return len(ended)
+
+    def close(self) -> None:
+        """The connection ended: every hold is revoked and given back at once."""
+        with self._lock:
+            held = [*self.reservations.items(), *self.leases.items()]
+            self.reservations, self.leases = {}, {}
+            late = [h for _, h in self._expired]
+            self._expired = []
+        for hid, h in held:
+            self._revoke(hid)
+        for h in [h for _, h in held] + late:
+            self._free(h)
