@@ -2,8 +2,9 @@
 instances (CPU): two vLLMs, each its own processes, share one pool of ``mooncake-rs
 store`` nodes found through etcd (a node in a third process). B answers a prompt only A
 computed with its full blocks read from the pool (vLLM's own ``cached_tokens``), tokens
-equal to one vLLM computing alone; a block changed in the pool is detected and
-recomputed (tokens still equal)."""
+equal to one vLLM computing alone; P/D through ``serve --upstream`` (A prefills, B
+decodes from the pool); a block changed in the pool is detected and recomputed (tokens
+still equal)."""
 
 from __future__ import annotations
 
@@ -59,8 +60,8 @@ def pair(vllm_model_dir, pool_etcd, tmp_path_factory):
            "kv_connector_extra_config": {"store": "pool", "etcd": pool_etcd, "cluster": CLUSTER,
                                          "auth_token": TOKEN, "transports": ["tcp"]}}
     logs = tmp_path_factory.mktemp("vllm-pool-logs")
-    servers = [vllm_server(vllm_model_dir, kv_transfer_config=ktc, kv_events=False,
-                           cpu=str(i % (os.cpu_count() or 1)), log_dir=logs) for i in range(2)]
+    servers = [vllm_server(vllm_model_dir, kv_transfer_config=ktc, cpu=str(i % (os.cpu_count() or 1)), log_dir=logs)
+               for i in range(2)]
     with running(servers):
         yield servers
 
@@ -145,3 +146,39 @@ def test_a_block_changed_in_the_pool_is_detected_and_recomputed(pair, pool):
     rb = _complete(b, prompt)
     assert _tokens(rb) == _tokens(ra)  # wrong KV was never used
     assert not pool.exists(keys[2])  # B's worker removed the corrupt block
+
+
+def _external_hits(server) -> float:
+    """vLLM's count of prompt tokens its connector supplied, summed over its labels."""
+    import httpx
+
+    total = 0.0
+    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:external_prefix_cache_hits_total"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.mark.parametrize("blocks,extra", [(1, 7), (12, 5)])
+def test_pd_through_serve_upstream_decodes_from_the_pool(pair, vllm_model_dir, tmp_path, blocks, extra):
+    import httpx
+    from test_vllm_connector import _start_proxy
+
+    a, b = pair
+    bs = a.block_size
+    proc, url = _start_proxy([f"prefill:a={a.url},events={a.events_endpoint}", f"decode:b={b.url}"], vllm_model_dir,
+                             tmp_path)
+    try:
+        prompt = _prompt(300 + blocks * 41 + extra, blocks * bs + extra)
+        hits = _external_hits(b)
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 8,
+                                                      "temperature": 0.0, "ignore_eos": True,
+                                                      "return_token_ids": True}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-mooncake-prefill"] == "a" and r.headers["x-mooncake-decode"] == "b"
+        # the decode computed only the last partial block: every full block came from the pool
+        assert _external_hits(b) - hits == (len(prompt) - 1) // bs * bs
+        assert list(r.json()["choices"][0]["token_ids"]) == _reference(b, prompt)
+    finally:
+        proc.terminate()
+        proc.wait(20)
