@@ -395,6 +395,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,2,4,8,16,32,64")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--cpu-requests", type=int, default=2, help="requests of the CPU KV save bench")
+    ap.add_argument("--cpu-context", type=int, default=64, help="tokens a request of the CPU KV save bench")
     ap.add_argument("--cpu-repeats", type=int, default=301,
                     help="rounds of the CPU KV save bench (microsecond calls: many rounds for a stable median)")
     ap.add_argument("--peak-tflops", type=float, default=989.0,
@@ -404,7 +406,8 @@ def main() -> int:
     VERDICTS.check("verdict logic self-check", True)
     check_reference_cpu()
     # the KV save path runs on CPU too (tiny model): it exercises the code; no target on CPU
-    RESULTS["cpu_kv_save"] = bench_kv_save(Engine("tiny", num_pages=64), n_req=2, context=64, repeats=a.cpu_repeats)
+    RESULTS["cpu_kv_save"] = bench_kv_save(Engine("tiny", num_pages=max(64, -(-a.cpu_requests * a.cpu_context // 16))),
+                                             n_req=a.cpu_requests, context=a.cpu_context, repeats=a.cpu_repeats)
     if a.dry_run:
         print("[dry-run] CPU part only; the GPU checks were not run")
         return finish()
