@@ -299,7 +299,10 @@ def bench_kv_save(eng: Engine, n_req: int, context: int, repeats: int = 3) -> di
 
 
 def _bench_kv_save(eng: Engine, n_req: int, context: int, repeats: int) -> dict[str, float]:
-    from mooncake_rs.engine.batch_save import save_requests
+    import numpy as np
+
+    from mooncake_rs import Store
+    from mooncake_rs.engine.batch_save import save_blocks_each, save_requests
 
     dev = eng.device
     cuda = dev.type == "cuda"
@@ -342,11 +345,28 @@ def _bench_kv_save(eng: Engine, n_req: int, context: int, repeats: int) -> dict[
         dst.copy_(src, non_blocking=True) if cuda else dst.copy_(src)
         sync()
 
+    # CPU: into the slots of a store (what a serving instance's prefill does): the old way
+    # a save_block a block into its slot, and save_blocks_each, one call a request
+    store = Store(nb, 2 * total) if not cuda else None
+    slots = [store.reserve(1 + k) for k in range(n_req * nblocks)] if store is not None else []
+    slot_views = [np.asarray(s) for s in slots]
+
+    def slots_per_block() -> None:
+        k = 0
+        for rid in ids:
+            for b in range(nblocks):
+                eng.save_block(rid, b, slot_views[k])
+                k += 1
+
+    def slots_each() -> None:
+        for k, rid in enumerate(ids):
+            save_blocks_each(eng, rid, range(nblocks), slots[k * nblocks:(k + 1) * nblocks])
+
     save()
     per_block = host.clone()  # the reference bytes: a call a block
     # the saves and the plain copy interleaved round by round (each warmed up first), so
     # a change of load on this shared host hits all of them alike
-    fns = [save, save_batched, save_all, plain]
+    fns = [save, save_batched, save_all, plain] + ([slots_per_block, slots_each] if store is not None else [])
     for fn in fns:
         fn()
     times: list[list[float]] = [[] for _ in fns]
@@ -356,12 +376,24 @@ def _bench_kv_save(eng: Engine, n_req: int, context: int, repeats: int) -> dict[
             t0 = time.perf_counter()
             fn()
             ts.append(time.perf_counter() - t0)
-    t_save, t_batched, t_all, t_plain = (sorted(ts)[len(ts) // 2] for ts in times)
+    t_save, t_batched, t_all, t_plain, *t_slots = (sorted(ts)[len(ts) // 2] for ts in times)
     for fn, name in [(save_batched, "save_blocks"), (save_all, "save_requests")]:
         host.zero_()
         fn()
         if not torch.equal(host, per_block):
             raise AssertionError(f"{name} wrote other bytes than save_block")
+    def slots_hold_the_reference(fn) -> bool:
+        for view in slot_views:
+            view[:] = 0
+        fn()
+        return b"".join(view.tobytes() for view in slot_views) == per_block.numpy().tobytes()
+
+    for fn, name in [(slots_per_block, "save_block into slots"), (slots_each, "save_blocks_each")] if slots else []:
+        if not slots_hold_the_reference(fn):
+            raise AssertionError(f"{name} wrote other bytes than save_block")
+    slot_views.clear()  # a slot's views must be gone before it is aborted
+    for s in slots:
+        s.abort()
     for rid in ids:
         eng.release(rid)
     row = {"bytes": total, "save_GBps": total / t_save / 1e9, "plain_pinned_GBps": total / t_plain / 1e9,
@@ -372,6 +404,11 @@ def _bench_kv_save(eng: Engine, n_req: int, context: int, repeats: int) -> dict[
           f"{row['save_GBps']:.2f} GB/s ({row['ratio']:.2f}x), save_blocks (a call a request) "
           f"{row['save_blocks_GBps']:.2f} GB/s ({row['batched_ratio']:.2f}x), save_requests (one call) "
           f"{row['save_requests_GBps']:.2f} GB/s ({row['one_call_ratio']:.2f}x)")
+    if t_slots:
+        row.update({"slots_save_block_ratio": t_plain / t_slots[0], "slots_each_ratio": t_plain / t_slots[1]})
+        print(f"[{dev.type}] KV save into {len(slots)} store slots: save_block a block {total / t_slots[0] / 1e9:.2f} GB/s "
+              f"({row['slots_save_block_ratio']:.2f}x), save_blocks_each a request {total / t_slots[1] / 1e9:.2f} GB/s "
+              f"({row['slots_each_ratio']:.2f}x the plain copy)")
     return row
 
 

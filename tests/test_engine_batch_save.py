@@ -85,3 +85,60 @@ def test_save_requests_refuses_bad_input_before_writing(held):
         with pytest.raises(InvalidArgument, match="layer"):
             save_requests(e, [(a, 0, 5)], dst[:saved_nbytes(e, [(a, 0, 5)], 0)], layer)
     assert not dst.any()
+
+
+@pytest.mark.parametrize("layer", [None, 0, 1])
+def test_save_blocks_each_equals_save_block_into_store_slots(held, layer):
+    """One call for a request's blocks into separate buffers (reserved store slots, numpy
+    arrays, tensors): each holds what save_block writes there; with a layer, only that
+    layer's span of each slot is written."""
+    from mooncake_rs import Store
+    from mooncake_rs.engine.batch_save import save_blocks_each
+
+    e, (a, b, c) = held
+    nb = e.layout.block_nbytes
+    idx = [4, 0, 2]  # any order, any subset of the full blocks
+    want = []
+    for i in idx:
+        buf = np.full(nb, 0x5A, np.uint8)
+        e.save_block(a, i, buf, layer)
+        want.append(buf.tobytes())
+    store = Store(nb, 16 * nb)
+    slots = [store.reserve(1000 + i) for i in idx]
+    for s in slots:
+        np.asarray(s)[:] = 0x5A
+    arrays = [np.full(nb, 0x5A, np.uint8) for _ in idx]
+    tensors = [torch.full((nb,), 0x5A, dtype=torch.uint8) for _ in idx]
+    for outs in (slots, arrays, tensors):
+        save_blocks_each(e, a, idx, outs, layer)
+        got = [o.numpy().tobytes() if isinstance(o, torch.Tensor) else np.asarray(o).tobytes() for o in outs]
+        assert got == want, (layer, type(outs[0]))
+    for s in slots:
+        s.abort()
+
+
+def test_save_blocks_each_refuses_bad_input_before_writing(held):
+    from mooncake_rs._core import page_gather_each
+    from mooncake_rs.engine.batch_save import save_blocks_each
+
+    e, (a, b, c) = held
+    nb = e.layout.block_nbytes
+    outs = [np.zeros(nb, np.uint8) for _ in range(3)]
+    for args, match in [((a, [0, 1], outs), "one buffer a block"),
+                        ((a, [0, 1, 5], outs), "not a full block"),   # 41 tokens: 5 full blocks
+                        ((c, [0, 2, 1], outs), "not a full block"),   # 17 tokens: block 2 is partial
+                        (("nope", [0, 1, 2], outs), "holds no KV"),
+                        ((a, [0, 1, 2], outs[:2] + [np.zeros(nb - 1, np.uint8)]), "needs"),
+                        ((a, [0, 1, 2], outs[:2] + [bytes(nb)]), "writable")]:
+        with pytest.raises(InvalidArgument, match=match):
+            save_blocks_each(e, *args)
+    with pytest.raises(InvalidArgument, match="layer"):
+        save_blocks_each(e, a, [0], outs[:1], CFG.num_layers)
+    g = e.cache._gather
+    with pytest.raises(InvalidArgument, match="the cache has"):
+        page_gather_each(g, [0, g.num_pages], 1, 0, g.planes, outs[:2])
+    with pytest.raises(InvalidArgument, match="planes"):
+        page_gather_each(g, [0], 1, 0, g.planes + 1, outs[:1])
+    with pytest.raises(InvalidArgument, match="shares memory"):
+        page_gather_each(g, [0], 1, 0, 1, [e.cache.data.view(-1).view(torch.uint8)[:nb]])
+    assert not any(o.any() for o in outs)

@@ -8,18 +8,22 @@ together) is larger than the copy itself: BENCHMARKS.md, issue 23, "engine save 
 small requests". :func:`save_requests` looks every request up and checks it, joins their
 pages in the buffer's order, and makes one gather over the cache (one Rust call on CPU,
 one gather-permute-copy on CUDA) into one destination, with no slice per request.
+:func:`save_blocks_each` is the same for one request's blocks into separate buffers
+(the store slots a serving instance reserved, one a block): one Rust call on CPU, where
+``Engine.save_block`` per block was a torch gather each.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
+from .._core import page_gather_each
 from ..errors import InvalidArgument
 
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["save_requests", "saved_nbytes"]
+__all__ = ["save_requests", "saved_nbytes", "save_blocks_each"]
 
 
 def saved_nbytes(engine: "Engine", spans: Sequence[tuple[str, int, int]], layer: int | None = None) -> int:
@@ -83,3 +87,44 @@ def save_requests(engine: "Engine", spans: Sequence[tuple[str, int, int]], buf: 
         gather.save(pages, per_block, 2 * layer, 2, buf)
     else:
         raise InvalidArgument(f"layer {layer} out of range 0..{engine.config.num_layers - 1}")
+
+
+def save_blocks_each(engine: "Engine", request_id: str, block_indices: Sequence[int], outs: Sequence[Any],
+                     layer: int | None = None) -> None:
+    """Copies full block ``block_indices[i]`` of a request (all layers, or layer ``layer``)
+    into ``outs[i]``, a whole store block each (``engine.layout.block_nbytes``, e.g. a
+    reserved store slot): the bytes :meth:`Engine.save_block` writes there (a single layer
+    goes to its span). ``InvalidArgument`` before anything is written if the request holds
+    no pages, a block is not a full block of computed KV, the counts differ, or a buffer is
+    too small or read-only.
+    """
+    if len(block_indices) != len(outs):
+        raise InvalidArgument(f"{len(block_indices)} blocks but {len(outs)} buffers: one buffer a block")
+    if not block_indices:
+        return
+    req = engine._requests.get(str(request_id))  # the engine's live requests (package-internal)
+    if req is None or not req.pages:
+        raise InvalidArgument(f"request {request_id!r} holds no KV pages")
+    b = engine.block_size
+    per_block = b // engine.page_size
+    avail = max(req.kv_end, req.num_computed)
+    pages: list[int] = []
+    held = req.pages
+    for i in block_indices:
+        i = int(i)
+        if i < 0 or (i + 1) * b > avail:
+            raise InvalidArgument(f"block {i} of request {request_id!r} is not a full block of computed KV "
+                                  f"({avail} tokens computed)")
+        pages += held[i * per_block:(i + 1) * per_block]
+    nl = engine.config.num_layers
+    if layer is not None and not 0 <= layer < nl:
+        raise InvalidArgument(f"layer {layer} out of range 0..{nl - 1}")
+    gather = engine.cache._gather
+    if gather is None:  # CUDA: a gather a block, each checked by the cache
+        for i, out in zip(block_indices, outs):
+            engine.save_block(request_id, int(i), out, layer)
+        return
+    if layer is None:
+        page_gather_each(gather, pages, per_block, 0, gather.planes, list(outs))
+    else:
+        page_gather_each(gather, pages, per_block, 2 * layer, 2, list(outs), engine.layout.layer_span(layer).offset)
