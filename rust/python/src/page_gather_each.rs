@@ -21,6 +21,7 @@ use crate::segment_copy::offsets;
 /// copies run.
 #[pyfunction]
 #[pyo3(signature = (gather, pages, pages_per_block, first_plane, num_planes, outs, offset=0))]
+#[allow(clippy::too_many_arguments)]
 pub fn page_gather_each(
     py: Python<'_>,
     gather: &Bound<'_, PageGather>,
