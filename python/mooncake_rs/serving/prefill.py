@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._core import BlockHashes
+from ..engine.batch_save import save_blocks_each
 from .multisource import FetchSource, MultiFetch
 from .protocol import (Cancel, Cancelled, Failed, Fetched, InstanceSpec, KvReady, Message, Prefill, PrefillReport,
                        ProtocolError, op_of)
@@ -235,11 +236,16 @@ class PrefillRole:
         span_off, n = (0, layout.block_nbytes) if layer is None else (layout.layer_span(layer).offset,
                                                                     layout.layer_nbytes)
         spans: list[Span] = []
-        todo = [i for i in blocks if i >= st.reused] + ([partial] if partial is not None else [])
-        for i in todo:
-            s = self._slot(st, i)
-            engine.save_block(str(st.rid), i, store.view(s), layer)
-            self._span(st, i, store.offset(s), span_off, n, spans)
+        full = [i for i in blocks if i >= st.reused]
+        if full:  # one call gathers every full block (or its layer) straight into its slot
+            slots = [self._slot(st, i) for i in full]
+            save_blocks_each(engine, str(st.rid), full, slots, layer)
+            for i, s in zip(full, slots):
+                self._span(st, i, store.offset(s), span_off, n, spans)
+        if partial is not None:
+            s = self._slot(st, partial)
+            engine.save_block(str(st.rid), partial, store.view(s), layer)
+            self._span(st, partial, store.offset(s), span_off, n, spans)
         self._write(st, spans)
 
     def _on_layer(self, st: _PState, ev: Any) -> None:

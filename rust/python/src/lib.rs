@@ -24,6 +24,7 @@ mod interop_map;
 mod logging;
 mod mem;
 mod page_gather;
+mod page_gather_each;
 mod pyint;
 mod seal;
 mod segment_copy;
@@ -56,5 +57,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     seal::register(m)?;
     segment_copy::register(m)?;
     page_gather::register(m)?;
+    page_gather_each::register(m)?;
     Ok(())
 }

@@ -17,14 +17,14 @@ use crate::segment_copy::offsets;
 static TORCH_TENSOR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
 /// Where `save` writes: an exported buffer, or a CPU torch tensor's memory.
-enum Out {
+pub(crate) enum Out {
     Buffer(BufferView),
     /// (data pointer, bytes) of a contiguous CPU `torch.Tensor` held by the caller.
     Tensor(usize, usize),
 }
 
 impl Out {
-    fn raw(&self) -> (usize, usize) {
+    pub(crate) fn raw(&self) -> (usize, usize) {
         match self {
             Out::Buffer(v) => (v.as_mut_ptr() as usize, v.len_bytes()),
             Out::Tensor(p, n) => (*p, *n),
@@ -46,7 +46,7 @@ fn torch_tensor_type(py: Python<'_>) -> PyResult<Option<&Bound<'_, PyType>>> {
 /// `out` as writable bytes. A torch tensor is read through its own accessors: its
 /// ``.numpy()`` view costs little itself, but making and dropping one per call slowed the
 /// copy after it by ~10% (BENCHMARKS.md, issue 23).
-fn out_bytes(py: Python<'_>, out: &Bound<'_, PyAny>) -> PyResult<Out> {
+pub(crate) fn out_bytes(py: Python<'_>, out: &Bound<'_, PyAny>) -> PyResult<Out> {
     if let Some(view) = BufferView::get(out, pyo3::ffi::PyBUF_WRITABLE | pyo3::ffi::PyBUF_C_CONTIGUOUS)
         .map_err(|e| invalid(py, format!("out must be a writable, C-contiguous buffer ({e})")))?
     {
@@ -74,8 +74,8 @@ fn out_bytes(py: Python<'_>, out: &Bound<'_, PyAny>) -> PyResult<Out> {
 /// blocks out of it.
 #[pyclass(module = "mooncake_rs._core", frozen)]
 pub struct PageGather {
-    cache: Py<PyAny>,
-    layout: PagedLayout,
+    pub(crate) cache: Py<PyAny>,
+    pub(crate) layout: PagedLayout,
 }
 
 #[pymethods]

@@ -6,6 +6,11 @@ Loaded by vLLM from ``--kv-transfer-config '{"kv_connector":"MooncakeRsConnector
 config.py). vLLM makes one instance in its scheduler process (role SCHEDULER) and one per
 worker (role WORKER); each delegates to its side (scheduler.py, worker.py).
 
+Where blocks go (``kv_connector_extra_config.store``): ``"kv-pool"`` (default), this host's
+KV pool (``mooncake-rs kv-pool``, worker.py), followed by its peers' events; or ``"pool"``,
+the cluster-wide pool of ``mooncake-rs store`` nodes (``DistributedStore``, pool_worker.py,
+pool_store.py), one pool every instance reads and writes.
+
 Two uses, one connector:
 - a prefix pool (``kv_both``): every instance saves the prompt blocks it computed into
   its host's pool and loads, before computing, the longest prefix any followed pool holds;
@@ -29,6 +34,7 @@ from .metadata import MooncakeRsConnectorMetadata
 
 if TYPE_CHECKING:
     from .scheduler import ConnectorScheduler
+    from .pool_worker import PoolConnectorWorker
     from .worker import ConnectorWorker
 
 __all__ = ["MooncakeRsConnector"]
@@ -40,15 +46,20 @@ class MooncakeRsConnector(KVConnectorBase_V1):
         self.settings = ConnectorSettings.from_vllm(vllm_config)
         self.block_size = vllm_config.cache_config.block_size
         self._scheduler: ConnectorScheduler | None = None
-        self._worker: ConnectorWorker | None = None
+        self._worker: ConnectorWorker | PoolConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             from .scheduler import ConnectorScheduler
 
             self._scheduler = ConnectorScheduler(self.settings, self.block_size)
         else:
-            from .worker import ConnectorWorker
+            if self.settings.uses_pool:  # the cluster-wide pool (DistributedStore)
+                from .pool_worker import PoolConnectorWorker
 
-            self._worker = ConnectorWorker(self.settings, kv_cache_config.num_blocks)
+                self._worker = PoolConnectorWorker(self.settings, kv_cache_config.num_blocks)
+            else:
+                from .worker import ConnectorWorker
+
+                self._worker = ConnectorWorker(self.settings, kv_cache_config.num_blocks)
 
     # --- worker side ------------------------------------------------------------------
 

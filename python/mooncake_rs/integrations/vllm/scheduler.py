@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..._core import BlockHashes, PrefixHasher
 from ...errors import MooncakeError
@@ -28,6 +28,9 @@ from .metadata import LoadSpec, MooncakeRsConnectorMetadata, SaveSpec
 from ..pool.follower import PoolFollower
 from .pools import VllmPoolEvents
 
+if TYPE_CHECKING:
+    from .pool_store import PoolBlocks
+
 __all__ = ["ConnectorScheduler"]
 
 log = logging.getLogger("mooncake_rs.vllm")
@@ -35,6 +38,8 @@ log = logging.getLogger("mooncake_rs.vllm")
 #: what the prefill's response carries and the decode's request brings back
 PARAM_POOL = "mooncake_pool"
 PARAM_BLOCKS = "mooncake_blocks"
+#: a LoadSpec's pool with store "pool": the cluster-wide pool
+POOL = "pool"
 
 
 @dataclass
@@ -62,15 +67,26 @@ class _Req:
 
 
 class ConnectorScheduler:
-    def __init__(self, settings: ConnectorSettings, block_size: int) -> None:
+    def __init__(self, settings: ConnectorSettings, block_size: int, blocks: PoolBlocks | None = None) -> None:
+        """``blocks``: with ``settings.store == "pool"``, the pool to use (default: opened
+        from the settings)."""
         self.settings = settings
         self.block_size = block_size
         self._hashers: dict[tuple[str, str], PrefixHasher] = {}
         self._clients: dict[str, PoolClient] = {}
         self._reqs: dict[str, _Req] = {}
         self.events = VllmPoolEvents()
-        self.follower = PoolFollower(settings.pool, self._client, peers=settings.peers, etcd=settings.etcd,
-                                     etcd_prefix=settings.etcd_prefix, on_local_events=self.events.on_local_events)
+        # store "pool": the cluster-wide pool answers every lookup itself (no leases, no
+        # events to follow: pool_store.py); else this host's KV pool and its peers
+        self.blocks: PoolBlocks | None = None
+        self.follower: PoolFollower | None = None
+        if settings.uses_pool:
+            from .pool_store import PoolBlocks
+
+            self.blocks = blocks if blocks is not None else PoolBlocks.open(settings)
+        else:
+            self.follower = PoolFollower(settings.pool, self._client, peers=settings.peers, etcd=settings.etcd,
+                                         etcd_prefix=settings.etcd_prefix, on_local_events=self.events.on_local_events)
         self.counters = {"lookups": 0, "tokens_planned": 0, "pool_errors": 0}
 
     def _client(self, address: str) -> PoolClient:
@@ -108,6 +124,8 @@ class ConnectorScheduler:
             return 0, False
         keys = st.keys
         params = request.kv_transfer_params or {}
+        if self.blocks is not None:
+            return self._plan_from_pool(request, st, num_computed_tokens)
         try:
             own = self._client(self.settings.pool).lookup(bytes(keys), self.settings.lease_s)
         except MooncakeError as e:
@@ -143,7 +161,30 @@ class ConnectorScheduler:
         self.counters["tokens_planned"] += tokens
         return tokens, False
 
+    def _plan_from_pool(self, request: Any, st: _Req, num_computed_tokens: int) -> tuple[int, bool]:
+        """The cluster-wide pool: how many leading blocks it holds (one ``batch_exists``)."""
+        assert self.blocks is not None
+        try:
+            held = self.blocks.leading(st.keys)
+        except MooncakeError as e:
+            self.counters["pool_errors"] += 1
+            log.warning("MooncakeRsConnector: the pool: %s; no loads or saves for %s", e, request.request_id)
+            st.pool_held = len(st.keys)  # saves to an unreachable pool would only fail
+            return 0, False
+        st.pool_held = held
+        self.counters["lookups"] += 1
+        end = min(held, (st.prompt_len - 1) // self.block_size) if self.settings.loads else 0
+        start = num_computed_tokens // self.block_size
+        if end <= start:
+            return 0, False
+        # no lease: a block evicted before the worker reads it fails its read and is recomputed
+        st.load = _Load(POOL, start, end, [], [], 0)
+        tokens = (end - start) * self.block_size
+        self.counters["tokens_planned"] += tokens
+        return tokens, False
+
     def _candidates(self, keys: BlockHashes, params: dict[str, Any], own: int) -> list[str]:
+        assert self.follower is not None
         out = []
         named = params.get(PARAM_POOL) if params.get("do_remote_prefill") else None
         if isinstance(named, str) and named != self.settings.pool:
@@ -200,7 +241,7 @@ class ConnectorScheduler:
         if end <= start:
             return
         meta.saves.append(SaveSpec(req_id, st.block_ids[start:end], bytes(st.keys[start:end])))
-        for i in range(start, end):
+        for i in range(start, end) if self.follower is not None else ():  # the pool mode has no events
             self.events.expect(st.keys[i], self._event_fields(st, i))
         st.saved_upto = end
 
@@ -239,9 +280,13 @@ class ConnectorScheduler:
             log.info("MooncakeRsConnector: releasing a lease at %s: %s", pool, e)
 
     def take_events(self) -> list[Any]:
+        if self.follower is None:  # the cluster-wide pool has no store events to publish
+            return []
         self.follower.poll(force=self.events.pending)
         return self.events.take()
 
     def shutdown(self) -> None:
         for c in self._clients.values():
             c.close()
+        if self.blocks is not None:
+            self.blocks.close()
