@@ -284,7 +284,7 @@ def bench_kv_save(eng: Engine, n_req: int, context: int, repeats: int = 3) -> di
     plain copy of the same number of bytes, ``tensor.to("cpu", non_blocking=True)`` into
     pinned memory. Medians of ``repeats``; ratio = save bytes/s over plain bytes/s.
     Three saves: a call a block, a call a request (``save_blocks``), and one call for
-    every request (``batch_save.save_requests``: what a store write of a step's finished
+    every request (``Engine.save_requests``: what a store write of a step's finished
     requests does). On CPU torch runs on one thread here, as our copy does: on this
     shared host its copy of >= 64 KiB otherwise waits for OpenMP threads (BENCHMARKS.md)."""
     dev = eng.device
@@ -302,7 +302,6 @@ def _bench_kv_save(eng: Engine, n_req: int, context: int, repeats: int) -> dict[
     import numpy as np
 
     from mooncake_rs import Store
-    from mooncake_rs.engine.batch_save import save_blocks_each, save_requests
 
     dev = eng.device
     cuda = dev.type == "cuda"
@@ -338,7 +337,7 @@ def _bench_kv_save(eng: Engine, n_req: int, context: int, repeats: int) -> dict[
 
     def save_all() -> None:
         # one call for every block of every request, into the buffer as it is
-        save_requests(eng, spans, host)
+        eng.save_requests(spans, host)
         sync()
 
     def plain() -> None:
@@ -360,7 +359,7 @@ def _bench_kv_save(eng: Engine, n_req: int, context: int, repeats: int) -> dict[
 
     def slots_each() -> None:
         for k, rid in enumerate(ids):
-            save_blocks_each(eng, rid, range(nblocks), slots[k * nblocks:(k + 1) * nblocks])
+            eng.save_blocks_each(rid, range(nblocks), slots[k * nblocks:(k + 1) * nblocks])
 
     save()
     per_block = host.clone()  # the reference bytes: a call a block

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from mooncake_rs import InvalidArgument  # noqa: E402
 from mooncake_rs.engine import Engine, ModelConfig, SamplingParams  # noqa: E402
-from mooncake_rs.engine.batch_save import save_requests, saved_nbytes  # noqa: E402
+from mooncake_rs.engine.batch_save import saved_nbytes  # noqa: E402
 
 CFG = ModelConfig.tiny()
 B = 8
@@ -56,17 +56,17 @@ def test_save_requests_equals_save_block_per_block(held, layer):
              [(b, 0, 3), (b, 0, 3)]]              # one request twice
     for spans in cases:
         want = _reference(e, spans, layer)
-        n = saved_nbytes(e, spans, layer)
+        n = saved_nbytes(e.layout, spans, layer)
         assert n == len(want)
         for dst in (np.full(n, 0xAB, np.uint8), bytearray(n), torch.zeros(n // 4, dtype=torch.float32)):
-            save_requests(e, spans, dst, layer)
+            e.save_requests(spans, dst, layer)
             got = dst.view(torch.uint8).numpy().tobytes() if isinstance(dst, torch.Tensor) else bytes(dst)
             assert got == want, (spans, layer, type(dst))
 
 
 def test_save_requests_refuses_bad_input_before_writing(held):
     e, (a, b, c) = held
-    n = saved_nbytes(e, [(a, 0, 5)])
+    n = saved_nbytes(e.layout, [(a, 0, 5)])
     dst = np.zeros(n, np.uint8)
     bad = [([("nope", 0, 1)], "holds no KV"),
            ([(a, 0, 6)], "not all full blocks"),    # 41 tokens: 5 full blocks
@@ -76,14 +76,14 @@ def test_save_requests_refuses_bad_input_before_writing(held):
            ([], "spans is empty")]
     for spans, match in bad:
         with pytest.raises(InvalidArgument, match=match):
-            save_requests(e, spans, dst)
+            e.save_requests(spans, dst)
     with pytest.raises(InvalidArgument):
-        save_requests(e, [(a, 0, 4)], dst)  # the buffer is a block too large
+        e.save_requests([(a, 0, 4)], dst)  # the buffer is a block too large
     with pytest.raises(InvalidArgument, match="writable"):
-        save_requests(e, [(a, 0, 5)], bytes(n))
+        e.save_requests([(a, 0, 5)], bytes(n))
     for layer in (-1, CFG.num_layers):
         with pytest.raises(InvalidArgument, match="layer"):
-            save_requests(e, [(a, 0, 5)], dst[:saved_nbytes(e, [(a, 0, 5)], 0)], layer)
+            e.save_requests([(a, 0, 5)], dst[:saved_nbytes(e.layout, [(a, 0, 5)], 0)], layer)
     assert not dst.any()
 
 
@@ -93,7 +93,6 @@ def test_save_blocks_each_equals_save_block_into_store_slots(held, layer):
     arrays, tensors): each holds what save_block writes there; with a layer, only that
     layer's span of each slot is written."""
     from mooncake_rs import Store
-    from mooncake_rs.engine.batch_save import save_blocks_each
 
     e, (a, b, c) = held
     nb = e.layout.block_nbytes
@@ -110,7 +109,7 @@ def test_save_blocks_each_equals_save_block_into_store_slots(held, layer):
     arrays = [np.full(nb, 0x5A, np.uint8) for _ in idx]
     tensors = [torch.full((nb,), 0x5A, dtype=torch.uint8) for _ in idx]
     for outs in (slots, arrays, tensors):
-        save_blocks_each(e, a, idx, outs, layer)
+        e.save_blocks_each(a, idx, outs, layer)
         got = [o.numpy().tobytes() if isinstance(o, torch.Tensor) else np.asarray(o).tobytes() for o in outs]
         assert got == want, (layer, type(outs[0]))
     for s in slots:
@@ -119,7 +118,6 @@ def test_save_blocks_each_equals_save_block_into_store_slots(held, layer):
 
 def test_save_blocks_each_refuses_bad_input_before_writing(held):
     from mooncake_rs._core import page_gather_each
-    from mooncake_rs.engine.batch_save import save_blocks_each
 
     e, (a, b, c) = held
     nb = e.layout.block_nbytes
@@ -131,9 +129,9 @@ def test_save_blocks_each_refuses_bad_input_before_writing(held):
                         ((a, [0, 1, 2], outs[:2] + [np.zeros(nb - 1, np.uint8)]), "needs"),
                         ((a, [0, 1, 2], outs[:2] + [bytes(nb)]), "writable")]:
         with pytest.raises(InvalidArgument, match=match):
-            save_blocks_each(e, *args)
+            e.save_blocks_each(*args)
     with pytest.raises(InvalidArgument, match="layer"):
-        save_blocks_each(e, a, [0], outs[:1], CFG.num_layers)
+        e.save_blocks_each(a, [0], outs[:1], CFG.num_layers)
     g = e.cache._gather
     with pytest.raises(InvalidArgument, match="the cache has"):
         page_gather_each(g, [0, g.num_pages], 1, 0, g.planes, outs[:2])

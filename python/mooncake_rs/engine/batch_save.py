@@ -1,7 +1,9 @@
 """Saving the full blocks of several requests in one call (the engine's KV save into a
 store write that covers a whole step's finished requests).
 
-:meth:`Engine.save_blocks` is one call a request. For small requests (the tiny model's
+:meth:`Engine.save_blocks` is one call a request. The engine's
+:meth:`~.engine.Engine.save_requests` and :meth:`~.engine.Engine.save_blocks_each` find
+the requests and call these with its hand-off part. For small requests (the tiny model's
 blocks are 8 KiB; two 64-token requests are 64 KiB) the fixed cost of each call (the
 request lookup, the checks, the destination's slice and the crossing into Rust, ~2.5 us
 together) is larger than the copy itself: BENCHMARKS.md, issue 23, "engine save of
@@ -15,26 +17,29 @@ one gather-permute-copy on CUDA) into one destination, with no slice per request
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .._core import page_gather_each
 from ..errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..base.layout import BlockLayout
+    from .handoff import KVHandoff
+    from .scheduler import Request
 
 __all__ = ["save_requests", "saved_nbytes", "save_blocks_each"]
 
 
-def saved_nbytes(engine: "Engine", spans: Sequence[tuple[str, int, int]], layer: int | None = None) -> int:
-    """Bytes :func:`save_requests` writes for ``spans``: the destination's size."""
-    lay = engine.layout
+def saved_nbytes(layout: "BlockLayout", spans: Sequence[tuple[str, int, int]], layer: int | None = None) -> int:
+    """Bytes :func:`save_requests` writes for ``spans`` (``Engine.layout``): the destination's size."""
+    lay = layout
     per = lay.block_nbytes if layer is None else lay.layer_nbytes
     return sum(int(n) for _, _, n in spans) * per
 
 
-def save_requests(engine: "Engine", spans: Sequence[tuple[str, int, int]], buf: Any,
-                  layer: int | None = None) -> None:
+def save_requests(part: "KVHandoff", requests: "Mapping[str, Request]", spans: Sequence[tuple[str, int, int]],
+                  buf: Any, layer: int | None = None) -> None:
     """Copies, for each ``(request_id, first_block, num_blocks)`` of ``spans`` in order,
     those full blocks of the request (all layers, or layer ``layer``) into ``buf``, back
     to back: the bytes that :meth:`Engine.save_blocks` writes for each span, one after
@@ -47,9 +52,8 @@ def save_requests(engine: "Engine", spans: Sequence[tuple[str, int, int]], buf: 
     request holds no pages, a span is not all full blocks of computed KV, ``spans`` is
     empty, or ``buf`` has the wrong size or kind.
     """
-    requests = engine._requests  # the engine's table of live requests (package-internal)
-    b = engine.block_size
-    per_block = b // engine.page_size
+    b = part.block_size
+    per_block = b // part.page_size
     pages: list[int] = []
     total = 0
     # the checks of Engine.save_blocks, per span; written for few bytecodes a span (at the
@@ -73,23 +77,23 @@ def save_requests(engine: "Engine", spans: Sequence[tuple[str, int, int]], buf: 
         raise InvalidArgument("spans is empty: name at least one (request_id, first_block, num_blocks)")
     # blocks of different requests laid back to back are exactly one longer run of blocks
     # to the cache's batched save (it takes any page ids, in any order)
-    cache = engine.cache
-    gather = cache._gather
+    cache = part.cache
+    gather = cache.page_gather
     if gather is None:  # CUDA: the cache's gather-permute-copy, with its checks
-        cache.save_blocks(engine.layout, pages, total, buf, layer)
+        cache.save_blocks(part.layout, pages, total, buf, layer)
         return
     # CPU: straight to the cache's PageGather (KVCache.save_blocks' Python layer and its
     # layout check are skipped: the engine's layout is made from the cache's model and
     # block size, so it always matches); the Rust call checks the pages and the buffer
     if layer is None:
         gather.save(pages, per_block, 0, gather.planes, buf)
-    elif 0 <= layer < engine.config.num_layers:
+    elif 0 <= layer < part.config.num_layers:
         gather.save(pages, per_block, 2 * layer, 2, buf)
     else:
-        raise InvalidArgument(f"layer {layer} out of range 0..{engine.config.num_layers - 1}")
+        raise InvalidArgument(f"layer {layer} out of range 0..{part.config.num_layers - 1}")
 
 
-def save_blocks_each(engine: "Engine", request_id: str, block_indices: Sequence[int], outs: Sequence[Any],
+def save_blocks_each(part: "KVHandoff", req: "Request", block_indices: Sequence[int], outs: Sequence[Any],
                      layer: int | None = None) -> None:
     """Copies full block ``block_indices[i]`` of a request (all layers, or layer ``layer``)
     into ``outs[i]``, a whole store block each (``engine.layout.block_nbytes``, e.g. a
@@ -102,11 +106,9 @@ def save_blocks_each(engine: "Engine", request_id: str, block_indices: Sequence[
         raise InvalidArgument(f"{len(block_indices)} blocks but {len(outs)} buffers: one buffer a block")
     if not block_indices:
         return
-    req = engine._requests.get(str(request_id))  # the engine's live requests (package-internal)
-    if req is None or not req.pages:
-        raise InvalidArgument(f"request {request_id!r} holds no KV pages")
-    b = engine.block_size
-    per_block = b // engine.page_size
+    request_id = req.request_id
+    b = part.block_size
+    per_block = b // part.page_size
     avail = max(req.kv_end, req.num_computed)
     pages: list[int] = []
     held = req.pages
@@ -116,15 +118,15 @@ def save_blocks_each(engine: "Engine", request_id: str, block_indices: Sequence[
             raise InvalidArgument(f"block {i} of request {request_id!r} is not a full block of computed KV "
                                   f"({avail} tokens computed)")
         pages += held[i * per_block:(i + 1) * per_block]
-    nl = engine.config.num_layers
+    nl = part.config.num_layers
     if layer is not None and not 0 <= layer < nl:
         raise InvalidArgument(f"layer {layer} out of range 0..{nl - 1}")
-    gather = engine.cache._gather
+    gather = part.cache.page_gather
     if gather is None:  # CUDA: a gather a block, each checked by the cache
         for i, out in zip(block_indices, outs):
-            engine.save_block(request_id, int(i), out, layer)
+            part.save_block(req, int(i), out, layer)
         return
     if layer is None:
         page_gather_each(gather, pages, per_block, 0, gather.planes, list(outs))
     else:
-        page_gather_each(gather, pages, per_block, 2 * layer, 2, list(outs), engine.layout.layer_span(layer).offset)
+        page_gather_each(gather, pages, per_block, 2 * layer, 2, list(outs), part.layout.layer_span(layer).offset)

@@ -22,6 +22,7 @@ from ..base.model_config import DTYPES, ModelConfig
 from ..base.outputs import LayerEvent, PrefillTiming, RequestOutput, TokenEvent
 from ..base.params import SamplingParams
 from ..errors import InvalidArgument
+from . import batch_save
 from .attention import BatchMeta, make_backend
 from .backend_choice import resolve_dtype
 from .handoff import KVHandoff
@@ -257,6 +258,20 @@ class Engine:
         (or layer spans) back to back, each laid out as :meth:`save_block` writes it.
         ``InvalidArgument`` if one of them is not a full block of computed KV."""
         self.handoff.save_blocks(self._holding_pages(request_id), first_block, num_blocks, buf, layer)
+
+    def save_requests(self, spans: Sequence[tuple[str, int, int]], buf: Any, layer: int | None = None) -> None:
+        """Full blocks of several requests in one call: for each ``(request_id,
+        first_block, num_blocks)`` in order, what :meth:`save_blocks` writes, back to back
+        in ``buf`` (``batch_save.saved_nbytes(engine.layout, spans, layer)`` bytes).
+        ``InvalidArgument`` before anything is written (engine/batch_save.py)."""
+        batch_save.save_requests(self.handoff, self._requests, spans, buf, layer)
+
+    def save_blocks_each(self, request_id: str, block_indices: Sequence[int], outs: Sequence[Any],
+                         layer: int | None = None) -> None:
+        """Full block ``block_indices[i]`` of a request into ``outs[i]`` (a whole store
+        block each, e.g. a reserved slot) in one call: what :meth:`save_block` writes
+        there. ``InvalidArgument`` before anything is written (engine/batch_save.py)."""
+        batch_save.save_blocks_each(self.handoff, self._holding_pages(request_id), block_indices, outs, layer)
 
     def prompt_logits(self, prompt_token_ids: Sequence[int]) -> torch.Tensor:
         """float32 logits ``[len(prompt), vocab]`` of every prompt position."""

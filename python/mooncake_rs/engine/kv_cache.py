@@ -78,6 +78,12 @@ class KVCache:
             self._gather = PageGather(self.data.view(-1).view(torch.uint8).numpy(), 2 * cfg.num_layers, num_pages,
                                       page_bytes)
 
+    @property
+    def page_gather(self) -> PageGather | None:
+        """The Rust gather over the cache's bytes on CPU (``None`` on CUDA): what the
+        engine's one-call saves (batch_save.py) hand their page ids to."""
+        return self._gather
+
     # ---- pages
     @property
     def num_free(self) -> int:

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._core import BlockHashes
-from ..engine.batch_save import save_blocks_each
 from .multisource import FetchSource, MultiFetch
 from .protocol import (Cancel, Cancelled, Failed, Fetched, InstanceSpec, KvReady, Message, Prefill, PrefillReport,
                        ProtocolError, op_of)
@@ -239,7 +238,7 @@ class PrefillRole:
         full = [i for i in blocks if i >= st.reused]
         if full:  # one call gathers every full block (or its layer) straight into its slot
             slots = [self._slot(st, i) for i in full]
-            save_blocks_each(engine, str(st.rid), full, slots, layer)
+            engine.save_blocks_each(str(st.rid), full, slots, layer)
             for i, s in zip(full, slots):
                 self._span(st, i, store.offset(s), span_off, n, spans)
         if partial is not None:
