@@ -40,6 +40,49 @@ impl Transports {
     }
 }
 
+/// How the TCP data path of an authenticated session protects its frames (both ends
+/// must say the same: the handshake refuses a mismatch, and binds the choice into its
+/// proofs and frame keys, so a relay cannot rewrite it either).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WireProtection {
+    /// Every frame encrypted and authenticated (AES-256-GCM): a network observer sees
+    /// no KV byte. The default with a token.
+    #[default]
+    Encrypted,
+    /// Every frame authenticated (keyed BLAKE3 tags bound to the session and the frame's
+    /// sequence number) but sent in clear: forged, altered, replayed, reordered or
+    /// dropped frames are still refused, but KV bytes (and region ids, offsets) are
+    /// readable on the wire. Cheaper: no copy into an encryption buffer, no decryption.
+    Integrity,
+}
+
+impl WireProtection {
+    pub fn parse(s: &str) -> Result<WireProtection, TransferError> {
+        match s {
+            "encrypted" => Ok(WireProtection::Encrypted),
+            "integrity" => Ok(WireProtection::Integrity),
+            other => Err(TransferError::InvalidRequest(format!(
+                "unknown wire_protection {other:?}; use \"encrypted\" (the default) or \"integrity\""
+            ))),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WireProtection::Encrypted => "encrypted",
+            WireProtection::Integrity => "integrity",
+        }
+    }
+
+    /// Its code in the handshake's hello (0 there means: no token).
+    pub fn code(self) -> u8 {
+        match self {
+            WireProtection::Encrypted => 1,
+            WireProtection::Integrity => 2,
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     pub name: String,
@@ -51,6 +94,9 @@ pub struct EngineConfig {
     /// a holder of the shared token cannot pass for it (and claim its grants). Names not
     /// listed authenticate with `auth_token`. Needs `auth_token`.
     pub peer_tokens: Vec<(String, String)>,
+    /// How frames of token sessions are protected on the TCP data path (`None`:
+    /// [`WireProtection::Encrypted`]). Needs `auth_token`.
+    pub wire_protection: Option<WireProtection>,
     pub transports: Transports,
     /// TCP requests are cut into slices of at most this many bytes.
     pub slice_size: usize,
@@ -84,6 +130,7 @@ impl Default for EngineConfig {
             listen: vec!["127.0.0.1:0".into()],
             auth_token: None,
             peer_tokens: Vec::new(),
+            wire_protection: None,
             transports: Transports::default(),
             slice_size: 1 << 20,
             connect_timeout: Duration::from_secs(5),
@@ -131,6 +178,12 @@ impl EngineConfig {
         }
         if !self.peer_tokens.is_empty() && self.auth_token.is_none() {
             return bad("peer_tokens needs auth_token too (otherwise peers not listed would be served unauthenticated)".into());
+        }
+        if let (Some(p), None) = (self.wire_protection, &self.auth_token) {
+            return bad(format!(
+                "wire_protection={:?} protects the frames of token sessions: set auth_token too (without one, frames carry no protection)",
+                p.as_str()
+            ));
         }
         for (n, t) in &self.peer_tokens {
             if n.is_empty() || t.is_empty() {
