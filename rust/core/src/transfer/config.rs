@@ -52,7 +52,9 @@ pub enum WireProtection {
     /// Every frame authenticated (keyed BLAKE3 tags bound to the session and the frame's
     /// sequence number) but sent in clear: forged, altered, replayed, reordered or
     /// dropped frames are still refused, but KV bytes (and region ids, offsets) are
-    /// readable on the wire. Cheaper: no copy into an encryption buffer, no decryption.
+    /// readable on the wire. It skips the sender's copy into an encryption buffer and
+    /// the receiver's decryption pass; where AES-GCM runs in wide hardware (VAES), its
+    /// CPU cost is about that of encryption (BENCHMARKS.md, "Integrity-only frames").
     Integrity,
 }
 

@@ -124,6 +124,10 @@ impl<W: Write> FrameWriter<W> {
     pub fn get_ref(&self) -> &W {
         &self.inner
     }
+
+    pub fn get_mut(&mut self) -> &mut W {
+        &mut self.inner
+    }
 }
 
 fn write_all_parts(w: &mut impl Write, parts: &mut [&[u8]; 3]) -> io::Result<()> {
@@ -182,6 +186,10 @@ impl<R: Read> FrameReader<R> {
             .as_ref()
             .map(|k| Opener { dir: Direction::new(k), key: *k, overlap: None, head: Vec::new(), stage: Vec::new() });
         FrameReader { inner, open }
+    }
+
+    pub fn get_mut(&mut self) -> &mut R {
+        &mut self.inner
     }
 
     /// Whether frames are protected (then payloads must be verified before use).
