@@ -83,6 +83,9 @@ pub fn client<S: Read + Write>(
 pub enum Refusal {
     /// Wrong proof: counted as an auth failure.
     BadToken,
+    /// The client asked for another wire protection than this engine's (a
+    /// configuration mistake on one side: worth a warning, not a debug line).
+    Mismatch(String),
     /// Anything else (bad frames, version, I/O).
     Other(String),
 }
@@ -132,7 +135,7 @@ pub fn server_with<S: Read + Write>(
             k.protection().as_str()
         );
         let _ = s.write_all(&encode(&Msg::Refused { reason: reason.clone() }));
-        return Err(Refusal::Other(format!("{reason} (client {client_name:?})")));
+        return Err(Refusal::Mismatch(format!("{reason} (client {client_name:?})")));
     }
     let sn = auth::nonce().map_err(|e| Refusal::Other(e.to_string()))?;
     let challenge = Msg::Challenge { version: VERSION, auth: key.is_some(), nonce: sn, host, name: name.into() };
