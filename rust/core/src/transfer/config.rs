@@ -262,26 +262,32 @@ impl Counters {
 }
 
 /// The union of the in-flight intervals of an engine's batches, kept incrementally: a
-/// batch opens an interval when none is open, the last one to end closes it.
+/// batch opens an interval when none is open, the last one to end closes it. Times are
+/// taken before the lock, so they can arrive out of order (a batch stamped at its submit
+/// may take the lock after another batch ended later): an interval never starts before
+/// the latest end already counted, and closes at the latest end seen, so no stretch of
+/// time is counted twice (a CI run read more busy time than the batches' span).
 #[derive(Debug, Default)]
 pub struct Busy {
     inflight: u64,
     since_ns: u64,
     busy_ns: u64,
+    latest_end_ns: u64,
 }
 
 impl Busy {
     pub fn begin(&mut self, now_ns: u64) {
         if self.inflight == 0 {
-            self.since_ns = now_ns;
+            self.since_ns = now_ns.max(self.latest_end_ns);
         }
         self.inflight += 1;
     }
 
     pub fn end(&mut self, end_ns: u64) {
+        self.latest_end_ns = self.latest_end_ns.max(end_ns);
         self.inflight = self.inflight.saturating_sub(1);
         if self.inflight == 0 {
-            self.busy_ns += end_ns.saturating_sub(self.since_ns);
+            self.busy_ns += self.latest_end_ns.saturating_sub(self.since_ns);
         }
     }
 
