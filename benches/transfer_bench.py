@@ -7,6 +7,8 @@
   same 256 MiB;
 * TCP loopback: 64 KiB / 512 KiB / 4 MiB requests in batches of 32 and 64 to a peer
   process, vs a plain Python socket stream between two processes moving the same bytes;
+  with --auth also with a token, one column per wire protection (--auth-modes: encrypted,
+  integrity), each with its CPU-s/GB on both ends;
 * latency of one 4 KiB TCP write (submit + wait) vs a plain 4 KiB -> 8 B socket ping-pong,
   with and without the inline send and an auth token, each split into its stages by the
   batch's own timestamps (Python -> engine, engine round trip, waiter wake-up);
@@ -211,21 +213,30 @@ def bench_shm(budget):
     return out
 
 
-def bench_tcp(budget, sizes, batches, rounds, auth=False, auth_conns=None):
+# Token variants: label -> wire_protection ("tcpauth" keeps its name from earlier runs).
+AUTH_VARIANTS = {"encrypted": "tcpauth", "integrity": "tcpint"}
+LABEL_TEXT = {"tcp": "", "tcpauth": "encrypted ", "tcpint": "integrity "}
+
+
+def bench_tcp(budget, sizes, batches, rounds, auth=False, auth_conns=None, auth_modes=("encrypted", "integrity")):
     """TCP requests against the plain socket stream, interleaved per round; with ``auth``
-    also an engine pair holding a token (per-frame tags), in the same rounds."""
-    variants = [("tcp", None)] + ([("tcpauth", "bench-token-0123456789")] if auth else [])
+    also engine pairs holding a token, one per wire protection of ``auth_modes``
+    (encrypted: AES-256-GCM frames; integrity: BLAKE3-tagged frames in clear), in the
+    same rounds."""
+    token = "bench-token-0123456789"
+    variants = [("tcp", None, None)] + ([(AUTH_VARIANTS[m], token, m) for m in auth_modes] if auth else [])
     peers = {label: start_peer(name=f"bench-{label}", regions=[{"name": "r", "length": WS, "fill": False}],
-                               transports=["tcp"], auth_token=tok) for label, tok in variants}
+                               transports=["tcp"], auth_token=tok, wire_protection=mode)
+             for label, tok, mode in variants}
     ref = SocketRef()
     out = {}
     engines = []
     try:
         sides = {}
-        for label, tok in variants:
+        for label, tok, mode in variants:
             conns = {"connections_per_endpoint": auth_conns} if tok and auth_conns else {}
             e = mc.TransferEngine(f"bench-{label}-init", auth_token=tok, transports=["tcp"],
-                                  registry=mc.TransferRegistry(), **conns)
+                                  registry=mc.TransferRegistry(), wire_protection=mode, **conns)
             engines.append(e)
             info = peers[label][1]
             p = e.connect(f"bench-{label}", info["address"])
@@ -272,11 +283,11 @@ def bench_tcp(budget, sizes, batches, rounds, auth=False, auth_conns=None):
                             acc.setdefault(f"{label}_{op}_{size}_{nb}_GBps", []).append(v)
                             # Ratios within the round (the load moves between rounds).
                             acc.setdefault(f"{label}_{op}_{size}_{nb}_x_sock", []).append(v / sock)
-                            if label == "tcpauth":
+                            if label != "tcp":
                                 plain = acc[f"tcp_{op}_{size}_{nb}_GBps"][-1]
-                                acc.setdefault(f"tcpauth_{op}_{size}_{nb}_x_plain", []).append(v / plain)
+                                acc.setdefault(f"{label}_{op}_{size}_{nb}_x_plain", []).append(v / plain)
                                 plain_cpu = acc[f"tcp_{op}_{size}_{nb}_cpu_s_per_GB"][-1]
-                                acc.setdefault(f"tcpauth_{op}_{size}_{nb}_cpu_x_plain", []).append(cpu / plain_cpu)
+                                acc.setdefault(f"{label}_{op}_{size}_{nb}_cpu_x_plain", []).append(cpu / plain_cpu)
         out.update({key: med(v) for key, v in acc.items()})
         out.update({f"{key}_range": [min(v), max(v)] for key, v in acc.items() if "_x_" in key})
     finally:
@@ -386,7 +397,9 @@ def main():
     ap.add_argument("--lat-rounds", type=int, default=9, help="latency rounds (median of per-round ratios)")
     ap.add_argument("--only", choices=("latency", "tcp"), help="only the 4 KiB write latency (and --peer's), "
                                                                  "or only the TCP bandwidth cases")
-    ap.add_argument("--auth", action="store_true", help="TCP cases also with an auth token (sealed frames)")
+    ap.add_argument("--auth", action="store_true", help="TCP cases also with an auth token (protected frames)")
+    ap.add_argument("--auth-modes", default="encrypted,integrity",
+                    help="wire_protection of the token engines, one column each (encrypted, integrity)")
     ap.add_argument("--sizes", default="64,512,4096", help="TCP request sizes in KiB")
     ap.add_argument("--auth-conns", type=int, default=None,
                     help="connections_per_endpoint of the token engine (default: the engine's automatic choice)")
@@ -399,7 +412,11 @@ def main():
         r.update(bench_overhead(args.budget))
         r.update(bench_shm(args.budget))
     if args.only != "latency":
-        r.update(bench_tcp(args.budget, sizes, batches, args.rounds, auth=args.auth, auth_conns=args.auth_conns))
+        modes = tuple(m for m in args.auth_modes.split(",") if m)
+        if not set(modes) <= set(AUTH_VARIANTS):
+            ap.error(f"--auth-modes: {args.auth_modes!r}; use a comma-separated subset of {sorted(AUTH_VARIANTS)}")
+        r.update(bench_tcp(args.budget, sizes, batches, args.rounds, auth=args.auth, auth_conns=args.auth_conns,
+                           auth_modes=modes))
     if args.only == "tcp":
         print_tcp(r, sizes, batches, None)
         print(json.dumps(r))
@@ -427,28 +444,30 @@ def print_tcp(r, sizes, batches, peer):
         for nb in batches:
             s = r[f"sock_{size}_{nb}_GBps"]
             line = f"tcp {size >> 10:5d} KiB x {nb}: socket {s:5.2f} GB/s"
-            for label in ("tcp", "tcpauth"):
+            for label in LABEL_TEXT:
                 for op in ("write", "read"):
                     v = r.get(f"{label}_{op}_{size}_{nb}_GBps")
                     if v is not None:
                         x = r.get(f"{label}_{op}_{size}_{nb}_x_sock", v / s)
-                        line += f" | {'token ' if label == 'tcpauth' else ''}{op} {v:5.2f} GB/s ({x:.2f}x)"
-                        if label == "tcpauth":
-                            line += f" [{r[f'tcpauth_{op}_{size}_{nb}_x_plain']:.2f}x no token]"
+                        line += f" | {LABEL_TEXT[label]}{op} {v:5.2f} GB/s ({x:.2f}x)"
+                        if label != "tcp":
+                            line += f" [{r[f'{label}_{op}_{size}_{nb}_x_plain']:.2f}x no token]"
             if peer and f"te_write_{size}_GBps" in peer and nb == 32:
                 line += f" | mooncake TE write {peer[f'te_write_{size}_GBps']:.2f} read {peer[f'te_read_{size}_GBps']:.2f}"
             print(line + "  (target >= 0.9x)")
             cpu = [f"socket {r[f'sock_{size}_{nb}_cpu_s_per_GB']:.2f}"]
-            for label in ("tcp", "tcpauth"):
+            for label in LABEL_TEXT:
                 for op in ("write", "read"):
                     c = r.get(f"{label}_{op}_{size}_{nb}_cpu_s_per_GB")
                     if c is not None:
-                        cpu.append(f"{'token ' if label == 'tcpauth' else ''}{op} {c:.2f}"
-                                   + (f" ({r[f'tcpauth_{op}_{size}_{nb}_cpu_x_plain']:.2f}x no token)"
-                                      if label == "tcpauth" else ""))
+                        cpu.append(f"{LABEL_TEXT[label]}{op} {c:.2f}"
+                                   + (f" ({r[f'{label}_{op}_{size}_{nb}_cpu_x_plain']:.2f}x no token)"
+                                      if label != "tcp" else ""))
             print(f"    CPU s/GB, both ends: {' | '.join(cpu)}")
-    if "tcpauth_connections" in r:
-        print(f"connections per endpoint: no token {r['tcp_connections']}, token {r['tcpauth_connections']}")
+    if any(f"{label}_connections" in r for label in ("tcpauth", "tcpint")):
+        print("connections per endpoint: " + ", ".join(
+            f"{LABEL_TEXT[label] or 'no token '}{r[f'{label}_connections']}" for label in LABEL_TEXT
+            if f"{label}_connections" in r))
     print("(Nx): median over rounds of the ratio to the socket stream of the same round; "
           "[Nx no token]: of token to no token, same round")
 

@@ -223,3 +223,37 @@ def test_connections_per_endpoint_defaults_to_automatic_and_rejects_zero():
         reqs = [mc.TransferRequest("write", src, i << 20, p3, dst.id, i << 20, 1 << 20) for i in range(3)]
         assert all(s.ok for s in cli3.submit(reqs).wait())
         assert np.array_equal(np.asarray(dst), data)
+
+
+def test_wire_protection_integrity_moves_the_same_bytes_and_must_match():
+    """Issue 26: `wire_protection="integrity"` (frames authenticated, KV bytes in clear)
+    moves the bytes an encrypted session moves; a bad value, the option without a token,
+    and engines configured differently are typed errors that say what to set."""
+    with pytest.raises(mc.InvalidArgument, match="integrity"):
+        mc.TransferEngine("bad", listen="", auth_token="t", wire_protection="mac")
+    with pytest.raises(mc.InvalidArgument, match="auth_token"):
+        mc.TransferEngine("tokenless", listen="", wire_protection="integrity")
+    data = rand(5 << 20, 9)
+    got = {}
+    for mode in ("integrity", "encrypted", None):
+        reg = mc.TransferRegistry()
+        with mc.TransferEngine("srv", auth_token="t", transports=["tcp"], registry=reg, wire_protection=mode) as srv, \
+                mc.TransferEngine("cli", listen="", auth_token="t", transports=["tcp"], wire_protection=mode,
+                                  registry=mc.TransferRegistry()) as cli:
+            peer = cli.connect("srv", srv.address)
+            src, dst, back = cli.allocate(len(data)), srv.allocate(len(data)), cli.allocate(len(data))
+            np.asarray(src)[:] = data
+            half = len(data) // 2
+            reqs = [mc.TransferRequest("write", src, 0, peer, dst.id, 0, half),
+                    mc.TransferRequest("write", src, half, peer, dst.id, half, len(data) - half)]
+            assert all(s.ok for s in cli.submit(reqs).wait())
+            assert all(s.ok for s in cli.submit([mc.TransferRequest("read", back, 0, peer, dst.id, 0, len(data))]).wait())
+            got[mode] = (np.asarray(dst).tobytes(), np.asarray(back).tobytes())
+    assert got["integrity"] == got["encrypted"] == got[None] == (data.tobytes(), data.tobytes())
+    reg = mc.TransferRegistry()
+    with mc.TransferEngine("srv", auth_token="t", transports=["tcp"], registry=reg, wire_protection="integrity") as srv, \
+            mc.TransferEngine("cli", listen="", auth_token="t", transports=["tcp"],
+                              registry=mc.TransferRegistry()) as cli:
+        with pytest.raises(mc.TransferFailed, match="wire_protection mismatch") as e:
+            cli.connect("srv", srv.address)
+        assert "integrity" in str(e.value) and "encrypted" in str(e.value)

@@ -29,6 +29,7 @@ def main() -> None:
         listen=cfg.get("listen", "127.0.0.1:0"),
         auth_token=cfg.get("auth_token"),
         transports=cfg.get("transports", ["local", "shm", "tcp"]),
+        wire_protection=cfg.get("wire_protection"),
     )
     regions: dict[str, mc.Region] = {}
     keep = []

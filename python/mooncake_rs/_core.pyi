@@ -851,6 +851,7 @@ class TransferEngine:
         copy_threads: int = 2,
         inline_send_bytes: int = 16384,
         peer_tokens: Mapping[str, str] | None = None,
+        wire_protection: str | None = None,
     ) -> TransferEngine: ...
     @property
     def name(self) -> str: ...

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use mooncake_core::transfer::{
     Access, Batch, Engine, EngineConfig, EngineRegistry, Op, Peer, Region, RegionId, Request,
-    RequestStatus, TransferError, Transports,
+    RequestStatus, TransferError, Transports, WireProtection,
 };
 use mooncake_core::{Categorized, ErrorCategory};
 use pyo3::ffi;
@@ -424,7 +424,7 @@ impl PyTransferEngine {
     #[new]
     #[pyo3(signature = (name, listen = "127.0.0.1:0", auth_token = None, transports = None, *, registry = None,
         slice_size = 1_048_576, io_timeout_s = 10.0, idle_timeout_s = 60.0, connect_timeout_s = 5.0, connections_per_endpoint = None, copy_threads = 2,
-        inline_send_bytes = 16384, peer_tokens = None))]
+        inline_send_bytes = 16384, peer_tokens = None, wire_protection = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -441,6 +441,7 @@ impl PyTransferEngine {
         copy_threads: usize,
         inline_send_bytes: usize,
         peer_tokens: Option<std::collections::BTreeMap<String, String>>,
+        wire_protection: Option<&str>,
     ) -> PyResult<Self> {
         let transports = match &transports {
             Some(t) => Transports::parse(t.iter().map(String::as_str)).or_raise(py)?,
@@ -465,6 +466,7 @@ impl PyTransferEngine {
             copy_threads,
             inline_send_bytes,
             peer_tokens: peer_tokens.unwrap_or_default().into_iter().collect(),
+            wire_protection: wire_protection.map(WireProtection::parse).transpose().or_raise(py)?,
             ..EngineConfig::default()
         };
         let reg = registry.map(|r| r.inner.clone()).unwrap_or_else(EngineRegistry::global);

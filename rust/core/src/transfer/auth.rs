@@ -6,14 +6,22 @@
 //! is covered by the proof: a relay cannot rename a connection); the server
 //! answers with `keyed_hash(key, "server" | client_nonce | server_nonce)`, so both sides
 //! are authenticated and a recorded proof is useless for another pair of nonces.
+//! Every MAC also covers the key's [`WireProtection`]: two ends configured differently
+//! never agree on a proof or a frame key (the handshake names the mismatch before
+//! that), and a relay that rewrites the mode announced in a hello fails the proof.
 
+use super::config::WireProtection;
 use super::protocol::{MAC_LEN, NONCE_LEN};
 
 const CONTEXT: &str = "mooncake_rs transfer auth v1";
 
-/// The derived key of a token (`None`: no authentication).
+/// The derived key of a token (`None`: no authentication), and how the sessions it
+/// authenticates protect their frames.
 #[derive(Clone)]
-pub struct AuthKey([u8; 32]);
+pub struct AuthKey {
+    key: [u8; 32],
+    protection: WireProtection,
+}
 
 impl std::fmt::Debug for AuthKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -22,8 +30,18 @@ impl std::fmt::Debug for AuthKey {
 }
 
 impl AuthKey {
+    /// The key of `token`, for sessions whose frames are encrypted (the default).
     pub fn from_token(token: &str) -> AuthKey {
-        AuthKey(blake3::derive_key(CONTEXT, token.as_bytes()))
+        AuthKey { key: blake3::derive_key(CONTEXT, token.as_bytes()), protection: WireProtection::Encrypted }
+    }
+
+    /// The same key for sessions protected as `protection` says.
+    pub fn with_protection(self, protection: WireProtection) -> AuthKey {
+        AuthKey { protection, ..self }
+    }
+
+    pub fn protection(&self) -> WireProtection {
+        self.protection
     }
 
     fn mac(&self, role: &[u8], a: &[u8; NONCE_LEN], b: &[u8; NONCE_LEN]) -> [u8; MAC_LEN] {
@@ -31,8 +49,9 @@ impl AuthKey {
     }
 
     fn mac_named(&self, role: &[u8], a: &[u8; NONCE_LEN], b: &[u8; NONCE_LEN], name: &[u8]) -> [u8; MAC_LEN] {
-        let mut h = blake3::Hasher::new_keyed(&self.0);
+        let mut h = blake3::Hasher::new_keyed(&self.key);
         h.update(role);
+        h.update(&[self.protection.code()]);
         h.update(a);
         h.update(b);
         // Length-prefixed, so no (nonce, name) pair reads as another.
@@ -115,5 +134,10 @@ mod tests {
         assert_ne!(c2s, s2c);
         assert!(c2s != p && s2c != p && s2c != k.server_proof(&s, &c));
         assert_ne!(k.frame_keys(&s, &nonce().unwrap()).0, c2s);
+        // Another wire protection: other proofs and other frame keys.
+        let ki = k.clone().with_protection(WireProtection::Integrity);
+        assert!(!mac_eq(&p, &ki.client_proof(&s, &c, "prefill-0")));
+        let (ic2s, is2c) = ki.frame_keys(&s, &c);
+        assert!(ic2s != c2s && is2c != s2c);
     }
 }

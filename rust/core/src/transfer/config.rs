@@ -40,6 +40,51 @@ impl Transports {
     }
 }
 
+/// How the TCP data path of an authenticated session protects its frames (both ends
+/// must say the same: the handshake refuses a mismatch, and binds the choice into its
+/// proofs and frame keys, so a relay cannot rewrite it either).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WireProtection {
+    /// Every frame encrypted and authenticated (AES-256-GCM): a network observer sees
+    /// no KV byte. The default with a token.
+    #[default]
+    Encrypted,
+    /// Every frame authenticated (keyed BLAKE3 tags bound to the session and the frame's
+    /// sequence number) but sent in clear: forged, altered, replayed, reordered or
+    /// dropped frames are still refused, but KV bytes (and region ids, offsets) are
+    /// readable on the wire. It skips the sender's copy into an encryption buffer and
+    /// the receiver's decryption pass; where AES-GCM runs in wide hardware (VAES), its
+    /// CPU cost is about that of encryption (BENCHMARKS.md, "Integrity-only frames").
+    Integrity,
+}
+
+impl WireProtection {
+    pub fn parse(s: &str) -> Result<WireProtection, TransferError> {
+        match s {
+            "encrypted" => Ok(WireProtection::Encrypted),
+            "integrity" => Ok(WireProtection::Integrity),
+            other => Err(TransferError::InvalidRequest(format!(
+                "unknown wire_protection {other:?}; use \"encrypted\" (the default) or \"integrity\""
+            ))),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WireProtection::Encrypted => "encrypted",
+            WireProtection::Integrity => "integrity",
+        }
+    }
+
+    /// Its code in the handshake's hello (0 there means: no token).
+    pub fn code(self) -> u8 {
+        match self {
+            WireProtection::Encrypted => 1,
+            WireProtection::Integrity => 2,
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     pub name: String,
@@ -51,6 +96,9 @@ pub struct EngineConfig {
     /// a holder of the shared token cannot pass for it (and claim its grants). Names not
     /// listed authenticate with `auth_token`. Needs `auth_token`.
     pub peer_tokens: Vec<(String, String)>,
+    /// How frames of token sessions are protected on the TCP data path (`None`:
+    /// [`WireProtection::Encrypted`]). Needs `auth_token`.
+    pub wire_protection: Option<WireProtection>,
     pub transports: Transports,
     /// TCP requests are cut into slices of at most this many bytes.
     pub slice_size: usize,
@@ -84,6 +132,7 @@ impl Default for EngineConfig {
             listen: vec!["127.0.0.1:0".into()],
             auth_token: None,
             peer_tokens: Vec::new(),
+            wire_protection: None,
             transports: Transports::default(),
             slice_size: 1 << 20,
             connect_timeout: Duration::from_secs(5),
@@ -131,6 +180,12 @@ impl EngineConfig {
         }
         if !self.peer_tokens.is_empty() && self.auth_token.is_none() {
             return bad("peer_tokens needs auth_token too (otherwise peers not listed would be served unauthenticated)".into());
+        }
+        if let (Some(p), None) = (self.wire_protection, &self.auth_token) {
+            return bad(format!(
+                "wire_protection={:?} protects the frames of token sessions: set auth_token too (without one, frames carry no protection)",
+                p.as_str()
+            ));
         }
         for (n, t) in &self.peer_tokens {
             if n.is_empty() || t.is_empty() {
@@ -207,26 +262,32 @@ impl Counters {
 }
 
 /// The union of the in-flight intervals of an engine's batches, kept incrementally: a
-/// batch opens an interval when none is open, the last one to end closes it.
+/// batch opens an interval when none is open, the last one to end closes it. Times are
+/// taken before the lock, so they can arrive out of order (a batch stamped at its submit
+/// may take the lock after another batch ended later): an interval never starts before
+/// the latest end already counted, and closes at the latest end seen, so no stretch of
+/// time is counted twice (a CI run read more busy time than the batches' span).
 #[derive(Debug, Default)]
 pub struct Busy {
     inflight: u64,
     since_ns: u64,
     busy_ns: u64,
+    latest_end_ns: u64,
 }
 
 impl Busy {
     pub fn begin(&mut self, now_ns: u64) {
         if self.inflight == 0 {
-            self.since_ns = now_ns;
+            self.since_ns = now_ns.max(self.latest_end_ns);
         }
         self.inflight += 1;
     }
 
     pub fn end(&mut self, end_ns: u64) {
+        self.latest_end_ns = self.latest_end_ns.max(end_ns);
         self.inflight = self.inflight.saturating_sub(1);
         if self.inflight == 0 {
-            self.busy_ns += end_ns.saturating_sub(self.since_ns);
+            self.busy_ns += self.latest_end_ns.saturating_sub(self.since_ns);
         }
     }
 

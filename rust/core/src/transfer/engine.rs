@@ -20,7 +20,7 @@ use super::shm::ShmPeer;
 use super::tcp::client::{ClientConfig, TcpPeer};
 use super::tcp::server::{ServeCtx, Server};
 use super::{Request, TransferError};
-pub use super::config::{Counters, EngineConfig, EngineStats, Transports};
+pub use super::config::{Counters, EngineConfig, EngineStats, Transports, WireProtection};
 // `EngineInner` and `Peer` keep their public paths under `engine`.
 pub use super::inner::{EngineInner, Peer};
 use crate::mem::MappedMemory;
@@ -55,14 +55,19 @@ impl Engine {
         cfg.validate()?;
         let regions = Arc::new(RegionTable::default());
         let counters = Arc::new(Counters::default());
-        let key = cfg.auth_token.as_deref().map(AuthKey::from_token);
+        let protection = cfg.wire_protection.unwrap_or_default();
+        let key = cfg.auth_token.as_deref().map(|t| AuthKey::from_token(t).with_protection(protection));
         let host = auth::host_id();
         let server = if cfg.transports.tcp && !cfg.listen.is_empty() {
             let ctx = ServeCtx {
                 name: cfg.name.clone(),
                 regions: regions.clone(),
                 key: key.clone(),
-                peer_keys: cfg.peer_tokens.iter().map(|(n, t)| (n.clone(), AuthKey::from_token(t))).collect(),
+                peer_keys: cfg
+                    .peer_tokens
+                    .iter()
+                    .map(|(n, t)| (n.clone(), AuthKey::from_token(t).with_protection(protection)))
+                    .collect(),
                 host,
                 counters: counters.clone(),
                 io_timeout: cfg.io_timeout,

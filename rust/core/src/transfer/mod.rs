@@ -35,7 +35,7 @@ use crate::error::{Categorized, ErrorCategory};
 
 pub use batch::{Batch, RequestStatus};
 pub use completion::{monotonic_ns, Completion, CompletionQueue};
-pub use engine::{Engine, EngineConfig, EngineStats, Peer, Transports};
+pub use engine::{Engine, EngineConfig, EngineStats, Peer, Transports, WireProtection};
 pub use region::{Access, Grant, Region, RegionId, RegionOwner};
 pub use registry::EngineRegistry;
 
@@ -191,6 +191,8 @@ mod tests;
 mod tests_adversarial;
 #[cfg(test)]
 mod tests_completion;
+#[cfg(test)]
+mod tests_integrity;
 #[cfg(test)]
 mod tests_rights;
 #[cfg(test)]

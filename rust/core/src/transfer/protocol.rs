@@ -12,7 +12,9 @@ use super::AccessError;
 pub const MAGIC: [u8; 2] = *b"MC";
 /// 3: frames after a keyed handshake are sealed with AES-256-GCM (tcp/seal.rs), not BLAKE3-tagged.
 /// 4: a sealed frame's payload is cut into records of at most `seal::RECORD` bytes, each tagged.
-pub const VERSION: u16 = 4;
+/// 5: the hello names the client's wire protection (1 encrypted, 2 integrity-only: BLAKE3
+///    tags, payload in clear; 0 no token), and proofs and frame keys cover it.
+pub const VERSION: u16 = 5;
 pub const HEADER_LEN: usize = 8;
 /// Largest payload of one data frame (slices are at most this long).
 pub const MAX_DATA: usize = 16 << 20;
@@ -150,7 +152,10 @@ pub fn status_from_u8(b: u8) -> Result<Result<(), AccessError>, FrameError> {
 /// the fixed part on the stream (or in `decode_frame`'s buffer).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Msg {
-    Hello { version: u16, nonce: [u8; NONCE_LEN], name: String },
+    /// `protection`: the client's [`WireProtection::code`](super::config::WireProtection::code),
+    /// 0 without a token (absent on the wire from older versions: read as 0, so their
+    /// hello still reaches the version check).
+    Hello { version: u16, nonce: [u8; NONCE_LEN], name: String, protection: u8 },
     Challenge { version: u16, auth: bool, nonce: [u8; NONCE_LEN], host: [u8; 16], name: String },
     Proof { mac: [u8; MAC_LEN] },
     Welcome { mac: [u8; MAC_LEN] },
@@ -217,7 +222,12 @@ pub fn decode_body(h: Header, body: &[u8]) -> Result<Msg, FrameError> {
     let mut r = Rd(body);
     let payload = h.kind.fixed_len().map(|f| h.body_len - f).unwrap_or(0);
     let msg = match h.kind {
-        Kind::Hello => Msg::Hello { version: r.u16()?, nonce: r.arr()?, name: r.name()? },
+        Kind::Hello => Msg::Hello {
+            version: r.u16()?,
+            nonce: r.arr()?,
+            name: r.name()?,
+            protection: if r.0.is_empty() { 0 } else { r.u8()? },
+        },
         Kind::Challenge => Msg::Challenge {
             version: r.u16()?,
             auth: r.bool()?,
@@ -273,10 +283,11 @@ fn put_name(out: &mut Vec<u8>, s: &str) {
 pub fn encode(msg: &Msg) -> Vec<u8> {
     let mut b = Vec::with_capacity(64);
     let (kind, payload) = match msg {
-        Msg::Hello { version, nonce, name } => {
+        Msg::Hello { version, nonce, name, protection } => {
             b.extend_from_slice(&version.to_le_bytes());
             b.extend_from_slice(nonce);
             put_name(&mut b, name);
+            b.push(*protection);
             (Kind::Hello, 0)
         }
         Msg::Challenge { version, auth, nonce, host, name } => {

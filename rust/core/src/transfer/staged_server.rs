@@ -140,6 +140,10 @@ fn serve(s: &UnixStream, ctx: &ServeCtx) {
             tracing::debug!(engine = %ctx.name, %why, "staging handshake failed");
             return;
         }
+        Err(Refusal::Mismatch(why)) => {
+            tracing::warn!(engine = %ctx.name, %why, "refused a staging connection");
+            return;
+        }
     };
     let staging = match fdpass::sealed_memfd("mooncake_rs.stage", STAGING_LEN) {
         Ok(fd) => match MappedMemory::map_fd(fd.as_fd(), STAGING_LEN) {

@@ -288,7 +288,8 @@ fn arb_msg() -> impl Strategy<Value = Msg> {
         Just(Err(AccessError::NoGrant)),
     ];
     prop_oneof![
-        (any::<u16>(), any::<[u8; 32]>(), name).prop_map(|(version, nonce, name)| Msg::Hello { version, nonce, name }),
+        (any::<u16>(), any::<[u8; 32]>(), name, any::<u8>())
+            .prop_map(|(version, nonce, name, protection)| Msg::Hello { version, nonce, name, protection }),
         (any::<u16>(), any::<bool>(), any::<[u8; 32]>(), any::<[u8; 16]>(), name)
             .prop_map(|(version, auth, nonce, host, name)| Msg::Challenge { version, auth, nonce, host, name }),
         any::<[u8; 32]>().prop_map(|mac| Msg::Proof { mac }),

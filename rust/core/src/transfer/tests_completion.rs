@@ -172,6 +172,24 @@ fn busy_time_is_the_union_of_in_flight_intervals() {
 }
 
 #[test]
+fn busy_time_counts_no_stretch_twice_when_stamps_arrive_out_of_order() {
+    // A batch stamped at 150 takes the lock after one that ended at 200: [100, 300] is 200 ns.
+    let mut b = config::Busy::default();
+    b.begin(100);
+    b.end(200);
+    b.begin(150);
+    b.end(300);
+    assert_eq!(b.read(400), (200, 0));
+    // Ends in the other order: the interval closes at the latest end (250), not the last seen.
+    let mut b = config::Busy::default();
+    b.begin(100);
+    b.begin(110);
+    b.end(250);
+    b.end(240);
+    assert_eq!(b.read(400), (150, 0));
+}
+
+#[test]
 fn small_tcp_writes_sent_inline_and_queued_interleave_correctly() {
     // Many small batches from several threads at once: some go inline, some through the
     // sender thread; every byte lands where it should and frames stay in order (with a

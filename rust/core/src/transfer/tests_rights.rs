@@ -144,7 +144,7 @@ fn the_announced_engine_name_is_bound_into_the_proof() {
     let mut s = TcpStream::connect(decode.address()).unwrap();
     s.set_read_timeout(Some(T)).unwrap();
     let cn = auth::nonce().unwrap();
-    s.write_all(&encode(&Msg::Hello { version: VERSION, nonce: cn, name: "intruder".into() })).unwrap();
+    s.write_all(&encode(&Msg::Hello { version: VERSION, nonce: cn, name: "intruder".into(), protection: 1 })).unwrap();
     let Msg::Challenge { nonce: sn, .. } = read_control(&mut s).unwrap() else { panic!("no challenge") };
     s.write_all(&encode(&Msg::Proof { mac: key.client_proof(&sn, &cn, "prefill-0") })).unwrap();
     assert!(!matches!(read_control(&mut s), Ok(Msg::Welcome { .. })), "a proof for another name was accepted");

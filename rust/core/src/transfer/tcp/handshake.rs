@@ -1,6 +1,9 @@
 //! Connection setup: version check and challenge-response authentication (see
 //! [`auth`](super::super::auth)). No request is served before it succeeds. With a
-//! token, both ends leave it holding the connection's frame keys ([`seal`](super::seal)).
+//! token, both ends leave it holding the connection's frame keys ([`seal`](super::seal)),
+//! for the wire protection both ends were configured with: the client names its own in
+//! its hello, and a server configured otherwise refuses with both names (frames of two
+//! different protections would only ever fail their tags).
 
 use std::io::{Read, Write};
 
@@ -30,7 +33,9 @@ pub fn client<S: Read + Write>(
     name: &str,
 ) -> Result<(ServerHello, FrameKeys), TransferError> {
     let cn = auth::nonce().map_err(TransferError::io)?;
-    s.write_all(&encode(&Msg::Hello { version: VERSION, nonce: cn, name: name.into() })).map_err(|e| lost(e.into()))?;
+    let protection = key.map_or(0, |k| k.protection().code());
+    s.write_all(&encode(&Msg::Hello { version: VERSION, nonce: cn, name: name.into(), protection }))
+        .map_err(|e| lost(e.into()))?;
     let (sn, host, server_name, server_auth) = match read_control(s).map_err(lost)? {
         Msg::Challenge { version, auth, nonce, host, name } => {
             if version != VERSION {
@@ -59,7 +64,7 @@ pub fn client<S: Read + Write>(
             }
             let keys = key.map_or(FrameKeys::default(), |k| {
                 let (c2s, s2c) = k.frame_keys(&sn, &cn);
-                FrameKeys { send: Some(c2s), recv: Some(s2c) }
+                FrameKeys::keyed(c2s, s2c, k.protection())
             });
             Ok((ServerHello { name: server_name, host }, keys))
         }
@@ -78,6 +83,9 @@ pub fn client<S: Read + Write>(
 pub enum Refusal {
     /// Wrong proof: counted as an auth failure.
     BadToken,
+    /// The client asked for another wire protection than this engine's (a
+    /// configuration mistake on one side: worth a warning, not a debug line).
+    Mismatch(String),
     /// Anything else (bad frames, version, I/O).
     Other(String),
 }
@@ -103,8 +111,8 @@ pub fn server_with<S: Read + Write>(
     name: &str,
 ) -> Result<(String, FrameKeys), Refusal> {
     let other = |e: ConnError| Refusal::Other(e.to_string());
-    let (cn, client_name) = match read_control(s).map_err(other)? {
-        Msg::Hello { version, nonce, name } if version == VERSION => (nonce, name),
+    let (cn, client_name, client_protection) = match read_control(s).map_err(other)? {
+        Msg::Hello { version, nonce, name, protection } if version == VERSION => (nonce, name, protection),
         Msg::Hello { version, .. } => {
             let reason = format!("version {version} not supported (we speak {VERSION})");
             let _ = s.write_all(&encode(&Msg::Refused { reason: reason.clone() }));
@@ -113,6 +121,22 @@ pub fn server_with<S: Read + Write>(
         m => return Err(Refusal::Other(format!("expected hello, got {m:?}"))),
     };
     let key = peer_keys.get(&client_name).or(key);
+    // A client without a token (0) is refused by the proof below, as before.
+    if let Some(k) = key.filter(|k| client_protection != 0 && client_protection != k.protection().code()) {
+        let asked = match client_protection {
+            1 => "encrypted",
+            2 => "integrity",
+            _ => "an unknown protection",
+        };
+        // Sent without names: a refusal carries at most 255 bytes.
+        let reason = format!(
+            "wire_protection mismatch: the peer protects frames as {:?}, this engine asked for {asked:?}; \
+             configure the same wire_protection on both engines",
+            k.protection().as_str()
+        );
+        let _ = s.write_all(&encode(&Msg::Refused { reason: reason.clone() }));
+        return Err(Refusal::Mismatch(format!("{reason} (client {client_name:?})")));
+    }
     let sn = auth::nonce().map_err(|e| Refusal::Other(e.to_string()))?;
     let challenge = Msg::Challenge { version: VERSION, auth: key.is_some(), nonce: sn, host, name: name.into() };
     s.write_all(&encode(&challenge)).map_err(|e| other(e.into()))?;
@@ -127,7 +151,7 @@ pub fn server_with<S: Read + Write>(
         }
         Some(k) => {
             let (c2s, s2c) = k.frame_keys(&sn, &cn);
-            (k.server_proof(&sn, &cn), FrameKeys { send: Some(s2c), recv: Some(c2s) })
+            (k.server_proof(&sn, &cn), FrameKeys::keyed(s2c, c2s, k.protection()))
         }
         None => ([0u8; 32], FrameKeys::default()),
     };

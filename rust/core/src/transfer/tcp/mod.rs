@@ -7,6 +7,7 @@
 
 mod admission;
 pub mod client;
+mod guard;
 pub mod handshake;
 mod overlap;
 pub mod seal;

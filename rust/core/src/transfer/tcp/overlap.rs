@@ -1,4 +1,4 @@
-//! Verifying a received payload on a helper thread while the connection's receiver reads
+//! Verifying (and decrypting) a received payload on a helper thread while the connection's receiver reads
 //! the next records.
 //!
 //! A sealed payload is opened record by record ([`seal`](super::seal)). Done on the
@@ -11,19 +11,12 @@
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::thread::JoinHandle;
 
-use ring::aead::{Aad, LessSafeKey, Nonce, Tag, UnboundKey, AES_256_GCM};
+use super::guard::{FrameKey, Guard};
 
 /// Records a job holds: a hand-off (a channel send, maybe a wake-up, and the answer)
 /// per 64 KiB record cost more CPU than the overlap saved on a loaded 2-core machine;
 /// four records (256 KiB) a job make it a few hand-offs per 1 MiB slice.
 pub const GROUP: usize = 4;
-
-/// The nonce of record number `seq` of a direction (see `seal::Direction`).
-pub(super) fn nonce_bytes(seq: u64) -> [u8; 12] {
-    let mut n = [0u8; 12];
-    n[4..].copy_from_slice(&seq.to_be_bytes());
-    n
-}
 
 /// Up to [`GROUP`] consecutive records of one payload to open in place.
 pub(super) struct Job {
@@ -55,9 +48,8 @@ pub struct Overlap {
 
 impl Overlap {
     /// Starts the helper for the receiving direction keyed with `key`.
-    pub fn start(key: &[u8; 32]) -> std::io::Result<Overlap> {
-        let unbound = UnboundKey::new(&AES_256_GCM, key).unwrap_or_else(|_| unreachable!("a 32-byte AES-256 key"));
-        let cipher = LessSafeKey::new(unbound);
+    pub fn start(key: &FrameKey) -> std::io::Result<Overlap> {
+        let guard = Guard::new(key);
         let (jobs, todo) = channel::<Job>();
         let (report, results) = channel::<bool>();
         let thread = std::thread::Builder::new().name("mc-tcp-open".into()).spawn(move || {
@@ -68,9 +60,7 @@ impl Overlap {
                 for (i, record) in span.chunks_mut(job.record_len.max(1)).enumerate() {
                     let aad = if i == 0 { &job.aad[..] } else { &[][..] };
                     let tag = job.tags.get(i).copied().unwrap_or_default();
-                    let nonce = Nonce::assume_unique_for_key(nonce_bytes(job.first_seq.wrapping_add(i as u64)));
-                    ok &= i < GROUP
-                        && cipher.open_in_place_separate_tag(nonce, Aad::from(aad), Tag::from(tag), record, 0..).is_ok();
+                    ok &= i < GROUP && guard.open(job.first_seq.wrapping_add(i as u64), aad, record, tag);
                 }
                 if report.send(ok).is_err() {
                     return;

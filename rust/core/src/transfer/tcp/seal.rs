@@ -1,75 +1,80 @@
-//! Frame confidentiality and integrity after an authenticated handshake.
+//! Frame protection after an authenticated handshake.
 //!
 //! The handshake proves that both ends know the token, but by itself it protects
 //! nothing that follows: a relay could pass a real handshake through and then read KV or
 //! inject frames of its own. So when the engines share a token, every frame after the
-//! handshake is sealed with AES-256-GCM under a per-connection, per-direction key
-//! ([`AuthKey::frame_keys`](super::super::auth::AuthKey::frame_keys)), its nonce the
+//! handshake is protected under a per-connection, per-direction key
+//! ([`AuthKey::frame_keys`](super::super::auth::AuthKey::frame_keys)), bound to the
 //! frame's sequence number (counted per direction from 0, never sent): the frame's
-//! header and body (`head`) are authenticated data, its payload (KV bytes) is encrypted,
-//! and a [`TAG_LEN`]-byte tag follows. A forged, replayed, reordered or dropped frame
-//! fails its tag (or the next one's) and the receiver closes the connection; a relay
-//! sees no KV byte. Without a token there is no authentication at all and frames carry
-//! no tag. AES-GCM rather than a keyed hash: `ring`'s AES-GCM (AES-NI/VAES and
-//! carry-less multiply) encrypts as fast as BLAKE3 hashes on the machines measured
-//! (BENCHMARKS.md, "The cost of security"), so confidentiality costs no more than
-//! integrity did.
+//! header and body (`head`) are authenticated data, its payload (KV bytes) is either
+//! encrypted (AES-256-GCM, [`WireProtection::Encrypted`], the default) or left in clear
+//! and tagged (keyed BLAKE3, [`WireProtection::Integrity`]; see [`guard`](super::guard)
+//! for why that hash), and a [`TAG_LEN`]-byte tag follows. A forged, replayed, reordered
+//! or dropped frame fails its tag (or the next one's) and the receiver closes the
+//! connection; with encryption a relay sees no KV byte. Without a token there is no
+//! authentication at all and frames carry no tag.
 //!
-//! A frame's payload is sealed in records of at most [`RECORD`] bytes, each with its own
-//! tag and nonce (the first record's authenticated data is the head; a frame without a
-//! payload is one empty record). Bounded records keep the work in cache: the sender
-//! copies a record into a [`RECORD`]-byte buffer it reuses, seals it there and hands it
-//! to the kernel while it is still hot, and a receiver verifies each record right after
-//! receiving it, instead of a second pass over a whole slice (1 MiB) from memory. A
-//! record dropped, repeated, reordered or moved into another frame fails its nonce.
+//! A frame's payload is protected in records of at most [`RECORD`] bytes, each with its
+//! own tag and sequence number (the first record's authenticated data is the head; a
+//! frame without a payload is one empty record). Bounded records keep the work in
+//! cache: an encrypting sender copies a record into a [`RECORD`]-byte buffer it reuses,
+//! seals it there and hands it to the kernel while it is still hot; an integrity-only
+//! sender tags the record where it is and the socket write reads the caller's bytes
+//! directly (no copy). A receiver verifies each record right after receiving it,
+//! instead of a second pass over a whole slice (1 MiB) from memory. A record dropped,
+//! repeated, reordered or moved into another frame fails its sequence number.
 //!
 //! A receiver can check a tag only after the record's last byte. So the server stages a
 //! write's payload record by record and copies a record into the region only once its
 //! tag matched: an unverified byte never lands in served memory (a write cut short
 //! after some records leaves those verified bytes and fails the request, as a write
 //! without a token cut short does). A read response is received straight into the
-//! initiator's own buffer and decrypted there (on a helper thread while the next record
-//! arrives, when there is more than one: [`Overlap`]), whose content is undefined until the
-//! request reports `ok` (a bad tag fails or retries the request, never reports it done).
+//! initiator's own buffer and verified (and decrypted) there (on a helper thread while
+//! the next record arrives, when there is more than one: [`Overlap`]), whose content is
+//! undefined until the request reports `ok` (a bad tag fails or retries the request,
+//! never reports it done).
 
 use std::io::{self, IoSlice, Read, Write};
 
-use ring::aead::{Aad, LessSafeKey, Nonce, Tag, UnboundKey, AES_256_GCM};
-
+use super::super::config::WireProtection;
 use super::super::protocol::FrameError;
-use super::overlap::{nonce_bytes, Job, Overlap, GROUP};
+pub use super::guard::{FrameKey, TAG_LEN};
+use super::guard::Guard;
+use super::overlap::{Job, Overlap, GROUP};
 use super::ConnError;
 
-pub const TAG_LEN: usize = 16;
-/// Most payload bytes of one sealed record (a frame's payload is one or more records).
+/// Most payload bytes of one protected record (a frame's payload is one or more records).
 pub const RECORD: usize = 64 << 10;
 
 /// One end's keys of a connection (`None` everywhere without a token).
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Copy, Default, Debug)]
 pub struct FrameKeys {
-    pub send: Option<[u8; 32]>,
-    pub recv: Option<[u8; 32]>,
+    pub send: Option<FrameKey>,
+    pub recv: Option<FrameKey>,
 }
 
-/// A direction's cipher and the number of the next record.
+impl FrameKeys {
+    pub fn keyed(send: [u8; 32], recv: [u8; 32], protection: WireProtection) -> FrameKeys {
+        FrameKeys { send: Some(FrameKey { key: send, protection }), recv: Some(FrameKey { key: recv, protection }) }
+    }
+}
+
+/// A direction's protection and the number of its next record.
 struct Direction {
-    key: LessSafeKey,
+    guard: Guard,
     seq: u64,
 }
 
 impl Direction {
-    fn new(key: &[u8; 32]) -> Direction {
-        // 32 bytes is AES-256's key length: `new` cannot fail on it.
-        let unbound = UnboundKey::new(&AES_256_GCM, key).unwrap_or_else(|_| unreachable!("a 32-byte AES-256 key"));
-        Direction { key: LessSafeKey::new(unbound), seq: 0 }
+    fn new(key: &FrameKey) -> Direction {
+        Direction { guard: Guard::new(key), seq: 0 }
     }
 
-    /// The nonce of the next record (unique per key: one key per connection and
-    /// direction, records counted from 0; a connection never sends 2^64 records).
-    fn next_nonce(&mut self) -> Nonce {
-        let n = nonce_bytes(self.seq);
+    /// The number of the next record (a connection never sends 2^64 records).
+    fn next_seq(&mut self) -> u64 {
+        let n = self.seq;
         self.seq = self.seq.wrapping_add(1);
-        Nonce::assume_unique_for_key(n)
+        n
     }
 }
 
@@ -77,18 +82,18 @@ impl Direction {
 pub struct FrameWriter<W> {
     inner: W,
     seal: Option<Direction>,
-    /// One record's ciphertext (the caller's bytes are never written to); at most
-    /// [`RECORD`] bytes, allocated once per connection.
+    /// One record's ciphertext when encrypting (the caller's bytes are never written
+    /// to); at most [`RECORD`] bytes, allocated once per connection, unused integrity-only.
     scratch: Vec<u8>,
 }
 
 impl<W: Write> FrameWriter<W> {
-    pub fn new(inner: W, key: Option<[u8; 32]>) -> Self {
+    pub fn new(inner: W, key: Option<FrameKey>) -> Self {
         FrameWriter { inner, seal: key.as_ref().map(Direction::new), scratch: Vec::new() }
     }
 
-    /// Writes one frame (`head`, then `data`, sealed record by record when keyed) with
-    /// one vectored write per record, and no allocation after the first frame.
+    /// Writes one frame (`head`, then `data`, protected record by record when keyed)
+    /// with one vectored write per record, and no allocation after the first frame.
     pub fn send(&mut self, head: &[u8], data: &[u8]) -> io::Result<()> {
         let Some(dir) = &mut self.seal else {
             return write_all_parts(&mut self.inner, &mut [head, data, &[]]);
@@ -98,14 +103,16 @@ impl<W: Write> FrameWriter<W> {
         loop {
             let n = rest.len().min(RECORD);
             let (record, after) = rest.split_at(n);
-            self.scratch.clear();
-            self.scratch.extend_from_slice(record);
-            let nonce = dir.next_nonce();
-            let tag = dir
-                .key
-                .seal_in_place_separate_tag(nonce, Aad::from(aad), &mut self.scratch)
-                .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "record too large to seal"))?;
-            write_all_parts(&mut self.inner, &mut [aad, &self.scratch, tag.as_ref()])?;
+            let seq = dir.next_seq();
+            if let Some(tag) = dir.guard.tag_in_clear(seq, aad, record) {
+                // Integrity-only: the socket reads the caller's bytes where they are.
+                write_all_parts(&mut self.inner, &mut [aad, record, &tag])?;
+            } else {
+                self.scratch.clear();
+                self.scratch.extend_from_slice(record);
+                let tag = dir.guard.protect(seq, aad, &mut self.scratch);
+                write_all_parts(&mut self.inner, &mut [aad, &self.scratch, &tag])?;
+            }
             aad = &[];
             rest = after;
             if rest.is_empty() {
@@ -116,6 +123,10 @@ impl<W: Write> FrameWriter<W> {
 
     pub fn get_ref(&self) -> &W {
         &self.inner
+    }
+
+    pub fn get_mut(&mut self) -> &mut W {
+        &mut self.inner
     }
 }
 
@@ -161,7 +172,7 @@ struct Opener {
     dir: Direction,
     /// The direction's key, for the helper that opens large payloads (started on the
     /// first one; see [`Overlap`]).
-    key: [u8; 32],
+    key: FrameKey,
     overlap: Option<Overlap>,
     /// The frame's head as read so far (the first record's authenticated data).
     head: Vec<u8>,
@@ -170,19 +181,23 @@ struct Opener {
 }
 
 impl<R: Read> FrameReader<R> {
-    pub fn new(inner: R, key: Option<[u8; 32]>) -> Self {
+    pub fn new(inner: R, key: Option<FrameKey>) -> Self {
         let open = key
             .as_ref()
             .map(|k| Opener { dir: Direction::new(k), key: *k, overlap: None, head: Vec::new(), stage: Vec::new() });
         FrameReader { inner, open }
     }
 
-    /// Whether frames are sealed (then payloads must be verified before use).
+    pub fn get_mut(&mut self) -> &mut R {
+        &mut self.inner
+    }
+
+    /// Whether frames are protected (then payloads must be verified before use).
     pub fn keyed(&self) -> bool {
         self.open.is_some()
     }
 
-    /// Reads the frame's payload into `buf`, decrypting and verifying it in place record
+    /// Reads the frame's payload into `buf`, verifying (and decrypting) it in place record
     /// by record when keyed: `Err` (the connection must close) if a tag does not match,
     /// and then `buf` holds garbage the caller must not use. For the caller's own memory
     /// only; memory others read uses [`read_payload_verified`](Self::read_payload_verified).
@@ -287,16 +302,12 @@ impl Opener {
         }
     }
 
-    /// Reads the tag that follows `record` and decrypts the record in place.
+    /// Reads the tag that follows `record` and checks (and decrypts) the record in place.
     fn verify(&mut self, r: &mut impl Read, record: &mut [u8]) -> Result<(), ConnError> {
         let mut tag = [0u8; TAG_LEN];
         r.read_exact(&mut tag)?;
-        let nonce = self.dir.next_nonce();
-        let ok = self
-            .dir
-            .key
-            .open_in_place_separate_tag(nonce, Aad::from(&self.head[..]), Tag::from(tag), record, 0..)
-            .is_ok();
+        let seq = self.dir.next_seq();
+        let ok = self.dir.guard.open(seq, &self.head, record, tag);
         self.head.clear();
         if ok {
             Ok(())
@@ -324,14 +335,20 @@ impl<R: Read> Read for FrameReader<R> {
 mod tests {
     use super::*;
 
-    fn frames(key: Option<[u8; 32]>) -> Vec<u8> {
+    const BOTH: [WireProtection; 2] = [WireProtection::Encrypted, WireProtection::Integrity];
+
+    fn fk(key: [u8; 32], protection: WireProtection) -> FrameKey {
+        FrameKey { key, protection }
+    }
+
+    fn frames(key: Option<FrameKey>) -> Vec<u8> {
         let mut w = FrameWriter::new(Vec::new(), key);
         w.send(b"head-1", b"payload").unwrap();
         w.send(b"head-2", b"").unwrap();
         w.inner
     }
 
-    fn read_two(wire: &[u8], key: Option<[u8; 32]>) -> Result<Vec<u8>, ConnError> {
+    fn read_two(wire: &[u8], key: Option<FrameKey>) -> Result<Vec<u8>, ConnError> {
         let mut r = FrameReader::new(wire, key);
         let mut a = [0u8; 6];
         r.read_exact(&mut a).map_err(ConnError::from)?;
@@ -344,13 +361,25 @@ mod tests {
     }
 
     #[test]
-    fn frames_are_sealed_and_any_change_fails() {
-        let k = [7u8; 32];
+    fn frames_are_protected_and_any_change_fails() {
+        for p in BOTH {
+            frames_are_protected_and_any_change_fails_with(p);
+        }
+    }
+
+    fn frames_are_protected_and_any_change_fails_with(p: WireProtection) {
+        let k = fk([7u8; 32], p);
         let wire = frames(Some(k));
         assert_eq!(wire.len(), 13 + 6 + 2 * TAG_LEN);
         assert_eq!(read_two(&wire, Some(k)).unwrap(), b"payload");
-        assert!(!wire.windows(7).any(|w| w == b"payload"), "the payload crossed in clear");
-        assert!(read_two(&wire, Some([8u8; 32])).is_err(), "another key");
+        let in_clear = wire.windows(7).any(|w| w == b"payload");
+        assert_eq!(in_clear, p == WireProtection::Integrity, "the payload is in clear only without encryption");
+        assert!(read_two(&wire, Some(fk([8u8; 32], p))).is_err(), "another key");
+        let other = match p {
+            WireProtection::Encrypted => WireProtection::Integrity,
+            WireProtection::Integrity => WireProtection::Encrypted,
+        };
+        assert!(read_two(&wire, Some(fk([7u8; 32], other))).is_err(), "the other protection");
         for i in [0, 5, 6, 12, 13 + 1, 13 + TAG_LEN + 2, wire.len() - 1] {
             let mut bad = wire.clone();
             bad[i] ^= 1;
@@ -375,7 +404,7 @@ mod tests {
     }
 
     /// A payload of several records (the last one short), the way a 1 MiB slice goes.
-    fn big_frame(k: [u8; 32]) -> (Vec<u8>, Vec<u8>) {
+    fn big_frame(k: FrameKey) -> (Vec<u8>, Vec<u8>) {
         let payload: Vec<u8> = (0..2 * RECORD + 100).map(|i| (i * 7 % 251) as u8).collect();
         let mut w = FrameWriter::new(Vec::new(), Some(k));
         w.send(b"head-1", &payload).unwrap();
@@ -385,7 +414,13 @@ mod tests {
 
     #[test]
     fn payloads_go_in_records_each_verified_before_it_lands() {
-        let k = [3u8; 32];
+        for p in BOTH {
+            payloads_go_in_records_each_verified_before_it_lands_with(p);
+        }
+    }
+
+    fn payloads_go_in_records_each_verified_before_it_lands_with(p: WireProtection) {
+        let k = fk([3u8; 32], p);
         let (wire, payload) = big_frame(k);
         let rec = RECORD + TAG_LEN;
         assert_eq!(wire.len(), 6 + payload.len() + 3 * TAG_LEN + 6 + TAG_LEN, "three records and an empty one");
@@ -443,27 +478,29 @@ mod tests {
 
     #[test]
     fn a_payload_of_several_helper_jobs_is_verified_whole() {
-        let k = [5u8; 32];
-        let payload: Vec<u8> = (0..(GROUP + 2) * RECORD + 7).map(|i| (i % 253) as u8).collect();
-        let mut w = FrameWriter::new(Vec::new(), Some(k));
-        w.send(b"head", &payload).unwrap();
-        w.send(b"next", b"").unwrap();
-        let wire = w.inner;
-        let read = |wire: &[u8]| -> Result<Vec<u8>, ConnError> {
-            let mut r = FrameReader::new(wire, Some(k));
-            r.read_exact(&mut [0u8; 4]).map_err(ConnError::from)?;
-            let mut dst = vec![0u8; payload.len()];
-            r.read_payload(&mut dst)?;
-            r.read_exact(&mut [0u8; 4]).map_err(ConnError::from)?;
-            r.end_frame()?;
-            Ok(dst)
-        };
-        assert_eq!(read(&wire).unwrap(), payload);
-        // A byte of a record in the second job, and the last record's tag.
-        for at in [4 + (GROUP + 1) * (RECORD + TAG_LEN) + 3, 4 + payload.len() + (GROUP + 3) * TAG_LEN - 1] {
-            let mut bad = wire.clone();
-            bad[at] ^= 1;
-            assert!(matches!(read(&bad), Err(ConnError::Frame(FrameError::BadTag))), "byte {at}");
+        for p in BOTH {
+            let k = fk([5u8; 32], p);
+            let payload: Vec<u8> = (0..(GROUP + 2) * RECORD + 7).map(|i| (i % 253) as u8).collect();
+            let mut w = FrameWriter::new(Vec::new(), Some(k));
+            w.send(b"head", &payload).unwrap();
+            w.send(b"next", b"").unwrap();
+            let wire = w.inner;
+            let read = |wire: &[u8]| -> Result<Vec<u8>, ConnError> {
+                let mut r = FrameReader::new(wire, Some(k));
+                r.read_exact(&mut [0u8; 4]).map_err(ConnError::from)?;
+                let mut dst = vec![0u8; payload.len()];
+                r.read_payload(&mut dst)?;
+                r.read_exact(&mut [0u8; 4]).map_err(ConnError::from)?;
+                r.end_frame()?;
+                Ok(dst)
+            };
+            assert_eq!(read(&wire).unwrap(), payload);
+            // A byte of a record in the second job, and the last record's tag.
+            for at in [4 + (GROUP + 1) * (RECORD + TAG_LEN) + 3, 4 + payload.len() + (GROUP + 3) * TAG_LEN - 1] {
+                let mut bad = wire.clone();
+                bad[at] ^= 1;
+                assert!(matches!(read(&bad), Err(ConnError::Frame(FrameError::BadTag))), "byte {at}");
+            }
         }
     }
 

@@ -256,6 +256,10 @@ fn serve(stream: TcpStream, id: u64, sh: &Shared) {
             tracing::debug!(engine = %ctx.name, %why, "handshake failed");
             return;
         }
+        Err(Refusal::Mismatch(why)) => {
+            tracing::warn!(engine = %ctx.name, %why, "refused a connection");
+            return;
+        }
     };
     let Ok(addr) = stream.peer_addr() else { return };
     let activity = Arc::new(Activity::default());
