@@ -14,7 +14,9 @@
 //! - [`transfer`]: batch transfers between registered memory (local, shm, tcp).
 //! - [`seal`]: AES-256-GCM records for the sealed sessions of a deployment's control plane.
 //! - [`error`]: the error categories every module's error enum maps to.
+//! - [`args`]: checks of plain arguments (seconds, paired lists) every front end shares.
 
+pub mod args;
 pub mod conductor;
 pub mod error;
 pub mod hash;
