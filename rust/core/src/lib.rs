@@ -14,6 +14,7 @@
 //! - [`transfer`]: batch transfers between registered memory (local, shm, tcp).
 //! - [`seal`]: AES-256-GCM records for the sealed sessions of a deployment's control plane.
 //! - [`error`]: the error categories every module's error enum maps to.
+//! - [`token_array`]: token ids read in place from an integer array of any width.
 //! - [`args`]: checks of plain arguments (seconds, paired lists) every front end shares.
 
 pub mod args;
@@ -26,6 +27,7 @@ pub mod interop;
 pub mod mem;
 pub mod seal;
 pub mod store;
+pub mod token_array;
 pub mod transfer;
 
 pub use error::{Categorized, ErrorCategory};
