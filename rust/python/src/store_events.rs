@@ -6,8 +6,7 @@
 
 use std::sync::Arc;
 
-use mooncake_core::store::{decode_events, encode_events, EventKind, StoreEvent};
-use mooncake_core::Tier;
+use mooncake_core::store::{decode_events, encode_events, StoreEvent};
 use pyo3::basic::CompareOp;
 use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
@@ -20,17 +19,6 @@ use crate::store::PyStoreEvent;
 #[pyclass(name = "StoreEvents", module = "mooncake_rs._core", frozen)]
 pub struct PyStoreEvents {
     pub events: Arc<Vec<StoreEvent>>,
-}
-
-fn kind_of(name: &str) -> Option<EventKind> {
-    Some(match name {
-        "stored" => EventKind::Stored,
-        "evicted" => EventKind::Evicted,
-        "demoted" => EventKind::Demoted,
-        "promoted" => EventKind::Promoted,
-        "removed" => EventKind::Removed,
-        _ => return None,
-    })
 }
 
 /// Events from a `StoreEvents`, a list of `StoreEvent` (what `Store.drain_events()`
@@ -47,11 +35,7 @@ pub fn events_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Arc<Vec<StoreEvent>>> 
                 let t = item.get_type().name().map(|n| n.to_string()).unwrap_or_default();
                 return Err(invalid(py, format!("events[{i}] is a {t}, not a StoreEvent (pass Store.drain_events() or Store.drain_events_batch())")));
             };
-            let e = e.get();
-            let (Some(kind), Ok(tier)) = (kind_of(e.kind), Tier::parse(e.tier)) else {
-                return Err(invalid(py, format!("events[{i}] has kind {:?} / tier {:?}", e.kind, e.tier)));
-            };
-            out.push(StoreEvent { kind, key: e.key, tier });
+            out.push(e.get().inner);
         }
         return Ok(Arc::new(out));
     }
