@@ -7,7 +7,6 @@
 use std::sync::Arc;
 
 use mooncake_core::store::{decode_events, encode_events, StoreEvent};
-use pyo3::basic::CompareOp;
 use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
@@ -16,7 +15,9 @@ use crate::convert::BufferView;
 use crate::errors::{invalid, OrRaise};
 use crate::store::PyStoreEvent;
 
-#[pyclass(name = "StoreEvents", module = "mooncake_rs._core", frozen)]
+/// Equal (Python's `==`) to another batch with the same events in the same order.
+#[pyclass(name = "StoreEvents", module = "mooncake_rs._core", frozen, eq)]
+#[derive(PartialEq)]
 pub struct PyStoreEvents {
     pub events: Arc<Vec<StoreEvent>>,
 }
@@ -97,17 +98,6 @@ impl PyStoreEvents {
 
     fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         Ok(PyList::new(py, self.tolist())?.try_iter()?.into_any())
-    }
-
-    fn __richcmp__(&self, other: &Bound<'_, PyAny>, op: CompareOp) -> PyResult<Py<PyAny>> {
-        let py = other.py();
-        let Ok(o) = other.cast::<PyStoreEvents>() else { return Ok(py.NotImplemented()) };
-        let eq = *self.events == *o.get().events;
-        match op {
-            CompareOp::Eq => Ok(eq.into_pyobject(py)?.to_owned().into_any().unbind()),
-            CompareOp::Ne => Ok((!eq).into_pyobject(py)?.to_owned().into_any().unbind()),
-            _ => Ok(py.NotImplemented()),
-        }
     }
 
     fn __repr__(&self) -> String {
