@@ -691,7 +691,7 @@ fn offsets(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u
         return buf.to_vec(py);
     }
     obj.extract::<Vec<u64>>()
-        .map_err(|_| invalid(py, &format!("{what} must be a sequence of non-negative ints or a uint64 buffer")))
+        .map_err(|_| invalid(py, format!("{what} must be a sequence of non-negative ints or a uint64 buffer")))
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
