@@ -14,7 +14,12 @@
 //! - [`transfer`]: batch transfers between registered memory (local, shm, tcp).
 //! - [`seal`]: AES-256-GCM records for the sealed sessions of a deployment's control plane.
 //! - [`error`]: the error categories every module's error enum maps to.
+//! - [`token_array`]: token ids read in place from an integer array of any width.
+//! - [`block_keys`]: block keys in their 16-byte little-endian buffer form.
+//! - [`args`]: checks of plain arguments (seconds, paired lists) every front end shares.
 
+pub mod args;
+pub mod block_keys;
 pub mod conductor;
 pub mod error;
 pub mod hash;
@@ -24,6 +29,7 @@ pub mod interop;
 pub mod mem;
 pub mod seal;
 pub mod store;
+pub mod token_array;
 pub mod transfer;
 
 pub use error::{Categorized, ErrorCategory};

@@ -14,7 +14,6 @@ use std::os::raw::c_int;
 use std::sync::Arc;
 
 use mooncake_core::BlockHash;
-use pyo3::basic::CompareOp;
 use pyo3::exceptions::{PyBufferError, PyIndexError};
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -26,7 +25,7 @@ use crate::keys::{keys_from_py, KEY_BYTES};
 // The buffer export hands out the u128s' memory as little-endian key bytes.
 const _: () = assert!(cfg!(target_endian = "little"), "BlockHashes exports u128 memory as little-endian keys");
 
-#[pyclass(name = "BlockHashes", module = "mooncake_rs._core", frozen)]
+#[pyclass(name = "BlockHashes", module = "mooncake_rs._core", frozen, eq)]
 pub struct PyBlockHashes {
     /// Shared by every slice of one hash call.
     pub data: Arc<Vec<BlockHash>>,
@@ -36,6 +35,14 @@ pub struct PyBlockHashes {
     /// consumer through pointers into this (immutable, never moved) object.
     shape: [ffi::Py_ssize_t; 2],
     strides: [ffi::Py_ssize_t; 2],
+}
+
+/// Equal to another `BlockHashes` with the same hashes in the same order (Python's
+/// `==`; compare with a list through `tolist()`).
+impl PartialEq for PyBlockHashes {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_slice() == other.as_slice()
+    }
 }
 
 impl PyBlockHashes {
@@ -141,19 +148,6 @@ impl PyBlockHashes {
     #[getter]
     fn nbytes(&self) -> usize {
         self.len * KEY_BYTES
-    }
-
-    /// Equal to another `BlockHashes` with the same hashes in the same order. (Compare
-    /// with a list through `tolist()`.)
-    fn __richcmp__(&self, other: &Bound<'_, PyAny>, op: CompareOp) -> PyResult<Py<PyAny>> {
-        let py = other.py();
-        let Ok(o) = other.cast::<PyBlockHashes>() else { return Ok(py.NotImplemented()) };
-        let eq = self.as_slice() == o.get().as_slice();
-        match op {
-            CompareOp::Eq => Ok(eq.into_pyobject(py)?.to_owned().into_any().unbind()),
-            CompareOp::Ne => Ok((!eq).into_pyobject(py)?.to_owned().into_any().unbind()),
-            _ => Ok(py.NotImplemented()),
-        }
     }
 
     fn __hash__(&self) -> isize {

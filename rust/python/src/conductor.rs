@@ -33,7 +33,7 @@ fn map_err(py: Python<'_>, e: ConductorError) -> PyErr {
         let cls = py.import("mooncake_rs.errors")?.getattr("Overloaded")?;
         let kwargs = PyDict::new(py);
         kwargs.set_item("reason", reason.name())?;
-        kwargs.set_item("estimates", estimates.as_ref().map(|d| PyDecision::from(**d)))?;
+        kwargs.set_item("estimates", estimates.as_ref().map(|d| PyDecision { inner: **d }))?;
         Ok(PyErr::from_value(cls.call((e.to_string(),), Some(&kwargs))?))
     };
     build().unwrap_or_else(|_| to_pyerr(py, &e))
@@ -41,7 +41,7 @@ fn map_err(py: Python<'_>, e: ConductorError) -> PyErr {
 
 /// A core decision (or rejection) as Python sees it.
 fn decide(py: Python<'_>, d: Result<mooncake_core::conductor::Decision, ConductorError>) -> PyResult<PyDecision> {
-    d.map(PyDecision::from).map_err(|e| map_err(py, e))
+    d.map(|inner| PyDecision { inner }).map_err(|e| map_err(py, e))
 }
 
 #[pymethods]
@@ -264,7 +264,7 @@ impl PyConductor {
     #[pyo3(signature = (now = None))]
     fn link_loads(&self, py: Python<'_>, now: Option<f64>) -> PyResult<Vec<PyLinkLoad>> {
         let l = self.inner.link_loads(now).map_err(|e| map_err(py, e))?;
-        Ok(l.into_iter().map(PyLinkLoad::from).collect())
+        Ok(l.into_iter().map(|inner| PyLinkLoad { inner }).collect())
     }
 
     /// Read-only per-instance queue and load estimates at `now` (default: latest time seen).

@@ -10,6 +10,7 @@ use pyo3::types::PyList;
 
 use crate::conductor_cost::{PyDecodeCostModel, PyPrefillCostModel, PyTransferCostModel};
 use crate::convert::hashes_to_list;
+use crate::class_macros::{inner_getters, with_overrides};
 use crate::errors::OrRaise;
 
 #[pyclass(name = "ConductorConfig", module = "mooncake_rs._core", frozen)]
@@ -18,8 +19,12 @@ pub struct PyConductorConfig {
     pub inner: ConductorConfig,
 }
 
-#[pymethods]
-impl PyConductorConfig {
+inner_getters!(PyConductorConfig {
+        block_size: usize, ttft_slo_s: f64, tbt_slo_s: f64, balancing_threshold: f64, seed: u64,
+        default_output_len: usize, output_len_ewma: f64, max_output_len: usize, hot_min_hits: f64,
+        hot_half_life_s: f64, hot_busy_fraction: f64, contention_aware: bool, hot_link_busy_s: f64,
+        hot_replica_max_bytes: f64, hot_capacity: usize,
+    }
     /// Every argument left out (or None) takes the core's default
     /// (`ConductorConfig::default()` in rust/core/src/conductor/config.rs), the one place
     /// the defaults are written; Python reads them from `ConductorConfig()`.
@@ -55,67 +60,26 @@ impl PyConductorConfig {
         hot_link_busy_s: Option<f64>,
         hot_replica_max_bytes: Option<f64>,
     ) -> PyResult<Self> {
-        let d = ConductorConfig::default();
-        let mut inner = ConductorConfig {
-            block_size: block_size.unwrap_or(d.block_size),
-            ttft_slo_s: ttft_slo_s.unwrap_or(d.ttft_slo_s),
-            tbt_slo_s: tbt_slo_s.unwrap_or(d.tbt_slo_s),
-            policy: policy.map(PolicyKind::parse).transpose().or_raise(py)?.unwrap_or(d.policy),
-            balancing_threshold: balancing_threshold.unwrap_or(d.balancing_threshold),
-            rejection: rejection.map(RejectionKind::parse).transpose().or_raise(py)?.unwrap_or(d.rejection),
-            seed: seed.unwrap_or(d.seed),
-            default_output_len: default_output_len.unwrap_or(d.default_output_len),
-            output_len_ewma: output_len_ewma.unwrap_or(d.output_len_ewma),
-            hot_min_hits: hot_min_hits.unwrap_or(d.hot_min_hits),
-            hot_half_life_s: hot_half_life_s.unwrap_or(d.hot_half_life_s),
-            hot_busy_fraction: hot_busy_fraction.unwrap_or(d.hot_busy_fraction),
-            hot_capacity: hot_capacity.unwrap_or(d.hot_capacity),
-            max_output_len: max_output_len.unwrap_or(d.max_output_len),
-            contention_aware: contention_aware.unwrap_or(d.contention_aware),
-            hot_link_busy_s: hot_link_busy_s.unwrap_or(d.hot_link_busy_s),
-            hot_replica_max_bytes: hot_replica_max_bytes.unwrap_or(d.hot_replica_max_bytes),
-            cost: d.cost,
-        };
-        if let Some(m) = prefill_model {
-            inner.cost.prefill = m.inner;
-        }
-        if let Some(m) = transfer_model {
-            inner.cost.transfer = m.inner;
-        }
-        if let Some(m) = decode_model {
-            inner.cost.decode = m.inner;
-        }
+        let policy = policy.map(PolicyKind::parse).transpose().or_raise(py)?;
+        let rejection = rejection.map(RejectionKind::parse).transpose().or_raise(py)?;
+        let mut inner = with_overrides!(ConductorConfig::default();
+            block_size, ttft_slo_s, tbt_slo_s, policy, balancing_threshold, rejection, seed, default_output_len,
+            output_len_ewma, hot_min_hits, hot_half_life_s, hot_busy_fraction, hot_capacity, max_output_len,
+            contention_aware, hot_link_busy_s, hot_replica_max_bytes);
+        let cost = &mut inner.cost;
+        let (prefill, transfer, decode) = (prefill_model.map(|m| m.inner), transfer_model.map(|m| m.inner), decode_model.map(|m| m.inner));
+        *cost = with_overrides!(*cost; prefill, transfer, decode);
         inner.validate().or_raise(py)?;
         Ok(PyConductorConfig { inner })
     }
 
     #[getter]
-    fn block_size(&self) -> usize {
-        self.inner.block_size
-    }
-    #[getter]
-    fn ttft_slo_s(&self) -> f64 {
-        self.inner.ttft_slo_s
-    }
-    #[getter]
-    fn tbt_slo_s(&self) -> f64 {
-        self.inner.tbt_slo_s
-    }
-    #[getter]
     fn policy(&self) -> &'static str {
         self.inner.policy.name()
     }
     #[getter]
-    fn balancing_threshold(&self) -> f64 {
-        self.inner.balancing_threshold
-    }
-    #[getter]
     fn rejection(&self) -> &'static str {
         self.inner.rejection.name()
-    }
-    #[getter]
-    fn seed(&self) -> u64 {
-        self.inner.seed
     }
     #[getter]
     fn prefill_model(&self) -> PyPrefillCostModel {
@@ -129,46 +93,6 @@ impl PyConductorConfig {
     fn decode_model(&self) -> PyDecodeCostModel {
         PyDecodeCostModel { inner: self.inner.cost.decode }
     }
-    #[getter]
-    fn default_output_len(&self) -> usize {
-        self.inner.default_output_len
-    }
-    #[getter]
-    fn output_len_ewma(&self) -> f64 {
-        self.inner.output_len_ewma
-    }
-    #[getter]
-    fn max_output_len(&self) -> usize {
-        self.inner.max_output_len
-    }
-    #[getter]
-    fn hot_min_hits(&self) -> f64 {
-        self.inner.hot_min_hits
-    }
-    #[getter]
-    fn hot_half_life_s(&self) -> f64 {
-        self.inner.hot_half_life_s
-    }
-    #[getter]
-    fn hot_busy_fraction(&self) -> f64 {
-        self.inner.hot_busy_fraction
-    }
-    #[getter]
-    fn contention_aware(&self) -> bool {
-        self.inner.contention_aware
-    }
-    #[getter]
-    fn hot_link_busy_s(&self) -> f64 {
-        self.inner.hot_link_busy_s
-    }
-    #[getter]
-    fn hot_replica_max_bytes(&self) -> f64 {
-        self.inner.hot_replica_max_bytes
-    }
-    #[getter]
-    fn hot_capacity(&self) -> usize {
-        self.inner.hot_capacity
-    }
 
     fn __repr__(&self) -> String {
         let c = &self.inner;
@@ -177,54 +101,28 @@ impl PyConductorConfig {
             c.block_size, c.ttft_slo_s, c.tbt_slo_s, c.policy.name(), c.balancing_threshold, c.rejection.name(), c.seed
         )
     }
-}
+);
 
 /// Where a request goes and the estimates behind the choice.
-#[pyclass(name = "Decision", module = "mooncake_rs._core", frozen, get_all, eq)]
+#[pyclass(name = "Decision", module = "mooncake_rs._core", frozen, eq)]
 #[derive(Clone, PartialEq)]
 pub struct PyDecision {
-    pub prefill: InstanceId,
-    pub decode: InstanceId,
-    pub reused_blocks: usize,
-    pub fetch_blocks: usize,
-    pub fetch_from: Option<InstanceId>,
-    pub est_queue_s: f64,
-    pub est_prefill_s: f64,
-    pub est_transfer_s: f64,
-    pub est_ttft_s: f64,
-    pub est_tbt_s: f64,
-    pub retry_after_s: f64,
-    pub fetch_abandon_s: f64,
+    pub inner: Decision,
 }
 
-impl From<Decision> for PyDecision {
-    fn from(d: Decision) -> Self {
-        PyDecision {
-            prefill: d.prefill,
-            decode: d.decode,
-            reused_blocks: d.reused_blocks,
-            fetch_blocks: d.fetch_blocks,
-            fetch_from: d.fetch_from,
-            est_queue_s: d.est_queue_s,
-            est_prefill_s: d.est_prefill_s,
-            est_transfer_s: d.est_transfer_s,
-            est_ttft_s: d.est_ttft_s,
-            est_tbt_s: d.est_tbt_s,
-            retry_after_s: d.retry_after_s,
-            fetch_abandon_s: d.fetch_abandon_s,
-        }
+inner_getters!(PyDecision {
+        prefill: InstanceId, decode: InstanceId, reused_blocks: usize, fetch_blocks: usize,
+        fetch_from: Option<InstanceId>, est_queue_s: f64, est_prefill_s: f64, est_transfer_s: f64, est_ttft_s: f64,
+        est_tbt_s: f64, retry_after_s: f64, fetch_abandon_s: f64,
     }
-}
-
-#[pymethods]
-impl PyDecision {
     fn __repr__(&self) -> String {
+        let d = &self.inner;
         format!(
             "Decision(prefill={}, decode={}, reused_blocks={}, fetch_blocks={}, fetch_from={:?}, est_ttft_s={:.6}, est_tbt_s={:.6})",
-            self.prefill, self.decode, self.reused_blocks, self.fetch_blocks, self.fetch_from, self.est_ttft_s, self.est_tbt_s
+            d.prefill, d.decode, d.reused_blocks, d.fetch_blocks, d.fetch_from, d.est_ttft_s, d.est_tbt_s
         )
     }
-}
+);
 
 /// A proposed copy of a hot prefix from a busy holder to a less busy prefill instance.
 #[pyclass(name = "ReplicationHint", module = "mooncake_rs._core", frozen)]
@@ -232,32 +130,12 @@ pub struct PyReplicationHint {
     pub inner: ReplicationHint,
 }
 
-#[pymethods]
-#[allow(clippy::wrong_self_convention)] // Python getter names
-impl PyReplicationHint {
+inner_getters!(PyReplicationHint {
+        from_instance: InstanceId, to_instance: InstanceId, hits: f64, from_queue_s: f64, to_queue_s: f64,
+    }
     #[getter]
     fn blocks<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         hashes_to_list(py, &self.inner.blocks)
-    }
-    #[getter]
-    fn from_instance(&self) -> InstanceId {
-        self.inner.from_instance
-    }
-    #[getter]
-    fn to_instance(&self) -> InstanceId {
-        self.inner.to_instance
-    }
-    #[getter]
-    fn hits(&self) -> f64 {
-        self.inner.hits
-    }
-    #[getter]
-    fn from_queue_s(&self) -> f64 {
-        self.inner.from_queue_s
-    }
-    #[getter]
-    fn to_queue_s(&self) -> f64 {
-        self.inner.to_queue_s
     }
     fn __repr__(&self) -> String {
         let h = &self.inner;
@@ -266,29 +144,24 @@ impl PyReplicationHint {
             h.blocks.len(), h.from_instance, h.to_instance, h.hits
         )
     }
-}
+);
 
-#[pyclass(name = "PrefillLoad", module = "mooncake_rs._core", frozen, get_all)]
+#[pyclass(name = "PrefillLoad", module = "mooncake_rs._core", frozen)]
 pub struct PyPrefillLoad {
-    pub id: InstanceId,
-    pub speed: f64,
-    pub queued: usize,
-    pub running: usize,
-    pub queue_s: f64,
-    pub draining: bool,
+    inner: PrefillLoad,
 }
 
-#[pyclass(name = "DecodeLoad", module = "mooncake_rs._core", frozen, get_all)]
+inner_getters!(PyPrefillLoad { id: InstanceId, speed: f64, queued: usize, running: usize, queue_s: f64, draining: bool });
+
+#[pyclass(name = "DecodeLoad", module = "mooncake_rs._core", frozen)]
 pub struct PyDecodeLoad {
-    pub id: InstanceId,
-    pub max_batch: usize,
-    pub kv_capacity_tokens: usize,
-    pub batch: usize,
-    pub decoding: usize,
-    pub kv_reserved_tokens: usize,
-    pub est_tbt_s: f64,
-    pub draining: bool,
+    inner: DecodeLoad,
 }
+
+inner_getters!(PyDecodeLoad {
+    id: InstanceId, max_batch: usize, kv_capacity_tokens: usize, batch: usize, decoding: usize,
+    kv_reserved_tokens: usize, est_tbt_s: f64, draining: bool,
+});
 
 /// Read-only per-instance loads at one time.
 #[pyclass(name = "ConductorSnapshot", module = "mooncake_rs._core", frozen, get_all)]
@@ -301,28 +174,10 @@ pub struct PySnapshot {
 
 impl PySnapshot {
     pub fn build(py: Python<'_>, s: Snapshot) -> PyResult<Self> {
-        let p = |l: &PrefillLoad| {
-            Py::new(py, PyPrefillLoad { id: l.id, speed: l.speed, queued: l.queued, running: l.running, queue_s: l.queue_s, draining: l.draining })
-        };
-        let d = |l: &DecodeLoad| {
-            Py::new(
-                py,
-                PyDecodeLoad {
-                    id: l.id,
-                    max_batch: l.max_batch,
-                    kv_capacity_tokens: l.kv_capacity_tokens,
-                    batch: l.batch,
-                    decoding: l.decoding,
-                    kv_reserved_tokens: l.kv_reserved_tokens,
-                    est_tbt_s: l.est_tbt_s,
-                    draining: l.draining,
-                },
-            )
-        };
         Ok(PySnapshot {
             now: s.now,
-            prefill: s.prefill.iter().map(p).collect::<PyResult<_>>()?,
-            decode: s.decode.iter().map(d).collect::<PyResult<_>>()?,
+            prefill: s.prefill.into_iter().map(|inner| Py::new(py, PyPrefillLoad { inner })).collect::<PyResult<_>>()?,
+            decode: s.decode.into_iter().map(|inner| Py::new(py, PyDecodeLoad { inner })).collect::<PyResult<_>>()?,
             requests: s.requests,
         })
     }
@@ -341,36 +196,20 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 
 /// One instance's links as the conductor sees them: bytes queued or in flight on its
 /// NIC out, NIC in and storage link, and their capacities (bytes/s).
-#[pyclass(name = "LinkLoad", module = "mooncake_rs._core", frozen, get_all, eq)]
+#[pyclass(name = "LinkLoad", module = "mooncake_rs._core", frozen, eq)]
 #[derive(Clone, PartialEq)]
 pub struct PyLinkLoad {
-    pub instance: InstanceId,
-    pub nic_out_bytes: f64,
-    pub nic_in_bytes: f64,
-    pub storage_bytes: f64,
-    pub nic_bps: f64,
-    pub storage_bps: f64,
+    pub inner: LinkLoad,
 }
 
-impl From<LinkLoad> for PyLinkLoad {
-    fn from(l: LinkLoad) -> Self {
-        PyLinkLoad {
-            instance: l.instance,
-            nic_out_bytes: l.nic_out_bytes,
-            nic_in_bytes: l.nic_in_bytes,
-            storage_bytes: l.storage_bytes,
-            nic_bps: l.nic_bps,
-            storage_bps: l.storage_bps,
-        }
+inner_getters!(PyLinkLoad {
+        instance: InstanceId, nic_out_bytes: f64, nic_in_bytes: f64, storage_bytes: f64, nic_bps: f64, storage_bps: f64,
     }
-}
-
-#[pymethods]
-impl PyLinkLoad {
     fn __repr__(&self) -> String {
+        let l = &self.inner;
         format!(
             "LinkLoad(instance={}, nic_out_bytes={:.0}, nic_in_bytes={:.0}, storage_bytes={:.0})",
-            self.instance, self.nic_out_bytes, self.nic_in_bytes, self.storage_bytes
+            l.instance, l.nic_out_bytes, l.nic_in_bytes, l.storage_bytes
         )
     }
-}
+);

@@ -1,16 +1,18 @@
-//! Conversions at the Python boundary: token sequences (lists or any buffer),
+//! Conversions at the Python boundary: token sequences (lists, or any integer buffer
+//! checked and read by the core's `token_array`),
 //! 128-bit block hashes (Python ints) and storage tier names.
 
 use std::ffi::CStr;
 use std::os::raw::c_int;
 
+use mooncake_core::token_array::{IntArray, IntKind, TokenOutOfRange};
 use mooncake_core::{BlockHash, Tier};
 use pyo3::exceptions::PyTypeError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
-use crate::errors::{invalid, OrRaise};
+use crate::errors::{invalid, to_pyerr, OrRaise};
 
 /// A read-only, C-contiguous buffer export, released on drop (with the GIL held: it
 /// never leaves the calling thread, so it cannot outlive the attached section).
@@ -133,43 +135,15 @@ impl Drop for BufferView {
     }
 }
 
-/// Integer element types a token buffer may hold.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum IntKind {
-    Signed(usize),
-    Unsigned(usize),
-}
-
-/// Parses a struct-module format for one integer element in native or little-endian
-/// byte order; `None` for anything else. (Big-endian hosts are not supported: hashes
-/// are defined over little-endian tokens.)
-fn int_kind(format: &str, itemsize: usize) -> Option<IntKind> {
-    if cfg!(target_endian = "big") {
-        return None;
-    }
-    let code = match format.as_bytes() {
-        [c] => *c,
-        [b'@' | b'=', c] => *c,
-        [b'<', c] => *c,
-        _ => return None,
-    };
-    match code {
-        b'b' | b'h' | b'i' | b'l' | b'q' | b'n' => Some(IntKind::Signed(itemsize)),
-        b'B' | b'H' | b'I' | b'L' | b'Q' | b'N' => Some(IntKind::Unsigned(itemsize)),
-        _ => None,
-    }
-}
-
-/// Tokens as the caller gave them: borrowed from a buffer when its layout allows,
-/// converted otherwise.
+/// Tokens as the caller gave them: borrowed from an integer buffer (checked and
+/// converted by the core's `IntArray`), or read from a list or tuple.
 pub enum Tokens {
-    /// A buffer of 32-bit integers, read in place (i32 values are range-checked).
     Buffer { view: BufferView, kind: IntKind },
     Owned(Vec<u32>),
 }
 
 fn out_of_range(py: Python<'_>, index: usize, value: i128) -> PyErr {
-    invalid(py, format!("token at position {index} is {value}, outside 0..2^32-1"))
+    to_pyerr(py, &TokenOutOfRange { index, value })
 }
 
 impl Tokens {
@@ -198,15 +172,14 @@ impl Tokens {
         if view.ndim() != 1 {
             return Err(invalid(py, format!("tokens must be 1-D, got a {}-D array", view.ndim())));
         }
-        let Some(kind) = int_kind(view.format(), view.itemsize()) else {
+        let Some(kind) = IntKind::parse(view.format(), view.itemsize()) else {
             return Err(invalid(
                 py,
                 format!("tokens must be integers, got array format {:?} (e.g. a float array)", view.format()),
             ));
         };
-        let tokens = Tokens::Buffer { view, kind };
-        tokens.validate(py)?;
-        Ok(tokens)
+        IntArray::new(view.bytes(), kind).check_tokens().or_raise(py)?;
+        Ok(Tokens::Buffer { view, kind })
     }
 
     /// A list of ints, read with borrowed references while every item is an exact int
@@ -262,98 +235,13 @@ impl Tokens {
         Ok(Tokens::Owned(out))
     }
 
-    /// Number of tokens.
-    pub fn len(&self) -> usize {
-        match self {
-            Tokens::Buffer { view, kind } => view.len_bytes() / kind.size(),
-            Tokens::Owned(v) => v.len(),
-        }
-    }
-
-    /// Element `i` widened to i128 (the buffer is read with unaligned loads: a sliced
-    /// array need not be aligned).
-    fn get(&self, i: usize) -> i128 {
-        match self {
-            Tokens::Owned(v) => v[i] as i128,
-            Tokens::Buffer { view, kind } => {
-                let size = kind.size();
-                let b = &view.bytes()[i * size..(i + 1) * size];
-                let mut raw = [0u8; 8];
-                raw[..size].copy_from_slice(b);
-                // Tokens are only accepted in native little-endian order (see `int_kind`).
-                let unsigned = u64::from_le_bytes(raw);
-                match kind {
-                    IntKind::Unsigned(_) => unsigned as i128,
-                    IntKind::Signed(s) => {
-                        let shift = 64 - 8 * (*s as u32);
-                        (((unsigned << shift) as i64) >> shift) as i128
-                    }
-                }
-            }
-        }
-    }
-
-    /// The buffer as a typed slice, when it is aligned for `T` and `T` has its size.
-    fn typed<T>(&self) -> Option<&[T]> {
-        let Tokens::Buffer { view, kind } = self else { return None };
-        if kind.size() != std::mem::size_of::<T>() || !(view.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()) {
-            return None;
-        }
-        // SAFETY: the exported buffer holds len() elements of T's size at an address
-        // aligned for T, every bit pattern is a valid integer, and it stays exported
-        // (unmodified by Rust) while `view` lives.
-        Some(unsafe { std::slice::from_raw_parts(view.as_ptr() as *const T, self.len()) })
-    }
-
-    fn first_out_of_range(&self) -> Option<(usize, i128)> {
-        let check = |ok: &dyn Fn(usize) -> bool| -> Option<(usize, i128)> {
-            (0..self.len()).find(|&i| !ok(i)).map(|i| (i, self.get(i)))
-        };
-        match self {
-            Tokens::Owned(_) => None,
-            Tokens::Buffer { kind: IntKind::Unsigned(1..=4), .. } => None, // every value fits
-            Tokens::Buffer { kind: IntKind::Signed(4), .. } => match self.typed::<i32>() {
-                // A branch-free (vectorised) OR of sign bits first; the slow path only
-                // finds the position of a bad value.
-                Some(s) if s.iter().fold(0i32, |acc, &x| acc | x) >= 0 => None,
-                _ => check(&|i| self.get(i) >= 0),
-            },
-            Tokens::Buffer { kind: IntKind::Signed(8), .. } => match self.typed::<i64>() {
-                Some(s) if s.iter().fold(0u64, |acc, &x| acc | x as u64) <= u32::MAX as u64 => None,
-                _ => check(&|i| (0..=u32::MAX as i128).contains(&self.get(i))),
-            },
-            Tokens::Buffer { kind: IntKind::Unsigned(8), .. } => match self.typed::<u64>() {
-                Some(s) if s.iter().fold(0u64, |acc, &x| acc | x) <= u32::MAX as u64 => None,
-                _ => check(&|i| self.get(i) <= u32::MAX as i128),
-            },
-            Tokens::Buffer { .. } => check(&|i| (0..=u32::MAX as i128).contains(&self.get(i))),
-        }
-    }
-
-    fn validate(&self, py: Python<'_>) -> PyResult<()> {
-        match self.first_out_of_range() {
-            Some((i, v)) => Err(out_of_range(py, i, v)),
-            None => Ok(()),
-        }
-    }
-
     /// The tokens as u32: in place when the buffer holds aligned 4-byte integers,
-    /// converted otherwise (values are already validated to fit).
+    /// converted otherwise (values are already checked to fit).
     pub fn with_u32<R>(&self, f: impl FnOnce(&[u32]) -> R) -> R {
-        if let Tokens::Owned(v) = self {
-            return f(v);
+        match self {
+            Tokens::Owned(v) => f(v),
+            Tokens::Buffer { view, kind } => IntArray::new(view.bytes(), *kind).with_u32(f),
         }
-        if let Some(s) = self.typed::<u32>() {
-            return f(s); // i32 and u32 buffers: validated i32 values have the u32 bit pattern
-        }
-        let v: Vec<u32> = if let Some(s) = self.typed::<i64>() {
-            s.iter().map(|&x| x as u32).collect()
-        } else if let Some(s) = self.typed::<u64>() {
-            s.iter().map(|&x| x as u32).collect()
-        } else {
-            (0..self.len()).map(|i| self.get(i) as u32).collect()
-        };
-        f(&v)
     }
 
     /// An owned copy (for work done with the GIL released).
@@ -378,14 +266,6 @@ fn items_to_u32<'py>(py: Python<'py>, items: impl Iterator<Item = Bound<'py, PyA
         }
     }
     Ok(out)
-}
-
-impl IntKind {
-    fn size(self) -> usize {
-        match self {
-            IntKind::Signed(s) | IntKind::Unsigned(s) => s,
-        }
-    }
 }
 
 /// A block hash → Python int.

@@ -47,3 +47,42 @@ pub fn detached_if<T: Send>(py: Python<'_>, costly: bool, f: impl FnOnce() -> T 
         f()
     }
 }
+
+/// A byte range of the caller's (an exported buffer, a reserved slot) handed to a call
+/// that runs with the GIL released. Only the address travels (so it is `Send`); the
+/// calling frame keeps the owner alive across the call.
+#[derive(Clone, Copy)]
+pub struct RawBytes {
+    addr: usize,
+    len: usize,
+}
+
+impl RawBytes {
+    pub fn new(ptr: *const u8, len: usize) -> Self {
+        RawBytes { addr: ptr as usize, len }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn as_ptr(self) -> *const u8 {
+        self.addr as *const u8
+    }
+
+    pub fn as_mut_ptr(self) -> *mut u8 {
+        self.addr as *mut u8
+    }
+
+    /// # Safety
+    /// The range is readable for `'a` (its owner outlives the use).
+    pub unsafe fn slice<'a>(self) -> &'a [u8] {
+        std::slice::from_raw_parts(self.addr as *const u8, self.len)
+    }
+
+    /// # Safety
+    /// The range is writable for `'a`, and nothing else reads or writes it meanwhile.
+    pub unsafe fn slice_mut<'a>(self) -> &'a mut [u8] {
+        std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len)
+    }
+}

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use mooncake_core::{BlockIndex, ErrorCategory, InstanceId, PrefixMatch};
 use pyo3::prelude::*;
 
+use crate::class_macros::inner_getters;
 use crate::convert::{hash_from_py, parse_tier};
 use crate::keys::keys_from_py;
 use crate::errors::{new_err, OrRaise};
@@ -18,34 +19,28 @@ pub struct PyBlockIndex {
 }
 
 /// Per-tier split of one instance's prefix match.
-#[pyclass(name = "PrefixMatch", module = "mooncake_rs._core", frozen, get_all, eq)]
+#[pyclass(name = "PrefixMatch", module = "mooncake_rs._core", frozen, eq)]
 #[derive(Clone, PartialEq)]
 pub struct PyPrefixMatch {
-    pub instance: InstanceId,
-    pub dram: usize,
-    pub ssd: usize,
-    /// Blocks in the engine's own device cache (a block in several tiers counts in the fastest).
-    pub gpu: usize,
+    pub inner: PrefixMatch,
 }
 
-impl From<PrefixMatch> for PyPrefixMatch {
-    fn from(m: PrefixMatch) -> Self {
-        PyPrefixMatch { instance: m.instance, dram: m.dram, ssd: m.ssd, gpu: m.gpu }
+inner_getters!(PyPrefixMatch {
+        instance: InstanceId, dram: usize, ssd: usize,
+        /// Blocks in the engine's own device cache (a block in several tiers counts in the fastest).
+        gpu: usize,
     }
-}
-
-#[pymethods]
-impl PyPrefixMatch {
     /// gpu + dram + ssd.
     #[getter]
     fn total(&self) -> usize {
-        self.gpu + self.dram + self.ssd
+        self.inner.total()
     }
 
     fn __repr__(&self) -> String {
-        format!("PrefixMatch(instance={}, dram={}, ssd={}, gpu={})", self.instance, self.dram, self.ssd, self.gpu)
+        let m = &self.inner;
+        format!("PrefixMatch(instance={}, dram={}, ssd={}, gpu={})", m.instance, m.dram, m.ssd, m.gpu)
     }
-}
+);
 
 #[pyclass(name = "IndexStats", module = "mooncake_rs._core", frozen, get_all)]
 pub struct PyIndexStats {
@@ -133,7 +128,7 @@ impl PyBlockIndex {
         let inner = &self.inner;
         let m = detached_if(py, hashes.len() >= DETACH_KEYS, || inner.match_prefix(&hashes));
         Ok(m.into_iter()
-            .map(|x| (x.instance, PyPrefixMatch::from(x)))
+            .map(|x| (x.instance, PyPrefixMatch { inner: x }))
             .collect())
     }
 

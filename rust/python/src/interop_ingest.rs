@@ -8,7 +8,7 @@ use mooncake_core::interop::{ChainHasher, EventIngestor, KeyRef, Sink, Step, Sto
 use mooncake_core::{InstanceId, Tier};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::{IntoPyDict, PyBytes, PyDict};
 
 use crate::convert::{extras_arg, extras_refs, BufferView, Tokens as PyTokens};
 use crate::errors::{invalid, OrRaise};
@@ -202,28 +202,8 @@ impl PyEventIngestor {
 
     /// The counters, by name (`evicted` is the map's).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let (s, evicted) = {
-            let ing = self.inner.lock();
-            (ing.stats().clone(), ing.map().evicted())
-        };
-        let d = PyDict::new(py);
-        for (k, v) in [
-            ("batches", s.batches),
-            ("stored_blocks", s.stored_blocks),
-            ("removed_blocks", s.removed_blocks),
-            ("cleared", s.cleared),
-            ("resets", s.resets),
-            ("orphans", s.orphans),
-            ("mismatched", s.mismatched),
-            ("unknown_removed", s.unknown_removed),
-            ("unknown_events", s.unknown_events),
-            ("evicted", evicted),
-            ("media_overflow", s.media_overflow),
-            ("other_groups", s.other_groups),
-        ] {
-            d.set_item(k, v)?;
-        }
-        Ok(d)
+        let counters = self.inner.lock().counters();
+        counters.into_py_dict(py)
     }
 
     fn __repr__(&self) -> String {

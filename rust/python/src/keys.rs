@@ -14,6 +14,7 @@
 use std::ops::Deref;
 use std::sync::Arc;
 
+use mooncake_core::block_keys::{holds_raw_keys, keys_from_le_bytes};
 use mooncake_core::BlockHash;
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -21,10 +22,9 @@ use pyo3::types::PyList;
 
 use crate::block_hashes::PyBlockHashes;
 use crate::convert::{hashes_from_py, BufferView};
-use crate::errors::invalid;
+use crate::errors::OrRaise;
 
-/// Bytes of one key in a key buffer.
-pub const KEY_BYTES: usize = 16;
+pub use mooncake_core::block_keys::KEY_BYTES;
 
 /// Keys as a caller passed them: shared with a `BlockHashes`, or converted.
 pub enum Keys {
@@ -56,18 +56,6 @@ impl Keys {
     }
 }
 
-/// Raw little-endian 16-byte keys → block hashes (`bytes.len()` is a multiple of 16).
-pub fn keys_from_le_bytes(bytes: &[u8]) -> Vec<BlockHash> {
-    bytes
-        .chunks_exact(KEY_BYTES)
-        .map(|c| {
-            let mut a = [0u8; KEY_BYTES];
-            a.copy_from_slice(c);
-            u128::from_le_bytes(a)
-        })
-        .collect()
-}
-
 /// Keys from any of the forms in the module docs; `InvalidArgument` saying what to pass
 /// otherwise (a negative or too large int, a ragged buffer, a float array).
 pub fn keys_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Keys> {
@@ -87,29 +75,10 @@ pub fn keys_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Keys> {
         // before key buffers existed (its items' errors say what is wrong).
         Ok(None) | Err(_) => return hashes_from_py(obj).map(Keys::Owned),
     };
-    let item = view.itemsize();
-    let shape = view.shape();
-    let raw = match shape.len() {
-        0 | 1 => item == 1 || item == KEY_BYTES,
-        2 => {
-            if shape[1] * item != KEY_BYTES {
-                return Err(invalid(
-                    py,
-                    format!("a 2-D key buffer needs rows of 16 bytes (e.g. shape (n, 16) uint8 or (n, 2) uint64), got shape {shape:?} of {item}-byte items"),
-                ));
-            }
-            true
-        }
-        n => return Err(invalid(py, format!("a key buffer must be 1-D or 2-D (rows of 16 bytes), got {n}-D"))),
-    };
-    if !raw {
+    if !holds_raw_keys(&view.shape(), view.itemsize()).or_raise(py)? {
         // An int64 array of keys, say: one key per item, as before key buffers existed.
         drop(view);
         return hashes_from_py(obj).map(Keys::Owned);
     }
-    let bytes = view.bytes();
-    if bytes.len() % KEY_BYTES != 0 {
-        return Err(invalid(py, format!("a key buffer of {} bytes is not a whole number of 16-byte keys", bytes.len())));
-    }
-    Ok(Keys::Owned(keys_from_le_bytes(bytes)))
+    keys_from_le_bytes(view.bytes()).map(Keys::Owned).or_raise(py)
 }

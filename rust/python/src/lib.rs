@@ -11,6 +11,7 @@ mod conductor_cost;
 mod conductor_types;
 mod block_cache;
 mod block_hashes;
+mod class_macros;
 mod convert;
 mod errors;
 mod gil;

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use mooncake_core::mem::MappedMemory;
-use mooncake_core::store::{AddressedChunk, BlockRef, Store, StoreConfig, StoreError, StoreEvent, StoreStats};
+use mooncake_core::store::{AddressedChunk, BlockRef, Store, StoreConfig, StoreEvent, StoreStats};
 use mooncake_core::BlockHash;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
@@ -13,7 +13,7 @@ use pyo3::types::PyList;
 use crate::convert::{hash_from_py, hash_to_py, BufferView};
 use crate::keys::keys_from_py;
 use crate::errors::{invalid, OrRaise};
-use crate::gil::{detached_if, detached_infallible, DETACH_STORE_BYTES};
+use crate::gil::{detached_if, detached_infallible, RawBytes, DETACH_STORE_BYTES};
 use crate::store_block::{PyBlock, PyWritableBlock};
 use crate::store_events::PyStoreEvents;
 use crate::store_run::PyLeasedRun;
@@ -66,30 +66,36 @@ impl PyStoreRegion {
 #[pyclass(name = "StoreEvent", module = "mooncake_rs._core", frozen, eq)]
 #[derive(PartialEq)]
 pub struct PyStoreEvent {
-    /// "stored", "evicted", "demoted", "promoted" or "removed".
-    #[pyo3(get)]
-    pub(crate) kind: &'static str,
-    pub(crate) key: BlockHash,
-    /// "dram" or "ssd": the tier the event happened in.
-    #[pyo3(get)]
-    pub(crate) tier: &'static str,
+    pub(crate) inner: StoreEvent,
 }
 
 #[pymethods]
 impl PyStoreEvent {
+    /// "stored", "evicted", "demoted", "promoted" or "removed".
+    #[getter]
+    fn kind(&self) -> &'static str {
+        self.inner.kind.name()
+    }
+
     #[getter]
     fn key<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        hash_to_py(py, self.key)
+        hash_to_py(py, self.inner.key)
+    }
+
+    /// "dram" or "ssd": the tier the event happened in.
+    #[getter]
+    fn tier(&self) -> &'static str {
+        self.inner.tier.name()
     }
 
     fn __repr__(&self) -> String {
-        format!("StoreEvent(kind={:?}, key={:#x}, tier={:?})", self.kind, self.key, self.tier)
+        format!("StoreEvent(kind={:?}, key={:#x}, tier={:?})", self.kind(), self.inner.key, self.tier())
     }
 }
 
 impl From<StoreEvent> for PyStoreEvent {
-    fn from(e: StoreEvent) -> Self {
-        PyStoreEvent { kind: e.kind.name(), key: e.key, tier: e.tier.name() }
+    fn from(inner: StoreEvent) -> Self {
+        PyStoreEvent { inner }
     }
 }
 
@@ -125,24 +131,6 @@ stats_class!(
     demotion_failures, promotions, corrupt_dropped, recovered, events_dropped, blocks_dram, blocks_ssd,
     bytes_dram, bytes_ssd, slots_dram, slots_ssd, pinned, demotion_queue,
 );
-
-struct SendPtr(*const u8, usize);
-// SAFETY: used only inside a detached call while the Python buffer that owns the range
-// stays exported by the caller.
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
-
-impl SendPtr {
-    /// # Safety
-    /// The range is valid for the lifetime the caller picks (an export it holds).
-    unsafe fn slice<'a>(&self) -> &'a [u8] {
-        std::slice::from_raw_parts(self.0, self.1)
-    }
-}
-
-struct SendMut(*mut u8, usize);
-// SAFETY: as SendPtr, for a writable export.
-unsafe impl Send for SendMut {}
 
 impl PyStore {
     fn block(&self, key: BlockHash, b: Option<BlockRef>) -> Option<PyBlock> {
@@ -205,54 +193,35 @@ impl PyStore {
     fn put(&self, py: Python<'_>, key: &Bound<'_, PyAny>, data: &Bound<'_, PyAny>) -> PyResult<bool> {
         let key = hash_from_py(key)?;
         let view = BufferView::get_contiguous(data, "data")?;
-        let p = SendPtr(view.as_ptr(), view.len_bytes());
+        let p = RawBytes::new(view.as_ptr(), view.len_bytes());
         // SAFETY: `view` keeps the export alive across the call.
-        let r = self.run(py, p.1, move |s| s.put(key, unsafe { p.slice() }));
-        r.or_raise(py)
+        self.run(py, p.len(), move |s| s.put(key, unsafe { p.slice() })).or_raise(py)
     }
 
     /// Stores a chain of blocks (chain positions 0..n). `datas` is a sequence of
     /// buffers, or one buffer of len(keys) * block_bytes bytes.
     fn put_many(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, datas: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
         let keys = keys_from_py(keys)?;
-        let bb = self.inner.block_bytes();
-        let mut views = Vec::new();
-        let mut ptrs: Vec<SendPtr> = Vec::with_capacity(keys.len());
         if let Ok(Some(one)) = BufferView::get(datas, pyo3::ffi::PyBUF_C_CONTIGUOUS) {
-            if one.len_bytes() != keys.len() * bb {
-                return Err(invalid(
-                    py,
-                    format!("datas has {} bytes; {} keys need {} (block_bytes each)", one.len_bytes(), keys.len(), keys.len() * bb),
-                ));
-            }
-            for i in 0..keys.len() {
-                // SAFETY: i * bb < len: inside the export.
-                ptrs.push(SendPtr(unsafe { one.as_ptr().add(i * bb) }, bb));
-            }
-            views.push(one);
-        } else {
-            let items: Vec<Bound<'_, PyAny>> = datas
-                .try_iter()
-                .map_err(|_| invalid(py, "datas must be a sequence of buffers or one buffer"))?
-                .collect::<PyResult<_>>()?;
-            if items.len() != keys.len() {
-                return Err(invalid(py, format!("{} keys but {} datas", keys.len(), items.len())));
-            }
-            for it in &items {
-                let v = BufferView::get_contiguous(it, "each data")?;
-                ptrs.push(SendPtr(v.as_ptr(), v.len_bytes()));
-                views.push(v);
-            }
+            let p = RawBytes::new(one.as_ptr(), one.len_bytes());
+            // SAFETY: `one` keeps the export alive across the call.
+            return self.run(py, p.len(), move |s| s.put_many_packed(&keys, unsafe { p.slice() })).or_raise(py);
         }
-        let total = ptrs.len() * bb;
-        let r = self.run(py, total, move |s| {
+        let items: Vec<Bound<'_, PyAny>> = datas
+            .try_iter()
+            .map_err(|_| invalid(py, "datas must be a sequence of buffers or one buffer"))?
+            .collect::<PyResult<_>>()?;
+        if items.len() != keys.len() {
+            return Err(invalid(py, format!("{} keys but {} datas", keys.len(), items.len())));
+        }
+        let views = items.iter().map(|it| BufferView::get_contiguous(it, "each data")).collect::<PyResult<Vec<_>>>()?;
+        let ranges: Vec<RawBytes> = views.iter().map(|v| RawBytes::new(v.as_ptr(), v.len_bytes())).collect();
+        self.run(py, ranges.iter().map(RawBytes::len).sum(), move |s| {
             // SAFETY: every range belongs to an export held in `views` for the call.
-            let items: Vec<(BlockHash, &[u8])> =
-                keys.iter().zip(&ptrs).map(|(k, p)| (*k, unsafe { p.slice() })).collect();
+            let items: Vec<(BlockHash, &[u8])> = keys.iter().zip(ranges).map(|(k, p)| (*k, unsafe { p.slice() })).collect();
             s.put_many(&items)
-        });
-        drop(views);
-        r.or_raise(py)
+        })
+        .or_raise(py)
     }
 
     /// Writes the DRAM blocks of `keys` into the SSD tier now (write-through, so they
@@ -268,11 +237,10 @@ impl PyStore {
     fn put_ssd(&self, py: Python<'_>, key: &Bound<'_, PyAny>, data: &Bound<'_, PyAny>) -> PyResult<bool> {
         let key = hash_from_py(key)?;
         let view = BufferView::get_contiguous(data, "data")?;
-        let p = SendPtr(view.as_ptr(), view.len_bytes());
+        let p = RawBytes::new(view.as_ptr(), view.len_bytes());
         let s = &*self.inner;
         // SAFETY: `view` keeps the export alive across the call.
-        let r = detached_infallible(py, move || s.put_ssd(key, unsafe { p.slice() }));
-        r.or_raise(py)
+        detached_infallible(py, move || s.put_ssd(key, unsafe { p.slice() })).or_raise(py)
     }
 
     /// Stores one chunk per key, copied from memory given by address: `addrs[i]`,
@@ -281,7 +249,7 @@ impl PyStore {
     /// Per key: True if stored now, False if stored already. StoreFull (nothing stored)
     /// when the whole batch does not fit. The caller vouches for the addresses.
     fn put_from_addresses(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, addrs: Vec<usize>, lens: Vec<usize>) -> PyResult<Vec<bool>> {
-        let chunks = addressed(py, keys, addrs, lens)?;
+        let chunks = AddressedChunk::zip(&keys_from_py(keys)?, &addrs, &lens).or_raise(py)?;
         let s = &*self.inner;
         // SAFETY: the addresses are the caller's readable memory (this method's contract,
         // as for a transfer engine's registered buffers).
@@ -292,7 +260,7 @@ impl PyStore {
     /// writable ranges), one call for the batch; per key, whether it was found.
     #[pyo3(signature = (keys, addrs, lens, promote = true))]
     fn get_into_addresses(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, addrs: Vec<usize>, lens: Vec<usize>, promote: bool) -> PyResult<Vec<bool>> {
-        let chunks = addressed(py, keys, addrs, lens)?;
+        let chunks = AddressedChunk::zip(&keys_from_py(keys)?, &addrs, &lens).or_raise(py)?;
         let s = &*self.inner;
         // SAFETY: the addresses are the caller's writable, disjoint memory (the contract).
         detached_infallible(py, || unsafe { s.get_into_addresses(&chunks, promote) }).or_raise(py)
@@ -343,13 +311,9 @@ impl PyStore {
     fn get_into(&self, py: Python<'_>, key: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>, promote: bool) -> PyResult<bool> {
         let key = hash_from_py(key)?;
         let view = BufferView::get_writable(out, "out")?;
-        let p = SendMut(view.as_mut_ptr(), view.len_bytes());
-        let r = self.run(py, p.1, move |s| {
-            let p = p;
-            // SAFETY: `view` keeps the writable export alive across the call.
-            s.get_into(key, unsafe { std::slice::from_raw_parts_mut(p.0, p.1) }, promote)
-        });
-        r.or_raise(py)
+        let p = RawBytes::new(view.as_mut_ptr(), view.len_bytes());
+        // SAFETY: `view` keeps the writable export alive across the call.
+        self.run(py, p.len(), move |s| s.get_into(key, unsafe { p.slice_mut() }, promote)).or_raise(py)
     }
 
     /// Copies each key's block into row i of `out` (len(keys) * block_bytes bytes);
@@ -358,21 +322,9 @@ impl PyStore {
     fn get_many_into(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>, promote: bool) -> PyResult<Vec<bool>> {
         let keys = keys_from_py(keys)?;
         let view = BufferView::get_writable(out, "out")?;
-        let bb = self.inner.block_bytes();
-        if view.len_bytes() != keys.len() * bb {
-            return Err(invalid(py, format!("out has {} bytes; {} keys need {}", view.len_bytes(), keys.len(), keys.len() * bb)));
-        }
-        let p = SendMut(view.as_mut_ptr(), view.len_bytes());
-        let r = self.run(py, p.1, move |s| {
-            let p = p;
-            // SAFETY: `view` keeps the writable export (len(keys) * bb bytes) alive.
-            let all = unsafe { std::slice::from_raw_parts_mut(p.0, p.1) };
-            keys.iter()
-                .zip(all.chunks_exact_mut(bb.max(1)))
-                .map(|(k, row)| s.get_into(*k, row, promote))
-                .collect::<Result<Vec<bool>, StoreError>>()
-        });
-        r.or_raise(py)
+        let p = RawBytes::new(view.as_mut_ptr(), view.len_bytes());
+        // SAFETY: `view` keeps the writable export alive across the call.
+        self.run(py, p.len(), move |s| s.get_many_into(&keys, unsafe { p.slice_mut() }, promote)).or_raise(py)
     }
 
     /// In DRAM or on SSD.
@@ -505,14 +457,6 @@ impl PyStore {
             c.ssd_path
         )
     }
-}
-
-fn addressed(py: Python<'_>, keys: &Bound<'_, PyAny>, addrs: Vec<usize>, lens: Vec<usize>) -> PyResult<Vec<AddressedChunk>> {
-    let keys = keys_from_py(keys)?;
-    if keys.len() != addrs.len() || keys.len() != lens.len() {
-        return Err(invalid(py, format!("{} keys, {} addrs and {} lens: give one address and length per key", keys.len(), addrs.len(), lens.len())));
-    }
-    Ok(keys.iter().zip(addrs).zip(lens).map(|((&key, addr), len)| AddressedChunk { key, addr, len }).collect())
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

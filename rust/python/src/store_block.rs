@@ -14,7 +14,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 
 use crate::convert::{hash_to_py, BufferView};
-use crate::gil::{detached_if, DETACH_STORE_BYTES};
+use crate::gil::{detached_if, RawBytes, DETACH_STORE_BYTES};
 use crate::errors::invalid;
 
 /// Fills `view` over `len` bytes at `buf`, owned by `owner` (a new reference).
@@ -229,11 +229,6 @@ impl Drop for WriteGuard<'_> {
     }
 }
 
-struct SendPtr(*mut u8, *const u8, usize);
-// SAFETY: the pointers are used only inside the detached call, while the objects that
-// own both ranges (a held reservation, an exported buffer) outlive it.
-unsafe impl Send for SendPtr {}
-
 #[pymethods]
 impl PyWritableBlock {
     #[getter]
@@ -287,14 +282,11 @@ impl PyWritableBlock {
             return Err(invalid(py, "this WritableBlock was already committed or aborted"));
         };
         let _guard = WriteGuard(&self.writes);
-        let p = SendPtr(dst, src.as_ptr(), n);
-        let copy = move || {
-            let p = p;
-            // SAFETY: while `writes` > 0 the reservation is neither committed nor aborted
-            // (take() refuses), so the slot stays this writer's; the source export is held
-            // by `src`. `copy` (memmove) because `data` may be a view of this very slot.
-            unsafe { std::ptr::copy(p.1, p.0, p.2) };
-        };
+        let (dst, from) = (RawBytes::new(dst, n), RawBytes::new(src.as_ptr(), n));
+        // SAFETY: while `writes` > 0 the reservation is neither committed nor aborted
+        // (take() refuses), so the slot stays this writer's; the source export is held
+        // by `src`. `copy` (memmove) because `data` may be a view of this very slot.
+        let copy = move || unsafe { std::ptr::copy(from.as_ptr(), dst.as_mut_ptr(), n) };
         detached_if(py, n >= DETACH_STORE_BYTES, copy);
         Ok(())
     }

@@ -6,9 +6,7 @@
 
 use std::sync::Arc;
 
-use mooncake_core::store::{decode_events, encode_events, EventKind, StoreEvent};
-use mooncake_core::Tier;
-use pyo3::basic::CompareOp;
+use mooncake_core::store::{decode_events, encode_events, StoreEvent};
 use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
@@ -17,20 +15,11 @@ use crate::convert::BufferView;
 use crate::errors::{invalid, OrRaise};
 use crate::store::PyStoreEvent;
 
-#[pyclass(name = "StoreEvents", module = "mooncake_rs._core", frozen)]
+/// Equal (Python's `==`) to another batch with the same events in the same order.
+#[pyclass(name = "StoreEvents", module = "mooncake_rs._core", frozen, eq)]
+#[derive(PartialEq)]
 pub struct PyStoreEvents {
     pub events: Arc<Vec<StoreEvent>>,
-}
-
-fn kind_of(name: &str) -> Option<EventKind> {
-    Some(match name {
-        "stored" => EventKind::Stored,
-        "evicted" => EventKind::Evicted,
-        "demoted" => EventKind::Demoted,
-        "promoted" => EventKind::Promoted,
-        "removed" => EventKind::Removed,
-        _ => return None,
-    })
 }
 
 /// Events from a `StoreEvents`, a list of `StoreEvent` (what `Store.drain_events()`
@@ -47,11 +36,7 @@ pub fn events_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Arc<Vec<StoreEvent>>> 
                 let t = item.get_type().name().map(|n| n.to_string()).unwrap_or_default();
                 return Err(invalid(py, format!("events[{i}] is a {t}, not a StoreEvent (pass Store.drain_events() or Store.drain_events_batch())")));
             };
-            let e = e.get();
-            let (Some(kind), Ok(tier)) = (kind_of(e.kind), Tier::parse(e.tier)) else {
-                return Err(invalid(py, format!("events[{i}] has kind {:?} / tier {:?}", e.kind, e.tier)));
-            };
-            out.push(StoreEvent { kind, key: e.key, tier });
+            out.push(e.get().inner);
         }
         return Ok(Arc::new(out));
     }
@@ -113,17 +98,6 @@ impl PyStoreEvents {
 
     fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         Ok(PyList::new(py, self.tolist())?.try_iter()?.into_any())
-    }
-
-    fn __richcmp__(&self, other: &Bound<'_, PyAny>, op: CompareOp) -> PyResult<Py<PyAny>> {
-        let py = other.py();
-        let Ok(o) = other.cast::<PyStoreEvents>() else { return Ok(py.NotImplemented()) };
-        let eq = *self.events == *o.get().events;
-        match op {
-            CompareOp::Eq => Ok(eq.into_pyobject(py)?.to_owned().into_any().unbind()),
-            CompareOp::Ne => Ok((!eq).into_pyobject(py)?.to_owned().into_any().unbind()),
-            _ => Ok(py.NotImplemented()),
-        }
     }
 
     fn __repr__(&self) -> String {

@@ -6,8 +6,9 @@ use std::os::raw::c_int;
 use std::sync::Arc;
 use std::time::Duration;
 
+use mooncake_core::args::{positive_secs, wait_secs};
 use mooncake_core::transfer::{
-    Access, Batch, Engine, EngineConfig, EngineRegistry, Op, Peer, Region, RegionId, Request,
+    Access, Batch, Engine, EngineConfig, EngineRegistry, EngineStats, Op, Peer, Region, RegionId, Request,
     RequestStatus, TransferError, Transports, WireProtection,
 };
 use mooncake_core::{Categorized, ErrorCategory};
@@ -15,17 +16,14 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
+use crate::class_macros::inner_getters;
 use crate::convert::BufferView;
 use crate::errors::{invalid, new_err, to_pyerr, OrRaise};
 use crate::gil::{detached, detached_if, detached_infallible, DETACH_TRANSFER_REQUESTS};
 
+/// `secs` (argument `what`) as a positive duration, or `InvalidArgument` (the core's check).
 pub(crate) fn dur(py: Python<'_>, what: &str, secs: f64) -> PyResult<Duration> {
-    // NaN, zero and negative are refused; anything too large to represent (1e300, inf)
-    // means "no deadline" and is clamped (users of the Duration add it checked).
-    if secs.is_nan() || secs <= 0.0 {
-        return Err(invalid(py, format!("{what} must be a positive number of seconds, got {secs}")));
-    }
-    Ok(Duration::try_from_secs_f64(secs).ok().filter(|d| !d.is_zero()).unwrap_or(Duration::MAX))
+    positive_secs(what, secs).or_raise(py)
 }
 
 /// A registered region of memory; exports its bytes through the buffer protocol.
@@ -130,17 +128,13 @@ fn region_id(obj: &Bound<'_, PyAny>) -> PyResult<RegionId> {
 /// One transfer: `op` "read" pulls remote bytes into `local`, "write" pushes them.
 #[pyclass(name = "TransferRequest", module = "mooncake_rs._core", frozen)]
 pub struct PyTransferRequest {
-    op: Op,
+    /// The core request (its regions by id, the peer's connection).
+    inner: Request,
     local: Py<PyRegion>,
-    local_offset: u64,
     peer: Py<PyPeer>,
-    remote_region: RegionId,
-    remote_offset: u64,
-    length: u64,
 }
 
-#[pymethods]
-impl PyTransferRequest {
+inner_getters!(PyTransferRequest { local_offset: u64, remote_region: RegionId, remote_offset: u64, length: u64 }
     #[new]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -154,100 +148,76 @@ impl PyTransferRequest {
         length: u64,
     ) -> PyResult<Self> {
         let op = Op::parse(op).or_raise(py)?;
-        Ok(PyTransferRequest { op, local, local_offset, peer, remote_region: region_id(remote_region)?, remote_offset, length })
+        let (local_id, remote_region, peer_conn) = (local.get().region.id, region_id(remote_region)?, peer.get().peer.clone());
+        let inner = Request { op, local: local_id, local_offset, peer: peer_conn, remote_region, remote_offset, length };
+        Ok(PyTransferRequest { inner, local, peer })
     }
     #[getter]
     fn op(&self) -> &'static str {
-        self.op.name()
+        self.inner.op.name()
     }
     #[getter]
     fn local(&self, py: Python<'_>) -> Py<PyRegion> {
         self.local.clone_ref(py)
     }
     #[getter]
-    fn local_offset(&self) -> u64 {
-        self.local_offset
-    }
-    #[getter]
     fn peer(&self, py: Python<'_>) -> Py<PyPeer> {
         self.peer.clone_ref(py)
     }
-    #[getter]
-    fn remote_region(&self) -> RegionId {
-        self.remote_region
-    }
-    #[getter]
-    fn remote_offset(&self) -> u64 {
-        self.remote_offset
-    }
-    #[getter]
-    fn length(&self) -> u64 {
-        self.length
-    }
     fn __repr__(&self) -> String {
+        let r = &self.inner;
         format!(
             "TransferRequest(op={:?}, local_offset={}, remote_region={}, remote_offset={}, length={})",
-            self.op.name(),
-            self.local_offset,
-            self.remote_region,
-            self.remote_offset,
-            self.length
+            r.op.name(), r.local_offset, r.remote_region, r.remote_offset, r.length
         )
     }
-}
+);
 
 /// The outcome of one request.
-#[pyclass(name = "TransferStatus", module = "mooncake_rs._core", frozen, get_all)]
+#[pyclass(name = "TransferStatus", module = "mooncake_rs._core", frozen)]
 pub struct PyTransferStatus {
-    /// "pending", "done" or "failed".
-    state: &'static str,
-    ok: bool,
-    /// What went wrong (None unless failed).
-    error: Option<String>,
-    /// Stable error code: "out_of_bounds", "no_such_region", "read_only", "timeout", ...
-    code: Option<&'static str>,
-    bytes: u64,
-    /// The exception class `raise_for_error` raises ("TransferFailed", "TransferTimeout").
-    category: Option<&'static str>,
+    inner: RequestStatus,
 }
 
 #[pymethods]
 impl PyTransferStatus {
+    /// "pending", "done" or "failed".
+    #[getter]
+    fn state(&self) -> &'static str {
+        self.inner.state()
+    }
+    #[getter]
+    fn ok(&self) -> bool {
+        self.inner.is_ok()
+    }
+    /// What went wrong (None unless failed).
+    #[getter]
+    fn error(&self) -> Option<String> {
+        self.inner.error().map(|e| e.to_string())
+    }
+    /// Stable error code: "out_of_bounds", "no_such_region", "read_only", "timeout", ...
+    #[getter]
+    fn code(&self) -> Option<&'static str> {
+        self.inner.error().map(TransferError::code)
+    }
+    #[getter]
+    fn bytes(&self) -> u64 {
+        self.inner.bytes()
+    }
+    /// The exception class `raise_for_error` raises ("TransferFailed", "TransferTimeout").
+    #[getter]
+    fn category(&self) -> Option<&'static str> {
+        self.inner.error().map(|e| e.category().name())
+    }
     /// Raises the matching `TransferFailed` / `TransferTimeout` if this request failed.
     fn raise_for_error(&self, py: Python<'_>) -> PyResult<()> {
-        match (self.error.as_ref(), self.category) {
-            (Some(e), Some(cat)) => {
-                let category = match cat {
-                    "TransferTimeout" => ErrorCategory::TransferTimeout,
-                    "InvalidArgument" => ErrorCategory::InvalidArgument,
-                    _ => ErrorCategory::TransferFailed,
-                };
-                Err(new_err(py, category, e.clone()))
-            }
-            _ => Ok(()),
-        }
+        self.inner.error().map_or(Ok(()), |e| Err(to_pyerr(py, e)))
     }
     fn __repr__(&self) -> String {
-        match &self.error {
-            Some(e) => format!("TransferStatus(failed: {e}, bytes={})", self.bytes),
-            None => format!("TransferStatus({}, bytes={})", self.state, self.bytes),
+        match self.inner.error() {
+            Some(e) => format!("TransferStatus(failed: {e}, bytes={})", self.inner.bytes()),
+            None => format!("TransferStatus({}, bytes={})", self.inner.state(), self.inner.bytes()),
         }
-    }
-}
-
-fn status_to_py(s: &RequestStatus) -> PyTransferStatus {
-    let (state, error): (&'static str, Option<&TransferError>) = match s {
-        RequestStatus::Pending => ("pending", None),
-        RequestStatus::Done { .. } => ("done", None),
-        RequestStatus::Failed { error, .. } => ("failed", Some(error)),
-    };
-    PyTransferStatus {
-        state,
-        ok: s.is_ok(),
-        error: error.map(|e| e.to_string()),
-        code: error.map(|e| e.code()),
-        bytes: s.bytes(),
-        category: error.map(|e| e.category().name()),
     }
 }
 
@@ -264,11 +234,11 @@ fn statuses(py: Python<'_>, v: Vec<RequestStatus>) -> PyResult<Bound<'_, PyList>
                     continue;
                 }
             }
-            let obj = Bound::new(py, status_to_py(s))?.into_any();
+            let obj = Bound::new(py, PyTransferStatus { inner: s.clone() })?.into_any();
             last = Some((*bytes, obj.clone()));
             items.push(obj);
         } else {
-            items.push(Bound::new(py, status_to_py(s))?.into_any());
+            items.push(Bound::new(py, PyTransferStatus { inner: s.clone() })?.into_any());
         }
     }
     PyList::new(py, items)
@@ -285,7 +255,7 @@ impl PyBatch {
     /// Waits until every request ended (or the batch deadline, or `timeout_s`).
     #[pyo3(signature = (timeout_s = None))]
     fn wait<'py>(&self, py: Python<'py>, timeout_s: Option<f64>) -> PyResult<Bound<'py, PyList>> {
-        let t = timeout_s.map(|s| if s <= 0.0 { Ok(Duration::ZERO) } else { dur(py, "timeout_s", s) }).transpose()?;
+        let t = timeout_s.map(|s| wait_secs("timeout_s", s)).transpose().or_raise(py)?;
         let b = &self.batch;
         let v = if b.is_done() { b.status() } else { detached_infallible(py, || b.wait(t)) };
         statuses(py, v)
@@ -335,36 +305,37 @@ impl PyBatch {
 }
 
 /// Counters of one engine.
-#[pyclass(name = "TransferStats", module = "mooncake_rs._core", frozen, get_all)]
+#[pyclass(name = "TransferStats", module = "mooncake_rs._core", frozen)]
 pub struct PyTransferStats {
-    auth_failures: u64,
-    bad_frames: u64,
-    refused: u64,
-    /// Refusals (also in `refused`) because no live grant covered the access.
-    grant_refusals: u64,
-    connections: u64,
-    bytes_served: u64,
-    /// Of `bytes_served`: committed by same-host peers through their staging buffers
-    /// into restricted regions.
-    bytes_staged: u64,
-    retries: u64,
-    late_responses: u64,
-    handshakes_evicted: u64,
-    /// Served connections closed to make room (oldest idle first), or idle past
-    /// `idle_timeout_s` on a server without a token.
-    idle_evicted: u64,
-    regions: u64,
-    /// Batches submitted / ended / in flight now.
-    batches: u64,
-    batches_done: u64,
-    batches_in_flight: u64,
-    /// Bytes moved by write / read requests of this engine that ended ok.
-    bytes_written: u64,
-    bytes_read: u64,
-    requests_failed: u64,
-    /// Seconds with at least one batch of this engine in flight.
-    busy_s: f64,
+    inner: EngineStats,
 }
+
+inner_getters!(PyTransferStats {
+        auth_failures: u64, bad_frames: u64, refused: u64,
+        /// Refusals (also in `refused`) because no live grant covered the access.
+        grant_refusals: u64,
+        connections: u64, bytes_served: u64,
+        /// Of `bytes_served`: committed by same-host peers through their staging buffers
+        /// into restricted regions.
+        bytes_staged: u64,
+        retries: u64, late_responses: u64, handshakes_evicted: u64,
+        /// Served connections closed to make room (oldest idle first), or idle past
+        /// `idle_timeout_s` on a server without a token.
+        idle_evicted: u64,
+        regions: u64,
+        /// Batches submitted / ended / in flight now.
+        batches: u64,
+        batches_done: u64, batches_in_flight: u64,
+        /// Bytes moved by write / read requests of this engine that ended ok.
+        bytes_written: u64,
+        bytes_read: u64, requests_failed: u64,
+    }
+    /// Seconds with at least one batch of this engine in flight.
+    #[getter]
+    fn busy_s(&self) -> f64 {
+        self.inner.busy_ns as f64 * 1e-9
+    }
+);
 
 /// Engines of one process that can find each other by name.
 #[pyclass(name = "TransferRegistry", module = "mooncake_rs._core", frozen)]
@@ -489,28 +460,7 @@ impl PyTransferEngine {
     }
 
     fn stats(&self) -> PyTransferStats {
-        let s = self.engine.stats();
-        PyTransferStats {
-            auth_failures: s.auth_failures,
-            bad_frames: s.bad_frames,
-            refused: s.refused,
-            grant_refusals: s.grant_refusals,
-            connections: s.connections,
-            bytes_served: s.bytes_served,
-            bytes_staged: s.bytes_staged,
-            retries: s.retries,
-            late_responses: s.late_responses,
-            handshakes_evicted: s.handshakes_evicted,
-            idle_evicted: s.idle_evicted,
-            regions: s.regions,
-            batches: s.batches,
-            batches_done: s.batches_done,
-            batches_in_flight: s.batches_in_flight,
-            bytes_written: s.bytes_written,
-            bytes_read: s.bytes_read,
-            requests_failed: s.requests_failed,
-            busy_s: s.busy_ns as f64 * 1e-9,
-        }
+        PyTransferStats { inner: self.engine.stats() }
     }
 
     /// Registers any buffer-protocol object (kept alive while registered) or a Region.
@@ -652,16 +602,7 @@ impl PyTransferEngine {
         let mut reqs = Vec::new();
         let mut push = |item: &Bound<'_, PyAny>| -> PyResult<()> {
             let r = item.cast::<PyTransferRequest>().map_err(|_| invalid(py, "submit() takes a list of TransferRequest"))?;
-            let r = r.get();
-            reqs.push(Request {
-                op: r.op,
-                local: r.local.get().region.id,
-                local_offset: r.local_offset,
-                peer: r.peer.get().peer.clone(),
-                remote_region: r.remote_region,
-                remote_offset: r.remote_offset,
-                length: r.length,
-            });
+            reqs.push(r.get().inner.clone());
             Ok(())
         };
         if let Ok(list) = requests.cast::<PyList>() {
@@ -701,28 +642,20 @@ impl PyTransferEngine {
         queue: Option<PyRef<'_, crate::transfer_completion::PyCompletionQueue>>,
         tag: u64,
     ) -> PyResult<PyBatch> {
-        let op = Op::parse(op).map_err(|e| to_pyerr(py, &e))?;
+        let op = Op::parse(op).or_raise(py)?;
         let timeout = dur(py, "timeout_s", timeout_s)?;
         let lo = offsets(py, local_offsets, "local_offsets")?;
         let ro = offsets(py, remote_offsets, "remote_offsets")?;
-        if lo.len() != ro.len() {
-            return Err(invalid(py, &format!("local_offsets has {} entries, remote_offsets {}: one each per request",
-                                            lo.len(), ro.len())));
-        }
-        let (local, remote, peer) = (local.region.id, region_id(remote_region)?, peer.peer.clone());
-        let reqs: Vec<Request> = lo
-            .iter()
-            .zip(&ro)
-            .map(|(&l, &r)| Request {
-                op,
-                local,
-                local_offset: l,
-                peer: peer.clone(),
-                remote_region: remote,
-                remote_offset: r,
-                length,
-            })
-            .collect();
+        let template = Request {
+            op,
+            local: local.region.id,
+            local_offset: 0,
+            peer: peer.peer.clone(),
+            remote_region: region_id(remote_region)?,
+            remote_offset: 0,
+            length,
+        };
+        let reqs = Request::spans(&template, &lo, &ro).or_raise(py)?;
         self.submit_requests(py, reqs, timeout, queue, tag)
     }
 
@@ -760,7 +693,7 @@ fn offsets(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u
         return buf.to_vec(py);
     }
     obj.extract::<Vec<u64>>()
-        .map_err(|_| invalid(py, &format!("{what} must be a sequence of non-negative ints or a uint64 buffer")))
+        .map_err(|_| invalid(py, format!("{what} must be a sequence of non-negative ints or a uint64 buffer")))
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

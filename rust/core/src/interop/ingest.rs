@@ -264,6 +264,26 @@ impl EventIngestor {
         &self.stats
     }
 
+    /// Every counter by name, in one fixed order (`evicted` is the map's): what a front
+    /// end reports as a dict.
+    pub fn counters(&self) -> [(&'static str, u64); 12] {
+        let s = &self.stats;
+        [
+            ("batches", s.batches),
+            ("stored_blocks", s.stored_blocks),
+            ("removed_blocks", s.removed_blocks),
+            ("cleared", s.cleared),
+            ("resets", s.resets),
+            ("orphans", s.orphans),
+            ("mismatched", s.mismatched),
+            ("unknown_removed", s.unknown_removed),
+            ("unknown_events", s.unknown_events),
+            ("evicted", self.map.evicted()),
+            ("media_overflow", s.media_overflow),
+            ("other_groups", s.other_groups),
+        ]
+    }
+
     /// The registered media in bit order: (canonical name, target key).
     pub fn media(&self) -> Vec<(String, String)> {
         self.bits.iter().map(|(n, k)| (n.clone(), self.keys[*k].key.clone())).collect()

@@ -195,3 +195,20 @@ fn salted_and_plain_copies_are_distinct_and_refcounted() {
     f.apply(&batch(vec![removed(&[5, 6], None)])).unwrap();
     assert!(f.gpu.match_prefix(&plain).is_empty());
 }
+
+#[test]
+fn counters_name_every_stat_once_with_the_maps_evictions() {
+    let mut f = fixture(8);
+    for i in 0..10 {
+        f.apply(&batch(vec![stored(&[2 * i, 2 * i + 1], None, toks(8 * i..8 * i + 8), Some("GPU"))])).unwrap();
+    }
+    let c = f.ing.counters();
+    let names: std::collections::HashSet<_> = c.iter().map(|(n, _)| n).collect();
+    assert_eq!(names.len(), c.len(), "names are unique");
+    let get = |name: &str| c.iter().find(|(n, _)| *n == name).unwrap().1;
+    assert_eq!(get("evicted"), f.ing.map().evicted());
+    assert_eq!(get("evicted"), 12);
+    assert_eq!(get("batches"), f.ing.stats().batches);
+    assert_eq!(get("stored_blocks"), f.ing.stats().stored_blocks);
+    assert_eq!(get("stored_blocks"), 20);
+}

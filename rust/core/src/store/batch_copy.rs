@@ -24,6 +24,22 @@ pub struct AddressedChunk {
     pub len: usize,
 }
 
+impl AddressedChunk {
+    /// One chunk per key from three parallel lists (what a front end receives); the
+    /// lists must have one entry each per key.
+    pub fn zip(keys: &[BlockHash], addrs: &[usize], lens: &[usize]) -> Result<Vec<AddressedChunk>, StoreError> {
+        if keys.len() != addrs.len() || keys.len() != lens.len() {
+            return Err(StoreError::Invalid(format!(
+                "{} keys, {} addrs and {} lens: give one address and length per key",
+                keys.len(),
+                addrs.len(),
+                lens.len()
+            )));
+        }
+        Ok(keys.iter().zip(addrs).zip(lens).map(|((&key, &addr), &len)| AddressedChunk { key, addr, len }).collect())
+    }
+}
+
 /// Below this many bytes a batch is copied by the calling thread alone (a thread start
 /// costs tens of microseconds).
 const PARALLEL_MIN_BYTES: usize = 4 << 20;

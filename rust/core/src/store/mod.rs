@@ -41,3 +41,5 @@ pub use tiered::{BlockRef, Store};
 mod tests;
 #[cfg(test)]
 mod tests_final;
+#[cfg(test)]
+mod tests_rows;

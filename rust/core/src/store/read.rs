@@ -81,6 +81,18 @@ impl Store {
     }
 
     /// Copies `key` into `out`; false if absent.
+    /// [`get_into`](Self::get_into) for many keys: key `i`'s block into row `i` of `out`
+    /// (exactly `keys.len() * block_bytes` bytes); per key, whether it was found (rows of
+    /// missing keys are left as they were).
+    pub fn get_many_into(&self, keys: &[BlockHash], out: &mut [u8], promote: bool) -> Result<Vec<bool>, StoreError> {
+        let bb = self.block_bytes();
+        if Some(out.len()) != keys.len().checked_mul(bb) {
+            let need = keys.len().saturating_mul(bb);
+            return Err(StoreError::Invalid(format!("out has {} bytes; {} keys need {need}", out.len(), keys.len())));
+        }
+        keys.iter().zip(out.chunks_exact_mut(bb.max(1))).map(|(k, row)| self.get_into(*k, row, promote)).collect()
+    }
+
     pub fn get_into(&self, key: BlockHash, out: &mut [u8], promote: bool) -> Result<bool, StoreError> {
         self.check_len(out.len())?;
         if let Some(l) = self.lease_dram(key) {

@@ -273,6 +273,22 @@ impl Store {
 
     /// Stores a chain of blocks (positions 0..n for the prefix-aware policy). Stops at
     /// the first error; the blocks before it stay stored.
+    /// [`put_many`](Self::put_many) of one buffer holding the blocks back to back
+    /// (exactly `keys.len() * block_bytes` bytes).
+    pub fn put_many_packed(&self, keys: &[BlockHash], data: &[u8]) -> Result<Vec<bool>, StoreError> {
+        let bb = self.block_bytes();
+        if Some(data.len()) != keys.len().checked_mul(bb) {
+            let need = keys.len().saturating_mul(bb);
+            return Err(StoreError::Invalid(format!(
+                "datas has {} bytes; {} keys need {need} (block_bytes each)",
+                data.len(),
+                keys.len()
+            )));
+        }
+        let items: Vec<(BlockHash, &[u8])> = keys.iter().copied().zip(data.chunks_exact(bb.max(1))).collect();
+        self.put_many(&items)
+    }
+
     pub fn put_many(&self, items: &[(BlockHash, &[u8])]) -> Result<Vec<bool>, StoreError> {
         for (_, d) in items {
             self.check_len(d.len())?;

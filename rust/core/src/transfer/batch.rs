@@ -31,6 +31,15 @@ pub enum RequestStatus {
 }
 
 impl RequestStatus {
+    /// `"pending"`, `"done"` or `"failed"`: the state's stable name.
+    pub fn state(&self) -> &'static str {
+        match self {
+            RequestStatus::Pending => "pending",
+            RequestStatus::Done { .. } => "done",
+            RequestStatus::Failed { .. } => "failed",
+        }
+    }
+
     pub fn is_ok(&self) -> bool {
         matches!(self, RequestStatus::Done { .. })
     }

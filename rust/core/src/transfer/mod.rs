@@ -31,6 +31,7 @@ pub mod tcp;
 
 use std::fmt;
 
+use crate::args::{same_len, ArgumentError};
 use crate::error::{Categorized, ErrorCategory};
 
 pub use batch::{Batch, RequestStatus};
@@ -77,6 +78,18 @@ pub struct Request {
     pub remote_region: RegionId,
     pub remote_offset: u64,
     pub length: u64,
+}
+
+impl Request {
+    /// One request per pair of `local_offsets[i]` and `remote_offsets[i]`, each a copy of
+    /// `template` (op, regions, peer, length) at those offsets: a KV connector's
+    /// per-layer batch between one local and one remote region. The two lists must
+    /// have one entry each per request.
+    pub fn spans(template: &Request, local_offsets: &[u64], remote_offsets: &[u64]) -> Result<Vec<Request>, ArgumentError> {
+        same_len("local_offsets", local_offsets.len(), "remote_offsets", remote_offsets.len())?;
+        let at = |(&local_offset, &remote_offset): (&u64, &u64)| Request { local_offset, remote_offset, ..template.clone() };
+        Ok(local_offsets.iter().zip(remote_offsets).map(at).collect())
+    }
 }
 
 /// Why a remote region access was refused (the serving side's verdict, also on the wire).

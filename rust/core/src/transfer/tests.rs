@@ -441,3 +441,25 @@ fn a_refused_request_moves_no_byte_on_any_path() {
         b.close();
     }
 }
+
+#[test]
+fn spans_pair_the_offsets_and_move_like_single_requests() {
+    let reg = EngineRegistry::new();
+    let a = Engine::new(cfg("a", &["local"]), Some(reg.clone())).unwrap();
+    let b = Engine::new(cfg("b", &["local"]), Some(reg)).unwrap();
+    let (l, r) = (a.allocate(4096, false).unwrap().id, b.allocate(4096, false).unwrap().id);
+    let remote = fill(&b, r, 7);
+    let p = a.connect("b", None).unwrap();
+    let template = req(Op::Read, l, 0, &p, r, 0, 16);
+    let reqs = Request::spans(&template, &[0, 100, 32], &[64, 0, 4000]).unwrap();
+    assert_eq!(reqs.iter().map(|q| (q.local_offset, q.remote_offset, q.length)).collect::<Vec<_>>(),
+               vec![(0, 64, 16), (100, 0, 16), (32, 4000, 16)]);
+    assert!(a.submit(reqs, T).unwrap().wait(None).iter().all(RequestStatus::is_ok));
+    let local = bytes(&a, l);
+    for (lo, ro) in [(0, 64), (100, 0), (32, 4000)] {
+        assert_eq!(local[lo..lo + 16], remote[ro..ro + 16]);
+    }
+    let e = Request::spans(&template, &[0, 1], &[0]).unwrap_err();
+    assert_eq!(e.0, "local_offsets has 2 entries, remote_offsets 1: one each per request");
+    assert!(Request::spans(&template, &[], &[]).unwrap().is_empty());
+}
