@@ -14,7 +14,7 @@ use pyo3::types::PyDict;
 use crate::conductor_types::{PyConductorConfig, PyDecision, PyLinkLoad, PyReplicationHint, PySnapshot};
 use crate::convert::{hash_from_py, parse_tier};
 use crate::keys::keys_from_py;
-use crate::errors::{new_err, to_pyerr};
+use crate::errors::{new_err, to_pyerr, IntoPyErr, OrRaise};
 use crate::gil::{detached_if, detached_infallible, DETACH_KEYS};
 use crate::index::PyBlockIndex;
 use crate::store_events::{events_from_py, PyAppliedEvents};
@@ -25,23 +25,27 @@ pub struct PyConductor {
 }
 
 /// `Overloaded(message, reason=..., estimates=Decision | None)`; other errors as usual.
-fn map_err(py: Python<'_>, e: ConductorError) -> PyErr {
-    let ConductorError::Overloaded { reason, estimates, .. } = &e else {
-        return to_pyerr(py, &e);
-    };
-    let build = || -> PyResult<PyErr> {
-        let cls = py.import("mooncake_rs.errors")?.getattr("Overloaded")?;
-        let kwargs = PyDict::new(py);
-        kwargs.set_item("reason", reason.name())?;
-        kwargs.set_item("estimates", estimates.as_ref().map(|d| PyDecision { inner: **d }))?;
-        Ok(PyErr::from_value(cls.call((e.to_string(),), Some(&kwargs))?))
-    };
-    build().unwrap_or_else(|_| to_pyerr(py, &e))
+/// `Overloaded` carries its reason and the estimates that refused the request; every
+/// other conductor error is its category's exception.
+impl IntoPyErr for ConductorError {
+    fn into_pyerr(self, py: Python<'_>) -> PyErr {
+        let ConductorError::Overloaded { reason, estimates, .. } = &self else {
+            return to_pyerr(py, &self);
+        };
+        let build = || -> PyResult<PyErr> {
+            let cls = py.import("mooncake_rs.errors")?.getattr("Overloaded")?;
+            let kwargs = PyDict::new(py);
+            kwargs.set_item("reason", reason.name())?;
+            kwargs.set_item("estimates", estimates.as_ref().map(|d| PyDecision { inner: **d }))?;
+            Ok(PyErr::from_value(cls.call((self.to_string(),), Some(&kwargs))?))
+        };
+        build().unwrap_or_else(|_| to_pyerr(py, &self))
+    }
 }
 
 /// A core decision (or rejection) as Python sees it.
 fn decide(py: Python<'_>, d: Result<mooncake_core::conductor::Decision, ConductorError>) -> PyResult<PyDecision> {
-    d.map(|inner| PyDecision { inner }).map_err(|e| map_err(py, e))
+    d.map(|inner| PyDecision { inner }).or_raise(py)
 }
 
 #[pymethods]
@@ -54,7 +58,7 @@ impl PyConductor {
             Some(ix) => Conductor::with_index(cfg, ix.inner.clone()),
             None => Conductor::new(cfg),
         };
-        Ok(PyConductor { inner: Arc::new(c.map_err(|e| map_err(py, e))?) })
+        Ok(PyConductor { inner: Arc::new(c.or_raise(py)?) })
     }
 
     #[getter]
@@ -70,25 +74,25 @@ impl PyConductor {
 
     #[pyo3(signature = (id, speed = 1.0))]
     fn add_prefill(&self, py: Python<'_>, id: InstanceId, speed: f64) -> PyResult<()> {
-        self.inner.add_prefill(id, PrefillSpec { speed }).map_err(|e| map_err(py, e))
+        self.inner.add_prefill(id, PrefillSpec { speed }).or_raise(py)
     }
 
     #[pyo3(signature = (id, max_batch = 256, kv_capacity_tokens = 1_000_000))]
     fn add_decode(&self, py: Python<'_>, id: InstanceId, max_batch: usize, kv_capacity_tokens: usize) -> PyResult<()> {
-        self.inner.add_decode(id, DecodeSpec { max_batch, kv_capacity_tokens }).map_err(|e| map_err(py, e))
+        self.inner.add_decode(id, DecodeSpec { max_batch, kv_capacity_tokens }).or_raise(py)
     }
 
     /// Removes the instance and its cache entries; returns the ids of the in-flight
     /// requests that used it (dropped from the conductor; retry them).
     fn remove_instance(&self, py: Python<'_>, id: InstanceId) -> PyResult<Vec<u64>> {
         let inner = &self.inner;
-        detached_infallible(py, || inner.remove_instance(id)).map_err(|e| map_err(py, e))
+        detached_infallible(py, || inner.remove_instance(id)).or_raise(py)
     }
 
     /// Stops `schedule` from picking the instance; what it holds finishes normally.
     /// Returns how many requests it still holds. Draining twice is allowed.
     fn drain_instance(&self, py: Python<'_>, id: InstanceId) -> PyResult<usize> {
-        self.inner.drain_instance(id).map_err(|e| map_err(py, e))
+        self.inner.drain_instance(id).or_raise(py)
     }
 
     /// Turns the online calibration of the admission estimates on or off: the measured
@@ -111,21 +115,21 @@ impl PyConductor {
 
     /// Ends a drain; returns how many requests the instance holds.
     fn undrain_instance(&self, py: Python<'_>, id: InstanceId) -> PyResult<usize> {
-        self.inner.undrain_instance(id).map_err(|e| map_err(py, e))
+        self.inner.undrain_instance(id).or_raise(py)
     }
 
     /// Requests that still need the instance in its current role.
     fn held_requests(&self, py: Python<'_>, id: InstanceId) -> PyResult<usize> {
-        self.inner.held_requests(id).map_err(|e| map_err(py, e))
+        self.inner.held_requests(id).or_raise(py)
     }
 
     fn is_draining(&self, py: Python<'_>, id: InstanceId) -> PyResult<bool> {
-        self.inner.is_draining(id).map_err(|e| map_err(py, e))
+        self.inner.is_draining(id).or_raise(py)
     }
 
     /// Draining and holding nothing: ready for `switch_role`.
     fn is_drained(&self, py: Python<'_>, id: InstanceId) -> PyResult<bool> {
-        self.inner.is_drained(id).map_err(|e| map_err(py, e))
+        self.inner.is_drained(id).or_raise(py)
     }
 
     /// Moves a drained instance to the `role` ("prefill" or "decode") pool with the
@@ -137,10 +141,10 @@ impl PyConductor {
             "decode" => RoleSpec::Decode(DecodeSpec { max_batch, kv_capacity_tokens }),
             other => {
                 let e = ConductorError::InvalidArgument(format!("role must be \"prefill\" or \"decode\", got {other:?}"));
-                return Err(map_err(py, e));
+                return Err(e.into_pyerr(py));
             }
         };
-        self.inner.switch_role(id, spec).map_err(|e| map_err(py, e))
+        self.inner.switch_role(id, spec).or_raise(py)
     }
 
     #[pyo3(signature = (request_id, block_hashes, prompt_len, now, expected_output_len = None))]
@@ -178,34 +182,34 @@ impl PyConductor {
 
     #[pyo3(signature = (request_id, now = None))]
     fn on_prefill_started(&self, py: Python<'_>, request_id: u64, now: Option<f64>) -> PyResult<()> {
-        self.inner.on_prefill_started(request_id, now).map_err(|e| map_err(py, e))
+        self.inner.on_prefill_started(request_id, now).or_raise(py)
     }
 
     #[pyo3(signature = (request_id, now = None))]
     fn on_prefill_finished(&self, py: Python<'_>, request_id: u64, now: Option<f64>) -> PyResult<()> {
-        self.inner.on_prefill_finished(request_id, now).map_err(|e| map_err(py, e))
+        self.inner.on_prefill_finished(request_id, now).or_raise(py)
     }
 
     /// The prefill instance's engine spent `busy_s` seconds on the request (its report):
     /// a sample of the real service cost for the online calibration; before
     /// `on_decode_started`.
     fn on_prefill_served(&self, py: Python<'_>, request_id: u64, busy_s: f64) -> PyResult<()> {
-        self.inner.on_prefill_served(request_id, busy_s).map_err(|e| map_err(py, e))
+        self.inner.on_prefill_served(request_id, busy_s).or_raise(py)
     }
 
     #[pyo3(signature = (request_id, now = None))]
     fn on_decode_started(&self, py: Python<'_>, request_id: u64, now: Option<f64>) -> PyResult<()> {
-        self.inner.on_decode_started(request_id, now).map_err(|e| map_err(py, e))
+        self.inner.on_decode_started(request_id, now).or_raise(py)
     }
 
     #[pyo3(signature = (request_id, output_len, now = None))]
     fn on_decode_finished(&self, py: Python<'_>, request_id: u64, output_len: usize, now: Option<f64>) -> PyResult<()> {
-        self.inner.on_decode_finished(request_id, output_len, now).map_err(|e| map_err(py, e))
+        self.inner.on_decode_finished(request_id, output_len, now).or_raise(py)
     }
 
     /// Drops an in-flight request without recording its output length.
     fn cancel(&self, py: Python<'_>, request_id: u64) -> PyResult<()> {
-        self.inner.cancel(request_id).map_err(|e| map_err(py, e))
+        self.inner.cancel(request_id).or_raise(py)
     }
 
     #[pyo3(signature = (instance, hashes, tier = "dram"))]
@@ -214,7 +218,7 @@ impl PyConductor {
         let hashes = keys_from_py(hashes)?;
         let inner = &self.inner;
         detached_if(py, hashes.len() >= DETACH_KEYS, || inner.on_blocks_stored(instance, &hashes, tier))
-            .map_err(|e| map_err(py, e))
+            .or_raise(py)
     }
 
     #[pyo3(signature = (instance, hashes, tier = None))]
@@ -223,7 +227,7 @@ impl PyConductor {
         let hashes = keys_from_py(hashes)?;
         let inner = &self.inner;
         detached_if(py, hashes.len() >= DETACH_KEYS, || inner.on_blocks_evicted(instance, &hashes, tier))
-            .map_err(|e| map_err(py, e))
+            .or_raise(py)
     }
 
     /// Applies a drained batch of `instance`'s store events to the index (commit,
@@ -234,7 +238,7 @@ impl PyConductor {
         let events = events_from_py(events)?;
         let inner = &self.inner;
         let r = detached_if(py, events.len() >= DETACH_KEYS, || inner.apply_store_events(instance, &events))
-            .map_err(|e| map_err(py, e))?;
+            .or_raise(py)?;
         Ok(PyAppliedEvents { inserted: r.inserted, removed: r.removed })
     }
 
@@ -242,14 +246,14 @@ impl PyConductor {
     #[pyo3(signature = (now = None))]
     fn replication_hints(&self, py: Python<'_>, now: Option<f64>) -> PyResult<Vec<PyReplicationHint>> {
         let inner = &self.inner;
-        let hints = detached_infallible(py, || inner.replication_hints(now)).map_err(|e| map_err(py, e))?;
+        let hints = detached_infallible(py, || inner.replication_hints(now)).or_raise(py)?;
         Ok(hints.into_iter().map(|inner| PyReplicationHint { inner }).collect())
     }
 
     /// Capacities of an instance's links, bytes/s (NIC each way; storage link);
     /// `float("inf")`: never a bottleneck. Default: the transfer model's bandwidths.
     fn set_link_bandwidth(&self, py: Python<'_>, instance: InstanceId, nic_bps: f64, storage_bps: f64) -> PyResult<()> {
-        self.inner.set_link_bandwidth(instance, nic_bps, storage_bps).map_err(|e| map_err(py, e))
+        self.inner.set_link_bandwidth(instance, nic_bps, storage_bps).or_raise(py)
     }
 
     /// An instance's link counters measured at `at`: bytes queued or in flight on its
@@ -257,20 +261,20 @@ impl PyConductor {
     /// last report, or the conductor is not contention-aware).
     #[pyo3(signature = (instance, at, nic_out_bytes, nic_in_bytes = 0.0, storage_bytes = 0.0))]
     fn report_link_load(&self, py: Python<'_>, instance: InstanceId, at: f64, nic_out_bytes: f64, nic_in_bytes: f64, storage_bytes: f64) -> PyResult<bool> {
-        self.inner.report_link_load(instance, at, nic_out_bytes, nic_in_bytes, storage_bytes).map_err(|e| map_err(py, e))
+        self.inner.report_link_load(instance, at, nic_out_bytes, nic_in_bytes, storage_bytes).or_raise(py)
     }
 
     /// Every instance's link backlog at `now` (default: latest time seen), by id.
     #[pyo3(signature = (now = None))]
     fn link_loads(&self, py: Python<'_>, now: Option<f64>) -> PyResult<Vec<PyLinkLoad>> {
-        let l = self.inner.link_loads(now).map_err(|e| map_err(py, e))?;
+        let l = self.inner.link_loads(now).or_raise(py)?;
         Ok(l.into_iter().map(|inner| PyLinkLoad { inner }).collect())
     }
 
     /// Read-only per-instance queue and load estimates at `now` (default: latest time seen).
     #[pyo3(signature = (now = None))]
     fn snapshot(&self, py: Python<'_>, now: Option<f64>) -> PyResult<PySnapshot> {
-        let s = self.inner.snapshot(now).map_err(|e| map_err(py, e))?;
+        let s = self.inner.snapshot(now).or_raise(py)?;
         PySnapshot::build(py, s)
     }
 
@@ -288,7 +292,7 @@ impl PyConductor {
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
-        let s = self.inner.snapshot(None).map_err(|e| map_err(py, e))?;
+        let s = self.inner.snapshot(None).or_raise(py)?;
         Ok(format!(
             "Conductor(policy={:?}, prefill={}, decode={}, requests={})",
             self.inner.config().policy.name(),

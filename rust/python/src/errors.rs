@@ -44,16 +44,47 @@ pub fn to_pyerr<E: Categorized + ?Sized>(py: Python<'_>, e: &E) -> PyErr {
     new_err(py, e.category(), e.to_string())
 }
 
+/// How a core error becomes a Python exception. Every core error type is one of the
+/// exception classes of its category with its message (the list below); the
+/// conductor's `Overloaded` also carries its reason and estimates (`conductor.rs`
+/// implements this trait for `ConductorError`).
+pub trait IntoPyErr {
+    fn into_pyerr(self, py: Python<'_>) -> PyErr;
+}
+
+macro_rules! by_category {
+    ($($t:ty),* $(,)?) => {$(
+        impl IntoPyErr for $t {
+            fn into_pyerr(self, py: Python<'_>) -> PyErr {
+                to_pyerr(py, &self)
+            }
+        }
+    )*};
+}
+
+by_category!(
+    mooncake_core::args::ArgumentError,
+    mooncake_core::token_array::TokenOutOfRange,
+    mooncake_core::interop::EventError,
+    mooncake_core::interop::IngestError,
+    mooncake_core::interop::WireError,
+    mooncake_core::interop::MapError,
+    mooncake_core::store::StoreError,
+    mooncake_core::index::IndexError,
+    mooncake_core::transfer::TransferError,
+    mooncake_core::seal::SealError,
+    mooncake_core::hash::HashError,
+);
+
 /// The one conversion of a core call's result: `r.or_raise(py)?` raises the exception
-/// class of the error's category with its message. (The conductor's `Overloaded` also
-/// carries its reason and estimates: `conductor.rs` builds that one itself.)
+/// [`IntoPyErr`] makes of the error.
 pub trait OrRaise<T> {
     fn or_raise(self, py: Python<'_>) -> PyResult<T>;
 }
 
-impl<T, E: Categorized> OrRaise<T> for Result<T, E> {
+impl<T, E: IntoPyErr> OrRaise<T> for Result<T, E> {
     fn or_raise(self, py: Python<'_>) -> PyResult<T> {
-        self.map_err(|e| to_pyerr(py, &e))
+        self.map_err(|e| e.into_pyerr(py))
     }
 }
 
