@@ -29,33 +29,21 @@ use super::RequestId;
 use crate::hash::BlockHash;
 use crate::index::InstanceId;
 
-/// Where a block will be left: an instance, at a position after a first block, by
-/// `count` admitted requests (requests on one instance sharing a prefix share slots, so a
-/// block's slots are bounded by the instances, not by the queue).
-#[derive(Debug, Clone, Copy, PartialEq)]
-struct Slot {
+#[derive(Debug, Clone, Copy)]
+struct Entry {
     instance: InstanceId,
+    rid: RequestId,
     /// The block's position in its prompt.
     pos: u32,
     first: BlockHash,
-    count: u32,
-}
-
-impl Slot {
-    fn same_place(&self, o: &Slot) -> bool {
-        self.instance == o.instance && self.pos == o.pos && self.first == o.first
-    }
 }
 
 #[derive(Debug, Default)]
 pub(crate) struct Pending {
-    /// A full block of an admitted prompt -> its first slot (most blocks have one: no
-    /// allocation per block at admission, which `schedule` pays for).
-    by_block: HashMap<BlockHash, Slot>,
-    /// The block's other slots (another instance, or ids that are not chained).
-    more: HashMap<BlockHash, Vec<Slot>>,
-    /// Each admitted request's instance and full blocks (what `remove` takes out).
-    by_rid: HashMap<RequestId, (InstanceId, Box<[BlockHash]>)>,
+    /// A full block of an admitted prompt -> where it will be left.
+    by_block: HashMap<BlockHash, Vec<Entry>>,
+    /// Each admitted request's full blocks (what `remove` takes out).
+    by_rid: HashMap<RequestId, Box<[BlockHash]>>,
 }
 
 impl Pending {
@@ -64,53 +52,20 @@ impl Pending {
         let Some(&first) = blocks.first() else { return };
         self.remove(rid);
         for (j, &b) in blocks.iter().enumerate() {
-            let new = Slot { instance, pos: u32::try_from(j).unwrap_or(u32::MAX), first, count: 1 };
-            match self.by_block.entry(b) {
-                hashbrown::hash_map::Entry::Vacant(v) => {
-                    v.insert(new);
-                }
-                hashbrown::hash_map::Entry::Occupied(mut o) if o.get().same_place(&new) => o.get_mut().count += 1,
-                hashbrown::hash_map::Entry::Occupied(_) => {
-                    let v = self.more.entry(b).or_default();
-                    match v.iter_mut().find(|s| s.same_place(&new)) {
-                        Some(s) => s.count += 1,
-                        None => v.push(new),
-                    }
-                }
-            }
+            let pos = u32::try_from(j).unwrap_or(u32::MAX);
+            self.by_block.entry(b).or_default().push(Entry { instance, rid, pos, first });
         }
-        self.by_rid.insert(rid, (instance, blocks.into()));
+        self.by_rid.insert(rid, blocks.into());
     }
 
     /// Request `rid`'s blocks are no longer on their way (nothing if it had none).
     pub fn remove(&mut self, rid: RequestId) {
-        let Some((instance, blocks)) = self.by_rid.remove(&rid) else { return };
-        let first = blocks[0];
-        for (j, b) in blocks.iter().enumerate() {
-            let gone = Slot { instance, pos: u32::try_from(j).unwrap_or(u32::MAX), first, count: 0 };
-            if let Some(s) = self.by_block.get_mut(b).filter(|s| s.same_place(&gone)) {
-                s.count -= 1;
-                if s.count == 0 {
-                    // promote one of the other slots, if any
-                    match self.more.get_mut(b).and_then(|v| v.pop()) {
-                        Some(next) => *s = next,
-                        None => {
-                            self.by_block.remove(b);
-                        }
-                    }
-                    if self.more.get(b).is_some_and(|v| v.is_empty()) {
-                        self.more.remove(b);
-                    }
-                }
-            } else if let Some(v) = self.more.get_mut(b) {
-                if let Some(k) = v.iter().position(|s| s.same_place(&gone)) {
-                    v[k].count -= 1;
-                    if v[k].count == 0 {
-                        v.swap_remove(k);
-                    }
-                }
+        let Some(blocks) = self.by_rid.remove(&rid) else { return };
+        for b in blocks.iter() {
+            if let Some(v) = self.by_block.get_mut(b) {
+                v.retain(|e| e.rid != rid);
                 if v.is_empty() {
-                    self.more.remove(b);
+                    self.by_block.remove(b);
                 }
             }
         }
@@ -129,17 +84,13 @@ impl Pending {
         }
         let Some(&first) = blocks.first() else { return };
         let mut seen: Vec<InstanceId> = Vec::new();
-        let mut visit = |s: &Slot, j: usize| {
-            if s.pos as usize == j && s.first == first && !seen.contains(&s.instance) {
-                seen.push(s.instance);
-                f(s.instance, j + 1);
-            }
-        };
         for j in (floor..blocks.len()).rev() {
-            let Some(s) = self.by_block.get(&blocks[j]) else { continue };
-            visit(s, j);
-            if let Some(v) = self.more.get(&blocks[j]) {
-                v.iter().for_each(|s| visit(s, j));
+            let Some(v) = self.by_block.get(&blocks[j]) else { continue };
+            for e in v {
+                if e.pos as usize == j && e.first == first && !seen.contains(&e.instance) {
+                    seen.push(e.instance);
+                    f(e.instance, j + 1);
+                }
             }
         }
     }
@@ -198,20 +149,18 @@ mod tests {
     fn a_prefix_shared_with_a_queued_prompt_that_branches_off_counts() {
         let h = |i: u64| i as BlockHash;
         let mut p = Pending::default();
-        // a document (blocks 0..9) asked two questions: the first is queued on 7
-        let doc: Vec<BlockHash> = (0..9).map(h).collect();
-        p.add(&[&doc[..], &[h(10), h(11)]].concat(), 7, 1);
-        let second = [&doc[..], &[h(20)]].concat();
+        // a document (blocks 0..3) asked two questions: the first is queued on 7
+        p.add(&[h(0), h(1), h(2), h(10), h(11)], 7, 1);
         let mut got = Vec::new();
-        p.longest(&second, 0, |i, n| got.push((i, n)));
-        assert_eq!(got, vec![(7, 9)]);
+        p.longest(&[h(0), h(1), h(2), h(20)], 0, |i, n| got.push((i, n)));
+        assert_eq!(got, vec![(7, 3)]);
         // above the floor only; and nothing once the queued request's prefill is over
         got.clear();
-        p.longest(&second, 9, |i, n| got.push((i, n)));
+        p.longest(&[h(0), h(1), h(2), h(20)], 3, |i, n| got.push((i, n)));
         assert!(got.is_empty());
         p.remove(1);
-        p.longest(&second, 0, |i, n| got.push((i, n)));
-        assert!(got.is_empty() && p.by_block.is_empty() && p.more.is_empty() && p.len() == 0);
+        p.longest(&[h(0), h(1), h(2), h(20)], 0, |i, n| got.push((i, n)));
+        assert!(got.is_empty() && p.by_block.is_empty() && p.len() == 0);
     }
 
     /// Against a plain scan of every admitted prompt: the longest common prefix per
@@ -239,7 +188,7 @@ mod tests {
             let mut p = Pending::default();
             let mut queued: Vec<(InstanceId, Vec<BlockHash>)> = Vec::new();
             for rid in 0..(next() % 12) {
-                let toks: Vec<u64> = (0..1 + next() % 12).map(|_| next() % 3).collect();
+                let toks: Vec<u64> = (0..1 + next() % 8).map(|_| next() % 3).collect();
                 let inst = (next() % 4) as InstanceId;
                 let blocks = chain(&toks);
                 p.add(&blocks, inst, rid);
