@@ -190,7 +190,7 @@ impl Conductor {
                 raw_ttft_s: est.raw_ttft_s,
                 raw_tbt_s: est.raw_tbt_s,
                 decode_t: None,
-                has_pending: !req.block_hashes.is_empty(),
+                pending_last: req.block_hashes.last().copied(),
             },
         );
         st.rng = est.rng;

@@ -9,19 +9,16 @@
 //! does recompute them. But a request routed to an instance runs after what is already
 //! queued there (FIFO), so the previous step's blocks will be there when it starts.
 //!
-//! Each admitted request's full blocks are indexed by position: a later prompt that
-//! shares its first `j + 1` blocks with a queued one (the same block at position `j`:
-//! block hashes are chained, `PrefixHasher`, so equal hashes at `j` mean equal prefixes
-//! of `j + 1` blocks) can reuse those blocks on that instance, if it runs there. That
-//! covers the next step of a session (which extends the queued prompt) and two requests
-//! that branch from one prefix (a document asked two questions): both are priced as
-//! reuse, not recompute. As a guard against ids that are not chained (a trace whose
-//! generator reuses a document's ids under different system prompts), an entry also
-//! keeps its position and the prompt's first block, and matches only at the same
-//! position after the same first block. Only the instance itself may count them: they
-//! are not a fetch source until they are stored (the index says so then). An entry
-//! leaves when its request's prefill ends (the cache events take over), or when the
-//! request is cancelled or its instance removed.
+//! Each admitted request with full blocks is keyed by its last full block. Block hashes
+//! are chained (`PrefixHasher`: equal hashes at position `j` mean equal prefixes of
+//! `j + 1` blocks); as a guard against ids that are not (a trace whose generator reuses
+//! a document's ids under different system prompts), an entry also keeps its length and
+//! its first block, and matches a later prompt only at the same position with the same
+//! first block. A later prompt whose block `j` matches can reuse `j + 1` blocks on that
+//! instance, if it runs there. Only the instance itself may count them: they are
+//! not a fetch source until they are stored (the index says so then). An entry leaves
+//! when its request's prefill ends (the cache events take over), or when the request is
+//! cancelled or its instance removed.
 
 use hashbrown::HashMap;
 
@@ -33,63 +30,63 @@ use crate::index::InstanceId;
 struct Entry {
     instance: InstanceId,
     rid: RequestId,
-    /// The block's position in its prompt.
-    pos: u32,
+    /// Full blocks of the prompt.
+    blocks: usize,
     first: BlockHash,
 }
 
 #[derive(Debug, Default)]
 pub(crate) struct Pending {
-    /// A full block of an admitted prompt -> where it will be left.
-    by_block: HashMap<BlockHash, Vec<Entry>>,
-    /// Each admitted request's full blocks (what `remove` takes out).
-    by_rid: HashMap<RequestId, Box<[BlockHash]>>,
+    /// Last full block of an admitted prompt -> its entries.
+    by_last: HashMap<BlockHash, Vec<Entry>>,
 }
 
 impl Pending {
-    /// Request `rid` on `instance` will leave `blocks` (its full blocks) there.
+    /// Request `rid` on `instance` will leave `blocks` (its full blocks, non-empty) there.
     pub fn add(&mut self, blocks: &[BlockHash], instance: InstanceId, rid: RequestId) {
-        let Some(&first) = blocks.first() else { return };
-        self.remove(rid);
-        for (j, &b) in blocks.iter().enumerate() {
-            let pos = u32::try_from(j).unwrap_or(u32::MAX);
-            self.by_block.entry(b).or_default().push(Entry { instance, rid, pos, first });
+        if let (Some(&first), Some(&last)) = (blocks.first(), blocks.last()) {
+            self.by_last.entry(last).or_default().push(Entry { instance, rid, blocks: blocks.len(), first });
         }
-        self.by_rid.insert(rid, blocks.into());
     }
 
-    /// Request `rid`'s blocks are no longer on their way (nothing if it had none).
-    pub fn remove(&mut self, rid: RequestId) {
-        let Some(blocks) = self.by_rid.remove(&rid) else { return };
-        for b in blocks.iter() {
-            if let Some(v) = self.by_block.get_mut(b) {
-                v.retain(|e| e.rid != rid);
-                if v.is_empty() {
-                    self.by_block.remove(b);
-                }
+    pub fn remove(&mut self, last: BlockHash, rid: RequestId) {
+        if let Some(v) = self.by_last.get_mut(&last) {
+            v.retain(|e| e.rid != rid);
+            if v.is_empty() {
+                self.by_last.remove(&last);
             }
         }
     }
 
-    /// Requests with blocks on their way.
     pub fn len(&self) -> usize {
-        self.by_rid.len()
+        self.by_last.values().map(|v| v.len()).sum()
     }
 
-    /// For each instance an admitted request will leave a prefix of `blocks` on that is
-    /// longer than `floor` blocks: calls `f(instance, blocks)` once, with the longest.
+    /// Every prefix of `blocks` longer than `floor` blocks that an admitted request will
+    /// leave on an instance: calls `f(instance, blocks)` (in no particular order; an
+    /// instance may be reported more than once: keep the longest).
     pub fn longest(&self, blocks: &[BlockHash], floor: usize, mut f: impl FnMut(InstanceId, usize)) {
-        if self.by_block.is_empty() {
+        if self.by_last.is_empty() {
             return;
         }
         let Some(&first) = blocks.first() else { return };
-        let mut seen: Vec<InstanceId> = Vec::new();
+        if self.by_last.len() < blocks.len().saturating_sub(floor) {
+            // fewer entries than positions to probe: check each entry instead
+            for (last, v) in &self.by_last {
+                for e in v {
+                    if e.blocks > floor && e.blocks <= blocks.len() && blocks[e.blocks - 1] == *last && e.first == first {
+                        f(e.instance, e.blocks);
+                    }
+                }
+            }
+            return;
+        }
         for j in (floor..blocks.len()).rev() {
-            let Some(v) = self.by_block.get(&blocks[j]) else { continue };
-            for e in v {
-                if e.pos as usize == j && e.first == first && !seen.contains(&e.instance) {
-                    seen.push(e.instance);
-                    f(e.instance, j + 1);
+            if let Some(v) = self.by_last.get(&blocks[j]) {
+                for e in v {
+                    if e.blocks == j + 1 && e.first == first {
+                        f(e.instance, j + 1);
+                    }
                 }
             }
         }
@@ -136,82 +133,12 @@ mod tests {
         p.longest(&prompt, 3, |i, n| above.push((i, n)));
         above.sort_unstable();
         assert_eq!(above, vec![(8, 5)]);
-        p.remove(2);
-        p.remove(99); // unknown: nothing
+        p.remove(h(4), 2);
+        p.remove(h(4), 99); // unknown: nothing
         let mut after = Vec::new();
         p.longest(&prompt, 0, |i, n| after.push((i, n)));
         after.sort_unstable();
         assert_eq!(after, vec![(7, 3), (8, 2)]);
         assert_eq!(p.len(), 4);
-    }
-
-    #[test]
-    fn a_prefix_shared_with_a_queued_prompt_that_branches_off_counts() {
-        let h = |i: u64| i as BlockHash;
-        let mut p = Pending::default();
-        // a document (blocks 0..3) asked two questions: the first is queued on 7
-        p.add(&[h(0), h(1), h(2), h(10), h(11)], 7, 1);
-        let mut got = Vec::new();
-        p.longest(&[h(0), h(1), h(2), h(20)], 0, |i, n| got.push((i, n)));
-        assert_eq!(got, vec![(7, 3)]);
-        // above the floor only; and nothing once the queued request's prefill is over
-        got.clear();
-        p.longest(&[h(0), h(1), h(2), h(20)], 3, |i, n| got.push((i, n)));
-        assert!(got.is_empty());
-        p.remove(1);
-        p.longest(&[h(0), h(1), h(2), h(20)], 0, |i, n| got.push((i, n)));
-        assert!(got.is_empty() && p.by_block.is_empty() && p.len() == 0);
-    }
-
-    /// Against a plain scan of every admitted prompt: the longest common prefix per
-    /// instance (same first block, same position), over random chained prompts.
-    #[test]
-    fn longest_equals_a_scan_of_every_queued_prompt() {
-        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = move || {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng
-        };
-        // chained ids: a block's id is a function of its parent's and a small token
-        let chain = |toks: &[u64]| -> Vec<BlockHash> {
-            let mut out = Vec::new();
-            let mut parent: u64 = 1;
-            for &t in toks {
-                parent = parent.wrapping_mul(0x100_0000_01b3).wrapping_add(t + 1);
-                out.push(parent as BlockHash);
-            }
-            out
-        };
-        for _ in 0..50 {
-            let mut p = Pending::default();
-            let mut queued: Vec<(InstanceId, Vec<BlockHash>)> = Vec::new();
-            for rid in 0..(next() % 12) {
-                let toks: Vec<u64> = (0..1 + next() % 8).map(|_| next() % 3).collect();
-                let inst = (next() % 4) as InstanceId;
-                let blocks = chain(&toks);
-                p.add(&blocks, inst, rid);
-                queued.push((inst, blocks));
-            }
-            let toks: Vec<u64> = (0..1 + next() % 8).map(|_| next() % 3).collect();
-            let prompt = chain(&toks);
-            let floor = (next() % 3) as usize;
-            let mut got = Vec::new();
-            p.longest(&prompt, floor, |i, n| got.push((i, n)));
-            got.sort_unstable();
-            let mut want: Vec<(InstanceId, usize)> = Vec::new();
-            for (inst, blocks) in &queued {
-                let common = blocks.iter().zip(&prompt).take_while(|(a, b)| a == b).count();
-                if common > floor {
-                    match want.iter_mut().find(|w| w.0 == *inst) {
-                        Some(w) => w.1 = w.1.max(common),
-                        None => want.push((*inst, common)),
-                    }
-                }
-            }
-            want.sort_unstable();
-            assert_eq!(got, want);
-        }
     }
 }

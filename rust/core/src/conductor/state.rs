@@ -125,8 +125,8 @@ pub(crate) struct Req {
     pub raw_ttft_s: f64,
     pub raw_tbt_s: f64,
     pub decode_t: Option<f64>,
-    /// It has blocks in `State::pending` (until its prefill ends).
-    pub has_pending: bool,
+    /// Its entry in `State::pending` (the prompt's last full block) until its prefill ends.
+    pub pending_last: Option<BlockHash>,
 }
 
 #[derive(Debug)]
@@ -152,8 +152,8 @@ impl State {
 
     /// The request's prefill is over (or it is gone): its blocks are the index's business now.
     pub fn drop_pending(&mut self, rid: RequestId, req: &mut Req) {
-        if std::mem::take(&mut req.has_pending) {
-            self.pending.remove(rid);
+        if let Some(last) = req.pending_last.take() {
+            self.pending.remove(last, rid);
         }
     }
 
@@ -252,12 +252,12 @@ impl State {
                 }
             }
         }
-        let pending = self.reqs.values().filter(|r| r.has_pending).count();
+        let pending = self.reqs.values().filter(|r| r.pending_last.is_some()).count();
         if pending != self.pending.len() {
             return Err(format!("{} pending prefixes recorded, {pending} requests say they have one", self.pending.len()));
         }
         for (rid, r) in &self.reqs {
-            if r.has_pending && r.stage > Stage::Prefilling {
+            if r.pending_last.is_some() && r.stage > Stage::Prefilling {
                 return Err(format!("request {rid} is past its prefill but still has a pending prefix"));
             }
             // Past its prefill, a request's prefill instance may have switched role since.
