@@ -15,6 +15,7 @@ written and read on its own.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import math
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ import numpy as np
 
 from ...errors import InvalidArgument
 
-__all__ = ["LayerLayout", "KVLayout", "learn_layout"]
+__all__ = ["LayerLayout", "KVLayout", "learn_layout", "storage_bytes", "worker_counters"]
 
 
 @dataclass(frozen=True)
@@ -130,3 +131,17 @@ def _check_inside(layer: LayerLayout, num_blocks: int) -> None:
     last = layer.base + (num_blocks - 1) * layer.block_stride + max(layer.outer) + layer.segment_bytes
     if min(layer.outer) + layer.base < 0 or last > layer.storage_bytes:
         raise InvalidArgument(f"KV tensor {layer.name}: its blocks reach outside its storage")
+
+
+def storage_bytes(layer: LayerLayout) -> Any:
+    """The bytes of ``layer``'s storage as a writable ctypes buffer (``memoryview(...)``
+    of it is the byte view). vLLM's tensors, kept for the worker's life, own the memory;
+    the connector only borrows it (both worker kinds register it as it is)."""
+    return (ctypes.c_char * layer.storage_bytes).from_address(layer.storage_ptr)
+
+
+def worker_counters() -> dict[str, int]:
+    """The connector worker's counters (the same names whichever store it uses)."""
+    return dict.fromkeys(("blocks_loaded", "blocks_load_failed", "blocks_corrupt", "blocks_saved",
+                          "saves_skipped_full", "saves_skipped_present", "saves_failed", "bytes_loaded",
+                          "bytes_saved"), 0)

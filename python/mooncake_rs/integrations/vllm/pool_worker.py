@@ -19,7 +19,6 @@ the same hooks as worker.py, with blocks put into and read from a ``DistributedS
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +29,7 @@ from ..._core import copy_segments
 from ...errors import MooncakeError
 from ...pool.status import KeyStatus
 from .config import ConnectorSettings
-from .layout import KVLayout, learn_layout
+from .layout import KVLayout, learn_layout, storage_bytes, worker_counters
 from .metadata import MooncakeRsConnectorMetadata
 from .pool_store import TRAILER_BYTES, PoolBlocks, block_keys, pieces_of
 
@@ -56,9 +55,7 @@ class PoolConnectorWorker:
         self._crc = np.zeros(num_blocks, np.uint32)
         self._saves: list[_PoolSave] = []
         self._errors: set[int] = set()
-        self.counters = {"blocks_loaded": 0, "blocks_load_failed": 0, "blocks_corrupt": 0, "blocks_saved": 0,
-                         "saves_skipped_full": 0, "saves_skipped_present": 0, "saves_failed": 0,
-                         "bytes_loaded": 0, "bytes_saved": 0}
+        self.counters = worker_counters()
 
     # --- setup --------------------------------------------------------------------
 
@@ -67,7 +64,7 @@ class PoolConnectorWorker:
         for layer in self.layout.layers:
             if layer.storage_ptr in self._views:
                 continue
-            raw = (ctypes.c_char * layer.storage_bytes).from_address(layer.storage_ptr)
+            raw = storage_bytes(layer)
             self._views[layer.storage_ptr] = memoryview(raw).cast("B")
             self.blocks.register(layer.storage_ptr, layer.storage_bytes)
         self.blocks.register(self._crc.ctypes.data, self._crc.nbytes)

@@ -24,7 +24,6 @@ KV pools with our transfer engine, layer by layer.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from ...errors import MooncakeError
 from ..pool.client import PoolClient
 from ..pool.shared_arena import SharedArena
 from .config import ConnectorSettings
-from .layout import KVLayout, learn_layout
+from .layout import KVLayout, learn_layout, storage_bytes, worker_counters
 from .metadata import LoadSpec, MooncakeRsConnectorMetadata
 
 __all__ = ["ConnectorWorker"]
@@ -93,9 +92,7 @@ class ConnectorWorker:
         self._saves: list[_Save] = []
         self._save_batches: list[tuple[Any, _Save, list[int], int]] = []  # (batch, save, its block indices, per)
         self._errors: set[int] = set()
-        self.counters = {"blocks_loaded": 0, "blocks_load_failed": 0, "blocks_corrupt": 0, "blocks_saved": 0,
-                         "saves_skipped_full": 0, "saves_skipped_present": 0, "saves_failed": 0,
-                         "bytes_loaded": 0, "bytes_saved": 0}
+        self.counters = worker_counters()
 
     # --- setup --------------------------------------------------------------------
 
@@ -104,9 +101,7 @@ class ConnectorWorker:
         for layer in self.layout.layers:
             if layer.storage_ptr in self._regions:
                 continue
-            # The storage's bytes as a writable buffer; the tensors (kept by vLLM for the
-            # worker's life) own the memory, the engine only borrows it.
-            raw = (ctypes.c_char * layer.storage_bytes).from_address(layer.storage_ptr)
+            raw = storage_bytes(layer)
             self._views[layer.storage_ptr] = memoryview(raw).cast("B")
             self._regions[layer.storage_ptr] = self.engine.register(raw)
         log.info("MooncakeRsConnector: %d layers, %d-byte pool blocks (%d segments of %d bytes a layer)",
