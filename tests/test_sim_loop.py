@@ -8,7 +8,7 @@ import json
 import pytest
 
 from mooncake_rs.sim import SimConfig, Simulator, generate_trace
-from mooncake_rs.sim import loop, simulator
+from mooncake_rs.sim import loop
 from mooncake_rs.sim.coupled import run_coupled
 from mooncake_rs.sim.disaggregated import run_disaggregated
 from mooncake_rs.sim.loop import EventLoop
@@ -92,8 +92,3 @@ def test_simulator_runs_the_loop_of_its_architecture(arch, run):
     assert sim.conductor is not None and sim.caches is not None
     assert len(sim.caches) == (3 if arch == "disaggregated" else 5)
     sim.conductor.check_integrity()
-
-
-def test_old_names_still_come_from_simulator():
-    for name in ("EventLoop", "Progress", "State", "build_report", "make_caches", "store_chain"):
-        assert getattr(simulator, name) is getattr(loop, name)

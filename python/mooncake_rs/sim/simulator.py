@@ -15,8 +15,7 @@ from .coupled import _Coupled
 from .disaggregated import _Run
 from .linked import _LinkedRun
 from .links import Links
-# Shared pieces that used to be defined here; re-exported for code importing them from here.
-from .loop import EventLoop, Progress, State, build_report, make_caches, store_chain
+from .loop import EventLoop, Progress
 from .report import Report
 from .trace import Request
 
