@@ -73,14 +73,20 @@ class EtcdServer:
         self.proc = None
 
 
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+def required_etcd_binary() -> str:
+    """The etcd binary; skips the test when there is none, or fails it under
+    ``MOONCAKE_REQUIRE_ETCD=1`` (CI: a required facility never silently skips)."""
     binary = etcd_binary()
     if binary is None:
         if os.environ.get("MOONCAKE_REQUIRE_ETCD") == "1":
             pytest.fail("etcd is required here (MOONCAKE_REQUIRE_ETCD=1) but not installed: apt-get install etcd-server")
         pytest.skip("etcd not installed (apt-get install etcd-server)")
-    server = EtcdServer(binary, tmp_path / "etcd")
+    return binary
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    server = EtcdServer(required_etcd_binary(), tmp_path / "etcd")
     server.start()
     try:
         yield server

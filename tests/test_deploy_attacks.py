@@ -7,7 +7,6 @@ attached away from its conductor. Processes started as a user starts them
 
 from __future__ import annotations
 
-import os
 import time
 
 import msgspec
@@ -16,7 +15,7 @@ import pytest
 pytest.importorskip("torch")
 
 from deploy_helpers import TOKEN, Deployment, LoopbackHosts, wait_until  # noqa: E402
-from etcd_helpers import EtcdServer, etcd_binary  # noqa: E402
+from etcd_helpers import EtcdServer, required_etcd_binary  # noqa: E402
 from relay_helpers import Relay  # noqa: E402
 
 import mooncake_rs as mc  # noqa: E402
@@ -37,11 +36,7 @@ PREFIX = "/mooncake/t"
 
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory: pytest.TempPathFactory):
-    binary = etcd_binary()
-    if binary is None:
-        if os.environ.get("MOONCAKE_REQUIRE_ETCD") == "1":
-            pytest.fail("etcd is required here (MOONCAKE_REQUIRE_ETCD=1) but not installed")
-        pytest.skip("etcd not installed (apt-get install etcd-server)")
+    binary = required_etcd_binary()
     tmp = tmp_path_factory.mktemp("attacks")
     with LoopbackHosts(3) as hosts:
         server = EtcdServer(binary, tmp / "etcd")

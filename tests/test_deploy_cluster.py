@@ -16,7 +16,6 @@ namespaces.
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import time
@@ -27,7 +26,7 @@ import pytest
 pytest.importorskip("torch")
 
 from deploy_helpers import Deployment, make_hosts, wait_until  # noqa: E402
-from etcd_helpers import EtcdServer, etcd_binary  # noqa: E402
+from etcd_helpers import EtcdServer, required_etcd_binary  # noqa: E402
 from netns_helpers import require  # noqa: E402
 from serving_helpers import BLOCK, reference_outputs, shared_prefix_prompts  # noqa: E402
 
@@ -43,11 +42,7 @@ P0, P1, D0, SERVE_A, SERVE_B, SPARE = range(6)
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory):
-    binary = etcd_binary()
-    if binary is None:
-        if os.environ.get("MOONCAKE_REQUIRE_ETCD") == "1":
-            pytest.fail("etcd is required here (MOONCAKE_REQUIRE_ETCD=1) but not installed")
-        pytest.skip("etcd not installed (apt-get install etcd-server)")
+    binary = required_etcd_binary()
     tmp = tmp_path_factory.mktemp("deploy")
     with make_hosts(6) as hosts:
         server = EtcdServer(binary, tmp / "etcd", host=hosts.gateway)

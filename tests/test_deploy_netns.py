@@ -4,7 +4,6 @@ worker leaves the conductor's view within its lease TTL while the other stays.""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from etcd_helpers import EtcdServer, etcd_binary
+from etcd_helpers import EtcdServer, required_etcd_binary
 from netns_helpers import TestHosts, require
 from mooncake_rs.deploy import EtcdClient, Membership
 
@@ -39,11 +38,7 @@ _WORKER = textwrap.dedent("""
 
 
 def test_a_host_cut_off_the_network_leaves_within_its_ttl(tmp_path: Path) -> None:
-    binary = etcd_binary()
-    if binary is None:
-        if os.environ.get("MOONCAKE_REQUIRE_ETCD") == "1":
-            pytest.fail("etcd is required here (MOONCAKE_REQUIRE_ETCD=1) but not installed")
-        pytest.skip("etcd not installed (apt-get install etcd-server)")
+    binary = required_etcd_binary()
 
     with TestHosts(2) as hosts:
         server = EtcdServer(binary, tmp_path / "etcd", host=hosts.gateway)

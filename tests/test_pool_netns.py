@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from etcd_helpers import EtcdServer, etcd_binary
+from etcd_helpers import EtcdServer, required_etcd_binary
 from netns_helpers import TestHosts, available
 from pool_helpers import TOKEN, env, start_node, value_of
 
@@ -32,11 +32,7 @@ CLIENT = 3  # the host a writer runs on
 
 @pytest.fixture(scope="module")
 def net(tmp_path_factory):
-    binary = etcd_binary()
-    if binary is None:
-        if os.environ.get("MOONCAKE_REQUIRE_ETCD") == "1":
-            pytest.fail("etcd is required here (MOONCAKE_REQUIRE_ETCD=1) but not installed")
-        pytest.skip("etcd not installed (apt-get install etcd-server)")
+    binary = required_etcd_binary()
     if not available():
         pytest.skip("network namespaces need CAP_NET_ADMIN")
     tmp = tmp_path_factory.mktemp("pool")

@@ -8,7 +8,6 @@ saves and counts them."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import uuid
 import zlib
@@ -61,14 +60,10 @@ def _block_value(kv, block_id: int) -> bytes:
 @pytest.fixture(scope="module")
 def remote_pool(tmp_path_factory):
     """A store node in another process, registered in a real etcd."""
-    from etcd_helpers import EtcdServer, etcd_binary
+    from etcd_helpers import EtcdServer, required_etcd_binary
     from pool_helpers import start_node
 
-    binary = etcd_binary()
-    if binary is None:
-        if os.environ.get("MOONCAKE_REQUIRE_ETCD") == "1":
-            pytest.fail("etcd is required here (MOONCAKE_REQUIRE_ETCD=1) but not installed")
-        pytest.skip("etcd not installed")
+    binary = required_etcd_binary()
     etcd = EtcdServer(binary, tmp_path_factory.mktemp("etcd"))
     etcd.start()
     node = None

@@ -29,15 +29,11 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def pool_etcd(tmp_path_factory):
-    from etcd_helpers import EtcdServer, etcd_binary
+    from etcd_helpers import EtcdServer, required_etcd_binary
     from pool_helpers import start_node
     from vllm_support import free_port
 
-    binary = etcd_binary()
-    if binary is None:
-        if os.environ.get("MOONCAKE_REQUIRE_ETCD") == "1":
-            pytest.fail("etcd is required here (MOONCAKE_REQUIRE_ETCD=1) but not installed")
-        pytest.skip("etcd not installed")
+    binary = required_etcd_binary()
     etcd = EtcdServer(binary, tmp_path_factory.mktemp("etcd"))
     etcd.start()
     node = None

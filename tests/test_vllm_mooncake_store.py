@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from etcd_helpers import EtcdServer, etcd_binary
+from etcd_helpers import EtcdServer, required_etcd_binary
 from pool_helpers import TOKEN, start_node
 from vllm_support import BLOCK_SIZE, package_root, vllm_server
 
@@ -37,11 +37,7 @@ def _free_port() -> int:
 
 @pytest.fixture
 def pool_node(tmp_path):
-    binary = etcd_binary()
-    if binary is None:
-        if os.environ.get("MOONCAKE_REQUIRE_ETCD") == "1":
-            pytest.fail("etcd is required here (MOONCAKE_REQUIRE_ETCD=1) but not installed")
-        pytest.skip("etcd not installed")
+    binary = required_etcd_binary()
     etcd = EtcdServer(binary, tmp_path / "etcd")
     etcd.start()
     node = None
