@@ -4,9 +4,12 @@ on 127.0.0.1) and seeded values a test on another host can check byte for byte."
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -42,3 +45,26 @@ def start_node(popen, etcd_url: str, host: str, port: int, name: str, cluster: s
             break
     assert "ready" in line, f"store node {name} did not start (rc={p.poll()})"
     return p, line.strip()
+
+
+@contextmanager
+def local_pool(etcd_dir: Path, cluster: str, dram: str = "64MB") -> Iterator[str]:
+    """A real etcd and one store node on 127.0.0.1 (another process) registered in it, for
+    the ``with`` block; yields the etcd URL. Skips (or fails under MOONCAKE_REQUIRE_ETCD=1)
+    without etcd."""
+    from etcd_helpers import EtcdServer, required_etcd_binary
+
+    etcd = EtcdServer(required_etcd_binary(), etcd_dir)
+    etcd.start()
+    node = None
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        node, _ = start_node(subprocess.Popen, etcd.url, "127.0.0.1", port, "n0", cluster, dram=dram)
+        yield etcd.url
+    finally:
+        if node is not None:
+            node.kill()
+            node.wait(10)
+        etcd.stop()

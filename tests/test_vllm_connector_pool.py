@@ -8,7 +8,6 @@ saves and counts them."""
 
 from __future__ import annotations
 
-import subprocess
 import uuid
 import zlib
 from types import SimpleNamespace
@@ -60,26 +59,10 @@ def _block_value(kv, block_id: int) -> bytes:
 @pytest.fixture(scope="module")
 def remote_pool(tmp_path_factory):
     """A store node in another process, registered in a real etcd."""
-    from etcd_helpers import EtcdServer, required_etcd_binary
-    from pool_helpers import start_node
+    from pool_helpers import local_pool
 
-    binary = required_etcd_binary()
-    etcd = EtcdServer(binary, tmp_path_factory.mktemp("etcd"))
-    etcd.start()
-    node = None
-    try:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        node, _ = start_node(subprocess.Popen, etcd.url, "127.0.0.1", port, "n0", CLUSTER, dram="64MB")
-        yield etcd.url
-    finally:
-        if node is not None:
-            node.kill()
-            node.wait(10)
-        etcd.stop()
+    with local_pool(tmp_path_factory.mktemp("etcd"), CLUSTER) as url:
+        yield url
 
 
 @pytest.fixture(params=["embedded", "remote"])

@@ -9,7 +9,6 @@ still equal)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import uuid
 from types import SimpleNamespace
 
@@ -29,22 +28,10 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def pool_etcd(tmp_path_factory):
-    from etcd_helpers import EtcdServer, required_etcd_binary
-    from pool_helpers import start_node
-    from vllm_support import free_port
+    from pool_helpers import local_pool
 
-    binary = required_etcd_binary()
-    etcd = EtcdServer(binary, tmp_path_factory.mktemp("etcd"))
-    etcd.start()
-    node = None
-    try:
-        node, _ = start_node(subprocess.Popen, etcd.url, "127.0.0.1", free_port(), "n0", CLUSTER, dram="256MB")
-        yield etcd.url
-    finally:
-        if node is not None:
-            node.kill()
-            node.wait(10)
-        etcd.stop()
+    with local_pool(tmp_path_factory.mktemp("etcd"), CLUSTER, dram="256MB") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

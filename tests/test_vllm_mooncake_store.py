@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 
 import pytest
 
-from etcd_helpers import EtcdServer, required_etcd_binary
-from pool_helpers import TOKEN, start_node
+from pool_helpers import TOKEN, local_pool
 from vllm_support import BLOCK_SIZE, package_root, vllm_server
 
 from mooncake_rs.compat import shim_path
@@ -27,28 +25,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 CLUSTER = "vllm"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def pool_node(tmp_path):
-    binary = required_etcd_binary()
-    etcd = EtcdServer(binary, tmp_path / "etcd")
-    etcd.start()
-    node = None
-    try:
-        node, _ = start_node(subprocess.Popen, etcd.url, "127.0.0.1", _free_port(), "n0", CLUSTER, dram="256MB")
-        yield etcd.url
-    finally:
-        if node is not None:
-            node.kill()
-            node.wait(10)
-        etcd.stop()
+    with local_pool(tmp_path / "etcd", CLUSTER, dram="256MB") as url:
+        yield url
 
 
 def test_a_second_vllm_loads_the_first_ones_prefix_from_the_pool(vllm_model_dir, pool_node, tmp_path):
