@@ -88,6 +88,15 @@ def stop(p):
         p.wait()
 
 
+def close_all(engines, ref, peers) -> None:
+    """Closes the bench's engines, its reference and its peer processes."""
+    for e in engines:
+        e.close()
+    ref.close()
+    for p, _ in peers.values():
+        stop(p)
+
+
 # ---- plain socket reference (child process) -------------------------------------------
 
 SOCK_CHILD = textwrap.dedent(
@@ -291,11 +300,7 @@ def bench_tcp(budget, sizes, batches, rounds, auth=False, auth_conns=None, auth_
         out.update({key: med(v) for key, v in acc.items()})
         out.update({f"{key}_range": [min(v), max(v)] for key, v in acc.items() if "_x_" in key})
     finally:
-        for e in engines:
-            e.close()
-        ref.close()
-        for p, _ in peers.values():
-            stop(p)
+        close_all(engines, ref, peers)
     return out
 
 
@@ -353,11 +358,7 @@ def bench_latency(rounds, n=500):
                 acc.setdefault(f"lat_{key}_ratio", []).append(med(tot) / 1e3 / pp)
                 acc.setdefault(f"lat_{key}_p99_us", []).append(sorted(tot)[int(len(tot) * 0.99)] / 1e3)
     finally:
-        for e in engines:
-            e.close()
-        ref.close()
-        for p, _ in peers.values():
-            stop(p)
+        close_all(engines, ref, peers)
     out = {k: med(v) for k, v in acc.items()}
     out["tcp_4k_write_p50_us"] = out["lat_inline_p50_us"]
     out["tcp_4k_write_p99_us"] = out["lat_inline_p99_us"]

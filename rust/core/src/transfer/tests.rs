@@ -45,6 +45,15 @@ pub(super) fn req(op: Op, local: RegionId, lo: u64, peer: &Arc<Peer>, remote: Re
 
 pub(super) const T: Duration = Duration::from_secs(10);
 
+/// Polls `f` every 5 ms until it holds; fails the test after `T`.
+pub(super) fn wait_until(what: &str, f: impl Fn() -> bool) {
+    let t0 = std::time::Instant::now();
+    while !f() {
+        assert!(t0.elapsed() < T, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// Writes the first half of `a`'s region into `b`, reads `b`'s second half back, checks.
 pub(super) fn roundtrip(a: &Engine, b: &Engine, peer: &Arc<Peer>, len: usize) {
     let la = a.allocate(len, false).unwrap().id;

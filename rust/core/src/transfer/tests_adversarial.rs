@@ -7,12 +7,12 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::auth::AuthKey;
 use super::protocol::{encode, Msg};
 use super::tcp::seal::FrameWriter;
-use super::tests::{bytes, cfg, roundtrip, T};
+use super::tests::{bytes, cfg, roundtrip, wait_until, T};
 use super::*;
 
 fn with_token(name: &str, token: &str, io_timeout: Duration) -> Engine {
@@ -20,14 +20,6 @@ fn with_token(name: &str, token: &str, io_timeout: Duration) -> Engine {
     c.auth_token = Some(token.into());
     c.io_timeout = io_timeout;
     Engine::new(c, None).unwrap()
-}
-
-fn wait_until(what: &str, f: impl Fn() -> bool) {
-    let t0 = Instant::now();
-    while !f() {
-        assert!(t0.elapsed() < T, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(5));
-    }
 }
 
 /// Reads until EOF or error; true when the peer closed within `within`.

@@ -5,12 +5,11 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use super::auth::AuthKey;
 use super::protocol::{encode, Msg};
 use super::tcp::seal::FrameWriter;
-use super::tests::{bytes, cfg, fill, req, T};
+use super::tests::{bytes, cfg, fill, req, wait_until, T};
 use super::*;
 
 fn keyed(name: &str, token: &str, protection: Option<WireProtection>) -> Engine {
@@ -20,14 +19,6 @@ fn keyed(name: &str, token: &str, protection: Option<WireProtection>) -> Engine 
     c.slice_size = 256 << 10;
     c.connections_per_endpoint = 2;
     Engine::new(c, None).unwrap()
-}
-
-fn wait_until(what: &str, f: impl Fn() -> bool) {
-    let t0 = Instant::now();
-    while !f() {
-        assert!(t0.elapsed() < T, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(5));
-    }
 }
 
 /// Writes the first half of a fresh region of `a` into `b` and reads `b`'s second half
