@@ -34,3 +34,16 @@ def hf_greedy(model, prompt, n):
             logits = model(torch.tensor([ids])).logits[0, -1]
             ids.append(int(logits.argmax()))
     return ids[len(prompt):]
+
+
+def saved_blocks(e, rid, n_tokens):
+    """Every block of request ``rid`` (``n_tokens`` of KV) saved into its own buffer, in
+    order: what an instance would hand another as ``restored_kv`` / ``kv_blocks``."""
+    import numpy as np
+
+    bufs = []
+    for i in range(-(-n_tokens // e.block_size)):
+        buf = np.zeros(e.layout.block_nbytes, dtype=np.uint8)
+        e.save_block(rid, i, buf)
+        bufs.append(buf)
+    return bufs

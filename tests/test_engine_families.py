@@ -17,10 +17,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import numpy as np  # noqa: E402
 
 from mooncake_rs import InvalidArgument  # noqa: E402
 from mooncake_rs.engine import Engine, ModelConfig, SamplingParams  # noqa: E402
+from engine_helpers import saved_blocks  # noqa: E402
 from mooncake_rs.base.model_config import SUPPORTED_ARCHITECTURES  # noqa: E402
 
 B = 4  # block size: prompts span several blocks
@@ -112,15 +112,6 @@ def test_family_matches_transformers(tmp_path, family):
         assert o.finish_reason == "length"
 
 
-def _save_blocks(e, rid, n_tokens):
-    bufs = []
-    for i in range(-(-n_tokens // B)):
-        buf = np.zeros(e.layout.block_nbytes, dtype=np.uint8)
-        e.save_block(rid, i, buf)
-        bufs.append(buf)
-    return bufs
-
-
 def _run(e, rid):
     out = None
     while e.has_unfinished():
@@ -139,7 +130,7 @@ def test_restored_prefix_and_split_decode(tmp_path, family):
     src = engine(tmp_path)
     rid = src.add_request(prompt, SamplingParams(max_tokens=1), hold_kv=True)
     _run(src, rid)
-    blocks = _save_blocks(src, rid, len(prompt))
+    blocks = saved_blocks(src, rid, len(prompt))
     src.release(rid)
 
     dst = engine(tmp_path, max_num_batched_tokens=5)
@@ -154,7 +145,7 @@ def test_restored_prefix_and_split_decode(tmp_path, family):
     pre = engine(tmp_path)
     first = _run(pre, pre.add_request(prompt, GREEDY, prefill_only=True, hold_kv=True, request_id="p"))
     assert first.finish_reason == "prefill" and first.token_ids == want[:1]
-    kv = _save_blocks(pre, "p", len(prompt))
+    kv = saved_blocks(pre, "p", len(prompt))
     pre.release("p")
     dec = engine(tmp_path)
     out = _run(dec, dec.add_decode_request(prompt, first.token_ids[0], GREEDY, kv))

@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 
 from mooncake_rs import InvalidArgument  # noqa: E402
 from mooncake_rs.engine import Engine, ModelConfig, SamplingParams  # noqa: E402
+from engine_helpers import saved_blocks  # noqa: E402
 
 CFG = ModelConfig.tiny()
 B = 8  # store block size used here (pages of 4)
@@ -46,22 +47,13 @@ def test_preemption_keeps_greedy_tokens(reference):
     assert e.num_free_pages == 24
 
 
-def _save_all(e, rid, n_tokens):
-    bufs = []
-    for i in range(-(-n_tokens // B)):
-        buf = np.zeros(e.layout.block_nbytes, dtype=np.uint8)
-        e.save_block(rid, i, buf)
-        bufs.append(buf)
-    return bufs
-
-
 def test_restored_prefix_gives_same_tokens(reference):
     src = engine()
     prompt = PROMPTS[3]  # 41 tokens: 5 full blocks
     rid = src.add_request(prompt, SamplingParams(max_tokens=1), hold_kv=True)
     while src.has_unfinished():
         src.step()
-    blocks = _save_all(src, rid, len(prompt))
+    blocks = saved_blocks(src, rid, len(prompt))
     src.release(rid)
     assert src.num_free_pages == 256
     dst = engine(max_num_batched_tokens=5)
@@ -189,7 +181,7 @@ def test_restored_prefix_staged_when_pool_is_full(reference):
     rid = src.add_request(prompt, SamplingParams(max_tokens=1), hold_kv=True)
     while src.has_unfinished():
         src.step()
-    blocks = _save_all(src, rid, len(prompt))[:5]
+    blocks = saved_blocks(src, rid, len(prompt))[:5]
     e = engine(num_pages=16)
     first = e.add_request(prompt, GREEDY)
     e.step()  # the first request now holds 11 of the 16 pages
