@@ -45,6 +45,19 @@ pub(super) fn req(op: Op, local: RegionId, lo: u64, peer: &Arc<Peer>, remote: Re
 
 pub(super) const T: Duration = Duration::from_secs(10);
 
+/// A "peer" named `mute` that completes the handshake, then never answers (for 2 s):
+/// its address and its thread.
+pub(super) fn mute_peer() -> (String, std::thread::JoinHandle<()>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let t = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        tcp::handshake::server(&mut s, None, [0; 16], "mute").ok().unwrap();
+        std::thread::sleep(Duration::from_secs(2));
+    });
+    (addr, t)
+}
+
 /// Polls `f` every 5 ms until it holds; fails the test after `T`.
 pub(super) fn wait_until(what: &str, f: impl Fn() -> bool) {
     let t0 = std::time::Instant::now();
@@ -242,13 +255,7 @@ fn a_bad_frame_closes_only_that_connection() {
 #[test]
 fn silent_peer_times_out_and_cancel_ends_requests() {
     // A "peer" that completes the handshake and then never answers.
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap().to_string();
-    let t = std::thread::spawn(move || {
-        let (mut s, _) = l.accept().unwrap();
-        tcp::handshake::server(&mut s, None, [0; 16], "mute").ok().unwrap();
-        std::thread::sleep(Duration::from_secs(2));
-    });
+    let (addr, t) = mute_peer();
     let a = engine("cli", &["tcp"]);
     let p = a.connect("mute", Some(&addr)).unwrap();
     let l = a.allocate(1 << 16, false).unwrap().id;

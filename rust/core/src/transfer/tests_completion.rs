@@ -1,11 +1,10 @@
 //! Completion queue, per-batch timestamps and the engine's byte / busy counters, against
 //! a simple reference: the bytes that actually landed and the sum of the requests.
 
-use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::tests::{bytes, cfg, engine, fill, req, T};
+use super::tests::{bytes, cfg, engine, fill, mute_peer, req, T};
 use super::*;
 
 fn pair_tcp(token: Option<&str>) -> (Engine, Engine, Arc<Peer>) {
@@ -127,13 +126,7 @@ fn completion_queue_reports_failures_and_timeouts_on_their_tags() {
     assert_eq!((s.requests_failed, s.bytes_written, s.bytes_read), (2, 100, 0));
 
     // A peer that never answers: the queue itself enforces the deadline.
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap().to_string();
-    let t = std::thread::spawn(move || {
-        let (mut s, _) = l.accept().unwrap();
-        tcp::handshake::server(&mut s, None, [0; 16], "mute").ok().unwrap();
-        std::thread::sleep(Duration::from_secs(2));
-    });
+    let (addr, t) = mute_peer();
     let m = a.connect("mute", Some(&addr)).unwrap();
     let t0 = Instant::now();
     let batch = a.submit_to(vec![req(Op::Read, la, 0, &m, 1, 0, 100)], Duration::from_millis(300), &q, 7).unwrap();
