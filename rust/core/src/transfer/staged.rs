@@ -34,7 +34,7 @@ use parking_lot::{Condvar, Mutex};
 use super::auth::AuthKey;
 use super::batch::Batch;
 use super::fdpass;
-use super::local::{Span, INLINE_COPY_BYTES};
+use super::local::Span;
 use super::protocol::status_from_u8;
 use super::staged_server::{COMMIT_LEN, REPLY_LEN};
 use super::tcp::handshake;
@@ -147,8 +147,8 @@ impl StagedLink {
 
     /// Sends a batch's writes to this link; each request must have
     /// `ceil(len / chunk())` slices set. When the worker is idle, the leading writes that
-    /// fit in the buffer, up to [`INLINE_COPY_BYTES`], are copied and committed here and
-    /// now; the rest are queued for the worker, which also reads every answer.
+    /// fit in the buffer are copied and committed here and now; the rest are queued for
+    /// the worker, which also reads every answer.
     pub fn submit_all(&self, writes: Vec<StagedWrite>) {
         if self.is_dead() {
             for w in writes {
@@ -161,8 +161,7 @@ impl StagedLink {
             // Only with nothing in flight (the chunks then go one after another from the
             // buffer's start, so none waits for space) and nothing queued (order kept).
             if ring.pending.is_empty() && self.queue.lock().is_empty() {
-                // At most what the shm path copies inside `submit` (the caller may hold the GIL).
-                let (chunk, cap) = (self.chunk(), (self.staging.len() as u64).min(INLINE_COPY_BYTES));
+                let (chunk, cap) = (self.chunk(), self.staging.len() as u64);
                 let (mut bytes, mut commits) = (0u64, 0usize);
                 while let Some(w) = writes.next_if(|w| {
                     let n = w.len.div_ceil(chunk) as usize;
