@@ -154,7 +154,6 @@ pub(crate) fn submit(
     let mut copies = Vec::new();
     let mut copy_bytes = 0u64;
     let mut tcp: HashMap<*const TcpPeer, (Arc<TcpPeer>, Vec<Slice>)> = HashMap::new();
-    let mut staged: HashMap<*const StagedLink, (Arc<StagedLink>, Vec<StagedWrite>)> = HashMap::new();
     let mut deferred: Vec<Checked> = Vec::new();
     let mut last_target: Option<(*const std::sync::Weak<EngineInner>, Arc<EngineInner>)> = None;
     for c in checked {
@@ -196,11 +195,7 @@ pub(crate) fn submit(
                             Err(e) => batch.fail(c.index, e),
                         }
                     }
-                    Lookup::Staged(link) if use_staging(&c.req) => {
-                        if let Some(w) = staged_write(&batch, &c, &link, t) {
-                            staged.entry(Arc::as_ptr(&link)).or_insert_with(|| (link.clone(), Vec::new())).1.push(w);
-                        }
-                    }
+                    Lookup::Staged(link) if use_staging(&c.req) => staged_write(&batch, &c, &link, t),
                     Lookup::Staged(_) | Lookup::NotShared => match tcp_plan(t, inner.cfg.slice_size, &c.req) {
                         TcpPlan::Send => {
                             let s = slices(inner.cfg.slice_size, &batch, &c);
@@ -217,9 +212,6 @@ pub(crate) fn submit(
     for (_, (peer, s)) in tcp {
         peer.submit(s);
     }
-    for (_, (link, writes)) in staged {
-        link.submit_all(writes);
-    }
     run_copies(inner, &batch, copies, copy_bytes <= INLINE_COPY_BYTES);
     if !deferred.is_empty() {
         spawn_resolver(inner, batch.clone(), deferred);
@@ -233,24 +225,23 @@ fn use_staging(r: &Request) -> bool {
     r.op == Op::Write && r.length > 0
 }
 
-/// A write for the staging link, checked whole against what the peer said of the region
-/// (the peer checks each chunk against its live grants before it lands); `None` when
-/// refused here (the request has failed).
-fn staged_write(batch: &Arc<Batch>, c: &Checked, link: &StagedLink, tcp: &TcpPeer) -> Option<StagedWrite> {
+/// Hands a write to the staging link after checking it whole against what the peer said
+/// of the region (the peer checks each chunk against its live grants before it lands).
+fn staged_write(batch: &Arc<Batch>, c: &Checked, link: &StagedLink, tcp: &TcpPeer) {
     let r = &c.req;
     if let Some(Err(e)) = tcp.known_region(r.remote_region).map(|info| info.check(r.remote_offset, r.length, true)) {
         batch.fail(c.index, refused(r, e));
-        return None;
+        return;
     }
     batch.set_slices(c.index, r.length.div_ceil(link.chunk()) as usize);
-    Some(StagedWrite {
+    link.submit(StagedWrite {
         batch: batch.clone(),
         index: c.index,
         local: Span::region(&c.local, r.local_offset),
         region: r.remote_region,
         offset: r.remote_offset,
         len: r.length,
-    })
+    });
 }
 
 fn refused(r: &Request, reason: AccessError) -> TransferError {
@@ -323,10 +314,7 @@ impl Resolver {
                     return;
                 }
                 Lookup::Staged(link) if use_staging(r) => {
-                    if let Some(w) = staged_write(batch, &c, &link, tcp) {
-                        link.submit_all(vec![w]);
-                    }
-                    return;
+                    return staged_write(batch, &c, &link, tcp);
                 }
                 _ => {}
             }

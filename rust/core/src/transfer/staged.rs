@@ -11,13 +11,6 @@
 //! of many small requests (serving writes one span per layer) costs no round trip per
 //! request: a round trip per commit made the first version latency-bound (0.1 GB/s on
 //! a loaded host).
-//!
-//! When the worker is idle (no commit in flight, nothing queued), [`StagedLink::submit_all`]
-//! copies and commits a batch's writes itself, as far as the buffer holds them without
-//! waiting: the worker's wake-up to start the copies was one of the three a batch waited
-//! for (issue 26, `kv_grants` through a serving cluster). The worker still reads the
-//! answers. Lock order everywhere: the ring, then the queue; the worker never holds the
-//! ring while it sleeps.
 
 use std::collections::VecDeque;
 use std::io::{Read, Write};
@@ -96,9 +89,6 @@ pub struct StagedLink {
     staging: MappedMemory,
     queue: Mutex<VecDeque<StagedWrite>>,
     work: Condvar,
-    /// Commits in flight and where the next chunk goes; whoever holds it may copy into
-    /// the buffer and write commits (the worker, or `submit_all` while the worker sleeps).
-    ring: Mutex<Ring>,
     dead: AtomicBool,
     worker: Mutex<Option<JoinHandle<()>>>,
 }
@@ -126,7 +116,6 @@ impl StagedLink {
             staging,
             queue: Mutex::new(VecDeque::new()),
             work: Condvar::new(),
-            ring: Mutex::new(Ring::default()),
             dead: AtomicBool::new(false),
             worker: Mutex::new(None),
         });
@@ -145,45 +134,13 @@ impl StagedLink {
         CHUNK.min((self.staging.len() / 4).max(1) as u64)
     }
 
-    /// Sends a batch's writes to this link; each request must have
-    /// `ceil(len / chunk())` slices set. When the worker is idle, the leading writes that
-    /// fit in the buffer are copied and committed here and now; the rest are queued for
-    /// the worker, which also reads every answer.
-    pub fn submit_all(&self, writes: Vec<StagedWrite>) {
+    /// Queues a write; its request must have `ceil(len / chunk())` slices set.
+    pub fn submit(&self, w: StagedWrite) {
         if self.is_dead() {
-            for w in writes {
-                w.batch.fail(w.index, TransferError::ConnectionLost("the staging link is closed".into()));
-            }
+            w.batch.fail(w.index, TransferError::ConnectionLost("the staging link is closed".into()));
             return;
         }
-        let mut writes = writes.into_iter().peekable();
-        if let Some(mut ring) = self.ring.try_lock() {
-            // Only with nothing in flight (the chunks then go one after another from the
-            // buffer's start, so none waits for space) and nothing queued (order kept).
-            if ring.pending.is_empty() && self.queue.lock().is_empty() {
-                let (chunk, cap) = (self.chunk(), self.staging.len() as u64);
-                let (mut bytes, mut commits) = (0u64, 0usize);
-                while let Some(w) = writes.next_if(|w| {
-                    let n = w.len.div_ceil(chunk) as usize;
-                    let fits = bytes + w.len <= cap && commits + n <= MAX_IN_FLIGHT;
-                    if fits {
-                        bytes += w.len;
-                        commits += n;
-                    }
-                    fits
-                }) {
-                    if let Err(e) = self.write_chunks(&w, &mut ring) {
-                        w.batch.fail(w.index, e);
-                        // The worker sees the link dead and fails what is in flight.
-                        self.dead.store(true, Ordering::SeqCst);
-                        let _ = self.stream.shutdown(std::net::Shutdown::Both);
-                        break;
-                    }
-                }
-            }
-        }
-        self.queue.lock().extend(writes);
-        // Wakes the worker for the answers of what was committed here, or to send the rest.
+        self.queue.lock().push_back(w);
         self.work.notify_one();
     }
 
@@ -208,35 +165,38 @@ impl StagedLink {
     }
 
     fn run(&self) {
+        let mut ring = Ring::default();
         let err = loop {
-            let mut ring = self.ring.lock();
-            let mut q = self.queue.lock();
-            if self.is_dead() {
-                break TransferError::Closed;
-            }
-            if let Some(w) = q.pop_front() {
-                drop(q);
-                if let Err(e) = self.write_chunks(&w, &mut ring) {
-                    w.batch.fail(w.index, e.clone());
-                    break e;
+            let next = {
+                let mut q = self.queue.lock();
+                loop {
+                    if self.is_dead() {
+                        break None;
+                    }
+                    if let Some(w) = q.pop_front() {
+                        break Some(w);
+                    }
+                    if !ring.pending.is_empty() {
+                        break None; // collect an answer, then look again
+                    }
+                    self.work.wait(&mut q);
                 }
-                continue;
-            }
-            if !ring.pending.is_empty() {
-                drop(q);
+            };
+            let Some(w) = next else {
+                if self.is_dead() {
+                    break TransferError::Closed;
+                }
                 if let Err(e) = self.settle(&mut ring) {
                     break e;
                 }
-                continue; // collect the next answer, or send what came meanwhile
+                continue;
+            };
+            if let Err(e) = self.write_chunks(&w, &mut ring) {
+                w.batch.fail(w.index, e.clone());
+                break e;
             }
-            // Idle: free the ring for `submit_all` before sleeping. The queue stays locked
-            // until the wait releases it, and `submit_all` takes the queue to notify, so
-            // a commit made meanwhile always wakes us.
-            drop(ring);
-            self.work.wait(&mut q);
         };
         self.dead.store(true, Ordering::SeqCst);
-        let mut ring = self.ring.lock();
         for p in ring.pending.drain(..) {
             p.batch.fail(p.index, err.clone());
         }
