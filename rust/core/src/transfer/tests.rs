@@ -58,6 +58,20 @@ pub(super) fn mute_peer() -> (String, std::thread::JoinHandle<()>) {
     (addr, t)
 }
 
+/// Reads until EOF or error; true when the peer closed within `within`.
+pub(super) fn closed_within(s: &mut std::net::TcpStream, within: Duration) -> bool {
+    use std::io::Read;
+    s.set_read_timeout(Some(within)).unwrap();
+    let mut buf = [0u8; 256];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) => return e.kind() == std::io::ErrorKind::ConnectionReset,
+        }
+    }
+}
+
 /// Polls `f` every 5 ms until it holds; fails the test after `T`.
 pub(super) fn wait_until(what: &str, f: impl Fn() -> bool) {
     let t0 = std::time::Instant::now();

@@ -3,7 +3,7 @@
 //! loop. Each test states the load it applied; all run on 127.0.0.1 and end by
 //! themselves.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -12,7 +12,7 @@ use std::time::Duration;
 use super::auth::AuthKey;
 use super::protocol::{encode, Msg};
 use super::tcp::seal::FrameWriter;
-use super::tests::{bytes, cfg, roundtrip, wait_until, T};
+use super::tests::{bytes, cfg, closed_within, roundtrip, wait_until, T};
 use super::*;
 
 fn with_token(name: &str, token: &str, io_timeout: Duration) -> Engine {
@@ -20,19 +20,6 @@ fn with_token(name: &str, token: &str, io_timeout: Duration) -> Engine {
     c.auth_token = Some(token.into());
     c.io_timeout = io_timeout;
     Engine::new(c, None).unwrap()
-}
-
-/// Reads until EOF or error; true when the peer closed within `within`.
-fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
-    s.set_read_timeout(Some(within)).unwrap();
-    let mut buf = [0u8; 256];
-    loop {
-        match s.read(&mut buf) {
-            Ok(0) => return true,
-            Ok(_) => continue,
-            Err(e) => return e.kind() == std::io::ErrorKind::ConnectionReset,
-        }
-    }
 }
 
 // Item 11: after a real handshake (forwarded by a relay, which then knows none of the

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use super::auth::AuthKey;
 use super::protocol::{encode, Msg};
 use super::tcp::seal::FrameWriter;
-use super::tests::{bytes, cfg, fill, req, wait_until, T};
+use super::tests::{bytes, cfg, closed_within, fill, req, wait_until, T};
 use super::*;
 
 fn keyed(name: &str, token: &str, protection: Option<WireProtection>) -> Engine {
@@ -230,7 +230,7 @@ fn replayed_and_reordered_integrity_frames_are_refused() {
     s.write_all(&genuine).unwrap();
     wait_until("the genuine write", || bytes(&b, rb)[..4096] == first[..]);
     s.write_all(&genuine).unwrap();
-    assert!(closed(&mut s), "a replayed frame was served");
+    assert!(closed_within(&mut s, T), "a replayed frame was served");
     wait_until("the replay counted", || b.stats().bad_frames >= 1);
 
     // Reorder: frames 1 and 2 tagged in order, sent swapped.
@@ -243,19 +243,7 @@ fn replayed_and_reordered_integrity_frames_are_refused() {
     let wire = w.get_ref().clone();
     s.write_all(&wire[n1..]).unwrap();
     s.write_all(&wire[..n1]).unwrap();
-    assert!(closed(&mut s), "a reordered frame was served");
+    assert!(closed_within(&mut s, T), "a reordered frame was served");
     assert!(bytes(&b, rb)[8192..8192 + 4096].iter().all(|&x| x == 0), "a reordered write landed");
     wait_until("the reorder counted", || b.stats().bad_frames >= 2);
-}
-
-fn closed(s: &mut TcpStream) -> bool {
-    s.set_read_timeout(Some(T)).unwrap();
-    let mut buf = [0u8; 256];
-    loop {
-        match s.read(&mut buf) {
-            Ok(0) => return true,
-            Ok(_) => continue,
-            Err(e) => return e.kind() == std::io::ErrorKind::ConnectionReset,
-        }
-    }
 }
