@@ -9,7 +9,10 @@
 Each prompt is new to every instance (random ids, a seed per prompt), streamed, greedy,
 ``ignore_eos``. TTFT = request sent -> first token at the client; TBT = first token -> last
 token over the tokens after the first (token ids counted per chunk). Medians over the
-prompts. The tiny random-weight
+prompts. The engine's own TBT is read beside it: the mean of vLLM's
+``vllm:inter_token_latency_seconds`` on the instance that decodes (its ``/metrics``,
+before and after the measured prompts), which a slow client reading merged chunks cannot
+blur. The tiny random-weight
 Llama of the tests (tests/vllm_support.py), block 32, one core per vLLM instance.
 
     python benches/vllm_pd_bench.py [--prompts 8] [--prompt-blocks 16] [--max-tokens 32]
@@ -59,14 +62,31 @@ def stream_one(url: str, prompt: list[int], max_tokens: int) -> tuple[float, flo
     return first - t0, (last - first) / max(1, tokens - 1), last - t0
 
 
-def run_prompts(url: str, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
+def itl_totals(url: str) -> tuple[float, float]:
+    """(sum of seconds, count) of vLLM's inter-token latency histogram at ``url``."""
+    total = count = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:inter_token_latency_seconds_sum"):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:inter_token_latency_seconds_count"):
+            count += float(line.rsplit(" ", 1)[1])
+    return total, count
+
+
+def run_prompts(url: str, prompts: list[list[int]], max_tokens: int, decoder: str | None = None) -> dict[str, float]:
+    """Streams ``prompts`` one by one through ``url``; ``decoder``: the vLLM instance that
+    decodes them (its /metrics give the engine's inter-token latency)."""
     ttft, tbt, e2e = [], [], []
+    before = itl_totals(decoder or url)
     for p in prompts:
         t, b, e = stream_one(url, p, max_tokens)
         ttft.append(t)
         tbt.append(b)
         e2e.append(e)
-    return {"ttft_ms": statistics.median(ttft) * 1e3, "tbt_ms": statistics.median(tbt) * 1e3,
+    after = itl_totals(decoder or url)
+    engine_itl = (after[0] - before[0]) / max(1.0, after[1] - before[1])
+    return {"engine_itl_ms": engine_itl * 1e3, "ttft_ms": statistics.median(ttft) * 1e3,
+            "tbt_ms": statistics.median(tbt) * 1e3,
             "e2e_ms": statistics.median(e2e) * 1e3, "tpot_ms": statistics.median(
                 [(e - t) / max(1, max_tokens - 1) for t, e in zip(ttft, e2e)]) * 1e3}
 
@@ -100,7 +120,7 @@ def pd_run(name: str, ktc: dict, model_dir: Path, logdir: Path, prompts, max_tok
     try:
         proc, url = start_proxy(servers[0], servers[1], model_dir, logdir)
         stream_one(url, [5, 6, 7] * 20, 4)  # warm-up (not measured)
-        return run_prompts(url, prompts, max_tokens)
+        return run_prompts(url, prompts, max_tokens, decoder=servers[1].url)
     finally:
         if proc is not None:
             proc.terminate()
@@ -138,10 +158,12 @@ def main() -> None:
     finally:
         one.stop()
     print(f"{args.prompts} prompts of {args.prompt_blocks * 32 + 7} tokens, {args.max_tokens} output tokens, streamed")
-    print("| set-up | TTFT p50 ms | TBT p50 ms (first->last token) | request p50 ms | (request - TTFT) / (tokens - 1) ms |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| set-up | TTFT p50 ms | TBT p50 ms (first->last token) | decoder's inter-token latency, mean ms "
+          "(vLLM /metrics) | request p50 ms | (request - TTFT) / (tokens - 1) ms |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for k, v in rows.items():
-        print(f"| {k} | {v['ttft_ms']:.1f} | {v['tbt_ms']:.2f} | {v['e2e_ms']:.1f} | {v['tpot_ms']:.2f} |")
+        print(f"| {k} | {v['ttft_ms']:.1f} | {v['tbt_ms']:.2f} | {v['engine_itl_ms']:.2f} | {v['e2e_ms']:.1f} "
+              f"| {v['tpot_ms']:.2f} |")
 
 
 if __name__ == "__main__":

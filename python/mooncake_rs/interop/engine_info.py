@@ -50,7 +50,7 @@ def block_size_from_replay(replay_endpoint: str, timeout_s: float = 2.0, max_rep
 
     from ..kv_events.subscriber import _replay_reply
 
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     deadline = time.monotonic() + timeout_s
     try:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._core import Conductor, ConductorConfig, PrefixHasher
+from .._core import BlockHashes, Conductor, ConductorConfig, PrefixHasher
 from ..errors import InvalidArgument
 from ..kv_events.extra_keys import vllm_block_extras
 from ..kv_events.ingest import Ingestor
@@ -210,9 +210,10 @@ class UpstreamRouter:
         return up
 
     def block_hashes(self, prompt_ids: Sequence[int], cache_salt: str | None = None,
-                     lora_name: str | None = None) -> list[int]:
+                     lora_name: str | None = None) -> BlockHashes | list[int]:
         """Our hashes of the prompt's full blocks, partitioned as the engines partition their
-        caches: a request's ``cache_salt`` and LoRA adapter are folded in (vLLM's extra keys)."""
+        caches: a request's ``cache_salt`` and LoRA adapter are folded in (vLLM's extra keys).
+        The index and the conductor take either form; the plain prompt's stays in Rust."""
         ids = list(prompt_ids)
         if cache_salt is None and lora_name is None:
             return self.hasher.hash_blocks(ids)

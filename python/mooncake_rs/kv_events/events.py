@@ -254,6 +254,7 @@ def decode_payload(payload: bytes | memoryview, raw_tokens: bool = False) -> Eve
             f"{bytes(payload[:8])!r}"
         )
     b: Any
+    decoders: tuple[Any, ...]
     # Typed decoders, one per shape, most likely first: a positional batch of map events
     # (vLLM 0.32), of positional events (older vLLM, SGLang), a map batch of map events.
     if array:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -93,7 +94,7 @@ class RegisteredBuffers:
         return list(self._sorted)
 
 
-def address_of(value: object) -> tuple[np.ndarray, int]:
+def address_of(value: Any) -> tuple[np.ndarray, int]:
     """A buffer as a flat uint8 array (a copy only when it is not contiguous) and its
     address (0 when empty); keep the array while the address is used."""
     arr = np.frombuffer(memoryview(value).cast("B"), dtype=np.uint8) if not isinstance(value, np.ndarray) \

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Union
+from typing import Union, cast
 
 from .._core import Region, TransferEngine
 from .objects import Lease, Reservation
@@ -89,7 +89,10 @@ class ConnHolds:
                     self._te.revoke(r, self.engine, gid)
                 raise
         with self._lock:
-            (self.reservations if write else self.leases)[hid] = held  # type: ignore[index]
+            if write:
+                self.reservations[hid] = cast(Reservation, held)
+            else:
+                self.leases[hid] = cast(Lease, held)
             if grants:
                 self._grants[hid] = grants
 
@@ -142,7 +145,7 @@ class ConnHolds:
     def close(self) -> None:
         """The connection ended: every hold is revoked and given back at once."""
         with self._lock:
-            held = [*self.reservations.items(), *self.leases.items()]
+            held: list[tuple[int, Held]] = [*self.reservations.items(), *self.leases.items()]
             self.reservations, self.leases = {}, {}
             late = [h for _, h in self._expired]
             self._expired = []
