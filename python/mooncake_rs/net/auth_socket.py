@@ -19,9 +19,10 @@ nonces (sealed.py), and the connection is handed over as a :class:`SealedSocket`
 byte that follows travels in AES-256-GCM records, so a relay that forwarded the
 handshake can neither read nor change what follows (docs/deploy.md, threat model).
 
-The listener bounds what unauthenticated peers can hold: at most ``max_handshakes``
-handshakes at once (the oldest is dropped to admit a new one), each with a deadline, so a
-peer that connects and stays silent costs one slot for ``handshake_timeout_s``.
+The listener bounds what unauthenticated peers can hold (listener.py): at most
+``max_handshakes`` handshakes at once (the oldest is dropped to admit a new one), each with
+a deadline, so a peer that connects and stays silent costs one slot for
+``handshake_timeout_s``.
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ import hmac
 import logging
 import secrets
 import socket
-import threading
 import time
 from collections.abc import Callable
 
 from ..errors import InvalidArgument, ServiceUnavailable, Unauthorized
+from .listener import Listener
 from .sealed import SealedSocket, session_keys
 
 __all__ = ["connect", "AuthListener", "MIN_TOKEN_BYTES"]
@@ -123,107 +124,29 @@ def connect(address: str, token: str | bytes, timeout_s: float = 5.0) -> SealedS
         raise
 
 
-class AuthListener:
+class AuthListener(Listener):
     """Accepts connections on ``host:port`` (0: any free port; see ``address``) and hands
     each authenticated, sealed socket to ``on_connection(sock, peer)`` on the handshake's
-    thread."""
+    thread. At most ``max_handshakes`` handshakes at once, each within
+    ``handshake_timeout_s`` (``listener.Listener``)."""
+
+    kind = "mooncake-listen"
 
     def __init__(self, host: str, port: int, token: str | bytes,
                  on_connection: Callable[[SealedSocket, str], None], *,
                  handshake_timeout_s: float = 3.0, max_handshakes: int = 64) -> None:
-        if max_handshakes < 1 or not handshake_timeout_s > 0:
-            raise InvalidArgument("max_handshakes >= 1 and handshake_timeout_s > 0 are required")
         self._token = _token_bytes(token)
-        self._on_connection = on_connection
         self.handshake_timeout_s, self.max_handshakes = handshake_timeout_s, max_handshakes
-        try:
-            self._sock = socket.create_server((host, port), reuse_port=False)
-        except OSError as e:
-            raise InvalidArgument(f"cannot listen on {host}:{port}: {e}") from e
-        h, p = self._sock.getsockname()[:2]
-        self.address = f"{h}:{p}"
-        self._pending: dict[socket.socket, float] = {}  # handshakes in progress -> start time
-        self._lock = threading.Lock()
-        self._closed = False
-        #: refused handshakes (wrong token, garbage, timeout) and handshakes evicted for room
-        self.refused = 0
-        self.evicted = 0
-        self._thread = threading.Thread(target=self._accept, name=f"mooncake-listen-{p}", daemon=True)
-        self._thread.start()
+        super().__init__(host, port, on_connection, timeout_s=handshake_timeout_s, max_pending=max_handshakes)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, addr = self._sock.accept()
-            except OSError:
-                return  # closed
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    return
-                if len(self._pending) >= self.max_handshakes:
-                    oldest = min(self._pending, key=self._pending.__getitem__)
-                    self._pending.pop(oldest)
-                    self.evicted += 1
-                    try:
-                        oldest.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-                self._pending[conn] = time.monotonic()
-            peer = f"{addr[0]}:{addr[1]}"
-            threading.Thread(target=self._handshake, args=(conn, peer), name="mooncake-handshake", daemon=True).start()
-
-    def _handshake(self, conn: socket.socket, peer: str) -> None:
-        deadline = time.monotonic() + self.handshake_timeout_s
-        ok = False
-        ns = nc = b""
-        try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            ns = secrets.token_bytes(NONCE)
-            conn.settimeout(self.handshake_timeout_s)
-            conn.sendall(MAGIC + bytes([VERSION]) + ns)
-            reply = _recv_exact(conn, NONCE + MAC, deadline)
-            nc, proof = reply[:NONCE], reply[NONCE:]
-            if not hmac.compare_digest(proof, _mac(self._token, b"c", ns, nc)):
-                log.warning("control connection from %s refused: wrong cluster token", peer)
-            else:
-                conn.sendall(_mac(self._token, b"s", nc, ns))
-                ok = True
-        except (OSError, TimeoutError, ConnectionError) as e:
-            log.warning("control connection from %s dropped during the handshake: %s", peer, e)
-        with self._lock:
-            still = self._pending.pop(conn, None) is not None
-            if not ok:
-                self.refused += 1
-        if not (ok and still):
-            conn.close()
-            return
-        conn.settimeout(None)
+    def _greet(self, conn: socket.socket, peer: str, deadline: float) -> SealedSocket | None:
+        ns = secrets.token_bytes(NONCE)
+        conn.sendall(MAGIC + bytes([VERSION]) + ns)
+        reply = _recv_exact(conn, NONCE + MAC, deadline)
+        nc, proof = reply[:NONCE], reply[NONCE:]
+        if not hmac.compare_digest(proof, _mac(self._token, b"c", ns, nc)):
+            log.warning("control connection from %s refused: wrong cluster token", peer)
+            return None
+        conn.sendall(_mac(self._token, b"s", nc, ns))
         c2s, s2c = session_keys(self._token, ns, nc)
-        self._on_connection(SealedSocket(conn, s2c, c2s, peer=peer), peer)
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            pending = list(self._pending)
-            self._pending.clear()
-        try:
-            # shutdown wakes the accept() blocked in the listener thread; close alone does not
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        try:
-            self._sock.close()
-        finally:
-            for c in pending:
-                try:
-                    c.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-        self._thread.join(timeout=2)
-
-    def __enter__(self) -> "AuthListener":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        return SealedSocket(conn, s2c, c2s, peer=peer)

@@ -13,18 +13,16 @@ message that says which side to change, instead of hanging on frames it cannot r
 
 from __future__ import annotations
 
-import logging
 import socket
-import threading
 import time
 from collections.abc import Callable
 
 from ..errors import InvalidArgument, ServiceUnavailable, Unauthorized
 from .auth_socket import MAGIC, PLAIN_MAGIC
+from .listener import Listener
 
 __all__ = ["connect_plain", "PlainListener", "PLAIN_MAGIC"]
 
-log = logging.getLogger("mooncake_rs.deploy")
 
 
 def connect_plain(address: str, timeout_s: float = 5.0) -> socket.socket:
@@ -62,57 +60,17 @@ def connect_plain(address: str, timeout_s: float = 5.0) -> socket.socket:
         raise ServiceUnavailable(f"hello from {address} failed: {e}") from e
 
 
-class PlainListener:
+class PlainListener(Listener):
     """Accepts connections on ``host:port`` (0: any free port; see ``address``), sends the
     plaintext hello and hands each socket to ``on_connection(sock, peer)`` on a thread of
-    its own. The same interface as ``auth_socket.AuthListener`` without the token."""
+    its own. The same interface as ``auth_socket.AuthListener`` without the token, and the
+    same bound on connections still in their first exchange (``listener.Listener``)."""
+
+    kind = "mooncake-plain"
 
     def __init__(self, host: str, port: int, on_connection: Callable[[socket.socket, str], None]) -> None:
-        self._on_connection = on_connection
-        try:
-            self._sock = socket.create_server((host, port), reuse_port=False)
-        except OSError as e:
-            raise InvalidArgument(f"cannot listen on {host}:{port}: {e}") from e
-        h, p = self._sock.getsockname()[:2]
-        self.address = f"{h}:{p}"
-        self.refused = 0
-        self._closed = False
-        self._thread = threading.Thread(target=self._accept, name=f"mooncake-plain-{p}", daemon=True)
-        self._thread.start()
+        super().__init__(host, port, on_connection)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, addr = self._sock.accept()
-            except OSError:
-                return  # closed
-            if self._closed:
-                conn.close()
-                return
-            peer = f"{addr[0]}:{addr[1]}"
-            threading.Thread(target=self._start, args=(conn, peer), name="mooncake-plain-conn", daemon=True).start()
-
-    def _start(self, conn: socket.socket, peer: str) -> None:
-        try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.sendall(PLAIN_MAGIC)
-        except OSError as e:
-            log.warning("plaintext control connection from %s dropped: %s", peer, e)
-            conn.close()
-            return
-        self._on_connection(conn, peer)
-
-    def close(self) -> None:
-        self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept()
-        except OSError:
-            pass
-        self._sock.close()
-        self._thread.join(timeout=2)
-
-    def __enter__(self) -> "PlainListener":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _greet(self, conn: socket.socket, peer: str, deadline: float) -> socket.socket:
+        conn.sendall(PLAIN_MAGIC)
+        return conn
