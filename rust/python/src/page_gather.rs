@@ -125,30 +125,42 @@ impl PageGather {
         out: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let pages = offsets(py, pages, "pages")?;
-        let cache = BufferView::get_contiguous(self.cache.bind(py), "cache")?;
-        let dst = out_bytes(py, out)?;
-        let (cp, cl) = (cache.as_mut_ptr() as usize, cache.len_bytes());
-        let (dp, dl) = dst.raw();
-        if cp < dp + dl && dp < cp + cl {
-            return Err(invalid(py, "out shares memory with the cache: save into a separate buffer"));
-        }
-        let layout = self.layout;
-        let planes = first_plane..first_plane.saturating_add(num_planes);
-        let result = detached_if(py, dl >= DETACH_STORE_BYTES, move || {
-            // SAFETY: the cache is exported above and held until after the closure
-            // returns; `out` is an export held likewise (writable), or a contiguous CPU
-            // tensor that the caller's reference keeps alive for the call, whose
-            // data_ptr/nbytes torch guarantees (as for its own .numpy() view; resizing it
-            // from another thread during the call is the caller's bug, as with that view).
-            // `out` does not overlap the cache (checked), so the slices never alias.
-            let (c, d) = unsafe {
-                (std::slice::from_raw_parts(cp as *const u8, cl), std::slice::from_raw_parts_mut(dp as *mut u8, dl))
-            };
-            gather_pages(c, &layout, &pages, pages_per_block, planes, d)
-        });
-        drop((cache, dst));
-        result.map_err(|e| invalid(py, e.0))
+        gather_into(py, self, &pages, pages_per_block, first_plane..first_plane.saturating_add(num_planes), out)
     }
+}
+
+/// `PageGather.save` once its page ids are read: the blocks of `pages` (planes `planes`)
+/// into `out`, checked (`InvalidArgument` before anything moves).
+pub(crate) fn gather_into(
+    py: Python<'_>,
+    g: &PageGather,
+    pages: &[u64],
+    pages_per_block: usize,
+    planes: std::ops::Range<usize>,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let cache = BufferView::get_contiguous(g.cache.bind(py), "cache")?;
+    let dst = out_bytes(py, out)?;
+    let (cp, cl) = (cache.as_mut_ptr() as usize, cache.len_bytes());
+    let (dp, dl) = dst.raw();
+    if cp < dp + dl && dp < cp + cl {
+        return Err(invalid(py, "out shares memory with the cache: save into a separate buffer"));
+    }
+    let layout = g.layout;
+    let result = detached_if(py, dl >= DETACH_STORE_BYTES, move || {
+        // SAFETY: the cache is exported above and held until after the closure
+        // returns; `out` is an export held likewise (writable), or a contiguous CPU
+        // tensor that the caller's reference keeps alive for the call, whose
+        // data_ptr/nbytes torch guarantees (as for its own .numpy() view; resizing it
+        // from another thread during the call is the caller's bug, as with that view).
+        // `out` does not overlap the cache (checked), so the slices never alias.
+        let (c, d) = unsafe {
+            (std::slice::from_raw_parts(cp as *const u8, cl), std::slice::from_raw_parts_mut(dp as *mut u8, dl))
+        };
+        gather_pages(c, &layout, pages, pages_per_block, planes, d)
+    });
+    drop((cache, dst));
+    result.map_err(|e| invalid(py, e.0))
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

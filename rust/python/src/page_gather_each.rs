@@ -32,9 +32,24 @@ pub fn page_gather_each(
     outs: Vec<Bound<'_, PyAny>>,
     offset: usize,
 ) -> PyResult<()> {
-    let g = gather.get();
-    let layout = g.layout;
     let pages = offsets(py, pages, "pages")?;
+    gather_each_into(py, gather.get(), &pages, pages_per_block, first_plane, num_planes, &outs, offset)
+}
+
+/// `page_gather_each` once its page ids are read: block `i` of `pages` into `outs[i]` at
+/// byte `offset`, checked (`InvalidArgument` before anything moves).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gather_each_into(
+    py: Python<'_>,
+    g: &PageGather,
+    pages: &[u64],
+    pages_per_block: usize,
+    first_plane: usize,
+    num_planes: usize,
+    outs: &[Bound<'_, PyAny>],
+    offset: usize,
+) -> PyResult<()> {
+    let layout = g.layout;
     if pages_per_block == 0 || pages.len() != outs.len().saturating_mul(pages_per_block) {
         return Err(invalid(
             py,
