@@ -83,14 +83,14 @@ impl RequestBlockSaver {
     }
 
     /// The cache planes of `layer` (its K and V), or of every layer.
-    fn planes(&self, py: Python<'_>, layer: Option<i64>) -> PyResult<Range<usize>> {
+    fn planes(&self, py: Python<'_>, layer: Option<&Bound<'_, PyAny>>) -> PyResult<Range<usize>> {
         let planes = self.gather.get().layout.planes;
-        let Some(l) = layer else { return Ok(0..planes) };
-        let nl = (planes / 2) as i64;
-        if !(0..nl).contains(&l) {
-            return Err(invalid(py, format!("layer {l} out of range 0..{}", nl - 1)));
+        let Some(layer) = layer.filter(|l| !l.is_none()) else { return Ok(0..planes) };
+        let nl = planes / 2;
+        match layer.extract::<usize>() {
+            Ok(l) if l < nl => Ok(2 * l..2 * l + 2),
+            _ => Err(invalid(py, format!("layer {} out of range 0..{}", repr(layer), nl as i64 - 1))),
         }
-        Ok(2 * l as usize..2 * l as usize + 2)
     }
 
     /// Checks that blocks `first .. first + num` are all full blocks of computed KV.
@@ -124,8 +124,10 @@ impl RequestBlockSaver {
     /// buffer or contiguous CPU tensor of exactly their bytes). `InvalidArgument` before
     /// anything is written.
     #[pyo3(signature = (request_id, first_block, num_blocks, out, layer=None))]
-    fn save_blocks(&self, py: Python<'_>, request_id: &Bound<'_, PyAny>, first_block: i64, num_blocks: i64,
-                   out: &Bound<'_, PyAny>, layer: Option<i64>) -> PyResult<()> {
+    fn save_blocks(&self, py: Python<'_>, request_id: &Bound<'_, PyAny>, first_block: &Bound<'_, PyAny>,
+                   num_blocks: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>, layer: Option<&Bound<'_, PyAny>>)
+                   -> PyResult<()> {
+        let (first_block, num_blocks) = (block_number(py, first_block, "first_block")?, block_number(py, num_blocks, "num_blocks")?);
         let held = self.lookup(py, request_id)?;
         self.check_span(py, request_id, &held, first_block, num_blocks)?;
         let mut pages = Vec::with_capacity(num_blocks as usize * self.pages_per_block);
@@ -138,7 +140,8 @@ impl RequestBlockSaver {
     /// `spans` in order, what `save_blocks` writes, back to back in `out`.
     /// `InvalidArgument` before anything is written.
     #[pyo3(signature = (spans, out, layer=None))]
-    fn save_spans(&self, py: Python<'_>, spans: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>, layer: Option<i64>)
+    fn save_spans(&self, py: Python<'_>, spans: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>,
+                  layer: Option<&Bound<'_, PyAny>>)
                   -> PyResult<()> {
         let mut pages: Vec<u64> = Vec::new();
         for span in spans.try_iter()? {
@@ -160,11 +163,11 @@ impl RequestBlockSaver {
     /// `InvalidArgument` before anything is written.
     #[pyo3(signature = (request_id, block_indices, outs, layer=None))]
     fn save_each(&self, py: Python<'_>, request_id: &Bound<'_, PyAny>, block_indices: &Bound<'_, PyAny>,
-                 outs: Vec<Bound<'_, PyAny>>, layer: Option<i64>) -> PyResult<()> {
+                 outs: Vec<Bound<'_, PyAny>>, layer: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let held = self.lookup(py, request_id)?;
         let mut idx: Vec<i64> = Vec::with_capacity(outs.len());
         for i in block_indices.try_iter()? {
-            idx.push(i?.extract().map_err(|_| invalid(py, "block_indices must be ints"))?);
+            idx.push(block_number(py, &i?, "block_indices")?);
         }
         if idx.len() != outs.len() {
             return Err(invalid(py, format!("{} blocks but {} buffers: one buffer a block", idx.len(), outs.len())));
@@ -190,7 +193,10 @@ impl RequestBlockSaver {
 
 /// `(request_id, first_block, num_blocks)` of one span (a tuple, or any 3-item iterable).
 fn span_parts<'py>(py: Python<'py>, span: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyAny>, i64, i64)> {
-    let bad = || invalid(py, "spans must hold (request_id, first_block, num_blocks) triples of a request id and two ints");
+    let bad = || {
+        invalid(py, format!("spans must hold (request_id, first_block, num_blocks) triples of a request id and two \
+                             ints of at most 64 bits, got {}", repr(span)))
+    };
     if let Ok(t) = span.cast::<PyTuple>() {
         if t.len() != 3 {
             return Err(bad());
@@ -201,6 +207,11 @@ fn span_parts<'py>(py: Python<'py>, span: &Bound<'py, PyAny>) -> PyResult<(Bound
     let items: Vec<Bound<'py, PyAny>> = span.try_iter().map_err(|_| bad())?.collect::<PyResult<_>>()?;
     let [rid, first, num] = <[Bound<'py, PyAny>; 3]>::try_from(items).map_err(|_| bad())?;
     Ok((rid, first.extract().map_err(|_| bad())?, num.extract().map_err(|_| bad())?))
+}
+
+/// A block number given from Python (an int, or anything with `__index__`).
+fn block_number(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<i64> {
+    obj.extract().map_err(|_| invalid(py, format!("{what} must hold ints of at most 64 bits, got {}", repr(obj))))
 }
 
 fn no_pages(py: Python<'_>, rid: &Bound<'_, PyAny>) -> PyErr {
