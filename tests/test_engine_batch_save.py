@@ -232,3 +232,12 @@ def test_python_saves_of_cuda_engines_equal_the_one_call_saves(held, layer):
             batch_save.save_requests(e.handoff, e._requests, spans_bad, slow, layer)
     with pytest.raises(InvalidArgument, match="not a full block"):
         batch_save.save_blocks_each(e.handoff, e._requests[c], [2], slow_each[:1], layer)
+
+
+def test_request_block_saver_refuses_a_bad_shape(held):
+    from mooncake_rs._core import RequestBlockSaver
+
+    e, _ = held
+    for block_size, per in [(0, 1), (8, 0), (8, 9)]:
+        with pytest.raises(InvalidArgument, match="pages_per_block"):
+            RequestBlockSaver(e.cache.page_gather, {}, block_size, per)

@@ -62,7 +62,9 @@ impl RequestBlockSaver {
     fn push_pages(&self, py: Python<'_>, rid: &Bound<'_, PyAny>, held: &Held<'_>, first: i64, num: i64,
                   out: &mut Vec<u64>) -> PyResult<()> {
         let ppb = self.pages_per_block;
-        // first >= 0 and num >= 1 were checked, and (first + num) * block_size fits
+        // first >= 0 and num >= 1 were checked, and (first + num) * block_size fits in an
+        // i64; pages_per_block <= block_size (checked at construction), so this cannot
+        // overflow
         let (start, end) = (first as usize * ppb, (first + num) as usize * ppb);
         let bad = |what: &str| invalid(py, format!("the pages of request {} {what}", repr(rid)));
         if let Ok(list) = held.pages.cast::<PyList>() {
@@ -113,8 +115,11 @@ impl RequestBlockSaver {
     #[new]
     fn new(py: Python<'_>, gather: Py<PageGather>, requests: Py<PyDict>, block_size: i64, pages_per_block: usize)
            -> PyResult<Self> {
-        if block_size < 1 || pages_per_block < 1 {
-            return Err(invalid(py, format!("block_size ({block_size}) and pages_per_block ({pages_per_block}) must be >= 1")));
+        // a page holds at least one token, so pages_per_block <= block_size (push_pages'
+        // index arithmetic relies on it)
+        if block_size < 1 || pages_per_block < 1 || pages_per_block as u64 > block_size as u64 {
+            return Err(invalid(py, format!("block_size ({block_size}) and pages_per_block ({pages_per_block}) must be \
+                                            >= 1, and pages_per_block at most block_size")));
         }
         Ok(RequestBlockSaver { gather, requests, block_size, pages_per_block })
     }
