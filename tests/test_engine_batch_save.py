@@ -127,7 +127,9 @@ def test_save_blocks_each_refuses_bad_input_before_writing(held):
                         ((c, [0, 2, 1], outs), "not a full block"),   # 17 tokens: block 2 is partial
                         (("nope", [0, 1, 2], outs), "holds no KV"),
                         ((a, [0, 1, 2], outs[:2] + [np.zeros(nb - 1, np.uint8)]), "needs"),
-                        ((a, [0, 1, 2], outs[:2] + [bytes(nb)]), "writable")]:
+                        ((a, [0, 1, 2], outs[:2] + [bytes(nb)]), "writable"),
+                        ((a, [0, "1", 2], outs), "block_indices must hold ints"),
+                        ((a, [0, 2**70, 2], outs), "block_indices must hold ints")]:
         with pytest.raises(InvalidArgument, match=match):
             e.save_blocks_each(*args)
     with pytest.raises(InvalidArgument, match="layer"):
@@ -140,3 +142,102 @@ def test_save_blocks_each_refuses_bad_input_before_writing(held):
     with pytest.raises(InvalidArgument, match="shares memory"):
         page_gather_each(g, [0], 1, 0, 1, [e.cache.data.view(-1).view(torch.uint8)[:nb]])
     assert not any(o.any() for o in outs)
+
+
+@pytest.mark.parametrize("layer", [None, 0, 1])
+def test_save_blocks_one_call_equals_save_block_per_block(held, layer):
+    """Engine.save_blocks (on CPU one Rust call: lookup, checks, page ids read from the
+    request's list) writes what save_block writes block by block, into every kind of
+    destination; request ids given as str or as anything whose str names the request."""
+    e, (a, b, c) = held
+    per = e.layout.block_nbytes if layer is None else e.layout.layer_nbytes
+    for rid, first, num in [(a, 0, 5), (a, 1, 3), (b, 2, 1), (c, 0, 2)]:
+        want = _reference(e, [(rid, first, num)], layer)
+        for dst in (np.full(num * per, 0xCD, np.uint8), bytearray(num * per),
+                    torch.zeros(num * per // 2, dtype=torch.float16), torch.zeros(2 * num * per, dtype=torch.uint8)[::2]
+                    .contiguous()):
+            e.save_blocks(rid, first, num, dst, layer)
+            got = dst.view(torch.uint8).numpy().tobytes() if isinstance(dst, torch.Tensor) else bytes(dst)
+            assert got == want, (rid, first, num, layer, type(dst))
+
+
+def test_save_blocks_one_call_refuses_bad_input_before_writing(held):
+    e, (a, b, c) = held
+    nb = e.layout.block_nbytes
+    dst = np.zeros(2 * nb, np.uint8)
+    for args, match in [(("nope", 0, 2), "holds no KV"),
+                        ((a, 4, 2), "not all full blocks"),   # 41 tokens: blocks 0..4 are full
+                        ((c, 1, 2), "not all full blocks"),   # 17 tokens: block 2 is partial
+                        ((a, -1, 2), "not all full blocks"),
+                        ((a, 0, 0), "not all full blocks"),
+                        ((a, 2**62, 2), "not all full blocks"),  # no overflow into a "valid" span
+                        ((a, 2**70, 2), "first_block must hold ints"),
+                        ((a, 0, 1.0), "num_blocks must hold ints")]:
+        with pytest.raises(InvalidArgument, match=match):
+            e.save_blocks(*args, dst)
+    with pytest.raises(InvalidArgument, match="buffer holds"):
+        e.save_blocks(a, 0, 1, dst)  # the buffer is a block too large
+    with pytest.raises(InvalidArgument, match="writable"):
+        e.save_blocks(a, 0, 2, bytes(2 * nb))
+    with pytest.raises(InvalidArgument, match="non-contiguous"):
+        e.save_blocks(a, 0, 2, torch.zeros(4 * nb, dtype=torch.uint8)[::2])
+    for layer in (-1, CFG.num_layers, 2**70, "0"):
+        with pytest.raises(InvalidArgument, match="layer"):
+            e.save_blocks(a, 0, 2, dst[:2 * e.layout.layer_nbytes], layer)
+    assert not dst.any()
+
+
+def test_save_requests_takes_any_span_sequence_and_refuses_malformed_spans(held):
+    """Spans as lists, tuples or a generator, with numpy ints, give the same bytes; a
+    span that is not a (request_id, first_block, num_blocks) triple is InvalidArgument."""
+    e, (a, b, c) = held
+    spans = [(a, 1, 2), (c, 0, 2)]
+    want = _reference(e, spans, None)
+    n = len(want)
+    for form in ([list(s) for s in spans], tuple(spans), (s for s in spans),
+                 [(rid, np.int64(f), np.int32(k)) for rid, f, k in spans]):
+        dst = np.zeros(n, np.uint8)
+        e.save_requests(form, dst)
+        assert dst.tobytes() == want
+    dst = np.zeros(n, np.uint8)
+    for spans_bad in ([(a, 1)], [(a, 1, 2, 3)], [(a, "1", 2)], [a], [(a, 1.5, 2)]):
+        with pytest.raises(InvalidArgument, match="triples"):
+            e.save_requests(spans_bad, dst)
+    assert not dst.any()
+
+
+@pytest.mark.parametrize("layer", [None, 1])
+def test_python_saves_of_cuda_engines_equal_the_one_call_saves(held, layer):
+    """batch_save.save_requests / save_blocks_each are what a CUDA engine runs (no Rust
+    gather there); on CPU they run over the same cache, so they are checked here against
+    the one-call saves, byte for byte, and refuse the same bad input."""
+    from mooncake_rs.engine import batch_save
+
+    e, (a, b, c) = held
+    spans = [(c, 0, 2), (a, 1, 4), (b, 0, 3)]
+    n = saved_nbytes(e.layout, spans, layer)
+    fast, slow = np.zeros(n, np.uint8), np.zeros(n, np.uint8)
+    e.save_requests(spans, fast, layer)
+    batch_save.save_requests(e.handoff, e._requests, spans, slow, layer)
+    assert fast.tobytes() == slow.tobytes() == _reference(e, spans, layer)
+    nb = e.layout.block_nbytes
+    idx = [3, 1]
+    fast_each = [np.zeros(nb, np.uint8) for _ in idx]
+    slow_each = [np.zeros(nb, np.uint8) for _ in idx]
+    e.save_blocks_each(a, idx, fast_each, layer)
+    batch_save.save_blocks_each(e.handoff, e._requests[a], idx, slow_each, layer)
+    assert [x.tobytes() for x in fast_each] == [x.tobytes() for x in slow_each]
+    for spans_bad, match in [([(a, 0, 6)], "not all full blocks"), ([], "spans is empty")]:
+        with pytest.raises(InvalidArgument, match=match):
+            batch_save.save_requests(e.handoff, e._requests, spans_bad, slow, layer)
+    with pytest.raises(InvalidArgument, match="not a full block"):
+        batch_save.save_blocks_each(e.handoff, e._requests[c], [2], slow_each[:1], layer)
+
+
+def test_request_block_saver_refuses_a_bad_shape(held):
+    from mooncake_rs._core import RequestBlockSaver
+
+    e, _ = held
+    for block_size, per in [(0, 1), (8, 0), (8, 9)]:
+        with pytest.raises(InvalidArgument, match="pages_per_block"):
+            RequestBlockSaver(e.cache.page_gather, {}, block_size, per)

@@ -1,18 +1,20 @@
 """Saving the full blocks of several requests in one call (the engine's KV save into a
 store write that covers a whole step's finished requests).
 
-:meth:`Engine.save_blocks` is one call a request. The engine's
-:meth:`~.engine.Engine.save_requests` and :meth:`~.engine.Engine.save_blocks_each` find
-the requests and call these with its hand-off part. For small requests (the tiny model's
-blocks are 8 KiB; two 64-token requests are 64 KiB) the fixed cost of each call (the
-request lookup, the checks, the destination's slice and the crossing into Rust, ~2.5 us
-together) is larger than the copy itself: BENCHMARKS.md, issue 23, "engine save of
-small requests". :func:`save_requests` looks every request up and checks it, joins their
-pages in the buffer's order, and makes one gather over the cache (one Rust call on CPU,
-one gather-permute-copy on CUDA) into one destination, with no slice per request.
-:func:`save_blocks_each` is the same for one request's blocks into separate buffers
-(the store slots a serving instance reserved, one a block): one Rust call on CPU, where
-``Engine.save_block`` per block was a torch gather each.
+:meth:`Engine.save_blocks` is one call a request, :meth:`~.engine.Engine.save_requests`
+one call for several, :meth:`~.engine.Engine.save_blocks_each` one call for a request's
+blocks into separate buffers (the store slots a serving instance reserved, one a block).
+For small requests (the tiny model's blocks are 8 KiB; two 64-token requests are
+64 KiB) the fixed cost of each call is larger than the copy itself: BENCHMARKS.md,
+issue 23, "engine save of small requests".
+
+On CPU all three are one Rust call each, :func:`cpu_saver`'s ``RequestBlockSaver``: it
+looks each request up in the engine's dict, checks its spans, reads the page ids from
+the request's own list and gathers them out of the cache, where the Python here cost
+about as much as the copy. :func:`save_requests` and :func:`save_blocks_each` are the
+same saves in Python over the cache's ``save_blocks`` / the engine's ``save_block``:
+what a CUDA engine runs (one gather-permute-copy for all the requests; a gather a
+block), and they work on CPU too.
 """
 
 from __future__ import annotations
@@ -20,15 +22,26 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .._core import page_gather_each
+from .._core import RequestBlockSaver
 from ..errors import InvalidArgument
 
 if TYPE_CHECKING:
     from ..base.layout import BlockLayout
     from .handoff import KVHandoff
+    from .kv_cache import KVCache
     from .scheduler import Request
 
-__all__ = ["save_requests", "saved_nbytes", "save_blocks_each"]
+__all__ = ["cpu_saver", "save_requests", "saved_nbytes", "save_blocks_each"]
+
+
+def cpu_saver(cache: "KVCache", requests: "Mapping[str, Request]", block_size: int,
+              page_size: int) -> RequestBlockSaver | None:
+    """The one-call saves over ``cache`` for the engine's ``requests`` (its dict, read at
+    each call), or ``None`` on CUDA (no Rust gather there: :func:`save_requests`)."""
+    gather = cache.page_gather
+    if gather is None:
+        return None
+    return RequestBlockSaver(gather, requests, block_size, block_size // page_size)
 
 
 def saved_nbytes(layout: "BlockLayout", spans: Sequence[tuple[str, int, int]], layer: int | None = None) -> int:
@@ -56,8 +69,7 @@ def save_requests(part: "KVHandoff", requests: "Mapping[str, Request]", spans: S
     per_block = b // part.page_size
     pages: list[int] = []
     total = 0
-    # the checks of Engine.save_blocks, per span; written for few bytecodes a span (at the
-    # tiny model's 32 KiB a request, this loop was a third of the call)
+    # the checks of Engine.save_blocks, per span
     for rid, first, num in spans:
         req = requests.get(rid)
         if req is None:
@@ -77,20 +89,7 @@ def save_requests(part: "KVHandoff", requests: "Mapping[str, Request]", spans: S
         raise InvalidArgument("spans is empty: name at least one (request_id, first_block, num_blocks)")
     # blocks of different requests laid back to back are exactly one longer run of blocks
     # to the cache's batched save (it takes any page ids, in any order)
-    cache = part.cache
-    gather = cache.page_gather
-    if gather is None:  # CUDA: the cache's gather-permute-copy, with its checks
-        cache.save_blocks(part.layout, pages, total, buf, layer)
-        return
-    # CPU: straight to the cache's PageGather (KVCache.save_blocks' Python layer and its
-    # layout check are skipped: the engine's layout is made from the cache's model and
-    # block size, so it always matches); the Rust call checks the pages and the buffer
-    if layer is None:
-        gather.save(pages, per_block, 0, gather.planes, buf)
-    elif 0 <= layer < part.config.num_layers:
-        gather.save(pages, per_block, 2 * layer, 2, buf)
-    else:
-        raise InvalidArgument(f"layer {layer} out of range 0..{part.config.num_layers - 1}")
+    part.cache.save_blocks(part.layout, pages, total, buf, layer)
 
 
 def save_blocks_each(part: "KVHandoff", req: "Request", block_indices: Sequence[int], outs: Sequence[Any],
@@ -106,27 +105,15 @@ def save_blocks_each(part: "KVHandoff", req: "Request", block_indices: Sequence[
         raise InvalidArgument(f"{len(block_indices)} blocks but {len(outs)} buffers: one buffer a block")
     if not block_indices:
         return
-    request_id = req.request_id
     b = part.block_size
-    per_block = b // part.page_size
     avail = max(req.kv_end, req.num_computed)
-    pages: list[int] = []
-    held = req.pages
-    for i in block_indices:
+    for i in block_indices:  # every block checked before the first is written
         i = int(i)
         if i < 0 or (i + 1) * b > avail:
-            raise InvalidArgument(f"block {i} of request {request_id!r} is not a full block of computed KV "
+            raise InvalidArgument(f"block {i} of request {req.request_id!r} is not a full block of computed KV "
                                   f"({avail} tokens computed)")
-        pages += held[i * per_block:(i + 1) * per_block]
     nl = part.config.num_layers
     if layer is not None and not 0 <= layer < nl:
         raise InvalidArgument(f"layer {layer} out of range 0..{nl - 1}")
-    gather = part.cache.page_gather
-    if gather is None:  # CUDA: a gather a block, each checked by the cache
-        for i, out in zip(block_indices, outs):
-            part.save_block(req, int(i), out, layer)
-        return
-    if layer is None:
-        page_gather_each(gather, pages, per_block, 0, gather.planes, list(outs))
-    else:
-        page_gather_each(gather, pages, per_block, 2 * layer, 2, list(outs), part.layout.layer_span(layer).offset)
+    for i, out in zip(block_indices, outs):  # a gather a block, each checked by the cache
+        part.save_block(req, int(i), out, layer)

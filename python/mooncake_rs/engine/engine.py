@@ -104,6 +104,8 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self._requests: dict[str, Request] = {}
+        # CPU: save_blocks / save_requests / save_blocks_each as one Rust call each
+        self._saver = batch_save.cpu_saver(self.cache, self._requests, block_size, page_size)
         self._pending: list[RequestOutput] = []
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -257,6 +259,8 @@ class Engine:
         layers, or layer ``layer``) into ``buf`` in one call: ``num_blocks`` whole blocks
         (or layer spans) back to back, each laid out as :meth:`save_block` writes it.
         ``InvalidArgument`` if one of them is not a full block of computed KV."""
+        if self._saver is not None:
+            return self._saver.save_blocks(request_id, first_block, num_blocks, buf, layer)
         self.handoff.save_blocks(self._holding_pages(request_id), first_block, num_blocks, buf, layer)
 
     def save_requests(self, spans: Sequence[tuple[str, int, int]], buf: Any, layer: int | None = None) -> None:
@@ -264,6 +268,8 @@ class Engine:
         first_block, num_blocks)`` in order, what :meth:`save_blocks` writes, back to back
         in ``buf`` (``batch_save.saved_nbytes(engine.layout, spans, layer)`` bytes).
         ``InvalidArgument`` before anything is written (engine/batch_save.py)."""
+        if self._saver is not None:
+            return self._saver.save_spans(spans, buf, layer)
         batch_save.save_requests(self.handoff, self._requests, spans, buf, layer)
 
     def save_blocks_each(self, request_id: str, block_indices: Sequence[int], outs: Sequence[Any],
@@ -271,6 +277,8 @@ class Engine:
         """Full block ``block_indices[i]`` of a request into ``outs[i]`` (a whole store
         block each, e.g. a reserved slot) in one call: what :meth:`save_block` writes
         there. ``InvalidArgument`` before anything is written (engine/batch_save.py)."""
+        if self._saver is not None:
+            return self._saver.save_each(request_id, block_indices, outs, layer)
         batch_save.save_blocks_each(self.handoff, self._holding_pages(request_id), block_indices, outs, layer)
 
     def prompt_logits(self, prompt_token_ids: Sequence[int]) -> torch.Tensor:

@@ -81,7 +81,7 @@ class KVCache:
     @property
     def page_gather(self) -> PageGather | None:
         """The Rust gather over the cache's bytes on CPU (``None`` on CUDA): what the
-        engine's one-call saves (batch_save.py) hand their page ids to."""
+        engine's one-call saves (``batch_save.cpu_saver``) gather with."""
         return self._gather
 
     # ---- pages

@@ -27,6 +27,7 @@ mod mem;
 mod page_gather;
 mod page_gather_each;
 mod pyint;
+mod request_saver;
 mod seal;
 mod segment_copy;
 mod store;
@@ -59,5 +60,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     segment_copy::register(m)?;
     page_gather::register(m)?;
     page_gather_each::register(m)?;
+    request_saver::register(m)?;
     Ok(())
 }

@@ -53,7 +53,8 @@ pub(crate) fn out_bytes(py: Python<'_>, out: &Bound<'_, PyAny>) -> PyResult<Out>
         return Ok(Out::Buffer(view));
     }
     if let Some(tensor) = torch_tensor_type(py)? {
-        if out.is_instance(tensor)? {
+        // a plain tensor is exactly the type (no isinstance walk); subclasses too
+        if out.get_type().is(tensor) || out.is_instance(tensor)? {
             if !out.getattr(intern!(py, "is_cpu"))?.extract::<bool>()? {
                 return Err(invalid(py, "out is a tensor outside host memory: save into a CPU tensor or buffer"));
             }
@@ -74,14 +75,39 @@ pub(crate) fn out_bytes(py: Python<'_>, out: &Bound<'_, PyAny>) -> PyResult<Out>
 /// blocks out of it.
 #[pyclass(module = "mooncake_rs._core", frozen)]
 pub struct PageGather {
-    pub(crate) cache: Py<PyAny>,
+    cache: CacheExport,
     pub(crate) layout: PagedLayout,
+}
+
+/// The cache's buffer, exported once for the life of its `PageGather`: exporting it
+/// again at every save (a numpy export and release) was a tenth of a small save's fixed
+/// cost. While exported, its exporter may not move or free the bytes (numpy refuses to
+/// resize an exported array), so the address stays valid.
+struct CacheExport {
+    view: BufferView,
+}
+
+// SAFETY: only the export's address and length are read (while attached, or inside a
+// call that the attached caller waits for); the export is released once, in
+// BufferView's Drop, which attaches to the interpreter first. No Python object is touched
+// without the GIL.
+unsafe impl Send for CacheExport {}
+// SAFETY: as above; reads of the address and length never race with a write (the view is
+// written only when exported and when released).
+unsafe impl Sync for CacheExport {}
+
+impl PageGather {
+    /// (address, bytes) of the cache, valid while `self` lives.
+    pub(crate) fn cache_bytes(&self) -> (usize, usize) {
+        (self.cache.view.as_mut_ptr() as usize, self.cache.view.len_bytes())
+    }
 }
 
 #[pymethods]
 impl PageGather {
     /// `cache`: a C-contiguous buffer (e.g. the cache tensor's ``.numpy()`` bytes) of at
-    /// least `planes * num_pages * page_bytes` bytes; kept alive by this object.
+    /// least `planes * num_pages * page_bytes` bytes; kept alive (and exported) by this
+    /// object.
     #[new]
     fn new(py: Python<'_>, cache: &Bound<'_, PyAny>, planes: usize, num_pages: usize, page_bytes: usize) -> PyResult<Self> {
         let layout = PagedLayout { planes, num_pages, page_bytes };
@@ -90,7 +116,7 @@ impl PageGather {
         if view.len_bytes() < need {
             return Err(invalid(py, format!("cache holds {} bytes; {planes} planes x {num_pages} pages x {page_bytes} bytes need {need}", view.len_bytes())));
         }
-        Ok(PageGather { cache: cache.clone().unbind(), layout })
+        Ok(PageGather { cache: CacheExport { view }, layout })
     }
 
     #[getter]
@@ -125,30 +151,41 @@ impl PageGather {
         out: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let pages = offsets(py, pages, "pages")?;
-        let cache = BufferView::get_contiguous(self.cache.bind(py), "cache")?;
-        let dst = out_bytes(py, out)?;
-        let (cp, cl) = (cache.as_mut_ptr() as usize, cache.len_bytes());
-        let (dp, dl) = dst.raw();
-        if cp < dp + dl && dp < cp + cl {
-            return Err(invalid(py, "out shares memory with the cache: save into a separate buffer"));
-        }
-        let layout = self.layout;
-        let planes = first_plane..first_plane.saturating_add(num_planes);
-        let result = detached_if(py, dl >= DETACH_STORE_BYTES, move || {
-            // SAFETY: the cache is exported above and held until after the closure
-            // returns; `out` is an export held likewise (writable), or a contiguous CPU
-            // tensor that the caller's reference keeps alive for the call, whose
-            // data_ptr/nbytes torch guarantees (as for its own .numpy() view; resizing it
-            // from another thread during the call is the caller's bug, as with that view).
-            // `out` does not overlap the cache (checked), so the slices never alias.
-            let (c, d) = unsafe {
-                (std::slice::from_raw_parts(cp as *const u8, cl), std::slice::from_raw_parts_mut(dp as *mut u8, dl))
-            };
-            gather_pages(c, &layout, &pages, pages_per_block, planes, d)
-        });
-        drop((cache, dst));
-        result.map_err(|e| invalid(py, e.0))
+        gather_into(py, self, &pages, pages_per_block, first_plane..first_plane.saturating_add(num_planes), out)
     }
+}
+
+/// `PageGather.save` once its page ids are read: the blocks of `pages` (planes `planes`)
+/// into `out`, checked (`InvalidArgument` before anything moves).
+pub(crate) fn gather_into(
+    py: Python<'_>,
+    g: &PageGather,
+    pages: &[u64],
+    pages_per_block: usize,
+    planes: std::ops::Range<usize>,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let dst = out_bytes(py, out)?;
+    let (cp, cl) = g.cache_bytes();
+    let (dp, dl) = dst.raw();
+    if cp < dp + dl && dp < cp + cl {
+        return Err(invalid(py, "out shares memory with the cache: save into a separate buffer"));
+    }
+    let layout = g.layout;
+    let result = detached_if(py, dl >= DETACH_STORE_BYTES, move || {
+        // SAFETY: the cache is exported for the life of `g`, which the caller holds
+        // until after the closure returns; `out` is an export held likewise (writable), or a contiguous CPU
+        // tensor that the caller's reference keeps alive for the call, whose
+        // data_ptr/nbytes torch guarantees (as for its own .numpy() view; resizing it
+        // from another thread during the call is the caller's bug, as with that view).
+        // `out` does not overlap the cache (checked), so the slices never alias.
+        let (c, d) = unsafe {
+            (std::slice::from_raw_parts(cp as *const u8, cl), std::slice::from_raw_parts_mut(dp as *mut u8, dl))
+        };
+        gather_pages(c, &layout, pages, pages_per_block, planes, d)
+    });
+    drop(dst);
+    result.map_err(|e| invalid(py, e.0))
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

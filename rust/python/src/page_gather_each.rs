@@ -32,9 +32,24 @@ pub fn page_gather_each(
     outs: Vec<Bound<'_, PyAny>>,
     offset: usize,
 ) -> PyResult<()> {
-    let g = gather.get();
-    let layout = g.layout;
     let pages = offsets(py, pages, "pages")?;
+    gather_each_into(py, gather.get(), &pages, pages_per_block, first_plane, num_planes, &outs, offset)
+}
+
+/// `page_gather_each` once its page ids are read: block `i` of `pages` into `outs[i]` at
+/// byte `offset`, checked (`InvalidArgument` before anything moves).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gather_each_into(
+    py: Python<'_>,
+    g: &PageGather,
+    pages: &[u64],
+    pages_per_block: usize,
+    first_plane: usize,
+    num_planes: usize,
+    outs: &[Bound<'_, PyAny>],
+    offset: usize,
+) -> PyResult<()> {
+    let layout = g.layout;
     if pages_per_block == 0 || pages.len() != outs.len().saturating_mul(pages_per_block) {
         return Err(invalid(
             py,
@@ -48,8 +63,7 @@ pub fn page_gather_each(
     if let Some((i, p)) = pages.iter().enumerate().find(|(_, &p)| p >= layout.num_pages as u64) {
         return Err(invalid(py, format!("pages[{i}] = {p}: the cache has {} pages", layout.num_pages)));
     }
-    let cache = crate::convert::BufferView::get_contiguous(g.cache.bind(py), "cache")?;
-    let (cp, cl) = (cache.as_mut_ptr() as usize, cache.len_bytes());
+    let (cp, cl) = g.cache_bytes();
     let per = layout.gathered_bytes(pages_per_block, num_planes);
     let need = offset.checked_add(per).ok_or_else(|| invalid(py, "offset is too large"))?;
     let mut held: Vec<Out> = Vec::with_capacity(outs.len());
@@ -67,12 +81,12 @@ pub fn page_gather_each(
         held.push(o);
     }
     let result = detached_if(py, per.saturating_mul(outs.len()) >= DETACH_STORE_BYTES, move || {
-        // SAFETY: the cache is exported above and held until after the closure returns;
-        // each destination is an export held in `held` (writable) or a contiguous CPU
-        // tensor the caller's list keeps alive for the call (as in `PageGather.save`), at
-        // least `offset + per` bytes (checked), outside the cache (checked). One
-        // destination slice exists at a time, so two buffers that overlap each other never
-        // give two live `&mut` to the same bytes.
+        // SAFETY: the cache is exported for the life of `g`, held by the caller until after
+        // the closure returns; each destination is an export held in `held` (writable) or
+        // a contiguous CPU tensor the caller's list keeps alive for the call (as in
+        // `PageGather.save`), at least `offset + per` bytes (checked), outside the cache
+        // (checked). One destination slice exists at a time, so two buffers that overlap
+        // each other never give two live `&mut` to the same bytes.
         let c = unsafe { std::slice::from_raw_parts(cp as *const u8, cl) };
         for (i, &dp) in raw.iter().enumerate() {
             let d = unsafe { std::slice::from_raw_parts_mut(dp as *mut u8, per) };
@@ -81,7 +95,7 @@ pub fn page_gather_each(
         }
         Ok::<(), mooncake_core::store::segment_copy::SegmentError>(())
     });
-    drop((cache, held));
+    drop(held);
     result.map_err(|e| invalid(py, e.0))
 }
 
