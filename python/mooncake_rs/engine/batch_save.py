@@ -98,8 +98,10 @@ def save_blocks_each(part: "KVHandoff", req: "Request", block_indices: Sequence[
     into ``outs[i]``, a whole store block each (``engine.layout.block_nbytes``, e.g. a
     reserved store slot): the bytes :meth:`Engine.save_block` writes there (a single layer
     goes to its span). ``InvalidArgument`` before anything is written if the request holds
-    no pages, a block is not a full block of computed KV, the counts differ, or a buffer is
-    too small or read-only.
+    no pages, a block is not a full block of computed KV, or the counts differ; a buffer
+    that is too small or read-only is refused when its turn comes (this path saves a
+    block at a time, so the blocks before it are written). The CPU engine's one-call
+    save (``_core.RequestBlockSaver.save_each``) checks every buffer first.
     """
     if len(block_indices) != len(outs):
         raise InvalidArgument(f"{len(block_indices)} blocks but {len(outs)} buffers: one buffer a block")
