@@ -2,7 +2,8 @@
 //! connector's save copies each block into store slots with its checksum folded in).
 //! Rows: `memcpy`; copy + CRC with ordinary and with non-temporal (streaming) stores;
 //! CRC alone; each CRC row per kernel (`Clmul128`, the 128-bit PCLMULQDQ fold, and
-//! `Vpclmul512`, the 512-bit VPCLMULQDQ one, where the CPU has it). Shapes: 64 segments
+//! `Vpclmul256` / `Vpclmul512`, the 256- / 512-bit VPCLMULQDQ ones, where the CPU has
+//! them). Shapes: 64 segments
 //! of 128 KiB scattered into slots, and one 8 MiB run. Destinations: warm (the same
 //! bytes each round, written just before) and cold (the next 8 MiB of a 1 GiB arena
 //! each round, faulted in and written, but long out of cache). The variants take turns within each
@@ -76,7 +77,7 @@ fn main() {
     let rounds: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(30);
     let mut ops = vec![Op::Memcpy];
     let kernels: Vec<_> =
-        [Crc32Kernel::Clmul128, Crc32Kernel::Vpclmul512].into_iter().filter(|k| k.available()).collect();
+        [Crc32Kernel::Clmul128, Crc32Kernel::Vpclmul256, Crc32Kernel::Vpclmul512].into_iter().filter(|k| k.available()).collect();
     for streaming in [false, true] {
         ops.extend(kernels.iter().map(|&k| Op::CopyCrc(k, streaming)));
     }

@@ -3,10 +3,12 @@
 //! destination and folds it into the checksum, so a block copied into (or out of) the
 //! store gets its checksum for the price of the copy.
 //!
-//! Three kernels ([`Crc32Kernel`]), the fastest the CPU has picked at run time: 512-bit
-//! VPCLMULQDQ folding with 64-byte loads and stores (AVX-512F, `vpclmul.rs`), 128-bit
-//! PCLMULQDQ folding with 16-byte ones (`clmul.rs`), and slicing-by-8 tables everywhere
-//! else and for short inputs and tails.
+//! Four kernels ([`Crc32Kernel`]), the fastest the CPU has picked at run time: 512-bit
+//! VPCLMULQDQ folding with 64-byte loads and stores (AVX-512F, `vpclmul.rs`), 256-bit
+//! with 32-byte ones (AVX2, `vpclmul256.rs`), 128-bit PCLMULQDQ folding with 16-byte
+//! ones (`clmul.rs`), and slicing-by-8 tables everywhere else and for short inputs and
+//! tails. With a 64-byte vector a load, a store and two carry-less multiplies, the
+//! folding no longer limits a copy (BENCHMARKS.md, issue 23).
 //!
 //! [`copy_crc32_streaming`] is the same with non-temporal stores, for a destination that
 //! will not be read soon (a slot of the store being filled): the stores go to memory
@@ -21,6 +23,8 @@ mod clmul;
 mod tests;
 #[cfg(target_arch = "x86_64")]
 mod vpclmul;
+#[cfg(target_arch = "x86_64")]
+mod vpclmul256;
 
 const POLY: u32 = 0xEDB8_8320; // reflected 0x04C11DB7
 
@@ -86,6 +90,9 @@ pub enum Crc32Kernel {
     /// 128-bit PCLMULQDQ folding, 16-byte loads and stores (x86-64 with PCLMULQDQ and
     /// SSE4.1), for inputs of at least 128 bytes.
     Clmul128,
+    /// 256-bit VPCLMULQDQ folding, 32-byte loads and stores (x86-64 with AVX2 and
+    /// VPCLMULQDQ), for inputs of at least 128 bytes.
+    Vpclmul256,
     /// 512-bit VPCLMULQDQ folding, 64-byte loads and stores (x86-64 with AVX-512F and
     /// VPCLMULQDQ), for inputs of at least 256 bytes.
     Vpclmul512,
@@ -93,7 +100,8 @@ pub enum Crc32Kernel {
 
 impl Crc32Kernel {
     /// Every kernel, slowest first.
-    pub const ALL: [Crc32Kernel; 3] = [Crc32Kernel::Tables, Crc32Kernel::Clmul128, Crc32Kernel::Vpclmul512];
+    pub const ALL: [Crc32Kernel; 4] =
+        [Crc32Kernel::Tables, Crc32Kernel::Clmul128, Crc32Kernel::Vpclmul256, Crc32Kernel::Vpclmul512];
 
     /// Whether this CPU runs this kernel (checked once per process).
     pub fn available(self) -> bool {
@@ -101,6 +109,8 @@ impl Crc32Kernel {
             Crc32Kernel::Tables => true,
             #[cfg(target_arch = "x86_64")]
             Crc32Kernel::Clmul128 => clmul::available(),
+            #[cfg(target_arch = "x86_64")]
+            Crc32Kernel::Vpclmul256 => vpclmul256::available(),
             #[cfg(target_arch = "x86_64")]
             Crc32Kernel::Vpclmul512 => vpclmul::available(),
             #[cfg(not(target_arch = "x86_64"))]
@@ -195,6 +205,23 @@ unsafe fn checksum_copy(kernel: Crc32Kernel, streaming: bool, crc: u32, src: *co
                         vpclmul::fold::<true>(c, s, d, len - head)
                     } else {
                         vpclmul::fold::<false>(c, s, d, len - head)
+                    };
+                }
+            }
+        }
+        if kernel >= Crc32Kernel::Vpclmul256 && len >= vpclmul256::MIN_LEN {
+            let head = if copying { dst.align_offset(32).min(len) } else { 0 };
+            if len - head >= vpclmul256::MIN_LEN {
+                // SAFETY: as above, with `dst + head` 32-aligned; a kernel at least
+                // Vpclmul256 that the CPU runs (the contract) means AVX2 and VPCLMULQDQ
+                // (the 512-bit kernel's detection includes the 256-bit one's).
+                unsafe {
+                    let c = if head == 0 { crc } else { checksum_copy(Crc32Kernel::Tables, false, crc, src, dst, head) };
+                    let (s, d) = (src.add(head), if copying { dst.add(head) } else { dst });
+                    return if streaming && copying {
+                        vpclmul256::fold::<true>(c, s, d, len - head)
+                    } else {
+                        vpclmul256::fold::<false>(c, s, d, len - head)
                     };
                 }
             }

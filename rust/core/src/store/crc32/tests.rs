@@ -69,6 +69,8 @@ fn fold_constant(n: u32) -> i64 {
 fn folding_constants_are_powers_of_x_mod_p() {
     assert_eq!(fold_constant(2048 + 32), vpclmul::K1_2048);
     assert_eq!(fold_constant(2048 - 32), vpclmul::K2_2048);
+    assert_eq!(fold_constant(256 + 32), vpclmul256::K1_256);
+    assert_eq!(fold_constant(256 - 32), vpclmul256::K2_256);
     assert_eq!(fold_constant(1024 + 32), clmul::K1_8);
     assert_eq!(fold_constant(1024 - 32), clmul::K2_8);
     assert_eq!(fold_constant(512 + 32), clmul::K1);

@@ -22,7 +22,8 @@ pub(super) const MIN_LEN: usize = 256;
 pub(super) fn available() -> bool {
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| {
-        is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("vpclmulqdq") && clmul::available()
+        // the 256-bit kernel's features too: shorter inputs fall back to it
+        is_x86_feature_detected!("avx512f") && super::vpclmul256::available()
     })
 }
 
@@ -68,7 +69,7 @@ unsafe fn fold64(acc: __m512i, next: __m512i, keys: __m512i) -> __m512i {
 /// null the bytes are also copied there (with non-temporal stores when `STREAM`).
 ///
 /// # Safety
-/// The CPU has avx512f, vpclmulqdq, pclmulqdq and sse4.1 ([`available`]); `src` readable
+/// The CPU has avx512f, avx2, vpclmulqdq, pclmulqdq and sse4.1 ([`available`]); `src` readable
 /// for `len`, `dst` null or writable for `len` and not overlapping `src`; with `STREAM`,
 /// `dst` 64-aligned.
 #[target_feature(enable = "avx512f", enable = "vpclmulqdq", enable = "pclmulqdq", enable = "sse4.1")]
