@@ -118,9 +118,10 @@ impl Crc32Kernel {
         }
     }
 
-    /// The fastest kernel this CPU runs.
+    /// The fastest kernel this CPU runs (chosen once per process).
     pub fn best() -> Crc32Kernel {
-        Self::ALL.into_iter().rev().find(|k| k.available()).unwrap_or(Crc32Kernel::Tables)
+        static BEST: std::sync::OnceLock<Crc32Kernel> = std::sync::OnceLock::new();
+        *BEST.get_or_init(|| Self::ALL.into_iter().rev().find(|k| k.available()).unwrap_or(Crc32Kernel::Tables))
     }
 
     /// This kernel, or the best one below it that the CPU runs.
@@ -131,7 +132,9 @@ impl Crc32Kernel {
 
 /// CRC-32 of `data` continued from `crc` (0 to start).
 pub fn crc32(crc: u32, data: &[u8]) -> u32 {
-    crc32_using(Crc32Kernel::best(), crc, data)
+    // SAFETY: the best kernel is available; `data` is readable for its length and a null
+    // destination is never written.
+    unsafe { checksum_copy(Crc32Kernel::best(), false, crc, data.as_ptr(), std::ptr::null_mut(), data.len()) }
 }
 
 /// [`crc32`] with the named kernel (or the best one below it the CPU runs).
@@ -147,8 +150,8 @@ pub fn crc32_using(kernel: Crc32Kernel, crc: u32, data: &[u8]) -> u32 {
 /// `src` must be readable and `dst` writable for `len` bytes, and the two ranges must
 /// not overlap (each vector is stored before the next is read).
 pub unsafe fn copy_crc32(crc: u32, src: *const u8, dst: *mut u8, len: usize) -> u32 {
-    // SAFETY: the caller's contract.
-    unsafe { copy_crc32_using(Crc32Kernel::best(), false, crc, src, dst, len) }
+    // SAFETY: the caller's contract; the best kernel is available.
+    unsafe { checksum_copy(Crc32Kernel::best(), false, crc, src, dst, len) }
 }
 
 /// [`copy_crc32`] with non-temporal stores (the destination bypasses the cache). Call
@@ -158,8 +161,8 @@ pub unsafe fn copy_crc32(crc: u32, src: *const u8, dst: *mut u8, len: usize) -> 
 /// # Safety
 /// As [`copy_crc32`].
 pub unsafe fn copy_crc32_streaming(crc: u32, src: *const u8, dst: *mut u8, len: usize) -> u32 {
-    // SAFETY: the caller's contract.
-    unsafe { copy_crc32_using(Crc32Kernel::best(), true, crc, src, dst, len) }
+    // SAFETY: the caller's contract; the best kernel is available.
+    unsafe { checksum_copy(Crc32Kernel::best(), true, crc, src, dst, len) }
 }
 
 /// [`copy_crc32`] (or, with `streaming`, [`copy_crc32_streaming`]) with the named kernel
