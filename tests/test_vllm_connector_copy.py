@@ -187,3 +187,35 @@ def test_a_block_changed_in_the_pool_is_reported_and_removed(pool, transports):
         assert client.lookup(keys).count == 1  # the bad block is gone; the first still leads
     finally:
         w.shutdown()
+
+
+@pytest.mark.parametrize("advice", ["populate_write", "unknown_to_the_kernel"])
+def test_the_arena_mapping_is_populated_without_changing_a_byte(advice, monkeypatch):
+    # a client maps an arena that already holds committed blocks: making its page tables
+    # (MADV_POPULATE_WRITE, or MAP_POPULATE where the kernel refuses that advice) must
+    # leave every byte as it was, and stores through the mapping reach the segment
+    import os
+
+    from mooncake_rs.integrations.pool import shared_arena
+
+    if advice != "populate_write":
+        monkeypatch.setattr(shared_arena, "MADV_POPULATE_WRITE", 0x7FFF)  # EINVAL: the fallback
+    path = f"/dev/shm/mooncake-test-arena-{uuid.uuid4().hex}"
+    data = np.random.default_rng(3).integers(0, 256, 3 * 4096 + 100, dtype=np.uint8)
+    with open(path, "wb") as f:
+        f.write(data.tobytes())
+    fd = os.open(path, os.O_RDWR)
+    try:
+        m = shared_arena._map_populated(fd, len(data))
+        view = np.frombuffer(m, np.uint8)
+        assert np.array_equal(view, data)
+        view[4096:4100] = [1, 2, 3, 4]
+        del view
+        m.close()
+        with open(path, "rb") as f:
+            back = np.frombuffer(f.read(), np.uint8)
+        assert list(back[4096:4100]) == [1, 2, 3, 4]
+        assert np.array_equal(back[:4096], data[:4096]) and np.array_equal(back[4100:], data[4100:])
+    finally:
+        os.close(fd)
+        os.unlink(path)

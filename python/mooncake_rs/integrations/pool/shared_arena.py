@@ -34,6 +34,28 @@ def host_id() -> str:
         return ""
 
 
+# madvise(2) advice (Linux 5.14; not in Python 3.11's mmap module): page tables made now
+# as by a write to every page, without writing.
+MADV_POPULATE_WRITE = 23
+
+
+def _map_populated(fd: int, size: int) -> mmap.mmap:
+    """``fd`` mapped shared and writable, its page tables made now, once: without that
+    the first copy into each 4 KiB page of a slot takes a fault, which made a fresh
+    mapping's copies 10-20x slower than a warm one's (BENCHMARKS.md, issue 23).
+    MADV_POPULATE_WRITE makes them as a write would, so marked dirty; MAP_POPULATE (the
+    fallback before Linux 5.14) makes them as a read would, and then the first store into
+    each page still pays for setting its dirty bit (a page walk; in a VM ~0.3 us a page),
+    which halved the first save into fresh slots (5.7 vs 9-10 GB/s, BENCHMARKS.md)."""
+    m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    try:
+        m.madvise(MADV_POPULATE_WRITE)
+        return m
+    except (OSError, ValueError):  # an older kernel (EINVAL): populate as a read does
+        m.close()
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+
+
 class SharedArena:
     """The mapping of one pool's arena; :attr:`view` is its writable bytes."""
 
@@ -59,11 +81,7 @@ class SharedArena:
                 log.warning("pool arena %s holds %d bytes, the pool reported %d; not mapping it", path, size,
                             need_bytes)
                 return None
-            # MAP_POPULATE: the page tables are made now, once; without it the first copy
-            # into each 4 KiB page of a slot takes a fault, which made a fresh mapping's
-            # copies 10-20x slower than a warm one's (BENCHMARKS.md, issue 23).
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            return cls(mmap.mmap(fd, size, flags=flags))
+            return cls(_map_populated(fd, size))
         finally:
             os.close(fd)
 
