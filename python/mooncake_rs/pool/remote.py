@@ -35,7 +35,6 @@ from .metrics import PoolMetrics
 from .placement import rank_nodes
 from .ranked import RankedAsks
 from .spans import plan_spans
-from .waves import waves
 from .objects import clip_sizes
 from .protocol import (INLINE_MAX, Commit, Exists, Leased, Lookup, PutInline, Release, Remove, RemoveAll, Reserve,
                        Reserved, Sizes, Stats)
@@ -129,33 +128,56 @@ class RemoteBackend:
                 else:
                     errors[i] = errors[i] or KeyStatus(st)
 
-        # every node (and every wave of a large batch, waves.py) is asked before any
-        # answer is read: their round trips overlap each other and the first waves' bytes
-        asked = []  # (node, small indices, their PutInline, [(wave's indices, its Reserve)])
+        # every node is asked before any answer is read: their round trips overlap
+        asked = []  # (node, small indices, their PutInline, large indices, their Reserve)
         for node, all_idx in by_node.items():
             small = [i for i in all_idx if 0 < totals[i] <= INLINE_MAX]
             large = [i for i in all_idx if not 0 < totals[i] <= INLINE_MAX]
-            inline = None
+            inline = reserve = None
             if small:
                 values = [b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs[i], sizes[i])) for i in small]
                 inline = self.nodes.asked(node, PutInline, keys=[keys[i] for i in small], values=values, pin=pin)
-            reserves = [(wave, self.nodes.asked(node, Reserve, keys=[keys[i] for i in wave],
-                                                sizes=[totals[i] for i in wave], pin=pin, engine=self.name))
-                        for wave in waves(large, totals)]
-            asked.append((node, small, inline, reserves))
+            if large:
+                reserve = self.nodes.asked(node, Reserve, keys=[keys[i] for i in large],
+                                           sizes=[totals[i] for i in large], pin=pin, engine=self.name)
+            asked.append((node, small, inline, large, reserve))
         temps: list[Region] = []
-        pending: list[tuple] = []  # (node, link, idx, reserved, batch, owners): one per wave
+        pending = []  # (node, link, idx, reserved, batch, owners)
         try:
-            for node, small, inline, reserves in asked:
+            for node, small, inline, idx, reserve in asked:
                 if inline is not None:
                     try:
                         settle(small, self.nodes.answer(node, inline).values)
                     except NodeDown as e:
                         log.warning("put: %s", e)
                         fail(small, KeyStatus.RPC_FAILED)
-                for idx, reserve in reserves:
-                    self._write_wave(node, idx, reserve, (ptrs, sizes, totals), errors, done, fail, temps, pending)
-            commits = []  # each wave's Commit leaves as soon as its own transfer ended
+                if reserve is None:
+                    continue
+                try:
+                    rep: Reserved = self.nodes.answer(node, reserve)
+                except NodeDown as e:
+                    log.warning("put: %s", e)
+                    fail(idx, KeyStatus.RPC_FAILED)
+                    continue
+                link = reserve.link  # type: ignore[union-attr]  # answered: a Pending
+                if link.broken:  # closed since the answer: its reservations went with it
+                    fail(idx, KeyStatus.RPC_FAILED)
+                    continue
+                reqs, owners = [], []
+                for j, i in enumerate(idx):
+                    st = rep.statuses[j]
+                    if st != 0:
+                        errors[i] = KeyStatus(st) if errors[i] in (None, KeyStatus.RPC_FAILED) else errors[i]
+                    elif rep.put_ids[j] == 0:
+                        done[i] += 1  # already held there
+                    else:
+                        rs = self._requests("write", (ptrs[i], sizes[i]), totals[i], link.peer, rep.regions[j],
+                                            rep.chunk_bytes[j], rep.offsets[j], temps)
+                        reqs.extend(rs)
+                        owners.extend([j] * len(rs))
+                batch = self.te.submit(reqs, timeout_s=max(self.io_timeout_s, 30.0)) if reqs else None
+                pending.append((node, link, idx, rep, batch, owners))
+            commits = []  # each node's Commit leaves as soon as its own transfer ended
             for node, link, idx, rep, batch, owners in pending:
                 ok = [True] * len(idx)
                 if batch is not None:
@@ -180,38 +202,6 @@ class RemoteBackend:
             for r in temps:
                 self.te.unregister(r)
         return self._outcome(done, errors, replicas)
-
-    def _write_wave(self, node: str, idx: list[int], reserve: Pending | NodeDown,
-                    values: tuple[list[list[int]], list[list[int]], list[int]], errors: list[KeyStatus | None],
-                    done: list[int], fail: Any, temps: list[Region], pending: list[tuple]) -> None:
-        """Reads one wave's ``Reserved`` and starts writing its keys' bytes into the slots
-        it answered (appended to ``pending``); a key refused, or held already, has its
-        outcome in ``errors`` / ``done``."""
-        ptrs, sizes, totals = values
-        try:
-            rep: Reserved = self.nodes.answer(node, reserve)
-        except NodeDown as e:
-            log.warning("put: %s", e)
-            fail(idx, KeyStatus.RPC_FAILED)
-            return
-        link = reserve.link  # type: ignore[union-attr]  # answered: a Pending
-        if link.broken:  # closed since the answer: its reservations went with it
-            fail(idx, KeyStatus.RPC_FAILED)
-            return
-        reqs, owners = [], []
-        for j, i in enumerate(idx):
-            st = rep.statuses[j]
-            if st != 0:
-                errors[i] = KeyStatus(st) if errors[i] in (None, KeyStatus.RPC_FAILED) else errors[i]
-            elif rep.put_ids[j] == 0:
-                done[i] += 1  # already held there
-            else:
-                rs = self._requests("write", (ptrs[i], sizes[i]), totals[i], link.peer, rep.regions[j],
-                                    rep.chunk_bytes[j], rep.offsets[j], temps)
-                reqs.extend(rs)
-                owners.extend([j] * len(rs))
-        batch = self.te.submit(reqs, timeout_s=max(self.io_timeout_s, 30.0)) if reqs else None
-        pending.append((node, link, idx, rep, batch, owners))
 
     def _outcome(self, done: list[int], errors: list[KeyStatus | None], replicas: int) -> list[KeyStatus]:
         """OK for a key at least one replica took (fewer than asked: counted), else why not."""
@@ -263,7 +253,6 @@ class RemoteBackend:
         ranks = [rank_nodes(k, live) for k in keys]
         result: list[int] = [int(KeyStatus.MISSING)] * len(keys)
         todo = list(range(len(keys)))
-        room = [sum(s) for s in sizes]
         temps: list[Region] = []
         try:
             for rnd in range(len(live)):
@@ -274,11 +263,10 @@ class RemoteBackend:
                 if not by_node:
                     break
                 todo = []
-                # every node of this round (every wave of a large batch, waves.py) is asked
-                # before any answer is read; a wave's reads start when its own answer comes
-                asked = [(node, wave, self.nodes.asked(node, Lookup, keys=[keys[i] for i in wave],
-                                                       inline_max=INLINE_MAX, engine=self.name))
-                         for node, idx in by_node.items() for wave in waves(idx, room)]
+                # every node of this round is asked before any answer is read
+                asked = [(node, idx, self.nodes.asked(node, Lookup, keys=[keys[i] for i in idx], inline_max=INLINE_MAX,
+                                                      engine=self.name))
+                         for node, idx in by_node.items()]
                 inflight = []
                 for node, idx, lookup in asked:
                     try:
