@@ -124,3 +124,19 @@ def test_batches_through_the_embedded_client(tmp_path, durable):
             v.nbytes for v in vals[1:]]
         for o, v in zip(outs, vals[1:]):
             assert (o == v).all()
+
+
+def test_chunk_keys_of_many_objects_equal_each_objects_keys_joined():
+    import random
+
+    from mooncake_rs.pool.chunks import chunk_keys, chunk_keys_many, new_oid
+
+    rng = random.Random(3)
+    for _ in range(200):
+        oids = [new_oid() for _ in range(rng.randrange(0, 12))]
+        counts = [rng.choice([0, 1, 2, 7, 64]) for _ in oids]
+        got = chunk_keys_many(oids, counts)
+        want = (np.concatenate([chunk_keys(o, c) for o, c in zip(oids, counts)]) if oids
+                else np.empty((0, 2), np.uint64))
+        assert got.dtype == np.uint64 and got.shape == (sum(counts), 2)
+        assert np.array_equal(got, want)

@@ -16,7 +16,7 @@ import random
 
 import numpy as np
 
-__all__ = ["CHUNK_BITS", "new_oid", "chunk_keys", "chunk_key", "oid_of", "evicted_oids", "stored_keys"]
+__all__ = ["CHUNK_BITS", "new_oid", "chunk_keys", "chunk_keys_many", "chunk_key", "oid_of", "evicted_oids", "stored_keys"]
 
 CHUNK_BITS = 24
 _LOW_MASK = (1 << 64) - 1
@@ -38,6 +38,23 @@ def chunk_keys(oid: int, n: int) -> np.ndarray:
     keys = np.empty((n, 2), dtype=np.uint64)
     keys[:, 0] = np.arange(n, dtype=np.uint64) | np.uint64(oid & _LOW_MASK)
     keys[:, 1] = oid >> 64
+    return keys
+
+
+def chunk_keys_many(oids: list[int], counts: list[int]) -> np.ndarray:
+    """``chunk_keys`` of several objects, concatenated in order, built in one pass (a
+    batch of 32 objects made 32 small arrays and joined them: ~5 us an object)."""
+    n = np.asarray(counts, dtype=np.int64)
+    total = int(n.sum())
+    keys = np.empty((total, 2), dtype=np.uint64)
+    if total == 0:
+        return keys
+    lo = np.fromiter((o & _LOW_MASK for o in oids), dtype=np.uint64, count=len(oids))
+    hi = np.fromiter((o >> 64 for o in oids), dtype=np.uint64, count=len(oids))
+    # each chunk's index within its object: 0..n_i-1, object after object
+    within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+    keys[:, 0] = np.repeat(lo, n) | within.astype(np.uint64)
+    keys[:, 1] = np.repeat(hi, n)
     return keys
 
 

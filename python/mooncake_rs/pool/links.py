@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -69,6 +70,20 @@ class Pending:
         return reply
 
 
+def _bound_io(sock: Any, timeout_s: float) -> None:
+    """Bounds each read and write on ``sock`` to ``timeout_s`` (a node silent this long
+    with a request in flight is down) with the kernel's own socket timeouts on a
+    blocking socket: Python's ``settimeout`` would make every ``recv`` and ``sendall`` a
+    ``poll`` and then the call, two system calls where one does (a small-key round trip
+    is one send and one receive). A read that times out raises ``BlockingIOError``."""
+    sock.settimeout(None)
+    sec = max(int(timeout_s), 0)
+    usec = max(int((timeout_s - sec) * 1e6), 0 if sec else 1000)  # never 0 s 0 us: that means "no limit"
+    tv = struct.pack("ll", sec, usec)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
 class NodeLink:
     def __init__(self, record: StoreNodeRecord, token: str | bytes | None, te: TransferEngine,
                  timeout_s: float) -> None:
@@ -78,8 +93,7 @@ class NodeLink:
         try:
             self.sock = (plain_socket.connect_plain(record.control, timeout_s=timeout_s) if token is None
                          else auth_socket.connect(record.control, token, timeout_s=timeout_s))
-            # bounds each read: a node silent this long with a request in flight is down
-            self.sock.settimeout(timeout_s)
+            _bound_io(self.sock, timeout_s)
             self.peer = te.connect(f"store-{record.name}", record.transfer)
         except (MooncakeError, OSError) as e:
             raise NodeDown(f"store node {record.name} at {record.control}: {e}") from e
@@ -176,6 +190,9 @@ class NodeLink:
         while not pending.done:
             try:
                 reply = self.io.recv()
+            except BlockingIOError:  # the socket's receive timeout (_bound_io)
+                self._fail(f"the node sent nothing for {self.timeout_s} s with requests in flight")
+                return
             except (OSError, EOFError, socket.timeout, InvalidArgument) as e:
                 self._fail(f"{type(e).__name__}: {e}")
                 return

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import MooncakeError
-from .chunks import chunk_key, chunk_keys
+from .chunks import chunk_key, chunk_keys_many
 from .objects import ObjectMeta
 from .segment import ObjectSegment
 from .status import KeyStatus
@@ -29,19 +29,21 @@ class _Plan:
 
     def __init__(self) -> None:
         self.objects: list[tuple[int, str, ObjectMeta, int]] = []  # (index, key, meta, address)
-        self.keys: list[np.ndarray] = []
+        self.oids: list[int] = []
+        self.counts: list[int] = []
         self.addrs: list[int] = []
         self.lens: list[int] = []
 
     def add(self, index: int, key: str, meta: ObjectMeta, addr: int, chunk_bytes: int) -> None:
         self.objects.append((index, key, meta, addr))
-        self.keys.append(chunk_keys(meta.oid, meta.nchunks))
+        self.oids.append(meta.oid)
+        self.counts.append(meta.nchunks)
         for j in range(meta.nchunks):
             self.addrs.append(addr + j * chunk_bytes)
             self.lens.append(max(0, min(chunk_bytes, meta.size - j * chunk_bytes)))
 
     def all_keys(self) -> np.ndarray:
-        return np.concatenate(self.keys) if len(self.keys) > 1 else self.keys[0]
+        return chunk_keys_many(self.oids, self.counts)
 
 
 def put_batch(seg: ObjectSegment, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]],
