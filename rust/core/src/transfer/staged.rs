@@ -4,13 +4,15 @@
 //! grants by that server before it copies the chunk in.
 //!
 //! One link per peer server, one worker thread per link. The buffer is a ring of chunks
-//! (at most [`CHUNK`] bytes each): the worker copies a chunk into free space and sends
-//! its commit without waiting, up to a full buffer of commits in flight, and reads the
-//! answers (which come in order) when it needs the space back or has nothing else to do.
-//! So the server copies chunk k out while the worker copies chunk k+1 in, and a batch
-//! of many small requests (serving writes one span per layer) costs no round trip per
-//! request: a round trip per commit made the first version latency-bound (0.1 GB/s on
-//! a loaded host).
+//! (at most [`CHUNK`] bytes each): the worker takes every write queued (a batch's writes
+//! to this peer arrive together), copies them chunk by chunk into free space and sends
+//! the chunks in commits of up to [`FLUSH_BYTES`] without waiting, up to a full buffer
+//! (or [`MAX_COMMIT_CHUNKS`] chunks) in flight, and reads the answers (which come in
+//! order, one per commit) when it needs the space back or has nothing else to do. So
+//! the server copies commit k out while the worker copies commit k+1 in, and a batch of
+//! many small requests (serving writes one span per block and layer) costs one round
+//! trip and two wake-ups, not one a request: a round trip per chunk made a serving
+//! step's eight 128 KiB spans sixteen wake-ups, each a scheduling delay on a busy host.
 
 use std::collections::VecDeque;
 use std::io::{Read, Write};
@@ -29,7 +31,7 @@ use super::batch::Batch;
 use super::fdpass;
 use super::local::Span;
 use super::protocol::status_from_u8;
-use super::staged_server::{COMMIT_LEN, REPLY_LEN};
+use super::staged_server::{CHUNK_ENTRY_LEN, COMMIT_HEAD_LEN, MAX_COMMIT_CHUNKS, REPLY_HEAD_LEN};
 use super::tcp::handshake;
 use super::TransferError;
 use crate::mem::MappedMemory;
@@ -46,40 +48,52 @@ pub struct StagedWrite {
 
 /// Most bytes one commit moves.
 pub const CHUNK: u64 = 1 << 20;
-/// Most commits in flight: their 40-byte commits and 9-byte answers stay far below the
-/// socket buffers, so neither side can block writing while the other does.
-const MAX_IN_FLIGHT: usize = 256;
+/// Bytes after which an open commit is sent even if more writes are queued, so the
+/// server copies one commit out while the worker copies the next in (a quarter of the
+/// default ring; a serving step's batch of one layer, 8 x 128 KiB, is one commit).
+const FLUSH_BYTES: u64 = 2 << 20;
 
-/// A chunk whose commit is out, waiting for its answer; its bytes `at..at + len` of
-/// the staging buffer stay untouched until then.
-struct Pending {
+/// One chunk of a write, copied into `at..at + len` of the staging buffer; those bytes
+/// stay untouched until the answer to its commit.
+struct Chunk {
     batch: Arc<Batch>,
     index: usize,
     region: u64,
-    id: u64,
+    offset: u64,
     at: u64,
     len: u64,
 }
 
-/// The worker's state: commits in flight (oldest first) and where the next chunk goes.
+/// A commit that is out (its chunks in order), waiting for its answer.
+struct Pending {
+    id: u64,
+    chunks: Vec<Chunk>,
+}
+
+/// The worker's state: commits in flight (oldest first), the commit being filled, and
+/// where the next chunk goes.
 #[derive(Default)]
 struct Ring {
     pending: VecDeque<Pending>,
+    in_flight: usize,
+    open: Vec<Chunk>,
+    open_bytes: u64,
     head: u64,
     next_id: u64,
 }
 
 impl Ring {
-    /// Where `n` bytes can go now without touching a chunk in flight, if anywhere.
+    /// Where `n` bytes can go now without touching a chunk in flight or in the open
+    /// commit, if anywhere.
     fn place(&self, n: u64, cap: u64) -> Option<u64> {
-        if self.pending.is_empty() {
+        if self.pending.is_empty() && self.open.is_empty() {
             return Some(0);
         }
-        if self.pending.len() >= MAX_IN_FLIGHT {
+        if self.in_flight + self.open.len() >= MAX_COMMIT_CHUNKS {
             return None;
         }
         let at = if self.head + n <= cap { self.head } else { 0 };
-        let clear = self.pending.iter().all(|p| at + n <= p.at || p.at + p.len <= at);
+        let clear = self.pending.iter().flat_map(|p| p.chunks.iter()).chain(self.open.iter()).all(|c| at + n <= c.at || c.at + c.len <= at);
         clear.then_some(at)
     }
 }
@@ -144,6 +158,19 @@ impl StagedLink {
         self.work.notify_one();
     }
 
+    /// Queues several writes at once (a batch's writes to this peer), so the worker
+    /// finds them together and commits them together, with one wake-up.
+    pub fn submit_many(&self, ws: Vec<StagedWrite>) {
+        if self.is_dead() {
+            for w in ws {
+                w.batch.fail(w.index, TransferError::ConnectionLost("the staging link is closed".into()));
+            }
+            return;
+        }
+        self.queue.lock().extend(ws);
+        self.work.notify_one();
+    }
+
     /// Stops the worker; queued and pending writes fail as closed.
     pub fn close(&self) {
         self.dead.store(true, Ordering::SeqCst);
@@ -166,106 +193,130 @@ impl StagedLink {
 
     fn run(&self) {
         let mut ring = Ring::default();
+        let mut writes: VecDeque<StagedWrite> = VecDeque::new();
         let err = loop {
-            let next = {
+            {
                 let mut q = self.queue.lock();
                 loop {
-                    if self.is_dead() {
-                        break None;
-                    }
-                    if let Some(w) = q.pop_front() {
-                        break Some(w);
-                    }
-                    if !ring.pending.is_empty() {
-                        break None; // collect an answer, then look again
+                    if self.is_dead() || !q.is_empty() || !ring.pending.is_empty() {
+                        break;
                     }
                     self.work.wait(&mut q);
                 }
-            };
-            let Some(w) = next else {
-                if self.is_dead() {
-                    break TransferError::Closed;
-                }
-                if let Err(e) = self.settle(&mut ring) {
-                    break e;
-                }
-                continue;
-            };
-            if let Err(e) = self.write_chunks(&w, &mut ring) {
-                w.batch.fail(w.index, e.clone());
+                // Everything queued now goes out in as few commits as the buffer allows.
+                writes.extend(q.drain(..));
+            }
+            if self.is_dead() {
+                break TransferError::Closed;
+            }
+            let step = if writes.is_empty() { self.settle(&mut ring) } else { self.write_chunks(&mut writes, &mut ring) };
+            if let Err(e) = step {
                 break e;
             }
         };
         self.dead.store(true, Ordering::SeqCst);
-        for p in ring.pending.drain(..) {
-            p.batch.fail(p.index, err.clone());
+        let chunks = ring.pending.drain(..).flat_map(|p| p.chunks).chain(ring.open.drain(..));
+        for c in chunks {
+            c.batch.fail(c.index, err.clone());
         }
-        let left: Vec<StagedWrite> = self.queue.lock().drain(..).collect();
-        for w in left {
+        let left = self.queue.lock().drain(..).collect::<Vec<_>>();
+        for w in writes.drain(..).chain(left) {
             w.batch.fail(w.index, err.clone());
         }
     }
 
-    /// Copies `w` chunk by chunk into free space of the buffer and commits each chunk
-    /// without waiting; answers are read only when their space is needed.
-    fn write_chunks(&self, w: &StagedWrite, ring: &mut Ring) -> Result<(), TransferError> {
+    /// Copies the queued writes chunk by chunk into free space of the buffer, gathering
+    /// the chunks into commits (one per [`FLUSH_BYTES`], or whenever the buffer is full,
+    /// and one at the end) sent without waiting; answers are read only when their space
+    /// is needed. A write that fails here stays at the front of `writes`.
+    fn write_chunks(&self, writes: &mut VecDeque<StagedWrite>, ring: &mut Ring) -> Result<(), TransferError> {
         let (chunk, cap) = (self.chunk(), self.staging.len() as u64);
-        let mut off = 0u64;
-        while off < w.len {
-            if w.batch.is_finished(w.index) {
-                return Ok(()); // cancelled, timed out or refused: send nothing more of it
-            }
-            let n = (w.len - off).min(chunk);
-            let at = loop {
-                match ring.place(n, cap) {
-                    Some(at) => break at,
-                    None => self.settle(ring)?,
+        while let Some(w) = writes.front() {
+            let mut off = 0u64;
+            while off < w.len {
+                if w.batch.is_finished(w.index) {
+                    break; // cancelled, timed out or refused: send nothing more of it
                 }
-            };
-            if !w.batch.begin_io(w.index) {
-                return Ok(());
+                let n = (w.len - off).min(chunk);
+                let at = loop {
+                    match ring.place(n, cap) {
+                        Some(at) => break at,
+                        None if !ring.open.is_empty() => self.send(ring)?,
+                        None => self.settle(ring)?,
+                    }
+                };
+                if !w.batch.begin_io(w.index) {
+                    break;
+                }
+                // SAFETY: the local range was checked at submit and `w.local` keeps it
+                // mapped; begin_io keeps the request from ending (and its buffer being
+                // reused) while we read it. `at + n` <= the staging mapping's length
+                // (place), and no commit in flight or open covers those bytes, so the
+                // server is not reading them.
+                unsafe { std::ptr::copy_nonoverlapping(w.local.ptr.add(off as usize) as *const u8, self.staging.as_ptr().add(at as usize), n as usize) };
+                w.batch.end_io(w.index);
+                ring.open.push(Chunk { batch: w.batch.clone(), index: w.index, region: w.region, offset: w.offset + off, at, len: n });
+                ring.open_bytes += n;
+                ring.head = at + n;
+                off += n;
+                if ring.open_bytes >= FLUSH_BYTES {
+                    self.send(ring)?;
+                }
             }
-            // SAFETY: the local range was checked at submit and `w.local` keeps it mapped;
-            // begin_io keeps the request from ending (and its buffer being reused) while
-            // we read it. `at + n` <= the staging mapping's length (place), and no
-            // commit in flight covers those bytes, so the server is not reading them.
-            unsafe { std::ptr::copy_nonoverlapping(w.local.ptr.add(off as usize) as *const u8, self.staging.as_ptr().add(at as usize), n as usize) };
-            w.batch.end_io(w.index);
-            ring.next_id += 1;
-            let id = ring.next_id;
-            let mut commit = [0u8; COMMIT_LEN];
-            for (i, v) in [id, w.region, w.offset + off, n, at].into_iter().enumerate() {
-                commit[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes());
-            }
-            (&self.stream).write_all(&commit).map_err(|e| TransferError::ConnectionLost(format!("staging link: {e}")))?;
-            ring.pending.push_back(Pending { batch: w.batch.clone(), index: w.index, region: w.region, id, at, len: n });
-            ring.head = at + n;
-            off += n;
+            writes.pop_front();
+        }
+        if !ring.open.is_empty() {
+            self.send(ring)?;
         }
         Ok(())
     }
 
-    /// Reads the answer to the oldest commit in flight and reports its chunk.
+    /// Sends the open commit: one frame for all its chunks.
+    fn send(&self, ring: &mut Ring) -> Result<(), TransferError> {
+        let chunks = std::mem::take(&mut ring.open);
+        ring.open_bytes = 0;
+        ring.next_id += 1;
+        let id = ring.next_id;
+        let mut frame = Vec::with_capacity(COMMIT_HEAD_LEN + chunks.len() * CHUNK_ENTRY_LEN);
+        frame.extend_from_slice(&id.to_le_bytes());
+        frame.extend_from_slice(&(chunks.len() as u32).to_le_bytes());
+        frame.extend_from_slice(&0u32.to_le_bytes());
+        for c in &chunks {
+            for v in [c.region, c.offset, c.len, c.at] {
+                frame.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        ring.in_flight += chunks.len();
+        ring.pending.push_back(Pending { id, chunks });
+        (&self.stream).write_all(&frame).map_err(|e| TransferError::ConnectionLost(format!("staging link: {e}")))
+    }
+
+    /// Reads the answer to the oldest commit in flight and reports its chunks.
     fn settle(&self, ring: &mut Ring) -> Result<(), TransferError> {
         let Some(p) = ring.pending.pop_front() else { return Ok(()) };
-        let mut reply = [0u8; REPLY_LEN];
+        ring.in_flight -= p.chunks.len();
+        let mut reply = vec![0u8; REPLY_HEAD_LEN + p.chunks.len()];
+        let fail_all = |e: TransferError| {
+            for c in &p.chunks {
+                c.batch.fail(c.index, e.clone());
+            }
+            e
+        };
         if let Err(e) = (&self.stream).read_exact(&mut reply) {
-            let e = TransferError::ConnectionLost(format!("staging link: {e}"));
-            p.batch.fail(p.index, e.clone());
-            return Err(e);
+            return Err(fail_all(TransferError::ConnectionLost(format!("staging link: {e}"))));
         }
         let rid = u64::from_le_bytes(reply[..8].try_into().unwrap_or_default());
-        let status = match status_from_u8(reply[8]) {
-            Ok(s) if rid == p.id => s,
-            _ => {
-                let e = TransferError::Protocol("bad answer on the staging link".into());
-                p.batch.fail(p.index, e.clone());
-                return Err(e);
-            }
+        let count = u32::from_le_bytes(reply[8..12].try_into().unwrap_or_default());
+        let statuses: Result<Vec<_>, _> = reply[REPLY_HEAD_LEN..].iter().map(|&b| status_from_u8(b)).collect();
+        let statuses = match statuses {
+            Ok(s) if rid == p.id && count as usize == p.chunks.len() => s,
+            _ => return Err(fail_all(TransferError::Protocol("bad answer on the staging link".into()))),
         };
-        match status {
-            Ok(()) => p.batch.slice_done(p.index, p.len),
-            Err(reason) => p.batch.fail(p.index, TransferError::Refused { side: "peer", region: p.region, reason }),
+        for (c, status) in p.chunks.iter().zip(statuses) {
+            match status {
+                Ok(()) => c.batch.slice_done(c.index, c.len),
+                Err(reason) => c.batch.fail(c.index, TransferError::Refused { side: "peer", region: c.region, reason }),
+            }
         }
         Ok(())
     }
