@@ -217,9 +217,11 @@ pub(crate) fn submit(
     for (_, (peer, s)) in tcp {
         peer.submit(s);
     }
-    // All of a batch's writes to one peer at once: its link commits them together.
+    // All of a batch's writes to one peer at once: its link commits them together, here
+    // and now when they are no more than what the memcpy paths copy inside `submit`.
     for (_, (link, ws)) in staged {
-        link.submit_many(ws);
+        let inline = ws.iter().map(|w| w.len).sum::<u64>() <= INLINE_COPY_BYTES;
+        link.submit_many(ws, inline);
     }
     run_copies(inner, &batch, copies, copy_bytes <= INLINE_COPY_BYTES);
     if !deferred.is_empty() {

@@ -19,7 +19,7 @@ use std::io::{Read, Write};
 use std::os::fd::AsFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -101,9 +101,15 @@ impl Ring {
 pub struct StagedLink {
     stream: UnixStream,
     staging: MappedMemory,
+    /// Commits in flight, the open commit and where the next chunk goes. Whoever holds it
+    /// may copy into the buffer and send commits: the worker, or `submit_many` (which only
+    /// tries it, never waits for it). Nobody holds it while blocked reading an answer
+    /// unless the buffer is full. Lock order: the ring, then the queue.
+    ring: Mutex<Ring>,
     queue: Mutex<VecDeque<StagedWrite>>,
     work: Condvar,
     dead: AtomicBool,
+    inline_commits: AtomicU64,
     worker: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -128,9 +134,11 @@ impl StagedLink {
         let link = Arc::new(StagedLink {
             stream: s,
             staging,
+            ring: Mutex::new(Ring::default()),
             queue: Mutex::new(VecDeque::new()),
             work: Condvar::new(),
             dead: AtomicBool::new(false),
+            inline_commits: AtomicU64::new(0),
             worker: Mutex::new(None),
         });
         let l2 = link.clone();
@@ -148,27 +156,69 @@ impl StagedLink {
         CHUNK.min((self.staging.len() / 4).max(1) as u64)
     }
 
-    /// Queues a write; its request must have `ceil(len / chunk())` slices set.
-    pub fn submit(&self, w: StagedWrite) {
-        if self.is_dead() {
-            w.batch.fail(w.index, TransferError::ConnectionLost("the staging link is closed".into()));
-            return;
-        }
-        self.queue.lock().push_back(w);
-        self.work.notify_one();
+    /// Commits `submit_many` sent from the submitting thread (for tests and stats).
+    pub fn inline_commits(&self) -> u64 {
+        self.inline_commits.load(Ordering::Relaxed)
     }
 
-    /// Queues several writes at once (a batch's writes to this peer), so the worker
-    /// finds them together and commits them together, with one wake-up.
-    pub fn submit_many(&self, ws: Vec<StagedWrite>) {
+    /// Queues a write; its request must have `ceil(len / chunk())` slices set.
+    pub fn submit(&self, w: StagedWrite) {
+        self.submit_many(vec![w], false);
+    }
+
+    /// Sends a batch's writes to this peer (each request with `ceil(len / chunk())`
+    /// slices set). With `inline` (the caller keeps it to what shm copies inside
+    /// `submit`), when nothing is queued and the ring is free, the writes that fit
+    /// without waiting for an answer, each whole, are copied and committed here, in one
+    /// commit: the caller's thread is running now, while the worker's wake-up is a
+    /// scheduling delay, milliseconds on a busy host (it was most of a serving batch's
+    /// time in flight). The rest is queued; the worker sends it and reads every answer.
+    pub fn submit_many(&self, ws: Vec<StagedWrite>, inline: bool) {
         if self.is_dead() {
             for w in ws {
                 w.batch.fail(w.index, TransferError::ConnectionLost("the staging link is closed".into()));
             }
             return;
         }
+        let mut ws = VecDeque::from(ws);
+        if inline {
+            if let Some(mut ring) = self.ring.try_lock() {
+                // Behind queued writes, commits would overtake them: only with none queued.
+                if self.queue.lock().is_empty() {
+                    if let Err(e) = self.commit_fitting(&mut ws, &mut ring) {
+                        // The worker sees the link dead and fails what is in flight.
+                        if let Some(w) = ws.pop_front() {
+                            w.batch.fail(w.index, e);
+                        }
+                        self.dead.store(true, Ordering::SeqCst);
+                        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+                    }
+                }
+            }
+        }
+        // Wakes the worker for the answer to what was committed here, or to send the rest
+        // (it fails everything if the link died meanwhile).
         self.queue.lock().extend(ws);
         self.work.notify_one();
+    }
+
+    /// Copies and commits (in one commit) the leading writes of `ws` whose chunks all
+    /// fit now; stops at the first that does not, leaving it and the rest in `ws`.
+    fn commit_fitting(&self, ws: &mut VecDeque<StagedWrite>, ring: &mut Ring) -> Result<(), TransferError> {
+        let (chunk, cap) = (self.chunk(), self.staging.len() as u64);
+        while let Some(w) = ws.front() {
+            // Whole writes only: the worker takes the rest from the start of a write.
+            if w.len > chunk || ring.place(w.len, cap).is_none() {
+                break;
+            }
+            let Some(w) = ws.pop_front() else { break };
+            self.copy_write(&w, ring, chunk, cap)?;
+        }
+        if !ring.open.is_empty() {
+            self.inline_commits.fetch_add(1, Ordering::Relaxed);
+            self.send(ring)?;
+        }
+        Ok(())
     }
 
     /// Stops the worker; queued and pending writes fail as closed.
@@ -192,16 +242,18 @@ impl StagedLink {
     }
 
     fn run(&self) {
-        let mut ring = Ring::default();
         let mut writes: VecDeque<StagedWrite> = VecDeque::new();
         let err = loop {
+            let mut ring = self.ring.lock();
             {
                 let mut q = self.queue.lock();
-                loop {
-                    if self.is_dead() || !q.is_empty() || !ring.pending.is_empty() {
-                        break;
-                    }
+                if q.is_empty() && ring.pending.is_empty() && !self.is_dead() {
+                    // Idle: free the ring for `submit_many` before sleeping. The queue stays
+                    // locked until the wait releases it, and `submit_many` takes the queue
+                    // to notify, so a commit made meanwhile always wakes us.
+                    drop(ring);
                     self.work.wait(&mut q);
+                    continue;
                 }
                 // Everything queued now goes out in as few commits as the buffer allows.
                 writes.extend(q.drain(..));
@@ -209,13 +261,26 @@ impl StagedLink {
             if self.is_dead() {
                 break TransferError::Closed;
             }
-            let step = if writes.is_empty() { self.settle(&mut ring) } else { self.write_chunks(&mut writes, &mut ring) };
-            if let Err(e) = step {
+            if !writes.is_empty() {
+                if let Err(e) = self.write_chunks(&mut writes, &mut ring) {
+                    break e;
+                }
+                continue;
+            }
+            // Only answers to wait for: read the oldest without holding the ring, so
+            // `submit_many` can commit meanwhile. Only this thread takes answers off.
+            let expect = ring.pending.front().map(|p| (p.id, p.chunks.len()));
+            drop(ring);
+            let Some((id, count)) = expect else { continue };
+            let reply = self.read_answer(count);
+            let mut ring = self.ring.lock();
+            if let Err(e) = ring.pending.front().filter(|p| p.id == id).ok_or(TransferError::Closed).and_then(|_| reply).and_then(|r| self.apply(&mut ring, id, &r)) {
                 break e;
             }
         };
         self.dead.store(true, Ordering::SeqCst);
-        let chunks = ring.pending.drain(..).flat_map(|p| p.chunks).chain(ring.open.drain(..));
+        let mut ring = self.ring.lock();
+        let chunks = ring.pending.drain(..).flat_map(|p| p.chunks).collect::<Vec<_>>().into_iter().chain(ring.open.drain(..).collect::<Vec<_>>());
         for c in chunks {
             c.batch.fail(c.index, err.clone());
         }
@@ -232,41 +297,47 @@ impl StagedLink {
     fn write_chunks(&self, writes: &mut VecDeque<StagedWrite>, ring: &mut Ring) -> Result<(), TransferError> {
         let (chunk, cap) = (self.chunk(), self.staging.len() as u64);
         while let Some(w) = writes.front() {
-            let mut off = 0u64;
-            while off < w.len {
-                if w.batch.is_finished(w.index) {
-                    break; // cancelled, timed out or refused: send nothing more of it
-                }
-                let n = (w.len - off).min(chunk);
-                let at = loop {
-                    match ring.place(n, cap) {
-                        Some(at) => break at,
-                        None if !ring.open.is_empty() => self.send(ring)?,
-                        None => self.settle(ring)?,
-                    }
-                };
-                if !w.batch.begin_io(w.index) {
-                    break;
-                }
-                // SAFETY: the local range was checked at submit and `w.local` keeps it
-                // mapped; begin_io keeps the request from ending (and its buffer being
-                // reused) while we read it. `at + n` <= the staging mapping's length
-                // (place), and no commit in flight or open covers those bytes, so the
-                // server is not reading them.
-                unsafe { std::ptr::copy_nonoverlapping(w.local.ptr.add(off as usize) as *const u8, self.staging.as_ptr().add(at as usize), n as usize) };
-                w.batch.end_io(w.index);
-                ring.open.push(Chunk { batch: w.batch.clone(), index: w.index, region: w.region, offset: w.offset + off, at, len: n });
-                ring.open_bytes += n;
-                ring.head = at + n;
-                off += n;
-                if ring.open_bytes >= FLUSH_BYTES {
-                    self.send(ring)?;
-                }
-            }
+            self.copy_write(w, ring, chunk, cap)?;
             writes.pop_front();
         }
         if !ring.open.is_empty() {
             self.send(ring)?;
+        }
+        Ok(())
+    }
+
+    /// Copies one write chunk by chunk into the open commit, sending it every
+    /// [`FLUSH_BYTES`] and making space (sending, then reading answers) when needed.
+    fn copy_write(&self, w: &StagedWrite, ring: &mut Ring, chunk: u64, cap: u64) -> Result<(), TransferError> {
+        let mut off = 0u64;
+        while off < w.len {
+            if w.batch.is_finished(w.index) {
+                return Ok(()); // cancelled, timed out or refused: send nothing more of it
+            }
+            let n = (w.len - off).min(chunk);
+            let at = loop {
+                match ring.place(n, cap) {
+                    Some(at) => break at,
+                    None if !ring.open.is_empty() => self.send(ring)?,
+                    None => self.settle(ring)?,
+                }
+            };
+            if !w.batch.begin_io(w.index) {
+                return Ok(());
+            }
+            // SAFETY: the local range was checked at submit and `w.local` keeps it mapped;
+            // begin_io keeps the request from ending (and its buffer being reused) while
+            // we read it. `at + n` <= the staging mapping's length (place), and no commit
+            // in flight or open covers those bytes, so the server is not reading them.
+            unsafe { std::ptr::copy_nonoverlapping(w.local.ptr.add(off as usize) as *const u8, self.staging.as_ptr().add(at as usize), n as usize) };
+            w.batch.end_io(w.index);
+            ring.open.push(Chunk { batch: w.batch.clone(), index: w.index, region: w.region, offset: w.offset + off, at, len: n });
+            ring.open_bytes += n;
+            ring.head = at + n;
+            off += n;
+            if ring.open_bytes >= FLUSH_BYTES {
+                self.send(ring)?;
+            }
         }
         Ok(())
     }
@@ -291,26 +362,38 @@ impl StagedLink {
         (&self.stream).write_all(&frame).map_err(|e| TransferError::ConnectionLost(format!("staging link: {e}")))
     }
 
-    /// Reads the answer to the oldest commit in flight and reports its chunks.
+    /// Reads the answer to the oldest commit in flight (holding the ring: the buffer is
+    /// full) and reports its chunks.
     fn settle(&self, ring: &mut Ring) -> Result<(), TransferError> {
-        let Some(p) = ring.pending.pop_front() else { return Ok(()) };
+        let Some((id, count)) = ring.pending.front().map(|p| (p.id, p.chunks.len())) else { return Ok(()) };
+        let reply = self.read_answer(count)?;
+        self.apply(ring, id, &reply)
+    }
+
+    /// The answer to a commit of `count` chunks, its id checked later by `apply`.
+    fn read_answer(&self, count: usize) -> Result<Vec<u8>, TransferError> {
+        let mut reply = vec![0u8; REPLY_HEAD_LEN + count];
+        (&self.stream).read_exact(&mut reply).map_err(|e| TransferError::ConnectionLost(format!("staging link: {e}")))?;
+        Ok(reply)
+    }
+
+    /// Takes the oldest commit (`id`) off the ring and reports each chunk's status from
+    /// `reply`; a reply that does not match fails the commit's chunks and the link.
+    fn apply(&self, ring: &mut Ring, id: u64, reply: &[u8]) -> Result<(), TransferError> {
+        let Some(p) = ring.pending.pop_front() else { return Err(TransferError::Closed) };
         ring.in_flight -= p.chunks.len();
-        let mut reply = vec![0u8; REPLY_HEAD_LEN + p.chunks.len()];
-        let fail_all = |e: TransferError| {
-            for c in &p.chunks {
-                c.batch.fail(c.index, e.clone());
-            }
-            e
-        };
-        if let Err(e) = (&self.stream).read_exact(&mut reply) {
-            return Err(fail_all(TransferError::ConnectionLost(format!("staging link: {e}"))));
-        }
         let rid = u64::from_le_bytes(reply[..8].try_into().unwrap_or_default());
         let count = u32::from_le_bytes(reply[8..12].try_into().unwrap_or_default());
         let statuses: Result<Vec<_>, _> = reply[REPLY_HEAD_LEN..].iter().map(|&b| status_from_u8(b)).collect();
         let statuses = match statuses {
-            Ok(s) if rid == p.id && count as usize == p.chunks.len() => s,
-            _ => return Err(fail_all(TransferError::Protocol("bad answer on the staging link".into()))),
+            Ok(s) if rid == id && p.id == id && count as usize == p.chunks.len() => s,
+            _ => {
+                let e = TransferError::Protocol("bad answer on the staging link".into());
+                for c in &p.chunks {
+                    c.batch.fail(c.index, e.clone());
+                }
+                return Err(e);
+            }
         };
         for (c, status) in p.chunks.iter().zip(statuses) {
             match status {

@@ -279,10 +279,12 @@ fn a_commit_of_many_chunks_is_checked_and_answered_chunk_by_chunk() {
     srv.close();
 }
 
-/// One batch of restricted writes (in the grants, past one, in none, several chunks
-/// long) between two fresh engines on `transports`: each request's code, the arena's
-/// bytes after, and the bytes the server took through staging buffers.
-fn grant_batch(transports: &[&str]) -> (Vec<&'static str>, Vec<u8>, u64) {
+/// Two batches of restricted writes (in the grants, past one, in none, several chunks
+/// long), a small one (which the staged path commits inside `submit`) and a large one
+/// (which its worker sends), between two fresh engines on `transports`: each request's
+/// code, the arena's bytes after, the bytes the server took through staging buffers,
+/// and the commits sent from `submit`.
+fn grant_batch(transports: &[&str]) -> (Vec<&'static str>, Vec<u8>, u64, u64) {
     let engine_on = |name: &str| {
         let mut c = cfg(name, transports);
         c.auth_token = Some(TOKEN.into());
@@ -300,6 +302,10 @@ fn grant_batch(transports: &[&str]) -> (Vec<&'static str>, Vec<u8>, u64) {
     // The first write finds the region (and opens the link); the batch then goes out whole.
     assert_eq!(write(&prefill, l, 0, &p, arena, 0, 4096), "ok");
     let k = 128u64 << 10;
+    let mut small: Vec<Request> = (0..6).map(|i| req(Op::Write, l, (7 << 20) + i * k, &p, arena, (11 << 18) + i * k, k)).collect();
+    small.push(req(Op::Write, l, 0, &p, arena, (4 << 20) - 100, 4096)); // past the first grant
+    small.push(req(Op::Write, l, 0, &p, arena, (5 << 20) + 8192, 4096)); // in no grant
+    let mut codes: Vec<&'static str> = prefill.submit(small, T).unwrap().wait(None).iter().map(code).collect();
     let mut reqs: Vec<Request> = (0..20).map(|i| req(Op::Write, l, i * 3 * k, &p, arena, i * k + 7, k)).collect();
     reqs.push(req(Op::Write, l, 0, &p, arena, (4 << 20) - 4096, k)); // past the first grant
     reqs.push(req(Op::Write, l, 0, &p, arena, 5 << 20, 4096)); // in no grant
@@ -307,19 +313,22 @@ fn grant_batch(transports: &[&str]) -> (Vec<&'static str>, Vec<u8>, u64) {
     reqs.push(req(Op::Write, l, 0, &p, arena, len - 2000, 1500)); // past the second grant
     reqs.push(req(Op::Write, l, 0, &p, arena, len - 10, 100)); // past the region
     reqs.extend((0..8).map(|i| req(Op::Write, l, (i + 1) * k, &p, arena, (10 << 20) + i * k, k)));
-    let st = prefill.submit(reqs, T).unwrap().wait(None);
-    (st.iter().map(code).collect(), bytes(&decode, arena), decode.stats().bytes_staged)
+    codes.extend(prefill.submit(reqs, T).unwrap().wait(None).iter().map(code));
+    let inline = links(&p).iter().map(|l| l.inline_commits()).sum();
+    (codes, bytes(&decode, arena), decode.stats().bytes_staged, inline)
 }
 
-// Commits of many chunks (the staged path) against the simple path for restricted
-// writes, TCP (each slice its own frame and answer): same codes, same bytes.
+// Commits of many chunks (the staged path), sent from `submit` or by the link's worker,
+// against the simple path for restricted writes, TCP (each slice its own frame and
+// answer): same codes, same bytes.
 #[test]
 fn batched_staged_commits_match_tcp_in_bytes_and_refusals() {
-    let (staged_codes, staged_bytes, staged) = grant_batch(&["shm", "tcp"]);
-    let (tcp_codes, tcp_bytes, over_tcp) = grant_batch(&["tcp"]);
+    let (staged_codes, staged_bytes, staged, inline) = grant_batch(&["shm", "tcp"]);
+    let (tcp_codes, tcp_bytes, over_tcp, _) = grant_batch(&["tcp"]);
     assert!(staged > 0 && over_tcp == 0, "staged {staged} bytes, over TCP {over_tcp}");
+    assert!(inline >= 1, "the small batch was not committed inside submit");
     assert_eq!(staged_codes, tcp_codes);
-    assert!(staged_codes.iter().filter(|c| **c == "ok").count() == 29, "{staged_codes:?}");
+    assert!(staged_codes.iter().filter(|c| **c == "ok").count() == 35, "{staged_codes:?}");
     assert!(staged_codes.contains(&"no_grant") && staged_codes.contains(&"out_of_bounds"), "{staged_codes:?}");
     let first_diff = staged_bytes.iter().zip(&tcp_bytes).position(|(a, b)| a != b);
     assert!(first_diff.is_none(), "the arena differs between the staged path and TCP from byte {first_diff:?}");
