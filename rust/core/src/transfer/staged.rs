@@ -16,7 +16,7 @@
 
 use std::collections::VecDeque;
 use std::io::{Read, Write};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Mutex;
 
 use super::auth::AuthKey;
 use super::batch::Batch;
@@ -107,7 +107,10 @@ pub struct StagedLink {
     /// unless the buffer is full. Lock order: the ring, then the queue.
     ring: Mutex<Ring>,
     queue: Mutex<VecDeque<StagedWrite>>,
-    work: Condvar,
+    /// An eventfd rung when writes are queued; the idle worker waits on it and on the
+    /// socket together, so an answer to a commit sent from `submit_many` wakes it with no
+    /// second wake-up to tell it a commit went out.
+    bell: OwnedFd,
     dead: AtomicBool,
     inline_commits: AtomicU64,
     worker: Mutex<Option<JoinHandle<()>>>,
@@ -136,7 +139,7 @@ impl StagedLink {
             staging,
             ring: Mutex::new(Ring::default()),
             queue: Mutex::new(VecDeque::new()),
-            work: Condvar::new(),
+            bell: new_bell().map_err(TransferError::io)?,
             dead: AtomicBool::new(false),
             inline_commits: AtomicU64::new(0),
             worker: Mutex::new(None),
@@ -196,10 +199,41 @@ impl StagedLink {
                 }
             }
         }
-        // Wakes the worker for the answer to what was committed here, or to send the rest
-        // (it fails everything if the link died meanwhile).
-        self.queue.lock().extend(ws);
-        self.work.notify_one();
+        // The worker sees the answer to what was committed here on the socket; the rest it
+        // is rung for (it also fails everything if the link died meanwhile).
+        if !ws.is_empty() || self.is_dead() {
+            self.queue.lock().extend(ws);
+            self.ring_bell();
+        }
+    }
+
+    fn ring_bell(&self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writes 8 bytes from a live buffer to our eventfd; a full counter
+        // (EAGAIN) already wakes the worker.
+        unsafe { libc::write(self.bell.as_raw_fd(), one.as_ptr().cast(), 8) };
+    }
+
+    /// Waits until writes are queued or the socket has something to read (an answer, or
+    /// its end); whether the socket was the reason.
+    fn wait_idle(&self) -> bool {
+        let mut fds = [
+            libc::pollfd { fd: self.bell.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: self.stream.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+        ];
+        loop {
+            // SAFETY: two valid pollfds in a live array, their fds owned by self.
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+            if n >= 0 || std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+                break;
+            }
+        }
+        if fds[0].revents != 0 {
+            let mut buf = [0u8; 8];
+            // SAFETY: reads 8 bytes into a live buffer from our nonblocking eventfd.
+            unsafe { libc::read(self.bell.as_raw_fd(), buf.as_mut_ptr().cast(), 8) };
+        }
+        fds[1].revents != 0
     }
 
     /// Copies and commits (in one commit) the leading writes of `ws` whose chunks all
@@ -225,14 +259,19 @@ impl StagedLink {
     pub fn close(&self) {
         self.dead.store(true, Ordering::SeqCst);
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
-        drop(self.queue.lock());
-        self.work.notify_all();
+        self.ring_bell();
         let h = self.worker.lock().take();
         if let Some(h) = h {
             if h.thread().id() != std::thread::current().id() {
                 let _ = h.join();
             }
         }
+    }
+
+    /// Nothing in flight and the worker not holding the ring (so `submit_many` may commit).
+    #[cfg(test)]
+    pub(crate) fn is_idle(&self) -> bool {
+        self.ring.try_lock().is_some_and(|r| r.pending.is_empty())
     }
 
     #[cfg(test)]
@@ -243,18 +282,25 @@ impl StagedLink {
 
     fn run(&self) {
         let mut writes: VecDeque<StagedWrite> = VecDeque::new();
+        let mut readable = false;
         let err = loop {
             let mut ring = self.ring.lock();
             {
                 let mut q = self.queue.lock();
                 if q.is_empty() && ring.pending.is_empty() && !self.is_dead() {
-                    // Idle: free the ring for `submit_many` before sleeping. The queue stays
-                    // locked until the wait releases it, and `submit_many` takes the queue
-                    // to notify, so a commit made meanwhile always wakes us.
+                    if readable {
+                        // Bytes or the end with no commit out: the server closed (or broke) the link.
+                        break TransferError::ConnectionLost("the staging server closed the link".into());
+                    }
+                    // Idle: free the ring for `submit_many` before sleeping. Both wake-ups are
+                    // levels (an answer waiting, the bell's count), so a commit or a queued
+                    // write made meanwhile is never missed.
+                    drop(q);
                     drop(ring);
-                    self.work.wait(&mut q);
+                    readable = self.wait_idle();
                     continue;
                 }
+                readable = false;
                 // Everything queued now goes out in as few commits as the buffer allows.
                 writes.extend(q.drain(..));
             }
@@ -403,6 +449,17 @@ impl StagedLink {
         }
         Ok(())
     }
+}
+
+/// A nonblocking eventfd.
+fn new_bell() -> std::io::Result<OwnedFd> {
+    // SAFETY: eventfd has no memory preconditions; a valid fd is owned from here on.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just created and is owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 impl Drop for StagedLink {

@@ -301,6 +301,12 @@ fn grant_batch(transports: &[&str]) -> (Vec<&'static str>, Vec<u8>, u64, u64) {
     fill(&prefill, l, 5);
     // The first write finds the region (and opens the link); the batch then goes out whole.
     assert_eq!(write(&prefill, l, 0, &p, arena, 0, 4096), "ok");
+    // Its answer ends the batch just before the worker lets go of the ring: wait for that,
+    // or the small batch below may (rightly) be queued for the worker instead.
+    let until = std::time::Instant::now() + T;
+    while !links(&p).iter().all(|l| l.is_idle()) && std::time::Instant::now() < until {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
     let k = 128u64 << 10;
     let mut small: Vec<Request> = (0..6).map(|i| req(Op::Write, l, (7 << 20) + i * k, &p, arena, (11 << 18) + i * k, k)).collect();
     small.push(req(Op::Write, l, 0, &p, arena, (4 << 20) - 100, 4096)); // past the first grant
