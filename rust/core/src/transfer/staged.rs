@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 
 use super::auth::AuthKey;
 use super::batch::Batch;
@@ -104,8 +104,11 @@ pub struct StagedLink {
     /// Commits in flight, the open commit and where the next chunk goes. Whoever holds it
     /// may copy into the buffer and send commits: the worker, or `submit_many` (which only
     /// tries it, never waits for it). Nobody holds it while blocked reading an answer
-    /// unless the buffer is full. Lock order: the ring, then the queue.
+    /// unless the buffer is full. Lock order: the ring, then the send lock or the queue.
     ring: Mutex<Ring>,
+    /// Held while a commit's frame is written (taken while holding the ring, which may
+    /// then be let go), so frames go out in the ring's order.
+    send_lock: Mutex<()>,
     queue: Mutex<VecDeque<StagedWrite>>,
     /// An eventfd rung when writes are queued; the idle worker waits on it and on the
     /// socket together, so an answer to a commit sent from `submit_many` wakes it with no
@@ -138,6 +141,7 @@ impl StagedLink {
             stream: s,
             staging,
             ring: Mutex::new(Ring::default()),
+            send_lock: Mutex::new(()),
             queue: Mutex::new(VecDeque::new()),
             bell: new_bell().map_err(TransferError::io)?,
             dead: AtomicBool::new(false),
@@ -185,17 +189,15 @@ impl StagedLink {
         }
         let mut ws = VecDeque::from(ws);
         if inline {
-            if let Some(mut ring) = self.ring.try_lock() {
+            if let Some(ring) = self.ring.try_lock() {
                 // Behind queued writes, commits would overtake them: only with none queued.
-                if self.queue.lock().is_empty() {
-                    if let Err(e) = self.commit_fitting(&mut ws, &mut ring) {
-                        // The worker sees the link dead and fails what is in flight.
-                        if let Some(w) = ws.pop_front() {
-                            w.batch.fail(w.index, e);
-                        }
-                        self.dead.store(true, Ordering::SeqCst);
-                        let _ = self.stream.shutdown(std::net::Shutdown::Both);
-                    }
+                // (A `let`, so the queue's guard ends here, not after the commit is written.)
+                let none_queued = self.queue.lock().is_empty();
+                if none_queued && self.commit_fitting(&mut ws, ring).is_err() {
+                    // Every chunk copied here is in the ring, and the rest is queued below:
+                    // the worker sees the link dead and fails them all.
+                    self.dead.store(true, Ordering::SeqCst);
+                    let _ = self.stream.shutdown(std::net::Shutdown::Both);
                 }
             }
         }
@@ -238,7 +240,10 @@ impl StagedLink {
 
     /// Copies and commits (in one commit) the leading writes of `ws` whose chunks all
     /// fit now; stops at the first that does not, leaving it and the rest in `ws`.
-    fn commit_fitting(&self, ws: &mut VecDeque<StagedWrite>, ring: &mut Ring) -> Result<(), TransferError> {
+    /// The ring is let go before the commit is written: writing wakes the server, which
+    /// may take this CPU from us for milliseconds on a busy host, and the worker must not
+    /// wait that long for the ring to report the answer.
+    fn commit_fitting(&self, ws: &mut VecDeque<StagedWrite>, mut ring: MutexGuard<'_, Ring>) -> Result<(), TransferError> {
         let (chunk, cap) = (self.chunk(), self.staging.len() as u64);
         while let Some(w) = ws.front() {
             // Whole writes only: the worker takes the rest from the start of a write.
@@ -246,13 +251,19 @@ impl StagedLink {
                 break;
             }
             let Some(w) = ws.pop_front() else { break };
-            self.copy_write(&w, ring, chunk, cap)?;
+            self.copy_write(&w, &mut ring, chunk, cap)?;
         }
-        if !ring.open.is_empty() {
-            self.inline_commits.fetch_add(1, Ordering::Relaxed);
-            self.send(ring)?;
+        if ring.open.is_empty() {
+            return Ok(());
         }
-        Ok(())
+        self.inline_commits.fetch_add(1, Ordering::Relaxed);
+        let frame = seal_commit(&mut ring);
+        // Frames go out in the order their commits entered the ring.
+        let sending = self.send_lock.lock();
+        drop(ring);
+        let sent = (&self.stream).write_all(&frame);
+        drop(sending);
+        sent.map_err(|e| TransferError::ConnectionLost(format!("staging link: {e}")))
     }
 
     /// Stops the worker; queued and pending writes fail as closed.
@@ -390,21 +401,8 @@ impl StagedLink {
 
     /// Sends the open commit: one frame for all its chunks.
     fn send(&self, ring: &mut Ring) -> Result<(), TransferError> {
-        let chunks = std::mem::take(&mut ring.open);
-        ring.open_bytes = 0;
-        ring.next_id += 1;
-        let id = ring.next_id;
-        let mut frame = Vec::with_capacity(COMMIT_HEAD_LEN + chunks.len() * CHUNK_ENTRY_LEN);
-        frame.extend_from_slice(&id.to_le_bytes());
-        frame.extend_from_slice(&(chunks.len() as u32).to_le_bytes());
-        frame.extend_from_slice(&0u32.to_le_bytes());
-        for c in &chunks {
-            for v in [c.region, c.offset, c.len, c.at] {
-                frame.extend_from_slice(&v.to_le_bytes());
-            }
-        }
-        ring.in_flight += chunks.len();
-        ring.pending.push_back(Pending { id, chunks });
+        let frame = seal_commit(ring);
+        let _sending = self.send_lock.lock();
         (&self.stream).write_all(&frame).map_err(|e| TransferError::ConnectionLost(format!("staging link: {e}")))
     }
 
@@ -449,6 +447,26 @@ impl StagedLink {
         }
         Ok(())
     }
+}
+
+/// Moves the open commit into the ring's commits in flight; its frame, to be sent next.
+fn seal_commit(ring: &mut Ring) -> Vec<u8> {
+    let chunks = std::mem::take(&mut ring.open);
+    ring.open_bytes = 0;
+    ring.next_id += 1;
+    let id = ring.next_id;
+    let mut frame = Vec::with_capacity(COMMIT_HEAD_LEN + chunks.len() * CHUNK_ENTRY_LEN);
+    frame.extend_from_slice(&id.to_le_bytes());
+    frame.extend_from_slice(&(chunks.len() as u32).to_le_bytes());
+    frame.extend_from_slice(&0u32.to_le_bytes());
+    for c in &chunks {
+        for v in [c.region, c.offset, c.len, c.at] {
+            frame.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    ring.in_flight += chunks.len();
+    ring.pending.push_back(Pending { id, chunks });
+    frame
 }
 
 /// A nonblocking eventfd.
