@@ -7,7 +7,7 @@
 //! (at most [`CHUNK`] bytes each): the worker takes every write queued (a batch's writes
 //! to this peer arrive together), copies them chunk by chunk into free space and sends
 //! the chunks in commits of up to [`FLUSH_BYTES`] without waiting, up to a full buffer
-//! (or [`MAX_COMMIT_CHUNKS`] chunks) in flight, and reads the answers (which come in
+//! (or [`MAX_COMMIT_CHUNKS`](super::staged_server::MAX_COMMIT_CHUNKS) chunks) in flight, and reads the answers (which come in
 //! order, one per commit) when it needs the space back or has nothing else to do. So
 //! the server copies commit k out while the worker copies commit k+1 in, and a batch of
 //! many small requests (serving writes one span per block and layer) costs one round
@@ -31,7 +31,8 @@ use super::batch::Batch;
 use super::fdpass;
 use super::local::Span;
 use super::protocol::status_from_u8;
-use super::staged_server::{CHUNK_ENTRY_LEN, COMMIT_HEAD_LEN, MAX_COMMIT_CHUNKS, REPLY_HEAD_LEN};
+use super::staged_ring::{seal_commit, Chunk, Ring};
+use super::staged_server::REPLY_HEAD_LEN;
 use super::tcp::handshake;
 use super::TransferError;
 use crate::mem::MappedMemory;
@@ -52,51 +53,6 @@ pub const CHUNK: u64 = 1 << 20;
 /// server copies one commit out while the worker copies the next in (a quarter of the
 /// default ring; a serving step's batch of one layer, 8 x 128 KiB, is one commit).
 const FLUSH_BYTES: u64 = 2 << 20;
-
-/// One chunk of a write, copied into `at..at + len` of the staging buffer; those bytes
-/// stay untouched until the answer to its commit.
-struct Chunk {
-    batch: Arc<Batch>,
-    index: usize,
-    region: u64,
-    offset: u64,
-    at: u64,
-    len: u64,
-}
-
-/// A commit that is out (its chunks in order), waiting for its answer.
-struct Pending {
-    id: u64,
-    chunks: Vec<Chunk>,
-}
-
-/// The worker's state: commits in flight (oldest first), the commit being filled, and
-/// where the next chunk goes.
-#[derive(Default)]
-struct Ring {
-    pending: VecDeque<Pending>,
-    in_flight: usize,
-    open: Vec<Chunk>,
-    open_bytes: u64,
-    head: u64,
-    next_id: u64,
-}
-
-impl Ring {
-    /// Where `n` bytes can go now without touching a chunk in flight or in the open
-    /// commit, if anywhere.
-    fn place(&self, n: u64, cap: u64) -> Option<u64> {
-        if self.pending.is_empty() && self.open.is_empty() {
-            return Some(0);
-        }
-        if self.in_flight + self.open.len() >= MAX_COMMIT_CHUNKS {
-            return None;
-        }
-        let at = if self.head + n <= cap { self.head } else { 0 };
-        let clear = self.pending.iter().flat_map(|p| p.chunks.iter()).chain(self.open.iter()).all(|c| at + n <= c.at || c.at + c.len <= at);
-        clear.then_some(at)
-    }
-}
 
 pub struct StagedLink {
     stream: UnixStream,
@@ -447,26 +403,6 @@ impl StagedLink {
         }
         Ok(())
     }
-}
-
-/// Moves the open commit into the ring's commits in flight; its frame, to be sent next.
-fn seal_commit(ring: &mut Ring) -> Vec<u8> {
-    let chunks = std::mem::take(&mut ring.open);
-    ring.open_bytes = 0;
-    ring.next_id += 1;
-    let id = ring.next_id;
-    let mut frame = Vec::with_capacity(COMMIT_HEAD_LEN + chunks.len() * CHUNK_ENTRY_LEN);
-    frame.extend_from_slice(&id.to_le_bytes());
-    frame.extend_from_slice(&(chunks.len() as u32).to_le_bytes());
-    frame.extend_from_slice(&0u32.to_le_bytes());
-    for c in &chunks {
-        for v in [c.region, c.offset, c.len, c.at] {
-            frame.extend_from_slice(&v.to_le_bytes());
-        }
-    }
-    ring.in_flight += chunks.len();
-    ring.pending.push_back(Pending { id, chunks });
-    frame
 }
 
 /// A nonblocking eventfd.
