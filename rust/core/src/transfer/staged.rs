@@ -7,12 +7,13 @@
 //! (at most [`CHUNK`] bytes each): the worker takes every write queued (a batch's writes
 //! to this peer arrive together), copies them chunk by chunk into free space and sends
 //! the chunks in commits of up to [`FLUSH_BYTES`] without waiting, up to a full buffer
-//! (or [`MAX_COMMIT_CHUNKS`](super::staged_server::MAX_COMMIT_CHUNKS) chunks) in flight, and reads the answers (which come in
-//! order, one per commit) when it needs the space back or has nothing else to do. So
-//! the server copies commit k out while the worker copies commit k+1 in, and a batch of
-//! many small requests (serving writes one span per block and layer) costs one round
-//! trip and two wake-ups, not one a request: a round trip per chunk made a serving
-//! step's eight 128 KiB spans sixteen wake-ups, each a scheduling delay on a busy host.
+//! (or `MAX_COMMIT_CHUNKS` chunks) in flight, and reads the answers (in order, one per
+//! commit) when it needs the space back or has nothing else to do. So the server copies
+//! commit k out while the worker copies commit k+1 in, and a batch of many small
+//! requests (serving writes one span per block and layer) costs one round trip, not one
+//! a chunk: a round trip per chunk made a serving step's eight 128 KiB spans sixteen
+//! wake-ups, each a scheduling delay on a busy host. A small batch is committed by
+//! `submit_many` itself (below), and then the answer is its only wake-up here.
 
 use std::collections::VecDeque;
 use std::io::{Read, Write};
