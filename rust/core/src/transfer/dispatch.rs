@@ -155,6 +155,7 @@ pub(crate) fn submit(
     let mut copy_bytes = 0u64;
     let mut tcp: HashMap<*const TcpPeer, (Arc<TcpPeer>, Vec<Slice>)> = HashMap::new();
     let mut deferred: Vec<Checked> = Vec::new();
+    let mut staged: HashMap<*const StagedLink, (Arc<StagedLink>, Vec<StagedWrite>)> = HashMap::new();
     let mut last_target: Option<(*const std::sync::Weak<EngineInner>, Arc<EngineInner>)> = None;
     for c in checked {
         // The whole remote range must be addressable before anything moves: no path
@@ -195,7 +196,11 @@ pub(crate) fn submit(
                             Err(e) => batch.fail(c.index, e),
                         }
                     }
-                    Lookup::Staged(link) if use_staging(&c.req) => staged_write(&batch, &c, &link, t),
+                    Lookup::Staged(link) if use_staging(&c.req) => {
+                        if let Some(w) = staged_write(&batch, &c, &link, t) {
+                            staged.entry(Arc::as_ptr(&link)).or_insert_with(|| (link.clone(), Vec::new())).1.push(w);
+                        }
+                    }
                     Lookup::Staged(_) | Lookup::NotShared => match tcp_plan(t, inner.cfg.slice_size, &c.req) {
                         TcpPlan::Send => {
                             let s = slices(inner.cfg.slice_size, &batch, &c);
@@ -212,6 +217,12 @@ pub(crate) fn submit(
     for (_, (peer, s)) in tcp {
         peer.submit(s);
     }
+    // All of a batch's writes to one peer at once: its link commits them together, here
+    // and now when they are no more than what the memcpy paths copy inside `submit`.
+    for (_, (link, ws)) in staged {
+        let inline = ws.iter().map(|w| w.len).sum::<u64>() <= INLINE_COPY_BYTES;
+        link.submit_many(ws, inline);
+    }
     run_copies(inner, &batch, copies, copy_bytes <= INLINE_COPY_BYTES);
     if !deferred.is_empty() {
         spawn_resolver(inner, batch.clone(), deferred);
@@ -225,23 +236,24 @@ fn use_staging(r: &Request) -> bool {
     r.op == Op::Write && r.length > 0
 }
 
-/// Hands a write to the staging link after checking it whole against what the peer said
-/// of the region (the peer checks each chunk against its live grants before it lands).
-fn staged_write(batch: &Arc<Batch>, c: &Checked, link: &StagedLink, tcp: &TcpPeer) {
+/// A write for the staging link, after checking it whole against what the peer said of
+/// the region (the peer checks each chunk against its live grants before it lands);
+/// `None` when refused here.
+fn staged_write(batch: &Arc<Batch>, c: &Checked, link: &StagedLink, tcp: &TcpPeer) -> Option<StagedWrite> {
     let r = &c.req;
     if let Some(Err(e)) = tcp.known_region(r.remote_region).map(|info| info.check(r.remote_offset, r.length, true)) {
         batch.fail(c.index, refused(r, e));
-        return;
+        return None;
     }
     batch.set_slices(c.index, r.length.div_ceil(link.chunk()) as usize);
-    link.submit(StagedWrite {
+    Some(StagedWrite {
         batch: batch.clone(),
         index: c.index,
         local: Span::region(&c.local, r.local_offset),
         region: r.remote_region,
         offset: r.remote_offset,
         len: r.length,
-    });
+    })
 }
 
 fn refused(r: &Request, reason: AccessError) -> TransferError {
@@ -314,7 +326,10 @@ impl Resolver {
                     return;
                 }
                 Lookup::Staged(link) if use_staging(r) => {
-                    return staged_write(batch, &c, &link, tcp);
+                    if let Some(w) = staged_write(batch, &c, &link, tcp) {
+                        link.submit(w);
+                    }
+                    return;
                 }
                 _ => {}
             }

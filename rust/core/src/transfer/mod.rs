@@ -26,6 +26,7 @@ pub mod region;
 pub mod registry;
 pub mod shm;
 pub mod staged;
+mod staged_ring;
 pub mod staged_server;
 pub mod tcp;
 

@@ -4,32 +4,36 @@
 //! grants by that server before it copies the chunk in.
 //!
 //! One link per peer server, one worker thread per link. The buffer is a ring of chunks
-//! (at most [`CHUNK`] bytes each): the worker copies a chunk into free space and sends
-//! its commit without waiting, up to a full buffer of commits in flight, and reads the
-//! answers (which come in order) when it needs the space back or has nothing else to do.
-//! So the server copies chunk k out while the worker copies chunk k+1 in, and a batch
-//! of many small requests (serving writes one span per layer) costs no round trip per
-//! request: a round trip per commit made the first version latency-bound (0.1 GB/s on
-//! a loaded host).
+//! (at most [`CHUNK`] bytes each): the worker takes every write queued (a batch's writes
+//! to this peer arrive together), copies them chunk by chunk into free space and sends
+//! the chunks in commits of up to [`FLUSH_BYTES`] without waiting, up to a full buffer
+//! (or `MAX_COMMIT_CHUNKS` chunks) in flight, and reads the answers (in order, one per
+//! commit) when it needs the space back or has nothing else to do. So the server copies
+//! commit k out while the worker copies commit k+1 in, and a batch of many small
+//! requests (serving writes one span per block and layer) costs one round trip, not one
+//! a chunk: a round trip per chunk made a serving step's eight 128 KiB spans sixteen
+//! wake-ups, each a scheduling delay on a busy host. A small batch is committed by
+//! `submit_many` itself (below), and then the answer is its only wake-up here.
 
 use std::collections::VecDeque;
 use std::io::{Read, Write};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Mutex, MutexGuard};
 
 use super::auth::AuthKey;
 use super::batch::Batch;
 use super::fdpass;
 use super::local::Span;
 use super::protocol::status_from_u8;
-use super::staged_server::{COMMIT_LEN, REPLY_LEN};
+use super::staged_ring::{seal_commit, Chunk, Ring};
+use super::staged_server::REPLY_HEAD_LEN;
 use super::tcp::handshake;
 use super::TransferError;
 use crate::mem::MappedMemory;
@@ -46,50 +50,29 @@ pub struct StagedWrite {
 
 /// Most bytes one commit moves.
 pub const CHUNK: u64 = 1 << 20;
-/// Most commits in flight: their 40-byte commits and 9-byte answers stay far below the
-/// socket buffers, so neither side can block writing while the other does.
-const MAX_IN_FLIGHT: usize = 256;
-
-/// A chunk whose commit is out, waiting for its answer; its bytes `at..at + len` of
-/// the staging buffer stay untouched until then.
-struct Pending {
-    batch: Arc<Batch>,
-    index: usize,
-    region: u64,
-    id: u64,
-    at: u64,
-    len: u64,
-}
-
-/// The worker's state: commits in flight (oldest first) and where the next chunk goes.
-#[derive(Default)]
-struct Ring {
-    pending: VecDeque<Pending>,
-    head: u64,
-    next_id: u64,
-}
-
-impl Ring {
-    /// Where `n` bytes can go now without touching a chunk in flight, if anywhere.
-    fn place(&self, n: u64, cap: u64) -> Option<u64> {
-        if self.pending.is_empty() {
-            return Some(0);
-        }
-        if self.pending.len() >= MAX_IN_FLIGHT {
-            return None;
-        }
-        let at = if self.head + n <= cap { self.head } else { 0 };
-        let clear = self.pending.iter().all(|p| at + n <= p.at || p.at + p.len <= at);
-        clear.then_some(at)
-    }
-}
+/// Bytes after which an open commit is sent even if more writes are queued, so the
+/// server copies one commit out while the worker copies the next in (a quarter of the
+/// default ring; a serving step's batch of one layer, 8 x 128 KiB, is one commit).
+const FLUSH_BYTES: u64 = 2 << 20;
 
 pub struct StagedLink {
     stream: UnixStream,
     staging: MappedMemory,
+    /// Commits in flight, the open commit and where the next chunk goes. Whoever holds it
+    /// may copy into the buffer and send commits: the worker, or `submit_many` (which only
+    /// tries it, never waits for it). Nobody holds it while blocked reading an answer
+    /// unless the buffer is full. Lock order: the ring, then the send lock or the queue.
+    ring: Mutex<Ring>,
+    /// Held while a commit's frame is written (taken while holding the ring, which may
+    /// then be let go), so frames go out in the ring's order.
+    send_lock: Mutex<()>,
     queue: Mutex<VecDeque<StagedWrite>>,
-    work: Condvar,
+    /// An eventfd rung when writes are queued; the idle worker waits on it and on the
+    /// socket together, so an answer to a commit sent from `submit_many` wakes it with no
+    /// second wake-up to tell it a commit went out.
+    bell: OwnedFd,
     dead: AtomicBool,
+    inline_commits: AtomicU64,
     worker: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -114,9 +97,12 @@ impl StagedLink {
         let link = Arc::new(StagedLink {
             stream: s,
             staging,
+            ring: Mutex::new(Ring::default()),
+            send_lock: Mutex::new(()),
             queue: Mutex::new(VecDeque::new()),
-            work: Condvar::new(),
+            bell: new_bell().map_err(TransferError::io)?,
             dead: AtomicBool::new(false),
+            inline_commits: AtomicU64::new(0),
             worker: Mutex::new(None),
         });
         let l2 = link.clone();
@@ -134,28 +120,126 @@ impl StagedLink {
         CHUNK.min((self.staging.len() / 4).max(1) as u64)
     }
 
+    /// Commits `submit_many` sent from the submitting thread (for tests and stats).
+    pub fn inline_commits(&self) -> u64 {
+        self.inline_commits.load(Ordering::Relaxed)
+    }
+
     /// Queues a write; its request must have `ceil(len / chunk())` slices set.
     pub fn submit(&self, w: StagedWrite) {
+        self.submit_many(vec![w], false);
+    }
+
+    /// Sends a batch's writes to this peer (each request with `ceil(len / chunk())`
+    /// slices set). With `inline` (the caller keeps it to what shm copies inside
+    /// `submit`), when nothing is queued and the ring is free, the writes that fit
+    /// without waiting for an answer, each whole, are copied and committed here, in one
+    /// commit: the caller's thread is running now, while the worker's wake-up is a
+    /// scheduling delay, milliseconds on a busy host (it was most of a serving batch's
+    /// time in flight). The rest is queued; the worker sends it and reads every answer.
+    pub fn submit_many(&self, ws: Vec<StagedWrite>, inline: bool) {
         if self.is_dead() {
-            w.batch.fail(w.index, TransferError::ConnectionLost("the staging link is closed".into()));
+            for w in ws {
+                w.batch.fail(w.index, TransferError::ConnectionLost("the staging link is closed".into()));
+            }
             return;
         }
-        self.queue.lock().push_back(w);
-        self.work.notify_one();
+        let mut ws = VecDeque::from(ws);
+        if inline {
+            if let Some(ring) = self.ring.try_lock() {
+                // Behind queued writes, commits would overtake them: only with none queued.
+                // (A `let`, so the queue's guard ends here, not after the commit is written.)
+                let none_queued = self.queue.lock().is_empty();
+                if none_queued && self.commit_fitting(&mut ws, ring).is_err() {
+                    // Every chunk copied here is in the ring, and the rest is queued below:
+                    // the worker sees the link dead and fails them all.
+                    self.dead.store(true, Ordering::SeqCst);
+                    let _ = self.stream.shutdown(std::net::Shutdown::Both);
+                }
+            }
+        }
+        // The worker sees the answer to what was committed here on the socket; the rest it
+        // is rung for (it also fails everything if the link died meanwhile).
+        if !ws.is_empty() || self.is_dead() {
+            self.queue.lock().extend(ws);
+            self.ring_bell();
+        }
+    }
+
+    fn ring_bell(&self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writes 8 bytes from a live buffer to our eventfd; a full counter
+        // (EAGAIN) already wakes the worker.
+        unsafe { libc::write(self.bell.as_raw_fd(), one.as_ptr().cast(), 8) };
+    }
+
+    /// Waits until writes are queued or the socket has something to read (an answer, or
+    /// its end); whether the socket was the reason.
+    fn wait_idle(&self) -> bool {
+        let mut fds = [
+            libc::pollfd { fd: self.bell.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: self.stream.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+        ];
+        loop {
+            // SAFETY: two valid pollfds in a live array, their fds owned by self.
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+            if n >= 0 || std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+                break;
+            }
+        }
+        if fds[0].revents != 0 {
+            let mut buf = [0u8; 8];
+            // SAFETY: reads 8 bytes into a live buffer from our nonblocking eventfd.
+            unsafe { libc::read(self.bell.as_raw_fd(), buf.as_mut_ptr().cast(), 8) };
+        }
+        fds[1].revents != 0
+    }
+
+    /// Copies and commits (in one commit) the leading writes of `ws` whose chunks all
+    /// fit now; stops at the first that does not, leaving it and the rest in `ws`.
+    /// The ring is let go before the commit is written: writing wakes the server, which
+    /// may take this CPU from us for milliseconds on a busy host, and the worker must not
+    /// wait that long for the ring to report the answer.
+    fn commit_fitting(&self, ws: &mut VecDeque<StagedWrite>, mut ring: MutexGuard<'_, Ring>) -> Result<(), TransferError> {
+        let (chunk, cap) = (self.chunk(), self.staging.len() as u64);
+        while let Some(w) = ws.front() {
+            // Whole writes only: the worker takes the rest from the start of a write.
+            if w.len > chunk || ring.place(w.len, cap).is_none() {
+                break;
+            }
+            let Some(w) = ws.pop_front() else { break };
+            self.copy_write(&w, &mut ring, chunk, cap)?;
+        }
+        if ring.open.is_empty() {
+            return Ok(());
+        }
+        self.inline_commits.fetch_add(1, Ordering::Relaxed);
+        let frame = seal_commit(&mut ring);
+        // Frames go out in the order their commits entered the ring.
+        let sending = self.send_lock.lock();
+        drop(ring);
+        let sent = (&self.stream).write_all(&frame);
+        drop(sending);
+        sent.map_err(|e| TransferError::ConnectionLost(format!("staging link: {e}")))
     }
 
     /// Stops the worker; queued and pending writes fail as closed.
     pub fn close(&self) {
         self.dead.store(true, Ordering::SeqCst);
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
-        drop(self.queue.lock());
-        self.work.notify_all();
+        self.ring_bell();
         let h = self.worker.lock().take();
         if let Some(h) = h {
             if h.thread().id() != std::thread::current().id() {
                 let _ = h.join();
             }
         }
+    }
+
+    /// Nothing in flight and the worker not holding the ring (so `submit_many` may commit).
+    #[cfg(test)]
+    pub(crate) fn is_idle(&self) -> bool {
+        self.ring.try_lock().is_some_and(|r| r.pending.is_empty())
     }
 
     #[cfg(test)]
@@ -165,51 +249,80 @@ impl StagedLink {
     }
 
     fn run(&self) {
-        let mut ring = Ring::default();
+        let mut writes: VecDeque<StagedWrite> = VecDeque::new();
+        let mut readable = false;
         let err = loop {
-            let next = {
+            let mut ring = self.ring.lock();
+            {
                 let mut q = self.queue.lock();
-                loop {
-                    if self.is_dead() {
-                        break None;
+                if q.is_empty() && ring.pending.is_empty() && !self.is_dead() {
+                    if readable {
+                        // Bytes or the end with no commit out: the server closed (or broke) the link.
+                        break TransferError::ConnectionLost("the staging server closed the link".into());
                     }
-                    if let Some(w) = q.pop_front() {
-                        break Some(w);
-                    }
-                    if !ring.pending.is_empty() {
-                        break None; // collect an answer, then look again
-                    }
-                    self.work.wait(&mut q);
+                    // Idle: free the ring for `submit_many` before sleeping. Both wake-ups are
+                    // levels (an answer waiting, the bell's count), so a commit or a queued
+                    // write made meanwhile is never missed.
+                    drop(q);
+                    drop(ring);
+                    readable = self.wait_idle();
+                    continue;
                 }
-            };
-            let Some(w) = next else {
-                if self.is_dead() {
-                    break TransferError::Closed;
-                }
-                if let Err(e) = self.settle(&mut ring) {
+                readable = false;
+                // Everything queued now goes out in as few commits as the buffer allows.
+                writes.extend(q.drain(..));
+            }
+            if self.is_dead() {
+                break TransferError::Closed;
+            }
+            if !writes.is_empty() {
+                if let Err(e) = self.write_chunks(&mut writes, &mut ring) {
                     break e;
                 }
                 continue;
-            };
-            if let Err(e) = self.write_chunks(&w, &mut ring) {
-                w.batch.fail(w.index, e.clone());
+            }
+            // Only answers to wait for: read the oldest without holding the ring, so
+            // `submit_many` can commit meanwhile. Only this thread takes answers off.
+            let expect = ring.pending.front().map(|p| (p.id, p.chunks.len()));
+            drop(ring);
+            let Some((id, count)) = expect else { continue };
+            let reply = self.read_answer(count);
+            let mut ring = self.ring.lock();
+            if let Err(e) = ring.pending.front().filter(|p| p.id == id).ok_or(TransferError::Closed).and_then(|_| reply).and_then(|r| self.apply(&mut ring, id, &r)) {
                 break e;
             }
         };
         self.dead.store(true, Ordering::SeqCst);
-        for p in ring.pending.drain(..) {
-            p.batch.fail(p.index, err.clone());
+        let mut ring = self.ring.lock();
+        let chunks = ring.pending.drain(..).flat_map(|p| p.chunks).collect::<Vec<_>>().into_iter().chain(ring.open.drain(..).collect::<Vec<_>>());
+        for c in chunks {
+            c.batch.fail(c.index, err.clone());
         }
-        let left: Vec<StagedWrite> = self.queue.lock().drain(..).collect();
-        for w in left {
+        let left = self.queue.lock().drain(..).collect::<Vec<_>>();
+        for w in writes.drain(..).chain(left) {
             w.batch.fail(w.index, err.clone());
         }
     }
 
-    /// Copies `w` chunk by chunk into free space of the buffer and commits each chunk
-    /// without waiting; answers are read only when their space is needed.
-    fn write_chunks(&self, w: &StagedWrite, ring: &mut Ring) -> Result<(), TransferError> {
+    /// Copies the queued writes chunk by chunk into free space of the buffer, gathering
+    /// the chunks into commits (one per [`FLUSH_BYTES`], or whenever the buffer is full,
+    /// and one at the end) sent without waiting; answers are read only when their space
+    /// is needed. A write that fails here stays at the front of `writes`.
+    fn write_chunks(&self, writes: &mut VecDeque<StagedWrite>, ring: &mut Ring) -> Result<(), TransferError> {
         let (chunk, cap) = (self.chunk(), self.staging.len() as u64);
+        while let Some(w) = writes.front() {
+            self.copy_write(w, ring, chunk, cap)?;
+            writes.pop_front();
+        }
+        if !ring.open.is_empty() {
+            self.send(ring)?;
+        }
+        Ok(())
+    }
+
+    /// Copies one write chunk by chunk into the open commit, sending it every
+    /// [`FLUSH_BYTES`] and making space (sending, then reading answers) when needed.
+    fn copy_write(&self, w: &StagedWrite, ring: &mut Ring, chunk: u64, cap: u64) -> Result<(), TransferError> {
         let mut off = 0u64;
         while off < w.len {
             if w.batch.is_finished(w.index) {
@@ -219,6 +332,7 @@ impl StagedLink {
             let at = loop {
                 match ring.place(n, cap) {
                     Some(at) => break at,
+                    None if !ring.open.is_empty() => self.send(ring)?,
                     None => self.settle(ring)?,
                 }
             };
@@ -227,48 +341,80 @@ impl StagedLink {
             }
             // SAFETY: the local range was checked at submit and `w.local` keeps it mapped;
             // begin_io keeps the request from ending (and its buffer being reused) while
-            // we read it. `at + n` <= the staging mapping's length (place), and no
-            // commit in flight covers those bytes, so the server is not reading them.
+            // we read it. `at + n` <= the staging mapping's length (place), and no commit
+            // in flight or open covers those bytes, so the server is not reading them.
             unsafe { std::ptr::copy_nonoverlapping(w.local.ptr.add(off as usize) as *const u8, self.staging.as_ptr().add(at as usize), n as usize) };
             w.batch.end_io(w.index);
-            ring.next_id += 1;
-            let id = ring.next_id;
-            let mut commit = [0u8; COMMIT_LEN];
-            for (i, v) in [id, w.region, w.offset + off, n, at].into_iter().enumerate() {
-                commit[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes());
-            }
-            (&self.stream).write_all(&commit).map_err(|e| TransferError::ConnectionLost(format!("staging link: {e}")))?;
-            ring.pending.push_back(Pending { batch: w.batch.clone(), index: w.index, region: w.region, id, at, len: n });
+            ring.open.push(Chunk { batch: w.batch.clone(), index: w.index, region: w.region, offset: w.offset + off, at, len: n });
+            ring.open_bytes += n;
             ring.head = at + n;
             off += n;
+            if ring.open_bytes >= FLUSH_BYTES {
+                self.send(ring)?;
+            }
         }
         Ok(())
     }
 
-    /// Reads the answer to the oldest commit in flight and reports its chunk.
+    /// Sends the open commit: one frame for all its chunks.
+    fn send(&self, ring: &mut Ring) -> Result<(), TransferError> {
+        let frame = seal_commit(ring);
+        let _sending = self.send_lock.lock();
+        (&self.stream).write_all(&frame).map_err(|e| TransferError::ConnectionLost(format!("staging link: {e}")))
+    }
+
+    /// Reads the answer to the oldest commit in flight (holding the ring: the buffer is
+    /// full) and reports its chunks.
     fn settle(&self, ring: &mut Ring) -> Result<(), TransferError> {
-        let Some(p) = ring.pending.pop_front() else { return Ok(()) };
-        let mut reply = [0u8; REPLY_LEN];
-        if let Err(e) = (&self.stream).read_exact(&mut reply) {
-            let e = TransferError::ConnectionLost(format!("staging link: {e}"));
-            p.batch.fail(p.index, e.clone());
-            return Err(e);
-        }
+        let Some((id, count)) = ring.pending.front().map(|p| (p.id, p.chunks.len())) else { return Ok(()) };
+        let reply = self.read_answer(count)?;
+        self.apply(ring, id, &reply)
+    }
+
+    /// The answer to a commit of `count` chunks, its id checked later by `apply`.
+    fn read_answer(&self, count: usize) -> Result<Vec<u8>, TransferError> {
+        let mut reply = vec![0u8; REPLY_HEAD_LEN + count];
+        (&self.stream).read_exact(&mut reply).map_err(|e| TransferError::ConnectionLost(format!("staging link: {e}")))?;
+        Ok(reply)
+    }
+
+    /// Takes the oldest commit (`id`) off the ring and reports each chunk's status from
+    /// `reply`; a reply that does not match fails the commit's chunks and the link.
+    fn apply(&self, ring: &mut Ring, id: u64, reply: &[u8]) -> Result<(), TransferError> {
+        let Some(p) = ring.pending.pop_front() else { return Err(TransferError::Closed) };
+        ring.in_flight -= p.chunks.len();
         let rid = u64::from_le_bytes(reply[..8].try_into().unwrap_or_default());
-        let status = match status_from_u8(reply[8]) {
-            Ok(s) if rid == p.id => s,
+        let count = u32::from_le_bytes(reply[8..12].try_into().unwrap_or_default());
+        let statuses: Result<Vec<_>, _> = reply[REPLY_HEAD_LEN..].iter().map(|&b| status_from_u8(b)).collect();
+        let statuses = match statuses {
+            Ok(s) if rid == id && p.id == id && count as usize == p.chunks.len() => s,
             _ => {
                 let e = TransferError::Protocol("bad answer on the staging link".into());
-                p.batch.fail(p.index, e.clone());
+                for c in &p.chunks {
+                    c.batch.fail(c.index, e.clone());
+                }
                 return Err(e);
             }
         };
-        match status {
-            Ok(()) => p.batch.slice_done(p.index, p.len),
-            Err(reason) => p.batch.fail(p.index, TransferError::Refused { side: "peer", region: p.region, reason }),
+        for (c, status) in p.chunks.iter().zip(statuses) {
+            match status {
+                Ok(()) => c.batch.slice_done(c.index, c.len),
+                Err(reason) => c.batch.fail(c.index, TransferError::Refused { side: "peer", region: c.region, reason }),
+            }
         }
         Ok(())
     }
+}
+
+/// A nonblocking eventfd.
+fn new_bell() -> std::io::Result<OwnedFd> {
+    // SAFETY: eventfd has no memory preconditions; a valid fd is owned from here on.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just created and is owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 impl Drop for StagedLink {

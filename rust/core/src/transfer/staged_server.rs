@@ -16,8 +16,12 @@
 //!
 //! Wire, after the handshake (a local stream between processes of one user; nothing sits
 //! in between): the server sends the staging length (u64 LE) with the fd; then each
-//! commit is 40 bytes (id, region, offset, len, staging offset: u64 LE each) answered by
-//! 9 (id, status as in `protocol::status_to_u8`), in order.
+//! commit is a 16-byte head (id u64, chunk count u32, zero u32) and that many 32-byte
+//! chunks (region, offset, len, staging offset: u64 LE each), answered by a 12-byte head
+//! (id u64, count u32) and one status byte a chunk (as in `protocol::status_to_u8`), in
+//! order. A commit carries all of a batch's chunks that fit (a serving step writes one
+//! span per block and layer: eight 128 KiB spans were eight round trips and sixteen
+//! wake-ups, now one and two); each chunk is still checked and answered on its own.
 
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, AsRawFd};
@@ -41,8 +45,13 @@ use crate::mem::MappedMemory;
 pub const STAGING_LEN: usize = 8 << 20;
 /// Most staging connections served at once (each holds a thread and a buffer).
 pub const MAX_STAGED: usize = 64;
-pub const COMMIT_LEN: usize = 40;
-pub const REPLY_LEN: usize = 9;
+pub const COMMIT_HEAD_LEN: usize = 16;
+pub const CHUNK_ENTRY_LEN: usize = 32;
+pub const REPLY_HEAD_LEN: usize = 12;
+/// Most chunks in one commit, and in flight on one connection: their entries and
+/// answers stay far below the socket buffers, so neither side can block writing while
+/// the other does.
+pub const MAX_COMMIT_CHUNKS: usize = 256;
 
 struct Shared {
     ctx: ServeCtx,
@@ -160,38 +169,62 @@ fn serve(s: &UnixStream, ctx: &ServeCtx) {
     // An authenticated peer may idle; without a token, only for idle_timeout.
     let _ = s.set_read_timeout(if ctx.key.is_some() { None } else { Some(ctx.idle_timeout) });
     ctx.counters.connections.fetch_add(1, Ordering::Relaxed);
-    let mut commit = [0u8; COMMIT_LEN];
+    let mut head = [0u8; COMMIT_HEAD_LEN];
+    let mut entries = Vec::with_capacity(MAX_COMMIT_CHUNKS * CHUNK_ENTRY_LEN);
+    let mut reply = Vec::with_capacity(REPLY_HEAD_LEN + MAX_COMMIT_CHUNKS);
     loop {
-        if (&*s).read_exact(&mut commit).is_err() {
+        if (&*s).read_exact(&mut head).is_err() {
             return;
         }
-        let f = |i: usize| u64::from_le_bytes(commit[i * 8..i * 8 + 8].try_into().unwrap_or_default());
-        let (id, region, offset, len, at) = (f(0), f(1), f(2), f(3), f(4));
-        // A commit outside the staging buffer is no request of ours: close the connection.
-        if at.checked_add(len).is_none_or(|end| end > mem.len() as u64) {
+        let id = u64::from_le_bytes(head[..8].try_into().unwrap_or_default());
+        let count = u32::from_le_bytes(head[8..12].try_into().unwrap_or_default()) as usize;
+        if count == 0 || count > MAX_COMMIT_CHUNKS || head[12..] != [0u8; 4] {
+            ctx.counters.bad_frames.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(engine = %ctx.name, %peer, count, "closing a staging connection after a malformed commit");
+            return;
+        }
+        entries.resize(count * CHUNK_ENTRY_LEN, 0);
+        if (&*s).read_exact(&mut entries).is_err() {
+            return;
+        }
+        let chunk = |k: usize| {
+            let f = |i: usize| u64::from_le_bytes(entries[k * CHUNK_ENTRY_LEN + i * 8..][..8].try_into().unwrap_or_default());
+            (f(0), f(1), f(2), f(3))
+        };
+        // A chunk outside the staging buffer is no request of ours: close the connection
+        // before any chunk of that commit lands.
+        if (0..count).any(|k| {
+            let (_, _, len, at) = chunk(k);
+            at.checked_add(len).is_none_or(|end| end > mem.len() as u64)
+        }) {
             ctx.counters.bad_frames.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(engine = %ctx.name, %peer, "closing a staging connection after a commit outside its buffer");
             return;
         }
-        let status = match ctx.regions.resolve(region, &peer, offset, len, true) {
-            Ok(reg) => {
-                // SAFETY: resolve() checked offset+len against the region (which `reg`
-                // keeps mapped) and that this peer may write it now; at+len is inside the
-                // staging mapping (checked above), whose size is sealed. The peer may
-                // write its buffer meanwhile: then it lands torn, in its own grant only.
-                unsafe { std::ptr::copy_nonoverlapping(mem.as_ptr().add(at as usize), reg.at(offset), len as usize) };
-                ctx.counters.bytes_served.fetch_add(len, Ordering::Relaxed);
-                ctx.counters.bytes_staged.fetch_add(len, Ordering::Relaxed);
-                Ok(())
-            }
-            Err(e) => {
-                ctx.counters.count_refusal(e);
-                Err(e)
-            }
-        };
-        let mut reply = [0u8; REPLY_LEN];
-        reply[..8].copy_from_slice(&id.to_le_bytes());
-        reply[8] = status_to_u8(status);
+        reply.clear();
+        reply.extend_from_slice(&id.to_le_bytes());
+        reply.extend_from_slice(&(count as u32).to_le_bytes());
+        for k in 0..count {
+            let (region, offset, len, at) = chunk(k);
+            let status = match ctx.regions.resolve(region, &peer, offset, len, true) {
+                Ok(reg) => {
+                    // SAFETY: resolve() checked offset+len against the region (which `reg`
+                    // keeps mapped) and that this peer may write it now; at+len is inside
+                    // the staging mapping (checked above), whose size is sealed. The peer
+                    // may write its buffer meanwhile: then it lands torn, in its own grant
+                    // only.
+                    unsafe { std::ptr::copy_nonoverlapping(mem.as_ptr().add(at as usize), reg.at(offset), len as usize) };
+                    ctx.counters.bytes_served.fetch_add(len, Ordering::Relaxed);
+                    ctx.counters.bytes_staged.fetch_add(len, Ordering::Relaxed);
+                    Ok(())
+                }
+                Err(e) => {
+                    ctx.counters.count_refusal(e);
+                    Err(e)
+                }
+            };
+            reply.push(status_to_u8(status));
+        }
         if (&*s).write_all(&reply).is_err() {
             return;
         }
