@@ -11,7 +11,9 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, Criterion};
-use mooncake_core::conductor::{Conductor, ConductorConfig, DecodeSpec, PolicyKind, PrefillSpec, RejectionKind, ScheduleRequest};
+use mooncake_core::conductor::{
+    Conductor, ConductorConfig, DecodeSpec, PolicyKind, PrefillSpec, RejectionKind, ScheduleRequest,
+};
 use mooncake_core::Tier;
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 
@@ -58,19 +60,27 @@ fn setup(policy: PolicyKind, rejection: RejectionKind) -> Setup {
         if rng.gen_bool(0.5) {
             // A second replica of a prefix of the chain elsewhere.
             let n = rng.gen_range(1..BLOCKS);
-            c.on_blocks_stored((home + 1 + rng.gen_range(0..INSTANCES - 1)) % INSTANCES, &buf[..n], Tier::Dram).expect("store");
+            c.on_blocks_stored((home + 1 + rng.gen_range(0..INSTANCES - 1)) % INSTANCES, &buf[..n], Tier::Dram)
+                .expect("store");
         }
     }
     // Prompts: a cached prefix of random length from a random chain, then new blocks.
-    let prompts = (0..4096)
-        .map(|p| {
-            let chain = rng.gen_range(0..CHAINS);
-            let cached = rng.gen_range(0..=BLOCKS);
-            (0..BLOCKS)
-                .map(|i| if i < cached { chain_block(chain, i) } else { (1u128 << 120) | ((p as u128) << 32) | i as u128 })
-                .collect()
-        })
-        .collect();
+    let prompts =
+        (0..4096)
+            .map(|p| {
+                let chain = rng.gen_range(0..CHAINS);
+                let cached = rng.gen_range(0..=BLOCKS);
+                (0..BLOCKS)
+                    .map(|i| {
+                        if i < cached {
+                            chain_block(chain, i)
+                        } else {
+                            (1u128 << 120) | ((p as u128) << 32) | i as u128
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
     Setup { c, prompts, next: 0, fetched: vec![None; IN_FLIGHT as usize] }
 }
 

@@ -43,9 +43,7 @@ fn main() {
     let mut c = Criterion::default().configure_from_args();
     let mut out: Vec<PrefixMatch> = Vec::new();
     let mut group = c.benchmark_group("match_prefix_64_blocks_1M_indexed");
-    group.bench_function("same_prompt", |b| {
-        b.iter(|| idx.match_prefix_into(black_box(&chains[0]), &mut out))
-    });
+    group.bench_function("same_prompt", |b| b.iter(|| idx.match_prefix_into(black_box(&chains[0]), &mut out)));
     let mut i = 0usize;
     group.bench_function("random_prompt", |b| {
         b.iter(|| {

@@ -8,11 +8,8 @@ use mooncake_core::transfer::protocol::{decode_frame, encode, Msg};
 use mooncake_core::transfer::{Engine, EngineConfig, Op, Request, Transports};
 
 fn local_path(c: &mut Criterion) {
-    let cfg = EngineConfig {
-        name: "bench".into(),
-        transports: Transports::parse(["local"]).unwrap(),
-        ..Default::default()
-    };
+    let cfg =
+        EngineConfig { name: "bench".into(), transports: Transports::parse(["local"]).unwrap(), ..Default::default() };
     let e = Engine::new(cfg, None).unwrap();
     let me = e.connect("bench", None).unwrap();
     let src = e.allocate(64 << 20, false).unwrap().id;

@@ -58,7 +58,9 @@ fn run(op: Op, segmented: bool, src: &[u8], dst: &mut [u8]) -> u32 {
                 to[0] as u32
             }
             // SAFETY: `from` and `to` are `len` bytes of two distinct allocations.
-            Op::CopyCrc(k, streaming) => unsafe { copy_crc32_using(k, streaming, 0, from.as_ptr(), to.as_mut_ptr(), len) },
+            Op::CopyCrc(k, streaming) => unsafe {
+                copy_crc32_using(k, streaming, 0, from.as_ptr(), to.as_mut_ptr(), len)
+            },
             Op::Crc(k) => crc32_using(k, 0, from),
         };
     }
@@ -76,8 +78,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn main() {
     let rounds: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(30);
     let mut ops = vec![Op::Memcpy];
-    let kernels: Vec<_> =
-        [Crc32Kernel::Clmul128, Crc32Kernel::Vpclmul256, Crc32Kernel::Vpclmul512].into_iter().filter(|k| k.available()).collect();
+    let kernels: Vec<_> = [Crc32Kernel::Clmul128, Crc32Kernel::Vpclmul256, Crc32Kernel::Vpclmul512]
+        .into_iter()
+        .filter(|k| k.available())
+        .collect();
     for streaming in [false, true] {
         ops.extend(kernels.iter().map(|&k| Op::CopyCrc(k, streaming)));
     }
@@ -101,7 +105,9 @@ fn main() {
     let mut sink = 0u32;
     for _ in 0..rounds {
         for (i, &op) in ops.iter().enumerate() {
-            for (j, (segmented, cold)) in [(true, false), (true, true), (false, false), (false, true)].into_iter().enumerate() {
+            for (j, (segmented, cold)) in
+                [(true, false), (true, true), (false, false), (false, true)].into_iter().enumerate()
+            {
                 if matches!(op, Op::Crc(_)) && cold {
                     continue; // nothing is written
                 }
@@ -138,8 +144,10 @@ fn main() {
     println!("| GB/s (median) | 64 x 128 KiB, warm | 64 x 128 KiB, cold | 8 MiB, warm | 8 MiB, cold |");
     println!("| --- | --- | --- | --- | --- |");
     for (i, op) in ops.iter().enumerate() {
-        let cells: Vec<String> =
-            rates[i].iter().map(|r| if r.is_empty() { "-".into() } else { format!("{:.1}", median(r.clone())) }).collect();
+        let cells: Vec<String> = rates[i]
+            .iter()
+            .map(|r| if r.is_empty() { "-".into() } else { format!("{:.1}", median(r.clone())) })
+            .collect();
         println!("| {} | {} |", op.name(), cells.join(" | "));
     }
     for (k, r) in in_l2 {

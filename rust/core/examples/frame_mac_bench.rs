@@ -121,11 +121,14 @@ fn main() {
         });
         println!("{:>8}K {:>11.2} GB/s {:>9.2} GB/s {:>9.2} GB/s {:>9.2} GB/s", size >> 10, aes, gmac, b3, cha);
     }
-    println!("\nframing layer, CPU-s/GB (send = FrameWriter into memory; receive = FrameReader staged, verified, copied):");
+    println!(
+        "\nframing layer, CPU-s/GB (send = FrameWriter into memory; receive = FrameReader staged, verified, copied):"
+    );
     println!("{:>9} {:>22} {:>22} {:>22}", "size", "no token send/recv", "encrypted send/recv", "integrity send/recv");
     for size in [64 << 10, 512 << 10, 4 << 20] {
         let key = |protection| Some(FrameKey { key: [5u8; 32], protection });
-        let cols = [None, key(WireProtection::Encrypted), key(WireProtection::Integrity)].map(|k| framing_cost(size, k));
+        let cols =
+            [None, key(WireProtection::Encrypted), key(WireProtection::Integrity)].map(|k| framing_cost(size, k));
         let cell = |(a, b): (f64, f64)| format!("{a:.3} / {b:.3}");
         println!("{:>8}K {:>22} {:>22} {:>22}", size >> 10, cell(cols[0]), cell(cols[1]), cell(cols[2]));
     }

@@ -27,7 +27,10 @@ pub fn holds_raw_keys(shape: &[usize], itemsize: usize) -> Result<bool, Argument
 /// of keys.
 pub fn keys_from_le_bytes(bytes: &[u8]) -> Result<Vec<BlockHash>, ArgumentError> {
     if !bytes.len().is_multiple_of(KEY_BYTES) {
-        return Err(ArgumentError(format!("a key buffer of {} bytes is not a whole number of 16-byte keys", bytes.len())));
+        return Err(ArgumentError(format!(
+            "a key buffer of {} bytes is not a whole number of 16-byte keys",
+            bytes.len()
+        )));
     }
     Ok(bytes.chunks_exact(KEY_BYTES).map(|c| u128::from_le_bytes(c.try_into().unwrap_or([0; KEY_BYTES]))).collect())
 }

@@ -111,15 +111,7 @@ impl PrefixHasher {
             return Err(HashError::ExtraNotSupported);
         }
         let blake3_key = blake3::derive_key("mooncake_rs prefix block hash v1", &seed.to_le_bytes());
-        let mut h = PrefixHasher {
-            block_size,
-            seed,
-            algorithm,
-            extra_digest: [0; 16],
-            root: 0,
-            blake3_key,
-            rfc: None,
-        };
+        let mut h = PrefixHasher { block_size, seed, algorithm, extra_digest: [0; 16], root: 0, blake3_key, rfc: None };
         if algorithm == HashAlgorithm::Xxh3Rfc {
             h.rfc = Some(Xxh3RollingHasher::new(block_size, seed)?);
             return Ok(h); // no root, no extra digest: the RFC chain has neither
@@ -211,9 +203,14 @@ impl PrefixHasher {
         parent: Option<BlockHash>,
         extras: &[Option<&[u8]>],
     ) -> Result<Vec<BlockHash>, HashError> {
-        fold_extras(self.block_size, tokens, parent, extras, |t, p, out| out.extend(self.hash_tokens(t, p)), |p, e| {
-            self.mix_extra(p, e)
-        })
+        fold_extras(
+            self.block_size,
+            tokens,
+            parent,
+            extras,
+            |t, p, out| out.extend(self.hash_tokens(t, p)),
+            |p, e| self.mix_extra(p, e),
+        )
     }
 
     /// One hash per full block of `tokens`; a trailing partial block gets none.
@@ -357,10 +354,7 @@ mod tests {
 
     #[test]
     fn zero_block_size_is_rejected() {
-        assert_eq!(
-            PrefixHasher::new(0, 0, None, HashAlgorithm::Xxh3).unwrap_err(),
-            HashError::InvalidBlockSize(0)
-        );
+        assert_eq!(PrefixHasher::new(0, 0, None, HashAlgorithm::Xxh3).unwrap_err(), HashError::InvalidBlockSize(0));
     }
 
     #[test]
@@ -489,7 +483,10 @@ mod tests {
         });
         assert_eq!(via_fill.unwrap(), want);
         assert_eq!(HashAlgorithm::parse("xxh3-64-rfc").unwrap().name(), "xxh3-64-rfc");
-        assert_eq!(PrefixHasher::new(16, 9, Some(b"model"), HashAlgorithm::Xxh3Rfc).err(), Some(HashError::ExtraNotSupported));
+        assert_eq!(
+            PrefixHasher::new(16, 9, Some(b"model"), HashAlgorithm::Xxh3Rfc).err(),
+            Some(HashError::ExtraNotSupported)
+        );
         assert!(h.check_parent(Some(u128::from(u64::MAX))).is_ok());
         assert_eq!(h.check_parent(Some(1u128 << 64)), Err(HashError::ParentOutOfRange(1u128 << 64)));
     }

@@ -78,18 +78,20 @@ impl Xxh3RollingHasher {
         parent: Option<SeqHash>,
         extras: &[Option<&[u8]>],
     ) -> Result<Vec<SeqHash>, HashError> {
-        fold_extras(self.block_size, tokens, parent, extras, |t, p, out| out.extend(self.hash_tokens(t, p)), |p, e| {
-            self.mix_extra(p, e)
-        })
+        fold_extras(
+            self.block_size,
+            tokens,
+            parent,
+            extras,
+            |t, p, out| out.extend(self.hash_tokens(t, p)),
+            |p, e| self.mix_extra(p, e),
+        )
     }
 
     /// Local hashes of every full block; a trailing partial block gets none.
     pub fn local_hashes(&self, tokens: &[u32]) -> Vec<SeqHash> {
         let mut scratch = Vec::with_capacity(self.block_size * 4);
-        tokens
-            .chunks_exact(self.block_size)
-            .map(|b| self.local_hash(b, &mut scratch))
-            .collect()
+        tokens.chunks_exact(self.block_size).map(|b| self.local_hash(b, &mut scratch)).collect()
     }
 
     /// Sequence hashes of every full block. `parent` is the sequence hash of the block
@@ -121,22 +123,13 @@ mod tests {
     fn known_answers() {
         let t: Vec<u32> = (1..=12).collect();
         let h = Xxh3RollingHasher::new(4, 0).unwrap();
-        assert_eq!(
-            h.hash_tokens(&t, None),
-            vec![0x6fc1ebd4f4d6ea31, 0x3a14937fd5340c7a, 0x829711b6d52f08eb]
-        );
+        assert_eq!(h.hash_tokens(&t, None), vec![0x6fc1ebd4f4d6ea31, 0x3a14937fd5340c7a, 0x829711b6d52f08eb]);
         assert_eq!(h.local_hashes(&t[..4]), vec![0x6fc1ebd4f4d6ea31]);
         let h = Xxh3RollingHasher::new(4, 42).unwrap();
-        assert_eq!(
-            h.hash_tokens(&t, None),
-            vec![0xcabc6cf291a3ba46, 0x1c4cb0b75e1705ce, 0xe7249e43e2bd2637]
-        );
+        assert_eq!(h.hash_tokens(&t, None), vec![0xcabc6cf291a3ba46, 0x1c4cb0b75e1705ce, 0xe7249e43e2bd2637]);
         let t: Vec<u32> = (0..128).collect();
         let h = Xxh3RollingHasher::new(64, 0).unwrap();
-        assert_eq!(
-            h.hash_tokens(&t, None),
-            vec![0xa6dcffc376d6710f, 0x913780eb4bb7784f]
-        );
+        assert_eq!(h.hash_tokens(&t, None), vec![0xa6dcffc376d6710f, 0x913780eb4bb7784f]);
     }
 
     #[test]

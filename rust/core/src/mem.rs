@@ -58,14 +58,7 @@ pub fn page_align(n: usize) -> usize {
 fn map(len: usize, fd: libc::c_int, flags: libc::c_int) -> io::Result<NonNull<u8>> {
     // SAFETY: a fresh mapping at a kernel-chosen address; the result is checked.
     let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            flags | libc::MAP_POPULATE,
-            fd,
-            0,
-        )
+        libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags | libc::MAP_POPULATE, fd, 0)
     };
     if p == libc::MAP_FAILED {
         return Err(io::Error::last_os_error());
@@ -86,11 +79,7 @@ impl MappedMemory {
     /// [`open_shared`]: MappedMemory::open_shared
     pub fn shared(len: usize) -> io::Result<Self> {
         let len = page_align(len.max(1));
-        let name = format!(
-            "/{SHM_PREFIX}{}.{}",
-            std::process::id(),
-            NEXT_SEGMENT.fetch_add(1, Ordering::Relaxed)
-        );
+        let name = format!("/{SHM_PREFIX}{}.{}", std::process::id(), NEXT_SEGMENT.fetch_add(1, Ordering::Relaxed));
         let cname = CString::new(name.clone()).map_err(io::Error::other)?;
         // SAFETY: cname is a valid C string; the fd is closed below on every path.
         let fd = unsafe { libc::shm_open(cname.as_ptr(), libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, 0o600) };
@@ -235,8 +224,8 @@ fn remove_segments_where(mut dead: impl FnMut(i32) -> bool) -> usize {
 pub fn sweep_stale_segments() -> usize {
     remove_segments_where(|pid| {
         // SAFETY: kill with signal 0 only checks for existence.
-        let alive = unsafe { libc::kill(pid, 0) } == 0
-            || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+        let alive =
+            unsafe { libc::kill(pid, 0) } == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
         !alive
     })
 }

@@ -102,7 +102,9 @@ impl<'a> IntArray<'a> {
     /// The elements as a typed slice, when the bytes are aligned for `T` and `T` has
     /// the element size.
     fn typed<T: Copy>(&self) -> Option<&'a [T]> {
-        if self.kind.size() != std::mem::size_of::<T>() || !(self.bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()) {
+        if self.kind.size() != std::mem::size_of::<T>()
+            || !(self.bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>())
+        {
             return None;
         }
         // SAFETY: the bytes hold len() elements of T's size at an address aligned for T,
@@ -114,7 +116,10 @@ impl<'a> IntArray<'a> {
     /// The first element that is not a u32 token id, if any.
     pub fn first_out_of_range(&self) -> Option<TokenOutOfRange> {
         let find = |ok: &dyn Fn(i128) -> bool| {
-            (0..self.len()).map(|i| (i, self.get(i))).find(|&(_, v)| !ok(v)).map(|(index, value)| TokenOutOfRange { index, value })
+            (0..self.len())
+                .map(|i| (i, self.get(i)))
+                .find(|&(_, v)| !ok(v))
+                .map(|(index, value)| TokenOutOfRange { index, value })
         };
         let in_range = |v: i128| (0..=u32::MAX as i128).contains(&v);
         match self.kind {
@@ -203,8 +208,10 @@ mod tests {
                 assert_eq!(got.map(|e| e.index), expect, "{kind:?} {values:?}");
                 if let Some(e) = got {
                     assert_eq!(e.value, values[e.index]);
-                    assert_eq!(a.check_tokens().unwrap_err().to_string(),
-                               format!("token at position {} is {}, outside 0..2^32-1", e.index, e.value));
+                    assert_eq!(
+                        a.check_tokens().unwrap_err().to_string(),
+                        format!("token at position {} is {}, outside 0..2^32-1", e.index, e.value)
+                    );
                 } else {
                     let ids = a.with_u32(|s| s.to_vec());
                     assert_eq!(ids, values.iter().map(|&v| v as u32).collect::<Vec<_>>());

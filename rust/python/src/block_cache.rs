@@ -5,9 +5,9 @@ use parking_lot::Mutex;
 use pyo3::prelude::*;
 
 use crate::convert::{hash_from_py, hashes_to_list};
-use crate::keys::keys_from_py;
 use crate::errors::OrRaise;
 use crate::gil::{detached_if, DETACH_KEYS};
+use crate::keys::keys_from_py;
 
 #[pyclass(name = "BlockCache", module = "mooncake_rs._core", frozen)]
 pub struct PyBlockCache {

@@ -116,9 +116,9 @@ impl PyBlockHashes {
             };
             return Ok(Bound::new(py, out)?.into_any());
         }
-        let i: isize = idx.extract().map_err(|_| {
-            pyo3::exceptions::PyTypeError::new_err("BlockHashes indices must be integers or slices")
-        })?;
+        let i: isize = idx
+            .extract()
+            .map_err(|_| pyo3::exceptions::PyTypeError::new_err("BlockHashes indices must be integers or slices"))?;
         let j = self.index(i)?;
         hash_to_py(py, self.as_slice()[j])
     }

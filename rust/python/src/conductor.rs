@@ -13,10 +13,10 @@ use pyo3::types::PyDict;
 
 use crate::conductor_types::{PyConductorConfig, PyDecision, PyLinkLoad, PyReplicationHint, PySnapshot};
 use crate::convert::{hash_from_py, parse_tier};
-use crate::keys::keys_from_py;
 use crate::errors::{new_err, to_pyerr, IntoPyErr, OrRaise};
 use crate::gil::{detached_if, detached_infallible, DETACH_KEYS};
 use crate::index::PyBlockIndex;
+use crate::keys::keys_from_py;
 use crate::store_events::{events_from_py, PyAppliedEvents};
 
 #[pyclass(name = "Conductor", module = "mooncake_rs._core", frozen)]
@@ -135,12 +135,21 @@ impl PyConductor {
     /// Moves a drained instance to the `role` ("prefill" or "decode") pool with the
     /// given spec (`speed` for prefill; `max_batch`, `kv_capacity_tokens` for decode).
     #[pyo3(signature = (id, role, speed = 1.0, max_batch = 256, kv_capacity_tokens = 1_000_000))]
-    fn switch_role(&self, py: Python<'_>, id: InstanceId, role: &str, speed: f64, max_batch: usize, kv_capacity_tokens: usize) -> PyResult<()> {
+    fn switch_role(
+        &self,
+        py: Python<'_>,
+        id: InstanceId,
+        role: &str,
+        speed: f64,
+        max_batch: usize,
+        kv_capacity_tokens: usize,
+    ) -> PyResult<()> {
         let spec = match role {
             "prefill" => RoleSpec::Prefill(PrefillSpec { speed }),
             "decode" => RoleSpec::Decode(DecodeSpec { max_batch, kv_capacity_tokens }),
             other => {
-                let e = ConductorError::InvalidArgument(format!("role must be \"prefill\" or \"decode\", got {other:?}"));
+                let e =
+                    ConductorError::InvalidArgument(format!("role must be \"prefill\" or \"decode\", got {other:?}"));
                 return Err(e.into_pyerr(py));
             }
         };
@@ -213,28 +222,43 @@ impl PyConductor {
     }
 
     #[pyo3(signature = (instance, hashes, tier = "dram"))]
-    fn on_blocks_stored(&self, py: Python<'_>, instance: InstanceId, hashes: &Bound<'_, PyAny>, tier: &str) -> PyResult<usize> {
+    fn on_blocks_stored(
+        &self,
+        py: Python<'_>,
+        instance: InstanceId,
+        hashes: &Bound<'_, PyAny>,
+        tier: &str,
+    ) -> PyResult<usize> {
         let tier = parse_tier(py, tier)?;
         let hashes = keys_from_py(hashes)?;
         let inner = &self.inner;
-        detached_if(py, hashes.len() >= DETACH_KEYS, || inner.on_blocks_stored(instance, &hashes, tier))
-            .or_raise(py)
+        detached_if(py, hashes.len() >= DETACH_KEYS, || inner.on_blocks_stored(instance, &hashes, tier)).or_raise(py)
     }
 
     #[pyo3(signature = (instance, hashes, tier = None))]
-    fn on_blocks_evicted(&self, py: Python<'_>, instance: InstanceId, hashes: &Bound<'_, PyAny>, tier: Option<&str>) -> PyResult<usize> {
+    fn on_blocks_evicted(
+        &self,
+        py: Python<'_>,
+        instance: InstanceId,
+        hashes: &Bound<'_, PyAny>,
+        tier: Option<&str>,
+    ) -> PyResult<usize> {
         let tier = tier.map(|t| parse_tier(py, t)).transpose()?;
         let hashes = keys_from_py(hashes)?;
         let inner = &self.inner;
-        detached_if(py, hashes.len() >= DETACH_KEYS, || inner.on_blocks_evicted(instance, &hashes, tier))
-            .or_raise(py)
+        detached_if(py, hashes.len() >= DETACH_KEYS, || inner.on_blocks_evicted(instance, &hashes, tier)).or_raise(py)
     }
 
     /// Applies a drained batch of `instance`'s store events to the index (commit,
     /// demotion, promotion: held in the event's tier; eviction, removal: dropped there),
     /// in order. `events`: what `Store.drain_events_batch()` or `Store.drain_events()`
     /// returned, or `StoreEvents.to_bytes()` output from another process.
-    fn apply_store_events(&self, py: Python<'_>, instance: InstanceId, events: &Bound<'_, PyAny>) -> PyResult<PyAppliedEvents> {
+    fn apply_store_events(
+        &self,
+        py: Python<'_>,
+        instance: InstanceId,
+        events: &Bound<'_, PyAny>,
+    ) -> PyResult<PyAppliedEvents> {
         let events = events_from_py(events)?;
         let inner = &self.inner;
         let r = detached_if(py, events.len() >= DETACH_KEYS, || inner.apply_store_events(instance, &events))
@@ -260,7 +284,15 @@ impl PyConductor {
     /// NIC out, NIC in and storage link. Returns False when ignored (older than the
     /// last report, or the conductor is not contention-aware).
     #[pyo3(signature = (instance, at, nic_out_bytes, nic_in_bytes = 0.0, storage_bytes = 0.0))]
-    fn report_link_load(&self, py: Python<'_>, instance: InstanceId, at: f64, nic_out_bytes: f64, nic_in_bytes: f64, storage_bytes: f64) -> PyResult<bool> {
+    fn report_link_load(
+        &self,
+        py: Python<'_>,
+        instance: InstanceId,
+        at: f64,
+        nic_out_bytes: f64,
+        nic_in_bytes: f64,
+        storage_bytes: f64,
+    ) -> PyResult<bool> {
         self.inner.report_link_load(instance, at, nic_out_bytes, nic_in_bytes, storage_bytes).or_raise(py)
     }
 

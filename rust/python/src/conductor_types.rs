@@ -8,9 +8,9 @@ use mooncake_core::InstanceId;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
+use crate::class_macros::{inner_getters, with_overrides};
 use crate::conductor_cost::{PyDecodeCostModel, PyPrefillCostModel, PyTransferCostModel};
 use crate::convert::hashes_to_list;
-use crate::class_macros::{inner_getters, with_overrides};
 use crate::errors::OrRaise;
 
 #[pyclass(name = "ConductorConfig", module = "mooncake_rs._core", frozen)]
@@ -151,7 +151,14 @@ pub struct PyPrefillLoad {
     inner: PrefillLoad,
 }
 
-inner_getters!(PyPrefillLoad { id: InstanceId, speed: f64, queued: usize, running: usize, queue_s: f64, draining: bool });
+inner_getters!(PyPrefillLoad {
+    id: InstanceId,
+    speed: f64,
+    queued: usize,
+    running: usize,
+    queue_s: f64,
+    draining: bool
+});
 
 #[pyclass(name = "DecodeLoad", module = "mooncake_rs._core", frozen)]
 pub struct PyDecodeLoad {
@@ -159,8 +166,14 @@ pub struct PyDecodeLoad {
 }
 
 inner_getters!(PyDecodeLoad {
-    id: InstanceId, max_batch: usize, kv_capacity_tokens: usize, batch: usize, decoding: usize,
-    kv_reserved_tokens: usize, est_tbt_s: f64, draining: bool,
+    id: InstanceId,
+    max_batch: usize,
+    kv_capacity_tokens: usize,
+    batch: usize,
+    decoding: usize,
+    kv_reserved_tokens: usize,
+    est_tbt_s: f64,
+    draining: bool,
 });
 
 /// Read-only per-instance loads at one time.
@@ -176,7 +189,11 @@ impl PySnapshot {
     pub fn build(py: Python<'_>, s: Snapshot) -> PyResult<Self> {
         Ok(PySnapshot {
             now: s.now,
-            prefill: s.prefill.into_iter().map(|inner| Py::new(py, PyPrefillLoad { inner })).collect::<PyResult<_>>()?,
+            prefill: s
+                .prefill
+                .into_iter()
+                .map(|inner| Py::new(py, PyPrefillLoad { inner }))
+                .collect::<PyResult<_>>()?,
             decode: s.decode.into_iter().map(|inner| Py::new(py, PyDecodeLoad { inner })).collect::<PyResult<_>>()?,
             requests: s.requests,
         })

@@ -43,7 +43,9 @@ impl BufferView {
         let flags = ffi::PyBUF_WRITABLE | ffi::PyBUF_C_CONTIGUOUS;
         match Self::get(obj, flags) {
             Ok(Some(v)) => Ok(v),
-            Ok(None) => Err(invalid(obj.py(), format!("{what} must be a writable buffer (e.g. a numpy array or bytearray)"))),
+            Ok(None) => {
+                Err(invalid(obj.py(), format!("{what} must be a writable buffer (e.g. a numpy array or bytearray)")))
+            }
             Err(e) => Err(invalid(obj.py(), format!("{what} must be a writable, C-contiguous buffer ({e})"))),
         }
     }
@@ -55,7 +57,10 @@ impl BufferView {
             Ok(Some(v)) => Ok(v),
             Ok(None) => {
                 let t = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
-                Err(invalid(obj.py(), format!("{what} must support the buffer protocol (bytes, numpy array, ...), got {t}")))
+                Err(invalid(
+                    obj.py(),
+                    format!("{what} must support the buffer protocol (bytes, numpy array, ...), got {t}"),
+                ))
             }
             Err(e) => Err(invalid(obj.py(), format!("{what} must be a C-contiguous buffer ({e})"))),
         }
@@ -165,9 +170,7 @@ impl Tokens {
                     format!("tokens must be a list of ints or a 1-D integer array, got {type_name}"),
                 ));
             }
-            Err(e) => {
-                return Err(invalid(py, format!("tokens must be a C-contiguous 1-D integer array ({e})")))
-            }
+            Err(e) => return Err(invalid(py, format!("tokens must be a C-contiguous 1-D integer array ({e})"))),
         };
         if view.ndim() != 1 {
             return Err(invalid(py, format!("tokens must be 1-D, got a {}-D array", view.ndim())));
@@ -188,13 +191,23 @@ impl Tokens {
     /// from the first other item on, the generic route.
     fn from_list(list: &Bound<'_, PyList>) -> PyResult<Self> {
         // SAFETY: `list` is a live list; PyList_GetItem bounds-checks `i`.
-        Self::from_borrowed(list.as_any(), list.len(), |i| unsafe { ffi::PyList_GetItem(list.as_ptr(), i) }, || list.iter())
+        Self::from_borrowed(
+            list.as_any(),
+            list.len(),
+            |i| unsafe { ffi::PyList_GetItem(list.as_ptr(), i) },
+            || list.iter(),
+        )
     }
 
     /// [`from_list`](Self::from_list) for a tuple.
     fn from_tuple(tuple: &Bound<'_, PyTuple>) -> PyResult<Self> {
         // SAFETY: `tuple` is a live tuple; PyTuple_GetItem bounds-checks `i`.
-        Self::from_borrowed(tuple.as_any(), tuple.len(), |i| unsafe { ffi::PyTuple_GetItem(tuple.as_ptr(), i) }, || tuple.iter())
+        Self::from_borrowed(
+            tuple.as_any(),
+            tuple.len(),
+            |i| unsafe { ffi::PyTuple_GetItem(tuple.as_ptr(), i) },
+            || tuple.iter(),
+        )
     }
 
     /// `n` items read through `get` (a borrowed reference to item `i`, or null with an
@@ -252,7 +265,11 @@ impl Tokens {
 
 /// Items (any int or `__index__` object) as u32 tokens; `first` is the position of the
 /// first item, for the error message.
-fn items_to_u32<'py>(py: Python<'py>, items: impl Iterator<Item = Bound<'py, PyAny>>, first: usize) -> PyResult<Vec<u32>> {
+fn items_to_u32<'py>(
+    py: Python<'py>,
+    items: impl Iterator<Item = Bound<'py, PyAny>>,
+    first: usize,
+) -> PyResult<Vec<u32>> {
     let mut out = Vec::with_capacity(items.size_hint().0);
     for (j, item) in items.enumerate() {
         let i = first + j;
@@ -294,9 +311,7 @@ pub fn hashes_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockHash>> {
         return list.iter().map(|x| hash_from_py(&x)).collect();
     }
     let mut out = Vec::new();
-    let iter = obj
-        .try_iter()
-        .map_err(|_| invalid(obj.py(), "block hashes must be a list of ints"))?;
+    let iter = obj.try_iter().map_err(|_| invalid(obj.py(), "block hashes must be a list of ints"))?;
     for x in iter {
         out.push(hash_from_py(&x?)?);
     }
@@ -310,9 +325,8 @@ pub fn extras_arg(py: Python<'_>, extras: Option<&Bound<'_, PyAny>>) -> PyResult
     if extras.is_instance_of::<pyo3::types::PyBytes>() || extras.is_instance_of::<pyo3::types::PyString>() {
         return Err(invalid(py, "extras must be a sequence with one bytes | None per full block, not a single value"));
     }
-    let items = extras
-        .try_iter()
-        .map_err(|_| invalid(py, "extras must be a sequence with one bytes | None per full block"))?;
+    let items =
+        extras.try_iter().map_err(|_| invalid(py, "extras must be a sequence with one bytes | None per full block"))?;
     items
         .enumerate()
         .map(|(i, item)| {

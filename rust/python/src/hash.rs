@@ -23,8 +23,7 @@ impl PyPrefixHasher {
             return Err(invalid(py, format!("block_size must be >= 1, got {block_size}")));
         }
         let algorithm = HashAlgorithm::parse(algorithm).or_raise(py)?;
-        let inner = PrefixHasher::new(block_size as usize, seed, extra.as_deref(), algorithm)
-            .or_raise(py)?;
+        let inner = PrefixHasher::new(block_size as usize, seed, extra.as_deref(), algorithm).or_raise(py)?;
         Ok(PyPrefixHasher { inner })
     }
 
@@ -153,10 +152,8 @@ pub(crate) fn hash_sequences<H: Send>(
     hash: impl Fn(&[u32]) -> Vec<H> + Send,
 ) -> PyResult<Vec<Vec<H>>> {
     let mut owned = Vec::new();
-    for (i, seq) in sequences
-        .try_iter()
-        .map_err(|_| invalid(py, "hash_many takes a list of token sequences"))?
-        .enumerate()
+    for (i, seq) in
+        sequences.try_iter().map_err(|_| invalid(py, "hash_many takes a list of token sequences"))?.enumerate()
     {
         let seq = seq?;
         let tokens = Tokens::extract(&seq).map_err(|e| invalid(py, format!("sequence {i}: {}", e.value(py))))?;

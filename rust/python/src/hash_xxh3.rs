@@ -35,13 +35,9 @@ impl PyXxh3RollingHasher {
     #[pyo3(signature = (block_size, seed = 0))]
     fn new(py: Python<'_>, block_size: i64, seed: u64) -> PyResult<Self> {
         if block_size < 1 {
-            return Err(invalid(
-                py,
-                format!("block_size must be >= 1, got {block_size}"),
-            ));
+            return Err(invalid(py, format!("block_size must be >= 1, got {block_size}")));
         }
-        let inner =
-            Xxh3RollingHasher::new(block_size as usize, seed).or_raise(py)?;
+        let inner = Xxh3RollingHasher::new(block_size as usize, seed).or_raise(py)?;
         Ok(PyXxh3RollingHasher { inner })
     }
 
@@ -77,33 +73,21 @@ impl PyXxh3RollingHasher {
     }
 
     /// Per-block local hashes (no chaining).
-    fn local_hashes<'py>(
-        &self,
-        py: Python<'py>,
-        tokens: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyList>> {
+    fn local_hashes<'py>(&self, py: Python<'py>, tokens: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
         let tokens = Tokens::extract(tokens)?;
         let hashes = tokens.with_u32(|t| self.inner.local_hashes(t));
         PyList::new(py, hashes)
     }
 
     /// `hash` of every sequence, in one call with the GIL released.
-    fn hash_many<'py>(
-        &self,
-        py: Python<'py>,
-        sequences: &Bound<'py, PyAny>,
-    ) -> PyResult<Vec<Bound<'py, PyList>>> {
+    fn hash_many<'py>(&self, py: Python<'py>, sequences: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyList>>> {
         let hasher = self.inner;
         let all = hash_sequences(py, sequences, move |t| hasher.hash_tokens(t, None))?;
         all.into_iter().map(|h| PyList::new(py, h)).collect()
     }
 
     fn __repr__(&self) -> String {
-        format!(
-            "Xxh3RollingHasher(block_size={}, seed={})",
-            self.inner.block_size(),
-            self.inner.seed()
-        )
+        format!("Xxh3RollingHasher(block_size={}, seed={})", self.inner.block_size(), self.inner.seed())
     }
 }
 

@@ -8,9 +8,9 @@ use pyo3::prelude::*;
 
 use crate::class_macros::inner_getters;
 use crate::convert::{hash_from_py, parse_tier};
-use crate::keys::keys_from_py;
 use crate::errors::{new_err, OrRaise};
 use crate::gil::{detached, detached_if, detached_infallible, DETACH_KEYS};
+use crate::keys::keys_from_py;
 
 #[pyclass(name = "BlockIndex", module = "mooncake_rs._core", frozen)]
 pub struct PyBlockIndex {
@@ -94,7 +94,13 @@ impl PyBlockIndex {
 
     /// Forgets `hashes` on `instance` (in `tier`, or every tier); returns how many entries.
     #[pyo3(signature = (instance, hashes, tier = None))]
-    fn remove(&self, py: Python<'_>, instance: InstanceId, hashes: &Bound<'_, PyAny>, tier: Option<&str>) -> PyResult<usize> {
+    fn remove(
+        &self,
+        py: Python<'_>,
+        instance: InstanceId,
+        hashes: &Bound<'_, PyAny>,
+        tier: Option<&str>,
+    ) -> PyResult<usize> {
         let tier = tier.map(|t| parse_tier(py, t)).transpose()?;
         let hashes = keys_from_py(hashes)?;
         let inner = &self.inner;
@@ -123,13 +129,15 @@ impl PyBlockIndex {
     }
 
     /// Like `match_prefix`, split into GPU, DRAM and SSD counts per instance.
-    fn match_prefix_tiers(&self, py: Python<'_>, hashes: &Bound<'_, PyAny>) -> PyResult<BTreeMap<InstanceId, PyPrefixMatch>> {
+    fn match_prefix_tiers(
+        &self,
+        py: Python<'_>,
+        hashes: &Bound<'_, PyAny>,
+    ) -> PyResult<BTreeMap<InstanceId, PyPrefixMatch>> {
         let hashes = keys_from_py(hashes)?;
         let inner = &self.inner;
         let m = detached_if(py, hashes.len() >= DETACH_KEYS, || inner.match_prefix(&hashes));
-        Ok(m.into_iter()
-            .map(|x| (x.instance, PyPrefixMatch { inner: x }))
-            .collect())
+        Ok(m.into_iter().map(|x| (x.instance, PyPrefixMatch { inner: x })).collect())
     }
 
     /// (instance, matched blocks) of the longest match, or None.
@@ -161,8 +169,7 @@ impl PyBlockIndex {
     /// Raises `InternalError` if an internal invariant is broken (for tests).
     fn check_integrity(&self, py: Python<'_>) -> PyResult<()> {
         let inner = &self.inner;
-        detached_infallible(py, || inner.check_integrity())
-            .map_err(|msg| new_err(py, ErrorCategory::Internal, msg))
+        detached_infallible(py, || inner.check_integrity()).map_err(|msg| new_err(py, ErrorCategory::Internal, msg))
     }
 
     fn __len__(&self) -> usize {

@@ -18,7 +18,6 @@ use crate::hash_xxh3::PyXxh3RollingHasher;
 use crate::index::PyBlockIndex;
 use crate::interop_map::{engine_hash_arg, engine_hashes_arg, PyEngineHashMap};
 
-
 #[pyclass(name = "EventIngestor", module = "mooncake_rs._core", frozen)]
 pub struct PyEventIngestor {
     inner: Arc<Mutex<EventIngestor>>,
@@ -58,9 +57,8 @@ impl PyEventIngestor {
         let hasher = chain_hasher(hasher)?;
         let cap = usize::try_from(map_capacity).unwrap_or(0);
         let clear = clear.iter().map(|i| i.inner.clone()).collect();
-        let ing = EventIngestor::new(slot, hasher, cap, clear).map_err(|_| {
-            invalid(py, format!("map_capacity must be >= 1 (and at most 2^31), got {map_capacity}"))
-        })?;
+        let ing = EventIngestor::new(slot, hasher, cap, clear)
+            .map_err(|_| invalid(py, format!("map_capacity must be >= 1 (and at most 2^31), got {map_capacity}")))?;
         Ok(PyEventIngestor { inner: Arc::new(Mutex::new(ing)) })
     }
 
@@ -84,7 +82,14 @@ impl PyEventIngestor {
     /// under the target key `key`, in `tier` (`None`: inserted as `dram`, removed from
     /// every tier).
     #[pyo3(signature = (name, key, index, tier = None))]
-    fn add_medium(&self, py: Python<'_>, name: &str, key: &str, index: PyRef<'_, PyBlockIndex>, tier: Option<&str>) -> PyResult<()> {
+    fn add_medium(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        key: &str,
+        index: PyRef<'_, PyBlockIndex>,
+        tier: Option<&str>,
+    ) -> PyResult<()> {
         let tier = tier.map(Tier::parse).transpose().or_raise(py)?;
         let sink = Sink { index: index.inner.clone(), tier };
         self.inner.lock().add_medium(name, key, sink).or_raise(py)
@@ -101,7 +106,12 @@ impl PyEventIngestor {
     /// Raises `MalformedEvent` (nothing applied when the batch does not decode; the
     /// events before a bad `token_ids` stay applied).
     #[pyo3(signature = (payload, resume = None))]
-    fn apply_payload(&self, py: Python<'_>, payload: &Bound<'_, PyAny>, resume: Option<usize>) -> PyResult<Option<(usize, String)>> {
+    fn apply_payload(
+        &self,
+        py: Python<'_>,
+        payload: &Bound<'_, PyAny>,
+        resume: Option<usize>,
+    ) -> PyResult<Option<(usize, String)>> {
         let inner = &self.inner;
         let got = if let Ok(b) = payload.cast::<PyBytes>() {
             let bytes = b.as_bytes(); // immutable: safe to read with the GIL released
@@ -178,7 +188,12 @@ impl PyEventIngestor {
 
     /// One `BlockRemoved`. Returns a medium name to register first, or `None`.
     #[pyo3(signature = (hashes, medium, group_idx = None))]
-    fn removed(&self, hashes: &Bound<'_, PyAny>, medium: Option<&str>, group_idx: Option<i128>) -> PyResult<Option<String>> {
+    fn removed(
+        &self,
+        hashes: &Bound<'_, PyAny>,
+        medium: Option<&str>,
+        group_idx: Option<i128>,
+    ) -> PyResult<Option<String>> {
         let keys = engine_hashes_arg(hashes)?;
         let refs: Vec<KeyRef<'_>> = keys.iter().map(|k| k.as_key()).collect();
         Ok(self.inner.lock().removed(&refs, medium, group_idx))

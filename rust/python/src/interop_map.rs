@@ -59,10 +59,9 @@ fn bit_arg(py: Python<'_>, what: &str, v: i64) -> PyResult<u8> {
 }
 
 fn group_arg(py: Python<'_>, v: i64) -> PyResult<u8> {
-    u8::try_from(v)
-        .ok()
-        .filter(|&g| u32::from(g) < mooncake_core::interop::MAX_GROUPS)
-        .ok_or_else(|| invalid(py, format!("group must be a group number in 0..{}, got {v}", mooncake_core::interop::MAX_GROUPS)))
+    u8::try_from(v).ok().filter(|&g| u32::from(g) < mooncake_core::interop::MAX_GROUPS).ok_or_else(|| {
+        invalid(py, format!("group must be a group number in 0..{}, got {v}", mooncake_core::interop::MAX_GROUPS))
+    })
 }
 
 /// Who owns the map.
@@ -220,7 +219,12 @@ impl PyEngineHashMap {
             self.with(|m| m.iter().map(|(k, o, b)| (k.to_owned_hash(), o, b)).collect());
         let items = all
             .iter()
-            .map(|(k, o, b)| PyTuple::new(py, [engine_hash_to_py(py, k.as_key())?, hash_to_py(py, *o)?, b.into_pyobject(py)?.into_any()]))
+            .map(|(k, o, b)| {
+                PyTuple::new(
+                    py,
+                    [engine_hash_to_py(py, k.as_key())?, hash_to_py(py, *o)?, b.into_pyobject(py)?.into_any()],
+                )
+            })
             .collect::<PyResult<Vec<_>>>()?;
         Ok(PyList::new(py, items)?.try_iter()?.into_any())
     }

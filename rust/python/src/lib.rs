@@ -6,22 +6,22 @@
 
 use pyo3::prelude::*;
 
-mod conductor;
-mod conductor_cost;
-mod conductor_types;
 mod block_cache;
 mod block_hashes;
 mod class_macros;
+mod conductor;
+mod conductor_cost;
+mod conductor_types;
 mod convert;
 mod errors;
 mod gil;
 mod hash;
 mod hash_xxh3;
 mod index;
-mod keys;
 mod interop;
 mod interop_ingest;
 mod interop_map;
+mod keys;
 mod logging;
 mod mem;
 mod page_gather;

@@ -109,12 +109,24 @@ impl PageGather {
     /// least `planes * num_pages * page_bytes` bytes; kept alive (and exported) by this
     /// object.
     #[new]
-    fn new(py: Python<'_>, cache: &Bound<'_, PyAny>, planes: usize, num_pages: usize, page_bytes: usize) -> PyResult<Self> {
+    fn new(
+        py: Python<'_>,
+        cache: &Bound<'_, PyAny>,
+        planes: usize,
+        num_pages: usize,
+        page_bytes: usize,
+    ) -> PyResult<Self> {
         let layout = PagedLayout { planes, num_pages, page_bytes };
         let need = layout.cache_bytes().map_err(|e| invalid(py, e.0))?;
         let view = BufferView::get_contiguous(cache, "cache")?;
         if view.len_bytes() < need {
-            return Err(invalid(py, format!("cache holds {} bytes; {planes} planes x {num_pages} pages x {page_bytes} bytes need {need}", view.len_bytes())));
+            return Err(invalid(
+                py,
+                format!(
+                    "cache holds {} bytes; {planes} planes x {num_pages} pages x {page_bytes} bytes need {need}",
+                    view.len_bytes()
+                ),
+            ));
         }
         Ok(PageGather { cache: CacheExport { view }, layout })
     }

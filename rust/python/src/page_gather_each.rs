@@ -58,7 +58,13 @@ pub(crate) fn gather_each_into(
     }
     let planes = first_plane..first_plane.saturating_add(num_planes);
     if num_planes == 0 || planes.end > layout.planes {
-        return Err(invalid(py, format!("planes {first_plane}..{} are not a non-empty range of the cache's {} planes", planes.end, layout.planes)));
+        return Err(invalid(
+            py,
+            format!(
+                "planes {first_plane}..{} are not a non-empty range of the cache's {} planes",
+                planes.end, layout.planes
+            ),
+        ));
     }
     if let Some((i, p)) = pages.iter().enumerate().find(|(_, &p)| p >= layout.num_pages as u64) {
         return Err(invalid(py, format!("pages[{i}] = {p}: the cache has {} pages", layout.num_pages)));
@@ -90,8 +96,14 @@ pub(crate) fn gather_each_into(
         let c = unsafe { std::slice::from_raw_parts(cp as *const u8, cl) };
         for (i, &dp) in raw.iter().enumerate() {
             let d = unsafe { std::slice::from_raw_parts_mut(dp as *mut u8, per) };
-            gather_pages(c, &layout, &pages[i * pages_per_block..(i + 1) * pages_per_block], pages_per_block,
-                         planes.clone(), d)?;
+            gather_pages(
+                c,
+                &layout,
+                &pages[i * pages_per_block..(i + 1) * pages_per_block],
+                pages_per_block,
+                planes.clone(),
+                d,
+            )?;
         }
         Ok::<(), mooncake_core::store::segment_copy::SegmentError>(())
     });

@@ -129,4 +129,3 @@ pub fn u128_from_py(obj: &Bound<'_, PyAny>) -> PyResult<u128> {
     }
     Ok(u128::from_le_bytes(buf))
 }
-

@@ -59,8 +59,15 @@ impl RequestBlockSaver {
     }
 
     /// Appends the page ids of blocks `first .. first + num` of `held` to `out`.
-    fn push_pages(&self, py: Python<'_>, rid: &Bound<'_, PyAny>, held: &Held<'_>, first: i64, num: i64,
-                  out: &mut Vec<u64>) -> PyResult<()> {
+    fn push_pages(
+        &self,
+        py: Python<'_>,
+        rid: &Bound<'_, PyAny>,
+        held: &Held<'_>,
+        first: i64,
+        num: i64,
+        out: &mut Vec<u64>,
+    ) -> PyResult<()> {
         let ppb = self.pages_per_block;
         // first >= 0 and num >= 1 were checked, and (first + num) * block_size fits in an
         // i64; pages_per_block <= block_size (checked at construction), so this cannot
@@ -69,7 +76,11 @@ impl RequestBlockSaver {
         let bad = |what: &str| invalid(py, format!("the pages of request {} {what}", repr(rid)));
         if let Ok(list) = held.pages.cast::<PyList>() {
             if list.len() < end {
-                return Err(bad(&format!("are {} ids; its blocks {first}..{} need {end}", list.len(), first + num - 1)));
+                return Err(bad(&format!(
+                    "are {} ids; its blocks {first}..{} need {end}",
+                    list.len(),
+                    first + num - 1
+                )));
             }
             for i in start..end {
                 out.push(list.get_item(i)?.extract::<u64>().map_err(|_| bad("must be non-negative ints"))?);
@@ -96,13 +107,27 @@ impl RequestBlockSaver {
     }
 
     /// Checks that blocks `first .. first + num` are all full blocks of computed KV.
-    fn check_span(&self, py: Python<'_>, rid: &Bound<'_, PyAny>, held: &Held<'_>, first: i64, num: i64) -> PyResult<()> {
+    fn check_span(
+        &self,
+        py: Python<'_>,
+        rid: &Bound<'_, PyAny>,
+        held: &Held<'_>,
+        first: i64,
+        num: i64,
+    ) -> PyResult<()> {
         let end = first.checked_add(num);
         let fits = end.and_then(|e| e.checked_mul(self.block_size)).is_some_and(|t| t <= held.computed);
         if first < 0 || num < 1 || !fits {
             let last = end.map_or_else(|| "?".to_string(), |e| (e - 1).to_string());
-            return Err(invalid(py, format!("blocks {first}..{last} of request {} are not all full blocks of computed KV \
-                                            ({} tokens computed)", repr(rid), held.computed)));
+            return Err(invalid(
+                py,
+                format!(
+                    "blocks {first}..{last} of request {} are not all full blocks of computed KV \
+                                            ({} tokens computed)",
+                    repr(rid),
+                    held.computed
+                ),
+            ));
         }
         Ok(())
     }
@@ -113,13 +138,23 @@ impl RequestBlockSaver {
     /// `gather`: the engine's cache; `requests`: its dict of request id -> request (read
     /// at each call, never copied); `block_size` tokens a block of `pages_per_block` pages.
     #[new]
-    fn new(py: Python<'_>, gather: Py<PageGather>, requests: Py<PyDict>, block_size: i64, pages_per_block: usize)
-           -> PyResult<Self> {
+    fn new(
+        py: Python<'_>,
+        gather: Py<PageGather>,
+        requests: Py<PyDict>,
+        block_size: i64,
+        pages_per_block: usize,
+    ) -> PyResult<Self> {
         // a page holds at least one token, so pages_per_block <= block_size (push_pages'
         // index arithmetic relies on it)
         if block_size < 1 || pages_per_block < 1 || pages_per_block as u64 > block_size as u64 {
-            return Err(invalid(py, format!("block_size ({block_size}) and pages_per_block ({pages_per_block}) must be \
-                                            >= 1, and pages_per_block at most block_size")));
+            return Err(invalid(
+                py,
+                format!(
+                    "block_size ({block_size}) and pages_per_block ({pages_per_block}) must be \
+                                            >= 1, and pages_per_block at most block_size"
+                ),
+            ));
         }
         Ok(RequestBlockSaver { gather, requests, block_size, pages_per_block })
     }
@@ -129,10 +164,17 @@ impl RequestBlockSaver {
     /// buffer or contiguous CPU tensor of exactly their bytes). `InvalidArgument` before
     /// anything is written.
     #[pyo3(signature = (request_id, first_block, num_blocks, out, layer=None))]
-    fn save_blocks(&self, py: Python<'_>, request_id: &Bound<'_, PyAny>, first_block: &Bound<'_, PyAny>,
-                   num_blocks: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>, layer: Option<&Bound<'_, PyAny>>)
-                   -> PyResult<()> {
-        let (first_block, num_blocks) = (block_number(py, first_block, "first_block")?, block_number(py, num_blocks, "num_blocks")?);
+    fn save_blocks(
+        &self,
+        py: Python<'_>,
+        request_id: &Bound<'_, PyAny>,
+        first_block: &Bound<'_, PyAny>,
+        num_blocks: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        layer: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let (first_block, num_blocks) =
+            (block_number(py, first_block, "first_block")?, block_number(py, num_blocks, "num_blocks")?);
         let held = self.lookup(py, request_id)?;
         self.check_span(py, request_id, &held, first_block, num_blocks)?;
         let mut pages = Vec::with_capacity(num_blocks as usize * self.pages_per_block);
@@ -145,9 +187,13 @@ impl RequestBlockSaver {
     /// `spans` in order, what `save_blocks` writes, back to back in `out`.
     /// `InvalidArgument` before anything is written.
     #[pyo3(signature = (spans, out, layer=None))]
-    fn save_spans(&self, py: Python<'_>, spans: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>,
-                  layer: Option<&Bound<'_, PyAny>>)
-                  -> PyResult<()> {
+    fn save_spans(
+        &self,
+        py: Python<'_>,
+        spans: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        layer: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
         let mut pages: Vec<u64> = Vec::new();
         for span in spans.try_iter()? {
             let span = span?;
@@ -167,8 +213,14 @@ impl RequestBlockSaver {
     /// `outs[i]` (a whole block each; a single layer goes to its span).
     /// `InvalidArgument` before anything is written.
     #[pyo3(signature = (request_id, block_indices, outs, layer=None))]
-    fn save_each(&self, py: Python<'_>, request_id: &Bound<'_, PyAny>, block_indices: &Bound<'_, PyAny>,
-                 outs: Vec<Bound<'_, PyAny>>, layer: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    fn save_each(
+        &self,
+        py: Python<'_>,
+        request_id: &Bound<'_, PyAny>,
+        block_indices: &Bound<'_, PyAny>,
+        outs: Vec<Bound<'_, PyAny>>,
+        layer: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
         let held = self.lookup(py, request_id)?;
         let mut idx: Vec<i64> = Vec::with_capacity(outs.len());
         for i in block_indices.try_iter()? {
@@ -182,9 +234,17 @@ impl RequestBlockSaver {
         }
         let mut pages = Vec::with_capacity(idx.len() * self.pages_per_block);
         for &i in &idx {
-            if i < 0 || i.checked_add(1).and_then(|e| e.checked_mul(self.block_size)).is_none_or(|t| t > held.computed) {
-                return Err(invalid(py, format!("block {i} of request {} is not a full block of computed KV \
-                                                ({} tokens computed)", repr(request_id), held.computed)));
+            if i < 0 || i.checked_add(1).and_then(|e| e.checked_mul(self.block_size)).is_none_or(|t| t > held.computed)
+            {
+                return Err(invalid(
+                    py,
+                    format!(
+                        "block {i} of request {} is not a full block of computed KV \
+                                                ({} tokens computed)",
+                        repr(request_id),
+                        held.computed
+                    ),
+                ));
             }
             self.push_pages(py, request_id, &held, i, 1, &mut pages)?;
         }
@@ -199,8 +259,14 @@ impl RequestBlockSaver {
 /// `(request_id, first_block, num_blocks)` of one span (a tuple, or any 3-item iterable).
 fn span_parts<'py>(py: Python<'py>, span: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyAny>, i64, i64)> {
     let bad = || {
-        invalid(py, format!("spans must hold (request_id, first_block, num_blocks) triples of a request id and two \
-                             ints of at most 64 bits, got {}", repr(span)))
+        invalid(
+            py,
+            format!(
+                "spans must hold (request_id, first_block, num_blocks) triples of a request id and two \
+                             ints of at most 64 bits, got {}",
+                repr(span)
+            ),
+        )
     };
     if let Ok(t) = span.cast::<PyTuple>() {
         if t.len() != 3 {

@@ -11,13 +11,12 @@ use pyo3::prelude::*;
 use pyo3::types::PyList;
 
 use crate::convert::{hash_from_py, hash_to_py, BufferView};
-use crate::keys::keys_from_py;
 use crate::errors::{invalid, OrRaise};
 use crate::gil::{detached_if, detached_infallible, RawBytes, DETACH_STORE_BYTES};
+use crate::keys::keys_from_py;
 use crate::store_block::{PyBlock, PyWritableBlock};
 use crate::store_events::PyStoreEvents;
 use crate::store_run::PyLeasedRun;
-
 
 /// The tiered block store (DRAM slots, optional SSD tier).
 #[pyclass(name = "Store", module = "mooncake_rs._core", frozen)]
@@ -127,9 +126,27 @@ macro_rules! stats_class {
 }
 
 stats_class!(
-    puts, hits_dram, hits_ssd, misses, evictions_dram, evictions_ssd, demotions, demotions_dropped,
-    demotion_failures, promotions, corrupt_dropped, recovered, events_dropped, blocks_dram, blocks_ssd,
-    bytes_dram, bytes_ssd, slots_dram, slots_ssd, pinned, demotion_queue,
+    puts,
+    hits_dram,
+    hits_ssd,
+    misses,
+    evictions_dram,
+    evictions_ssd,
+    demotions,
+    demotions_dropped,
+    demotion_failures,
+    promotions,
+    corrupt_dropped,
+    recovered,
+    events_dropped,
+    blocks_dram,
+    blocks_ssd,
+    bytes_dram,
+    bytes_ssd,
+    slots_dram,
+    slots_ssd,
+    pinned,
+    demotion_queue,
 );
 
 impl PyStore {
@@ -218,7 +235,8 @@ impl PyStore {
         let ranges: Vec<RawBytes> = views.iter().map(|v| RawBytes::new(v.as_ptr(), v.len_bytes())).collect();
         self.run(py, ranges.iter().map(RawBytes::len).sum(), move |s| {
             // SAFETY: every range belongs to an export held in `views` for the call.
-            let items: Vec<(BlockHash, &[u8])> = keys.iter().zip(ranges).map(|(k, p)| (*k, unsafe { p.slice() })).collect();
+            let items: Vec<(BlockHash, &[u8])> =
+                keys.iter().zip(ranges).map(|(k, p)| (*k, unsafe { p.slice() })).collect();
             s.put_many(&items)
         })
         .or_raise(py)
@@ -248,7 +266,13 @@ impl PyStore {
     /// for a whole batch, without the GIL, large batches copied by several threads.
     /// Per key: True if stored now, False if stored already. StoreFull (nothing stored)
     /// when the whole batch does not fit. The caller vouches for the addresses.
-    fn put_from_addresses(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, addrs: Vec<usize>, lens: Vec<usize>) -> PyResult<Vec<bool>> {
+    fn put_from_addresses(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        addrs: Vec<usize>,
+        lens: Vec<usize>,
+    ) -> PyResult<Vec<bool>> {
         let chunks = AddressedChunk::zip(&keys_from_py(keys)?, &addrs, &lens).or_raise(py)?;
         let s = &*self.inner;
         // SAFETY: the addresses are the caller's readable memory (this method's contract,
@@ -259,7 +283,14 @@ impl PyStore {
     /// Copies the first `lens[i]` bytes of each key's block to `addrs[i]` (disjoint,
     /// writable ranges), one call for the batch; per key, whether it was found.
     #[pyo3(signature = (keys, addrs, lens, promote = true))]
-    fn get_into_addresses(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, addrs: Vec<usize>, lens: Vec<usize>, promote: bool) -> PyResult<Vec<bool>> {
+    fn get_into_addresses(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        addrs: Vec<usize>,
+        lens: Vec<usize>,
+        promote: bool,
+    ) -> PyResult<Vec<bool>> {
         let chunks = AddressedChunk::zip(&keys_from_py(keys)?, &addrs, &lens).or_raise(py)?;
         let s = &*self.inner;
         // SAFETY: the addresses are the caller's writable, disjoint memory (the contract).
@@ -308,7 +339,13 @@ impl PyStore {
 
     /// Copies `key` into the writable buffer `out` (block_bytes); False if absent.
     #[pyo3(signature = (key, out, promote = true))]
-    fn get_into(&self, py: Python<'_>, key: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>, promote: bool) -> PyResult<bool> {
+    fn get_into(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        promote: bool,
+    ) -> PyResult<bool> {
         let key = hash_from_py(key)?;
         let view = BufferView::get_writable(out, "out")?;
         let p = RawBytes::new(view.as_mut_ptr(), view.len_bytes());
@@ -319,7 +356,13 @@ impl PyStore {
     /// Copies each key's block into row i of `out` (len(keys) * block_bytes bytes);
     /// returns which were found (rows of missing keys are left as they were).
     #[pyo3(signature = (keys, out, promote = true))]
-    fn get_many_into(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>, promote: bool) -> PyResult<Vec<bool>> {
+    fn get_many_into(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        promote: bool,
+    ) -> PyResult<Vec<bool>> {
         let keys = keys_from_py(keys)?;
         let view = BufferView::get_writable(out, "out")?;
         let p = RawBytes::new(view.as_mut_ptr(), view.len_bytes());
@@ -355,7 +398,12 @@ impl PyStore {
     /// of 16-byte little-endian keys), each with its arena `.offset`. SSD blocks are
     /// promoted into DRAM (the run ends at one that cannot be); `promote=False`: DRAM only.
     #[pyo3(signature = (keys, promote = true))]
-    fn lookup_prefix<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>, promote: bool) -> PyResult<Bound<'py, PyList>> {
+    fn lookup_prefix<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+        promote: bool,
+    ) -> PyResult<Bound<'py, PyList>> {
         let keys = keys_from_py(keys)?;
         let s = &*self.inner;
         let leases = detached_infallible(py, || s.lookup_prefix(&keys, promote)).or_raise(py)?;
@@ -442,9 +490,7 @@ impl PyStore {
 
     /// Raises InternalError if an invariant is broken (call when no other thread works).
     fn check_integrity(&self, py: Python<'_>) -> PyResult<()> {
-        self.inner
-            .check_integrity()
-            .map_err(|m| crate::errors::new_err(py, mooncake_core::ErrorCategory::Internal, m))
+        self.inner.check_integrity().map_err(|m| crate::errors::new_err(py, mooncake_core::ErrorCategory::Internal, m))
     }
 
     fn __repr__(&self) -> String {

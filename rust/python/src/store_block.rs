@@ -14,19 +14,27 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 
 use crate::convert::{hash_to_py, BufferView};
-use crate::gil::{detached_if, RawBytes, DETACH_STORE_BYTES};
 use crate::errors::invalid;
+use crate::gil::{detached_if, RawBytes, DETACH_STORE_BYTES};
 
 /// Fills `view` over `len` bytes at `buf`, owned by `owner` (a new reference).
 ///
 /// # Safety
 /// `view` is the pointer CPython passed to `__getbuffer__`; `buf..buf+len` stays valid
 /// until the matching `__releasebuffer__`.
-unsafe fn fill(owner: &Bound<'_, PyAny>, view: *mut ffi::Py_buffer, buf: *mut u8, len: usize, readonly: bool, flags: c_int) -> PyResult<()> {
+unsafe fn fill(
+    owner: &Bound<'_, PyAny>,
+    view: *mut ffi::Py_buffer,
+    buf: *mut u8,
+    len: usize,
+    readonly: bool,
+    flags: c_int,
+) -> PyResult<()> {
     if view.is_null() {
         return Err(PyBufferError::new_err("null view"));
     }
-    let rc = ffi::PyBuffer_FillInfo(view, owner.as_ptr(), buf.cast(), len as ffi::Py_ssize_t, c_int::from(readonly), flags);
+    let rc =
+        ffi::PyBuffer_FillInfo(view, owner.as_ptr(), buf.cast(), len as ffi::Py_ssize_t, c_int::from(readonly), flags);
     if rc != 0 {
         return Err(PyErr::fetch(owner.py()));
     }
@@ -208,8 +216,12 @@ impl PyWritableBlock {
             }
         };
         taken.map_err(|busy| match busy {
-            Busy::Exported => invalid(py, format!("release every memoryview/array of this WritableBlock before {what}")),
-            Busy::Writing => invalid(py, format!("a write() to this WritableBlock is running on another thread; {what} after it")),
+            Busy::Exported => {
+                invalid(py, format!("release every memoryview/array of this WritableBlock before {what}"))
+            }
+            Busy::Writing => {
+                invalid(py, format!("a write() to this WritableBlock is running on another thread; {what} after it"))
+            }
         })
     }
 }

@@ -44,7 +44,10 @@ pub fn events_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Arc<Vec<StoreEvent>>> 
         Ok(Some(v)) => Ok(Arc::new(decode_events(v.bytes()).or_raise(py)?)),
         _ => {
             let t = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
-            Err(invalid(py, format!("events must be a StoreEvents, a list of StoreEvent or StoreEvents.to_bytes() output, got {t}")))
+            Err(invalid(
+                py,
+                format!("events must be a StoreEvents, a list of StoreEvent or StoreEvents.to_bytes() output, got {t}"),
+            ))
         }
     }
 }

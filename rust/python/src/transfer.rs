@@ -121,8 +121,7 @@ fn region_id(obj: &Bound<'_, PyAny>) -> PyResult<RegionId> {
     if let Ok(r) = obj.cast::<PyRegion>() {
         return Ok(r.get().region.id);
     }
-    obj.extract::<RegionId>()
-        .map_err(|_| invalid(obj.py(), "remote_region must be a region id (int) or a Region"))
+    obj.extract::<RegionId>().map_err(|_| invalid(obj.py(), "remote_region must be a region id (int) or a Region"))
 }
 
 /// One transfer: `op` "read" pulls remote bytes into `local`, "write" pushes them.
@@ -511,14 +510,18 @@ impl PyTransferEngine {
             return self.wrap(py, id, r.writable);
         }
         let t = buffer.get_type().name().map(|n| n.to_string()).unwrap_or_default();
-        let no_buffer = || invalid(py, format!("register() needs a buffer (bytearray, numpy array, ...) or a Region, got {t}"));
+        let no_buffer =
+            || invalid(py, format!("register() needs a buffer (bytearray, numpy array, ...) or a Region, got {t}"));
         let (view, writable) = match BufferView::get(buffer, ffi::PyBUF_C_CONTIGUOUS | ffi::PyBUF_WRITABLE) {
             Ok(Some(v)) => (v, true),
             Ok(None) => return Err(no_buffer()),
             Err(first) if !readonly => {
-                return Err(invalid(py, format!(
+                return Err(invalid(
+                    py,
+                    format!(
                     "register() needs a writable C-contiguous buffer ({first}); pass readonly=True for read-only memory"
-                )))
+                ),
+                ))
             }
             Err(_) => match BufferView::get(buffer, ffi::PyBUF_C_CONTIGUOUS) {
                 Ok(Some(v)) => (v, false),
@@ -531,7 +534,8 @@ impl PyTransferEngine {
         // SAFETY: the exported buffer stays valid (and writable if `writable`) until `held`
         // releases it; the region's owner is `held`; a non-writable buffer is registered
         // read-only and is never a destination of a local read.
-        let id = unsafe { e.register_raw_with(ptr, len, access(readonly || !writable), Box::new(held)) }.map_err(err)?;
+        let id =
+            unsafe { e.register_raw_with(ptr, len, access(readonly || !writable), Box::new(held)) }.map_err(err)?;
         self.wrap(py, id, writable)
     }
 
@@ -570,7 +574,11 @@ impl PyTransferEngine {
     }
 
     /// The live grants of `region`.
-    fn grants(&self, py: Python<'_>, region: &Bound<'_, PyAny>) -> PyResult<Vec<crate::transfer_rights::PyTransferGrant>> {
+    fn grants(
+        &self,
+        py: Python<'_>,
+        region: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<crate::transfer_rights::PyTransferGrant>> {
         crate::transfer_rights::grants(py, &self.engine, region_id(region)?)
     }
 
@@ -601,7 +609,9 @@ impl PyTransferEngine {
         let timeout = dur(py, "timeout_s", timeout_s)?;
         let mut reqs = Vec::new();
         let mut push = |item: &Bound<'_, PyAny>| -> PyResult<()> {
-            let r = item.cast::<PyTransferRequest>().map_err(|_| invalid(py, "submit() takes a list of TransferRequest"))?;
+            let r = item
+                .cast::<PyTransferRequest>()
+                .map_err(|_| invalid(py, "submit() takes a list of TransferRequest"))?;
             reqs.push(r.get().inner.clone());
             Ok(())
         };

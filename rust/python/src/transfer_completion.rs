@@ -80,7 +80,9 @@ impl PyBatchCompletion {
     }
     fn __repr__(&self) -> String {
         match &self.c.error {
-            Some(e) => format!("BatchCompletion(tag={}, failed {}/{}: {e})", self.c.tag, self.c.failed, self.c.requests),
+            Some(e) => {
+                format!("BatchCompletion(tag={}, failed {}/{}: {e})", self.c.tag, self.c.failed, self.c.requests)
+            }
             None => format!("BatchCompletion(tag={}, ok, bytes={})", self.c.tag, self.c.bytes),
         }
     }

@@ -61,7 +61,13 @@ pub(crate) fn grant(
     e.grant(region, peer, offset, length, write, expires).map_err(|x: TransferError| to_pyerr(py, &x))
 }
 
-pub(crate) fn revoke(py: Python<'_>, e: &Engine, region: RegionId, peer: &str, grant_id: Option<u64>) -> PyResult<usize> {
+pub(crate) fn revoke(
+    py: Python<'_>,
+    e: &Engine,
+    region: RegionId,
+    peer: &str,
+    grant_id: Option<u64>,
+) -> PyResult<usize> {
     e.revoke(region, peer, grant_id).map_err(|x| to_pyerr(py, &x))
 }
 

@@ -286,7 +286,7 @@ mod tests {
         assert!((0.02..=0.09).contains(&share), "{share}");
         let v = h.at(0.0);
         assert!((0.6..=0.8).contains(&v), "{v}"); // 1.5 x h = 1 at the p100; p95: 1.45 h = 1
-        // never above 1 (all hits), never below the floor (all misses), relaxes toward 1
+                                                  // never above 1 (all hits), never below the floor (all misses), relaxes toward 1
         let mut h = Headroom::default();
         for _ in 0..1000 {
             h.observe(0.0, 0.1, 0.0);

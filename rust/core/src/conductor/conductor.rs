@@ -134,9 +134,16 @@ impl Conductor {
         Ok(Conductor {
             state: Mutex::new(State::new(
                 config.seed,
-                config.contention_aware.then(|| LinkLoads::new(config.cost.transfer.network_bandwidth, config.cost.transfer.ssd_bandwidth)),
+                config.contention_aware.then(|| {
+                    LinkLoads::new(config.cost.transfer.network_bandwidth, config.cost.transfer.ssd_bandwidth)
+                }),
             )),
-            outlen: Mutex::new(OutputLenEstimator::new(config.default_output_len, config.output_len_ewma, 1 << 16, config.max_output_len)),
+            outlen: Mutex::new(OutputLenEstimator::new(
+                config.default_output_len,
+                config.output_len_ewma,
+                1 << 16,
+                config.max_output_len,
+            )),
             hot: Mutex::new(HotTable::new(config.hot_half_life_s, config.hot_capacity)),
             calibration: Mutex::new(Calibration::default()),
             index,
@@ -238,9 +245,12 @@ impl Conductor {
         candidates(&st, req, matches, best.map_or(0, |b| b.total()), &cal, cands);
         let est = self.estimate(&st, req, matches, best, cands, cal)?;
         if self.config.rejection != RejectionKind::None {
-            let admit = Admit { room: est.room, ttft_target: cal.ttft_target, ttft_scale: cal.work_scale, now: req.now };
+            let admit =
+                Admit { room: est.room, ttft_target: cal.ttft_target, ttft_scale: cal.work_scale, now: req.now };
             let probe = self.probing(&st, &cal, &est.decision);
-            if let Some((reason, detail, retry_after_s)) = probe.or_else(|| self.rejection(&st.decode, &est.decision, &admit)) {
+            if let Some((reason, detail, retry_after_s)) =
+                probe.or_else(|| self.rejection(&st.decode, &est.decision, &admit))
+            {
                 return Err(ConductorError::Overloaded {
                     reason,
                     detail,
@@ -304,7 +314,11 @@ impl Conductor {
             p.id,
             p.queued_n + p.running.len()
         );
-        Some((RejectReason::TtftSlo, detail, (d.est_queue_s * cal.work_scale).max(d.est_ttft_s.min(self.config.ttft_slo_s))))
+        Some((
+            RejectReason::TtftSlo,
+            detail,
+            (d.est_queue_s * cal.work_scale).max(d.est_ttft_s.min(self.config.ttft_slo_s)),
+        ))
     }
 
     /// Why the admission rejects `d` (reason, detail, seconds to retry after), or None.
@@ -320,7 +334,10 @@ impl Conductor {
         let (room, now) = (a.room, a.now);
         if d.est_ttft_s > a.ttft_target {
             let target = if a.ttft_target < cfg.ttft_slo_s {
-                format!("the admission target {:.4}s (the SLO {}s less the margin its misses ask for)", a.ttft_target, cfg.ttft_slo_s)
+                format!(
+                    "the admission target {:.4}s (the SLO {}s less the margin its misses ask for)",
+                    a.ttft_target, cfg.ttft_slo_s
+                )
             } else {
                 format!("the SLO {}s", cfg.ttft_slo_s)
             };

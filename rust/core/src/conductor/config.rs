@@ -23,8 +23,8 @@ impl PolicyKind {
             "ttft_optimal" => PolicyKind::TtftOptimal,
             other => {
                 return Err(ConductorError::InvalidConfig(format!(
-                    "unknown policy {other:?}; expected random, load_balance, local_cache_aware, mooncake or ttft_optimal"
-                )))
+                "unknown policy {other:?}; expected random, load_balance, local_cache_aware, mooncake or ttft_optimal"
+            )))
             }
         })
     }

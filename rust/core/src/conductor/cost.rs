@@ -13,7 +13,9 @@ pub enum FitError {
     TooFewSamples { need: usize, got: usize },
     #[error("sample {0} is not finite or is negative")]
     BadSample(usize),
-    #[error("the samples fit a model that predicts zero time for every input (all samples 0 s?); measure real timings")]
+    #[error(
+        "the samples fit a model that predicts zero time for every input (all samples 0 s?); measure real timings"
+    )]
     Degenerate,
 }
 

@@ -52,7 +52,14 @@ pub(super) struct Calibrated {
 /// With the calibration on, the queue is the instance's first-in-first-out backlog at
 /// its measured speed, in the cost model's seconds (divided by the scale again: the
 /// estimate multiplies the whole TTFT by it).
-pub(super) fn candidates(st: &State, req: &ScheduleRequest<'_>, matches: &[PrefixMatch], floor: usize, cal: &Calibrated, cands: &mut Vec<Candidate>) {
+pub(super) fn candidates(
+    st: &State,
+    req: &ScheduleRequest<'_>,
+    matches: &[PrefixMatch],
+    floor: usize,
+    cal: &Calibrated,
+    cands: &mut Vec<Candidate>,
+) {
     let now = req.now;
     cands.clear();
     let mut mi = 0;
@@ -105,10 +112,17 @@ impl Conductor {
             now,
             links: st.links.as_ref(),
         };
-        let overloaded = |reason: RejectReason, detail: &str| ConductorError::Overloaded { reason, detail: detail.into(), estimates: None };
+        let overloaded = |reason: RejectReason, detail: &str| ConductorError::Overloaded {
+            reason,
+            detail: detail.into(),
+            estimates: None,
+        };
         let mut rng = st.rng;
         let Some(choice) = policy::choose(cfg.policy, &input, &mut rng) else {
-            return Err(overloaded(RejectReason::NoPrefillInstance, "no prefill instance registered (or all are draining)"));
+            return Err(overloaded(
+                RejectReason::NoPrefillInstance,
+                "no prefill instance registered (or all are draining)",
+            ));
         };
         let fetch_abandon_s = if choice.fetch_blocks > 0 {
             let c = &cands[choice.idx];
@@ -132,7 +146,10 @@ impl Conductor {
         let ttft = cal.floor_s + raw_ttft_s * cal.work_scale;
         let ask = DecodeAsk { prompt_len: req.prompt_len, out_pred, arrive_t: now + ttft };
         let Some(pick) = select_decode(&st.decode, cfg.rejection, &cfg.cost.decode, &ask) else {
-            return Err(overloaded(RejectReason::NoDecodeInstance, "no decode instance registered (or all are draining)"));
+            return Err(overloaded(
+                RejectReason::NoDecodeInstance,
+                "no decode instance registered (or all are draining)",
+            ));
         };
         let decision = Decision {
             prefill: cands[choice.idx].id,
@@ -148,13 +165,28 @@ impl Conductor {
             retry_after_s: 0.0,
             fetch_abandon_s,
         };
-        Ok(Estimate { decision, room: pick.room, choice, decode_idx: pick.idx, ask, out_pred, raw_ttft_s, raw_tbt_s: pick.tbt, rng })
+        Ok(Estimate {
+            decision,
+            room: pick.room,
+            choice,
+            decode_idx: pick.idx,
+            ask,
+            out_pred,
+            raw_ttft_s,
+            raw_tbt_s: pick.tbt,
+            rng,
+        })
     }
 
     /// Writes an admitted request into the state: the replica its fetch creates (in the
     /// index), its transfers on the link loads, the prefill queue, the decode batch, its
     /// pending prefix and its record.
-    pub(super) fn admit(&self, st: &mut State, req: &ScheduleRequest<'_>, est: &Estimate) -> Result<(), ConductorError> {
+    pub(super) fn admit(
+        &self,
+        st: &mut State,
+        req: &ScheduleRequest<'_>,
+        est: &Estimate,
+    ) -> Result<(), ConductorError> {
         let cfg = &self.config;
         let (d, choice) = (&est.decision, &est.choice);
         // `cands` skips draining instances, so the policy's index is not the table's
@@ -169,7 +201,12 @@ impl Conductor {
         st.prefill[pi].queued_n += 1;
         let tbt_s = tbt_or(d.est_tbt_s, cfg.tbt_slo_s);
         let ask = &est.ask;
-        let member = Member { rid: req.request_id, arrive_t: ask.arrive_t, end_t: ask.arrive_t + est.out_pred * tbt_s, ctx: ask.ctx() };
+        let member = Member {
+            rid: req.request_id,
+            arrive_t: ask.arrive_t,
+            end_t: ask.arrive_t + est.out_pred * tbt_s,
+            ctx: ask.ctx(),
+        };
         let dec = &mut st.decode[est.decode_idx];
         dec.members.push(member);
         dec.kv_reserved += ask.kv_tokens();

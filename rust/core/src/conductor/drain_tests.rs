@@ -6,11 +6,22 @@ use proptest::prelude::*;
 use super::*;
 
 fn cfg() -> ConductorConfig {
-    ConductorConfig { block_size: 10, policy: PolicyKind::LoadBalance, rejection: RejectionKind::None, ..Default::default() }
+    ConductorConfig {
+        block_size: 10,
+        policy: PolicyKind::LoadBalance,
+        rejection: RejectionKind::None,
+        ..Default::default()
+    }
 }
 
 fn sched(c: &Conductor, id: u64, now: f64) -> Result<Decision, ConductorError> {
-    c.schedule(&ScheduleRequest { request_id: id, block_hashes: &[], prompt_len: 100, now, expected_output_len: Some(10) })
+    c.schedule(&ScheduleRequest {
+        request_id: id,
+        block_hashes: &[],
+        prompt_len: 100,
+        now,
+        expected_output_len: Some(10),
+    })
 }
 
 #[test]
@@ -27,7 +38,10 @@ fn drained_prefill_gets_nothing_new_and_keeps_its_requests() {
     for id in 2..20 {
         assert_ne!(sched(&c, id, 0.0).unwrap().prefill, first);
     }
-    assert!(matches!(c.switch_role(first, RoleSpec::Decode(DecodeSpec::default())), Err(ConductorError::InvalidArgument(_))));
+    assert!(matches!(
+        c.switch_role(first, RoleSpec::Decode(DecodeSpec::default())),
+        Err(ConductorError::InvalidArgument(_))
+    ));
     c.on_prefill_started(1, Some(0.1)).unwrap();
     assert_eq!(c.held_requests(first).unwrap(), 1);
     c.on_prefill_finished(1, Some(0.2)).unwrap();
@@ -75,7 +89,10 @@ fn bad_ids_and_specs_are_typed_errors() {
     assert_eq!(c.is_draining(9), Err(ConductorError::UnknownInstance(9)));
     assert_eq!(c.held_requests(9), Err(ConductorError::UnknownInstance(9)));
     assert_eq!(c.switch_role(9, RoleSpec::Prefill(PrefillSpec::default())), Err(ConductorError::UnknownInstance(9)));
-    assert!(matches!(c.switch_role(0, RoleSpec::Decode(DecodeSpec::default())), Err(ConductorError::InvalidArgument(_))));
+    assert!(matches!(
+        c.switch_role(0, RoleSpec::Decode(DecodeSpec::default())),
+        Err(ConductorError::InvalidArgument(_))
+    ));
     c.drain_instance(0).unwrap();
     let bad = DecodeSpec { max_batch: 0, ..DecodeSpec::default() };
     assert!(matches!(c.switch_role(0, RoleSpec::Decode(bad)), Err(ConductorError::InvalidConfig(_))));

@@ -2,8 +2,8 @@
 //! replica hints. Every method validates before it changes anything.
 
 use super::conductor::{check_time, Conductor, DecodeLoad, PrefillLoad, Snapshot};
-use super::links::LinkDir;
 use super::config::{DecodeSpec, PrefillSpec};
+use super::links::LinkDir;
 use super::replication::ReplicationHint;
 use super::state::{DecodeInst, PrefillInst, Req, Stage, State};
 use super::{ConductorError, RequestId};
@@ -64,7 +64,12 @@ impl Conductor {
     }
 
     /// Records that `instance` now holds `hashes` in `tier`; returns how many are new.
-    pub fn on_blocks_stored(&self, instance: InstanceId, hashes: &[BlockHash], tier: Tier) -> Result<usize, ConductorError> {
+    pub fn on_blocks_stored(
+        &self,
+        instance: InstanceId,
+        hashes: &[BlockHash],
+        tier: Tier,
+    ) -> Result<usize, ConductorError> {
         let st = self.state.lock();
         if !st.knows(instance) {
             return Err(ConductorError::UnknownInstance(instance));
@@ -73,7 +78,12 @@ impl Conductor {
     }
 
     /// Records that `instance` dropped `hashes` (from `tier`, or every tier).
-    pub fn on_blocks_evicted(&self, instance: InstanceId, hashes: &[BlockHash], tier: Option<Tier>) -> Result<usize, ConductorError> {
+    pub fn on_blocks_evicted(
+        &self,
+        instance: InstanceId,
+        hashes: &[BlockHash],
+        tier: Option<Tier>,
+    ) -> Result<usize, ConductorError> {
         let st = self.state.lock();
         if !st.knows(instance) {
             return Err(ConductorError::UnknownInstance(instance));
@@ -140,7 +150,9 @@ impl Conductor {
     /// for a request past its prefill, and unless the time is finite and >= 0.
     pub fn on_prefill_served(&self, rid: RequestId, busy_s: f64) -> Result<(), ConductorError> {
         if !(busy_s.is_finite() && busy_s >= 0.0) {
-            return Err(ConductorError::InvalidArgument(format!("busy_s must be a finite number of seconds >= 0, got {busy_s}")));
+            return Err(ConductorError::InvalidArgument(format!(
+                "busy_s must be a finite number of seconds >= 0, got {busy_s}"
+            )));
         }
         self.event(rid, None, |_, _, r| {
             if r.stage <= Stage::Prefilling {
@@ -189,7 +201,12 @@ impl Conductor {
     /// The request is done; its real output length feeds the output-length history.
     /// A length above `max_output_len` is refused (`InvalidArgument`) and the request
     /// stays registered, so the caller can report it again correctly or cancel it.
-    pub fn on_decode_finished(&self, rid: RequestId, output_len: usize, now: Option<f64>) -> Result<(), ConductorError> {
+    pub fn on_decode_finished(
+        &self,
+        rid: RequestId,
+        output_len: usize,
+        now: Option<f64>,
+    ) -> Result<(), ConductorError> {
         let max = self.config.max_output_len;
         if output_len > max {
             return Err(ConductorError::InvalidArgument(format!(
@@ -230,7 +247,14 @@ impl Conductor {
             prefill: st
                 .prefill
                 .iter()
-                .map(|p| PrefillLoad { id: p.id, speed: p.spec.speed, queued: p.queued_n, running: p.running.len(), queue_s: p.queue_s(t), draining: p.draining })
+                .map(|p| PrefillLoad {
+                    id: p.id,
+                    speed: p.spec.speed,
+                    queued: p.queued_n,
+                    running: p.running.len(),
+                    queue_s: p.queue_s(t),
+                    draining: p.draining,
+                })
                 .collect(),
             decode: st
                 .decode
@@ -240,7 +264,11 @@ impl Conductor {
                     max_batch: d.spec.max_batch,
                     kv_capacity_tokens: d.spec.kv_capacity_tokens,
                     batch: d.members.len(),
-                    decoding: d.members.iter().filter(|m| st.reqs.get(&m.rid).is_some_and(|r| r.stage == Stage::Decoding)).count(),
+                    decoding: d
+                        .members
+                        .iter()
+                        .filter(|m| st.reqs.get(&m.rid).is_some_and(|r| r.stage == Stage::Decoding))
+                        .count(),
                     kv_reserved_tokens: d.kv_reserved,
                     est_tbt_s: if d.members.is_empty() { 0.0 } else { model.predict(d.members.len(), d.ctx_tokens) },
                     draining: d.draining,
@@ -271,8 +299,11 @@ impl Conductor {
             let st = self.state.lock();
             let t = now.unwrap_or(st.clock);
             let wait = |id: InstanceId, d: LinkDir| st.links.as_ref().map_or(0.0, |l| l.wait_s(id, d, t));
-            let loads: Vec<(InstanceId, f64, f64, f64)> =
-                st.prefill.iter().map(|p| (p.id, p.queue_s(t), wait(p.id, LinkDir::NicOut), wait(p.id, LinkDir::NicIn))).collect();
+            let loads: Vec<(InstanceId, f64, f64, f64)> = st
+                .prefill
+                .iter()
+                .map(|p| (p.id, p.queue_s(t), wait(p.id, LinkDir::NicOut), wait(p.id, LinkDir::NicIn)))
+                .collect();
             (t, loads)
         };
         let hot = self.hot.lock().hot(t, cfg.hot_min_hits);
@@ -298,11 +329,22 @@ impl Conductor {
             if !queue_bound && !link_bound {
                 continue; // some holder still has time for it
             }
-            let target = loads.iter().copied().filter(|l| !full(l.0) && l.3 <= cfg.hot_link_busy_s).min_by(|a, b| a.1.total_cmp(&b.1));
+            let target = loads
+                .iter()
+                .copied()
+                .filter(|l| !full(l.0) && l.3 <= cfg.hot_link_busy_s)
+                .min_by(|a, b| a.1.total_cmp(&b.1));
             if let Some((to, to_q, _, _)) = target {
                 if to_q < from_q || link_bound {
                     budget -= bytes;
-                    hints.push(ReplicationHint { blocks, from_instance: from, to_instance: to, hits, from_queue_s: from_q, to_queue_s: to_q });
+                    hints.push(ReplicationHint {
+                        blocks,
+                        from_instance: from,
+                        to_instance: to,
+                        hits,
+                        from_queue_s: from_q,
+                        to_queue_s: to_q,
+                    });
                 }
             }
         }

@@ -10,7 +10,12 @@ impl Conductor {
     /// The capacities of an instance's links, bytes/s (NIC each way, storage link);
     /// infinite = never a bottleneck. Instances without their own use the transfer
     /// model's `network_bandwidth` / `ssd_bandwidth`.
-    pub fn set_link_bandwidth(&self, instance: InstanceId, nic_bps: f64, storage_bps: f64) -> Result<(), ConductorError> {
+    pub fn set_link_bandwidth(
+        &self,
+        instance: InstanceId,
+        nic_bps: f64,
+        storage_bps: f64,
+    ) -> Result<(), ConductorError> {
         check_pos_or_inf("nic_bps", nic_bps)?;
         check_pos_or_inf("storage_bps", storage_bps)?;
         let mut st = self.state.lock();
@@ -29,7 +34,14 @@ impl Conductor {
     /// scheduled to start later stay on top. Returns false when the report is older
     /// than the last one applied for the instance (it is ignored), or when the
     /// conductor is not `contention_aware`.
-    pub fn report_link_load(&self, instance: InstanceId, at: f64, nic_out_bytes: f64, nic_in_bytes: f64, storage_bytes: f64) -> Result<bool, ConductorError> {
+    pub fn report_link_load(
+        &self,
+        instance: InstanceId,
+        at: f64,
+        nic_out_bytes: f64,
+        nic_in_bytes: f64,
+        storage_bytes: f64,
+    ) -> Result<bool, ConductorError> {
         check_time(at)?;
         check_nonneg("nic_out_bytes", nic_out_bytes)?;
         check_nonneg("nic_in_bytes", nic_in_bytes)?;

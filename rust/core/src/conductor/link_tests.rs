@@ -123,7 +123,7 @@ fn stale_and_out_of_order_reports() {
     setup(&c);
     assert!(c.report_link_load(2, 5.0, 10_000.0, 0.0, 0.0).unwrap());
     assert!(!c.report_link_load(2, 4.0, 0.0, 0.0, 0.0).unwrap()); // older: ignored
-    // measured at 5 s, read at 5.5 s: half drained
+                                                                  // measured at 5 s, read at 5.5 s: half drained
     let l = c.link_loads(Some(5.5)).unwrap();
     assert!(close(l.iter().find(|x| x.instance == 2).unwrap().nic_out_bytes, 5000.0));
     assert!(c.report_link_load(99, 1.0, 0.0, 0.0, 0.0).is_err());

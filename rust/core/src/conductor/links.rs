@@ -109,7 +109,8 @@ impl Link {
     /// conductor counted up to then (a report from before the last fold is applied
     /// at the fold's time, drained by what the link carried meanwhile).
     fn report(&mut self, at: f64, bytes: f64) {
-        let (at, bytes) = if at < self.as_of { (self.as_of, (bytes - self.cap * (self.as_of - at)).max(0.0)) } else { (at, bytes) };
+        let (at, bytes) =
+            if at < self.as_of { (self.as_of, (bytes - self.cap * (self.as_of - at)).max(0.0)) } else { (at, bytes) };
         let n = self.planned.partition_point(|p| p.start <= at);
         self.planned.drain(..n);
         self.backlog = bytes;

@@ -17,28 +17,28 @@
 
 pub mod admission;
 pub mod calibration;
-pub mod service;
-pub mod config;
 #[allow(clippy::module_inception)]
 pub mod conductor;
+pub mod config;
 pub mod cost;
 mod decide;
 pub mod drain;
 mod events;
-pub mod policy;
-pub mod replication;
-mod state;
+mod link_events;
 pub mod links;
 mod pending;
-mod link_events;
+pub mod policy;
+pub mod replication;
+pub mod service;
+mod state;
 mod store_events;
 
 pub use admission::{OutputLenEstimator, RejectReason};
-pub use config::{ConductorConfig, DecodeSpec, PolicyKind, PrefillSpec, RejectionKind};
 pub use conductor::{Conductor, Decision, DecodeLoad, PrefillLoad, ScheduleRequest, Snapshot};
+pub use config::{ConductorConfig, DecodeSpec, PolicyKind, PrefillSpec, RejectionKind};
+pub use cost::{CostModels, DecodeCostModel, FitError, PrefillCostModel, TransferCostModel};
 pub use drain::RoleSpec;
 pub use links::{LinkDir, LinkLoad, LinkLoads};
-pub use cost::{CostModels, DecodeCostModel, FitError, PrefillCostModel, TransferCostModel};
 pub use replication::ReplicationHint;
 pub use store_events::AppliedEvents;
 
@@ -106,7 +106,7 @@ pub(crate) fn check_pos(name: &str, v: f64) -> Result<(), ConductorError> {
 }
 
 #[cfg(test)]
-mod tests;
+mod drain_tests;
 #[cfg(test)]
 mod link_tests;
 #[cfg(test)]
@@ -114,4 +114,4 @@ mod proptests;
 #[cfg(test)]
 mod service_tests;
 #[cfg(test)]
-mod drain_tests;
+mod tests;

@@ -74,7 +74,8 @@ impl Pending {
             // fewer entries than positions to probe: check each entry instead
             for (last, v) in &self.by_last {
                 for e in v {
-                    if e.blocks > floor && e.blocks <= blocks.len() && blocks[e.blocks - 1] == *last && e.first == first {
+                    if e.blocks > floor && e.blocks <= blocks.len() && blocks[e.blocks - 1] == *last && e.first == first
+                    {
                         f(e.instance, e.blocks);
                     }
                 }

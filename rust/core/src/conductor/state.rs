@@ -27,7 +27,15 @@ pub(crate) struct PrefillInst {
 
 impl PrefillInst {
     pub fn new(id: InstanceId, spec: PrefillSpec) -> Self {
-        PrefillInst { id, spec, queued_s: 0.0, queued_n: 0, running: Vec::new(), draining: false, served_until: f64::NEG_INFINITY }
+        PrefillInst {
+            id,
+            spec,
+            queued_s: 0.0,
+            queued_n: 0,
+            running: Vec::new(),
+            draining: false,
+            served_until: f64::NEG_INFINITY,
+        }
     }
 
     /// Started request `rid` leaves (its prefill is over): when it is the first in line,
@@ -147,7 +155,15 @@ pub(crate) struct State {
 
 impl State {
     pub fn new(seed: u64, links: Option<LinkLoads>) -> Self {
-        State { prefill: Vec::new(), decode: Vec::new(), reqs: HashMap::new(), rng: seed, clock: 0.0, pending: Pending::default(), links }
+        State {
+            prefill: Vec::new(),
+            decode: Vec::new(),
+            reqs: HashMap::new(),
+            rng: seed,
+            clock: 0.0,
+            pending: Pending::default(),
+            links,
+        }
     }
 
     /// The request's prefill is over (or it is gone): its blocks are the index's business now.
@@ -223,7 +239,13 @@ impl State {
                 self.reqs.values().filter(|r| r.prefill == p.id && r.stage == Stage::Queued).collect();
             let sum: f64 = queued.iter().map(|r| r.work_s).sum();
             if queued.len() != p.queued_n || !close(sum, p.queued_s) {
-                return Err(format!("prefill {} queue: {} / {}s recorded, {} / {sum}s in the table", p.id, p.queued_n, p.queued_s, queued.len()));
+                return Err(format!(
+                    "prefill {} queue: {} / {}s recorded, {} / {sum}s in the table",
+                    p.id,
+                    p.queued_n,
+                    p.queued_s,
+                    queued.len()
+                ));
             }
             let running = self.reqs.values().filter(|r| r.prefill == p.id && r.stage == Stage::Prefilling).count();
             if running != p.running.len() {
@@ -244,7 +266,10 @@ impl State {
             let kv: usize = mine.iter().map(|(_, r)| r.kv_tokens).sum();
             let ctx: f64 = d.members.iter().map(|m| m.ctx).sum();
             if kv != d.kv_reserved || !close(ctx, d.ctx_tokens) {
-                return Err(format!("decode {} reserves {} tokens / ctx {}, members say {kv} / {ctx}", d.id, d.kv_reserved, d.ctx_tokens));
+                return Err(format!(
+                    "decode {} reserves {} tokens / ctx {}, members say {kv} / {ctx}",
+                    d.id, d.kv_reserved, d.ctx_tokens
+                ));
             }
             for m in &d.members {
                 if self.reqs.get(&m.rid).is_none_or(|r| r.decode != d.id) {
@@ -254,14 +279,18 @@ impl State {
         }
         let pending = self.reqs.values().filter(|r| r.pending_last.is_some()).count();
         if pending != self.pending.len() {
-            return Err(format!("{} pending prefixes recorded, {pending} requests say they have one", self.pending.len()));
+            return Err(format!(
+                "{} pending prefixes recorded, {pending} requests say they have one",
+                self.pending.len()
+            ));
         }
         for (rid, r) in &self.reqs {
             if r.pending_last.is_some() && r.stage > Stage::Prefilling {
                 return Err(format!("request {rid} is past its prefill but still has a pending prefix"));
             }
             // Past its prefill, a request's prefill instance may have switched role since.
-            let prefill_ok = if r.stage <= Stage::Prefilling { self.prefill_pos(r.prefill).is_ok() } else { self.knows(r.prefill) };
+            let prefill_ok =
+                if r.stage <= Stage::Prefilling { self.prefill_pos(r.prefill).is_ok() } else { self.knows(r.prefill) };
             if !prefill_ok || self.decode_pos(r.decode).is_err() {
                 return Err(format!("request {rid} refers to a removed instance"));
             }

@@ -22,7 +22,11 @@ impl Conductor {
     /// (order between batches is kept: a block may be stored, evicted and stored again
     /// within one drain). `UnknownInstance` (and nothing applied) if `instance` was never
     /// added or was removed.
-    pub fn apply_store_events(&self, instance: InstanceId, events: &[StoreEvent]) -> Result<AppliedEvents, ConductorError> {
+    pub fn apply_store_events(
+        &self,
+        instance: InstanceId,
+        events: &[StoreEvent],
+    ) -> Result<AppliedEvents, ConductorError> {
         // The state lock is held throughout, as in on_blocks_stored/evicted, so a
         // concurrent remove_instance cannot interleave and leave entries of a dropped
         // instance behind.

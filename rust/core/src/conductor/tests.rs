@@ -71,7 +71,8 @@ fn local_cache_aware_idle_vs_busy() {
 fn load_balance_ignores_cache() {
     let c = unit_costs();
     let m = [pm(2, 10, 0)];
-    let ch = run(PolicyKind::LoadBalance, &[cand(1, 0.01, 0, 0), cand(2, 0.05, 10, 0), cand(3, 0.01, 0, 0)], &m, 2.0, &c);
+    let ch =
+        run(PolicyKind::LoadBalance, &[cand(1, 0.01, 0, 0), cand(2, 0.05, 10, 0), cand(3, 0.01, 0, 0)], &m, 2.0, &c);
     assert_eq!(ch.idx, 0); // least queue; tie with 3 goes to the lower id
     assert!(close(ch.ttft(), 0.01 + 0.12));
 }
@@ -80,7 +81,17 @@ fn load_balance_ignores_cache() {
 fn random_covers_every_instance_and_reuses_local() {
     let c = unit_costs();
     let cands = [cand(1, 0.0, 0, 0), cand(2, 0.0, 4, 0), cand(3, 0.0, 0, 0)];
-    let input = PolicyInput { prompt_len: 120, block_size: 10, cands: &cands, matches: &[pm(2, 4, 0)], best: Some(pm(2, 4, 0)), cost: &c, balancing_threshold: 2.0, now: 0.0, links: None };
+    let input = PolicyInput {
+        prompt_len: 120,
+        block_size: 10,
+        cands: &cands,
+        matches: &[pm(2, 4, 0)],
+        best: Some(pm(2, 4, 0)),
+        cost: &c,
+        balancing_threshold: 2.0,
+        now: 0.0,
+        links: None,
+    };
     let mut rng = 1;
     let mut seen = [0; 3];
     for _ in 0..300 {
@@ -179,7 +190,8 @@ const HASHES: [u128; 10] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10];
 #[test]
 fn schedule_fetches_and_records_the_replica() {
     // On an idle-priced network (the contention-aware case is in link_tests.rs).
-    let cfg = ConductorConfig { policy: PolicyKind::Mooncake, contention_aware: false, ..conductor_cfg(RejectionKind::None) };
+    let cfg =
+        ConductorConfig { policy: PolicyKind::Mooncake, contention_aware: false, ..conductor_cfg(RejectionKind::None) };
     let c = Conductor::new(cfg).unwrap();
     c.add_prefill(2, PrefillSpec::default()).unwrap();
     c.add_decode(10, DecodeSpec::default()).unwrap();
@@ -372,7 +384,9 @@ fn bad_input_changes_nothing() {
 #[test]
 fn shared_index_and_threads() {
     let index = Arc::new(BlockIndex::new());
-    let c = Arc::new(Conductor::with_index(ConductorConfig { block_size: 10, ..Default::default() }, index.clone()).unwrap());
+    let c = Arc::new(
+        Conductor::with_index(ConductorConfig { block_size: 10, ..Default::default() }, index.clone()).unwrap(),
+    );
     for i in 0..4 {
         c.add_prefill(i, PrefillSpec::default()).unwrap();
         c.add_decode(100 + i, DecodeSpec::default()).unwrap();
@@ -402,10 +416,11 @@ fn shared_index_and_threads() {
 #[test]
 fn cost_fits_recover_the_models() {
     let truth = PrefillCostModel { c0: 0.004, c_new: 3e-5, c_new2: 2e-10, c_cross: 6e-10 };
-    let samples: Vec<_> = [(512, 0), (1024, 0), (4096, 0), (8192, 0), (8192, 4096), (16384, 8192), (2048, 1024), (32768, 0)]
-        .iter()
-        .map(|&(n, p)| (n, p, truth.predict(n, p)))
-        .collect();
+    let samples: Vec<_> =
+        [(512, 0), (1024, 0), (4096, 0), (8192, 0), (8192, 4096), (16384, 8192), (2048, 1024), (32768, 0)]
+            .iter()
+            .map(|&(n, p)| (n, p, truth.predict(n, p)))
+            .collect();
     let fit = PrefillCostModel::fit(&samples).unwrap();
     for &(n, p, t) in &samples {
         assert!((fit.predict(n, p) - t).abs() < 1e-6 * t.max(1e-3), "{fit:?}");
@@ -413,9 +428,14 @@ fn cost_fits_recover_the_models() {
     assert!(PrefillCostModel::fit(&samples[..2]).is_err());
     assert!(PrefillCostModel::fit(&[(1, 0, f64::NAN)]).is_err());
     let d = DecodeCostModel { base_s: 0.01, per_seq_s: 1e-4, per_token_s: 2e-8 };
-    let ds: Vec<_> = [(1, 1000.0), (8, 8000.0), (64, 1e5), (128, 5e5), (32, 1e6)].iter().map(|&(b, c)| (b, c, d.predict(b, c))).collect();
+    let ds: Vec<_> = [(1, 1000.0), (8, 8000.0), (64, 1e5), (128, 5e5), (32, 1e6)]
+        .iter()
+        .map(|&(b, c)| (b, c, d.predict(b, c)))
+        .collect();
     let f = DecodeCostModel::fit(&ds).unwrap();
-    assert!((f.base_s - 0.01).abs() < 1e-9 && (f.per_seq_s - 1e-4).abs() < 1e-10 && (f.per_token_s - 2e-8).abs() < 1e-13);
+    assert!(
+        (f.base_s - 0.01).abs() < 1e-9 && (f.per_seq_s - 1e-4).abs() < 1e-10 && (f.per_token_s - 2e-8).abs() < 1e-13
+    );
     let t = TransferCostModel::default();
     let ts: Vec<_> = [1e6, 1e7, 1e9].iter().map(|&b| (b, 0.002 + b / 25e9)).collect();
     let ft = t.fit(&ts).unwrap();

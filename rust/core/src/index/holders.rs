@@ -123,11 +123,7 @@ impl Slot2 {
 
     /// Removes every holder for which `pred` is true; returns how many were removed.
     /// Leaves the value empty (`is_empty`) when no holder remains.
-    pub(crate) fn remove_where(
-        &mut self,
-        slab: &mut SpillSlab,
-        mut pred: impl FnMut(Holder) -> bool,
-    ) -> usize {
+    pub(crate) fn remove_where(&mut self, slab: &mut SpillSlab, mut pred: impl FnMut(Holder) -> bool) -> usize {
         match self.0 {
             [SPILLED, i] => {
                 let list = &mut slab.lists[i as usize];

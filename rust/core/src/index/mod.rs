@@ -219,9 +219,7 @@ impl BlockIndex {
         let mut removed = 0;
         for &h in hashes {
             let mut shard = self.shards[shard_of(h)].write();
-            removed += Self::remove_in_shard(&mut shard, h, |x| {
-                x.slot() == slot && tier.is_none_or(|t| x.tier() == t)
-            });
+            removed += Self::remove_in_shard(&mut shard, h, |x| x.slot() == slot && tier.is_none_or(|t| x.tier() == t));
         }
         removed
     }
@@ -266,10 +264,7 @@ impl BlockIndex {
         let instances = self.instances.read();
         let mut buf = Vec::new();
         self.holders_raw(h, &mut buf);
-        let mut out: Vec<_> = buf
-            .iter()
-            .filter_map(|x| instances.id_of(x.slot()).map(|id| (id, x.tier())))
-            .collect();
+        let mut out: Vec<_> = buf.iter().filter_map(|x| instances.id_of(x.slot()).map(|id| (id, x.tier()))).collect();
         out.sort_unstable();
         out
     }
@@ -424,8 +419,11 @@ impl BlockIndex {
             .filter(|(_, n)| n[Tier::Dram as usize] + n[Tier::Ssd as usize] > 0)
             .map(|&(id, n)| (id, n[Tier::Dram as usize], n[Tier::Ssd as usize]))
             .collect();
-        stats.per_instance_gpu =
-            by_id.iter().filter(|(_, n)| n[Tier::Gpu as usize] > 0).map(|&(id, n)| (id, n[Tier::Gpu as usize])).collect();
+        stats.per_instance_gpu = by_id
+            .iter()
+            .filter(|(_, n)| n[Tier::Gpu as usize] > 0)
+            .map(|&(id, n)| (id, n[Tier::Gpu as usize]))
+            .collect();
         stats
     }
 
@@ -469,16 +467,13 @@ impl BlockIndex {
 /// The longest match (ties: more blocks in memory, then more on the GPU, then the
 /// lowest instance id).
 pub fn best_of(matches: &[PrefixMatch]) -> Option<PrefixMatch> {
-    matches
-        .iter()
-        .copied()
-        .max_by(|a, b| {
-            a.total()
-                .cmp(&b.total())
-                .then(a.in_memory().cmp(&b.in_memory()))
-                .then(a.gpu.cmp(&b.gpu))
-                .then(b.instance.cmp(&a.instance))
-        })
+    matches.iter().copied().max_by(|a, b| {
+        a.total()
+            .cmp(&b.total())
+            .then(a.in_memory().cmp(&b.in_memory()))
+            .then(a.gpu.cmp(&b.gpu))
+            .then(b.instance.cmp(&a.instance))
+    })
 }
 
 #[cfg(test)]

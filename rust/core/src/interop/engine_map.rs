@@ -265,7 +265,8 @@ impl EngineHashMap {
         let tag = ours_tag(ours);
         let h = table_hash(tag);
         let nodes = &self.nodes;
-        let Ok(slot) = self.rings.find_entry(h, |&e| (e >> 32) as u32 == tag && nodes[e as u32 as usize].ours == ours) else {
+        let Ok(slot) = self.rings.find_entry(h, |&e| (e >> 32) as u32 == tag && nodes[e as u32 as usize].ours == ours)
+        else {
             return;
         };
         if next == i {
@@ -279,7 +280,9 @@ impl EngineHashMap {
             p = self.nodes[p as usize].sib;
         }
         let nodes = &self.nodes;
-        if let Ok(mut slot) = self.rings.find_entry(h, |&e| (e >> 32) as u32 == tag && nodes[e as u32 as usize].ours == ours) {
+        if let Ok(mut slot) =
+            self.rings.find_entry(h, |&e| (e >> 32) as u32 == tag && nodes[e as u32 as usize].ours == ours)
+        {
             if *slot.get() as u32 == i {
                 *slot.get_mut() = entry(tag, p);
             }
@@ -392,7 +395,14 @@ impl EngineHashMap {
 
     /// [`store_one_in`](Self::store_one_in) for each pair of `engine` and `ours` (up to
     /// the shorter); the replaced entries are appended to `replaced`.
-    pub fn store(&mut self, engine: &[KeyRef<'_>], ours: &[BlockHash], bit: u8, group: u8, replaced: &mut Vec<(BlockHash, u8)>) {
+    pub fn store(
+        &mut self,
+        engine: &[KeyRef<'_>],
+        ours: &[BlockHash],
+        bit: u8,
+        group: u8,
+        replaced: &mut Vec<(BlockHash, u8)>,
+    ) {
         for (&k, &o) in engine.iter().zip(ours) {
             if let Some(r) = self.store_one_in(k, group, o, bit) {
                 replaced.push(r);

@@ -115,7 +115,11 @@ fn matches_the_dict_model_on_random_operations() {
                     assert_eq!((out, unknown), (want, want_unknown));
                     for o in 0..8u128 {
                         for mask in [1u8, 3, 7] {
-                            assert_eq!(m.held(o, mask, deciding), model.held(o, mask, deciding), "{o} {mask} {deciding}");
+                            assert_eq!(
+                                m.held(o, mask, deciding),
+                                model.held(o, mask, deciding),
+                                "{o} {mask} {deciding}"
+                            );
                         }
                     }
                 }
@@ -162,7 +166,7 @@ fn a_block_under_two_engine_hashes_stays_until_both_go() {
     let mut out = Vec::new();
     assert_eq!(m.remove(&[KeyRef::Int(1)], 1, 1, 0, 1, &mut out), 0);
     assert!(out.is_empty() && m.held(7, 1, 1)); // engine hash 2 still holds it
-    // reusing engine hash 2 for other tokens hands back 7, no longer held by anyone
+                                                // reusing engine hash 2 for other tokens hands back 7, no longer held by anyone
     m.store_one(KeyRef::Int(2), 8, 1);
     assert!(!m.held(7, 1, 1) && m.held(8, 1, 1));
     // eviction of one of two entries of a block: still held

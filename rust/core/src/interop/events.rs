@@ -273,7 +273,6 @@ fn block_size(c: &mut Cursor<'_>) -> Result<i128, Bad> {
     }
 }
 
-
 /// Which event a tag names.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -292,7 +291,12 @@ fn kind_of(tag: &[u8]) -> Option<Kind> {
 }
 
 /// `[tag, fields...]` with `n` items, the array head already read.
-fn positional<'a>(c: &mut Cursor<'a>, buf: &'a [u8], n: usize, out: &mut Out<'_, 'a>) -> Result<Option<Event<'a>>, Bad> {
+fn positional<'a>(
+    c: &mut Cursor<'a>,
+    buf: &'a [u8],
+    n: usize,
+    out: &mut Out<'_, 'a>,
+) -> Result<Option<Event<'a>>, Bad> {
     if n == 0 {
         return Err(Bad::Type("expected an array of at least length 1 (the type tag)".into()));
     }
@@ -427,8 +431,14 @@ fn mapped<'a>(c: &mut Cursor<'a>, buf: &'a [u8], n: usize, out: &mut Out<'_, 'a>
                 Event::Removed(Removed { hashes, medium, group_idx })
             } else {
                 let (t, e) = (out.tokens.len(), out.extras.len());
-                let mut ev =
-                    Stored { hashes, tokens: TokenIds::Decoded(t..t), extras: e..e, medium, group_idx, ..Stored::default() };
+                let mut ev = Stored {
+                    hashes,
+                    tokens: TokenIds::Decoded(t..t),
+                    extras: e..e,
+                    medium,
+                    group_idx,
+                    ..Stored::default()
+                };
                 if let Some(mut f) = field(1) {
                     ev.parent = parent(&mut f)?;
                 }
@@ -531,7 +541,9 @@ pub fn decode_batch(buf: &[u8]) -> Result<Batch<'_>, EventError> {
                         events(&mut c, buf, &mut batch)?;
                         seen_events = true;
                     }
-                    b"data_parallel_rank" => batch.dp_rank = int_or_nil(&mut c, "data_parallel_rank").map_err(in_batch)?,
+                    b"data_parallel_rank" => {
+                        batch.dp_rank = int_or_nil(&mut c, "data_parallel_rank").map_err(in_batch)?
+                    }
                     _ => c.skip(false).map_err(|f| in_batch(f.into()))?,
                 }
             }

@@ -96,7 +96,11 @@ fn positional_and_map_batches_decode_alike() {
                     (V::S("type"), V::S("BlockStored")), // the tag need not come first
                     (V::S("medium"), V::S("GPU")),
                 ]),
-                V::M(vec![(V::S("type"), V::S("BlockRemoved")), (V::S("block_hashes"), V::A(vec![V::B(vec![0xaa])])), (V::S("medium"), V::S("CPU"))]),
+                V::M(vec![
+                    (V::S("type"), V::S("BlockRemoved")),
+                    (V::S("block_hashes"), V::A(vec![V::B(vec![0xaa])])),
+                    (V::S("medium"), V::S("CPU")),
+                ]),
                 V::M(vec![(V::S("type"), V::S("AllBlocksCleared"))]),
             ]),
         ),
@@ -113,7 +117,10 @@ fn positional_and_map_batches_decode_alike() {
     for (x, y) in a.events.iter().zip(&b.events) {
         match (x, y) {
             (Event::Stored(x), Event::Stored(y)) => {
-                assert_eq!((x.hashes.clone(), x.parent, x.block_size, x.medium), (y.hashes.clone(), y.parent, y.block_size, y.medium));
+                assert_eq!(
+                    (x.hashes.clone(), x.parent, x.block_size, x.medium),
+                    (y.hashes.clone(), y.parent, y.block_size, y.medium)
+                );
                 let tok = |b: &Batch<'_>, t: &TokenIds<'_>| match t {
                     TokenIds::Decoded(r) => b.tokens[r.clone()].to_vec(),
                     TokenIds::Raw(_) => panic!("not decoded"),
@@ -154,7 +161,14 @@ fn defaults_unknown_fields_and_unknown_events() {
     let map = bytes(&V::M(vec![
         (V::S("ts"), V::Int(1)),
         (V::S("new_batch_field"), V::A(vec![V::Int(1)])),
-        (V::S("events"), V::A(vec![V::M(vec![(V::S("type"), V::S("BlockRemoved")), (V::S("block_hashes"), ints(&[3])), (V::S("future"), V::M(vec![]))])])),
+        (
+            V::S("events"),
+            V::A(vec![V::M(vec![
+                (V::S("type"), V::S("BlockRemoved")),
+                (V::S("block_hashes"), ints(&[3])),
+                (V::S("future"), V::M(vec![])),
+            ])]),
+        ),
     ]));
     let got = decode_batch(&map).unwrap();
     assert_eq!(got.events, vec![Event::Removed(Removed { hashes: 0..1, medium: None, group_idx: None })]);
@@ -162,7 +176,11 @@ fn defaults_unknown_fields_and_unknown_events() {
 
 #[test]
 fn malformed_payloads_are_typed_errors() {
-    let good = bytes(&V::A(vec![V::F(1.0), V::A(vec![stored_pos(ints(&[1]), V::Nil, &[1, 2, 3, 4], V::S("GPU"))]), V::Int(0)]));
+    let good = bytes(&V::A(vec![
+        V::F(1.0),
+        V::A(vec![stored_pos(ints(&[1]), V::Nil, &[1, 2, 3, 4], V::S("GPU"))]),
+        V::Int(0),
+    ]));
     assert!(decode_batch(&good).is_ok());
     for cut in 0..good.len() {
         let e = decode_batch(&good[..cut]).unwrap_err();
@@ -185,10 +203,28 @@ fn malformed_payloads_are_typed_errors() {
         (V::A(vec![V::F(1.0), V::A(vec![V::M(vec![(V::S("block_hashes"), ints(&[1]))])])]), "missing the \"type\""),
         (V::A(vec![V::F(1.0), V::A(vec![V::A(vec![V::S("BlockRemoved"), V::A(vec![V::F(1.0)])])])]), "int | bytes"),
         (V::A(vec![V::F(1.0), V::A(vec![V::A(vec![V::S("BlockRemoved"), ints(&[1]), V::Int(5)])])]), "medium"),
-        (V::A(vec![V::F(1.0), V::A(vec![V::A(vec![V::S("BlockStored"), ints(&[1]), V::Nil, V::Nil, V::Nil])])]), "block_size"),
-        (V::A(vec![V::F(1.0), V::A(vec![V::A(vec![V::S("BlockStored"), ints(&[1]), V::F(2.0)])])]), "parent_block_hash"),
-        (V::A(vec![V::F(1.0), V::A(vec![V::A(vec![V::S("BlockStored"), ints(&[1]), V::Nil, V::Nil, V::Int(4), V::S("x")])])]), "lora_id"),
-        (V::A(vec![V::F(1.0), V::A(vec![V::M(vec![(V::S("type"), V::S("BlockRemoved")), (V::S("block_hashes"), V::S("x"))])])]), "block_hashes"),
+        (
+            V::A(vec![V::F(1.0), V::A(vec![V::A(vec![V::S("BlockStored"), ints(&[1]), V::Nil, V::Nil, V::Nil])])]),
+            "block_size",
+        ),
+        (
+            V::A(vec![V::F(1.0), V::A(vec![V::A(vec![V::S("BlockStored"), ints(&[1]), V::F(2.0)])])]),
+            "parent_block_hash",
+        ),
+        (
+            V::A(vec![
+                V::F(1.0),
+                V::A(vec![V::A(vec![V::S("BlockStored"), ints(&[1]), V::Nil, V::Nil, V::Int(4), V::S("x")])]),
+            ]),
+            "lora_id",
+        ),
+        (
+            V::A(vec![
+                V::F(1.0),
+                V::A(vec![V::M(vec![(V::S("type"), V::S("BlockRemoved")), (V::S("block_hashes"), V::S("x"))])]),
+            ]),
+            "block_hashes",
+        ),
         (V::A(vec![V::F(1.0), V::A(vec![V::M(vec![(V::Int(1), V::Int(2))])])]), "a key"),
     ];
     for (v, want) in bad {
@@ -197,12 +233,14 @@ fn malformed_payloads_are_typed_errors() {
         assert_eq!(e.category(), ErrorCategory::MalformedEvent);
     }
     // token_ids are kept raw: anything that is one msgpack value decodes here.
-    let odd = bytes(&V::A(vec![V::F(1.0), V::A(vec![V::A(vec![V::S("BlockStored"), ints(&[1]), V::Nil, V::S("abc")])])]));
+    let odd =
+        bytes(&V::A(vec![V::F(1.0), V::A(vec![V::A(vec![V::S("BlockStored"), ints(&[1]), V::Nil, V::S("abc")])])]));
     match &decode_batch(&odd).unwrap().events[0] {
         Event::Stored(s) => assert_eq!(s.tokens, TokenIds::Raw(&[0xd9, 3, b'a', b'b', b'c'])),
         e => panic!("{e:?}"),
     }
-    let neg = bytes(&V::A(vec![V::F(1.0), V::A(vec![V::A(vec![V::S("BlockStored"), ints(&[1]), V::Nil, ints(&[1, -1])])])]));
+    let neg =
+        bytes(&V::A(vec![V::F(1.0), V::A(vec![V::A(vec![V::S("BlockStored"), ints(&[1]), V::Nil, ints(&[1, -1])])])]));
     match &decode_batch(&neg).unwrap().events[0] {
         Event::Stored(s) => assert!(matches!(s.tokens, TokenIds::Raw(_))),
         e => panic!("{e:?}"),
@@ -263,7 +301,10 @@ fn extra_keys_lora_group_and_kind_are_kept() {
         (V::S("group_idx"), V::Int(1)),
     ]);
     for ev in [pos, map] {
-        let buf = bytes(&V::A(vec![V::F(0.0), V::A(vec![ev, V::A(vec![V::S("BlockRemoved"), ints(&[2]), V::Nil, V::Int(1)])])]));
+        let buf = bytes(&V::A(vec![
+            V::F(0.0),
+            V::A(vec![ev, V::A(vec![V::S("BlockRemoved"), ints(&[2]), V::Nil, V::Int(1)])]),
+        ]));
         let got = decode_batch(&buf).unwrap();
         let Event::Stored(s) = &got.events[0] else { panic!("{:?}", got.events) };
         assert_eq!((s.lora_name, s.group_idx, s.kind), (Some("lora-x"), Some(1), Some("sliding_window")));
@@ -275,10 +316,36 @@ fn extra_keys_lora_group_and_kind_are_kept() {
         assert_eq!(got.events[1], Event::Removed(Removed { hashes: 3..4, medium: None, group_idx: Some(1) }));
     }
     // nil or missing: no extras; anything else is malformed
-    let nil = bytes(&V::A(vec![V::F(0.0), V::A(vec![V::A(vec![V::S("BlockStored"), ints(&[1]), V::Nil, ints(&[0; 4]), V::Int(4), V::Nil, V::Nil, V::Nil, V::Nil])])]));
+    let nil = bytes(&V::A(vec![
+        V::F(0.0),
+        V::A(vec![V::A(vec![
+            V::S("BlockStored"),
+            ints(&[1]),
+            V::Nil,
+            ints(&[0; 4]),
+            V::Int(4),
+            V::Nil,
+            V::Nil,
+            V::Nil,
+            V::Nil,
+        ])]),
+    ]));
     let Event::Stored(s) = &decode_batch(&nil).unwrap().events[0] else { panic!() };
     assert!(s.extras.is_empty());
-    let bad = bytes(&V::A(vec![V::F(0.0), V::A(vec![V::A(vec![V::S("BlockStored"), ints(&[1]), V::Nil, ints(&[0; 4]), V::Int(4), V::Nil, V::Nil, V::Nil, V::S("x")])])]));
+    let bad = bytes(&V::A(vec![
+        V::F(0.0),
+        V::A(vec![V::A(vec![
+            V::S("BlockStored"),
+            ints(&[1]),
+            V::Nil,
+            ints(&[0; 4]),
+            V::Int(4),
+            V::Nil,
+            V::Nil,
+            V::Nil,
+            V::S("x"),
+        ])]),
+    ]));
     let err = decode_batch(&bad).unwrap_err();
     assert!(err.to_string().contains("extra_keys: expected array | nil"), "{err}");
 }
@@ -286,15 +353,24 @@ fn extra_keys_lora_group_and_kind_are_kept() {
 #[test]
 fn a_bytes_hash_longer_than_the_cap_is_a_malformed_event_not_memory_kept() {
     // issue 26: a 64 KiB bytes hash was kept whole in the engine hash map
-    let ok = V::A(vec![V::Int(1), V::A(vec![V::A(vec![V::S("BlockRemoved"), V::A(vec![V::B(vec![7; MAX_ENGINE_HASH_BYTES])])])])]);
+    let ok = V::A(vec![
+        V::Int(1),
+        V::A(vec![V::A(vec![V::S("BlockRemoved"), V::A(vec![V::B(vec![7; MAX_ENGINE_HASH_BYTES])])])]),
+    ]);
     let b = bytes(&ok);
     assert_eq!(decode_batch(&b).unwrap().keys, vec![KeyRef::Bytes(&[7; MAX_ENGINE_HASH_BYTES])]);
-    let long = V::A(vec![V::Int(1), V::A(vec![V::A(vec![V::S("BlockRemoved"), V::A(vec![V::B(vec![7; MAX_ENGINE_HASH_BYTES + 1])])])])]);
+    let long = V::A(vec![
+        V::Int(1),
+        V::A(vec![V::A(vec![V::S("BlockRemoved"), V::A(vec![V::B(vec![7; MAX_ENGINE_HASH_BYTES + 1])])])]),
+    ]);
     let b = bytes(&long);
     let err = decode_batch(&b).unwrap_err();
     assert!(matches!(err, EventError::Event { index: 0, .. }), "{err}");
     assert!(err.to_string().contains("at most 64"), "{err}");
-    let parent = V::A(vec![V::Int(1), V::A(vec![V::A(vec![V::S("BlockStored"), ints(&[1]), V::B(vec![1; 200]), ints(&[1, 2, 3, 4]), V::Int(4)])])]);
+    let parent = V::A(vec![
+        V::Int(1),
+        V::A(vec![V::A(vec![V::S("BlockStored"), ints(&[1]), V::B(vec![1; 200]), ints(&[1, 2, 3, 4]), V::Int(4)])]),
+    ]);
     let b = bytes(&parent);
     assert!(decode_batch(&b).is_err());
 }

@@ -44,7 +44,12 @@ impl ChainHasher {
 
     /// The chain of `tokens`' blocks; `extras` (one entry per block, or fewer) folded in.
     /// Without any extra, one call over every block (the common case).
-    fn hash(&self, tokens: &[u32], parent: Option<BlockHash>, extras: &[Option<&[u8]>]) -> Result<Vec<BlockHash>, HashError> {
+    fn hash(
+        &self,
+        tokens: &[u32],
+        parent: Option<BlockHash>,
+        extras: &[Option<&[u8]>],
+    ) -> Result<Vec<BlockHash>, HashError> {
         let plain = extras.iter().all(Option::is_none);
         match self {
             ChainHasher::Prefix(h) => {
@@ -60,7 +65,11 @@ impl ChainHasher {
                     Some(p) => Some(u64::try_from(p).map_err(|_| HashError::ParentOutOfRange(p))?),
                     None => None,
                 };
-                let got = if plain { h.hash_tokens(tokens, parent) } else { h.hash_tokens_with_extras(tokens, parent, extras)? };
+                let got = if plain {
+                    h.hash_tokens(tokens, parent)
+                } else {
+                    h.hash_tokens_with_extras(tokens, parent, extras)?
+                };
                 Ok(got.into_iter().map(BlockHash::from).collect())
             }
         }
@@ -127,7 +136,10 @@ pub enum Tokens<'a> {
     U32(&'a [u32]),
     /// Token ids that are not u32s (from Python objects): `len` of them; the error is
     /// raised where the hash would be computed, as the reference does.
-    Invalid { len: usize, message: String },
+    Invalid {
+        len: usize,
+        message: String,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -148,7 +160,9 @@ impl Categorized for IngestError {
     fn category(&self) -> ErrorCategory {
         match self {
             IngestError::Event(_) | IngestError::Tokens(_) => ErrorCategory::MalformedEvent,
-            IngestError::Index(_) | IngestError::Map(_) | IngestError::TooManyMedia(_) => ErrorCategory::InvalidArgument,
+            IngestError::Index(_) | IngestError::Map(_) | IngestError::TooManyMedia(_) => {
+                ErrorCategory::InvalidArgument
+            }
         }
     }
 }
@@ -159,7 +173,10 @@ pub enum Step {
     Done,
     /// Event `event` names the canonical medium `name`, not registered yet: nothing of
     /// it was applied. Register it and call again from `event`.
-    NeedMedium { event: usize, name: String },
+    NeedMedium {
+        event: usize,
+        name: String,
+    },
 }
 
 struct KeySink {
@@ -215,7 +232,12 @@ pub struct EventIngestor {
 impl EventIngestor {
     /// `clear`: the indexes to drop the instance from on `AllBlocksCleared` besides
     /// those of the media registered later.
-    pub fn new(slot: InstanceId, hasher: ChainHasher, map_capacity: usize, clear: Vec<Arc<BlockIndex>>) -> Result<Self, IngestError> {
+    pub fn new(
+        slot: InstanceId,
+        hasher: ChainHasher,
+        map_capacity: usize,
+        clear: Vec<Arc<BlockIndex>>,
+    ) -> Result<Self, IngestError> {
         let mut ing = EventIngestor {
             slot,
             block_size: hasher.block_size(),
@@ -499,7 +521,8 @@ impl EventIngestor {
             self.keys[key].sink.insert(self.slot, &ours)
         } else {
             let same = self.keys[key].same;
-            let held: Vec<BlockHash> = ours.iter().copied().filter(|&o| self.map.held(o, same, self.deciding)).collect();
+            let held: Vec<BlockHash> =
+                ours.iter().copied().filter(|&o| self.map.held(o, same, self.deciding)).collect();
             self.keys[key].sink.insert(self.slot, &held)
         };
         if let Err(e) = inserted {

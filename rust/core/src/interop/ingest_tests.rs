@@ -40,7 +40,8 @@ struct Fixture {
 fn fixture(capacity: usize) -> Fixture {
     let hasher = PrefixHasher::new(BS, 7, None, HashAlgorithm::Xxh3).unwrap();
     let (gpu, cpu) = (Arc::new(BlockIndex::new()), Arc::new(BlockIndex::new()));
-    let ing = EventIngestor::new(3, ChainHasher::Prefix(hasher.clone()), capacity, vec![gpu.clone(), cpu.clone()]).unwrap();
+    let ing =
+        EventIngestor::new(3, ChainHasher::Prefix(hasher.clone()), capacity, vec![gpu.clone(), cpu.clone()]).unwrap();
     Fixture { ing, gpu, cpu, hasher }
 }
 
@@ -66,11 +67,15 @@ fn stores_chain_on_the_parent_and_removes_translate_back() {
     let mut f = fixture(1 << 10);
     let all: Vec<u32> = (100..116).collect();
     let ours = f.hasher.hash_tokens(&all, None);
-    f.apply(&batch(vec![stored(&[10, 11], None, toks(100..108), Some("GPU")), stored(&[12, 13], Some(11), toks(108..116), None)]))
-        .unwrap();
+    f.apply(&batch(vec![
+        stored(&[10, 11], None, toks(100..108), Some("GPU")),
+        stored(&[12, 13], Some(11), toks(108..116), None),
+    ]))
+    .unwrap();
     assert_eq!(f.gpu.match_prefix(&ours)[0].total(), 4);
     // offloaded to CPU, then evicted from GPU: CPU still holds it
-    f.apply(&batch(vec![stored(&[10], None, toks(100..104), Some("cpu")), removed(&[10, 11, 99], Some("gpu"))])).unwrap();
+    f.apply(&batch(vec![stored(&[10], None, toks(100..104), Some("cpu")), removed(&[10, 11, 99], Some("gpu"))]))
+        .unwrap();
     assert!(f.gpu.match_prefix(&ours).is_empty());
     assert_eq!(f.cpu.match_prefix(&ours)[0].total(), 1);
     let st = f.ing.stats().clone();
@@ -92,7 +97,10 @@ fn stores_chain_on_the_parent_and_removes_translate_back() {
 #[test]
 fn bad_token_ids_stop_the_batch_after_the_events_before() {
     let mut f = fixture(1 << 10);
-    let p = batch(vec![stored(&[1], None, toks(0..4), None), stored(&[2], None, V::A(vec![V::Int(1), V::Int(2), V::Int(3), V::Int(-1)]), None)]);
+    let p = batch(vec![
+        stored(&[1], None, toks(0..4), None),
+        stored(&[2], None, V::A(vec![V::Int(1), V::Int(2), V::Int(3), V::Int(-1)]), None),
+    ]);
     let e = f.apply(&p).unwrap_err();
     assert_eq!(e.category(), ErrorCategory::MalformedEvent);
     assert!(e.to_string().starts_with("BlockStored token_ids"), "{e}");
@@ -123,7 +131,10 @@ fn more_than_eight_media_overflow() {
     f.apply(&batch(evs)).unwrap();
     assert_eq!(f.ing.stats().media_overflow, 1);
     assert_eq!(f.ing.media().len(), 8);
-    assert!(matches!(f.ing.add_medium("Z", "Z", Sink { index: f.gpu.clone(), tier: None }), Err(IngestError::TooManyMedia(_))));
+    assert!(matches!(
+        f.ing.add_medium("Z", "Z", Sink { index: f.gpu.clone(), tier: None }),
+        Err(IngestError::TooManyMedia(_))
+    ));
 }
 
 /// A vLLM 0.32 BlockStored (a map) with a group, its kind and extra_keys.
@@ -183,8 +194,14 @@ fn salted_and_plain_copies_are_distinct_and_refcounted() {
     let salt = bytes(&V::A(vec![V::S("tenant-a")]));
     let salted = f.hasher.hash_tokens_with_extras(&all, None, &[Some(&salt)]).unwrap();
     let plain = f.hasher.hash_tokens(&all, None);
-    f.apply(&batch(vec![stored_in(&[1, 2], toks(0..8), 0, "full_attention", V::A(vec![V::A(vec![V::S("tenant-a")]), V::Nil]))]))
-        .unwrap();
+    f.apply(&batch(vec![stored_in(
+        &[1, 2],
+        toks(0..8),
+        0,
+        "full_attention",
+        V::A(vec![V::A(vec![V::S("tenant-a")]), V::Nil]),
+    )]))
+    .unwrap();
     assert!(f.gpu.match_prefix(&plain).is_empty());
     assert_eq!(f.gpu.match_prefix(&salted)[0].total(), 2);
     // the plain copy under two engine hashes each (say, two engines' hashing of it)

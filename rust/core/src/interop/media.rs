@@ -39,11 +39,21 @@ mod tests {
 
     #[test]
     fn aliases_and_unknown_names() {
-        let got: Vec<String> =
-            [None, Some("GPU"), Some("gpu"), Some("cpu"), Some("CPU_PINNED"), Some("disk"), Some("SSD"), Some("external"), Some("STORAGE"), Some("storage")]
-                .into_iter()
-                .map(canonical_medium)
-                .collect();
+        let got: Vec<String> = [
+            None,
+            Some("GPU"),
+            Some("gpu"),
+            Some("cpu"),
+            Some("CPU_PINNED"),
+            Some("disk"),
+            Some("SSD"),
+            Some("external"),
+            Some("STORAGE"),
+            Some("storage"),
+        ]
+        .into_iter()
+        .map(canonical_medium)
+        .collect();
         assert_eq!(got, ["GPU", "GPU", "GPU", "CPU", "CPU", "DISK", "DISK", "EXTERNAL", "DISK", "DISK"]);
     }
 }

@@ -40,10 +40,7 @@ impl<'a> Reader<'a> {
                 self.pos = end;
                 Ok(s)
             }
-            None => Err(WireError::Truncated {
-                at: self.pos,
-                needed: self.pos + n - self.buf.len(),
-            }),
+            None => Err(WireError::Truncated { at: self.pos, needed: self.pos + n - self.buf.len() }),
         }
     }
 
@@ -109,17 +106,10 @@ mod tests {
     #[test]
     fn every_integer_encoding() {
         // [1, 200, 60000, 4000000000, 5 as u64, 6 as i8, 7 as i16, 8 as i32, 9 as i64]
-        let mut b = vec![
-            0x99, 0x01, 0xcc, 200, 0xcd, 0xea, 0x60, 0xce, 0xee, 0x6b, 0x28, 0x00,
-        ];
-        b.extend_from_slice(&[
-            0xcf, 0, 0, 0, 0, 0, 0, 0, 5, 0xd0, 6, 0xd1, 0, 7, 0xd2, 0, 0, 0, 8,
-        ]);
+        let mut b = vec![0x99, 0x01, 0xcc, 200, 0xcd, 0xea, 0x60, 0xce, 0xee, 0x6b, 0x28, 0x00];
+        b.extend_from_slice(&[0xcf, 0, 0, 0, 0, 0, 0, 0, 5, 0xd0, 6, 0xd1, 0, 7, 0xd2, 0, 0, 0, 8]);
         b.extend_from_slice(&[0xd3, 0, 0, 0, 0, 0, 0, 0, 9]);
-        assert_eq!(
-            dec(&b).unwrap(),
-            vec![1, 200, 60000, 4_000_000_000, 5, 6, 7, 8, 9]
-        );
+        assert_eq!(dec(&b).unwrap(), vec![1, 200, 60000, 4_000_000_000, 5, 6, 7, 8, 9]);
         assert_eq!(dec(&[0x90]).unwrap(), Vec::<u32>::new());
         let mut long = vec![0xdc, 0x00, 0x20];
         long.extend(std::iter::repeat_n(0x07, 32));
@@ -134,37 +124,13 @@ mod tests {
     fn bad_input_is_an_error_not_a_panic() {
         assert_eq!(dec(&[]), Err(WireError::Truncated { at: 0, needed: 1 }));
         assert_eq!(dec(&[0x81]), Err(WireError::NotAnArray(0x81)));
-        assert_eq!(
-            dec(&[0x92, 0x01]),
-            Err(WireError::Truncated { at: 2, needed: 1 })
-        );
-        assert_eq!(
-            dec(&[0x91, 0xce, 0x00]),
-            Err(WireError::Truncated { at: 2, needed: 3 })
-        );
-        assert_eq!(
-            dec(&[0x91, 0xff]),
-            Err(WireError::OutOfRange {
-                index: 0,
-                value: -1
-            })
-        );
-        assert!(matches!(
-            dec(&[0x91, 0xcf, 0, 0, 0, 1, 0, 0, 0, 0]),
-            Err(WireError::OutOfRange { .. })
-        ));
-        assert_eq!(
-            dec(&[0x91, 0xc0]),
-            Err(WireError::NotAnInteger {
-                index: 0,
-                byte: 0xc0
-            })
-        );
+        assert_eq!(dec(&[0x92, 0x01]), Err(WireError::Truncated { at: 2, needed: 1 }));
+        assert_eq!(dec(&[0x91, 0xce, 0x00]), Err(WireError::Truncated { at: 2, needed: 3 }));
+        assert_eq!(dec(&[0x91, 0xff]), Err(WireError::OutOfRange { index: 0, value: -1 }));
+        assert!(matches!(dec(&[0x91, 0xcf, 0, 0, 0, 1, 0, 0, 0, 0]), Err(WireError::OutOfRange { .. })));
+        assert_eq!(dec(&[0x91, 0xc0]), Err(WireError::NotAnInteger { index: 0, byte: 0xc0 }));
         // A huge declared length with no data: bounded allocation, then Truncated.
-        assert!(matches!(
-            dec(&[0xdd, 0xff, 0xff, 0xff, 0xff]),
-            Err(WireError::Truncated { .. })
-        ));
+        assert!(matches!(dec(&[0xdd, 0xff, 0xff, 0xff, 0xff]), Err(WireError::Truncated { .. })));
         for n in 0..64u8 {
             let b: Vec<u8> = (0..n).map(|i| i.wrapping_mul(37).wrapping_add(n)).collect();
             let _ = dec(&b);

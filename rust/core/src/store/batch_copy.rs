@@ -55,13 +55,8 @@ fn copy_threads(total_bytes: usize) -> usize {
     if total_bytes < PARALLEL_MIN_BYTES {
         return 1;
     }
-    let cores = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1);
-    cores
-        .min(MAX_COPY_THREADS)
-        .min(total_bytes / (1 << 20))
-        .max(1)
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    cores.min(MAX_COPY_THREADS).min(total_bytes / (1 << 20)).max(1)
 }
 
 /// One copy of the batch: `dst`, `src`, `len`, then `zero` bytes cleared after `dst+len`.
@@ -174,10 +169,7 @@ impl Store {
     ///
     /// # Safety
     /// Each `[addr, addr+len)` is readable memory for the whole call.
-    pub unsafe fn put_from_addresses(
-        &self,
-        chunks: &[AddressedChunk],
-    ) -> Result<Vec<bool>, StoreError> {
+    pub unsafe fn put_from_addresses(&self, chunks: &[AddressedChunk]) -> Result<Vec<bool>, StoreError> {
         let bb = self.block_bytes();
         if let Some(c) = chunks.iter().find(|c| c.len > bb || c.addr == 0) {
             return Err(StoreError::Invalid(format!(
@@ -198,12 +190,7 @@ impl Store {
             .iter()
             .zip(chunks)
             .filter_map(|(r, c)| {
-                r.as_ref().map(|r| Copy {
-                    dst: r.as_mut_ptr() as usize,
-                    src: c.addr,
-                    len: c.len,
-                    zero: bb - c.len,
-                })
+                r.as_ref().map(|r| Copy { dst: r.as_mut_ptr() as usize, src: c.addr, len: c.len, zero: bb - c.len })
             })
             .collect();
         // SAFETY: destinations are slots reserved by this call alone (each `bb` bytes);
@@ -223,11 +210,7 @@ impl Store {
     /// # Safety
     /// Each `[addr, addr+len)` is writable memory for the whole call, and no two ranges
     /// overlap.
-    pub unsafe fn get_into_addresses(
-        &self,
-        chunks: &[AddressedChunk],
-        promote: bool,
-    ) -> Result<Vec<bool>, StoreError> {
+    pub unsafe fn get_into_addresses(&self, chunks: &[AddressedChunk], promote: bool) -> Result<Vec<bool>, StoreError> {
         let bb = self.block_bytes();
         if let Some(c) = chunks.iter().find(|c| c.len > bb || c.addr == 0) {
             return Err(StoreError::Invalid(format!(
@@ -242,12 +225,7 @@ impl Store {
             .iter()
             .zip(chunks)
             .filter_map(|(b, c)| {
-                b.as_ref().map(|b| Copy {
-                    dst: c.addr,
-                    src: b.bytes().as_ptr() as usize,
-                    len: c.len,
-                    zero: 0,
-                })
+                b.as_ref().map(|b| Copy { dst: c.addr, src: b.bytes().as_ptr() as usize, len: c.len, zero: 0 })
             })
             .collect();
         // SAFETY: sources are leased slots or owned copies held in `blocks` until after
@@ -265,18 +243,11 @@ mod tests {
     const BB: usize = 8192;
 
     fn store(slots: usize) -> Store {
-        Store::open(StoreConfig {
-            block_bytes: BB,
-            dram_bytes: slots * BB,
-            ..Default::default()
-        })
-        .unwrap()
+        Store::open(StoreConfig { block_bytes: BB, dram_bytes: slots * BB, ..Default::default() }).unwrap()
     }
 
     fn pattern(n: usize, seed: u8) -> Vec<u8> {
-        (0..n)
-            .map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed))
-            .collect()
+        (0..n).map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed)).collect()
     }
 
     /// Copies longer than a unit are cut into units that cover them exactly once, in
@@ -316,11 +287,7 @@ mod tests {
         let chunks: Vec<AddressedChunk> = (0..n)
             .map(|i| {
                 let len = if i == n - 1 { BB - 100 } else { BB };
-                AddressedChunk {
-                    key: 1000 + i as u128,
-                    addr: src.as_ptr() as usize + i * BB,
-                    len,
-                }
+                AddressedChunk { key: 1000 + i as u128, addr: src.as_ptr() as usize + i * BB, len }
             })
             .collect();
         let fast = store(n + 8);
@@ -336,16 +303,10 @@ mod tests {
         let mut got = vec![0u8; src.len()];
         let outs: Vec<AddressedChunk> = chunks
             .iter()
-            .map(|c| AddressedChunk {
-                addr: c.addr - src.as_ptr() as usize + got.as_mut_ptr() as usize,
-                ..*c
-            })
+            .map(|c| AddressedChunk { addr: c.addr - src.as_ptr() as usize + got.as_mut_ptr() as usize, ..*c })
             .collect();
         // SAFETY: every range lies inside `got`, disjoint.
-        assert!(unsafe { fast.get_into_addresses(&outs, true) }
-            .unwrap()
-            .iter()
-            .all(|&b| b));
+        assert!(unsafe { fast.get_into_addresses(&outs, true) }.unwrap().iter().all(|&b| b));
         assert_eq!(got, src);
         for c in &chunks {
             assert_eq!(
@@ -355,20 +316,10 @@ mod tests {
         }
         // stored already: false, nothing written; a missing key: false, its range untouched
         // SAFETY: as above.
-        assert_eq!(
-            unsafe { fast.put_from_addresses(&chunks[..2]) }.unwrap(),
-            vec![false, false]
-        );
+        assert_eq!(unsafe { fast.put_from_addresses(&chunks[..2]) }.unwrap(), vec![false, false]);
         let mut one = vec![9u8; 16];
-        let miss = [AddressedChunk {
-            key: 5,
-            addr: one.as_mut_ptr() as usize,
-            len: 16,
-        }];
-        assert_eq!(
-            unsafe { fast.get_into_addresses(&miss, true) }.unwrap(),
-            vec![false]
-        );
+        let miss = [AddressedChunk { key: 5, addr: one.as_mut_ptr() as usize, len: 16 }];
+        assert_eq!(unsafe { fast.get_into_addresses(&miss, true) }.unwrap(), vec![false]);
         assert_eq!(one, vec![9u8; 16]);
         fast.check_integrity().unwrap();
     }
@@ -378,36 +329,15 @@ mod tests {
         let s = store(4);
         let src = pattern(6 * BB, 1);
         let chunks: Vec<AddressedChunk> = (0..6)
-            .map(|i| AddressedChunk {
-                key: i as u128 + 1,
-                addr: src.as_ptr() as usize + i * BB,
-                len: BB,
-            })
+            .map(|i| AddressedChunk { key: i as u128 + 1, addr: src.as_ptr() as usize + i * BB, len: BB })
             .collect();
         // SAFETY: inside `src`.
-        assert!(matches!(
-            unsafe { s.put_from_addresses(&chunks) },
-            Err(StoreError::Full { .. })
-        ));
+        assert!(matches!(unsafe { s.put_from_addresses(&chunks) }, Err(StoreError::Full { .. })));
         assert_eq!(s.stats().blocks_dram, 0);
-        let long = [AddressedChunk {
-            key: 1,
-            addr: src.as_ptr() as usize,
-            len: BB + 1,
-        }];
-        assert!(matches!(
-            unsafe { s.put_from_addresses(&long) },
-            Err(StoreError::Invalid(_))
-        ));
-        let null = [AddressedChunk {
-            key: 1,
-            addr: 0,
-            len: 1,
-        }];
-        assert!(matches!(
-            unsafe { s.get_into_addresses(&null, true) },
-            Err(StoreError::Invalid(_))
-        ));
+        let long = [AddressedChunk { key: 1, addr: src.as_ptr() as usize, len: BB + 1 }];
+        assert!(matches!(unsafe { s.put_from_addresses(&long) }, Err(StoreError::Invalid(_))));
+        let null = [AddressedChunk { key: 1, addr: 0, len: 1 }];
+        assert!(matches!(unsafe { s.get_into_addresses(&null, true) }, Err(StoreError::Invalid(_))));
         s.check_integrity().unwrap();
     }
 }

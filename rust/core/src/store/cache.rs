@@ -1,8 +1,8 @@
 //! `BlockCache`: the metadata-only twin of the store for the trace simulator. It runs
 //! the same eviction policy code over keys only (capacity in blocks, no bytes).
 
-use super::eviction::{policy_by_name, EvictionPolicy, Verdict, POLICY_NAMES};
 use super::error::StoreError;
+use super::eviction::{policy_by_name, EvictionPolicy, Verdict, POLICY_NAMES};
 use crate::hash::BlockHash;
 
 /// What a cache operation did (for the simulator's index).

@@ -192,7 +192,14 @@ pub unsafe fn copy_crc32_using(
 /// `kernel` is available; `src` readable for `len`; `dst` null (checksum only) or
 /// writable for `len` and not overlapping `src`.
 #[allow(unused_variables)]
-unsafe fn checksum_copy(kernel: Crc32Kernel, streaming: bool, crc: u32, src: *const u8, dst: *mut u8, len: usize) -> u32 {
+unsafe fn checksum_copy(
+    kernel: Crc32Kernel,
+    streaming: bool,
+    crc: u32,
+    src: *const u8,
+    dst: *mut u8,
+    len: usize,
+) -> u32 {
     #[cfg(target_arch = "x86_64")]
     {
         let copying = !dst.is_null();
@@ -202,7 +209,8 @@ unsafe fn checksum_copy(kernel: Crc32Kernel, streaming: bool, crc: u32, src: *co
                 // SAFETY: `head <= len`, so both parts stay inside the caller's ranges;
                 // the kernel is available (the contract); `dst + head` is 64-aligned.
                 unsafe {
-                    let c = if head == 0 { crc } else { checksum_copy(Crc32Kernel::Tables, false, crc, src, dst, head) };
+                    let c =
+                        if head == 0 { crc } else { checksum_copy(Crc32Kernel::Tables, false, crc, src, dst, head) };
                     let (s, d) = (src.add(head), if copying { dst.add(head) } else { dst });
                     return if streaming && copying {
                         vpclmul::fold::<true>(c, s, d, len - head)
@@ -219,7 +227,8 @@ unsafe fn checksum_copy(kernel: Crc32Kernel, streaming: bool, crc: u32, src: *co
                 // Vpclmul256 that the CPU runs (the contract) means AVX2 and VPCLMULQDQ
                 // (the 512-bit kernel's detection includes the 256-bit one's).
                 unsafe {
-                    let c = if head == 0 { crc } else { checksum_copy(Crc32Kernel::Tables, false, crc, src, dst, head) };
+                    let c =
+                        if head == 0 { crc } else { checksum_copy(Crc32Kernel::Tables, false, crc, src, dst, head) };
                     let (s, d) = (src.add(head), if copying { dst.add(head) } else { dst });
                     return if streaming && copying {
                         vpclmul256::fold::<true>(c, s, d, len - head)
@@ -237,7 +246,8 @@ unsafe fn checksum_copy(kernel: Crc32Kernel, streaming: bool, crc: u32, src: *co
                 // SAFETY: as above, with `dst + head` 16-aligned when streaming; the
                 // kernel at least Clmul128 and available means PCLMULQDQ and SSE4.1.
                 unsafe {
-                    let c = if head == 0 { crc } else { checksum_copy(Crc32Kernel::Tables, false, crc, src, dst, head) };
+                    let c =
+                        if head == 0 { crc } else { checksum_copy(Crc32Kernel::Tables, false, crc, src, dst, head) };
                     let (s, d) = (src.add(head), if copying { dst.add(head) } else { dst });
                     return if streaming && copying {
                         clmul::fold::<true>(c, s, d, len - head)

@@ -18,11 +18,9 @@ use crate::hash::BlockHash;
 
 impl Store {
     fn ssd_or_err(&self) -> Result<&Arc<super::ssd::SsdTier>, StoreError> {
-        self.ssd.as_ref().ok_or_else(|| {
-            StoreError::Invalid(
-                "this store has no SSD tier; open it with ssd_path to persist".into(),
-            )
-        })
+        self.ssd
+            .as_ref()
+            .ok_or_else(|| StoreError::Invalid("this store has no SSD tier; open it with ssd_path to persist".into()))
     }
 
     /// Writes every key's DRAM block into the SSD tier now. Per key: true if it is on
@@ -86,9 +84,7 @@ mod tests {
     const BB: usize = 4096;
 
     fn block(key: u128) -> Vec<u8> {
-        (0..BB)
-            .map(|i| (key as u8).wrapping_mul(7).wrapping_add(i as u8))
-            .collect()
+        (0..BB).map(|i| (key as u8).wrapping_mul(7).wrapping_add(i as u8)).collect()
     }
 
     fn dir(tag: &str) -> PathBuf {
@@ -116,10 +112,7 @@ mod tests {
             for k in 1..=6u128 {
                 s.put(k, &block(k)).unwrap();
             }
-            assert_eq!(
-                s.persist(&[1, 2, 3, 4, 5, 99]).unwrap(),
-                vec![true, true, true, true, true, false]
-            );
+            assert_eq!(s.persist(&[1, 2, 3, 4, 5, 99]).unwrap(), vec![true, true, true, true, true, false]);
             // still served from DRAM, the disk holds a copy
             assert_eq!(s.tier_of(1), Some(Tier::Dram));
             assert_eq!(s.persist(&[1]).unwrap(), vec![true], "on disk already");
@@ -133,11 +126,7 @@ mod tests {
         }
         let s = open(&d, 8, 16);
         for k in [1u128, 2, 3, 4, 7] {
-            assert_eq!(
-                s.get(k, false).unwrap().unwrap().bytes(),
-                &block(k)[..],
-                "key {k}"
-            );
+            assert_eq!(s.get(k, false).unwrap().unwrap().bytes(), &block(k)[..], "key {k}");
         }
         assert!(!s.contains(5), "removed after its persist");
         assert!(!s.contains(6), "never persisted");
@@ -167,12 +156,9 @@ mod tests {
 
     #[test]
     fn persist_without_an_ssd_tier_is_refused() {
-        let s = Store::open(StoreConfig {
-            block_bytes: BB,
-            dram_bytes: 4 * crate::mem::page_size(),
-            ..Default::default()
-        })
-        .unwrap();
+        let s =
+            Store::open(StoreConfig { block_bytes: BB, dram_bytes: 4 * crate::mem::page_size(), ..Default::default() })
+                .unwrap();
         assert!(s.persist(&[1]).is_err());
         assert!(s.put_ssd(1, &block(1)).is_err());
     }

@@ -57,10 +57,7 @@ pub fn gather_pages(
         return Err(SegmentError(format!("the cache holds {} bytes, its layout needs {cache_bytes}", cache.len())));
     }
     if pages_per_block == 0 || pages.is_empty() || !pages.len().is_multiple_of(pages_per_block) {
-        return Err(SegmentError(format!(
-            "{} pages are not whole blocks of {pages_per_block} pages",
-            pages.len()
-        )));
+        return Err(SegmentError(format!("{} pages are not whole blocks of {pages_per_block} pages", pages.len())));
     }
     if planes.start >= planes.end || planes.end > layout.planes {
         return Err(SegmentError(format!(
@@ -150,12 +147,12 @@ mod tests {
         let cache = vec![1u8; 512];
         let mut out = vec![0u8; 2 * 4 * 16];
         let bad: [(&[u8], &[u64], usize, Range<usize>); 7] = [
-            (&cache, &[0, 8], 1, 0..4),       // page past the cache
-            (&cache, &[0, 1, 2], 2, 0..4),    // not whole blocks
-            (&cache, &[0, 1], 0, 0..4),       // zero pages a block
-            (&cache, &[0, 1], 1, 2..5),       // planes past the cache
-            (&cache, &[0, 1], 1, 2..2),       // no plane
-            (&cache, &[0, 1, 2], 1, 0..4),    // out of the wrong size
+            (&cache, &[0, 8], 1, 0..4),        // page past the cache
+            (&cache, &[0, 1, 2], 2, 0..4),     // not whole blocks
+            (&cache, &[0, 1], 0, 0..4),        // zero pages a block
+            (&cache, &[0, 1], 1, 2..5),        // planes past the cache
+            (&cache, &[0, 1], 1, 2..2),        // no plane
+            (&cache, &[0, 1, 2], 1, 0..4),     // out of the wrong size
             (&cache[..500], &[0, 1], 1, 0..4), // cache shorter than its layout
         ];
         for (c, pages, per, planes) in bad {

@@ -127,7 +127,6 @@ impl Store {
         }
     }
 
-
     /// Leases on the longest leading run of `keys` that the store holds, in order (one
     /// call instead of a `get` per key). A key found only on SSD is promoted into a DRAM
     /// slot as [`get`](Self::get) does, so every block returned has an arena offset; the

@@ -190,7 +190,17 @@ mod tests {
         assert!(copy_segments(&src, &[0, 90], Some(&mut dst), &[0, 10], 20, None, 1, Stores::Streaming).is_err());
         assert!(copy_segments(&src, &[0], Some(&mut dst), &[0, 10], 20, None, 1, Stores::Streaming).is_err());
         assert!(copy_segments(&src, &[0], Some(&mut dst), &[u64::MAX], 20, None, 1, Stores::Streaming).is_err());
-        assert!(copy_segments(&src, &[0, 20, 40], Some(&mut dst), &[0, 20, 40], 20, Some(&mut [0; 2]), 2, Stores::Streaming).is_err());
+        assert!(copy_segments(
+            &src,
+            &[0, 20, 40],
+            Some(&mut dst),
+            &[0, 20, 40],
+            20,
+            Some(&mut [0; 2]),
+            2,
+            Stores::Streaming
+        )
+        .is_err());
         assert!(copy_segments(&src, &[0], Some(&mut dst), &[0], 20, Some(&mut [0; 1]), 0, Stores::Streaming).is_err());
         assert_eq!(dst, vec![0u8; 100]);
     }

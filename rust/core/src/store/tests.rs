@@ -156,7 +156,8 @@ fn ssd_demotion_promotion_and_recovery() {
     // every recovered block is announced as stored in the SSD tier (one event each)
     let mut announced: Vec<_> = s.drain_events().iter().map(|e| (e.kind, e.tier, e.key)).collect();
     announced.sort_unstable_by_key(|e| e.2);
-    let want: Vec<_> = (0..6u128).filter(|k| s.tier_of(*k) == Some(Tier::Ssd)).map(|k| (EventKind::Stored, Tier::Ssd, k)).collect();
+    let want: Vec<_> =
+        (0..6u128).filter(|k| s.tier_of(*k) == Some(Tier::Ssd)).map(|k| (EventKind::Stored, Tier::Ssd, k)).collect();
     assert_eq!(announced, want);
     assert_eq!(announced.len() as u64, st.recovered);
     for k in 0..4u128 {

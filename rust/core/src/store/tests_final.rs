@@ -33,7 +33,8 @@ fn tiered(dir: &Path, slots: usize, ssd_slots: u64, queue: usize) -> Result<Stor
 }
 
 fn dram(slots: usize) -> Store {
-    Store::open(StoreConfig { block_bytes: BB, dram_bytes: slots * crate::mem::page_size(), ..Default::default() }).unwrap()
+    Store::open(StoreConfig { block_bytes: BB, dram_bytes: slots * crate::mem::page_size(), ..Default::default() })
+        .unwrap()
 }
 
 #[test]

@@ -7,7 +7,8 @@ use super::*;
 const BB: usize = 128;
 
 fn store(slots: usize) -> Store {
-    Store::open(StoreConfig { block_bytes: BB, dram_bytes: slots * crate::mem::page_size(), ..Default::default() }).unwrap()
+    Store::open(StoreConfig { block_bytes: BB, dram_bytes: slots * crate::mem::page_size(), ..Default::default() })
+        .unwrap()
 }
 
 fn rows(keys: &[u128]) -> Vec<u8> {

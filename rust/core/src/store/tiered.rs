@@ -68,8 +68,14 @@ impl Store {
         let counters = Arc::new(Counters::default());
         let (mut ssd, mut jobs, mut writer) = (None, None, None);
         if let Some(dir) = &cfg.ssd_path {
-            let tier =
-                Arc::new(SsdTier::open(dir, cfg.block_bytes, cfg.ssd_bytes, &cfg.eviction, log.clone(), counters.clone())?);
+            let tier = Arc::new(SsdTier::open(
+                dir,
+                cfg.block_bytes,
+                cfg.ssd_bytes,
+                &cfg.eviction,
+                log.clone(),
+                counters.clone(),
+            )?);
             let (tx, rx) = sync_channel(cfg.demotion_queue);
             let t = tier.clone();
             let handle = std::thread::Builder::new()

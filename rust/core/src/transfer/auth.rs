@@ -61,7 +61,12 @@ impl AuthKey {
     }
 
     /// The client's proof, binding the engine name it announced in its hello.
-    pub fn client_proof(&self, server_nonce: &[u8; NONCE_LEN], client_nonce: &[u8; NONCE_LEN], client_name: &str) -> [u8; MAC_LEN] {
+    pub fn client_proof(
+        &self,
+        server_nonce: &[u8; NONCE_LEN],
+        client_nonce: &[u8; NONCE_LEN],
+        client_name: &str,
+    ) -> [u8; MAC_LEN] {
         self.mac_named(b"client", server_nonce, client_nonce, client_name.as_bytes())
     }
 

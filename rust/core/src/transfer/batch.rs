@@ -108,7 +108,11 @@ pub struct Batch {
 impl std::fmt::Debug for Batch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let s = self.state.lock();
-        f.debug_struct("Batch").field("id", &self.id).field("requests", &s.slots.len()).field("pending", &s.pending).finish()
+        f.debug_struct("Batch")
+            .field("id", &self.id)
+            .field("requests", &s.slots.len())
+            .field("pending", &s.pending)
+            .finish()
     }
 }
 
@@ -118,7 +122,8 @@ impl Batch {
         let now = Instant::now();
         let submitted_ns = monotonic_ns();
         let deadline = now.checked_add(timeout).unwrap_or(now + Duration::from_secs(86400 * 365));
-        let deadline_ns = submitted_ns.saturating_add(deadline.duration_since(now).as_nanos().min(u64::MAX as u128) as u64);
+        let deadline_ns =
+            submitted_ns.saturating_add(deadline.duration_since(now).as_nanos().min(u64::MAX as u128) as u64);
         let mut requested_bytes = 0u64;
         let slots: Vec<Slot> = reqs
             .map(|(op, len)| {

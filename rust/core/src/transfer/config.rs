@@ -179,7 +179,9 @@ impl EngineConfig {
             return bad("auth_token must not be empty (use None for no authentication)".into());
         }
         if !self.peer_tokens.is_empty() && self.auth_token.is_none() {
-            return bad("peer_tokens needs auth_token too (otherwise peers not listed would be served unauthenticated)".into());
+            return bad(
+                "peer_tokens needs auth_token too (otherwise peers not listed would be served unauthenticated)".into(),
+            );
         }
         if let (Some(p), None) = (self.wire_protection, &self.auth_token) {
             return bad(format!(

@@ -45,7 +45,12 @@ impl RegionCache {
     }
 }
 
-fn check_local(inner: &EngineInner, cache: &mut RegionCache, index: usize, req: Request) -> Result<Checked, TransferError> {
+fn check_local(
+    inner: &EngineInner,
+    cache: &mut RegionCache,
+    index: usize,
+    req: Request,
+) -> Result<Checked, TransferError> {
     let local = cache.get(&inner.regions, req.local).ok_or_else(|| {
         TransferError::InvalidRequest(format!("request {index}: local region {} is not registered here", req.local))
     })?;
@@ -188,7 +193,16 @@ pub(crate) fn submit(
                 match lookup {
                     Lookup::Mapped(m) => {
                         let r = &c.req;
-                        match shm::copy_job(&batch, c.index, r.op, &c.local, r.local_offset, &m, r.remote_offset, r.length) {
+                        match shm::copy_job(
+                            &batch,
+                            c.index,
+                            r.op,
+                            &c.local,
+                            r.local_offset,
+                            &m,
+                            r.remote_offset,
+                            r.length,
+                        ) {
                             Ok(j) => {
                                 copy_bytes += j.len;
                                 copies.push(j);
@@ -350,7 +364,9 @@ impl Resolver {
                 tcp.submit(s);
             }
             TcpPlan::Refuse(e) => batch.fail(c.index, e),
-            TcpPlan::Resolve => batch.fail(c.index, TransferError::Protocol("the peer's region size is still unknown".into())),
+            TcpPlan::Resolve => {
+                batch.fail(c.index, TransferError::Protocol("the peer's region size is still unknown".into()))
+            }
         }
     }
 }

@@ -12,6 +12,7 @@ use parking_lot::Mutex;
 use super::auth::{self, AuthKey};
 use super::batch::Batch;
 use super::completion::CompletionQueue;
+pub use super::config::{Counters, EngineConfig, EngineStats, Transports, WireProtection};
 use super::inner::PeerKind;
 use super::local::CopyPool;
 use super::region::{Access, Grant, Region, RegionId, RegionTable};
@@ -20,7 +21,6 @@ use super::shm::ShmPeer;
 use super::tcp::client::{ClientConfig, TcpPeer};
 use super::tcp::server::{ServeCtx, Server};
 use super::{Request, TransferError};
-pub use super::config::{Counters, EngineConfig, EngineStats, Transports, WireProtection};
 // `EngineInner` and `Peer` keep their public paths under `engine`.
 pub use super::inner::{EngineInner, Peer};
 use crate::mem::MappedMemory;
@@ -135,7 +135,12 @@ impl Engine {
     /// Registers a mapping (store arena, shared memory). Shared mappings can be reached
     /// by same-host peers through the shm path.
     /// `remote_readonly`: peers may only read it (this engine may still write it).
-    pub fn register_mapped(&self, mem: Arc<MappedMemory>, readonly: bool, remote_readonly: bool) -> Result<RegionId, TransferError> {
+    pub fn register_mapped(
+        &self,
+        mem: Arc<MappedMemory>,
+        readonly: bool,
+        remote_readonly: bool,
+    ) -> Result<RegionId, TransferError> {
         self.register_mapped_with(mem, Access { readonly, remote_readonly, restricted: false })
     }
 
@@ -286,13 +291,7 @@ impl Engine {
                     max_attempts: inner.cfg.max_attempts,
                     inline_send_bytes: inner.cfg.inline_send_bytes,
                 };
-                let tcp = TcpPeer::connect(
-                    &inner.name,
-                    endpoints,
-                    inner.key.clone(),
-                    cfg,
-                    inner.counters.clone(),
-                )?;
+                let tcp = TcpPeer::connect(&inner.name, endpoints, inner.key.clone(), cfg, inner.counters.clone())?;
                 let same_host = tcp.hello.host == inner.host && inner.host != [0u8; 16];
                 let shm = (t.shm && same_host).then(ShmPeer::default);
                 Peer { name: peer_name.into(), kind: PeerKind::Remote { tcp, shm } }

@@ -26,7 +26,9 @@ pub fn sealed_memfd(name: &str, len: usize) -> io::Result<OwnedFd> {
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
     // SAFETY: plain fcntl/ftruncate calls on our own fd.
     unsafe {
-        if libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) != 0 || libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SEALS) != 0 {
+        if libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) != 0
+            || libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SEALS) != 0
+        {
             return Err(io::Error::last_os_error());
         }
     }
@@ -129,7 +131,14 @@ pub fn peer_uid(s: &UnixStream) -> io::Result<u32> {
     unsafe {
         let mut cred: libc::ucred = std::mem::zeroed();
         let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-        if libc::getsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, &mut cred as *mut _ as *mut libc::c_void, &mut len) != 0 {
+        if libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            &mut cred as *mut _ as *mut libc::c_void,
+            &mut len,
+        ) != 0
+        {
             return Err(io::Error::last_os_error());
         }
         Ok(cred.uid)

@@ -26,7 +26,10 @@ pub struct Peer {
 pub(crate) enum PeerKind {
     /// This engine or another engine of this process: memcpy.
     Local(Weak<EngineInner>),
-    Remote { tcp: Arc<TcpPeer>, shm: Option<ShmPeer> },
+    Remote {
+        tcp: Arc<TcpPeer>,
+        shm: Option<ShmPeer>,
+    },
 }
 
 impl std::fmt::Debug for Peer {

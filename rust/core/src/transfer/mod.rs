@@ -17,8 +17,8 @@ pub mod batch;
 pub mod completion;
 pub mod config;
 mod dispatch;
-pub mod fdpass;
 pub mod engine;
+pub mod fdpass;
 mod inner;
 pub mod local;
 pub mod protocol;
@@ -86,9 +86,14 @@ impl Request {
     /// `template` (op, regions, peer, length) at those offsets: a KV connector's
     /// per-layer batch between one local and one remote region. The two lists must
     /// have one entry each per request.
-    pub fn spans(template: &Request, local_offsets: &[u64], remote_offsets: &[u64]) -> Result<Vec<Request>, ArgumentError> {
+    pub fn spans(
+        template: &Request,
+        local_offsets: &[u64],
+        remote_offsets: &[u64],
+    ) -> Result<Vec<Request>, ArgumentError> {
         same_len("local_offsets", local_offsets.len(), "remote_offsets", remote_offsets.len())?;
-        let at = |(&local_offset, &remote_offset): (&u64, &u64)| Request { local_offset, remote_offset, ..template.clone() };
+        let at =
+            |(&local_offset, &remote_offset): (&u64, &u64)| Request { local_offset, remote_offset, ..template.clone() };
         Ok(local_offsets.iter().zip(remote_offsets).map(at).collect())
     }
 }

@@ -155,17 +155,60 @@ pub enum Msg {
     /// `protection`: the client's [`WireProtection::code`](super::config::WireProtection::code),
     /// 0 without a token (absent on the wire from older versions: read as 0, so their
     /// hello still reaches the version check).
-    Hello { version: u16, nonce: [u8; NONCE_LEN], name: String, protection: u8 },
-    Challenge { version: u16, auth: bool, nonce: [u8; NONCE_LEN], host: [u8; 16], name: String },
-    Proof { mac: [u8; MAC_LEN] },
-    Welcome { mac: [u8; MAC_LEN] },
-    Refused { reason: String },
-    ReadReq { id: u64, region: u64, offset: u64, len: u64 },
-    WriteReq { id: u64, region: u64, offset: u64, data_len: usize },
-    QueryRegion { id: u64, region: u64 },
-    ReadResp { id: u64, status: Result<(), AccessError>, data_len: usize },
-    WriteResp { id: u64, status: Result<(), AccessError> },
-    RegionInfo { id: u64, status: Result<(), AccessError>, len: u64, readonly: bool, shm: Option<String> },
+    Hello {
+        version: u16,
+        nonce: [u8; NONCE_LEN],
+        name: String,
+        protection: u8,
+    },
+    Challenge {
+        version: u16,
+        auth: bool,
+        nonce: [u8; NONCE_LEN],
+        host: [u8; 16],
+        name: String,
+    },
+    Proof {
+        mac: [u8; MAC_LEN],
+    },
+    Welcome {
+        mac: [u8; MAC_LEN],
+    },
+    Refused {
+        reason: String,
+    },
+    ReadReq {
+        id: u64,
+        region: u64,
+        offset: u64,
+        len: u64,
+    },
+    WriteReq {
+        id: u64,
+        region: u64,
+        offset: u64,
+        data_len: usize,
+    },
+    QueryRegion {
+        id: u64,
+        region: u64,
+    },
+    ReadResp {
+        id: u64,
+        status: Result<(), AccessError>,
+        data_len: usize,
+    },
+    WriteResp {
+        id: u64,
+        status: Result<(), AccessError>,
+    },
+    RegionInfo {
+        id: u64,
+        status: Result<(), AccessError>,
+        len: u64,
+        readonly: bool,
+        shm: Option<String>,
+    },
 }
 
 struct Rd<'a>(&'a [u8]);
@@ -228,13 +271,9 @@ pub fn decode_body(h: Header, body: &[u8]) -> Result<Msg, FrameError> {
             name: r.name()?,
             protection: if r.0.is_empty() { 0 } else { r.u8()? },
         },
-        Kind::Challenge => Msg::Challenge {
-            version: r.u16()?,
-            auth: r.bool()?,
-            nonce: r.arr()?,
-            host: r.arr()?,
-            name: r.name()?,
-        },
+        Kind::Challenge => {
+            Msg::Challenge { version: r.u16()?, auth: r.bool()?, nonce: r.arr()?, host: r.arr()?, name: r.name()? }
+        }
         Kind::Proof => Msg::Proof { mac: r.arr()? },
         Kind::Welcome => Msg::Welcome { mac: r.arr()? },
         Kind::Refused => Msg::Refused { reason: r.name()? },

@@ -162,7 +162,15 @@ impl Region {
     /// Adds grant `id` (from [`RegionTable::next_grant_id`]) to a restricted region.
     /// Expired grants are dropped here, so a region granted over and over does not grow
     /// without bound.
-    pub fn grant(&self, id: u64, peer: &str, offset: u64, len: u64, write: bool, expires: Option<Instant>) -> Result<(), TransferError> {
+    pub fn grant(
+        &self,
+        id: u64,
+        peer: &str,
+        offset: u64,
+        len: u64,
+        write: bool,
+        expires: Option<Instant>,
+    ) -> Result<(), TransferError> {
         if !self.restricted {
             return Err(TransferError::InvalidRequest(format!(
                 "region {} is not restricted, so every authenticated peer may already access it; register it with \
@@ -303,7 +311,14 @@ impl RegionTable {
     }
 
     /// The serving-side check of one remote access by peer `peer`.
-    pub fn resolve(&self, id: RegionId, peer: &str, offset: u64, len: u64, write: bool) -> Result<Arc<Region>, AccessError> {
+    pub fn resolve(
+        &self,
+        id: RegionId,
+        peer: &str,
+        offset: u64,
+        len: u64,
+        write: bool,
+    ) -> Result<Arc<Region>, AccessError> {
         let region = self.get(id).ok_or(AccessError::NoSuchRegion)?;
         region.check_remote(peer, offset, len, write)?;
         Ok(region)

@@ -194,9 +194,11 @@ pub fn copy_job(
     remote_offset: u64,
     len: u64,
 ) -> Result<CopyJob, TransferError> {
-    remote
-        .check(remote_offset, len, op == Op::Write)
-        .map_err(|reason| TransferError::Refused { side: "peer", region: remote.id, reason })?;
+    remote.check(remote_offset, len, op == Op::Write).map_err(|reason| TransferError::Refused {
+        side: "peer",
+        region: remote.id,
+        reason,
+    })?;
     // SAFETY: check() bounded remote_offset + len by the mapping's length.
     let rptr = unsafe { remote.mem.as_ptr().add(remote_offset as usize) };
     let rspan = Span { keep: Keep::Mapping(remote.mem.clone()), ptr: rptr };

@@ -79,9 +79,15 @@ pub struct StagedLink {
 impl StagedLink {
     /// Connects to the peer's staging socket `name`, passes the handshake as `local_name`
     /// and maps the staging buffer it hands over.
-    pub fn connect(name: &str, key: Option<&AuthKey>, local_name: &str, io_timeout: Duration) -> Result<Arc<StagedLink>, TransferError> {
+    pub fn connect(
+        name: &str,
+        key: Option<&AuthKey>,
+        local_name: &str,
+        io_timeout: Duration,
+    ) -> Result<Arc<StagedLink>, TransferError> {
         let addr = SocketAddr::from_abstract_name(name.as_bytes()).map_err(TransferError::io)?;
-        let mut s = UnixStream::connect_addr(&addr).map_err(|e| TransferError::Connect(format!("staging socket: {e}")))?;
+        let mut s =
+            UnixStream::connect_addr(&addr).map_err(|e| TransferError::Connect(format!("staging socket: {e}")))?;
         s.set_read_timeout(Some(io_timeout)).map_err(TransferError::io)?;
         s.set_write_timeout(Some(io_timeout)).map_err(TransferError::io)?;
         handshake::client(&mut s, key, local_name)?;
@@ -106,7 +112,10 @@ impl StagedLink {
             worker: Mutex::new(None),
         });
         let l2 = link.clone();
-        let h = std::thread::Builder::new().name("mc-stage-send".into()).spawn(move || l2.run()).map_err(TransferError::io)?;
+        let h = std::thread::Builder::new()
+            .name("mc-stage-send".into())
+            .spawn(move || l2.run())
+            .map_err(TransferError::io)?;
         *link.worker.lock() = Some(h);
         Ok(link)
     }
@@ -200,7 +209,11 @@ impl StagedLink {
     /// The ring is let go before the commit is written: writing wakes the server, which
     /// may take this CPU from us for milliseconds on a busy host, and the worker must not
     /// wait that long for the ring to report the answer.
-    fn commit_fitting(&self, ws: &mut VecDeque<StagedWrite>, mut ring: MutexGuard<'_, Ring>) -> Result<(), TransferError> {
+    fn commit_fitting(
+        &self,
+        ws: &mut VecDeque<StagedWrite>,
+        mut ring: MutexGuard<'_, Ring>,
+    ) -> Result<(), TransferError> {
         let (chunk, cap) = (self.chunk(), self.staging.len() as u64);
         while let Some(w) = ws.front() {
             // Whole writes only: the worker takes the rest from the start of a write.
@@ -288,13 +301,26 @@ impl StagedLink {
             let Some((id, count)) = expect else { continue };
             let reply = self.read_answer(count);
             let mut ring = self.ring.lock();
-            if let Err(e) = ring.pending.front().filter(|p| p.id == id).ok_or(TransferError::Closed).and_then(|_| reply).and_then(|r| self.apply(&mut ring, id, &r)) {
+            if let Err(e) = ring
+                .pending
+                .front()
+                .filter(|p| p.id == id)
+                .ok_or(TransferError::Closed)
+                .and_then(|_| reply)
+                .and_then(|r| self.apply(&mut ring, id, &r))
+            {
                 break e;
             }
         };
         self.dead.store(true, Ordering::SeqCst);
         let mut ring = self.ring.lock();
-        let chunks = ring.pending.drain(..).flat_map(|p| p.chunks).collect::<Vec<_>>().into_iter().chain(ring.open.drain(..).collect::<Vec<_>>());
+        let chunks = ring
+            .pending
+            .drain(..)
+            .flat_map(|p| p.chunks)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .chain(ring.open.drain(..).collect::<Vec<_>>());
         for c in chunks {
             c.batch.fail(c.index, err.clone());
         }
@@ -343,9 +369,22 @@ impl StagedLink {
             // begin_io keeps the request from ending (and its buffer being reused) while
             // we read it. `at + n` <= the staging mapping's length (place), and no commit
             // in flight or open covers those bytes, so the server is not reading them.
-            unsafe { std::ptr::copy_nonoverlapping(w.local.ptr.add(off as usize) as *const u8, self.staging.as_ptr().add(at as usize), n as usize) };
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    w.local.ptr.add(off as usize) as *const u8,
+                    self.staging.as_ptr().add(at as usize),
+                    n as usize,
+                )
+            };
             w.batch.end_io(w.index);
-            ring.open.push(Chunk { batch: w.batch.clone(), index: w.index, region: w.region, offset: w.offset + off, at, len: n });
+            ring.open.push(Chunk {
+                batch: w.batch.clone(),
+                index: w.index,
+                region: w.region,
+                offset: w.offset + off,
+                at,
+                len: n,
+            });
             ring.open_bytes += n;
             ring.head = at + n;
             off += n;
@@ -374,7 +413,9 @@ impl StagedLink {
     /// The answer to a commit of `count` chunks, its id checked later by `apply`.
     fn read_answer(&self, count: usize) -> Result<Vec<u8>, TransferError> {
         let mut reply = vec![0u8; REPLY_HEAD_LEN + count];
-        (&self.stream).read_exact(&mut reply).map_err(|e| TransferError::ConnectionLost(format!("staging link: {e}")))?;
+        (&self.stream)
+            .read_exact(&mut reply)
+            .map_err(|e| TransferError::ConnectionLost(format!("staging link: {e}")))?;
         Ok(reply)
     }
 

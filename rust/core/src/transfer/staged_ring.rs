@@ -48,7 +48,12 @@ impl Ring {
             return None;
         }
         let at = if self.head + n <= cap { self.head } else { 0 };
-        let clear = self.pending.iter().flat_map(|p| p.chunks.iter()).chain(self.open.iter()).all(|c| at + n <= c.at || c.at + c.len <= at);
+        let clear = self
+            .pending
+            .iter()
+            .flat_map(|p| p.chunks.iter())
+            .chain(self.open.iter())
+            .all(|c| at + n <= c.at || c.at + c.len <= at);
         clear.then_some(at)
     }
 }

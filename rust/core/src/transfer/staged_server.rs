@@ -74,7 +74,12 @@ impl StagingServer {
         let tail = u64::from_le_bytes(rnd[..8].try_into().unwrap_or_default());
         let name = format!("mooncake_rs.stage.{}.{tail:016x}", std::process::id());
         let listener = UnixListener::bind_addr(&SocketAddr::from_abstract_name(name.as_bytes())?)?;
-        let shared = Arc::new(Shared { ctx, closed: AtomicBool::new(false), next: AtomicU64::new(0), conns: Mutex::new(HashMap::new()) });
+        let shared = Arc::new(Shared {
+            ctx,
+            closed: AtomicBool::new(false),
+            next: AtomicU64::new(0),
+            conns: Mutex::new(HashMap::new()),
+        });
         let (l, sh) = (listener.try_clone()?, shared.clone());
         let accept = std::thread::Builder::new().name("mc-stage-accept".into()).spawn(move || accept_loop(l, sh))?;
         Ok(StagingServer { name, listener, shared, accept: Mutex::new(Some(accept)) })
@@ -188,7 +193,9 @@ fn serve(s: &UnixStream, ctx: &ServeCtx) {
             return;
         }
         let chunk = |k: usize| {
-            let f = |i: usize| u64::from_le_bytes(entries[k * CHUNK_ENTRY_LEN + i * 8..][..8].try_into().unwrap_or_default());
+            let f = |i: usize| {
+                u64::from_le_bytes(entries[k * CHUNK_ENTRY_LEN + i * 8..][..8].try_into().unwrap_or_default())
+            };
             (f(0), f(1), f(2), f(3))
         };
         // A chunk outside the staging buffer is no request of ours: close the connection
@@ -213,7 +220,9 @@ fn serve(s: &UnixStream, ctx: &ServeCtx) {
                     // the staging mapping (checked above), whose size is sealed. The peer
                     // may write its buffer meanwhile: then it lands torn, in its own grant
                     // only.
-                    unsafe { std::ptr::copy_nonoverlapping(mem.as_ptr().add(at as usize), reg.at(offset), len as usize) };
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(mem.as_ptr().add(at as usize), reg.at(offset), len as usize)
+                    };
                     ctx.counters.bytes_served.fetch_add(len, Ordering::Relaxed);
                     ctx.counters.bytes_staged.fetch_add(len, Ordering::Relaxed);
                     Ok(())

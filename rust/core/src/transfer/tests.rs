@@ -199,7 +199,11 @@ fn remote_violations_are_refused_and_memory_untouched() {
         let st = batch.wait(None);
         let got: Vec<_> = st.iter().map(refusal).collect();
         use AccessError::*;
-        assert_eq!(got, vec![Some(ReadOnly), Some(OutOfBounds), Some(OutOfBounds), Some(NoSuchRegion), None], "{transports:?}");
+        assert_eq!(
+            got,
+            vec![Some(ReadOnly), Some(OutOfBounds), Some(OutOfBounds), Some(NoSuchRegion), None],
+            "{transports:?}"
+        );
         assert!(st[4].is_ok());
         assert_eq!((bytes(&b, ro), bytes(&b, rw)), before, "{transports:?}");
         assert_eq!(st[0].error().unwrap().code(), "read_only");
@@ -255,7 +259,9 @@ fn a_bad_frame_closes_only_that_connection() {
     let b = engine("srv", &["tcp"]);
     let a = engine("cli", &["tcp"]);
     let p = a.connect("srv", Some(&b.address())).unwrap();
-    for garbage in [&b"XXXXXXXXXXXXXXXX"[..], &[b'M', b'C', 11, 0, 255, 255, 255, 255], &[b'M', b'C', 10, 0, 3, 0, 0, 0, 1, 2, 3]] {
+    for garbage in
+        [&b"XXXXXXXXXXXXXXXX"[..], &[b'M', b'C', 11, 0, 255, 255, 255, 255], &[b'M', b'C', 10, 0, 3, 0, 0, 0, 1, 2, 3]]
+    {
         let mut s = handshaken(&b.address());
         s.write_all(garbage).unwrap();
         let mut buf = [0u8; 16];
@@ -326,7 +332,12 @@ fn arb_msg() -> impl Strategy<Value = Msg> {
         any::<[u8; 32]>().prop_map(|mac| Msg::Welcome { mac }),
         name.prop_map(|reason| Msg::Refused { reason }),
         any::<[u64; 4]>().prop_map(|[id, region, offset, len]| Msg::ReadReq { id, region, offset, len }),
-        (any::<[u64; 3]>(), 0usize..64).prop_map(|([id, region, offset], data_len)| Msg::WriteReq { id, region, offset, data_len }),
+        (any::<[u64; 3]>(), 0usize..64).prop_map(|([id, region, offset], data_len)| Msg::WriteReq {
+            id,
+            region,
+            offset,
+            data_len
+        }),
         any::<[u64; 2]>().prop_map(|[id, region]| Msg::QueryRegion { id, region }),
         (any::<u64>(), status.clone(), 0usize..64).prop_map(|(id, status, n)| Msg::ReadResp {
             id,
@@ -451,16 +462,20 @@ fn a_refused_request_moves_no_byte_on_any_path() {
         let reg = EngineRegistry::new();
         let b = Engine::new(cfg("srv", transports), Some(reg.clone())).unwrap();
         let a = Engine::new(cfg("cli", transports), Some(reg)).unwrap();
-        let p = if transports == ["local"] { a.connect("srv", None).unwrap() } else { a.connect("srv", Some(&b.address())).unwrap() };
+        let p = if transports == ["local"] {
+            a.connect("srv", None).unwrap()
+        } else {
+            a.connect("srv", Some(&b.address())).unwrap()
+        };
         let rb = b.allocate(4 << 20, false).unwrap().id;
         let l = a.allocate(4 << 20, false).unwrap().id;
         fill(&a, l, 7);
         let before = bytes(&b, rb);
         let wrap = u64::MAX - (1 << 20) + 1;
         let bad = vec![
-            req(Op::Write, l, 0, &p, rb, wrap, 2 << 20),          // wraps past 2^64
-            req(Op::Write, l, 0, &p, rb, 3 << 20, 2 << 20),       // runs past the end
-            req(Op::Write, l, 0, &p, rb, (4 << 20) + 1, 0),      // empty, but out of bounds
+            req(Op::Write, l, 0, &p, rb, wrap, 2 << 20),    // wraps past 2^64
+            req(Op::Write, l, 0, &p, rb, 3 << 20, 2 << 20), // runs past the end
+            req(Op::Write, l, 0, &p, rb, (4 << 20) + 1, 0), // empty, but out of bounds
         ];
         let st = a.submit(bad, T).unwrap().wait(None);
         for s in &st {
@@ -482,8 +497,10 @@ fn spans_pair_the_offsets_and_move_like_single_requests() {
     let p = a.connect("b", None).unwrap();
     let template = req(Op::Read, l, 0, &p, r, 0, 16);
     let reqs = Request::spans(&template, &[0, 100, 32], &[64, 0, 4000]).unwrap();
-    assert_eq!(reqs.iter().map(|q| (q.local_offset, q.remote_offset, q.length)).collect::<Vec<_>>(),
-               vec![(0, 64, 16), (100, 0, 16), (32, 4000, 16)]);
+    assert_eq!(
+        reqs.iter().map(|q| (q.local_offset, q.remote_offset, q.length)).collect::<Vec<_>>(),
+        vec![(0, 64, 16), (100, 0, 16), (32, 4000, 16)]
+    );
     assert!(a.submit(reqs, T).unwrap().wait(None).iter().all(RequestStatus::is_ok));
     let local = bytes(&a, l);
     for (lo, ro) in [(0, 64), (100, 0), (32, 4000)] {

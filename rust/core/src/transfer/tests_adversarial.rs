@@ -93,7 +93,12 @@ fn unauthenticated_floods_do_not_lock_out_good_clients() {
         .map(|_| {
             let (stop, addr) = (stop.clone(), addr.clone());
             std::thread::spawn(move || {
-                let hello = encode(&Msg::Hello { version: protocol::VERSION, nonce: [1; 32], name: "slow".into(), protection: 0 });
+                let hello = encode(&Msg::Hello {
+                    version: protocol::VERSION,
+                    nonce: [1; 32],
+                    name: "slow".into(),
+                    protection: 0,
+                });
                 let mut reconnects = 0u32;
                 while !stop.load(Ordering::SeqCst) {
                     let Ok(mut s) = TcpStream::connect(&addr) else { continue };

@@ -107,8 +107,13 @@ fn completion_queue_reports_failures_and_timeouts_on_their_tags() {
     let rb = b.allocate(1 << 16, false).unwrap().id;
     let q = CompletionQueue::new();
     // Tag 1: one good request and one out of bounds; tag 2: no such region; tag 3: empty.
-    a.submit_to(vec![req(Op::Write, la, 0, &p, rb, 0, 100), req(Op::Write, la, 0, &p, rb, (1 << 16) - 10, 100)], T, &q, 1)
-        .unwrap();
+    a.submit_to(
+        vec![req(Op::Write, la, 0, &p, rb, 0, 100), req(Op::Write, la, 0, &p, rb, (1 << 16) - 10, 100)],
+        T,
+        &q,
+        1,
+    )
+    .unwrap();
     a.submit_to(vec![req(Op::Read, la, 0, &p, 999, 0, 100)], T, &q, 2).unwrap();
     a.submit_to(vec![], T, &q, 3).unwrap();
     let mut got = Vec::new();

@@ -55,7 +55,9 @@ fn integrity_and_encrypted_sessions_move_the_same_bytes_as_a_plain_one() {
     let mut results = Vec::new();
     for mode in [None, Some(WireProtection::Encrypted), Some(WireProtection::Integrity)] {
         let (a, b) = match mode {
-            None => (Engine::new(cfg("cli", &["tcp"]), None).unwrap(), Engine::new(cfg("srv", &["tcp"]), None).unwrap()),
+            None => {
+                (Engine::new(cfg("cli", &["tcp"]), None).unwrap(), Engine::new(cfg("srv", &["tcp"]), None).unwrap())
+            }
             Some(m) => (keyed("cli", "tok", Some(m)), keyed("srv", "tok", Some(m))),
         };
         let p = a.connect("srv", Some(&b.address())).unwrap();
@@ -67,7 +69,9 @@ fn integrity_and_encrypted_sessions_move_the_same_bytes_as_a_plain_one() {
 
 #[test]
 fn the_protection_must_match_on_both_ends() {
-    for (srv, cli) in [(WireProtection::Integrity, WireProtection::Encrypted), (WireProtection::Encrypted, WireProtection::Integrity)] {
+    for (srv, cli) in
+        [(WireProtection::Integrity, WireProtection::Encrypted), (WireProtection::Encrypted, WireProtection::Integrity)]
+    {
         let b = keyed("srv", "tok", Some(srv));
         let a = keyed("cli", "tok", Some(cli));
         match a.connect("srv", Some(&b.address())) {
@@ -100,7 +104,9 @@ fn the_option_needs_a_token_and_a_known_name() {
     let mut c = cfg("x", &["tcp"]);
     c.wire_protection = Some(WireProtection::Integrity);
     assert!(matches!(Engine::new(c, None), Err(TransferError::InvalidRequest(m)) if m.contains("auth_token")));
-    assert!(matches!(WireProtection::parse("none"), Err(TransferError::InvalidRequest(m)) if m.contains("\"integrity\"")));
+    assert!(
+        matches!(WireProtection::parse("none"), Err(TransferError::InvalidRequest(m)) if m.contains("\"integrity\""))
+    );
     assert_eq!(WireProtection::parse("integrity").unwrap(), WireProtection::Integrity);
     assert_eq!(WireProtection::parse("encrypted").unwrap(), WireProtection::Encrypted);
 }

@@ -188,8 +188,11 @@ fn check_access_grant_rule() {
     use region::{check_access, Grant, GrantCheck};
     let now = std::time::Instant::now();
     let g = |peer: &str, offset, len, write| Grant { id: 1, peer: peer.into(), offset, len, write, expires: None };
-    let grants = vec![g("a", 100, 50, true), g("a", 0, 10, false), Grant { expires: Some(now), ..g("b", 0, 1000, true) }];
-    let chk = |peer, off, len, write| check_access(off, len, 1000, false, write, Some(GrantCheck { grants: &grants, peer, now }));
+    let grants =
+        vec![g("a", 100, 50, true), g("a", 0, 10, false), Grant { expires: Some(now), ..g("b", 0, 1000, true) }];
+    let chk = |peer, off, len, write| {
+        check_access(off, len, 1000, false, write, Some(GrantCheck { grants: &grants, peer, now }))
+    };
     assert_eq!(chk("a", 100, 50, true), Ok(()));
     assert_eq!(chk("a", 149, 1, true), Ok(()));
     assert_eq!(chk("a", 149, 2, true), Err(AccessError::NoGrant));
@@ -199,7 +202,10 @@ fn check_access_grant_rule() {
     assert_eq!(chk("b", 0, 1, false), Err(AccessError::NoGrant), "expired at `now`");
     assert_eq!(chk("c", 100, 1, false), Err(AccessError::NoGrant));
     assert_eq!(chk("a", u64::MAX, 2, false), Err(AccessError::OutOfBounds));
-    assert_eq!(check_access(100, 50, 1000, true, true, Some(GrantCheck { grants: &grants, peer: "a", now })), Err(AccessError::ReadOnly));
+    assert_eq!(
+        check_access(100, 50, 1000, true, true, Some(GrantCheck { grants: &grants, peer: "a", now })),
+        Err(AccessError::ReadOnly)
+    );
 }
 
 // Per-peer tokens: the name a grant is made out to can be claimed only with that name's

@@ -15,7 +15,9 @@ use super::fdpass;
 use super::inner::PeerKind;
 use super::region::RegionTable;
 use super::staged::StagedLink;
-use super::staged_server::{StagingServer, CHUNK_ENTRY_LEN, COMMIT_HEAD_LEN, MAX_COMMIT_CHUNKS, REPLY_HEAD_LEN, STAGING_LEN};
+use super::staged_server::{
+    StagingServer, CHUNK_ENTRY_LEN, COMMIT_HEAD_LEN, MAX_COMMIT_CHUNKS, REPLY_HEAD_LEN, STAGING_LEN,
+};
 use super::tcp::server::ServeCtx;
 use super::tests::{bytes, cfg, fill, req, T};
 use super::*;
@@ -46,7 +48,8 @@ fn links(p: &Peer) -> Vec<Arc<StagedLink>> {
 }
 
 fn shm_entries(part: &str) -> usize {
-    std::fs::read_dir("/dev/shm").map_or(0, |d| d.flatten().filter(|e| e.file_name().to_string_lossy().contains(part)).count())
+    std::fs::read_dir("/dev/shm")
+        .map_or(0, |d| d.flatten().filter(|e| e.file_name().to_string_lossy().contains(part)).count())
 }
 
 #[test]
@@ -89,7 +92,10 @@ fn restricted_writes_from_a_same_host_peer_are_staged_checked_and_equal() {
     assert_eq!(write(&other, l2, 0, &q, arena, off, 1 << 20), "ok");
     assert!(bytes(&decode, arena)[o..o + (1 << 20)] == src2[..], "the second peer's write differs");
     let staging = links(&p)[0].staging_bytes();
-    assert!(!staging.windows(64).any(|w| w == &src2[4096..4096 + 64]), "the first peer's buffer saw a later grant's data");
+    assert!(
+        !staging.windows(64).any(|w| w == &src2[4096..4096 + 64]),
+        "the first peer's buffer saw a later grant's data"
+    );
 
     // Reads of a restricted region stay on TCP and are checked there.
     decode.grant(arena, "prefill-0", 0, 4096, false, None).unwrap();
@@ -248,7 +254,12 @@ fn a_commit_of_many_chunks_is_checked_and_answered_chunk_by_chunk() {
     let landed = || unsafe { std::slice::from_raw_parts(region.ptr(), 1 << 16) }.to_vec();
     let (s, _staging) = open();
     // Inside, straddling the first grant's end, inside the second, in no grant.
-    let chunks = [(region.id, 0, 1000, 0), (region.id, 2500, 1000, 1000), (region.id, 8000, 1000, 2000), (region.id, 5000, 1000, 3000)];
+    let chunks = [
+        (region.id, 0, 1000, 0),
+        (region.id, 2500, 1000, 1000),
+        (region.id, 8000, 1000, 2000),
+        (region.id, 5000, 1000, 3000),
+    ];
     commit_many(&s, 7, 4, &chunks);
     let (id, st) = read_replies(&s, 4).unwrap();
     assert_eq!(id, 7);
@@ -308,7 +319,8 @@ fn grant_batch(transports: &[&str]) -> (Vec<&'static str>, Vec<u8>, u64, u64) {
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
     let k = 128u64 << 10;
-    let mut small: Vec<Request> = (0..6).map(|i| req(Op::Write, l, (7 << 20) + i * k, &p, arena, (11 << 18) + i * k, k)).collect();
+    let mut small: Vec<Request> =
+        (0..6).map(|i| req(Op::Write, l, (7 << 20) + i * k, &p, arena, (11 << 18) + i * k, k)).collect();
     small.push(req(Op::Write, l, 0, &p, arena, (4 << 20) - 100, 4096)); // past the first grant
     small.push(req(Op::Write, l, 0, &p, arena, (5 << 20) + 8192, 4096)); // in no grant
     let mut codes: Vec<&'static str> = prefill.submit(small, T).unwrap().wait(None).iter().map(code).collect();

@@ -19,10 +19,7 @@ pub(super) fn option_for(input: &PolicyInput<'_>, idx: usize) -> Choice {
     let (gpu_tokens, mem_tokens) = (input.tokens(c.gpu), input.tokens(c.gpu + c.dram));
     let local_load_s = t.local_ssd(input.tokens(l) - mem_tokens) + t.local_dram(mem_tokens - gpu_tokens);
     let mut best = None;
-    keep_best(
-        &mut best,
-        Choice { reused_blocks: 0, prefill_s: input.prefill_s(c, 0), ..input.local_choice(idx) },
-    );
+    keep_best(&mut best, Choice { reused_blocks: 0, prefill_s: input.prefill_s(c, 0), ..input.local_choice(idx) });
     keep_best(&mut best, Choice { transfer_s: local_load_s, ..input.local_choice(idx) });
     for h in input.matches {
         let b = h.total();

@@ -294,7 +294,8 @@ impl TcpPeer {
         if !small || !self.queue.lock().is_empty() {
             return Some(slices);
         }
-        let conns: Vec<Arc<Conn>> = self.conns.lock().iter().filter(|c| !c.dead.load(Ordering::SeqCst)).cloned().collect();
+        let conns: Vec<Arc<Conn>> =
+            self.conns.lock().iter().filter(|c| !c.dead.load(Ordering::SeqCst)).cloned().collect();
         for conn in conns {
             if !conn.inflight.lock().is_empty() {
                 continue;
@@ -436,7 +437,8 @@ impl TcpPeer {
         }
         let slice = conn.inflight.lock().remove(&id).ok_or_else(|| format!("response to unknown request {id}"))?;
         conn.room.notify_one();
-        let refused = |reason: AccessError| TransferError::Refused { side: "peer", region: slice.remote_region, reason };
+        let refused =
+            |reason: AccessError| TransferError::Refused { side: "peer", region: slice.remote_region, reason };
         match (status, data_len) {
             (Err(reason), _) => slice.batch.fail(slice.index, refused(reason)),
             (Ok(()), Some(n)) => {

@@ -57,7 +57,8 @@ impl Guard {
         match k.protection {
             WireProtection::Encrypted => {
                 // 32 bytes is AES-256's key length: `new` cannot fail on it.
-                let unbound = UnboundKey::new(&AES_256_GCM, &k.key).unwrap_or_else(|_| unreachable!("a 32-byte AES-256 key"));
+                let unbound =
+                    UnboundKey::new(&AES_256_GCM, &k.key).unwrap_or_else(|_| unreachable!("a 32-byte AES-256 key"));
                 Guard::Sealed(Box::new(LessSafeKey::new(unbound)))
             }
             WireProtection::Integrity => Guard::Tagged(k.key),

@@ -89,4 +89,3 @@ pub fn read_control(r: &mut impl Read) -> Result<Msg, ConnError> {
         None => Err(ConnError::Io(io::ErrorKind::TimedOut.into())),
     }
 }
-

@@ -38,8 +38,8 @@ use std::io::{self, IoSlice, Read, Write};
 
 use super::super::config::WireProtection;
 use super::super::protocol::FrameError;
-pub use super::guard::{FrameKey, TAG_LEN};
 use super::guard::Guard;
+pub use super::guard::{FrameKey, TAG_LEN};
 use super::overlap::{Job, Overlap, GROUP};
 use super::ConnError;
 
@@ -182,9 +182,13 @@ struct Opener {
 
 impl<R: Read> FrameReader<R> {
     pub fn new(inner: R, key: Option<FrameKey>) -> Self {
-        let open = key
-            .as_ref()
-            .map(|k| Opener { dir: Direction::new(k), key: *k, overlap: None, head: Vec::new(), stage: Vec::new() });
+        let open = key.as_ref().map(|k| Opener {
+            dir: Direction::new(k),
+            key: *k,
+            overlap: None,
+            head: Vec::new(),
+            stage: Vec::new(),
+        });
         FrameReader { inner, open }
     }
 
@@ -256,7 +260,9 @@ impl<R: Read> FrameReader<R> {
         };
         op.stage.resize(dst.len().min(RECORD), 0);
         let mut stage = std::mem::take(&mut op.stage);
-        let r = op.each_record(&mut self.inner, dst.len(), &mut stage, |at, plain| dst[at..at + plain.len()].copy_from_slice(plain));
+        let r = op.each_record(&mut self.inner, dst.len(), &mut stage, |at, plain| {
+            dst[at..at + plain.len()].copy_from_slice(plain)
+        });
         op.stage = stage;
         r
     }
@@ -265,7 +271,11 @@ impl<R: Read> FrameReader<R> {
     pub fn discard_payload(&mut self, n: usize) -> Result<(), ConnError> {
         let Some(op) = &mut self.open else {
             let copied = io::copy(&mut (&mut self.inner).take(n as u64), &mut io::sink())?;
-            return if copied as usize == n { Ok(()) } else { Err(io::Error::from(io::ErrorKind::UnexpectedEof).into()) };
+            return if copied as usize == n {
+                Ok(())
+            } else {
+                Err(io::Error::from(io::ErrorKind::UnexpectedEof).into())
+            };
         };
         op.stage.resize(n.min(RECORD), 0);
         let mut stage = std::mem::take(&mut op.stage);
@@ -286,8 +296,13 @@ impl<R: Read> FrameReader<R> {
 impl Opener {
     /// Reads the `n`-byte payload record by record into `stage`, verifies each and hands
     /// its plaintext, with its offset in the payload, to `land`.
-    fn each_record(&mut self, r: &mut impl Read, n: usize, stage: &mut [u8],
-                   mut land: impl FnMut(usize, &[u8])) -> Result<(), ConnError> {
+    fn each_record(
+        &mut self,
+        r: &mut impl Read,
+        n: usize,
+        stage: &mut [u8],
+        mut land: impl FnMut(usize, &[u8]),
+    ) -> Result<(), ConnError> {
         let mut at = 0;
         loop {
             let k = (n - at).min(RECORD);

@@ -38,10 +38,10 @@ use super::super::auth::AuthKey;
 use super::super::config::Counters;
 use super::super::protocol::{encode, Header, Msg, MAX_DATA};
 use super::super::region::RegionTable;
+use super::super::staged_server::StagingServer;
 use super::super::{AccessError, TransferError};
 use super::admission::{make_room, Activity, Served};
 pub use super::admission::{MAX_CONNECTIONS, MAX_PER_PEER};
-use super::super::staged_server::StagingServer;
 use super::handshake::{self, Refusal};
 use super::seal::{FrameReader, FrameWriter};
 use super::{read_header, read_msg_body, ConnError};
@@ -290,8 +290,14 @@ fn serve(stream: TcpStream, id: u64, sh: &Shared) {
 
 /// The authenticated part of a connection: one request at a time, in order.
 /// `peer`: the client's engine name, what grants of restricted regions are checked against.
-fn serve_frames(stream: TcpStream, peer: &str, keys: super::seal::FrameKeys, ctx: &ServeCtx, sh: &Shared,
-                activity: &Activity) {
+fn serve_frames(
+    stream: TcpStream,
+    peer: &str,
+    keys: super::seal::FrameKeys,
+    ctx: &ServeCtx,
+    sh: &Shared,
+    activity: &Activity,
+) {
     let closed = &sh.closed;
     // After an authenticated handshake a connection may sit idle (until evicted for
     // room); without a token, only for `idle_timeout`.
@@ -342,7 +348,13 @@ type Reader = FrameReader<BufReader<TcpStream>>;
 
 /// Serves one frame. Nothing is acted on before the frame's tag verified (with a
 /// token), so a forged request reads, writes and answers nothing.
-fn handle(h: Header, peer: &str, r: &mut Reader, w: &mut FrameWriter<TcpStream>, ctx: &ServeCtx) -> Result<(), ConnError> {
+fn handle(
+    h: Header,
+    peer: &str,
+    r: &mut Reader,
+    w: &mut FrameWriter<TcpStream>,
+    ctx: &ServeCtx,
+) -> Result<(), ConnError> {
     match read_msg_body(r, h)? {
         Msg::ReadReq { id, region, offset, len } => {
             r.end_frame()?;
@@ -404,7 +416,9 @@ fn handle(h: Header, peer: &str, r: &mut Reader, w: &mut FrameWriter<TcpStream>,
                         (false, _) => None,
                     },
                 },
-                None => Msg::RegionInfo { id, status: Err(AccessError::NoSuchRegion), len: 0, readonly: false, shm: None },
+                None => {
+                    Msg::RegionInfo { id, status: Err(AccessError::NoSuchRegion), len: 0, readonly: false, shm: None }
+                }
             };
             w.send(&encode(&reply), &[])?;
         }
