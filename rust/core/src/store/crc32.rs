@@ -202,59 +202,31 @@ unsafe fn checksum_copy(
 ) -> u32 {
     #[cfg(target_arch = "x86_64")]
     {
-        let copying = !dst.is_null();
+        let stream = streaming && !dst.is_null();
+        // the kernel's streaming or cached variant; the width its stores are aligned to
+        let pick =
+            |streaming_fold: KernelFold, cached_fold: KernelFold| if stream { streaming_fold } else { cached_fold };
+        // SAFETY (each call below): the contract; a kernel at most `kernel` that the CPU
+        // runs: Vpclmul512 means AVX-512F + VPCLMULQDQ, Vpclmul256 AVX2 + VPCLMULQDQ (the
+        // 512-bit detection includes it), Clmul128 PCLMULQDQ + SSE4.1.
         if kernel == Crc32Kernel::Vpclmul512 && len >= vpclmul::MIN_LEN {
-            let head = if copying { dst.align_offset(64).min(len) } else { 0 };
-            if len - head >= vpclmul::MIN_LEN {
-                // SAFETY: `head <= len`, so both parts stay inside the caller's ranges;
-                // the kernel is available (the contract); `dst + head` is 64-aligned.
-                unsafe {
-                    let c =
-                        if head == 0 { crc } else { checksum_copy(Crc32Kernel::Tables, false, crc, src, dst, head) };
-                    let (s, d) = (src.add(head), if copying { dst.add(head) } else { dst });
-                    return if streaming && copying {
-                        vpclmul::fold::<true>(c, s, d, len - head)
-                    } else {
-                        vpclmul::fold::<false>(c, s, d, len - head)
-                    };
-                }
+            let fold = pick(vpclmul::fold::<true>, vpclmul::fold::<false>);
+            if let Some(c) = unsafe { after_aligned_head(crc, src, dst, len, 64, vpclmul::MIN_LEN, fold) } {
+                return c;
             }
         }
         if kernel >= Crc32Kernel::Vpclmul256 && len >= vpclmul256::MIN_LEN {
-            let head = if copying { dst.align_offset(32).min(len) } else { 0 };
-            if len - head >= vpclmul256::MIN_LEN {
-                // SAFETY: as above, with `dst + head` 32-aligned; a kernel at least
-                // Vpclmul256 that the CPU runs (the contract) means AVX2 and VPCLMULQDQ
-                // (the 512-bit kernel's detection includes the 256-bit one's).
-                unsafe {
-                    let c =
-                        if head == 0 { crc } else { checksum_copy(Crc32Kernel::Tables, false, crc, src, dst, head) };
-                    let (s, d) = (src.add(head), if copying { dst.add(head) } else { dst });
-                    return if streaming && copying {
-                        vpclmul256::fold::<true>(c, s, d, len - head)
-                    } else {
-                        vpclmul256::fold::<false>(c, s, d, len - head)
-                    };
-                }
+            let fold = pick(vpclmul256::fold::<true>, vpclmul256::fold::<false>);
+            if let Some(c) = unsafe { after_aligned_head(crc, src, dst, len, 32, vpclmul256::MIN_LEN, fold) } {
+                return c;
             }
         }
         if kernel >= Crc32Kernel::Clmul128 && len >= clmul::MIN_LEN {
-            // streaming stores need 16-byte aligned destinations: the bytes before the
-            // first aligned address go the ordinary way
-            let head = if copying && streaming { dst.align_offset(16).min(len) } else { 0 };
-            if len - head >= clmul::MIN_LEN {
-                // SAFETY: as above, with `dst + head` 16-aligned when streaming; the
-                // kernel at least Clmul128 and available means PCLMULQDQ and SSE4.1.
-                unsafe {
-                    let c =
-                        if head == 0 { crc } else { checksum_copy(Crc32Kernel::Tables, false, crc, src, dst, head) };
-                    let (s, d) = (src.add(head), if copying { dst.add(head) } else { dst });
-                    return if streaming && copying {
-                        clmul::fold::<true>(c, s, d, len - head)
-                    } else {
-                        clmul::fold::<false>(c, s, d, len - head)
-                    };
-                }
+            // ordinary 16-byte stores may be unaligned; streaming ones must not
+            let fold = pick(clmul::fold::<true>, clmul::fold::<false>);
+            let align = if stream { 16 } else { 1 };
+            if let Some(c) = unsafe { after_aligned_head(crc, src, dst, len, align, clmul::MIN_LEN, fold) } {
+                return c;
             }
         }
     }
@@ -267,6 +239,40 @@ unsafe fn checksum_copy(
             std::ptr::copy_nonoverlapping(src, dst, len);
             crc32_tables(crc, std::slice::from_raw_parts(dst, len))
         }
+    }
+}
+
+/// A folding kernel: `(crc, src, dst or null, len) -> crc` (see [`checksum_copy`]).
+#[cfg(target_arch = "x86_64")]
+type KernelFold = unsafe fn(u32, *const u8, *mut u8, usize) -> u32;
+
+/// One kernel's turn in [`checksum_copy`]: the bytes before the first destination
+/// address aligned to `align` by the tables, the rest by `fold`; `None` (nothing done)
+/// when what is left after that head is shorter than the kernel's `min_len`. Without a
+/// destination there is no head.
+///
+/// # Safety
+/// As [`checksum_copy`], and `fold` runs on this CPU.
+#[cfg(target_arch = "x86_64")]
+unsafe fn after_aligned_head(
+    crc: u32,
+    src: *const u8,
+    dst: *mut u8,
+    len: usize,
+    align: usize,
+    min_len: usize,
+    fold: KernelFold,
+) -> Option<u32> {
+    let head = if dst.is_null() { 0 } else { dst.align_offset(align).min(len) };
+    if len - head < min_len {
+        return None;
+    }
+    // SAFETY: `head <= len`, so both parts stay inside the caller's ranges; `dst + head`
+    // is `align`-aligned (what the kernel's stores need); `fold` runs here (the contract).
+    unsafe {
+        let c = if head == 0 { crc } else { checksum_copy(Crc32Kernel::Tables, false, crc, src, dst, head) };
+        let d = if dst.is_null() { dst } else { dst.add(head) };
+        Some(fold(c, src.add(head), d, len - head))
     }
 }
 
