@@ -128,8 +128,11 @@ def test_decode_filled_blocks(vllm_pair, watched):
     generated = out["choices"][0]["token_ids"]
     assert len(generated) == 3 * BS
     full = doc + generated
-    # Blocks filled while decoding are cached (and published) with their generated tokens.
-    watched.settle("a", full, len(full) // BS - 1)
+    # Blocks filled while decoding are cached (and published) with their generated tokens:
+    # every full block of the tokens that have KV (all but the last generated one, never
+    # fed back). Waiting for fewer let the check ask the indexer before the last block's
+    # event was applied (128 tokens indexed, 160 reused).
+    watched.settle("a", full, (len(full) - 1) // BS)
     assert check(watched, a, "a", full + prompt(5, 10)) >= 4 * BS
 
 
