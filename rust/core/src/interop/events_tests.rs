@@ -316,36 +316,27 @@ fn extra_keys_lora_group_and_kind_are_kept() {
         assert_eq!(got.events[1], Event::Removed(Removed { hashes: 3..4, medium: None, group_idx: Some(1) }));
     }
     // nil or missing: no extras; anything else is malformed
-    let nil = bytes(&V::A(vec![
-        V::F(0.0),
-        V::A(vec![V::A(vec![
-            V::S("BlockStored"),
-            ints(&[1]),
-            V::Nil,
-            ints(&[0; 4]),
-            V::Int(4),
-            V::Nil,
-            V::Nil,
-            V::Nil,
-            V::Nil,
-        ])]),
-    ]));
-    let Event::Stored(s) = &decode_batch(&nil).unwrap().events[0] else { panic!() };
+    let stored_with_extras = |extras: V| {
+        bytes(&V::A(vec![
+            V::F(0.0),
+            V::A(vec![V::A(vec![
+                V::S("BlockStored"),
+                ints(&[1]),
+                V::Nil,
+                ints(&[0; 4]),
+                V::Int(4),
+                V::Nil,
+                V::Nil,
+                V::Nil,
+                extras,
+            ])]),
+        ]))
+    };
+    let nil_bytes = stored_with_extras(V::Nil);
+    let nil = decode_batch(&nil_bytes).unwrap();
+    let Event::Stored(s) = &nil.events[0] else { panic!() };
     assert!(s.extras.is_empty());
-    let bad = bytes(&V::A(vec![
-        V::F(0.0),
-        V::A(vec![V::A(vec![
-            V::S("BlockStored"),
-            ints(&[1]),
-            V::Nil,
-            ints(&[0; 4]),
-            V::Int(4),
-            V::Nil,
-            V::Nil,
-            V::Nil,
-            V::S("x"),
-        ])]),
-    ]));
+    let bad = stored_with_extras(V::S("x"));
     let err = decode_batch(&bad).unwrap_err();
     assert!(err.to_string().contains("extra_keys: expected array | nil"), "{err}");
 }
