@@ -304,7 +304,11 @@ class Soak:
             series = [smp.get(key, 0) for _, smp in live]
             print(f"| {key} | {series[0]:.0f} | {warm[key]:.0f} | {series[-1]:.0f} | {max(series):.0f} |")
         print(f"(workers are SIGKILLed and restarted, so their series restart; every sample: {self.tmp}/samples.jsonl)")
-        print(f"/dev/shm mooncake_rs.* of this soak's processes after shutdown: {shm_entries(self.pids)}")
+        # This process is still alive here and its own arena goes at its exit, so count the
+        # entries of the processes it started (all stopped or killed by now) apart from its own.
+        others = shm_entries(self.pids - {os.getpid()})
+        print(f"/dev/shm mooncake_rs.* after shutdown: {others} of the stopped processes, "
+              f"{shm_entries({os.getpid()})} of this live process (removed at its exit)")
         untyped = sum(v for k, v in self.counts.items() if "UNTYPED" in k)
         return 1 if untyped else 0
 
