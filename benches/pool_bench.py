@@ -195,8 +195,9 @@ def floor_table(runs: list[dict]) -> str:
     """Small keys beside the floor of one synchronous 128 B round trip on the same link: a
     native echo (benches/pool_echo.rs: Rust on both ends, one thread a side, nothing
     decoded), a bare Python socket echo (Python on both ends, nothing decoded), and one
-    128 B request of our transfer engine. A call that is one round trip cannot beat the
-    native echo, so ``native echo / Mooncake`` bounds the ratio any such design reaches."""
+    128 B request of our transfer engine (each the median of 5 passes of 2000 calls). A call
+    that is one round trip cannot beat the native echo, so ``native echo / Mooncake``
+    bounds the ratio any such design reaches."""
     rows = [f"### remote small keys beside the floor of one 128 B round trip (median of {len(runs)} runs)", "",
             "| call | ours plaintext | ours + token | Mooncake Store | plaintext / Mooncake | native echo 128 B "
             "| native echo / Mooncake | Python socket echo 128 B | TE 128 B (one request) |",
