@@ -333,16 +333,11 @@ impl Batch {
         let mut s = self.state.lock();
         let Some(slot) = s.slots.get_mut(i) else { return };
         slot.io = slot.io.saturating_sub(1);
-        // Waiters are woken only when what they wait for changed: `finish` wakes them when
-        // the last request ends, and here when a deferred end became final (a waiter past
-        // the deadline re-checks those). Waking them at every slice's end cost the waiting
-        // thread a futex round and a context switch per slice (a 32-request batch woke it
-        // 32 times for nothing, on cores the transfer needs).
         if slot.io == 0 {
             if let Some(end) = slot.deferred.take() {
                 self.finish(&mut s, i, end);
-                self.cv.notify_all();
             }
+            self.cv.notify_all();
         }
     }
 
