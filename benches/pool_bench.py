@@ -11,7 +11,10 @@ Mooncake API calls (ours: mooncake_rs.compat's facade):
   for like with Mooncake, whose TCP is plaintext) and with the cluster token (AES-GCM).
 
 Rows: batch_put_from / batch_get_into of 32 x 512 KiB and 32 x 4 MiB (GB/s, median over
-rounds; fresh keys per round), and 128 B keys put / get / batch_is_exist (ops/s).
+rounds; fresh keys per round), and 128 B keys put / get / batch_is_exist (ops/s). Remote
+small keys also stand beside the floor of one synchronous 128 B round trip on the same
+link: a native echo (benches/pool_echo.rs), a bare Python socket echo, and one 128 B
+request of our transfer engine.
 
     python benches/pool_bench.py [--runs 3] [--peer-venv /tmp/peer-mc] [--no-remote] [--no-local]
 """
@@ -64,7 +67,21 @@ def local_run(peer_py: str, tmp: str) -> dict:
     return {"ours": ours, "mooncake": theirs}
 
 
-def remote_run(peer_py: str, tmp: str) -> dict:
+def build_echo(tmp: str) -> str | None:
+    """benches/pool_echo.rs built with ``rustc -O`` (std only); None without rustc."""
+    exe = str(Path(tmp) / "pool_echo")
+    try:
+        r = subprocess.run(["rustc", "-O", "--edition", "2021", str(HERE / "pool_echo.rs"), "-o", exe],
+                           capture_output=True, text=True, timeout=300)
+    except FileNotFoundError:
+        print("rustc not found: the native echo row is left out", file=sys.stderr)
+        return None
+    if r.returncode != 0:
+        raise RuntimeError(f"building pool_echo.rs failed:\n{r.stderr[-3000:]}")
+    return exe
+
+
+def remote_run(peer_py: str, tmp: str, echo_exe: str | None) -> dict:
     from etcd_helpers import EtcdServer, etcd_binary
     from netns_helpers import TestHosts
     from pool_helpers import start_node
@@ -101,6 +118,20 @@ def remote_run(peer_py: str, tmp: str) -> dict:
             out[key] = run_role(ns, sys.executable, "te-client", {"token": token, **info}, our_env())
             ts.stdin.close()
             ts.wait(10)
+        # the floor of a 128 B request/response in Python on both ends: a bare socket echo
+        es = hosts.popen(srv, [sys.executable, ROLES, "echo-server", json.dumps({"host": hosts.ip(srv)})],
+                         stdout=subprocess.PIPE, text=True, env=our_env())
+        out["echo"] = run_role(ns, sys.executable, "echo-client", json.loads(es.stdout.readline()), our_env())
+        es.wait(10)
+        # ... and native on both ends (benches/pool_echo.rs): the floor of the link itself
+        if echo_exe is not None:
+            nat = hosts.popen(srv, [echo_exe, "server", hosts.ip(srv)], stdout=subprocess.PIPE, text=True)
+            addr = json.loads(nat.stdout.readline())["address"]
+            r = subprocess.run([*ns, echo_exe, "client", addr, "2000"], capture_output=True, text=True, timeout=120)
+            nat.wait(10)
+            if r.returncode != 0:
+                raise RuntimeError(f"pool_echo client failed: {r.stderr[-2000:]}")
+            out["echo"]["native echo 128 B"] = json.loads(r.stdout)["ops"]
         # Mooncake: master + segment owner on host 1, the client (no segment) on host 0
         owner = hosts.popen(srv, [peer_py, ROLES, "mc-owner", json.dumps({"host": hosts.ip(srv), "segment": 1536 * MiB,
                                                                           "log": f"{tmp}/mc-master-remote.log"})],
@@ -160,6 +191,31 @@ def remote_table(runs: list[dict]) -> str:
     return "\n".join(rows) + "\n"
 
 
+def floor_table(runs: list[dict]) -> str:
+    """Small keys beside the floor of one synchronous 128 B round trip on the same link: a
+    native echo (benches/pool_echo.rs: Rust on both ends, one thread a side, nothing
+    decoded), a bare Python socket echo (Python on both ends, nothing decoded), and one
+    128 B request of our transfer engine (each the median of 5 passes of 2000 calls). A call
+    that is one round trip cannot beat the native echo, so ``native echo / Mooncake``
+    bounds the ratio any such design reaches."""
+    rows = [f"### remote small keys beside the floor of one 128 B round trip (median of {len(runs)} runs)", "",
+            "| call | ours plaintext | ours + token | Mooncake Store | plaintext / Mooncake | native echo 128 B "
+            "| native echo / Mooncake | Python socket echo 128 B | TE 128 B (one request) |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for name, te_name in (("put 128 B", "te write 128 B"), ("get 128 B", "te read 128 B")):
+        if te_name not in runs[0].get("te", {}):
+            continue
+        ops = lambda k, n: f"{median_of(runs, (k, n)):,.0f} ops/s"  # noqa: E731
+        native = "native echo 128 B" in runs[0]["echo"]
+        rows.append("| " + " | ".join([
+            name, ops("ours", name), ops("ours+token", name), ops("mooncake", name),
+            f"{ratio(runs, 'ours', 'mooncake', name):.2f}x",
+            ops("echo", "native echo 128 B") if native else "(no rustc)",
+            f"{ratio(runs, 'echo', 'mooncake', 'native echo 128 B', name):.2f}x" if native else "",
+            ops("echo", "python socket echo 128 B"), f"{te_name}: " + ops("te", te_name)]) + " |")
+    return "\n".join(rows) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--runs", type=int, default=3)
@@ -171,17 +227,19 @@ def main() -> None:
     peer_py = str(Path(a.peer_venv) / "bin" / "python")
     tmp = tempfile.mkdtemp(prefix="pool-bench-")
     local, remote = [], []
+    echo_exe = None if a.no_remote else build_echo(tmp)
     for i in range(a.runs):
         t = time.time()
         if not a.no_local:
             local.append(local_run(peer_py, tmp))
         if not a.no_remote:
-            remote.append(remote_run(peer_py, tmp))
+            remote.append(remote_run(peer_py, tmp, echo_exe))
         print(f"run {i + 1}/{a.runs} done in {time.time() - t:.0f} s", file=sys.stderr, flush=True)
     if local:
         print(table(local, "local: one process holds the pool"))
     if remote:
         print(remote_table(remote))
+        print(floor_table(remote))
     if a.json:
         Path(a.json).write_text(json.dumps({"local": local, "remote": remote}, indent=1))
 

@@ -212,10 +212,92 @@ def role_te_client(a: dict) -> dict:
                 name = f"{size // KiB} KiB" if size < MiB else f"{size // MiB} MiB"
                 out[f"te {op} 32 x {name}"] = 32 * size / 1e9 / statistics.median(ts)
             eng.unregister(local)
+        out.update(te_small(mc, eng, peer, a["region"]))
     return out
 
 
-ROLES = {"store": role_store, "mc-owner": role_mc_owner, "te-server": role_te_server, "te-client": role_te_client}
+SMALL_CALLS = 2000
+#: the floor rows report the median of this many passes of SMALL_CALLS (a pass of a few
+#: ms on shared cores can lose a whole scheduling slice)
+FLOOR_PASSES = 5
+
+
+def te_small(mc, eng, peer, region: int) -> dict:
+    """The floor of a synchronous 128 B request/response over the link: one transfer
+    engine request of 128 B, submitted and waited for, SMALL_CALLS times a pass (the Rust
+    sender and server; Python only for submit/wait; several threads a side). Every reply
+    is checked: the read returns the bytes the write put there."""
+    src = np.arange(256, dtype=np.uint8) % 251
+    dst = np.zeros(256, dtype=np.uint8)
+    ls, ld = eng.register(src), eng.register(dst)
+    out = {}
+    for op, local in (("write", ls), ("read", ld)):
+        req = [mc.TransferRequest(op, local, 0, peer, region, 0, 128)]
+        for _ in range(50):  # warm-up
+            eng.submit(req, timeout_s=10).wait()[0].raise_for_error()
+        rates = []
+        for _ in range(FLOOR_PASSES):
+            t = time.perf_counter()
+            for _ in range(SMALL_CALLS):
+                eng.submit(req, timeout_s=10).wait()[0].raise_for_error()
+            rates.append(SMALL_CALLS / (time.perf_counter() - t))
+        out[f"te {op} 128 B"] = statistics.median(rates)
+    assert (dst[:128] == src[:128]).all()
+    eng.unregister(ls)
+    eng.unregister(ld)
+    return out
+
+
+def role_echo_server(a: dict) -> dict:
+    """A plain-socket echo of 128 B messages in Python (the floor of any design with
+    Python on both ends: one recv and one send per call, no framing or decoding)."""
+    srv = socket.create_server((a["host"], 0))
+    print(json.dumps({"address": "%s:%d" % srv.getsockname()[:2]}), flush=True)
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while True:
+        msg = conn.recv(128)
+        if not msg:
+            break
+        while len(msg) < 128:
+            more = conn.recv(128 - len(msg))
+            if not more:
+                return {}
+            msg += more
+        conn.sendall(msg)
+    return {}
+
+
+def role_echo_client(a: dict) -> dict:
+    host, _, port = a["address"].rpartition(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        msg = bytes(range(128))
+
+        def once() -> None:
+            s.sendall(msg)
+            got = b""
+            while len(got) < 128:
+                more = s.recv(128 - len(got))
+                if not more:
+                    raise RuntimeError("echo server closed")
+                got += more
+            if got != msg:
+                raise RuntimeError("echo returned other bytes")
+
+        for _ in range(50):
+            once()
+        rates = []
+        for _ in range(FLOOR_PASSES):
+            t = time.perf_counter()
+            for _ in range(SMALL_CALLS):
+                once()
+            rates.append(SMALL_CALLS / (time.perf_counter() - t))
+        return {"python socket echo 128 B": statistics.median(rates)}
+
+
+ROLES = {"store": role_store, "mc-owner": role_mc_owner, "te-server": role_te_server, "te-client": role_te_client,
+         "echo-server": role_echo_server, "echo-client": role_echo_client}
 
 if __name__ == "__main__":
     args = json.loads(sys.argv[2])

@@ -99,6 +99,19 @@ class NodeLinks:
             raise asked
         return self.result(node, asked)
 
+    def ask_one(self, node: str, make: type, **fields: object) -> Any:
+        """One request and its answer; None when the node could not answer (a small-key
+        call: no list of asks to build)."""
+        try:
+            link = self.link(node)
+        except NodeDown:
+            return None
+        try:
+            return link.call(make, **fields)
+        except NodeDown:
+            self.mark_down(node)
+            return None
+
     def ask_each(self, asks: list[tuple[str, type, dict[str, Any]]]) -> list[Any]:
         """Each ``(node, request type, fields)`` sent before any answer is read (their round
         trips overlap); the answers in order, None for a node that could not answer."""

@@ -216,3 +216,79 @@ fn small_tcp_writes_sent_inline_and_queued_interleave_correctly() {
     assert_eq!(b.stats().bad_frames, 0);
     assert_eq!(a.stats().bytes_written, 1 << 20);
 }
+
+/// A batch driven the way the transports drive it (`begin_io` / `slice_done` /
+/// `end_io` from other threads, in any order) against a simple reference: `wait`
+/// returns once every request ended, each `Done` with the bytes its slices moved.
+#[test]
+fn wait_returns_when_the_last_slice_ends() {
+    let sizes: Vec<u64> = (1..=32).map(|i| i * 1000).collect();
+    let batch = Arc::new(Batch::with_report(
+        sizes.iter().map(|&n| (Op::Write, n)),
+        Duration::from_secs(30),
+        Default::default(),
+    ));
+    for i in 0..sizes.len() {
+        batch.set_slices(i, 2);
+    }
+    let workers: Vec<_> = (0..2)
+        .map(|w| {
+            let (batch, sizes) = (batch.clone(), sizes.clone());
+            std::thread::spawn(move || {
+                for i in (0..sizes.len()).rev() {
+                    assert!(batch.begin_io(i));
+                    batch.slice_done(i, sizes[i] / 2 + (sizes[i] % 2) * w);
+                    batch.end_io(i);
+                }
+            })
+        })
+        .collect();
+    let got = batch.wait(None);
+    for w in workers {
+        w.join().unwrap();
+    }
+    let want: Vec<RequestStatus> = sizes.iter().map(|&n| RequestStatus::Done { bytes: n }).collect();
+    assert_eq!(got, want);
+}
+
+/// A request that fails while its memory is being accessed is reported only when the
+/// access ends, and a waiter sees that failure (typed) then, not a `Pending`.
+#[test]
+fn a_failure_during_an_access_is_reported_when_it_ends() {
+    let batch = Arc::new(Batch::with_report([(Op::Read, 64u64), (Op::Read, 64)].into_iter(), T, Default::default()));
+    batch.slice_done(1, 64);
+    assert!(batch.begin_io(0));
+    batch.fail(0, TransferError::Cancelled);
+    assert_eq!(batch.status()[0], RequestStatus::Pending, "the access is still running");
+    let ender = {
+        let batch = batch.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            batch.end_io(0);
+        })
+    };
+    let got = batch.wait(None);
+    ender.join().unwrap();
+    assert!(matches!(got[0], RequestStatus::Failed { error: TransferError::Cancelled, .. }), "{got:?}");
+    assert_eq!(got[1], RequestStatus::Done { bytes: 64 });
+    assert!(!batch.begin_io(0), "no access begins once the request is final");
+}
+
+/// Past the deadline, a request whose memory is being accessed ends (timed out) when
+/// that access ends, and a waiter returns with it.
+#[test]
+fn past_the_deadline_a_waiter_returns_when_the_access_ends() {
+    let batch =
+        Arc::new(Batch::with_report([(Op::Write, 64u64)].into_iter(), Duration::from_millis(30), Default::default()));
+    assert!(batch.begin_io(0));
+    let ender = {
+        let batch = batch.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(120));
+            batch.end_io(0);
+        })
+    };
+    let got = batch.wait(None);
+    ender.join().unwrap();
+    assert!(matches!(got[0], RequestStatus::Failed { error: TransferError::Timeout, .. }), "{got:?}");
+}
