@@ -126,17 +126,27 @@ def test_batches_through_the_embedded_client(tmp_path, durable):
             assert (o == v).all()
 
 
-def test_chunk_keys_of_many_objects_equal_each_objects_keys_joined():
+def test_a_plans_chunk_keys_and_ranges_equal_each_objects_own():
+    """The batch plan's keys (Python ints) against ``chunk_keys``' arrays (the per-object
+    path's), and its addresses and lengths against the object's chunks."""
     import random
 
-    from mooncake_rs.pool.chunks import chunk_keys, chunk_keys_many, new_oid
+    from mooncake_rs.pool.chunks import chunk_keys, new_oid
+    from mooncake_rs.pool.objects import ObjectMeta
+    from mooncake_rs.pool.segment_batch import _Plan
 
     rng = random.Random(3)
+    cb = 4096
     for _ in range(200):
-        oids = [new_oid() for _ in range(rng.randrange(0, 12))]
-        counts = [rng.choice([0, 1, 2, 7, 64]) for _ in oids]
-        got = chunk_keys_many(oids, counts)
-        want = (np.concatenate([chunk_keys(o, c) for o, c in zip(oids, counts)]) if oids
-                else np.empty((0, 2), np.uint64))
-        assert got.dtype == np.uint64 and got.shape == (sum(counts), 2)
-        assert np.array_equal(got, want)
+        plan = _Plan()
+        want_keys, want_ranges = [], []
+        for i in range(rng.randrange(0, 12)):
+            size = rng.choice([1, cb - 1, cb, cb + 1, 7 * cb, 64 * cb - 5])
+            meta = ObjectMeta(new_oid(), size, 1, -(-size // cb), False)
+            addr = rng.randrange(1, 1 << 40)
+            plan.add(i, f"k{i}", meta, addr, cb)
+            arr = chunk_keys(meta.oid, meta.nchunks)
+            want_keys += [int(hi) << 64 | int(lo) for lo, hi in arr.tolist()]
+            want_ranges += [(addr + j * cb, min(cb, size - j * cb)) for j in range(meta.nchunks)]
+        assert plan.keys == want_keys
+        assert list(zip(plan.addrs, plan.lens)) == want_ranges

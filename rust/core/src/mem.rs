@@ -55,6 +55,10 @@ pub fn page_align(n: usize) -> usize {
 /// now, so the first copy into a store slot or a transfer region does not take a page
 /// fault per 4 KiB on the hot path. The cost is paid once, at creation, in proportion to
 /// the size, and the memory is resident from the start (a cache pool wants that).
+///
+/// Shared mappings included: the kernel maps shared memory writable on the populating
+/// fault (measured: a first 16 MiB put into fresh slots of a shared store takes no minor
+/// fault; the test below keeps it so).
 fn map(len: usize, fd: libc::c_int, flags: libc::c_int) -> io::Result<NonNull<u8>> {
     // SAFETY: a fresh mapping at a kernel-chosen address; the result is checked.
     let p = unsafe {
@@ -265,6 +269,39 @@ mod tests {
         drop(a);
         assert!(MappedMemory::open_shared(&name, 8192).is_err(), "name unlinked");
         assert!(MappedMemory::open_shared("no-slash", 10).is_err());
+    }
+
+    /// Minor page faults taken by this thread so far (per thread: the test harness runs
+    /// other tests on other threads meanwhile).
+    fn thread_minor_faults() -> i64 {
+        // SAFETY: getrusage fills a plain struct.
+        unsafe {
+            let mut u: libc::rusage = std::mem::zeroed();
+            assert_eq!(libc::getrusage(libc::RUSAGE_THREAD, &mut u), 0);
+            u.ru_minflt
+        }
+    }
+
+    /// The first store into every page of a new mapping, shared or private, takes no
+    /// page fault: `MAP_POPULATE` set the pages up writable when it was mapped (without
+    /// it, one fault per page).
+    #[test]
+    fn first_stores_into_a_new_mapping_take_no_page_faults() {
+        let pages = 512;
+        for shared in [false, true] {
+            let m = if shared {
+                MappedMemory::shared(pages * page_size()).unwrap()
+            } else {
+                MappedMemory::anonymous(pages * page_size()).unwrap()
+            };
+            let before = thread_minor_faults();
+            for i in 0..pages {
+                // SAFETY: inside the mapping, which only this test uses.
+                unsafe { std::ptr::write_volatile(m.as_ptr().add(i * page_size() + 8), 7u8) };
+            }
+            let faults = thread_minor_faults() - before;
+            assert!(faults < pages as i64 / 8, "shared={shared}: {faults} faults writing {pages} fresh pages");
+        }
     }
 
     #[test]

@@ -16,6 +16,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::arena::Reservation;
 use super::error::StoreError;
+use super::stream_copy as stream;
 use super::tiered::{BlockRef, Store};
 use crate::hash::BlockHash;
 
@@ -59,6 +60,25 @@ fn copy_threads(total_bytes: usize) -> usize {
     cores.min(MAX_COPY_THREADS).min(total_bytes / (1 << 20)).max(1)
 }
 
+/// How a batch writes its destinations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stores {
+    /// Ordinary stores (the destination lines are read for ownership and stay in cache).
+    Cached,
+    /// Non-temporal stores: no read of each destination line before it is written, and
+    /// the caller's cache is left alone. Measured on this project's 2-core host, one
+    /// thread copying 32 x 512 KiB: 6.5 GB/s cached (glibc's `memmove` too, which keeps
+    /// cached stores below a threshold of 3/4 of the reported L3 per thread) against
+    /// 8.4 GB/s streaming.
+    Streaming,
+}
+
+/// A get batch of at least this many bytes is written with streaming stores: more than a
+/// core's L2 holds, so the caller would not find it in cache anyway. A smaller one (one
+/// object the caller reads next) is written through the cache. Puts always stream: a
+/// slot is read by a later request, not by the writer.
+const STREAM_GET_MIN_BYTES: usize = 4 << 20;
+
 /// One copy of the batch: `dst`, `src`, `len`, then `zero` bytes cleared after `dst+len`.
 #[derive(Clone, Copy)]
 struct Copy {
@@ -91,6 +111,7 @@ fn units(copies: &[Copy]) -> Vec<Copy> {
 /// how many are done.
 struct Work {
     units: Vec<Copy>,
+    stores: Stores,
     next: AtomicUsize,
     done: Mutex<usize>,
     all_done: Condvar,
@@ -108,7 +129,10 @@ impl Work {
             let Some(c) = self.units.get(i) else { break };
             // SAFETY: the caller's guarantee, per unit; each unit is claimed once.
             unsafe {
-                std::ptr::copy_nonoverlapping(c.src as *const u8, c.dst as *mut u8, c.len);
+                match self.stores {
+                    Stores::Cached => std::ptr::copy_nonoverlapping(c.src as *const u8, c.dst as *mut u8, c.len),
+                    Stores::Streaming => stream::copy(c.src as *const u8, c.dst as *mut u8, c.len),
+                }
                 if c.zero > 0 {
                     std::ptr::write_bytes((c.dst + c.len) as *mut u8, 0, c.zero);
                 }
@@ -116,6 +140,11 @@ impl Work {
             mine += 1;
         }
         if mine > 0 {
+            // this thread's non-temporal stores are ordered before the count that tells
+            // the caller they are done (and so before the commit that publishes them)
+            if self.stores == Stores::Streaming {
+                stream::fence();
+            }
             let mut done = self.done.lock();
             *done += mine;
             if *done == self.units.len() {
@@ -135,10 +164,11 @@ impl Work {
 /// # Safety
 /// Every `[src, src+len)` is readable and every `[dst, dst+len+zero)` writable for the
 /// call, and no destination overlaps another copy's source or destination.
-unsafe fn run_copies(copies: &[Copy]) {
+unsafe fn run_copies(copies: &[Copy], stores: Stores) {
     let total: usize = copies.iter().map(|c| c.len + c.zero).sum();
     let work = Arc::new(Work {
         units: units(copies),
+        stores,
         next: AtomicUsize::new(0),
         done: Mutex::new(0),
         all_done: Condvar::new(),
@@ -196,7 +226,7 @@ impl Store {
         // SAFETY: destinations are slots reserved by this call alone (each `bb` bytes);
         // sources are the caller's readable ranges (this function's contract), never a
         // reserved slot (a reserved slot is not visible to anyone else).
-        unsafe { run_copies(&copies) };
+        unsafe { run_copies(&copies, Stores::Streaming) };
         Ok(reserved
             .into_iter()
             .enumerate()
@@ -230,7 +260,9 @@ impl Store {
             .collect();
         // SAFETY: sources are leased slots or owned copies held in `blocks` until after
         // the copies; destinations are the caller's writable, disjoint ranges.
-        unsafe { run_copies(&copies) };
+        let total: usize = copies.iter().map(|c| c.len).sum();
+        let stores = if total >= STREAM_GET_MIN_BYTES { Stores::Streaming } else { Stores::Cached };
+        unsafe { run_copies(&copies, stores) };
         Ok(blocks.iter().map(Option::is_some).collect())
     }
 }
@@ -270,7 +302,7 @@ mod tests {
         assert_eq!((u[3].zero, u[4].zero), (1000, 7));
         assert!(u.windows(2).take(3).all(|w| w[0].dst + w[0].len == w[1].dst && w[0].zero == 0));
         // SAFETY: every range lies inside `src` / `dst`, and none overlaps another.
-        unsafe { run_copies(&copies) };
+        unsafe { run_copies(&copies, Stores::Cached) };
         assert_eq!(&dst[..big], &src[..big]);
         assert!(dst[big..big + 1000].iter().all(|&b| b == 0));
         assert_eq!(&dst[big + 1000..big + 1100], &src[big..big + 100]);
