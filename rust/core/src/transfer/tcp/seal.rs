@@ -17,9 +17,8 @@
 //! A frame's payload is protected in records of at most [`RECORD`] bytes, each with its
 //! own tag and sequence number (the first record's authenticated data is the head; a
 //! frame without a payload is one empty record). Bounded records keep the work in
-//! cache: an encrypting sender copies a few records (256 KiB) into a buffer it reuses,
-//! seals them there and hands them to the kernel in one vectored write while they are
-//! still hot; an integrity-only sender tags a slice's records where they are and the
+//! cache: an encrypting sender copies a record into a buffer it reuses, seals it there
+//! and hands it to the kernel while it is still hot ([`SEALED_GROUP`]); an integrity-only sender tags a slice's records where they are and the
 //! socket write reads the caller's bytes directly (no copy). A receiver reads a record
 //! and its tag together and verifies the record right after receiving it,
 //! instead of a second pass over a whole slice (1 MiB) from memory. A record dropped,
@@ -167,9 +166,11 @@ impl<W: Write> FrameWriter<W> {
 const TAGGED_GROUP: usize = 16;
 
 /// Records of an encrypted frame sealed into the writer's buffer and then written
-/// together: 256 KiB, small enough to stay in a core's cache between sealing and the
-/// socket's copy, large enough that a 512 KiB request is two system calls, not eight.
-const SEALED_GROUP: usize = 4;
+/// together: one. Four (256 KiB, a 512 KiB request in two system calls instead of eight)
+/// measured slower on a quiet host (BENCHMARKS.md, "Issue 26, authenticated TCP like for
+/// like": encrypted 512 KiB 0.28-0.30x of the socket stream against main's 0.43-0.54x):
+/// with one record a write, the receiver opens record n while the sender seals n + 1.
+const SEALED_GROUP: usize = 1;
 
 /// `write_all` over several slices (std's `write_all_vectored` is not stable).
 fn write_all_slices(w: &mut impl Write, mut slices: &mut [IoSlice<'_>]) -> io::Result<()> {
