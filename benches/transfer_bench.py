@@ -6,9 +6,20 @@
 * shm: 4 MiB requests x 64 (256 MiB working set) to a peer process, vs np.copyto of the
   same 256 MiB;
 * TCP loopback: 64 KiB / 512 KiB / 4 MiB requests in batches of 32 and 64 to a peer
-  process, vs a plain Python socket stream between two processes moving the same bytes;
-  with --auth also with a token, one column per wire protection (--auth-modes: encrypted,
-  integrity), each with its CPU-s/GB on both ends;
+  process, vs a plain Python socket stream between two processes moving the same bytes
+  from and to the same offsets; with --auth also with a token, one column per wire
+  protection (--auth-modes: encrypted, integrity), each with its CPU-s/GB on both ends;
+* offsets (like for like): call k of a case moves ``total`` = size x batch bytes from
+  offset ``base_k = (k * total) % (WS - total + 1)`` of the sender's 256 MiB buffer to the
+  same offset of the receiver's, for the socket reference and for every engine row alike
+  ("walk"). Why walking and not one fixed window: transfers in serving move KV of distinct
+  slots of large arenas, so neither end finds its bytes in cache; a fixed window (the
+  first ``total`` bytes every call) stays cache-resident on both ends while it fits in the
+  last-level cache (512 KiB x 32 = 16 MiB does, 4 MiB x 32 = 128 MiB mostly does not), and
+  then measures the cache, not the path. Until issue 26's k26a the reference streamed a
+  fixed window while the engine rows walked; that reference is still measured and printed
+  (``socket fixed``), and --cross also runs the engine rows at the fixed window, so the
+  effect of the pattern on each side is visible in the same run;
 * latency of one 4 KiB TCP write (submit + wait) vs a plain 4 KiB -> 8 B socket ping-pong,
   with and without the inline send and an auth token, each split into its stages by the
   batch's own timestamps (Python -> engine, engine round trip, waiter wake-up);
@@ -116,21 +127,22 @@ SOCK_CHILD = textwrap.dedent(
                 sys.exit(0)
             got += k
     while True:
-        hdr = bytearray(16)
+        hdr = bytearray(24)
         got = 0
-        while got < 16:
+        while got < 24:
             k = c.recv_into(memoryview(hdr)[got:])
             if k == 0:
                 sys.exit(0)
             got += k
-        mode, n = int.from_bytes(hdr[:8], "little"), int.from_bytes(hdr[8:], "little")
-        if mode == 0:          # stream: receive n bytes in chunks, ack once
-            chunk = int.from_bytes(hdr[8:], "little") >> 40
+        mode, n = int.from_bytes(hdr[:8], "little"), int.from_bytes(hdr[8:16], "little")
+        base = int.from_bytes(hdr[16:], "little")
+        if mode == 0:          # stream: receive n bytes in chunks into buf[base:], ack once
+            chunk = n >> 40
             total = n & ((1 << 40) - 1)
             off = 0
             while off < total:
                 k = min(chunk, total - off)
-                recv_exact(k, off % (len(buf) - chunk))
+                recv_exact(k, base + off)
                 off += k
             c.sendall(b"a")
         else:                  # ping-pong: n rounds of 4 KiB -> 8 B
@@ -149,18 +161,21 @@ class SocketRef:
         self.s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.data = memoryview(np.random.default_rng(0).integers(0, 256, WS, dtype=np.uint8))
 
-    def stream(self, chunk, total):
-        self.s.sendall((0).to_bytes(8, "little") + ((chunk << 40) | total).to_bytes(8, "little"))
+    def stream(self, chunk, total, base=0):
+        """Sends ``data[base:base+total]`` in ``chunk``-byte sends into the child's
+        ``buf[base:base+total]``; returns after the child acknowledged the last byte."""
+        assert base + total <= WS, (base, total)
+        self.s.sendall((0).to_bytes(8, "little") + ((chunk << 40) | total).to_bytes(8, "little")
+                       + base.to_bytes(8, "little"))
         off = 0
         while off < total:
             k = min(chunk, total - off)
-            o = off % (WS - chunk)
-            self.s.sendall(self.data[o : o + k])
+            self.s.sendall(self.data[base + off : base + off + k])
             off += k
         assert self.s.recv(1) == b"a"
 
     def pingpong(self, n):
-        self.s.sendall((1).to_bytes(8, "little") + n.to_bytes(8, "little"))
+        self.s.sendall((1).to_bytes(8, "little") + n.to_bytes(8, "little") + bytes(8))
         lat = []
         msg = self.data[:4096]
         ack = bytearray(8)
@@ -227,11 +242,19 @@ AUTH_VARIANTS = {"encrypted": "tcpauth", "integrity": "tcpint"}
 LABEL_TEXT = {"tcp": "", "tcpauth": "encrypted ", "tcpint": "integrity "}
 
 
-def bench_tcp(budget, sizes, batches, rounds, auth=False, auth_conns=None, auth_modes=("encrypted", "integrity")):
+def call_base(pattern, k, total):
+    """Offset of call ``k``'s first byte on both ends: "walk" steps through the whole
+    buffer call by call (the like-for-like pattern: module docstring), "fixed" is 0."""
+    return (k * total) % (WS - total + 1) if pattern == "walk" else 0
+
+
+def bench_tcp(budget, sizes, batches, rounds, auth=False, auth_conns=None, auth_modes=("encrypted", "integrity"),
+              cross=False):
     """TCP requests against the plain socket stream, interleaved per round; with ``auth``
     also engine pairs holding a token, one per wire protection of ``auth_modes``
     (encrypted: AES-256-GCM frames; integrity: BLAKE3-tagged frames in clear), in the
-    same rounds."""
+    same rounds. The reference runs at both offset patterns (``call_base``); our rows at
+    "walk", and with ``cross`` at "fixed" too."""
     token = "bench-token-0123456789"
     variants = [("tcp", None, None)] + ([(AUTH_VARIANTS[m], token, m) for m in auth_modes] if auth else [])
     peers = {label: start_peer(name=f"bench-{label}", regions=[{"name": "r", "length": WS, "fill": False}],
@@ -259,44 +282,62 @@ def bench_tcp(budget, sizes, batches, rounds, auth=False, auth_conns=None, auth_
                 assert all(s.ok for s in e.submit(warm, timeout_s=60).wait())
             sides[label] = (e, p, mine, rid)
         acc: dict[str, list[float]] = {}
+        patterns = ("walk", "fixed") if cross else ("walk",)
         for _ in range(rounds):  # cases interleaved, ours next to the reference, per round
             for size in sizes:
                 for nb in batches:
                     total = size * nb
-                    c0 = cpu_s(os.getpid(), ref.p.pid)
-                    ref_lat = timed(lambda: ref.stream(size, total), budget)
-                    sock_cpu = (cpu_s(os.getpid(), ref.p.pid) - c0) / (total * len(ref_lat) / 1e9)
-                    sock = total / med(ref_lat) / 1e9
-                    acc.setdefault(f"sock_{size}_{nb}_GBps", []).append(sock)
-                    acc.setdefault(f"sock_{size}_{nb}_cpu_s_per_GB", []).append(sock_cpu)
-                    for label, (e, p, mine, rid) in sides.items():
-                        for op in ("write", "read"):
-                            k = [0]
+                    for pattern in ("walk", "fixed"):  # the reference both ways, every run
+                        sk = "sock" if pattern == "walk" else "sockfix"
+                        k = [0]
 
-                            def one():
-                                base = (k[0] * total) % (WS - total + 1)
-                                k[0] += 1
-                                reqs = [
-                                    mc.TransferRequest(op, mine, base + i * size, p, rid, base + i * size, size)
-                                    for i in range(nb)
-                                ]
-                                st = e.submit(reqs, timeout_s=60).wait()
-                                assert all(s.ok for s in st), st[0]
+                        def ref_one():
+                            ref.stream(size, total, call_base(pattern, k[0], total))
+                            k[0] += 1
 
-                            one()
-                            c0 = cpu_s(os.getpid(), peers[label][0].pid)
-                            lat = timed(one, budget)
-                            cpu = (cpu_s(os.getpid(), peers[label][0].pid) - c0) / (total * len(lat) / 1e9)
-                            acc.setdefault(f"{label}_{op}_{size}_{nb}_cpu_s_per_GB", []).append(cpu)
-                            v = total / med(lat) / 1e9
-                            acc.setdefault(f"{label}_{op}_{size}_{nb}_GBps", []).append(v)
-                            # Ratios within the round (the load moves between rounds).
-                            acc.setdefault(f"{label}_{op}_{size}_{nb}_x_sock", []).append(v / sock)
-                            if label != "tcp":
-                                plain = acc[f"tcp_{op}_{size}_{nb}_GBps"][-1]
-                                acc.setdefault(f"{label}_{op}_{size}_{nb}_x_plain", []).append(v / plain)
-                                plain_cpu = acc[f"tcp_{op}_{size}_{nb}_cpu_s_per_GB"][-1]
-                                acc.setdefault(f"{label}_{op}_{size}_{nb}_cpu_x_plain", []).append(cpu / plain_cpu)
+                        c0 = cpu_s(os.getpid(), ref.p.pid)
+                        ref_lat = timed(ref_one, budget)
+                        sock_cpu = (cpu_s(os.getpid(), ref.p.pid) - c0) / (total * len(ref_lat) / 1e9)
+                        acc.setdefault(f"{sk}_{size}_{nb}_GBps", []).append(total / med(ref_lat) / 1e9)
+                        acc.setdefault(f"{sk}_{size}_{nb}_cpu_s_per_GB", []).append(sock_cpu)
+                    for pattern in patterns:
+                        sk = "sock" if pattern == "walk" else "sockfix"
+                        sock = acc[f"{sk}_{size}_{nb}_GBps"][-1]
+                        for label0, (e, p, mine, rid) in sides.items():
+                            label = label0 if pattern == "walk" else f"{label0}@fixed"
+                            plain_label = "tcp" if pattern == "walk" else "tcp@fixed"
+                            for op in ("write", "read"):
+                                k = [0]
+
+                                def one():
+                                    base = call_base(pattern, k[0], total)
+                                    k[0] += 1
+                                    reqs = [
+                                        mc.TransferRequest(op, mine, base + i * size, p, rid, base + i * size, size)
+                                        for i in range(nb)
+                                    ]
+                                    st = e.submit(reqs, timeout_s=60).wait()
+                                    assert all(s.ok for s in st), st[0]
+
+                                one()
+                                c0 = cpu_s(os.getpid(), peers[label0][0].pid)
+                                lat = timed(one, budget)
+                                cpu = (cpu_s(os.getpid(), peers[label0][0].pid) - c0) / (total * len(lat) / 1e9)
+                                key = f"{label}_{op}_{size}_{nb}"
+                                acc.setdefault(f"{key}_cpu_s_per_GB", []).append(cpu)
+                                v = total / med(lat) / 1e9
+                                acc.setdefault(f"{key}_GBps", []).append(v)
+                                # Ratios within the round (the load moves between rounds), to the
+                                # reference that moved the same offsets.
+                                acc.setdefault(f"{key}_x_sock", []).append(v / sock)
+                                if pattern == "walk":  # and to the old (fixed-window) reference
+                                    acc.setdefault(f"{key}_x_sockfix", []).append(
+                                        v / acc[f"sockfix_{size}_{nb}_GBps"][-1])
+                                if label0 != "tcp":
+                                    plain = acc[f"{plain_label}_{op}_{size}_{nb}_GBps"][-1]
+                                    acc.setdefault(f"{key}_x_plain", []).append(v / plain)
+                                    plain_cpu = acc[f"{plain_label}_{op}_{size}_{nb}_cpu_s_per_GB"][-1]
+                                    acc.setdefault(f"{key}_cpu_x_plain", []).append(cpu / plain_cpu)
         out.update({key: med(v) for key, v in acc.items()})
         out.update({f"{key}_range": [min(v), max(v)] for key, v in acc.items() if "_x_" in key})
     finally:
@@ -404,6 +445,8 @@ def main():
     ap.add_argument("--sizes", default="64,512,4096", help="TCP request sizes in KiB")
     ap.add_argument("--auth-conns", type=int, default=None,
                     help="connections_per_endpoint of the token engine (default: the engine's automatic choice)")
+    ap.add_argument("--cross", action="store_true",
+                    help="also run our TCP rows at the reference's old fixed window (offset 0 every call)")
     args = ap.parse_args()
     sizes = [int(k) << 10 for k in args.sizes.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
@@ -417,7 +460,7 @@ def main():
         if not set(modes) <= set(AUTH_VARIANTS):
             ap.error(f"--auth-modes: {args.auth_modes!r}; use a comma-separated subset of {sorted(AUTH_VARIANTS)}")
         r.update(bench_tcp(args.budget, sizes, batches, args.rounds, auth=args.auth, auth_conns=args.auth_conns,
-                           auth_modes=modes))
+                           auth_modes=modes, cross=args.cross))
     if args.only == "tcp":
         print_tcp(r, sizes, batches, None)
         print(json.dumps(r))
@@ -441,36 +484,50 @@ def main():
 
 
 def print_tcp(r, sizes, batches, peer):
+    labels = [lab for base in LABEL_TEXT for lab in (base, f"{base}@fixed")]
+
+    def text(label):
+        return (LABEL_TEXT[label.split("@")[0]] or "no token ") + ("at fixed window " if "@" in label else "")
+
     for size in sizes:
         for nb in batches:
-            s = r[f"sock_{size}_{nb}_GBps"]
-            line = f"tcp {size >> 10:5d} KiB x {nb}: socket {s:5.2f} GB/s"
-            for label in LABEL_TEXT:
+            s, sf = r[f"sock_{size}_{nb}_GBps"], r[f"sockfix_{size}_{nb}_GBps"]
+            print(f"tcp {size >> 10:5d} KiB x {nb}: socket {s:5.2f} GB/s (walking offsets, the reference) | "
+                  f"socket fixed window (old reference) {sf:5.2f} GB/s")
+            for label in labels:
+                line = ""
                 for op in ("write", "read"):
-                    v = r.get(f"{label}_{op}_{size}_{nb}_GBps")
-                    if v is not None:
-                        x = r.get(f"{label}_{op}_{size}_{nb}_x_sock", v / s)
-                        line += f" | {LABEL_TEXT[label]}{op} {v:5.2f} GB/s ({x:.2f}x)"
-                        if label != "tcp":
-                            line += f" [{r[f'{label}_{op}_{size}_{nb}_x_plain']:.2f}x no token]"
+                    key = f"{label}_{op}_{size}_{nb}"
+                    v = r.get(f"{key}_GBps")
+                    if v is None:
+                        continue
+                    lo, hi = r[f"{key}_x_sock_range"]
+                    line += f" | {op} {v:5.2f} GB/s {r[f'{key}_x_sock']:.2f}x [{lo:.2f}-{hi:.2f}]"
+                    if f"{key}_x_sockfix" in r:
+                        line += f" (old ref {r[f'{key}_x_sockfix']:.2f}x)"
+                    if label.split("@")[0] != "tcp":
+                        line += f" {{{r[f'{key}_x_plain']:.2f}x no token}}"
+                if line:
+                    print(f"    {text(label).rstrip()}{line}")
             if peer and f"te_write_{size}_GBps" in peer and nb == 32:
-                line += f" | mooncake TE write {peer[f'te_write_{size}_GBps']:.2f} read {peer[f'te_read_{size}_GBps']:.2f}"
-            print(line + "  (target >= 0.9x)")
-            cpu = [f"socket {r[f'sock_{size}_{nb}_cpu_s_per_GB']:.2f}"]
-            for label in LABEL_TEXT:
+                print(f"    mooncake TE write {peer[f'te_write_{size}_GBps']:.2f} read {peer[f'te_read_{size}_GBps']:.2f}")
+            cpu = [f"socket {r[f'sock_{size}_{nb}_cpu_s_per_GB']:.2f}",
+                   f"socket fixed {r[f'sockfix_{size}_{nb}_cpu_s_per_GB']:.2f}"]
+            for label in labels:
                 for op in ("write", "read"):
                     c = r.get(f"{label}_{op}_{size}_{nb}_cpu_s_per_GB")
                     if c is not None:
-                        cpu.append(f"{LABEL_TEXT[label]}{op} {c:.2f}"
+                        cpu.append(f"{text(label)}{op} {c:.2f}"
                                    + (f" ({r[f'{label}_{op}_{size}_{nb}_cpu_x_plain']:.2f}x no token)"
-                                      if label != "tcp" else ""))
+                                      if label.split("@")[0] != "tcp" else ""))
             print(f"    CPU s/GB, both ends: {' | '.join(cpu)}")
     if any(f"{label}_connections" in r for label in ("tcpauth", "tcpint")):
         print("connections per endpoint: " + ", ".join(
             f"{LABEL_TEXT[label] or 'no token '}{r[f'{label}_connections']}" for label in LABEL_TEXT
             if f"{label}_connections" in r))
-    print("(Nx): median over rounds of the ratio to the socket stream of the same round; "
-          "[Nx no token]: of token to no token, same round")
+    print("Nx [lo-hi]: median [range] over rounds of the ratio to the socket stream of the same round at the same "
+          "offsets (target >= 0.9x); old ref: to the fixed-window socket stream; {Nx no token}: token to no token, "
+          "same round and offsets")
 
 
 def print_latency(r, peer):

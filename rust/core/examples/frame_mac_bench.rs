@@ -1,8 +1,9 @@
 //! Per-core cost of the candidate frame protections of the TCP data path, measured on
 //! this machine before choosing one (issue 26, "the cost of security"):
 //! AES-256-GCM seal (copy into a scratch buffer, encrypt and tag: today's sealed frames),
-//! GMAC (AES-256-GCM with the bytes as associated data only, nothing encrypted),
-//! BLAKE3 keyed hash, and ChaCha20-Poly1305 seal (copy and encrypt).
+//! GMAC (AES-256-GCM with the bytes as associated data only, nothing encrypted) through
+//! `ring` and through `aws-lc-rs` (today's integrity-only tags: tcp/guard.rs),
+//! BLAKE3 keyed hash (the integrity-only tag before), and ChaCha20-Poly1305 seal (copy and encrypt).
 //! Each candidate protects 64 KiB records, the way frames are cut, of a buffer of the
 //! given size. Then the framing layer itself per wire protection (`FrameWriter` into
 //! memory, `FrameReader` back into a destination the way the server lands a write:
@@ -15,14 +16,19 @@ use std::time::Instant;
 use mooncake_core::transfer::tcp::seal::{FrameKey, FrameReader, FrameWriter};
 use mooncake_core::transfer::WireProtection;
 
+use aws_lc_rs::aead as awslc;
 use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM, CHACHA20_POLY1305};
 
 const RECORD: usize = 64 << 10;
 
-fn nonce(seq: u64) -> Nonce {
+fn nonce_bytes(seq: u64) -> [u8; 12] {
     let mut n = [0u8; 12];
     n[4..].copy_from_slice(&seq.to_be_bytes());
-    Nonce::assume_unique_for_key(n)
+    n
+}
+
+fn nonce(seq: u64) -> Nonce {
+    Nonce::assume_unique_for_key(nonce_bytes(seq))
 }
 
 /// GB/s of `f` over `buf`, the best of five runs of at least 0.2 s each (the least
@@ -86,9 +92,13 @@ fn main() {
     let key = [7u8; 32];
     let gcm = LessSafeKey::new(UnboundKey::new(&AES_256_GCM, &key).unwrap());
     let chacha = LessSafeKey::new(UnboundKey::new(&CHACHA20_POLY1305, &key).unwrap());
+    let aws = awslc::LessSafeKey::new(awslc::UnboundKey::new(&awslc::AES_256_GCM, &key).unwrap());
     let mut scratch = vec![0u8; RECORD];
     let mut seq = 0u64;
-    println!("{:>9} {:>14} {:>14} {:>14} {:>14}", "size", "aes-gcm seal", "gmac (aad)", "blake3 keyed", "chacha-poly");
+    println!(
+        "{:>9} {:>14} {:>14} {:>14} {:>14} {:>14}",
+        "size", "aes-gcm seal", "gmac ring", "gmac aws-lc", "blake3 keyed", "chacha-poly"
+    );
     for size in [64 << 10, 512 << 10, 4 << 20] {
         let buf: Vec<u8> = (0..size).map(|i| (i * 31 % 251) as u8).collect();
         let mut seal = |c: &LessSafeKey, b: &[u8]| {
@@ -112,6 +122,16 @@ fn main() {
             }
             x
         });
+        let mut seq3 = 0u64;
+        let aws_gmac = rate(&buf, |b| {
+            let mut x = 0u8;
+            for rec in b.chunks(RECORD) {
+                seq3 += 1;
+                let n = awslc::Nonce::assume_unique_for_key(nonce_bytes(seq3));
+                x ^= aws.seal_in_place_separate_tag(n, awslc::Aad::from(rec), &mut []).unwrap().as_ref()[0];
+            }
+            x
+        });
         let b3 = rate(&buf, |b| {
             let mut x = 0u8;
             for rec in b.chunks(RECORD) {
@@ -119,7 +139,15 @@ fn main() {
             }
             x
         });
-        println!("{:>8}K {:>11.2} GB/s {:>9.2} GB/s {:>9.2} GB/s {:>9.2} GB/s", size >> 10, aes, gmac, b3, cha);
+        println!(
+            "{:>8}K {:>9.2} GB/s {:>9.2} GB/s {:>9.2} GB/s {:>9.2} GB/s {:>9.2} GB/s",
+            size >> 10,
+            aes,
+            gmac,
+            aws_gmac,
+            b3,
+            cha
+        );
     }
     println!(
         "\nframing layer, CPU-s/GB (send = FrameWriter into memory; receive = FrameReader staged, verified, copied):"

@@ -49,12 +49,12 @@ pub enum WireProtection {
     /// no KV byte. The default with a token.
     #[default]
     Encrypted,
-    /// Every frame authenticated (keyed BLAKE3 tags bound to the session and the frame's
-    /// sequence number) but sent in clear: forged, altered, replayed, reordered or
-    /// dropped frames are still refused, but KV bytes (and region ids, offsets) are
-    /// readable on the wire. It skips the sender's copy into an encryption buffer and
-    /// the receiver's decryption pass; where AES-GCM runs in wide hardware (VAES), its
-    /// CPU cost is about that of encryption (BENCHMARKS.md, "Integrity-only frames").
+    /// Every frame authenticated (GMAC tags under the session's per-direction keys, the
+    /// record's sequence number as nonce: tcp/guard.rs) but sent in clear: forged,
+    /// altered, replayed, reordered or dropped frames are still refused, but KV bytes
+    /// (and region ids, offsets) are readable on the wire. It skips the sender's copy
+    /// into an encryption buffer and the receiver's decryption pass (BENCHMARKS.md,
+    /// "Issue 26, authenticated TCP like for like").
     Integrity,
 }
 

@@ -14,7 +14,9 @@ pub const MAGIC: [u8; 2] = *b"MC";
 /// 4: a sealed frame's payload is cut into records of at most `seal::RECORD` bytes, each tagged.
 /// 5: the hello names the client's wire protection (1 encrypted, 2 integrity-only: BLAKE3
 ///    tags, payload in clear; 0 no token), and proofs and frame keys cover it.
-pub const VERSION: u16 = 5;
+/// 6: integrity-only records are tagged with GMAC (AES-256-GCM, no plaintext; tcp/guard.rs),
+///    not keyed BLAKE3: an engine of version 5 would fail every tag, so it is told why instead.
+pub const VERSION: u16 = 6;
 pub const HEADER_LEN: usize = 8;
 /// Largest payload of one data frame (slices are at most this long).
 pub const MAX_DATA: usize = 16 << 20;

@@ -1,25 +1,29 @@
 //! One direction's frame protection, per record: AES-256-GCM (encrypted and
-//! authenticated) or a keyed BLAKE3 tag (authenticated only, the record left in clear).
+//! authenticated, `ring`) or GMAC (authenticated only, the record left in clear: AES-256-GCM
+//! with no plaintext and the record as associated data, NIST SP 800-38D, `aws-lc-rs`).
 //!
-//! Why BLAKE3 for integrity-only rather than GMAC (AES-GCM with the record as associated
-//! data only): measured per core on the development host (`cargo run --release -p
-//! mooncake-core --example frame_mac_bench`, BENCHMARKS.md "Integrity-only frames"),
-//! `ring` hashes associated data one 16-byte block at a time (2.7 GB/s), while its bulk
-//! AES-GCM runs at 7-9 GB/s and keyed BLAKE3 (AVX-512) at 7-8 GB/s. A BLAKE3 tag reads
-//! the record where it is: no copy into an encryption buffer on the sender and no write
-//! pass (decryption) on the receiver. Measured through the framing layer, that saving
-//! and BLAKE3's slightly lower speed than VAES AES-GCM cancel out on that host: both
-//! cost ~0.22-0.29 CPU-s/GB per side against ~0.11-0.13 without a token (the same
-//! example); integrity-only pays where AES-GCM is slower than BLAKE3.
+//! Why GMAC through `aws-lc-rs` for integrity-only: measured per core on the development
+//! host (BENCHMARKS.md, "Issue 26, authenticated TCP like for like"), AWS-LC hashes
+//! associated data with its wide VPCLMULQDQ/AVX-512 GHASH (10-26 GB/s), 2-4x keyed BLAKE3
+//! (2.2-8 GB/s, the tag before) and ring's AES-GCM (which takes associated data one block
+//! at a time: GMAC through ring is 0.5-2.7 GB/s). The tag reads the record where it is: no
+//! copy into an encryption buffer on the sender and no write pass (decryption) on the
+//! receiver, but for a frame's first record (below).
 //!
-//! A tag covers `record | aad | len(aad) (u64 LE) | seq (u64 LE)` under the direction's
-//! key (one per connection and direction, derived in the handshake, different per
-//! protection), truncated to 16 bytes: the record first, so the hash starts on a chunk
-//! boundary and keeps its SIMD width; the suffix is parsed from the end, so no two
-//! (record, aad, seq) triples hash the same input. `seq` is the record's number in its
-//! direction (never sent: both ends count), so a replayed, reordered, dropped or moved
-//! record fails its tag.
+//! A tag is GMAC under the direction's key (one per connection and direction, derived in
+//! the handshake, different per protection) with the record's sequence number as the
+//! nonce ([`nonce_bytes`]: `seq` counts a direction's records from 0 and is never sent,
+//! so a nonce is never used twice under a key, and a replayed, reordered, dropped or moved
+//! record fails its tag). Its associated data is the record alone for a frame's later
+//! records, and `record | head | len(head) (u64 LE)` for its first (the head is the
+//! frame's header and body): the length is parsed from the end, so no two (record, head)
+//! pairs give the same input. The crate takes one contiguous input, so a first record is
+//! copied (with its head) into a per-thread buffer before it is tagged; later records are
+//! tagged in place.
 
+use std::cell::RefCell;
+
+use aws_lc_rs::aead as awslc;
 use ring::aead::{Aad, LessSafeKey, Nonce, Tag, UnboundKey, AES_256_GCM};
 
 use super::super::config::WireProtection;
@@ -39,7 +43,7 @@ impl std::fmt::Debug for FrameKey {
     }
 }
 
-/// The nonce bytes of record `seq` (AES-GCM; unique per key: records counted from 0).
+/// The nonce bytes of record `seq` (AES-GCM and GMAC; unique per key: records counted from 0).
 pub fn nonce_bytes(seq: u64) -> [u8; 12] {
     let mut n = [0u8; 12];
     n[4..].copy_from_slice(&seq.to_be_bytes());
@@ -49,7 +53,7 @@ pub fn nonce_bytes(seq: u64) -> [u8; 12] {
 /// One direction's protection, ready to use.
 pub enum Guard {
     Sealed(Box<LessSafeKey>),
-    Tagged([u8; 32]),
+    Tagged(Box<awslc::LessSafeKey>),
 }
 
 impl Guard {
@@ -61,7 +65,11 @@ impl Guard {
                     UnboundKey::new(&AES_256_GCM, &k.key).unwrap_or_else(|_| unreachable!("a 32-byte AES-256 key"));
                 Guard::Sealed(Box::new(LessSafeKey::new(unbound)))
             }
-            WireProtection::Integrity => Guard::Tagged(k.key),
+            WireProtection::Integrity => {
+                let unbound = awslc::UnboundKey::new(&awslc::AES_256_GCM, &k.key)
+                    .unwrap_or_else(|_| unreachable!("a 32-byte AES-256 key"));
+                Guard::Tagged(Box::new(awslc::LessSafeKey::new(unbound)))
+            }
         }
     }
 
@@ -82,6 +90,11 @@ impl Guard {
         }
     }
 
+    /// Whether records travel in clear (integrity-only), tagged by [`tag_in_clear`](Self::tag_in_clear).
+    pub fn in_clear(&self) -> bool {
+        matches!(self, Guard::Tagged(_))
+    }
+
     /// The tag of a record that travels in clear, computed where the record is.
     /// Only for [`Guard::Tagged`] (a sealed record must be encrypted: [`protect`](Self::protect)).
     pub fn tag_in_clear(&self, seq: u64, aad: &[u8], record: &[u8]) -> Option<[u8; TAG_LEN]> {
@@ -99,26 +112,49 @@ impl Guard {
                 let nonce = Nonce::assume_unique_for_key(nonce_bytes(seq));
                 c.open_in_place_separate_tag(nonce, Aad::from(aad), Tag::from(tag), record, 0..).is_ok()
             }
-            Guard::Tagged(k) => equal_in_constant_time(&mac(k, seq, aad, record), &tag),
+            Guard::Tagged(k) => with_tagged_input(aad, record, |input| {
+                let nonce = awslc::Nonce::assume_unique_for_key(nonce_bytes(seq));
+                // No plaintext: this only checks the tag over `input` (in constant time).
+                k.open_in_place_separate_tag(nonce, awslc::Aad::from(input), &tag, &mut []).is_ok()
+            }),
         }
     }
 }
 
-fn mac(key: &[u8; 32], seq: u64, aad: &[u8], record: &[u8]) -> [u8; TAG_LEN] {
-    let mut h = blake3::Hasher::new_keyed(key);
-    h.update(record);
-    h.update(aad);
-    h.update(&(aad.len() as u64).to_le_bytes());
-    h.update(&seq.to_le_bytes());
-    let mut out = [0u8; TAG_LEN];
-    out.copy_from_slice(&h.finalize().as_bytes()[..TAG_LEN]);
-    out
+/// The GMAC tag of a record that travels in clear (module docs: what it covers).
+fn mac(key: &awslc::LessSafeKey, seq: u64, aad: &[u8], record: &[u8]) -> [u8; TAG_LEN] {
+    with_tagged_input(aad, record, |input| {
+        let nonce = awslc::Nonce::assume_unique_for_key(nonce_bytes(seq));
+        // No plaintext, and a record is at most 64 KiB (+ its head): sealing cannot fail.
+        let tag = key
+            .seal_in_place_separate_tag(nonce, awslc::Aad::from(input), &mut [])
+            .unwrap_or_else(|_| unreachable!("associated data within AES-GCM's length limit"));
+        let mut out = [0u8; TAG_LEN];
+        out.copy_from_slice(tag.as_ref());
+        out
+    })
 }
 
-/// Tag comparison whose time does not depend on where the tags differ.
-fn equal_in_constant_time(a: &[u8; TAG_LEN], b: &[u8; TAG_LEN]) -> bool {
-    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
-    std::hint::black_box(diff) == 0
+thread_local! {
+    /// A frame's first record and its head, laid out as one input (at most a record and a
+    /// head: allocated once per thread).
+    static FIRST_RECORD: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Calls `f` with a record's tagged input: the record itself, or `record | aad | len(aad)`
+/// when it has associated data (a frame's first record).
+fn with_tagged_input<T>(aad: &[u8], record: &[u8], f: impl FnOnce(&[u8]) -> T) -> T {
+    if aad.is_empty() {
+        return f(record);
+    }
+    FIRST_RECORD.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        buf.clear();
+        buf.extend_from_slice(record);
+        buf.extend_from_slice(aad);
+        buf.extend_from_slice(&(aad.len() as u64).to_le_bytes());
+        f(&buf)
+    })
 }
 
 #[cfg(test)]
@@ -146,6 +182,34 @@ mod tests {
         assert!(!g.open(4, b"head", &mut flipped, tag));
         let other = Guard::new(&FrameKey { key: [8u8; 32], protection: WireProtection::Integrity });
         assert!(!other.open(4, b"head", &mut rec.clone(), tag), "another key");
+    }
+
+    /// The reference: RustCrypto's `aes-gcm` (an independent implementation), sealing no
+    /// plaintext with the tagged input as associated data, i.e. GMAC by its definition.
+    fn reference_gmac(key: &[u8; 32], seq: u64, input: &[u8]) -> [u8; TAG_LEN] {
+        use aes_gcm::aead::{AeadInPlace, KeyInit};
+        let c = aes_gcm::Aes256Gcm::new_from_slice(key).unwrap();
+        let tag = c.encrypt_in_place_detached(&nonce_bytes(seq).into(), input, &mut []).unwrap();
+        tag.into()
+    }
+
+    #[test]
+    fn integrity_tags_are_gmac_of_the_record_and_its_head() {
+        let k = key(WireProtection::Integrity);
+        let g = Guard::new(&k);
+        for len in [0usize, 1, 15, 16, 17, 255, 4096, 65536] {
+            let rec: Vec<u8> = (0..len).map(|i| (i * 13 % 256) as u8).collect();
+            for seq in [0u64, 1, 77, u64::MAX] {
+                // A later record of a frame: the record alone.
+                assert_eq!(g.tag_in_clear(seq, b"", &rec), Some(reference_gmac(&k.key, seq, &rec)), "len {len}");
+                // A first record: record | head | len(head).
+                let head = b"MC\x01\x00head-and-body";
+                let input = [&rec[..], head, &(head.len() as u64).to_le_bytes()].concat();
+                let tag = g.tag_in_clear(seq, head, &rec).unwrap();
+                assert_eq!(tag, reference_gmac(&k.key, seq, &input), "len {len} seq {seq}");
+                assert!(g.open(seq, head, &mut rec.clone(), tag));
+            }
+        }
     }
 
     #[test]
