@@ -15,11 +15,12 @@
 //! count), so a replayed, reordered, dropped or reflected record fails its tag; the
 //! length header is authenticated data, so it cannot be rewritten either. A relay that
 //! lacks the token cannot derive the keys: it sees ciphertext and can only cut the
-//! connection. AES-GCM because x86-64 and Arm servers do it in hardware; `ring`'s
-//! assembly (AES-NI/VAES and carry-less multiply, picked at run time) seals at BLAKE3's
-//! speed, several times RustCrypto's and ChaCha20-Poly1305's here (BENCHMARKS.md).
+//! connection. AES-GCM because x86-64 and Arm servers do it in hardware;
+//! `aws-lc-rs`'s assembly (AES-NI/VAES and carry-less multiply, picked at run time) seals
+//! several times faster than RustCrypto's AES-GCM and ChaCha20-Poly1305 here, and
+//! 1.2-1.7x `ring`'s (BENCHMARKS.md); the data plane's frames use the same crate.
 
-use ring::aead::{Aad, LessSafeKey, Nonce, Tag, UnboundKey, AES_256_GCM};
+use aws_lc_rs::aead::{Aad, LessSafeKey, Nonce, Tag, UnboundKey, AES_256_GCM};
 
 use crate::error::{Categorized, ErrorCategory};
 
