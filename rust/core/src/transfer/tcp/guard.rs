@@ -208,6 +208,30 @@ mod tests {
         }
     }
 
+    /// Sealed records are AES-256-GCM by its definition: ciphertext and tag equal those of
+    /// an independent implementation (RustCrypto's `aes-gcm`) for the same key, nonce and
+    /// associated data, so peers built on another conforming AES-GCM read them.
+    #[test]
+    fn sealed_records_are_standard_aes_gcm() {
+        use aes_gcm::aead::{AeadInPlace, KeyInit};
+        let k = key(WireProtection::Encrypted);
+        let g = Guard::new(&k);
+        let reference = aes_gcm::Aes256Gcm::new_from_slice(&k.key).unwrap();
+        for len in [0usize, 1, 16, 17, 4096, 65536] {
+            let plain: Vec<u8> = (0..len).map(|i| (i * 7 % 256) as u8).collect();
+            for (seq, aad) in [(0u64, &b""[..]), (5, b"MC\x01\x00head"), (u64::MAX, b"h")] {
+                let mut ours = plain.clone();
+                let tag = g.protect(seq, aad, &mut ours);
+                let mut theirs = plain.clone();
+                let want = reference.encrypt_in_place_detached(&nonce_bytes(seq).into(), aad, &mut theirs).unwrap();
+                assert_eq!(ours, theirs, "ciphertext, len {len} seq {seq}");
+                assert_eq!(tag, <[u8; TAG_LEN]>::from(want), "tag, len {len} seq {seq}");
+                assert!(g.open(seq, aad, &mut ours, tag));
+                assert_eq!(ours, plain);
+            }
+        }
+    }
+
     #[test]
     fn the_two_protections_do_not_accept_each_others_records() {
         let (e, i) = (Guard::new(&key(WireProtection::Encrypted)), Guard::new(&key(WireProtection::Integrity)));
