@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 BS = 4
@@ -19,7 +18,9 @@ def wait_for(pred, timeout_s=30.0, what="condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port() -> int:
+    """A free port for a server started a moment later: the one rule of vllm_support
+    (below the kernel's own port range, so no outgoing connection takes it meanwhile)."""
+    from vllm_support import free_port as below_ephemeral
+
+    return below_ephemeral()

@@ -21,6 +21,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -53,10 +54,38 @@ def require_vllm() -> None:
     pytest.skip(msg)
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports it picks itself (outgoing connections, binds to port 0)."""
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port a vLLM will bind some seconds from now. A port from the kernel's own range
+    (``bind(0)``) can be handed meanwhile to an outgoing connection or to a port vLLM picks
+    for itself the same way (one CI run lost a replay endpoint like that), so this takes a
+    free port below that range, never one it handed out before in this process."""
+    lo, _ = _ephemeral_range()
+    first = 20000 if lo > 21000 else 1024
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(first, lo)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {first}..{lo} after 1000 tries")
 
 
 def make_vllm_model(path: str | Path, *, seed: int = 0, layers: int = 2, hidden: int = 128,
