@@ -100,8 +100,9 @@ class NodeLinks:
         return self.result(node, asked)
 
     def ask_one(self, node: str, make: type, **fields: object) -> Any:
-        """One request and its answer; None when the node could not answer (a small-key
-        call: no list of asks to build)."""
+        """One request and its answer; None when the node could not answer. A direct
+        call on the link: no pending answer to keep (what a small-key call to a one-node
+        pool pays for)."""
         try:
             link = self.link(node)
         except NodeDown:
@@ -115,6 +116,9 @@ class NodeLinks:
     def ask_each(self, asks: list[tuple[str, type, dict[str, Any]]]) -> list[Any]:
         """Each ``(node, request type, fields)`` sent before any answer is read (their round
         trips overlap); the answers in order, None for a node that could not answer."""
+        if len(asks) == 1:  # nothing to overlap
+            node, make, fields = asks[0]
+            return [self.ask_one(node, make, **fields)]
         sent = [(node, self.asked(node, make, **fields)) for node, make, fields in asks]
         out = []
         for node, asked in sent:

@@ -42,8 +42,7 @@ class RankedAsks:
         live = self.nodes.live()
         todo = list(range(len(keys)))
         if len(live) == 1:  # one node holds every key there is: no ranking, one request
-            make, fields = request(todo)
-            take(todo, self.nodes.ask_one(live[0], make, **fields))
+            take(todo, self.nodes.ask_each([(live[0], *request(todo))])[0])
             return
         ranks = [rank_nodes(k, live) for k in keys]
         for rnd in range(len(live)):

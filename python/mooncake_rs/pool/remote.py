@@ -229,21 +229,19 @@ class RemoteBackend:
         live = self.nodes.live()
         if not live:
             return [KeyStatus.RPC_FAILED] * len(keys)
-        if len(live) == 1:  # one node takes every key: no ranking, one request as it is
-            rep = self.nodes.ask_one(live[0], PutInline, keys=keys, values=views, pin=pin)
-            if rep is not None and replicas == 1 and len(rep.values) == len(keys) and not any(rep.values):  # the usual small put: all OK
-                return [KeyStatus.OK] * len(keys)
+        if len(live) == 1:  # one node takes every key: no ranking, the lists as they are
             groups: list[tuple[str, list[int]]] = [(live[0], list(range(len(keys))))]
-            answers = [rep]
+            asks: list[tuple[str, type, dict[str, Any]]] = [(live[0], PutInline, {"keys": keys, "values": views,
+                                                                                  "pin": pin})]
         else:
             by_node: dict[str, list[int]] = defaultdict(list)
             for i, k in enumerate(keys):
                 for node in rank_nodes(k, live)[:replicas]:
                     by_node[node].append(i)
             groups = list(by_node.items())
-            answers = self.nodes.ask_each([(node, PutInline, {"keys": [keys[i] for i in idx],
-                                                              "values": [views[i] for i in idx], "pin": pin})
-                                           for node, idx in groups])
+            asks = [(node, PutInline, {"keys": [keys[i] for i in idx], "values": [views[i] for i in idx], "pin": pin})
+                    for node, idx in groups]
+        answers = self.nodes.ask_each(asks)
         done = [0] * len(keys)
         errors: list[KeyStatus | None] = [None] * len(keys)
         for (_, idx), rep in zip(groups, answers):
