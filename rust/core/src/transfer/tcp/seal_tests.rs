@@ -143,8 +143,9 @@ fn payloads_go_in_records_each_verified_before_it_lands_with(p: WireProtection) 
     assert!(r.discard_payload(payload.len()).is_ok());
 }
 
+/// Sealed records go to the helper in jobs of `GROUP`; tagged ones are checked inline:
+/// a payload of several jobs, tampered in its second job or its last tag, fails either way.
 #[test]
-/// (Sealed records go to the helper in jobs of `GROUP`; tagged ones are checked inline.)
 fn a_payload_of_several_helper_jobs_is_verified_whole() {
     for p in BOTH {
         let k = fk([5u8; 32], p);
