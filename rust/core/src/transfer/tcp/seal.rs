@@ -50,6 +50,13 @@ use crate::store::stream_copy;
 /// Most payload bytes of one protected record (a frame's payload is one or more records).
 pub const RECORD: usize = 64 << 10;
 
+/// Most bytes of a frame's head (a header and a small body, `MAX_CONTROL`): more is not a frame.
+const MAX_HEAD: usize = 4096;
+
+/// Room after a staged record for its head and the head's length, where a tagged first
+/// record's input is laid out ([`Guard::open_with_room`]).
+const HEAD_ROOM: usize = MAX_HEAD + 8;
+
 /// One end's keys of a connection (`None` everywhere without a token).
 #[derive(Clone, Copy, Default, Debug)]
 pub struct FrameKeys {
@@ -321,7 +328,7 @@ impl<R: Read> FrameReader<R> {
             self.inner.read_exact(dst)?;
             return Ok(());
         };
-        op.stage.resize(dst.len().min(RECORD), 0);
+        op.stage.resize(dst.len().min(RECORD) + HEAD_ROOM, 0);
         let mut stage = std::mem::take(&mut op.stage);
         let r = op.each_record(&mut self.inner, dst.len(), &mut stage, |at, plain| {
             let to = &mut dst[at..at + plain.len()];
@@ -346,7 +353,7 @@ impl<R: Read> FrameReader<R> {
                 Err(io::Error::from(io::ErrorKind::UnexpectedEof).into())
             };
         };
-        op.stage.resize(n.min(RECORD), 0);
+        op.stage.resize(n.min(RECORD) + HEAD_ROOM, 0);
         let mut stage = std::mem::take(&mut op.stage);
         let r = op.each_record(&mut self.inner, n, &mut stage, |_, _| {});
         op.stage = stage;
@@ -363,8 +370,9 @@ impl<R: Read> FrameReader<R> {
 }
 
 impl Opener {
-    /// Reads the `n`-byte payload record by record into `stage`, verifies each and hands
-    /// its plaintext, with its offset in the payload, to `land`.
+    /// Reads the `n`-byte payload record by record into `stage` (a record and
+    /// [`HEAD_ROOM`]), verifies each and hands its plaintext, with its offset in the
+    /// payload, to `land`.
     fn each_record(
         &mut self,
         r: &mut impl Read,
@@ -375,9 +383,17 @@ impl Opener {
         let mut at = 0;
         loop {
             let k = (n - at).min(RECORD);
-            let record = &mut stage[..k];
-            self.receive(r, record)?;
-            land(at, record);
+            let mut tag = [0u8; TAG_LEN];
+            read_record_and_tag(r, &mut stage[..k], &mut tag)?;
+            let seq = self.dir.next_seq();
+            // The frame's first record is checked with its head laid out after it in
+            // the stage (no copy of the record: `Guard::open_with_room`).
+            let ok = self.dir.guard.open_with_room(seq, &self.head, stage, k, tag);
+            self.head.clear();
+            if !ok {
+                return Err(ConnError::Frame(FrameError::BadTag));
+            }
+            land(at, &stage[..k]);
             at += k;
             if at == n {
                 return Ok(());
@@ -424,7 +440,7 @@ impl<R: Read> Read for FrameReader<R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let n = self.inner.read(buf)?;
         if let Some(op) = &mut self.open {
-            if op.head.len() + n > 4096 {
+            if op.head.len() + n > MAX_HEAD {
                 // A head is a header and a small body (MAX_CONTROL); more is not a frame.
                 return Err(io::Error::new(io::ErrorKind::InvalidData, "frame head too long"));
             }
