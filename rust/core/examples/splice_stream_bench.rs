@@ -21,6 +21,11 @@
 //! `tag-splice`, or `write-tag` (the tag after the write: the socket's copy reads memory
 //! first). A single mode is for `perf record`. `SPLICE_BENCH_FIXED=1`: every call at
 //! offset 0 instead of walking.
+//!
+//! Result on the development host (BENCHMARKS.md, "k26z: authenticated 512 KiB"): the
+//! splice removes most of the sender's CPU, but the receiver's copy out of spliced pages
+//! costs 2-3x its copy out of written ones, 1.4-1.7x the CPU per byte in all; so the
+//! transfer engine does not splice.
 
 use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -44,9 +49,13 @@ fn call_base(k: usize, total: usize) -> usize {
 }
 
 fn thread_cpu_s() -> f64 {
-    // SAFETY: getrusage writes one rusage into the zeroed struct we own.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) };
+    // SAFETY: rusage is plain integers (all-zero is a valid value), and getrusage writes
+    // one into the struct we own.
+    let ru = unsafe {
+        let mut ru: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_THREAD, &mut ru);
+        ru
+    };
     let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
     tv(ru.ru_utime) + tv(ru.ru_stime)
 }
