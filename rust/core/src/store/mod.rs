@@ -24,7 +24,7 @@ mod read;
 pub mod segment_copy;
 mod slotfile;
 mod ssd;
-mod stream_copy;
+pub(crate) mod stream_copy;
 mod table;
 mod tiered;
 

@@ -1,5 +1,6 @@
 //! A plain memory copy with non-temporal (streaming) stores, for batch copies whose
-//! destination is not read soon (store slots; a get batch larger than a core's cache).
+//! destination is not read soon (store slots; a get batch larger than a core's cache;
+//! a verified record landing in a region a TCP write targets, `transfer/tcp/seal.rs`).
 //!
 //! An ordinary store first reads the destination line into cache ("read for ownership"),
 //! so a cached copy of a destination not in cache moves each byte three times through
@@ -18,7 +19,7 @@ const MIN_STREAM_BYTES: usize = 1024;
 ///
 /// # Safety
 /// `src` readable and `dst` writable for `len` bytes; the two ranges do not overlap.
-pub(super) unsafe fn copy(src: *const u8, dst: *mut u8, len: usize) {
+pub(crate) unsafe fn copy(src: *const u8, dst: *mut u8, len: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         if len >= MIN_STREAM_BYTES {
@@ -33,7 +34,7 @@ pub(super) unsafe fn copy(src: *const u8, dst: *mut u8, len: usize) {
 
 /// Orders this thread's streaming stores before its later stores (a no-op off x86-64,
 /// where [`copy`] makes none).
-pub(super) fn fence() {
+pub(crate) fn fence() {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: `sfence` is SSE, part of the x86-64 baseline; it has no operands.
     unsafe {

@@ -20,8 +20,9 @@
 //! records, and `record | head | len(head) (u64 LE)` for its first (the head is the
 //! frame's header and body): the length is parsed from the end, so no two (record, head)
 //! pairs give the same input. The crate takes one contiguous input, so a first record is
-//! copied (with its head) into a per-thread buffer before it is tagged; later records are
-//! tagged in place.
+//! copied (with its head) into a per-thread buffer before it is tagged, except where the
+//! server stages a received record with room after it for the head
+//! ([`Guard::open_with_room`]); later records are tagged in place.
 
 use std::cell::RefCell;
 
@@ -108,13 +109,33 @@ impl Guard {
                 let nonce = Nonce::assume_unique_for_key(nonce_bytes(seq));
                 c.open_in_place_separate_tag(nonce, Aad::from(aad), &tag, record).is_ok()
             }
-            Guard::Tagged(k) => with_tagged_input(aad, record, |input| {
-                let nonce = Nonce::assume_unique_for_key(nonce_bytes(seq));
-                // No plaintext: this only checks the tag over `input` (in constant time).
-                k.open_in_place_separate_tag(nonce, Aad::from(input), &tag, &mut []).is_ok()
-            }),
+            Guard::Tagged(k) => with_tagged_input(aad, record, |input| check(k, seq, input, tag)),
         }
     }
+
+    /// As [`open`](Self::open), for a record received into the first `len` bytes of
+    /// `buf`, whose rest is the caller's scratch room: a tagged first record's input
+    /// (`record | head | len(head)`) is laid out in that room instead of copied whole into
+    /// the per-thread buffer. Without room for the head (or sealed) it is [`open`](Self::open).
+    /// The bytes after `len` are overwritten either way.
+    pub fn open_with_room(&self, seq: u64, aad: &[u8], buf: &mut [u8], len: usize, tag: [u8; TAG_LEN]) -> bool {
+        let input_len = len + aad.len() + 8;
+        match self {
+            Guard::Tagged(k) if !aad.is_empty() && buf.len() >= input_len => {
+                buf[len..len + aad.len()].copy_from_slice(aad);
+                buf[len + aad.len()..input_len].copy_from_slice(&(aad.len() as u64).to_le_bytes());
+                check(k, seq, &buf[..input_len], tag)
+            }
+            _ => self.open(seq, aad, &mut buf[..len], tag),
+        }
+    }
+}
+
+/// Whether `tag` is the GMAC tag of a tagged record's `input` (in constant time).
+fn check(key: &LessSafeKey, seq: u64, input: &[u8], tag: [u8; TAG_LEN]) -> bool {
+    let nonce = Nonce::assume_unique_for_key(nonce_bytes(seq));
+    // No plaintext: this only checks the tag over `input`.
+    key.open_in_place_separate_tag(nonce, Aad::from(input), &tag, &mut []).is_ok()
 }
 
 /// The GMAC tag of a record that travels in clear (module docs: what it covers).
@@ -228,6 +249,46 @@ mod tests {
                 assert_eq!(tag, <[u8; TAG_LEN]>::from(want), "tag, len {len} seq {seq}");
                 assert!(g.open(seq, aad, &mut ours, tag));
                 assert_eq!(ours, plain);
+            }
+        }
+    }
+
+    /// The staged receive's check (the head laid out after the record, in the stage)
+    /// against `open`, the reference: the same verdict for the right tag and for a
+    /// wrong record, head, sequence or tag, with and without room, under both protections.
+    #[test]
+    fn a_check_with_room_after_the_record_equals_open() {
+        for p in [WireProtection::Integrity, WireProtection::Encrypted] {
+            let g = Guard::new(&key(p));
+            for len in [0usize, 1, 17, 4096, 65536] {
+                let plain: Vec<u8> = (0..len).map(|i| (i * 29 % 256) as u8).collect();
+                for head in [&b""[..], b"MC\x01\x00head-and-body"] {
+                    let mut wire = plain.clone();
+                    let tag = g.protect(3, head, &mut wire);
+                    for room in [0usize, head.len() + 7, head.len() + 8, 4096 + 8] {
+                        let staged = |seq: u64, head: &[u8], flip: Option<usize>, tag: [u8; TAG_LEN]| {
+                            let mut buf = [&wire[..], &vec![0xAB; room]].concat();
+                            if let Some(i) = flip {
+                                buf[i] ^= 1;
+                            }
+                            let mut reference = buf[..len].to_vec();
+                            let want = g.open(seq, head, &mut reference, tag);
+                            let got = g.open_with_room(seq, head, &mut buf, len, tag);
+                            assert_eq!(got, want, "{p:?} len {len} head {} room {room}", head.len());
+                            assert!(!want || buf[..len] == reference[..], "the record as open leaves it");
+                            got
+                        };
+                        assert!(staged(3, head, None, tag), "{p:?} len {len} room {room}");
+                        assert!(!staged(4, head, None, tag));
+                        assert!(!staged(3, b"other head", None, tag));
+                        let mut bad_tag = tag;
+                        bad_tag[0] ^= 1;
+                        assert!(!staged(3, head, None, bad_tag));
+                        if len > 0 {
+                            assert!(!staged(3, head, Some(len / 2), tag));
+                        }
+                    }
+                }
             }
         }
     }

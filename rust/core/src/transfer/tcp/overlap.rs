@@ -5,8 +5,10 @@
 //! thread that reads the socket, the receive and the decryption take turns: the socket
 //! waits while a record is decrypted. With an [`Overlap`], the receiver reads record
 //! k+1 while a helper thread decrypts record k in place, and reports the payload only
-//! after every record's tag matched. Used for a read response landing in the
+//! after every record's tag matched. Used for a sealed read response landing in the
 //! initiator's own buffer, whose content is undefined until the request reports `ok`.
+//! Integrity-only records are not handed over: their GMAC check is cheaper than the
+//! hand-off (BENCHMARKS.md, "k26z: authenticated 512 KiB").
 
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::thread::JoinHandle;

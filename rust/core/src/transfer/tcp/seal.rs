@@ -28,11 +28,14 @@
 //! write's payload record by record and copies a record into the region only once its
 //! tag matched: an unverified byte never lands in served memory (a write cut short
 //! after some records leaves those verified bytes and fails the request, as a write
-//! without a token cut short does). A read response is received straight into the
-//! initiator's own buffer and verified (and decrypted) there (on a helper thread while
-//! the next record arrives, when there is more than one: [`Overlap`]), whose content is
-//! undefined until the request reports `ok` (a bad tag fails or retries the request,
-//! never reports it done).
+//! without a token cut short does). The copy out of the stage uses streaming stores
+//! (the region is not read back by this thread; an ordinary copy first reads each
+//! destination line from memory), fenced before the write's response. A read response
+//! is received straight into the initiator's own buffer and verified (and decrypted)
+//! there, whose content is undefined until the request reports `ok` (a bad tag fails or
+//! retries the request, never reports it done); sealed records of a response of more
+//! than one record are decrypted on a helper thread while the next record arrives
+//! ([`Overlap`]), tagged ones are checked as they arrive.
 
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 
@@ -42,9 +45,17 @@ use super::guard::Guard;
 pub use super::guard::{FrameKey, TAG_LEN};
 use super::overlap::{Job, Overlap, GROUP};
 use super::ConnError;
+use crate::store::stream_copy;
 
 /// Most payload bytes of one protected record (a frame's payload is one or more records).
 pub const RECORD: usize = 64 << 10;
+
+/// Most bytes of a frame's head (a header and a small body, `MAX_CONTROL`): more is not a frame.
+const MAX_HEAD: usize = 4096;
+
+/// Room after a staged record for its head and the head's length, where a tagged first
+/// record's input is laid out ([`Guard::open_with_room`]).
+const HEAD_ROOM: usize = MAX_HEAD + 8;
 
 /// One end's keys of a connection (`None` everywhere without a token).
 #[derive(Clone, Copy, Default, Debug)]
@@ -266,7 +277,11 @@ impl<R: Read> FrameReader<R> {
             self.inner.read_exact(buf)?;
             return Ok(());
         };
-        if buf.len() > RECORD && op.overlap.is_none() {
+        // Only sealed records go to the helper: a GMAC check runs at 20-30 GB/s, so a
+        // hand-off (two wake-ups per job) cost more CPU than the check it moved
+        // (BENCHMARKS.md, "k26z: authenticated 512 KiB"); checked here, the record is
+        // still in this core's cache.
+        if buf.len() > RECORD && op.overlap.is_none() && !op.dir.guard.in_clear() {
             op.overlap = Overlap::start(&op.key).ok(); // without a helper: opened here
         }
         let Some(overlap) = &mut op.overlap else {
@@ -305,18 +320,25 @@ impl<R: Read> FrameReader<R> {
     }
 
     /// Reads the frame's payload into `dst` such that no byte lands before its record's
-    /// tag matched (each record is staged, verified, then copied). On `Err`, the
-    /// verified records before the bad one have landed, nothing after.
+    /// tag matched (each record is staged, verified, then copied with streaming stores,
+    /// fenced before this returns). On `Err`, the verified records before the bad one
+    /// have landed, nothing after.
     pub fn read_payload_verified(&mut self, dst: &mut [u8]) -> Result<(), ConnError> {
         let Some(op) = &mut self.open else {
             self.inner.read_exact(dst)?;
             return Ok(());
         };
-        op.stage.resize(dst.len().min(RECORD), 0);
+        op.stage.resize(dst.len().min(RECORD) + HEAD_ROOM, 0);
         let mut stage = std::mem::take(&mut op.stage);
         let r = op.each_record(&mut self.inner, dst.len(), &mut stage, |at, plain| {
-            dst[at..at + plain.len()].copy_from_slice(plain)
+            let to = &mut dst[at..at + plain.len()];
+            // SAFETY: `plain` (the stage) and `to` (the caller's region) are distinct
+            // slices of the same length.
+            unsafe { stream_copy::copy(plain.as_ptr(), to.as_mut_ptr(), plain.len()) }
         });
+        // The landed bytes are ordered before anything this thread does next (the
+        // write's response).
+        stream_copy::fence();
         op.stage = stage;
         r
     }
@@ -331,7 +353,7 @@ impl<R: Read> FrameReader<R> {
                 Err(io::Error::from(io::ErrorKind::UnexpectedEof).into())
             };
         };
-        op.stage.resize(n.min(RECORD), 0);
+        op.stage.resize(n.min(RECORD) + HEAD_ROOM, 0);
         let mut stage = std::mem::take(&mut op.stage);
         let r = op.each_record(&mut self.inner, n, &mut stage, |_, _| {});
         op.stage = stage;
@@ -348,8 +370,9 @@ impl<R: Read> FrameReader<R> {
 }
 
 impl Opener {
-    /// Reads the `n`-byte payload record by record into `stage`, verifies each and hands
-    /// its plaintext, with its offset in the payload, to `land`.
+    /// Reads the `n`-byte payload record by record into `stage` (a record and
+    /// [`HEAD_ROOM`]), verifies each and hands its plaintext, with its offset in the
+    /// payload, to `land`.
     fn each_record(
         &mut self,
         r: &mut impl Read,
@@ -360,9 +383,17 @@ impl Opener {
         let mut at = 0;
         loop {
             let k = (n - at).min(RECORD);
-            let record = &mut stage[..k];
-            self.receive(r, record)?;
-            land(at, record);
+            let mut tag = [0u8; TAG_LEN];
+            read_record_and_tag(r, &mut stage[..k], &mut tag)?;
+            let seq = self.dir.next_seq();
+            // The frame's first record is checked with its head laid out after it in
+            // the stage (no copy of the record: `Guard::open_with_room`).
+            let ok = self.dir.guard.open_with_room(seq, &self.head, stage, k, tag);
+            self.head.clear();
+            if !ok {
+                return Err(ConnError::Frame(FrameError::BadTag));
+            }
+            land(at, &stage[..k]);
             at += k;
             if at == n {
                 return Ok(());
@@ -409,7 +440,7 @@ impl<R: Read> Read for FrameReader<R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let n = self.inner.read(buf)?;
         if let Some(op) = &mut self.open {
-            if op.head.len() + n > 4096 {
+            if op.head.len() + n > MAX_HEAD {
                 // A head is a header and a small body (MAX_CONTROL); more is not a frame.
                 return Err(io::Error::new(io::ErrorKind::InvalidData, "frame head too long"));
             }

@@ -143,6 +143,8 @@ fn payloads_go_in_records_each_verified_before_it_lands_with(p: WireProtection) 
     assert!(r.discard_payload(payload.len()).is_ok());
 }
 
+/// Sealed records go to the helper in jobs of `GROUP`; tagged ones are checked inline:
+/// a payload of several jobs, tampered in its second job or its last tag, fails either way.
 #[test]
 fn a_payload_of_several_helper_jobs_is_verified_whole() {
     for p in BOTH {
@@ -167,6 +169,32 @@ fn a_payload_of_several_helper_jobs_is_verified_whole() {
             let mut bad = wire.clone();
             bad[at] ^= 1;
             assert!(matches!(read(&bad), Err(ConnError::Frame(FrameError::BadTag))), "byte {at}");
+        }
+    }
+}
+
+/// The staged landing (verified records copied out with streaming stores) against the
+/// reference, the payload itself: every length around the streaming threshold and a
+/// record's size, at destination offsets that are and are not 64-byte aligned, writes
+/// exactly the payload and nothing either side, under both protections.
+#[test]
+fn staged_landing_writes_the_payload_exactly_at_any_alignment_and_length() {
+    for p in BOTH {
+        let k = fk([9u8; 32], p);
+        for len in [1, 63, 1023, 1024, 1025, 4097, RECORD - 1, RECORD, RECORD + 1, 3 * RECORD + 65] {
+            let payload: Vec<u8> = (0..len).map(|i| (i * 13 % 251) as u8 ^ 0x5a).collect();
+            let mut w = FrameWriter::new(Vec::new(), Some(k));
+            w.send(b"head", &payload).unwrap();
+            for at in [0usize, 1, 17, 63, 64] {
+                let mut r = FrameReader::new(&w.inner[..], Some(k));
+                r.read_exact(&mut [0u8; 4]).unwrap();
+                let mut region = vec![0xEEu8; len + 256];
+                // `at` bytes past a 64-byte boundary inside `region`
+                let start = (64 - region.as_ptr() as usize % 64) % 64 + at;
+                r.read_payload_verified(&mut region[start..start + len]).unwrap();
+                assert!(region[start..start + len] == payload[..], "{p:?} len {len} at +{at}");
+                assert!(region[..start].iter().chain(&region[start + len..]).all(|&b| b == 0xEE), "{p:?} len {len}");
+            }
         }
     }
 }

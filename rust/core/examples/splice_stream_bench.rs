@@ -1,0 +1,264 @@
+//! Does splicing a sender's pages into a loopback TCP socket cost fewer CPU-seconds per
+//! byte than writing them? (issue 26, 512 KiB authenticated TCP.)
+//!
+//! A plain socket stream over loopback pays two copies: the sender's `write` copies user
+//! bytes into socket buffers, the receiver's `read` copies them out. `vmsplice(2)` of
+//! the sender's pages into a pipe and `splice(2)` from the pipe into the socket hands
+//! the socket page references instead (kernels >= 6.5 add them to the skb with
+//! MSG_SPLICE_PAGES), so on loopback only the receiver copies.
+//!
+//!   cargo run --release -p mooncake-core --example splice_stream_bench -- [rounds] [calls] [chunk_kib]
+//!
+//! Each call streams `32 x chunk` bytes (default 32 x 512 KiB = 16 MiB) from a walking
+//! offset of a 256 MiB source to the same offset of a 256 MiB destination (as
+//! `benches/transfer_bench.py` walks), the receiver acknowledging each call with one
+//! byte. Per round, every mode runs `calls` calls on their own connection, interleaved
+//! (write, splice, write, splice, ...), and each thread measures its own CPU time
+//! (`getrusage(RUSAGE_THREAD)`: user + system, the kernel's copies included).
+//! `SPLICE_BENCH_MODES` (default `write,splice`) lists the modes, the first the reference:
+//! `write`, `splice`, and with a GMAC tag per 64 KiB record as an integrity-only sender
+//! computes (so the bytes are in its cache when the socket takes them) `tag-write`,
+//! `tag-splice`, or `write-tag` (the tag after the write: the socket's copy reads memory
+//! first). A single mode is for `perf record`. `SPLICE_BENCH_FIXED=1`: every call at
+//! offset 0 instead of walking.
+//!
+//! Result on the development host (BENCHMARKS.md, "k26z: authenticated 512 KiB"): the
+//! splice removes most of the sender's CPU, but the receiver's copy out of spliced pages
+//! costs 2-3x its copy out of written ones, 1.4-1.7x the CPU per byte in all; so the
+//! transfer engine does not splice.
+
+use std::io::{self, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::time::Instant;
+
+use aws_lc_rs::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM};
+
+const WS: usize = 256 << 20;
+const PER_CALL: usize = 32;
+
+/// Offset of call `k`: walking through the 256 MiB, or with `SPLICE_BENCH_FIXED=1` always
+/// 0 (a window that stays in cache, to see the paths without memory's cost).
+fn call_base(k: usize, total: usize) -> usize {
+    static FIXED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *FIXED.get_or_init(|| std::env::var_os("SPLICE_BENCH_FIXED").is_some_and(|v| !v.is_empty())) {
+        0
+    } else {
+        (k * total) % (WS - total + 1)
+    }
+}
+
+fn thread_cpu_s() -> f64 {
+    // SAFETY: rusage is plain integers (all-zero is a valid value), and getrusage writes
+    // one into the struct we own.
+    let ru = unsafe {
+        let mut ru: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_THREAD, &mut ru);
+        ru
+    };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// A pipe sized as large as the system allows (the splice path's staging of page refs).
+fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as RawFd; 2];
+    // SAFETY: pipe2 fills the two-element array we own.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: both fds were just returned by pipe2 and are owned by nobody else.
+    let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    let max: i32 = std::fs::read_to_string("/proc/sys/fs/pipe-max-size")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(1 << 20);
+    // SAFETY: fcntl on a pipe fd we own.
+    unsafe { libc::fcntl(w.as_raw_fd(), libc::F_SETPIPE_SZ, max) };
+    Ok((r, w))
+}
+
+fn write_mode(s: &mut TcpStream, bytes: &[u8]) -> io::Result<()> {
+    s.write_all(bytes)
+}
+
+fn splice_mode(s: &TcpStream, pr: &OwnedFd, pw: &OwnedFd, mut bytes: &[u8]) -> io::Result<()> {
+    while !bytes.is_empty() {
+        let iov = libc::iovec { iov_base: bytes.as_ptr() as *mut _, iov_len: bytes.len() };
+        // SAFETY: the iovec points into `bytes`, alive for the call; vmsplice only reads.
+        let n = unsafe { libc::vmsplice(pw.as_raw_fd(), &iov, 1, 0) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let mut left = n as usize;
+        while left > 0 {
+            // SAFETY: plain fds, null offsets (pipe and socket have none).
+            let m = unsafe {
+                libc::splice(
+                    pr.as_raw_fd(),
+                    std::ptr::null_mut(),
+                    s.as_raw_fd(),
+                    std::ptr::null_mut(),
+                    left,
+                    libc::SPLICE_F_MOVE | libc::SPLICE_F_MORE,
+                )
+            };
+            if m < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            left -= m as usize;
+        }
+        bytes = &bytes[n as usize..];
+    }
+    Ok(())
+}
+
+/// Receives `calls` calls of `PER_CALL x chunk` bytes at walking offsets; returns its
+/// CPU-s and how many reads that took.
+fn receiver(mut c: TcpStream, calls: usize, chunk: usize, first: usize) -> io::Result<(f64, usize)> {
+    let mut dst = vec![0u8; WS];
+    dst.iter_mut().step_by(4096).for_each(|b| *b = 1); // fault the pages in up front
+    let total = PER_CALL * chunk;
+    let cpu0 = thread_cpu_s();
+    let mut reads = 0usize;
+    for k in first..first + calls {
+        let base = call_base(k, total);
+        let mut got = 0;
+        while got < total {
+            match c.read(&mut dst[base + got..base + total])? {
+                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                n => got += n,
+            }
+            reads += 1;
+        }
+        c.write_all(b"a")?;
+    }
+    Ok((thread_cpu_s() - cpu0, reads))
+}
+
+struct Row {
+    secs: f64,
+    send_cpu: f64,
+    recv_cpu: f64,
+    reads: usize,
+    bytes: usize,
+}
+
+fn run(mode: &str, src: &[u8], calls: usize, chunk: usize, first: usize) -> io::Result<Row> {
+    let l = TcpListener::bind("127.0.0.1:0")?;
+    let addr = l.local_addr()?;
+    let rx = std::thread::Builder::new().name(format!("recv-{mode}")).spawn(move || -> io::Result<(f64, usize)> {
+        let (c, _) = l.accept()?;
+        c.set_nodelay(true)?;
+        receiver(c, calls, chunk, first)
+    })?;
+    let mut s = TcpStream::connect(addr)?;
+    s.set_nodelay(true)?;
+    let (pr, pw) = pipe()?;
+    let total = PER_CALL * chunk;
+    let cpu0 = thread_cpu_s();
+    let t0 = Instant::now();
+    let mut ack = [0u8; 1];
+    let key = LessSafeKey::new(UnboundKey::new(&AES_256_GCM, &[7u8; 32]).map_err(|_| io::Error::other("key"))?);
+    let mut tags = 0u8;
+    let mut seq = 0u64;
+    let mut tag = |b: &[u8]| -> io::Result<()> {
+        // As an integrity-only sender does: a GMAC tag per 64 KiB record.
+        for rec in b.chunks(64 << 10) {
+            let mut n = [0u8; 12];
+            n[..8].copy_from_slice(&seq.to_le_bytes());
+            seq += 1;
+            let t = key
+                .seal_in_place_separate_tag(Nonce::assume_unique_for_key(n), Aad::from(rec), &mut [])
+                .map_err(|_| io::Error::other("gmac"))?;
+            tags ^= t.as_ref()[0];
+        }
+        Ok(())
+    };
+    for k in first..first + calls {
+        let base = call_base(k, total);
+        for i in 0..PER_CALL {
+            let b = &src[base + i * chunk..base + (i + 1) * chunk];
+            match mode {
+                "write" => write_mode(&mut s, b)?,
+                "splice" => splice_mode(&s, &pr, &pw, b)?,
+                "tag-write" => {
+                    tag(b)?;
+                    write_mode(&mut s, b)?
+                }
+                "write-tag" => {
+                    write_mode(&mut s, b)?;
+                    tag(b)?
+                }
+                "tag-splice" => {
+                    tag(b)?;
+                    splice_mode(&s, &pr, &pw, b)?
+                }
+                _ => return Err(io::Error::other(format!("unknown mode {mode}"))),
+            }
+        }
+        s.read_exact(&mut ack)?;
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    std::hint::black_box(tags);
+    let send_cpu = thread_cpu_s() - cpu0;
+    let (recv_cpu, reads) = rx.join().map_err(|_| io::Error::other("receiver panicked"))??;
+    Ok(Row { secs, send_cpu, recv_cpu, reads, bytes: calls * total })
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs.get(xs.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+fn main() -> io::Result<()> {
+    let args: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
+    let rounds = args.first().copied().unwrap_or(5);
+    let calls = args.get(1).copied().unwrap_or(16);
+    let chunk = args.get(2).copied().unwrap_or(512) << 10;
+    let modes: Vec<String> = std::env::var("SPLICE_BENCH_MODES")
+        .unwrap_or_else(|_| "write,splice".into())
+        .split(',')
+        .map(str::to_string)
+        .collect();
+    let mut src = vec![0u8; WS];
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for w in src.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        w.copy_from_slice(&x.to_le_bytes()[..w.len()]);
+    }
+    println!("{} x {} KiB a call, {} calls a mode a round, {} rounds", PER_CALL, chunk >> 10, calls, rounds);
+    println!("round mode        GB/s  send_cpu_s/GB recv_cpu_s/GB total_cpu_s/GB reads/MiB");
+    // per mode after the first: (throughput, CPU per byte) relative to the first, per round
+    let mut rel: Vec<(Vec<f64>, Vec<f64>)> = vec![(Vec::new(), Vec::new()); modes.len()];
+    for r in 0..rounds {
+        let mut first: Option<(f64, f64)> = None;
+        for (m, mode) in modes.iter().enumerate() {
+            let row = run(mode, &src, calls, chunk, r * calls)?;
+            let gb = row.bytes as f64 / 1e9;
+            let cpu = (row.send_cpu + row.recv_cpu) / gb;
+            println!(
+                "{r:5} {mode:10} {:6.2} {:13.3} {:13.3} {:14.3} {:9.1}",
+                gb / row.secs,
+                row.send_cpu / gb,
+                row.recv_cpu / gb,
+                cpu,
+                row.reads as f64 / (row.bytes as f64 / (1 << 20) as f64)
+            );
+            let (secs0, cpu0) = *first.get_or_insert((row.secs, cpu));
+            rel[m].0.push(secs0 / row.secs);
+            rel[m].1.push(cpu / cpu0);
+        }
+    }
+    for (mode, (speed, cpu)) in modes.iter().zip(rel).skip(1) {
+        println!(
+            "{mode} / {}: throughput median {:.2}x, CPU per byte median {:.2}x (per-round ratios)",
+            modes[0],
+            median(speed),
+            median(cpu)
+        );
+    }
+    Ok(())
+}
