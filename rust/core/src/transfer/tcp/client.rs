@@ -33,6 +33,12 @@ pub struct ClientConfig {
     pub connections_per_endpoint: usize,
     /// Unanswered slices per connection.
     pub window: usize,
+    /// A connection's sender takes the next slice from the peer's queue only while its
+    /// unanswered bytes are below this. Without it, the first sender to wake takes every
+    /// read slice of a batch (a read request is a few bytes to send), so a batch's reads
+    /// all come back over one connection however many there are; with it, each
+    /// connection holds a few slices and the rest go to whichever answers first.
+    pub window_bytes: usize,
     pub max_attempts: u32,
     /// See `EngineConfig::inline_send_bytes`.
     pub inline_send_bytes: usize,
@@ -58,8 +64,43 @@ struct Conn {
     /// `TcpPeer::submit`). It is held only for the write of one frame.
     writer: Mutex<FrameWriter<TcpStream>>,
     dead: AtomicBool,
-    inflight: Mutex<HashMap<u64, Slice>>,
+    inflight: Mutex<Inflight>,
     room: Condvar,
+}
+
+/// A connection's unanswered slices by request id, and their bytes.
+#[derive(Default)]
+struct Inflight {
+    slices: HashMap<u64, Slice>,
+    bytes: usize,
+}
+
+impl Inflight {
+    fn insert(&mut self, id: u64, slice: Slice) {
+        self.bytes += slice.len;
+        if let Some(old) = self.slices.insert(id, slice) {
+            self.bytes -= old.len; // (ids are never reused: not reached)
+        }
+    }
+
+    fn remove(&mut self, id: &u64) -> Option<Slice> {
+        let s = self.slices.remove(id)?;
+        self.bytes -= s.len;
+        Some(s)
+    }
+
+    fn len(&self) -> usize {
+        self.slices.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.slices.is_empty()
+    }
+
+    fn take(&mut self) -> HashMap<u64, Slice> {
+        self.bytes = 0;
+        std::mem::take(&mut self.slices)
+    }
 }
 
 /// What a region query answers (for the shm path).
@@ -174,7 +215,7 @@ impl TcpPeer {
             stream,
             writer: Mutex::new(FrameWriter::new(write_half, keys.send)),
             dead: AtomicBool::new(false),
-            inflight: Mutex::new(HashMap::new()),
+            inflight: Mutex::new(Inflight::default()),
             room: Condvar::new(),
         });
         self.conns.lock().push(conn.clone());
@@ -266,7 +307,7 @@ impl TcpPeer {
             if conn.dead.swap(true, Ordering::SeqCst) {
                 return;
             }
-            std::mem::take(&mut *inf)
+            inf.take()
         };
         conn.room.notify_all();
         let _ = conn.stream.shutdown(Shutdown::Both);
@@ -350,6 +391,16 @@ impl TcpPeer {
 
     fn sender(&self, conn: &Conn) {
         loop {
+            // Room first (bytes and slices), then a slice: a connection that is full
+            // leaves the queue to the others.
+            {
+                let mut inf = conn.inflight.lock();
+                while !conn.dead.load(Ordering::SeqCst)
+                    && (inf.bytes >= self.cfg.window_bytes.max(1) || inf.len() >= self.cfg.window.max(1))
+                {
+                    conn.room.wait(&mut inf);
+                }
+            }
             let slice = {
                 let mut q = self.queue.lock();
                 loop {
