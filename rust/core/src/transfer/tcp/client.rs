@@ -66,6 +66,8 @@ struct Conn {
     dead: AtomicBool,
     inflight: Mutex<Inflight>,
     room: Condvar,
+    /// Bytes of the slices answered on this connection (tests check how a batch spread).
+    answered: AtomicU64,
 }
 
 /// A connection's unanswered slices by request id, and their bytes.
@@ -217,6 +219,7 @@ impl TcpPeer {
             dead: AtomicBool::new(false),
             inflight: Mutex::new(Inflight::default()),
             room: Condvar::new(),
+            answered: AtomicU64::new(0),
         });
         self.conns.lock().push(conn.clone());
         self.alive.fetch_add(1, Ordering::SeqCst);
@@ -237,6 +240,11 @@ impl TcpPeer {
 
     pub fn endpoints(&self) -> &[SocketAddr] {
         &self.endpoints
+    }
+
+    /// Bytes answered on each connection opened so far (live ones).
+    pub fn answered_per_connection(&self) -> Vec<u64> {
+        self.conns.lock().iter().map(|c| c.answered.load(Ordering::Relaxed)).collect()
     }
 
     /// Connections still up.
@@ -515,9 +523,13 @@ impl TcpPeer {
                     self.retry_or_fail(slice, &why);
                     return Err(why);
                 }
+                conn.answered.fetch_add(n as u64, Ordering::Relaxed);
                 slice.batch.slice_done(slice.index, n as u64);
             }
-            (Ok(()), None) => slice.batch.slice_done(slice.index, slice.len as u64),
+            (Ok(()), None) => {
+                conn.answered.fetch_add(slice.len as u64, Ordering::Relaxed);
+                slice.batch.slice_done(slice.index, slice.len as u64)
+            }
         }
         Ok(())
     }
