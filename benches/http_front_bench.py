@@ -34,6 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the tiny chat model writer the tests use
 
+from ports import free_port  # noqa: E402
+
 import httpx  # noqa: E402
 
 import text_helpers as th  # noqa: E402
@@ -47,12 +49,6 @@ def prompts(n: int, seed: int) -> list[str]:
 
     rng = random.Random(seed)
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(12, 30))) for _ in range(n)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

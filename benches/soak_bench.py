@@ -41,15 +41,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
+from ports import free_port  # noqa: E402
+
 TOKEN = "soak-token-0123456789abcdef0123456789"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def proc_stats(pid: int) -> tuple[float, int, int]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
@@ -18,15 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from ports import free_port
+
 
 def etcd_binary() -> str | None:
     return os.environ.get("MOONCAKE_ETCD") or shutil.which("etcd")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EtcdServer:
@@ -34,7 +29,7 @@ class EtcdServer:
 
     def __init__(self, binary: str, data_dir: Path, host: str = "127.0.0.1") -> None:
         self.binary, self.data_dir = binary, data_dir
-        self.client_port, self.peer_port = _free_port(), _free_port()
+        self.client_port, self.peer_port = free_port(), free_port()
         self.url = f"http://{host}:{self.client_port}"
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -19,14 +19,10 @@ import time
 
 import numpy as np
 
+from ports import free_port
+
 MiB = 1 << 20
 SEG = 64 * MiB
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_port(port: int, timeout_s: float = 20.0) -> bool:

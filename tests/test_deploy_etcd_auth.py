@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from etcd_helpers import EtcdServer, _free_port, etcd  # noqa: F401  (the fixture)
+from etcd_helpers import EtcdServer, etcd  # noqa: F401  (the fixture)
+from ports import free_port
 from mooncake_rs.deploy import EtcdClient, Membership, ModelFingerprint, WorkerRecord, WorkerRegistration
 from mooncake_rs.errors import ServiceUnavailable
 
@@ -95,7 +96,7 @@ def test_tls_with_client_certificates(tmp_path: Path) -> None:
             pytest.fail("etcd is required here (MOONCAKE_REQUIRE_ETCD=1) but not installed")
         pytest.skip("etcd or openssl not installed")
     _certificates(tmp_path)
-    client_port, peer_port = _free_port(), _free_port()
+    client_port, peer_port = free_port(), free_port()
     url, peer = f"https://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
     log = open(tmp_path / "etcd.log", "ab")
     proc = subprocess.Popen(

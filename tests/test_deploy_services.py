@@ -5,7 +5,6 @@ vLLM's ZMQ format while it serves: processes started as a user would, on loopbac
 from __future__ import annotations
 
 import json
-import socket
 import urllib.request
 from pathlib import Path
 
@@ -18,38 +17,19 @@ pytest.importorskip("zmq")
 import text_helpers as th  # noqa: E402
 from deploy_helpers import TOKEN, Deployment, LoopbackHosts, wait_until  # noqa: E402
 from etcd_helpers import etcd  # noqa: E402,F401,F811  (the fixture)
+from ports import free_port, free_port_pair  # noqa: E402
 
 from mooncake_rs import BlockIndex, PrefixHasher  # noqa: E402
 from mooncake_rs.kv_events import Ingestor, KVEventSubscriber  # noqa: E402
 from mooncake_rs.kv_events.targets import TierTarget  # noqa: E402
 
+
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _free_port_pair() -> int:
-    """A port whose next one is free too: ``--kv-events tcp://HOST:P`` replays on P + 1
-    (a port found free alone once collided there in a CI run)."""
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no two adjacent free ports on 127.0.0.1")
 
 
 def test_the_http_front_and_kv_events_of_a_deployment(etcd, tmp_path: Path) -> None:  # noqa: F811
     model = th.write_model_dir(tmp_path / "model")
-    http_port, events_port = _free_port(), _free_port_pair()
+    http_port, events_port = free_port(), free_port_pair()
     with LoopbackHosts(3) as hosts:
         dep = Deployment(hosts, etcd, tmp_path)
         try:

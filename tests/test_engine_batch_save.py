@@ -241,3 +241,21 @@ def test_request_block_saver_refuses_a_bad_shape(held):
     for block_size, per in [(0, 1), (8, 0), (8, 9)]:
         with pytest.raises(InvalidArgument, match="pages_per_block"):
             RequestBlockSaver(e.cache.page_gather, {}, block_size, per)
+
+
+def test_a_request_with_fewer_pages_than_its_blocks_need_is_refused_the_same_on_both_paths(held):
+    """A request whose page table is shorter than its computed blocks (a caller's bookkeeping
+    error) is refused with the same message whether its pages are a list or a buffer of ints."""
+    from types import SimpleNamespace
+
+    from mooncake_rs.engine.batch_save import cpu_saver
+
+    e, _ = held
+    ppb = B // e.page_size
+    out = np.zeros(2 * e.layout.block_nbytes, np.uint8)
+    for pages in ([0] * ppb, np.zeros(ppb, np.int64)):  # one block's pages (list, array); two blocks asked
+        requests = {"short": SimpleNamespace(pages=pages, kv_end=2 * B, num_computed=2 * B)}
+        saver = cpu_saver(e.cache, requests, B, e.page_size)
+        with pytest.raises(InvalidArgument, match=rf"are {ppb} ids; its blocks 0\.\.1 need {2 * ppb}"):
+            saver.save_spans([("short", 0, 2)], out)
+    assert not out.any()

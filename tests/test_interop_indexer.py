@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from mooncake_rs import Xxh3RollingHasher  # noqa: E402
 from mooncake_rs.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_payload, encode_batch  # noqa: E402
 from mooncake_rs.interop.http import create_app  # noqa: E402
 from mooncake_rs.interop.indexer import Indexer  # noqa: E402
+from ports import free_port  # noqa: E402
+
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -281,16 +282,10 @@ def test_events_from_a_zmq_publisher_reach_the_query():
         pub.close()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_cli_indexer_serves_http():
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("uvicorn")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "mooncake_rs", "indexer", "--listen", f"127.0.0.1:{port}"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:

@@ -8,7 +8,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 import text_helpers as th  # noqa: E402
+from ports import free_port  # noqa: E402
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 pytestmark = pytest.mark.timeout(300)
@@ -35,17 +35,11 @@ def _section() -> tuple[list[str], str]:
     return bash, py
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_readme_serve_curl_and_openai(tmp_path):
     bash, py = _section()
     serve_line = next(ln for ln in bash if ln.startswith("mooncake-rs serve"))
     curl_line = next(ln for ln in bash if ln.startswith("curl "))
-    port = str(_free_port())
+    port = str(free_port())
     args = shlex.split(serve_line.rstrip("&").strip())
     assert args[:2] == ["mooncake-rs", "serve"]
     model_dir = args[args.index("--model") + 1]

@@ -18,26 +18,10 @@ from mooncake_rs.engine import ModelConfig, SamplingParams  # noqa: E402
 from mooncake_rs.kv_events import Ingestor, KVEventSubscriber  # noqa: E402
 from mooncake_rs.kv_events.targets import TierTarget  # noqa: E402
 from mooncake_rs.serving.kv_events import endpoints_for  # noqa: E402
+from ports import free_port_pair  # noqa: E402
 from serving_helpers import BLOCK  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=4)
-
-
-def _free_port_pair() -> int:
-    """A port P with P and P + 1 free on 127.0.0.1 (checked just now; good enough for a test)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            p = a.getsockname()[1]
-            if p >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", p + 1))
-                except OSError:
-                    continue
-        return p
-    raise RuntimeError("no two consecutive free ports")
 
 
 def _ours(index: BlockIndex, hashes: list[int], inst: int) -> dict[int, set[str]]:
@@ -57,7 +41,7 @@ def test_published_events_rebuild_the_conductor_index(tmp_path):
     prompts.append(prompts[0][:6 * BLOCK] + [rng.randrange(256) for _ in range(3 * BLOCK)] + [9])  # shared prefix
     hasher = PrefixHasher(BLOCK, seed=0)  # what the cluster hashes prompts with
     every = sorted({h for p in prompts for h in hasher.hash(p)})
-    port = _free_port_pair()
+    port = free_port_pair()
     mine = BlockIndex()
     # 16 DRAM blocks and an SSD tier: the prompts' 33 distinct blocks evict and demote
     with Cluster(ModelConfig.tiny(), prefill=1, decode=1, block_size=BLOCK, dram_bytes_per_instance=16 * 8192,
@@ -120,7 +104,7 @@ def test_publisher_events_from_a_real_store():
     keys = hasher.hash(prompt)
     other = [5] * bs
     okey = hasher.hash(other)[0]
-    port = _free_port_pair()
+    port = free_port_pair()
     out = KVEventsOut(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", bs, capacity=3)
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
@@ -176,7 +160,7 @@ def test_publisher_events_from_a_real_store():
 def test_publisher_port_taken():
     from mooncake_rs.serving.kv_events import KVEventsOut
 
-    port = _free_port_pair()
+    port = free_port_pair()
     first = KVEventsOut(f"tcp://127.0.0.1:{port}", None, 4)
     try:
         with pytest.raises(InvalidArgument, match="pick free ports"):
@@ -212,7 +196,7 @@ def test_worker_processes_publish_too():
 
     rng = random.Random(8)
     prompts = [[rng.randrange(256) for _ in range(4 * BLOCK)] + [k] for k in range(2)]
-    port = _free_port_pair()
+    port = free_port_pair()
     with socket.socket() as s:  # the second instance's pair must be free too
         try:
             s.bind(("127.0.0.1", port + 2))
@@ -256,7 +240,7 @@ def test_fetched_blocks_are_published_with_their_tokens():
     filler_prompt = [rng.randrange(256) for _ in range(1500)]
     prompts = [prefix + [1, 2, 3], prefix + [9, 9]]
     every = sorted({h for p in prompts + [filler_prompt] for h in PrefixHasher(BLOCK, seed=0).hash(p)})
-    port = _free_port_pair()
+    port = free_port_pair()
     mine = BlockIndex()
     with Cluster(ModelConfig.tiny(), prefill=2, decode=1, block_size=BLOCK, dram_bytes_per_instance=8 << 20,
                  seed=3, kv_events=f"tcp://127.0.0.1:{port}") as c:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from ports import free_port  # noqa: F401  (the upstream tests import it from here)
+
 BS = 4
 """The block size of every upstream test (small prompts span several blocks)."""
 
@@ -17,10 +19,3 @@ def wait_for(pred, timeout_s=30.0, what="condition"):
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
 
-
-def free_port() -> int:
-    """A free port for a server started a moment later: the one rule of vllm_support
-    (below the kernel's own port range, so no outgoing connection takes it meanwhile)."""
-    from vllm_support import free_port as below_ephemeral
-
-    return below_ephemeral()

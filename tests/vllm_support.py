@@ -21,9 +21,7 @@ import contextlib
 import importlib.util
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +34,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+from ports import free_port  # noqa: F401  (tests import it from here too)
 
 VLLM_AVAILABLE = importlib.util.find_spec("vllm") is not None
 MODEL_NAME = "tiny"
@@ -52,44 +52,6 @@ def require_vllm() -> None:
     if os.environ.get("MOONCAKE_REQUIRE_VLLM"):
         pytest.fail(msg + "; MOONCAKE_REQUIRE_VLLM is set, so this is an error", pytrace=False)
     pytest.skip(msg)
-
-
-_handed_out: set[int] = set()
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    """The kernel's range for ports it picks itself (outgoing connections, binds to port 0)."""
-    try:
-        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-        return lo, hi
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def free_port() -> int:
-    """A port a vLLM will bind some seconds from now. A port from the kernel's own range
-    (``bind(0)``) can be handed meanwhile to an outgoing connection or to a port vLLM picks
-    for itself the same way (one CI run lost a replay endpoint like that), so this takes a
-    free port below that range, never one it handed out before in this process."""
-    lo, _ = _ephemeral_range()
-    first = 20000 if lo > 21000 else 1024
-    if lo - first < 1000:  # the kernel's range covers (nearly) every port: take one from it
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return int(s.getsockname()[1])
-    rng = random.Random()
-    for _ in range(1000):
-        port = rng.randrange(first, lo)
-        if port in _handed_out:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    raise RuntimeError(f"no free port in {first}..{lo} after 1000 tries")
 
 
 def make_vllm_model(path: str | Path, *, seed: int = 0, layers: int = 2, hidden: int = 128,

@@ -50,7 +50,8 @@ impl RequestBlockSaver {
         };
         let Some(req) = req else { return Err(no_pages(py, rid)) };
         let pages = req.getattr(intern!(py, "pages"))?;
-        if !pages.is_truthy()? {
+        // its length, not its truth: a numpy array of ids has no truth value
+        if pages.len()? == 0 {
             return Err(no_pages(py, rid));
         }
         let kv_end: i64 = req.getattr(intern!(py, "kv_end"))?.extract()?;
@@ -74,13 +75,10 @@ impl RequestBlockSaver {
         // overflow
         let (start, end) = (first as usize * ppb, (first + num) as usize * ppb);
         let bad = |what: &str| invalid(py, format!("the pages of request {} {what}", repr(rid)));
+        let too_few = |have: usize| bad(&format!("are {have} ids; its blocks {first}..{} need {end}", first + num - 1));
         if let Ok(list) = held.pages.cast::<PyList>() {
             if list.len() < end {
-                return Err(bad(&format!(
-                    "are {} ids; its blocks {first}..{} need {end}",
-                    list.len(),
-                    first + num - 1
-                )));
+                return Err(too_few(list.len()));
             }
             for i in start..end {
                 out.push(list.get_item(i)?.extract::<u64>().map_err(|_| bad("must be non-negative ints"))?);
@@ -89,7 +87,7 @@ impl RequestBlockSaver {
         }
         let all = crate::segment_copy::offsets(py, &held.pages, "pages")?;
         let Some(ids) = all.get(start..end) else {
-            return Err(bad(&format!("are {} ids; its blocks {first}..{} need {end}", all.len(), first + num - 1)));
+            return Err(too_few(all.len()));
         };
         out.extend_from_slice(ids);
         Ok(())
