@@ -233,9 +233,10 @@ pub fn sealed_connections(cores: usize) -> usize {
 /// hosts measured here) a single TCP flow that sends batches with pauses between them
 /// runs at its pacing rate, not at the copy rate. Measured between two network-namespace
 /// hosts (BENCHMARKS.md, "k24v: remote 512 KiB"): a plain socket stream of 32 x 512 KiB
-/// ran 1.8-2.0x faster with `cubic` (unpaced) than with `bbr`, and 1.6-2.1x faster over
-/// two `bbr` connections than over one. Two connections also put the two directions'
-/// socket copies of a batch on two threads per side. More than two were not measured.
+/// ran 1.8-2.0x faster with `cubic` (unpaced) than with `bbr`, and a median 1.6-1.7x
+/// faster over two `bbr` connections than over one; this engine's 32 x 512 KiB batches
+/// 1.38x (writes) and 1.64x (reads). Two connections also put a batch's socket copies on
+/// two threads per side. More than two were not measured.
 pub fn plain_connections(cores: usize) -> usize {
     cores.clamp(1, 2)
 }
