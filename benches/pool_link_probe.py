@@ -120,7 +120,7 @@ def main() -> None:
     ap.add_argument("probe", choices=["cc", "ab"])
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("variants", nargs="*", help="ab: LABEL=CHECKOUT[,ENV=VALUE...], the first is the base")
-    a = ap.parse_args()
+    a = ap.parse_intermixed_args()
     if a.probe == "cc":
         cc(a.pairs)
     else:

@@ -236,7 +236,7 @@ pub fn sealed_connections(cores: usize) -> usize {
 /// ran 1.8-2.0x faster with `cubic` (unpaced) than with `bbr`, and a median 1.6-1.7x
 /// faster over two `bbr` connections than over one; this engine's 32 x 512 KiB batches
 /// 1.38x (writes) and 1.64x (reads). Two connections also put a batch's socket copies on
-/// two threads per side. More than two were not measured.
+/// two threads per side. Four were measured and not kept (BENCHMARKS.md).
 pub fn plain_connections(cores: usize) -> usize {
     cores.clamp(1, 2)
 }
