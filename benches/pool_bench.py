@@ -118,6 +118,15 @@ def remote_run(peer_py: str, tmp: str, echo_exe: str | None) -> dict:
             out[key] = run_role(ns, sys.executable, "te-client", {"token": token, **info}, our_env())
             ts.stdin.close()
             ts.wait(10)
+        # the link's own ceiling for bulk bytes: a plain socket stream, one and two connections
+        for conns in (1, 2):
+            ss = hosts.popen(srv, [sys.executable, ROLES, "stream-server",
+                                   json.dumps({"host": hosts.ip(srv), "connections": conns})],
+                             stdout=subprocess.PIPE, text=True, env=our_env())
+            got = run_role(ns, sys.executable, "stream-client", {"connections": conns,
+                                                                 **json.loads(ss.stdout.readline())}, our_env())
+            ss.wait(10)
+            out.setdefault("stream", {}).update(got)
         # the floor of a 128 B request/response in Python on both ends: a bare socket echo
         es = hosts.popen(srv, [sys.executable, ROLES, "echo-server", json.dumps({"host": hosts.ip(srv)})],
                          stdout=subprocess.PIPE, text=True, env=our_env())
@@ -191,6 +200,31 @@ def remote_table(runs: list[dict]) -> str:
     return "\n".join(rows) + "\n"
 
 
+def ceiling_table(runs: list[dict]) -> str:
+    """Bulk rows as shares of the link's own ceiling measured in the same run: a plain
+    socket stream of the same pieces between the same hosts (benches/pool_bench_roles.py
+    ``stream-*``: no protocol, one connection, and the pieces split over two)."""
+    if "stream" not in runs[0]:
+        return ""
+    link = runs[0]["stream"].get("link facts", {})
+    rows = [f"### remote bulk rows as shares of a plain socket stream (median of {len(runs)} runs)", "",
+            "link: " + ", ".join(f"{k} {v}" for k, v in link.items()), "",
+            "| row | stream | stream x2 | ours plaintext / stream | TE / stream | Mooncake / stream "
+            "| stream x2 / stream |", "|---|---|---|---|---|---|---|"]
+    for name in runs[0]["ours"]:
+        if not name.startswith(("batch_put_from", "batch_get_into")):
+            continue
+        st = name.replace("batch_put_from", "stream write").replace("batch_get_into", "stream read")
+        st2 = st.replace("stream", "stream x2")
+        te = name.replace("batch_put_from", "te write").replace("batch_get_into", "te read")
+        rows.append("| " + " | ".join([
+            name, f"{median_of(runs, ('stream', st)):.2f} GB/s", f"{median_of(runs, ('stream', st2)):.2f} GB/s",
+            f"{ratio(runs, 'ours', 'stream', name, st):.2f}x", f"{ratio(runs, 'te', 'stream', te, st):.2f}x",
+            f"{ratio(runs, 'mooncake', 'stream', name, st):.2f}x", f"{ratio(runs, 'stream', 'stream', st2, st):.2f}x"])
+            + " |")
+    return "\n".join(rows) + "\n"
+
+
 def floor_table(runs: list[dict]) -> str:
     """Small keys beside the floor of one synchronous 128 B round trip on the same link: a
     native echo (benches/pool_echo.rs: Rust on both ends, one thread a side, nothing
@@ -239,6 +273,7 @@ def main() -> None:
         print(table(local, "local: one process holds the pool"))
     if remote:
         print(remote_table(remote))
+        print(ceiling_table(remote))
         print(floor_table(remote))
     if a.json:
         Path(a.json).write_text(json.dumps({"local": local, "remote": remote}, indent=1))

@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import time
@@ -296,8 +297,137 @@ def role_echo_client(a: dict) -> dict:
         return {"python socket echo 128 B": statistics.median(rates)}
 
 
+def _link_facts(s: socket.socket) -> dict:
+    """What bounds a bulk TCP stream on this link, read from inside the namespace: the
+    socket's buffer sizes after connect (autotuning grows them later), the netns's
+    tcp_rmem / tcp_wmem autotuning ranges, and the congestion control."""
+    def sysctl(name: str) -> str:
+        try:
+            with open(f"/proc/sys/net/ipv4/{name}") as f:
+                return f.read().strip()
+        except OSError:
+            return "?"
+    return {"SO_SNDBUF": s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF),
+            "SO_RCVBUF": s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
+            "tcp_wmem": sysctl("tcp_wmem"), "tcp_rmem": sysctl("tcp_rmem"),
+            "tcp_congestion_control": sysctl("tcp_congestion_control")}
+
+
+_STREAM_OP = struct.Struct(">cQI")  # op (W: client sends, R: server sends, Q: quit), piece bytes, pieces
+
+
+def _recv_exact_into(s: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = s.recv_into(view[got:])
+        if n == 0:
+            raise RuntimeError("stream peer closed")
+        got += n
+
+
+def role_stream_server(a: dict) -> dict:
+    """The link's own ceiling for bulk bytes: a plain socket stream, no framing per piece,
+    no protocol (the other end of ``stream-client``). One thread per connection."""
+    import threading
+
+    region = np.zeros(160 * MiB, dtype=np.uint8)
+    srv = socket.create_server((a["host"], 0))
+    print(json.dumps({"address": "%s:%d" % srv.getsockname()[:2]}), flush=True)
+
+    def serve(conn: socket.socket, base: int) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if a.get("cc"):  # a congestion control other than the namespace's (an experiment)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, a["cc"].encode())
+        mem = memoryview(region)
+        hdr = bytearray(_STREAM_OP.size)
+        while True:
+            _recv_exact_into(conn, memoryview(hdr))
+            op, size, count = _STREAM_OP.unpack(hdr)
+            if op == b"Q":
+                return
+            for i in range(count):
+                off = (base + i * size) % (len(region) - size)
+                if op == b"W":
+                    _recv_exact_into(conn, mem[off:off + size])
+                else:
+                    conn.sendall(mem[off:off + size])
+            if op == b"W":
+                conn.sendall(b"k")
+
+    threads = []
+    for c in range(a.get("connections", 1)):
+        conn, _ = srv.accept()
+        t = threading.Thread(target=serve, args=(conn, c * 80 * MiB), daemon=True)
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join()
+    return {}
+
+
+def role_stream_client(a: dict) -> dict:
+    """32 pieces of each BULK size over a plain socket stream, written then read, timed like
+    the store rows (same rounds, the same pause before each batch); with ``connections`` >
+    1 the pieces are split over that many connections, one thread each. Reads check the
+    bytes: the server sends back what the last write of the same size put there."""
+    import threading
+
+    host, _, port = a["address"].rpartition(":")
+    nconn = a.get("connections", 1)
+    socks = [socket.create_connection((host, int(port))) for _ in range(nconn)]
+    for s in socks:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if a.get("cc"):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, a["cc"].encode())
+    facts = _link_facts(socks[0])
+    out: dict = {}
+    tag = ("stream" if nconn == 1 else f"stream x{nconn}") + (f" {a['cc']}" if a.get("cc") else "")
+    for size, rounds in BULK:
+        src = np.random.default_rng(size).integers(0, 256, 32 * size, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        per = 32 // nconn
+
+        def one(op: bytes, c: int) -> None:
+            s = socks[c]
+            s.sendall(_STREAM_OP.pack(op, size, per))
+            buf = memoryview(src if op == b"W" else dst)
+            for i in range(c * per, (c + 1) * per):
+                piece = buf[i * size:(i + 1) * size]
+                if op == b"W":
+                    s.sendall(piece)
+                else:
+                    _recv_exact_into(s, piece)
+            if op == b"W" and s.recv(1) != b"k":
+                raise RuntimeError("stream server did not acknowledge")
+
+        for op, name in ((b"W", "write"), (b"R", "read")):
+            ts = []
+            for _ in range(2 * rounds):
+                settle()
+                t = time.perf_counter()
+                if nconn == 1:
+                    one(op, 0)
+                else:
+                    th = [threading.Thread(target=one, args=(op, c)) for c in range(nconn)]
+                    for x in th:
+                        x.start()
+                    for x in th:
+                        x.join()
+                ts.append(time.perf_counter() - t)
+            label = f"{size // KiB} KiB" if size < MiB else f"{size // MiB} MiB"
+            out[f"{tag} {name} 32 x {label}"] = 32 * size / 1e9 / statistics.median(ts)
+        if not (dst == src).all():
+            raise RuntimeError("the stream read back other bytes than it wrote")
+    for s in socks:
+        s.sendall(_STREAM_OP.pack(b"Q", 0, 0))
+        s.close()
+    out["link facts"] = facts
+    return out
+
+
 ROLES = {"store": role_store, "mc-owner": role_mc_owner, "te-server": role_te_server, "te-client": role_te_client,
-         "echo-server": role_echo_server, "echo-client": role_echo_client}
+         "echo-server": role_echo_server, "echo-client": role_echo_client,
+         "stream-server": role_stream_server, "stream-client": role_stream_client}
 
 if __name__ == "__main__":
     args = json.loads(sys.argv[2])

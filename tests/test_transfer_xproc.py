@@ -225,7 +225,8 @@ def test_one_of_two_endpoints_fails_transfer_completes_on_the_other(peers):
     ep0, ep1 = srv.address.split(",")
     proxy = CuttingProxy(ep0, budget=3 * MiB)
     try:
-        with mc.TransferEngine("init4", transports=["tcp"], slice_size=256 * 1024, registry=mc.TransferRegistry()) as eng:
+        with mc.TransferEngine("init4", transports=["tcp"], slice_size=256 * 1024, connections_per_endpoint=1,
+                               registry=mc.TransferRegistry()) as eng:
             p = eng.connect("srv", f"{proxy.address},{ep1}")
             assert p.connections == 2
             mine = eng.allocate(32 * MiB)

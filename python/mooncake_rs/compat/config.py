@@ -11,8 +11,8 @@ Which pool it opens:
   ``MOONCAKE_CLUSTER``, default ``default``, as the nodes' ``--cluster``; transports
   ``MOONCAKE_RS_TRANSPORTS``, default ``tcp,shm``: ``tcp`` alone sends every byte over
   TCP even to a node on this host; ``MOONCAKE_RS_TCP_CONNECTIONS``: TCP connections per
-  node, each sealed and opened on its own thread at both ends (unset: 1 without a token,
-  with one half the cores, 1 to 4);
+  node, each sealed and opened on its own thread at both ends (unset: without a token 2
+  where the process may use two cores, else 1; with one half the cores, 1 to 4);
   ``MOONCAKE_RS_PLAINTEXT=1``: the nodes run ``--plaintext``, no token, nothing sealed);
 - anything else (``P2PHANDSHAKE``, an HTTP metadata URL, a master address): an embedded
   pool of ``global_segment_size`` bytes in this process, no etcd, no network.

@@ -86,8 +86,8 @@ class DistributedStore:
         """``transports``: ("tcp",) makes every byte cross TCP even to a node on this host.
         ``tcp_connections``: data connections per node; each is sealed and opened on its own
         thread at both ends (one runs at about one core's AES-GCM), so more use more cores.
-        None (default): the transfer engine's rule (1 without a token; with one, half the
-        cores this process may use, 1 to 4: docs/transfer.md).
+        None (default): the transfer engine's rule (without a token 2 where this process may
+        use two cores, else 1; with one, half the cores, 1 to 4: docs/transfer.md).
         ``plaintext``: nodes started with ``--plaintext`` (no token: nothing authenticated or
         sealed, like Mooncake Store's TCP; only where every host is trusted)."""
         from .remote import RemoteBackend

@@ -118,6 +118,10 @@ pub struct EngineConfig {
     /// response less; for 64 KiB reads that halved the context switches per GB
     /// (BENCHMARKS.md, issue 26). The peer's socket buffers bound what is really in flight.
     pub window: usize,
+    /// Unanswered bytes per connection before its sender leaves the next slice to
+    /// another connection of the peer (see `ClientConfig::window_bytes`). 4 MiB: a few
+    /// slices in flight on each connection keep the peer's socket buffers full.
+    pub window_bytes: usize,
     pub max_attempts: u32,
     pub copy_threads: usize,
     /// A TCP batch of at most this many bytes is sent by the submitting thread itself
@@ -140,6 +144,7 @@ impl Default for EngineConfig {
             idle_timeout: Duration::from_secs(60),
             connections_per_endpoint: 0,
             window: 64,
+            window_bytes: 4 << 20,
             max_attempts: 3,
             copy_threads: 2,
             inline_send_bytes: 16 << 10,
@@ -149,11 +154,12 @@ impl Default for EngineConfig {
 
 impl EngineConfig {
     /// The connections opened to each endpoint of a peer: `connections_per_endpoint`, or
-    /// when it is 0, 1 without a token and [`sealed_connections`] with one.
+    /// when it is 0, [`plain_connections`] without a token and [`sealed_connections`]
+    /// with one.
     pub fn connections(&self) -> usize {
         match self.connections_per_endpoint {
             0 if self.auth_token.is_some() => sealed_connections(available_cores()),
-            0 => 1,
+            0 => plain_connections(available_cores()),
             n => n,
         }
     }
@@ -169,8 +175,12 @@ impl EngineConfig {
         if self.io_timeout.is_zero() || self.connect_timeout.is_zero() || self.idle_timeout.is_zero() {
             return bad("timeouts must be positive".into());
         }
-        if self.connections_per_endpoint > 64 || self.window == 0 || self.max_attempts == 0 {
-            return bad("connections_per_endpoint must be 1..=64 (0: automatic), window and max_attempts >= 1".into());
+        if self.connections_per_endpoint > 64 || self.window == 0 || self.window_bytes == 0 || self.max_attempts == 0 {
+            return bad(
+                "connections_per_endpoint must be 1..=64 (0: automatic), window, window_bytes and max_attempts \
+                        >= 1"
+                    .into(),
+            );
         }
         if self.inline_send_bytes > 1 << 20 {
             return bad(format!("inline_send_bytes must be at most 1 MiB, got {}", self.inline_send_bytes));
@@ -210,9 +220,25 @@ impl EngineConfig {
 /// trust). Each sealed connection keeps about two cores busy at full speed (its sender
 /// and the server's thread), so: half the cores, at most 4 (beyond that, the loopback
 /// copies and the memory bandwidth bound the stream anyway), at least 1. Without a token
-/// a connection is not CPU-bound that way and one stays the default.
+/// a connection is not CPU-bound that way; see [`plain_connections`].
 pub fn sealed_connections(cores: usize) -> usize {
     (cores / 2).clamp(1, 4)
+}
+
+/// Connections per endpoint without a token on a host with `cores` cores: two where
+/// there are two cores or more.
+///
+/// One plaintext connection is not bound by its CPU but by its own flow: with the
+/// kernel's paced congestion control (BBR, the default of many distributions and of the
+/// hosts measured here) a single TCP flow that sends batches with pauses between them
+/// runs at its pacing rate, not at the copy rate. Measured between two network-namespace
+/// hosts (BENCHMARKS.md, "k24v: remote 512 KiB"): a plain socket stream of 32 x 512 KiB
+/// ran 1.8-2.0x faster with `cubic` (unpaced) than with `bbr`, and a median 1.6-1.7x
+/// faster over two `bbr` connections than over one; this engine's 32 x 512 KiB batches
+/// 1.38x (writes) and 1.64x (reads). Two connections also put a batch's socket copies on
+/// two threads per side. Four were measured and not kept (BENCHMARKS.md).
+pub fn plain_connections(cores: usize) -> usize {
+    cores.clamp(1, 2)
 }
 
 fn available_cores() -> usize {

@@ -288,6 +288,7 @@ impl Engine {
                     io_timeout: inner.cfg.io_timeout,
                     connections_per_endpoint: inner.cfg.connections(),
                     window: inner.cfg.window,
+                    window_bytes: inner.cfg.window_bytes,
                     max_attempts: inner.cfg.max_attempts,
                     inline_send_bytes: inner.cfg.inline_send_bytes,
                 };

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 
+use super::inner::PeerKind;
 use super::protocol::{self, decode_frame, encode, Msg};
 use super::*;
 
@@ -45,15 +46,26 @@ pub(super) fn req(op: Op, local: RegionId, lo: u64, peer: &Arc<Peer>, remote: Re
 
 pub(super) const T: Duration = Duration::from_secs(10);
 
-/// A "peer" named `mute` that completes the handshake, then never answers (for 2 s):
-/// its address and its thread.
+/// A "peer" named `mute` that completes the handshake on every connection a client opens
+/// (a client opens one or more per endpoint), then never answers (for 2 s): its address
+/// and its thread.
 pub(super) fn mute_peer() -> (String, std::thread::JoinHandle<()>) {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap().to_string();
     let t = std::thread::spawn(move || {
-        let (mut s, _) = l.accept().unwrap();
-        tcp::handshake::server(&mut s, None, [0; 16], "mute").ok().unwrap();
-        std::thread::sleep(Duration::from_secs(2));
+        let end = Instant::now() + Duration::from_secs(2);
+        l.set_nonblocking(true).unwrap();
+        let mut held = Vec::new();
+        while Instant::now() < end {
+            match l.accept() {
+                Ok((mut s, _)) => {
+                    s.set_nonblocking(false).unwrap();
+                    tcp::handshake::server(&mut s, None, [0; 16], "mute").ok().unwrap();
+                    held.push(s);
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(2)),
+            }
+        }
     });
     (addr, t)
 }
@@ -132,6 +144,7 @@ fn tcp_roundtrip_with_many_slices_over_two_endpoints() {
     let mut ca = cfg("cli", &["tcp"]);
     ca.slice_size = 64 << 10;
     ca.window = 3;
+    ca.connections_per_endpoint = 1; // one per endpoint: two in all
     let a = Engine::new(ca, None).unwrap();
     let p = a.connect("srv", Some(&b.address())).unwrap();
     assert_eq!((p.transport(), p.connections()), ("tcp", 2));
@@ -140,6 +153,43 @@ fn tcp_roundtrip_with_many_slices_over_two_endpoints() {
     // Two data connections, plus the control one on which the client learned the
     // region's size (a request of many slices is checked whole before it is sent).
     assert_eq!(b.stats().connections, 3);
+}
+
+// k24v: a batch of reads over two connections. A read request is a few bytes to send, so
+// without the byte window the first sender to wake took every slice of the batch and
+// all the bytes came back over one connection. Checked: every byte equals the reference
+// (the remote region's bytes, copied with copy_from_slice), both connections answered
+// a share, and a window smaller than one slice (one slice at a time per connection)
+// still completes the batch with the same bytes.
+#[test]
+fn a_batch_of_reads_spreads_over_two_connections_and_reads_the_reference_bytes() {
+    let b = engine("srv", &["tcp"]);
+    for window_bytes in [1 << 20, 1] {
+        let mut ca = cfg("cli", &["tcp"]);
+        ca.connections_per_endpoint = 2;
+        ca.window_bytes = window_bytes;
+        ca.slice_size = 256 << 10;
+        let a = Engine::new(ca, None).unwrap();
+        let p = a.connect("srv", Some(&b.address())).unwrap();
+        assert_eq!(p.connections(), 2);
+        let (n, size) = (32usize, (512 << 10) + 777); // the last slice of each is short
+        let la = a.allocate(n * size, false).unwrap().id;
+        let rb = b.allocate(n * size, false).unwrap().id;
+        let vb = fill(&b, rb, 21);
+        fill(&a, la, 22);
+        let reqs =
+            (0..n).map(|i| req(Op::Read, la, (i * size) as u64, &p, rb, (i * size) as u64, size as u64)).collect();
+        let st = a.submit(reqs, T).unwrap().wait(None);
+        assert!(st.iter().all(|s| s.is_ok() && s.bytes() == size as u64), "{st:?}");
+        let mut want = vec![0u8; n * size];
+        want.copy_from_slice(&vb[..n * size]);
+        assert!(bytes(&a, la)[..n * size] == want[..], "read bytes differ (window_bytes {window_bytes})");
+        let PeerKind::Remote { tcp, .. } = &p.kind else { panic!("not a tcp peer") };
+        let per = tcp.answered_per_connection();
+        assert_eq!(per.iter().sum::<u64>(), (n * size) as u64);
+        assert!(per.iter().all(|&x| x > 0), "one connection carried the whole batch: {per:?}");
+        a.close();
+    }
 }
 
 #[test]

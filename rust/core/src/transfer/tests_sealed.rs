@@ -1,7 +1,7 @@
 //! Sealed (token) TCP sessions over several connections per endpoint (issue 26, the
 //! cost of security).
 
-use super::config::sealed_connections;
+use super::config::{plain_connections, sealed_connections};
 use super::tests::{bytes, cfg, fill, req, T};
 use super::*;
 
@@ -13,10 +13,11 @@ use super::*;
 #[test]
 fn sealed_transfers_over_several_connections_move_the_same_bytes_as_one_plain_one() {
     assert_eq!([0, 1, 2, 3, 4, 8, 16, 64].map(sealed_connections), [1, 1, 1, 1, 2, 4, 4, 4]);
+    assert_eq!([0, 1, 2, 3, 64].map(plain_connections), [1, 1, 2, 2, 2]);
     let mut auto = cfg("auto", &["tcp"]);
-    assert_eq!(auto.connections(), 1, "no token: one connection");
-    auto.auth_token = Some("tok".into());
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    assert_eq!(auto.connections(), plain_connections(cores), "no token: two connections where there are two cores");
+    auto.auth_token = Some("tok".into());
     assert_eq!(auto.connections(), sealed_connections(cores));
     auto.connections_per_endpoint = 3;
     assert_eq!(auto.connections(), 3, "an explicit count wins");

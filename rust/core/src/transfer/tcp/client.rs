@@ -33,6 +33,12 @@ pub struct ClientConfig {
     pub connections_per_endpoint: usize,
     /// Unanswered slices per connection.
     pub window: usize,
+    /// A connection's sender takes the next slice from the peer's queue only while its
+    /// unanswered bytes are below this. Without it, the first sender to wake takes every
+    /// read slice of a batch (a read request is a few bytes to send), so a batch's reads
+    /// all come back over one connection however many there are; with it, each
+    /// connection holds a few slices and the rest go to whichever answers first.
+    pub window_bytes: usize,
     pub max_attempts: u32,
     /// See `EngineConfig::inline_send_bytes`.
     pub inline_send_bytes: usize,
@@ -58,8 +64,45 @@ struct Conn {
     /// `TcpPeer::submit`). It is held only for the write of one frame.
     writer: Mutex<FrameWriter<TcpStream>>,
     dead: AtomicBool,
-    inflight: Mutex<HashMap<u64, Slice>>,
+    inflight: Mutex<Inflight>,
     room: Condvar,
+    /// Bytes of the slices answered on this connection (tests check how a batch spread).
+    answered: AtomicU64,
+}
+
+/// A connection's unanswered slices by request id, and their bytes.
+#[derive(Default)]
+struct Inflight {
+    slices: HashMap<u64, Slice>,
+    bytes: usize,
+}
+
+impl Inflight {
+    fn insert(&mut self, id: u64, slice: Slice) {
+        self.bytes += slice.len;
+        if let Some(old) = self.slices.insert(id, slice) {
+            self.bytes -= old.len; // (ids are never reused: not reached)
+        }
+    }
+
+    fn remove(&mut self, id: &u64) -> Option<Slice> {
+        let s = self.slices.remove(id)?;
+        self.bytes -= s.len;
+        Some(s)
+    }
+
+    fn len(&self) -> usize {
+        self.slices.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.slices.is_empty()
+    }
+
+    fn take(&mut self) -> HashMap<u64, Slice> {
+        self.bytes = 0;
+        std::mem::take(&mut self.slices)
+    }
 }
 
 /// What a region query answers (for the shm path).
@@ -174,8 +217,9 @@ impl TcpPeer {
             stream,
             writer: Mutex::new(FrameWriter::new(write_half, keys.send)),
             dead: AtomicBool::new(false),
-            inflight: Mutex::new(HashMap::new()),
+            inflight: Mutex::new(Inflight::default()),
             room: Condvar::new(),
+            answered: AtomicU64::new(0),
         });
         self.conns.lock().push(conn.clone());
         self.alive.fetch_add(1, Ordering::SeqCst);
@@ -196,6 +240,11 @@ impl TcpPeer {
 
     pub fn endpoints(&self) -> &[SocketAddr] {
         &self.endpoints
+    }
+
+    /// Bytes answered on each connection opened so far (live ones).
+    pub fn answered_per_connection(&self) -> Vec<u64> {
+        self.conns.lock().iter().map(|c| c.answered.load(Ordering::Relaxed)).collect()
     }
 
     /// Connections still up.
@@ -266,7 +315,7 @@ impl TcpPeer {
             if conn.dead.swap(true, Ordering::SeqCst) {
                 return;
             }
-            std::mem::take(&mut *inf)
+            inf.take()
         };
         conn.room.notify_all();
         let _ = conn.stream.shutdown(Shutdown::Both);
@@ -350,6 +399,16 @@ impl TcpPeer {
 
     fn sender(&self, conn: &Conn) {
         loop {
+            // Room first (bytes and slices), then a slice: a connection that is full
+            // leaves the queue to the others.
+            {
+                let mut inf = conn.inflight.lock();
+                while !conn.dead.load(Ordering::SeqCst)
+                    && (inf.bytes >= self.cfg.window_bytes.max(1) || inf.len() >= self.cfg.window.max(1))
+                {
+                    conn.room.wait(&mut inf);
+                }
+            }
             let slice = {
                 let mut q = self.queue.lock();
                 loop {
@@ -464,9 +523,13 @@ impl TcpPeer {
                     self.retry_or_fail(slice, &why);
                     return Err(why);
                 }
+                conn.answered.fetch_add(n as u64, Ordering::Relaxed);
                 slice.batch.slice_done(slice.index, n as u64);
             }
-            (Ok(()), None) => slice.batch.slice_done(slice.index, slice.len as u64),
+            (Ok(()), None) => {
+                conn.answered.fetch_add(slice.len as u64, Ordering::Relaxed);
+                slice.batch.slice_done(slice.index, slice.len as u64)
+            }
         }
         Ok(())
     }
