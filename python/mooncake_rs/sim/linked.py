@@ -29,6 +29,13 @@ give). A fetch still running at the decision's ``fetch_abandon_s`` is given up f
 recompute when finishing it at its current rate would take longer than recomputing the
 blocks it brings (``abandon_late_fetches``). ``estimate_error`` applies to the compute
 only here (the links give the transfer times).
+
+With prefetch at decision time (the decision's ``prefetch``), a request's peer load
+starts at its admission, on the same links, while it waits in its queue; at dequeue its
+local SSD loads join what is left of it, and the late-fetch check runs then (and at
+``fetch_abandon_s`` after it). A prefetch its instance cannot use at dequeue (a gap in
+its own prefix before the staged blocks, or its own prefix grew past them) is dropped,
+and the fetch runs at dequeue as without prefetch.
 """
 
 from __future__ import annotations
@@ -84,6 +91,10 @@ class _LinkedRun(_Run):
         self.outstanding = [0] * len(trace)
         self.stream_left = [False] * len(trace)
         self.ended = [False] * len(trace)
+        #: admitted with a prefetch and not dequeued yet (its loads' end starts nothing)
+        self.in_queue = [False] * len(trace)
+        #: per request with a prefetch under way: (first fetched block, end block, its flows)
+        self.prefetch_flows: dict[int, tuple[int, int, list[Flow]]] = {}
         self.bytes = dict.fromkeys(PATHS, 0)
         #: per prefill instance, its flow of demotion writes (None: none active)
         self.writes: list[Flow | None] = [None] * cfg.prefill
@@ -124,7 +135,7 @@ class _LinkedRun(_Run):
             i: int = tag[1]
             if kind == _LOAD:
                 self.outstanding[i] -= 1
-                if self.outstanding[i] == 0:
+                if self.outstanding[i] == 0 and not self.in_queue[i]:
                     self.peer_loads.pop(i, None)
                     p = self.s.prefill[i]
                     assert p is not None
@@ -178,6 +189,51 @@ class _LinkedRun(_Run):
 
     # --- prefill: load, compute, store ---
 
+    def start_prefetch(self, i: int, d: Any, t: float) -> None:
+        """Request ``i``'s peer load starts at its admission ``t`` (``d`` its decision),
+        for the part of the planned range its holder has now."""
+        src, p = d.fetch_from, d.prefill
+        lo = d.reused_blocks - d.fetch_blocks
+        keys = self.keys[i]
+        sruns = prefix_runs(self.caches[src], self.ssd[src], keys[: d.reused_blocks])
+        held = sum(n for n, _ in sruns)
+        if held <= lo:
+            return  # nothing there yet: fetched at dequeue
+        peer_dram, peer_ssd = split_runs(sruns, lo, held)
+        bb = self.block_bytes
+        before = set(self.net.flows)
+        n = 0
+        if peer_ssd:
+            n += self.load_ssd(t, i, p, d.decode, peer_ssd * bb)
+        if peer_dram:
+            n += self.load_peer(t, i, p, src, keys[lo:held], peer_dram * bb)
+        self.prefetch_flows[i] = (lo, held, [f for fid, f in self.net.flows.items() if fid not in before])
+        self.outstanding[i] = n
+        self.in_queue[i] = True
+        self.counters["prefetches"] += 1
+
+    def take_prefetch(self, i: int, t: float, local: int) -> tuple[int, list[Flow]] | None:
+        """At dequeue: request ``i``'s prefetch, as (its end block, its flows still
+        running), when it extends the ``local`` prefix; otherwise its flows are removed
+        and None returned (the fetch then runs at dequeue)."""
+        self.in_queue[i] = False
+        entry = self.prefetch_flows.pop(i, None)
+        if entry is None:
+            return None
+        lo, held, flows = entry
+        net = self.net
+        live = [f for f in flows if f.id in net.flows]
+        if lo <= local < held:
+            return held, live
+        self.counters["prefetch_unused"] += 1
+        if live:
+            net.advance(t)
+            for f in live:
+                net.remove(t, f)
+            self._net_touched = True
+        self.outstanding[i] = 0
+        return None
+
     def start_prefill(self, p: int, t: float) -> None:
         i = self.queues[p].popleft()
         self.busy[p] = True
@@ -190,6 +246,10 @@ class _LinkedRun(_Run):
         local_dram, local_ssd = split_runs(runs, 0, local)
         reused, peer_dram, peer_ssd = local, 0, 0
         src = s.fetch_from[i]
+        pre = self.take_prefetch(i, t, local) if self.in_queue[i] else None
+        if pre is not None:
+            self.resume_prefetched(p, i, t, local, local_dram, local_ssd, pre)
+            return
         if src is not None and s.planned[i] > local:
             self.counters["fetches"] += 1
             if self.cfg.cache == "global":
@@ -224,6 +284,37 @@ class _LinkedRun(_Run):
         self.outstanding[i] = n
         if n == 0:
             self.compute(p, i, t)
+
+    def resume_prefetched(
+        self, p: int, i: int, t: float, local: int, local_dram: int, local_ssd: int, pre: tuple[int, list[Flow]]
+    ) -> None:
+        """Dequeued with a usable prefetch: its own SSD prefix loads now, the prefetch's
+        flows still running are waited for (and checked for abandonment), then compute."""
+        held, live = pre
+        s = self.s
+        self.counters["fetches"] += 1
+        if held < s.planned[i]:
+            self.counters["fetch_fallbacks"] += 1
+        s.reused[i] = held
+        s.fetched[i] = held - local
+        s.start[i] = t
+        self.hits.update(self.keys[i][:held])
+        bb = self.block_bytes
+        self.bytes["dram_local"] += int(local_dram * bb)
+        d = s.decode[i]
+        assert d is not None
+        n = len(live)
+        if local_ssd:
+            n += self.load_ssd(t, i, p, d, local_ssd * bb)
+        self.outstanding[i] = n
+        if n == 0:
+            self.compute(p, i, t)
+            return
+        if live and self.cfg.abandon_late_fetches and math.isfinite(self.abandon_s[i]):
+            self.peer_loads[i] = (p, local, live)
+            self.maybe_abandon(i, t, keep=True)
+            if i in self.peer_loads:
+                self.push(t + self.abandon_s[i], _ABANDON, i)
 
     def load_ssd(self, t: float, i: int, p: int, d: int, nbytes: float) -> int:
         direct = [3 * p + 2]
@@ -268,10 +359,12 @@ class _LinkedRun(_Run):
             self.counters["multipath_splits"] += 1
         return out
 
-    def maybe_abandon(self, i: int, t: float) -> None:
+    def maybe_abandon(self, i: int, t: float, keep: bool = False) -> None:
         """Request ``i``'s fetch is due: if it is still running and finishing it at its
-        current rates takes longer than recomputing what it brings, give it up."""
-        entry = self.peer_loads.pop(i, None)
+        current rates takes longer than recomputing what it brings, give it up. With
+        ``keep`` (a prefetch checked at dequeue), a fetch kept stays registered for the
+        check at its due time."""
+        entry = self.peer_loads.get(i) if keep else self.peer_loads.pop(i, None)
         if entry is None:
             return
         p, local, flows = entry
@@ -287,6 +380,7 @@ class _LinkedRun(_Run):
         extra = self.pm.predict(L, min(local * bt, L)) - self.pm.predict(L, min(s.reused[i] * bt, L))
         if left_s <= extra:
             return
+        self.peer_loads.pop(i, None)
         for f in live:
             self.bytes["dram_peer"] -= int(net.left_now(f))  # never sent
             net.remove(t, f)

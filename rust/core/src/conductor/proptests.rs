@@ -31,15 +31,17 @@ proptest! {
     /// (`estimate_for`) — is no higher than any other instance's.
     #[test]
     fn chosen_instance_has_the_lowest_estimated_ttft(
-        locals in prop::collection::vec((0.0..2.0f64, 0usize..12, 0usize..12, 0.5..2.0f64), 1..8),
+        locals in prop::collection::vec((0.0..2.0f64, 0usize..12, 0usize..12, 0.5..2.0f64, prop::sample::select(vec![0.0, 60.0, 1e9])), 1..8),
         extra in prop::collection::vec((0usize..12, 0usize..12), 0..3),
         threshold in 1.0..4.0f64,
         tail in 1usize..50,
         cost in costs(),
     ) {
         let bs = 10;
+        // staging room per candidate: none (prefetch off), some fetches fit (60 bytes: 6
+        // blocks at 1 byte a token), every fetch fits
         let cands: Vec<Candidate> = locals.iter().enumerate()
-            .map(|(i, &(q, d, s, speed))| Candidate { id: i as u64, queue_s: q, speed, dram: d, ssd: s, gpu: 0 })
+            .map(|(i, &(q, d, s, speed, stage))| Candidate { id: i as u64, queue_s: q, speed, dram: d, ssd: s, gpu: 0, stage_free_bytes: stage })
             .collect();
         let mut matches: Vec<PrefixMatch> = cands.iter().filter(|c| c.local() > 0)
             .map(|c| PrefixMatch { instance: c.id, dram: c.dram, ssd: c.ssd, gpu: c.gpu }).collect();
@@ -177,11 +179,13 @@ proptest! {
         ops in prop::collection::vec(op(), 1..80),
         policy in prop::sample::select(vec!["random", "load_balance", "local_cache_aware", "mooncake", "ttft_optimal"]),
         rejection in prop::sample::select(vec!["none", "early", "predictive"]),
+        // prefetch off, room for a few blocks (327,680 bytes a token, 4 a block), unbounded
+        staging in prop::sample::select(vec![0.0, 4e6, 1e15]),
     ) {
         let cfg = ConductorConfig {
             block_size: 4, ttft_slo_s: 0.5, tbt_slo_s: 0.02,
             policy: PolicyKind::parse(policy).unwrap(), rejection: RejectionKind::parse(rejection).unwrap(),
-            hot_min_hits: 1.0, hot_busy_fraction: 0.0, hot_capacity: 4,
+            hot_min_hits: 1.0, hot_busy_fraction: 0.0, hot_capacity: 4, prefetch_staging_bytes: staging,
             ..Default::default()
         };
         let c = Conductor::new(cfg).unwrap();

@@ -25,7 +25,7 @@ pub(super) fn unit_costs() -> CostModels {
 }
 
 fn cand(id: u64, queue_s: f64, dram: usize, ssd: usize) -> Candidate {
-    Candidate { id, queue_s, speed: 1.0, dram, ssd, gpu: 0 }
+    Candidate { id, queue_s, speed: 1.0, dram, ssd, gpu: 0, stage_free_bytes: 0.0 }
 }
 
 fn pm(instance: u64, dram: usize, ssd: usize) -> PrefixMatch {

@@ -14,6 +14,10 @@
 //! its KV stream to decode fills that NIC), and the paper's rule then either waits on
 //! them or recomputes; a holder of a slightly shorter prefix on an idle NIC is usually
 //! the better fetch (issue 25's 100 GB/s misses, BENCHMARKS.md).
+//!
+//! With prefetch at decision time on (`PolicyInput::peer_fetch_s`), a fetch that fits the
+//! candidate's staging memory overlaps its queue: the option costs `max(queue, fetch) +
+//! prefill` instead of `queue + fetch + prefill`.
 
 use super::{keep_best, Choice, PolicyInput};
 
@@ -42,17 +46,18 @@ fn option_below(input: &PolicyInput<'_>, idx: usize, bound: f64) -> Choice {
         let prefill_s = input.prefill_s(c, b);
         // a fetch on idle links is a lower bound of one under load: when even that loses,
         // the link loads need not be looked at (most candidates, most of the time)
-        let idle = input.cost.transfer.fetch(fetch_tokens, 0.0);
-        let floor = local.queue_s + idle + prefill_s;
+        let floor = local.queue_s + input.peer_fetch_floor_s(c, fetch_tokens) + prefill_s;
         if floor >= out.ttft() || floor >= bound {
             continue;
         }
+        let (transfer_s, prefetch) = input.peer_fetch_s(c, h.instance, fetch_tokens);
         let fetch = Choice {
             reused_blocks: b,
             fetch_blocks: b - l,
             fetch_from: Some(h.instance),
-            transfer_s: input.fetch_s(c, h.instance, fetch_tokens, 0.0),
+            transfer_s,
             prefill_s,
+            prefetch,
             ..local
         };
         if fetch.ttft() < out.ttft() {
