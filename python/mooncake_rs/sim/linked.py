@@ -229,6 +229,7 @@ class _LinkedRun(_Run):
         if live:
             net.advance(t)
             for f in live:
+                self.bytes[_path_of(f)] -= int(net.left_now(f))  # never sent
                 net.remove(t, f)
             self._net_touched = True
         self.outstanding[i] = 0
@@ -310,8 +311,9 @@ class _LinkedRun(_Run):
         if n == 0:
             self.compute(p, i, t)
             return
-        if live and self.cfg.abandon_late_fetches and math.isfinite(self.abandon_s[i]):
-            self.peer_loads[i] = (p, local, live)
+        peer = [f for f in live if _path_of(f) == "dram_peer"]
+        if peer and self.cfg.abandon_late_fetches and math.isfinite(self.abandon_s[i]):
+            self.peer_loads[i] = (p, local, peer)
             self.maybe_abandon(i, t, keep=True)
             if i in self.peer_loads:
                 self.push(t + self.abandon_s[i], _ABANDON, i)
@@ -481,6 +483,14 @@ class _LinkedRun(_Run):
             self.prefill_busy_s,
             self.bytes,
         )
+
+
+def _path_of(f: Flow) -> str:
+    """Which of ``PATHS`` a load flow takes (from its first link: a peer's NIC out, or a
+    storage link, alone or relayed through the decode instance)."""
+    if f.links[0] % 3 != 2:
+        return "dram_peer"
+    return "ssd_direct" if len(f.links) == 1 else "ssd_relay"
 
 
 def run_linked(cfg: SimConfig, trace: Sequence[Request], progress: Progress | None = None) -> Report:
