@@ -32,8 +32,8 @@ only here (the links give the transfer times).
 
 With prefetch at decision time (the decision's ``prefetch``), a request's peer load
 starts at its admission, on the same links, while it waits in its queue; at dequeue its
-local SSD loads join what is left of it, and the late-fetch check runs then (and at
-``fetch_abandon_s`` after it). A prefetch its instance cannot use at dequeue (a gap in
+local SSD loads join what is left of it, and the late-fetch check runs
+``fetch_abandon_s`` after the dequeue. A prefetch its instance cannot use at dequeue (a gap in
 its own prefix before the staged blocks, or its own prefix grew past them) is dropped,
 and the fetch runs at dequeue as without prefetch.
 """
@@ -290,7 +290,8 @@ class _LinkedRun(_Run):
         self, p: int, i: int, t: float, local: int, local_dram: int, local_ssd: int, pre: tuple[int, list[Flow]]
     ) -> None:
         """Dequeued with a usable prefetch: its own SSD prefix loads now, the prefetch's
-        flows still running are waited for (and checked for abandonment), then compute."""
+        flows still running are waited for (and checked for abandonment ``fetch_abandon_s``
+        later), then it computes."""
         held, live = pre
         s = self.s
         self.counters["fetches"] += 1
@@ -313,10 +314,11 @@ class _LinkedRun(_Run):
             return
         peer = [f for f in live if _path_of(f) == "dram_peer"]
         if peer and self.cfg.abandon_late_fetches and math.isfinite(self.abandon_s[i]):
+            # the bound counts from the dequeue (the wait the fetch adds from then on); a
+            # check at the dequeue itself would read the rate of a flow that may have just
+            # started, on links it has not yet shared out
             self.peer_loads[i] = (p, local, peer)
-            self.maybe_abandon(i, t, keep=True)
-            if i in self.peer_loads:
-                self.push(t + self.abandon_s[i], _ABANDON, i)
+            self.push(t + self.abandon_s[i], _ABANDON, i)
 
     def load_ssd(self, t: float, i: int, p: int, d: int, nbytes: float) -> int:
         direct = [3 * p + 2]
@@ -361,12 +363,10 @@ class _LinkedRun(_Run):
             self.counters["multipath_splits"] += 1
         return out
 
-    def maybe_abandon(self, i: int, t: float, keep: bool = False) -> None:
+    def maybe_abandon(self, i: int, t: float) -> None:
         """Request ``i``'s fetch is due: if it is still running and finishing it at its
-        current rates takes longer than recomputing what it brings, give it up. With
-        ``keep`` (a prefetch checked at dequeue), a fetch kept stays registered for the
-        check at its due time."""
-        entry = self.peer_loads.get(i) if keep else self.peer_loads.pop(i, None)
+        current rates takes longer than recomputing what it brings, give it up."""
+        entry = self.peer_loads.pop(i, None)
         if entry is None:
             return
         p, local, flows = entry
@@ -382,7 +382,6 @@ class _LinkedRun(_Run):
         extra = self.pm.predict(L, min(local * bt, L)) - self.pm.predict(L, min(s.reused[i] * bt, L))
         if left_s <= extra:
             return
-        self.peer_loads.pop(i, None)
         for f in live:
             self.bytes["dram_peer"] -= int(net.left_now(f))  # never sent
             net.remove(t, f)
