@@ -31,11 +31,7 @@ blocks it brings (``abandon_late_fetches``). ``estimate_error`` applies to the c
 only here (the links give the transfer times).
 
 With prefetch at decision time (the decision's ``prefetch``), a request's peer load
-starts at its admission, on the same links, while it waits in its queue; at dequeue its
-local SSD loads join what is left of it, and the late-fetch check runs
-``fetch_abandon_s`` after the dequeue. A prefetch its instance cannot use at dequeue (a gap in
-its own prefix before the staged blocks, or its own prefix grew past them) is dropped,
-and the fetch runs at dequeue as without prefetch.
+starts at its admission and overlaps its queue (:mod:`.linked_prefetch`).
 """
 
 from __future__ import annotations
@@ -48,6 +44,7 @@ from .._core import BlockCache
 from .config import SimConfig
 from .disaggregated import _KV_READY, _PREFILL_DONE, _Run
 from .links import Flow, Links
+from .linked_prefetch import PrefetchLoads, path_of
 from .loop import Progress, build_report
 from .report import HotSample, Report
 from .tiers import prefix_runs, split_runs, store_tiered
@@ -63,7 +60,7 @@ _LOAD, _STREAM, _WRITE, _REPL = 0, 1, 2, 3
 PATHS = ("dram_local", "dram_peer", "ssd_direct", "ssd_relay")
 
 
-class _LinkedRun(_Run):
+class _LinkedRun(PrefetchLoads, _Run):
     def __init__(self, cfg: SimConfig, trace: Sequence[Request], progress: Progress | None) -> None:
         super().__init__(cfg, trace, progress)
         n = cfg.prefill + cfg.decode
@@ -189,52 +186,6 @@ class _LinkedRun(_Run):
 
     # --- prefill: load, compute, store ---
 
-    def start_prefetch(self, i: int, d: Any, t: float) -> None:
-        """Request ``i``'s peer load starts at its admission ``t`` (``d`` its decision),
-        for the part of the planned range its holder has now."""
-        src, p = d.fetch_from, d.prefill
-        lo = d.reused_blocks - d.fetch_blocks
-        keys = self.keys[i]
-        sruns = prefix_runs(self.caches[src], self.ssd[src], keys[: d.reused_blocks])
-        held = sum(n for n, _ in sruns)
-        if held <= lo:
-            return  # nothing there yet: fetched at dequeue
-        peer_dram, peer_ssd = split_runs(sruns, lo, held)
-        bb = self.block_bytes
-        before = set(self.net.flows)
-        n = 0
-        if peer_ssd:
-            n += self.load_ssd(t, i, p, d.decode, peer_ssd * bb)
-        if peer_dram:
-            n += self.load_peer(t, i, p, src, keys[lo:held], peer_dram * bb)
-        self.prefetch_flows[i] = (lo, held, [f for fid, f in self.net.flows.items() if fid not in before])
-        self.outstanding[i] = n
-        self.in_queue[i] = True
-        self.counters["prefetches"] += 1
-
-    def take_prefetch(self, i: int, t: float, local: int) -> tuple[int, list[Flow]] | None:
-        """At dequeue: request ``i``'s prefetch, as (its end block, its flows still
-        running), when it extends the ``local`` prefix; otherwise its flows are removed
-        and None returned (the fetch then runs at dequeue)."""
-        self.in_queue[i] = False
-        entry = self.prefetch_flows.pop(i, None)
-        if entry is None:
-            return None
-        lo, held, flows = entry
-        net = self.net
-        live = [f for f in flows if f.id in net.flows]
-        if lo <= local < held:
-            return held, live
-        self.counters["prefetch_unused"] += 1
-        if live:
-            net.advance(t)
-            for f in live:
-                self.bytes[_path_of(f)] -= int(net.left_now(f))  # never sent
-                net.remove(t, f)
-            self._net_touched = True
-        self.outstanding[i] = 0
-        return None
-
     def start_prefill(self, p: int, t: float) -> None:
         i = self.queues[p].popleft()
         self.busy[p] = True
@@ -286,40 +237,6 @@ class _LinkedRun(_Run):
         if n == 0:
             self.compute(p, i, t)
 
-    def resume_prefetched(
-        self, p: int, i: int, t: float, local: int, local_dram: int, local_ssd: int, pre: tuple[int, list[Flow]]
-    ) -> None:
-        """Dequeued with a usable prefetch: its own SSD prefix loads now, the prefetch's
-        flows still running are waited for (and checked for abandonment ``fetch_abandon_s``
-        later), then it computes."""
-        held, live = pre
-        s = self.s
-        self.counters["fetches"] += 1
-        if held < s.planned[i]:
-            self.counters["fetch_fallbacks"] += 1
-        s.reused[i] = held
-        s.fetched[i] = held - local
-        s.start[i] = t
-        self.hits.update(self.keys[i][:held])
-        bb = self.block_bytes
-        self.bytes["dram_local"] += int(local_dram * bb)
-        d = s.decode[i]
-        assert d is not None
-        n = len(live)
-        if local_ssd:
-            n += self.load_ssd(t, i, p, d, local_ssd * bb)
-        self.outstanding[i] = n
-        if n == 0:
-            self.compute(p, i, t)
-            return
-        peer = [f for f in live if _path_of(f) == "dram_peer"]
-        if peer and self.cfg.abandon_late_fetches and math.isfinite(self.abandon_s[i]):
-            # the bound counts from the dequeue (the wait the fetch adds from then on); a
-            # check at the dequeue itself would read the rate of a flow that may have just
-            # started, on links it has not yet shared out
-            self.peer_loads[i] = (p, local, peer)
-            self.push(t + self.abandon_s[i], _ABANDON, i)
-
     def load_ssd(self, t: float, i: int, p: int, d: int, nbytes: float) -> int:
         direct = [3 * p + 2]
         if not self.cfg.multipath:
@@ -362,6 +279,10 @@ class _LinkedRun(_Run):
         if out > 1:
             self.counters["multipath_splits"] += 1
         return out
+
+    def abandon_due(self, i: int, t: float) -> None:
+        """Request ``i``'s running fetch is checked for abandonment at ``t``."""
+        self.push(t, _ABANDON, i)
 
     def maybe_abandon(self, i: int, t: float) -> None:
         """Request ``i``'s fetch is due: if it is still running and finishing it at its
@@ -482,14 +403,6 @@ class _LinkedRun(_Run):
             self.prefill_busy_s,
             self.bytes,
         )
-
-
-def _path_of(f: Flow) -> str:
-    """Which of ``PATHS`` a load flow takes (from its first link: a peer's NIC out, or a
-    storage link, alone or relayed through the decode instance)."""
-    if f.links[0] % 3 != 2:
-        return "dram_peer"
-    return "ssd_direct" if len(f.links) == 1 else "ssd_relay"
 
 
 def run_linked(cfg: SimConfig, trace: Sequence[Request], progress: Progress | None = None) -> Report:
