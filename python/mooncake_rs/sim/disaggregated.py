@@ -36,6 +36,8 @@ __all__ = ["run_disaggregated"]
 _PREFILL_DONE = 0
 _KV_READY = 1
 _DECODE_BOUNDARY = 2
+#: a prefetch has arrived: its blocks are in the instance's DRAM (servable to peers)
+_PREFETCHED = 5
 
 
 class _Run(EventLoop):
@@ -65,6 +67,8 @@ class _Run(EventLoop):
         self.counters = {"fetches": 0, "fetch_fallbacks": 0, "replicated_blocks": 0}
         #: per request with a prefetch under way: (first fetched block, end block, when done)
         self.prefetched: dict[int, tuple[int, int, float]] = {}
+        #: per prefetch not arrived yet: its block range (stored at arrival)
+        self.arrivals: dict[int, tuple[int, int]] = {}
         if cfg.prefetch_staging_bytes:
             self.counters.update(prefetches=0, prefetch_unused=0)
         # hot-block sampling and replication times (set by go)
@@ -108,6 +112,14 @@ class _Run(EventLoop):
             fetch_s *= self.factor[i]
         self.prefetched[i] = (lo, held, t + fetch_s)
         self.counters["prefetches"] += 1
+        self.arrivals[i] = (lo, held)
+        self.push(t + fetch_s, _PREFETCHED, d.prefill, i)
+
+    def prefetch_arrived(self, p: int, i: int) -> None:
+        """Request ``i``'s prefetched blocks are in ``p``'s DRAM: stored (and reported)
+        there, so the replica the index was told of at admission is real now."""
+        lo, held = self.arrivals.pop(i)
+        store_chain(self.conductor, self.caches[p], p, self.keys[i][lo:held])
 
     def start_prefill(self, p: int, t: float) -> None:
         i = self.queues[p].popleft()
@@ -120,7 +132,9 @@ class _Run(EventLoop):
         src = s.fetch_from[i]
         pre = self.prefetched.pop(i, None)
         wait_s: float | None = None
-        if pre is not None and not pre[0] <= local < pre[1]:
+        if pre is not None and pre[2] <= t and local >= pre[1]:
+            pre = None  # arrived before its dequeue: its blocks are local (prefetch_arrived)
+        elif pre is not None and not pre[0] <= local < pre[1]:
             # a gap before the staged blocks, or its own prefix grew past them
             self.counters["prefetch_unused"] += 1
             pre = None
@@ -262,6 +276,8 @@ class _Run(EventLoop):
             self.prefill_done(a, b, t)
         elif kind == _KV_READY:
             self.kv_ready(a, b, t)
+        elif kind == _PREFETCHED:
+            self.prefetch_arrived(a, b)
         else:
             self.boundary(a, b, c)
 

@@ -132,7 +132,9 @@ class _LinkedRun(PrefetchLoads, _Run):
             i: int = tag[1]
             if kind == _LOAD:
                 self.outstanding[i] -= 1
-                if self.outstanding[i] == 0 and not self.in_queue[i]:
+                if self.outstanding[i] == 0 and self.in_queue[i]:
+                    self.prefetch_arrived(i, t)
+                elif self.outstanding[i] == 0:
                     self.peer_loads.pop(i, None)
                     p = self.s.prefill[i]
                     assert p is not None

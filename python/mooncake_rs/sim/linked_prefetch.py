@@ -53,6 +53,7 @@ class PrefetchLoads:
         def load_peer(self, t: float, i: int, p: int, src: int, rng: Sequence[int], nbytes: float) -> int: ...
         def compute(self, p: int, i: int, t: float, delay: float = 0.0) -> None: ...
         def abandon_due(self, i: int, t: float) -> None: ...
+        def store(self, p: int, keys: Sequence[int], t: float) -> None: ...
 
     def start_prefetch(self, i: int, d: Any, t: float) -> None:
         """Request ``i``'s peer load starts at its admission ``t`` (``d`` its decision),
@@ -77,6 +78,16 @@ class PrefetchLoads:
         self.in_queue[i] = True
         self.counters["prefetches"] += 1
 
+    def prefetch_arrived(self, i: int, t: float) -> None:
+        """Request ``i``'s prefetch has arrived while it is queued: its blocks are stored
+        in its instance's DRAM (and reported), so the replica the index was told of at
+        admission is real now, and servable to peers."""
+        entry = self.prefetch_flows.get(i)
+        d = self.s.prefill[i]
+        if entry is not None and d is not None:
+            lo, held, _ = entry
+            self.store(d, self.keys[i][lo:held], t)
+
     def take_prefetch(self, i: int, t: float, local: int) -> tuple[int, list[Flow]] | None:
         """At dequeue: request ``i``'s prefetch, as (its end block, its flows still
         running), when it extends the ``local`` prefix; otherwise its flows are removed
@@ -90,6 +101,8 @@ class PrefetchLoads:
         live = [f for f in flows if f.id in net.flows]
         if lo <= local < held:
             return held, live
+        if not live and local >= held:
+            return None  # arrived before its dequeue: its blocks are local (prefetch_arrived)
         self.counters["prefetch_unused"] += 1
         if live:
             net.advance(t)
