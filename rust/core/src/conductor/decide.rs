@@ -114,6 +114,7 @@ impl Conductor {
             balancing_threshold: cfg.balancing_threshold,
             now,
             links: st.links.as_ref(),
+            prefetch: cfg.prefetch_staging_bytes > 0.0,
         };
         let overloaded = |reason: RejectReason, detail: &str| ConductorError::Overloaded {
             reason,
@@ -200,7 +201,8 @@ impl Conductor {
             self.index.insert(d.prefill, &req.block_hashes[local..choice.reused_blocks], Tier::Dram)?;
         }
         self.plan_links(st, req, d);
-        let staged_bytes = if d.prefetch { self.fetch_tokens(req, d) as f64 * cfg.cost.transfer.bytes_per_token } else { 0.0 };
+        let staged_bytes =
+            if d.prefetch { self.fetch_tokens(req, d) as f64 * cfg.cost.transfer.bytes_per_token } else { 0.0 };
         let work_s = choice.transfer_s + choice.prefill_s;
         st.prefill[pi].queued_s += work_s;
         st.prefill[pi].queued_n += 1;

@@ -114,9 +114,8 @@ fn a_prefetch_loads_the_links_from_the_decision() {
         setup(c);
         c.schedule(&req(1, &A, 120, 0.0)).unwrap();
     }
-    let nic_out = |c: &Conductor, t: f64| {
-        c.link_loads(Some(t)).unwrap().iter().find(|l| l.instance == 2).unwrap().nic_out_bytes
-    };
+    let nic_out =
+        |c: &Conductor, t: f64| c.link_loads(Some(t)).unwrap().iter().find(|l| l.instance == 2).unwrap().nic_out_bytes;
     // prefetch: 100 bytes on 2's NIC out from 0; at dequeue (50 ms): from then
     assert!(close(nic_out(&on, 0.0), 100.0));
     assert!(close(nic_out(&off, 0.0), 0.0));
@@ -127,6 +126,30 @@ fn a_prefetch_loads_the_links_from_the_decision() {
 fn a_negative_or_infinite_staging_size_is_refused() {
     for bad in [-1.0, f64::NAN, f64::INFINITY] {
         let cfg = ConductorConfig { prefetch_staging_bytes: bad, ..Default::default() };
-        assert!(matches!(cfg.validate(), Err(ConductorError::InvalidConfig(m)) if m.contains("prefetch_staging_bytes")));
+        assert!(
+            matches!(cfg.validate(), Err(ConductorError::InvalidConfig(m)) if m.contains("prefetch_staging_bytes"))
+        );
     }
+}
+
+#[test]
+fn a_tie_between_a_hidden_fetch_and_an_idle_instance_goes_to_the_idle_one() {
+    // 1 has 10 ms of queue, 3 none; 2 holds A with 1 s of queue. A 100-token fetch takes
+    // 20 ms: on 1 it hides the 10 ms queue (10 + 10 + 20 ms), on 3 it runs alone (20 + 20
+    // ms): the same 40 ms, and the idle instance takes it although 1 comes first
+    let c = conductor(1e9);
+    c.add_prefill(1, PrefillSpec::default()).unwrap();
+    c.add_decode(10, DecodeSpec::default()).unwrap();
+    assert_eq!(c.schedule(&req(98, &[], 10, 0.0)).unwrap().prefill, 1);
+    c.add_prefill(2, PrefillSpec::default()).unwrap();
+    c.on_blocks_stored(2, &A, Tier::Dram).unwrap();
+    assert_eq!(c.schedule(&req(99, &[], 1000, 0.0)).unwrap().prefill, 2);
+    c.report_link_load(2, 0.0, 0.0, 0.0, 0.0).unwrap();
+    c.add_prefill(3, PrefillSpec::default()).unwrap();
+    let d = c.preview(&req(1, &A, 120, 0.0)).unwrap();
+    assert_eq!((d.prefill, d.fetch_from, d.prefetch), (3, Some(2), true), "{d:?}");
+    assert!(close(d.est_ttft_s, 0.04), "{d:?}");
+    // the busy instance's option is the same estimate
+    let snap = c.snapshot(Some(0.0)).unwrap();
+    assert!(close(snap.prefill.iter().find(|p| p.id == 1).unwrap().queue_s, 0.01));
 }

@@ -23,6 +23,11 @@ fn costs() -> impl Strategy<Value = CostModels> {
     )
 }
 
+/// Whether any candidate of the drawn ones has staging room (prefetch on).
+fn cands_can_prefetch(locals: &[(f64, usize, usize, f64, f64)]) -> bool {
+    locals.iter().any(|l| l.4 > 0.0)
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
 
@@ -40,6 +45,7 @@ proptest! {
         let bs = 10;
         // staging room per candidate: none (prefetch off), some fetches fit (60 bytes: 6
         // blocks at 1 byte a token), every fetch fits
+        let prefetch = cands_can_prefetch(&locals);
         let cands: Vec<Candidate> = locals.iter().enumerate()
             .map(|(i, &(q, d, s, speed, stage))| Candidate { id: i as u64, queue_s: q, speed, dram: d, ssd: s, gpu: 0, stage_free_bytes: stage })
             .collect();
@@ -51,6 +57,7 @@ proptest! {
         let input = PolicyInput {
             prompt_len: n_blocks * bs + tail, block_size: bs, cands: &cands, matches: &matches,
             best: best_of(&matches), cost: &cost, balancing_threshold: threshold, now: 0.0, links: None,
+            prefetch,
         };
         for kind in [PolicyKind::Mooncake, PolicyKind::TtftOptimal, PolicyKind::LocalCacheAware] {
             let mut rng = 0;
@@ -58,7 +65,12 @@ proptest! {
             prop_assert_eq!(chosen, estimate_for(kind, &input, chosen.idx));
             for i in 0..cands.len() {
                 let other = estimate_for(kind, &input, i);
-                prop_assert!(chosen.ttft() <= other.ttft(), "{:?}: {} chose {:?} over {:?}", kind, i, chosen, other);
+                // with prefetch, estimates equal up to rounding are ties (the shorter queue wins)
+                let slack = if prefetch { 1e-9 * other.ttft() + 1e-12 } else { 0.0 };
+                prop_assert!(chosen.ttft() <= other.ttft() + slack, "{:?}: {} chose {:?} over {:?}", kind, i, chosen, other);
+                if prefetch && kind == PolicyKind::Mooncake && (chosen.ttft() - other.ttft()).abs() <= slack {
+                    prop_assert!(chosen.queue_s <= other.queue_s, "a tie goes to the shorter queue: {:?} over {:?}", chosen, other);
+                }
                 prop_assert!(other.reused_blocks <= n_blocks && other.fetch_blocks <= other.reused_blocks);
             }
         }

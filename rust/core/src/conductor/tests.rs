@@ -43,6 +43,7 @@ fn run(kind: PolicyKind, cands: &[Candidate], matches: &[PrefixMatch], threshold
         balancing_threshold: threshold,
         now: 0.0,
         links: None,
+        prefetch: false,
     };
     let mut rng = 7;
     policy::choose(kind, &input, &mut rng).expect("candidates")
@@ -91,6 +92,7 @@ fn random_covers_every_instance_and_reuses_local() {
         balancing_threshold: 2.0,
         now: 0.0,
         links: None,
+        prefetch: false,
     };
     let mut rng = 1;
     let mut seen = [0; 3];

@@ -59,6 +59,9 @@ pub struct PolicyInput<'a> {
     pub now: f64,
     /// Link loads (None: fetches are priced on an idle network).
     pub links: Option<&'a LinkLoads>,
+    /// Prefetch at decision time is on (`ConductorConfig::prefetch_staging_bytes > 0`):
+    /// `mooncake` breaks ties between instances by the shorter queue.
+    pub prefetch: bool,
 }
 
 impl PolicyInput<'_> {
