@@ -133,7 +133,7 @@ class _LinkedRun(PrefetchLoads, _Run):
             if kind == _LOAD:
                 self.outstanding[i] -= 1
                 if self.outstanding[i] == 0 and self.in_queue[i]:
-                    self.prefetch_arrived(i, t)
+                    self.prefetch_loaded(i, t)
                 elif self.outstanding[i] == 0:
                     self.peer_loads.pop(i, None)
                     p = self.s.prefill[i]

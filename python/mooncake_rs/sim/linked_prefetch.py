@@ -78,7 +78,7 @@ class PrefetchLoads:
         self.in_queue[i] = True
         self.counters["prefetches"] += 1
 
-    def prefetch_arrived(self, i: int, t: float) -> None:
+    def prefetch_loaded(self, i: int, t: float) -> None:
         """Request ``i``'s prefetch has arrived while it is queued: its blocks are stored
         in its instance's DRAM (and reported), so the replica the index was told of at
         admission is real now, and servable to peers."""
@@ -102,7 +102,7 @@ class PrefetchLoads:
         if lo <= local < held:
             return held, live
         if not live and local >= held:
-            return None  # arrived before its dequeue: its blocks are local (prefetch_arrived)
+            return None  # arrived before its dequeue: its blocks are local (prefetch_loaded)
         self.counters["prefetch_unused"] += 1
         if live:
             net.advance(t)
