@@ -44,6 +44,11 @@ fn setup(policy: PolicyKind, rejection: RejectionKind) -> Setup {
     if let Some(t) = threshold {
         cfg.balancing_threshold = t;
     }
+    // CONDUCTOR_PREFETCH_STAGING_BYTES: prefetch at decision time with this much staging
+    // memory per prefill instance (default: the config's, 0 = off)
+    if let Some(b) = std::env::var("CONDUCTOR_PREFETCH_STAGING_BYTES").ok().and_then(|v| v.parse().ok()) {
+        cfg.prefetch_staging_bytes = b;
+    }
     let c = Conductor::new(cfg).expect("config");
     for i in 0..INSTANCES {
         c.add_prefill(i, PrefillSpec::default()).expect("add");

@@ -13,6 +13,8 @@ The checks per cell: ``mooncake`` mean <= the best of ``local_cache_aware`` and
     nice python benches/sim_contention.py --links 100,off --json b.jsonl   # a subset of the cells
     nice python benches/sim_contention.py --policies mooncake --json c.jsonl # one policy's cells
     python benches/sim_contention.py --from-json a.jsonl b.jsonl           # the table of saved cells
+    nice python benches/sim_contention.py --policies mooncake --prefetch-staging-bytes 64e9 --json p.jsonl
+        # prefetch at decision time with 64 GB of staging DRAM per prefill instance
 
 With ``--from-json``, a later file's cell replaces an earlier one's; a row marked
 ``"carried": true`` (a cell copied from an earlier run's table, e.g. to fill a split run)
@@ -44,10 +46,12 @@ def _trace(name: str, n_agentic: int) -> list[sim.Request]:
     return sim.generate_trace(n_agentic, kind="agentic", seed=int(name.split("-")[1]))
 
 
-def cell(args: tuple[str, int, float | None, str, int]) -> dict:
-    name, pd, nic, policy, n_agentic = args
+def cell(args: tuple[str, int, float | None, str, int, float]) -> dict:
+    name, pd, nic, policy, n_agentic, staging = args
     tr = _trace(name, n_agentic)
-    cfg = sim.SimConfig(prefill=pd, decode=pd, policy=policy, nic_bandwidth=nic, ttft_slo_s=1e9, tbt_slo_s=1e9)
+    cfg = sim.SimConfig(
+        prefill=pd, decode=pd, policy=policy, nic_bandwidth=nic, ttft_slo_s=1e9, tbt_slo_s=1e9, prefetch_staging_bytes=staging
+    )
     t0 = time.perf_counter()
     rep = sim.Simulator(cfg).run(tr)
     tt = sorted(r.ttft_s for r in rep.requests if r.ttft_s is not None)
@@ -56,6 +60,7 @@ def cell(args: tuple[str, int, float | None, str, int]) -> dict:
         "trace": name, "pd": pd, "nic": nic, "policy": policy, "n": n,
         "mean": sum(tt) / n, "p90": tt[min(n - 1, int(0.9 * n))], "p99": tt[min(n - 1, int(0.99 * n))],
         "fetches": rep.counters.get("fetches", 0), "abandoned": rep.counters.get("fetch_abandoned", 0),
+        "prefetches": rep.counters.get("prefetches", 0), "staging": staging,
         "wall_s": time.perf_counter() - t0,
     }
 
@@ -107,6 +112,10 @@ def main() -> None:
     ap.add_argument("--json", help="also write every cell as JSON lines here")
     ap.add_argument("--links", default="10,25,100,off", help="NIC GB/s values to run (off: no link model)")
     ap.add_argument("--policies", default=",".join(POLICIES), help="the policies to run (a subset: for split runs)")
+    ap.add_argument(
+        "--prefetch-staging-bytes", type=float, default=0.0,
+        help="prefetch at decision time: staging DRAM per prefill instance, bytes (0: off)",
+    )
     ap.add_argument("--from-json", nargs="+", help="print the table of cells saved by --json runs, run nothing")
     a = ap.parse_args()
     if a.from_json:
@@ -119,7 +128,7 @@ def main() -> None:
         names.insert(0, "synthetic")
     else:
         print(f"(synthetic trace {TRACE} not found: skipped; set MOONCAKE_TRACE)", file=sys.stderr)
-    jobs = [(n, pd, nic, p, a.agentic_requests) for n in names for pd in CLUSTERS for nic in links for p in a.policies.split(",")]
+    jobs = [(n, pd, nic, p, a.agentic_requests, a.prefetch_staging_bytes) for n in names for pd in CLUSTERS for nic in links for p in a.policies.split(",")]
     # the slow cells (low bandwidth: many concurrent flows) first, so the pool ends together
     jobs.sort(key=lambda j: (j[2] or 1e18))
     t0 = time.perf_counter()

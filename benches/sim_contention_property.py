@@ -7,6 +7,7 @@ that baseline's in units of the baseline's largest single TTFT ("request-worths"
 tolerance tests/test_sim_contention.py states), and the cases by trace kind and rate.
 
     nice python benches/sim_contention_property.py [--cases 300] [--seed 1] [--kinds agentic,chat]
+        [--prefetch-staging-bytes 64e9]   # prefetch at decision time (every policy's config)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=300)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--kinds", default="agentic,chat")
+    ap.add_argument("--prefetch-staging-bytes", type=float, default=0.0, help="staging DRAM per prefill instance (0: off)")
     a = ap.parse_args()
     rng = random.Random(a.seed)
     kinds = a.kinds.split(",")
@@ -36,7 +38,7 @@ def main() -> None:
         mean, worst = {}, {}
         for pol in ("load_balance", "local_cache_aware", "mooncake"):
             cfg = sim.SimConfig(prefill=case["prefill"], decode=case["decode"], policy=pol, nic_bandwidth=case["nic"],
-                                ttft_slo_s=1e9, tbt_slo_s=1e9)
+                                ttft_slo_s=1e9, tbt_slo_s=1e9, prefetch_staging_bytes=a.prefetch_staging_bytes)
             tt = [r.ttft_s for r in sim.Simulator(cfg).run(tr).requests]
             mean[pol], worst[pol] = sum(tt) / len(tt), max(tt)
         bp = min(("load_balance", "local_cache_aware"), key=lambda p: mean[p])

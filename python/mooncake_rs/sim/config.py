@@ -127,6 +127,10 @@ class SimConfig:
     #: replication (``replicate_every_s``): at most this many bytes of replicas per
     #: round (the conductor's ``hot_replica_max_bytes``)
     hot_replica_max_bytes: float = CONDUCTOR_DEFAULTS.hot_replica_max_bytes
+    #: prefetch at decision time (disaggregated): bytes of staging DRAM per prefill
+    #: instance for prefixes fetched while their request waits in the queue (the
+    #: conductor's ``prefetch_staging_bytes``; 0: every fetch starts at dequeue)
+    prefetch_staging_bytes: float = CONDUCTOR_DEFAULTS.prefetch_staging_bytes
 
     def __post_init__(self) -> None:
         _posint("prefill", self.prefill)
@@ -188,6 +192,9 @@ class SimConfig:
                 raise InvalidArgument(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.link_report_every_s is not None:
             _pos("link_report_every_s", self.link_report_every_s)
+        p = self.prefetch_staging_bytes
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (math.isfinite(p) and p >= 0):
+            raise InvalidArgument(f"prefetch_staging_bytes must be a finite number of bytes >= 0, got {p!r}")
         if not isinstance(self.adaptive_roles, bool):
             raise InvalidArgument(f"adaptive_roles must be a bool, got {self.adaptive_roles!r}")
         if self.adaptive_roles and (self.architecture != "disaggregated" or self.links):
@@ -287,6 +294,7 @@ class SimConfig:
             # the conductor sees contention where the simulated cluster has it
             contention_aware=self.links and self.contention_aware,
             hot_replica_max_bytes=self.hot_replica_max_bytes,
+            prefetch_staging_bytes=float(self.prefetch_staging_bytes),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -340,4 +348,5 @@ _NEW_FIELDS: dict[str, Any] = {
     "link_report_every_s": 0.2,
     "abandon_late_fetches": True,
     "hot_replica_max_bytes": CONDUCTOR_DEFAULTS.hot_replica_max_bytes,
+    "prefetch_staging_bytes": CONDUCTOR_DEFAULTS.prefetch_staging_bytes,
 }

@@ -8,6 +8,13 @@ reported to the conductor with whatever that evicted -> KV streamed to the decod
 instance (layer by layer, overlapping the prefill) -> continuous batching there
 (:mod:`.batching`) -> done. Every step is reported back to the conductor
 (``on_prefill_started/finished``, ``on_decode_started/finished``).
+
+Prefetch at decision time (``SimConfig.prefetch_staging_bytes``): when the decision says
+``prefetch``, the fetch starts at admission with what the holder has then, into the
+prefill instance's staging memory; at dequeue the instance waits only for what is left
+of it. A prefetch it cannot use (its own prefix lost a block the fetch builds on) is
+dropped (so is one its own prefix has grown past) and the fetch happens at dequeue, as
+without prefetch.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from collections.abc import Sequence
+from typing import Any
 
 from .._core import BlockCache
 from .batching import ContinuousBatch
@@ -28,6 +36,8 @@ __all__ = ["run_disaggregated"]
 _PREFILL_DONE = 0
 _KV_READY = 1
 _DECODE_BOUNDARY = 2
+#: a prefetch has arrived: its blocks are in the instance's DRAM (servable to peers)
+_PREFETCHED = 5
 
 
 class _Run(EventLoop):
@@ -55,6 +65,12 @@ class _Run(EventLoop):
         self.kv_used = [0] * D
         self.hits: Counter[int] = Counter()
         self.counters = {"fetches": 0, "fetch_fallbacks": 0, "replicated_blocks": 0}
+        #: per request with a prefetch under way: (first fetched block, end block, when done)
+        self.prefetched: dict[int, tuple[int, int, float]] = {}
+        #: per prefetch not arrived yet: its block range (stored at arrival)
+        self.arrivals: dict[int, tuple[int, int]] = {}
+        if cfg.prefetch_staging_bytes:
+            self.counters.update(prefetches=0, prefetch_unused=0)
         # hot-block sampling and replication times (set by go)
         self._sample_every = 0.0
         self._next_sample = 0.0
@@ -78,9 +94,32 @@ class _Run(EventLoop):
             # ours: the instance will hold the prompt's blocks once this prefill ends, and
             # anything routed there later runs after it (FIFO): tell the conductor now
             self.conductor.on_blocks_stored(d.prefill, self.keys[i])
+        if d.prefetch and d.fetch_from is not None and cfg.cache == "global":
+            self.start_prefetch(i, d, t)
         self.queues[d.prefill].append(i)
         if not self.busy[d.prefill]:
             self.start_prefill(d.prefill, t)
+
+    def start_prefetch(self, i: int, d: Any, t: float) -> None:
+        """Request ``i``'s fetch starts at its admission ``t`` (``d`` its decision), with
+        the part of the planned range its holder has now."""
+        lo = d.reused_blocks - d.fetch_blocks
+        held = self.caches[d.fetch_from].lookup_prefix(self.keys[i][: d.reused_blocks])
+        if held <= lo:
+            return  # nothing there yet: fetched at dequeue
+        fetch_s = self.tm.fetch((held - lo) * self.cfg.block_tokens, 0.0)
+        if self.factor is not None:
+            fetch_s *= self.factor[i]
+        self.prefetched[i] = (lo, held, t + fetch_s)
+        self.counters["prefetches"] += 1
+        self.arrivals[i] = (lo, held)
+        self.push(t + fetch_s, _PREFETCHED, d.prefill, i)
+
+    def prefetch_arrived(self, p: int, i: int) -> None:
+        """Request ``i``'s prefetched blocks are in ``p``'s DRAM: stored (and reported)
+        there, so the replica the index was told of at admission is real now."""
+        lo, held = self.arrivals.pop(i)
+        store_chain(self.conductor, self.caches[p], p, self.keys[i][lo:held])
 
     def start_prefill(self, p: int, t: float) -> None:
         i = self.queues[p].popleft()
@@ -91,7 +130,22 @@ class _Run(EventLoop):
         local = self.caches[p].lookup_prefix(keys)
         reused, fetched = local, 0
         src = s.fetch_from[i]
-        if src is not None and s.planned[i] > local:
+        pre = self.prefetched.pop(i, None)
+        wait_s: float | None = None
+        if pre is not None and pre[2] <= t and local >= pre[1]:
+            pre = None  # arrived before its dequeue: its blocks are local (prefetch_arrived)
+        elif pre is not None and not pre[0] <= local < pre[1]:
+            # a gap before the staged blocks, or its own prefix grew past them
+            self.counters["prefetch_unused"] += 1
+            pre = None
+        if pre is not None:
+            self.counters["fetches"] += 1
+            _, held, ready = pre
+            reused, fetched = held, held - local
+            wait_s = max(0.0, ready - t)
+            if held < s.planned[i]:
+                self.counters["fetch_fallbacks"] += 1
+        elif src is not None and s.planned[i] > local:
             self.counters["fetches"] += 1
             if self.cfg.cache == "global":
                 held = self.caches[src].lookup_prefix(keys[: s.planned[i]])
@@ -101,12 +155,14 @@ class _Run(EventLoop):
                     self.counters["fetch_fallbacks"] += 1
         bt = self.cfg.block_tokens
         L = self.trace[i].input_length
-        fetch_s = self.tm.fetch(fetched * bt, 0.0) if fetched else 0.0
+        fetch_s = self.tm.fetch(fetched * bt, 0.0) if fetched and wait_s is None else 0.0
         compute = self.pm.predict(L, min(reused * bt, L))
         if self.factor is not None:
             f = self.factor[i]
             fetch_s *= f
             compute *= f
+        if wait_s is not None:
+            fetch_s = wait_s  # what is left of the prefetch (its factor applied at its start)
         self.compute_s += compute
         self.io_wait_s += fetch_s
         self.prefill_busy_s += fetch_s + compute
@@ -220,6 +276,8 @@ class _Run(EventLoop):
             self.prefill_done(a, b, t)
         elif kind == _KV_READY:
             self.kv_ready(a, b, t)
+        elif kind == _PREFETCHED:
+            self.prefetch_arrived(a, b)
         else:
             self.boundary(a, b, c)
 

@@ -29,6 +29,9 @@ give). A fetch still running at the decision's ``fetch_abandon_s`` is given up f
 recompute when finishing it at its current rate would take longer than recomputing the
 blocks it brings (``abandon_late_fetches``). ``estimate_error`` applies to the compute
 only here (the links give the transfer times).
+
+With prefetch at decision time (the decision's ``prefetch``), a request's peer load
+starts at its admission and overlaps its queue (:mod:`.linked_prefetch`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from .._core import BlockCache
 from .config import SimConfig
 from .disaggregated import _KV_READY, _PREFILL_DONE, _Run
 from .links import Flow, Links
+from .linked_prefetch import PrefetchLoads, path_of
 from .loop import Progress, build_report
 from .report import HotSample, Report
 from .tiers import prefix_runs, split_runs, store_tiered
@@ -56,7 +60,7 @@ _LOAD, _STREAM, _WRITE, _REPL = 0, 1, 2, 3
 PATHS = ("dram_local", "dram_peer", "ssd_direct", "ssd_relay")
 
 
-class _LinkedRun(_Run):
+class _LinkedRun(PrefetchLoads, _Run):
     def __init__(self, cfg: SimConfig, trace: Sequence[Request], progress: Progress | None) -> None:
         super().__init__(cfg, trace, progress)
         n = cfg.prefill + cfg.decode
@@ -84,6 +88,10 @@ class _LinkedRun(_Run):
         self.outstanding = [0] * len(trace)
         self.stream_left = [False] * len(trace)
         self.ended = [False] * len(trace)
+        #: admitted with a prefetch and not dequeued yet (its loads' end starts nothing)
+        self.in_queue = [False] * len(trace)
+        #: per request with a prefetch under way: (first fetched block, end block, its flows)
+        self.prefetch_flows: dict[int, tuple[int, int, list[Flow]]] = {}
         self.bytes = dict.fromkeys(PATHS, 0)
         #: per prefill instance, its flow of demotion writes (None: none active)
         self.writes: list[Flow | None] = [None] * cfg.prefill
@@ -124,7 +132,9 @@ class _LinkedRun(_Run):
             i: int = tag[1]
             if kind == _LOAD:
                 self.outstanding[i] -= 1
-                if self.outstanding[i] == 0:
+                if self.outstanding[i] == 0 and self.in_queue[i]:
+                    self.prefetch_loaded(i, t)
+                elif self.outstanding[i] == 0:
                     self.peer_loads.pop(i, None)
                     p = self.s.prefill[i]
                     assert p is not None
@@ -190,6 +200,10 @@ class _LinkedRun(_Run):
         local_dram, local_ssd = split_runs(runs, 0, local)
         reused, peer_dram, peer_ssd = local, 0, 0
         src = s.fetch_from[i]
+        pre = self.take_prefetch(i, t, local) if self.in_queue[i] else None
+        if pre is not None:
+            self.resume_prefetched(p, i, t, local, local_dram, local_ssd, pre)
+            return
         if src is not None and s.planned[i] > local:
             self.counters["fetches"] += 1
             if self.cfg.cache == "global":
@@ -267,6 +281,10 @@ class _LinkedRun(_Run):
         if out > 1:
             self.counters["multipath_splits"] += 1
         return out
+
+    def abandon_due(self, i: int, t: float) -> None:
+        """Request ``i``'s running fetch is checked for abandonment at ``t``."""
+        self.push(t, _ABANDON, i)
 
     def maybe_abandon(self, i: int, t: float) -> None:
         """Request ``i``'s fetch is due: if it is still running and finishing it at its

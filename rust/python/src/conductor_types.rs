@@ -23,7 +23,7 @@ inner_getters!(PyConductorConfig {
         block_size: usize, ttft_slo_s: f64, tbt_slo_s: f64, balancing_threshold: f64, seed: u64,
         default_output_len: usize, output_len_ewma: f64, max_output_len: usize, hot_min_hits: f64,
         hot_half_life_s: f64, hot_busy_fraction: f64, contention_aware: bool, hot_link_busy_s: f64,
-        hot_replica_max_bytes: f64, hot_capacity: usize,
+        hot_replica_max_bytes: f64, hot_capacity: usize, prefetch_staging_bytes: f64,
     }
     /// Every argument left out (or None) takes the core's default
     /// (`ConductorConfig::default()` in rust/core/src/conductor/config.rs), the one place
@@ -35,7 +35,7 @@ inner_getters!(PyConductorConfig {
         rejection = None, seed = None, prefill_model = None, transfer_model = None, decode_model = None,
         default_output_len = None, output_len_ewma = None, hot_min_hits = None, hot_half_life_s = None,
         hot_busy_fraction = None, hot_capacity = None, max_output_len = None, contention_aware = None,
-        hot_link_busy_s = None, hot_replica_max_bytes = None,
+        hot_link_busy_s = None, hot_replica_max_bytes = None, prefetch_staging_bytes = None,
     ))]
     fn new(
         py: Python<'_>,
@@ -59,13 +59,14 @@ inner_getters!(PyConductorConfig {
         contention_aware: Option<bool>,
         hot_link_busy_s: Option<f64>,
         hot_replica_max_bytes: Option<f64>,
+        prefetch_staging_bytes: Option<f64>,
     ) -> PyResult<Self> {
         let policy = policy.map(PolicyKind::parse).transpose().or_raise(py)?;
         let rejection = rejection.map(RejectionKind::parse).transpose().or_raise(py)?;
         let mut inner = with_overrides!(ConductorConfig::default();
             block_size, ttft_slo_s, tbt_slo_s, policy, balancing_threshold, rejection, seed, default_output_len,
             output_len_ewma, hot_min_hits, hot_half_life_s, hot_busy_fraction, hot_capacity, max_output_len,
-            contention_aware, hot_link_busy_s, hot_replica_max_bytes);
+            contention_aware, hot_link_busy_s, hot_replica_max_bytes, prefetch_staging_bytes);
         let cost = &mut inner.cost;
         let (prefill, transfer, decode) = (prefill_model.map(|m| m.inner), transfer_model.map(|m| m.inner), decode_model.map(|m| m.inner));
         *cost = with_overrides!(*cost; prefill, transfer, decode);
@@ -113,7 +114,7 @@ pub struct PyDecision {
 inner_getters!(PyDecision {
         prefill: InstanceId, decode: InstanceId, reused_blocks: usize, fetch_blocks: usize,
         fetch_from: Option<InstanceId>, est_queue_s: f64, est_prefill_s: f64, est_transfer_s: f64, est_ttft_s: f64,
-        est_tbt_s: f64, retry_after_s: f64, fetch_abandon_s: f64,
+        est_tbt_s: f64, retry_after_s: f64, fetch_abandon_s: f64, prefetch: bool,
     }
     fn __repr__(&self) -> String {
         let d = &self.inner;

@@ -48,8 +48,13 @@ pub struct Decision {
     /// With a fetch: seconds after the fetch starts past which the prefill instance
     /// should give it up and recompute (the recompute time of the fetched blocks: by
     /// then the fetch has cost what it was to save, so the loss is at most 2x). Infinite
-    /// without a fetch.
+    /// without a fetch. With `prefetch`, counted from when the request leaves its queue
+    /// (the wait the fetch adds from then on).
     pub fetch_abandon_s: f64,
+    /// Start the fetch now, into the prefill instance's staging memory, while the request
+    /// waits in its queue (`ConductorConfig::prefetch_staging_bytes`); `est_transfer_s`
+    /// is then what the fetch is expected to add past the queue. False: fetch at dequeue.
+    pub prefetch: bool,
 }
 
 /// The arguments of `schedule`.
@@ -242,7 +247,7 @@ impl Conductor {
             }
         };
         let best = best_of(matches);
-        candidates(&st, req, matches, best.map_or(0, |b| b.total()), &cal, cands);
+        candidates(&st, req, matches, best.map_or(0, |b| b.total()), &cal, self.config.prefetch_staging_bytes, cands);
         let est = self.estimate(&st, req, matches, best, cands, cal)?;
         if self.config.rejection != RejectionKind::None {
             let admit =

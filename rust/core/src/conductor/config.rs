@@ -118,6 +118,10 @@ pub struct ConductorConfig {
     pub hot_link_busy_s: f64,
     /// Replication: at most this many bytes of replicas per `replication_hints` call.
     pub hot_replica_max_bytes: f64,
+    /// Prefetch at decision time: bytes of DRAM per prefill instance for prefixes fetched
+    /// while their request waits in its queue (`policy/mod.rs`). A fetch that would not
+    /// fit in what is free starts at dequeue instead. 0: off (every fetch at dequeue).
+    pub prefetch_staging_bytes: f64,
 }
 
 impl Default for ConductorConfig {
@@ -141,6 +145,7 @@ impl Default for ConductorConfig {
             contention_aware: true,
             hot_link_busy_s: 0.5,
             hot_replica_max_bytes: 64e9,
+            prefetch_staging_bytes: 0.0,
         }
     }
 }
@@ -178,6 +183,7 @@ impl ConductorConfig {
         check_nonneg("hot_busy_fraction", self.hot_busy_fraction)?;
         check_nonneg("hot_link_busy_s", self.hot_link_busy_s)?;
         check_nonneg("hot_replica_max_bytes", self.hot_replica_max_bytes)?;
+        check_nonneg("prefetch_staging_bytes", self.prefetch_staging_bytes)?;
         if self.hot_capacity == 0 {
             return Err(ConductorError::InvalidConfig("hot_capacity must be > 0".into()));
         }

@@ -51,13 +51,15 @@ pub(super) struct Calibrated {
 /// looked up: a shorter one would not change the choice the index already offers).
 /// With the calibration on, the queue is the instance's first-in-first-out backlog at
 /// its measured speed, in the cost model's seconds (divided by the scale again: the
-/// estimate multiplies the whole TTFT by it).
+/// estimate multiplies the whole TTFT by it). `stage_cap` is the staging memory for
+/// prefetches per instance (0: prefetch off).
 pub(super) fn candidates(
     st: &State,
     req: &ScheduleRequest<'_>,
     matches: &[PrefixMatch],
     floor: usize,
     cal: &Calibrated,
+    stage_cap: f64,
     cands: &mut Vec<Candidate>,
 ) {
     let now = req.now;
@@ -75,7 +77,8 @@ pub(super) fn candidates(
             _ => (0, 0, 0),
         };
         let queue_s = if cal.enabled { p.fifo_queue_s(now, cal.work_scale) / cal.work_scale } else { p.queue_s(now) };
-        cands.push(Candidate { id: p.id, queue_s, speed: p.spec.speed, dram, ssd, gpu });
+        let stage_free_bytes = (stage_cap - p.staged_bytes).max(0.0);
+        cands.push(Candidate { id: p.id, queue_s, speed: p.spec.speed, dram, ssd, gpu, stage_free_bytes });
     }
     st.pending.longest(req.block_hashes, floor, |inst, n| {
         if let Ok(k) = cands.binary_search_by_key(&inst, |c| c.id) {
@@ -111,6 +114,7 @@ impl Conductor {
             balancing_threshold: cfg.balancing_threshold,
             now,
             links: st.links.as_ref(),
+            prefetch: cfg.prefetch_staging_bytes > 0.0,
         };
         let overloaded = |reason: RejectReason, detail: &str| ConductorError::Overloaded {
             reason,
@@ -164,6 +168,7 @@ impl Conductor {
             est_tbt_s: pick.tbt * cal.tbt_scale,
             retry_after_s: 0.0,
             fetch_abandon_s,
+            prefetch: choice.prefetch,
         };
         Ok(Estimate {
             decision,
@@ -196,9 +201,12 @@ impl Conductor {
             self.index.insert(d.prefill, &req.block_hashes[local..choice.reused_blocks], Tier::Dram)?;
         }
         self.plan_links(st, req, d);
+        let staged_bytes =
+            if d.prefetch { self.fetch_tokens(req, d) as f64 * cfg.cost.transfer.bytes_per_token } else { 0.0 };
         let work_s = choice.transfer_s + choice.prefill_s;
         st.prefill[pi].queued_s += work_s;
         st.prefill[pi].queued_n += 1;
+        st.prefill[pi].staged_bytes += staged_bytes;
         let tbt_s = tbt_or(d.est_tbt_s, cfg.tbt_slo_s);
         let ask = &est.ask;
         let member = Member {
@@ -228,6 +236,7 @@ impl Conductor {
                 raw_tbt_s: est.raw_tbt_s,
                 decode_t: None,
                 pending_last: req.block_hashes.last().copied(),
+                staged_bytes,
             },
         );
         st.rng = est.rng;
@@ -235,17 +244,23 @@ impl Conductor {
         Ok(())
     }
 
+    /// Tokens of the decision's fetch (0 without one).
+    fn fetch_tokens(&self, req: &ScheduleRequest<'_>, d: &Decision) -> usize {
+        let bs = self.config.block_size;
+        (d.reused_blocks * bs).min(req.prompt_len) - ((d.reused_blocks - d.fetch_blocks) * bs).min(req.prompt_len)
+    }
+
     /// An admitted request's transfers on the link loads: its fetch (holder NIC out,
-    /// prefill NIC in) when its prefill is expected to start, its KV stream to decode
-    /// (prefill NIC out, decode NIC in) when its compute is.
+    /// prefill NIC in) now when it is a prefetch, else when its prefill is expected to
+    /// start; its KV stream to decode (prefill NIC out, decode NIC in) when its compute is.
     fn plan_links(&self, st: &mut State, req: &ScheduleRequest<'_>, d: &Decision) {
+        let tokens = self.fetch_tokens(req, d);
         let Some(links) = st.links.as_mut() else { return };
         let bpt = self.config.cost.transfer.bytes_per_token;
         let start = req.now + d.est_queue_s;
         if let Some(src) = d.fetch_from {
-            let tokens = (d.reused_blocks * self.config.block_size).min(req.prompt_len)
-                - ((d.reused_blocks - d.fetch_blocks) * self.config.block_size).min(req.prompt_len);
-            links.plan_transfer(src, d.prefill, start, tokens as f64 * bpt);
+            let fetch_start = if d.prefetch { req.now } else { start };
+            links.plan_transfer(src, d.prefill, fetch_start, tokens as f64 * bpt);
         }
         links.plan_transfer(d.prefill, d.decode, start + d.est_transfer_s, req.prompt_len as f64 * bpt);
     }

@@ -110,6 +110,8 @@ mod drain_tests;
 #[cfg(test)]
 mod link_tests;
 #[cfg(test)]
+mod prefetch_tests;
+#[cfg(test)]
 mod proptests;
 #[cfg(test)]
 mod service_tests;

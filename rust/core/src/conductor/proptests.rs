@@ -23,6 +23,11 @@ fn costs() -> impl Strategy<Value = CostModels> {
     )
 }
 
+/// Whether any candidate of the drawn ones has staging room (prefetch on).
+fn cands_can_prefetch(locals: &[(f64, usize, usize, f64, f64)]) -> bool {
+    locals.iter().any(|l| l.4 > 0.0)
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
 
@@ -31,15 +36,18 @@ proptest! {
     /// (`estimate_for`) — is no higher than any other instance's.
     #[test]
     fn chosen_instance_has_the_lowest_estimated_ttft(
-        locals in prop::collection::vec((0.0..2.0f64, 0usize..12, 0usize..12, 0.5..2.0f64), 1..8),
+        locals in prop::collection::vec((0.0..2.0f64, 0usize..12, 0usize..12, 0.5..2.0f64, prop::sample::select(vec![0.0, 60.0, 1e9])), 1..8),
         extra in prop::collection::vec((0usize..12, 0usize..12), 0..3),
         threshold in 1.0..4.0f64,
         tail in 1usize..50,
         cost in costs(),
     ) {
         let bs = 10;
+        // staging room per candidate: none (prefetch off), some fetches fit (60 bytes: 6
+        // blocks at 1 byte a token), every fetch fits
+        let prefetch = cands_can_prefetch(&locals);
         let cands: Vec<Candidate> = locals.iter().enumerate()
-            .map(|(i, &(q, d, s, speed))| Candidate { id: i as u64, queue_s: q, speed, dram: d, ssd: s, gpu: 0 })
+            .map(|(i, &(q, d, s, speed, stage))| Candidate { id: i as u64, queue_s: q, speed, dram: d, ssd: s, gpu: 0, stage_free_bytes: stage })
             .collect();
         let mut matches: Vec<PrefixMatch> = cands.iter().filter(|c| c.local() > 0)
             .map(|c| PrefixMatch { instance: c.id, dram: c.dram, ssd: c.ssd, gpu: c.gpu }).collect();
@@ -49,6 +57,7 @@ proptest! {
         let input = PolicyInput {
             prompt_len: n_blocks * bs + tail, block_size: bs, cands: &cands, matches: &matches,
             best: best_of(&matches), cost: &cost, balancing_threshold: threshold, now: 0.0, links: None,
+            prefetch,
         };
         for kind in [PolicyKind::Mooncake, PolicyKind::TtftOptimal, PolicyKind::LocalCacheAware] {
             let mut rng = 0;
@@ -56,7 +65,12 @@ proptest! {
             prop_assert_eq!(chosen, estimate_for(kind, &input, chosen.idx));
             for i in 0..cands.len() {
                 let other = estimate_for(kind, &input, i);
-                prop_assert!(chosen.ttft() <= other.ttft(), "{:?}: {} chose {:?} over {:?}", kind, i, chosen, other);
+                // with prefetch, estimates equal up to rounding are ties (the shorter queue wins)
+                let slack = if prefetch { 1e-9 * other.ttft() + 1e-12 } else { 0.0 };
+                prop_assert!(chosen.ttft() <= other.ttft() + slack, "{:?}: {} chose {:?} over {:?}", kind, i, chosen, other);
+                if prefetch && kind == PolicyKind::Mooncake && (chosen.ttft() - other.ttft()).abs() <= slack {
+                    prop_assert!(chosen.queue_s <= other.queue_s, "a tie goes to the shorter queue: {:?} over {:?}", chosen, other);
+                }
                 prop_assert!(other.reused_blocks <= n_blocks && other.fetch_blocks <= other.reused_blocks);
             }
         }
@@ -177,11 +191,13 @@ proptest! {
         ops in prop::collection::vec(op(), 1..80),
         policy in prop::sample::select(vec!["random", "load_balance", "local_cache_aware", "mooncake", "ttft_optimal"]),
         rejection in prop::sample::select(vec!["none", "early", "predictive"]),
+        // prefetch off, room for a few blocks (327,680 bytes a token, 4 a block), unbounded
+        staging in prop::sample::select(vec![0.0, 4e6, 1e15]),
     ) {
         let cfg = ConductorConfig {
             block_size: 4, ttft_slo_s: 0.5, tbt_slo_s: 0.02,
             policy: PolicyKind::parse(policy).unwrap(), rejection: RejectionKind::parse(rejection).unwrap(),
-            hot_min_hits: 1.0, hot_busy_fraction: 0.0, hot_capacity: 4,
+            hot_min_hits: 1.0, hot_busy_fraction: 0.0, hot_capacity: 4, prefetch_staging_bytes: staging,
             ..Default::default()
         };
         let c = Conductor::new(cfg).unwrap();

@@ -23,6 +23,8 @@ pub(crate) struct PrefillInst {
     /// When the started request that left last was predicted to end (`fifo_queue_s`):
     /// the next one's service starts no earlier.
     pub served_until: f64,
+    /// Bytes of prefetched prefixes held in staging memory for queued requests.
+    pub staged_bytes: f64,
 }
 
 impl PrefillInst {
@@ -35,6 +37,7 @@ impl PrefillInst {
             running: Vec::new(),
             draining: false,
             served_until: f64::NEG_INFINITY,
+            staged_bytes: 0.0,
         }
     }
 
@@ -135,6 +138,8 @@ pub(crate) struct Req {
     pub decode_t: Option<f64>,
     /// Its entry in `State::pending` (the prompt's last full block) until its prefill ends.
     pub pending_last: Option<BlockHash>,
+    /// Bytes its prefetch holds in its prefill instance's staging memory while it is queued.
+    pub staged_bytes: f64,
 }
 
 #[derive(Debug)]
@@ -204,6 +209,8 @@ impl State {
                 Stage::Queued => {
                     p.queued_n -= 1;
                     p.queued_s = if p.queued_n == 0 { 0.0 } else { p.queued_s - req.work_s };
+                    // leaving the queue, the prefetched prefix moves into the engine
+                    p.staged_bytes = if p.queued_n == 0 { 0.0 } else { (p.staged_bytes - req.staged_bytes).max(0.0) };
                 }
                 Stage::Prefilling => p.running.retain(|r| r.0 != rid),
                 _ => {}
@@ -246,6 +253,10 @@ impl State {
                     p.queued_s,
                     queued.len()
                 ));
+            }
+            let staged: f64 = queued.iter().map(|r| r.staged_bytes).sum();
+            if !close(staged, p.staged_bytes) {
+                return Err(format!("prefill {} stages {} bytes, its queue says {staged}", p.id, p.staged_bytes));
             }
             let running = self.reqs.values().filter(|r| r.prefill == p.id && r.stage == Stage::Prefilling).count();
             if running != p.running.len() {

@@ -25,7 +25,7 @@ pub(super) fn unit_costs() -> CostModels {
 }
 
 fn cand(id: u64, queue_s: f64, dram: usize, ssd: usize) -> Candidate {
-    Candidate { id, queue_s, speed: 1.0, dram, ssd, gpu: 0 }
+    Candidate { id, queue_s, speed: 1.0, dram, ssd, gpu: 0, stage_free_bytes: 0.0 }
 }
 
 fn pm(instance: u64, dram: usize, ssd: usize) -> PrefixMatch {
@@ -43,6 +43,7 @@ fn run(kind: PolicyKind, cands: &[Candidate], matches: &[PrefixMatch], threshold
         balancing_threshold: threshold,
         now: 0.0,
         links: None,
+        prefetch: false,
     };
     let mut rng = 7;
     policy::choose(kind, &input, &mut rng).expect("candidates")
@@ -91,6 +92,7 @@ fn random_covers_every_instance_and_reuses_local() {
         balancing_threshold: 2.0,
         now: 0.0,
         links: None,
+        prefetch: false,
     };
     let mut rng = 1;
     let mut seen = [0; 3];

@@ -3,6 +3,13 @@
 //! prompt's prefix) and returns a [`Choice`] with its estimates; `schedule` then picks a
 //! decode instance and applies admission. A policy's estimated TTFT of an instance is
 //! `queue_s + transfer_s + prefill_s` of the option it would use there.
+//!
+//! Prefetch at decision time (`ConductorConfig::prefetch_staging_bytes`): a peer fetch
+//! whose bytes fit the free staging memory of the candidate starts when the conductor
+//! decides, into that instance's DRAM, while the request waits in its queue. Its
+//! `transfer_s` is then only what the fetch adds past the queue (`max(0, fetch -
+//! queue)`), priced on the links as loaded now rather than when the queue drains; a
+//! fetch that does not fit starts at dequeue, as without prefetch.
 
 mod load_balance;
 mod local_cache_aware;
@@ -27,6 +34,8 @@ pub struct Candidate {
     pub dram: usize,
     pub ssd: usize,
     pub gpu: usize,
+    /// Bytes of staging memory free for a prefetch (0: prefetch off, or none free).
+    pub stage_free_bytes: f64,
 }
 
 impl Candidate {
@@ -50,6 +59,9 @@ pub struct PolicyInput<'a> {
     pub now: f64,
     /// Link loads (None: fetches are priced on an idle network).
     pub links: Option<&'a LinkLoads>,
+    /// Prefetch at decision time is on (`ConductorConfig::prefetch_staging_bytes > 0`):
+    /// `mooncake` breaks ties between instances by the shorter queue.
+    pub prefetch: bool,
 }
 
 impl PolicyInput<'_> {
@@ -76,6 +88,37 @@ impl PolicyInput<'_> {
         }
     }
 
+    /// Seconds a fetch of `tokens` from `holder` adds to candidate `c`'s TTFT, and
+    /// whether it is a prefetch: one that fits `c`'s free staging memory starts now and
+    /// runs while the request waits, so only the part past the queue counts; any other
+    /// starts when the queue has drained (`fetch_s`).
+    #[inline]
+    pub fn peer_fetch_s(&self, c: &Candidate, holder: InstanceId, tokens: usize) -> (f64, bool) {
+        let bytes = tokens as f64 * self.cost.transfer.bytes_per_token;
+        if tokens == 0 || bytes > c.stage_free_bytes {
+            return (self.fetch_s(c, holder, tokens, 0.0), false);
+        }
+        let idle = self.cost.transfer.fetch(tokens, 0.0);
+        let full = match self.links {
+            Some(l) => idle + l.fetch_wait_s(holder, c.id, self.now),
+            None => idle,
+        };
+        ((full - c.queue_s).max(0.0), true)
+    }
+
+    /// A lower bound of `peer_fetch_s(c, _, tokens).0` over holders (the idle-link fetch,
+    /// less the queue it may overlap): a fetch option whose bound cannot win need not be
+    /// priced on the links.
+    #[inline]
+    pub fn peer_fetch_floor_s(&self, c: &Candidate, tokens: usize) -> f64 {
+        let idle = self.cost.transfer.fetch(tokens, 0.0);
+        if tokens > 0 && tokens as f64 * self.cost.transfer.bytes_per_token <= c.stage_free_bytes {
+            (idle - c.queue_s).max(0.0)
+        } else {
+            idle
+        }
+    }
+
     /// The choice that reuses `c`'s local prefix and fetches nothing.
     pub fn local_choice(&self, idx: usize) -> Choice {
         let c = &self.cands[idx];
@@ -87,6 +130,7 @@ impl PolicyInput<'_> {
             queue_s: c.queue_s,
             prefill_s: self.prefill_s(c, c.local()),
             transfer_s: 0.0,
+            prefetch: false,
         }
     }
 }
@@ -101,7 +145,10 @@ pub struct Choice {
     pub fetch_from: Option<InstanceId>,
     pub queue_s: f64,
     pub prefill_s: f64,
+    /// The transfer's share of the TTFT (with `prefetch`, only the part past the queue).
     pub transfer_s: f64,
+    /// The fetch starts at the decision, into the instance's staging memory.
+    pub prefetch: bool,
 }
 
 impl Choice {

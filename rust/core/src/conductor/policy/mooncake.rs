@@ -14,6 +14,11 @@
 //! its KV stream to decode fills that NIC), and the paper's rule then either waits on
 //! them or recomputes; a holder of a slightly shorter prefix on an idle NIC is usually
 //! the better fetch (issue 25's 100 GB/s misses, BENCHMARKS.md).
+//!
+//! With prefetch at decision time on (`PolicyInput::peer_fetch_s`), a fetch that fits the
+//! candidate's staging memory overlaps its queue: the option costs `max(queue, fetch) +
+//! prefill` instead of `queue + fetch + prefill`. Estimates equal up to rounding then go
+//! to the instance with the shorter queue, not the lower id.
 
 use super::{keep_best, Choice, PolicyInput};
 
@@ -42,17 +47,18 @@ fn option_below(input: &PolicyInput<'_>, idx: usize, bound: f64) -> Choice {
         let prefill_s = input.prefill_s(c, b);
         // a fetch on idle links is a lower bound of one under load: when even that loses,
         // the link loads need not be looked at (most candidates, most of the time)
-        let idle = input.cost.transfer.fetch(fetch_tokens, 0.0);
-        let floor = local.queue_s + idle + prefill_s;
+        let floor = local.queue_s + input.peer_fetch_floor_s(c, fetch_tokens) + prefill_s;
         if floor >= out.ttft() || floor >= bound {
             continue;
         }
+        let (transfer_s, prefetch) = input.peer_fetch_s(c, h.instance, fetch_tokens);
         let fetch = Choice {
             reused_blocks: b,
             fetch_blocks: b - l,
             fetch_from: Some(h.instance),
-            transfer_s: input.fetch_s(c, h.instance, fetch_tokens, 0.0),
+            transfer_s,
             prefill_s,
+            prefetch,
             ..local
         };
         if fetch.ttft() < out.ttft() {
@@ -65,13 +71,38 @@ fn option_below(input: &PolicyInput<'_>, idx: usize, bound: f64) -> Choice {
 pub(super) fn choose(input: &PolicyInput<'_>) -> Choice {
     let mut best: Option<Choice> = None;
     for (i, c) in input.cands.iter().enumerate() {
-        let bound = best.map_or(f64::INFINITY, |b| b.ttft());
+        let bound = best.map_or(f64::INFINITY, |b| if input.prefetch { tie_bound(b.ttft()) } else { b.ttft() });
         // every option on `c` takes at least its queue: it cannot win (ties go to the
-        // first seen), so its fetch options need not be priced
+        // first seen; with prefetch, to the shorter queue, which this one is not), so its
+        // fetch options need not be priced
         if c.queue_s >= bound {
             continue;
         }
-        keep_best(&mut best, option_below(input, i, bound));
+        let o = option_below(input, i, bound);
+        match best {
+            // with prefetch, a fetch the queue hides costs `max(queue, fetch)`: every
+            // instance whose queue is shorter than the fetch ties with an idle one, and
+            // the idle one is taken (the busy instance's later requests would pay for it)
+            Some(b)
+                if input.prefetch && o.ttft() <= tie_bound(b.ttft()) && o.ttft() >= b.ttft() - tie_slack(b.ttft()) =>
+            {
+                if o.queue_s < b.queue_s {
+                    best = Some(o);
+                }
+            }
+            _ => keep_best(&mut best, o),
+        }
     }
     best.unwrap_or_else(|| input.local_choice(0))
+}
+
+/// Estimates this close are a tie (floating-point rounding of `queue + (fetch - queue)`).
+#[inline]
+pub(super) fn tie_slack(ttft: f64) -> f64 {
+    1e-9 * ttft.abs() + 1e-12
+}
+
+#[inline]
+fn tie_bound(ttft: f64) -> f64 {
+    ttft + tie_slack(ttft)
 }

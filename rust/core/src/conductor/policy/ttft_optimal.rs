@@ -44,6 +44,7 @@ pub(super) fn option_for(input: &PolicyInput<'_>, idx: usize) -> Choice {
                 queue_s: c.queue_s,
                 prefill_s: input.prefill_s(c, b),
                 transfer_s: local_load_s + input.fetch_s(c, h.instance, fetch_tokens, ssd_fraction),
+                prefetch: false,
             },
         );
     }
