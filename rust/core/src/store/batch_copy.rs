@@ -46,15 +46,16 @@ impl AddressedChunk {
     }
 }
 
-/// Below this many bytes a batch is copied by the calling thread alone. A second thread
-/// adds nothing to a copy's speed on this project's 2-core KVM host, whose memory system
-/// a single core's streaming copy already fills (measured: 16 MiB after a 20 ms pause,
-/// 11.5-12.2 GB/s with one thread, two threads, or a kept helper doing half; 12.5-14 GB/s
-/// back to back, alike), while starting or waking one costs the batch: a local
-/// `batch_put_from` of 32 x 512 KiB spent 1.56-1.67 ms in its copy call with no helper
-/// against 1.68-1.82 ms with one spawned, and 1.67-3.74 ms with a kept helper woken by a
-/// condvar (BENCHMARKS.md, "k24p"). Hosts with more memory channels than one core can
-/// fill still get helpers for batches this large, where a thread start is noise.
+/// Below this many bytes a batch is copied by the calling thread alone. A batch usually
+/// follows a pause (a request's worth of other work), and after one a second thread adds
+/// little to a copy on this project's 2-core KVM host: 16 MiB into huge-page slots after
+/// a 20 ms sleep, 12.8 GB/s on one thread, 12.7 with a helper spawned, 13.7 with a kept
+/// helper doing half (two threads double a copy only back to back, bytes still cached).
+/// Starting or waking the helper costs more than that: a local `batch_put_from` of
+/// 32 x 512 KiB spent 1.50-1.67 ms in its copy call with no helper, 1.68-1.82 ms with
+/// one spawned, 1.63-3.66 ms with a kept helper woken by a condvar (BENCHMARKS.md, "k24p:
+/// local 512 KiB after a pause"). Batches this large still get helpers, where a thread
+/// start is noise and hosts with memory channels to spare gain.
 const PARALLEL_MIN_BYTES: usize = 64 << 20;
 /// At most this many copy threads (past that the memory system, not the cores, limits).
 const MAX_COPY_THREADS: usize = 8;
