@@ -30,7 +30,12 @@ impl AddressedObject {
                 sizes.len()
             )));
         }
-        Ok(oids.iter().zip(addrs).zip(sizes).map(|((&oid, &addr), &size)| AddressedObject { oid, addr, size }).collect())
+        Ok(oids
+            .iter()
+            .zip(addrs)
+            .zip(sizes)
+            .map(|((&oid, &addr), &size)| AddressedObject { oid, addr, size })
+            .collect())
     }
 
     /// How many chunks of `block_bytes` hold it (at least one).
@@ -54,11 +59,18 @@ fn chunks_of(objects: &[AddressedObject], block_bytes: usize) -> Result<(Vec<Add
             )));
         }
         if o.addr.checked_add(o.size).is_none() {
-            return Err(StoreError::Invalid(format!("object at {:#x} of {} bytes wraps the address space", o.addr, o.size)));
+            return Err(StoreError::Invalid(format!(
+                "object at {:#x} of {} bytes wraps the address space",
+                o.addr, o.size
+            )));
         }
         for j in 0..n {
             let at = j * block_bytes;
-            chunks.push(AddressedChunk { key: o.oid | j as BlockHash, addr: o.addr + at, len: block_bytes.min(o.size - at) });
+            chunks.push(AddressedChunk {
+                key: o.oid | j as BlockHash,
+                addr: o.addr + at,
+                len: block_bytes.min(o.size - at),
+            });
         }
         counts.push(n);
     }
@@ -138,22 +150,32 @@ mod tests {
         for o in &objects {
             let n = o.size.div_ceil(BB).max(1);
             for j in 0..n {
-                by_hand.push(AddressedChunk { key: o.oid | j as u128, addr: o.addr + j * BB, len: BB.min(o.size - j * BB) });
+                by_hand.push(AddressedChunk {
+                    key: o.oid | j as u128,
+                    addr: o.addr + j * BB,
+                    len: BB.min(o.size - j * BB),
+                });
             }
         }
-        assert_eq!(chunks_of(&objects, BB).unwrap().0.iter().map(|c| (c.key, c.addr, c.len)).collect::<Vec<_>>(),
-                   by_hand.iter().map(|c| (c.key, c.addr, c.len)).collect::<Vec<_>>());
+        assert_eq!(
+            chunks_of(&objects, BB).unwrap().0.iter().map(|c| (c.key, c.addr, c.len)).collect::<Vec<_>>(),
+            by_hand.iter().map(|c| (c.key, c.addr, c.len)).collect::<Vec<_>>()
+        );
         let (fast, slow) = (store(64), store(64));
         // SAFETY: every range lies inside `src`.
         assert_eq!(unsafe { fast.put_objects_from(&objects) }.unwrap(), vec![true; sizes.len()]);
         assert!(unsafe { slow.put_from_addresses(&by_hand) }.unwrap().iter().all(|&b| b));
         for c in &by_hand {
-            assert_eq!(fast.get(c.key, true).unwrap().unwrap().bytes(), slow.get(c.key, true).unwrap().unwrap().bytes());
+            assert_eq!(
+                fast.get(c.key, true).unwrap().unwrap().bytes(),
+                slow.get(c.key, true).unwrap().unwrap().bytes()
+            );
         }
         // read back into a fresh buffer, plus one object never stored
         let mut got = vec![0x5Au8; total + 16];
         let g = got.as_mut_ptr() as usize;
-        let mut outs: Vec<AddressedObject> = objects.iter().map(|o| AddressedObject { addr: o.addr - base + g, ..*o }).collect();
+        let mut outs: Vec<AddressedObject> =
+            objects.iter().map(|o| AddressedObject { addr: o.addr - base + g, ..*o }).collect();
         outs.push(AddressedObject { oid: 99 << 80, addr: g + total, size: 16 });
         // SAFETY: every range lies inside `got`, disjoint (the empty object's is empty).
         let found = unsafe { fast.get_objects_into(&outs, true) }.unwrap();
