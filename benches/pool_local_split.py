@@ -1,7 +1,8 @@
 """Where a local ``batch_put_from`` / ``batch_get_into`` of 32 objects spends its time,
 through the Mooncake-compatible facade on the embedded pool (as benches/pool_bench.py
-calls it): the whole call, the Rust copy call inside it (``Store.put_from_addresses`` /
-``get_into_addresses``, argument conversion included), the Python before and after that
+calls it): the whole call, the Rust copy call inside it (``Store.put_objects_from`` / ``get_objects_into``,
+or the older ``put_from_addresses`` / ``get_into_addresses``; argument conversion
+included), the Python before and after that
 call, and one ``memmove`` of the same bytes between the same buffers. Each timed call
 follows the same 20 ms pause as pool_bench.py's (on a shared host the caches are cold
 after it, which is what a batch pays). Medians over rounds, microseconds.
@@ -47,6 +48,12 @@ class TimedStore:
 
     def get_into_addresses(self, *args: object) -> object:
         return self._timed("get_into_addresses", *args)
+
+    def put_objects_from(self, *args: object) -> object:
+        return self._timed("put_objects_from", *args)
+
+    def get_objects_into(self, *args: object) -> object:
+        return self._timed("get_objects_into", *args)
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
-"""The one-call batch path of a segment (segment_batch.py: Store.put_from_addresses /
-get_into_addresses) against the per-object reference path (ObjectSegment.put_from /
+"""The one-call batch path of a segment (segment_batch.py: Store.put_objects_from /
+get_objects_into) against the per-object reference path (ObjectSegment.put_from /
 get_into) on the same inputs."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mooncake_rs.errors import InvalidArgument
 from mooncake_rs.pool import KeyStatus, ObjectSegment
 from mooncake_rs.pool.segment_batch import get_batch, put_batch
 
@@ -126,27 +127,38 @@ def test_batches_through_the_embedded_client(tmp_path, durable):
             assert (o == v).all()
 
 
-def test_a_plans_chunk_keys_and_ranges_equal_each_objects_own():
-    """The batch plan's keys (Python ints) against ``chunk_keys``' arrays (the per-object
-    path's), and its addresses and lengths against the object's chunks."""
+def test_objects_are_stored_under_each_objects_own_chunk_keys_and_ranges():
+    """``Store.put_objects_from`` (the batch path's Rust chunking) against ``chunk_keys``'
+    arrays (the per-object path's keys): every chunk of every object is found under its
+    key, holding that chunk's bytes, zero-filled past the object's end; and
+    ``get_objects_into`` gives the objects back, a missing one reported as such."""
     import random
 
+    from mooncake_rs import Store
     from mooncake_rs.pool.chunks import chunk_keys, new_oid
-    from mooncake_rs.pool.objects import ObjectMeta
-    from mooncake_rs.pool.segment_batch import _Plan
 
     rng = random.Random(3)
     cb = 4096
-    for _ in range(200):
-        plan = _Plan()
-        want_keys, want_ranges = [], []
-        for i in range(rng.randrange(0, 12)):
-            size = rng.choice([1, cb - 1, cb, cb + 1, 7 * cb, 64 * cb - 5])
-            meta = ObjectMeta(new_oid(), size, 1, -(-size // cb), False)
-            addr = rng.randrange(1, 1 << 40)
-            plan.add(i, f"k{i}", meta, addr, cb)
-            arr = chunk_keys(meta.oid, meta.nchunks)
-            want_keys += [int(hi) << 64 | int(lo) for lo, hi in arr.tolist()]
-            want_ranges += [(addr + j * cb, min(cb, size - j * cb)) for j in range(meta.nchunks)]
-        assert plan.keys == want_keys
-        assert list(zip(plan.addrs, plan.lens)) == want_ranges
+    for _ in range(40):
+        store = Store(block_bytes=cb, dram_bytes=512 * cb)
+        sizes = [rng.choice([0, 1, cb - 1, cb, cb + 1, 7 * cb, 64 * cb - 5]) for _ in range(rng.randrange(1, 8))]
+        vals = [np.frombuffer(rng.randbytes(n), np.uint8) if n else np.zeros(1, np.uint8) for n in sizes]
+        oids = [new_oid() for _ in sizes]
+        assert store.put_objects_from(oids, [v.ctypes.data for v in vals], sizes) == [True] * len(sizes)
+        for oid, v, n in zip(oids, vals, sizes):
+            nchunks = max(1, -(-n // cb))
+            for j, (lo, hi) in enumerate(chunk_keys(oid, nchunks).tolist()):
+                block = store.get(int(hi) << 64 | int(lo))
+                assert block is not None
+                want = np.zeros(cb, np.uint8)
+                piece = v[j * cb:min(n, (j + 1) * cb)] if n else v[:0]
+                want[:piece.size] = piece
+                assert (np.asarray(block) == want).all()
+        outs = [np.full(max(n, 1), 9, np.uint8) for n in sizes] + [np.full(5, 9, np.uint8)]
+        found = store.get_objects_into(oids + [new_oid()], [o.ctypes.data for o in outs], sizes + [5])
+        assert found == [True] * len(sizes) + [False]
+        for o, v, n in zip(outs, vals, sizes):
+            assert (o[:n] == v[:n]).all()
+        assert (outs[-1] == 9).all()
+        with pytest.raises(InvalidArgument):
+            store.put_objects_from([oids[0] | 1], [vals[0].ctypes.data], [2 * cb])

@@ -19,6 +19,9 @@ pub const SHM_PREFIX: &str = "mooncake_rs.";
 
 static NEXT_SEGMENT: AtomicU64 = AtomicU64::new(0);
 
+mod huge;
+pub use huge::HUGE_PAGE;
+
 /// A page-aligned mapping of `len` bytes, zero-filled on creation.
 pub struct MappedMemory {
     ptr: NonNull<u8>,
@@ -71,10 +74,15 @@ fn map(len: usize, fd: libc::c_int, flags: libc::c_int) -> io::Result<NonNull<u8
 }
 
 impl MappedMemory {
-    /// Private anonymous memory (this process only).
+    /// Private anonymous memory (this process only). One huge page or more is advised
+    /// to use transparent huge pages ([`huge::map_anonymous_huge`]).
     pub fn anonymous(len: usize) -> io::Result<Self> {
         let len = page_align(len.max(1));
-        let ptr = map(len, -1, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS)?;
+        let ptr = if len >= HUGE_PAGE {
+            huge::map_anonymous_huge(len)?
+        } else {
+            map(len, -1, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS)?
+        };
         Ok(MappedMemory { ptr, len, shm_name: None, owns_name: false })
     }
 

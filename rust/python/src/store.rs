@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use mooncake_core::mem::MappedMemory;
-use mooncake_core::store::{AddressedChunk, BlockRef, Store, StoreConfig, StoreEvent, StoreStats};
+use mooncake_core::store::{AddressedChunk, AddressedObject, BlockRef, Store, StoreConfig, StoreEvent, StoreStats};
 use mooncake_core::BlockHash;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
@@ -295,6 +295,39 @@ impl PyStore {
         let s = &*self.inner;
         // SAFETY: the addresses are the caller's writable, disjoint memory (the contract).
         detached_infallible(py, || unsafe { s.get_into_addresses(&chunks, promote) }).or_raise(py)
+    }
+
+    /// `put_from_addresses` of whole objects: object `i` is `sizes[i]` bytes at
+    /// `addrs[i]`, stored as chunks of block_bytes keyed `oids[i] | j` (the low bits of an
+    /// id must be zero). Per object: True if every chunk was stored now.
+    fn put_objects_from(
+        &self,
+        py: Python<'_>,
+        oids: &Bound<'_, PyAny>,
+        addrs: Vec<usize>,
+        sizes: Vec<usize>,
+    ) -> PyResult<Vec<bool>> {
+        let objects = AddressedObject::zip(&keys_from_py(oids)?, &addrs, &sizes).or_raise(py)?;
+        let s = &*self.inner;
+        // SAFETY: the addresses are the caller's readable memory (the contract).
+        detached_infallible(py, || unsafe { s.put_objects_from(&objects) }).or_raise(py)
+    }
+
+    /// `get_into_addresses` of whole objects, chunked as `put_objects_from`; per object,
+    /// whether every chunk was found.
+    #[pyo3(signature = (oids, addrs, sizes, promote = true))]
+    fn get_objects_into(
+        &self,
+        py: Python<'_>,
+        oids: &Bound<'_, PyAny>,
+        addrs: Vec<usize>,
+        sizes: Vec<usize>,
+        promote: bool,
+    ) -> PyResult<Vec<bool>> {
+        let objects = AddressedObject::zip(&keys_from_py(oids)?, &addrs, &sizes).or_raise(py)?;
+        let s = &*self.inner;
+        // SAFETY: the addresses are the caller's writable, disjoint memory (the contract).
+        detached_infallible(py, || unsafe { s.get_objects_into(&objects, promote) }).or_raise(py)
     }
 
     /// A writable slot for `key` to fill in place; publish it with `.commit()`.

@@ -46,9 +46,17 @@ impl AddressedChunk {
     }
 }
 
-/// Below this many bytes a batch is copied by the calling thread alone (a thread start
-/// costs tens of microseconds).
-const PARALLEL_MIN_BYTES: usize = 4 << 20;
+/// Below this many bytes a batch is copied by the calling thread alone. A batch usually
+/// follows a pause (a request's worth of other work), and after one a second thread adds
+/// little to a copy on this project's 2-core KVM host: 16 MiB into huge-page slots after
+/// a 20 ms sleep, 12.8 GB/s on one thread, 12.7 with a helper spawned, 13.7 with a kept
+/// helper doing half (two threads double a copy only back to back, bytes still cached).
+/// Starting or waking the helper costs more than that: a local `batch_put_from` of
+/// 32 x 512 KiB spent 1.50-1.67 ms in its copy call with no helper, 1.68-1.82 ms with
+/// one spawned, 1.63-3.66 ms with a kept helper woken by a condvar (BENCHMARKS.md, "k24p:
+/// local 512 KiB after a pause"). Batches this large still get helpers, where a thread
+/// start is noise and hosts with memory channels to spare gain.
+const PARALLEL_MIN_BYTES: usize = 64 << 20;
 /// At most this many copy threads (past that the memory system, not the cores, limits).
 const MAX_COPY_THREADS: usize = 8;
 
@@ -166,6 +174,15 @@ impl Work {
 /// call, and no destination overlaps another copy's source or destination.
 unsafe fn run_copies(copies: &[Copy], stores: Stores) {
     let total: usize = copies.iter().map(|c| c.len + c.zero).sum();
+    // SAFETY: the caller's guarantee, passed on.
+    unsafe { run_copies_on(copies, stores, copy_threads(total)) }
+}
+
+/// [`run_copies`] on `threads` threads at most (the caller's included).
+///
+/// # Safety
+/// As [`run_copies`].
+unsafe fn run_copies_on(copies: &[Copy], stores: Stores, threads: usize) {
     let work = Arc::new(Work {
         units: units(copies),
         stores,
@@ -173,7 +190,7 @@ unsafe fn run_copies(copies: &[Copy], stores: Stores) {
         done: Mutex::new(0),
         all_done: Condvar::new(),
     });
-    let helpers = copy_threads(total).min(work.units.len()).saturating_sub(1);
+    let helpers = threads.min(work.units.len()).saturating_sub(1);
     for _ in 0..helpers {
         let w = work.clone();
         // SAFETY: a helper copies only units it claimed, and this function returns only
@@ -314,7 +331,7 @@ mod tests {
     /// large enough to be copied by several threads.
     #[test]
     fn batch_copies_match_per_chunk_puts_and_gets() {
-        let n = 1200; // ~9.4 MiB: above PARALLEL_MIN_BYTES
+        let n = 1200; // ~9.4 MiB: one thread (copies on several: the test below)
         let src = pattern(n * BB - 100, 7);
         let chunks: Vec<AddressedChunk> = (0..n)
             .map(|i| {
@@ -354,6 +371,38 @@ mod tests {
         assert_eq!(unsafe { fast.get_into_addresses(&miss, true) }.unwrap(), vec![false]);
         assert_eq!(one, vec![9u8; 16]);
         fast.check_integrity().unwrap();
+    }
+
+    /// Copies shared by several threads (what a batch of 64 MiB or more gets) write what
+    /// `copy_from_slice` writes, with either kind of store, at odd lengths and offsets,
+    /// zero fills included, and nothing else.
+    #[test]
+    fn copies_on_several_threads_equal_plain_copies() {
+        let src = pattern(5 * UNIT_BYTES + 777, 11);
+        for stores in [Stores::Cached, Stores::Streaming] {
+            for threads in [1, 2, 3] {
+                let mut dst = vec![0xC3u8; src.len() + 3 * 4096 + 64];
+                let d = dst.as_mut_ptr() as usize;
+                let s0 = src.as_ptr() as usize;
+                // (src offset, dst offset, len, zero): a long one cut into units, short
+                // ones, misaligned both sides, with and without a zero fill
+                let plan = [
+                    (1, 3, 2 * UNIT_BYTES + 5, 100),
+                    (2 * UNIT_BYTES + 9, 2 * UNIT_BYTES + 200, UNIT_BYTES - 1, 0),
+                    (3 * UNIT_BYTES + 70, 3 * UNIT_BYTES + 400, 2 * UNIT_BYTES + 700, 4096),
+                ];
+                let copies: Vec<Copy> =
+                    plan.iter().map(|&(so, dof, len, zero)| Copy { dst: d + dof, src: s0 + so, len, zero }).collect();
+                let mut want = dst.clone();
+                for &(so, dof, len, zero) in &plan {
+                    want[dof..dof + len].copy_from_slice(&src[so..so + len]);
+                    want[dof + len..dof + len + zero].fill(0);
+                }
+                // SAFETY: every range lies inside `src` / `dst`, no two destinations overlap.
+                unsafe { run_copies_on(&copies, stores, threads) };
+                assert!(dst == want, "{stores:?} on {threads} threads");
+            }
+        }
     }
 
     #[test]

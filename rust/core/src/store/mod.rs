@@ -19,6 +19,7 @@ mod event_wire;
 mod events;
 pub mod eviction;
 mod inspect;
+mod object_batch;
 pub mod page_gather;
 mod read;
 pub mod segment_copy;
@@ -35,6 +36,7 @@ pub use config::StoreConfig;
 pub use error::StoreError;
 pub use event_wire::{decode_events, encode_events};
 pub use events::{EventKind, IndexEffect, StoreEvent, StoreStats};
+pub use object_batch::AddressedObject;
 pub use slotfile::{FILE_NAME as SSD_FILE_NAME, SLOT_HEADER as SSD_SLOT_HEADER};
 pub use tiered::{BlockRef, Store};
 
