@@ -20,6 +20,7 @@ pub const SHM_PREFIX: &str = "mooncake_rs.";
 static NEXT_SEGMENT: AtomicU64 = AtomicU64::new(0);
 
 mod huge;
+pub(crate) mod stream_copy;
 pub use huge::HUGE_PAGE;
 
 /// A page-aligned mapping of `len` bytes, zero-filled on creation.

@@ -16,7 +16,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::arena::Reservation;
 use super::error::StoreError;
-use super::stream_copy as stream;
+use crate::mem::stream_copy as stream;
 use super::tiered::{BlockRef, Store};
 use crate::hash::BlockHash;
 

@@ -25,7 +25,6 @@ mod read;
 pub mod segment_copy;
 mod slotfile;
 mod ssd;
-pub(crate) mod stream_copy;
 mod table;
 mod tiered;
 

@@ -45,7 +45,7 @@ use super::guard::Guard;
 pub use super::guard::{FrameKey, TAG_LEN};
 use super::overlap::{Job, Overlap, GROUP};
 use super::ConnError;
-use crate::store::stream_copy;
+use crate::mem::stream_copy;
 
 /// Most payload bytes of one protected record (a frame's payload is one or more records).
 pub const RECORD: usize = 64 << 10;
