@@ -16,9 +16,9 @@ use parking_lot::{Condvar, Mutex};
 
 use super::arena::Reservation;
 use super::error::StoreError;
-use crate::mem::stream_copy as stream;
 use super::tiered::{BlockRef, Store};
 use crate::hash::BlockHash;
+use crate::mem::stream_copy as stream;
 
 /// One chunk: its key and the caller's memory it is copied from or into. `len` may be
 /// shorter than `block_bytes` (an object's last chunk): a put zero-fills the rest of the
