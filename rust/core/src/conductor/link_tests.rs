@@ -3,31 +3,11 @@
 //! Unit costs as in tests.rs: prefill 1 ms/token, network 10,000 B/s at 1 B/token
 //! (0.1 ms/token) + 10 ms latency, blocks of 10 tokens.
 
-use super::tests::unit_costs;
+use super::tests::{close, req4 as req, unit_mooncake};
 use super::*;
 use crate::index::Tier;
 
 const HASHES: [u128; 10] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10];
-
-fn conductor() -> Conductor {
-    let cfg = ConductorConfig {
-        block_size: 10,
-        ttft_slo_s: 100.0,
-        tbt_slo_s: 100.0,
-        policy: PolicyKind::Mooncake,
-        cost: unit_costs(),
-        ..Default::default()
-    };
-    Conductor::new(cfg).unwrap()
-}
-
-fn req(id: u64, hashes: &[u128], prompt_len: usize, now: f64) -> ScheduleRequest<'_> {
-    ScheduleRequest { request_id: id, block_hashes: hashes, prompt_len, now, expected_output_len: Some(4) }
-}
-
-fn close(a: f64, b: f64) -> bool {
-    (a - b).abs() < 1e-9
-}
 
 /// Two prefill instances: 2 holds the 100-token prefix and has 1 s of queue (a request
 /// of its own, whose 1,000-byte KV stream it reports gone), 1 is empty and idle.
@@ -43,7 +23,7 @@ fn setup(c: &Conductor) {
 
 #[test]
 fn idle_holder_is_fetched_from() {
-    let c = conductor();
+    let c = unit_mooncake(0.0);
     setup(&c);
     let d = c.schedule(&req(1, &HASHES, 120, 0.0)).unwrap();
     // 1: fetch 100 tokens (10 ms + 10 ms) + prefill 20 tokens = 40 ms
@@ -56,7 +36,7 @@ fn idle_holder_is_fetched_from() {
 
 #[test]
 fn saturated_holder_is_declined_and_the_request_computes() {
-    let c = conductor();
+    let c = unit_mooncake(0.0);
     setup(&c);
     // 2's NIC out is 2,000 bytes behind (a KV stream in flight): a fetch from it waits 0.2 s
     assert!(c.report_link_load(2, 0.0, 2000.0, 0.0, 0.0).unwrap());
@@ -76,7 +56,7 @@ fn saturated_holder_is_declined_and_the_request_computes() {
 
 #[test]
 fn the_conductors_own_streams_load_the_holder() {
-    let c = conductor();
+    let c = unit_mooncake(0.0);
     c.add_prefill(2, PrefillSpec::default()).unwrap();
     c.add_decode(10, DecodeSpec::default()).unwrap();
     c.on_blocks_stored(2, &HASHES, Tier::Dram).unwrap();
@@ -100,7 +80,7 @@ fn the_conductors_own_streams_load_the_holder() {
 
 #[test]
 fn holders_are_chosen_by_free_bandwidth() {
-    let c = conductor();
+    let c = unit_mooncake(0.0);
     c.add_prefill(2, PrefillSpec::default()).unwrap();
     c.add_prefill(3, PrefillSpec::default()).unwrap();
     c.add_decode(10, DecodeSpec::default()).unwrap();
@@ -119,7 +99,7 @@ fn holders_are_chosen_by_free_bandwidth() {
 
 #[test]
 fn stale_and_out_of_order_reports() {
-    let c = conductor();
+    let c = unit_mooncake(0.0);
     setup(&c);
     assert!(c.report_link_load(2, 5.0, 10_000.0, 0.0, 0.0).unwrap());
     assert!(!c.report_link_load(2, 4.0, 0.0, 0.0, 0.0).unwrap()); // older: ignored
@@ -136,7 +116,7 @@ fn stale_and_out_of_order_reports() {
 
 #[test]
 fn a_queued_prompt_counts_as_local_for_its_next_step() {
-    let c = conductor();
+    let c = unit_mooncake(0.0);
     c.add_prefill(1, PrefillSpec::default()).unwrap();
     c.add_prefill(2, PrefillSpec::default()).unwrap();
     c.add_decode(10, DecodeSpec::default()).unwrap();
@@ -164,7 +144,7 @@ fn a_queued_prompt_counts_as_local_for_its_next_step() {
 /// a backlog.
 #[test]
 fn a_shorter_prefix_on_an_idle_holder_beats_the_longest_on_a_saturated_one() {
-    let c = conductor();
+    let c = unit_mooncake(0.0);
     c.add_decode(10, DecodeSpec::default()).unwrap();
     c.add_prefill(2, PrefillSpec::default()).unwrap();
     c.add_prefill(3, PrefillSpec::default()).unwrap();

@@ -4,7 +4,7 @@
 //! does not fit is priced and planned as without prefetch. Unit costs as in tests.rs:
 //! prefill 1 ms/token, network 10,000 B/s at 1 B/token + 10 ms latency, blocks of 10.
 
-use super::tests::unit_costs;
+use super::tests::{close, req4 as req, unit_mooncake};
 use super::*;
 use crate::index::Tier;
 
@@ -12,27 +12,6 @@ const A: [u128; 10] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10];
 const B: [u128; 10] = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20];
 const C: [u128; 10] = [21, 22, 23, 24, 25, 26, 27, 28, 29, 30];
 const D: [u128; 10] = [31, 32, 33, 34, 35, 36, 37, 38, 39, 40];
-
-fn conductor(staging: f64) -> Conductor {
-    let cfg = ConductorConfig {
-        block_size: 10,
-        ttft_slo_s: 100.0,
-        tbt_slo_s: 100.0,
-        policy: PolicyKind::Mooncake,
-        cost: unit_costs(),
-        prefetch_staging_bytes: staging,
-        ..Default::default()
-    };
-    Conductor::new(cfg).unwrap()
-}
-
-fn req(id: u64, hashes: &[u128], prompt_len: usize, now: f64) -> ScheduleRequest<'_> {
-    ScheduleRequest { request_id: id, block_hashes: hashes, prompt_len, now, expected_output_len: Some(4) }
-}
-
-fn close(a: f64, b: f64) -> bool {
-    (a - b).abs() < 1e-9
-}
 
 /// Instance 1 is empty with 50 ms of queue; instance 2 holds the 100-token prefixes A,
 /// B, C and D with 1 s of queue, its links reported idle.
@@ -51,13 +30,13 @@ fn setup(c: &Conductor) {
 #[test]
 fn a_prefetch_overlaps_the_queue() {
     // off: queue 50 ms + fetch 20 ms + prefill 20 ms
-    let off = conductor(0.0);
+    let off = unit_mooncake(0.0);
     setup(&off);
     let d = off.schedule(&req(1, &A, 120, 0.0)).unwrap();
     assert_eq!((d.prefill, d.fetch_from, d.prefetch), (1, Some(2), false));
     assert!(close(d.est_ttft_s, 0.09) && close(d.est_transfer_s, 0.02), "{d:?}");
     // on: the 20 ms fetch runs while the request waits its 50 ms
-    let on = conductor(100.0);
+    let on = unit_mooncake(100.0);
     setup(&on);
     let d = on.schedule(&req(1, &A, 120, 0.0)).unwrap();
     assert_eq!((d.prefill, d.fetch_from, d.fetch_blocks, d.prefetch), (1, Some(2), 10, true));
@@ -68,7 +47,7 @@ fn a_prefetch_overlaps_the_queue() {
 
 #[test]
 fn a_fetch_longer_than_the_queue_adds_only_its_excess() {
-    let c = conductor(1e9);
+    let c = unit_mooncake(1e9);
     setup(&c);
     // 2's NIC out is 1,000 bytes behind now: the prefetch takes 0.1 + 0.02 s, of which
     // the 50 ms queue hides 50 ms
@@ -80,7 +59,7 @@ fn a_fetch_longer_than_the_queue_adds_only_its_excess() {
 
 #[test]
 fn staging_is_bounded_and_freed_when_the_request_leaves_its_queue() {
-    let c = conductor(100.0);
+    let c = unit_mooncake(100.0);
     setup(&c);
     assert!(c.schedule(&req(1, &A, 120, 0.0)).unwrap().prefetch);
     c.check_integrity().unwrap();
@@ -108,8 +87,8 @@ fn staging_is_bounded_and_freed_when_the_request_leaves_its_queue() {
 
 #[test]
 fn a_prefetch_loads_the_links_from_the_decision() {
-    let on = conductor(100.0);
-    let off = conductor(0.0);
+    let on = unit_mooncake(100.0);
+    let off = unit_mooncake(0.0);
     for c in [&on, &off] {
         setup(c);
         c.schedule(&req(1, &A, 120, 0.0)).unwrap();
@@ -137,7 +116,7 @@ fn a_tie_between_a_hidden_fetch_and_an_idle_instance_goes_to_the_idle_one() {
     // 1 has 10 ms of queue, 3 none; 2 holds A with 1 s of queue. A 100-token fetch takes
     // 20 ms: on 1 it hides the 10 ms queue (10 + 10 + 20 ms), on 3 it runs alone (20 + 20
     // ms): the same 40 ms, and the idle instance takes it although 1 comes first
-    let c = conductor(1e9);
+    let c = unit_mooncake(1e9);
     c.add_prefill(1, PrefillSpec::default()).unwrap();
     c.add_decode(10, DecodeSpec::default()).unwrap();
     assert_eq!(c.schedule(&req(98, &[], 10, 0.0)).unwrap().prefill, 1);

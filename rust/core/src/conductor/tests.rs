@@ -49,8 +49,29 @@ fn run(kind: PolicyKind, cands: &[Candidate], matches: &[PrefixMatch], threshold
     policy::choose(kind, &input, &mut rng).expect("candidates")
 }
 
-fn close(a: f64, b: f64) -> bool {
+pub(super) fn close(a: f64, b: f64) -> bool {
     (a - b).abs() < 1e-9
+}
+
+/// A `mooncake` conductor on the unit costs with SLOs out of the way (100 s), with
+/// `prefetch_staging_bytes` of staging per instance (0: prefetch off). For the link and
+/// prefetch tests.
+pub(super) fn unit_mooncake(prefetch_staging_bytes: f64) -> Conductor {
+    let cfg = ConductorConfig {
+        block_size: 10,
+        ttft_slo_s: 100.0,
+        tbt_slo_s: 100.0,
+        policy: PolicyKind::Mooncake,
+        cost: unit_costs(),
+        prefetch_staging_bytes,
+        ..Default::default()
+    };
+    Conductor::new(cfg).unwrap()
+}
+
+/// A request expecting 4 output tokens (the link and prefetch tests' shape).
+pub(super) fn req4(id: u64, hashes: &[u128], prompt_len: usize, now: f64) -> ScheduleRequest<'_> {
+    ScheduleRequest { request_id: id, block_hashes: hashes, prompt_len, now, expected_output_len: Some(4) }
 }
 
 // Instance 1 is idle with no cache; instance 2 holds 10 of the 12 blocks but is busy.
