@@ -1,6 +1,6 @@
 //! A plain memory copy with non-temporal (streaming) stores, for batch copies whose
 //! destination is not read soon (store slots; a get batch larger than a core's cache;
-//! a verified record landing in a region a TCP write targets, `transfer/tcp/seal.rs`).
+//! a verified record landing in a region a TCP write targets, `transfer/tcp/seal_reader.rs`).
 //!
 //! An ordinary store first reads the destination line into cache ("read for ownership"),
 //! so a cached copy of a destination not in cache moves each byte three times through

@@ -1,5 +1,11 @@
-//! Tests of `seal.rs`: protected frames, record layout, tampering.
+//! Tests of `seal.rs` (and its reader and writer): protected frames, record layout, tampering.
 
+use std::io::{self, IoSliceMut, Read, Write};
+
+use super::super::super::protocol::FrameError;
+use super::super::overlap::GROUP;
+use super::super::ConnError;
+use super::writer::TAGGED_GROUP;
 use super::*;
 
 const BOTH: [WireProtection; 2] = [WireProtection::Encrypted, WireProtection::Integrity];
@@ -12,7 +18,7 @@ fn frames(key: Option<FrameKey>) -> Vec<u8> {
     let mut w = FrameWriter::new(Vec::new(), key);
     w.send(b"head-1", b"payload").unwrap();
     w.send(b"head-2", b"").unwrap();
-    w.inner
+    w.into_inner()
 }
 
 fn read_two(wire: &[u8], key: Option<FrameKey>) -> Result<Vec<u8>, ConnError> {
@@ -76,7 +82,7 @@ fn big_frame(k: FrameKey) -> (Vec<u8>, Vec<u8>) {
     let mut w = FrameWriter::new(Vec::new(), Some(k));
     w.send(b"head-1", &payload).unwrap();
     w.send(b"head-2", b"").unwrap();
-    (w.inner, payload)
+    (w.into_inner(), payload)
 }
 
 #[test]
@@ -153,7 +159,7 @@ fn a_payload_of_several_helper_jobs_is_verified_whole() {
         let mut w = FrameWriter::new(Vec::new(), Some(k));
         w.send(b"head", &payload).unwrap();
         w.send(b"next", b"").unwrap();
-        let wire = w.inner;
+        let wire = w.into_inner();
         let read = |wire: &[u8]| -> Result<Vec<u8>, ConnError> {
             let mut r = FrameReader::new(wire, Some(k));
             r.read_exact(&mut [0u8; 4]).map_err(ConnError::from)?;
@@ -186,7 +192,7 @@ fn staged_landing_writes_the_payload_exactly_at_any_alignment_and_length() {
             let mut w = FrameWriter::new(Vec::new(), Some(k));
             w.send(b"head", &payload).unwrap();
             for at in [0usize, 1, 17, 63, 64] {
-                let mut r = FrameReader::new(&w.inner[..], Some(k));
+                let mut r = FrameReader::new(&w.get_ref()[..], Some(k));
                 r.read_exact(&mut [0u8; 4]).unwrap();
                 let mut region = vec![0xEEu8; len + 256];
                 // `at` bytes past a 64-byte boundary inside `region`
@@ -237,7 +243,7 @@ fn integrity_frames_of_many_records_go_out_as_the_record_layout_says() {
         let last = payload.len().div_ceil(RECORD) as u64;
         want.extend_from_slice(b"head-2");
         want.extend_from_slice(&g.tag_in_clear(last, b"head-2", b"").unwrap());
-        assert!(w.inner.out == want, "writes of at most {max} bytes");
+        assert!(w.into_inner().out == want, "writes of at most {max} bytes");
         // Read back through a socket that returns at most `max` bytes a call, across
         // a record's end and its tag.
         for staged in [true, false] {
