@@ -5,7 +5,6 @@ for it (both tiers, after evictions), from token_ids alone."""
 from __future__ import annotations
 
 import random
-import socket
 import time
 
 import pytest
@@ -18,7 +17,7 @@ from mooncake_rs.engine import ModelConfig, SamplingParams  # noqa: E402
 from mooncake_rs.kv_events import Ingestor, KVEventSubscriber  # noqa: E402
 from mooncake_rs.kv_events.targets import TierTarget  # noqa: E402
 from mooncake_rs.serving.kv_events import endpoints_for  # noqa: E402
-from ports import free_port_pair  # noqa: E402
+from ports import free_port, free_port_pair  # noqa: E402
 from serving_helpers import BLOCK  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=4)
@@ -196,12 +195,7 @@ def test_worker_processes_publish_too():
 
     rng = random.Random(8)
     prompts = [[rng.randrange(256) for _ in range(4 * BLOCK)] + [k] for k in range(2)]
-    port = free_port_pair()
-    with socket.socket() as s:  # the second instance's pair must be free too
-        try:
-            s.bind(("127.0.0.1", port + 2))
-        except OSError:
-            pytest.skip("port PORT + 2 is taken")
+    port = free_port(span=4)  # each of the two prefill instances binds a pair
     mine = BlockIndex()
     with Cluster(ModelConfig.tiny(), prefill=2, decode=1, block_size=BLOCK, dram_bytes_per_instance=8 << 20,
                  seed=3, processes=True, kv_events=f"tcp://127.0.0.1:{port}") as c:
