@@ -46,6 +46,17 @@ impl AddressedChunk {
     }
 }
 
+/// Every chunk fits a slot (`block_bytes`) and has a non-null address.
+fn check_chunks(chunks: &[AddressedChunk], bb: usize) -> Result<(), StoreError> {
+    match chunks.iter().find(|c| c.len > bb || c.addr == 0) {
+        Some(c) => Err(StoreError::Invalid(format!(
+            "a chunk is at most block_bytes={bb} bytes at a non-null address, got {} bytes at {:#x}",
+            c.len, c.addr
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// Below this many bytes a batch is copied by the calling thread alone. A batch usually
 /// follows a pause (a request's worth of other work), and after one a second thread adds
 /// little to a copy on this project's 2-core KVM host: 16 MiB into huge-page slots after
@@ -218,12 +229,7 @@ impl Store {
     /// Each `[addr, addr+len)` is readable memory for the whole call.
     pub unsafe fn put_from_addresses(&self, chunks: &[AddressedChunk]) -> Result<Vec<bool>, StoreError> {
         let bb = self.block_bytes();
-        if let Some(c) = chunks.iter().find(|c| c.len > bb || c.addr == 0) {
-            return Err(StoreError::Invalid(format!(
-                "a chunk is at most block_bytes={bb} bytes at a non-null address, got {} bytes at {:#x}",
-                c.len, c.addr
-            )));
-        }
+        check_chunks(chunks, bb)?;
         let mut reserved: Vec<Option<Reservation>> = Vec::with_capacity(chunks.len());
         for c in chunks {
             if self.contains(c.key) {
@@ -259,12 +265,7 @@ impl Store {
     /// overlap.
     pub unsafe fn get_into_addresses(&self, chunks: &[AddressedChunk], promote: bool) -> Result<Vec<bool>, StoreError> {
         let bb = self.block_bytes();
-        if let Some(c) = chunks.iter().find(|c| c.len > bb || c.addr == 0) {
-            return Err(StoreError::Invalid(format!(
-                "a chunk is at most block_bytes={bb} bytes at a non-null address, got {} bytes at {:#x}",
-                c.len, c.addr
-            )));
-        }
+        check_chunks(chunks, bb)?;
         let keys: Vec<BlockHash> = chunks.iter().map(|c| c.key).collect();
         // leases (or private SSD copies) held until every copy is done
         let blocks: Vec<Option<BlockRef>> = self.get_batch(&keys, promote)?;

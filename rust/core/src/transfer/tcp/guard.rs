@@ -122,8 +122,7 @@ impl Guard {
         let input_len = len + aad.len() + 8;
         match self {
             Guard::Tagged(k) if !aad.is_empty() && buf.len() >= input_len => {
-                buf[len..len + aad.len()].copy_from_slice(aad);
-                buf[len + aad.len()..input_len].copy_from_slice(&(aad.len() as u64).to_le_bytes());
+                write_head_after_record(&mut buf[len..input_len], aad);
                 check(k, seq, &buf[..input_len], tag)
             }
             _ => self.open(seq, aad, &mut buf[..len], tag),
@@ -168,10 +167,18 @@ fn with_tagged_input<T>(aad: &[u8], record: &[u8], f: impl FnOnce(&[u8]) -> T) -
         let mut buf = buf.borrow_mut();
         buf.clear();
         buf.extend_from_slice(record);
-        buf.extend_from_slice(aad);
-        buf.extend_from_slice(&(aad.len() as u64).to_le_bytes());
+        buf.resize(record.len() + aad.len() + 8, 0);
+        write_head_after_record(&mut buf[record.len()..], aad);
         f(&buf)
     })
+}
+
+/// Writes what follows a first record in its tagged input: the head, then its length
+/// (u64 LE). `dst` is exactly `aad.len() + 8` bytes. The one place that lays it out.
+fn write_head_after_record(dst: &mut [u8], aad: &[u8]) {
+    let (head, len) = dst.split_at_mut(aad.len());
+    head.copy_from_slice(aad);
+    len.copy_from_slice(&(aad.len() as u64).to_le_bytes());
 }
 
 #[cfg(test)]
