@@ -146,7 +146,9 @@ mod tests {
         let l = PagedLayout { planes: 4, num_pages: 8, page_bytes: 16 };
         let cache = vec![1u8; 512];
         let mut out = vec![0u8; 2 * 4 * 16];
-        let bad: [(&[u8], &[u64], usize, Range<usize>); 7] = [
+        // (cache, pages, pages a block, planes)
+        type Case<'a> = (&'a [u8], &'a [u64], usize, Range<usize>);
+        let bad: [Case; 7] = [
             (&cache, &[0, 8], 1, 0..4),        // page past the cache
             (&cache, &[0, 1, 2], 2, 0..4),     // not whole blocks
             (&cache, &[0, 1], 0, 0..4),        // zero pages a block

@@ -82,10 +82,10 @@ pub fn copy_segments(
     }
     let n = src_offsets.len();
     if let Some(c) = &crcs {
-        if group == 0 || n % group != 0 || c.len() != n / group {
+        if group == 0 || !n.is_multiple_of(group) || c.len() != n / group {
             return Err(SegmentError(format!(
                 "{n} segments in groups of {group} need {} checksums, got {}",
-                if group == 0 { 0 } else { n / group },
+                n.checked_div(group).unwrap_or(0),
                 c.len()
             )));
         }
