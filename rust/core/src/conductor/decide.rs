@@ -9,7 +9,7 @@ use super::conductor::{Conductor, Decision, ScheduleRequest};
 use super::policy::{self, Candidate, Choice, PolicyInput};
 use super::state::{Member, Req, Stage, State};
 use super::{ConductorError, RejectReason};
-use crate::index::{PrefixMatch, Tier};
+use crate::index::PrefixMatch;
 
 /// What `estimate` found: the decision and what admitting it needs.
 pub(super) struct Estimate {
@@ -47,8 +47,9 @@ pub(super) struct Calibrated {
 
 /// One candidate per prefill instance that takes requests: its queue at `now`, speed
 /// and local prefix by tier, the prefix an admitted request will leave there counted
-/// as DRAM (`pending.rs`; only prefixes longer than `floor`, the index's best, are
-/// looked up: a shorter one would not change the choice the index already offers).
+/// as DRAM (`pending.rs`; only prefixes longer than `floor`, one block short of the
+/// index's best, are looked up: a shorter one would not change the choice the index
+/// already offers, one as long saves its fetch).
 /// With the calibration on, the queue is the instance's first-in-first-out backlog at
 /// its measured speed, in the cost model's seconds (divided by the scale again: the
 /// estimate multiplies the whole TTFT by it). `stage_cap` is the staging memory for
@@ -183,9 +184,17 @@ impl Conductor {
         })
     }
 
-    /// Writes an admitted request into the state: the replica its fetch creates (in the
-    /// index), its transfers on the link loads, the prefill queue, the decode batch, its
-    /// pending prefix and its record.
+    /// Writes an admitted request into the state: its transfers on the link loads, the
+    /// prefill queue, the decode batch, its pending prefix and its record.
+    ///
+    /// The replica its fetch creates is not written into the index here: the blocks
+    /// are not on the prefill instance yet, and a later request that planned a fetch
+    /// from there (or a replication hint that counted them) would find nothing and
+    /// recompute. The index learns them when the instance reports them stored (the
+    /// simulator on arrival, the serving `Cluster` through its store events when the
+    /// fetch commits). Until then the instance itself may count them as its own
+    /// through its pending prefix (`pending.rs`): a request routed there runs after
+    /// this one.
     pub(super) fn admit(
         &self,
         st: &mut State,
@@ -196,10 +205,6 @@ impl Conductor {
         let (d, choice) = (&est.decision, &est.choice);
         // `cands` skips draining instances, so the policy's index is not the table's
         let pi = st.prefill_pos(d.prefill).map_err(|_| ConductorError::UnknownInstance(d.prefill))?;
-        if choice.fetch_blocks > 0 {
-            let local = choice.reused_blocks - choice.fetch_blocks;
-            self.index.insert(d.prefill, &req.block_hashes[local..choice.reused_blocks], Tier::Dram)?;
-        }
         self.plan_links(st, req, d);
         let staged_bytes =
             if d.prefetch { self.fetch_tokens(req, d) as f64 * cfg.cost.transfer.bytes_per_token } else { 0.0 };
