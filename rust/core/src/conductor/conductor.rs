@@ -247,11 +247,7 @@ impl Conductor {
             }
         };
         let best = best_of(matches);
-        // pending prefixes as long as the index's best count too: one on the instance
-        // itself saves fetching the same blocks from the holder (a fetch's own blocks
-        // are pending on its instance until it reports them stored, decide.rs `admit`)
-        let floor = best.map_or(0, |b| b.total().saturating_sub(1));
-        candidates(&st, req, matches, floor, &cal, self.config.prefetch_staging_bytes, cands);
+        candidates(&st, req, matches, best.map_or(0, |b| b.total()), &cal, self.config.prefetch_staging_bytes, cands);
         let est = self.estimate(&st, req, matches, best, cands, cal)?;
         if self.config.rejection != RejectionKind::None {
             let admit =

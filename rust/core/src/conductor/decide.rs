@@ -47,9 +47,10 @@ pub(super) struct Calibrated {
 
 /// One candidate per prefill instance that takes requests: its queue at `now`, speed
 /// and local prefix by tier, the prefix an admitted request will leave there counted
-/// as DRAM (`pending.rs`; only prefixes longer than `floor`, one block short of the
-/// index's best, are looked up: a shorter one would not change the choice the index
-/// already offers, one as long saves its fetch).
+/// as DRAM (`pending.rs`; only prefixes longer than `floor`, the index's best, are
+/// looked up: a shorter one would not change the choice the index already offers),
+/// and the prefix an admitted fetch is bringing there, however long (it saves the
+/// same fetch: the index learns the fetched blocks only once they are stored).
 /// With the calibration on, the queue is the instance's first-in-first-out backlog at
 /// its measured speed, in the cost model's seconds (divided by the scale again: the
 /// estimate multiplies the whole TTFT by it). `stage_cap` is the staging memory for
@@ -81,14 +82,16 @@ pub(super) fn candidates(
         let stage_free_bytes = (stage_cap - p.staged_bytes).max(0.0);
         cands.push(Candidate { id: p.id, queue_s, speed: p.spec.speed, dram, ssd, gpu, stage_free_bytes });
     }
-    st.pending.longest(req.block_hashes, floor, |inst, n| {
-        if let Ok(k) = cands.binary_search_by_key(&inst, |c| c.id) {
+    let mut count = |inst, n| {
+        if let Ok(k) = cands.binary_search_by_key(&inst, |c: &Candidate| c.id) {
             let c = &mut cands[k];
             if n > c.local() {
                 c.dram += n - c.local();
             }
         }
-    });
+    };
+    st.pending.longest(req.block_hashes, floor, &mut count);
+    st.fetching.longest(req.block_hashes, 0, &mut count);
 }
 
 impl Conductor {
@@ -192,9 +195,9 @@ impl Conductor {
     /// from there (or a replication hint that counted them) would find nothing and
     /// recompute. The index learns them when the instance reports them stored (the
     /// simulator on arrival, the serving `Cluster` through its store events when the
-    /// fetch commits). Until then the instance itself may count them as its own
-    /// through its pending prefix (`pending.rs`): a request routed there runs after
-    /// this one.
+    /// fetch commits). Until then only the instance itself counts them as its own
+    /// (`State::fetching`): a request routed there runs after this one, so after its
+    /// fetch.
     pub(super) fn admit(
         &self,
         st: &mut State,
@@ -225,6 +228,12 @@ impl Conductor {
         dec.kv_reserved += ask.kv_tokens();
         dec.ctx_tokens += member.ctx;
         st.pending.add(req.block_hashes, d.prefill, req.request_id);
+        let fetch_last = if choice.fetch_blocks > 0 {
+            st.fetching.add(&req.block_hashes[..choice.reused_blocks], d.prefill, req.request_id);
+            Some(req.block_hashes[choice.reused_blocks - 1])
+        } else {
+            None
+        };
         st.reqs.insert(
             req.request_id,
             Req {
@@ -241,6 +250,7 @@ impl Conductor {
                 raw_tbt_s: est.raw_tbt_s,
                 decode_t: None,
                 pending_last: req.block_hashes.last().copied(),
+                fetch_last,
                 staged_bytes,
             },
         );

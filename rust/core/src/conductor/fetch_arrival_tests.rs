@@ -1,7 +1,8 @@
 //! A fetch's replica becomes visible when its bytes are there: admission does not write
-//! it into the index (the instance reports it stored when the fetch lands), so a later
-//! request neither prices those blocks as held by the fetching instance nor plans a
-//! fetch from it before then. Unit costs as in tests.rs (prefill 1 ms/token, network
+//! it into the index (the instance reports it stored when the fetch lands), so no later
+//! request plans a fetch from the fetching instance, or reuse on another, before then;
+//! only a request routed to the fetching instance itself (it runs after the fetch)
+//! counts the blocks there. Unit costs as in tests.rs (prefill 1 ms/token, network
 //! 0.1 ms/token + 10 ms latency, blocks of 10 tokens), on an idle-priced network.
 
 use super::tests::{close, req4 as req, unit_mooncake};
@@ -35,7 +36,7 @@ fn holders(c: &Conductor) -> Vec<(u64, usize)> {
 }
 
 #[test]
-fn a_request_right_after_a_fetch_is_not_priced_as_local_reuse() {
+fn a_fetch_in_flight_is_no_fetch_source_and_counts_only_on_its_instance() {
     let c = setup(0.0);
     let (a, b, s) = (prompt(100), prompt(200), prompt(300));
     // A on 1: fetch 100 tokens (20 ms) + prefill 30 tokens = 50 ms (2: 1 s of queue)
@@ -44,32 +45,33 @@ fn a_request_right_after_a_fetch_is_not_priced_as_local_reuse() {
     assert!(close(d.est_ttft_s, 0.05), "{d:?}");
     // the blocks are on their way: 1 is no holder yet
     assert_eq!(holders(&c), vec![(2, 10)]);
-    // B shares A's fetched prefix, not A's whole prompt. Were 1 taken to hold it, B
-    // would be priced as reusing it there: 50 ms of queue + 30 ms. It is priced as a
-    // fetch from 2 after that queue: 50 + 20 + 30 ms.
+    // B shares A's fetched prefix, not A's whole prompt. On 1 it runs after A, so after
+    // A's fetch: the prefix counts there (50 ms of queue + 30 ms), not fetched again.
     let d = c.preview(&req(2, &b, 130, 0.0)).unwrap();
-    assert_eq!((d.prefill, d.fetch_from, d.fetch_blocks, d.reused_blocks), (1, Some(2), 10, 10), "{d:?}");
-    assert!(close(d.est_ttft_s, 0.1), "{d:?}");
-    // A's session's next step (A's whole prompt and more) runs after A on 1: its
-    // pending prefix (pending.rs) counts there, the fetched blocks with it.
+    assert_eq!((d.prefill, d.fetch_from, d.reused_blocks), (1, None, 10), "{d:?}");
+    assert!(close(d.est_ttft_s, 0.08), "{d:?}");
+    // A's session's next step (A's whole prompt and more) too (its pending prefix)
     let mut next = a.clone();
     next.push(102);
     let d = c.preview(&req(3, &next, 140, 0.0)).unwrap();
     assert_eq!((d.prefill, d.fetch_from, d.reused_blocks), (1, None, 12), "{d:?}");
     assert!(close(d.est_ttft_s, 0.05 + 0.02), "{d:?}");
-    // An idle instance fetches B's prefix from 2, the one holder there is.
+    // An idle instance is not priced as reusing or fetching from 1, which holds
+    // nothing yet: it fetches B's prefix from 2, the one holder there is (20 + 30 ms).
     c.add_prefill(3, PrefillSpec::default()).unwrap();
     let d = c.schedule(&req(2, &b, 130, 0.0)).unwrap();
     assert_eq!((d.prefill, d.fetch_from, d.fetch_blocks), (3, Some(2), 10), "{d:?}");
+    assert!(close(d.est_ttft_s, 0.05), "{d:?}");
     assert_eq!(holders(&c), vec![(2, 10)]);
     // A's fetch lands: 1 reports the blocks stored, and from then on holds them.
     c.on_blocks_stored(1, &PREFIX, Tier::Dram).unwrap();
     assert_eq!(holders(&c), vec![(1, 10), (2, 10)]);
-    // S is now priced as reusing them on 1: its 50 ms of queue + 30 ms (3: 50 ms of
-    // queue, then fetch 20 ms + 30 ms).
+    // 2 evicts them: 1 is the holder a fetch onto a new idle instance reads now (20 +
+    // 30 ms, against 50 + 30 ms on 1).
+    c.on_blocks_evicted(2, &PREFIX, None).unwrap();
+    c.add_prefill(4, PrefillSpec::default()).unwrap();
     let d = c.schedule(&req(4, &s, 130, 0.0)).unwrap();
-    assert_eq!((d.prefill, d.fetch_from, d.reused_blocks), (1, None, 10), "{d:?}");
-    assert!(close(d.est_ttft_s, 0.08), "{d:?}");
+    assert_eq!((d.prefill, d.fetch_from, d.fetch_blocks), (4, Some(1), 10), "{d:?}");
     c.check_integrity().unwrap();
 }
 

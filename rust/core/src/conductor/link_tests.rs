@@ -50,8 +50,6 @@ fn saturated_holder_is_declined_and_the_request_computes() {
     setup(&blind);
     assert_eq!(blind.schedule(&req(1, &HASHES, 120, 0.0)).unwrap().fetch_from, Some(2));
     // once the backlog has drained (0.2 s at 10,000 B/s) the holder is idle again
-    // (request 1 cancelled: queued on 1, it would leave the prefix there to reuse)
-    c.cancel(1).unwrap();
     let d = c.preview(&req(2, &HASHES, 120, 0.25)).unwrap();
     assert_eq!(d.fetch_from, Some(2));
 }
@@ -75,9 +73,7 @@ fn the_conductors_own_streams_load_the_holder() {
     let d = c.schedule(&req(51, &HASHES, 120, 0.0)).unwrap();
     // on 1: fetch = 0.02 + 0.3 wait + 0.02 > recompute 0.12; on 2: queue 3 s. 1 computes.
     assert_eq!((d.prefill, d.fetch_from), (1, None));
-    // 0.3 s later the stream has left: the fetch is worth it again (request 51
-    // cancelled: queued on 1, it would leave the prefix there to reuse)
-    c.cancel(51).unwrap();
+    // 0.3 s later the stream has left: the fetch is worth it again
     assert_eq!(c.preview(&req(52, &HASHES, 120, 0.3)).unwrap().fetch_from, Some(2));
     c.check_integrity().unwrap();
 }
