@@ -37,7 +37,7 @@ def test_a_fetched_prefix_is_stored_on_arrival():
     from mooncake_rs.sim import disaggregated
 
     trace = generate_trace(60, kind="agentic", seed=2)
-    cfg = SimConfig(prefill=4, decode=4, policy="mooncake", **NO_SLO)
+    cfg = SimConfig(prefill=4, decode=4, policy="mooncake", prefetch_staging_bytes=0.0, **NO_SLO)  # fetched at dequeue
     run = disaggregated._Run(cfg, trace, None)
     seen: list[tuple[str, int, int]] = []
     arrive, arrived = run.arrive, run.fetch_arrived
