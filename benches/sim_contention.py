@@ -113,8 +113,8 @@ def main() -> None:
     ap.add_argument("--links", default="10,25,100,off", help="NIC GB/s values to run (off: no link model)")
     ap.add_argument("--policies", default=",".join(POLICIES), help="the policies to run (a subset: for split runs)")
     ap.add_argument(
-        "--prefetch-staging-bytes", type=float, default=0.0,
-        help="prefetch at decision time: staging DRAM per prefill instance, bytes (0: off)",
+        "--prefetch-staging-bytes", type=float, default=sim.SimConfig().prefetch_staging_bytes,
+        help="prefetch at decision time: staging DRAM per prefill instance, bytes (default: the conductor's, 64 GB; 0: off)",
     )
     ap.add_argument("--from-json", nargs="+", help="print the table of cells saved by --json runs, run nothing")
     a = ap.parse_args()

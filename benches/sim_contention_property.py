@@ -24,7 +24,8 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=300)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--kinds", default="agentic,chat")
-    ap.add_argument("--prefetch-staging-bytes", type=float, default=0.0, help="staging DRAM per prefill instance (0: off)")
+    ap.add_argument("--prefetch-staging-bytes", type=float, default=sim.SimConfig().prefetch_staging_bytes,
+                    help="staging DRAM per prefill instance (default: the conductor's, 64 GB; 0: off)")
     a = ap.parse_args()
     rng = random.Random(a.seed)
     kinds = a.kinds.split(",")

@@ -199,7 +199,9 @@ def main() -> None:
     else:  # tests/test_sim_contention.py::test_overloaded_agentic_late_fetch_case
         tr = sim.generate_trace(59, kind="agentic", seed=504471, rate=5.0)
         P, D, nic = 3, 3, 24322206782.8
-    cfg = sim.SimConfig(prefill=P, decode=D, policy=a.policy, nic_bandwidth=nic, ttft_slo_s=1e9, tbt_slo_s=1e9)
+    # the fetch at dequeue: the split below does not model a prefetch overlapping the queue
+    cfg = sim.SimConfig(prefill=P, decode=D, policy=a.policy, nic_bandwidth=nic, ttft_slo_s=1e9, tbt_slo_s=1e9,
+                        prefetch_staging_bytes=0.0)
     run = _Recorder(cfg, tr, None)
     rep = run.go()
     tt = [r.ttft_s for r in rep.requests]

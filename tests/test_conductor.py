@@ -53,7 +53,10 @@ def test_mooncake_fetches_to_the_idle_instance():
     assert d.est_ttft_s == pytest.approx(0.04) and d.est_transfer_s == pytest.approx(0.02)
     assert d.est_queue_s == 0 and d.est_prefill_s == pytest.approx(0.02)
     assert d.est_tbt_s == pytest.approx(0.012)  # 2 sequences in the batch
-    assert c.index.match_prefix(H) == {1: 10, 2: 10}  # the replica is recorded
+    # the fetched blocks are not on 1 yet: the index learns them when 1 reports them
+    assert c.index.match_prefix(H) == {2: 10}
+    c.on_blocks_stored(1, H)
+    assert c.index.match_prefix(H) == {1: 10, 2: 10}
     c.check_integrity()
 
 

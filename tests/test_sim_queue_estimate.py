@@ -39,7 +39,8 @@ def _bench():
 
 def _record(policy: str, trace, prefill: int, decode: int, nic: float):
     mod = _bench()
-    cfg = SimConfig(prefill=prefill, decode=decode, policy=policy, nic_bandwidth=nic, **NO_SLO)
+    # the fetch at dequeue (no prefetch), the model benches/sim_queue_error.py splits
+    cfg = SimConfig(prefill=prefill, decode=decode, policy=policy, nic_bandwidth=nic, prefetch_staging_bytes=0.0, **NO_SLO)
     run = mod._Recorder(cfg, trace, None)
     rep = run.go()
     return mod, run, rep

@@ -15,6 +15,10 @@ prefill instance's staging memory; at dequeue the instance waits only for what i
 of it. A prefetch it cannot use (its own prefix lost a block the fetch builds on) is
 dropped (so is one its own prefix has grown past) and the fetch happens at dequeue, as
 without prefetch.
+
+A fetch's blocks are stored in the prefill instance's DRAM (and reported to the
+conductor) when they arrive, not when the conductor decides: until then the instance
+does not hold them, and a peer that planned to fetch them from it would find nothing.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ _KV_READY = 1
 _DECODE_BOUNDARY = 2
 #: a prefetch has arrived: its blocks are in the instance's DRAM (servable to peers)
 _PREFETCHED = 5
+#: a fetch made at dequeue has arrived: the same, for its blocks
+_FETCHED = 6
 
 
 class _Run(EventLoop):
@@ -69,6 +75,8 @@ class _Run(EventLoop):
         self.prefetched: dict[int, tuple[int, int, float]] = {}
         #: per prefetch not arrived yet: its block range (stored at arrival)
         self.arrivals: dict[int, tuple[int, int]] = {}
+        #: per fetch made at dequeue and not arrived yet: its block range (stored at arrival)
+        self.fetch_arrivals: dict[int, tuple[int, int]] = {}
         if cfg.prefetch_staging_bytes:
             self.counters.update(prefetches=0, prefetch_unused=0)
         # hot-block sampling and replication times (set by go)
@@ -117,7 +125,7 @@ class _Run(EventLoop):
 
     def prefetch_arrived(self, p: int, i: int) -> None:
         """Request ``i``'s prefetched blocks are in ``p``'s DRAM: stored (and reported)
-        there, so the replica the index was told of at admission is real now."""
+        there, so the index learns the replica now (not at admission)."""
         lo, held = self.arrivals.pop(i)
         store_chain(self.conductor, self.caches[p], p, self.keys[i][lo:held])
 
@@ -172,7 +180,16 @@ class _Run(EventLoop):
         s.stream_t[i] = t + fetch_s
         if reused:
             self.hits.update(keys[:reused])
+        if fetched and wait_s is None:
+            self.fetch_arrivals[i] = (reused - fetched, reused)
+            self.push(t + fetch_s, _FETCHED, p, i)
         self.push(t + fetch_s + compute, _PREFILL_DONE, p, i)
+
+    def fetch_arrived(self, p: int, i: int) -> None:
+        """Request ``i``'s fetch (made at its dequeue) has arrived: its blocks are stored
+        (and reported) in ``p``'s DRAM, so peers may fetch them from there now."""
+        lo, hi = self.fetch_arrivals.pop(i)
+        store_chain(self.conductor, self.caches[p], p, self.keys[i][lo:hi])
 
     def prefill_done(self, p: int, i: int, t: float) -> None:
         c = self.conductor
@@ -278,6 +295,8 @@ class _Run(EventLoop):
             self.kv_ready(a, b, t)
         elif kind == _PREFETCHED:
             self.prefetch_arrived(a, b)
+        elif kind == _FETCHED:
+            self.fetch_arrived(a, b)
         else:
             self.boundary(a, b, c)
 

@@ -138,6 +138,7 @@ class _LinkedRun(PrefetchLoads, _Run):
                     self.peer_loads.pop(i, None)
                     p = self.s.prefill[i]
                     assert p is not None
+                    self.store_fetched(p, i, t)
                     self.compute(p, i, t, self.tm.latency_s)
             elif kind == _REPL:
                 to, blocks = self.repl_pending.pop(i)
@@ -347,6 +348,15 @@ class _LinkedRun(PrefetchLoads, _Run):
         self.stream_left[i] = True
         self.ended[i] = False
         self.push(t + delay + c, _PREFILL_DONE, p, i)
+
+    def store_fetched(self, p: int, i: int, t: float) -> None:
+        """Request ``i``'s loads are done: the blocks it fetched from a peer (none if it
+        was abandoned) are in ``p``'s DRAM from now, and reported (the index learns a
+        fetch's replica when the bytes are there, not at the decision)."""
+        s = self.s
+        if s.fetched[i]:
+            r = s.reused[i]
+            self.store(p, self.keys[i][r - s.fetched[i] : r], t)
 
     def store(self, p: int, keys: Sequence[int], t: float) -> None:
         demoted = store_tiered(self.conductor, self.caches[p], self.ssd[p], p, keys)

@@ -80,8 +80,8 @@ class PrefetchLoads:
 
     def prefetch_loaded(self, i: int, t: float) -> None:
         """Request ``i``'s prefetch has arrived while it is queued: its blocks are stored
-        in its instance's DRAM (and reported), so the replica the index was told of at
-        admission is real now, and servable to peers."""
+        in its instance's DRAM and reported: the index learns the replica now (not at
+        admission), and peers may fetch it from there."""
         entry = self.prefetch_flows.get(i)
         d = self.s.prefill[i]
         if entry is not None and d is not None:

@@ -121,6 +121,8 @@ pub struct ConductorConfig {
     /// Prefetch at decision time: bytes of DRAM per prefill instance for prefixes fetched
     /// while their request waits in its queue (`policy/mod.rs`). A fetch that would not
     /// fit in what is free starts at dequeue instead. 0: off (every fetch at dequeue).
+    /// Default 64 GB: on (the serving `Cluster` starts a fetch when the instance accepts
+    /// the request, so this is the estimate that matches it; BENCHMARKS.md "k25q").
     pub prefetch_staging_bytes: f64,
 }
 
@@ -145,7 +147,7 @@ impl Default for ConductorConfig {
             contention_aware: true,
             hot_link_busy_s: 0.5,
             hot_replica_max_bytes: 64e9,
-            prefetch_staging_bytes: 0.0,
+            prefetch_staging_bytes: 64e9,
         }
     }
 }

@@ -9,7 +9,7 @@ use super::conductor::{Conductor, Decision, ScheduleRequest};
 use super::policy::{self, Candidate, Choice, PolicyInput};
 use super::state::{Member, Req, Stage, State};
 use super::{ConductorError, RejectReason};
-use crate::index::{PrefixMatch, Tier};
+use crate::index::PrefixMatch;
 
 /// What `estimate` found: the decision and what admitting it needs.
 pub(super) struct Estimate {
@@ -48,7 +48,9 @@ pub(super) struct Calibrated {
 /// One candidate per prefill instance that takes requests: its queue at `now`, speed
 /// and local prefix by tier, the prefix an admitted request will leave there counted
 /// as DRAM (`pending.rs`; only prefixes longer than `floor`, the index's best, are
-/// looked up: a shorter one would not change the choice the index already offers).
+/// looked up: a shorter one would not change the choice the index already offers),
+/// and the prefix an admitted fetch is bringing there, however long (it saves the
+/// same fetch: the index learns the fetched blocks only once they are stored).
 /// With the calibration on, the queue is the instance's first-in-first-out backlog at
 /// its measured speed, in the cost model's seconds (divided by the scale again: the
 /// estimate multiplies the whole TTFT by it). `stage_cap` is the staging memory for
@@ -80,14 +82,16 @@ pub(super) fn candidates(
         let stage_free_bytes = (stage_cap - p.staged_bytes).max(0.0);
         cands.push(Candidate { id: p.id, queue_s, speed: p.spec.speed, dram, ssd, gpu, stage_free_bytes });
     }
-    st.pending.longest(req.block_hashes, floor, |inst, n| {
-        if let Ok(k) = cands.binary_search_by_key(&inst, |c| c.id) {
+    let mut count = |inst, n| {
+        if let Ok(k) = cands.binary_search_by_key(&inst, |c: &Candidate| c.id) {
             let c = &mut cands[k];
             if n > c.local() {
                 c.dram += n - c.local();
             }
         }
-    });
+    };
+    st.pending.longest(req.block_hashes, floor, &mut count);
+    st.fetching.longest(req.block_hashes, 0, &mut count);
 }
 
 impl Conductor {
@@ -183,9 +187,17 @@ impl Conductor {
         })
     }
 
-    /// Writes an admitted request into the state: the replica its fetch creates (in the
-    /// index), its transfers on the link loads, the prefill queue, the decode batch, its
-    /// pending prefix and its record.
+    /// Writes an admitted request into the state: its transfers on the link loads, the
+    /// prefill queue, the decode batch, its pending prefix and its record.
+    ///
+    /// The replica its fetch creates is not written into the index here: the blocks
+    /// are not on the prefill instance yet, and a later request that planned a fetch
+    /// from there (or a replication hint that counted them) would find nothing and
+    /// recompute. The index learns them when the instance reports them stored (the
+    /// simulator on arrival, the serving `Cluster` through its store events when the
+    /// fetch commits). Until then only the instance itself counts them as its own
+    /// (`State::fetching`): a request routed there runs after this one, so after its
+    /// fetch.
     pub(super) fn admit(
         &self,
         st: &mut State,
@@ -196,10 +208,6 @@ impl Conductor {
         let (d, choice) = (&est.decision, &est.choice);
         // `cands` skips draining instances, so the policy's index is not the table's
         let pi = st.prefill_pos(d.prefill).map_err(|_| ConductorError::UnknownInstance(d.prefill))?;
-        if choice.fetch_blocks > 0 {
-            let local = choice.reused_blocks - choice.fetch_blocks;
-            self.index.insert(d.prefill, &req.block_hashes[local..choice.reused_blocks], Tier::Dram)?;
-        }
         self.plan_links(st, req, d);
         let staged_bytes =
             if d.prefetch { self.fetch_tokens(req, d) as f64 * cfg.cost.transfer.bytes_per_token } else { 0.0 };
@@ -220,6 +228,12 @@ impl Conductor {
         dec.kv_reserved += ask.kv_tokens();
         dec.ctx_tokens += member.ctx;
         st.pending.add(req.block_hashes, d.prefill, req.request_id);
+        let fetch_last = if choice.fetch_blocks > 0 {
+            st.fetching.add(&req.block_hashes[..choice.reused_blocks], d.prefill, req.request_id);
+            Some(req.block_hashes[choice.reused_blocks - 1])
+        } else {
+            None
+        };
         st.reqs.insert(
             req.request_id,
             Req {
@@ -236,6 +250,7 @@ impl Conductor {
                 raw_tbt_s: est.raw_tbt_s,
                 decode_t: None,
                 pending_last: req.block_hashes.last().copied(),
+                fetch_last,
                 staged_bytes,
             },
         );

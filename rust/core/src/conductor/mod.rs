@@ -108,6 +108,8 @@ pub(crate) fn check_pos(name: &str, v: f64) -> Result<(), ConductorError> {
 #[cfg(test)]
 mod drain_tests;
 #[cfg(test)]
+mod fetch_arrival_tests;
+#[cfg(test)]
 mod link_tests;
 #[cfg(test)]
 mod prefetch_tests;

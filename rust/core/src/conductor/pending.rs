@@ -19,6 +19,10 @@
 //! not a fetch source until they are stored (the index says so then). An entry leaves
 //! when its request's prefill ends (the cache events take over), or when the request is
 //! cancelled or its instance removed.
+//!
+//! The same structure keeps the prefixes admitted fetches are bringing to their prefill
+//! instance (`State::fetching`, one entry per fetch: block 0 to its last fetched block),
+//! which the index learns only when the instance reports the blocks stored.
 
 use hashbrown::HashMap;
 

@@ -138,6 +138,9 @@ pub(crate) struct Req {
     pub decode_t: Option<f64>,
     /// Its entry in `State::pending` (the prompt's last full block) until its prefill ends.
     pub pending_last: Option<BlockHash>,
+    /// Its entry in `State::fetching` (the last block its fetch brings) until its
+    /// prefill ends; None without a fetch.
+    pub fetch_last: Option<BlockHash>,
     /// Bytes its prefetch holds in its prefill instance's staging memory while it is queued.
     pub staged_bytes: f64,
 }
@@ -154,6 +157,10 @@ pub(crate) struct State {
     pub clock: f64,
     /// Prefixes admitted requests will leave on their prefill instance (`pending.rs`).
     pub pending: Pending,
+    /// Prefixes admitted fetches are bringing to their prefill instance (from block 0
+    /// to the last fetched block): counted there as its own, never as a fetch source;
+    /// the index learns the blocks when the instance reports them stored.
+    pub fetching: Pending,
     /// Bytes queued on each instance's links (`links.rs`); None: contention-blind.
     pub links: Option<LinkLoads>,
 }
@@ -167,6 +174,7 @@ impl State {
             rng: seed,
             clock: 0.0,
             pending: Pending::default(),
+            fetching: Pending::default(),
             links,
         }
     }
@@ -175,6 +183,9 @@ impl State {
     pub fn drop_pending(&mut self, rid: RequestId, req: &mut Req) {
         if let Some(last) = req.pending_last.take() {
             self.pending.remove(last, rid);
+        }
+        if let Some(last) = req.fetch_last.take() {
+            self.fetching.remove(last, rid);
         }
     }
 
@@ -295,8 +306,15 @@ impl State {
                 self.pending.len()
             ));
         }
+        let fetching = self.reqs.values().filter(|r| r.fetch_last.is_some()).count();
+        if fetching != self.fetching.len() {
+            return Err(format!(
+                "{} fetched prefixes on their way recorded, {fetching} requests say they have one",
+                self.fetching.len()
+            ));
+        }
         for (rid, r) in &self.reqs {
-            if r.pending_last.is_some() && r.stage > Stage::Prefilling {
+            if (r.pending_last.is_some() || r.fetch_last.is_some()) && r.stage > Stage::Prefilling {
                 return Err(format!("request {rid} is past its prefill but still has a pending prefix"));
             }
             // Past its prefill, a request's prefill instance may have switched role since.

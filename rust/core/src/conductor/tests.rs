@@ -211,7 +211,7 @@ fn req(id: u64, hashes: &[u128], prompt_len: usize, now: f64, out: Option<usize>
 const HASHES: [u128; 10] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10];
 
 #[test]
-fn schedule_fetches_and_records_the_replica() {
+fn schedule_fetches_and_the_replica_counts_once_stored() {
     // On an idle-priced network (the contention-aware case is in link_tests.rs).
     let cfg =
         ConductorConfig { policy: PolicyKind::Mooncake, contention_aware: false, ..conductor_cfg(RejectionKind::None) };
@@ -226,12 +226,16 @@ fn schedule_fetches_and_records_the_replica() {
     let d = c.schedule(&req(1, &HASHES, 120, 0.0, Some(10))).unwrap();
     assert_eq!((d.prefill, d.reused_blocks, d.fetch_blocks, d.fetch_from), (1, 10, 10, Some(2)));
     assert!(close(d.est_ttft_s, 0.04) && close(d.est_transfer_s, 0.02));
-    let m = c.index().match_prefix(&HASHES);
-    assert_eq!(m.iter().map(|m| (m.instance, m.dram)).collect::<Vec<_>>(), vec![(1, 10), (2, 10)]);
-    // The next request with that prefix finds it on 1 and fetches nothing.
+    // The fetched blocks are not on 1 yet: the index learns them when 1 reports them.
+    let held = |c: &Conductor| c.index().match_prefix(&HASHES).iter().map(|m| (m.instance, m.dram)).collect::<Vec<_>>();
+    assert_eq!(held(&c), vec![(2, 10)]);
+    // The next request with that prompt runs after it on 1 (its pending prefix) and
+    // fetches nothing.
     let d = c.schedule(&req(2, &HASHES, 120, 0.0, Some(10))).unwrap();
     assert_eq!((d.prefill, d.fetch_blocks, d.fetch_from), (1, 0, None));
     assert!(close(d.est_ttft_s, 0.04 + 0.02));
+    c.on_blocks_stored(1, &HASHES, Tier::Dram).unwrap();
+    assert_eq!(held(&c), vec![(1, 10), (2, 10)]);
     c.check_integrity().unwrap();
 }
 
