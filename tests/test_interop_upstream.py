@@ -376,3 +376,12 @@ def test_serve_chooses_the_upstream_mode_by_the_specs(capsys):
     assert "has no role" in capsys.readouterr().err
     assert main(["serve", "--upstream", "a=http://127.0.0.1:9"]) == 2
     assert "needs --tokenizer" in capsys.readouterr().err
+
+
+def test_an_upstream_router_prices_fetches_at_dequeue_unless_told() -> None:
+    """Upstream engines load a prefix when their own scheduler takes the request."""
+    one = [UpstreamSpec("a", "http://127.0.0.1:9")]
+    r = UpstreamRouter(one, block_size=16, subscribe=False)
+    assert r.conductor.config.prefetch_staging_bytes == 0.0
+    r2 = UpstreamRouter(one, block_size=16, subscribe=False, prefetch_staging_bytes=1e9)
+    assert r2.conductor.config.prefetch_staging_bytes == 1e9

@@ -78,3 +78,17 @@ def test_instance_flags() -> None:
         ServingConfig.from_args(_args("--model", "tiny", "--prefill", "0"))
     with pytest.raises(InvalidArgument, match="replicate_every_s"):
         ServingConfig.from_args(_args("--model", "tiny", "--replicate-every", "0"))
+
+
+def test_the_prefetch_room_is_the_instances_store_not_the_cores_default() -> None:
+    """A prefix fetched at acceptance lands in the instance's store: the conductor's
+    prefetch room is that store's DRAM (the core's default, 64 GB, would price prefetches
+    an instance cannot hold); a deployment passes its workers' size."""
+    from mooncake_rs._core import ConductorConfig
+
+    cfg = ServingConfig(dram_bytes_per_instance=32 << 20)
+    assert ConductorConfig().prefetch_staging_bytes > 32 << 20
+    assert cfg.conductor_args(16)["prefetch_staging_bytes"] == float(32 << 20)
+    assert cfg.conductor_args(16, dram_bytes=1 << 30)["prefetch_staging_bytes"] == float(1 << 30)
+    assert ConductorConfig(**cfg.conductor_args(16)).prefetch_staging_bytes == float(32 << 20)
+

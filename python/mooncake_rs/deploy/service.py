@@ -188,7 +188,9 @@ class ConductorService(RoutedApi):
         core = self._core
         if core.conductor is None:
             core.set_block_size(m.spec.block_size)
-            core.conductor = new_conductor(self.config.conductor_args(m.spec.block_size), msg.block_bytes,
+            # the first worker's store size stands for every instance's staging room
+            core.conductor = new_conductor(self.config.conductor_args(m.spec.block_size, m.spec.dram_bytes),
+                                           msg.block_bytes,
                                            default_prefill_model(), [], [])
         elif m.spec.block_size != core.block_size:
             return f"block size {m.spec.block_size}, the cluster's is {core.block_size}"

@@ -145,8 +145,12 @@ class UpstreamRouter:
             raise InvalidArgument(f"block_size must be >= 1, got {block_size}")
         self.hasher = PrefixHasher(block_size, seed)
         self.block_size = block_size
+        # An upstream engine loads a prefix from the pool when its own scheduler takes the
+        # request (its KV connector), not when it accepts it: priced as a fetch at dequeue
+        # (no prefetch room) unless the caller says otherwise.
+        kw = {"prefetch_staging_bytes": 0.0, **conductor_kw}
         self.conductor = Conductor(ConductorConfig(block_size=block_size, policy=policy, rejection=rejection,
-                                                   ttft_slo_s=ttft_slo_s, seed=seed, **conductor_kw))
+                                                   ttft_slo_s=ttft_slo_s, seed=seed, **kw))
         # Far more than any engine runs: decode admission is not ours to judge (module doc).
         self.conductor.add_decode(DECODE_SLOT, max_batch=1 << 20, kv_capacity_tokens=1 << 40)
         self._clock = clock

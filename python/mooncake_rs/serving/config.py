@@ -125,12 +125,16 @@ class ServingConfig:
             return 0
         return 4 * self.dram_bytes_per_instance if self.ssd_bytes_per_instance is None else self.ssd_bytes_per_instance
 
-    def conductor_args(self, block_size: int) -> dict[str, Any]:
+    def conductor_args(self, block_size: int, dram_bytes: int | None = None) -> dict[str, Any]:
         """``ConductorConfig``'s keywords of this configuration (routing/routed.py adds the
-        cost models), for instances of ``block_size`` tokens a block."""
+        cost models), for instances of ``block_size`` tokens a block whose stores hold
+        ``dram_bytes`` of DRAM (None: ``dram_bytes_per_instance``)."""
         return dict(block_size=block_size, ttft_slo_s=self.ttft_slo_s, tbt_slo_s=self.tbt_slo_s,
                     policy=self.policy, rejection=self.rejection, seed=self.seed,
-                    hot_replica_max_bytes=float(self.replica_max_bytes))
+                    hot_replica_max_bytes=float(self.replica_max_bytes),
+                    # a prefix fetched at acceptance lands in the instance's own store, so
+                    # the room for prefetches is that store's DRAM, not the core's default
+                    prefetch_staging_bytes=float(self.dram_bytes_per_instance if dram_bytes is None else dram_bytes))
 
     @classmethod
     def from_args(cls, args: Any) -> "ServingConfig":
