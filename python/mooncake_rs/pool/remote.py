@@ -79,20 +79,19 @@ class RemoteBackend:
         if buf.region is not None:
             self.te.unregister(buf.region)
 
-    def _submit(self, op: str, peer: Peer, pieces: list[tuple[list[int], list[int], int]], rep: Reserved | Leased,
-                take: list[int]) -> ObjectBatch:
+    def _submit(self, op: str, peer: Peer, ptrs: list[list[int]], sizes: list[list[int]], totals: list[int],
+                rep: Reserved | Leased, take: list[int]) -> ObjectBatch:
         """One node's objects as one transfer batch, planned in Rust (object_layout.rs):
-        ``pieces[k]`` are the caller's (ptrs, sizes, bytes that move) of the node's
-        answer's entry ``take[k]``. The caller's registered buffers are looked up there;
-        other memory is registered until the batch is released."""
+        the caller's pieces (``ptrs``, ``sizes``) and bytes that move (``totals``) of the
+        node's answer's entries ``take``. The caller's registered buffers are looked up
+        there; other memory is registered until the batch is released."""
         if len(take) == len(rep.regions):  # every entry moves: the answer's lists as they are
             regions, chunk, offsets = rep.regions, rep.chunk_bytes, rep.offsets
         else:
             regions = [rep.regions[j] for j in take]
             chunk = [rep.chunk_bytes[j] for j in take]
             offsets = [rep.offsets[j] for j in take]
-        return self.te.submit_objects(op, peer, [p for p, _, _ in pieces], [s for _, s, _ in pieces],
-                                      [n for _, _, n in pieces], regions, chunk, offsets, self.buffers.regions(),
+        return self.te.submit_objects(op, peer, ptrs, sizes, totals, regions, chunk, offsets, self.buffers.regions(),
                                       timeout_s=max(self.io_timeout_s, 30.0))
 
     # ---- puts
@@ -166,8 +165,9 @@ class RemoteBackend:
                         take.append(j)
                 batch = None
                 if take:
-                    batch = self._submit("write", link.peer, [(ptrs[idx[j]], sizes[idx[j]], totals[idx[j]]) for j in take],
-                                         rep, take)
+                    sel = idx if len(take) == len(idx) else [idx[j] for j in take]
+                    batch = self._submit("write", link.peer, [ptrs[i] for i in sel], [sizes[i] for i in sel],
+                                         [totals[i] for i in sel], rep, take)
                     batches.append(batch)
                 pending.append((node, link, idx, rep, batch, take))
             commits = []  # each node's Commit leaves as soon as its own transfer ended
@@ -296,7 +296,9 @@ class RemoteBackend:
                         take.append(j)
                     batch = None
                     if take:
-                        batch = self._submit("read", link.peer, [(ptrs[idx[j]], sizes[idx[j]], rep.sizes[j]) for j in take],
+                        sel = [idx[j] for j in take]
+                        batch = self._submit("read", link.peer, [ptrs[i] for i in sel], [sizes[i] for i in sel],
+                                             rep.sizes if len(take) == len(idx) else [rep.sizes[j] for j in take],
                                              rep, take)
                         batches.append(batch)
                     inflight.append((node, link, idx, rep, batch, take, leases))
