@@ -167,6 +167,12 @@ impl Engine {
                     continue;
                 }
                 let (addr, used) = (obj.addrs[s.piece], s.piece_offset + s.len);
+                if addr.checked_add(used).is_none_or(|end| end > usize::MAX as u64) {
+                    return Err(invalid(
+                        o,
+                        format!("piece {} at {addr:#x} of {used} bytes wraps the address space", s.piece),
+                    ));
+                }
                 local[s.piece] = Some(match lookup.find(addr, used) {
                     Some(found) => found,
                     None => {

@@ -143,7 +143,8 @@ fn an_object_the_node_refuses_fails_alone_and_bad_answers_are_refused_with_nothi
     };
     let fine = RemoteObject { offsets: &[0, 256, 512, 768], ..short };
     let uneven = RemoteObject { sizes: &[10, 10], ..fine };
-    for bad in [[fine, short], [fine, uneven]] {
+    let wraps = RemoteObject { addrs: &[u64::MAX - 100], ..fine };
+    for bad in [[fine, short], [fine, uneven], [fine, wraps]] {
         // SAFETY: the piece lies inside `mem`.
         let e = unsafe { a.submit_objects(Op::Read, &p, &bad, &[], T) }.err().unwrap();
         assert!(matches!(e, TransferError::InvalidRequest(ref m) if m.starts_with("object 1:")), "{e}");
