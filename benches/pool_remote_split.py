@@ -8,9 +8,13 @@ wrapped; nothing in the package changes), so one script times any build:
 - put: ``reserve`` (start -> the Reserve answered), ``submit`` (-> the transfer batch
   submitted: the requests built and handed over), ``transfer`` (-> the engine's batch
   ended, its own clock), ``wake`` (-> the waiting Python thread has the result),
-  ``commit`` (-> the Commit answered), ``total``;
+  ``commit`` (-> the Commit answered), ``total``, and the CPU time of the thread that
+  called (``time.thread_time_ns``: its Python and what it runs in Rust, not the engine's
+  threads; unlike the phases, a busy host's preemption does not move it);
 - get: ``lookup``, ``submit``, ``transfer``, ``wake``, ``total`` (the Release is posted,
-  not waited for).
+  not waited for);
+- beside each, our transfer engine's own batch of the same bytes to a plain engine on the
+  node's host (pool_bench_roles.py ``te-server``), timed in the same rounds.
 
     python benches/pool_remote_split.py --builds OTHER_CHECKOUT,. [--pairs 4] [--rounds 12]
 
@@ -42,9 +46,13 @@ class Clock:
 
     def __init__(self) -> None:
         self.marks: dict[str, int] = {}
+        self.cpu: dict[str, int] = {}  # the calling thread's CPU time at each of its own marks
 
     def mark(self, name: str, ns: int | None = None) -> None:
-        self.marks.setdefault(name, time.perf_counter_ns() if ns is None else ns)
+        if name not in self.marks:
+            self.marks[name] = time.perf_counter_ns() if ns is None else ns
+            if ns is None:
+                self.cpu[name] = time.thread_time_ns()
 
 
 def client(args: dict) -> None:
@@ -109,23 +117,49 @@ def client(args: dict) -> None:
         return rep
 
     backend.nodes.answer = answer_watched
+    from mooncake_rs import TransferEngine, TransferRequest
+
+    te = TransferEngine("split-te", listen="", transports=["tcp"])
+    te_peer = te.connect("srv", args["te_address"])
     vals = np.random.default_rng(1).integers(0, 256, (COUNT, SIZE), dtype=np.uint8)
+    te_local = te.register(vals)
+    te_rows: dict[str, list[float]] = {"write": [], "read": []}
+
+    def te_batch(op: str) -> float:
+        """Our engine's own batch of the same bytes to a plain engine on the node's host."""
+        reqs = [TransferRequest(op, te_local, i * SIZE, te_peer, args["te_region"], i * SIZE, SIZE)
+                for i in range(COUNT)]
+        time.sleep(0.02)
+        t = time.perf_counter_ns()
+        assert all(st.ok for st in te.submit(reqs, timeout_s=60).wait())
+        return (time.perf_counter_ns() - t) / 1e3
+
     dst = np.zeros_like(vals)
     s.register_buffer(vals.ctypes.data, vals.nbytes)
     s.register_buffer(dst.ctypes.data, dst.nbytes)
-    ptrs, dptrs = [vals[i].ctypes.data for i in range(COUNT)], [dst[i].ctypes.data for i in range(COUNT)]
-    put = {k: [] for k in ("reserve", "submit", "transfer", "wake", "commit", "total")}
-    get = {k: [] for k in ("lookup", "submit", "transfer", "wake", "total")}
+    ptrs, dptrs = [[vals[i].ctypes.data] for i in range(COUNT)], [[dst[i].ctypes.data] for i in range(COUNT)]
+    put = {k: [] for k in ("reserve", "submit", "transfer", "wake", "commit", "total", "calling thread's CPU")}
+    get = {k: [] for k in ("lookup", "submit", "transfer", "wake", "total", "calling thread's CPU")}
 
     def span(a: str, b: str) -> float:
         return (clock.marks[b] - clock.marks[a]) / 1e3
+
+    def cpu_of(a: str, b: str) -> float:
+        return (clock.cpu[b] - clock.cpu[a]) / 1e3
+
+    cpu_phases = {"cpu: to the answer": ("start", "answered"), "cpu: submit": ("answered", "submitted"),
+                  "cpu: wait": ("submitted", "waited"), "cpu: after": ("waited", "end")}
+    for k in cpu_phases:
+        put[k], get[k] = [], []
 
     for r in range(args["rounds"] + 2):  # the first two warm the links up
         keys = [f"split-{r}-{i}" for i in range(COUNT)]
         time.sleep(0.02)
         clock.marks = {}
         clock.mark("start")
-        rc = s.batch_put_from(keys, ptrs, [SIZE] * COUNT)
+        cpu = time.thread_time_ns()
+        rc = s.batch_put_from(keys, ptrs, [[SIZE]] * COUNT)
+        cpu = time.thread_time_ns() - cpu
         clock.mark("end")
         assert all(x == 0 for x in rc), rc
         if r >= 2:
@@ -134,12 +168,17 @@ def client(args: dict) -> None:
                               "transfer": ("submitted", "ended"), "wake": ("ended", "waited"),
                               "commit": ("waited", "end"), "total": ("start", "end")}.items():
                 put[k].append(span(a, b))
+            put["calling thread's CPU"].append(cpu / 1e3)
+            for k, (a, b) in cpu_phases.items():
+                put[k].append(cpu_of(a, b))
             assert m["commit_sent"] >= m["waited"]
         time.sleep(0.02)
         dst[:] = 0
         clock.marks = {}
         clock.mark("start")
-        got = s.batch_get_into(keys, dptrs, [SIZE] * COUNT)
+        cpu = time.thread_time_ns()
+        got = s.batch_get_into(keys, dptrs, [[SIZE]] * COUNT)
+        cpu = time.thread_time_ns() - cpu
         clock.mark("end")
         assert all(x == SIZE for x in got) and (dst == vals).all()
         if r >= 2:
@@ -147,8 +186,17 @@ def client(args: dict) -> None:
                               "transfer": ("submitted", "ended"), "wake": ("ended", "waited"),
                               "total": ("start", "end")}.items():
                 get[k].append(span(a, b))
+            get["calling thread's CPU"].append(cpu / 1e3)
+            for k, (a, b) in cpu_phases.items():
+                get[k].append(cpu_of(a, b))
+        if r >= 2:
+            te_rows["write"].append(te_batch("write"))
+            te_rows["read"].append(te_batch("read"))
         s.remove_all()
     s.close()
+    te.close()
+    put["our engine's batch, same bytes"] = te_rows["write"]
+    get["our engine's batch, same bytes"] = te_rows["read"]
     print(json.dumps({"put": {k: statistics.median(v) for k, v in put.items()},
                       "get": {k: statistics.median(v) for k, v in get.items()}}))
 
@@ -171,10 +219,16 @@ def main() -> None:
         try:
             node, _ = start_node(lambda argv, **kw: hosts.popen(1, argv, **kw), etcd.url, hosts.ip(1), 7650,
                                  "split", "split", dram="1GB", extra=("--plaintext",))
+            ts = hosts.popen(1, [sys.executable, str(HERE / "pool_bench_roles.py"), "te-server",
+                                 json.dumps({"host": hosts.ip(1), "token": None})],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ, MOONCAKE_LOG="error", PYTHONPATH=str(ROOT / "python")))
+            te_info = json.loads(ts.stdout.readline())
             for pair in range(a.pairs):
                 for i, build in enumerate(builds):
                     env = dict(os.environ, MOONCAKE_LOG="warn", PYTHONPATH=str(Path(build) / "python"))
-                    arg = json.dumps({"etcd": etcd.url, "prefix": "/mooncake/split", "rounds": a.rounds})
+                    arg = json.dumps({"etcd": etcd.url, "prefix": "/mooncake/split", "rounds": a.rounds,
+                                      "te_address": te_info["address"], "te_region": te_info["region"]})
                     r = subprocess.run(["ip", "netns", "exec", hosts.names[0], sys.executable, __file__, "client", arg],
                                        capture_output=True, text=True, env=env, timeout=300)
                     if r.returncode != 0:
@@ -185,6 +239,8 @@ def main() -> None:
                           file=sys.stderr)
             node.terminate()
             node.wait(10)
+            ts.stdin.close()
+            ts.wait(10)
         finally:
             etcd.stop()
     for op in ("put", "get"):
@@ -194,6 +250,14 @@ def main() -> None:
             va, vb = [r[op][k] for r in runs[0]], [r[op][k] for r in runs[1]]
             ratio = statistics.median(b / x for x, b in zip(va, vb) if x > 0)
             print(f"| {k} | {statistics.median(va):.0f} | {statistics.median(vb):.0f} | {ratio:.2f}x |")
+    print("\npool / our engine (throughput: the engine's batch time over the pool's total), per pair")
+    print("| row | A | B |\n|---|---|---|")
+    for op in ("put", "get"):
+        cells = []
+        for i in range(2):
+            per = [r[op]["our engine's batch, same bytes"] / r[op]["total"] for r in runs[i]]
+            cells.append(f"**{statistics.median(per):.2f}x** ({', '.join(f'{x:.2f}' for x in per)})")
+        print(f"| {op} 32 x 512 KiB | {cells[0]} | {cells[1]} |")
     print(f"\nA = {builds[0]}\nB = {builds[1]}")
 
 
