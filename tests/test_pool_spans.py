@@ -1,7 +1,8 @@
-"""The transfer requests of a remote put/get (pool/spans.py) against a byte-by-byte
-reference: every byte of the value goes to its chunk's slot, once, from the right piece;
-runs of chunks whose slots follow each other become one request. And the node hands a
-re-put object's slots back in ascending order (segment.py), so those runs happen."""
+"""The transfer requests of a remote put/get (planned in Rust: object_layout.rs, through
+``_core.plan_object_spans``) against a byte-by-byte reference: every byte of the value
+goes to its chunk's slot, once, from the right piece; runs of chunks whose slots follow
+each other become one request. And the node hands a re-put object's slots back in
+ascending order (segment.py), so those runs happen."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import random
 import numpy as np
 
 from mooncake_rs.pool.segment import ObjectSegment
-from mooncake_rs.pool.spans import plan_spans
+from mooncake_rs._core import plan_object_spans as plan_spans
 
 
 def reference(sizes: list[int], total: int, chunk: int, offsets: list[int]) -> dict[tuple[int, int], int]:

@@ -736,6 +736,22 @@ class Batch:
     def __await__(self) -> Generator[Any, None, list[TransferStatus]]: ...
 
 @final
+class ObjectBatch:
+    """A store node's objects submitted as one batch (``TransferEngine.submit_objects``)."""
+
+    def wait(self, timeout_s: float | None = None) -> list[bool]: ...
+    def release(self) -> int: ...
+    @property
+    def requests(self) -> int: ...
+    @property
+    def temporary_regions(self) -> int: ...
+    @property
+    def batch(self) -> Batch | None: ...
+
+def plan_object_spans(sizes: list[int], total: int, chunk_bytes: int,
+                      offsets: list[int]) -> list[tuple[int, int, int, int]]: ...
+
+@final
 class BatchCompletion:
     """One ended batch, as a ``CompletionQueue`` reports it."""
 
@@ -908,6 +924,19 @@ class TransferEngine:
         queue: CompletionQueue | None = None,
         tag: int = 0,
     ) -> Batch: ...
+    def submit_objects(
+        self,
+        op: str,
+        peer: Peer,
+        ptrs: list[list[int]],
+        sizes: list[list[int]],
+        totals: list[int],
+        regions: list[int],
+        chunk_bytes: list[int],
+        offsets: list[list[int]],
+        registered: list[Region] = ...,
+        timeout_s: float = 30.0,
+    ) -> ObjectBatch: ...
     def close(self) -> None: ...
     def __enter__(self) -> TransferEngine: ...
     def __exit__(self, *_args: object) -> bool: ...

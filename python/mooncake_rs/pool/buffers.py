@@ -57,38 +57,35 @@ class RegisteredBuffer:
 
 
 class RegisteredBuffers:
-    """The address ranges a caller registered, to find the one holding a pointer."""
+    """The address ranges a caller registered; a remote batch finds the one holding each
+    of its pieces among their ``regions()`` (in Rust: transfer/objects.rs)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_ptr: dict[int, RegisteredBuffer] = {}
         self._sorted: list[RegisteredBuffer] = []
+        self._regions: list[Region] = []
+
+    def _changed(self) -> None:
+        """Called with the lock held."""
+        self._sorted = sorted(self._by_ptr.values(), key=lambda b: b.ptr)
+        self._regions = [b.region for b in self._sorted if b.region is not None]
 
     def add(self, buf: RegisteredBuffer) -> None:
         with self._lock:
             self._by_ptr[buf.ptr] = buf
-            self._sorted = sorted(self._by_ptr.values(), key=lambda b: b.ptr)
+            self._changed()
 
     def remove(self, ptr: int) -> RegisteredBuffer | None:
         with self._lock:
             buf = self._by_ptr.pop(ptr, None)
-            self._sorted = sorted(self._by_ptr.values(), key=lambda b: b.ptr)
+            self._changed()
             return buf
 
-    def find(self, ptr: int, size: int) -> RegisteredBuffer | None:
-        """The registered buffer containing ``[ptr, ptr+size)``, or None."""
-        bufs = self._sorted
-        lo, hi = 0, len(bufs)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if bufs[mid].ptr <= ptr:
-                lo = mid + 1
-            else:
-                hi = mid
-        if lo == 0:
-            return None
-        b = bufs[lo - 1]
-        return b if ptr + size <= b.ptr + b.size else None
+    def regions(self) -> list[Region]:
+        """The transfer engine's regions of the buffers, by address (what a remote batch
+        looks the caller's pieces up in, in Rust)."""
+        return self._regions
 
     def all(self) -> list[RegisteredBuffer]:
         return list(self._sorted)

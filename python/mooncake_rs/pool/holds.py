@@ -42,7 +42,7 @@ Held = Union[Reservation, Lease]
 
 def slot_runs(offsets: list[int], chunk_bytes: int) -> list[tuple[int, int]]:
     """``(offset, length)`` of each run of consecutive slots: one grant covers each run, so
-    a client request spanning consecutive chunks (spans.py) falls inside one grant."""
+    a client request spanning consecutive chunks (object_layout.rs) falls inside one grant."""
     runs: list[tuple[int, int]] = []
     for off in offsets:
         if runs and runs[-1][0] + runs[-1][1] == off:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .._core import Peer, Region, TransferEngine, TransferRequest
+from .._core import ObjectBatch, Peer, TransferEngine
 from ..net.etcd import EtcdClient
 from ..deploy.settings import read_token
 from ..errors import InvalidArgument, ServiceUnavailable
@@ -34,7 +34,6 @@ from .node_links import NodeLinks
 from .metrics import PoolMetrics
 from .placement import rank_nodes
 from .ranked import RankedAsks
-from .spans import plan_spans
 from .objects import clip_sizes
 from .protocol import (INLINE_MAX, Commit, Exists, Leased, Lookup, PutInline, Release, Remove, RemoveAll, Reserve,
                        Reserved, Sizes, Stats)
@@ -80,28 +79,20 @@ class RemoteBackend:
         if buf.region is not None:
             self.te.unregister(buf.region)
 
-    def _local(self, ptr: int, size: int, temps: list[Region]) -> tuple[Region, int]:
-        """The registered region holding ``[ptr, ptr+size)`` and the offset in it; memory
-        nobody registered is registered for this call only."""
-        buf = self.buffers.find(ptr, size)
-        if buf is not None and buf.region is not None:
-            return buf.region, ptr - buf.ptr
-        region = self.te.register(view_at(ptr, size))
-        temps.append(region)
-        return region, 0
-
-    def _requests(self, op: str, pieces: tuple[list[int], list[int]], size: int, peer: Peer, region: int,
-                  chunk: int, offsets: list[int], temps: list[Region]) -> list[TransferRequest]:
-        """The transfer requests of the first ``size`` bytes (spans.py: one per run of
-        chunks whose slots follow each other)."""
-        ptrs, sizes = pieces
-        spans = plan_spans(sizes, size, chunk, offsets)
-        used: dict[int, int] = {}  # bytes of each piece the spans touch
-        for p, poff, _, n in spans:
-            used[p] = max(used.get(p, 0), poff + n)
-        held = {p: self._local(ptrs[p], n, temps) for p, n in used.items()}
-        return [TransferRequest(op, held[p][0], held[p][1] + poff, peer, region, roff, n)
-                for p, poff, roff, n in spans]
+    def _submit(self, op: str, peer: Peer, ptrs: list[list[int]], sizes: list[list[int]], totals: list[int],
+                rep: Reserved | Leased, take: list[int]) -> ObjectBatch:
+        """One node's objects as one transfer batch, planned in Rust (object_layout.rs):
+        the caller's pieces (``ptrs``, ``sizes``) and bytes that move (``totals``) of the
+        node's answer's entries ``take``. The caller's registered buffers are looked up
+        there; other memory is registered until the batch is released."""
+        if len(take) == len(rep.regions):  # every entry moves: the answer's lists as they are
+            regions, chunk, offsets = rep.regions, rep.chunk_bytes, rep.offsets
+        else:
+            regions = [rep.regions[j] for j in take]
+            chunk = [rep.chunk_bytes[j] for j in take]
+            offsets = [rep.offsets[j] for j in take]
+        return self.te.submit_objects(op, peer, ptrs, sizes, totals, regions, chunk, offsets, self.buffers.regions(),
+                                      timeout_s=max(self.io_timeout_s, 30.0))
 
     # ---- puts
     def put_many(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]], replicas: int,
@@ -141,8 +132,8 @@ class RemoteBackend:
                 reserve = self.nodes.asked(node, Reserve, keys=[keys[i] for i in large],
                                            sizes=[totals[i] for i in large], pin=pin, engine=self.name)
             asked.append((node, small, inline, large, reserve))
-        temps: list[Region] = []
-        pending = []  # (node, link, idx, reserved, batch, owners)
+        batches: list[ObjectBatch] = []
+        pending = []  # (node, link, idx, reserved, batch, the answer's entries it moves)
         try:
             for node, small, inline, idx, reserve in asked:
                 if inline is not None:
@@ -163,7 +154,7 @@ class RemoteBackend:
                 if link.broken:  # closed since the answer: its reservations went with it
                     fail(idx, KeyStatus.RPC_FAILED)
                     continue
-                reqs, owners = [], []
+                take = []
                 for j, i in enumerate(idx):
                     st = rep.statuses[j]
                     if st != 0:
@@ -171,19 +162,20 @@ class RemoteBackend:
                     elif rep.put_ids[j] == 0:
                         done[i] += 1  # already held there
                     else:
-                        rs = self._requests("write", (ptrs[i], sizes[i]), totals[i], link.peer, rep.regions[j],
-                                            rep.chunk_bytes[j], rep.offsets[j], temps)
-                        reqs.extend(rs)
-                        owners.extend([j] * len(rs))
-                batch = self.te.submit(reqs, timeout_s=max(self.io_timeout_s, 30.0)) if reqs else None
-                pending.append((node, link, idx, rep, batch, owners))
+                        take.append(j)
+                batch = None
+                if take:
+                    sel = idx if len(take) == len(idx) else [idx[j] for j in take]
+                    batch = self._submit("write", link.peer, [ptrs[i] for i in sel], [sizes[i] for i in sel],
+                                         [totals[i] for i in sel], rep, take)
+                    batches.append(batch)
+                pending.append((node, link, idx, rep, batch, take))
             commits = []  # each node's Commit leaves as soon as its own transfer ended
-            for node, link, idx, rep, batch, owners in pending:
+            for node, link, idx, rep, batch, take in pending:
                 ok = [True] * len(idx)
                 if batch is not None:
-                    for j, ts in zip(owners, batch.wait()):
-                        if not ts.ok:
-                            ok[j] = False
+                    for j, moved in zip(take, batch.wait()):
+                        ok[j] = moved
                 mine = [j for j in range(len(idx)) if rep.put_ids[j] > 0]
                 if mine:
                     try:  # on the connection that holds the reservations
@@ -199,8 +191,8 @@ class RemoteBackend:
                     log.warning("put commit: %s", e)
                     fail(committed, KeyStatus.RPC_FAILED)
         finally:
-            for r in temps:
-                self.te.unregister(r)
+            for b in batches:
+                b.release()
         return self._outcome(done, errors, replicas)
 
     def _outcome(self, done: list[int], errors: list[KeyStatus | None], replicas: int) -> list[KeyStatus]:
@@ -258,7 +250,7 @@ class RemoteBackend:
         ranks = [rank_nodes(k, live) for k in keys]
         result: list[int] = [int(KeyStatus.MISSING)] * len(keys)
         todo = list(range(len(keys)))
-        temps: list[Region] = []
+        batches: list[ObjectBatch] = []
         try:
             for rnd in range(len(live)):
                 by_node: dict[str, list[int]] = defaultdict(list)
@@ -285,7 +277,7 @@ class RemoteBackend:
                     if link.broken:  # closed since the answer: its leases went with it
                         todo.extend(idx)
                         continue
-                    reqs, owners, leases = [], [], []
+                    take, leases = [], []
                     for j, i in enumerate(idx):
                         if rep.statuses[j] != 0:
                             todo.append(i)
@@ -301,23 +293,23 @@ class RemoteBackend:
                         if sum(sizes[i]) < rep.sizes[j]:
                             result[i] = int(KeyStatus.INVALID)
                             continue
-                        rs = self._requests("read", (ptrs[i], sizes[i]), rep.sizes[j], link.peer, rep.regions[j],
-                                            rep.chunk_bytes[j], rep.offsets[j], temps)
-                        reqs.extend(rs)
-                        owners.extend([(i, rep.sizes[j])] * len(rs))
-                    batch = self.te.submit(reqs, timeout_s=max(self.io_timeout_s, 30.0)) if reqs else None
-                    inflight.append((node, link, batch, owners, leases))
-                for node, link, batch, owners, leases in inflight:
-                    failed: set[int] = set()
+                        take.append(j)
+                    batch = None
+                    if take:
+                        sel = [idx[j] for j in take]
+                        batch = self._submit("read", link.peer, [ptrs[i] for i in sel], [sizes[i] for i in sel],
+                                             rep.sizes if len(take) == len(idx) else [rep.sizes[j] for j in take],
+                                             rep, take)
+                        batches.append(batch)
+                    inflight.append((node, link, idx, rep, batch, take, leases))
+                for node, link, idx, rep, batch, take, leases in inflight:
                     if batch is not None:
-                        for (i, n), ts in zip(owners, batch.wait()):
-                            if not ts.ok:
-                                failed.add(i)
+                        for j, moved in zip(take, batch.wait()):
+                            if moved:
+                                result[idx[j]] = rep.sizes[j]
                             else:
-                                result[i] = n
-                    for i in failed:
-                        result[i] = int(KeyStatus.MISSING)
-                        todo.append(i)  # try the next replica
+                                result[idx[j]] = int(KeyStatus.MISSING)
+                                todo.append(idx[j])  # try the next replica
                     if leases:
                         # nobody waits for this answer: the bytes are here, the node frees the
                         # leases when it reads the request (or when this connection closes)
@@ -328,8 +320,8 @@ class RemoteBackend:
                 if not todo:
                     break
         finally:
-            for r in temps:
-                self.te.unregister(r)
+            for b in batches:
+                b.release()
         return result
 
     def get_bytes_many(self, keys: list[str]) -> list[bytes | None]:

@@ -94,7 +94,7 @@ class ObjectSegment:
         store = self.classes[meta.cls].store
         # last chunk first: freed slots go on a last-in-first-out list, so the next object
         # gets them back in ascending order (its chunks then follow each other in the
-        # region, and a remote transfer moves each run as one request: spans.py)
+        # region, and a remote transfer moves each run as one request: rust/core/src/object_layout.rs)
         for i in reversed(range(meta.nchunks)):
             k = chunk_key(meta.oid, i)
             if meta.pinned:

@@ -10,6 +10,7 @@
 //! - [`index`]: which instance holds which block, in which tier; longest-prefix matching.
 //! - [`interop`]: decoding the parts of other engines' KV event wire format that pay in Rust.
 //! - [`mem`]: page-aligned private or shared-memory mappings (store arenas, transfer regions).
+//! - [`object_layout`]: how an object lies in fixed-size chunks; the transfer spans of one.
 //! - [`conductor`]: global scheduling (Algorithm 1 and better), admission, replica hints.
 //! - [`transfer`]: batch transfers between registered memory (local, shm, tcp).
 //! - [`seal`]: AES-256-GCM records for the sealed sessions of a deployment's control plane.
@@ -27,6 +28,7 @@ pub mod hash_xxh3;
 pub mod index;
 pub mod interop;
 pub mod mem;
+pub mod object_layout;
 pub mod seal;
 pub mod store;
 pub mod token_array;

@@ -37,6 +37,7 @@ mod store_keys;
 mod store_run;
 mod transfer;
 mod transfer_completion;
+mod transfer_objects;
 mod transfer_rights;
 
 #[pymodule]

@@ -93,7 +93,7 @@ impl PyRegion {
 /// A connected peer (from `TransferEngine.connect`).
 #[pyclass(name = "Peer", module = "mooncake_rs._core", frozen)]
 pub struct PyPeer {
-    peer: Arc<Peer>,
+    pub(crate) peer: Arc<Peer>,
 }
 
 #[pymethods]
@@ -669,6 +669,45 @@ impl PyTransferEngine {
         self.submit_requests(py, reqs, timeout, queue, tag)
     }
 
+    /// One store node's share of a pool batch, planned and submitted as one batch: per
+    /// object the caller's pieces (`ptrs[o]`, `sizes[o]`), the bytes that move
+    /// (`totals[o]`), and where the node keeps it (`regions[o]`, `chunk_bytes[o]`, the
+    /// chunks' `offsets[o]`). Pieces are found in `registered` (this engine's regions),
+    /// else registered until the `ObjectBatch` is released. "write" puts, "read" gets.
+    #[pyo3(signature = (op, peer, ptrs, sizes, totals, regions, chunk_bytes, offsets, registered = Vec::new(),
+                        timeout_s = 30.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit_objects(
+        &self,
+        py: Python<'_>,
+        op: &str,
+        peer: PyRef<'_, PyPeer>,
+        ptrs: &Bound<'_, PyAny>,
+        sizes: &Bound<'_, PyAny>,
+        totals: &Bound<'_, PyAny>,
+        regions: &Bound<'_, PyAny>,
+        chunk_bytes: &Bound<'_, PyAny>,
+        offsets: &Bound<'_, PyAny>,
+        registered: Vec<PyRef<'_, PyRegion>>,
+        timeout_s: f64,
+    ) -> PyResult<crate::transfer_objects::PyObjectBatch> {
+        let registered = registered.iter().map(|r| r.region.clone()).collect();
+        crate::transfer_objects::submit(
+            py,
+            &self.engine,
+            op,
+            &peer.peer,
+            ptrs,
+            sizes,
+            totals,
+            regions,
+            chunk_bytes,
+            offsets,
+            registered,
+            timeout_s,
+        )
+    }
+
     /// Stops serving and closes peers; pending requests fail. Idempotent.
     fn close(&self, py: Python<'_>) {
         let e = &self.engine;
@@ -716,5 +755,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyTransferStats>()?;
     m.add_class::<PyTransferRegistry>()?;
     crate::transfer_completion::register(m)?;
+    crate::transfer_objects::register(m)?;
     Ok(())
 }

@@ -1,14 +1,15 @@
 //! Batches of whole objects given as (object id, address, size), each cut into chunks of
 //! `block_bytes` here rather than by the caller: chunk `j` of object `oid` is the block
-//! keyed `oid | j`, at `addr + j * block_bytes`, `min(block_bytes, size - j * block_bytes)`
-//! bytes long (an empty object is one empty chunk). This is the layout of the pool's
-//! object segment (python/mooncake_rs/pool/chunks.py); building the three chunk lists in
-//! Python cost a local batch of 32 objects about a fifth of its Python time.
+//! keyed `oid | j`, at `addr` plus chunk `j`'s range of [`crate::object_layout`] (an empty
+//! object is one empty chunk). The keys are the pool's object segment's
+//! (python/mooncake_rs/pool/chunks.py); building the three chunk lists in Python cost a
+//! local batch of 32 objects about a fifth of its Python time.
 
 use super::batch_copy::AddressedChunk;
 use super::error::StoreError;
 use super::tiered::Store;
 use crate::hash::BlockHash;
+use crate::object_layout::{chunk_count, chunk_range};
 
 /// One object of a batch: its id (its chunk numbers are or-ed into the low bits, which
 /// must be zero) and the caller's memory it is copied from or into.
@@ -40,7 +41,7 @@ impl AddressedObject {
 
     /// How many chunks of `block_bytes` hold it (at least one).
     fn chunks(&self, block_bytes: usize) -> usize {
-        self.size.div_ceil(block_bytes).max(1)
+        chunk_count(self.size as u64, block_bytes as u64) as usize
     }
 }
 
@@ -65,12 +66,8 @@ fn chunks_of(objects: &[AddressedObject], block_bytes: usize) -> Result<(Vec<Add
             )));
         }
         for j in 0..n {
-            let at = j * block_bytes;
-            chunks.push(AddressedChunk {
-                key: o.oid | j as BlockHash,
-                addr: o.addr + at,
-                len: block_bytes.min(o.size - at),
-            });
+            let (at, len) = chunk_range(o.size as u64, block_bytes as u64, j as u64);
+            chunks.push(AddressedChunk { key: o.oid | j as BlockHash, addr: o.addr + at as usize, len: len as usize });
         }
         counts.push(n);
     }

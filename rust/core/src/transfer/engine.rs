@@ -245,6 +245,12 @@ impl Engine {
         self.inner.regions.get(id)
     }
 
+    /// The table itself (an object batch unregisters its temporary regions there, after
+    /// the batch's own calls into the engine have ended).
+    pub(crate) fn region_table(&self) -> &Arc<RegionTable> {
+        &self.inner.regions
+    }
+
     /// Removes a region; transfers in flight keep its memory alive until they end.
     pub fn unregister(&self, id: RegionId) -> bool {
         self.inner.regions.unregister(id)

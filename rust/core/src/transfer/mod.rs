@@ -21,6 +21,7 @@ pub mod engine;
 pub mod fdpass;
 mod inner;
 pub mod local;
+pub mod objects;
 pub mod protocol;
 pub mod region;
 pub mod registry;
@@ -38,6 +39,7 @@ use crate::error::{Categorized, ErrorCategory};
 pub use batch::{Batch, RequestStatus};
 pub use completion::{monotonic_ns, Completion, CompletionQueue};
 pub use engine::{Engine, EngineConfig, EngineStats, Peer, Transports, WireProtection};
+pub use objects::{ObjectBatch, RemoteObject};
 pub use region::{Access, Grant, Region, RegionId, RegionOwner};
 pub use registry::EngineRegistry;
 
@@ -212,6 +214,8 @@ mod tests_adversarial;
 mod tests_completion;
 #[cfg(test)]
 mod tests_integrity;
+#[cfg(test)]
+mod tests_objects;
 #[cfg(test)]
 mod tests_rights;
 #[cfg(test)]
