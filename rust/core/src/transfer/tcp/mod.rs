@@ -6,6 +6,7 @@
 //! Both sides use blocking sockets with timeouts, one thread per direction.
 
 mod admission;
+mod answers;
 pub mod client;
 mod guard;
 pub mod handshake;

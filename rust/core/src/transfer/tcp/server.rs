@@ -41,6 +41,7 @@ use super::super::region::RegionTable;
 use super::super::staged_server::StagingServer;
 use super::super::{AccessError, TransferError};
 use super::admission::{make_room, Activity, Served};
+use super::answers::Answers;
 pub use super::admission::{MAX_CONNECTIONS, MAX_PER_PEER};
 use super::handshake::{self, Refusal};
 use super::seal::{FrameReader, FrameWriter};
@@ -306,7 +307,9 @@ fn serve_frames(
     let _ = stream.set_write_timeout(Some(ctx.io_timeout));
     let Ok(read_half) = stream.try_clone() else { return };
     let mut r = FrameReader::new(BufReader::with_capacity(8 << 10, read_half), keys.recv);
-    let mut w = FrameWriter::new(stream, keys.send);
+    // Answers are held while the next request is already queued (answers.rs); dropping
+    // `w` on any way out writes those still held.
+    let mut w = FrameWriter::new(Answers::new(stream), keys.send);
     loop {
         if closed.load(Ordering::SeqCst) {
             return;
@@ -315,7 +318,8 @@ fn serve_frames(
         let result = read_header(&mut r).and_then(|h| match h {
             Some(h) => {
                 activity.busy();
-                handle(h, peer, &mut r, &mut w, ctx)
+                handle(h, peer, &mut r, &mut w, ctx)?;
+                w.get_mut().answered(r.get_mut()).map_err(ConnError::from)
             }
             // (no request within the read timeout: only set without a token)
             None => Err(ConnError::Io(io::ErrorKind::TimedOut.into())),
@@ -352,7 +356,7 @@ fn handle(
     h: Header,
     peer: &str,
     r: &mut Reader,
-    w: &mut FrameWriter<TcpStream>,
+    w: &mut FrameWriter<Answers>,
     ctx: &ServeCtx,
 ) -> Result<(), ConnError> {
     match read_msg_body(r, h)? {
