@@ -8,6 +8,7 @@
 mod admission;
 mod answers;
 pub mod client;
+mod gmac_parts;
 mod guard;
 pub mod handshake;
 mod overlap;
