@@ -123,10 +123,11 @@ def trial(ref, size, nb, seconds, k0):
 class EngineSide:
     """Our engine (no token) writing to / reading from a peer process, the bench's case."""
 
-    def __init__(self):
+    def __init__(self, conns=None):
         self.peer, info = start_peer(name="probe-peer", regions=[{"name": "r", "length": WS, "fill": False}],
                                      transports=["tcp"])
-        self.e = mc.TransferEngine("probe-init", transports=["tcp"], registry=mc.TransferRegistry())
+        extra = {} if conns is None else {"connections_per_endpoint": conns}
+        self.e = mc.TransferEngine("probe-init", transports=["tcp"], registry=mc.TransferRegistry(), **extra)
         self.p = self.e.connect("probe-peer", info["address"])
         self.mine = self.e.allocate(WS)
         self.rid = info["regions"]["r"]
@@ -187,9 +188,10 @@ def main():
     ap.add_argument("--placements", default="free,same,split")
     ap.add_argument("--engine", default="", help="also our engine's ops, no token (write,read)")
     ap.add_argument("--engine-placements", default="free", help="placements of our engine's two processes")
+    ap.add_argument("--engine-conns", type=int, default=None, help="connections_per_endpoint (default: the engine's)")
     a = ap.parse_args()
     ref = SocketRef()
-    eng = EngineSide() if a.engine else None
+    eng = EngineSide(a.engine_conns) if a.engine else None
     erows: dict[tuple, list[dict]] = {}
     rows: dict[tuple, list[dict]] = {}
     k = 0
