@@ -26,6 +26,14 @@ use super::super::protocol::HEADER_LEN;
 /// to a few frames' arrival).
 pub const MAX_HELD: usize = 8;
 
+/// Most bytes of requests whose answers are held. A client keeps at most `window_bytes`
+/// (4 MiB by default) unanswered per connection; holding the answers of a whole window
+/// would stall it until this server drained everything queued, emptying the pipeline
+/// (encrypted 512 KiB writes, where the server is behind: 1.09 CPU-s/GB without this
+/// bound against main's 0.85, 0.70 with it; BENCHMARKS.md, "k26q"). An eighth of the
+/// default keeps the client sending.
+pub const MAX_HELD_BYTES: usize = 512 << 10;
+
 /// Buffer of held answers: a few dozen bytes each (a head and, with a token, a tag).
 const HOLD_BYTES: usize = 4096;
 
@@ -33,19 +41,22 @@ const HOLD_BYTES: usize = 4096;
 pub struct Answers {
     out: BufWriter<TcpStream>,
     held: usize,
+    held_bytes: usize,
 }
 
 impl Answers {
     pub fn new(stream: TcpStream) -> Answers {
-        Answers { out: BufWriter::with_capacity(HOLD_BYTES, stream), held: 0 }
+        Answers { out: BufWriter::with_capacity(HOLD_BYTES, stream), held: 0, held_bytes: 0 }
     }
 
-    /// Called after each answered request: writes the held answers unless the next
-    /// request's header is already here (in `input`'s buffer or the socket) and fewer
-    /// than [`MAX_HELD`] are held.
-    pub fn answered(&mut self, input: &BufReader<TcpStream>) -> io::Result<()> {
+    /// Called after each answered request that moved `bytes`: writes the held answers
+    /// unless the next request's header is already here (in `input`'s buffer or the
+    /// socket), fewer than [`MAX_HELD`] are held and their requests moved less than
+    /// [`MAX_HELD_BYTES`].
+    pub fn answered(&mut self, input: &BufReader<TcpStream>, bytes: usize) -> io::Result<()> {
         self.held += 1;
-        if self.held >= MAX_HELD || !header_waiting(input) {
+        self.held_bytes = self.held_bytes.saturating_add(bytes);
+        if self.held >= MAX_HELD || self.held_bytes >= MAX_HELD_BYTES || !header_waiting(input) {
             self.flush()?;
         }
         Ok(())
@@ -69,6 +80,7 @@ impl Write for Answers {
 
     fn flush(&mut self) -> io::Result<()> {
         self.held = 0;
+        self.held_bytes = 0;
         self.out.flush()
     }
 }
@@ -123,7 +135,7 @@ mod tests {
     fn answers_are_written_at_once_when_no_request_is_waiting() {
         let (mut a, input, mut client) = pair();
         a.write_all(b"first").unwrap();
-        a.answered(&input).unwrap();
+        a.answered(&input, 1).unwrap();
         assert_eq!(a.held(), 0);
         let mut got = [0u8; 5];
         client.read_exact(&mut got).unwrap();
@@ -141,17 +153,34 @@ mod tests {
             let answer = [b'a' + i as u8; 3];
             a.write_all(&answer).unwrap();
             sent.extend_from_slice(&answer);
-            a.answered(&input).unwrap();
+            a.answered(&input, 1).unwrap();
             assert_eq!(a.held(), i + 1, "held while the next header is waiting");
         }
         assert!(arrived(&mut client).is_empty(), "nothing written yet");
         a.write_all(b"zzz").unwrap();
         sent.extend_from_slice(b"zzz");
-        a.answered(&input).unwrap();
+        a.answered(&input, 1).unwrap();
         assert_eq!(a.held(), 0, "written at MAX_HELD");
         let mut got = vec![0u8; sent.len()];
         client.read_exact(&mut got).unwrap();
         assert_eq!(got, sent, "every answer, in order");
+    }
+
+    /// Answers of requests that moved MAX_HELD_BYTES are written even while a header
+    /// waits, so a client whose window is in bytes keeps room to send.
+    #[test]
+    fn answers_of_a_window_share_of_bytes_are_written() {
+        let (mut a, input, mut client) = pair();
+        client.write_all(&[7u8; HEADER_LEN]).unwrap();
+        a.write_all(b"big").unwrap();
+        a.answered(&input, MAX_HELD_BYTES / 2).unwrap();
+        assert_eq!(a.held(), 1);
+        a.write_all(b"big").unwrap();
+        a.answered(&input, MAX_HELD_BYTES / 2).unwrap();
+        assert_eq!(a.held(), 0, "written at MAX_HELD_BYTES");
+        let mut got = [0u8; 6];
+        client.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"bigbig");
     }
 
     #[test]
@@ -159,11 +188,11 @@ mod tests {
         let (mut a, input, mut client) = pair();
         client.write_all(&[7u8; HEADER_LEN - 1]).unwrap();
         a.write_all(b"one").unwrap();
-        a.answered(&input).unwrap();
+        a.answered(&input, 1).unwrap();
         assert_eq!(a.held(), 0, "a header that is not whole may never complete: written");
         client.write_all(&[7u8]).unwrap();
         a.write_all(b"two").unwrap();
-        a.answered(&input).unwrap();
+        a.answered(&input, 1).unwrap();
         assert_eq!(a.held(), 1);
         drop(a);
         let mut got = [0u8; 6];
