@@ -19,16 +19,20 @@
 //! record fails its tag). Its associated data is the record alone for a frame's later
 //! records, and `record | head | len(head) (u64 LE)` for its first (the head is the
 //! frame's header and body): the length is parsed from the end, so no two (record, head)
-//! pairs give the same input. The crate takes one contiguous input, so a first record is
-//! copied (with its head) into a per-thread buffer before it is tagged, except where the
-//! server stages a received record with room after it for the head
-//! ([`Guard::open_with_room`]); later records are tagged in place.
+//! pairs give the same input. `aws-lc-rs` takes one contiguous input, so a first record
+//! is hashed in parts through AWS-LC's `EVP_CIPHER` interface instead
+//! ([`GmacParts`](super::gmac_parts): record, head and length where they are, the same
+//! tag), or, where that context is missing, copied with its head into a per-thread
+//! buffer (the reference path the tests compare with); the server's staged receive lays
+//! the head out in room after the record ([`Guard::open_with_room`]); later records are
+//! tagged in place.
 
 use std::cell::RefCell;
 
 use aws_lc_rs::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM};
 
 use super::super::config::WireProtection;
+use super::gmac_parts::{same_tag, GmacParts};
 
 pub const TAG_LEN: usize = 16;
 
@@ -55,7 +59,9 @@ pub fn nonce_bytes(seq: u64) -> [u8; 12] {
 /// One direction's protection, ready to use.
 pub enum Guard {
     Sealed(Box<LessSafeKey>),
-    Tagged(Box<LessSafeKey>),
+    /// The key, and the same key's context for first records in parts ([`GmacParts`];
+    /// `None` if AWS-LC could not make one: then first records are copied).
+    Tagged(Box<LessSafeKey>, RefCell<Option<GmacParts>>),
 }
 
 impl Guard {
@@ -66,7 +72,7 @@ impl Guard {
         let key = Box::new(LessSafeKey::new(unbound));
         match k.protection {
             WireProtection::Encrypted => Guard::Sealed(key),
-            WireProtection::Integrity => Guard::Tagged(key),
+            WireProtection::Integrity => Guard::Tagged(key, RefCell::new(GmacParts::new(&k.key))),
         }
     }
 
@@ -83,20 +89,20 @@ impl Guard {
                 out.copy_from_slice(tag.as_ref());
                 out
             }
-            Guard::Tagged(k) => mac(k, seq, aad, record),
+            Guard::Tagged(k, parts) => mac(k, parts, seq, aad, record),
         }
     }
 
     /// Whether records travel in clear (integrity-only), tagged by [`tag_in_clear`](Self::tag_in_clear).
     pub fn in_clear(&self) -> bool {
-        matches!(self, Guard::Tagged(_))
+        matches!(self, Guard::Tagged(..))
     }
 
     /// The tag of a record that travels in clear, computed where the record is.
     /// Only for [`Guard::Tagged`] (a sealed record must be encrypted: [`protect`](Self::protect)).
     pub fn tag_in_clear(&self, seq: u64, aad: &[u8], record: &[u8]) -> Option<[u8; TAG_LEN]> {
         match self {
-            Guard::Tagged(k) => Some(mac(k, seq, aad, record)),
+            Guard::Tagged(k, parts) => Some(mac(k, parts, seq, aad, record)),
             Guard::Sealed(_) => None,
         }
     }
@@ -109,7 +115,10 @@ impl Guard {
                 let nonce = Nonce::assume_unique_for_key(nonce_bytes(seq));
                 c.open_in_place_separate_tag(nonce, Aad::from(aad), &tag, record).is_ok()
             }
-            Guard::Tagged(k) => with_tagged_input(aad, record, |input| check(k, seq, input, tag)),
+            Guard::Tagged(k, parts) => match first_record_tag(parts, seq, aad, record) {
+                Some(want) => same_tag(&want, &tag),
+                None => with_tagged_input(aad, record, |input| check(k, seq, input, tag)),
+            },
         }
     }
 
@@ -121,7 +130,7 @@ impl Guard {
     pub fn open_with_room(&self, seq: u64, aad: &[u8], buf: &mut [u8], len: usize, tag: [u8; TAG_LEN]) -> bool {
         let input_len = len + aad.len() + 8;
         match self {
-            Guard::Tagged(k) if !aad.is_empty() && buf.len() >= input_len => {
+            Guard::Tagged(k, _) if !aad.is_empty() && buf.len() >= input_len => {
                 write_head_after_record(&mut buf[len..input_len], aad);
                 check(k, seq, &buf[..input_len], tag)
             }
@@ -137,8 +146,22 @@ fn check(key: &LessSafeKey, seq: u64, input: &[u8], tag: [u8; TAG_LEN]) -> bool 
     key.open_in_place_separate_tag(nonce, Aad::from(input), &tag, &mut []).is_ok()
 }
 
+/// A first record's tag (`record | head | len(head)`) hashed in parts, where the record
+/// is (no copy: [`GmacParts`]). `None` for a later record (no head: the one-slice call
+/// reads it in place already) or if AWS-LC refused: then the caller copies.
+fn first_record_tag(parts: &RefCell<Option<GmacParts>>, seq: u64, aad: &[u8], record: &[u8]) -> Option<[u8; TAG_LEN]> {
+    if aad.is_empty() {
+        return None;
+    }
+    let len = (aad.len() as u64).to_le_bytes();
+    parts.borrow_mut().as_mut()?.tag(&nonce_bytes(seq), &[record, aad, &len])
+}
+
 /// The GMAC tag of a record that travels in clear (module docs: what it covers).
-fn mac(key: &LessSafeKey, seq: u64, aad: &[u8], record: &[u8]) -> [u8; TAG_LEN] {
+fn mac(key: &LessSafeKey, parts: &RefCell<Option<GmacParts>>, seq: u64, aad: &[u8], record: &[u8]) -> [u8; TAG_LEN] {
+    if let Some(tag) = first_record_tag(parts, seq, aad, record) {
+        return tag;
+    }
     with_tagged_input(aad, record, |input| {
         let nonce = Nonce::assume_unique_for_key(nonce_bytes(seq));
         // No plaintext, and a record is at most 64 KiB (+ its head): sealing cannot fail.
@@ -232,6 +255,38 @@ mod tests {
                 let tag = g.tag_in_clear(seq, head, &rec).unwrap();
                 assert_eq!(tag, reference_gmac(&k.key, seq, &input), "len {len} seq {seq}");
                 assert!(g.open(seq, head, &mut rec.clone(), tag));
+            }
+        }
+    }
+
+    /// First records hashed in parts (no copy) against the copying path, the reference:
+    /// the same tags, and `open` takes and refuses the same records, heads and sequences.
+    #[test]
+    fn first_records_in_parts_tag_and_open_as_the_copying_path() {
+        let k = key(WireProtection::Integrity);
+        let parts = Guard::new(&k);
+        assert!(matches!(&parts, Guard::Tagged(_, p) if p.borrow().is_some()), "AWS-LC made the context");
+        let copying = match Guard::new(&k) {
+            Guard::Tagged(c, _) => Guard::Tagged(c, RefCell::new(None)),
+            Guard::Sealed(_) => unreachable!(),
+        };
+        for len in [0usize, 1, 16, 17, 4097, 65536] {
+            let rec: Vec<u8> = (0..len).map(|i| (i * 11 % 256) as u8).collect();
+            for head in [&b""[..], b"MC\x01\x00h", b"MC\x01\x00head-and-body"] {
+                for seq in [0u64, 3, u64::MAX] {
+                    let tag = parts.tag_in_clear(seq, head, &rec).unwrap();
+                    assert_eq!(Some(tag), copying.tag_in_clear(seq, head, &rec), "len {len} seq {seq}");
+                    for g in [&parts, &copying] {
+                        assert!(g.open(seq, head, &mut rec.clone(), tag));
+                        assert!(!g.open(seq.wrapping_add(1), head, &mut rec.clone(), tag));
+                        assert!(!g.open(seq, b"MC\x01\x00other", &mut rec.clone(), tag));
+                        if len > 0 {
+                            let mut flipped = rec.clone();
+                            flipped[len - 1] ^= 1;
+                            assert!(!g.open(seq, head, &mut flipped, tag));
+                        }
+                    }
+                }
             }
         }
     }

@@ -6,7 +6,9 @@
 //! Both sides use blocking sockets with timeouts, one thread per direction.
 
 mod admission;
+mod answers;
 pub mod client;
+mod gmac_parts;
 mod guard;
 pub mod handshake;
 mod overlap;

@@ -42,6 +42,7 @@ use super::super::staged_server::StagingServer;
 use super::super::{AccessError, TransferError};
 use super::admission::{make_room, Activity, Served};
 pub use super::admission::{MAX_CONNECTIONS, MAX_PER_PEER};
+use super::answers::Answers;
 use super::handshake::{self, Refusal};
 use super::seal::{FrameReader, FrameWriter};
 use super::{read_header, read_msg_body, ConnError};
@@ -306,7 +307,9 @@ fn serve_frames(
     let _ = stream.set_write_timeout(Some(ctx.io_timeout));
     let Ok(read_half) = stream.try_clone() else { return };
     let mut r = FrameReader::new(BufReader::with_capacity(8 << 10, read_half), keys.recv);
-    let mut w = FrameWriter::new(stream, keys.send);
+    // Answers are held while the next request is already queued (answers.rs); dropping
+    // `w` on any way out writes those still held.
+    let mut w = FrameWriter::new(Answers::new(stream), keys.send);
     loop {
         if closed.load(Ordering::SeqCst) {
             return;
@@ -315,7 +318,8 @@ fn serve_frames(
         let result = read_header(&mut r).and_then(|h| match h {
             Some(h) => {
                 activity.busy();
-                handle(h, peer, &mut r, &mut w, ctx)
+                let bytes = handle(h, peer, &mut r, &mut w, ctx)?;
+                w.get_mut().answered(r.get_mut(), bytes).map_err(ConnError::from)
             }
             // (no request within the read timeout: only set without a token)
             None => Err(ConnError::Io(io::ErrorKind::TimedOut.into())),
@@ -346,16 +350,17 @@ fn refuse(ctx: &ServeCtx, e: AccessError) -> Result<(), AccessError> {
 
 type Reader = FrameReader<BufReader<TcpStream>>;
 
-/// Serves one frame. Nothing is acted on before the frame's tag verified (with a
-/// token), so a forged request reads, writes and answers nothing.
+/// Serves one frame and returns the bytes the request moved (what counts against the
+/// client's window while it is unanswered). Nothing is acted on before the frame's tag
+/// verified (with a token), so a forged request reads, writes and answers nothing.
 fn handle(
     h: Header,
     peer: &str,
     r: &mut Reader,
-    w: &mut FrameWriter<TcpStream>,
+    w: &mut FrameWriter<Answers>,
     ctx: &ServeCtx,
-) -> Result<(), ConnError> {
-    match read_msg_body(r, h)? {
+) -> Result<usize, ConnError> {
+    let moved = match read_msg_body(r, h)? {
         Msg::ReadReq { id, region, offset, len } => {
             r.end_frame()?;
             let checked = if len > MAX_DATA as u64 {
@@ -372,10 +377,12 @@ fn handle(
                     // Counted before sending, so a peer that saw the data sees the count.
                     ctx.counters.bytes_served.fetch_add(len, Ordering::Relaxed);
                     w.send(&head, data)?;
+                    len as usize
                 }
                 Err(e) => {
                     let _ = refuse(ctx, e);
-                    w.send(&encode(&Msg::ReadResp { id, status: Err(e), data_len: 0 }), &[])?
+                    w.send(&encode(&Msg::ReadResp { id, status: Err(e), data_len: 0 }), &[])?;
+                    0
                 }
             }
         }
@@ -397,6 +404,7 @@ fn handle(
                 }
             };
             w.send(&encode(&Msg::WriteResp { id, status }), &[])?;
+            data_len
         }
         Msg::QueryRegion { id, region } => {
             r.end_frame()?;
@@ -421,8 +429,9 @@ fn handle(
                 }
             };
             w.send(&encode(&reply), &[])?;
+            0
         }
         _ => return Err(ConnError::Frame(super::super::protocol::FrameError::Malformed)),
-    }
-    Ok(())
+    };
+    Ok(moved)
 }
