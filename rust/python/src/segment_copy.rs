@@ -64,7 +64,7 @@ fn copy_segments(
         }
     }
     if let Some(c) = &crc_view {
-        if c.len_bytes() % 4 != 0 || (c.as_mut_ptr() as usize) % 4 != 0 {
+        if !c.len_bytes().is_multiple_of(4) || !(c.as_mut_ptr() as usize).is_multiple_of(4) {
             return Err(invalid(py, "crcs must be an aligned uint32 buffer (e.g. numpy.zeros(n, numpy.uint32))"));
         }
         if dst_view.as_ref().is_some_and(|d| overlaps(c, d)) || overlaps(c, &src_view) {

@@ -109,7 +109,7 @@ mod x86 {
 
     #[cfg(test)]
     pub(super) fn sse2_only(src: &[u8], dst: &mut [u8]) {
-        assert!(src.len() == dst.len() && (dst.as_ptr() as usize) % 64 == 0 && src.len() % 64 == 0);
+        assert!(src.len() == dst.len() && (dst.as_ptr() as usize).is_multiple_of(64) && src.len().is_multiple_of(64));
         // SAFETY: two distinct slices of equal length, a whole number of 64-aligned lines.
         unsafe { lines_sse2(src.as_ptr(), dst.as_mut_ptr(), src.len() / 64) };
     }

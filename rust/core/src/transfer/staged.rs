@@ -306,7 +306,7 @@ impl StagedLink {
                 .front()
                 .filter(|p| p.id == id)
                 .ok_or(TransferError::Closed)
-                .and_then(|_| reply)
+                .and(reply)
                 .and_then(|r| self.apply(&mut ring, id, &r))
             {
                 break e;
