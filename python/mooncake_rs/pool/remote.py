@@ -44,6 +44,12 @@ __all__ = ["RemoteBackend"]
 log = logging.getLogger("mooncake_rs.pool")
 
 
+def _taken(values: list, take: list[int]) -> list:
+    """The entries ``take`` (ascending positions) of one node's per-entry list: the list
+    itself when every entry is taken."""
+    return values if len(take) == len(values) else [values[j] for j in take]
+
+
 class RemoteBackend:
     def __init__(self, etcd: str, *, auth_token: str | bytes | None, prefix: str, name: str | None,
                  wait_nodes: int, timeout_s: float, io_timeout_s: float,
@@ -85,12 +91,8 @@ class RemoteBackend:
         the caller's pieces (``ptrs``, ``sizes``) and bytes that move (``totals``) of the
         node's answer's entries ``take``. The caller's registered buffers are looked up
         there; other memory is registered until the batch is released."""
-        if len(take) == len(rep.regions):  # every entry moves: the answer's lists as they are
-            regions, chunk, offsets = rep.regions, rep.chunk_bytes, rep.offsets
-        else:
-            regions = [rep.regions[j] for j in take]
-            chunk = [rep.chunk_bytes[j] for j in take]
-            offsets = [rep.offsets[j] for j in take]
+        regions, chunk, offsets = (_taken(rep.regions, take), _taken(rep.chunk_bytes, take),
+                                   _taken(rep.offsets, take))
         return self.te.submit_objects(op, peer, ptrs, sizes, totals, regions, chunk, offsets, self.buffers.regions(),
                                       timeout_s=max(self.io_timeout_s, 30.0))
 
@@ -165,7 +167,7 @@ class RemoteBackend:
                         take.append(j)
                 batch = None
                 if take:
-                    sel = idx if len(take) == len(idx) else [idx[j] for j in take]
+                    sel = _taken(idx, take)
                     batch = self._submit("write", link.peer, [ptrs[i] for i in sel], [sizes[i] for i in sel],
                                          [totals[i] for i in sel], rep, take)
                     batches.append(batch)
@@ -296,10 +298,9 @@ class RemoteBackend:
                         take.append(j)
                     batch = None
                     if take:
-                        sel = [idx[j] for j in take]
+                        sel = _taken(idx, take)
                         batch = self._submit("read", link.peer, [ptrs[i] for i in sel], [sizes[i] for i in sel],
-                                             rep.sizes if len(take) == len(idx) else [rep.sizes[j] for j in take],
-                                             rep, take)
+                                             _taken(rep.sizes, take), rep, take)
                         batches.append(batch)
                     inflight.append((node, link, idx, rep, batch, take, leases))
                 for node, link, idx, rep, batch, take, leases in inflight:
