@@ -185,15 +185,17 @@ class StoreNode:
         self._granting(conn, msg.engine)
         seg = self.segment
         st, ids, regions, chunk, offsets = [], [], [], [], []
-        for key, size in zip(msg.keys, msg.sizes):
-            res = seg.reserve(key, size, msg.pin)
+        got = seg.reserve_many(msg.keys, msg.sizes, msg.pin)  # one store call a size class
+        for n, res in enumerate(got):
             if isinstance(res, Reservation):
                 pid = next(self._ids)
                 region, cb = self.regions[res.meta.cls], seg.classes[res.meta.cls].chunk_bytes
                 try:
                     conn.hold(pid, res, region, cb, write=True)
                 except Exception:
-                    seg.abort(res)
+                    for r in got[n:]:  # this one and those not yet held: nothing else frees them
+                        if isinstance(r, Reservation):
+                            seg.abort(r)
                     raise
                 st.append(0)
                 ids.append(pid)
@@ -231,7 +233,10 @@ class StoreNode:
             offsets.append(offs or [])
             data.append(value)
 
-        for key in msg.keys:
+        # first the keys answered without a lease (small values inline, sizes only), then
+        # one store call a size class leases the others (segment.lease_many)
+        to_lease: list[int] = []
+        for n, key in enumerate(msg.keys):
             size = seg.size_of(key)
             if size is not None and size <= inline:
                 v = seg.get_bytes(key)
@@ -241,19 +246,26 @@ class StoreNode:
             if size is not None and not msg.lease_large:
                 answer(0, size=size)  # only sized: the client reads it with a leased lookup
                 continue
-            lease = seg.lease(key)
-            if isinstance(lease, Lease):
+            to_lease.append(n)
+            answer(int(KeyStatus.MISSING))  # (filled in below)
+        if to_lease:
+            leases = seg.lease_many([msg.keys[n] for n in to_lease])
+            for k, (n, lease) in enumerate(zip(to_lease, leases)):
+                if not isinstance(lease, Lease):
+                    st[n] = int(lease)
+                    continue
                 lid = next(self._ids)
                 m = lease.meta
                 region, cb = self.regions[m.cls], seg.classes[m.cls].chunk_bytes
                 try:
                     conn.hold(lid, lease, region, cb, write=False)
                 except Exception:
-                    lease.release()
+                    for other in leases[k:]:  # this one and those not yet held
+                        if isinstance(other, Lease):
+                            other.release()
                     raise
-                answer(0, lid, m.size, region.id, cb, list(lease.offsets))
-            else:
-                answer(int(lease))
+                st[n], ids[n], sizes[n], regions[n], chunk[n], offsets[n] = (0, lid, m.size, region.id, cb,
+                                                                             list(lease.offsets))
         return Leased(msg.rid, st, ids, sizes, regions, chunk, offsets, data)
 
     def metrics_text(self) -> str:
