@@ -10,9 +10,10 @@ Mooncake API calls (ours: mooncake_rs.compat's facade):
   our engine run twice: plaintext (``--plaintext`` nodes, an engine without a token: like
   for like with Mooncake, whose TCP is plaintext) and with the cluster token (AES-GCM).
   The pool's bulk rows are set against our engine twice: its batch of the same bytes
-  timed right after each of the pool's batches in the same client process (the "same
-  rounds" table, median of per-round ratios: the like-for-like figure), and the engine in
-  its own process after the pool's rows (another minute; kept, labelled "own process").
+  timed beside each of the pool's batches (before or after it, alternately) in the same
+  client process (the "same rounds" table, median of per-pair ratios: the like-for-like
+  figure), and the engine in its own process after the pool's rows (another minute;
+  kept, labelled "own process").
 
 Rows: batch_put_from / batch_get_into of 32 x 512 KiB and 32 x 4 MiB (GB/s, median over
 rounds; fresh keys per round), and 128 B keys put / get / batch_is_exist (ops/s). Remote
@@ -218,10 +219,10 @@ def remote_table(runs: list[dict]) -> str:
 
 
 def same_rounds_table(runs: list[dict]) -> str:
-    """The pool against our engine's batch of the same bytes timed right after each of the
-    pool's batches, in the same client process, same hosts and minute
-    (pool_bench_roles.py ``SameRoundEngine``): per run the median of the per-round ratios
-    (engine time / pool time), then the median over runs."""
+    """The pool against our engine's batch of the same bytes timed beside each of the
+    pool's batches (before or after it, alternately), in the same client process, same
+    hosts and minute (pool_bench_roles.py ``SameRoundEngine``): per run the median of the
+    per-pair ratios (engine time / pool time), then the median over runs."""
     if "ours same rounds" not in runs[0]:
         return ""
     rows = [f"### remote bulk rows against our engine in the same rounds (median of {len(runs)} runs)", "",

@@ -94,7 +94,7 @@ def settle() -> None:
 
 class SameRoundEngine:
     """Our transfer engine's own batch of the same bytes, timed in the same rounds as the
-    pool's batches (right after each one, same hosts, same link, same minute), against a
+    pool's batches (beside each one, same hosts, same link, same minute), against a
     plain engine on the node's host (``te-server``): the like-for-like reference of the
     remote rows' "pool / our engine" ratio. The engine figure taken by ``te-client`` in its
     own process, after the pool's rows, moves with the load of another minute."""
@@ -131,9 +131,10 @@ class SameRoundEngine:
 
 
 def bulk(s, tag: str, te: SameRoundEngine | None = None) -> dict:
-    """The bulk rows; with ``te``, also our engine's batch of the same bytes after each of
-    the pool's batches, and per size and op the median of the per-round ratios
-    (engine time / pool time: the pool's throughput as a share of the engine's)."""
+    """The bulk rows; with ``te``, also our engine's batch of the same bytes beside each of
+    the pool's batches (before or after it, alternately), and per size and op the median
+    of the per-pair ratios (engine time / pool time: the pool's throughput as a share of
+    the engine's)."""
     out = {"memcpy 128 MiB in this process (control)": memcpy_gbps()}
     for size, rounds in BULK:
         vals = np.random.default_rng(size).integers(0, 256, (32, size), dtype=np.uint8)
@@ -145,24 +146,31 @@ def bulk(s, tag: str, te: SameRoundEngine | None = None) -> dict:
         ptrs = [vals[i].ctypes.data for i in range(32)]
         dptrs = [dst[i].ctypes.data for i in range(32)]
         put_t, get_t = [], []
-        te_put, te_get = [], []  # the engine's batch after each of the pool's
+        te_put, te_get = [], []  # the engine's batch beside each of the pool's
         for r in range(rounds):
             keys = [f"{tag}-{size}-{r}-{i}" for i in range(32)]
+            # the engine's batch goes before the pool's in every other pair, so neither
+            # is always the one that follows the other (its write lands in the engine's
+            # own region, before any of its reads, which read those bytes back into vals)
+            if te is not None and r % 2:
+                te_put.append(te.batch("write"))
             settle()
             t = time.perf_counter()
             rc = s.batch_put_from(keys, ptrs, [size] * 32)
             put_t.append(time.perf_counter() - t)
             assert all(x == 0 for x in rc), rc
-            if te is not None:
+            if te is not None and not r % 2:
                 te_put.append(te.batch("write"))
-            for _ in range(2):
+            for g in range(2):
+                if te is not None and (r + g) % 2:
+                    te_get.append(te.batch("read"))
                 dst[:] = 0
                 settle()
                 t = time.perf_counter()
                 rc = s.batch_get_into(keys, dptrs, [size] * 32)
                 get_t.append(time.perf_counter() - t)
                 assert all(x == size for x in rc), rc
-                if te is not None:
+                if te is not None and not (r + g) % 2:
                     te_get.append(te.batch("read"))
             assert (dst == vals).all()
             s.remove_all(True)
