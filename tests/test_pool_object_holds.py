@@ -104,3 +104,41 @@ def test_segment_batches_answer_per_key_as_one_key_calls_do():
     assert seg.lease_many(["big"]) == [KeyStatus.MISSING]
     assert seg.counters.failed_reads == before + 1 and not seg.exists("big")
     assert chunk_key(meta.oid, 0) not in seg.classes[meta.cls].store
+
+
+def test_commit_many_keeps_the_first_put_of_a_key_as_commit_does():
+    seg, ref = (ObjectSegment(64 * 65536, chunk_bytes=65536, small_bytes=BB) for _ in range(2))
+    keys, sizes = ["a", "a", "b", "c"], [200_000, 100_000, 70_000, 100]
+    batch = seg.commit_many(seg.reserve_many(keys, sizes))
+    one_by_one = [ref.commit(r) for r in ref.reserve_many(keys, sizes)]
+    assert batch == one_by_one == [KeyStatus.OK] * 4
+    for s in (seg, ref):
+        assert sorted(s.keys()) == ["a", "b", "c"] and s.size_of("a") == 200_000
+        assert (s.counters.puts, s.counters.puts_existing) == (3, 1)
+    # the losing put's chunks were freed: only the winners' chunks are stored
+    stored = [sc.store.stats().blocks_dram for sc in seg.classes]
+    assert stored == [sc.store.stats().blocks_dram for sc in ref.classes] == [1, 4 + 2]
+
+
+def test_a_nodes_commit_aborts_a_failed_transfer_and_publishes_the_rest():
+    from mooncake_rs.pool.holds import ConnHolds
+    from mooncake_rs.pool.node import StoreNode
+    from mooncake_rs.pool.protocol import Commit, Lookup, Reserve
+
+    with StoreNode(name="c", listen="127.0.0.1:0", dram_bytes=16 << 20, auth_token=None, plaintext=True,
+                   chunk_bytes=64 << 10, transports=("tcp",)) as node:
+        conn = ConnHolds(node.te, 0, node._free)
+        rep = node._handle(Reserve(1, ["ok1", "failed", "ok2"], [150_000] * 3, False, "cli"), conn)
+        assert rep.statuses == [0, 0, 0] and all(rep.put_ids)
+        ans = node._handle(Commit(2, [*rep.put_ids, 999_999], [True, False, True, True]), conn)
+        assert ans.values == [0, int(KeyStatus.TRANSFER_FAILED), 0, int(KeyStatus.INVALID)]
+        assert node.segment.exists("ok1") and node.segment.exists("ok2") and not node.segment.exists("failed")
+        assert not conn.reservations, "every reservation of the Commit was taken"
+        large = node.segment.classes[1].store
+        assert large.stats().blocks_dram == 2 * 3, "the failed put's slots hold nothing"
+        leased = node._handle(Lookup(3, ["ok1", "failed"], 4096, True, "cli"), conn)
+        assert leased.statuses == [0, int(KeyStatus.MISSING)]
+        # a second Commit of the same reservations finds nothing to commit
+        again = node._handle(Commit(4, rep.put_ids, [True] * 3), conn)
+        assert again.values == [int(KeyStatus.INVALID)] * 3
+        conn.close()

@@ -141,16 +141,22 @@ class StoreNode:
         if isinstance(msg, Reserve):
             return self._reserve(msg, conn)
         if isinstance(msg, Commit):
-            out = []
-            for pid, ok in zip(msg.put_ids, msg.ok):
-                res = conn.take_reservation(pid)
-                if res is None:  # (or it expired: the client was silent for the lease deadline)
-                    out.append(int(KeyStatus.INVALID))
-                elif ok:
-                    out.append(int(seg.commit(res)))
-                else:
+            n = min(len(msg.put_ids), len(msg.ok))
+            taken = conn.take_reservations(msg.put_ids[:n])
+            out = [int(KeyStatus.INVALID)] * n  # (unknown, or expired: the client was silent for the lease deadline)
+            done: list[int] = []
+            moved: list[Reservation] = []
+            for j, (res, ok) in enumerate(zip(taken, msg.ok)):
+                if res is None:
+                    continue
+                if ok:
+                    done.append(j)
+                    moved.append(res)
+                else:  # its transfer failed: the slots go back, nothing is published
                     seg.abort(res)
-                    out.append(int(KeyStatus.TRANSFER_FAILED))
+                    out[j] = int(KeyStatus.TRANSFER_FAILED)
+            for j, st in zip(done, seg.commit_many(moved) if moved else []):
+                out[j] = int(st)
             return Answer(msg.rid, out)
         if isinstance(msg, PutInline):
             if len(msg.keys) != len(msg.values) or any(len(v) > INLINE_MAX for v in msg.values):
@@ -186,17 +192,12 @@ class StoreNode:
         seg = self.segment
         st, ids, regions, chunk, offsets = [], [], [], [], []
         got = seg.reserve_many(msg.keys, msg.sizes, msg.pin)  # one store call a size class
-        for n, res in enumerate(got):
+        holds = []
+        for res in got:
             if isinstance(res, Reservation):
                 pid = next(self._ids)
                 region, cb = self.regions[res.meta.cls], seg.classes[res.meta.cls].chunk_bytes
-                try:
-                    conn.hold(pid, res, region, cb, write=True)
-                except Exception:
-                    for r in got[n:]:  # this one and those not yet held: nothing else frees them
-                        if isinstance(r, Reservation):
-                            seg.abort(r)
-                    raise
+                holds.append((pid, res, region, cb))
                 st.append(0)
                 ids.append(pid)
                 regions.append(region.id)
@@ -208,6 +209,13 @@ class StoreNode:
                 regions.append(0)
                 chunk.append(0)
                 offsets.append([])
+        if holds:
+            try:
+                conn.hold_many(holds, write=True)  # (all or none)
+            except Exception:
+                for _, res, _, _ in holds:  # nothing else would free them
+                    seg.abort(res)
+                raise
         return Reserved(msg.rid, st, ids, regions, chunk, offsets)
 
     def _lookup(self, msg: Lookup, conn: ConnHolds) -> Leased:

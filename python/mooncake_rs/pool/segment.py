@@ -349,6 +349,38 @@ class ObjectSegment:
         self._maybe_reap()
         return st
 
+    def commit_many(self, reservations: list[Reservation]) -> list[KeyStatus]:
+        """``commit`` of a batch: each object's chunks published (one Rust call an object),
+        then every object made visible under one lock. A durable segment writes each
+        to disk first: object by object, as ``commit``."""
+        if self.durable is not None:
+            return [self.commit(res) for res in reservations]
+        out = [KeyStatus.OK] * len(reservations)
+        whole = []
+        for j, res in enumerate(reservations):
+            if res.slots.commit(res.meta.pinned):
+                whole.append(res)
+            else:  # a chunk evicted before its pin: nothing of it kept
+                self.counters.puts_no_space += 1
+                out[j] = KeyStatus.NO_SPACE
+        lost = []
+        with self._lock:
+            objects, by_oid = self._objects, self._by_oid
+            for res in whole:
+                if res.key in objects:  # put-if-absent: the first committed put won
+                    lost.append(res.meta)
+                else:
+                    objects[res.key] = res.meta
+                    by_oid[res.meta.oid] = res.key
+            self.counters.puts += len(whole) - len(lost)
+        for meta in lost:
+            self._drop_chunks(meta)
+        self.counters.puts_existing += len(lost)
+        self._since_reap += len(reservations)
+        if self._since_reap >= 64:
+            self.reap_evicted()
+        return out
+
     def abort(self, res: Reservation) -> None:
         res.slots.abort()  # (nothing if committed or aborted already)
 
