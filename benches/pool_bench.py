@@ -9,6 +9,11 @@ Mooncake API calls (ours: mooncake_rs.compat's facade):
   transfer engine's own TCP batches of the same bytes between the same hosts. Ours and
   our engine run twice: plaintext (``--plaintext`` nodes, an engine without a token: like
   for like with Mooncake, whose TCP is plaintext) and with the cluster token (AES-GCM).
+  The pool's bulk rows are set against our engine twice: its batch of the same bytes
+  timed beside each of the pool's batches (before or after it, alternately) in the same
+  client process (the "same rounds" table, median of per-pair ratios: the like-for-like
+  figure), and the engine in its own process after the pool's rows (another minute;
+  kept, labelled "own process").
 
 Rows: batch_put_from / batch_get_into of 32 x 512 KiB and 32 x 4 MiB (GB/s, median over
 rounds; fresh keys per round), and 128 B keys put / get / batch_is_exist (ops/s). Remote
@@ -102,9 +107,19 @@ def remote_run(peer_py: str, tmp: str, echo_exe: str | None) -> dict:
                 env = our_env({"MOONCAKE_CLUSTER": f"bench-{port}", "MOONCAKE_RS_TRANSPORTS": "tcp",
                                **({"MOONCAKE_RS_PLAINTEXT": "1"} if plain else
                                   {"MOONCAKE_AUTH_TOKEN": "pool-test-token-0123456789abcdef"})})
+                # our engine's batch of the same bytes in the same rounds (pool_bench_roles.py
+                # SameRoundEngine), to a plain engine beside the node, in the same mode
+                token = None if plain else TOKEN
+                ts = hosts.popen(srv, [sys.executable, ROLES, "te-server", json.dumps({"host": hosts.ip(srv),
+                                                                                       "token": token})],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=our_env())
+                te_info = {"token": token, **json.loads(ts.stdout.readline())}
                 out[key] = run_role(ns, sys.executable, "store", {"impl": "ours", "host": hosts.ip(cli),
                                                                   "meta": etcd_addr, "master": etcd_addr, "segment": 0,
-                                                                  "parts": ["bulk", "small"]}, env)
+                                                                  "parts": ["bulk", "small"], "te": te_info}, env)
+                out[f"{key} same rounds"] = out[key].pop("same rounds")
+                ts.stdin.close()
+                ts.wait(10)
                 node.terminate()
                 node.wait(10)
         finally:
@@ -180,10 +195,13 @@ def table(runs: list[dict], title: str) -> str:
 def remote_table(runs: list[dict]) -> str:
     """Ours plaintext (``--plaintext`` nodes: like for like with Mooncake's TCP, which is
     plaintext) and ours with the cluster token (AES-256-GCM on control and data), each
-    against Mooncake and against our transfer engine in the same mode."""
+    against Mooncake and against our transfer engine in the same mode: the engine's
+    figure of its own process, after the pool's rows (``te-client``, another minute), and
+    then the same-rounds table (same_rounds_table)."""
     rows = [f"### remote: client and pool on two namespace hosts, TCP (median of {len(runs)} runs)", "",
             "| operation | ours plaintext | ours + token | Mooncake Store (plaintext TCP) | plaintext / Mooncake "
-            "| token / Mooncake | TE plaintext | plaintext / TE | TE + token | token / TE + token |",
+            "| token / Mooncake | TE plaintext (own process, later) | plaintext / TE (own process) | TE + token "
+            "(own process) | token / TE + token (own process) |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for name in runs[0]["ours"]:
         unit = "GB/s" if name.startswith(("batch_put_from", "batch_get_into", "memcpy")) else "ops/s"
@@ -196,6 +214,26 @@ def remote_table(runs: list[dict]) -> str:
                 cells += [f"{median_of(runs, (te, te_name)):.2f} GB/s", f"{ratio(runs, k, te, name, te_name):.2f}x"]
             else:
                 cells += ["", ""]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def same_rounds_table(runs: list[dict]) -> str:
+    """The pool against our engine's batch of the same bytes timed beside each of the
+    pool's batches (before or after it, alternately), in the same client process, same
+    hosts and minute (pool_bench_roles.py ``SameRoundEngine``): per run the median of the
+    per-pair ratios (engine time / pool time), then the median over runs."""
+    if "ours same rounds" not in runs[0]:
+        return ""
+    rows = [f"### remote bulk rows against our engine in the same rounds (median of {len(runs)} runs)", "",
+            "| operation | TE plaintext, same rounds | **plaintext / TE, same rounds** | per run "
+            "| TE + token, same rounds | **token / TE + token, same rounds** | per run |", "|---|---|---|---|---|---|---|"]
+    for name in runs[0]["ours same rounds"]:
+        cells = [name]
+        for k in ("ours same rounds", "ours+token same rounds"):
+            per = [r[k][name]["pool / te"] for r in runs]
+            cells += [f"{statistics.median(r[k][name]['te GB/s'] for r in runs):.2f} GB/s",
+                      f"**{statistics.median(per):.2f}x**", ", ".join(f"{x:.2f}" for x in per)]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"
 
@@ -273,6 +311,7 @@ def main() -> None:
         print(table(local, "local: one process holds the pool"))
     if remote:
         print(remote_table(remote))
+        print(same_rounds_table(remote))
         print(ceiling_table(remote))
         print(floor_table(remote))
     if a.json:

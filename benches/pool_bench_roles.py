@@ -92,30 +92,86 @@ def settle() -> None:
     time.sleep(SETTLE_S)
 
 
-def bulk(s, tag: str) -> dict:
+class SameRoundEngine:
+    """Our transfer engine's own batch of the same bytes, timed in the same rounds as the
+    pool's batches (beside each one, same hosts, same link, same minute), against a
+    plain engine on the node's host (``te-server``): the like-for-like reference of the
+    remote rows' "pool / our engine" ratio. The engine figure taken by ``te-client`` in its
+    own process, after the pool's rows, moves with the load of another minute."""
+
+    def __init__(self, info: dict) -> None:
+        import mooncake_rs as mc
+
+        self.mc = mc
+        self.eng = mc.TransferEngine("same-rounds", listen="", auth_token=info["token"], transports=["tcp"])
+        self.peer = self.eng.connect("srv", info["address"])
+        self.region = info["region"]
+        self.local = None
+
+    def use(self, vals: np.ndarray) -> None:
+        if self.local is not None:
+            self.eng.unregister(self.local)
+        self.local = self.eng.register(vals)
+        self.size = vals.shape[1]
+
+    def batch(self, op: str) -> float:
+        """Seconds for one batch of 32 objects of the pool's size (``op``: write / read)."""
+        reqs = [self.mc.TransferRequest(op, self.local, i * self.size, self.peer, self.region, i * self.size,
+                                        self.size) for i in range(32)]
+        settle()
+        t = time.perf_counter()
+        for st in self.eng.submit(reqs, timeout_s=60).wait():
+            st.raise_for_error()
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        if self.local is not None:
+            self.eng.unregister(self.local)
+        self.eng.close()
+
+
+def bulk(s, tag: str, te: SameRoundEngine | None = None) -> dict:
+    """The bulk rows; with ``te``, also our engine's batch of the same bytes beside each of
+    the pool's batches (before or after it, alternately), and per size and op the median
+    of the per-pair ratios (engine time / pool time: the pool's throughput as a share of
+    the engine's)."""
     out = {"memcpy 128 MiB in this process (control)": memcpy_gbps()}
     for size, rounds in BULK:
         vals = np.random.default_rng(size).integers(0, 256, (32, size), dtype=np.uint8)
         dst = np.zeros_like(vals)
         assert s.register_buffer(vals.ctypes.data, vals.nbytes) == 0
         assert s.register_buffer(dst.ctypes.data, dst.nbytes) == 0
+        if te is not None:
+            te.use(vals)
         ptrs = [vals[i].ctypes.data for i in range(32)]
         dptrs = [dst[i].ctypes.data for i in range(32)]
         put_t, get_t = [], []
+        te_put, te_get = [], []  # the engine's batch beside each of the pool's
         for r in range(rounds):
             keys = [f"{tag}-{size}-{r}-{i}" for i in range(32)]
+            # the engine's batch goes before the pool's in every other pair, so neither
+            # is always the one that follows the other (its write lands in the engine's
+            # own region, before any of its reads, which read those bytes back into vals)
+            if te is not None and r % 2:
+                te_put.append(te.batch("write"))
             settle()
             t = time.perf_counter()
             rc = s.batch_put_from(keys, ptrs, [size] * 32)
             put_t.append(time.perf_counter() - t)
             assert all(x == 0 for x in rc), rc
-            for _ in range(2):
+            if te is not None and not r % 2:
+                te_put.append(te.batch("write"))
+            for g in range(2):
+                if te is not None and (r + g) % 2:
+                    te_get.append(te.batch("read"))
                 dst[:] = 0
                 settle()
                 t = time.perf_counter()
                 rc = s.batch_get_into(keys, dptrs, [size] * 32)
                 get_t.append(time.perf_counter() - t)
                 assert all(x == size for x in rc), rc
+                if te is not None and not (r + g) % 2:
+                    te_get.append(te.batch("read"))
             assert (dst == vals).all()
             s.remove_all(True)
         s.unregister_buffer(vals.ctypes.data)
@@ -124,6 +180,12 @@ def bulk(s, tag: str) -> dict:
         name = f"{size // KiB} KiB" if size < MiB else f"{size // MiB} MiB"
         out[f"batch_put_from 32 x {name}"] = gb / statistics.median(put_t)
         out[f"batch_get_into 32 x {name}"] = gb / statistics.median(get_t)
+        if te is not None:
+            for row, pool_t, eng_t in ((f"batch_put_from 32 x {name}", put_t, te_put),
+                                       (f"batch_get_into 32 x {name}", get_t, te_get)):
+                out.setdefault("same rounds", {})[row] = {
+                    "te GB/s": gb / statistics.median(eng_t),
+                    "pool / te": statistics.median(e / p for e, p in zip(eng_t, pool_t))}
     return out
 
 
@@ -156,7 +218,12 @@ def role_store(a: dict) -> dict:
         s = open_store(a)
         res = {}
         if "bulk" in a["parts"]:
-            res.update(bulk(s, a["impl"]))
+            te = SameRoundEngine(a["te"]) if a.get("te") else None
+            try:
+                res.update(bulk(s, a["impl"], te))
+            finally:
+                if te is not None:
+                    te.close()
         if "small" in a["parts"]:
             res.update(small(s, a["impl"]))
         s.close()

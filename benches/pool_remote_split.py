@@ -1,5 +1,5 @@
 """Where a remote 32 x 512 KiB batch's time goes, phase by phase, for two builds of the
-pool client in the same run (pairs interleaved) against one plaintext store node on a
+pool client in the same run (pairs interleaved), each against a plaintext store node on a
 second network-namespace host (needs root: tests/netns_helpers.py).
 
 The client's backend is watched from outside (its transfer engine and node links are
@@ -19,6 +19,8 @@ wrapped; nothing in the package changes), so one script times any build:
     python benches/pool_remote_split.py --builds OTHER_CHECKOUT,. [--pairs 4] [--rounds 12]
 
 Each build is a checkout with its extension built (``python/mooncake_rs/_core*.so``);
+each build's client talks to a node of its own that runs the same build (node-side
+changes are compared too);
 medians in microseconds per phase, per build, and build-2 / build-1 ratios per pair.
 """
 
@@ -217,8 +219,16 @@ def main() -> None:
         etcd = EtcdServer(etcd_binary(), Path(tmp) / "etcd", host=hosts.gateway)
         etcd.start()
         try:
-            node, _ = start_node(lambda argv, **kw: hosts.popen(1, argv, **kw), etcd.url, hosts.ip(1), 7650,
-                                 "split", "split", dram="1GB", extra=("--plaintext",))
+            # one node per build, running that build: a node's Reserve / Commit / Lookup
+            # handling is part of what the two builds compare
+            nodes = []
+            for i, build in enumerate(builds):
+                def popen(argv: list[str], build: str = build, **kw: object) -> subprocess.Popen:
+                    kw["env"] = dict(kw["env"], PYTHONPATH=str(Path(build) / "python"))  # type: ignore[arg-type]
+                    return hosts.popen(1, argv, **kw)
+
+                nodes.append(start_node(popen, etcd.url, hosts.ip(1), 7650 + i, f"split{i}", f"split{i}",
+                                        dram="1GB", extra=("--plaintext",))[0])
             ts = hosts.popen(1, [sys.executable, str(HERE / "pool_bench_roles.py"), "te-server",
                                  json.dumps({"host": hosts.ip(1), "token": None})],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -227,7 +237,7 @@ def main() -> None:
             for pair in range(a.pairs):
                 for i, build in enumerate(builds):
                     env = dict(os.environ, MOONCAKE_LOG="warn", PYTHONPATH=str(Path(build) / "python"))
-                    arg = json.dumps({"etcd": etcd.url, "prefix": "/mooncake/split", "rounds": a.rounds,
+                    arg = json.dumps({"etcd": etcd.url, "prefix": f"/mooncake/split{i}", "rounds": a.rounds,
                                       "te_address": te_info["address"], "te_region": te_info["region"]})
                     r = subprocess.run(["ip", "netns", "exec", hosts.names[0], sys.executable, __file__, "client", arg],
                                        capture_output=True, text=True, env=env, timeout=300)
@@ -237,8 +247,9 @@ def main() -> None:
                     print(f"pair {pair + 1} build {i + 1}: put total {runs[i][-1]['put']['total']:.0f} us, "
                           f"get total {runs[i][-1]['get']['total']:.0f} us, load {os.getloadavg()[0]:.1f}",
                           file=sys.stderr)
-            node.terminate()
-            node.wait(10)
+            for node in nodes:
+                node.terminate()
+                node.wait(10)
             ts.stdin.close()
             ts.wait(10)
         finally:

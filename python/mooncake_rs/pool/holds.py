@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Union, cast
 
 from .._core import Region, TransferEngine
@@ -95,6 +95,46 @@ class ConnHolds:
                 self.leases[hid] = cast(Lease, held)
             if grants:
                 self._grants[hid] = grants
+
+    def hold_many(self, holds: Sequence[tuple[int, Held, Region, int]], write: bool) -> None:
+        """``hold`` of a whole batch ``(id, held, region, chunk_bytes)`` under one lock (a
+        node's request of 32 objects took the lock 32 times); all or none: when a grant
+        fails, the batch's grants are revoked and nothing is recorded."""
+        grants: dict[int, list[tuple[Region, int]]] = {}
+        if self._te is not None:
+            try:
+                for hid, held, region, chunk_bytes in holds:
+                    mine = grants.setdefault(hid, [])
+                    for off, n in slot_runs(held.offsets, chunk_bytes):
+                        mine.append((region, self._te.grant(region, self.engine, off, n, write=write)))
+            except Exception:
+                for mine in grants.values():
+                    for r, gid in mine:
+                        self._te.revoke(r, self.engine, gid)
+                raise
+        with self._lock:
+            table = self.reservations if write else self.leases
+            for hid, held, _, _ in holds:
+                table[hid] = held  # type: ignore[assignment]
+            if grants:
+                self._grants.update(grants)
+
+    def take_reservations(self, pids: list[int]) -> list[Reservation | None]:
+        """``take_reservation`` of a batch, under one lock."""
+        with self._lock:
+            pop = self.reservations.pop
+            taken = [pop(pid, None) for pid in pids]
+            if self._grants:
+                gpop = self._grants.pop
+                grants = [g for pid, res in zip(pids, taken) if res is not None for g in gpop(pid, [])]
+            else:
+                grants = []
+        for region, gid in grants:
+            try:
+                self._te.revoke(region, self.engine, gid)  # type: ignore[union-attr]
+            except Exception as e:  # noqa: BLE001 - the engine closed: nothing reaches the slots any more
+                log.debug("revoke of grant %s failed: %s", gid, e)
+        return taken
 
     def take_reservation(self, pid: int) -> Reservation | None:
         with self._lock:

@@ -141,16 +141,22 @@ class StoreNode:
         if isinstance(msg, Reserve):
             return self._reserve(msg, conn)
         if isinstance(msg, Commit):
-            out = []
-            for pid, ok in zip(msg.put_ids, msg.ok):
-                res = conn.take_reservation(pid)
-                if res is None:  # (or it expired: the client was silent for the lease deadline)
-                    out.append(int(KeyStatus.INVALID))
-                elif ok:
-                    out.append(int(seg.commit(res)))
-                else:
+            n = min(len(msg.put_ids), len(msg.ok))
+            taken = conn.take_reservations(msg.put_ids[:n])
+            out = [int(KeyStatus.INVALID)] * n  # (unknown, or expired: the client was silent for the lease deadline)
+            done: list[int] = []
+            moved: list[Reservation] = []
+            for j, (res, ok) in enumerate(zip(taken, msg.ok)):
+                if res is None:
+                    continue
+                if ok:
+                    done.append(j)
+                    moved.append(res)
+                else:  # its transfer failed: the slots go back, nothing is published
                     seg.abort(res)
-                    out.append(int(KeyStatus.TRANSFER_FAILED))
+                    out[j] = int(KeyStatus.TRANSFER_FAILED)
+            for j, st in zip(done, seg.commit_many(moved) if moved else []):
+                out[j] = int(st)
             return Answer(msg.rid, out)
         if isinstance(msg, PutInline):
             if len(msg.keys) != len(msg.values) or any(len(v) > INLINE_MAX for v in msg.values):
@@ -185,16 +191,13 @@ class StoreNode:
         self._granting(conn, msg.engine)
         seg = self.segment
         st, ids, regions, chunk, offsets = [], [], [], [], []
-        for key, size in zip(msg.keys, msg.sizes):
-            res = seg.reserve(key, size, msg.pin)
+        got = seg.reserve_many(msg.keys, msg.sizes, msg.pin)  # one store call a size class
+        holds = []
+        for res in got:
             if isinstance(res, Reservation):
                 pid = next(self._ids)
                 region, cb = self.regions[res.meta.cls], seg.classes[res.meta.cls].chunk_bytes
-                try:
-                    conn.hold(pid, res, region, cb, write=True)
-                except Exception:
-                    seg.abort(res)
-                    raise
+                holds.append((pid, res, region, cb))
                 st.append(0)
                 ids.append(pid)
                 regions.append(region.id)
@@ -206,6 +209,13 @@ class StoreNode:
                 regions.append(0)
                 chunk.append(0)
                 offsets.append([])
+        if holds:
+            try:
+                conn.hold_many(holds, write=True)  # (all or none)
+            except Exception:
+                for _, res, _, _ in holds:  # nothing else would free them
+                    seg.abort(res)
+                raise
         return Reserved(msg.rid, st, ids, regions, chunk, offsets)
 
     def _lookup(self, msg: Lookup, conn: ConnHolds) -> Leased:
@@ -231,7 +241,10 @@ class StoreNode:
             offsets.append(offs or [])
             data.append(value)
 
-        for key in msg.keys:
+        # first the keys answered without a lease (small values inline, sizes only), then
+        # one store call a size class leases the others (segment.lease_many)
+        to_lease: list[int] = []
+        for n, key in enumerate(msg.keys):
             size = seg.size_of(key)
             if size is not None and size <= inline:
                 v = seg.get_bytes(key)
@@ -241,19 +254,26 @@ class StoreNode:
             if size is not None and not msg.lease_large:
                 answer(0, size=size)  # only sized: the client reads it with a leased lookup
                 continue
-            lease = seg.lease(key)
-            if isinstance(lease, Lease):
+            to_lease.append(n)
+            answer(int(KeyStatus.MISSING))  # (filled in below)
+        if to_lease:
+            leases = seg.lease_many([msg.keys[n] for n in to_lease])
+            for k, (n, lease) in enumerate(zip(to_lease, leases)):
+                if not isinstance(lease, Lease):
+                    st[n] = int(lease)
+                    continue
                 lid = next(self._ids)
                 m = lease.meta
                 region, cb = self.regions[m.cls], seg.classes[m.cls].chunk_bytes
                 try:
                     conn.hold(lid, lease, region, cb, write=False)
                 except Exception:
-                    lease.release()
+                    for other in leases[k:]:  # this one and those not yet held
+                        if isinstance(other, Lease):
+                            other.release()
                     raise
-                answer(0, lid, m.size, region.id, cb, list(lease.offsets))
-            else:
-                answer(int(lease))
+                st[n], ids[n], sizes[n], regions[n], chunk[n], offsets[n] = (0, lid, m.size, region.id, cb,
+                                                                             list(lease.offsets))
         return Leased(msg.rid, st, ids, sizes, regions, chunk, offsets, data)
 
     def metrics_text(self) -> str:

@@ -4,10 +4,10 @@ leases held for remote writers and readers, and the segment's counters."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
-from .._core import LeasedRun, Store
+from .._core import LeasedRun, ReservedObject, Store
 
 __all__ = ["ObjectMeta", "SegmentCounters", "SizeClass", "Reservation", "Lease", "clip_sizes"]
 
@@ -51,12 +51,14 @@ class SizeClass:
 
 @dataclass
 class Reservation:
-    """Slots reserved for one object a remote writer fills in place, then commits."""
+    """Slots reserved for one object a remote writer fills in place, then commits: the
+    Rust ``ReservedObject`` (one per object, ``Store.reserve_objects``) and its chunks'
+    slot offsets."""
 
     key: str
     meta: ObjectMeta
-    blocks: list = field(default_factory=list)  # WritableBlock per chunk
-    offsets: list[int] = field(default_factory=list)
+    slots: ReservedObject
+    offsets: list[int]
 
 
 @dataclass

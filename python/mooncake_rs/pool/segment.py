@@ -305,75 +305,116 @@ class ObjectSegment:
         return size
 
     # ---- remote writes and reads (a transfer engine moves the bytes)
+    def reserve_many(self, keys: list[str], sizes: list[int], pin: bool = False) -> list[Reservation | KeyStatus]:
+        """Per key: reserved slots (offsets in its class store's region), OK if the key is
+        already stored (nothing to write), or NO_SPACE / INVALID. One Rust call per size
+        class for the whole batch (``Store.reserve_objects``), not one per chunk."""
+        out: list[Reservation | KeyStatus] = [KeyStatus.OK] * len(keys)
+        by_class: list[list[tuple[int, str, ObjectMeta]]] = [[] for _ in self.classes]
+        objects = self._objects
+        for i, (key, size) in enumerate(zip(keys, sizes)):
+            if key in objects:
+                self.counters.puts_existing += 1
+                continue
+            meta = self._new_meta(size, pin)
+            if isinstance(meta, KeyStatus):
+                self.counters.puts_no_space += meta is KeyStatus.NO_SPACE
+                out[i] = meta
+                continue
+            by_class[meta.cls].append((i, key, meta))
+        for cls, items in enumerate(by_class):
+            if not items:
+                continue
+            slots = self.classes[cls].store.reserve_objects([m.oid for _, _, m in items],
+                                                            [m.nchunks for _, _, m in items])
+            for (i, key, meta), obj in zip(items, slots):
+                if obj is None:  # its chunks did not fit: none of its slots kept
+                    self.counters.puts_no_space += 1
+                    out[i] = KeyStatus.NO_SPACE
+                else:
+                    out[i] = Reservation(key, meta, obj, obj.offsets)
+        return out
+
     def reserve(self, key: str, size: int, pin: bool = False) -> Reservation | KeyStatus:
-        """Reserved slots for ``key`` (offsets in the class store's region), OK if the key
-        is already stored (nothing to write), or NO_SPACE / INVALID."""
-        if key in self._objects:
-            self.counters.puts_existing += 1
-            return KeyStatus.OK
-        meta = self._new_meta(size, pin)
-        if isinstance(meta, KeyStatus):
-            if meta is KeyStatus.NO_SPACE:
-                self.counters.puts_no_space += 1
-            return meta
-        sc = self.classes[meta.cls]
-        res = Reservation(key, meta)
-        try:
-            for i in range(meta.nchunks):
-                w = sc.store.reserve(chunk_key(meta.oid, i))
-                res.blocks.append(w)
-                res.offsets.append(w.offset)
-        except StoreFull:
-            self.abort(res)
-            self.counters.puts_no_space += 1
-            return KeyStatus.NO_SPACE
-        return res
+        """``reserve_many`` of one key."""
+        return self.reserve_many([key], [size], pin)[0]
 
     def commit(self, res: Reservation) -> KeyStatus:
-        sc = self.classes[res.meta.cls]
-        try:
-            for w in res.blocks:
-                blk = w.commit()
-                if blk is not None:
-                    blk.release()
-            res.blocks.clear()
-            if res.meta.pinned:
-                for i in range(res.meta.nchunks):
-                    sc.store.pin(chunk_key(res.meta.oid, i))
-        except Exception:  # noqa: BLE001 - a chunk evicted before its pin
-            self.abort(res)
-            self._drop_chunks(res.meta)
+        """Publishes a reservation whose bytes were written: its chunks (pinned if asked,
+        one Rust call), then the object."""
+        if not res.slots.commit(res.meta.pinned):  # a chunk evicted before its pin: nothing of it kept
             self.counters.puts_no_space += 1
             return KeyStatus.NO_SPACE
         st = self._publish(res.key, res.meta)
         self._maybe_reap()
         return st
 
+    def commit_many(self, reservations: list[Reservation]) -> list[KeyStatus]:
+        """``commit`` of a batch: each object's chunks published (one Rust call an object),
+        then every object made visible under one lock. A durable segment writes each
+        to disk first: object by object, as ``commit``."""
+        if self.durable is not None:
+            return [self.commit(res) for res in reservations]
+        out = [KeyStatus.OK] * len(reservations)
+        whole = []
+        for j, res in enumerate(reservations):
+            if res.slots.commit(res.meta.pinned):
+                whole.append(res)
+            else:  # a chunk evicted before its pin: nothing of it kept
+                self.counters.puts_no_space += 1
+                out[j] = KeyStatus.NO_SPACE
+        lost = []
+        with self._lock:
+            objects, by_oid = self._objects, self._by_oid
+            for res in whole:
+                if res.key in objects:  # put-if-absent: the first committed put won
+                    lost.append(res.meta)
+                else:
+                    objects[res.key] = res.meta
+                    by_oid[res.meta.oid] = res.key
+            self.counters.puts += len(whole) - len(lost)
+        for meta in lost:
+            self._drop_chunks(meta)
+        self.counters.puts_existing += len(lost)
+        self._since_reap += len(reservations)
+        if self._since_reap >= 64:
+            self.reap_evicted()
+        return out
+
     def abort(self, res: Reservation) -> None:
-        for w in reversed(res.blocks):  # last first, as _drop_chunks
-            try:
-                w.abort()
-            except Exception:  # noqa: BLE001 - already committed or aborted
-                pass
-        res.blocks.clear()
+        res.slots.abort()  # (nothing if committed or aborted already)
+
+    def lease_many(self, keys: list[str]) -> list[Lease | KeyStatus]:
+        """Per key: the object's chunks, leased, with their slot offsets (for a remote
+        read), or MISSING. One Rust call per size class (``Store.lease_objects``)."""
+        out: list[Lease | KeyStatus] = [KeyStatus.MISSING] * len(keys)
+        by_class: list[list[tuple[int, str, ObjectMeta]]] = [[] for _ in self.classes]
+        objects = self._objects
+        for i, key in enumerate(keys):
+            meta = objects.get(key)
+            if meta is None:
+                self.counters.misses += 1
+                continue
+            by_class[meta.cls].append((i, key, meta))
+        for cls, items in enumerate(by_class):
+            if not items:
+                continue
+            runs = self.classes[cls].store.lease_objects([m.oid for _, _, m in items],
+                                                         [m.nchunks for _, _, m in items])
+            for (i, key, meta), run in zip(items, runs):
+                if run is None:  # in the table but a chunk is gone: dropped whole, reported missing
+                    self.counters.failed_reads += 1
+                    with self._lock:
+                        self._forget(key, meta)
+                    self._drop_chunks(meta)
+                    continue
+                self.counters.hits += 1
+                out[i] = Lease(meta, run, run.offsets)
+        return out
 
     def lease(self, key: str) -> Lease | KeyStatus:
-        """The object's chunks, leased, with their slot offsets (for a remote read)."""
-        meta = self._objects.get(key)
-        if meta is None:
-            self.counters.misses += 1
-            return KeyStatus.MISSING
-        sc = self.classes[meta.cls]
-        run = sc.store.lookup_prefix_run(chunk_keys(meta.oid, meta.nchunks))
-        if len(run) < meta.nchunks:
-            run.release()
-            self.counters.failed_reads += 1
-            with self._lock:
-                self._forget(key, meta)
-            self._drop_chunks(meta)
-            return KeyStatus.MISSING
-        self.counters.hits += 1
-        return Lease(meta, run, run.offsets)
+        """``lease_many`` of one key."""
+        return self.lease_many([key])[0]
 
     # ---- metadata
     def exists(self, key: str) -> bool:

@@ -34,6 +34,7 @@ mod store;
 mod store_block;
 mod store_events;
 mod store_keys;
+mod store_object;
 mod store_run;
 mod transfer;
 mod transfer_completion;

@@ -5,7 +5,9 @@
 use std::sync::Arc;
 
 use mooncake_core::mem::MappedMemory;
-use mooncake_core::store::{AddressedChunk, AddressedObject, BlockRef, Store, StoreConfig, StoreEvent, StoreStats};
+use mooncake_core::store::{
+    AddressedChunk, AddressedObject, BlockRef, Store, StoreConfig, StoreError, StoreEvent, StoreStats,
+};
 use mooncake_core::BlockHash;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
@@ -16,6 +18,7 @@ use crate::gil::{detached_if, detached_infallible, RawBytes, DETACH_STORE_BYTES}
 use crate::keys::keys_from_py;
 use crate::store_block::{PyBlock, PyWritableBlock};
 use crate::store_events::PyStoreEvents;
+use crate::store_object::PyReservedObject;
 use crate::store_run::PyLeasedRun;
 
 /// The tiered block store (DRAM slots, optional SSD tier).
@@ -330,6 +333,71 @@ impl PyStore {
         detached_infallible(py, || unsafe { s.get_objects_into(&objects, promote) }).or_raise(py)
     }
 
+    /// Slots for whole objects, one call a batch: object `i` is `nchunks[i]` chunks keyed
+    /// `oids[i] | j` (the low bits of an id must be zero). Per object a `ReservedObject`,
+    /// or None when its chunks do not all fit beside what is leased, pinned or reserved
+    /// (then none of its slots is kept).
+    fn reserve_objects(
+        &self,
+        py: Python<'_>,
+        oids: &Bound<'_, PyAny>,
+        nchunks: Vec<usize>,
+    ) -> PyResult<Vec<Option<PyReservedObject>>> {
+        let oids = keys_from_py(oids)?;
+        if oids.len() != nchunks.len() {
+            return Err(invalid(
+                py,
+                format!("{} object ids and {} chunk counts: give one count per object", oids.len(), nchunks.len()),
+            ));
+        }
+        let mut out = Vec::with_capacity(oids.len());
+        for (&oid, &n) in oids.iter().zip(&nchunks) {
+            match self.inner.reserve_object(oid, n) {
+                Ok(obj) => out.push(Some(PyReservedObject::new(self.inner.clone(), obj))),
+                Err(StoreError::Full { .. }) => out.push(None),
+                Err(e) => return Err(e).or_raise(py),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Leases on whole objects, one call a batch (chunks keyed as `reserve_objects`): per
+    /// object a `LeasedRun` of all its `nchunks[i]` chunks, or None (nothing held) when
+    /// any is missing. From SSD promoted into DRAM unless `promote=False`.
+    #[pyo3(signature = (oids, nchunks, promote = true))]
+    fn lease_objects(
+        &self,
+        py: Python<'_>,
+        oids: &Bound<'_, PyAny>,
+        nchunks: Vec<usize>,
+        promote: bool,
+    ) -> PyResult<Vec<Option<PyLeasedRun>>> {
+        let oids = keys_from_py(oids)?;
+        if oids.len() != nchunks.len() {
+            return Err(invalid(
+                py,
+                format!("{} object ids and {} chunk counts: give one count per object", oids.len(), nchunks.len()),
+            ));
+        }
+        let s = &*self.inner;
+        // (detached: a chunk on SSD is read back into DRAM here)
+        let found = detached_infallible(py, || {
+            oids.iter().zip(&nchunks).map(|(&oid, &n)| s.lease_object(oid, n, promote)).collect::<Result<Vec<_>, _>>()
+        })
+        .or_raise(py)?;
+        Ok(oids
+            .iter()
+            .zip(&nchunks)
+            .zip(found)
+            .map(|((&oid, &n), leases)| {
+                leases.map(|l| {
+                    let keys: Vec<BlockHash> = (0..n).map(|j| oid | j as BlockHash).collect();
+                    PyLeasedRun::new(Arc::new(keys), 0, l)
+                })
+            })
+            .collect())
+    }
+
     /// A writable slot for `key` to fill in place; publish it with `.commit()`.
     fn reserve(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<PyWritableBlock> {
         let key = hash_from_py(key)?;
@@ -542,6 +610,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyStore>()?;
     m.add_class::<PyBlock>()?;
     m.add_class::<PyWritableBlock>()?;
+    m.add_class::<PyReservedObject>()?;
     m.add_class::<PyStoreRegion>()?;
     m.add_class::<PyStoreEvent>()?;
     m.add_class::<PyStoreStats>()?;

@@ -20,6 +20,7 @@ mod events;
 pub mod eviction;
 mod inspect;
 mod object_batch;
+mod object_holds;
 pub mod page_gather;
 mod read;
 pub mod segment_copy;
@@ -36,6 +37,7 @@ pub use error::StoreError;
 pub use event_wire::{decode_events, encode_events};
 pub use events::{EventKind, IndexEffect, StoreEvent, StoreStats};
 pub use object_batch::AddressedObject;
+pub use object_holds::ReservedObject;
 pub use slotfile::{FILE_NAME as SSD_FILE_NAME, SLOT_HEADER as SSD_SLOT_HEADER};
 pub use tiered::{BlockRef, Store};
 
@@ -43,5 +45,7 @@ pub use tiered::{BlockRef, Store};
 mod tests;
 #[cfg(test)]
 mod tests_final;
+#[cfg(test)]
+mod tests_object_holds;
 #[cfg(test)]
 mod tests_rows;
