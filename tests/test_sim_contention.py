@@ -169,8 +169,8 @@ def test_mooncake_mean_ttft_is_not_above_the_best_of_local_cache_aware_and_load_
     There a fetch the estimate prices on loaded links can still run several times
     longer than priced, because KV streams of the holder's queued requests start
     earlier than the conductor predicted and share the holder's NIC (max-min fair)
-    while every request queued behind the fetch waits too (the worst case, 1.77x, is the
-    strict xfail below). The conductor does not re-price a fetch it planned when it
+    while every request queued behind the fetch waits too (on main after ``k25q``: worst
+    1.30x, 3.54 request-worths, and the strict xfail below, 1.27x, 7.63). The conductor does not re-price a fetch it planned when it
     plans a later transfer on its links (tried and reverted: BENCHMARKS "Third round");
     measured since (tests/test_sim_queue_estimate.py, BENCHMARKS "Fifth round"): the
     queue estimate is exact or pessimistic there except for fetches that run long, and
@@ -187,8 +187,9 @@ def test_mooncake_mean_ttft_is_not_above_the_best_of_local_cache_aware_and_load_
 @pytest.mark.xfail(strict=True, reason="the holder's KV streams start earlier than its queue estimate says (a queued "
                    "request reusing another queued request's prefix is priced as a recompute)")
 def test_overloaded_agentic_late_fetch_case():
-    """The worst case of 300 random ones (1.82x; 1.77x with the fair-share re-pricing
-    that was tried and reverted): 59 agentic requests at 5/s, 3P+3D, 24.3 GB/s. Request 18 (admitted at
+    """The worst case of 300 random ones before ``k25q`` (1.82x; 1.27x since, the second
+    worst): 59 agentic requests at 5/s, 3P+3D, 24.3 GB/s. The analysis below is of the
+    1.82x run. Request 18 (admitted at
     2.09 s) fetches 36 blocks from instance 1, priced 0.44 s from 3.8 s on the link loads
     the conductor knew. Requests 24, 28 and 29, admitted to instance 1 later, were
     planned to start computing (and streaming ~7 GB of KV each) at 4.5-4.6 s, after the
@@ -203,7 +204,10 @@ def test_overloaded_agentic_late_fetch_case():
     case (0.335 s against the best baseline's 0.368 s) and the worst of the 300 random
     cases (1.82x -> 1.17x), but were reverted: on the 2000-request agentic traces they
     queue requests behind busy holders and five 25 GB/s cells of the table miss
-    (BENCHMARKS, "Fourth round"). The fetch's overrun alone is not the loss
+    (BENCHMARKS, "Fourth round"; retried on ``k25q``'s main by ``k25r``: the same five
+    cells miss, also counting such a prefix only where no instance holds the prompt's
+    first block, and counting it only in the chosen instance's queue, not in the
+    choice, makes this case worse, 1.32x; BENCHMARKS "k25r"). The fetch's overrun alone is not the loss
     (benches/sim_queue_error.py): with the simulator ignoring it mooncake still averages
     1.34 s against the limit's 0.92 s; the runs part at request 8, a fetch priced
     exactly that local_cache_aware does not make, and the pessimistic queue of

@@ -287,8 +287,8 @@ impl Conductor {
     /// hot prefix whose every prefill holder is busy — its queue above
     /// `hot_busy_fraction × ttft_slo_s`, or (contention-aware) its NIC out backed up by
     /// more than `hot_link_busy_s`, so fetching from it is slow — a copy from the holder
-    /// that could serve it soonest to the least busy prefill instance without it, if that
-    /// one is less busy. The hints' bytes add up to at most `hot_replica_max_bytes`.
+    /// that could serve it soonest to the least busy prefill instance without it (nor an
+    /// admitted fetch of it on its way there), if that one is less busy. The hints' bytes add up to at most `hot_replica_max_bytes`.
     pub fn replication_hints(&self, now: Option<f64>) -> Result<Vec<ReplicationHint>, ConductorError> {
         if let Some(t) = now {
             check_time(t)?;
@@ -329,10 +329,15 @@ impl Conductor {
             if !queue_bound && !link_bound {
                 continue; // some holder still has time for it
             }
+            // an instance that an admitted fetch is bringing the prefix to gets it anyway
+            // (the index learns it only once it is stored): a copy there would move the
+            // same bytes twice
+            let mut coming: Vec<InstanceId> = Vec::new();
+            self.state.lock().fetching.longest(&blocks, blocks.len() - 1, |i, _| coming.push(i));
             let target = loads
                 .iter()
                 .copied()
-                .filter(|l| !full(l.0) && l.3 <= cfg.hot_link_busy_s)
+                .filter(|l| !full(l.0) && !coming.contains(&l.0) && l.3 <= cfg.hot_link_busy_s)
                 .min_by(|a, b| a.1.total_cmp(&b.1));
             if let Some((to, to_q, _, _)) = target {
                 if to_q < from_q || link_bound {

@@ -101,3 +101,35 @@ fn a_prefetchs_replica_waits_for_its_arrival_too() {
     assert_eq!((d.prefill, d.fetch_from), (3, Some(2)), "{d:?}");
     c.check_integrity().unwrap();
 }
+
+#[test]
+fn no_replica_is_proposed_to_an_instance_that_is_fetching_the_prefix() {
+    // every decision that reuses a prefix makes it hot; a holder with 100 ms queued is busy
+    let base = unit_mooncake(0.0);
+    let cfg = ConductorConfig {
+        contention_aware: false,
+        hot_min_hits: 1.0,
+        hot_busy_fraction: 0.001,
+        ..base.config().clone()
+    };
+    let c = Conductor::new(cfg).unwrap();
+    c.add_prefill(2, PrefillSpec::default()).unwrap();
+    c.add_decode(10, DecodeSpec::default()).unwrap();
+    c.on_blocks_stored(2, &PREFIX, Tier::Dram).unwrap();
+    assert_eq!(c.schedule(&req(99, &[], 1000, 0.0)).unwrap().prefill, 2);
+    c.add_prefill(1, PrefillSpec::default()).unwrap();
+    // A fetches PREFIX from 2 (1 s queued: busy) onto 1: hot, and on its way to 1
+    let d = c.schedule(&req(1, &prompt(100), 130, 0.0)).unwrap();
+    assert_eq!((d.prefill, d.fetch_from, d.reused_blocks), (1, Some(2), 10), "{d:?}");
+    // 1, the one instance without it, gets it from A's fetch: no copy proposed there
+    assert_eq!(c.replication_hints(Some(0.0)).unwrap(), vec![]);
+    // an idle instance that lacks it is proposed
+    c.add_prefill(3, PrefillSpec::default()).unwrap();
+    let hints = c.replication_hints(Some(0.0)).unwrap();
+    assert_eq!(hints.iter().map(|h| (h.from_instance, h.to_instance)).collect::<Vec<_>>(), vec![(2, 3)]);
+    assert_eq!(hints[0].blocks, PREFIX.to_vec());
+    // A's fetch lands: 1 holds it and is not busy (50 ms), so no holder needs relief
+    c.on_blocks_stored(1, &PREFIX, Tier::Dram).unwrap();
+    assert_eq!(c.replication_hints(Some(0.0)).unwrap(), vec![]);
+    c.check_integrity().unwrap();
+}
