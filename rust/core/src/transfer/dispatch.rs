@@ -14,7 +14,7 @@ use super::inner::{EngineInner, PeerKind};
 use super::local::{CopyJob, Span, INLINE_COPY_BYTES};
 use super::region::{Region, RegionId, RegionTable};
 use super::shm::{self, Lookup, ShmPeer};
-use super::staged::{StagedLink, StagedWrite};
+use super::staged::{StagedLink, StagedRequest};
 use super::tcp::client::{Slice, TcpPeer};
 use super::{AccessError, Op, Request, TransferError};
 
@@ -160,7 +160,7 @@ pub(crate) fn submit(
     let mut copy_bytes = 0u64;
     let mut tcp: HashMap<*const TcpPeer, (Arc<TcpPeer>, Vec<Slice>)> = HashMap::new();
     let mut deferred: Vec<Checked> = Vec::new();
-    let mut staged: HashMap<*const StagedLink, (Arc<StagedLink>, Vec<StagedWrite>)> = HashMap::new();
+    let mut staged: HashMap<*const StagedLink, (Arc<StagedLink>, Vec<StagedRequest>)> = HashMap::new();
     let mut last_target: Option<(*const std::sync::Weak<EngineInner>, Arc<EngineInner>)> = None;
     for c in checked {
         // The whole remote range must be addressable before anything moves: no path
@@ -211,7 +211,7 @@ pub(crate) fn submit(
                         }
                     }
                     Lookup::Staged(link) if use_staging(&c.req) => {
-                        if let Some(w) = staged_write(&batch, &c, &link, t) {
+                        if let Some(w) = staged_request(&batch, &c, &link, t) {
                             staged.entry(Arc::as_ptr(&link)).or_insert_with(|| (link.clone(), Vec::new())).1.push(w);
                         }
                     }
@@ -231,7 +231,7 @@ pub(crate) fn submit(
     for (_, (peer, s)) in tcp {
         peer.submit(s);
     }
-    // All of a batch's writes to one peer at once: its link commits them together, here
+    // All of a batch's requests to one peer at once: its link commits them together, here
     // and now when they are no more than what the memcpy paths copy inside `submit`.
     for (_, (link, ws)) in staged {
         let inline = ws.iter().map(|w| w.len).sum::<u64>() <= INLINE_COPY_BYTES;
@@ -244,23 +244,25 @@ pub(crate) fn submit(
     Ok(batch)
 }
 
-/// Writes into a same-host peer's restricted region go through its staging link; reads
-/// (and empty requests, which only check) stay on TCP.
+/// Writes into and reads from a same-host peer's restricted region go through its
+/// staging link; empty requests (which only check) stay on TCP.
 fn use_staging(r: &Request) -> bool {
-    r.op == Op::Write && r.length > 0
+    r.length > 0
 }
 
-/// A write for the staging link, after checking it whole against what the peer said of
-/// the region (the peer checks each chunk against its live grants before it lands);
+/// A request for the staging link, after checking it whole against what the peer said of
+/// the region (the peer checks each chunk against its live grants before it moves);
 /// `None` when refused here.
-fn staged_write(batch: &Arc<Batch>, c: &Checked, link: &StagedLink, tcp: &TcpPeer) -> Option<StagedWrite> {
+fn staged_request(batch: &Arc<Batch>, c: &Checked, link: &StagedLink, tcp: &TcpPeer) -> Option<StagedRequest> {
     let r = &c.req;
-    if let Some(Err(e)) = tcp.known_region(r.remote_region).map(|info| info.check(r.remote_offset, r.length, true)) {
+    let write = r.op == Op::Write;
+    if let Some(Err(e)) = tcp.known_region(r.remote_region).map(|info| info.check(r.remote_offset, r.length, write)) {
         batch.fail(c.index, refused(r, e));
         return None;
     }
     batch.set_slices(c.index, r.length.div_ceil(link.chunk()) as usize);
-    Some(StagedWrite {
+    Some(StagedRequest {
+        op: r.op,
         batch: batch.clone(),
         index: c.index,
         local: Span::region(&c.local, r.local_offset),
@@ -340,7 +342,7 @@ impl Resolver {
                     return;
                 }
                 Lookup::Staged(link) if use_staging(r) => {
-                    if let Some(w) = staged_write(batch, &c, &link, tcp) {
+                    if let Some(w) = staged_request(batch, &c, &link, tcp) {
                         link.submit(w);
                     }
                     return;

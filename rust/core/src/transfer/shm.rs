@@ -5,8 +5,8 @@
 //! TCP. Bounds and read-only are checked against what the peer reported.
 //!
 //! A restricted region is answered with the peer's staging socket (`"@name"`) instead of
-//! a segment: writes into it go through a [`StagedLink`] (one per peer server), checked
-//! by the peer against its live grants chunk by chunk; reads stay on TCP.
+//! a segment: writes into it and reads from it go through a [`StagedLink`] (one per peer
+//! server), checked by the peer against its live grants chunk by chunk.
 
 use std::sync::Arc;
 
@@ -37,7 +37,7 @@ impl ShmRegion {
 /// What is known about one remote region.
 pub enum Lookup {
     Mapped(Arc<ShmRegion>),
-    /// A restricted region: writes go through the peer's staging link.
+    /// A restricted region: writes and reads go through the peer's staging link.
     Staged(Arc<StagedLink>),
     NotShared,
     Unknown,
