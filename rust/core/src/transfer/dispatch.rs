@@ -1,6 +1,7 @@
 //! `submit`: validates the local side of each request, then hands each request to its
 //! path — memcpy (local peer or mapped shm region), TCP slices, or (for a same-host
-//! region not yet known) a resolver thread that looks it up and then picks shm or TCP.
+//! region not yet known, or a peer whose connections are all lost) a resolver thread
+//! that redials the peer if needed, looks the region up and then picks shm or TCP.
 //! Nothing here waits on the network.
 
 use std::sync::Arc;
@@ -189,6 +190,11 @@ pub(crate) fn submit(
                 }
             }
             PeerKind::Remote { tcp: t, shm } => {
+                if t.needs_redial() {
+                    // Redialing blocks: the resolver thread does it, then sends.
+                    deferred.push(c);
+                    continue;
+                }
                 let lookup = shm.as_ref().map(|s| s.lookup(c.req.remote_region)).unwrap_or(Lookup::NotShared);
                 match lookup {
                     Lookup::Mapped(m) => {
@@ -304,7 +310,7 @@ fn tcp_plan(peer: &TcpPeer, slice_size: usize, r: &Request) -> TcpPlan {
 /// then copies (shm) or sends (TCP).
 fn spawn_resolver(inner: &EngineInner, batch: Arc<Batch>, deferred: Vec<Checked>) {
     let slice_size = inner.cfg.slice_size;
-    let ctx = Resolver { slice_size };
+    let mut ctx = Resolver { slice_size, failed_redials: Vec::new() };
     let b2 = batch.clone();
     let spawned = std::thread::Builder::new().name("mc-shm-resolve".into()).spawn(move || {
         for c in deferred {
@@ -322,15 +328,31 @@ fn spawn_resolver(inner: &EngineInner, batch: Arc<Batch>, deferred: Vec<Checked>
 
 struct Resolver {
     slice_size: usize,
+    /// Peers this batch failed to redial, and why: their other requests fail the same
+    /// way without dialing again.
+    failed_redials: Vec<(Arc<TcpPeer>, TransferError)>,
 }
 
 impl Resolver {
-    fn resolve_one(&self, batch: &Arc<Batch>, c: Checked) {
+    fn resolve_one(&mut self, batch: &Arc<Batch>, c: Checked) {
         if batch.is_finished(c.index) {
             return;
         }
         let PeerKind::Remote { tcp, shm } = &c.req.peer.kind else { return };
         let r = &c.req;
+        if let Some((_, e)) = self.failed_redials.iter().find(|(p, _)| Arc::ptr_eq(p, tcp)) {
+            batch.fail(c.index, e.clone());
+            return;
+        }
+        if tcp.needs_redial() {
+            // Requests that were in flight on the lost connections have failed already
+            // (a write may have landed: never resent); this one goes out on new ones.
+            if let Err(e) = tcp.redial(|| shm.iter().for_each(|s| s.forget())) {
+                self.failed_redials.push((tcp.clone(), e.clone()));
+                batch.fail(c.index, e);
+                return;
+            }
+        }
         if let Some(shm) = shm {
             let shm: &ShmPeer = shm;
             match shm.resolve(tcp, r.remote_region) {

@@ -171,6 +171,21 @@ impl ShmPeer {
         self.links.lock().values().cloned().collect()
     }
 
+    /// Forgets what the peer said of its regions (their mappings, staged or not) and its
+    /// dead staging links, after the peer was redialed: a restarted server backs none of
+    /// its old segments. A region being resolved keeps its entry (its resolver ends it).
+    pub fn forget(&self) {
+        self.cache.lock().retain(|_, e| matches!(e, Entry::Resolving));
+        let dead: Vec<Arc<StagedLink>> = {
+            let mut links = self.links.lock();
+            let names: Vec<String> = links.iter().filter(|(_, l)| l.is_dead()).map(|(n, _)| n.clone()).collect();
+            names.into_iter().filter_map(|n| links.remove(&n)).collect()
+        };
+        for l in dead {
+            l.close();
+        }
+    }
+
     /// Unmaps everything and closes the staging links (peer closed).
     pub fn clear(&self) {
         self.cache.lock().clear();
