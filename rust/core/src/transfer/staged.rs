@@ -381,9 +381,9 @@ impl StagedLink {
                     None => self.settle(ring)?,
                 }
             };
-            // SAFETY (of the span): `off + n <= len`, checked against the local region
-            // at submit; the span keeps that region mapped.
-            let local = Span { keep: w.local.keep.clone(), ptr: unsafe { w.local.ptr.add(off as usize) } };
+            // SAFETY: `off + n <= len`, checked against the local region at submit, which
+            // `w.local` keeps mapped: the pointer stays inside it.
+            let local_ptr = unsafe { w.local.ptr.add(off as usize) };
             if !read {
                 if !w.batch.begin_io(w.index) {
                     return Ok(());
@@ -395,7 +395,7 @@ impl StagedLink {
                 // server is not reading them.
                 unsafe {
                     std::ptr::copy_nonoverlapping(
-                        local.ptr as *const u8,
+                        local_ptr as *const u8,
                         self.staging.as_ptr().add(at as usize),
                         n as usize,
                     )
@@ -410,7 +410,8 @@ impl StagedLink {
                 offset: w.offset + off,
                 at,
                 len: n,
-                read_into: read.then_some(local),
+                // Only a read keeps (a clone of) its destination's span.
+                read_into: read.then(|| Span { keep: w.local.keep.clone(), ptr: local_ptr }),
             });
             ring.open_bytes += n;
             ring.head = at + n;
