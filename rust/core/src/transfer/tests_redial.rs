@@ -102,7 +102,8 @@ fn a_restarted_server_is_redialed_and_its_stale_shm_mappings_forgotten() {
     restart_and_write(&["shm", "tcp"]);
 }
 
-// Many batches at once to a peer whose connections are gone: one redial serves them all.
+// Many batches at once to a peer whose connections are gone: while nothing listens they
+// all fail typed; once the server is back, one redial serves them all.
 #[test]
 fn concurrent_batches_share_one_redial() {
     let srv = engine_at("srv", &["tcp"], "127.0.0.1:0");
@@ -114,6 +115,15 @@ fn concurrent_batches_share_one_redial() {
     fill(&cli, l, 9);
     srv.close();
     wait_until("the client sees every connection lost", || alive(&p) == 0);
+    // Nothing listens: every batch fails typed (those that waited share a failed redial).
+    let batches: Vec<_> = (0..8u64)
+        .map(|i| cli.submit(vec![req(Op::Write, l, i * 4096, &p, region, i * 4096, 4096)], T).unwrap())
+        .collect();
+    for b in batches {
+        let st = b.wait(None);
+        assert_eq!(code(&st[0]), "connection_lost");
+        assert!(st[0].error().unwrap().to_string().contains("redialing"), "{:?}", st[0].error());
+    }
     let srv2 = engine_at("srv", &["tcp"], &addr);
     assert_eq!(srv2.allocate(1 << 20, false).unwrap().id, region);
     let batches: Vec<_> = (0..8u64)

@@ -13,12 +13,14 @@ use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Rounds of dialing every endpoint that one redial makes before it gives up, and the
 /// pause before the second (doubled before each later one): a server restarting at the
-/// same address is given a moment, a peer that is gone costs a batch well under a second
-/// plus what `connect_timeout` allows each dial.
+/// same address is given a moment, a peer that refuses costs a batch 150 ms. No round
+/// starts once `connect_timeout` has passed since the first, and an endpoint's first
+/// failed dial ends its round, so a peer that does not answer at all costs about two
+/// `connect_timeout`s an endpoint, not one a connection and round.
 pub const REDIAL_ROUNDS: u32 = 3;
 pub const REDIAL_BACKOFF: Duration = Duration::from_millis(50);
 
@@ -152,6 +154,9 @@ pub struct TcpPeer {
     /// Held by a redial (one at a time) and by `close` (so a redial never adds
     /// connections to a closed peer).
     redial_lock: Mutex<()>,
+    /// When the last redial failed, and why: callers that waited for it fail the same way
+    /// instead of dialing again one after another.
+    last_redial_failure: Mutex<Option<(Instant, TransferError)>>,
 }
 
 fn open(
@@ -214,6 +219,7 @@ impl TcpPeer {
             control: Mutex::new(None),
             regions: Mutex::new(HashMap::new()),
             redial_lock: Mutex::new(()),
+            last_redial_failure: Mutex::new(None),
         });
         for (s, keys) in streams {
             peer.start_conn(s, keys)?;
@@ -282,6 +288,7 @@ impl TcpPeer {
     /// longer backs). Concurrent callers wait for one redial; `Ok` when the peer has a
     /// connection again, `ConnectionLost` saying why when not.
     pub fn redial(self: &Arc<Self>, forget: impl FnOnce()) -> Result<(), TransferError> {
+        let asked = Instant::now();
         let _one = self.redial_lock.lock();
         if self.closed.load(Ordering::SeqCst) {
             return Err(TransferError::Closed);
@@ -289,10 +296,29 @@ impl TcpPeer {
         if self.alive() > 0 {
             return Ok(()); // another caller redialed meanwhile
         }
+        if let Some((at, e)) = &*self.last_redial_failure.lock() {
+            if *at > asked {
+                return Err(e.clone()); // another caller's redial failed while we waited
+            }
+        }
+        let e = match self.dial_again(forget) {
+            Ok(()) => return Ok(()),
+            Err(e) => e,
+        };
+        *self.last_redial_failure.lock() = Some((Instant::now(), e.clone()));
+        Err(e)
+    }
+
+    /// The rounds of `redial` (its lock held).
+    fn dial_again(self: &Arc<Self>, forget: impl FnOnce()) -> Result<(), TransferError> {
         let name = &self.hello.name;
         let mut last = String::from("no endpoint");
+        let began = Instant::now();
         for round in 0..REDIAL_ROUNDS {
             if round > 0 {
+                if began.elapsed() >= self.cfg.connect_timeout {
+                    break;
+                }
                 std::thread::sleep(REDIAL_BACKOFF * (1 << (round - 1)));
             }
             let mut streams = Vec::new();
@@ -307,7 +333,10 @@ impl TcpPeer {
                             )));
                         }
                         Ok((s, _, keys)) => streams.push((s, keys)),
-                        Err(e) => last = format!("{addr}: {e}"),
+                        Err(e) => {
+                            last = format!("{addr}: {e}");
+                            break; // the endpoint's other dials would fail the same way
+                        }
                     }
                 }
             }
@@ -330,7 +359,7 @@ impl TcpPeer {
             return Ok(());
         }
         Err(TransferError::ConnectionLost(format!(
-            "no connection left to peer {name:?}, and redialing it failed {REDIAL_ROUNDS} times (last: {last})"
+            "no connection left to peer {name:?}, and redialing it failed (last: {last})"
         )))
     }
 
