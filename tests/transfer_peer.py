@@ -56,7 +56,8 @@ def main() -> None:
             print(hashlib.sha256(memoryview(by_id[int(cmd[1])])).hexdigest(), flush=True)
         elif cmd[0] == "stats":
             s = eng.stats()
-            keys = ("auth_failures", "bad_frames", "refused", "bytes_served", "grant_refusals", "bytes_staged")
+            keys = ("auth_failures", "bad_frames", "refused", "bytes_served", "grant_refusals", "bytes_staged",
+                    "bytes_staged_read")
             print(json.dumps({k: getattr(s, k) for k in keys}), flush=True)
         elif cmd[0] == "grant":
             print(eng.grant(int(cmd[1]), cmd[2], int(cmd[3]), int(cmd[4])), flush=True)

@@ -317,6 +317,11 @@ inner_getters!(PyTransferStats {
         /// Of `bytes_served`: committed by same-host peers through their staging buffers
         /// into restricted regions.
         bytes_staged: u64,
+        /// Of `bytes_served`: copied out of restricted regions into same-host peers'
+        /// staging buffers (their reads).
+        bytes_staged_read: u64,
+        /// Peers this engine redialed after every connection to them was lost.
+        reconnects: u64,
         retries: u64, late_responses: u64, handshakes_evicted: u64,
         /// Served connections closed to make room (oldest idle first), or idle past
         /// `idle_timeout_s` on a server without a token.

@@ -258,6 +258,12 @@ pub struct Counters {
     /// Of `bytes_served`: bytes a same-host peer committed through its staging buffer
     /// into a restricted region (`staged_server`).
     pub bytes_staged: AtomicU64,
+    /// Of `bytes_served`: bytes copied out of a restricted region into a same-host peer's
+    /// staging buffer for its read (`staged_server`).
+    pub bytes_staged_read: AtomicU64,
+    /// Initiator side: peers redialed by the engine after every connection to them was
+    /// lost (`TcpPeer::redial`).
+    pub reconnects: AtomicU64,
     pub retries: AtomicU64,
     /// Answers that arrived after their request had ended (payload dropped, unread).
     pub late_responses: AtomicU64,
@@ -336,6 +342,8 @@ pub struct EngineStats {
     pub connections: u64,
     pub bytes_served: u64,
     pub bytes_staged: u64,
+    pub bytes_staged_read: u64,
+    pub reconnects: u64,
     pub retries: u64,
     pub late_responses: u64,
     pub handshakes_evicted: u64,

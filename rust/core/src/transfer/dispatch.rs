@@ -1,6 +1,7 @@
 //! `submit`: validates the local side of each request, then hands each request to its
 //! path — memcpy (local peer or mapped shm region), TCP slices, or (for a same-host
-//! region not yet known) a resolver thread that looks it up and then picks shm or TCP.
+//! region not yet known, or a peer whose connections are all lost) a resolver thread
+//! that redials the peer if needed, looks the region up and then picks shm or TCP.
 //! Nothing here waits on the network.
 
 use std::sync::Arc;
@@ -14,7 +15,7 @@ use super::inner::{EngineInner, PeerKind};
 use super::local::{CopyJob, Span, INLINE_COPY_BYTES};
 use super::region::{Region, RegionId, RegionTable};
 use super::shm::{self, Lookup, ShmPeer};
-use super::staged::{StagedLink, StagedWrite};
+use super::staged::{StagedLink, StagedRequest};
 use super::tcp::client::{Slice, TcpPeer};
 use super::{AccessError, Op, Request, TransferError};
 
@@ -160,7 +161,7 @@ pub(crate) fn submit(
     let mut copy_bytes = 0u64;
     let mut tcp: HashMap<*const TcpPeer, (Arc<TcpPeer>, Vec<Slice>)> = HashMap::new();
     let mut deferred: Vec<Checked> = Vec::new();
-    let mut staged: HashMap<*const StagedLink, (Arc<StagedLink>, Vec<StagedWrite>)> = HashMap::new();
+    let mut staged: HashMap<*const StagedLink, (Arc<StagedLink>, Vec<StagedRequest>)> = HashMap::new();
     let mut last_target: Option<(*const std::sync::Weak<EngineInner>, Arc<EngineInner>)> = None;
     for c in checked {
         // The whole remote range must be addressable before anything moves: no path
@@ -189,6 +190,11 @@ pub(crate) fn submit(
                 }
             }
             PeerKind::Remote { tcp: t, shm } => {
+                if t.needs_redial() {
+                    // Redialing blocks: the resolver thread does it, then sends.
+                    deferred.push(c);
+                    continue;
+                }
                 let lookup = shm.as_ref().map(|s| s.lookup(c.req.remote_region)).unwrap_or(Lookup::NotShared);
                 match lookup {
                     Lookup::Mapped(m) => {
@@ -211,7 +217,7 @@ pub(crate) fn submit(
                         }
                     }
                     Lookup::Staged(link) if use_staging(&c.req) => {
-                        if let Some(w) = staged_write(&batch, &c, &link, t) {
+                        if let Some(w) = staged_request(&batch, &c, &link, t) {
                             staged.entry(Arc::as_ptr(&link)).or_insert_with(|| (link.clone(), Vec::new())).1.push(w);
                         }
                     }
@@ -231,7 +237,7 @@ pub(crate) fn submit(
     for (_, (peer, s)) in tcp {
         peer.submit(s);
     }
-    // All of a batch's writes to one peer at once: its link commits them together, here
+    // All of a batch's requests to one peer at once: its link commits them together, here
     // and now when they are no more than what the memcpy paths copy inside `submit`.
     for (_, (link, ws)) in staged {
         let inline = ws.iter().map(|w| w.len).sum::<u64>() <= INLINE_COPY_BYTES;
@@ -244,23 +250,25 @@ pub(crate) fn submit(
     Ok(batch)
 }
 
-/// Writes into a same-host peer's restricted region go through its staging link; reads
-/// (and empty requests, which only check) stay on TCP.
+/// Writes into and reads from a same-host peer's restricted region go through its
+/// staging link; empty requests (which only check) stay on TCP.
 fn use_staging(r: &Request) -> bool {
-    r.op == Op::Write && r.length > 0
+    r.length > 0
 }
 
-/// A write for the staging link, after checking it whole against what the peer said of
-/// the region (the peer checks each chunk against its live grants before it lands);
+/// A request for the staging link, after checking it whole against what the peer said of
+/// the region (the peer checks each chunk against its live grants before it moves);
 /// `None` when refused here.
-fn staged_write(batch: &Arc<Batch>, c: &Checked, link: &StagedLink, tcp: &TcpPeer) -> Option<StagedWrite> {
+fn staged_request(batch: &Arc<Batch>, c: &Checked, link: &StagedLink, tcp: &TcpPeer) -> Option<StagedRequest> {
     let r = &c.req;
-    if let Some(Err(e)) = tcp.known_region(r.remote_region).map(|info| info.check(r.remote_offset, r.length, true)) {
+    let write = r.op == Op::Write;
+    if let Some(Err(e)) = tcp.known_region(r.remote_region).map(|info| info.check(r.remote_offset, r.length, write)) {
         batch.fail(c.index, refused(r, e));
         return None;
     }
     batch.set_slices(c.index, r.length.div_ceil(link.chunk()) as usize);
-    Some(StagedWrite {
+    Some(StagedRequest {
+        op: r.op,
         batch: batch.clone(),
         index: c.index,
         local: Span::region(&c.local, r.local_offset),
@@ -302,7 +310,7 @@ fn tcp_plan(peer: &TcpPeer, slice_size: usize, r: &Request) -> TcpPlan {
 /// then copies (shm) or sends (TCP).
 fn spawn_resolver(inner: &EngineInner, batch: Arc<Batch>, deferred: Vec<Checked>) {
     let slice_size = inner.cfg.slice_size;
-    let ctx = Resolver { slice_size };
+    let mut ctx = Resolver { slice_size, failed_redials: Vec::new() };
     let b2 = batch.clone();
     let spawned = std::thread::Builder::new().name("mc-shm-resolve".into()).spawn(move || {
         for c in deferred {
@@ -320,15 +328,31 @@ fn spawn_resolver(inner: &EngineInner, batch: Arc<Batch>, deferred: Vec<Checked>
 
 struct Resolver {
     slice_size: usize,
+    /// Peers this batch failed to redial, and why: their other requests fail the same
+    /// way without dialing again.
+    failed_redials: Vec<(Arc<TcpPeer>, TransferError)>,
 }
 
 impl Resolver {
-    fn resolve_one(&self, batch: &Arc<Batch>, c: Checked) {
+    fn resolve_one(&mut self, batch: &Arc<Batch>, c: Checked) {
         if batch.is_finished(c.index) {
             return;
         }
         let PeerKind::Remote { tcp, shm } = &c.req.peer.kind else { return };
         let r = &c.req;
+        if let Some((_, e)) = self.failed_redials.iter().find(|(p, _)| Arc::ptr_eq(p, tcp)) {
+            batch.fail(c.index, e.clone());
+            return;
+        }
+        if tcp.needs_redial() {
+            // Requests that were in flight on the lost connections have failed already
+            // (a write may have landed: never resent); this one goes out on new ones.
+            if let Err(e) = tcp.redial(|| shm.iter().for_each(|s| s.forget())) {
+                self.failed_redials.push((tcp.clone(), e.clone()));
+                batch.fail(c.index, e);
+                return;
+            }
+        }
         if let Some(shm) = shm {
             let shm: &ShmPeer = shm;
             match shm.resolve(tcp, r.remote_region) {
@@ -340,7 +364,7 @@ impl Resolver {
                     return;
                 }
                 Lookup::Staged(link) if use_staging(r) => {
-                    if let Some(w) = staged_write(batch, &c, &link, tcp) {
+                    if let Some(w) = staged_request(batch, &c, &link, tcp) {
                         link.submit(w);
                     }
                     return;

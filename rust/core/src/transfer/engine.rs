@@ -342,6 +342,8 @@ impl Engine {
             connections: l(&c.connections),
             bytes_served: l(&c.bytes_served),
             bytes_staged: l(&c.bytes_staged),
+            bytes_staged_read: l(&c.bytes_staged_read),
+            reconnects: l(&c.reconnects),
             retries: l(&c.retries),
             late_responses: l(&c.late_responses),
             handshakes_evicted: l(&c.handshakes_evicted),

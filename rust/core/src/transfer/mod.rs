@@ -217,6 +217,8 @@ mod tests_integrity;
 #[cfg(test)]
 mod tests_objects;
 #[cfg(test)]
+mod tests_redial;
+#[cfg(test)]
 mod tests_rights;
 #[cfg(test)]
 mod tests_sealed;

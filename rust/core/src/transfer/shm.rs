@@ -5,8 +5,8 @@
 //! TCP. Bounds and read-only are checked against what the peer reported.
 //!
 //! A restricted region is answered with the peer's staging socket (`"@name"`) instead of
-//! a segment: writes into it go through a [`StagedLink`] (one per peer server), checked
-//! by the peer against its live grants chunk by chunk; reads stay on TCP.
+//! a segment: writes into it and reads from it go through a [`StagedLink`] (one per peer
+//! server), checked by the peer against its live grants chunk by chunk.
 
 use std::sync::Arc;
 
@@ -37,7 +37,7 @@ impl ShmRegion {
 /// What is known about one remote region.
 pub enum Lookup {
     Mapped(Arc<ShmRegion>),
-    /// A restricted region: writes go through the peer's staging link.
+    /// A restricted region: writes and reads go through the peer's staging link.
     Staged(Arc<StagedLink>),
     NotShared,
     Unknown,
@@ -169,6 +169,21 @@ impl ShmPeer {
     #[cfg(test)]
     pub(crate) fn links(&self) -> Vec<Arc<StagedLink>> {
         self.links.lock().values().cloned().collect()
+    }
+
+    /// Forgets what the peer said of its regions (their mappings, staged or not) and its
+    /// dead staging links, after the peer was redialed: a restarted server backs none of
+    /// its old segments. A region being resolved keeps its entry (its resolver ends it).
+    pub fn forget(&self) {
+        self.cache.lock().retain(|_, e| matches!(e, Entry::Resolving));
+        let dead: Vec<Arc<StagedLink>> = {
+            let mut links = self.links.lock();
+            let names: Vec<String> = links.iter().filter(|(_, l)| l.is_dead()).map(|(n, _)| n.clone()).collect();
+            names.into_iter().filter_map(|n| links.remove(&n)).collect()
+        };
+        for l in dead {
+            l.close();
+        }
     }
 
     /// Unmaps everything and closes the staging links (peer closed).

@@ -1,7 +1,9 @@
-//! Initiating side of the staged path (see [`super::staged_server`]): writes into a
-//! same-host peer's restricted region through a staging buffer the peer's server handed
-//! us (an fd over a unix socket), each chunk committed and checked against the live
-//! grants by that server before it copies the chunk in.
+//! Initiating side of the staged path (see [`super::staged_server`]): writes into and
+//! reads from a same-host peer's restricted region through a staging buffer the peer's
+//! server handed us (an fd over a unix socket), each chunk committed and checked against
+//! the live grants by that server before it copies the chunk in (a write) or out into the
+//! buffer (a read, which we then copy from the buffer into its destination when the
+//! answer says it was allowed).
 //!
 //! One link per peer server, one worker thread per link. The buffer is a ring of chunks
 //! (at most [`CHUNK`] bytes each): the worker takes every write queued (a batch's writes
@@ -14,6 +16,12 @@
 //! a chunk: a round trip per chunk made a serving step's eight 128 KiB spans sixteen
 //! wake-ups, each a scheduling delay on a busy host. A small batch is committed by
 //! `submit_many` itself (below), and then the answer is its only wake-up here.
+//!
+//! A read's chunks take the same ring: space is reserved (nothing copied in), the commit
+//! (all reads) goes out, and `apply` copies each chunk from the buffer into the request's
+//! destination when its answer says the server checked and copied it; so a read commit
+//! k+1 is filled by the server while the worker copies commit k out. A commit carries
+//! one op, so an open commit is sent when the next chunk's op differs.
 
 use std::collections::VecDeque;
 use std::io::{Read, Write};
@@ -35,11 +43,13 @@ use super::protocol::status_from_u8;
 use super::staged_ring::{seal_commit, Chunk, Ring};
 use super::staged_server::REPLY_HEAD_LEN;
 use super::tcp::handshake;
+use super::Op;
 use super::TransferError;
 use crate::mem::MappedMemory;
 
-/// One write request (its local side checked) to a restricted region of the peer.
-pub struct StagedWrite {
+/// One request (its local side checked) to a restricted region of the peer.
+pub struct StagedRequest {
+    pub op: Op,
     pub batch: Arc<Batch>,
     pub index: usize,
     pub local: Span,
@@ -66,7 +76,7 @@ pub struct StagedLink {
     /// Held while a commit's frame is written (taken while holding the ring, which may
     /// then be let go), so frames go out in the ring's order.
     send_lock: Mutex<()>,
-    queue: Mutex<VecDeque<StagedWrite>>,
+    queue: Mutex<VecDeque<StagedRequest>>,
     /// An eventfd rung when writes are queued; the idle worker waits on it and on the
     /// socket together, so an answer to a commit sent from `submit_many` wakes it with no
     /// second wake-up to tell it a commit went out.
@@ -135,7 +145,7 @@ impl StagedLink {
     }
 
     /// Queues a write; its request must have `ceil(len / chunk())` slices set.
-    pub fn submit(&self, w: StagedWrite) {
+    pub fn submit(&self, w: StagedRequest) {
         self.submit_many(vec![w], false);
     }
 
@@ -146,7 +156,7 @@ impl StagedLink {
     /// commit: the caller's thread is running now, while the worker's wake-up is a
     /// scheduling delay, milliseconds on a busy host (it was most of a serving batch's
     /// time in flight). The rest is queued; the worker sends it and reads every answer.
-    pub fn submit_many(&self, ws: Vec<StagedWrite>, inline: bool) {
+    pub fn submit_many(&self, ws: Vec<StagedRequest>, inline: bool) {
         if self.is_dead() {
             for w in ws {
                 w.batch.fail(w.index, TransferError::ConnectionLost("the staging link is closed".into()));
@@ -211,13 +221,15 @@ impl StagedLink {
     /// wait that long for the ring to report the answer.
     fn commit_fitting(
         &self,
-        ws: &mut VecDeque<StagedWrite>,
+        ws: &mut VecDeque<StagedRequest>,
         mut ring: MutexGuard<'_, Ring>,
     ) -> Result<(), TransferError> {
         let (chunk, cap) = (self.chunk(), self.staging.len() as u64);
         while let Some(w) = ws.front() {
-            // Whole writes only: the worker takes the rest from the start of a write.
-            if w.len > chunk || ring.place(w.len, cap).is_none() {
+            // Whole requests only (the worker takes the rest from the start of one), and
+            // of the open commit's op: this is one commit.
+            let other_op = !ring.open.is_empty() && ring.open_read != (w.op == Op::Read);
+            if w.len > chunk || other_op || ring.place(w.len, cap).is_none() {
                 break;
             }
             let Some(w) = ws.pop_front() else { break };
@@ -262,7 +274,7 @@ impl StagedLink {
     }
 
     fn run(&self) {
-        let mut writes: VecDeque<StagedWrite> = VecDeque::new();
+        let mut writes: VecDeque<StagedRequest> = VecDeque::new();
         let mut readable = false;
         let err = loop {
             let mut ring = self.ring.lock();
@@ -334,7 +346,7 @@ impl StagedLink {
     /// the chunks into commits (one per [`FLUSH_BYTES`], or whenever the buffer is full,
     /// and one at the end) sent without waiting; answers are read only when their space
     /// is needed. A write that fails here stays at the front of `writes`.
-    fn write_chunks(&self, writes: &mut VecDeque<StagedWrite>, ring: &mut Ring) -> Result<(), TransferError> {
+    fn write_chunks(&self, writes: &mut VecDeque<StagedRequest>, ring: &mut Ring) -> Result<(), TransferError> {
         let (chunk, cap) = (self.chunk(), self.staging.len() as u64);
         while let Some(w) = writes.front() {
             self.copy_write(w, ring, chunk, cap)?;
@@ -346,13 +358,20 @@ impl StagedLink {
         Ok(())
     }
 
-    /// Copies one write chunk by chunk into the open commit, sending it every
-    /// [`FLUSH_BYTES`] and making space (sending, then reading answers) when needed.
-    fn copy_write(&self, w: &StagedWrite, ring: &mut Ring, chunk: u64, cap: u64) -> Result<(), TransferError> {
+    /// Puts one request chunk by chunk into the open commit, sending it every
+    /// [`FLUSH_BYTES`] (or when the next chunk's op differs: a commit is all writes or
+    /// all reads) and making space (sending, then reading answers) when needed. A write's
+    /// chunk is copied into its space now; a read's space is only reserved, for the
+    /// server to fill and `apply` to copy out.
+    fn copy_write(&self, w: &StagedRequest, ring: &mut Ring, chunk: u64, cap: u64) -> Result<(), TransferError> {
+        let read = w.op == Op::Read;
         let mut off = 0u64;
         while off < w.len {
             if w.batch.is_finished(w.index) {
                 return Ok(()); // cancelled, timed out or refused: send nothing more of it
+            }
+            if !ring.open.is_empty() && ring.open_read != read {
+                self.send(ring)?;
             }
             let n = (w.len - off).min(chunk);
             let at = loop {
@@ -362,21 +381,28 @@ impl StagedLink {
                     None => self.settle(ring)?,
                 }
             };
-            if !w.batch.begin_io(w.index) {
-                return Ok(());
+            // SAFETY: `off + n <= len`, checked against the local region at submit, which
+            // `w.local` keeps mapped: the pointer stays inside it.
+            let local_ptr = unsafe { w.local.ptr.add(off as usize) };
+            if !read {
+                if !w.batch.begin_io(w.index) {
+                    return Ok(());
+                }
+                // SAFETY: the local range was checked at submit and `w.local` keeps it
+                // mapped; begin_io keeps the request from ending (and its buffer being
+                // reused) while we read it. `at + n` <= the staging mapping's length
+                // (place), and no commit in flight or open covers those bytes, so the
+                // server is not reading them.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        local_ptr as *const u8,
+                        self.staging.as_ptr().add(at as usize),
+                        n as usize,
+                    )
+                };
+                w.batch.end_io(w.index);
             }
-            // SAFETY: the local range was checked at submit and `w.local` keeps it mapped;
-            // begin_io keeps the request from ending (and its buffer being reused) while
-            // we read it. `at + n` <= the staging mapping's length (place), and no commit
-            // in flight or open covers those bytes, so the server is not reading them.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    w.local.ptr.add(off as usize) as *const u8,
-                    self.staging.as_ptr().add(at as usize),
-                    n as usize,
-                )
-            };
-            w.batch.end_io(w.index);
+            ring.open_read = read;
             ring.open.push(Chunk {
                 batch: w.batch.clone(),
                 index: w.index,
@@ -384,6 +410,8 @@ impl StagedLink {
                 offset: w.offset + off,
                 at,
                 len: n,
+                // Only a read keeps (a clone of) its destination's span.
+                read_into: read.then(|| Span { keep: w.local.keep.clone(), ptr: local_ptr }),
             });
             ring.open_bytes += n;
             ring.head = at + n;
@@ -439,7 +467,28 @@ impl StagedLink {
         };
         for (c, status) in p.chunks.iter().zip(statuses) {
             match status {
-                Ok(()) => c.batch.slice_done(c.index, c.len),
+                Ok(()) => {
+                    if let Some(dst) = &c.read_into {
+                        if !c.batch.begin_io(c.index) {
+                            continue; // ended meanwhile: its buffer is the caller's again
+                        }
+                        // SAFETY: the server filled `at..at + len` of the staging buffer
+                        // (inside its mapping: `place`) before answering, and nothing
+                        // else is placed there until this commit leaves the ring (we hold
+                        // it). `dst` is `len` bytes of the request's checked, writable
+                        // local range, kept mapped by its span; begin_io keeps the request
+                        // from ending while we write it.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                self.staging.as_ptr().add(c.at as usize) as *const u8,
+                                dst.ptr,
+                                c.len as usize,
+                            )
+                        };
+                        c.batch.end_io(c.index);
+                    }
+                    c.batch.slice_done(c.index, c.len)
+                }
                 Err(reason) => c.batch.fail(c.index, TransferError::Refused { side: "peer", region: c.region, reason }),
             }
         }

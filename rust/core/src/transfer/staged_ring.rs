@@ -6,10 +6,12 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use super::batch::Batch;
-use super::staged_server::{CHUNK_ENTRY_LEN, COMMIT_HEAD_LEN, MAX_COMMIT_CHUNKS};
+use super::local::Span;
+use super::staged_server::{CHUNK_ENTRY_LEN, COMMIT_HEAD_LEN, COMMIT_READ, COMMIT_WRITE, MAX_COMMIT_CHUNKS};
 
-/// One chunk of a write, copied into `at..at + len` of the staging buffer; those bytes
-/// stay untouched until the answer to its commit.
+/// One chunk of a request at `at..at + len` of the staging buffer: a write's bytes,
+/// copied in, or the space a read's bytes are copied into by the server; those bytes
+/// stay untouched by us until the answer to its commit.
 pub(super) struct Chunk {
     pub(super) batch: Arc<Batch>,
     pub(super) index: usize,
@@ -17,6 +19,8 @@ pub(super) struct Chunk {
     pub(super) offset: u64,
     pub(super) at: u64,
     pub(super) len: u64,
+    /// A read's destination (`len` bytes of the request's local range); `None` for a write.
+    pub(super) read_into: Option<Span>,
 }
 
 /// A commit that is out (its chunks in order), waiting for its answer.
@@ -32,6 +36,8 @@ pub(super) struct Ring {
     pub(super) pending: VecDeque<Pending>,
     pub(super) in_flight: usize,
     pub(super) open: Vec<Chunk>,
+    /// Whether the open commit's chunks are reads (a commit is all reads or all writes).
+    pub(super) open_read: bool,
     pub(super) open_bytes: u64,
     pub(super) head: u64,
     pub(super) next_id: u64,
@@ -67,7 +73,7 @@ pub(super) fn seal_commit(ring: &mut Ring) -> Vec<u8> {
     let mut frame = Vec::with_capacity(COMMIT_HEAD_LEN + chunks.len() * CHUNK_ENTRY_LEN);
     frame.extend_from_slice(&id.to_le_bytes());
     frame.extend_from_slice(&(chunks.len() as u32).to_le_bytes());
-    frame.extend_from_slice(&0u32.to_le_bytes());
+    frame.extend_from_slice(&(if ring.open_read { COMMIT_READ } else { COMMIT_WRITE }).to_le_bytes());
     for c in &chunks {
         for v in [c.region, c.offset, c.len, c.at] {
             frame.extend_from_slice(&v.to_le_bytes());

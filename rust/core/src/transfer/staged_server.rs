@@ -14,12 +14,18 @@
 //! staging buffer only (it holds nothing but what that peer wrote), and the buffer goes
 //! away with the connection.
 //!
+//! Reads go the other way through the same buffer: the peer commits the chunks it wants
+//! (where in the region, and where in its buffer), the server checks each against the
+//! live grants (read access) and only then copies it out of the region into the buffer,
+//! and the peer copies it from there once the answer says so. So a read, too, sees the
+//! region only through bytes the server copied for a grant that was live at that chunk.
+//!
 //! Wire, after the handshake (a local stream between processes of one user; nothing sits
 //! in between): the server sends the staging length (u64 LE) with the fd; then each
-//! commit is a 16-byte head (id u64, chunk count u32, zero u32) and that many 32-byte
-//! chunks (region, offset, len, staging offset: u64 LE each), answered by a 12-byte head
-//! (id u64, count u32) and one status byte a chunk (as in `protocol::status_to_u8`), in
-//! order. A commit carries all of a batch's chunks that fit (a serving step writes one
+//! commit is a 16-byte head (id u64, chunk count u32, op u32: [`COMMIT_WRITE`] or
+//! [`COMMIT_READ`], the same for all its chunks) and that many 32-byte chunks (region,
+//! offset, len, staging offset: u64 LE each), answered by a 12-byte head (id u64, count
+//! u32) and one status byte a chunk (as in `protocol::status_to_u8`), in order. A commit carries all of a batch's chunks that fit (a serving step writes one
 //! span per block and layer: eight 128 KiB spans were eight round trips and sixteen
 //! wake-ups, now one and two); each chunk is still checked and answered on its own.
 
@@ -48,6 +54,10 @@ pub const MAX_STAGED: usize = 64;
 pub const COMMIT_HEAD_LEN: usize = 16;
 pub const CHUNK_ENTRY_LEN: usize = 32;
 pub const REPLY_HEAD_LEN: usize = 12;
+/// A commit's op (its head's last u32): the chunks are in the buffer, copy them in.
+pub const COMMIT_WRITE: u32 = 0;
+/// A commit's op: copy the chunks out of the region into the buffer.
+pub const COMMIT_READ: u32 = 1;
 /// Most chunks in one commit, and in flight on one connection: their entries and
 /// answers stay far below the socket buffers, so neither side can block writing while
 /// the other does.
@@ -183,7 +193,8 @@ fn serve(s: &UnixStream, ctx: &ServeCtx) {
         }
         let id = u64::from_le_bytes(head[..8].try_into().unwrap_or_default());
         let count = u32::from_le_bytes(head[8..12].try_into().unwrap_or_default()) as usize;
-        if count == 0 || count > MAX_COMMIT_CHUNKS || head[12..] != [0u8; 4] {
+        let op = u32::from_le_bytes(head[12..16].try_into().unwrap_or_default());
+        if count == 0 || count > MAX_COMMIT_CHUNKS || (op != COMMIT_WRITE && op != COMMIT_READ) {
             ctx.counters.bad_frames.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(engine = %ctx.name, %peer, count, "closing a staging connection after a malformed commit");
             return;
@@ -213,18 +224,25 @@ fn serve(s: &UnixStream, ctx: &ServeCtx) {
         reply.extend_from_slice(&(count as u32).to_le_bytes());
         for k in 0..count {
             let (region, offset, len, at) = chunk(k);
-            let status = match ctx.regions.resolve(region, &peer, offset, len, true) {
+            let write = op == COMMIT_WRITE;
+            let status = match ctx.regions.resolve(region, &peer, offset, len, write) {
                 Ok(reg) => {
                     // SAFETY: resolve() checked offset+len against the region (which `reg`
-                    // keeps mapped) and that this peer may write it now; at+len is inside
-                    // the staging mapping (checked above), whose size is sealed. The peer
-                    // may write its buffer meanwhile: then it lands torn, in its own grant
-                    // only.
+                    // keeps mapped) and that this peer may write (or read) it now; at+len
+                    // is inside the staging mapping (checked above), whose size is sealed.
+                    // The peer may touch its buffer meanwhile: then the bytes land torn, in
+                    // its own grant or its own buffer only.
                     unsafe {
-                        std::ptr::copy_nonoverlapping(mem.as_ptr().add(at as usize), reg.at(offset), len as usize)
+                        let staged = mem.as_ptr().add(at as usize);
+                        if write {
+                            std::ptr::copy_nonoverlapping(staged as *const u8, reg.at(offset), len as usize)
+                        } else {
+                            std::ptr::copy_nonoverlapping(reg.at(offset) as *const u8, staged, len as usize)
+                        }
                     };
                     ctx.counters.bytes_served.fetch_add(len, Ordering::Relaxed);
-                    ctx.counters.bytes_staged.fetch_add(len, Ordering::Relaxed);
+                    let staged = if write { &ctx.counters.bytes_staged } else { &ctx.counters.bytes_staged_read };
+                    staged.fetch_add(len, Ordering::Relaxed);
                     Ok(())
                 }
                 Err(e) => {

@@ -1,6 +1,7 @@
-//! The staged path (issue 26): writes from a same-host peer into a restricted region go
-//! through a staging buffer the region's server handed over as an fd, each chunk checked
-//! against the live grants before it lands; the peer never maps the region.
+//! The staged path (issue 26): writes from a same-host peer into a restricted region, and
+//! reads from it, go through a staging buffer the region's server handed over as an fd,
+//! each chunk checked against the live grants before it moves; the peer never maps the
+//! region.
 
 use std::io::{Read, Write};
 use std::os::linux::net::SocketAddrExt;
@@ -16,7 +17,7 @@ use super::inner::PeerKind;
 use super::region::RegionTable;
 use super::staged::StagedLink;
 use super::staged_server::{
-    StagingServer, CHUNK_ENTRY_LEN, COMMIT_HEAD_LEN, MAX_COMMIT_CHUNKS, REPLY_HEAD_LEN, STAGING_LEN,
+    StagingServer, CHUNK_ENTRY_LEN, COMMIT_HEAD_LEN, COMMIT_READ, MAX_COMMIT_CHUNKS, REPLY_HEAD_LEN, STAGING_LEN,
 };
 use super::tcp::server::ServeCtx;
 use super::tests::{bytes, cfg, fill, req, T};
@@ -97,11 +98,13 @@ fn restricted_writes_from_a_same_host_peer_are_staged_checked_and_equal() {
         "the first peer's buffer saw a later grant's data"
     );
 
-    // Reads of a restricted region stay on TCP and are checked there.
+    // Reads of a restricted region are staged too, and checked by the server.
     decode.grant(arena, "prefill-0", 0, 4096, false, None).unwrap();
     let st = prefill.submit(vec![req(Op::Read, l, 0, &p, arena, 0, 4096)], T).unwrap().wait(None);
     assert_eq!(code(&st[0]), "ok");
     assert!(bytes(&prefill, l)[..4096] == bytes(&decode, arena)[..4096]);
+    assert_eq!(decode.stats().bytes_staged_read, 4096, "the read did not take the staged path");
+    assert_eq!(links(&p).len(), 1, "the read opened a second link");
 
     // The staging buffers are memfds: nothing in /dev/shm.
     assert_eq!(shm_entries("stage"), 0);
@@ -350,4 +353,282 @@ fn batched_staged_commits_match_tcp_in_bytes_and_refusals() {
     assert!(staged_codes.contains(&"no_grant") && staged_codes.contains(&"out_of_bounds"), "{staged_codes:?}");
     let first_diff = staged_bytes.iter().zip(&tcp_bytes).position(|(a, b)| a != b);
     assert!(first_diff.is_none(), "the arena differs between the staged path and TCP from byte {first_diff:?}");
+}
+
+/// What `read_batch` saw: each request's (local offset, remote offset, length) and code,
+/// the local region after (every failed request's destination masked to 0: a failed read
+/// may have landed part of its bytes, on either path), the reference the reads must
+/// leave (each ok request's bytes copied from the arena into the region as filled, failed
+/// destinations masked), the bytes the server copied out through staging buffers, and
+/// the commits sent from `submit`.
+struct ReadRun {
+    reqs: Vec<(u64, u64, u64)>,
+    codes: Vec<&'static str>,
+    got: Vec<u8>,
+    want: Vec<u8>,
+    staged_read: u64,
+    inline: u64,
+}
+
+/// Reads of a restricted region between two fresh engines on `transports`: one that
+/// opens the path, a small batch (committed inside `submit` on the staged path) and a
+/// batch of random offsets and lengths around the chunk size, partly outside the grants,
+/// one past the region.
+fn read_batch(transports: &[&str], seed: u64) -> ReadRun {
+    use rand::{Rng, SeedableRng};
+    let engine_on = |name: &str| {
+        let mut c = cfg(name, transports);
+        c.auth_token = Some(TOKEN.into());
+        Engine::new(c, None).unwrap()
+    };
+    let (decode, prefill) = (engine_on("decode-0"), engine_on("prefill-0"));
+    let p = prefill.connect("decode-0", Some(&decode.address())).unwrap();
+    let len = 12u64 << 20;
+    let arena = decode.allocate_with(len as usize, Access { restricted: true, ..Access::default() }).unwrap().id;
+    let arena_bytes = fill(&decode, arena, 1);
+    decode.grant(arena, "prefill-0", 0, 4 << 20, false, None).unwrap();
+    decode.grant(arena, "prefill-0", 6 << 20, (6 << 20) - 1000, false, None).unwrap();
+    let local_len = 64usize << 20;
+    let l = prefill.allocate(local_len, false).unwrap().id;
+    let mut want = fill(&prefill, l, 5);
+    let mut all = vec![(0u64, 0u64, 4096u64)];
+    // The first read finds the region (and opens the link); then wait until the worker
+    // lets go of the ring, so the small batch below is committed from `submit`.
+    let st = prefill.submit(vec![req(Op::Read, l, 0, &p, arena, 0, 4096)], T).unwrap().wait(None);
+    let mut codes = vec![code(&st[0])];
+    let until = std::time::Instant::now() + T;
+    while !links(&p).iter().all(|l| l.is_idle()) && std::time::Instant::now() < until {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let k = 128u64 << 10;
+    let mut small: Vec<(u64, u64, u64)> = (0..6).map(|i| (4096 + i * k, i * k + 3, k)).collect();
+    small.push((1 << 20, (4 << 20) - 100, 4096)); // past the first grant
+    small.push(((1 << 20) + 8192, (5 << 20) + 8192, 4096)); // in no grant
+                                                            // Random reads, each into its own part of the local region (from 2 MiB on).
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let chunk = 1u64 << 20;
+    let mut large = Vec::new();
+    let mut lo = 2u64 << 20;
+    for i in 0..40 {
+        let n = match i % 4 {
+            0 => rng.gen_range(1..3 * chunk),
+            1 => chunk * rng.gen_range(1..3u64) + rng.gen_range(0..3) - 1, // around a chunk boundary
+            2 => rng.gen_range(1..8192),
+            _ => rng.gen_range(chunk / 2..chunk + chunk / 2),
+        };
+        large.push((lo, rng.gen_range(0..len - n), n));
+        lo += n + rng.gen_range(0..100);
+    }
+    large.push((lo, 6 << 20, (3 << 20) + 7)); // four chunks, granted
+    large.push((lo + (4 << 20), len - 10, 100)); // past the region
+    assert!(lo + (4 << 20) + 100 <= local_len as u64);
+    for batch in [small, large] {
+        let reqs = batch.iter().map(|&(lo, ro, n)| req(Op::Read, l, lo, &p, arena, ro, n)).collect();
+        codes.extend(prefill.submit(reqs, T).unwrap().wait(None).iter().map(code));
+        all.extend(batch);
+    }
+    let mut got = bytes(&prefill, l);
+    for (&(lo, ro, n), c) in all.iter().zip(&codes) {
+        let (lo, ro, n) = (lo as usize, ro as usize, n as usize);
+        if *c == "ok" {
+            want[lo..lo + n].copy_from_slice(&arena_bytes[ro..ro + n]);
+        } else {
+            got[lo..lo + n].fill(0);
+            want[lo..lo + n].fill(0);
+        }
+    }
+    let inline = links(&p).iter().map(|l| l.inline_commits()).sum();
+    ReadRun { reqs: all, codes, got, want, staged_read: decode.stats().bytes_staged_read, inline }
+}
+
+// Staged reads (commits of many chunks, sent from `submit` or by the link's worker)
+// against TCP and against a plain copy: same codes, the arena's bytes in every ok
+// request's destination, nothing else touched.
+#[test]
+fn staged_reads_match_tcp_and_a_plain_copy() {
+    for seed in [1u64, 2] {
+        let staged = read_batch(&["shm", "tcp"], seed);
+        let tcp = read_batch(&["tcp"], seed);
+        assert!(
+            staged.staged_read > 0 && tcp.staged_read == 0,
+            "staged {} over TCP {}",
+            staged.staged_read,
+            tcp.staged_read
+        );
+        assert!(staged.inline >= 1, "the small batch was not committed inside submit");
+        assert_eq!(staged.reqs, tcp.reqs);
+        assert_eq!(staged.codes, tcp.codes, "seed {seed}");
+        let ok = staged.codes.iter().filter(|c| **c == "ok").count();
+        assert!(ok >= 8 && ok < staged.codes.len(), "seed {seed}: {:?}", staged.codes);
+        assert!(staged.codes.contains(&"no_grant") && staged.codes.contains(&"out_of_bounds"), "{:?}", staged.codes);
+        for (what, run) in [("staged", &staged), ("tcp", &tcp)] {
+            let first_diff = run.got.iter().zip(&run.want).position(|(a, b)| a != b);
+            assert!(first_diff.is_none(), "seed {seed}: {what} reads differ from a plain copy at byte {first_diff:?}");
+        }
+    }
+}
+
+/// A commit of `chunks` with op `op` in its head (framed by hand, as `commit_many`).
+fn commit_op(s: &UnixStream, id: u64, op: u32, chunks: &[(u64, u64, u64, u64)]) {
+    let mut c = Vec::with_capacity(COMMIT_HEAD_LEN + chunks.len() * CHUNK_ENTRY_LEN);
+    c.extend_from_slice(&id.to_le_bytes());
+    c.extend_from_slice(&(chunks.len() as u32).to_le_bytes());
+    c.extend_from_slice(&op.to_le_bytes());
+    for &(region, offset, len, at) in chunks {
+        for v in [region, offset, len, at] {
+            c.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    (&*s).write_all(&c).unwrap();
+}
+
+// A read commit, by hand: each chunk is checked against the live read grants before the
+// server copies it out; a refused chunk (outside the grant, straddling its end, after
+// revoke) puts nothing of the region in the buffer; a write grant does not cover reads
+// of another range; an unknown op closes the connection.
+#[test]
+fn a_read_commit_is_checked_chunk_by_chunk_and_copies_only_granted_bytes() {
+    let regions = Arc::new(RegionTable::default());
+    let counters = Arc::new(Counters::default());
+    let mem = Arc::new(crate::mem::MappedMemory::shared(1 << 16).unwrap());
+    let region = regions.register_mapped(mem, Access { restricted: true, ..Access::default() });
+    for (k, b) in [(0usize, 0x11u8), (1, 0x22), (2, 0x33), (3, 0x44)] {
+        // SAFETY: 4096 bytes at k * 4096 inside the 64 KiB region, before any peer reads.
+        unsafe { std::ptr::write_bytes(region.ptr().add(k * 4096), b, 4096) };
+    }
+    let g = regions.next_grant_id();
+    region.grant(g, "x", 0, 6000, false, None).unwrap();
+    let srv = server(&regions, &counters);
+    let addr = SocketAddr::from_abstract_name(srv.name().as_bytes()).unwrap();
+    let mut s = UnixStream::connect_addr(&addr).unwrap();
+    s.set_read_timeout(Some(T)).unwrap();
+    super::tcp::handshake::client(&mut s, Some(&AuthKey::from_token(TOKEN)), "x").unwrap();
+    let mut len = [0u8; 8];
+    let fd = fdpass::recv_with_fd(&s, &mut len).unwrap();
+    let staging = crate::mem::MappedMemory::map_fd(std::os::fd::AsFd::as_fd(&fd), STAGING_LEN).unwrap();
+    // SAFETY: the first 64 KiB of our mapping of the staging buffer, read between commits.
+    let buf = || unsafe { std::slice::from_raw_parts(staging.as_ptr(), 1 << 16) }.to_vec();
+    // Inside the grant, straddling its end, in no grant.
+    commit_op(
+        &s,
+        1,
+        COMMIT_READ,
+        &[(region.id, 0, 4096, 0), (region.id, 4096, 4096, 8192), (region.id, 12288, 10, 16384)],
+    );
+    let (id, st) = read_replies(&s, 3).unwrap();
+    assert_eq!(id, 1);
+    assert_eq!(st[0], 0);
+    assert_ne!(st[1], 0, "a read past its grant was accepted");
+    assert_ne!(st[2], 0, "a read outside every grant was accepted");
+    let b = buf();
+    assert!(b[..4096].iter().all(|&x| x == 0x11), "the granted chunk was not copied out");
+    assert!(b[4096..].iter().all(|&x| x == 0), "a refused chunk put region bytes in the buffer");
+    assert_eq!(counters.bytes_staged_read.load(std::sync::atomic::Ordering::Relaxed), 4096);
+    // Revoked: the next chunk is refused.
+    assert_eq!(region.revoke("x", Some(g)), 1);
+    commit_op(&s, 2, COMMIT_READ, &[(region.id, 0, 100, 20000)]);
+    assert_ne!(read_replies(&s, 1).unwrap().1[0], 0, "a read after revoke was accepted");
+    assert!(buf()[20000..20100].iter().all(|&x| x == 0));
+    // A grant with write access covers reads too.
+    region.grant(regions.next_grant_id(), "x", 8192, 4096, true, None).unwrap();
+    commit_op(&s, 3, COMMIT_READ, &[(region.id, 8192, 4096, 24576)]);
+    assert_eq!(read_replies(&s, 1).unwrap().1[0], 0);
+    assert!(buf()[24576..28672].iter().all(|&x| x == 0x33));
+    assert_eq!(counters.bytes_staged.load(std::sync::atomic::Ordering::Relaxed), 0, "a read counted as a write");
+    // An op that is neither: closed, unanswered.
+    commit_op(&s, 4, 7, &[(region.id, 8192, 10, 0)]);
+    assert!(read_replies(&s, 1).is_err(), "a commit of an unknown op was answered");
+    assert_eq!(counters.bad_frames.load(std::sync::atomic::Ordering::Relaxed), 1);
+    assert_eq!(counters.grant_refusals.load(std::sync::atomic::Ordering::Relaxed), 3);
+    srv.close();
+}
+
+/// Two same-host engines with a token, and a restricted arena of `len` bytes filled
+/// (seed 1) and granted whole to "prefill-0" for reads; the reading engine's region of
+/// `len` bytes.
+fn read_pair(len: usize) -> (Engine, Engine, Arc<Peer>, RegionId, Vec<u8>, RegionId) {
+    let decode = engine("decode-0");
+    let prefill = engine("prefill-0");
+    let p = prefill.connect("decode-0", Some(&decode.address())).unwrap();
+    let arena = decode.allocate_with(len, Access { restricted: true, ..Access::default() }).unwrap().id;
+    let arena_bytes = fill(&decode, arena, 1);
+    decode.grant(arena, "prefill-0", 0, len as u64, false, None).unwrap();
+    let l = prefill.allocate(len, false).unwrap().id;
+    (decode, prefill, p, arena, arena_bytes, l)
+}
+
+/// A batch that reads the arena `rounds` times over in 512 KiB requests (each round into
+/// the same local bytes, so equal bytes whatever round landed last).
+fn read_rounds(p: &Arc<Peer>, l: RegionId, arena: RegionId, len: u64, rounds: u64) -> Vec<Request> {
+    let k = 512u64 << 10;
+    (0..rounds * len / k).map(|i| req(Op::Read, l, (i * k) % len, p, arena, (i * k) % len, k)).collect()
+}
+
+// A grant revoked while a batch of staged reads is in flight: every request ends, ok
+// ones hold the arena's bytes, the others are `no_grant`; the next batch is refused
+// whole. (Whether a batch straddles the revoke is up to the scheduler: a few tries.)
+#[test]
+fn a_grant_revoked_mid_batch_refuses_the_following_staged_reads() {
+    let len = 16usize << 20;
+    let mut straddled = false;
+    for _ in 0..5 {
+        let (decode, prefill, p, arena, arena_bytes, l) = read_pair(len);
+        // Open the link first, so the revoke below races the batch, not the lookup.
+        let st = prefill.submit(vec![req(Op::Read, l, 0, &p, arena, 0, 4096)], T).unwrap().wait(None);
+        assert_eq!(code(&st[0]), "ok");
+        let before = decode.stats().bytes_staged_read;
+        let batch = prefill.submit(read_rounds(&p, l, arena, len as u64, 16), T).unwrap();
+        while decode.stats().bytes_staged_read == before && !batch.is_done() {
+            std::thread::yield_now();
+        }
+        decode.revoke(arena, "prefill-0", None).unwrap();
+        let st = batch.wait(None);
+        let codes: Vec<_> = st.iter().map(code).collect();
+        assert!(codes.iter().all(|c| *c == "ok" || *c == "no_grant"), "{codes:?}");
+        let got = bytes(&prefill, l);
+        // Each 512 KiB slot of the local region: if every request into it was ok, it holds
+        // the arena's bytes (a refused request may have landed part of its own).
+        let k = 512usize << 10;
+        for slot in 0..len / k {
+            let all_ok = codes.iter().enumerate().filter(|(i, _)| (i * k) % len == slot * k).all(|(_, c)| *c == "ok");
+            if all_ok {
+                assert!(got[slot * k..][..k] == arena_bytes[slot * k..][..k], "slot {slot} differs");
+            }
+        }
+        let after = prefill.submit(vec![req(Op::Read, l, 0, &p, arena, 0, 4096)], T).unwrap().wait(None);
+        assert_eq!(code(&after[0]), "no_grant", "a read after revoke was not refused");
+        if codes.contains(&"ok") && codes.contains(&"no_grant") {
+            straddled = true;
+            break;
+        }
+    }
+    assert!(straddled, "no batch of staged reads straddled the revoke in five tries");
+}
+
+// The server engine goes away while staged reads are in flight: every request ends (ok
+// with the arena's bytes, or `connection_lost`/`closed`), none hangs, and a read after
+// that fails rather than waiting.
+#[test]
+fn staged_reads_end_when_the_server_goes_away() {
+    let len = 16usize << 20;
+    let (decode, prefill, p, arena, arena_bytes, l) = read_pair(len);
+    let st = prefill.submit(vec![req(Op::Read, l, 0, &p, arena, 0, 4096)], T).unwrap().wait(None);
+    assert_eq!(code(&st[0]), "ok");
+    let before = decode.stats().bytes_staged_read;
+    let batch = prefill.submit(read_rounds(&p, l, arena, len as u64, 16), T).unwrap();
+    while decode.stats().bytes_staged_read == before && !batch.is_done() {
+        std::thread::yield_now();
+    }
+    decode.close();
+    let t0 = std::time::Instant::now();
+    let st = batch.wait(None);
+    assert!(t0.elapsed() < T, "the batch ended only by its timeout");
+    let codes: Vec<_> = st.iter().map(code).collect();
+    assert!(codes.iter().all(|c| matches!(*c, "ok" | "connection_lost" | "closed")), "{codes:?}");
+    if codes.iter().all(|c| *c == "ok") {
+        assert!(bytes(&prefill, l) == arena_bytes);
+    }
+    let after = prefill.submit(vec![req(Op::Read, l, 0, &p, arena, 0, 4096)], T).unwrap().wait(Some(T));
+    assert!(after[0].error().is_some(), "a read from a closed server succeeded");
+    assert_ne!(code(&after[0]), "timeout");
 }

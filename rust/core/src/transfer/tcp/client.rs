@@ -3,7 +3,9 @@
 //! thread (frames out, at most `window` slices unanswered) and a receiver thread
 //! (responses in, payloads straight into local memory). When a connection fails, its
 //! unanswered slices go back to the queue for another connection, up to `max_attempts`
-//! tries; with no connection left, the peer's requests fail at once.
+//! tries; with no connection left, the peer's requests fail at once, and the next batch
+//! to the peer redials it first ([`TcpPeer::redial`], from the dispatcher's resolver
+//! thread, never from `submit`).
 
 use std::collections::VecDeque;
 use std::io::BufReader;
@@ -11,7 +13,16 @@ use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// Rounds of dialing every endpoint that one redial makes before it gives up, and the
+/// pause before the second (doubled before each later one): a server restarting at the
+/// same address is given a moment, a peer that refuses costs a batch 150 ms. No round
+/// starts once `connect_timeout` has passed since the first, and an endpoint's first
+/// failed dial ends its round, so a peer that does not answer at all costs about two
+/// `connect_timeout`s an endpoint, not one a connection and round.
+pub const REDIAL_ROUNDS: u32 = 3;
+pub const REDIAL_BACKOFF: Duration = Duration::from_millis(50);
 
 use hashbrown::HashMap;
 use parking_lot::{Condvar, Mutex};
@@ -140,6 +151,12 @@ pub struct TcpPeer {
     /// What `query_region` learned (region ids are never reused by an engine), so a
     /// request of several slices is checked whole before its first slice is sent.
     regions: Mutex<HashMap<u64, RemoteRegionInfo>>,
+    /// Held by a redial (one at a time) and by `close` (so a redial never adds
+    /// connections to a closed peer).
+    redial_lock: Mutex<()>,
+    /// When the last redial failed, and why: callers that waited for it fail the same way
+    /// instead of dialing again one after another.
+    last_redial_failure: Mutex<Option<(Instant, TransferError)>>,
 }
 
 fn open(
@@ -201,6 +218,8 @@ impl TcpPeer {
             threads: Mutex::new(Vec::new()),
             control: Mutex::new(None),
             regions: Mutex::new(HashMap::new()),
+            redial_lock: Mutex::new(()),
+            last_redial_failure: Mutex::new(None),
         });
         for (s, keys) in streams {
             peer.start_conn(s, keys)?;
@@ -250,6 +269,98 @@ impl TcpPeer {
     /// Connections still up.
     pub fn alive(&self) -> usize {
         self.alive.load(Ordering::SeqCst)
+    }
+
+    /// Every connection is gone but the peer was not closed: the next request to it
+    /// should `redial` first.
+    pub fn needs_redial(&self) -> bool {
+        self.alive() == 0 && !self.closed.load(Ordering::SeqCst)
+    }
+
+    /// Dials the peer's endpoints again (the same key and name, `connections_per_endpoint`
+    /// each), up to [`REDIAL_ROUNDS`] rounds with a doubling pause from
+    /// [`REDIAL_BACKOFF`], when every connection is gone; blocking, so never from
+    /// `submit`. The server must still be the engine first connected to (name and host):
+    /// another engine at the address is an error, not a peer to send this one's requests
+    /// to. Before the new connections take any request, what was learned from the old
+    /// server is forgotten (region sizes, the control connection) and `forget` runs (the
+    /// caller's own cache of the peer: its shm mappings, which a restarted server no
+    /// longer backs). Concurrent callers wait for one redial; `Ok` when the peer has a
+    /// connection again, `ConnectionLost` saying why when not.
+    pub fn redial(self: &Arc<Self>, forget: impl FnOnce()) -> Result<(), TransferError> {
+        let asked = Instant::now();
+        let _one = self.redial_lock.lock();
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(TransferError::Closed);
+        }
+        if self.alive() > 0 {
+            return Ok(()); // another caller redialed meanwhile
+        }
+        if let Some((at, e)) = &*self.last_redial_failure.lock() {
+            if *at > asked {
+                return Err(e.clone()); // another caller's redial failed while we waited
+            }
+        }
+        let e = match self.dial_again(forget) {
+            Ok(()) => return Ok(()),
+            Err(e) => e,
+        };
+        *self.last_redial_failure.lock() = Some((Instant::now(), e.clone()));
+        Err(e)
+    }
+
+    /// The rounds of `redial` (its lock held).
+    fn dial_again(self: &Arc<Self>, forget: impl FnOnce()) -> Result<(), TransferError> {
+        let name = &self.hello.name;
+        let mut last = String::from("no endpoint");
+        let began = Instant::now();
+        for round in 0..REDIAL_ROUNDS {
+            if round > 0 {
+                if began.elapsed() >= self.cfg.connect_timeout {
+                    break;
+                }
+                std::thread::sleep(REDIAL_BACKOFF * (1 << (round - 1)));
+            }
+            let mut streams = Vec::new();
+            for &addr in &self.endpoints {
+                for _ in 0..self.cfg.connections_per_endpoint.max(1) {
+                    match open(addr, self.key.as_ref(), &self.local_name, &self.cfg) {
+                        Ok((_, hello, _)) if hello.name != *name || hello.host != self.hello.host => {
+                            return Err(TransferError::ConnectionLost(format!(
+                                "no connection left to peer {name:?}, and {addr} now serves engine {:?}: call \
+                                 connect() with that engine's name",
+                                hello.name
+                            )));
+                        }
+                        Ok((s, _, keys)) => streams.push((s, keys)),
+                        Err(e) => {
+                            last = format!("{addr}: {e}");
+                            break; // the endpoint's other dials would fail the same way
+                        }
+                    }
+                }
+            }
+            if streams.is_empty() {
+                continue;
+            }
+            self.regions.lock().clear();
+            if let Some((_, s)) = self.control.lock().take() {
+                let _ = s.get_ref().shutdown(Shutdown::Both);
+            }
+            forget();
+            self.conns.lock().retain(|c| !c.dead.load(Ordering::SeqCst));
+            // Threads of dead connections have ended or are ending: let them go.
+            self.threads.lock().retain(|t| !t.is_finished());
+            for (s, keys) in streams {
+                self.start_conn(s, keys)?;
+            }
+            self.counters.reconnects.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(peer = %name, "redialed the peer after every connection to it was lost");
+            return Ok(());
+        }
+        Err(TransferError::ConnectionLost(format!(
+            "no connection left to peer {name:?}, and redialing it failed (last: {last})"
+        )))
     }
 
     /// Queues slices for the sender threads. A small batch to a peer with an idle
@@ -590,6 +701,9 @@ impl TcpPeer {
         if self.closed.swap(true, Ordering::SeqCst) {
             return;
         }
+        // A redial under way finishes (bounded by its timeouts) before the connections
+        // are taken; any later one sees `closed`.
+        let _no_redial = self.redial_lock.lock();
         let conns: Vec<Arc<Conn>> = self.conns.lock().drain(..).collect();
         for c in &conns {
             self.kill(c, "closed");
