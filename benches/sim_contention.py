@@ -15,6 +15,8 @@ The checks per cell: ``mooncake`` mean <= the best of ``local_cache_aware`` and
     python benches/sim_contention.py --from-json a.jsonl b.jsonl           # the table of saved cells
     nice python benches/sim_contention.py --policies mooncake --prefetch-staging-bytes 64e9 --json p.jsonl
         # prefetch at decision time with 64 GB of staging DRAM per prefill instance
+    nice python benches/sim_contention.py --replicate-every-s 0.5 --json r.jsonl
+        # act on the conductor's hot-prefix replication hints every 0.5 s (every policy run)
 
 With ``--from-json``, a later file's cell replaces an earlier one's; a row marked
 ``"carried": true`` (a cell copied from an earlier run's table, e.g. to fill a split run)
@@ -46,11 +48,12 @@ def _trace(name: str, n_agentic: int) -> list[sim.Request]:
     return sim.generate_trace(n_agentic, kind="agentic", seed=int(name.split("-")[1]))
 
 
-def cell(args: tuple[str, int, float | None, str, int, float]) -> dict:
-    name, pd, nic, policy, n_agentic, staging = args
+def cell(args: tuple[str, int, float | None, str, int, float, float | None]) -> dict:
+    name, pd, nic, policy, n_agentic, staging, replicate_every_s = args
     tr = _trace(name, n_agentic)
     cfg = sim.SimConfig(
-        prefill=pd, decode=pd, policy=policy, nic_bandwidth=nic, ttft_slo_s=1e9, tbt_slo_s=1e9, prefetch_staging_bytes=staging
+        prefill=pd, decode=pd, policy=policy, nic_bandwidth=nic, ttft_slo_s=1e9, tbt_slo_s=1e9, prefetch_staging_bytes=staging,
+        replicate_every_s=replicate_every_s,
     )
     t0 = time.perf_counter()
     rep = sim.Simulator(cfg).run(tr)
@@ -61,6 +64,7 @@ def cell(args: tuple[str, int, float | None, str, int, float]) -> dict:
         "mean": sum(tt) / n, "p90": tt[min(n - 1, int(0.9 * n))], "p99": tt[min(n - 1, int(0.99 * n))],
         "fetches": rep.counters.get("fetches", 0), "abandoned": rep.counters.get("fetch_abandoned", 0),
         "prefetches": rep.counters.get("prefetches", 0), "staging": staging,
+        "replicate_every_s": replicate_every_s, "replicated_blocks": rep.counters.get("replicated_blocks", 0),
         "wall_s": time.perf_counter() - t0,
     }
 
@@ -116,19 +120,24 @@ def main() -> None:
         "--prefetch-staging-bytes", type=float, default=sim.SimConfig().prefetch_staging_bytes,
         help="prefetch at decision time: staging DRAM per prefill instance, bytes (default: the conductor's, 64 GB; 0: off)",
     )
+    ap.add_argument("--replicate-every-s", type=float, default=None,
+                    help="act on the conductor's replication hints every this many seconds, in every policy's run"
+                         " (default: never)")
     ap.add_argument("--from-json", nargs="+", help="print the table of cells saved by --json runs, run nothing")
     a = ap.parse_args()
     if a.from_json:
         rows = [json.loads(line) for path in a.from_json for line in open(path) if line.strip()]
         report(rows)
         return
+    if a.replicate_every_s is not None and a.replicate_every_s <= 0:
+        ap.error("--replicate-every-s must be > 0")
     links = [None if x == "off" else float(x) * 1e9 for x in a.links.split(",")]
     names = [f"agentic-{s}" for s in a.seeds.split(",") if s]
     if os.path.exists(TRACE):
         names.insert(0, "synthetic")
     else:
         print(f"(synthetic trace {TRACE} not found: skipped; set MOONCAKE_TRACE)", file=sys.stderr)
-    jobs = [(n, pd, nic, p, a.agentic_requests, a.prefetch_staging_bytes) for n in names for pd in CLUSTERS for nic in links for p in a.policies.split(",")]
+    jobs = [(n, pd, nic, p, a.agentic_requests, a.prefetch_staging_bytes, a.replicate_every_s) for n in names for pd in CLUSTERS for nic in links for p in a.policies.split(",")]
     # the slow cells (low bandwidth: many concurrent flows) first, so the pool ends together
     jobs.sort(key=lambda j: (j[2] or 1e18))
     t0 = time.perf_counter()

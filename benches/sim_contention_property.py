@@ -8,6 +8,7 @@ tolerance tests/test_sim_contention.py states), and the cases by trace kind and 
 
     nice python benches/sim_contention_property.py [--cases 300] [--seed 1] [--kinds agentic,chat]
         [--prefetch-staging-bytes 64e9]   # prefetch at decision time (every policy's config)
+        [--replicate-every-s 0.5 --replicate-for mooncake|all]   # hot-prefix replication
 """
 
 from __future__ import annotations
@@ -26,21 +27,33 @@ def main() -> None:
     ap.add_argument("--kinds", default="agentic,chat")
     ap.add_argument("--prefetch-staging-bytes", type=float, default=sim.SimConfig().prefetch_staging_bytes,
                     help="staging DRAM per prefill instance (default: the conductor's, 64 GB; 0: off)")
+    ap.add_argument("--replicate-every-s", type=float, default=None,
+                    help="act on the conductor's replication hints every this many seconds (default: never)")
+    ap.add_argument("--replicate-for", choices=("mooncake", "all"), default="all",
+                    help="with --replicate-every-s: replicate in mooncake's runs only, or in every policy's")
     a = ap.parse_args()
+    if a.replicate_every_s is not None and a.replicate_every_s <= 0:
+        ap.error("--replicate-every-s must be > 0")
     rng = random.Random(a.seed)
     kinds = a.kinds.split(",")
     t0 = time.perf_counter()
     worse: list[tuple[float, dict]] = []
     wins = ties = 0
+    replicated: dict[str, int] = {}  # per policy: cases whose run made any replica
     for _ in range(a.cases):
         case = dict(n=rng.randint(5, 80), kind=rng.choice(kinds), seed=rng.randint(0, 10**6), prefill=rng.randint(1, 4),
                     decode=rng.randint(1, 3), nic=10 ** rng.uniform(9, 11.5), rate=rng.choice([0.5, 1.0, 2.0, 5.0]))
         tr = sim.generate_trace(case["n"], kind=case["kind"], seed=case["seed"], rate=case["rate"])
         mean, worst = {}, {}
         for pol in ("load_balance", "local_cache_aware", "mooncake"):
+            repl = a.replicate_every_s if (a.replicate_for == "all" or pol == "mooncake") else None
             cfg = sim.SimConfig(prefill=case["prefill"], decode=case["decode"], policy=pol, nic_bandwidth=case["nic"],
-                                ttft_slo_s=1e9, tbt_slo_s=1e9, prefetch_staging_bytes=a.prefetch_staging_bytes)
-            tt = [r.ttft_s for r in sim.Simulator(cfg).run(tr).requests]
+                                ttft_slo_s=1e9, tbt_slo_s=1e9, prefetch_staging_bytes=a.prefetch_staging_bytes,
+                                replicate_every_s=repl)
+            rep = sim.Simulator(cfg).run(tr)
+            tt = [r.ttft_s for r in rep.requests]
+            if rep.counters.get("replicated_blocks", 0):
+                replicated[pol] = replicated.get(pol, 0) + 1
             mean[pol], worst[pol] = sum(tt) / len(tt), max(tt)
         bp = min(("load_balance", "local_cache_aware"), key=lambda p: mean[p])
         best = mean[bp]
@@ -53,9 +66,12 @@ def main() -> None:
         else:
             ties += 1
     n = a.cases
-    print(f"{n} random small traces ({a.kinds}), link model on at 1-316 GB/s per NIC:")
+    repl = "off" if a.replicate_every_s is None else f"every {a.replicate_every_s} s for {a.replicate_for}"
+    print(f"{n} random small traces ({a.kinds}), link model on at 1-316 GB/s per NIC, replication {repl}:")
     print(f"  mooncake below the best baseline: {wins} ({100 * wins / n:.0f}%), equal: {ties} ({100 * ties / n:.0f}%),"
           f" above: {len(worse)} ({100 * len(worse) / n:.0f}%)")
+    if a.replicate_every_s is not None:
+        print(f"  cases whose run made a replica, per policy: {replicated}")
     if worse:
         rs = sorted(r for r, _ in worse)
         print(f"  when above: median {rs[len(rs) // 2]:.3f}x, worst {rs[-1]:.3f}x")

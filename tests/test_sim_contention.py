@@ -96,6 +96,24 @@ def test_hot_replicas_cross_the_links_within_the_byte_cap(monkeypatch):
     assert max(rounds) == 0 and rep.counters["replicated_blocks"] == 0
 
 
+def test_replication_acts_for_every_policy_and_only_on_link_bound_holders_with_slos_off():
+    """The hints come from the conductor's hot table, which every policy's decisions feed:
+    a baseline's run replicates too (docs/sim.md). With SLOs off no queue is "busy", so
+    without the link model (no link-bound holder) nothing is replicated."""
+    trace = generate_trace(300, kind="agentic", seed=4, agents=1, rate=2.0)
+    for policy in ("local_cache_aware", "mooncake"):
+        linked_run = Simulator(SimConfig(prefill=4, decode=2, policy=policy, nic_bandwidth=20e9, replicate_every_s=0.5, **NO_SLO))
+        assert linked_run.run(trace).counters["replicated_blocks"] > 0, policy
+        plain = Simulator(SimConfig(prefill=4, decode=2, policy=policy, replicate_every_s=0.5, **NO_SLO))
+        assert plain.run(trace).counters["replicated_blocks"] == 0, policy
+    # with an SLO, a holder whose queue is above hot_busy_fraction x ttft_slo_s is busy:
+    # the run without links replicates as well
+    slo = Simulator(
+        SimConfig(prefill=4, decode=2, policy="local_cache_aware", replicate_every_s=0.5, ttft_slo_s=0.4, tbt_slo_s=1e9)
+    )
+    assert slo.run(trace).counters["replicated_blocks"] > 0
+
+
 @settings(max_examples=12, deadline=None)
 @given(
     n=st.integers(10, 40),
