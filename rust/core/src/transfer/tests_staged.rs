@@ -110,6 +110,20 @@ fn restricted_writes_from_a_same_host_peer_are_staged_checked_and_equal() {
     assert_eq!(shm_entries("stage"), 0);
 }
 
+/// Connects to `srv` as engine "x" with the token, as a staging link does, checks the
+/// length it announces, and maps the staging buffer it hands over.
+fn dial(srv: &StagingServer) -> (UnixStream, crate::mem::MappedMemory) {
+    let addr = SocketAddr::from_abstract_name(srv.name().as_bytes()).unwrap();
+    let mut s = UnixStream::connect_addr(&addr).unwrap();
+    s.set_read_timeout(Some(T)).unwrap();
+    super::tcp::handshake::client(&mut s, Some(&AuthKey::from_token(TOKEN)), "x").unwrap();
+    let mut len = [0u8; 8];
+    let fd = fdpass::recv_with_fd(&s, &mut len).unwrap();
+    assert_eq!(u64::from_le_bytes(len) as usize, STAGING_LEN, "the buffer's length the server sent");
+    let staging = crate::mem::MappedMemory::map_fd(std::os::fd::AsFd::as_fd(&fd), STAGING_LEN).unwrap();
+    (s, staging)
+}
+
 fn server(regions: &Arc<RegionTable>, counters: &Arc<Counters>) -> StagingServer {
     StagingServer::start(ServeCtx {
         name: "srv".into(),
@@ -165,14 +179,7 @@ fn the_staging_socket_checks_token_grant_and_buffer_bounds() {
     assert!(matches!(wrong, Err(TransferError::Unauthorized(_))), "{:?}", wrong.err());
 
     // By hand: the right token, then commits.
-    let addr = SocketAddr::from_abstract_name(srv.name().as_bytes()).unwrap();
-    let mut s = UnixStream::connect_addr(&addr).unwrap();
-    s.set_read_timeout(Some(T)).unwrap();
-    super::tcp::handshake::client(&mut s, Some(&AuthKey::from_token(TOKEN)), "x").unwrap();
-    let mut len = [0u8; 8];
-    let fd = fdpass::recv_with_fd(&s, &mut len).unwrap();
-    assert_eq!(u64::from_le_bytes(len) as usize, STAGING_LEN);
-    let staging = crate::mem::MappedMemory::map_fd(std::os::fd::AsFd::as_fd(&fd), STAGING_LEN).unwrap();
+    let (s, staging) = dial(&srv);
     // SAFETY: 100 bytes inside our mapping of the staging buffer.
     unsafe { std::ptr::write_bytes(staging.as_ptr(), 0xAB, 100) };
     let read_reply = |s: &UnixStream| read_replies(s, 1).map(|(_, st)| st[0]);
@@ -240,13 +247,7 @@ fn a_commit_of_many_chunks_is_checked_and_answered_chunk_by_chunk() {
     region.grant(regions.next_grant_id(), "x", 8000, 1000, true, None).unwrap();
     let srv = server(&regions, &counters);
     let open = || {
-        let addr = SocketAddr::from_abstract_name(srv.name().as_bytes()).unwrap();
-        let mut s = UnixStream::connect_addr(&addr).unwrap();
-        s.set_read_timeout(Some(T)).unwrap();
-        super::tcp::handshake::client(&mut s, Some(&AuthKey::from_token(TOKEN)), "x").unwrap();
-        let mut len = [0u8; 8];
-        let fd = fdpass::recv_with_fd(&s, &mut len).unwrap();
-        let staging = crate::mem::MappedMemory::map_fd(std::os::fd::AsFd::as_fd(&fd), STAGING_LEN).unwrap();
+        let (s, staging) = dial(&srv);
         for k in 0..4u8 {
             // SAFETY: 1000 bytes at k * 1000 inside our mapping of the staging buffer.
             unsafe { std::ptr::write_bytes(staging.as_ptr().add(k as usize * 1000), 0xA0 + k, 1000) };
@@ -293,12 +294,19 @@ fn a_commit_of_many_chunks_is_checked_and_answered_chunk_by_chunk() {
     srv.close();
 }
 
-/// Two batches of restricted writes (in the grants, past one, in none, several chunks
-/// long), a small one (which the staged path commits inside `submit`) and a large one
-/// (which its worker sends), between two fresh engines on `transports`: each request's
-/// code, the arena's bytes after, the bytes the server took through staging buffers,
-/// and the commits sent from `submit`.
-fn grant_batch(transports: &[&str]) -> (Vec<&'static str>, Vec<u8>, u64, u64) {
+/// Two fresh engines on `transports` with the token, the prefill connected to the decode,
+/// and a 12 MiB restricted arena on the decode (filled with pattern 1) that the prefill
+/// may reach in two grants (`write` or read-only): `0..4 MiB` and `6 MiB..12 MiB - 1000`.
+struct GrantedPair {
+    decode: Engine,
+    prefill: Engine,
+    p: Arc<Peer>,
+    arena: u64,
+    len: u64,
+    arena_bytes: Vec<u8>,
+}
+
+fn granted_pair(transports: &[&str], write: bool) -> GrantedPair {
     let engine_on = |name: &str| {
         let mut c = cfg(name, transports);
         c.auth_token = Some(TOKEN.into());
@@ -308,19 +316,35 @@ fn grant_batch(transports: &[&str]) -> (Vec<&'static str>, Vec<u8>, u64, u64) {
     let p = prefill.connect("decode-0", Some(&decode.address())).unwrap();
     let len = 12u64 << 20;
     let arena = decode.allocate_with(len as usize, Access { restricted: true, ..Access::default() }).unwrap().id;
-    fill(&decode, arena, 1);
-    decode.grant(arena, "prefill-0", 0, 4 << 20, true, None).unwrap();
-    decode.grant(arena, "prefill-0", 6 << 20, (6 << 20) - 1000, true, None).unwrap();
+    let arena_bytes = fill(&decode, arena, 1);
+    decode.grant(arena, "prefill-0", 0, 4 << 20, write, None).unwrap();
+    decode.grant(arena, "prefill-0", 6 << 20, (6 << 20) - 1000, write, None).unwrap();
+    GrantedPair { decode, prefill, p, arena, len, arena_bytes }
+}
+
+/// Waits (bounded) until every staging link of `p` has let go of its ring, so that the
+/// next small batch is committed from `submit` rather than queued for the worker.
+fn wait_links_idle(p: &Arc<Peer>) {
+    let until = std::time::Instant::now() + T;
+    while !links(p).iter().all(|l| l.is_idle()) && std::time::Instant::now() < until {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+/// Two batches of restricted writes (in the grants, past one, in none, several chunks
+/// long), a small one (which the staged path commits inside `submit`) and a large one
+/// (which its worker sends), between two fresh engines on `transports`: each request's
+/// code, the arena's bytes after, the bytes the server took through staging buffers,
+/// and the commits sent from `submit`.
+fn grant_batch(transports: &[&str]) -> (Vec<&'static str>, Vec<u8>, u64, u64) {
+    let GrantedPair { decode, prefill, p, arena, len, .. } = granted_pair(transports, true);
     let l = prefill.allocate(len as usize, false).unwrap().id;
     fill(&prefill, l, 5);
     // The first write finds the region (and opens the link); the batch then goes out whole.
     assert_eq!(write(&prefill, l, 0, &p, arena, 0, 4096), "ok");
     // Its answer ends the batch just before the worker lets go of the ring: wait for that,
     // or the small batch below may (rightly) be queued for the worker instead.
-    let until = std::time::Instant::now() + T;
-    while !links(&p).iter().all(|l| l.is_idle()) && std::time::Instant::now() < until {
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    }
+    wait_links_idle(&p);
     let k = 128u64 << 10;
     let mut small: Vec<Request> =
         (0..6).map(|i| req(Op::Write, l, (7 << 20) + i * k, &p, arena, (11 << 18) + i * k, k)).collect();
@@ -376,18 +400,7 @@ struct ReadRun {
 /// one past the region.
 fn read_batch(transports: &[&str], seed: u64) -> ReadRun {
     use rand::{Rng, SeedableRng};
-    let engine_on = |name: &str| {
-        let mut c = cfg(name, transports);
-        c.auth_token = Some(TOKEN.into());
-        Engine::new(c, None).unwrap()
-    };
-    let (decode, prefill) = (engine_on("decode-0"), engine_on("prefill-0"));
-    let p = prefill.connect("decode-0", Some(&decode.address())).unwrap();
-    let len = 12u64 << 20;
-    let arena = decode.allocate_with(len as usize, Access { restricted: true, ..Access::default() }).unwrap().id;
-    let arena_bytes = fill(&decode, arena, 1);
-    decode.grant(arena, "prefill-0", 0, 4 << 20, false, None).unwrap();
-    decode.grant(arena, "prefill-0", 6 << 20, (6 << 20) - 1000, false, None).unwrap();
+    let GrantedPair { decode, prefill, p, arena, len, arena_bytes } = granted_pair(transports, false);
     let local_len = 64usize << 20;
     let l = prefill.allocate(local_len, false).unwrap().id;
     let mut want = fill(&prefill, l, 5);
@@ -396,10 +409,7 @@ fn read_batch(transports: &[&str], seed: u64) -> ReadRun {
     // lets go of the ring, so the small batch below is committed from `submit`.
     let st = prefill.submit(vec![req(Op::Read, l, 0, &p, arena, 0, 4096)], T).unwrap().wait(None);
     let mut codes = vec![code(&st[0])];
-    let until = std::time::Instant::now() + T;
-    while !links(&p).iter().all(|l| l.is_idle()) && std::time::Instant::now() < until {
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    }
+    wait_links_idle(&p);
     let k = 128u64 << 10;
     let mut small: Vec<(u64, u64, u64)> = (0..6).map(|i| (4096 + i * k, i * k + 3, k)).collect();
     small.push((1 << 20, (4 << 20) - 100, 4096)); // past the first grant
@@ -499,13 +509,7 @@ fn a_read_commit_is_checked_chunk_by_chunk_and_copies_only_granted_bytes() {
     let g = regions.next_grant_id();
     region.grant(g, "x", 0, 6000, false, None).unwrap();
     let srv = server(&regions, &counters);
-    let addr = SocketAddr::from_abstract_name(srv.name().as_bytes()).unwrap();
-    let mut s = UnixStream::connect_addr(&addr).unwrap();
-    s.set_read_timeout(Some(T)).unwrap();
-    super::tcp::handshake::client(&mut s, Some(&AuthKey::from_token(TOKEN)), "x").unwrap();
-    let mut len = [0u8; 8];
-    let fd = fdpass::recv_with_fd(&s, &mut len).unwrap();
-    let staging = crate::mem::MappedMemory::map_fd(std::os::fd::AsFd::as_fd(&fd), STAGING_LEN).unwrap();
+    let (s, staging) = dial(&srv);
     // SAFETY: the first 64 KiB of our mapping of the staging buffer, read between commits.
     let buf = || unsafe { std::slice::from_raw_parts(staging.as_ptr(), 1 << 16) }.to_vec();
     // Inside the grant, straddling its end, in no grant.
@@ -564,6 +568,27 @@ fn read_rounds(p: &Arc<Peer>, l: RegionId, arena: RegionId, len: u64, rounds: u6
     (0..rounds * len / k).map(|i| req(Op::Read, l, (i * k) % len, p, arena, (i * k) % len, k)).collect()
 }
 
+/// Opens the staging link with one small read (so what the caller does next races the
+/// batch, not the lookup), then submits 16 rounds of 512 KiB reads over the region and
+/// returns once the server has copied out some of them (or the batch ended).
+fn reads_under_way(
+    decode: &Engine,
+    prefill: &Engine,
+    p: &Arc<Peer>,
+    l: RegionId,
+    arena: RegionId,
+    len: u64,
+) -> Arc<Batch> {
+    let st = prefill.submit(vec![req(Op::Read, l, 0, p, arena, 0, 4096)], T).unwrap().wait(None);
+    assert_eq!(code(&st[0]), "ok");
+    let before = decode.stats().bytes_staged_read;
+    let batch = prefill.submit(read_rounds(p, l, arena, len, 16), T).unwrap();
+    while decode.stats().bytes_staged_read == before && !batch.is_done() {
+        std::thread::yield_now();
+    }
+    batch
+}
+
 // A grant revoked while a batch of staged reads is in flight: every request ends, ok
 // ones hold the arena's bytes, the others are `no_grant`; the next batch is refused
 // whole. (Whether a batch straddles the revoke is up to the scheduler: a few tries.)
@@ -573,14 +598,7 @@ fn a_grant_revoked_mid_batch_refuses_the_following_staged_reads() {
     let mut straddled = false;
     for _ in 0..5 {
         let (decode, prefill, p, arena, arena_bytes, l) = read_pair(len);
-        // Open the link first, so the revoke below races the batch, not the lookup.
-        let st = prefill.submit(vec![req(Op::Read, l, 0, &p, arena, 0, 4096)], T).unwrap().wait(None);
-        assert_eq!(code(&st[0]), "ok");
-        let before = decode.stats().bytes_staged_read;
-        let batch = prefill.submit(read_rounds(&p, l, arena, len as u64, 16), T).unwrap();
-        while decode.stats().bytes_staged_read == before && !batch.is_done() {
-            std::thread::yield_now();
-        }
+        let batch = reads_under_way(&decode, &prefill, &p, l, arena, len as u64);
         decode.revoke(arena, "prefill-0", None).unwrap();
         let st = batch.wait(None);
         let codes: Vec<_> = st.iter().map(code).collect();
@@ -612,13 +630,7 @@ fn a_grant_revoked_mid_batch_refuses_the_following_staged_reads() {
 fn staged_reads_end_when_the_server_goes_away() {
     let len = 16usize << 20;
     let (decode, prefill, p, arena, arena_bytes, l) = read_pair(len);
-    let st = prefill.submit(vec![req(Op::Read, l, 0, &p, arena, 0, 4096)], T).unwrap().wait(None);
-    assert_eq!(code(&st[0]), "ok");
-    let before = decode.stats().bytes_staged_read;
-    let batch = prefill.submit(read_rounds(&p, l, arena, len as u64, 16), T).unwrap();
-    while decode.stats().bytes_staged_read == before && !batch.is_done() {
-        std::thread::yield_now();
-    }
+    let batch = reads_under_way(&decode, &prefill, &p, l, arena, len as u64);
     decode.close();
     let t0 = std::time::Instant::now();
     let st = batch.wait(None);
