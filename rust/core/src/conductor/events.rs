@@ -288,7 +288,8 @@ impl Conductor {
     /// `hot_busy_fraction × ttft_slo_s`, or (contention-aware) its NIC out backed up by
     /// more than `hot_link_busy_s`, so fetching from it is slow — a copy from the holder
     /// that could serve it soonest to the least busy prefill instance without it (nor an
-    /// admitted fetch of it on its way there), if that one is less busy. The hints' bytes add up to at most `hot_replica_max_bytes`.
+    /// admitted fetch of it on its way there), if that one is less busy. The hints' bytes
+    /// add up to at most `hot_replica_max_bytes`.
     pub fn replication_hints(&self, now: Option<f64>) -> Result<Vec<ReplicationHint>, ConductorError> {
         if let Some(t) = now {
             check_time(t)?;

@@ -25,9 +25,10 @@
 //! commit is a 16-byte head (id u64, chunk count u32, op u32: [`COMMIT_WRITE`] or
 //! [`COMMIT_READ`], the same for all its chunks) and that many 32-byte chunks (region,
 //! offset, len, staging offset: u64 LE each), answered by a 12-byte head (id u64, count
-//! u32) and one status byte a chunk (as in `protocol::status_to_u8`), in order. A commit carries all of a batch's chunks that fit (a serving step writes one
-//! span per block and layer: eight 128 KiB spans were eight round trips and sixteen
-//! wake-ups, now one and two); each chunk is still checked and answered on its own.
+//! u32) and one status byte a chunk (as in `protocol::status_to_u8`), in order. A commit
+//! carries all of a batch's chunks that fit (a serving step writes one span per block and
+//! layer: eight 128 KiB spans were eight round trips and sixteen wake-ups, now one and
+//! two); each chunk is still checked and answered on its own.
 
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, AsRawFd};

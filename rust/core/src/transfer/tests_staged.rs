@@ -414,7 +414,8 @@ fn read_batch(transports: &[&str], seed: u64) -> ReadRun {
     let mut small: Vec<(u64, u64, u64)> = (0..6).map(|i| (4096 + i * k, i * k + 3, k)).collect();
     small.push((1 << 20, (4 << 20) - 100, 4096)); // past the first grant
     small.push(((1 << 20) + 8192, (5 << 20) + 8192, 4096)); // in no grant
-                                                            // Random reads, each into its own part of the local region (from 2 MiB on).
+
+    // Random reads, each into its own part of the local region (from 2 MiB on).
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let chunk = 1u64 << 20;
     let mut large = Vec::new();
