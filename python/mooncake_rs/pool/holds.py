@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Union, cast
+from typing import Union
 
 from .._core import Region, TransferEngine
 from .objects import Lease, Reservation
@@ -78,28 +78,15 @@ class ConnHolds:
 
     def hold(self, hid: int, held: Held, region: Region, chunk_bytes: int, write: bool) -> None:
         """Records a reservation (``write``) or a lease under id ``hid``, granting its slots
-        to the client's engine when the node has a deadline."""
-        grants: list[tuple[Region, int]] = []
-        if self._te is not None:
-            try:
-                for off, n in slot_runs(held.offsets, chunk_bytes):
-                    grants.append((region, self._te.grant(region, self.engine, off, n, write=write)))
-            except Exception:
-                for r, gid in grants:
-                    self._te.revoke(r, self.engine, gid)
-                raise
-        with self._lock:
-            if write:
-                self.reservations[hid] = cast(Reservation, held)
-            else:
-                self.leases[hid] = cast(Lease, held)
-            if grants:
-                self._grants[hid] = grants
+        to the client's engine when the node has a deadline (``hold_many`` of one)."""
+        self.hold_many([(hid, held, region, chunk_bytes)], write)
 
     def hold_many(self, holds: Sequence[tuple[int, Held, Region, int]], write: bool) -> None:
-        """``hold`` of a whole batch ``(id, held, region, chunk_bytes)`` under one lock (a
-        node's request of 32 objects took the lock 32 times); all or none: when a grant
-        fails, the batch's grants are revoked and nothing is recorded."""
+        """Records a batch of reservations (``write``) or leases ``(id, held, region,
+        chunk_bytes)`` under one lock (a node's request of 32 objects took the lock 32
+        times), granting their slots to the client's engine when the node has a deadline;
+        all or none: when a grant fails, the batch's grants are revoked and nothing is
+        recorded."""
         grants: dict[int, list[tuple[Region, int]]] = {}
         if self._te is not None:
             try:
@@ -120,7 +107,8 @@ class ConnHolds:
                 self._grants.update(grants)
 
     def take_reservations(self, pids: list[int]) -> list[Reservation | None]:
-        """``take_reservation`` of a batch, under one lock."""
+        """Takes a batch of reservations out (None for an unknown or expired id) under one
+        lock, and revokes their slots' grants."""
         with self._lock:
             pop = self.reservations.pop
             taken = [pop(pid, None) for pid in pids]
@@ -137,11 +125,7 @@ class ConnHolds:
         return taken
 
     def take_reservation(self, pid: int) -> Reservation | None:
-        with self._lock:
-            res = self.reservations.pop(pid, None)
-        if res is not None:
-            self._revoke(pid)
-        return res
+        return self.take_reservations([pid])[0]
 
     def take_lease(self, lid: int) -> Lease | None:
         with self._lock:

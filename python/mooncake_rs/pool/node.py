@@ -257,23 +257,24 @@ class StoreNode:
             to_lease.append(n)
             answer(int(KeyStatus.MISSING))  # (filled in below)
         if to_lease:
-            leases = seg.lease_many([msg.keys[n] for n in to_lease])
-            for k, (n, lease) in enumerate(zip(to_lease, leases)):
+            holds = []
+            for n, lease in zip(to_lease, seg.lease_many([msg.keys[n] for n in to_lease])):
                 if not isinstance(lease, Lease):
                     st[n] = int(lease)
                     continue
                 lid = next(self._ids)
                 m = lease.meta
                 region, cb = self.regions[m.cls], seg.classes[m.cls].chunk_bytes
-                try:
-                    conn.hold(lid, lease, region, cb, write=False)
-                except Exception:
-                    for other in leases[k:]:  # this one and those not yet held
-                        if isinstance(other, Lease):
-                            other.release()
-                    raise
+                holds.append((lid, lease, region, cb))
                 st[n], ids[n], sizes[n], regions[n], chunk[n], offsets[n] = (0, lid, m.size, region.id, cb,
                                                                              list(lease.offsets))
+            if holds:
+                try:
+                    conn.hold_many(holds, write=False)  # (all or none, as a Reserve's)
+                except Exception:
+                    for _, lease, _, _ in holds:  # nothing else would release them
+                        lease.release()
+                    raise
         return Leased(msg.rid, st, ids, sizes, regions, chunk, offsets, data)
 
     def metrics_text(self) -> str:

@@ -121,23 +121,30 @@ class ObjectSegment:
                 self._drop_chunks(meta)
                 self.counters.puts_no_space += st is KeyStatus.NO_SPACE
                 return st
-        with self._lock:
-            if key in self._objects:
-                lost = True
-            else:
-                lost = False
-                self._objects[key] = meta
-                self._by_oid[meta.oid] = key
-                self.counters.puts += 1
-        if lost:
-            self._drop_chunks(meta)
-            self.counters.puts_existing += 1
+        self._enter([(key, meta)])
         return KeyStatus.OK
 
-    def _maybe_reap(self) -> None:
+    def _enter(self, written: list[tuple[str, ObjectMeta]]) -> None:
+        """Makes fully written objects visible under one lock. Put-if-absent: a key that
+        won meanwhile keeps its object, and the loser's chunks are freed."""
+        lost: list[ObjectMeta] = []
+        with self._lock:
+            objects, by_oid = self._objects, self._by_oid
+            for key, meta in written:
+                if key in objects:
+                    lost.append(meta)
+                else:
+                    objects[key] = meta
+                    by_oid[meta.oid] = key
+            self.counters.puts += len(written) - len(lost)
+        for meta in lost:
+            self._drop_chunks(meta)
+        self.counters.puts_existing += len(lost)
+
+    def _maybe_reap(self, writes: int = 1) -> None:
         """After every 64 writes: reads and existence checks find a lost chunk themselves,
         this only keeps the table (and the event log) from carrying the dead for long."""
-        self._since_reap += 1
+        self._since_reap += writes
         if self._since_reap >= 64:
             self.reap_evicted()
 
@@ -363,22 +370,8 @@ class ObjectSegment:
             else:  # a chunk evicted before its pin: nothing of it kept
                 self.counters.puts_no_space += 1
                 out[j] = KeyStatus.NO_SPACE
-        lost = []
-        with self._lock:
-            objects, by_oid = self._objects, self._by_oid
-            for res in whole:
-                if res.key in objects:  # put-if-absent: the first committed put won
-                    lost.append(res.meta)
-                else:
-                    objects[res.key] = res.meta
-                    by_oid[res.meta.oid] = res.key
-            self.counters.puts += len(whole) - len(lost)
-        for meta in lost:
-            self._drop_chunks(meta)
-        self.counters.puts_existing += len(lost)
-        self._since_reap += len(reservations)
-        if self._since_reap >= 64:
-            self.reap_evicted()
+        self._enter([(res.key, res.meta) for res in whole])
+        self._maybe_reap(len(reservations))
         return out
 
     def abort(self, res: Reservation) -> None:
