@@ -4,15 +4,22 @@ and which term is wrong?
 For every request the conductor predicts when its prefill will start:
 ``admit + est_queue_s`` (the estimated work of the requests queued ahead on its prefill
 instance, plus what is left of the running one). The simulator records when it really
-started. The difference is the sum, over the requests ahead of it, of how much longer
-each one held the instance than its estimate (``transfer_s + prefill_s`` at its own
-admission). This script splits that per request ahead into:
+started (its dequeue: the queue ahead has drained for it). An instance is never idle
+while a request is queued, and a request ahead holds it only while it computes (and
+loads its own tiers, and waits out a transfer's setup latency): one waiting for its
+fetch is set aside and does not hold it. So the difference is the sum, over the
+requests ahead, of how much longer each one held the instance before this one's
+dequeue than its estimate (its ``work_s``: ``est_prefill_s`` for every policy but
+``ttft_optimal``, which adds own-tier loads this split does not price). This script
+splits that per request ahead into:
 
-- ``load``: its loads (a peer fetch under the links' real contention) against
-  ``est_transfer_s``;
+- ``load``: the time it held the instance beyond its compute (own-tier loads, a
+  transfer's setup latency);
 - ``compute``: its compute against ``est_prefill_s`` (a different reuse than planned:
   blocks evicted, a fetch fallen back or abandoned, or a prefix another queued request
   left);
+- ``aside``: minus the estimate of a request ahead that was still set aside for its
+  fetch when this one started (it computed later, after it);
 - ``running``: the running request's real remaining time against the estimate's
   ``max(est - elapsed, 0)`` (a request that overruns its estimate counts as done).
 
@@ -65,10 +72,19 @@ class _Recorder(linked._LinkedRun):
                                planned=d.reused_blocks, fetch=d.fetch_blocks, src=d.fetch_from)
         return d
 
-    def start_prefill(self, p, t):
-        i = self.queues[p][0]
-        super().start_prefill(p, t)
-        self.rec[i]["start"] = t
+    def tick(self) -> int:
+        self._tick = getattr(self, "_tick", 0) + 1
+        return self._tick
+
+    def dequeue(self, p, i, t):
+        self.s.start[i] = None
+        super().dequeue(p, i, t)
+        if self.s.start[i] is not None:  # not waiting for the request it builds on
+            self.rec[i].update(start=t, start_seq=self.tick())
+
+    def join(self, p, i, t):
+        self.rec[i].update(join=t, join_seq=self.tick())
+        super().join(p, i, t)
 
     def compute(self, p, i, t, delay=0.0):
         super().compute(p, i, t, delay)
@@ -85,13 +101,15 @@ class _Recorder(linked._LinkedRun):
 
 def start_errors(rec: dict[int, dict]) -> list[tuple[int, float, dict[str, float]]]:
     """Per request: (request, real - predicted start, that error split by the requests
-    ahead of it: ``running``, ``load``, ``compute``, and ``idle_or_other`` for what the
-    three do not explain, 0 while the instance serves its queue in order)."""
+    ahead of it: ``running``, ``load``, ``compute``, ``aside``, and ``idle_or_other``
+    for what those do not explain, 0 while the instance is never idle with a request
+    queued)."""
     by_inst: dict[int, list[int]] = defaultdict(list)
     for i in sorted(rec, key=lambda i: rec[i]["admit"]):
         by_inst[rec[i]["p"]].append(i)
     for r in rec.values():
-        r["load_err"] = (r["cstart"] - r["start"]) - r["tr"]
+        r["load_err"] = (r["cstart"] - r["start"]) - r["tr"]  # its own wait for its loads, against the price
+        r["hold"] = r["end"] - r["join"]
         r["comp_err"] = r["c"] - r["pf"]
     rows = []
     for ids in by_inst.values():
@@ -99,16 +117,18 @@ def start_errors(rec: dict[int, dict]) -> list[tuple[int, float, dict[str, float
             r = rec[i]
             a = r["admit"]
             err = r["start"] - (a + r["q"])
-            parts = {"running": 0.0, "load": 0.0, "compute": 0.0}
+            parts = {"running": 0.0, "load": 0.0, "compute": 0.0, "aside": 0.0}
             for j in ids[:k]:
                 o = rec[j]
                 if o["end"] <= a:
                     continue
-                if o["start"] <= a:  # running at admission
-                    parts["running"] += (o["end"] - a) - max(o["tr"] + o["pf"] - (a - o["start"]), 0.0)
-                else:  # queued ahead
-                    parts["load"] += o["load_err"]
+                if o["join"] <= a:  # computing at admission (the conductor heard it start at its join)
+                    parts["running"] += (o["end"] - a) - max(o["pf"] - (a - o["join"]), 0.0)
+                elif o["join_seq"] < r["start_seq"]:  # queued ahead, took the instance before this one's dequeue
+                    parts["load"] += o["hold"] - o["c"]
                     parts["compute"] += o["comp_err"]
+                else:  # set aside when this one started: it computed after it
+                    parts["aside"] -= o["pf"]
             parts["idle_or_other"] = err - sum(parts.values())
             rows.append((i, err, parts))
     return rows
@@ -127,7 +147,7 @@ def analyse(rec: dict[int, dict], top: int) -> None:
           f"mean real wait {sum(r['start'] - r['admit'] for r in rec.values()) / n:.3f} s")
     print(f"start error summed over requests (real - predicted start): {tot['start_err']:.2f} s "
           f"(positive part {tot['start_err_pos']:.2f})")
-    for kk in ("running", "load", "compute", "idle_or_other"):
+    for kk in ("running", "load", "compute", "aside", "idle_or_other"):
         print(f"  from {kk:14s} {tot[kk]:9.2f} s")
     causes: dict[str, list] = defaultdict(lambda: [0, 0.0])
     for r in rec.values():

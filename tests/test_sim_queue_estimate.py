@@ -1,19 +1,24 @@
 """The conductor's queue estimate against the link-model simulator's clock (issue 25).
 
 benches/sim_queue_error.py records, per request, when the conductor predicted its
-prefill would start (``admit + est_queue_s``) and when the simulator started it, and
-splits the difference over the requests queued ahead of it: their loads (a fetch under
-the links' real contention) against ``est_transfer_s``, their compute against
-``est_prefill_s``, and the running request's overrun. These tests pin what that
-measurement found (BENCHMARKS.md, "Fifth round"):
+prefill would start (``admit + est_queue_s``) and when the simulator dequeued it, and
+splits the difference over the requests queued ahead of it: the time each held the
+instance beyond its compute, its compute against ``est_prefill_s``, the estimate of one
+still set aside for its fetch (it computes after), and the running request's overrun.
+A request waiting for its fetch does not hold its instance (``k25w``: the serving
+``Cluster`` computes other requests meanwhile), so the fetch is not in the queue
+estimate of the requests after it either. These tests pin what that measurement found
+(BENCHMARKS.md, "Fifth round" and "k25w"):
 
-- the split accounts for every second of start error (an instance serves its queue in
-  order, so the errors of the requests ahead add up);
+- the split accounts for every second of start error (an instance is never idle while
+  a request is queued, so the errors of the requests ahead add up);
 - the compute term is never optimistic: with an unbounded cache a request finds at
   least the prefix it was priced with (more where a request queued ahead of it shares
   a prefix with it), so without fetches no request starts later than predicted;
-- on the overloaded case of tests/test_sim_contention.py's strict xfail every second
-  by which a request started late comes from a fetch that ran longer than priced.
+- on the overloaded case that was tests/test_sim_contention.py's strict xfail, fetches
+  still run longer than priced, but no request starts later than predicted: before
+  ``k25w`` every second by which one started late came from such a fetch ahead of it,
+  which held the instance.
 """
 
 from __future__ import annotations
@@ -55,23 +60,20 @@ def test_without_fetches_no_request_starts_later_than_predicted():
     assert any(w[1] < -1e-3 for w in rows)  # shared prefixes: some start earlier than priced
     for i, err, parts in rows:
         assert abs(parts["idle_or_other"]) < 1e-6, (i, err, parts)
-        assert parts["load"] == 0.0 and parts["compute"] <= 1e-9, (i, parts)
+        assert abs(parts["load"]) < 1e-9 and parts["aside"] == 0.0 and parts["compute"] <= 1e-9, (i, parts)
         assert err <= 1e-9, (i, err, parts)
 
 
-def test_late_starts_on_the_overloaded_case_come_from_fetches_that_ran_long():
+def test_on_the_overloaded_case_a_fetch_that_runs_long_delays_no_other_request():
     trace = generate_trace(59, kind="agentic", seed=504471, rate=5.0)
     mod, run, rep = _record("mooncake", trace, 3, 3, 24322206782.8)
-    assert rep.counters["fetches"] > 0
+    assert rep.counters["fetches"] > 0 and rep.counters["set_aside"] > 0
     rows = mod.start_errors(run.rec)
-    late = [(i, err, parts) for i, err, parts in rows if err > 1e-6]
-    assert late
+    assert len(rows) == len(trace)
     for i, err, parts in rows:
         assert abs(parts["idle_or_other"]) < 1e-6, (i, err, parts)
         assert parts["compute"] <= 1e-9, (i, parts)
-    # what made them late: a fetch ahead of them (queued, or running at admission) that
-    # took longer than its price; the compute of the requests ahead only ever helps
-    for i, err, parts in late:
-        assert parts["load"] + parts["running"] >= err - 1e-9, (i, err, parts)
+        assert err <= 1e-9, (i, err, parts)
+    # the fetches still take longer than priced (their own wait, in their own TTFT)
     fetch_overrun = [r["load_err"] for r in run.rec.values() if r["fetch"]]
-    assert max(fetch_overrun) > 0.5
+    assert max(fetch_overrun) > 0.15

@@ -38,8 +38,7 @@ class _AdaptiveRun(_Run):
         n = cfg.prefill + cfg.decode
         self.doff = 0
         self.caches = make_caches(cfg, n, trace)
-        self.queues = [deque() for _ in range(n)]
-        self.busy = [False] * n
+        self.init_lines(n)
         self.batches = [ContinuousBatch(self.dm) for _ in range(n)]
         self.pending = [[] for _ in range(n)]
         self.waiting = [deque() for _ in range(n)]
@@ -76,7 +75,7 @@ class _AdaptiveRun(_Run):
     def idle(self, k: int) -> bool:
         """Nothing of ``k``'s current role is left in the simulated instance."""
         if self.role[k] == "prefill":
-            return not self.busy[k] and not self.queues[k]
+            return self.prefill_idle(k)
         return self.batches[k].n == 0 and not self.waiting[k] and not self.pending[k]
 
     def check_drained(self, t: float) -> None:

@@ -1,13 +1,24 @@
 """The event loop of the disaggregated cluster (virtual clock).
 
 Per request: arrival -> ``Conductor.schedule`` (the real one; ``Overloaded`` = rejected)
--> the prefill instance's FIFO queue -> prefill (fetch the missing prefix from its
-holder first when the decision says so, then compute; durations from the cost models)
--> blocks stored in the instance's ``BlockCache`` (the store's real eviction code) and
-reported to the conductor with whatever that evicted -> KV streamed to the decode
-instance (layer by layer, overlapping the prefill) -> continuous batching there
+-> the prefill instance's FIFO queue -> dequeue (the prefix lookup; the fetch of the
+missing prefix from its holder starts when the decision says so) -> compute (durations
+from the cost models) -> blocks stored in the instance's ``BlockCache`` (the store's real
+eviction code) and reported to the conductor with whatever that evicted -> KV streamed to
+the decode instance (layer by layer, overlapping the prefill) -> continuous batching there
 (:mod:`.batching`) -> done. Every step is reported back to the conductor
 (``on_prefill_started/finished``, ``on_decode_started/finished``).
+
+A request waiting for its fetch does not hold its instance (as the serving ``Cluster``
+does not: ``serving/prefill.py`` polls a request's fetch while its engine computes other
+requests): a request whose fetch is not done at its dequeue steps aside, and the
+instance takes the next request that is ready, first come first served among the ready
+ones (:meth:`_Run.next_prefill`). The one set aside joins again when its fetch has
+arrived, ahead of the requests dequeued after it; its wait counts in its own TTFT and in
+``io_wait_s``. ``on_prefill_started`` comes when a request starts computing. One order is
+kept: a request whose planned local prefix is still to be made by a request set aside
+before it on that instance (the conductor counted it as local there: docs/conductor.md,
+"Pending prefixes") waits for that request's prefill to end.
 
 Prefetch at decision time (``SimConfig.prefetch_staging_bytes``): when the decision says
 ``prefetch``, the fetch starts at admission with what the holder has then, into the
@@ -23,6 +34,7 @@ does not hold them, and a peer that planned to fetch them from it would find not
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import Counter, deque
 from collections.abc import Sequence
@@ -44,6 +56,8 @@ _DECODE_BOUNDARY = 2
 _PREFETCHED = 5
 #: a fetch made at dequeue has arrived: the same, for its blocks
 _FETCHED = 6
+#: a request set aside for its fetch has its prefix: it is ready to compute
+_LOADED = 7
 
 
 class _Run(EventLoop):
@@ -63,14 +77,22 @@ class _Run(EventLoop):
         for d in self.dids:
             self.conductor.add_decode(d, max_batch=cfg.decode_max_batch, kv_capacity_tokens=cfg.decode_kv_capacity_tokens)
         self.caches: list[BlockCache] = make_caches(cfg, P, trace)
-        self.queues: list[deque[int]] = [deque() for _ in self.pids]
-        self.busy = [False] * P
+        self.init_lines(P)
+        #: per request: blocks its decision counted on its prefill instance (reused less
+        #: fetched), and when its loads are done (it may compute from then on)
+        self.plan_local = [0] * len(trace)
+        self.ready_at = [0.0] * len(trace)
+        #: request -> the requests waiting for its prefill to end (their planned local
+        #: prefix is its prompt)
+        self.blocked_on: dict[int, list[int]] = {}
         self.batches = [ContinuousBatch(self.dm) for _ in self.dids]
         self.pending: list[list[int]] = [[] for _ in self.dids]  # arrived, waiting for a step boundary
         self.waiting: list[deque[int]] = [deque() for _ in self.dids]  # no room in the batch yet
         self.kv_used = [0] * D
         self.hits: Counter[int] = Counter()
-        self.counters = {"fetches": 0, "fetch_fallbacks": 0, "replicated_blocks": 0}
+        #: set_aside: dequeued with a fetch under way (the instance went on without it);
+        #: blocked: dequeued before the request making its planned prefix had computed it
+        self.counters = {"fetches": 0, "fetch_fallbacks": 0, "replicated_blocks": 0, "set_aside": 0, "blocked": 0}
         #: per request with a prefetch under way: (first fetched block, end block, when done)
         self.prefetched: dict[int, tuple[int, int, float]] = {}
         #: per prefetch not arrived yet: its block range (stored at arrival)
@@ -85,7 +107,87 @@ class _Run(EventLoop):
         self._next_repl = float("inf")
         self._samples: list[HotSample] = []
 
-    # --- prefill ---
+    # --- prefill: one request computes at a time; one waiting for its loads steps aside ---
+
+    def init_lines(self, n: int) -> None:
+        """Per instance: its FIFO queue (admitted, not dequeued yet), whether it is busy
+        (computing, or loading from its own tiers), the requests dequeued and waiting for
+        their loads or for a request they build on, and the heap (by request id, i.e.
+        admission order) of those ready to go again: loaded (to compute) or unblocked (to
+        be dequeued again). Everything in the heap was dequeued before the queue's head."""
+        self.queues: list[deque[int]] = [deque() for _ in range(n)]
+        self.busy = [False] * n
+        self.aside: list[set[int]] = [set() for _ in range(n)]
+        #: (request, 0: loaded, to compute; 1: unblocked, to dequeue again)
+        self.back: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+
+    def prefill_idle(self, p: int) -> bool:
+        """Nothing is queued, waiting or computing on prefill instance ``p``."""
+        return not self.busy[p] and not self.queues[p] and not self.aside[p] and not self.back[p]
+
+    def next_prefill(self, p: int, t: float) -> None:
+        """Instance ``p`` is free at ``t``: it takes requests first come, first served among
+        the ready ones (those set aside and ready again first: they were dequeued before
+        the queue's head) until one occupies it or nothing is left. A dequeued request
+        whose loads are not done steps aside (:meth:`dequeue`)."""
+        back, q = self.back[p], self.queues[p]
+        while not self.busy[p]:
+            if back:
+                i, again = heapq.heappop(back)
+                if again:
+                    self.dequeue(p, i, t)
+                else:
+                    self.join(p, i, t)
+            elif q:
+                self.dequeue(p, q.popleft(), t)
+            else:
+                return
+
+    def blocked(self, p: int, i: int, local: int) -> bool:
+        """Whether request ``i``, dequeued on ``p`` with ``local`` blocks of its prompt
+        there, waits for a request set aside before it that will make the block it
+        misses: its decision counted that block as local (a pending prefix), i.e. made
+        by the request before it. It goes again when that one's prefill ends."""
+        if local >= self.plan_local[i] or not self.aside[p]:
+            return False
+        k = self.keys[i][local]
+        for j in sorted(self.aside[p]):
+            kj = self.keys[j]
+            if len(kj) > local and kj[local] == k:
+                self.blocked_on.setdefault(j, []).append(i)
+                self.aside[p].add(i)
+                self.counters["blocked"] += 1
+                return True
+        return False
+
+    def set_aside(self, p: int, i: int) -> None:
+        """Request ``i``'s loads are under way at its dequeue: it does not hold ``p``."""
+        self.aside[p].add(i)
+        self.counters["set_aside"] += 1
+
+    def waited(self, seconds: float) -> None:
+        """A request waited ``seconds`` for its KV loads (its own TTFT pays them)."""
+        self.io_wait_s += seconds
+        self.prefill_busy_s += seconds
+
+    def loaded(self, p: int, i: int, t: float, delay: float = 0.0) -> None:
+        """Request ``i``, set aside on ``p``, has its loads at ``t`` (it may compute
+        ``delay`` later: the transfer's setup latency): it is ready, and goes when ``p``
+        is free, before anything dequeued after it."""
+        self.aside[p].discard(i)
+        start = self.s.start[i]
+        assert start is not None
+        self.ready_at[i] = t + delay
+        self.waited(t + delay - start)
+        heapq.heappush(self.back[p], (i, 0))
+        self.next_prefill(p, t)
+
+    def join(self, p: int, i: int, t: float) -> None:
+        """Request ``i`` takes instance ``p`` at ``t`` and computes (from when its loads
+        are done, if that is later)."""
+        self.busy[p] = True
+        self.conductor.on_prefill_started(i, t)
+        self.compute(p, i, t, max(0.0, self.ready_at[i] - t))
 
     def arrive(self, i: int, t: float) -> None:
         d = self.schedule_or_reject(i, t)
@@ -98,6 +200,7 @@ class _Run(EventLoop):
         s.decode[i] = d.decode
         s.fetch_from[i] = d.fetch_from
         s.planned[i] = d.reused_blocks
+        self.plan_local[i] = d.reused_blocks - d.fetch_blocks
         if cfg.eager_index and self.keys[i]:
             # ours: the instance will hold the prompt's blocks once this prefill ends, and
             # anything routed there later runs after it (FIFO): tell the conductor now
@@ -105,8 +208,7 @@ class _Run(EventLoop):
         if d.prefetch and d.fetch_from is not None and cfg.cache == "global":
             self.start_prefetch(i, d, t)
         self.queues[d.prefill].append(i)
-        if not self.busy[d.prefill]:
-            self.start_prefill(d.prefill, t)
+        self.next_prefill(d.prefill, t)
 
     def start_prefetch(self, i: int, d: Any, t: float) -> None:
         """Request ``i``'s fetch starts at its admission ``t`` (``d`` its decision), with
@@ -129,13 +231,15 @@ class _Run(EventLoop):
         lo, held = self.arrivals.pop(i)
         store_chain(self.conductor, self.caches[p], p, self.keys[i][lo:held])
 
-    def start_prefill(self, p: int, t: float) -> None:
-        i = self.queues[p].popleft()
-        self.busy[p] = True
-        self.conductor.on_prefill_started(i, t)
+    def dequeue(self, p: int, i: int, t: float) -> None:
+        """Request ``i`` leaves ``p``'s queue at ``t``: its prefix is looked up, its fetch
+        starts (or what is left of its prefetch is waited for); with nothing to wait for
+        it computes now, otherwise it steps aside until its fetch has arrived."""
         keys = self.keys[i]
         s = self.s
         local = self.caches[p].lookup_prefix(keys)
+        if self.blocked(p, i, local):
+            return
         reused, fetched = local, 0
         src = s.fetch_from[i]
         pre = self.prefetched.pop(i, None)
@@ -161,29 +265,46 @@ class _Run(EventLoop):
                     reused, fetched = held, held - local
                 if held < s.planned[i]:
                     self.counters["fetch_fallbacks"] += 1
-        bt = self.cfg.block_tokens
-        L = self.trace[i].input_length
-        fetch_s = self.tm.fetch(fetched * bt, 0.0) if fetched and wait_s is None else 0.0
-        compute = self.pm.predict(L, min(reused * bt, L))
+        fetch_s = self.tm.fetch(fetched * self.cfg.block_tokens, 0.0) if fetched and wait_s is None else 0.0
         if self.factor is not None:
-            f = self.factor[i]
-            fetch_s *= f
-            compute *= f
+            fetch_s *= self.factor[i]
         if wait_s is not None:
             fetch_s = wait_s  # what is left of the prefetch (its factor applied at its start)
-        self.compute_s += compute
-        self.io_wait_s += fetch_s
-        self.prefill_busy_s += fetch_s + compute
         s.reused[i] = reused
         s.fetched[i] = fetched
         s.start[i] = t
-        s.stream_t[i] = t + fetch_s
+        self.ready_at[i] = t
         if reused:
             self.hits.update(keys[:reused])
         if fetched and wait_s is None:
             self.fetch_arrivals[i] = (reused - fetched, reused)
             self.push(t + fetch_s, _FETCHED, p, i)
-        self.push(t + fetch_s + compute, _PREFILL_DONE, p, i)
+        if fetch_s > 0.0:
+            self.set_aside(p, i)
+            self.push(t + fetch_s, _LOADED, p, i)  # after _FETCHED: its blocks are stored first
+        else:
+            self.join(p, i, t)
+
+    def compute(self, p: int, i: int, t: float, delay: float = 0.0) -> None:
+        """Request ``i`` computes on ``p`` from ``t + delay``; its KV streams to decode
+        from then on."""
+        L = self.trace[i].input_length
+        compute = self.pm.predict(L, min(self.s.reused[i] * self.cfg.block_tokens, L))
+        if self.factor is not None:
+            compute *= self.factor[i]
+        self.compute_s += compute
+        self.prefill_busy_s += compute
+        self.s.stream_t[i] = t + delay
+        self.push(t + delay + compute, _PREFILL_DONE, p, i)
+
+    def prefill_freed(self, p: int, i: int, t: float) -> None:
+        """Request ``i``'s prefill on ``p`` ended at ``t`` (its blocks are stored): those
+        waiting for it are dequeued again, and ``p`` takes the next ready request."""
+        self.busy[p] = False
+        for j in self.blocked_on.pop(i, ()):
+            self.aside[p].discard(j)
+            heapq.heappush(self.back[p], (j, 1))
+        self.next_prefill(p, t)
 
     def fetch_arrived(self, p: int, i: int) -> None:
         """Request ``i``'s fetch (made at its dequeue) has arrived: its blocks are stored
@@ -197,9 +318,7 @@ class _Run(EventLoop):
         keys = self.keys[i]
         if keys:
             store_chain(c, self.caches[p], p, keys)
-        self.busy[p] = False
-        if self.queues[p]:
-            self.start_prefill(p, t)
+        self.prefill_freed(p, i, t)
         r = self.trace[i]
         self.s.ttft[i] = t - r.arrival_s / self.cfg.speedup
         self.s.first[i] = t
@@ -297,6 +416,8 @@ class _Run(EventLoop):
             self.prefetch_arrived(a, b)
         elif kind == _FETCHED:
             self.fetch_arrived(a, b)
+        elif kind == _LOADED:
+            self.loaded(a, b, t)
         else:
             self.boundary(a, b, c)
 

@@ -17,6 +17,15 @@ long moving KV takes:
   link and the decode instance's (storage -> decode -> its NIC out -> prefill NIC in),
   the peer-DRAM part across every peer holding the range in DRAM, each split in
   proportion to the path's free bandwidth at that moment (:meth:`_LinkedRun.avail`);
+- what is fetched from a peer (its DRAM or its SSD blocks, and what is left of a
+  prefetch) is the request's own wait: with it under way at its dequeue the request
+  steps aside and the instance computes other requests meanwhile (as the serving
+  ``Cluster`` does: ``serving/prefill.py`` polls a request's ``MultiFetch`` while its
+  engine computes others); it joins again, first come first served among the ready
+  ones, when the fetch has arrived (:mod:`.disaggregated`);
+- the instance's own SSD blocks hold the instance: they load when the request takes
+  it (the ``Cluster``'s store reads them on the instance's loop, ``lookup_prefix``
+  promoting them into DRAM);
 - the compute starts when every load flow is done (plus the transfer model's latency);
   the KV streams to the decode instance from then as one flow (prefill NIC out ->
   decode NIC in) and is ready at ``max(prefill end, stream end + latency)``.
@@ -54,8 +63,9 @@ __all__ = ["run_linked"]
 
 _NET = 3
 _ABANDON = 4
-# what a flow is for (its tag is (kind, request))
-_LOAD, _STREAM, _WRITE, _REPL = 0, 1, 2, 3
+# what a flow is for (its tag is (kind, request)): a peer fetch (the request's own wait),
+# a KV stream, a demotion write, a replica, a load from the instance's own SSD (holds it)
+_LOAD, _STREAM, _WRITE, _REPL, _OWN = 0, 1, 2, 3, 4
 
 PATHS = ("dram_local", "dram_peer", "ssd_direct", "ssd_relay")
 
@@ -86,6 +96,11 @@ class _LinkedRun(PrefetchLoads, _Run):
         self.block_bytes = cfg.block_tokens * self.tm.bytes_per_token
         self.bpt = self.tm.bytes_per_token
         self.outstanding = [0] * len(trace)
+        #: per request: bytes of its own SSD prefix (loaded when it takes its instance)
+        #: and, while they load, that load's flows not done yet
+        self.own_ssd = [0.0] * len(trace)
+        self.own_left = [0] * len(trace)
+        self.own_ssd_t = [0.0] * len(trace)
         self.stream_left = [False] * len(trace)
         self.ended = [False] * len(trace)
         #: admitted with a prefetch and not dequeued yet (its loads' end starts nothing)
@@ -139,6 +154,14 @@ class _LinkedRun(PrefetchLoads, _Run):
                     p = self.s.prefill[i]
                     assert p is not None
                     self.store_fetched(p, i, t)
+                    self.loaded(p, i, t, self.tm.latency_s)
+            elif kind == _OWN:
+                self.own_left[i] -= 1
+                if self.own_left[i] == 0:
+                    p = self.s.prefill[i]
+                    assert p is not None
+                    start = self.own_ssd_t[i]
+                    self.waited(t + self.tm.latency_s - start)
                     self.compute(p, i, t, self.tm.latency_s)
             elif kind == _REPL:
                 to, blocks = self.repl_pending.pop(i)
@@ -189,21 +212,27 @@ class _LinkedRun(PrefetchLoads, _Run):
 
     # --- prefill: load, compute, store ---
 
-    def start_prefill(self, p: int, t: float) -> None:
-        i = self.queues[p].popleft()
-        self.busy[p] = True
-        self.conductor.on_prefill_started(i, t)
+    def dequeue(self, p: int, i: int, t: float) -> None:
+        """Request ``i`` leaves ``p``'s queue at ``t``: its prefix is looked up and its
+        fetch from a peer starts (or what is left of its prefetch is waited for); with
+        nothing under way it takes ``p`` now, otherwise it steps aside until the fetch
+        has arrived (its own SSD blocks load when it takes ``p``: :meth:`join`)."""
         keys = self.keys[i]
         s = self.s
         dram, ssd = self.caches, self.ssd
         runs = prefix_runs(dram[p], ssd[p], keys)
         local = sum(n for n, _ in runs)
+        if self.blocked(p, i, local):
+            return
         local_dram, local_ssd = split_runs(runs, 0, local)
+        s.start[i] = t
+        self.ready_at[i] = t
+        self.own_ssd[i] = local_ssd * self.block_bytes
         reused, peer_dram, peer_ssd = local, 0, 0
         src = s.fetch_from[i]
         pre = self.take_prefetch(i, t, local) if self.in_queue[i] else None
         if pre is not None:
-            self.resume_prefetched(p, i, t, local, local_dram, local_ssd, pre)
+            self.resume_prefetched(p, i, t, local, local_dram, pre)
             return
         if src is not None and s.planned[i] > local:
             self.counters["fetches"] += 1
@@ -217,7 +246,6 @@ class _LinkedRun(PrefetchLoads, _Run):
                     self.counters["fetch_fallbacks"] += 1
         s.reused[i] = reused
         s.fetched[i] = reused - local
-        s.start[i] = t
         if reused:
             self.hits.update(keys[:reused])
         bb = self.block_bytes
@@ -225,9 +253,8 @@ class _LinkedRun(PrefetchLoads, _Run):
         d = s.decode[i]
         assert d is not None
         n = 0
-        ssd_bytes = (local_ssd + peer_ssd) * bb
-        if ssd_bytes:
-            n += self.load_ssd(t, i, p, d, ssd_bytes)
+        if peer_ssd:
+            n += self.load_ssd(t, i, p, d, peer_ssd * bb)
         if peer_dram:
             assert src is not None
             before = set(self.net.flows)
@@ -238,12 +265,28 @@ class _LinkedRun(PrefetchLoads, _Run):
                 self.push(t + self.abandon_s[i], _ABANDON, i)
         self.outstanding[i] = n
         if n == 0:
-            self.compute(p, i, t)
+            self.join(p, i, t)
+        else:
+            self.set_aside(p, i)
 
-    def load_ssd(self, t: float, i: int, p: int, d: int, nbytes: float) -> int:
+    def join(self, p: int, i: int, t: float) -> None:
+        """Request ``i`` takes ``p`` at ``t``: its own SSD blocks load (``p`` waits for
+        them), then it computes."""
+        self.busy[p] = True
+        self.conductor.on_prefill_started(i, t)
+        nbytes = self.own_ssd[i]
+        if nbytes:
+            d = self.s.decode[i]
+            assert d is not None
+            self.own_ssd_t[i] = t
+            self.own_left[i] = self.load_ssd(t, i, p, d, nbytes, _OWN)
+            return
+        self.compute(p, i, t, max(0.0, self.ready_at[i] - t))
+
+    def load_ssd(self, t: float, i: int, p: int, d: int, nbytes: float, kind: int = _LOAD) -> int:
         direct = [3 * p + 2]
         if not self.cfg.multipath:
-            self.flow(t, direct, nbytes, _LOAD, i)
+            self.flow(t, direct, nbytes, kind, i)
             self.bytes["ssd_direct"] += int(nbytes)
             return 1
         relay = [3 * d + 2, 3 * d, 3 * p + 1]
@@ -254,7 +297,7 @@ class _LinkedRun(PrefetchLoads, _Run):
         out = 0
         for links, part, name in ((direct, a, "ssd_direct"), (relay, nbytes - a, "ssd_relay")):
             if part > nbytes * 1e-6:
-                self.flow(t, links, part, _LOAD, i)
+                self.flow(t, links, part, kind, i)
                 self.bytes[name] += int(part)
                 out += 1
         if out > 1:
@@ -315,7 +358,7 @@ class _LinkedRun(PrefetchLoads, _Run):
         s.fetched[i] = 0
         self.outstanding[i] -= len(live)
         if self.outstanding[i] == 0:
-            self.compute(p, i, t)
+            self.loaded(p, i, t)
 
     def avail(self, k: int) -> float:
         """The free bandwidth of link ``k`` for a new flow: what its flows leave unused,
@@ -325,20 +368,17 @@ class _LinkedRun(PrefetchLoads, _Run):
         return max(net.free(k), net.cap[k] / (len(net.on[k]) + 1))
 
     def compute(self, p: int, i: int, t: float, delay: float = 0.0) -> None:
-        """The loads are done at ``t``; the compute starts ``delay`` later (the transfer
-        setup latency). The KV stream to decode starts at ``t`` (the network cannot
-        take a flow in the future; ``delay`` is a millisecond of a much longer stream)."""
+        """Request ``i`` holds ``p`` and its loads are done at ``t``; the compute starts
+        ``delay`` later (the transfer setup latency). The KV stream to decode starts at
+        ``t`` (the network cannot take a flow in the future; ``delay`` is a millisecond
+        of a much longer stream)."""
         s = self.s
-        start = s.start[i]
-        assert start is not None
         L = self.trace[i].input_length
         c = self.pm.predict(L, min(s.reused[i] * self.cfg.block_tokens, L))
         if self.factor is not None:
             c *= self.factor[i]
         self.compute_s += c
-        wait = t + delay - start
-        self.io_wait_s += wait
-        self.prefill_busy_s += wait + c
+        self.prefill_busy_s += c
         s.stream_t[i] = t
         d = s.decode[i]
         assert d is not None
@@ -376,9 +416,7 @@ class _LinkedRun(PrefetchLoads, _Run):
         keys = self.keys[i]
         if keys:
             self.store(p, keys, t)
-        self.busy[p] = False
-        if self.queues[p]:
-            self.start_prefill(p, t)
+        self.prefill_freed(p, i, t)
         r = self.trace[i]
         self.s.ttft[i] = t - r.arrival_s / self.cfg.speedup
         self.s.first[i] = t

@@ -6,8 +6,9 @@ A prefetched load uses the same links and flows as a load at dequeue (the holder
 out and the prefill's NIC in; a peer's SSD blocks through the prefill's own storage
 link); while the request is queued, the end of its loads starts nothing. At dequeue,
 the prefetch is used when it extends the instance's own prefix (``lo <= local <
-end``): its own SSD blocks then load, what is left of the prefetch is waited for, and
-the late-fetch check comes ``fetch_abandon_s`` later. Otherwise (a gap before the
+end``): what is left of it is waited for (set aside: the instance computes other
+requests meanwhile), its own SSD blocks load when it takes the instance, and the
+late-fetch check comes ``fetch_abandon_s`` later. Otherwise (a gap before the
 staged blocks, or its own prefix grew past them) the prefetch's flows are removed,
 their unsent bytes uncounted, and the fetch runs at dequeue as without prefetch.
 """
@@ -49,9 +50,10 @@ class PrefetchLoads:
 
     if TYPE_CHECKING:  # provided by the linked run
 
-        def load_ssd(self, t: float, i: int, p: int, d: int, nbytes: float) -> int: ...
+        def load_ssd(self, t: float, i: int, p: int, d: int, nbytes: float, kind: int = 0) -> int: ...
         def load_peer(self, t: float, i: int, p: int, src: int, rng: Sequence[int], nbytes: float) -> int: ...
-        def compute(self, p: int, i: int, t: float, delay: float = 0.0) -> None: ...
+        def join(self, p: int, i: int, t: float) -> None: ...
+        def set_aside(self, p: int, i: int) -> None: ...
         def abandon_due(self, i: int, t: float) -> None: ...
         def store(self, p: int, keys: Sequence[int], t: float) -> None: ...
 
@@ -113,12 +115,10 @@ class PrefetchLoads:
         self.outstanding[i] = 0
         return None
 
-    def resume_prefetched(
-        self, p: int, i: int, t: float, local: int, local_dram: int, local_ssd: int, pre: tuple[int, list[Flow]]
-    ) -> None:
-        """Dequeued with a usable prefetch: its own SSD prefix loads now, the prefetch's
-        flows still running are waited for (and checked for abandonment ``fetch_abandon_s``
-        later), then it computes."""
+    def resume_prefetched(self, p: int, i: int, t: float, local: int, local_dram: int, pre: tuple[int, list[Flow]]) -> None:
+        """Dequeued with a usable prefetch: the prefetch's flows still running are waited
+        for, set aside (and checked for abandonment ``fetch_abandon_s`` later); then it
+        takes the instance (its own SSD prefix loads then) and computes."""
         held, live = pre
         s = self.s
         self.counters["fetches"] += 1
@@ -130,15 +130,12 @@ class PrefetchLoads:
         self.hits.update(self.keys[i][:held])
         bb = self.block_bytes
         self.bytes["dram_local"] += int(local_dram * bb)
-        d = s.decode[i]
-        assert d is not None
         n = len(live)
-        if local_ssd:
-            n += self.load_ssd(t, i, p, d, local_ssd * bb)
         self.outstanding[i] = n
         if n == 0:
-            self.compute(p, i, t)
+            self.join(p, i, t)
             return
+        self.set_aside(p, i)
         peer = [f for f in live if path_of(f) == "dram_peer"]
         if peer and self.cfg.abandon_late_fetches and math.isfinite(self.abandon_s[i]):
             # the bound counts from the dequeue (the wait the fetch adds from then on); a

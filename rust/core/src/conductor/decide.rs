@@ -50,7 +50,9 @@ pub(super) struct Calibrated {
 /// as DRAM (`pending.rs`; only prefixes longer than `floor`, the index's best, are
 /// looked up: a shorter one would not change the choice the index already offers),
 /// and the prefix an admitted fetch is bringing there, however long (it saves the
-/// same fetch: the index learns the fetched blocks only once they are stored).
+/// same fetch: the index learns the fetched blocks only once they are stored). Where
+/// such a prefix is made by a queued request with a fetch, the queue is at least the
+/// time until that request's predicted prefill end (its fetch is not in the queue).
 /// With the calibration on, the queue is the instance's first-in-first-out backlog at
 /// its measured speed, in the cost model's seconds (divided by the scale again: the
 /// estimate multiplies the whole TTFT by it). `stage_cap` is the staging memory for
@@ -82,11 +84,19 @@ pub(super) fn candidates(
         let stage_free_bytes = (stage_cap - p.staged_bytes).max(0.0);
         cands.push(Candidate { id: p.id, queue_s, speed: p.spec.speed, dram, ssd, gpu, stage_free_bytes });
     }
-    let mut count = |inst, n| {
+    let reqs = &st.reqs;
+    let mut count = |inst, n, rid| {
         if let Ok(k) = cands.binary_search_by_key(&inst, |c: &Candidate| c.id) {
             let c = &mut cands[k];
             if n > c.local() {
                 c.dram += n - c.local();
+                // the prefix is made by a queued request that fetches: that request does
+                // not hold the instance while its fetch runs (the instance computes others
+                // meanwhile), so the queue's computes may end before its prefill does; a
+                // request building on it starts no earlier than its predicted end
+                if let Some(r) = reqs.get(&rid).filter(|r| r.stage == Stage::Queued && r.fetch_last.is_some()) {
+                    c.queue_s = c.queue_s.max(r.admit_t + r.raw_ttft_s - now);
+                }
             }
         }
     };
@@ -211,7 +221,9 @@ impl Conductor {
         self.plan_links(st, req, d);
         let staged_bytes =
             if d.prefetch { self.fetch_tokens(req, d) as f64 * cfg.cost.transfer.bytes_per_token } else { 0.0 };
-        let work_s = choice.transfer_s + choice.prefill_s;
+        // what it takes of the instance's time: a peer fetch is the request's own wait
+        // (the instance computes other requests meanwhile), so it is not in the queue
+        let work_s = choice.work_s();
         st.prefill[pi].queued_s += work_s;
         st.prefill[pi].queued_n += 1;
         st.prefill[pi].staged_bytes += staged_bytes;

@@ -334,7 +334,7 @@ impl Conductor {
             // (the index learns it only once it is stored): a copy there would move the
             // same bytes twice
             let mut coming: Vec<InstanceId> = Vec::new();
-            self.state.lock().fetching.longest(&blocks, blocks.len() - 1, |i, _| coming.push(i));
+            self.state.lock().fetching.longest(&blocks, blocks.len() - 1, |i, _, _| coming.push(i));
             let target = loads
                 .iter()
                 .copied()

@@ -110,6 +110,8 @@ mod drain_tests;
 #[cfg(test)]
 mod fetch_arrival_tests;
 #[cfg(test)]
+mod fetch_wait_tests;
+#[cfg(test)]
 mod link_tests;
 #[cfg(test)]
 mod prefetch_tests;

@@ -67,9 +67,9 @@ impl Pending {
     }
 
     /// Every prefix of `blocks` longer than `floor` blocks that an admitted request will
-    /// leave on an instance: calls `f(instance, blocks)` (in no particular order; an
-    /// instance may be reported more than once: keep the longest).
-    pub fn longest(&self, blocks: &[BlockHash], floor: usize, mut f: impl FnMut(InstanceId, usize)) {
+    /// leave on an instance: calls `f(instance, blocks, request)` (in no particular
+    /// order; an instance may be reported more than once: keep the longest).
+    pub fn longest(&self, blocks: &[BlockHash], floor: usize, mut f: impl FnMut(InstanceId, usize, RequestId)) {
         if self.by_last.is_empty() {
             return;
         }
@@ -80,7 +80,7 @@ impl Pending {
                 for e in v {
                     if e.blocks > floor && e.blocks <= blocks.len() && blocks[e.blocks - 1] == *last && e.first == first
                     {
-                        f(e.instance, e.blocks);
+                        f(e.instance, e.blocks, e.rid);
                     }
                 }
             }
@@ -90,7 +90,7 @@ impl Pending {
             if let Some(v) = self.by_last.get(&blocks[j]) {
                 for e in v {
                     if e.blocks == j + 1 && e.first == first {
-                        f(e.instance, j + 1);
+                        f(e.instance, j + 1, e.rid);
                     }
                 }
             }
@@ -116,7 +116,7 @@ mod tests {
         p.add(&[h(40), h(2)], 9, 4);
         p.add(&[h(41), h(1), h(2)], 9, 5);
         let mut seen: Vec<(InstanceId, usize)> = Vec::new();
-        p.longest(&prompt, 0, |i, n| match seen.iter_mut().find(|s| s.0 == i) {
+        p.longest(&prompt, 0, |i, n, _| match seen.iter_mut().find(|s| s.0 == i) {
             Some(s) => s.1 = s.1.max(n),
             None => seen.push((i, n)),
         });
@@ -130,18 +130,18 @@ mod tests {
         q.add(&prompt[..3], 7, 1);
         q.add(&prompt[..5], 8, 2);
         let mut many = Vec::new();
-        q.longest(&prompt, 0, |i, n| many.push((i, n)));
+        q.longest(&prompt, 0, |i, n, _| many.push((i, n)));
         many.sort_unstable();
         assert_eq!(many, vec![(7, 3), (8, 5)]);
         assert_eq!(q.len(), 22);
         let mut above = Vec::new();
-        p.longest(&prompt, 3, |i, n| above.push((i, n)));
+        p.longest(&prompt, 3, |i, n, r| above.push((i, n, r)));
         above.sort_unstable();
-        assert_eq!(above, vec![(8, 5)]);
+        assert_eq!(above, vec![(8, 5, 2)]);
         p.remove(h(4), 2);
         p.remove(h(4), 99); // unknown: nothing
         let mut after = Vec::new();
-        p.longest(&prompt, 0, |i, n| after.push((i, n)));
+        p.longest(&prompt, 0, |i, n, _| after.push((i, n)));
         after.sort_unstable();
         assert_eq!(after, vec![(7, 3), (8, 2)]);
         assert_eq!(p.len(), 4);

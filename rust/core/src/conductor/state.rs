@@ -13,7 +13,8 @@ use crate::index::InstanceId;
 pub(crate) struct PrefillInst {
     pub id: InstanceId,
     pub spec: PrefillSpec,
-    /// Sum of the estimated work (transfer + prefill, seconds) of queued, not started requests.
+    /// Sum of the estimated work (`Choice::work_s`: prefill and own-tier loads, seconds;
+    /// not a peer fetch, which the instance does not wait for) of queued, not started requests.
     pub queued_s: f64,
     pub queued_n: usize,
     /// Started requests: (request, start time, estimated work).
@@ -122,7 +123,9 @@ pub(crate) struct Req {
     pub prefill: InstanceId,
     pub decode: InstanceId,
     pub stage: Stage,
-    /// Estimated transfer + prefill seconds (what it adds to its prefill queue).
+    /// Estimated seconds of its prefill instance's time (`Choice::work_s`: prefill and
+    /// own-tier loads; a peer fetch is its own wait, not the instance's): what it adds
+    /// to its prefill queue.
     pub work_s: f64,
     pub kv_tokens: usize,
     pub out_pred: f64,

@@ -130,6 +130,7 @@ impl PolicyInput<'_> {
             queue_s: c.queue_s,
             prefill_s: self.prefill_s(c, c.local()),
             transfer_s: 0.0,
+            local_load_s: 0.0,
             prefetch: false,
         }
     }
@@ -147,6 +148,11 @@ pub struct Choice {
     pub prefill_s: f64,
     /// The transfer's share of the TTFT (with `prefetch`, only the part past the queue).
     pub transfer_s: f64,
+    /// The part of `transfer_s` that loads the instance's own tiers (its SSD blocks,
+    /// DRAM -> device): it holds the instance, whose store reads them on its own loop.
+    /// The rest (a fetch from a peer) is the request's own wait: the instance computes
+    /// other requests meanwhile, so it does not count in the queue of those after it.
+    pub local_load_s: f64,
     /// The fetch starts at the decision, into the instance's staging memory.
     pub prefetch: bool,
 }
@@ -155,6 +161,14 @@ impl Choice {
     #[inline]
     pub fn ttft(&self) -> f64 {
         self.queue_s + self.transfer_s + self.prefill_s
+    }
+
+    /// Seconds of the instance's time this option takes, i.e. what it adds to the queue
+    /// of the requests after it: its compute and its own-tier loads, not a peer fetch
+    /// (a request waiting for its fetch is set aside while the instance computes others).
+    #[inline]
+    pub fn work_s(&self) -> f64 {
+        self.local_load_s + self.prefill_s
     }
 }
 

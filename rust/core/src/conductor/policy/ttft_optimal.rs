@@ -20,7 +20,7 @@ pub(super) fn option_for(input: &PolicyInput<'_>, idx: usize) -> Choice {
     let local_load_s = t.local_ssd(input.tokens(l) - mem_tokens) + t.local_dram(mem_tokens - gpu_tokens);
     let mut best = None;
     keep_best(&mut best, Choice { reused_blocks: 0, prefill_s: input.prefill_s(c, 0), ..input.local_choice(idx) });
-    keep_best(&mut best, Choice { transfer_s: local_load_s, ..input.local_choice(idx) });
+    keep_best(&mut best, Choice { transfer_s: local_load_s, local_load_s, ..input.local_choice(idx) });
     for h in input.matches {
         let b = h.total();
         if h.instance == c.id || b <= l {
@@ -44,6 +44,7 @@ pub(super) fn option_for(input: &PolicyInput<'_>, idx: usize) -> Choice {
                 queue_s: c.queue_s,
                 prefill_s: input.prefill_s(c, b),
                 transfer_s: local_load_s + input.fetch_s(c, h.instance, fetch_tokens, ssd_fraction),
+                local_load_s,
                 prefetch: false,
             },
         );
