@@ -13,7 +13,9 @@ Which pool it opens:
   TCP even to a node on this host; ``MOONCAKE_RS_TCP_CONNECTIONS``: TCP connections per
   node, each sealed and opened on its own thread at both ends (unset: without a token 2
   where the process may use two cores, else 1; with one half the cores, 1 to 4);
-  ``MOONCAKE_RS_PLAINTEXT=1``: the nodes run ``--plaintext``, no token, nothing sealed);
+  ``MOONCAKE_RS_PLAINTEXT=1``: the nodes run ``--plaintext``, no token, nothing sealed;
+  ``MOONCAKE_RS_SPIN_US``: microseconds a call polls for a node's answer before it sleeps,
+  default 100, 0 off: net/spin_wait.py);
 - anything else (``P2PHANDSHAKE``, an HTTP metadata URL, a master address): an embedded
   pool of ``global_segment_size`` bytes in this process, no etcd, no network.
 """
@@ -27,9 +29,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidArgument
+from ..net.spin_wait import DEFAULT_SPIN_US, spin_us_checked
 
 __all__ = ["SetupConfig", "parse_size", "etcd_url_of", "auth_token_from_env", "pool_prefix", "transports_from_env",
-           "tcp_connections_from_env", "plaintext_from_env"]
+           "tcp_connections_from_env", "plaintext_from_env", "spin_us_from_env"]
 
 _UNITS = {"": 1, "b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30, "tb": 1 << 40}
 
@@ -131,6 +134,12 @@ def plaintext_from_env() -> bool:
     if raw not in ("0", "1", "false", "true", "no", "yes", ""):
         raise InvalidArgument(f"MOONCAKE_RS_PLAINTEXT is 1 (nodes started with --plaintext) or 0, got {raw!r}")
     return raw in ("1", "true", "yes")
+
+
+def spin_us_from_env() -> int:
+    """``MOONCAKE_RS_SPIN_US``: how long a call polls for a node's answer before it sleeps."""
+    raw = os.environ.get("MOONCAKE_RS_SPIN_US", "").strip()
+    return spin_us_checked(raw, "MOONCAKE_RS_SPIN_US") if raw else DEFAULT_SPIN_US
 
 
 def tcp_connections_from_env() -> int | None:
