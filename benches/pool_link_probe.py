@@ -99,7 +99,9 @@ def ab(pairs: int, specs: list[str], parts: list[str], cpus: str | None) -> None
                     cluster = f"ab-{p}-{label}"
                     env = dict(os.environ, MOONCAKE_LOG="warn", PYTHONPATH=str(Path(root) / "python"))
                     env.pop("MOONCAKE_AUTH_TOKEN", None)
-                    node, _ = start_node(lambda argv, **kw: hosts.popen(1, [*pin_node, *argv], **{**kw, "env": env}), etcd.url,
+                    nenv = dict(env, **extra)  # (a variant's settings reach the node too: MOONCAKE_RS_SPIN_US)
+                    node, _ = start_node(lambda argv, **kw: hosts.popen(1, [*pin_node, *argv], **{**kw, "env": nenv}),
+                                         etcd.url,
                                          hosts.ip(1), 7600 + 10 * p + n, label, cluster, dram="1GB",
                                          extra=("--plaintext",))
                     cenv = dict(env, MOONCAKE_CLUSTER=cluster, MOONCAKE_RS_TRANSPORTS="tcp", MOONCAKE_RS_PLAINTEXT="1",

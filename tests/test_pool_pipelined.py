@@ -6,6 +6,7 @@ missing keys, never another key's bytes."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -75,6 +76,61 @@ def test_threads_sharing_one_client_read_their_own_bytes(etcd_url, node):
             th.join(90)
         assert not errors, errors
         assert len(s.backend.nodes.links) == 1  # one connection carried all of it
+
+
+def test_direct_calls_mixed_with_submits_and_posts_get_their_own_answers(etcd_url, node):
+    """``NodeLink.call`` reads its own answer directly when the link is idle, else takes
+    the pipelined path: calls from several threads, interleaved with submitted requests
+    still unanswered and posted ones (whose answers the reader drops), each get the
+    answer to their own request, as a reference dict says."""
+    ref = {f"k{i}": 100 + 37 * i for i in range(30)}
+    with connect(etcd_url) as s:
+        for k, n in ref.items():
+            s.put(k, value_of(k, n))
+        link = s.backend.nodes.link("p")
+        errors: list[str] = []
+
+        def sizes_of(keys: list[str]) -> list[int]:
+            return [ref.get(k, int(KeyStatus.MISSING)) for k in keys]
+
+        def worker(t: int) -> None:
+            try:
+                for r in range(200):
+                    keys = [f"k{(t * 7 + r) % 40}", f"k{r % 30}"]
+                    if r % 5 == 0:  # an unanswered request in the table while others call
+                        p = link.submit(Sizes, keys=keys)
+                        assert link.call(Exists, keys=keys).values == [int(k in ref) for k in keys]
+                        assert p.result().values == sizes_of(keys)
+                    elif r % 7 == 0:  # an answer nobody waits for, read by whoever reads next
+                        link.post(Exists, keys=keys)
+                        assert link.call(Sizes, keys=keys).values == sizes_of(keys)
+                    else:
+                        assert link.call(Sizes, keys=keys).values == sizes_of(keys)
+            except Exception as e:  # noqa: BLE001 - reported by the main thread
+                errors.append(f"thread {t}: {type(e).__name__}: {e}")
+
+        worker(99)  # alone first: every call takes the direct path
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(90)
+        assert not errors, errors
+        assert not link.broken and not link._waiting and not link._reading
+
+
+def test_a_direct_call_whose_answer_cannot_come_is_node_down(etcd_url, node):
+    """The reader of a direct call sees the stream end (what a node's death looks like to
+    it): NodeDown, the link broken, and later calls NodeDown at once."""
+    with connect(etcd_url, io_timeout_s=1.0) as s:
+        s.put("k", b"v" * 10)
+        link = s.backend.nodes.link("p")
+        link.sock.shutdown(socket.SHUT_RD)
+        with pytest.raises(NodeDown):
+            link.call(Exists, keys=["k"])
+        assert link.broken and not link._reading
+        with pytest.raises(NodeDown):
+            link.call(Exists, keys=["k"])
 
 
 def test_a_posted_release_frees_the_leases(etcd_url, node):

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidArgument
-from ..net.spin_wait import DEFAULT_SPIN_US, spin_us_checked
+from ..net.spin_wait import spin_us_from_env
 
 __all__ = ["SetupConfig", "parse_size", "etcd_url_of", "auth_token_from_env", "pool_prefix", "transports_from_env",
            "tcp_connections_from_env", "plaintext_from_env", "spin_us_from_env"]
@@ -134,12 +134,6 @@ def plaintext_from_env() -> bool:
     if raw not in ("0", "1", "false", "true", "no", "yes", ""):
         raise InvalidArgument(f"MOONCAKE_RS_PLAINTEXT is 1 (nodes started with --plaintext) or 0, got {raw!r}")
     return raw in ("1", "true", "yes")
-
-
-def spin_us_from_env() -> int:
-    """``MOONCAKE_RS_SPIN_US``: how long a call polls for a node's answer before it sleeps."""
-    raw = os.environ.get("MOONCAKE_RS_SPIN_US", "").strip()
-    return spin_us_checked(raw, "MOONCAKE_RS_SPIN_US") if raw else DEFAULT_SPIN_US
 
 
 def tcp_connections_from_env() -> int | None:

@@ -8,7 +8,9 @@ sleeping thread on another CPU costs far more than the work itself on a virtual 
 A reader that polls the socket for a few tens of microseconds before it sleeps is still
 running when the answer lands, so nobody has to be woken. Each poll is followed by
 ``sched_yield``: where both ends share one CPU, the other end runs instead of waiting
-for the spinner's time slice to end.
+for the spinner's time slice to end; and a yield that another thread took for a while
+(``SHARED_CPU_S``) ends the poll, since there the blocking read costs nothing extra and
+polling would only take turns with the thread that has the work.
 
 The wait is bounded (``spin_s``): an idle connection costs at most that much CPU after
 its last message, then sleeps in the blocking read as before; 0 turns it off.
@@ -21,12 +23,22 @@ import select
 import time
 from typing import Any
 
-__all__ = ["DEFAULT_SPIN_US", "MAX_SPIN_US", "SpinWait", "spin_us_checked"]
+__all__ = ["DEFAULT_SPIN_US", "MAX_SPIN_US", "SHARED_CPU_S", "SpinWait", "spin_us_checked", "spin_us_from_env"]
 
 #: how long a pool reader polls before it sleeps, by default (microseconds)
 DEFAULT_SPIN_US = 100
 #: the most a caller may ask for: longer would burn a core for nothing on a quiet link
 MAX_SPIN_US = 10_000
+#: a ``sched_yield`` that kept this thread off its CPU this long means another thread runs
+#: on it (the other end, or other work): the poll gives up, and the blocking read lets that
+#: thread have the CPU until the answer wakes this one
+SHARED_CPU_S = 20e-6
+
+
+def spin_us_from_env() -> int:
+    """``MOONCAKE_RS_SPIN_US`` (a client's calls and a store node's connections), else the default."""
+    raw = os.environ.get("MOONCAKE_RS_SPIN_US", "").strip()
+    return spin_us_checked(raw, "MOONCAKE_RS_SPIN_US") if raw else DEFAULT_SPIN_US
 
 
 def spin_us_checked(value: object, what: str) -> int:
@@ -57,10 +69,13 @@ class SpinWait:
         poll = self._poll.poll
         if poll(0):
             return True
-        end = time.perf_counter() + self.spin_s
+        clock = time.perf_counter
+        end = clock() + self.spin_s
         while True:
+            before = clock()
             os.sched_yield()
+            after = clock()
             if poll(0):
                 return True
-            if time.perf_counter() >= end:
+            if after >= end or after - before > SHARED_CPU_S:
                 return False
