@@ -58,6 +58,25 @@ def test_the_end_of_the_stream_is_readable():
         assert a.recv(1) == b""
 
 
+def test_polls_that_give_up_make_the_next_waits_skip_polling():
+    """Back-off: each poll that gave up skips the next 1, 3, 7 ... waits (they return
+    False at once: the caller sleeps in its read); bytes already there are still seen."""
+    a, b = socket.socketpair()
+    with a, b:
+        spin = SpinWait(a, 1e-4)
+        skips = []
+        for _ in range(4):
+            assert spin.wait() is False  # gave up: nothing came
+            skips.append(spin._skip)
+            while spin._skip:
+                assert spin.wait() is False  # skipped
+        assert skips == [1, 3, 7, 15]
+        spin._skip = 5
+        b.sendall(b"x")
+        assert spin.wait() is True and spin._skip == 5  # readable already: no poll needed
+        assert a.recv(1) == b"x"
+
+
 def test_spin_bounds_are_checked():
     assert spin_us_checked(0, "x") == 0
     assert spin_us_checked("250", "x") == 250

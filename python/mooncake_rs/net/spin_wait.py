@@ -54,21 +54,37 @@ def spin_us_checked(value: object, what: str) -> int:
 
 
 class SpinWait:
-    """Polls ``sock`` (anything with ``fileno()``) until it is readable or ``spin_s`` passed."""
+    """Polls ``sock`` (anything with ``fileno()``) until it is readable or ``spin_s`` passed.
 
-    __slots__ = ("spin_s", "_poll")
+    It backs off where polling does not pay: after a poll that gave up (nothing came in
+    time, or another thread took this CPU), the next ``wait`` calls return at once (the
+    caller sleeps in its read, as without a spin), 1, 3, 7 ... up to ``MAX_SKIP`` of them,
+    and one poll that sees its answer ends the back-off. So an idle connection, two ends
+    sharing a CPU, or a CPU busy with other work soon stop polling; two ends on CPUs of
+    their own keep it."""
+
+    __slots__ = ("spin_s", "_poll", "_skip", "_penalty")
+
+    #: the most waits skipped after polls that gave up
+    MAX_SKIP = 1023
 
     def __init__(self, sock: Any, spin_s: float) -> None:
         self.spin_s = spin_s
         self._poll = select.poll()
         self._poll.register(sock.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+        self._skip = 0  # waits left to return at once
+        self._penalty = 0  # how many the next poll that gives up makes it skip
 
     def wait(self) -> bool:
         """True when the socket became readable (bytes, end of stream or an error: the
-        blocking read that follows returns at once), False when the spin ran out."""
+        blocking read that follows returns at once), False when the poll gave up or was
+        skipped (the read that follows sleeps until bytes come)."""
         poll = self._poll.poll
         if poll(0):
             return True
+        if self._skip:
+            self._skip -= 1
+            return False
         clock = time.perf_counter
         end = clock() + self.spin_s
         while True:
@@ -76,6 +92,9 @@ class SpinWait:
             os.sched_yield()
             after = clock()
             if poll(0):
+                self._penalty = 0
                 return True
             if after >= end or after - before > SHARED_CPU_S:
+                self._penalty = min(2 * self._penalty + 1, self.MAX_SKIP)
+                self._skip = self._penalty
                 return False
