@@ -57,7 +57,7 @@ class SpinWait:
     """Polls ``sock`` (anything with ``fileno()``) until it is readable or ``spin_s`` passed.
 
     It backs off where polling does not pay: after a poll that gave up (nothing came in
-    time, or another thread took this CPU), the next ``wait`` calls return at once (the
+    time) or found another thread taking this CPU (its answer may have come meanwhile), the next ``wait`` calls return at once (the
     caller sleeps in its read, as without a spin), 1, 3, 7 ... up to ``MAX_SKIP`` of them,
     and one poll that sees its answer ends the back-off. So an idle connection, two ends
     sharing a CPU, or a CPU busy with other work soon stop polling; two ends on CPUs of
@@ -91,10 +91,13 @@ class SpinWait:
             before = clock()
             os.sched_yield()
             after = clock()
-            if poll(0):
+            ready = bool(poll(0))
+            # (a yield that another thread took counts against polling even when the
+            # answer came meanwhile: that thread had this CPU, the poll won nothing)
+            if ready and after - before <= SHARED_CPU_S:
                 self._penalty = 0
                 return True
-            if after >= end or after - before > SHARED_CPU_S:
+            if ready or after >= end or after - before > SHARED_CPU_S:
                 self._penalty = min(2 * self._penalty + 1, self.MAX_SKIP)
                 self._skip = self._penalty
-                return False
+                return ready
