@@ -21,7 +21,7 @@ from mooncake_rs.errors import InvalidArgument
 from mooncake_rs.pool import DistributedStore, KeyStatus
 from mooncake_rs.pool.links import NodeDown
 from mooncake_rs.pool.node import StoreNode
-from mooncake_rs.pool.protocol import Exists, Lookup, Sizes
+from mooncake_rs.pool.protocol import Exists, FrameIO, Lookup, Reply, Sizes
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -120,17 +120,29 @@ def test_direct_calls_mixed_with_submits_and_posts_get_their_own_answers(etcd_ur
 
 
 def test_a_direct_call_whose_answer_cannot_come_is_node_down(etcd_url, node):
-    """The reader of a direct call sees the stream end (what a node's death looks like to
-    it): NodeDown, the link broken, and later calls NodeDown at once."""
-    with connect(etcd_url, io_timeout_s=1.0) as s:
+    """A node that reads the request and dies before answering (its end of the stream
+    closes): the direct call's reader gets NodeDown, the link is broken and not left
+    "reading", and later calls fail at once."""
+    with connect(etcd_url, io_timeout_s=5.0) as s:
         s.put("k", b"v" * 10)
         link = s.backend.nodes.link("p")
-        link.sock.shutdown(socket.SHUT_RD)
+        mine, dying = socket.socketpair()
+        real = link.sock
+        link.sock, link.io = mine, FrameIO(mine, Reply, spin_s=1e-4)  # (the real node is left alone)
+
+        def die() -> None:
+            dying.recv(1 << 16)  # the request came
+            dying.close()
+
+        t = threading.Thread(target=die)
+        t.start()
         with pytest.raises(NodeDown):
             link.call(Exists, keys=["k"])
+        t.join(10)
         assert link.broken and not link._reading
         with pytest.raises(NodeDown):
             link.call(Exists, keys=["k"])
+        real.close()
 
 
 def test_a_posted_release_frees_the_leases(etcd_url, node):
