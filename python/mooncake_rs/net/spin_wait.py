@@ -8,9 +8,10 @@ sleeping thread on another CPU costs far more than the work itself on a virtual 
 A reader that polls the socket for a few tens of microseconds before it sleeps is still
 running when the answer lands, so nobody has to be woken. Each poll is followed by
 ``sched_yield``: where both ends share one CPU, the other end runs instead of waiting
-for the spinner's time slice to end; and a yield that another thread took for a while
-(``SHARED_CPU_S``) ends the poll, since there the blocking read costs nothing extra and
-polling would only take turns with the thread that has the work.
+for the spinner's time slice to end; and a yield that did let another thread run (the
+kernel's count of this thread's involuntary switches moved) ends the poll, since there
+the blocking read costs nothing extra and polling would only take turns with the thread
+that has the work.
 
 The wait is bounded (``spin_s``): an idle connection costs at most that much CPU after
 its last message, then sleeps in the blocking read as before; 0 turns it off.
@@ -19,20 +20,18 @@ its last message, then sleeps in the blocking read as before; 0 turns it off.
 from __future__ import annotations
 
 import os
+import resource
 import select
 import time
 from typing import Any
 
-__all__ = ["DEFAULT_SPIN_US", "MAX_SPIN_US", "SHARED_CPU_S", "SpinWait", "spin_us_checked", "spin_us_from_env"]
+__all__ = ["DEFAULT_SPIN_US", "MAX_SPIN_US", "SpinWait", "spin_us_checked", "spin_us_from_env"]
 
 #: how long a pool reader polls before it sleeps, by default (microseconds)
 DEFAULT_SPIN_US = 100
 #: the most a caller may ask for: longer would burn a core for nothing on a quiet link
 MAX_SPIN_US = 10_000
-#: a ``sched_yield`` that kept this thread off its CPU this long means another thread runs
-#: on it (the other end, or other work): the poll gives up, and the blocking read lets that
-#: thread have the CPU until the answer wakes this one
-SHARED_CPU_S = 20e-6
+RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)  # (Linux: this thread's counts)
 
 
 def spin_us_from_env() -> int:
@@ -57,8 +56,9 @@ class SpinWait:
     """Polls ``sock`` (anything with ``fileno()``) until it is readable or ``spin_s`` passed.
 
     It backs off where polling does not pay: after a poll that gave up (nothing came in
-    time) or found another thread taking this CPU (its answer may have come meanwhile), the next ``wait`` calls return at once (the
-    caller sleeps in its read, as without a spin), 1, 3, 7 ... up to ``MAX_SKIP`` of them,
+    time) or whose yield let another thread run (its answer may have come meanwhile), the
+    next ``wait`` calls return at once (the caller sleeps in its read, as without a spin),
+    1, 3, 7 ... up to ``MAX_SKIP`` of them,
     and one poll that sees its answer ends the back-off. So an idle connection, two ends
     sharing a CPU, or a CPU busy with other work soon stop polling; two ends on CPUs of
     their own keep it."""
@@ -85,19 +85,28 @@ class SpinWait:
         if self._skip:
             self._skip -= 1
             return False
-        clock = time.perf_counter
-        end = clock() + self.spin_s
+        end = time.perf_counter() + self.spin_s
+        switches = _switches()
         while True:
-            before = clock()
             os.sched_yield()
-            after = clock()
             ready = bool(poll(0))
-            # (a yield that another thread took counts against polling even when the
+            now = _switches()
+            # (a yield that let another thread run counts against polling even when the
             # answer came meanwhile: that thread had this CPU, the poll won nothing)
-            if ready and after - before <= SHARED_CPU_S:
-                self._penalty = 0
-                return True
-            if ready or after >= end or after - before > SHARED_CPU_S:
+            if now != switches:
                 self._penalty = min(2 * self._penalty + 1, self.MAX_SKIP)
                 self._skip = self._penalty
                 return ready
+            if ready:
+                self._penalty = 0
+                return True
+            if time.perf_counter() >= end:
+                self._penalty = min(2 * self._penalty + 1, self.MAX_SKIP)
+                self._skip = self._penalty
+                return False
+
+
+def _switches() -> int:
+    """How often this thread was switched out while runnable (a yield that let another
+    thread run, or a preemption): the kernel's own count, no clock involved."""
+    return resource.getrusage(RUSAGE_THREAD).ru_nivcsw
