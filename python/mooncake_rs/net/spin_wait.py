@@ -79,12 +79,12 @@ class SpinWait:
         """True when the socket became readable (bytes, end of stream or an error: the
         blocking read that follows returns at once), False when the poll gave up or was
         skipped (the read that follows sleeps until bytes come)."""
+        if self._skip:  # (no poll at all: the blocking read returns at once if bytes are there)
+            self._skip -= 1
+            return False
         poll = self._poll.poll
         if poll(0):
             return True
-        if self._skip:
-            self._skip -= 1
-            return False
         end = time.perf_counter() + self.spin_s
         switches = _switches()
         while True:
