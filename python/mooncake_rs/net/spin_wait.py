@@ -25,6 +25,8 @@ import select
 import time
 from typing import Any
 
+from ..errors import InvalidArgument
+
 __all__ = ["DEFAULT_SPIN_US", "MAX_SPIN_US", "SpinWait", "spin_us_checked", "spin_us_from_env"]
 
 #: how long a pool reader polls before it sleeps, by default (microseconds)
@@ -42,8 +44,6 @@ def spin_us_from_env() -> int:
 
 def spin_us_checked(value: object, what: str) -> int:
     """``value`` as a spin in microseconds (0 to MAX_SPIN_US); InvalidArgument otherwise."""
-    from ..errors import InvalidArgument
-
     if isinstance(value, str):
         value = int(value) if value.strip().isdigit() else value
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SPIN_US:
@@ -57,11 +57,10 @@ class SpinWait:
 
     It backs off where polling does not pay: after a poll that gave up (nothing came in
     time) or whose yield let another thread run (its answer may have come meanwhile), the
-    next ``wait`` calls return at once (the caller sleeps in its read, as without a spin),
-    1, 3, 7 ... up to ``MAX_SKIP`` of them,
-    and one poll that sees its answer ends the back-off. So an idle connection, two ends
-    sharing a CPU, or a CPU busy with other work soon stop polling; two ends on CPUs of
-    their own keep it."""
+    next ``wait`` calls return at once without a poll (the caller sleeps in its read, as
+    without a spin): 1, 3, 7 ... up to ``MAX_SKIP`` of them; one poll that sees its answer
+    ends the back-off. So an idle connection, two ends sharing a CPU, or a CPU busy with
+    other work soon stop polling; two ends on CPUs of their own keep it."""
 
     __slots__ = ("spin_s", "_poll", "_skip", "_penalty")
 

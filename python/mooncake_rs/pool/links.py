@@ -180,8 +180,8 @@ class NodeLink:
                 self._cond.notify_all()
 
     def _hand_over(self, reply: Any) -> None:
-        """An answer read by the reading thread: to its waiter (waking the others only where
-        the reader is not its own waiter), or dropped (the answer to a posted request)."""
+        """An answer read by the reading thread: to its waiter (the sleepers are woken: one
+        of them may be it), or dropped (the answer to a posted request)."""
         with self._lock:
             waiter = self._waiting.pop(getattr(reply, "rid", -1), None)
             if waiter is not None:
