@@ -139,3 +139,18 @@ def test_frames_read_with_a_spin_are_the_frames_sent(sealed, spin_s):
     assert [(r.rid, r.values) for r in answers] == [(m.rid, [len(m.keys)]) for m in sent]
     a.close()
     b.close()
+
+
+def test_a_bad_spin_is_a_typed_error_where_it_is_set(monkeypatch):
+    from mooncake_rs.net.spin_wait import DEFAULT_SPIN_US, spin_us_from_env
+    from mooncake_rs.pool.node import StoreNode
+
+    monkeypatch.delenv("MOONCAKE_RS_SPIN_US", raising=False)
+    assert spin_us_from_env() == DEFAULT_SPIN_US
+    monkeypatch.setenv("MOONCAKE_RS_SPIN_US", "0")
+    assert spin_us_from_env() == 0
+    monkeypatch.setenv("MOONCAKE_RS_SPIN_US", "fast")
+    with pytest.raises(InvalidArgument, match="MOONCAKE_RS_SPIN_US"):
+        spin_us_from_env()
+    with pytest.raises(InvalidArgument, match="--spin-us"):
+        StoreNode(name="n", listen="127.0.0.1:0", dram_bytes=1 << 20, auth_token=None, plaintext=True, spin_us=-1)
