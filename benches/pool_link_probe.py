@@ -10,7 +10,12 @@ tests/netns_helpers.py), interleaved so that a drifting load hits both sides ali
         Mooncake facade, pool_bench_roles.py ``store`` with parts ["bulk"]) of each
         checkout (its python/ and built extension), alternating in order and reverse order,
         all on one pair of hosts and one etcd; each variant may add environment variables;
-        prints each run and every variant's per-pair ratios against the first
+        prints each run and every variant's per-pair ratios against the first.
+        ``--parts small``: the 128 B put / get / batch_is_exist x100 rows instead (``bulk,small``: both).
+        ``--cpus N,C``: the node on CPU N, the client on CPU C (``taskset``; the same CPU or two):
+        a small-key round trip costs several times more when the two sides wake each other
+        across CPUs than on one, and the scheduler picks either between runs, so an A/B of
+        per-call CPU pins both ways instead of drawing one
 
 (benches/pool_bench.py is the full side-by-side run with Mooncake; this is for A/B pairs
 of one change, a minute a pair.)
@@ -36,8 +41,8 @@ from netns_helpers import TestHosts  # noqa: E402
 
 
 def short(row: dict) -> str:
-    return json.dumps({k.replace("batch_", "").replace(" 32 x", ""): round(v, 2) for k, v in row.items()
-                       if isinstance(v, float)})
+    return json.dumps({k.replace("batch_", "").replace(" 32 x", ""): round(v, 2) if v < 1000 else round(v)
+                       for k, v in row.items() if isinstance(v, float)})
 
 
 def per_pair(runs: dict[str, list[dict]], base: str) -> None:
@@ -50,7 +55,7 @@ def per_pair(runs: dict[str, list[dict]], base: str) -> None:
             rs = [b[k] / a[k] for a, b in zip(runs[base], rows)]
             print(f"{k}: {label} / {base} median {statistics.median(rs):.2f}x, per pair "
                   f"{', '.join(f'{x:.2f}' for x in rs)}; medians {statistics.median(a[k] for a in runs[base]):.2f} "
-                  f"vs {statistics.median(b[k] for b in rows):.2f} GB/s")
+                  f"vs {statistics.median(b[k] for b in rows):,.2f} {'GB/s' if 'GB' in k or ' x ' in k else '/s'}")
 
 
 def cc(pairs: int) -> None:
@@ -70,7 +75,10 @@ def cc(pairs: int) -> None:
     per_pair(runs, "bbr")
 
 
-def ab(pairs: int, specs: list[str]) -> None:
+def ab(pairs: int, specs: list[str], parts: list[str], cpus: str | None) -> None:
+    node_cpu, _, client_cpu = (cpus or "").partition(",")
+    pin_node = ["taskset", "-c", node_cpu] if cpus else []
+    pin_client = ["taskset", "-c", client_cpu] if cpus else []
     from etcd_helpers import EtcdServer, etcd_binary
     from pool_helpers import start_node
 
@@ -91,15 +99,18 @@ def ab(pairs: int, specs: list[str]) -> None:
                     cluster = f"ab-{p}-{label}"
                     env = dict(os.environ, MOONCAKE_LOG="warn", PYTHONPATH=str(Path(root) / "python"))
                     env.pop("MOONCAKE_AUTH_TOKEN", None)
-                    node, _ = start_node(lambda argv, **kw: hosts.popen(1, argv, **{**kw, "env": env}), etcd.url,
+                    nenv = dict(env, **extra)  # (a variant's settings reach the node too: MOONCAKE_RS_SPIN_US)
+                    node, _ = start_node(lambda argv, **kw: hosts.popen(1, [*pin_node, *argv], **{**kw, "env": nenv}),
+                                         etcd.url,
                                          hosts.ip(1), 7600 + 10 * p + n, label, cluster, dram="1GB",
                                          extra=("--plaintext",))
                     cenv = dict(env, MOONCAKE_CLUSTER=cluster, MOONCAKE_RS_TRANSPORTS="tcp", MOONCAKE_RS_PLAINTEXT="1",
                                 **extra)
                     try:
-                        r = subprocess.run([*ns, sys.executable, str(Path(root) / "benches" / "pool_bench_roles.py"),
+                        r = subprocess.run([*ns, *pin_client, sys.executable,
+                                            str(Path(root) / "benches" / "pool_bench_roles.py"),
                                             "store", json.dumps({"impl": "ours", "host": hosts.ip(0), "meta": addr,
-                                                                 "master": addr, "segment": 0, "parts": ["bulk"]})],
+                                                                 "master": addr, "segment": 0, "parts": parts})],
                                            capture_output=True, text=True, env=cenv, timeout=300)
                     finally:
                         node.terminate()
@@ -119,6 +130,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("probe", choices=["cc", "ab"])
     ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--parts", default="bulk", help="ab: bulk, small or bulk,small (pool_bench_roles.py store)")
+    ap.add_argument("--cpus", default=None, help="ab: NODE_CPU,CLIENT_CPU to pin both sides (taskset)")
     ap.add_argument("variants", nargs="*", help="ab: LABEL=CHECKOUT[,ENV=VALUE...], the first is the base")
     a = ap.parse_intermixed_args()
     if a.probe == "cc":
@@ -126,7 +139,7 @@ def main() -> None:
     else:
         if len(a.variants) < 2:
             raise SystemExit("ab needs at least two variants: LABEL=CHECKOUT[,ENV=VALUE...]")
-        ab(a.pairs, a.variants)
+        ab(a.pairs, a.variants, a.parts.split(","), a.cpus)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ missing keys, never another key's bytes."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -20,7 +21,7 @@ from mooncake_rs.errors import InvalidArgument
 from mooncake_rs.pool import DistributedStore, KeyStatus
 from mooncake_rs.pool.links import NodeDown
 from mooncake_rs.pool.node import StoreNode
-from mooncake_rs.pool.protocol import Exists, Lookup, Sizes
+from mooncake_rs.pool.protocol import Exists, FrameIO, Lookup, Reply, Sizes
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -75,6 +76,73 @@ def test_threads_sharing_one_client_read_their_own_bytes(etcd_url, node):
             th.join(90)
         assert not errors, errors
         assert len(s.backend.nodes.links) == 1  # one connection carried all of it
+
+
+def test_direct_calls_mixed_with_submits_and_posts_get_their_own_answers(etcd_url, node):
+    """``NodeLink.call`` reads its own answer directly when the link is idle, else takes
+    the pipelined path: calls from several threads, interleaved with submitted requests
+    still unanswered and posted ones (whose answers the reader drops), each get the
+    answer to their own request, as a reference dict says."""
+    ref = {f"k{i}": 100 + 37 * i for i in range(30)}
+    with connect(etcd_url) as s:
+        for k, n in ref.items():
+            s.put(k, value_of(k, n))
+        link = s.backend.nodes.link("p")
+        errors: list[str] = []
+
+        def sizes_of(keys: list[str]) -> list[int]:
+            return [ref.get(k, int(KeyStatus.MISSING)) for k in keys]
+
+        def worker(t: int) -> None:
+            try:
+                for r in range(200):
+                    keys = [f"k{(t * 7 + r) % 40}", f"k{r % 30}"]
+                    if r % 5 == 0:  # an unanswered request in the table while others call
+                        p = link.submit(Sizes, keys=keys)
+                        assert link.call(Exists, keys=keys).values == [int(k in ref) for k in keys]
+                        assert p.result().values == sizes_of(keys)
+                    elif r % 7 == 0:  # an answer nobody waits for, read by whoever reads next
+                        link.post(Exists, keys=keys)
+                        assert link.call(Sizes, keys=keys).values == sizes_of(keys)
+                    else:
+                        assert link.call(Sizes, keys=keys).values == sizes_of(keys)
+            except Exception as e:  # noqa: BLE001 - reported by the main thread
+                errors.append(f"thread {t}: {type(e).__name__}: {e}")
+
+        worker(99)  # alone first: every call takes the direct path
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(90)
+        assert not errors, errors
+        assert not link.broken and not link._waiting and not link._reading
+
+
+def test_a_direct_call_whose_answer_cannot_come_is_node_down(etcd_url, node):
+    """A node that reads the request and dies before answering (its end of the stream
+    closes): the direct call's reader gets NodeDown, the link is broken and not left
+    "reading", and later calls fail at once."""
+    with connect(etcd_url, io_timeout_s=5.0) as s:
+        s.put("k", b"v" * 10)
+        link = s.backend.nodes.link("p")
+        mine, dying = socket.socketpair()
+        real = link.sock
+        link.sock, link.io = mine, FrameIO(mine, Reply, spin_s=1e-4)  # (the real node is left alone)
+
+        def die() -> None:
+            dying.recv(1 << 16)  # the request came
+            dying.close()
+
+        t = threading.Thread(target=die)
+        t.start()
+        with pytest.raises(NodeDown):
+            link.call(Exists, keys=["k"])
+        t.join(10)
+        assert link.broken and not link._reading
+        with pytest.raises(NodeDown):
+            link.call(Exists, keys=["k"])
+        real.close()
 
 
 def test_a_posted_release_frees_the_leases(etcd_url, node):

@@ -4,6 +4,7 @@ simple reference: a dict of what was put; statuses typed when the node refuses."
 
 from __future__ import annotations
 
+import random
 import socket
 import subprocess
 
@@ -90,3 +91,72 @@ def test_a_node_killed_makes_small_calls_typed_failures(etcd_url):
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_batch_exists_and_sizes_match_per_key_calls_and_a_reference_across_replicas_and_a_lost_node(etcd_url):
+    """Three nodes, keys put with one and with two replicas; random key sets of present and
+    missing keys: one batch call (each node asked once about its keys) answers as a call
+    per key and as the reference (what was put, and where placement put it) do, before and
+    after one node is SIGKILLed: a two-replica key stays present, a one-replica key on the
+    lost node reads as missing, never present elsewhere."""
+    from mooncake_rs.pool.placement import rank_nodes
+
+    rng = random.Random(24)
+    names = ["m0", "m1", "m2"]
+    procs = []
+    try:
+        for name in names:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            procs.append(start_node(subprocess.Popen, etcd_url, "127.0.0.1", port, name, "small-multi")[0])
+        pool = DistributedStore.connect(etcd_url, auth_token=TOKEN, prefix="/mooncake/small-multi",
+                                        transports=("tcp",), wait_nodes=3, io_timeout_s=5.0)
+        with pool:
+            put: dict[str, tuple[int, int]] = {}  # key -> (size, replicas)
+            for replicas in (1, 2):
+                keys = [f"r{replicas}-{i}" for i in range(120)]
+                vals = [bytes([i % 251]) * rng.randint(1, 4096) for i in range(len(keys))]
+                assert pool.batch_put_values(keys, vals, replicas=replicas) == [KeyStatus.OK] * len(keys)
+                put.update({k: (len(v), replicas) for k, v in zip(keys, vals)})
+            universe = list(put) + [f"absent-{i}" for i in range(80)]
+
+            def check(lost: str | None) -> None:
+                def present(k: str) -> bool:
+                    if k not in put:
+                        return False
+                    holders = rank_nodes(k, names)[:put[k][1]]
+                    return any(h != lost for h in holders)
+
+                for _ in range(6):
+                    keys = rng.sample(universe, rng.randint(1, 150))
+                    want = [present(k) for k in keys]
+                    assert pool.batch_exists(keys) == want
+                    assert [pool.batch_exists([k])[0] for k in keys] == want
+                    assert pool.batch_sizes(keys) == [put[k][0] if w else None for k, w in zip(keys, want)]
+
+            check(None)
+            lost = names[1]
+            procs[1].kill()
+            procs[1].wait(10)
+            assert any(rank_nodes(k, names)[0] == lost for k in put if put[k][1] == 1)  # (the case is there)
+            check(lost)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+
+
+def test_batch_exists_of_a_one_node_pool_matches_the_node_itself(etcd_url, node):
+    """The one-node path (one request, the node's list returned as it is) against the
+    node's own table, on random sets of present and missing keys; then after removals."""
+    rng = random.Random(7)
+    with connect(etcd_url) as pool:
+        keys = [f"one-{i}" for i in range(300)]
+        assert pool.batch_put_values(keys[:200], [b"x" * (1 + i) for i in range(200)]) == [KeyStatus.OK] * 200
+        for step in range(8):
+            if step == 4:
+                assert pool.batch_remove(keys[:50]) == [True] * 50
+            sample = rng.sample(keys, rng.randint(1, 300))
+            assert pool.batch_exists(sample) == [node.segment.exists(k) for k in sample]
+            assert pool.batch_sizes(sample) == [node.segment.size_of(k) for k in sample]

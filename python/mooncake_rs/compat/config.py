@@ -13,7 +13,9 @@ Which pool it opens:
   TCP even to a node on this host; ``MOONCAKE_RS_TCP_CONNECTIONS``: TCP connections per
   node, each sealed and opened on its own thread at both ends (unset: without a token 2
   where the process may use two cores, else 1; with one half the cores, 1 to 4);
-  ``MOONCAKE_RS_PLAINTEXT=1``: the nodes run ``--plaintext``, no token, nothing sealed);
+  ``MOONCAKE_RS_PLAINTEXT=1``: the nodes run ``--plaintext``, no token, nothing sealed;
+  ``MOONCAKE_RS_SPIN_US``: microseconds a call polls for a node's answer before it sleeps,
+  default 100, 0 off: net/spin_wait.py);
 - anything else (``P2PHANDSHAKE``, an HTTP metadata URL, a master address): an embedded
   pool of ``global_segment_size`` bytes in this process, no etcd, no network.
 """
@@ -27,9 +29,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidArgument
+from ..net.spin_wait import spin_us_from_env
 
 __all__ = ["SetupConfig", "parse_size", "etcd_url_of", "auth_token_from_env", "pool_prefix", "transports_from_env",
-           "tcp_connections_from_env", "plaintext_from_env"]
+           "tcp_connections_from_env", "plaintext_from_env", "spin_us_from_env"]
 
 _UNITS = {"": 1, "b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30, "tb": 1 << 40}
 

@@ -23,8 +23,7 @@ import numpy as np
 from ..errors import MooncakeError
 from ..pool import DistributedStore, KeyStatus
 from .config import (SetupConfig, auth_token_from_env, etcd_url_of, plaintext_from_env, pool_prefix,
-                     tcp_connections_from_env,
-                     transports_from_env)
+                     spin_us_from_env, tcp_connections_from_env, transports_from_env)
 
 __all__ = ["MooncakeDistributedStore", "ReplicateConfig", "ReplicaDescriptor"]
 
@@ -128,7 +127,7 @@ class MooncakeDistributedStore:
                 self._store = DistributedStore.connect(etcd, auth_token=None if plain else auth_token_from_env(),
                                                        prefix=pool_prefix(), transports=transports_from_env(),
                                                        tcp_connections=tcp_connections_from_env(),
-                                                       plaintext=plain)
+                                                       plaintext=plain, spin_us=spin_us_from_env())
             else:
                 if cfg.global_segment_size <= 0:
                     log.error("an embedded pool needs global_segment_size > 0 (or an etcd:// metadata_server "
@@ -159,16 +158,16 @@ class MooncakeDistributedStore:
             return NOT_SET_UP
         if len(keys) != len(values):
             return INVALID_PARAMS
-        try:
-            if any(memoryview(v).nbytes == 0 for v in values):
-                return INVALID_PARAMS
+        try:  # (an empty value or a bad key: InvalidArgument from batch_put_values)
             replicas, pin = _opts(config)
-            res = [int(r) for r in self._store.batch_put_values(list(keys), list(values), replicas=replicas, pin=pin)]
-        except (MooncakeError, TypeError) as e:
+            res = self._store.batch_put_values(keys, values, replicas=replicas, pin=pin)
+        except (MooncakeError, TypeError, ValueError) as e:
             log.error("put of %d keys failed: %s", len(keys), e)
             return INVALID_PARAMS
-        bad = [r for r in res if r != OK]
-        return bad[0] if bad else OK
+        for r in res:
+            if r != OK:
+                return int(r)
+        return OK
 
     def get(self, key: str) -> bytes:
         return self.get_batch([key])[0]
@@ -178,7 +177,7 @@ class MooncakeDistributedStore:
         if self._store is None:
             return [b""] * len(keys)
         try:
-            return [v if v is not None else b"" for v in self._store.batch_get_bytes(list(keys))]
+            return [v if v is not None else b"" for v in self._store.batch_get_bytes(keys)]
         except MooncakeError:
             return [b""] * len(keys)
 
@@ -293,7 +292,7 @@ class MooncakeDistributedStore:
         if self._store is None:
             return [-1] * len(keys)
         try:
-            return [1 if e else 0 for e in self._store.batch_exists(list(keys))]
+            return list(map(int, self._store.batch_exists(keys)))  # (True/False -> 1/0)
         except MooncakeError as e:
             log.error("batch_is_exist failed: %s", e)
             return [-1] * len(keys)

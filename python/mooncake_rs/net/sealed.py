@@ -71,6 +71,12 @@ class SealedSocket:
             for start in range(0, len(view), _CHUNK):
                 self._sock.sendall(self._sealer.seal(bytes(view[start:start + _CHUNK])))
 
+    @property
+    def buffered(self) -> int:
+        """Bytes read from the socket and not yet handed out (plaintext, or wire bytes read
+        ahead): while any, a ``recv`` may return without the socket becoming readable."""
+        return len(self._buf) - self._pos + len(self._raw) - self._raw_pos
+
     def recv(self, n: int) -> bytes:
         """Up to ``n`` bytes of plaintext; b"" once the peer closed. A record that fails
         its check raises ``Unauthorized`` (an OSError: readers treat it as a lost link)."""

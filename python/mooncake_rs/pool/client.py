@@ -23,6 +23,7 @@ from typing import Any
 
 
 from ..errors import BlockNotFound, InvalidArgument, StoreFull, TransferFailed
+from ..net.spin_wait import DEFAULT_SPIN_US, spin_us_checked
 from .backend import Backend
 from .buffers import RegisteredBuffer, RegisteredBuffers, address_of
 from .local import LocalBackend
@@ -82,21 +83,25 @@ class DistributedStore:
     def connect(cls, etcd: str, *, auth_token: str | bytes | None = None, prefix: str = "/mooncake/default",
                 name: str | None = None, wait_nodes: int = 1, timeout_s: float = 10.0,
                 io_timeout_s: float = 5.0, transports: tuple[str, ...] = ("tcp", "shm"),
-                tcp_connections: int | None = None, plaintext: bool = False) -> "DistributedStore":
+                tcp_connections: int | None = None, plaintext: bool = False,
+                spin_us: int = DEFAULT_SPIN_US) -> "DistributedStore":
         """``transports``: ("tcp",) makes every byte cross TCP even to a node on this host.
         ``tcp_connections``: data connections per node; each is sealed and opened on its own
         thread at both ends (one runs at about one core's AES-GCM), so more use more cores.
         None (default): the transfer engine's rule (without a token 2 where this process may
         use two cores, else 1; with one, half the cores, 1 to 4: docs/transfer.md).
         ``plaintext``: nodes started with ``--plaintext`` (no token: nothing authenticated or
-        sealed, like Mooncake Store's TCP; only where every host is trusted)."""
+        sealed, like Mooncake Store's TCP; only where every host is trusted).
+        ``spin_us``: how long a call polls for a node's answer before it sleeps (net/spin_wait.py:
+        saves waking this thread from another CPU per small call; 0: sleep at once)."""
         from .remote import RemoteBackend
 
         if tcp_connections is not None and (not isinstance(tcp_connections, int) or not 1 <= tcp_connections <= 64):
             raise InvalidArgument(f"tcp_connections must be an int in 1..64, got {tcp_connections!r}")
         return cls(RemoteBackend(etcd, auth_token=auth_token, prefix=prefix, name=name, wait_nodes=wait_nodes,
                                  timeout_s=timeout_s, io_timeout_s=io_timeout_s, transports=tuple(transports),
-                                 tcp_connections=tcp_connections, plaintext=bool(plaintext)))
+                                 tcp_connections=tcp_connections, plaintext=bool(plaintext),
+                                 spin_us=spin_us_checked(spin_us, "spin_us")))
 
     # ---- buffers
     def register_buffer(self, ptr: int, size: int) -> None:

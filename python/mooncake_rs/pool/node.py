@@ -22,6 +22,7 @@ from ..net.auth_socket import AuthListener
 from ..net.plain_socket import PlainListener
 from ..net.etcd import EtcdClient
 from ..net.sealed import SealedSocket
+from ..net.spin_wait import DEFAULT_SPIN_US, spin_us_checked
 from ..errors import InvalidArgument, MooncakeError
 from .members import NodeRegistration, StoreNodeRecord
 from .metrics import prometheus_text, segment_metrics
@@ -43,13 +44,15 @@ class StoreNode:
                  ssd_bytes: int = 0, transfer_listen: str | None = None, metrics_listen: str | None = None,
                  etcd: str | None = None, prefix: str = "/mooncake/default", ttl_s: int = 3,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, transports: tuple[str, ...] = ("tcp", "shm"),
-                 plaintext: bool = False, lease_ttl_s: float = 0.0) -> None:
+                 plaintext: bool = False, lease_ttl_s: float = 0.0, spin_us: int = DEFAULT_SPIN_US) -> None:
         """``lease_ttl_s`` > 0: a client's reservations and leases end that long after its
         last request even while its connection stays open (holds.py: the slots are granted
         to its engine alone and revoked first, so a late read or write is refused); 0:
         they end with the connection. ``plaintext``: no cluster token, nothing authenticated or sealed (control and data),
         like Mooncake Store's TCP; only on a network where every host is trusted. It must be
-        asked for by name: ``auth_token=None`` alone is refused."""
+        asked for by name: ``auth_token=None`` alone is refused. ``spin_us``: after each answer,
+        how long a connection's thread polls for the client's next request before it sleeps
+        (net/spin_wait.py; 0: it sleeps at once)."""
         host, _, port = listen.rpartition(":")
         if not host or not port.isdigit():
             raise InvalidArgument(f"--listen must be HOST:PORT, got {listen!r}")
@@ -60,6 +63,7 @@ class StoreNode:
         if not lease_ttl_s >= 0:
             raise InvalidArgument(f"--lease-ttl is seconds >= 0 (0: holds end with the connection), got {lease_ttl_s!r}")
         self.lease_ttl_s = float(lease_ttl_s)
+        self.spin_s = spin_us_checked(spin_us, "--spin-us") / 1e6
         self.name = name
         self.segment = ObjectSegment(dram_bytes, ssd_path=ssd_path, ssd_bytes=ssd_bytes, chunk_bytes=chunk_bytes,
                                      shared_memory=True)
@@ -87,7 +91,7 @@ class StoreNode:
 
     # ---- one connection
     def _serve(self, sock: SealedSocket | socket.socket, peer: str) -> None:
-        io = FrameIO(sock, Request)
+        io = FrameIO(sock, Request, spin_s=self.spin_s)
         conn = ConnHolds(self.te, self.lease_ttl_s, self._free)
         with self._conns_lock:
             self._conns.add(conn)

@@ -21,11 +21,13 @@ DOWN_S = 1.0
 
 class NodeLinks:
     def __init__(self, directory: NodeDirectory, token: str | None, te: TransferEngine,
-                 io_timeout_s: float) -> None:
+                 io_timeout_s: float, spin_s: float = 0.0) -> None:
+        """``spin_s``: how long a link's reader polls for an answer before it sleeps (links.py)."""
         self.directory = directory
         self.token = token
         self.te = te
         self.io_timeout_s = io_timeout_s
+        self.spin_s = spin_s
         self._lock = threading.Lock()
         self._connecting = threading.Lock()
         self.links: dict[str, NodeLink] = {}
@@ -54,7 +56,7 @@ class NodeLinks:
             if rec is None:
                 raise NodeDown(f"store node {node} left")
             try:
-                link = NodeLink(rec, self.token, self.te, self.io_timeout_s)
+                link = NodeLink(rec, self.token, self.te, self.io_timeout_s, spin_s=self.spin_s)
             except NodeDown:
                 self.mark_down(node)
                 raise

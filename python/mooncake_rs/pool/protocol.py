@@ -21,6 +21,7 @@ from typing import Any, Protocol, Union
 import msgspec
 
 from ..errors import InvalidArgument
+from ..net.spin_wait import SpinWait
 
 __all__ = ["INLINE_MAX", "Reserve", "Commit", "PutInline", "Lookup", "Release", "Exists", "Sizes", "Remove", "RemoveAll", "Stats",
            "Reserved", "Leased", "Answer", "Failure", "Request", "Reply", "FrameIO", "MAX_FRAME"]
@@ -151,17 +152,24 @@ class StreamSocket(Protocol):
 
     def recv(self, n: int) -> bytes: ...
 
+    def fileno(self) -> int: ...
+
 
 class FrameIO:
     """Reads and writes frames of one union on a blocking socket. Reads are buffered: a
     small frame's header and body (and any frames behind them) come in one ``recv``, not
-    one for the header and one for the body (a small-key round trip is two frames)."""
+    one for the header and one for the body (a small-key round trip is two frames).
+
+    ``spin_s`` > 0: a read that finds nothing buffered polls the socket that long before
+    it sleeps in ``recv`` (net/spin_wait.py: the answer to a small call usually lands
+    within it, and nobody has to wake a sleeping thread on another CPU)."""
 
     #: what one ``recv`` asks for at least
     READ_AHEAD = 64 << 10
 
-    def __init__(self, sock: StreamSocket, types: object) -> None:
+    def __init__(self, sock: StreamSocket, types: object, spin_s: float = 0.0) -> None:
         self.sock = sock
+        self._spin = SpinWait(sock, spin_s) if spin_s > 0 else None
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(types)
         self._buf = b""  # bytes read and not yet handed out, from _pos on
@@ -193,6 +201,9 @@ class FrameIO:
         if have >= need:
             return
         parts = [self._buf[self._pos:]] if have else []
+        # (a sealed socket may hold a record's plaintext already: nothing to wait for)
+        if self._spin is not None and not getattr(self.sock, "buffered", 0):
+            self._spin.wait()
         try:
             while have < need:
                 chunk = self.sock.recv(max(need - have, self.READ_AHEAD))

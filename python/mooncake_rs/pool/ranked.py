@@ -20,7 +20,13 @@ class RankedAsks:
         self.nodes = nodes
 
     def values(self, keys: list[str], make: type, found: Callable[[int], bool]) -> list[int]:
-        """Asks each key's nodes in rank order until ``found(value)``; the last answer."""
+        """Asks each key's nodes in rank order until ``found(value)``; the last answer (0
+        for a key no node could answer about)."""
+        live = self.nodes.live()
+        if len(live) == 1:  # one node, one request: its answer is the list (no per-key Python)
+            rep = self.nodes.ask_one(live[0], make, keys=keys)
+            vals = rep.values if rep is not None else []
+            return vals if len(vals) == len(keys) else (list(vals) + [0] * len(keys))[:len(keys)]
         out = [0] * len(keys)
 
         def take(idx: list[int], rep: Any) -> list[int]:
@@ -42,7 +48,8 @@ class RankedAsks:
         live = self.nodes.live()
         todo = list(range(len(keys)))
         if len(live) == 1:  # one node holds every key there is: no ranking, one request
-            take(todo, self.nodes.ask_each([(live[0], *request(todo))])[0])
+            make, fields = request(todo)
+            take(todo, self.nodes.ask_one(live[0], make, **fields))
             return
         ranks = [rank_nodes(k, live) for k in keys]
         for rnd in range(len(live)):

@@ -54,7 +54,7 @@ class RemoteBackend:
     def __init__(self, etcd: str, *, auth_token: str | bytes | None, prefix: str, name: str | None,
                  wait_nodes: int, timeout_s: float, io_timeout_s: float,
                  transports: tuple[str, ...] = ("tcp", "shm"), tcp_connections: int | None = None,
-                 plaintext: bool = False) -> None:
+                 plaintext: bool = False, spin_us: int = 0) -> None:
         if isinstance(auth_token, bytes):
             auth_token = auth_token.decode()
         if plaintext and auth_token:
@@ -71,7 +71,7 @@ class RemoteBackend:
         self.te = TransferEngine(self.name, listen="", auth_token=self.token, transports=list(transports),
                                  connections_per_endpoint=tcp_connections)
         self.buffers = RegisteredBuffers()  # DistributedStore replaces it with its own
-        self.nodes = NodeLinks(self.directory, self.token, self.te, io_timeout_s)
+        self.nodes = NodeLinks(self.directory, self.token, self.te, io_timeout_s, spin_s=spin_us / 1e6)
         self.ranked = RankedAsks(self.nodes)
         self.replicas_lost = 0
         self.under_replicated = 0
@@ -357,7 +357,7 @@ class RemoteBackend:
 
     # ---- metadata
     def exists_many(self, keys: list[str]) -> list[bool]:
-        return [v == 1 for v in self.ranked.values(keys, Exists, lambda v: v == 1)]
+        return list(map((1).__eq__, self.ranked.values(keys, Exists, (1).__eq__)))
 
     def size_many(self, keys: list[str]) -> list[int | None]:
         vals = self.ranked.values(keys, Sizes, lambda v: v >= 0)

@@ -1,0 +1,156 @@
+"""The bounded poll before a blocking read (net/spin_wait.py) and FrameIO with it: it
+reports a socket readable when bytes (or the end of the stream) are there or arrive while
+it polls, gives up when nothing comes, and frames read with it are the frames read
+without it, on a plain socket and on a sealed one (whose own read-ahead it must not wait
+on)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from mooncake_rs.errors import InvalidArgument
+from mooncake_rs.net.sealed import SealedSocket, session_keys
+from mooncake_rs.net.spin_wait import MAX_SPIN_US, SpinWait, spin_us_checked
+from mooncake_rs.pool.protocol import Answer, Exists, FrameIO, PutInline, Reply, Request
+
+pytestmark = [pytest.mark.timeout(60)]
+
+
+def test_readable_at_once_when_bytes_wait():
+    a, b = socket.socketpair()
+    with a, b:
+        b.sendall(b"x")
+        assert SpinWait(a, 1e-3).wait() is True
+        assert a.recv(1) == b"x"
+
+
+def test_gives_up_when_nothing_comes():
+    a, b = socket.socketpair()
+    with a, b:
+        assert SpinWait(a, 1e-4).wait() is False
+
+
+def test_sees_bytes_that_arrive_while_it_polls():
+    a, b = socket.socketpair()
+    with a, b:
+        t = threading.Thread(target=lambda: (time.sleep(0.01), b.sendall(b"late")))
+        t.start()
+        # a spin far longer than the writer's delay ends because the bytes came, or gives
+        # up early when the writer took this CPU (SHARED_CPU_S); never True without bytes
+        spin = SpinWait(a, 30.0)
+        deadline = time.monotonic() + 30
+        while not spin.wait():
+            assert time.monotonic() < deadline
+        t.join()
+        assert a.recv(4, socket.MSG_DONTWAIT) == b"late"
+
+
+def test_the_end_of_the_stream_is_readable():
+    a, b = socket.socketpair()
+    with a:
+        b.close()
+        assert SpinWait(a, 30.0).wait() is True
+        assert a.recv(1) == b""
+
+
+def test_polls_that_give_up_make_the_next_waits_skip_polling():
+    """Back-off: each poll that gave up skips the next 1, 3, 7 ... waits (they return
+    False at once, without a poll: the caller's blocking read returns as soon as bytes are
+    there); once the skips are used up, bytes already there are seen at once."""
+    a, b = socket.socketpair()
+    with a, b:
+        spin = SpinWait(a, 1e-4)
+        skips = []
+        for _ in range(4):
+            assert spin.wait() is False  # gave up: nothing came
+            skips.append(spin._skip)
+            while spin._skip:
+                assert spin.wait() is False  # skipped
+        assert skips == [1, 3, 7, 15]
+        spin._skip = 1
+        b.sendall(b"x")
+        assert spin.wait() is False and spin._skip == 0  # skipped: the caller's read finds the byte
+        assert spin.wait() is True  # readable already
+        assert a.recv(1) == b"x"
+
+
+def test_spin_bounds_are_checked():
+    assert spin_us_checked(0, "x") == 0
+    assert spin_us_checked("250", "x") == 250
+    for bad in (-1, MAX_SPIN_US + 1, "ten", 1.5, True, None):
+        with pytest.raises(InvalidArgument, match="microseconds"):
+            spin_us_checked(bad, "x")
+
+
+def _frames(n: int) -> list:
+    out = []
+    for i in range(n):
+        if i % 3 == 0:
+            out.append(PutInline(rid=i, keys=[f"k{i}"], values=[os.urandom(1 + i * 37 % 4096)]))
+        else:
+            out.append(Exists(rid=i, keys=[f"k{j}" for j in range(i % 50)]))
+    return out
+
+
+def _pair(sealed: bool) -> tuple:
+    a, b = socket.socketpair()
+    if not sealed:
+        return a, b
+    k1, k2 = session_keys(b"t" * 32, b"n" * 16, b"m" * 16)
+    return SealedSocket(a, k1, k2), SealedSocket(b, k2, k1)
+
+
+@pytest.mark.parametrize("sealed", [False, True], ids=["plain", "sealed"])
+@pytest.mark.parametrize("spin_s", [0.0, 1e-4, 5.0])
+def test_frames_read_with_a_spin_are_the_frames_sent(sealed, spin_s):
+    """Requests one way, answers the other, sent in bursts (so a read finds several frames
+    buffered, in FrameIO or in the sealed socket) and one at a time (so it must wait)."""
+    a, b = _pair(sealed)
+    client_out, node_in = FrameIO(a, Reply, spin_s=spin_s), FrameIO(b, Request, spin_s=spin_s)
+    node_out, client_in = FrameIO(b, Reply), FrameIO(a, Reply, spin_s=spin_s)
+    sent = _frames(60)
+    got: list = []
+
+    def node() -> None:
+        for _ in sent:
+            msg = node_in.recv()
+            got.append(msg)
+            node_out.send(Answer(rid=msg.rid, values=[len(msg.keys)]))
+
+    t = threading.Thread(target=node)
+    t.start()
+    answers = []
+    for burst in (sent[:20], sent[20:]):
+        if burst is sent[:20]:
+            for m in burst:  # a burst: all sent before any answer is read
+                client_out.send(m)
+            answers += [client_in.recv() for _ in burst]
+        else:
+            for m in burst:  # one at a time
+                client_out.send(m)
+                answers.append(client_in.recv())
+    t.join(30)
+    assert got == sent
+    assert [(r.rid, r.values) for r in answers] == [(m.rid, [len(m.keys)]) for m in sent]
+    a.close()
+    b.close()
+
+
+def test_a_bad_spin_is_a_typed_error_where_it_is_set(monkeypatch):
+    from mooncake_rs.net.spin_wait import DEFAULT_SPIN_US, spin_us_from_env
+    from mooncake_rs.pool.node import StoreNode
+
+    monkeypatch.delenv("MOONCAKE_RS_SPIN_US", raising=False)
+    assert spin_us_from_env() == DEFAULT_SPIN_US
+    monkeypatch.setenv("MOONCAKE_RS_SPIN_US", "0")
+    assert spin_us_from_env() == 0
+    monkeypatch.setenv("MOONCAKE_RS_SPIN_US", "fast")
+    with pytest.raises(InvalidArgument, match="MOONCAKE_RS_SPIN_US"):
+        spin_us_from_env()
+    with pytest.raises(InvalidArgument, match="--spin-us"):
+        StoreNode(name="n", listen="127.0.0.1:0", dram_bytes=1 << 20, auth_token=None, plaintext=True, spin_us=-1)
