@@ -15,7 +15,8 @@
 //! requests (serving writes one span per block and layer) costs one round trip, not one
 //! a chunk: a round trip per chunk made a serving step's eight 128 KiB spans sixteen
 //! wake-ups, each a scheduling delay on a busy host. A small batch is committed by
-//! `submit_many` itself (below), and then the answer is its only wake-up here.
+//! `submit_many` itself (below), and then the answer is its only wake-up here; so are
+//! a larger batch's leading reads (they cost `submit` no copy, only frames).
 //!
 //! A read's chunks take the same ring: space is reserved (nothing copied in), the commit
 //! (all reads) goes out, and `apply` copies each chunk from the buffer into the request's
@@ -162,7 +163,9 @@ impl StagedLink {
     /// without waiting for an answer, each whole, are copied and committed here, in one
     /// commit: the caller's thread is running now, while the worker's wake-up is a
     /// scheduling delay, milliseconds on a busy host (it was most of a serving batch's
-    /// time in flight). The rest is queued; the worker sends it and reads every answer.
+    /// time in flight). Without `inline`, the leading reads that fit are committed here
+    /// the same way (in commits of [`FLUSH_BYTES`]; a read costs no copy here). The rest
+    /// is queued; the worker sends it and reads every answer.
     pub fn submit_many(&self, ws: Vec<StagedRequest>, inline: bool) {
         if self.is_dead() {
             for w in ws {
