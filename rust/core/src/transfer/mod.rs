@@ -29,6 +29,7 @@ pub mod shm;
 pub mod staged;
 mod staged_ring;
 pub mod staged_server;
+pub mod stream_copy;
 pub mod tcp;
 
 use std::fmt;
@@ -224,3 +225,5 @@ mod tests_rights;
 mod tests_sealed;
 #[cfg(test)]
 mod tests_staged;
+#[cfg(test)]
+mod tests_staged_pipeline;

@@ -15,7 +15,8 @@
 //! requests (serving writes one span per block and layer) costs one round trip, not one
 //! a chunk: a round trip per chunk made a serving step's eight 128 KiB spans sixteen
 //! wake-ups, each a scheduling delay on a busy host. A small batch is committed by
-//! `submit_many` itself (below), and then the answer is its only wake-up here.
+//! `submit_many` itself (below), and then the answer is its only wake-up here; so are
+//! a larger batch's leading reads (they cost `submit` no copy, only frames).
 //!
 //! A read's chunks take the same ring: space is reserved (nothing copied in), the commit
 //! (all reads) goes out, and `apply` copies each chunk from the buffer into the request's
@@ -58,12 +59,19 @@ pub struct StagedRequest {
     pub len: u64,
 }
 
-/// Most bytes one commit moves.
+/// Most bytes one chunk moves.
 pub const CHUNK: u64 = 1 << 20;
-/// Bytes after which an open commit is sent even if more writes are queued, so the
-/// server copies one commit out while the worker copies the next in (a quarter of the
-/// default ring; a serving step's batch of one layer, 8 x 128 KiB, is one commit).
-const FLUSH_BYTES: u64 = 2 << 20;
+/// Bytes after which the worker sends an open commit even if more requests are queued,
+/// so the two copies overlap: the server copies commit k into the region while the
+/// worker copies commit k+1 into the buffer (a read: the worker copies commit k out
+/// while the server fills k+1). Measured against 2 MiB (one commit for a 16 x 128 KiB
+/// batch, the copies in series) and 128/256 KiB (more commits, no faster): BENCHMARKS.md,
+/// "k26s". A batch `submit_many` commits itself (at most 1 MiB) stays one commit.
+const FLUSH_BYTES: u64 = 512 << 10;
+/// Chunks at least this long are copied to their last place (the region, for a write
+/// on the server; the destination, for a read here) with streaming stores (see
+/// [`super::stream_copy`]); below it an ordinary copy measured as fast.
+pub const STREAMING_MIN: u64 = 256 << 10;
 
 pub struct StagedLink {
     stream: UnixStream,
@@ -155,7 +163,9 @@ impl StagedLink {
     /// without waiting for an answer, each whole, are copied and committed here, in one
     /// commit: the caller's thread is running now, while the worker's wake-up is a
     /// scheduling delay, milliseconds on a busy host (it was most of a serving batch's
-    /// time in flight). The rest is queued; the worker sends it and reads every answer.
+    /// time in flight). Without `inline`, the leading reads that fit are committed here
+    /// the same way (in commits of [`FLUSH_BYTES`]; a read costs no copy here). The rest
+    /// is queued; the worker sends it and reads every answer.
     pub fn submit_many(&self, ws: Vec<StagedRequest>, inline: bool) {
         if self.is_dead() {
             for w in ws {
@@ -164,12 +174,15 @@ impl StagedLink {
             return;
         }
         let mut ws = VecDeque::from(ws);
-        if inline {
+        // A small batch is copied and committed here; a larger one's leading reads are
+        // committed here (no copy), so the server starts on them without waiting for the
+        // worker's wake-up.
+        if inline || ws.front().is_some_and(|w| w.op == Op::Read) {
             if let Some(ring) = self.ring.try_lock() {
                 // Behind queued writes, commits would overtake them: only with none queued.
                 // (A `let`, so the queue's guard ends here, not after the commit is written.)
                 let none_queued = self.queue.lock().is_empty();
-                if none_queued && self.commit_fitting(&mut ws, ring).is_err() {
+                if none_queued && self.commit_fitting(&mut ws, ring, inline).is_err() {
                     // Every chunk copied here is in the ring, and the rest is queued below:
                     // the worker sees the link dead and fails them all.
                     self.dead.store(true, Ordering::SeqCst);
@@ -214,8 +227,11 @@ impl StagedLink {
         fds[1].revents != 0
     }
 
-    /// Copies and commits (in one commit) the leading writes of `ws` whose chunks all
-    /// fit now; stops at the first that does not, leaving it and the rest in `ws`.
+    /// Copies and commits the leading requests of `ws` whose chunks all fit now; stops
+    /// at the first that does not, leaving it and the rest in `ws`. With `whole` (a small
+    /// batch) everything goes in one commit; without it only reads are taken (they cost
+    /// `submit` no copy, only a frame), in commits of [`FLUSH_BYTES`], so the server
+    /// starts filling the first while the rest are sent.
     /// The ring is let go before the commit is written: writing wakes the server, which
     /// may take this CPU from us for milliseconds on a busy host, and the worker must not
     /// wait that long for the ring to report the answer.
@@ -223,22 +239,34 @@ impl StagedLink {
         &self,
         ws: &mut VecDeque<StagedRequest>,
         mut ring: MutexGuard<'_, Ring>,
+        whole: bool,
     ) -> Result<(), TransferError> {
         let (chunk, cap) = (self.chunk(), self.staging.len() as u64);
+        ring.one_commit = whole;
+        let first_id = ring.next_id;
+        let mut copied = Ok(());
         while let Some(w) = ws.front() {
             // Whole requests only (the worker takes the rest from the start of one), and
-            // of the open commit's op: this is one commit.
+            // of the open commit's op.
             let other_op = !ring.open.is_empty() && ring.open_read != (w.op == Op::Read);
-            if w.len > chunk || other_op || ring.place(w.len, cap).is_none() {
+            let not_taken = !whole && w.op != Op::Read;
+            if w.len > chunk || other_op || not_taken || ring.place(w.len, cap).is_none() {
                 break;
             }
             let Some(w) = ws.pop_front() else { break };
-            self.copy_write(&w, &mut ring, chunk, cap)?;
+            copied = self.copy_write(&w, &mut ring, chunk, cap);
+            if copied.is_err() {
+                break;
+            }
         }
+        ring.one_commit = false;
+        // Commits `copy_write` sent on the way (a large batch's reads), and the last one.
+        let sent_on_the_way = ring.next_id - first_id;
+        self.inline_commits.fetch_add(sent_on_the_way + u64::from(!ring.open.is_empty()), Ordering::Relaxed);
+        copied?;
         if ring.open.is_empty() {
             return Ok(());
         }
-        self.inline_commits.fetch_add(1, Ordering::Relaxed);
         let frame = seal_commit(&mut ring);
         // Frames go out in the order their commits entered the ring.
         let sending = self.send_lock.lock();
@@ -416,7 +444,7 @@ impl StagedLink {
             ring.open_bytes += n;
             ring.head = at + n;
             off += n;
-            if ring.open_bytes >= FLUSH_BYTES {
+            if ring.open_bytes >= FLUSH_BYTES && !ring.one_commit {
                 self.send(ring)?;
             }
         }
@@ -479,11 +507,12 @@ impl StagedLink {
                         // local range, kept mapped by its span; begin_io keeps the request
                         // from ending while we write it.
                         unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                self.staging.as_ptr().add(c.at as usize) as *const u8,
-                                dst.ptr,
-                                c.len as usize,
-                            )
+                            let staged = self.staging.as_ptr().add(c.at as usize) as *const u8;
+                            if c.len >= STREAMING_MIN {
+                                super::stream_copy::copy_streaming(dst.ptr, staged, c.len as usize)
+                            } else {
+                                std::ptr::copy_nonoverlapping(staged, dst.ptr, c.len as usize)
+                            }
                         };
                         c.batch.end_io(c.index);
                     }

@@ -41,6 +41,9 @@ pub(super) struct Ring {
     pub(super) open_bytes: u64,
     pub(super) head: u64,
     pub(super) next_id: u64,
+    /// Set while `submit_many` commits a small batch: its chunks stay one commit (one
+    /// answer, one wake-up) instead of being sent every `FLUSH_BYTES`.
+    pub(super) one_commit: bool,
 }
 
 impl Ring {

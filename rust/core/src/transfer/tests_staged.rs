@@ -25,14 +25,14 @@ use super::*;
 
 const TOKEN: &str = "cluster-token";
 
-fn engine(name: &str) -> Engine {
+pub(super) fn engine(name: &str) -> Engine {
     let mut c = cfg(name, &["shm", "tcp"]);
     c.auth_token = Some(TOKEN.into());
     // No registry: the engines reach each other as same-host peers, not in-process.
     Engine::new(c, None).unwrap()
 }
 
-fn code(st: &RequestStatus) -> &'static str {
+pub(super) fn code(st: &RequestStatus) -> &'static str {
     st.error().map_or("ok", |e| e.code())
 }
 
@@ -41,7 +41,7 @@ fn write(a: &Engine, l: RegionId, lo: u64, p: &Arc<Peer>, rb: RegionId, off: u64
     code(&st[0])
 }
 
-fn links(p: &Peer) -> Vec<Arc<StagedLink>> {
+pub(super) fn links(p: &Peer) -> Vec<Arc<StagedLink>> {
     match &p.kind {
         PeerKind::Remote { shm: Some(s), .. } => s.links(),
         _ => Vec::new(),
@@ -297,16 +297,16 @@ fn a_commit_of_many_chunks_is_checked_and_answered_chunk_by_chunk() {
 /// Two fresh engines on `transports` with the token, the prefill connected to the decode,
 /// and a 12 MiB restricted arena on the decode (filled with pattern 1) that the prefill
 /// may reach in two grants (`write` or read-only): `0..4 MiB` and `6 MiB..12 MiB - 1000`.
-struct GrantedPair {
-    decode: Engine,
-    prefill: Engine,
-    p: Arc<Peer>,
-    arena: u64,
-    len: u64,
-    arena_bytes: Vec<u8>,
+pub(super) struct GrantedPair {
+    pub(super) decode: Engine,
+    pub(super) prefill: Engine,
+    pub(super) p: Arc<Peer>,
+    pub(super) arena: u64,
+    pub(super) len: u64,
+    pub(super) arena_bytes: Vec<u8>,
 }
 
-fn granted_pair(transports: &[&str], write: bool) -> GrantedPair {
+pub(super) fn granted_pair(transports: &[&str], write: bool) -> GrantedPair {
     let engine_on = |name: &str| {
         let mut c = cfg(name, transports);
         c.auth_token = Some(TOKEN.into());
@@ -324,7 +324,7 @@ fn granted_pair(transports: &[&str], write: bool) -> GrantedPair {
 
 /// Waits (bounded) until every staging link of `p` has let go of its ring, so that the
 /// next small batch is committed from `submit` rather than queued for the worker.
-fn wait_links_idle(p: &Arc<Peer>) {
+pub(super) fn wait_links_idle(p: &Arc<Peer>) {
     let until = std::time::Instant::now() + T;
     while !links(p).iter().all(|l| l.is_idle()) && std::time::Instant::now() < until {
         std::thread::sleep(std::time::Duration::from_millis(1));
