@@ -12,7 +12,8 @@ A request whose local prefix is still being made by an earlier request on this i
 blocks as local, docs/conductor.md "Pending prefixes") waits for that request to store
 its blocks, then looks its local prefix up again when it is handed to the engine, so it
 reuses them rather than computing them a second time. Its fetch, if any, of the blocks
-after that prefix runs meanwhile.
+after that prefix runs meanwhile. When a request goes into the engine the cluster is
+told ``Started`` (the conductor's queue counts it running from then, not from dispatch).
 After each layer of each step, ``on_layer`` saves that layer's part of every newly
 completed full block into a reserved store slot and queues its copy into the slot the
 decode instance reserved, so sending overlaps the next layers' compute. The partial
