@@ -113,6 +113,18 @@ def test_holder_with_nothing_to_export_means_no_fetch():
     assert lc.on(Arrived(H, p.Exported(RID, EP, []))) == [Send(H, p.Unpin(RID)), expect_unfetched()]
 
 
+def test_a_fetch_not_prefetched_says_so_to_decode():
+    """``Plan.prefetch`` (the decision's) travels in ``Expect`` (decode forwards it in
+    ``Prefill``: the prefill instance starts such a fetch at the request's dequeue)."""
+    from dataclasses import replace
+
+    lc = RequestLifecycle(NAMES)
+    assert lc.on(Submit(replace(plan(fetch=True), prefetch=False))) == [Send(H, p.Export(RID, KEYS[16:48]))]
+    (sent,) = lc.on(Arrived(H, p.Exported(RID, EP, [4096, 8192])))
+    assert sent.to == D and sent.msg.fetch == FETCH and sent.msg.prefetch is False
+    assert expect(FETCH).msg.prefetch is True  # the default: started on arrival
+
+
 def test_partial_export_fetches_what_the_holder_has():
     lc = at("fetch")
     got = lc.on(Arrived(H, p.Exported(RID, EP, [4096])))

@@ -126,3 +126,47 @@ def test_an_unrelated_request_does_not_wait(gated_write):
         assert first.result(60).token_ids == ref[0]
         out = quick.result(60)
     assert out.token_ids == ref[1] and out.metrics.reused_tokens == 0
+
+
+def test_a_fetch_not_priced_as_a_prefetch_starts_at_its_dequeue(monkeypatch):
+    """With the conductor's staging room at 0 (``Decision.prefetch`` False), a request's
+    fetch starts once the request computing before it on its instance is done (its
+    dequeue), as the conductor priced it; with room it starts as soon as the request
+    reaches the instance (tests/test_serving_fetch.py)."""
+    from mooncake_rs import Cluster
+    from mooncake_rs.serving import prefill as PF
+    from mooncake_rs.serving.config import ServingConfig
+
+    args = ServingConfig.conductor_args
+    monkeypatch.setattr(ServingConfig, "conductor_args",
+                        lambda self, bs, dram=None: {**args(self, bs, dram), "prefetch_staging_bytes": 0.0})
+    log: list[tuple[float, str, int]] = []
+    read, on_outputs = T.Transport.read, PF.PrefillRole.on_outputs
+
+    def logged_read(self, tag, ep, spans):
+        log.append((time.monotonic(), "read", tag))
+        read(self, tag, ep, spans)
+
+    def logged_outputs(self, outs):
+        on_outputs(self, outs)
+        log.extend((time.monotonic(), "computed", int(o.request_id)) for o in outs if o.finished)
+
+    monkeypatch.setattr(T.Transport, "read", logged_read)
+    monkeypatch.setattr(PF.PrefillRole, "on_outputs", logged_outputs)
+    rng = random.Random(7)
+    prefix = [rng.randrange(256) for _ in range(6 * BLOCK)]
+    ref = reference_outputs([prefix + [9, 9]], GREEDY, seed=3)[0]
+    with Cluster(ModelConfig.tiny(), prefill=2, decode=1, block_size=BLOCK, dram_bytes_per_instance=8 << 20,
+                 seed=3) as c:
+        holder = c.generate([prefix + [1, 2, 3]], GREEDY)[0].metrics.prefill_instance
+        long = c.submit([rng.randrange(256) for _ in range(3000)], SamplingParams(max_tokens=2))  # on the holder
+        ahead = c.submit([rng.randrange(256) for _ in range(800)], SamplingParams(max_tokens=2))  # the other
+        h = c.submit(prefix + [9, 9], GREEDY)  # behind `ahead`, fetching from the busier holder
+        out = h.result(60)
+        long.result(60)
+        ahead.result(60)
+    assert (long.prefill_instance, ahead.prefill_instance, h.prefill_instance) == (holder, 1 - holder, 1 - holder)
+    assert out.metrics.fetched_tokens == 6 * BLOCK and out.token_ids == ref
+    t_read = min(t for t, what, _ in log if what == "read")  # the one fetch of the run
+    t_ahead = next(t for t, what, rid in log if what == "computed" and rid == ahead.request_id)
+    assert t_read > t_ahead

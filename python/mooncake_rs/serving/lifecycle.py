@@ -85,6 +85,9 @@ class Plan:
     timeout_s: float = 0.0  # deadline - submit time (for the error message)
     #: other holders of fetch_keys to fetch from at once (a multi-source fetch)
     fetch_also: tuple[int, ...] = ()
+    #: the decision's prefetch: the fetch starts on arrival at the prefill instance, or
+    #: (False) when the requests computing there before it are done
+    prefetch: bool = True
 
 
 # ---- events and commands: plain slotted records (built per message on the router's
@@ -291,7 +294,7 @@ class RequestLifecycle:
         st.waiting, st.answers = [], {}
         out.append(Send(p.decode, Expect(p.rid, p.prompt, p.params, p.keys, p.local, fetch, p.prefill,
                                          prefill_name=self._name(p.prefill), deadline=p.deadline,
-                                         fetch_also=also or [], fetch_split=split or [])))
+                                         fetch_also=also or [], fetch_split=split or [], prefetch=p.prefetch)))
 
     def _answered(self, st: _State, inst: int, out: list[Command], exported: Exported | None) -> None:
         """FETCH: holder ``inst`` answered (``exported``) or dropped out (None: it failed

@@ -12,7 +12,10 @@ A request whose local prefix is still being made by an earlier request on this i
 blocks as local, docs/conductor.md "Pending prefixes") waits for that request to store
 its blocks, then looks its local prefix up again when it is handed to the engine, so it
 reuses them rather than computing them a second time. Its fetch, if any, of the blocks
-after that prefix runs meanwhile. When a request goes into the engine the cluster is
+after that prefix runs meanwhile. A fetch the conductor did not price as a prefetch
+(``Prefill.prefetch`` False: its staging room was full) starts only when the requests
+computing here before it are done (its dequeue, as the simulator runs it), so it does not
+take store room while they compute. When a request goes into the engine the cluster is
 told ``Started`` (the conductor's queue counts it running from then, not from dispatch).
 After each layer of each step, ``on_layer`` saves that layer's part of every newly
 completed full block into a reserved store slot and queues its copy into the slot the
@@ -82,6 +85,7 @@ class _PState:
     fetched_run: list[Any] = field(default_factory=list)  # blocks local..local+n the fetch brought
     after: set[int] = field(default_factory=set)  # earlier requests here that make part of its prefix
     parked: bool = False  # ready, but waiting for ``after`` to store their blocks
+    deferred: bool = False  # its fetch waits for the requests computing before it (not a prefetch)
     new_slots: dict[int, Any] = field(default_factory=dict)  # block -> WritableBlock being filled
     partial: Any = None  # WritableBlock of the partial last block (request-scoped, never committed)
     error: str | None = None
@@ -122,7 +126,7 @@ class PrefillRole:
         return self.ctx.spec
 
     def busy(self) -> bool:
-        return any(st.done or st.in_fetch or st.parked for st in self.reqs.values())
+        return any(st.done or st.in_fetch or st.parked or st.deferred for st in self.reqs.values())
 
     def send_pending(self) -> None:
         pass  # everything goes out when it happens
@@ -173,8 +177,19 @@ class PrefillRole:
             if fetch is not None:
                 self.up(Fetched(rid))  # not fetched after all: the holder may let go
             self._ready(st)
-        else:
+        elif msg.prefetch or not self._computing_before(st):
             self._fetch(st, msg)
+        else:
+            st.deferred = True
+
+    def _computing_before(self, st: _PState) -> bool:
+        """Whether a request that came here before ``st`` is in the engine, not done."""
+        for other in self.reqs.values():
+            if other is st:
+                return False
+            if other.t_engine and not other.done:
+                return True
+        return False
 
     def _made_here(self, st: _PState, have: int) -> int:
         """How many of ``st``'s local blocks (``st.local``; ``have`` of them are in the
@@ -344,11 +359,14 @@ class PrefillRole:
         for rid in [r for r, st in self.reqs.items() if st.done and not self.transport.pending(r)]:
             self._complete(self.reqs.pop(rid))
         # in arrival order, so a request whose predecessor is handed over now waits for it
-        for st in [st for st in self.reqs.values() if st.parked]:
-            if any(r in self.reqs for r in st.after):
-                continue
+        for st in [st for st in self.reqs.values() if st.parked or st.deferred]:
             try:
-                self._compute(st)
+                if st.deferred and not self._computing_before(st):  # its dequeue: the fetch starts
+                    st.deferred = False
+                    assert st.msg is not None
+                    self._fetch(st, st.msg)
+                elif st.parked and not any(r in self.reqs for r in st.after):
+                    self._compute(st)
             except Exception as e:  # noqa: BLE001 - fails alone, like a bad Prefill
                 self._drop(st.rid)
                 self.up(Failed(st.rid, f"{type(e).__name__}: {e}"))

@@ -285,6 +285,10 @@ class Expect(_Msg, frozen=True, tag="expect", omit_defaults=True):
     #: other holders of ``fetch``'s run, and the blocks per source (see above)
     fetch_also: list[Fetch] = []
     fetch_split: list[int] = []
+    #: the decision's ``prefetch``: start the fetch when the request reaches its prefill
+    #: instance (True), or when the requests computing there before it are done (False:
+    #: the conductor's staging room for the instance was full)
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
         _check_keys(self.keys)
@@ -293,7 +297,7 @@ class Expect(_Msg, frozen=True, tag="expect", omit_defaults=True):
 
 class Prefill(_Msg, frozen=True, tag="prefill", omit_defaults=True):
     """decode -> prefill (peer link): compute the request, writing its KV into ``dest``.
-    ``fetch_also`` / ``fetch_split``: as in ``Expect`` (a multi-source fetch)."""
+    ``fetch_also`` / ``fetch_split``, ``prefetch``: as in ``Expect``."""
 
     rid: int
     prompt: list[int]
@@ -305,6 +309,7 @@ class Prefill(_Msg, frozen=True, tag="prefill", omit_defaults=True):
     decode: int
     fetch_also: list[Fetch] = []
     fetch_split: list[int] = []
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
         _check_keys(self.keys)
