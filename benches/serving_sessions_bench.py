@@ -9,6 +9,11 @@ docs/conductor.md); the tokens the cluster really computes show whether it execu
 
     python benches/serving_sessions_bench.py                 # this checkout's package
     python benches/serving_sessions_bench.py --builds A B    # each checkout in turn, interleaved
+    python benches/serving_sessions_bench.py --gap 0.005 --model 8-layer --sessions 12 --steps 5
+
+``--gap``: the mean time between a session's steps (each gap is 0.25-1.5 times it); the
+shorter it is against the prefill time, the more steps arrive while their predecessor
+is still on its instance.
 
 With ``--builds`` each checkout's ``python/`` goes first on ``PYTHONPATH`` in a fresh
 process; runs are interleaved (A, B, A, B, ...) and medians printed. Greedy outputs must
