@@ -34,15 +34,15 @@ import time
 BS = 16
 
 
-def trace(sessions: int, steps: int, seed: int, gap_s: float) -> list[tuple[float, list[int]]]:
-    """(arrival offset s, prompt) for every step of every session, by arrival."""
+def trace(sessions: int, steps: int, seed: int, gap_s: float) -> list[tuple[float, list[int], int]]:
+    """(arrival offset s, prompt, session) for every step of every session, by arrival."""
     rng = random.Random(seed)
     out = []
     for s in range(sessions):
         prompt = [rng.randrange(256) for _ in range(rng.randrange(6 * BS, 12 * BS))]
         t = s * gap_s / 2
         for _ in range(steps):
-            out.append((t, list(prompt)))
+            out.append((t, list(prompt), s))
             prompt = prompt + [rng.randrange(256) for _ in range(rng.randrange(BS, 4 * BS))]
             t += rng.uniform(0.25, 1.5) * gap_s  # the next step comes soon: often before this one ended
     out.sort(key=lambda x: x[0])
@@ -65,7 +65,7 @@ def run_one(sessions: int, steps: int, seed: int, prefill: int, gap_s: float, mo
         c.generate([[1] * 40], params)  # warm up
         t0 = time.monotonic()
         handles = []
-        for at, prompt in reqs:
+        for at, prompt, _ in reqs:
             delay = t0 + at - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
@@ -73,10 +73,16 @@ def run_one(sessions: int, steps: int, seed: int, prefill: int, gap_s: float, mo
         outs = [h.result(120) for h in handles]
         wall = time.monotonic() - t0
     ttft = [o.metrics.ttft_s for o in outs]
+    last: dict[int, int] = {}
+    moved = 0  # steps prefilled on another instance than their session's previous step
+    for (_, _, sess), o in zip(reqs, outs):
+        inst = o.metrics.prefill_instance
+        moved += sess in last and last[sess] != inst
+        last[sess] = inst
     return {"computed": sum(o.metrics.computed_tokens for o in outs),
             "reused": sum(o.metrics.reused_tokens for o in outs),
             "fetched": sum(o.metrics.fetched_tokens for o in outs),
-            "prompt": sum(len(p) for _, p in reqs),
+            "prompt": sum(len(p) for _, p, _ in reqs), "moved": moved,
             "ttft_mean": statistics.fmean(ttft), "ttft_p90": sorted(ttft)[int(0.9 * (len(ttft) - 1))],
             "wall": wall, "outputs": [o.token_ids for o in outs]}
 
@@ -112,12 +118,12 @@ def main() -> None:
           f"model={a.model} "
           f"prompt tokens={runs[builds[0]][0]['prompt']} outputs equal across builds: {same}")
     print(f"{'build':<28} {'computed':>9} {'reused':>8} {'fetched':>8} {'ttft mean ms':>12} {'ttft p90 ms':>11} "
-          f"{'wall s':>7}")
+          f"{'wall s':>7} {'moved':>5}")
     for b, rs in runs.items():
         m = {k: statistics.median(r[k] for r in rs) for k in ("computed", "reused", "fetched", "ttft_mean",
-                                                               "ttft_p90", "wall")}
+                                                               "ttft_p90", "wall", "moved")}
         print(f"{os.path.basename(b.rstrip('/')):<28} {m['computed']:>9.0f} {m['reused']:>8.0f} {m['fetched']:>8.0f} "
-              f"{m['ttft_mean'] * 1e3:>12.1f} {m['ttft_p90'] * 1e3:>11.1f} {m['wall']:>7.2f}  "
+              f"{m['ttft_mean'] * 1e3:>12.1f} {m['ttft_p90'] * 1e3:>11.1f} {m['wall']:>7.2f} {m['moved']:>5.0f}  "
               f"computed per run: {' '.join(str(r['computed']) for r in rs)}")
 
 
