@@ -170,3 +170,29 @@ def test_a_fetch_not_priced_as_a_prefetch_starts_at_its_dequeue(monkeypatch):
     t_read = min(t for t, what, _ in log if what == "read")  # the one fetch of the run
     t_ahead = next(t for t, what, rid in log if what == "computed" and rid == ahead.request_id)
     assert t_read > t_ahead
+
+
+def test_a_waiting_step_computes_what_its_cancelled_predecessor_did_not_store(gated_write):
+    """The predecessor is cancelled while the next step waits for it: its blocks are
+    never stored, so the step computes them itself (or, had the cancel come after the
+    predecessor ended, reuses them); either way its output is right and nothing is left
+    held on any instance."""
+    from mooncake_rs import Cluster
+
+    steps = _steps(13)
+    ref = reference_outputs(steps[1:2], GREEDY, seed=3)[0]
+    with Cluster(ModelConfig.tiny(), prefill=1, decode=1, block_size=BLOCK, dram_bytes_per_instance=8 << 20,
+                 seed=3) as c:
+        p = c.prefill_ids[0]
+        gated_write.open.clear()
+        first = c.submit(steps[0], GREEDY)
+        wait_for(lambda: gated_write.held, "the first step's KV hand-off started")
+        second = c.submit(steps[1], GREEDY)
+        wait_for(lambda: c.instance_stats()[p]["requests"] == 2, "the second step reached the prefill instance")
+        assert first.cancel()
+        time.sleep(0.3)  # the cancel reaches the instance, which waits for the held copies to end
+        gated_write.open.set()
+        out = second.result(60)
+        assert out.token_ids == ref and out.metrics.reused_tokens in (0, 5 * BLOCK)
+        wait_for(lambda: all(not st["requests"] and not st["pinned_requests"] and st["free_pages"] == st["pages"]
+                             for st in c.instance_stats().values()), "every instance let go of both steps")

@@ -166,12 +166,12 @@ class PrefillRole:
         rid, keys = msg.rid, BlockHashes(msg.keys)
         st = _PState(rid, keys, len(msg.prompt), msg.dest, msg.dest.arena.as_dict(), msg.decode, time.monotonic())
         st.msg, st.local = msg, msg.local
+        self.reqs[rid] = st  # first: a failure below drops it with what it holds
+        if self.kv_events is not None:  # the tokens of the blocks this request may store
+            self.kv_events.learn(keys, msg.prompt)
         slots: list[Any] = store.lookup_prefix(keys[:msg.local])
         st.leases = slots
         coming = self._made_here(st, len(slots))
-        self.reqs[rid] = st
-        if self.kv_events is not None:  # the tokens of the blocks this request may store
-            self.kv_events.learn(keys, msg.prompt)
         fetch = msg.fetch
         if fetch is None or max(len(slots), coming) < msg.local:
             if fetch is not None:
@@ -198,6 +198,8 @@ class PrefillRole:
         brings more than ``have``."""
         best = have
         for other in self.reqs.values():
+            if other is st:  # the ones after it came later
+                break
             n = shared_blocks(other.keys, st.keys, st.local)
             if n > have:
                 st.after.add(other.rid)
