@@ -63,10 +63,10 @@ def at(stage: str) -> RequestLifecycle:
     if stage == "fetch":
         assert lc.on(Submit(plan(fetch=True))) == [Send(H, p.Export(RID, KEYS[16:48]))]
     elif stage == "slots":
-        assert lc.on(Submit(plan())) == [expect(), c("prefill_started")]
+        assert lc.on(Submit(plan())) == [expect()]
     elif stage in ("slots_pinned", "slots_fetched"):
         lc = at("fetch")
-        assert lc.on(Arrived(H, p.Exported(RID, EP, [4096, 8192]))) == [expect(FETCH), c("prefill_started")]
+        assert lc.on(Arrived(H, p.Exported(RID, EP, [4096, 8192]))) == [expect(FETCH)]
         if stage == "slots_fetched":
             assert lc.on(Arrived(P, p.Fetched(RID))) == [Send(H, p.Unpin(RID))]
     elif stage == "decode":
@@ -110,13 +110,37 @@ def test_first_token_unpins_a_holder_whose_fetched_was_not_seen():
 
 def test_holder_with_nothing_to_export_means_no_fetch():
     lc = at("fetch")
-    assert lc.on(Arrived(H, p.Exported(RID, EP, []))) == [Send(H, p.Unpin(RID)), expect_unfetched(), c("prefill_started")]
+    assert lc.on(Arrived(H, p.Exported(RID, EP, []))) == [Send(H, p.Unpin(RID)), expect_unfetched()]
+
+
+def test_a_fetch_not_prefetched_says_so_to_decode():
+    """``Plan.prefetch`` (the decision's) travels in ``Expect`` (decode forwards it in
+    ``Prefill``: the prefill instance starts such a fetch at the request's dequeue)."""
+    from dataclasses import replace
+
+    lc = RequestLifecycle(NAMES)
+    assert lc.on(Submit(replace(plan(fetch=True), prefetch=False))) == [Send(H, p.Export(RID, KEYS[16:48]))]
+    (sent,) = lc.on(Arrived(H, p.Exported(RID, EP, [4096, 8192])))
+    assert sent.to == D and sent.msg.fetch == FETCH and sent.msg.prefetch is False
+    assert expect(FETCH).msg.prefetch is True  # the default: started on arrival
 
 
 def test_partial_export_fetches_what_the_holder_has():
     lc = at("fetch")
     got = lc.on(Arrived(H, p.Exported(RID, EP, [4096])))
-    assert got == [expect(p.Fetch(H, EP, [4096], KEYS[16:32])), c("prefill_started")]
+    assert got == [expect(p.Fetch(H, EP, [4096], KEYS[16:32]))]
+
+
+def test_prefill_started_when_the_prefill_instance_says_so():
+    """Not at dispatch: the request may wait on its instance (its fetch, the requests
+    before it that make its prefix); the conductor hears of the start from ``Started``,
+    from the request's prefill instance, while its prefill runs."""
+    lc = at("slots_fetched")
+    assert lc.on(Arrived(D, p.Started(RID))) == []  # not its prefill instance
+    assert lc.on(Arrived(P, p.Started(RID))) == [c("prefill_started")]
+    assert lc.on(Arrived(D, p.Tokens(RID, [5], None, REPORT))) == [c("decode_started"), Deliver(RID, [5], REPORT)]
+    assert lc.on(Arrived(P, p.Started(RID))) == []  # past its prefill
+    assert lc.on(Arrived(P, p.Started(RID + 1))) == []  # no such request
 
 
 def test_request_ended_by_the_prefill():
@@ -157,8 +181,8 @@ CASES = [
     # FETCH: only the holder holds something (the pins)
     ("fetch", DOWN[P], ENDED + [dead(P), UNPIN_H], None),
     ("fetch", DOWN[D], ENDED + [dead(D), UNPIN_H], None),
-    ("fetch", DOWN[H], [expect_unfetched(), c("prefill_started")], None),
-    ("fetch", Arrived(H, p.Failed(RID, "LookupError: gone")), [UNPIN_H, expect_unfetched(), c("prefill_started")], None),
+    ("fetch", DOWN[H], [expect_unfetched()], None),
+    ("fetch", Arrived(H, p.Failed(RID, "LookupError: gone")), [UNPIN_H, expect_unfetched()], None),
     ("fetch", Arrived(D, p.Failed(RID, "boom")), ENDED + [fail(MooncakeError, on_fail(D, "boom")), UNPIN_H], None),
     ("fetch", CancelRequest(RID, CANCEL_ERR), ENDED + [fail(MooncakeError, str(CANCEL_ERR)), UNPIN_H], None),
     ("fetch", LATE, ENDED + [fail(TransferTimeout, LATE_MSG), UNPIN_H], None),
@@ -252,7 +276,7 @@ def test_decision_naming_a_dead_instance_fails_at_once():
 def test_holder_death_is_noticed_before_export():
     lc = RequestLifecycle(NAMES)
     lc.on(DOWN[H])
-    assert lc.on(Submit(plan(fetch=True))) == [expect_unfetched(), c("prefill_started")]
+    assert lc.on(Submit(plan(fetch=True))) == [expect_unfetched()]
 
 
 def test_export_answer_for_an_ended_request_unpins():
@@ -327,8 +351,7 @@ def at2(stage: str) -> RequestLifecycle:
     assert lc.stage(RID) is Stage.FETCH
     if stage == "fetch_one":
         return lc
-    assert lc.on(Arrived(H2, p.Exported(RID, EP2, [0, 12288]))) == [expect2(F1, [F2], [1, 1]),
-                                                                      c("prefill_started")]
+    assert lc.on(Arrived(H2, p.Exported(RID, EP2, [0, 12288]))) == [expect2(F1, [F2], [1, 1])]
     assert stage == "slots" and lc.stage(RID) is Stage.SLOTS
     return lc
 
@@ -349,12 +372,12 @@ def test_two_holders_first_token_unpins_both():
 def test_a_holder_with_nothing_or_less_is_left_out():
     lc = at2("fetch")
     assert lc.on(Arrived(H2, p.Exported(RID, EP2, []))) == [UNPIN_H2]  # nothing there: let go at once
-    assert lc.on(Arrived(H, p.Exported(RID, EP, [4096, 8192]))) == [expect2(F1), c("prefill_started")]
+    assert lc.on(Arrived(H, p.Exported(RID, EP, [4096, 8192]))) == [expect2(F1)]
     lc = at2("fetch")
     assert lc.on(Arrived(H, p.Exported(RID, EP, [4096]))) == []
     # H2 has the longer run: fetch it from H2 alone, H (one block) is let go
     assert lc.on(Arrived(H2, p.Exported(RID, EP2, [0, 12288]))) == [
-        Send(H, p.Unpin(RID)), expect2(p.Fetch(H2, EP2, [0, 12288], FKEYS)), c("prefill_started")]
+        Send(H, p.Unpin(RID)), expect2(p.Fetch(H2, EP2, [0, 12288], FKEYS))]
     assert lc.on(Arrived(P, p.Fetched(RID))) == [UNPIN_H2]
 
 
@@ -366,9 +389,9 @@ def test_a_holder_lost_before_it_exported_drops_out(how, stage):
     let_go = [] if how == "died" else [UNPIN_H2]  # a dead holder holds nothing to let go
     if stage == "fetch":
         assert lc.on(ev) == let_go
-        assert lc.on(Arrived(H, p.Exported(RID, EP, [4096, 8192]))) == [expect2(F1), c("prefill_started")]
+        assert lc.on(Arrived(H, p.Exported(RID, EP, [4096, 8192]))) == [expect2(F1)]
     else:
-        assert lc.on(ev) == let_go + [expect2(F1), c("prefill_started")]
+        assert lc.on(ev) == let_go + [expect2(F1)]
     assert lc.on(Arrived(P, p.Fetched(RID))) == [Send(H, p.Unpin(RID))]
     assert len(lc) == 1 and lc.on(Arrived(D, p.Tokens(RID, [5], "stop", REPORT)))[-1] == Finish(RID, "stop")
 
@@ -377,14 +400,14 @@ def test_a_holder_dead_after_it_exported_is_no_source():
     lc = at2("fetch_one")
     assert lc.on(InstanceDown(H, "instance prefill-1 died")) == []  # H2 still to answer
     assert lc.on(Arrived(H2, p.Exported(RID, EP2, [0, 12288]))) == [
-        expect2(p.Fetch(H2, EP2, [0, 12288], FKEYS)), c("prefill_started")]
+        expect2(p.Fetch(H2, EP2, [0, 12288], FKEYS))]
     assert lc.on(Arrived(P, p.Fetched(RID))) == [UNPIN_H2]
 
 
 def test_every_holder_lost_means_the_prefix_is_computed():
     lc = at2("fetch")
     assert lc.on(Arrived(H, p.Failed(RID, "x"))) == [Send(H, p.Unpin(RID))]
-    assert lc.on(InstanceDown(H2, "instance prefill-2 died")) == [expect2(None), c("prefill_started")]
+    assert lc.on(InstanceDown(H2, "instance prefill-2 died")) == [expect2(None)]
     assert lc.on(Arrived(P, p.Fetched(RID))) == []
 
 
@@ -521,6 +544,8 @@ def test_router_pumps_a_request_through():
     router.handle(-1, New(b))
     assert [(i, type(m).__name__) for i, m in port.sent] == [(D, "Expect"), (D, "Expect")]
     assert router.in_flight() == 0  # not submitted through submit(): nothing counted
+    router.handle(P, p.Started(1))  # the prefill instance's engine took them
+    router.handle(P, p.Started(2))
     router.handle(D, p.Step([p.Tokens(1, [5], None, REPORT), p.Tokens(2, [6], "stop", REPORT)]))
     router.handle(D, p.Tokens(1, [7], "length"))
     assert a.handle.result(0) == (1, [5, 7], "length") and b.handle.result(0) == (2, [6], "stop")

@@ -39,6 +39,7 @@ SAMPLES: list[p.Message] = [
     p.Unpin(9),
     p.Replicate(-(1 << 40), FETCH),
     p.Fetched(9),
+    p.Started(9),
     p.Tokens(9, [4, 5], None, REPORT),
     p.Tokens(9, [], "stop"),
     p.Step([p.Tokens(9, [4], None), p.Tokens(10, [5], "length", REPORT)]),
@@ -311,9 +312,9 @@ def test_garbage_to_a_worker_kills_only_that_instance():
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("processes", [False, True], ids=["in-process", "workers"])
 def test_control_messages_per_request(processes):
-    """One request without a fetch: new, expect, prefill, kv_ready and the token stream
-    (its first message carries the prefill's report; the last one, the finish): 5 control
-    hops. Store-event batches feed the index and are counted apart. The same with worker
+    """One request without a fetch: new, expect, prefill, started, kv_ready and the token
+    stream (its first message carries the prefill's report; the last one, the finish): 6
+    control hops. Store-event batches feed the index and are counted apart. The same with worker
     processes (their own counts come back through ``instance_stats``)."""
     pytest.importorskip("torch")
     from mooncake_rs import Cluster
@@ -331,16 +332,16 @@ def test_control_messages_per_request(processes):
             diff = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
             store = diff.pop("store", 0)
             assert store <= 1
-            assert diff == {"new": 1, "expect": 1, "prefill": 1, "kv_ready": 1, "tokens": n}
-            control = diff["new"] + diff["expect"] + diff["prefill"] + diff["kv_ready"] + 1  # + the final tokens
-            assert control == 5
-        # a prompt that ends on the first token (max_tokens=1): exactly the 5 hops
+            assert diff == {"new": 1, "expect": 1, "prefill": 1, "started": 1, "kv_ready": 1, "tokens": n}
+            control = diff["new"] + diff["expect"] + diff["prefill"] + diff["started"] + diff["kv_ready"] + 1
+            assert control == 6  # + the final tokens
+        # a prompt that ends on the first token (max_tokens=1): exactly the 6 hops
         before = c.message_counts()
         c.generate([[9] * 40], SamplingParams(max_tokens=1))
         after = c.message_counts()
         diff = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
         diff.pop("store", None)
-        assert diff == {"new": 1, "expect": 1, "prefill": 1, "kv_ready": 1, "tokens": 1}
+        assert diff == {"new": 1, "expect": 1, "prefill": 1, "started": 1, "kv_ready": 1, "tokens": 1}
 
 
 # ---- the Ready message's block bytes price transfers
@@ -408,7 +409,7 @@ def test_a_lost_peer_link_fences_that_peer():
 @pytest.mark.timeout(240)
 def test_control_messages_with_a_prefix_fetch():
     """A request that fetches its prefix from the other prefill instance adds export,
-    exported, fetched and unpin: 9 control hops (a filler request, 5 hops of its own,
+    exported, fetched and unpin: 10 control hops (a filler request, 6 hops of its own,
     keeps the holder busy so the conductor fetches)."""
     pytest.importorskip("torch")
     import random
@@ -429,10 +430,10 @@ def test_control_messages_with_a_prefix_fetch():
         after = c.message_counts()
         assert out.metrics.prefill_instance != holder and out.metrics.fetched_tokens > 0
         diff = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-        control = {k: diff.get(k, 0) for k in ("new", "expect", "prefill", "kv_ready", "export", "exported", "fetched",
-                                               "unpin")}
-        assert control == {"new": 2, "expect": 2, "prefill": 2, "kv_ready": 2, "export": 1, "exported": 1,
-                           "fetched": 1, "unpin": 1}
+        control = {k: diff.get(k, 0) for k in ("new", "expect", "prefill", "started", "kv_ready", "export", "exported",
+                                               "fetched", "unpin")}
+        assert control == {"new": 2, "expect": 2, "prefill": 2, "started": 2, "kv_ready": 2, "export": 1,
+                           "exported": 1, "fetched": 1, "unpin": 1}
 
 
 def test_no_import_cycle_among_serving_modules():

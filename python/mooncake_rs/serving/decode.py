@@ -124,7 +124,7 @@ class DecodeRole:
                 self.up(Failed(rid, f"{type(e).__name__}: {e}"))
                 return
         link.send(Prefill(rid, msg.prompt, msg.params, msg.keys, msg.local, msg.fetch, dest, self.spec.id,
-                          fetch_also=msg.fetch_also, fetch_split=msg.fetch_split))
+                          fetch_also=msg.fetch_also, fetch_split=msg.fetch_split, prefetch=msg.prefetch))
 
     def _grant(self, st: _DState, msg: Expect, offsets: list[int]) -> None:
         """Lets the request's prefill write exactly its reserved slots (one grant a slot:

@@ -17,8 +17,10 @@ A request's stages, as the cluster sees them::
     SLOTS   ``Expect`` went to the decode instance. Between the instances, without the
             cluster: decode reserves slots for the blocks and hands the request, with
             the slots, to the prefill instance (``Prefill``); prefill fetches the prefix
-            (then ``Fetched``: the holder may unpin), computes, streams KV into the
-            slots and tells decode ``KvReady`` with the first token.
+            (then ``Fetched``: the holder may unpin), hands it to its engine (then
+            ``Started``: the conductor counts it running, ``on_prefill_started``),
+            computes, streams KV into the slots and tells decode ``KvReady`` with the
+            first token.
     DECODE  decode's first ``Tokens`` (the first token, with the prefill's report) came;
             more ``Tokens`` follow; the one with a ``finish`` ends the request.
     DRAINING the request ended for its caller (failed, cancelled, timed out) while its
@@ -50,7 +52,7 @@ from typing import Union
 from ..base.params import SamplingParams
 from ..errors import MooncakeError, TransferFailed, TransferTimeout
 from .multisource import Holder, split_blocks
-from .protocol import (Cancel, Cancelled, Expect, Export, Exported, Failed, Fetch, Fetched, Message,
+from .protocol import (Cancel, Cancelled, Expect, Export, Exported, Failed, Fetch, Fetched, Message, Started,
                        PrefillReport, Tokens, Unpin)
 
 __all__ = [
@@ -83,6 +85,9 @@ class Plan:
     timeout_s: float = 0.0  # deadline - submit time (for the error message)
     #: other holders of fetch_keys to fetch from at once (a multi-source fetch)
     fetch_also: tuple[int, ...] = ()
+    #: the decision's prefetch: the fetch starts on arrival at the prefill instance, or
+    #: (False) when the requests computing there before it are done
+    prefetch: bool = True
 
 
 # ---- events and commands: plain slotted records (built per message on the router's
@@ -289,8 +294,7 @@ class RequestLifecycle:
         st.waiting, st.answers = [], {}
         out.append(Send(p.decode, Expect(p.rid, p.prompt, p.params, p.keys, p.local, fetch, p.prefill,
                                          prefill_name=self._name(p.prefill), deadline=p.deadline,
-                                         fetch_also=also or [], fetch_split=split or [])))
-        out.append(Conduct("prefill_started", p.rid))
+                                         fetch_also=also or [], fetch_split=split or [], prefetch=p.prefetch)))
 
     def _answered(self, st: _State, inst: int, out: list[Command], exported: Exported | None) -> None:
         """FETCH: holder ``inst`` answered (``exported``) or dropped out (None: it failed
@@ -365,6 +369,11 @@ class RequestLifecycle:
                     return
                 self._fail(st, MooncakeError(f"request {p.rid} failed on {self._name(inst)}: {error}"), out,
                            prefill_gone=inst == p.prefill)
+            case Started():
+                # not at dispatch: a request waits on its instance for its fetch and for the
+                # requests before it that make its prefix; the conductor's queue is the computing
+                if st is not None and st.stage is Stage.SLOTS and inst == st.plan.prefill:
+                    out.append(Conduct("prefill_started", msg.rid))
             case Cancelled():
                 if st is not None and st.stage is Stage.DRAINING and inst == st.plan.prefill:
                     self._release(st, out)

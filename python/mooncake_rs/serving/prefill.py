@@ -6,6 +6,17 @@ decision names from their holders into the local store (a ``MultiFetch``, multis
 a share from each holder at once, or all of it from the one holder when the decision
 names no others; then ``Fetched`` tells the cluster the holders may unpin), load them all into
 pages through ``Engine.add_request(restored_kv=...)``, and compute the rest in chunks.
+
+A request whose local prefix is still being made by an earlier request on this instance
+(a session's next step routed behind its queued predecessor: the conductor priced those
+blocks as local, docs/conductor.md "Pending prefixes") waits for that request to store
+its blocks, then looks its local prefix up again when it is handed to the engine, so it
+reuses them rather than computing them a second time. Its fetch, if any, of the blocks
+after that prefix runs meanwhile. A fetch the conductor did not price as a prefetch
+(``Prefill.prefetch`` False: its staging room was full) starts only when the requests
+computing here before it are done (its dequeue, as the simulator runs it), so it does not
+take store room while they compute. When a request goes into the engine the cluster is
+told ``Started`` (the conductor's queue counts it running from then, not from dispatch).
 After each layer of each step, ``on_layer`` saves that layer's part of every newly
 completed full block into a reserved store slot and queues its copy into the slot the
 decode instance reserved, so sending overlaps the next layers' compute. The partial
@@ -30,11 +41,11 @@ from typing import Any
 from .._core import BlockHashes
 from .multisource import FetchSource, MultiFetch
 from .protocol import (Cancel, Cancelled, Failed, Fetched, InstanceSpec, KvReady, Message, Prefill, PrefillReport,
-                       ProtocolError, op_of)
+                       ProtocolError, Started, op_of)
 from .role import RoleContext
 from .transport import Span
 
-__all__ = ["PrefillRole"]
+__all__ = ["PrefillRole", "shared_blocks"]
 
 #: rids remembered for a cancel that overtook its Prefill, and rids whose Prefill came
 #: (a cancel for those needs no such memory); bounded, oldest forgotten first
@@ -69,7 +80,12 @@ class _PState:
     dest_ep: dict[str, Any]
     decode: int
     t_start: float
+    local: int = 0  # blocks the decision reuses from this instance (Prefill.local)
     leases: list[Any] = field(default_factory=list)  # Blocks held (reused prefix)
+    fetched_run: list[Any] = field(default_factory=list)  # blocks local..local+n the fetch brought
+    after: set[int] = field(default_factory=set)  # earlier requests here that make part of its prefix
+    parked: bool = False  # ready, but waiting for ``after`` to store their blocks
+    deferred: bool = False  # its fetch waits for the requests computing before it (not a prefetch)
     new_slots: dict[int, Any] = field(default_factory=dict)  # block -> WritableBlock being filled
     partial: Any = None  # WritableBlock of the partial last block (request-scoped, never committed)
     error: str | None = None
@@ -110,7 +126,7 @@ class PrefillRole:
         return self.ctx.spec
 
     def busy(self) -> bool:
-        return any(st.done or st.in_fetch for st in self.reqs.values())
+        return any(st.done or st.in_fetch or st.parked or st.deferred for st in self.reqs.values())
 
     def send_pending(self) -> None:
         pass  # everything goes out when it happens
@@ -149,19 +165,54 @@ class PrefillRole:
         store = self.store
         rid, keys = msg.rid, BlockHashes(msg.keys)
         st = _PState(rid, keys, len(msg.prompt), msg.dest, msg.dest.arena.as_dict(), msg.decode, time.monotonic())
-        st.msg = msg
-        self.reqs[rid] = st
+        st.msg, st.local = msg, msg.local
+        self.reqs[rid] = st  # first: a failure below drops it with what it holds
         if self.kv_events is not None:  # the tokens of the blocks this request may store
             self.kv_events.learn(keys, msg.prompt)
         slots: list[Any] = store.lookup_prefix(keys[:msg.local])
         st.leases = slots
+        coming = self._made_here(st, len(slots))
         fetch = msg.fetch
-        if fetch is None or len(slots) != msg.local:
+        if fetch is None or max(len(slots), coming) < msg.local:
             if fetch is not None:
                 self.up(Fetched(rid))  # not fetched after all: the holder may let go
-            self._compute(st)
-        else:
+            self._ready(st)
+        elif msg.prefetch or not self._computing_before(st):
             self._fetch(st, msg)
+        else:
+            st.deferred = True
+
+    def _computing_before(self, st: _PState) -> bool:
+        """Whether a request that came here before ``st`` is in the engine, not done."""
+        for other in self.reqs.values():
+            if other is st:
+                return False
+            if other.t_engine and not other.done:
+                return True
+        return False
+
+    def _made_here(self, st: _PState, have: int) -> int:
+        """How many of ``st``'s local blocks (``st.local``; ``have`` of them are in the
+        store now) the requests already on this instance will have stored when they end:
+        the longest prefix shared with one of them. Records in ``st.after`` each one that
+        brings more than ``have``."""
+        best = have
+        for other in self.reqs.values():
+            if other is st:  # the ones after it came later
+                break
+            n = shared_blocks(other.keys, st.keys, st.local)
+            if n > have:
+                st.after.add(other.rid)
+                best = max(best, n)
+        return best
+
+    def _ready(self, st: _PState) -> None:
+        """Its fetch (if any) is in: compute now, or once the earlier requests making
+        its local prefix have stored it (``poll`` hands it over then)."""
+        if any(r in self.reqs for r in st.after):
+            st.parked = True
+        else:
+            self._compute(st)
 
     def _fetch(self, st: _PState, msg: Prefill) -> None:
         """Starts a read of each holder's share (the decision's holder alone, or with
@@ -182,17 +233,32 @@ class PrefillRole:
         st.in_fetch, st.fetch = False, None
         st.fetch_s = time.monotonic() - st.fetch_s
         res = mf.finish()
-        st.leases.extend(res.blocks)
+        st.fetched_run = list(res.blocks)
         st.fetched += res.fetched
         st.fetch_bytes += res.bytes
         st.sources = sum(1 for n in res.per_holder.values() if n) if res.error is None else 0
         self.up(Fetched(st.rid))
-        self._compute(st)
+        self._ready(st)
 
     def _compute(self, st: _PState) -> None:
         """The prefix is in: send the reused blocks to decode and prefill the rest."""
         store, msg = self.store, st.msg
         assert msg is not None
+        st.parked = False
+        if st.after and len(st.leases) < st.local:  # what the requests before it stored since
+            again: list[Any] = store.lookup_prefix(st.keys[:st.local])
+            keep, drop = (again, st.leases) if len(again) > len(st.leases) else (st.leases, again)
+            for s in drop:
+                s.release()
+            st.leases = keep
+        if st.fetched_run:  # the fetched run follows the local prefix; after a gap it is of no use
+            if len(st.leases) == st.local:
+                st.leases.extend(st.fetched_run)
+            else:
+                for s in st.fetched_run:
+                    s.release()
+                st.fetched = 0
+            st.fetched_run = []
         usable = (st.prompt_len - 1) // self.spec.block_size
         for s in st.leases[usable:]:
             s.release()
@@ -210,6 +276,7 @@ class PrefillRole:
                                 request_id=str(st.rid), restored_kv=[store.view(s) for s in slots],
                                 prefill_only=True, hold_kv=True,
                                 on_layer=functools.partial(self._on_layer, st) if stream else None)
+        self.up(Started(st.rid))  # the conductor's queue: running from now, not from dispatch
 
     def _span(self, st: _PState, block: int, src_off: int, span_off: int, n: int, out: list[Span]) -> None:
         off = st.dest.blocks[block] if block < len(st.keys) else st.dest.partial
@@ -293,6 +360,18 @@ class PrefillRole:
                 self.up(Failed(st.rid, f"{type(e).__name__}: {e}"))
         for rid in [r for r, st in self.reqs.items() if st.done and not self.transport.pending(r)]:
             self._complete(self.reqs.pop(rid))
+        # in arrival order, so a request whose predecessor is handed over now waits for it
+        for st in [st for st in self.reqs.values() if st.parked or st.deferred]:
+            try:
+                if st.deferred and not self._computing_before(st):  # its dequeue: the fetch starts
+                    st.deferred = False
+                    assert st.msg is not None
+                    self._fetch(st, st.msg)
+                elif st.parked and not any(r in self.reqs for r in st.after):
+                    self._compute(st)
+            except Exception as e:  # noqa: BLE001 - fails alone, like a bad Prefill
+                self._drop(st.rid)
+                self.up(Failed(st.rid, f"{type(e).__name__}: {e}"))
 
     def _complete(self, st: _PState) -> None:
         store, transport = self.store, self.transport
@@ -341,10 +420,24 @@ class PrefillRole:
             wb.abort()
         if st.partial is not None:
             st.partial.abort()
-        for s in st.leases:
+        for s in (*st.leases, *st.fetched_run):
             s.release()
         if st.fetch is not None:  # waits for its reads (they write into its slots), then frees them
             st.fetch.abort()
             st.fetch = None
         transport.take_bytes(rid)
         return True
+
+
+def shared_blocks(a: BlockHashes, b: BlockHashes, limit: int) -> int:
+    """The number of leading blocks two prompts share, at most ``limit``. The hashes are
+    chained (each covers every token before it), so the shared blocks are a prefix and
+    equality of the ``n``-th hashes decides it: a binary search."""
+    lo, hi = 0, min(len(a), len(b), limit)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -21,7 +21,7 @@ Block hashes are 128-bit, beyond msgpack's integers, so they travel as ``bytes``
 Directions (see docs/serving.md for the flow and the hop count):
 cluster -> instance: ``Init`` (socket only), ``Expect``, ``Export``, ``Unpin``, ``Replicate``,
 ``Cancel``, ``Stats``, ``Measure``, ``Stop``, ``SwitchRole``; instance -> cluster: ``Ready``,
-``InitFailed``, ``Beat``, ``StoreEvents``, ``Exported``, ``Fetched``, ``Tokens``, ``Step``,
+``InitFailed``, ``Beat``, ``StoreEvents``, ``Exported``, ``Fetched``, ``Started``, ``Tokens``, ``Step``,
 ``Failed``, ``Cancelled``, ``PeerLost``, ``StatsReply``, ``Timings``, ``RoleSwitched``; decode -> prefill:
 ``Prefill``; prefill -> decode: ``KvReady``. Across hosts (deploy/): conductor service ->
 worker ``Attach`` first (instead of ``Init``), and peer messages go through the service
@@ -43,7 +43,7 @@ __all__ = [
     "PROTOCOL_VERSION", "MAX_FRAME", "ProtocolError", "Message", "TO_INSTANCE", "FROM_INSTANCE", "PEER",
     "Endpoint", "Fetch", "Dest", "PrefillReport", "InstanceSpec",
     "Init", "Attach", "Relay", "TO_REMOTE", "FROM_REMOTE", "Ready", "InitFailed", "Beat", "Expect", "Export",
-    "Exported", "Unpin", "Replicate", "Prefill", "Fetched",
+    "Exported", "Unpin", "Replicate", "Prefill", "Fetched", "Started",
     "KvReady", "Tokens", "Step", "Failed", "Cancel", "Cancelled", "PeerLost", "StoreEvents", "Stats", "StatsReply", "Measure",
     "Timings", "Stop", "SwitchRole", "RoleSwitched", "Codec", "pack_keys", "unpack_keys", "op_of",
 ]
@@ -285,6 +285,10 @@ class Expect(_Msg, frozen=True, tag="expect", omit_defaults=True):
     #: other holders of ``fetch``'s run, and the blocks per source (see above)
     fetch_also: list[Fetch] = []
     fetch_split: list[int] = []
+    #: the decision's ``prefetch``: start the fetch when the request reaches its prefill
+    #: instance (True), or when the requests computing there before it are done (False:
+    #: the conductor's staging room for the instance was full)
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
         _check_keys(self.keys)
@@ -293,7 +297,7 @@ class Expect(_Msg, frozen=True, tag="expect", omit_defaults=True):
 
 class Prefill(_Msg, frozen=True, tag="prefill", omit_defaults=True):
     """decode -> prefill (peer link): compute the request, writing its KV into ``dest``.
-    ``fetch_also`` / ``fetch_split``: as in ``Expect`` (a multi-source fetch)."""
+    ``fetch_also`` / ``fetch_split``, ``prefetch``: as in ``Expect``."""
 
     rid: int
     prompt: list[int]
@@ -305,6 +309,7 @@ class Prefill(_Msg, frozen=True, tag="prefill", omit_defaults=True):
     decode: int
     fetch_also: list[Fetch] = []
     fetch_split: list[int] = []
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
         _check_keys(self.keys)
@@ -362,6 +367,14 @@ class Replicate(_Msg, frozen=True, tag="replicate"):
 
 class Fetched(_Msg, frozen=True, tag="fetched"):
     """prefill -> cluster: the holder's blocks are copied (it may unpin them)."""
+
+    rid: int
+
+
+class Started(_Msg, frozen=True, tag="started"):
+    """prefill -> cluster: the request went into the engine (its prefix is in: its fetch
+    ended and the earlier requests here that make part of it stored their blocks). The
+    conductor's prefill queue counts it as running from now (``on_prefill_started``)."""
 
     rid: int
 
@@ -478,13 +491,14 @@ class RoleSwitched(_Msg, frozen=True, tag="role_switched"):
 
 
 Message = Union[Init, Attach, Relay, Ready, InitFailed, Beat, Expect, Prefill, KvReady, Export, Exported, Unpin,
-                Replicate, Fetched, Tokens,
+                Replicate, Fetched, Started, Tokens,
                 Step, Failed, Cancel, Cancelled, PeerLost, StoreEvents, Stats, StatsReply, Measure, Timings, Stop,
                 SwitchRole, RoleSwitched]
 
 #: what each kind of link may carry (a reader closes a link that gets anything else)
 TO_INSTANCE: tuple[type, ...] = (Init, Expect, Export, Unpin, Replicate, Cancel, Stats, Measure, Stop, SwitchRole)
-FROM_INSTANCE: tuple[type, ...] = (Ready, InitFailed, Beat, StoreEvents, Exported, Fetched, Tokens, Step, Failed,
+FROM_INSTANCE: tuple[type, ...] = (Ready, InitFailed, Beat, StoreEvents, Exported, Fetched, Started, Tokens, Step,
+                                   Failed,
                                    Cancelled, PeerLost, StatsReply, Timings, RoleSwitched)
 #: a worker's control link to a conductor service across hosts (deploy/): peer messages
 #: travel on it too, as ``Relay``

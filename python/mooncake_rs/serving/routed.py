@@ -281,7 +281,7 @@ class RoutedCluster:
                     fetch_from=d.fetch_from if fetch else None,
                     fetch_keys=bytes(keys[local:d.reused_blocks]) if fetch else b"",
                     deadline=None if wait is None else t_submit + wait, timeout_s=0.0 if wait is None else wait,
-                    fetch_also=also)
+                    fetch_also=also, prefetch=d.prefetch)
         rec = RequestRecord(plan, handle_type(rid, toks, self._cancel), t_submit)
         rec.metrics.prefill_instance, rec.metrics.decode_instance = d.prefill, d.decode
         rec.handle.prefill_instance, rec.handle.decode_instance = d.prefill, d.decode

@@ -36,7 +36,7 @@ from ..base.metrics import RequestMetrics
 from .metrics import ClusterMetrics, tbt_of
 from .replication import Replicator
 from .protocol import (Cancelled, Exported, Failed, Fetched, InitFailed, Message, PeerLost, Ready, Relay,
-                       RoleSwitched,
+                       RoleSwitched, Started,
                        StatsReply, Step, StoreEvents, Timings, Tokens)
 
 __all__ = ["Router", "ClusterPort", "RequestRecord", "New", "SwapConductor", "Shutdown", "ReplicateNow"]
@@ -256,7 +256,7 @@ class Router:
                 self.port.reply(src, ev)
             case Exported() | Fetched() | Failed() if self.replicator.owns(ev.rid):
                 self.replicator.on_message(src, ev)
-            case Exported() | Fetched() | Failed() | Cancelled():
+            case Exported() | Fetched() | Failed() | Cancelled() | Started():
                 self._run(self.lifecycle.arrived(src, ev))
             case ReplicateNow(done=done, result=result):
                 result.append(self._replicate())
