@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 
 BLOCK = 16
@@ -36,3 +37,43 @@ def wait_for(cond, what: str, timeout_s: float = 30.0) -> None:
     while not cond():
         assert time.monotonic() < end, what
         time.sleep(0.02)
+
+
+class TransportGate:
+    """Holds back the completion of every transport ``read`` or ``write`` (with spans)
+    started while it is closed, until it is opened again: ``held`` names them by
+    (transport id, tag); ``calls`` counts the operations started."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+        self.open.set()
+        self.held: set[tuple[int, int]] = set()
+        self.calls = 0
+
+
+def gate_transport(monkeypatch, op: str) -> TransportGate:
+    """Wraps ``Transport.<op>`` (``"read"`` or ``"write"``) and ``Transport.pending`` so
+    that an operation started while the gate is closed reports itself pending until the
+    gate opens; the bytes themselves move as without the gate."""
+    from mooncake_rs.serving import transport as T
+
+    gate = TransportGate()
+    real_pending = T.Transport.pending
+    native = getattr(T.Transport, op)
+
+    def start(self, tag, ep, spans):
+        gate.calls += 1
+        native(self, tag, ep, spans)
+        if spans and not gate.open.is_set():
+            gate.held.add((id(self), tag))
+
+    def pending(self, tag):
+        if (id(self), tag) in gate.held:
+            if not gate.open.is_set():
+                return 1
+            gate.held.discard((id(self), tag))
+        return real_pending(self, tag)
+
+    monkeypatch.setattr(T.Transport, op, start)
+    monkeypatch.setattr(T.Transport, "pending", pending)
+    return gate

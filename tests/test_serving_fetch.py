@@ -6,7 +6,6 @@ has ended. The tests wrap ``read`` so they can hold its completion back."""
 from __future__ import annotations
 
 import random
-import threading
 import time
 
 import pytest
@@ -15,44 +14,15 @@ pytest.importorskip("torch")
 
 from mooncake_rs.engine import ModelConfig, SamplingParams  # noqa: E402
 from mooncake_rs.serving import transport as T  # noqa: E402
-from serving_helpers import BLOCK, reference_outputs  # noqa: E402
+from serving_helpers import BLOCK, gate_transport, reference_outputs  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 GREEDY = SamplingParams(max_tokens=8)
 
 
-class Gate:
-    """Holds every asynchronous read pending until opened."""
-
-    def __init__(self) -> None:
-        self.open = threading.Event()
-        self.open.set()
-        self.held: set[tuple[int, int]] = set()  # (transport id, tag)
-        self.reads = 0
-
-
 @pytest.fixture()
 def gated_read(monkeypatch):
-    gate = Gate()
-    real_pending = T.Transport.pending
-    native = T.Transport.read
-
-    def read(self, tag, ep, spans):
-        gate.reads += 1
-        native(self, tag, ep, spans)
-        if not gate.open.is_set():
-            gate.held.add((id(self), tag))
-
-    def pending(self, tag):
-        if (id(self), tag) in gate.held:
-            if not gate.open.is_set():
-                return 1
-            gate.held.discard((id(self), tag))
-        return real_pending(self, tag)
-
-    monkeypatch.setattr(T.Transport, "read", read)
-    monkeypatch.setattr(T.Transport, "pending", pending)
-    return gate
+    return gate_transport(monkeypatch, "read")
 
 
 def drained(c) -> bool:
@@ -72,7 +42,7 @@ def test_fetch_through_the_asynchronous_read(gated_read):
         out = c.submit(prefix + [9, 9], GREEDY).result(60)
         filler.result(60)
         assert out.metrics.prefill_instance != holder
-        assert out.metrics.fetched_tokens > 0 and gated_read.reads >= 1
+        assert out.metrics.fetched_tokens > 0 and gated_read.calls >= 1
         assert out.token_ids == reference_outputs([prefix + [9, 9]], GREEDY, seed=3)[0]
         end = time.monotonic() + 30
         while not drained(c):

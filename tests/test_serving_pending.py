@@ -9,7 +9,6 @@ takes it (``Started``), not from its dispatch."""
 from __future__ import annotations
 
 import random
-import threading
 import time
 
 import pytest
@@ -19,42 +18,15 @@ pytest.importorskip("torch")
 from mooncake_rs.engine import ModelConfig, SamplingParams  # noqa: E402
 from mooncake_rs.serving import transport as T  # noqa: E402
 from mooncake_rs.serving.prefill import shared_blocks  # noqa: E402
-from serving_helpers import BLOCK, reference_outputs, wait_for  # noqa: E402
+from serving_helpers import BLOCK, gate_transport, reference_outputs, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 GREEDY = SamplingParams(max_tokens=8)
 
 
-class WriteGate:
-    """Holds the end of every write started while closed until opened."""
-
-    def __init__(self) -> None:
-        self.open = threading.Event()
-        self.open.set()
-        self.held: set[tuple[int, int]] = set()  # (transport id, tag)
-
-
 @pytest.fixture()
 def gated_write(monkeypatch):
-    gate = WriteGate()
-    real_pending = T.Transport.pending
-    native = T.Transport.write
-
-    def write(self, tag, ep, spans):
-        native(self, tag, ep, spans)
-        if spans and not gate.open.is_set():
-            gate.held.add((id(self), tag))
-
-    def pending(self, tag):
-        if (id(self), tag) in gate.held:
-            if not gate.open.is_set():
-                return 1
-            gate.held.discard((id(self), tag))
-        return real_pending(self, tag)
-
-    monkeypatch.setattr(T.Transport, "write", write)
-    monkeypatch.setattr(T.Transport, "pending", pending)
-    return gate
+    return gate_transport(monkeypatch, "write")
 
 
 def test_shared_blocks_against_a_linear_scan():
