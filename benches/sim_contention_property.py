@@ -9,6 +9,7 @@ tolerance tests/test_sim_contention.py states), and the cases by trace kind and 
     nice python benches/sim_contention_property.py [--cases 300] [--seed 1] [--kinds agentic,chat]
         [--prefetch-staging-bytes 64e9]   # prefetch at decision time (every policy's config)
         [--replicate-every-s 0.5 --replicate-for mooncake|all]   # hot-prefix replication
+        [--list]   # every case above the best baseline, one line each
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def main() -> None:
                     help="act on the conductor's replication hints every this many seconds (default: never)")
     ap.add_argument("--replicate-for", choices=("mooncake", "all"), default="all",
                     help="with --replicate-every-s: replicate in mooncake's runs only, or in every policy's")
+    ap.add_argument("--list", action="store_true",
+                    help="print every case above the best baseline (its parameters, the winning baseline, the excess)")
     a = ap.parse_args()
     if a.replicate_every_s is not None and a.replicate_every_s <= 0:
         ap.error("--replicate-every-s must be > 0")
@@ -60,6 +63,8 @@ def main() -> None:
         r = mean["mooncake"] / best
         if r > 1 + 1e-9:
             case["request_worths"] = round((mean["mooncake"] - best) * case["n"] / worst[bp], 2)
+            case["winner"] = bp
+            case["means"] = {p: round(m, 4) for p, m in mean.items()}
             worse.append((r, case))
         elif r < 1 - 1e-9:
             wins += 1
@@ -85,6 +90,12 @@ def main() -> None:
                 sel = [(r, c) for r, c in worse if c["kind"] == kind and c["rate"] == rate]
                 if sel:
                     print(f"  {kind} at {rate}/s: {len(sel)} above, request-worths {sorted(c['request_worths'] for _, c in sel)}")
+    if a.list:
+        print("  every case above (ratio, kind, n, rate/s, P+D, NIC GB/s, trace seed, winner, request-worths, means):")
+        for r, c in sorted(worse, key=lambda x: -x[0]):
+            print(f"    {r:.3f}x {c['kind']} n={c['n']} rate={c['rate']} {c['prefill']}P+{c['decode']}D"
+                  f" nic={c['nic'] / 1e9:.2f} seed={c['seed']} winner={c['winner']} rw={c['request_worths']}"
+                  f" means={c['means']}")
     print(f"(wall {time.perf_counter() - t0:.0f} s)")
 
 

@@ -144,6 +144,15 @@ def test_no_fetch_pays_so_mooncake_decides_like_local_cache_aware(n, seed, prefi
 #: the best baseline's by at most this many times that baseline's largest single TTFT.
 TOLERANCE_REQUESTS = 3
 
+# Figures since k25x (the property test's docstring below is left as it is: hypothesis
+# derives its fixed draws from the test's source, and other draws find the case of
+# test_overloaded_agentic_fetch_overtaken_case). The chat generator's document ids are
+# chained now (before, a document had the same ids after every system prompt, and
+# ``load_balance`` won most chat cases by serving one prompt's KV to another): over
+# 3 x 300 random cases of benches/sim_contention_property.py (seeds 1-3), 35 above the
+# best baseline, worst 1.127x, at most 1.79 request-worths, chat at most 1.35 (59, 1.330x
+# and 3.51 with the former generator). BENCHMARKS.md "k25x".
+
 
 def _means(trace, prefill: int, decode: int, nic: float) -> dict[str, tuple[float, float]]:
     out = {}
@@ -196,6 +205,24 @@ def test_mooncake_mean_ttft_is_not_above_the_best_of_local_cache_aware_and_load_
     best = min(("local_cache_aware", "load_balance"), key=lambda p: m[p][0])
     (mc_mean, _), (b_mean, b_max) = m["mooncake"], m[best]
     assert mc_mean <= b_mean + TOLERANCE_REQUESTS * b_max / n + 1e-9, (m, best)
+
+
+@pytest.mark.xfail(strict=True, reason="3.51 request-worths above local_cache_aware (BENCHMARKS.md k25x)")
+def test_overloaded_agentic_fetch_overtaken_case():
+    """A case beyond the property's tolerance, found by its hypothesis test under other
+    draws (k25x): 44 agentic requests at 5/s, seed 1, 2P+2D, 10 GB/s. ``mooncake``
+    1.297 s, ``local_cache_aware`` 1.117 s, limit 1.271 s (3.51 request-worths). Request
+    24 prefetches 24 blocks priced as hidden under its 0.82 s queue; the holder's NIC
+    is shared with KV streams to the two saturated decode NICs, the fetch is still
+    running when the request reaches the head of its queue, so it steps aside, two
+    requests admitted after it compute first, and the fetch is abandoned for a 0.60 s
+    recompute the conductor had priced at 0.05 s. Requests 28-33 were routed to that
+    instance on the low estimate and start 0.8-1.1 s later than under
+    ``local_cache_aware`` (request 32's fetch is overtaken the same way)."""
+    trace = generate_trace(44, kind="agentic", seed=1, rate=5.0)
+    m = _means(trace, 2, 2, 1e10)
+    best = min(m["local_cache_aware"][0], m["load_balance"][0])
+    assert m["mooncake"][0] <= best + TOLERANCE_REQUESTS * m["local_cache_aware"][1] / 44
 
 
 def test_overloaded_agentic_late_fetch_case():

@@ -85,6 +85,29 @@ def test_generated_conversations_share_prefixes():
     assert extended > 0
 
 
+@pytest.mark.parametrize("kind", ["chat", "agentic"])
+def test_generated_ids_are_chained(kind):
+    """An id stands for its whole prefix (docs/design.md "Hashing"): two prompts that
+    share an id at position k share every id before it. Before k25x a long-document
+    query's document ids were the same after every system prompt, so a cache holding
+    the document after one system prompt served it after another."""
+    tr = generate_trace(600, seed=5, kind=kind, system_prompts=3, documents=4, conversation_share=0.3)
+    prefix_of: dict[int, tuple[int, int | None]] = {}  # id -> (position, the id before it)
+    for r in tr:
+        for k, h in enumerate(r.hash_ids):
+            seen = (k, r.hash_ids[k - 1] if k else None)
+            assert prefix_of.setdefault(h, seen) == seen, f"id {h} follows two different prefixes"
+    # documents are still shared: some request reuses another's system prompt and document
+    heads = {}
+    shared = 0
+    for r in tr:
+        fb = r.full_blocks()
+        if len(fb) > 16:
+            shared += heads.get(fb[:16], 0)
+            heads[fb[:16]] = 1
+    assert shared > 0
+
+
 def test_bursty_arrivals_are_burstier():
     def cv(tr):
         gaps = [b.timestamp_ms - a.timestamp_ms for a, b in zip(tr, tr[1:])]

@@ -211,8 +211,9 @@ def generate_trace(
     shared system prompt picked uniformly from ``system_prompts``, then turns, each
     prompt being the whole conversation so far, ``think_time_s`` apart on average);
     otherwise a long-document query (a system prompt, one of ``documents`` long
-    documents picked with Zipf popularity ``document_zipf``, then a question). Token
-    ranges are uniform (lo, hi). Requests past ``num_requests`` are dropped. With
+    documents picked with Zipf popularity ``document_zipf``, then a question). Ids are
+    chained (an id stands for its whole prefix): a document after another system prompt
+    gets other ids. Token ranges are uniform (lo, hi). Requests past ``num_requests`` are dropped. With
     ``path`` the trace is also written there.
     """
     if num_requests < 0:
@@ -271,13 +272,20 @@ def generate_trace(
 
     sys_prompts = [blocks(*system_prompt_tokens) for _ in range(system_prompts)]
     docs = [blocks(*document_tokens) for _ in range(documents)]
+    # Ids are chained (an id stands for its whole prefix, as the product's hashes and
+    # Mooncake's remapped ids do): a document after another system prompt is other KV,
+    # so it gets its own ids per (system prompt, document) pair, the first pair keeping
+    # `docs`' ids. Shared ids there let a cache serve one prompt's KV to another.
+    doc_ids: dict[tuple[int, int], list[int]] = {}
+    doc_owner: dict[int, int] = {}
     doc_weights = [1.0 / (i + 1) ** document_zipf for i in range(documents)]
 
     events: list[tuple[float, int, Request]] = []
     seq = 0
     starts = _arrivals(rng, num_requests, rate, arrival, burst_factor, burst_period_s)
     for start in starts:
-        sp = sys_prompts[rng.randrange(system_prompts)]
+        sp_idx = rng.randrange(system_prompts)
+        sp = sys_prompts[sp_idx]
         if rng.random() < conversation_share:
             n_turns = rng.randint(*turns)
             full = list(sp)
@@ -294,7 +302,11 @@ def generate_trace(
                 tokens = total + out
                 t += rng.expovariate(1.0 / think_time_s) if think_time_s > 0 else 0.0
         else:
-            doc = docs[rng.choices(range(documents), weights=doc_weights)[0]]
+            d = rng.choices(range(documents), weights=doc_weights)[0]
+            doc = doc_ids.get((sp_idx, d))
+            if doc is None:
+                doc = docs[d] if doc_owner.setdefault(d, sp_idx) == sp_idx else ids.take(len(docs[d]))
+                doc_ids[(sp_idx, d)] = doc
             prefix = list(sp) + list(doc)
             total = len(prefix) * BLOCK_TOKENS + rng.randint(*question_tokens)
             _, all_ids = _blocks_for(prefix, total, ids)
