@@ -19,12 +19,17 @@ import pytest
 pytest.importorskip("torch")
 
 from mooncake_rs.engine import ModelConfig, SamplingParams  # noqa: E402
-from serving_helpers import BLOCK, reference_outputs  # noqa: E402
-from test_serving_fetch import gated_read  # noqa: E402,F401 - the fixture that holds reads back
+from serving_helpers import BLOCK, gate_transport, reference_outputs  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 GREEDY = SamplingParams(max_tokens=8)
 PREFIX_BLOCKS = 6
+
+
+@pytest.fixture()
+def gated_read(monkeypatch):
+    """Holds every fetch read back while ``open`` is clear (serving_helpers.gate_transport)."""
+    return gate_transport(monkeypatch, "read")
 
 
 def _drained(c) -> bool:
@@ -122,7 +127,7 @@ def test_multipath_across_worker_processes():
         _wait(lambda: _drained(c), "a pin, a request or a page was left behind")
 
 
-def test_cancel_while_a_two_source_fetch_is_in_flight(gated_read):  # noqa: F811 - the imported fixture
+def test_cancel_while_a_two_source_fetch_is_in_flight(gated_read):
     """The reads from both holders are held (``gated_read``); the request is cancelled
     meanwhile: the prefill drops the fetch once its reads end (no slot left reserved),
     both holders are unpinned, and the cluster serves the prefix again afterwards."""
@@ -139,11 +144,11 @@ def test_cancel_while_a_two_source_fetch_is_in_flight(gated_read):  # noqa: F811
         _wait(lambda: sum(n >= PREFIX_BLOCKS for n in c.conductor.index.match_prefix(keys).values()) >= 2,
               "the index never showed both holders")
         c.conductor.drain_instance(b)
-        reads = gated_read.reads
+        reads = gated_read.calls
         gated_read.open.clear()
         h = c.submit(prefix + [3, 3], GREEDY)
         _wait(lambda: len(gated_read.held) >= 2 or h.done, "the two reads never started", 60)
-        assert gated_read.reads - reads == 2 and not h.done  # one read per holder, both held
+        assert gated_read.calls - reads == 2 and not h.done  # one read per holder, both held
         assert h.cancel()
         time.sleep(0.2)
         gated_read.open.set()
