@@ -45,6 +45,7 @@ def test_small_puts_gets_and_exists_match_a_reference(etcd_url, node):
         assert pool.batch_get_bytes(keys) == [ref.get(k) for k in keys]
         assert [pool.get(k) for k in ref] == list(ref.values())
         assert pool.batch_exists(keys) == [k in ref for k in keys]
+        assert pool.batch_exists_flags(keys) == [int(k in ref) for k in keys]
         with pytest.raises(BlockNotFound):
             pool.get("absent-1")
 
@@ -159,4 +160,5 @@ def test_batch_exists_of_a_one_node_pool_matches_the_node_itself(etcd_url, node)
                 assert pool.batch_remove(keys[:50]) == [True] * 50
             sample = rng.sample(keys, rng.randint(1, 300))
             assert pool.batch_exists(sample) == [node.segment.exists(k) for k in sample]
+            assert pool.batch_exists_flags(sample) == [int(node.segment.exists(k)) for k in sample]
             assert pool.batch_sizes(sample) == [node.segment.size_of(k) for k in sample]

@@ -356,8 +356,9 @@ class RemoteBackend:
         return out
 
     # ---- metadata
-    def exists_many(self, keys: list[str]) -> list[bool]:
-        return list(map((1).__eq__, self.ranked.values(keys, Exists, (1).__eq__)))
+    def exists_flags(self, keys: list[str]) -> list[int]:
+        # (the nodes answer 1/0: one node's answer list is handed on as it came)
+        return self.ranked.values(keys, Exists, (1).__eq__)
 
     def size_many(self, keys: list[str]) -> list[int | None]:
         vals = self.ranked.values(keys, Sizes, lambda v: v >= 0)

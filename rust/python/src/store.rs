@@ -218,6 +218,16 @@ impl PyStore {
         self.run(py, p.len(), move |s| s.put(key, unsafe { p.slice() })).or_raise(py)
     }
 
+    /// Stores a copy of `data` (1..=block_bytes bytes) at the front of a zeroed block;
+    /// False if `key` exists already. (A small value needs no padded copy in Python.)
+    fn put_padded(&self, py: Python<'_>, key: &Bound<'_, PyAny>, data: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let key = hash_from_py(key)?;
+        let view = BufferView::get_contiguous(data, "data")?;
+        let p = RawBytes::new(view.as_ptr(), view.len_bytes());
+        // SAFETY: `view` keeps the export alive across the call.
+        self.run(py, p.len(), move |s| s.put_padded(key, unsafe { p.slice() })).or_raise(py)
+    }
+
     /// Stores a chain of blocks (chain positions 0..n). `datas` is a sequence of
     /// buffers, or one buffer of len(keys) * block_bytes bytes.
     fn put_many(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, datas: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
