@@ -1,7 +1,8 @@
 """The one-call paths of a small key against the Python they replaced, as references:
 ``present_flags`` (a node's batch_is_exist) against ``[1 if k in table else 0 ...]``,
-``all_nonempty_str`` (the client's key check) against the per-key test, and a small
-``put_value`` (padded in the Rust store) against ``put_from`` of the same bytes."""
+``all_nonempty_str`` (the client's key check) against the per-key test, a small
+``put_value`` (padded in the Rust store) against ``put_from`` of the same bytes, and
+``Store.get_head`` against a slice of the Block view ``Store.get`` returns."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import random
 import numpy as np
 import pytest
 
-from mooncake_rs._core import all_nonempty_str, present_flags
+from mooncake_rs._core import Store, all_nonempty_str, present_flags
 from mooncake_rs.errors import InvalidArgument
 from mooncake_rs.pool import DistributedStore, KeyStatus
 from mooncake_rs.pool.segment import ObjectSegment
@@ -76,3 +77,20 @@ def test_small_put_value_reads_back_as_put_from_of_the_same_bytes(make):
         assert seg.get_bytes(f"s{size}") == raw
     assert seg.put_value("empty", b"") == KeyStatus.INVALID
     assert seg.exists_many(["s1", "empty", "s4096"]) == [1, 0, 1]
+
+
+def test_get_head_matches_a_slice_of_the_block_view():
+    store = Store(256, 64 * 4096)
+    rng = random.Random(11)
+    blocks = {k: rng.randbytes(256) for k in range(1, 20)}
+    for k, b in blocks.items():
+        assert store.put(k, b)
+    for k, b in blocks.items():
+        for n in (0, 1, 128, 255, 256):
+            blk = store.get(k)
+            with blk:
+                want = bytes(memoryview(blk)[:n])
+            assert store.get_head(k, n) == want == b[:n]
+    assert store.get_head(999, 10) is None
+    with pytest.raises(InvalidArgument):
+        store.get_head(1, 257)

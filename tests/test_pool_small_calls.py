@@ -44,6 +44,8 @@ def test_small_puts_gets_and_exists_match_a_reference(etcd_url, node):
         keys = sorted(ref) + ["absent-1", "absent-2"]
         assert pool.batch_get_bytes(keys) == [ref.get(k) for k in keys]
         assert [pool.get(k) for k in ref] == list(ref.values())
+        # one key a call (the node's one-key lookup) answers as the many-key lookup does
+        assert [pool.batch_get_bytes([k])[0] for k in keys] == pool.batch_get_bytes(keys)
         assert pool.batch_exists(keys) == [k in ref for k in keys]
         assert pool.batch_exists_flags(keys) == [int(k in ref) for k in keys]
         with pytest.raises(BlockNotFound):

@@ -259,11 +259,9 @@ class ObjectSegment:
         if meta is None:
             self.counters.misses += 1
             return KeyStatus.MISSING
-        if meta.nchunks == 1:
-            blk = self.classes[meta.cls].store.get(meta.oid)
-            if blk is not None:
-                with blk:
-                    data = bytes(memoryview(blk)[: meta.size])
+        if meta.nchunks == 1:  # one slot: its first `size` bytes, copied out in one Rust call
+            data = self.classes[meta.cls].store.get_head(meta.oid, meta.size)
+            if data is not None:
                 self.counters.hits += 1
                 return data
         out = np.empty(meta.size, dtype=np.uint8)

@@ -10,7 +10,7 @@ use mooncake_core::store::{
 };
 use mooncake_core::BlockHash;
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyBytes, PyList};
 
 use crate::convert::{hash_from_py, hash_to_py, BufferView};
 use crate::errors::{invalid, OrRaise};
@@ -424,6 +424,26 @@ impl PyStore {
         // A DRAM hit copies nothing; with an SSD tier a miss may read the disk.
         let r = detached_if(py, s.config().ssd_path.is_some(), || s.get(key, promote));
         Ok(self.block(key, r.or_raise(py)?))
+    }
+
+    /// The first `n` bytes (at most block_bytes) of `key`'s block as one bytes object,
+    /// or None: a small value read without a Block view, a memoryview and a slice.
+    #[pyo3(signature = (key, n, promote = true))]
+    fn get_head<'py>(
+        &self,
+        py: Python<'py>,
+        key: &Bound<'py, PyAny>,
+        n: usize,
+        promote: bool,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let key = hash_from_py(key)?;
+        let s = &*self.inner;
+        if n > s.block_bytes() {
+            return Err(invalid(py, format!("get_head: n={n} exceeds block_bytes={}", s.block_bytes())));
+        }
+        let r = detached_if(py, s.config().ssd_path.is_some(), || s.get(key, promote));
+        // (the block's lease ends when `b` drops, after the copy)
+        Ok(r.or_raise(py)?.map(|b| PyBytes::new(py, &b.bytes()[..n])))
     }
 
     /// `get` for many keys (one policy access for the DRAM hits).
