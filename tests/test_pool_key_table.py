@@ -94,3 +94,44 @@ def test_get_head_matches_a_slice_of_the_block_view():
     assert store.get_head(999, 10) is None
     with pytest.raises(InvalidArgument):
         store.get_head(1, 257)
+
+
+def _general_outcome(rb, n: int, rep, replicas: int) -> list[KeyStatus]:
+    """What the many-node path makes of one node's answer (the reference)."""
+    done, errors = [0] * n, [None] * n
+    for i, st in zip(range(n), rep.values if rep is not None else [int(KeyStatus.RPC_FAILED)] * n):
+        if st == 0:
+            done[i] += 1
+        elif errors[i] is None:
+            errors[i] = KeyStatus(st)
+    return rb._outcome(done, errors, replicas)
+
+
+def test_one_node_small_put_maps_the_answer_as_the_many_node_path_does():
+    from mooncake_rs.pool.protocol import Answer, PutInline
+    from mooncake_rs.pool.remote import RemoteBackend
+
+    class OneNode:
+        answer = None
+
+        def live(self):
+            return ["one"]
+
+        def ask_one(self, node, make, **fields):
+            assert make is PutInline and fields["keys"] == keys
+            return self.answer
+
+    rng = random.Random(13)
+    codes = [0, 0, 0, int(KeyStatus.NO_SPACE), int(KeyStatus.INVALID)]
+    for trial in range(200):
+        n = rng.randint(1, 6)
+        keys = [f"p{trial}-{i}" for i in range(n)]
+        vals = [rng.choice(codes) for _ in range(rng.randint(0, n))]  # (a short answer too)
+        replicas = rng.choice([1, 1, 2])
+        fast, ref = object.__new__(RemoteBackend), object.__new__(RemoteBackend)
+        fast.nodes = OneNode()
+        fast.nodes.answer = None if trial % 17 == 0 else Answer(1, vals)
+        fast.under_replicated = ref.under_replicated = 0
+        got = fast.put_values(keys, [b"v"] * n, replicas, False)
+        assert got == _general_outcome(ref, n, fast.nodes.answer, replicas)
+        assert fast.under_replicated == ref.under_replicated

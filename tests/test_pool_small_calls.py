@@ -46,6 +46,9 @@ def test_small_puts_gets_and_exists_match_a_reference(etcd_url, node):
         assert [pool.get(k) for k in ref] == list(ref.values())
         # one key a call (the node's one-key lookup) answers as the many-key lookup does
         assert [pool.batch_get_bytes([k])[0] for k in keys] == pool.batch_get_bytes(keys)
+        big = bytes(range(256)) * 400  # (past INLINE_MAX: the one-key get reads it as the batch does)
+        pool.put("big", big)
+        assert pool.get("big") == big and pool.batch_get_bytes(["big", "absent-1"]) == [big, None]
         assert pool.batch_exists(keys) == [k in ref for k in keys]
         assert pool.batch_exists_flags(keys) == [int(k in ref) for k in keys]
         with pytest.raises(BlockNotFound):
