@@ -236,8 +236,9 @@ class RemoteBackend:
             for node in rank_nodes(k, live)[:replicas]:
                 by_node[node].append(i)
         groups = list(by_node.items())
-        asks = [(node, PutInline, {"keys": [keys[i] for i in idx], "values": [views[i] for i in idx], "pin": pin})
-                for node, idx in groups]
+        asks: list[tuple[str, type, dict[str, Any]]] = [
+            (node, PutInline, {"keys": [keys[i] for i in idx], "values": [views[i] for i in idx], "pin": pin})
+            for node, idx in groups]
         answers = self.nodes.ask_each(asks)
         done = [0] * len(keys)
         errors: list[KeyStatus | None] = [None] * len(keys)
