@@ -44,7 +44,13 @@ def test_small_puts_gets_and_exists_match_a_reference(etcd_url, node):
         keys = sorted(ref) + ["absent-1", "absent-2"]
         assert pool.batch_get_bytes(keys) == [ref.get(k) for k in keys]
         assert [pool.get(k) for k in ref] == list(ref.values())
+        # one key a call (the node's one-key lookup) answers as the many-key lookup does
+        assert [pool.batch_get_bytes([k])[0] for k in keys] == pool.batch_get_bytes(keys)
+        big = bytes(range(256)) * 400  # (past INLINE_MAX: the one-key get reads it as the batch does)
+        pool.put("big", big)
+        assert pool.get("big") == big and pool.batch_get_bytes(["big", "absent-1"]) == [big, None]
         assert pool.batch_exists(keys) == [k in ref for k in keys]
+        assert pool.batch_exists_flags(keys) == [int(k in ref) for k in keys]
         with pytest.raises(BlockNotFound):
             pool.get("absent-1")
 
@@ -159,4 +165,5 @@ def test_batch_exists_of_a_one_node_pool_matches_the_node_itself(etcd_url, node)
                 assert pool.batch_remove(keys[:50]) == [True] * 50
             sample = rng.sample(keys, rng.randint(1, 300))
             assert pool.batch_exists(sample) == [node.segment.exists(k) for k in sample]
+            assert pool.batch_exists_flags(sample) == [int(node.segment.exists(k)) for k in sample]
             assert pool.batch_sizes(sample) == [node.segment.size_of(k) for k in sample]

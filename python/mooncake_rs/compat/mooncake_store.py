@@ -292,7 +292,7 @@ class MooncakeDistributedStore:
         if self._store is None:
             return [-1] * len(keys)
         try:
-            return list(map(int, self._store.batch_exists(keys)))  # (True/False -> 1/0)
+            return self._store.batch_exists_flags(keys)
         except MooncakeError as e:
             log.error("batch_is_exist failed: %s", e)
             return [-1] * len(keys)

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-
+from .._core import all_nonempty_str
 from ..errors import BlockNotFound, InvalidArgument, StoreFull, TransferFailed
 from ..net.spin_wait import DEFAULT_SPIN_US, spin_us_checked
 from .backend import Backend
@@ -45,7 +45,7 @@ def _check_key(key: object) -> str:
 def _check_keys(keys: Sequence[str]) -> list[str]:
     """``keys`` as a list, each checked as ``_check_key`` does (one pass, no call per key)."""
     keys = list(keys)
-    if not all(isinstance(k, str) and k for k in keys):
+    if not all_nonempty_str(keys):  # (one Rust pass; the per-key check below names a bad key)
         for k in keys:
             _check_key(k)
     return keys
@@ -161,7 +161,12 @@ class DistributedStore:
         return self._backend.get_bytes_many(keys)
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        return self._backend.exists_many(_check_keys(keys))
+        return list(map((1).__eq__, self._backend.exists_flags(_check_keys(keys))))
+
+    def batch_exists_flags(self, keys: Sequence[str]) -> list[int]:
+        """``batch_exists`` as 1 (present) / 0 (absent) a key: Mooncake's ``batch_is_exist``
+        codes, with no per-key conversion."""
+        return self._backend.exists_flags(_check_keys(keys))
 
     def batch_sizes(self, keys: Sequence[str]) -> list[int | None]:
         return self._backend.size_many(_check_keys(keys))

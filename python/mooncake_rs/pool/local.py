@@ -37,10 +37,9 @@ class LocalBackend:
             out.append(v if isinstance(v, bytes) else None)
         return out
 
-    def exists_many(self, keys: list[str]) -> list[bool]:
+    def exists_flags(self, keys: list[str]) -> list[int]:
         self.segment.reap_evicted()
-        ex = self.segment.exists
-        return [ex(k) for k in keys]
+        return self.segment.exists_many(keys)
 
     def size_many(self, keys: list[str]) -> list[int | None]:
         return [self.segment.size_of(k) for k in keys]

@@ -223,18 +223,22 @@ class RemoteBackend:
         live = self.nodes.live()
         if not live:
             return [KeyStatus.RPC_FAILED] * len(keys)
-        if len(live) == 1:  # one node takes every key: no ranking, the lists as they are
-            groups: list[tuple[str, list[int]]] = [(live[0], list(range(len(keys))))]
-            asks: list[tuple[str, type, dict[str, Any]]] = [(live[0], PutInline, {"keys": keys, "values": views,
-                                                                                  "pin": pin})]
-        else:
-            by_node: dict[str, list[int]] = defaultdict(list)
-            for i, k in enumerate(keys):
-                for node in rank_nodes(k, live)[:replicas]:
-                    by_node[node].append(i)
-            groups = list(by_node.items())
-            asks = [(node, PutInline, {"keys": [keys[i] for i in idx], "values": [views[i] for i in idx], "pin": pin})
-                    for node, idx in groups]
+        if len(live) == 1:  # one node takes every key: one request, its answer mapped as it is
+            rep = self.nodes.ask_one(live[0], PutInline, keys=keys, values=views, pin=pin)
+            got = rep.values if rep is not None else []
+            out = [KeyStatus.OK if st == 0 else KeyStatus(st) for st in got[:len(keys)]]
+            out += [KeyStatus.RPC_FAILED] * (len(keys) - len(out))  # (no answer, or a short one)
+            if replicas > 1:  # (as _outcome counts a key fewer nodes took than asked)
+                self.under_replicated += out.count(KeyStatus.OK)
+            return out
+        by_node: dict[str, list[int]] = defaultdict(list)
+        for i, k in enumerate(keys):
+            for node in rank_nodes(k, live)[:replicas]:
+                by_node[node].append(i)
+        groups = list(by_node.items())
+        asks: list[tuple[str, type, dict[str, Any]]] = [
+            (node, PutInline, {"keys": [keys[i] for i in idx], "values": [views[i] for i in idx], "pin": pin})
+            for node, idx in groups]
         answers = self.nodes.ask_each(asks)
         done = [0] * len(keys)
         errors: list[KeyStatus | None] = [None] * len(keys)
@@ -330,6 +334,15 @@ class RemoteBackend:
         by ``get_many`` into buffers of the size the lookup reported."""
         out: list[bytes | None] = [None] * len(keys)
         large: dict[int, int] = {}
+        if len(keys) == 1 and len(live := self.nodes.live()) == 1:  # one key, one node: no ranking, no closures
+            one = self.nodes.ask_one(live[0], Lookup, keys=keys, inline_max=INLINE_MAX, lease_large=False)
+            if one is None:
+                self.replicas_lost += 1
+            elif one.statuses[0] == 0:
+                if one.sizes[0] <= INLINE_MAX:
+                    return [bytes(one.data[0])]
+                large[0] = one.sizes[0]
+            return self._read_sized(keys, out, large)
 
         def take(idx: list[int], rep: Leased | None) -> list[int]:
             if rep is None:
@@ -347,6 +360,10 @@ class RemoteBackend:
 
         self.ranked.by_rank(keys, lambda idx: (Lookup, {"keys": [keys[i] for i in idx], "inline_max": INLINE_MAX,
                                                   "lease_large": False}), take)
+        return self._read_sized(keys, out, large)
+
+    def _read_sized(self, keys: list[str], out: list[bytes | None], large: dict[int, int]) -> list[bytes | None]:
+        """``out`` with the values too large to come inline (index -> size) read by ``get_many``."""
         if large:
             idx = list(large)
             bufs = [np.empty(large[i], dtype=np.uint8) for i in idx]
@@ -356,8 +373,9 @@ class RemoteBackend:
         return out
 
     # ---- metadata
-    def exists_many(self, keys: list[str]) -> list[bool]:
-        return list(map((1).__eq__, self.ranked.values(keys, Exists, (1).__eq__)))
+    def exists_flags(self, keys: list[str]) -> list[int]:
+        # (the nodes answer 1/0: one node's answer list is handed on as it came)
+        return self.ranked.values(keys, Exists, (1).__eq__)
 
     def size_many(self, keys: list[str]) -> list[int | None]:
         vals = self.ranked.values(keys, Sizes, lambda v: v >= 0)

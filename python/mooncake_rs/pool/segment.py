@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from .._core import present_flags
 from ..errors import InvalidArgument, StoreFull
 from .buffers import gather, scatter, view_at
 from .chunks import chunk_key, chunk_keys, evicted_oids, new_oid
@@ -233,19 +234,15 @@ class ObjectSegment:
             value = memoryview(value).cast("B")
         size = len(value)
         sc0 = self.classes[0]
-        if 0 < size <= sc0.chunk_bytes:
-            if isinstance(value, memoryview):
-                value = value.tobytes()
-            meta = ObjectMeta(new_oid(), size, 0, 1, pin)
-            return self._put_one(key, meta, value + bytes(sc0.chunk_bytes - size) if size < sc0.chunk_bytes
-                                 else value)
+        if 0 < size <= sc0.chunk_bytes:  # one small slot; the Rust store zeroes the slot's tail
+            return self._put_one(key, ObjectMeta(new_oid(), size, 0, 1, pin), value)
         arr = np.frombuffer(value, dtype=np.uint8)
         return self.put_from(key, [arr.ctypes.data], [size], pin) if size else KeyStatus.INVALID
 
     def _put_one(self, key: str, meta: ObjectMeta, slot: object) -> KeyStatus:
         store = self.classes[meta.cls].store
         try:
-            store.put(meta.oid, slot)
+            store.put_padded(meta.oid, slot)
             if meta.pinned:
                 store.pin(meta.oid)
         except Exception:  # noqa: BLE001 - StoreFull, or evicted before its pin
@@ -262,11 +259,9 @@ class ObjectSegment:
         if meta is None:
             self.counters.misses += 1
             return KeyStatus.MISSING
-        if meta.nchunks == 1:
-            blk = self.classes[meta.cls].store.get(meta.oid)
-            if blk is not None:
-                with blk:
-                    data = bytes(memoryview(blk)[: meta.size])
+        if meta.nchunks == 1:  # one slot: its first `size` bytes, copied out in one Rust call
+            data = self.classes[meta.cls].store.get_head(meta.oid, meta.size)
+            if data is not None:
                 self.counters.hits += 1
                 return data
         out = np.empty(meta.size, dtype=np.uint8)
@@ -414,9 +409,8 @@ class ObjectSegment:
         return key in self._objects
 
     def exists_many(self, keys: list[str]) -> list[int]:
-        """1 for each key held, else 0 (a batch_is_exist of a node)."""
-        objects = self._objects
-        return [1 if k in objects else 0 for k in keys]
+        """1 for each key held, else 0 (a batch_is_exist of a node; one Rust call for the list)."""
+        return present_flags(self._objects, keys if type(keys) is list else list(keys))
 
     def size_of(self, key: str) -> int | None:
         meta = self._objects.get(key)

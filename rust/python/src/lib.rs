@@ -21,6 +21,7 @@ mod index;
 mod interop;
 mod interop_ingest;
 mod interop_map;
+mod key_table;
 mod keys;
 mod logging;
 mod mem;
@@ -63,5 +64,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     page_gather::register(m)?;
     page_gather_each::register(m)?;
     request_saver::register(m)?;
+    key_table::register(m)?;
     Ok(())
 }

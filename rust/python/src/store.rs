@@ -10,7 +10,7 @@ use mooncake_core::store::{
 };
 use mooncake_core::BlockHash;
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyBytes, PyList};
 
 use crate::convert::{hash_from_py, hash_to_py, BufferView};
 use crate::errors::{invalid, OrRaise};
@@ -218,6 +218,16 @@ impl PyStore {
         self.run(py, p.len(), move |s| s.put(key, unsafe { p.slice() })).or_raise(py)
     }
 
+    /// Stores a copy of `data` (1..=block_bytes bytes) at the front of a zeroed block;
+    /// False if `key` exists already. (A small value needs no padded copy in Python.)
+    fn put_padded(&self, py: Python<'_>, key: &Bound<'_, PyAny>, data: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let key = hash_from_py(key)?;
+        let view = BufferView::get_contiguous(data, "data")?;
+        let p = RawBytes::new(view.as_ptr(), view.len_bytes());
+        // SAFETY: `view` keeps the export alive across the call.
+        self.run(py, p.len(), move |s| s.put_padded(key, unsafe { p.slice() })).or_raise(py)
+    }
+
     /// Stores a chain of blocks (chain positions 0..n). `datas` is a sequence of
     /// buffers, or one buffer of len(keys) * block_bytes bytes.
     fn put_many(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, datas: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
@@ -414,6 +424,26 @@ impl PyStore {
         // A DRAM hit copies nothing; with an SSD tier a miss may read the disk.
         let r = detached_if(py, s.config().ssd_path.is_some(), || s.get(key, promote));
         Ok(self.block(key, r.or_raise(py)?))
+    }
+
+    /// The first `n` bytes (at most block_bytes) of `key`'s block as one bytes object,
+    /// or None: a small value read without a Block view, a memoryview and a slice.
+    #[pyo3(signature = (key, n, promote = true))]
+    fn get_head<'py>(
+        &self,
+        py: Python<'py>,
+        key: &Bound<'py, PyAny>,
+        n: usize,
+        promote: bool,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let key = hash_from_py(key)?;
+        let s = &*self.inner;
+        if n > s.block_bytes() {
+            return Err(invalid(py, format!("get_head: n={n} exceeds block_bytes={}", s.block_bytes())));
+        }
+        let r = detached_if(py, s.config().ssd_path.is_some(), || s.get(key, promote));
+        // (the block's lease ends when `b` drops, after the copy)
+        Ok(r.or_raise(py)?.map(|b| PyBytes::new(py, &b.bytes()[..n])))
     }
 
     /// `get` for many keys (one policy access for the DRAM hits).

@@ -54,3 +54,34 @@ fn addressed_chunks_need_one_address_and_length_per_key() {
     let e = AddressedChunk::zip(&[5, 6], &[100], &[1, 2]).unwrap_err();
     assert_eq!(e.to_string(), "2 keys, 1 addrs and 2 lens: give one address and length per key");
 }
+
+#[test]
+fn padded_put_matches_a_put_of_the_value_padded_by_hand() {
+    // one slot, so the padded put reuses the slot a full block of 0xFF left behind:
+    // its tail must come out zeroed, not stale
+    let s = store(1);
+    assert!(s.put(1, &[0xFFu8; BB]).unwrap());
+    assert!(s.remove(1).unwrap());
+    let value: Vec<u8> = (0..37u8).collect();
+    assert!(s.put_padded(2, &value).unwrap());
+    assert!(!s.put_padded(2, &[9u8; 5]).unwrap(), "already stored: nothing changes");
+    let mut by_hand = value.clone();
+    by_hand.resize(BB, 0);
+    let mut got = vec![0xAAu8; BB];
+    assert!(s.get_into(2, &mut got, true).unwrap());
+    assert_eq!(got, by_hand);
+    // a value of exactly one block is stored as put stores it
+    assert!(s.remove(2).unwrap());
+    let full = rows(&[3]);
+    assert!(s.put_padded(3, &full).unwrap());
+    assert!(s.get_into(3, &mut got, true).unwrap());
+    assert_eq!(got, full);
+}
+
+#[test]
+fn padded_put_refuses_an_empty_or_oversized_value() {
+    let s = store(2);
+    assert!(matches!(s.put_padded(1, &[]), Err(StoreError::Invalid(_))));
+    assert!(matches!(s.put_padded(1, &[0u8; BB + 1]), Err(StoreError::Invalid(_))));
+    assert!(!s.contains(1));
+}

@@ -267,6 +267,28 @@ impl Store {
         self.put_at(key, data, 0)
     }
 
+    /// [`put`](Self::put) of a value shorter than a block: `data` (1..=block_bytes bytes)
+    /// goes at the front of the slot and the rest is zeroed, so a caller holding a small
+    /// value need not build a padded copy first. False if `key` is already stored.
+    pub fn put_padded(&self, key: BlockHash, data: &[u8]) -> Result<bool, StoreError> {
+        let bb = self.cfg.block_bytes;
+        if data.is_empty() || data.len() > bb {
+            return Err(StoreError::Invalid(format!(
+                "a padded block must be 1..={bb} bytes (block_bytes), got {}",
+                data.len()
+            )));
+        }
+        if self.contains(key) {
+            return Ok(false);
+        }
+        let mut r = self.reserve(key)?;
+        let slot = r.bytes_mut();
+        let (head, tail) = slot.split_at_mut(data.len());
+        head.copy_from_slice(data);
+        tail.fill(0);
+        Ok(self.commit(r, 0))
+    }
+
     fn put_at(&self, key: BlockHash, data: &[u8], position: u32) -> Result<bool, StoreError> {
         self.check_len(data.len())?;
         if self.contains(key) {

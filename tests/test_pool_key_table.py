@@ -1,0 +1,137 @@
+"""The one-call paths of a small key against the Python they replaced, as references:
+``present_flags`` (a node's batch_is_exist) against ``[1 if k in table else 0 ...]``,
+``all_nonempty_str`` (the client's key check) against the per-key test, a small
+``put_value`` (padded in the Rust store) against ``put_from`` of the same bytes, and
+``Store.get_head`` against a slice of the Block view ``Store.get`` returns."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from mooncake_rs._core import Store, all_nonempty_str, present_flags
+from mooncake_rs.errors import InvalidArgument
+from mooncake_rs.pool import DistributedStore, KeyStatus
+from mooncake_rs.pool.segment import ObjectSegment
+
+MiB = 1 << 20
+
+
+class StrKey(str):
+    pass
+
+
+def test_present_flags_match_the_dict_test_key_by_key():
+    rng = random.Random(3)
+    table = {f"k{i}": i for i in range(0, 500, 3)} | {7: "int key", StrKey("sub"): 1}
+    pool = [f"k{i}" for i in range(500)] + [7, 8, "sub", StrKey("k3"), "", (1, 2)]
+    for n in (0, 1, 2, 100, 400):
+        keys = rng.choices(pool, k=n)
+        assert present_flags(table, keys) == [1 if k in table else 0 for k in keys]
+    with pytest.raises(TypeError):  # an unhashable key fails as `in` does
+        present_flags(table, ["k0", [1]])
+
+
+def test_all_nonempty_str_matches_the_per_key_check():
+    cases = [[], ["a"], ["a", ""], ["a", None], ["a", b"b"], [StrKey("x"), "y"], [""], ["é" * 3, "k"], [1]]
+    for keys in cases:
+        assert all_nonempty_str(keys) == all(isinstance(k, str) and k for k in keys), keys
+
+
+def test_batch_exists_flags_match_batch_exists_and_keep_the_key_errors():
+    with DistributedStore.embedded(16 * MiB, chunk_bytes=64 << 10) as s:
+        keys = [f"e{i}" for i in range(60)]
+        assert s.batch_put_values(keys[::2], [b"v" * (i + 1) for i in range(30)]) == [KeyStatus.OK] * 30
+        ask = keys + ["nope"]
+        assert s.batch_exists_flags(ask) == [int(b) for b in s.batch_exists(ask)] == [int(k in keys[::2]) for k in ask]
+        for bad in ([""], ["ok", 5], [None]):
+            with pytest.raises(InvalidArgument):
+                s.batch_exists_flags(bad)
+            with pytest.raises(InvalidArgument):
+                s.batch_exists(bad)
+
+
+@pytest.mark.parametrize("make", [bytes, bytearray, memoryview, lambda b: np.frombuffer(b, dtype=np.uint8)])
+def test_small_put_value_reads_back_as_put_from_of_the_same_bytes(make):
+    seg = ObjectSegment(8 * MiB, chunk_bytes=64 << 10, small_bytes=4096)
+    ref = ObjectSegment(8 * MiB, chunk_bytes=64 << 10, small_bytes=4096)
+    rng = random.Random(5)
+    # fill and empty the small class first, so the padded puts land in used slots
+    for i in range(50):
+        assert seg.put_value(f"old{i}", b"\xff" * 4096) == KeyStatus.OK
+    assert all(seg.remove(f"old{i}") for i in range(50))
+    for size in (1, 2, 127, 128, 129, 4095, 4096, 4097):
+        raw = rng.randbytes(size)
+        arr = np.frombuffer(raw, dtype=np.uint8)
+        assert seg.put_value(f"s{size}", make(raw), pin=size == 128) == KeyStatus.OK
+        assert ref.put_from(f"s{size}", [arr.ctypes.data], [size], pin=size == 128) == KeyStatus.OK
+        assert seg.get_bytes(f"s{size}") == ref.get_bytes(f"s{size}") == raw
+        assert seg.size_of(f"s{size}") == size
+        out = np.zeros(4096 + size, dtype=np.uint8)  # a larger buffer: only the value's bytes change
+        assert seg.get_into(f"s{size}", [out.ctypes.data], [out.size]) == size
+        assert out[:size].tobytes() == raw and not out[size:].any()
+        # put-if-absent: a second put of the key returns OK and changes nothing
+        assert seg.put_value(f"s{size}", make(b"\x01" * size)) == KeyStatus.OK
+        assert seg.get_bytes(f"s{size}") == raw
+    assert seg.put_value("empty", b"") == KeyStatus.INVALID
+    assert seg.exists_many(["s1", "empty", "s4096"]) == [1, 0, 1]
+
+
+def test_get_head_matches_a_slice_of_the_block_view():
+    store = Store(256, 64 * 4096)
+    rng = random.Random(11)
+    blocks = {k: rng.randbytes(256) for k in range(1, 20)}
+    for k, b in blocks.items():
+        assert store.put(k, b)
+    for k, b in blocks.items():
+        for n in (0, 1, 128, 255, 256):
+            blk = store.get(k)
+            with blk:
+                want = bytes(memoryview(blk)[:n])
+            assert store.get_head(k, n) == want == b[:n]
+    assert store.get_head(999, 10) is None
+    with pytest.raises(InvalidArgument):
+        store.get_head(1, 257)
+
+
+def _general_outcome(rb, n: int, rep, replicas: int) -> list[KeyStatus]:
+    """What the many-node path makes of one node's answer (the reference)."""
+    done, errors = [0] * n, [None] * n
+    for i, st in zip(range(n), rep.values if rep is not None else [int(KeyStatus.RPC_FAILED)] * n):
+        if st == 0:
+            done[i] += 1
+        elif errors[i] is None:
+            errors[i] = KeyStatus(st)
+    return rb._outcome(done, errors, replicas)
+
+
+def test_one_node_small_put_maps_the_answer_as_the_many_node_path_does():
+    from mooncake_rs.pool.protocol import Answer, PutInline
+    from mooncake_rs.pool.remote import RemoteBackend
+
+    class OneNode:
+        answer = None
+
+        def live(self):
+            return ["one"]
+
+        def ask_one(self, node, make, **fields):
+            assert make is PutInline and fields["keys"] == keys
+            return self.answer
+
+    rng = random.Random(13)
+    codes = [0, 0, 0, int(KeyStatus.NO_SPACE), int(KeyStatus.INVALID)]
+    for trial in range(200):
+        n = rng.randint(1, 6)
+        keys = [f"p{trial}-{i}" for i in range(n)]
+        vals = [rng.choice(codes) for _ in range(rng.randint(0, n))]  # (a short answer too)
+        replicas = rng.choice([1, 1, 2])
+        fast, ref = object.__new__(RemoteBackend), object.__new__(RemoteBackend)
+        fast.nodes = OneNode()
+        fast.nodes.answer = None if trial % 17 == 0 else Answer(1, vals)
+        fast.under_replicated = ref.under_replicated = 0
+        got = fast.put_values(keys, [b"v"] * n, replicas, False)
+        assert got == _general_outcome(ref, n, fast.nodes.answer, replicas)
+        assert fast.under_replicated == ref.under_replicated
