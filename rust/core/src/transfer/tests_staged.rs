@@ -604,16 +604,9 @@ fn a_grant_revoked_mid_batch_refuses_the_following_staged_reads() {
         let st = batch.wait(None);
         let codes: Vec<_> = st.iter().map(code).collect();
         assert!(codes.iter().all(|c| *c == "ok" || *c == "no_grant"), "{codes:?}");
-        let got = bytes(&prefill, l);
-        // Each 512 KiB slot of the local region: if every request into it was ok, it holds
-        // the arena's bytes (a refused request may have landed part of its own).
+        // Each 512 KiB slot of the local region that only ok reads wrote holds the arena's bytes.
         let k = 512usize << 10;
-        for slot in 0..len / k {
-            let all_ok = codes.iter().enumerate().filter(|(i, _)| (i * k) % len == slot * k).all(|(_, c)| *c == "ok");
-            if all_ok {
-                assert!(got[slot * k..][..k] == arena_bytes[slot * k..][..k], "slot {slot} differs");
-            }
-        }
+        assert_ok_slots_hold(&codes, &bytes(&prefill, l), &arena_bytes, k, |i| (i * k) % len / k);
         let after = prefill.submit(vec![req(Op::Read, l, 0, &p, arena, 0, 4096)], T).unwrap().wait(None);
         assert_eq!(code(&after[0]), "no_grant", "a read after revoke was not refused");
         if codes.contains(&"ok") && codes.contains(&"no_grant") {
@@ -622,6 +615,25 @@ fn a_grant_revoked_mid_batch_refuses_the_following_staged_reads() {
         }
     }
     assert!(straddled, "no batch of staged reads straddled the revoke in five tries");
+}
+
+/// Each `slot_len` slot of `got` into which every request was ok (`slot_of(i)`: the slot
+/// request `i` wrote) holds `want`'s bytes there; a slot that a refused request also
+/// wrote is not checked (a refused request may have landed part of its bytes).
+pub(super) fn assert_ok_slots_hold(
+    codes: &[&str],
+    got: &[u8],
+    want: &[u8],
+    slot_len: usize,
+    slot_of: impl Fn(usize) -> usize,
+) {
+    for slot in 0..got.len() / slot_len {
+        let all_ok = codes.iter().enumerate().filter(|(i, _)| slot_of(*i) == slot).all(|(_, c)| *c == "ok");
+        if all_ok {
+            let r = slot * slot_len..(slot + 1) * slot_len;
+            assert!(got[r.clone()] == want[r], "slot {slot} differs");
+        }
+    }
 }
 
 // The server engine goes away while staged reads are in flight: every request ends (ok

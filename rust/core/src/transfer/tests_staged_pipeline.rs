@@ -12,7 +12,7 @@ use rand::{Rng, SeedableRng};
 use super::batch::Batch;
 use super::staged::{CHUNK, STREAMING_MIN};
 use super::tests::{bytes, cfg, fill, req, T};
-use super::tests_staged::{code, engine, links, wait_links_idle};
+use super::tests_staged::{assert_ok_slots_hold, code, engine, links, wait_links_idle};
 use super::*;
 
 const KIB: u64 = 1 << 10;
@@ -243,14 +243,8 @@ fn a_grant_revoked_mid_batch_refuses_the_following_staged_writes() {
         decode.revoke(arena, "prefill-0", None).unwrap();
         let codes: Vec<_> = batch.wait(None).iter().map(code).collect();
         assert!(codes.iter().all(|c| *c == "ok" || *c == "no_grant"), "{codes:?}");
-        let got = bytes(&decode, arena);
-        let (k, slots) = (FLUSH as usize, (ARENA / FLUSH) as usize);
-        for slot in 0..slots {
-            let all_ok = codes.iter().enumerate().filter(|(i, _)| i % slots == slot).all(|(_, c)| *c == "ok");
-            if all_ok {
-                assert!(got[slot * k..][..k] == local_bytes[slot * k..][..k], "slot {slot} differs");
-            }
-        }
+        let slots = (ARENA / FLUSH) as usize;
+        assert_ok_slots_hold(&codes, &bytes(&decode, arena), &local_bytes, FLUSH as usize, |i| i % slots);
         let after = prefill.submit(vec![req(Op::Write, l, 0, &p, arena, 0, 4096)], T).unwrap().wait(None);
         assert_eq!(code(&after[0]), "no_grant", "a write after revoke was not refused");
         if codes.contains(&"ok") && codes.contains(&"no_grant") {
