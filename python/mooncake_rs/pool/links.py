@@ -135,14 +135,9 @@ class NodeLink:
         if not lone:
             return self.submit(make, **fields).result()
         try:
-            with self._send_lock:
-                self.io.send(make(rid=rid, **fields))
-        except BaseException as e:
+            self._send_frame(rid, make, fields)
+        except BaseException:
             self._stop_reading()
-            if isinstance(e, (OSError, InvalidArgument)):
-                failed = f"{type(e).__name__}: {e}"
-                self._fail(failed)
-                raise NodeDown(f"store node {self.record.name}: {failed}") from e
             raise
         reply = self._read_own(rid)
         if isinstance(reply, Failure):
@@ -155,23 +150,24 @@ class NodeLink:
         take over the reading. NodeDown when the link breaks."""
         try:
             while True:
-                try:
-                    reply = self.io.recv()
-                except BlockingIOError:  # the socket's receive timeout (_bound_io)
-                    why = f"the node sent nothing for {self.timeout_s} s with requests in flight"
-                    self._fail(why)
-                    raise NodeDown(f"store node {self.record.name}: {why}") from None
-                except (OSError, EOFError, socket.timeout, InvalidArgument) as e:
-                    why = f"{type(e).__name__}: {e}"
-                    self._fail(why)
-                    raise NodeDown(f"store node {self.record.name}: {why}") from e
-                got = getattr(reply, "rid", -1)
-                if got == rid:
-                    break
+                reply = self._recv_reply()
+                if getattr(reply, "rid", -1) == rid:
+                    return reply
                 self._hand_over(reply)
         finally:
             self._stop_reading()
-        return reply
+
+    def _recv_reply(self) -> Any:
+        """The next answer off the link. A read that fails or times out breaks the link
+        (``_fail``: every request in flight ends with NodeDown) and raises NodeDown."""
+        try:
+            return self.io.recv()
+        except BlockingIOError:  # the socket's receive timeout (_bound_io)
+            why, cause = f"the node sent nothing for {self.timeout_s} s with requests in flight", None
+        except (OSError, EOFError, socket.timeout, InvalidArgument) as e:
+            why, cause = f"{type(e).__name__}: {e}", e
+        self._fail(why)
+        raise NodeDown(f"store node {self.record.name}: {why}") from cause
 
     def _stop_reading(self) -> None:
         with self._lock:
@@ -200,6 +196,12 @@ class NodeLink:
             pending = Pending(self, rid) if wait else None
             if pending is not None:
                 self._waiting[rid] = pending
+        self._send_frame(rid, make, fields)
+        return pending
+
+    def _send_frame(self, rid: int, make: type, fields: dict[str, object]) -> None:
+        """Sends request ``rid`` whole. A send that fails breaks the link (``_fail``: every
+        request in flight ends with NodeDown) and raises NodeDown."""
         try:
             with self._send_lock:
                 self.io.send(make(rid=rid, **fields))
@@ -207,7 +209,6 @@ class NodeLink:
             failed = f"{type(e).__name__}: {e}"
             self._fail(failed)
             raise NodeDown(f"store node {self.record.name}: {failed}") from e
-        return pending
 
     def _await(self, pending: Pending) -> None:
         """Until ``pending`` is answered (or the link fails): reads the socket while no
@@ -256,12 +257,8 @@ class NodeLink:
     def _read_until(self, pending: Pending) -> None:
         while not pending.done:
             try:
-                reply = self.io.recv()
-            except BlockingIOError:  # the socket's receive timeout (_bound_io)
-                self._fail(f"the node sent nothing for {self.timeout_s} s with requests in flight")
-                return
-            except (OSError, EOFError, socket.timeout, InvalidArgument) as e:
-                self._fail(f"{type(e).__name__}: {e}")
+                reply = self._recv_reply()
+            except NodeDown:  # (the link is broken: ``pending`` ended with it)
                 return
             self._hand_over(reply)
 
