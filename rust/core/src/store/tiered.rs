@@ -278,24 +278,26 @@ impl Store {
                 data.len()
             )));
         }
-        if self.contains(key) {
-            return Ok(false);
-        }
-        let mut r = self.reserve(key)?;
-        let slot = r.bytes_mut();
-        let (head, tail) = slot.split_at_mut(data.len());
-        head.copy_from_slice(data);
-        tail.fill(0);
-        Ok(self.commit(r, 0))
+        self.put_filled(key, 0, |slot| {
+            let (head, tail) = slot.split_at_mut(data.len());
+            head.copy_from_slice(data);
+            tail.fill(0);
+        })
     }
 
     fn put_at(&self, key: BlockHash, data: &[u8], position: u32) -> Result<bool, StoreError> {
         self.check_len(data.len())?;
+        self.put_filled(key, position, |slot| slot.copy_from_slice(data))
+    }
+
+    /// Put-if-absent of one block whose slot `fill` writes (all `block_bytes` of it)
+    /// between the reservation and the commit; false if `key` is already stored.
+    fn put_filled(&self, key: BlockHash, position: u32, fill: impl FnOnce(&mut [u8])) -> Result<bool, StoreError> {
         if self.contains(key) {
             return Ok(false);
         }
         let mut r = self.reserve(key)?;
-        r.bytes_mut().copy_from_slice(data);
+        fill(r.bytes_mut());
         Ok(self.commit(r, position))
     }
 
