@@ -68,10 +68,7 @@ pub const CHUNK: u64 = 1 << 20;
 /// batch, the copies in series) and 128/256 KiB (more commits, no faster): BENCHMARKS.md,
 /// "k26s". A batch `submit_many` commits itself (at most 1 MiB) stays one commit.
 const FLUSH_BYTES: u64 = 512 << 10;
-/// Chunks at least this long are copied to their last place (the region, for a write
-/// on the server; the destination, for a read here) with streaming stores (see
-/// [`super::stream_copy`]); below it an ordinary copy measured as fast.
-pub const STREAMING_MIN: u64 = 256 << 10;
+pub use super::stream_copy::STREAMING_MIN;
 
 pub struct StagedLink {
     stream: UnixStream,
@@ -508,11 +505,7 @@ impl StagedLink {
                         // from ending while we write it.
                         unsafe {
                             let staged = self.staging.as_ptr().add(c.at as usize) as *const u8;
-                            if c.len >= STREAMING_MIN {
-                                super::stream_copy::copy_streaming(dst.ptr, staged, c.len as usize)
-                            } else {
-                                std::ptr::copy_nonoverlapping(staged, dst.ptr, c.len as usize)
-                            }
+                            super::stream_copy::copy_last_leg(dst.ptr, staged, c.len as usize)
                         };
                         c.batch.end_io(c.index);
                     }

@@ -235,10 +235,8 @@ fn serve(s: &UnixStream, ctx: &ServeCtx) {
                     // its own grant or its own buffer only.
                     unsafe {
                         let staged = mem.as_ptr().add(at as usize);
-                        if write && len >= super::staged::STREAMING_MIN {
-                            super::stream_copy::copy_streaming(reg.at(offset), staged as *const u8, len as usize)
-                        } else if write {
-                            std::ptr::copy_nonoverlapping(staged as *const u8, reg.at(offset), len as usize)
+                        if write {
+                            super::stream_copy::copy_last_leg(reg.at(offset), staged as *const u8, len as usize)
                         } else {
                             std::ptr::copy_nonoverlapping(reg.at(offset) as *const u8, staged, len as usize)
                         }

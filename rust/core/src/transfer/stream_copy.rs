@@ -4,6 +4,27 @@
 //! and do not evict the staging buffer, which the other side of the link is about to
 //! reuse. The source is read normally (it is the staging buffer, which is cache-hot).
 
+/// Chunks at least this long are copied to their last place (the region, for a staged
+/// write on the server; the destination, for a staged read on the initiator) with
+/// streaming stores; below it an ordinary copy measured as fast (BENCHMARKS.md, "k26s").
+pub const STREAMING_MIN: u64 = 256 << 10;
+
+/// A staged chunk's last copy: [`copy_streaming`] from [`STREAMING_MIN`] bytes on, an
+/// ordinary copy below.
+///
+/// # Safety
+/// As [`copy_streaming`].
+pub unsafe fn copy_last_leg(dst: *mut u8, src: *const u8, len: usize) {
+    // SAFETY: the caller's contract, passed on.
+    unsafe {
+        if len as u64 >= STREAMING_MIN {
+            copy_streaming(dst, src, len)
+        } else {
+            std::ptr::copy_nonoverlapping(src, dst, len)
+        }
+    }
+}
+
 /// Copies `len` bytes from `src` to `dst` with streaming stores where the target has
 /// them (x86_64: SSE2, part of its baseline), else with an ordinary copy.
 ///
