@@ -151,7 +151,16 @@ class MooncakeDistributedStore:
 
     # ---- bytes API
     def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
-        return self.put_batch([key], [value], config)
+        """``put_batch([key], [value], config)``, through the store's single-key path."""
+        store = self._store
+        if store is None:
+            return NOT_SET_UP
+        try:  # (an empty value or a bad key: InvalidArgument from put_status)
+            replicas, pin = _opts(config)
+            return int(store.put_status(key, value, replicas, pin))
+        except (MooncakeError, TypeError, ValueError) as e:
+            log.error("put of %r failed: %s", key, e)
+            return INVALID_PARAMS
 
     def put_batch(self, keys: Sequence[str], values: Sequence[Any], config: ReplicateConfig | None = None) -> int:
         if self._store is None:
@@ -170,7 +179,15 @@ class MooncakeDistributedStore:
         return OK
 
     def get(self, key: str) -> bytes:
-        return self.get_batch([key])[0]
+        """``get_batch([key])[0]``, through the store's single-key path."""
+        store = self._store
+        if store is None:
+            return b""
+        try:
+            value = store.get_or_none(key)
+        except MooncakeError:
+            return b""
+        return value if value is not None else b""
 
     def get_batch(self, keys: Sequence[str]) -> list[bytes]:
         """Each value, ``b''`` for a key that is missing or could not be read (Mooncake)."""

@@ -51,6 +51,11 @@ def _check_keys(keys: Sequence[str]) -> list[str]:
     return keys
 
 
+def _check_replicas(replicas: object) -> None:
+    if not isinstance(replicas, int) or replicas < 1:
+        raise InvalidArgument(f"replicas must be an int >= 1, got {replicas!r}")
+
+
 def _raise_for(status: int, key: str) -> None:
     if status == KeyStatus.MISSING:
         raise BlockNotFound(f"key {key!r} is not in the pool")
@@ -128,8 +133,7 @@ class DistributedStore:
         keys = _check_keys(keys)
         if not (len(keys) == len(ptrs) == len(sizes)):
             raise InvalidArgument(f"keys, ptrs and sizes differ in length: {len(keys)}, {len(ptrs)}, {len(sizes)}")
-        if not isinstance(replicas, int) or replicas < 1:
-            raise InvalidArgument(f"replicas must be an int >= 1, got {replicas!r}")
+        _check_replicas(replicas)
         return self._backend.put_many(keys, [list(p) for p in ptrs], [list(s) for s in sizes], replicas, pin)
 
     def batch_put_values(self, keys: Sequence[str], values: Sequence[Any], *, replicas: int = 1,
@@ -138,8 +142,7 @@ class DistributedStore:
         keys = _check_keys(keys)
         if len(keys) != len(values):
             raise InvalidArgument(f"keys and values differ in length: {len(keys)}, {len(values)}")
-        if not isinstance(replicas, int) or replicas < 1:
-            raise InvalidArgument(f"replicas must be an int >= 1, got {replicas!r}")
+        _check_replicas(replicas)
         if any(memoryview(v).nbytes == 0 for v in values):
             raise InvalidArgument("an empty value cannot be stored")
         fast = getattr(self._backend, "put_values", None)
@@ -176,18 +179,38 @@ class DistributedStore:
 
     # ---- single keys (typed exceptions)
     def put(self, key: str, value: Any, *, replicas: int = 1, pin: bool = False) -> None:
-        if memoryview(value).nbytes == 0:
+        _raise_for(self.put_status(key, value, replicas, pin), key)
+
+    def put_status(self, key: str, value: Any, replicas: int = 1, pin: bool = False) -> KeyStatus:
+        """``batch_put_values([key], [value])[0]`` (the key's status; InvalidArgument for a bad
+        key, replica count or an empty value), without the batch's lists where the backend
+        has a single-key path (a small value to a one-node pool: remote.py ``put_one``)."""
+        if key.__class__ is not str or not key:
+            _check_key(key)
+        _check_replicas(replicas)
+        if (len(value) if value.__class__ is bytes else memoryview(value).nbytes) == 0:
             raise InvalidArgument(f"an empty value cannot be stored (key {key!r})")
-        _raise_for(self.batch_put_values([key], [value], replicas=replicas, pin=pin)[0], key)
+        one = getattr(self._backend, "put_one", None)
+        if one is None:
+            return self.batch_put_values([key], [value], replicas=replicas, pin=pin)[0]
+        return one(key, value, replicas, pin)
 
     def put_from(self, key: str, ptr: int, size: int, *, replicas: int = 1, pin: bool = False) -> None:
         _raise_for(self.batch_put_from([key], [[ptr]], [[size]], replicas=replicas, pin=pin)[0], key)
 
     def get(self, key: str) -> bytes:
-        value = self.batch_get_bytes([key])[0]
+        value = self.get_or_none(key)
         if value is None:
             raise BlockNotFound(f"key {key!r} is not in the pool")
         return value
+
+    def get_or_none(self, key: str) -> bytes | None:
+        """``batch_get_bytes([key])[0]``: the value, None when missing; without the batch's
+        lists where the backend has a single-key path (remote.py ``get_one``)."""
+        if key.__class__ is not str or not key:
+            _check_key(key)
+        one = getattr(self._backend, "get_one", None)
+        return one(key) if one is not None else self._backend.get_bytes_many([key])[0]
 
     def get_into(self, key: str, ptr: int, size: int) -> int:
         got = self.batch_get_into([key], [[ptr]], [[size]])[0]

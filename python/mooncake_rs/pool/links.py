@@ -136,26 +136,15 @@ class NodeLink:
             return self.submit(make, **fields).result()
         try:
             self._send_frame(rid, make, fields)
-        except BaseException:
-            self._stop_reading()
-            raise
-        reply = self._read_own(rid)
-        if isinstance(reply, Failure):
-            raise NodeDown(f"store node {self.record.name} refused: {reply.kind}: {reply.message}")
-        return reply
-
-    def _read_own(self, rid: int) -> Any:
-        """Reads (this thread holds ``_reading``, ``rid`` is in no table) until the answer to
-        ``rid`` comes, passing on any other thread's on the way, then lets a waiting thread
-        take over the reading. NodeDown when the link breaks."""
-        try:
-            while True:
-                reply = self._recv_reply()
-                if getattr(reply, "rid", -1) == rid:
-                    return reply
+            reply = self._recv_reply()
+            while reply.rid != rid:  # (another thread's answer, or a posted request's: passed on)
                 self._hand_over(reply)
+                reply = self._recv_reply()
         finally:
             self._stop_reading()
+        if reply.__class__ is Failure:
+            raise NodeDown(f"store node {self.record.name} refused: {reply.kind}: {reply.message}")
+        return reply
 
     def _recv_reply(self) -> Any:
         """The next answer off the link. A read that fails or times out breaks the link

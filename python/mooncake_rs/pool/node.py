@@ -15,7 +15,9 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, ClassVar
 
 from .._core import TransferEngine
 from ..net.auth_socket import AuthListener
@@ -39,6 +41,9 @@ log = logging.getLogger("mooncake_rs.pool")
 
 
 class StoreNode:
+    #: each request type's handler, by the message's class (filled in below the class)
+    _handlers: ClassVar[dict[type, Callable[[StoreNode, Any, ConnHolds], object]]]
+
     def __init__(self, *, name: str, listen: str, dram_bytes: int, auth_token: str | None,
                  ssd_path: str | None = None,
                  ssd_bytes: int = 0, transfer_listen: str | None = None, metrics_listen: str | None = None,
@@ -100,7 +105,7 @@ class StoreNode:
                 msg = io.recv()
                 conn.touch()  # any request renews the connection's holds
                 try:
-                    reply = self._handle(msg, conn)
+                    reply = self._handle(msg, conn)  # (looked up a message: tests stall it)
                 except MooncakeError as e:
                     reply = Failure(msg.rid, type(e).__name__, str(e))
                 io.send(reply)
@@ -141,53 +146,64 @@ class StoreNode:
             conn.engine = engine
 
     def _handle(self, msg: object, conn: ConnHolds) -> object:
+        """The answer to one request: one dict lookup by its type (a small put, get or
+        existence check runs no chain of type tests before its handler)."""
+        handler = self._handlers.get(msg.__class__)
+        if handler is None:
+            raise InvalidArgument(f"unexpected message {type(msg).__name__}")
+        return handler(self, msg, conn)
+
+    def _commit(self, msg: Commit, conn: ConnHolds) -> Answer:
         seg = self.segment
-        if isinstance(msg, Reserve):
-            return self._reserve(msg, conn)
-        if isinstance(msg, Commit):
-            n = min(len(msg.put_ids), len(msg.ok))
-            taken = conn.take_reservations(msg.put_ids[:n])
-            out = [int(KeyStatus.INVALID)] * n  # (unknown, or expired: the client was silent for the lease deadline)
-            done: list[int] = []
-            moved: list[Reservation] = []
-            for j, (res, ok) in enumerate(zip(taken, msg.ok)):
-                if res is None:
-                    continue
-                if ok:
-                    done.append(j)
-                    moved.append(res)
-                else:  # its transfer failed: the slots go back, nothing is published
-                    seg.abort(res)
-                    out[j] = int(KeyStatus.TRANSFER_FAILED)
-            for j, st in zip(done, seg.commit_many(moved) if moved else []):
-                out[j] = int(st)
-            return Answer(msg.rid, out)
-        if isinstance(msg, PutInline):
-            if len(msg.keys) != len(msg.values) or any(len(v) > INLINE_MAX for v in msg.values):
-                raise InvalidArgument(f"put_inline: one value per key, each at most {INLINE_MAX} bytes")
-            return Answer(msg.rid, [int(seg.put_value(k, v, msg.pin)) if v else int(KeyStatus.INVALID)
-                                    for k, v in zip(msg.keys, msg.values)])
-        if isinstance(msg, Lookup):
-            return self._lookup(msg, conn)
-        if isinstance(msg, Release):
-            for lid in msg.lease_ids:
-                held = conn.take_lease(lid)
-                if held is not None:
-                    held.release()
-            return Answer(msg.rid)
-        if isinstance(msg, Exists):
-            seg.reap_evicted()
-            return Answer(msg.rid, seg.exists_many(msg.keys))
-        if isinstance(msg, Sizes):
-            known = [seg.size_of(k) for k in msg.keys]
-            return Answer(msg.rid, [int(KeyStatus.MISSING) if n is None else n for n in known])
-        if isinstance(msg, Remove):
-            return Answer(msg.rid, [1 if seg.remove(k) else 0 for k in msg.keys])
-        if isinstance(msg, RemoveAll):
-            return Answer(msg.rid, [seg.remove_all()])
-        if isinstance(msg, Stats):
-            return Answer(msg.rid, metrics=segment_metrics(seg).as_dict())
-        raise InvalidArgument(f"unexpected message {type(msg).__name__}")
+        n = min(len(msg.put_ids), len(msg.ok))
+        taken = conn.take_reservations(msg.put_ids[:n])
+        out = [int(KeyStatus.INVALID)] * n  # (unknown, or expired: the client was silent for the lease deadline)
+        done: list[int] = []
+        moved: list[Reservation] = []
+        for j, (res, ok) in enumerate(zip(taken, msg.ok)):
+            if res is None:
+                continue
+            if ok:
+                done.append(j)
+                moved.append(res)
+            else:  # its transfer failed: the slots go back, nothing is published
+                seg.abort(res)
+                out[j] = int(KeyStatus.TRANSFER_FAILED)
+        for j, st in zip(done, seg.commit_many(moved) if moved else []):
+            out[j] = int(st)
+        return Answer(msg.rid, out)
+
+    def _put_inline(self, msg: PutInline, conn: ConnHolds) -> Answer:
+        values = msg.values
+        if len(msg.keys) != len(values) or max(map(len, values), default=0) > INLINE_MAX:
+            raise InvalidArgument(f"put_inline: one value per key, each at most {INLINE_MAX} bytes")
+        put, pin = self.segment.put_value, msg.pin
+        return Answer(msg.rid, [int(put(k, v, pin)) if v else int(KeyStatus.INVALID) for k, v in zip(msg.keys, values)])
+
+    def _release(self, msg: Release, conn: ConnHolds) -> Answer:
+        for lid in msg.lease_ids:
+            held = conn.take_lease(lid)
+            if held is not None:
+                held.release()
+        return Answer(msg.rid)
+
+    def _exists(self, msg: Exists, conn: ConnHolds) -> Answer:
+        seg = self.segment
+        seg.reap_evicted()
+        return Answer(msg.rid, seg.exists_many(msg.keys))
+
+    def _sizes(self, msg: Sizes, conn: ConnHolds) -> Answer:
+        known = [self.segment.size_of(k) for k in msg.keys]
+        return Answer(msg.rid, [int(KeyStatus.MISSING) if n is None else n for n in known])
+
+    def _remove(self, msg: Remove, conn: ConnHolds) -> Answer:
+        return Answer(msg.rid, [1 if self.segment.remove(k) else 0 for k in msg.keys])
+
+    def _remove_all(self, msg: RemoveAll, conn: ConnHolds) -> Answer:
+        return Answer(msg.rid, [self.segment.remove_all()])
+
+    def _stats(self, msg: Stats, conn: ConnHolds) -> Answer:
+        return Answer(msg.rid, metrics=segment_metrics(self.segment).as_dict())
 
     def _reserve(self, msg: Reserve, conn: ConnHolds) -> Reserved:
         if len(msg.keys) != len(msg.sizes):
@@ -308,6 +324,12 @@ class StoreNode:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+StoreNode._handlers = {Reserve: StoreNode._reserve, Commit: StoreNode._commit, PutInline: StoreNode._put_inline,
+                       Lookup: StoreNode._lookup, Release: StoreNode._release, Exists: StoreNode._exists,
+                       Sizes: StoreNode._sizes, Remove: StoreNode._remove, RemoveAll: StoreNode._remove_all,
+                       Stats: StoreNode._stats}
 
 
 def _metrics_server(address: str, node: StoreNode) -> ThreadingHTTPServer:

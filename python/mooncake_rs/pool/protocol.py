@@ -170,6 +170,7 @@ class FrameIO:
     def __init__(self, sock: StreamSocket, types: object, spin_s: float = 0.0) -> None:
         self.sock = sock
         self._spin = SpinWait(sock, spin_s) if spin_s > 0 else None
+        self._sock_buffers = hasattr(sock, "buffered")  # (asked once: a plain socket has no such attribute)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(types)
         self._buf = b""  # bytes read and not yet handed out, from _pos on
@@ -181,6 +182,29 @@ class FrameIO:
 
     def recv(self) -> Any:
         """The next message (one of the union's types); EOFError when the peer closed, InvalidArgument if malformed."""
+        if self._pos == len(self._buf):  # nothing buffered: the usual case of a round trip
+            return self._recv_fresh()
+        return self._recv_buffered()
+
+    def _recv_fresh(self) -> Any:
+        """``recv`` with nothing buffered: one wait and one read; a read that brings exactly
+        one whole frame (a small answer or request) is decoded straight from it, anything
+        else goes through the buffer."""
+        if self._spin is not None:
+            self._wait()
+        data = self.sock.recv(self.READ_AHEAD)
+        if not data:
+            raise EOFError("connection closed")
+        if len(data) > _HDR.size and _HDR.unpack_from(data)[0] == len(data) - _HDR.size:
+            self._buf, self._pos = b"", 0
+            try:
+                return self._dec.decode(memoryview(data)[_HDR.size:])
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                raise InvalidArgument(f"malformed pool message: {e}") from None
+        self._buf, self._pos = data, 0
+        return self._recv_buffered()
+
+    def _recv_buffered(self) -> Any:
         if len(self._buf) - self._pos < _HDR.size:
             self._fill(_HDR.size)
         (n,) = _HDR.unpack_from(self._buf, self._pos)
@@ -195,15 +219,20 @@ class FrameIO:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise InvalidArgument(f"malformed pool message: {e}") from None
 
+    def _wait(self) -> None:
+        """The poll before a read (``_spin`` set); none when a sealed socket holds a
+        record's plaintext already: nothing to wait for."""
+        if not (self._sock_buffers and self.sock.buffered):  # type: ignore[attr-defined]
+            self._spin.wait()  # type: ignore[union-attr]
+
     def _fill(self, need: int) -> None:
         """Until at least ``need`` unread bytes are buffered."""
         have = len(self._buf) - self._pos
         if have >= need:
             return
         parts = [self._buf[self._pos:]] if have else []
-        # (a sealed socket may hold a record's plaintext already: nothing to wait for)
-        if self._spin is not None and not getattr(self.sock, "buffered", 0):
-            self._spin.wait()
+        if self._spin is not None:
+            self._wait()
         try:
             while have < need:
                 chunk = self.sock.recv(max(need - have, self.READ_AHEAD))

@@ -209,6 +209,23 @@ class RemoteBackend:
                 out.append(err or KeyStatus.RPC_FAILED)
         return out
 
+    def put_one(self, key: str, value: Any, replicas: int, pin: bool) -> KeyStatus:
+        """``put_values([key], [value], ...)[0]``: a small ``bytes`` value to a one-node pool
+        is one ``PutInline`` and its status, without the batch's per-key lists (what one
+        Mooncake ``put`` pays for); anything else as ``put_values``."""
+        live = self.nodes.live()
+        if value.__class__ is not bytes or not 0 < len(value) <= INLINE_MAX or len(live) != 1:
+            return self.put_values([key], [value], replicas, pin)[0]
+        rep = self.nodes.ask_one(live[0], PutInline, keys=[key], values=[value], pin=pin)
+        if rep is None or not rep.values:  # (no answer, or a short one)
+            return KeyStatus.RPC_FAILED
+        st = rep.values[0]
+        if st != 0:
+            return KeyStatus(st)
+        if replicas > 1:  # (as _outcome counts a key fewer nodes took than asked)
+            self.under_replicated += 1
+        return KeyStatus.OK
+
     def put_values(self, keys: list[str], values: list[Any], replicas: int, pin: bool) -> list[KeyStatus]:
         """Values given as buffers. When all are small, their bytes go inside the
         ``PutInline`` messages themselves, one per node (one round trip, no address or
@@ -332,17 +349,14 @@ class RemoteBackend:
     def get_bytes_many(self, keys: list[str]) -> list[bytes | None]:
         """Small values come back inside the lookup (one round trip); larger ones are read
         by ``get_many`` into buffers of the size the lookup reported."""
+        if len(keys) == 1:
+            return [self.get_one(keys[0])]
+        return self._get_bytes_ranked(keys)
+
+    def _get_bytes_ranked(self, keys: list[str]) -> list[bytes | None]:
+        """``get_bytes_many``, each key asked of its nodes in rank order (ranked.py)."""
         out: list[bytes | None] = [None] * len(keys)
         large: dict[int, int] = {}
-        if len(keys) == 1 and len(live := self.nodes.live()) == 1:  # one key, one node: no ranking, no closures
-            one = self.nodes.ask_one(live[0], Lookup, keys=keys, inline_max=INLINE_MAX, lease_large=False)
-            if one is None:
-                self.replicas_lost += 1
-            elif one.statuses[0] == 0:
-                if one.sizes[0] <= INLINE_MAX:
-                    return [bytes(one.data[0])]
-                large[0] = one.sizes[0]
-            return self._read_sized(keys, out, large)
 
         def take(idx: list[int], rep: Leased | None) -> list[int]:
             if rep is None:
@@ -361,6 +375,22 @@ class RemoteBackend:
         self.ranked.by_rank(keys, lambda idx: (Lookup, {"keys": [keys[i] for i in idx], "inline_max": INLINE_MAX,
                                                   "lease_large": False}), take)
         return self._read_sized(keys, out, large)
+
+    def get_one(self, key: str) -> bytes | None:
+        """``get_bytes_many([key])[0]``; of a one-node pool, one ``Lookup`` with no ranking,
+        closures or per-key lists (what one Mooncake ``get`` pays for)."""
+        live = self.nodes.live()
+        if len(live) != 1:
+            return self._get_bytes_ranked([key])[0]
+        one = self.nodes.ask_one(live[0], Lookup, keys=[key], inline_max=INLINE_MAX, lease_large=False)
+        if one is None:
+            self.replicas_lost += 1
+            return None
+        if one.statuses[0] != 0:
+            return None
+        if one.sizes[0] <= INLINE_MAX:
+            return bytes(one.data[0])
+        return self._read_sized([key], [None], {0: one.sizes[0]})[0]
 
     def _read_sized(self, keys: list[str], out: list[bytes | None], large: dict[int, int]) -> list[bytes | None]:
         """``out`` with the values too large to come inline (index -> size) read by ``get_many``."""

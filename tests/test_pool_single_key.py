@@ -1,0 +1,161 @@
+"""The single-key paths of a small call (the facade's ``put`` / ``get``, ``DistributedStore
+.put_status`` / ``get_or_none``, ``RemoteBackend.put_one`` / ``get_one``) against the batch
+paths they skip, as references: the same statuses, values and errors on random inputs, and
+on a node answering short, refusing or not at all; and the node's dispatch by message type
+against every type of the request union."""
+
+from __future__ import annotations
+
+import random
+import typing
+
+import numpy as np
+import pytest
+
+from etcd_helpers import etcd, etcd_url  # noqa: F401,F811 (the fixtures)
+from pool_helpers import TOKEN
+
+from mooncake_rs.compat.mooncake_store import MooncakeDistributedStore
+from mooncake_rs.errors import InvalidArgument
+from mooncake_rs.pool import DistributedStore, KeyStatus
+from mooncake_rs.pool.node import StoreNode
+from mooncake_rs.pool.protocol import INLINE_MAX, Answer, Leased, Lookup, PutInline, Request
+from mooncake_rs.pool.remote import RemoteBackend
+
+pytestmark = [pytest.mark.timeout(120)]
+
+PREFIX = "/mooncake/single"
+
+
+@pytest.fixture
+def node(etcd_url):
+    with StoreNode(name="single", listen="127.0.0.1:0", dram_bytes=16 << 20, auth_token=TOKEN, etcd=etcd_url,
+                   prefix=PREFIX, chunk_bytes=64 << 10) as n:
+        yield n
+
+
+def _facade(pool: DistributedStore) -> MooncakeDistributedStore:
+    f = MooncakeDistributedStore()
+    f._store = pool
+    return f
+
+
+def test_single_key_calls_answer_as_the_batch_calls_against_a_node(etcd_url, node):
+    """Random keys, values of every kind and size (inline, past INLINE_MAX, empty, not a
+    buffer), bad keys, replica counts: the facade's ``put`` returns what ``put_batch`` of
+    one key returns, ``get`` what ``get_batch`` returns; ``put_status`` / ``get_or_none``
+    what the batch calls return, or the same exception."""
+    rng = random.Random(24)
+    with DistributedStore.connect(etcd_url, auth_token=TOKEN, prefix=PREFIX, transports=("tcp",)) as pool:
+        f = _facade(pool)
+        keys = [f"k{i}" for i in range(40)] + ["", 7, None, b"bytes-key"]
+        made = [lambda b: b, bytearray, memoryview, lambda b: np.frombuffer(b, dtype=np.uint8)]
+        for trial in range(300):
+            key = rng.choice(keys)
+            size = rng.choice([0, 1, 128, INLINE_MAX, INLINE_MAX + 1, 20_000])
+            value: typing.Any = rng.choice(made)(rng.randbytes(size)) if trial % 23 else 12345
+            replicas = rng.choice([1, 1, 2, 0])
+            cfg = None
+            if replicas != 1:
+                from mooncake_rs.compat.mooncake_store import ReplicateConfig
+
+                cfg = ReplicateConfig()
+                cfg.replica_num = replicas
+            twin = f"twin-{trial}" if isinstance(key, str) and key else key  # (a fresh key for the reference)
+            assert f.put(key, value, cfg) == f.put_batch([twin], [value], cfg), (key, size, replicas)
+            assert f.get(key) == f.get_batch([key])[0]
+            assert f.get(twin) == f.get_batch([twin])[0]
+            try:
+                want: typing.Any = pool.batch_put_values([twin], [value], replicas=max(replicas, 1))[0]
+            except Exception as e:  # noqa: BLE001 - the same type is expected below
+                want = type(e)
+            try:
+                got: typing.Any = pool.put_status(key, value, max(replicas, 1))
+            except Exception as e:  # noqa: BLE001
+                got = type(e)
+            assert got == want, (key, size)
+            try:
+                want = pool.batch_get_bytes([key])[0]
+            except Exception as e:  # noqa: BLE001
+                want = type(e)
+            try:
+                got = pool.get_or_none(key)
+            except Exception as e:  # noqa: BLE001
+                got = type(e)
+            assert got == want
+        with pytest.raises(InvalidArgument):
+            pool.put_status("r", b"v", 0)  # (replicas < 1, as the batch call refuses it)
+        assert f.get("never-put") == b"" and pool.get_or_none("never-put") is None
+
+
+class _OneNode:
+    """A one-node pool's links that answer each request with what the test set."""
+
+    def __init__(self) -> None:
+        self.answer: typing.Any = None
+        self.asked: list[tuple[type, dict]] = []
+
+    def live(self) -> list[str]:
+        return ["one"]
+
+    def ask_one(self, node: str, make: type, **fields: typing.Any) -> typing.Any:
+        self.asked.append((make, fields))
+        return self.answer
+
+
+def _backend() -> RemoteBackend:
+    rb = object.__new__(RemoteBackend)
+    rb.nodes = _OneNode()  # type: ignore[assignment]
+    rb.under_replicated = rb.replicas_lost = 0
+    return rb
+
+
+def test_put_one_maps_the_answer_as_put_values_does():
+    """A node answering random codes, a short answer, none: ``put_one`` returns what
+    ``put_values`` of one key returns, counts under-replication the same, and sends the
+    same request."""
+    rng = random.Random(13)
+    codes = [0, 0, 0, int(KeyStatus.NO_SPACE), int(KeyStatus.INVALID), int(KeyStatus.MISSING)]
+    for trial in range(300):
+        answer = None if trial % 11 == 0 else Answer(1, [rng.choice(codes) for _ in range(rng.randint(0, 2))])
+        replicas = rng.choice([1, 2, 3])
+        fast, ref = _backend(), _backend()
+        fast.nodes.answer = ref.nodes.answer = answer  # type: ignore[attr-defined]
+        value = rng.randbytes(rng.randint(1, INLINE_MAX))
+        assert fast.put_one("k", value, replicas, trial % 2 == 0) == ref.put_values(["k"], [value], replicas,
+                                                                                      trial % 2 == 0)[0]
+        assert fast.under_replicated == ref.under_replicated
+        (fmake, ffields), (rmake, rfields) = fast.nodes.asked[0], ref.nodes.asked[0]  # type: ignore[attr-defined]
+        assert fmake is rmake is PutInline
+        assert ffields["keys"] == rfields["keys"] and ffields["pin"] == rfields["pin"]
+        assert [bytes(v) for v in ffields["values"]] == [bytes(v) for v in rfields["values"]]
+
+
+def test_get_one_maps_the_answer_as_the_ranked_path_does():
+    """A node answering a hit (inline bytes), a miss, an error status, or not at all:
+    ``get_one`` returns what the ranked many-key path returns for the key, and counts a
+    node that could not answer the same."""
+    rng = random.Random(17)
+    for trial in range(200):
+        kind = rng.choice(["hit", "miss", "error", "none"])
+        data = rng.randbytes(rng.randint(1, INLINE_MAX))
+        answer = {"hit": Leased(1, [0], [0], [len(data)], [0], [0], [[]], [data]),
+                  "miss": Leased(1, [int(KeyStatus.MISSING)], [0], [0], [0], [0], [[]], [b""]),
+                  "error": Leased(1, [int(KeyStatus.RPC_FAILED)], [0], [0], [0], [0], [[]], [b""]),
+                  "none": None}[kind]
+        fast, ref = _backend(), _backend()
+        fast.nodes.answer = ref.nodes.answer = answer  # type: ignore[attr-defined]
+        ref.ranked = __import__("mooncake_rs.pool.ranked", fromlist=["RankedAsks"]).RankedAsks(ref.nodes)
+        got, want = fast.get_one("k"), ref._get_bytes_ranked(["k"])[0]
+        assert got == want == (data if kind == "hit" else None)
+        assert fast.replicas_lost == ref.replicas_lost
+        assert fast.nodes.asked[0][0] is Lookup  # type: ignore[attr-defined]
+        assert fast.nodes.asked[0][1]["keys"] == ["k"] and fast.nodes.asked[0][1]["lease_large"] is False  # type: ignore[attr-defined]
+
+
+def test_the_node_dispatches_every_request_type_and_refuses_others(etcd_url, node):
+    """Each type of the Request union has a handler (a type left out would be refused as
+    "unexpected"); a message of another type raises InvalidArgument."""
+    assert set(StoreNode._handlers) == set(typing.get_args(Request))
+    with pytest.raises(InvalidArgument, match="unexpected message"):
+        node._handle(Answer(1, [0]), None)
