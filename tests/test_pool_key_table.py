@@ -135,3 +135,81 @@ def test_one_node_small_put_maps_the_answer_as_the_many_node_path_does():
         got = fast.put_values(keys, [b"v"] * n, replicas, False)
         assert got == _general_outcome(ref, n, fast.nodes.answer, replicas)
         assert fast.under_replicated == ref.under_replicated
+
+
+def _keys_msgpack(keys: list[str]) -> bytes:
+    import msgspec
+
+    return msgspec.msgpack.encode(keys)
+
+
+def _exists_reference(seg: ObjectSegment, keys: list[str]) -> list[int]:
+    return [1 if k in seg._objects else 0 for k in keys]
+
+
+def _check_held_keys(seg: ObjectSegment, rng: random.Random, universe: list[str]) -> None:
+    import msgspec
+
+    for n in (0, 1, 17, 100, len(universe)):
+        keys = rng.choices(universe, k=n)
+        got = msgspec.msgpack.decode(seg.exists_encoded(_keys_msgpack(keys)))
+        assert got == _exists_reference(seg, keys) == seg.exists_many(keys)
+    assert len(seg._held) == len(seg._objects)
+
+
+def test_held_keys_answer_as_the_object_table_through_puts_evictions_removals_and_recovery(tmp_path):
+    """The node's Rust key set (``exists_encoded``, a batch_is_exist answered from the
+    request's msgpack) against the object table itself after each kind of change: small and
+    large puts, put-if-absent, reserve + commit (committed, aborted), removals, evictions
+    of a full class (reaped), remove_all, and a restart that recovers from the SSD tier."""
+    import gc
+
+    from mooncake_rs.pool.objects import Reservation
+
+    rng = random.Random(29)
+    universe = [f"h{i}" for i in range(400)] + ["é-key", "x" * 300, "absent"]
+
+    def segment() -> ObjectSegment:
+        return ObjectSegment(8 * MiB, chunk_bytes=64 << 10, small_bytes=4096, ssd_path=str(tmp_path),
+                             ssd_bytes=32 * MiB)
+
+    def churn() -> set[str]:
+        seg = segment()
+        for step in range(12):
+            for _ in range(60):
+                k = rng.choice(universe[:-1])
+                size = rng.choice([1, 100, 4096, 70_000])
+                arr = np.full(size, step, np.uint8)
+                if rng.random() < 0.5:
+                    seg.put_value(k, arr.tobytes())
+                else:
+                    seg.put_from(k, [arr.ctypes.data], [size])
+            ks = rng.sample(universe[:-1], 8)
+            res = [r for r in seg.reserve_many(ks, [rng.choice([10, 100_000]) for _ in ks])
+                   if isinstance(r, Reservation)]
+            for r in res[::2]:
+                seg.abort(r)
+            seg.commit_many(res[1::2])
+            for k in rng.sample(universe, 20):
+                seg.remove(k)
+            seg.reap_evicted()
+            _check_held_keys(seg, rng, universe)
+            if step == 8:
+                seg.remove_all()
+                _check_held_keys(seg, rng, universe)
+        seg.flush()
+        return set(seg._objects)
+
+    held = churn()
+    gc.collect()  # (the SSD tier has one owner: the first segment's stores are closed by now)
+    back = segment()
+    assert 0 < len(back) and set(back._objects) <= held
+    _check_held_keys(back, rng, universe)
+
+
+def test_exists_encoded_refuses_what_is_no_key_list():
+    seg = ObjectSegment(8 * MiB, chunk_bytes=64 << 10, small_bytes=4096)
+    for bad in (b"", b"\xa1k", b"\x92\xa1k\x05", b"\x91\xa1\xff", b"\x91\xa1k\xc0", b"\xdd\xff\xff\xff\xff"):
+        with pytest.raises(InvalidArgument, match="exists: "):
+            seg.exists_encoded(bad)
+    assert seg.exists_encoded(b"\x90") == b"\x90"

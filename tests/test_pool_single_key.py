@@ -19,7 +19,8 @@ from mooncake_rs.compat.mooncake_store import MooncakeDistributedStore
 from mooncake_rs.errors import InvalidArgument
 from mooncake_rs.pool import DistributedStore, KeyStatus
 from mooncake_rs.pool.node import StoreNode
-from mooncake_rs.pool.protocol import INLINE_MAX, Answer, Leased, Lookup, PutInline, Request
+from mooncake_rs.pool.protocol import (INLINE_MAX, Answer, Exists, Failure, Leased, Lookup, NodeRequest, PutInline,
+                                       Request)
 from mooncake_rs.pool.remote import RemoteBackend
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -156,6 +157,30 @@ def test_get_one_maps_the_answer_as_the_ranked_path_does():
 def test_the_node_dispatches_every_request_type_and_refuses_others(etcd_url, node):
     """Each type of the Request union has a handler (a type left out would be refused as
     "unexpected"); a message of another type raises InvalidArgument."""
-    assert set(StoreNode._handlers) == set(typing.get_args(Request))
+    assert set(StoreNode._handlers) == set(typing.get_args(Request)) | set(typing.get_args(NodeRequest))
     with pytest.raises(InvalidArgument, match="unexpected message"):
         node._handle(Answer(1, [0]), None)
+
+
+def test_an_exists_off_the_wire_answers_as_the_list_path_and_refuses_a_bad_key_list(etcd_url, node):
+    """The node answers ``Exists`` from the frame's msgpack key list (Rust): the same 1/0
+    list as the in-process list path, on random keys; a key list that is not a list of str
+    gets a typed refusal (the connection stays usable)."""
+    import msgspec
+
+    rng = random.Random(5)
+    with DistributedStore.connect(etcd_url, auth_token=TOKEN, prefix=PREFIX, transports=("tcp",)) as pool:
+        held = [f"e{i}" for i in range(150)]
+        assert pool.batch_put_values(held, [b"v"] * 150) == [KeyStatus.OK] * 150
+        link = pool.backend.nodes.link("single")
+        for n in (0, 1, 15, 16, 100, 300):
+            keys = rng.choices(held + [f"no{i}" for i in range(150)] + ["é" * 40], k=n)
+            want = node._handle(Exists(1, keys), None).values
+            assert link.call(Exists, keys=keys).values == want == [int(k in held) for k in keys]
+        body = msgspec.msgpack.encode({"op": "exists", "rid": 99, "keys": ["e1", 2]})
+        with link._send_lock:
+            link.sock.sendall(len(body).to_bytes(4, "big") + body)
+        refused = link.io.recv()
+        assert isinstance(refused, Failure) and refused.rid == 99 and refused.kind == "InvalidArgument"
+        assert "key 1 of the list is not a msgpack str" in refused.message
+        assert link.call(Exists, keys=["e1", "zz"]).values == [1, 0]

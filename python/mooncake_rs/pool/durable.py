@@ -132,6 +132,7 @@ def recover(seg: Any, durable: DurableObjects) -> tuple[int, int]:
                 sc.store.remove(chunk_key(meta.oid, i))
             dropped += 1
             continue
+        seg._held.add(key)
         seg._objects[key] = meta
         seg._by_oid[meta.oid] = key
         back += 1

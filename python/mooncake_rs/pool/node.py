@@ -19,6 +19,8 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar
 
+import msgspec
+
 from .._core import TransferEngine
 from ..net.auth_socket import AuthListener
 from ..net.plain_socket import PlainListener
@@ -28,8 +30,8 @@ from ..net.spin_wait import DEFAULT_SPIN_US, spin_us_checked
 from ..errors import InvalidArgument, MooncakeError
 from .members import NodeRegistration, StoreNodeRecord
 from .metrics import prometheus_text, segment_metrics
-from .protocol import (INLINE_MAX, Answer, Commit, Exists, Failure, FrameIO, Leased, Lookup, PutInline, Release,
-                       Remove, RemoveAll, Request, Reserve, Reserved, Sizes, Stats)
+from .protocol import (INLINE_MAX, Answer, Commit, Exists, ExistsKeys, Failure, FlagsAnswer, FrameIO, Leased, Lookup,
+                       NodeRequest, PutInline, Release, Remove, RemoveAll, Reserve, Reserved, Sizes, Stats)
 from .holds import ConnHolds
 from .objects import Lease, Reservation
 from .segment import DEFAULT_CHUNK_BYTES, ObjectSegment
@@ -96,7 +98,7 @@ class StoreNode:
 
     # ---- one connection
     def _serve(self, sock: SealedSocket | socket.socket, peer: str) -> None:
-        io = FrameIO(sock, Request, spin_s=self.spin_s)
+        io = FrameIO(sock, NodeRequest, spin_s=self.spin_s)
         conn = ConnHolds(self.te, self.lease_ttl_s, self._free)
         with self._conns_lock:
             self._conns.add(conn)
@@ -187,9 +189,14 @@ class StoreNode:
                 held.release()
         return Answer(msg.rid)
 
-    def _exists(self, msg: Exists, conn: ConnHolds) -> Answer:
+    def _exists(self, msg: Exists, conn: ConnHolds) -> Answer | FlagsAnswer:
+        """1/0 a key. Off the wire (``ExistsKeys``) the keys are still msgpack and the
+        answer is written as msgpack in one Rust pass; an ``Exists`` handed in by a caller
+        in this process is answered from its list."""
         seg = self.segment
         seg.reap_evicted()
+        if msg.__class__ is ExistsKeys:
+            return FlagsAnswer(msg.rid, msgspec.Raw(seg.exists_encoded(msg.keys)))
         return Answer(msg.rid, seg.exists_many(msg.keys))
 
     def _sizes(self, msg: Sizes, conn: ConnHolds) -> Answer:
@@ -328,6 +335,7 @@ class StoreNode:
 
 StoreNode._handlers = {Reserve: StoreNode._reserve, Commit: StoreNode._commit, PutInline: StoreNode._put_inline,
                        Lookup: StoreNode._lookup, Release: StoreNode._release, Exists: StoreNode._exists,
+                       ExistsKeys: StoreNode._exists,
                        Sizes: StoreNode._sizes, Remove: StoreNode._remove, RemoveAll: StoreNode._remove_all,
                        Stats: StoreNode._stats}
 

@@ -24,7 +24,8 @@ from ..errors import InvalidArgument
 from ..net.spin_wait import SpinWait
 
 __all__ = ["INLINE_MAX", "Reserve", "Commit", "PutInline", "Lookup", "Release", "Exists", "Sizes", "Remove", "RemoveAll", "Stats",
-           "Reserved", "Leased", "Answer", "Failure", "Request", "Reply", "FrameIO", "MAX_FRAME"]
+           "ExistsKeys", "Reserved", "Leased", "Answer", "FlagsAnswer", "Failure", "Request", "NodeRequest", "Reply",
+           "FrameIO", "MAX_FRAME"]
 
 MAX_FRAME = 64 << 20
 #: values up to this size travel inside control messages (PutInline, Lookup.inline_max)
@@ -86,6 +87,14 @@ class Exists(_M, frozen=True, tag="exists"):
     keys: list[str]
 
 
+class ExistsKeys(Exists, frozen=True, tag="exists"):
+    """``Exists`` as a store node decodes it: the key list left as its msgpack bytes,
+    answered in one Rust pass over them (``ObjectSegment.exists_encoded``) instead of
+    decoded into a str object a key and looked up in the node's dict."""
+
+    keys: msgspec.Raw  # type: ignore[assignment]
+
+
 class Sizes(_M, frozen=True, tag="sizes"):
     rid: int
     keys: list[str]
@@ -135,6 +144,14 @@ class Answer(_M, frozen=True, tag="answer"):
     metrics: dict[str, int] = {}
 
 
+class FlagsAnswer(_M, frozen=True, tag="answer"):
+    """An ``Answer`` whose list a node holds as msgpack already (``ExistsKeys``'s 1/0
+    list): written as it is; the client decodes it as an ``Answer``."""
+
+    rid: int
+    values: msgspec.Raw
+
+
 class Failure(_M, frozen=True, tag="failure"):
     rid: int
     kind: str
@@ -142,6 +159,8 @@ class Failure(_M, frozen=True, tag="failure"):
 
 
 Request = Union[Reserve, Commit, PutInline, Lookup, Release, Exists, Sizes, Remove, RemoveAll, Stats]
+#: what a store node decodes: ``Request`` with ``Exists`` read as ``ExistsKeys``
+NodeRequest = Union[Reserve, Commit, PutInline, Lookup, Release, ExistsKeys, Sizes, Remove, RemoveAll, Stats]
 Reply = Union[Reserved, Leased, Answer, Failure]
 
 

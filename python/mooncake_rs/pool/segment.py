@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .._core import present_flags
+from .._core import HeldKeys, present_flags
 from ..errors import InvalidArgument, StoreFull
 from .buffers import gather, scatter, view_at
 from .chunks import chunk_key, chunk_keys, evicted_oids, new_oid
@@ -70,6 +70,9 @@ class ObjectSegment:
         self._lock = threading.Lock()
         self._objects: dict[str, ObjectMeta] = {}
         self._by_oid: dict[int, str] = {}
+        # the table's keys again, in Rust, changed with it under the lock: a node answers a
+        # batch_is_exist from the request's msgpack key list (exists_encoded)
+        self._held = HeldKeys()
         self._since_reap = 0
         self.counters = SegmentCounters()
         # an SSD tier makes the objects durable: written through, found again after a restart
@@ -112,6 +115,7 @@ class ObjectSegment:
         if self._objects.get(key) is meta:
             del self._objects[key]
             self._by_oid.pop(meta.oid, None)
+            self._held.discard(key)
 
     def _publish(self, key: str, meta: ObjectMeta) -> KeyStatus:
         """Makes a fully written object visible, unless the key won meanwhile. A durable
@@ -135,6 +139,7 @@ class ObjectSegment:
                 if key in objects:
                     lost.append(meta)
                 else:
+                    self._held.add(key)  # (first: a key that is no str is refused before the table changes)
                     objects[key] = meta
                     by_oid[meta.oid] = key
             self.counters.puts += len(written) - len(lost)
@@ -412,6 +417,13 @@ class ObjectSegment:
         """1 for each key held, else 0 (a batch_is_exist of a node; one Rust call for the list)."""
         return present_flags(self._objects, keys if type(keys) is list else list(keys))
 
+    def exists_encoded(self, keys: Any) -> bytes:
+        """``exists_many`` of a key list given as its msgpack bytes (a node's ``Exists`` as
+        it came off the wire), answered as the msgpack bytes of the 1/0 list, in one Rust
+        pass: no str object, Python hash or dict probe a key. InvalidArgument when ``keys``
+        is not a msgpack array of str."""
+        return self._held.flags_msgpack(keys)
+
     def size_of(self, key: str) -> int | None:
         meta = self._objects.get(key)
         return None if meta is None else meta.size
@@ -431,6 +443,7 @@ class ObjectSegment:
             items = list(self._objects.items())
             self._objects.clear()
             self._by_oid.clear()
+            self._held.clear()
         for _, meta in reversed(items):  # (the first object's slots end up on top: _drop_chunks)
             self._drop_chunks(meta)
         self.counters.removes += len(items)

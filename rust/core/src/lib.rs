@@ -27,6 +27,7 @@ pub mod hash;
 pub mod hash_xxh3;
 pub mod index;
 pub mod interop;
+pub mod key_set;
 pub mod mem;
 pub mod object_layout;
 pub mod seal;

@@ -2,8 +2,13 @@
 //! step per key: what a store node asks of its object table (a dict of key -> object)
 //! for a `batch_is_exist`, and the client's check that every key is a non-empty str.
 
+use mooncake_core::key_set::KeySet;
+use parking_lot::Mutex;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyString};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString};
+
+use crate::convert::BufferView;
+use crate::errors::invalid;
 
 /// 1 for each key of `keys` that `table` holds, else 0 (a node's batch_is_exist): the
 /// same answers as `[1 if k in table else 0 for k in keys]`, without a Python step a key.
@@ -24,7 +29,64 @@ fn all_nonempty_str(keys: &Bound<'_, PyList>) -> bool {
     keys.iter().all(|k| k.is_instance_of::<PyString>() && k.len().is_ok_and(|n| n > 0))
 }
 
+/// The keys a store node holds (its object table's keys, kept beside it under the
+/// table's lock), answering a `batch_is_exist` from the request's msgpack key list as it
+/// came off the wire (mooncake_core::key_set).
+#[pyclass(name = "HeldKeys", module = "mooncake_rs._core", frozen)]
+struct PyHeldKeys {
+    inner: Mutex<KeySet>,
+}
+
+#[pymethods]
+impl PyHeldKeys {
+    #[new]
+    fn new() -> Self {
+        PyHeldKeys { inner: Mutex::new(KeySet::new()) }
+    }
+
+    /// True when the key was not held before.
+    fn add(&self, key: &Bound<'_, PyString>) -> PyResult<bool> {
+        let key = key.to_str()?;
+        Ok(self.inner.lock().insert(key.as_bytes()))
+    }
+
+    /// True when the key was held.
+    fn discard(&self, key: &Bound<'_, PyString>) -> PyResult<bool> {
+        let key = key.to_str()?;
+        Ok(self.inner.lock().remove(key.as_bytes()))
+    }
+
+    fn clear(&self) {
+        self.inner.lock().clear();
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.lock().len()
+    }
+
+    fn __contains__(&self, key: &Bound<'_, PyString>) -> PyResult<bool> {
+        let key = key.to_str()?;
+        Ok(self.inner.lock().contains(key.as_bytes()))
+    }
+
+    /// `keys`: the msgpack bytes of an array of str (a buffer, e.g. ``msgspec.Raw``); the
+    /// msgpack bytes of the array of 1 (held) / 0 (not), one a key. InvalidArgument when
+    /// `keys` is not such an array.
+    fn flags_msgpack<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+        let view = BufferView::get_contiguous(keys, "keys")?;
+        let raw: &[u8] = if view.len_bytes() == 0 {
+            &[] // (an empty export may have a null pointer)
+        } else {
+            // SAFETY: `view` keeps the export alive (and the GIL is held) while the slice is read.
+            unsafe { std::slice::from_raw_parts(view.as_ptr(), view.len_bytes()) }
+        };
+        let out = self.inner.lock().flags_msgpack(raw).map_err(|e| invalid(py, format!("exists: {e}")))?;
+        Ok(PyBytes::new(py, &out))
+    }
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyHeldKeys>()?;
     m.add_function(wrap_pyfunction!(present_flags, m)?)?;
     m.add_function(wrap_pyfunction!(all_nonempty_str, m)?)?;
     Ok(())
