@@ -107,7 +107,7 @@ class StoreNode:
                 msg = io.recv()
                 conn.touch()  # any request renews the connection's holds
                 try:
-                    reply = self._handle(msg, conn)  # (looked up a message: tests stall it)
+                    reply = self._handle(msg, conn)  # (looked up each time: a test swaps it to stall the node)
                 except MooncakeError as e:
                     reply = Failure(msg.rid, type(e).__name__, str(e))
                 io.send(reply)
@@ -333,11 +333,13 @@ class StoreNode:
         self.close()
 
 
-StoreNode._handlers = {Reserve: StoreNode._reserve, Commit: StoreNode._commit, PutInline: StoreNode._put_inline,
-                       Lookup: StoreNode._lookup, Release: StoreNode._release, Exists: StoreNode._exists,
-                       ExistsKeys: StoreNode._exists,
-                       Sizes: StoreNode._sizes, Remove: StoreNode._remove, RemoveAll: StoreNode._remove_all,
-                       Stats: StoreNode._stats}
+StoreNode._handlers = {
+    Reserve: StoreNode._reserve, Commit: StoreNode._commit, PutInline: StoreNode._put_inline,
+    Lookup: StoreNode._lookup, Release: StoreNode._release, Sizes: StoreNode._sizes, Remove: StoreNode._remove,
+    RemoveAll: StoreNode._remove_all, Stats: StoreNode._stats,
+    ExistsKeys: StoreNode._exists,  # (off the wire: NodeRequest)
+    Exists: StoreNode._exists,  # (handed in by a caller in this process)
+}
 
 
 def _metrics_server(address: str, node: StoreNode) -> ThreadingHTTPServer:
