@@ -27,6 +27,7 @@ pub mod region;
 pub mod registry;
 pub mod shm;
 pub mod staged;
+mod staged_direct;
 mod staged_ring;
 pub mod staged_server;
 pub mod stream_copy;

@@ -43,6 +43,7 @@ use parking_lot::Mutex;
 
 use super::fdpass;
 use super::protocol::status_to_u8;
+use super::staged_direct::{PeerProcess, NONCE_LEN};
 use super::tcp::handshake::{self, Refusal};
 use super::tcp::server::ServeCtx;
 use crate::mem::MappedMemory;
@@ -59,6 +60,24 @@ pub const REPLY_HEAD_LEN: usize = 12;
 pub const COMMIT_WRITE: u32 = 0;
 /// A commit's op: copy the chunks out of the region into the buffer.
 pub const COMMIT_READ: u32 = 1;
+/// A commit's op: the peer's bytes at each chunk's address (its last field, in the peer's
+/// own memory, not the buffer) go into the region, copied by the server itself.
+pub const COMMIT_WRITE_DIRECT: u32 = 2;
+/// A commit's op: each chunk of the region is copied by the server straight to the
+/// peer's address.
+pub const COMMIT_READ_DIRECT: u32 = 3;
+/// The peer's mode request after it got the buffer: wants one-copy mode (u64, 0 or 1),
+/// the address of a nonce in its memory (u64) and the nonce; answered by one byte, 1 if
+/// the server copies directly from now on ([`COMMIT_WRITE_DIRECT`], [`COMMIT_READ_DIRECT`]
+/// allowed), 0 if the connection keeps to the staging buffer.
+pub const MODE_LEN: usize = 16 + NONCE_LEN;
+/// A one-copy commit of at least this many bytes is copied by two threads: from 16 x 1 MiB
+/// on that took 0.41-0.46x of shm to 0.66-0.72x; a 16 x 128 KiB commit (2 MiB) did no
+/// better split, the second thread's start costing what it saves (BENCHMARKS.md, "k26t").
+pub const SPLIT_MIN: u64 = 4 << 20;
+/// A chunk's answer (beside `protocol::status_to_u8`'s): granted, but the server's copy
+/// to or from the peer's address failed (`EFAULT`, a short copy); only that chunk fails.
+pub const STATUS_COPY_FAILED: u8 = 0x80;
 /// Most chunks in one commit, and in flight on one connection: their entries and
 /// answers stay far below the socket buffers, so neither side can block writing while
 /// the other does.
@@ -182,6 +201,7 @@ fn serve(s: &UnixStream, ctx: &ServeCtx) {
     }
     drop(staging.0); // the mapping and the peer's fd keep the buffer
     let mem = staging.1;
+    let Ok(direct) = agree_mode(s, ctx, &peer) else { return };
     // An authenticated peer may idle; without a token, only for idle_timeout.
     let _ = s.set_read_timeout(if ctx.key.is_some() { None } else { Some(ctx.idle_timeout) });
     ctx.counters.connections.fetch_add(1, Ordering::Relaxed);
@@ -195,7 +215,8 @@ fn serve(s: &UnixStream, ctx: &ServeCtx) {
         let id = u64::from_le_bytes(head[..8].try_into().unwrap_or_default());
         let count = u32::from_le_bytes(head[8..12].try_into().unwrap_or_default()) as usize;
         let op = u32::from_le_bytes(head[12..16].try_into().unwrap_or_default());
-        if count == 0 || count > MAX_COMMIT_CHUNKS || (op != COMMIT_WRITE && op != COMMIT_READ) {
+        let direct_op = op == COMMIT_WRITE_DIRECT || op == COMMIT_READ_DIRECT;
+        if count == 0 || count > MAX_COMMIT_CHUNKS || op > COMMIT_READ_DIRECT || (direct_op && direct.is_none()) {
             ctx.counters.bad_frames.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(engine = %ctx.name, %peer, count, "closing a staging connection after a malformed commit");
             return;
@@ -212,49 +233,132 @@ fn serve(s: &UnixStream, ctx: &ServeCtx) {
         };
         // A chunk outside the staging buffer is no request of ours: close the connection
         // before any chunk of that commit lands.
-        if (0..count).any(|k| {
-            let (_, _, len, at) = chunk(k);
-            at.checked_add(len).is_none_or(|end| end > mem.len() as u64)
-        }) {
+        if !direct_op
+            && (0..count).any(|k| {
+                let (_, _, len, at) = chunk(k);
+                at.checked_add(len).is_none_or(|end| end > mem.len() as u64)
+            })
+        {
             ctx.counters.bad_frames.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(engine = %ctx.name, %peer, "closing a staging connection after a commit outside its buffer");
+            return;
+        }
+        // One-copy commits are served only to the process that attached, while it lives
+        // (its pid not reused) and keeps its end open (it has not taken its buffers back).
+        if direct_op && !direct.as_ref().is_some_and(|p| p.still_there(s)) {
             return;
         }
         reply.clear();
         reply.extend_from_slice(&id.to_le_bytes());
         reply.extend_from_slice(&(count as u32).to_le_bytes());
-        for k in 0..count {
-            let (region, offset, len, at) = chunk(k);
-            let write = op == COMMIT_WRITE;
-            let status = match ctx.regions.resolve(region, &peer, offset, len, write) {
-                Ok(reg) => {
-                    // SAFETY: resolve() checked offset+len against the region (which `reg`
-                    // keeps mapped) and that this peer may write (or read) it now; at+len
-                    // is inside the staging mapping (checked above), whose size is sealed.
-                    // The peer may touch its buffer meanwhile: then the bytes land torn, in
-                    // its own grant or its own buffer only.
-                    unsafe {
-                        let staged = mem.as_ptr().add(at as usize);
-                        if write {
-                            super::stream_copy::copy_last_leg(reg.at(offset), staged as *const u8, len as usize)
-                        } else {
-                            std::ptr::copy_nonoverlapping(reg.at(offset) as *const u8, staged, len as usize)
-                        }
-                    };
-                    ctx.counters.bytes_served.fetch_add(len, Ordering::Relaxed);
-                    let staged = if write { &ctx.counters.bytes_staged } else { &ctx.counters.bytes_staged_read };
-                    staged.fetch_add(len, Ordering::Relaxed);
-                    Ok(())
-                }
-                Err(e) => {
-                    ctx.counters.count_refusal(e);
-                    Err(e)
-                }
-            };
-            reply.push(status_to_u8(status));
+        let serve_one = |k: usize| serve_chunk(ctx, &peer, op, chunk(k), &mem, direct.as_ref());
+        let bytes: u64 = (0..count).map(|k| chunk(k).2).sum();
+        if direct_op && count >= 2 && bytes >= SPLIT_MIN {
+            // One thread's kernel copies are about a core's worth: a large one-copy commit
+            // is served by two, each checking every chunk of its half just before it moves
+            // it (so a revoke still refuses each side's next chunk).
+            let mut half = 0;
+            let mut first = 0u64;
+            while half < count - 1 && 2 * (first + chunk(half).2) <= bytes {
+                first += chunk(half).2;
+                half += 1;
+            }
+            let half = half.max(1);
+            let (a, b) = std::thread::scope(|sc| {
+                let other = sc.spawn(|| (half..count).map(serve_one).collect::<Vec<u8>>());
+                let mine = (0..half).map(serve_one).collect::<Vec<u8>>();
+                (mine, other.join())
+            });
+            // A panic in the helper is a bug of ours; its chunks are reported failed.
+            reply.extend_from_slice(&a);
+            match b {
+                Ok(b) => reply.extend_from_slice(&b),
+                Err(_) => reply.extend(std::iter::repeat_n(STATUS_COPY_FAILED, count - half)),
+            }
+        } else {
+            reply.extend((0..count).map(serve_one));
         }
         if (&*s).write_all(&reply).is_err() {
             return;
         }
     }
+}
+
+/// Reads the peer's mode request and answers it: the attached peer process when the
+/// server will copy to and from its memory directly, `None` when the connection keeps to
+/// the staging buffer (asked for, or direct copies are not possible: said once, here).
+/// An error: the connection is broken.
+fn agree_mode(s: &UnixStream, ctx: &ServeCtx, peer: &str) -> std::io::Result<Option<PeerProcess>> {
+    let mut m = [0u8; MODE_LEN];
+    (&*s).read_exact(&mut m)?;
+    let want = u64::from_le_bytes(m[..8].try_into().unwrap_or_default()) == 1;
+    let probe = u64::from_le_bytes(m[8..16].try_into().unwrap_or_default());
+    let nonce: [u8; NONCE_LEN] = m[16..].try_into().unwrap_or_default();
+    let direct = if want {
+        match PeerProcess::attach(s, probe, &nonce) {
+            Ok(p) => Some(p),
+            Err(e) => {
+                tracing::info!(engine = %ctx.name, %peer, error = %e, "one-copy staged transfers unavailable for this peer; using the staging buffer");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    (&*s).write_all(&[u8::from(direct.is_some())])?;
+    Ok(direct)
+}
+
+/// Checks one chunk (region, offset, len, and where: a staging offset, or the peer's
+/// address in one-copy mode) against the live grants and, if allowed, copies it; its
+/// answer byte. A commit outside the buffer was refused before.
+fn serve_chunk(
+    ctx: &ServeCtx,
+    peer: &str,
+    op: u32,
+    (region, offset, len, at): (u64, u64, u64, u64),
+    mem: &MappedMemory,
+    direct: Option<&PeerProcess>,
+) -> u8 {
+    let write = op == COMMIT_WRITE || op == COMMIT_WRITE_DIRECT;
+    let reg = match ctx.regions.resolve(region, peer, offset, len, write) {
+        Ok(reg) => reg,
+        Err(e) => {
+            ctx.counters.count_refusal(e);
+            return status_to_u8(Err(e));
+        }
+    };
+    if op == COMMIT_WRITE_DIRECT || op == COMMIT_READ_DIRECT {
+        let Some(process) = direct else { return STATUS_COPY_FAILED };
+        // `at` is an address in the peer's memory: the kernel checks it (EFAULT), we never
+        // dereference it. `reg.at(offset)` is `len` bytes of the region (resolve checked
+        // them), which `reg` keeps mapped.
+        let copied = if write {
+            process.read_into(reg.at(offset), at, len as usize)
+        } else {
+            process.write_from(reg.at(offset) as *const u8, at, len as usize)
+        };
+        if let Err(e) = copied {
+            tracing::debug!(engine = %ctx.name, %peer, error = %e, "a one-copy staged chunk failed");
+            return STATUS_COPY_FAILED;
+        }
+    } else {
+        // SAFETY: resolve() checked offset+len against the region (which `reg` keeps
+        // mapped) and that this peer may write (or read) it now; at+len is inside the
+        // staging mapping (checked by the caller), whose size is sealed. The peer may touch
+        // its buffer meanwhile: then the bytes land torn, in its own grant or its own
+        // buffer only.
+        unsafe {
+            let staged = mem.as_ptr().add(at as usize);
+            if write {
+                super::stream_copy::copy_last_leg(reg.at(offset), staged as *const u8, len as usize)
+            } else {
+                std::ptr::copy_nonoverlapping(reg.at(offset) as *const u8, staged, len as usize)
+            }
+        };
+    }
+    ctx.counters.bytes_served.fetch_add(len, Ordering::Relaxed);
+    let moved = if write { &ctx.counters.bytes_staged } else { &ctx.counters.bytes_staged_read };
+    moved.fetch_add(len, Ordering::Relaxed);
+    status_to_u8(Ok(()))
 }

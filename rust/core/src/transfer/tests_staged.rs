@@ -11,13 +11,14 @@ use std::sync::Arc;
 use hashbrown::HashMap;
 
 use super::auth::{host_id, AuthKey};
-use super::config::Counters;
+use super::config::{Counters, StagedCopy};
 use super::fdpass;
 use super::inner::PeerKind;
 use super::region::RegionTable;
 use super::staged::StagedLink;
 use super::staged_server::{
-    StagingServer, CHUNK_ENTRY_LEN, COMMIT_HEAD_LEN, COMMIT_READ, MAX_COMMIT_CHUNKS, REPLY_HEAD_LEN, STAGING_LEN,
+    StagingServer, CHUNK_ENTRY_LEN, COMMIT_HEAD_LEN, COMMIT_READ, MAX_COMMIT_CHUNKS, MODE_LEN, REPLY_HEAD_LEN,
+    STAGING_LEN,
 };
 use super::tcp::server::ServeCtx;
 use super::tests::{bytes, cfg, fill, req, T};
@@ -26,8 +27,15 @@ use super::*;
 const TOKEN: &str = "cluster-token";
 
 pub(super) fn engine(name: &str) -> Engine {
+    engine_copying(name, StagedCopy::from_env())
+}
+
+/// `engine`, whose staging links ask for `copy` (one copy by the server, or two through
+/// the staging buffer).
+pub(super) fn engine_copying(name: &str, copy: StagedCopy) -> Engine {
     let mut c = cfg(name, &["shm", "tcp"]);
     c.auth_token = Some(TOKEN.into());
+    c.staged_copy = copy;
     // No registry: the engines reach each other as same-host peers, not in-process.
     Engine::new(c, None).unwrap()
 }
@@ -111,8 +119,19 @@ fn restricted_writes_from_a_same_host_peer_are_staged_checked_and_equal() {
 }
 
 /// Connects to `srv` as engine "x" with the token, as a staging link does, checks the
-/// length it announces, and maps the staging buffer it hands over.
+/// length it announces, maps the staging buffer it hands over and asks for the staging
+/// mode (two copies).
 fn dial(srv: &StagingServer) -> (UnixStream, crate::mem::MappedMemory) {
+    let (s, staging) = dial_buffer(srv);
+    let mut mode = [0u8; MODE_LEN];
+    (&s).write_all(&mode).unwrap();
+    (&s).read_exact(&mut mode[..1]).unwrap();
+    assert_eq!(mode[0], 0, "the server took a staging-mode peer for one-copy");
+    (s, staging)
+}
+
+/// `dial` up to the mode request.
+pub(super) fn dial_buffer(srv: &StagingServer) -> (UnixStream, crate::mem::MappedMemory) {
     let addr = SocketAddr::from_abstract_name(srv.name().as_bytes()).unwrap();
     let mut s = UnixStream::connect_addr(&addr).unwrap();
     s.set_read_timeout(Some(T)).unwrap();
@@ -124,7 +143,7 @@ fn dial(srv: &StagingServer) -> (UnixStream, crate::mem::MappedMemory) {
     (s, staging)
 }
 
-fn server(regions: &Arc<RegionTable>, counters: &Arc<Counters>) -> StagingServer {
+pub(super) fn server(regions: &Arc<RegionTable>, counters: &Arc<Counters>) -> StagingServer {
     StagingServer::start(ServeCtx {
         name: "srv".into(),
         regions: regions.clone(),
@@ -159,7 +178,7 @@ fn commit(s: &UnixStream, id: u64, region: u64, offset: u64, len: u64, at: u64) 
 }
 
 /// The answer to a commit of `n` chunks: its id and one status byte a chunk.
-fn read_replies(s: &UnixStream, n: usize) -> std::io::Result<(u64, Vec<u8>)> {
+pub(super) fn read_replies(s: &UnixStream, n: usize) -> std::io::Result<(u64, Vec<u8>)> {
     let mut r = vec![0u8; REPLY_HEAD_LEN + n];
     (&*s).read_exact(&mut r)?;
     assert_eq!(u32::from_le_bytes(r[8..12].try_into().unwrap()) as usize, n);
@@ -175,7 +194,7 @@ fn the_staging_socket_checks_token_grant_and_buffer_bounds() {
     let srv = server(&regions, &counters);
 
     // A wrong token gets no buffer.
-    let wrong = StagedLink::connect(srv.name(), Some(&AuthKey::from_token("wrong")), "x", T);
+    let wrong = StagedLink::connect(srv.name(), Some(&AuthKey::from_token("wrong")), "x", T, StagedCopy::Direct);
     assert!(matches!(wrong, Err(TransferError::Unauthorized(_))), "{:?}", wrong.err());
 
     // By hand: the right token, then commits.

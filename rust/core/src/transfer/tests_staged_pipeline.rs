@@ -10,9 +10,10 @@ use std::sync::Arc;
 use rand::{Rng, SeedableRng};
 
 use super::batch::Batch;
+use super::config::StagedCopy;
 use super::staged::{CHUNK, STREAMING_MIN};
 use super::tests::{bytes, cfg, fill, req, T};
-use super::tests_staged::{assert_ok_slots_hold, code, engine, links, wait_links_idle};
+use super::tests_staged::{assert_ok_slots_hold, code, engine, engine_copying, links, wait_links_idle};
 use super::*;
 
 const KIB: u64 = 1 << 10;
@@ -171,11 +172,12 @@ fn mixed_batches_around_the_switch_sizes_match_tcp_and_a_plain_copy() {
 }
 
 // A read batch larger than what `submit` copies (16 x 128 KiB) is committed from
-// `submit` itself, in several commits (reads cost it no copy), and lands exactly.
+// `submit` itself, in several commits (reads cost it no copy), and lands exactly. (Through
+// the staging buffer: a one-copy link commits everything from `submit` in one commit.)
 #[test]
 fn a_large_read_batch_is_committed_from_submit_in_several_commits() {
     let decode = engine("decode-0");
-    let prefill = engine("prefill-0");
+    let prefill = engine_copying("prefill-0", StagedCopy::Staging);
     let p = prefill.connect("decode-0", Some(&decode.address())).unwrap();
     let len = 4usize << 20;
     let arena = decode.allocate_with(len, Access { restricted: true, ..Access::default() }).unwrap().id;
