@@ -227,4 +227,6 @@ mod tests_sealed;
 #[cfg(test)]
 mod tests_staged;
 #[cfg(test)]
+mod tests_staged_direct;
+#[cfg(test)]
 mod tests_staged_pipeline;

@@ -37,14 +37,7 @@ impl PeerProcess {
         if pid <= 0 {
             return Err(io::Error::other("the peer's pid is not visible from this pid namespace"));
         }
-        // SAFETY: pidfd_open takes a pid and flags; the result is checked.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a fresh fd that nobody else owns.
-        let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-        let peer = PeerProcess { pid, pidfd };
+        let peer = PeerProcess::open(pid)?;
         let mut seen = [0u8; NONCE_LEN];
         peer.read_into(seen.as_mut_ptr(), probe, NONCE_LEN)?;
         if !peer.alive() {
@@ -54,6 +47,19 @@ impl PeerProcess {
             return Err(io::Error::other("the probe address does not hold the peer's nonce: not the peer's process"));
         }
         Ok(peer)
+    }
+
+    /// Pins process `pid` with a pidfd (it may already be another process than the one
+    /// meant: `attach` checks the nonce after this).
+    fn open(pid: libc::pid_t) -> io::Result<PeerProcess> {
+        // SAFETY: pidfd_open takes a pid and flags; the result is checked.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a fresh fd that nobody else owns.
+        let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        Ok(PeerProcess { pid, pidfd })
     }
 
     /// Whether the attached process has not exited (its pid still names it).
@@ -123,5 +129,71 @@ impl PeerProcess {
             done += n as usize;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::{Command, Stdio};
+
+    /// A pinned process is seen to exit (so its pid is never used after it could have been
+    /// reused), a closed or half-shut socket is seen, and a copy to or from an address the
+    /// process does not map fails instead of faulting.
+    #[test]
+    fn a_pinned_process_exit_and_a_shut_socket_are_seen() {
+        let mut child = Command::new("sleep").arg("30").stdin(Stdio::null()).spawn().unwrap();
+        let p = PeerProcess::open(child.id() as libc::pid_t).unwrap();
+        assert!(p.alive(), "a running child read as exited");
+        let mut buf = [0u8; 64];
+        // Page 0 is never mapped: EFAULT, not a crash.
+        let e = p.read_into(buf.as_mut_ptr(), 8, buf.len()).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EFAULT), "{e}");
+        assert!(p.write_from(buf.as_ptr(), 8, buf.len()).is_err());
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(!p.alive(), "an exited (and reaped) child read as alive");
+
+        let me = PeerProcess::open(std::process::id() as libc::pid_t).unwrap();
+        let (a, b) = UnixStream::pair().unwrap();
+        assert!(me.still_there(&a));
+        b.shutdown(std::net::Shutdown::Write).unwrap();
+        assert!(!me.still_there(&a), "a peer that shut its end down read as still there");
+        assert!(!p.still_there(&UnixStream::pair().unwrap().0), "an exited process read as still there");
+    }
+
+    /// Copies to and from this process through the kernel match a plain copy, across
+    /// page boundaries and odd lengths, and a range that runs into an unmapped page fails.
+    #[test]
+    fn copies_through_the_kernel_match_a_plain_copy_and_stop_at_an_unmapped_page() {
+        let me = PeerProcess::open(std::process::id() as libc::pid_t).unwrap();
+        let src: Vec<u8> = (0..3 * 4096 + 77).map(|i: u32| (i.wrapping_mul(2654435761) >> 24) as u8).collect();
+        for (off, len) in [(0usize, 1usize), (1, 4095), (4095, 2), (100, 3 * 4096 - 100), (0, src.len())] {
+            let mut got = vec![0u8; len];
+            me.read_into(got.as_mut_ptr(), src[off..].as_ptr() as u64, len).unwrap();
+            assert!(got == src[off..off + len], "read {off}+{len}");
+            let mut dst = vec![0u8; len];
+            me.write_from(src[off..].as_ptr(), dst.as_mut_ptr() as u64, len).unwrap();
+            assert!(dst == src[off..off + len], "write {off}+{len}");
+        }
+        // Two pages, the second unmapped: a copy across them fails (after a short count).
+        // SAFETY: a fresh anonymous mapping of two pages, its second page unmapped at once;
+        // only the first is touched here.
+        unsafe {
+            let m = libc::mmap(
+                std::ptr::null_mut(),
+                8192,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            );
+            assert_ne!(m, libc::MAP_FAILED);
+            assert_eq!(libc::munmap((m as *mut u8).add(4096).cast(), 4096), 0);
+            let mut got = vec![0u8; 200];
+            assert!(me.read_into(got.as_mut_ptr(), m as u64 + 4000, 200).is_err(), "a copy past a mapping's end");
+            me.read_into(got.as_mut_ptr(), m as u64 + 3896, 200).unwrap();
+            libc::munmap(m, 4096);
+        }
     }
 }

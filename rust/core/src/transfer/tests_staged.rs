@@ -499,7 +499,7 @@ fn staged_reads_match_tcp_and_a_plain_copy() {
 }
 
 /// A commit of `chunks` with op `op` in its head (framed by hand, as `commit_many`).
-fn commit_op(s: &UnixStream, id: u64, op: u32, chunks: &[(u64, u64, u64, u64)]) {
+pub(super) fn commit_op(s: &UnixStream, id: u64, op: u32, chunks: &[(u64, u64, u64, u64)]) {
     let mut c = Vec::with_capacity(COMMIT_HEAD_LEN + chunks.len() * CHUNK_ENTRY_LEN);
     c.extend_from_slice(&id.to_le_bytes());
     c.extend_from_slice(&(chunks.len() as u32).to_le_bytes());

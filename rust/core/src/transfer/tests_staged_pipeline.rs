@@ -69,10 +69,11 @@ struct MixedRun {
 /// `submit` on the staged path) and a large one (reads committed by `submit`, the rest
 /// by the worker, ops alternating in runs), each request into its own bytes of both
 /// regions, some crossing a grant's end.
-fn mixed_batches(transports: &[&str], seed: u64) -> MixedRun {
+fn mixed_batches(transports: &[&str], seed: u64, copy: StagedCopy) -> MixedRun {
     let engine_on = |name: &str| {
         let mut c = cfg(name, transports);
         c.auth_token = Some("cluster-token".into());
+        c.staged_copy = copy;
         Engine::new(c, None).unwrap()
     };
     let (decode, prefill) = (engine_on("decode-0"), engine_on("prefill-0"));
@@ -120,6 +121,8 @@ fn mixed_batches(transports: &[&str], seed: u64) -> MixedRun {
     wait_links_idle(&p);
     codes.extend(run(&small));
     codes.extend(run(&large));
+    let direct = links(&p).iter().map(|k| k.is_direct()).collect::<Vec<_>>();
+    assert!(direct.iter().all(|&d| d == (copy == StagedCopy::Direct)), "{copy:?} asked, links direct: {direct:?}");
     MixedRun {
         reqs: [&opening[..], &small, &large].concat(),
         codes,
@@ -132,15 +135,22 @@ fn mixed_batches(transports: &[&str], seed: u64) -> MixedRun {
 }
 
 // Mixed reads and writes around every size the staged path switches at (streaming
-// stores, commit size, chunk size), in a small and a large batch: the same codes as
-// TCP, and both regions equal to a plain copy of what the ok requests move (a refused
-// request of several chunks may have moved its earlier chunks, on either path: its
-// bytes are masked).
+// stores, commit size, chunk size, the server's two-thread split), in a small and a large
+// batch, in one-copy mode and through the staging buffer: the same codes as TCP, and both
+// regions equal to a plain copy of what the ok requests move (a refused request of several
+// chunks may have moved its earlier chunks, on either path: its bytes are masked).
 #[test]
 fn mixed_batches_around_the_switch_sizes_match_tcp_and_a_plain_copy() {
-    for seed in [1u64, 2, 3] {
-        let staged = mixed_batches(&["shm", "tcp"], seed);
-        let tcp = mixed_batches(&["tcp"], seed);
+    for (seed, copy) in [
+        (1u64, StagedCopy::Direct),
+        (2, StagedCopy::Direct),
+        (3, StagedCopy::Direct),
+        (1, StagedCopy::Staging),
+        (2, StagedCopy::Staging),
+        (3, StagedCopy::Staging),
+    ] {
+        let staged = mixed_batches(&["shm", "tcp"], seed, copy);
+        let tcp = mixed_batches(&["tcp"], seed, copy);
         assert!(staged.staged > 0 && tcp.staged == 0, "seed {seed}: staged {} over TCP {}", staged.staged, tcp.staged);
         assert_eq!(staged.reqs, tcp.reqs);
         assert_eq!(staged.codes, tcp.codes, "seed {seed}");
@@ -165,7 +175,10 @@ fn mixed_batches_around_the_switch_sizes_match_tcp_and_a_plain_copy() {
             }
             for (side, got, want) in [("local", &got_local, &want_local), ("arena", &got_arena, &want_arena)] {
                 let first_diff = got.iter().zip(want.iter()).position(|(a, b)| a != b);
-                assert!(first_diff.is_none(), "seed {seed}: {what}: the {side} region differs at byte {first_diff:?}");
+                assert!(
+                    first_diff.is_none(),
+                    "seed {seed} {copy:?}: {what}: the {side} region differs at byte {first_diff:?}"
+                );
             }
         }
     }
