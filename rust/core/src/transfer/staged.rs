@@ -23,6 +23,11 @@
 //! destination when its answer says the server checked and copied it; so a read commit
 //! k+1 is filled by the server while the worker copies commit k out. A commit carries
 //! one op, so an open commit is sent when the next chunk's op differs.
+//!
+//! In one-copy mode (`staged_direct`; the server said yes to it at connect) no chunk goes
+//! through the buffer: each names the address of its bytes in the request's own memory,
+//! which the server copies to or from itself, and the request is held (`begin_io`) until
+//! the answer. Nothing is copied here, so `submit_many` commits a whole batch at once.
 
 use std::collections::VecDeque;
 use std::io::{Read, Write};

@@ -20,12 +20,20 @@
 //! and the peer copies it from there once the answer says so. So a read, too, sees the
 //! region only through bytes the server copied for a grant that was live at that chunk.
 //!
+//! One copy instead of two (`staged_direct`, asked for by the peer and granted where the
+//! kernel allows): the server copies each checked chunk straight between the region and
+//! the peer's own memory, at the address the commit names for it; the staging buffer is
+//! then unused.
+//!
 //! Wire, after the handshake (a local stream between processes of one user; nothing sits
-//! in between): the server sends the staging length (u64 LE) with the fd; then each
+//! in between): the server sends the staging length (u64 LE) with the fd; the peer sends
+//! its mode request ([`MODE_LEN`] bytes), answered by one byte; then each
 //! commit is a 16-byte head (id u64, chunk count u32, op u32: [`COMMIT_WRITE`] or
 //! [`COMMIT_READ`], the same for all its chunks) and that many 32-byte chunks (region,
-//! offset, len, staging offset: u64 LE each), answered by a 12-byte head (id u64, count
-//! u32) and one status byte a chunk (as in `protocol::status_to_u8`), in order. A commit
+//! offset, len, staging offset, or in one-copy mode ([`COMMIT_WRITE_DIRECT`],
+//! [`COMMIT_READ_DIRECT`]) the address in the peer's memory: u64 LE each), answered by
+//! a 12-byte head (id u64, count u32) and one status byte a chunk (as in
+//! `protocol::status_to_u8`, or [`STATUS_COPY_FAILED`]), in order. A commit
 //! carries all of a batch's chunks that fit (a serving step writes one span per block and
 //! layer: eight 128 KiB spans were eight round trips and sixteen wake-ups, now one and
 //! two); each chunk is still checked and answered on its own.
