@@ -11,8 +11,9 @@ registries), both with a token. Each round moves ``--batches`` batches of 16 req
 per size and op through each path in turn; the medians over rounds of GB/s and of the ratio to
 shm in the same round are printed. The staged path takes one copy where the kernel allows
 (``MOONCAKE_STAGED_COPY``, docs/transfer.md); ``--with-staging`` adds a row for the same
-path forced through its staging buffer (two copies), in the same rounds. Serving's own figure (GB/s while a transfer is in
-flight, KV-ready time) is ``benches/serving_bench.py --only transfer_grants``.
+path forced through its staging buffer (two copies), in the same rounds. Serving's own
+figure (GB/s while a transfer is in flight, KV-ready time) is
+``benches/serving_bench.py --only transfer_grants``.
 """
 
 from __future__ import annotations

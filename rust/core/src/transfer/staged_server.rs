@@ -304,7 +304,10 @@ fn agree_mode(s: &UnixStream, ctx: &ServeCtx, peer: &str) -> std::io::Result<Opt
     let nonce: [u8; NONCE_LEN] = m[16..].try_into().unwrap_or_default();
     let direct = if want {
         match PeerProcess::attach(s, probe, &nonce) {
-            Ok(p) => Some(p),
+            Ok(p) => {
+                tracing::debug!(engine = %ctx.name, %peer, "one-copy staged transfers for this peer");
+                Some(p)
+            }
             Err(e) => {
                 tracing::info!(engine = %ctx.name, %peer, error = %e, "one-copy staged transfers unavailable for this peer; using the staging buffer");
                 None
