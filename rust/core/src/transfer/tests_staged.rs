@@ -567,12 +567,12 @@ fn a_read_commit_is_checked_chunk_by_chunk_and_copies_only_granted_bytes() {
     srv.close();
 }
 
-/// Two same-host engines with a token, and a restricted arena of `len` bytes filled
-/// (seed 1) and granted whole to "prefill-0" for reads; the reading engine's region of
-/// `len` bytes.
-fn read_pair(len: usize) -> (Engine, Engine, Arc<Peer>, RegionId, Vec<u8>, RegionId) {
+/// Two same-host engines with a token, the reader's links asking for `copy`, and a
+/// restricted arena of `len` bytes filled (seed 1) and granted whole to "prefill-0" for
+/// reads; the reading engine's region of `len` bytes.
+fn read_pair(len: usize, copy: StagedCopy) -> (Engine, Engine, Arc<Peer>, RegionId, Vec<u8>, RegionId) {
     let decode = engine("decode-0");
-    let prefill = engine("prefill-0");
+    let prefill = engine_copying("prefill-0", copy);
     let p = prefill.connect("decode-0", Some(&decode.address())).unwrap();
     let arena = decode.allocate_with(len, Access { restricted: true, ..Access::default() }).unwrap().id;
     let arena_bytes = fill(&decode, arena, 1);
@@ -601,6 +601,7 @@ fn reads_under_way(
 ) -> Arc<Batch> {
     let st = prefill.submit(vec![req(Op::Read, l, 0, p, arena, 0, 4096)], T).unwrap().wait(None);
     assert_eq!(code(&st[0]), "ok");
+    assert_mode(p, prefill.config().staged_copy);
     let before = decode.stats().bytes_staged_read;
     let batch = prefill.submit(read_rounds(p, l, arena, len, 16), T).unwrap();
     while decode.stats().bytes_staged_read == before && !batch.is_done() {
@@ -609,15 +610,28 @@ fn reads_under_way(
     batch
 }
 
-// A grant revoked while a batch of staged reads is in flight: every request ends, ok
-// ones hold the arena's bytes, the others are `no_grant`; the next batch is refused
-// whole. (Whether a batch straddles the revoke is up to the scheduler: a few tries.)
+/// The staging links of `p` (at least one) copy as `copy` asked (this host allows one copy).
+pub(super) fn assert_mode(p: &Arc<Peer>, copy: StagedCopy) {
+    let direct: Vec<bool> = links(p).iter().map(|k| k.is_direct()).collect();
+    assert!(!direct.is_empty() && direct.iter().all(|&d| d == (copy == StagedCopy::Direct)), "{copy:?}: {direct:?}");
+}
+
+// A grant revoked while a batch of staged reads is in flight, in one-copy mode and
+// through the staging buffer: every request ends, ok ones hold the arena's bytes, the
+// others are `no_grant`; the next batch is refused whole. (Whether a batch straddles the
+// revoke is up to the scheduler: a few tries.)
 #[test]
 fn a_grant_revoked_mid_batch_refuses_the_following_staged_reads() {
+    for copy in [StagedCopy::Direct, StagedCopy::Staging] {
+        revoke_mid_read_batch(copy);
+    }
+}
+
+fn revoke_mid_read_batch(copy: StagedCopy) {
     let len = 16usize << 20;
     let mut straddled = false;
     for _ in 0..5 {
-        let (decode, prefill, p, arena, arena_bytes, l) = read_pair(len);
+        let (decode, prefill, p, arena, arena_bytes, l) = read_pair(len, copy);
         let batch = reads_under_way(&decode, &prefill, &p, l, arena, len as u64);
         decode.revoke(arena, "prefill-0", None).unwrap();
         let st = batch.wait(None);
@@ -633,7 +647,7 @@ fn a_grant_revoked_mid_batch_refuses_the_following_staged_reads() {
             break;
         }
     }
-    assert!(straddled, "no batch of staged reads straddled the revoke in five tries");
+    assert!(straddled, "{copy:?}: no batch of staged reads straddled the revoke in five tries");
 }
 
 /// Each `slot_len` slot of `got` into which every request was ok (`slot_of(i)`: the slot
@@ -655,13 +669,19 @@ pub(super) fn assert_ok_slots_hold(
     }
 }
 
-// The server engine goes away while staged reads are in flight: every request ends (ok
-// with the arena's bytes, or `connection_lost`/`closed`), none hangs, and a read after
-// that fails rather than waiting.
+// The server engine goes away while staged reads are in flight (one copy, and through
+// the staging buffer): every request ends (ok with the arena's bytes, or
+// `connection_lost`/`closed`), none hangs, and a read after that fails rather than waiting.
 #[test]
 fn staged_reads_end_when_the_server_goes_away() {
+    for copy in [StagedCopy::Direct, StagedCopy::Staging] {
+        server_gone_mid_read_batch(copy);
+    }
+}
+
+fn server_gone_mid_read_batch(copy: StagedCopy) {
     let len = 16usize << 20;
-    let (decode, prefill, p, arena, arena_bytes, l) = read_pair(len);
+    let (decode, prefill, p, arena, arena_bytes, l) = read_pair(len, copy);
     let batch = reads_under_way(&decode, &prefill, &p, l, arena, len as u64);
     decode.close();
     let t0 = std::time::Instant::now();

@@ -13,7 +13,7 @@ use super::batch::Batch;
 use super::config::StagedCopy;
 use super::staged::{CHUNK, STREAMING_MIN};
 use super::tests::{bytes, cfg, fill, req, T};
-use super::tests_staged::{assert_ok_slots_hold, code, engine, engine_copying, links, wait_links_idle};
+use super::tests_staged::{assert_mode, assert_ok_slots_hold, code, engine, engine_copying, links, wait_links_idle};
 use super::*;
 
 const KIB: u64 = 1 << 10;
@@ -223,6 +223,7 @@ fn a_large_read_batch_is_committed_from_submit_in_several_commits() {
 fn writes_under_way(decode: &Engine, prefill: &Engine, p: &Arc<Peer>, l: RegionId, arena: RegionId) -> Arc<Batch> {
     let st = prefill.submit(vec![req(Op::Write, l, 0, p, arena, 0, 4096)], T).unwrap().wait(None);
     assert_eq!(code(&st[0]), "ok");
+    assert_mode(p, prefill.config().staged_copy);
     let before = decode.stats().bytes_staged;
     let k = FLUSH;
     let reqs = (0..16 * ARENA / k).map(|i| req(Op::Write, l, (i * k) % ARENA, p, arena, (i * k) % ARENA, k)).collect();
@@ -233,9 +234,11 @@ fn writes_under_way(decode: &Engine, prefill: &Engine, p: &Arc<Peer>, l: RegionI
     batch
 }
 
-fn write_pair() -> (Engine, Engine, Arc<Peer>, RegionId, Vec<u8>, RegionId, Vec<u8>) {
+/// Two same-host engines, the writer's links asking for `copy`, a restricted arena
+/// (pattern 1) granted whole to the writer for writes, and the writer's region (pattern 2).
+fn write_pair(copy: StagedCopy) -> (Engine, Engine, Arc<Peer>, RegionId, Vec<u8>, RegionId, Vec<u8>) {
     let decode = engine("decode-0");
-    let prefill = engine("prefill-0");
+    let prefill = engine_copying("prefill-0", copy);
     let p = prefill.connect("decode-0", Some(&decode.address())).unwrap();
     let arena = decode.allocate_with(ARENA as usize, Access { restricted: true, ..Access::default() }).unwrap().id;
     let arena_bytes = fill(&decode, arena, 1);
@@ -245,15 +248,22 @@ fn write_pair() -> (Engine, Engine, Arc<Peer>, RegionId, Vec<u8>, RegionId, Vec<
     (decode, prefill, p, arena, arena_bytes, l, local_bytes)
 }
 
-// A grant revoked while a batch of staged writes is in flight: every request ends ok
-// or `no_grant`; each 512 KiB slot of the arena holds either its old bytes or the
-// written ones wherever every write into it was ok; the next write is refused.
-// (Whether a batch straddles the revoke is up to the scheduler: a few tries.)
+// A grant revoked while a batch of staged writes is in flight (one copy, and through the
+// staging buffer): every request ends ok or `no_grant`; each 512 KiB slot of the arena
+// holds either its old bytes or the written ones wherever every write into it was ok;
+// the next write is refused. (Whether a batch straddles the revoke is up to the
+// scheduler: a few tries.)
 #[test]
 fn a_grant_revoked_mid_batch_refuses_the_following_staged_writes() {
+    for copy in [StagedCopy::Direct, StagedCopy::Staging] {
+        revoke_mid_write_batch(copy);
+    }
+}
+
+fn revoke_mid_write_batch(copy: StagedCopy) {
     let mut straddled = false;
     for _ in 0..5 {
-        let (decode, prefill, p, arena, _, l, local_bytes) = write_pair();
+        let (decode, prefill, p, arena, _, l, local_bytes) = write_pair(copy);
         let batch = writes_under_way(&decode, &prefill, &p, l, arena);
         decode.revoke(arena, "prefill-0", None).unwrap();
         let codes: Vec<_> = batch.wait(None).iter().map(code).collect();
@@ -267,15 +277,21 @@ fn a_grant_revoked_mid_batch_refuses_the_following_staged_writes() {
             break;
         }
     }
-    assert!(straddled, "no batch of staged writes straddled the revoke in five tries");
+    assert!(straddled, "{copy:?}: no batch of staged writes straddled the revoke in five tries");
 }
 
-// The server engine goes away while staged writes are in flight: every request ends
-// (ok, `connection_lost` or `closed`) well before the batch's timeout, and a write after
-// that fails rather than waiting.
+// The server engine goes away while staged writes are in flight (one copy, and through
+// the staging buffer): every request ends (ok, `connection_lost` or `closed`) well
+// before the batch's timeout, and a write after that fails rather than waiting.
 #[test]
 fn staged_writes_end_when_the_server_goes_away() {
-    let (decode, prefill, p, arena, _, l, _) = write_pair();
+    for copy in [StagedCopy::Direct, StagedCopy::Staging] {
+        server_gone_mid_write_batch(copy);
+    }
+}
+
+fn server_gone_mid_write_batch(copy: StagedCopy) {
+    let (decode, prefill, p, arena, _, l, _) = write_pair(copy);
     let batch = writes_under_way(&decode, &prefill, &p, l, arena);
     decode.close();
     let t0 = std::time::Instant::now();
