@@ -74,11 +74,16 @@ pub const COMMIT_WRITE_DIRECT: u32 = 2;
 /// A commit's op: each chunk of the region is copied by the server straight to the
 /// peer's address.
 pub const COMMIT_READ_DIRECT: u32 = 3;
-/// The peer's mode request after it got the buffer: wants one-copy mode (u64, 0 or 1),
-/// the address of a nonce in its memory (u64) and the nonce; answered by one byte, 1 if
-/// the server copies directly from now on ([`COMMIT_WRITE_DIRECT`], [`COMMIT_READ_DIRECT`]
-/// allowed), 0 if the connection keeps to the staging buffer.
-pub const MODE_LEN: usize = 16 + NONCE_LEN;
+/// The peer's mode request after it got the buffer ([`mode_request`]): [`MODE_MAGIC`], the
+/// address of a nonce in its memory (u64), whether it wants one-copy mode (u64, 0 or 1)
+/// and the nonce; answered by one byte, 1 if the server copies directly from now on
+/// ([`COMMIT_WRITE_DIRECT`], [`COMMIT_READ_DIRECT`] allowed), 0 if the connection keeps to
+/// the staging buffer. The magic tells a peer from before this request (whose first bytes
+/// are a commit's id) from one that makes it; with the address next, an older server
+/// reads the request as a commit head whose op is the address's high half, which is no
+/// op, and closes the connection (that peer's restricted regions then go over TCP).
+pub const MODE_LEN: usize = 24 + NONCE_LEN;
+pub const MODE_MAGIC: u64 = u64::from_le_bytes(*b"mc1copy\0");
 /// A one-copy commit of at least this many bytes is copied by two threads: from 16 x 1 MiB
 /// on that took 0.41-0.46x of shm to 0.66-0.72x; a 16 x 128 KiB commit (2 MiB) did no
 /// better split, the second thread's start costing what it saves (BENCHMARKS.md, "k26t").
@@ -299,9 +304,14 @@ fn serve(s: &UnixStream, ctx: &ServeCtx) {
 fn agree_mode(s: &UnixStream, ctx: &ServeCtx, peer: &str) -> std::io::Result<Option<PeerProcess>> {
     let mut m = [0u8; MODE_LEN];
     (&*s).read_exact(&mut m)?;
-    let want = u64::from_le_bytes(m[..8].try_into().unwrap_or_default()) == 1;
-    let probe = u64::from_le_bytes(m[8..16].try_into().unwrap_or_default());
-    let nonce: [u8; NONCE_LEN] = m[16..].try_into().unwrap_or_default();
+    let field = |i: usize| u64::from_le_bytes(m[i * 8..i * 8 + 8].try_into().unwrap_or_default());
+    if field(0) != MODE_MAGIC {
+        ctx.counters.bad_frames.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(engine = %ctx.name, %peer, "closing a staging connection without a mode request (a peer from before one-copy mode?)");
+        return Err(std::io::ErrorKind::InvalidData.into());
+    }
+    let (probe, want) = (field(1), field(2) == 1);
+    let nonce: [u8; NONCE_LEN] = m[24..].try_into().unwrap_or_default();
     let direct = if want {
         match PeerProcess::attach(s, probe, &nonce) {
             Ok(p) => {
@@ -372,4 +382,14 @@ fn serve_chunk(
     let moved = if write { &ctx.counters.bytes_staged } else { &ctx.counters.bytes_staged_read };
     moved.fetch_add(len, Ordering::Relaxed);
     status_to_u8(Ok(()))
+}
+
+/// The mode request a peer sends after it got the buffer (see [`MODE_LEN`]).
+pub fn mode_request(want_direct: bool, probe: u64, nonce: &[u8; NONCE_LEN]) -> [u8; MODE_LEN] {
+    let mut m = [0u8; MODE_LEN];
+    m[..8].copy_from_slice(&MODE_MAGIC.to_le_bytes());
+    m[8..16].copy_from_slice(&probe.to_le_bytes());
+    m[16..24].copy_from_slice(&u64::from(want_direct).to_le_bytes());
+    m[24..].copy_from_slice(nonce);
+    m
 }

@@ -17,7 +17,7 @@ use super::inner::PeerKind;
 use super::region::RegionTable;
 use super::staged::StagedLink;
 use super::staged_server::{
-    StagingServer, CHUNK_ENTRY_LEN, COMMIT_HEAD_LEN, COMMIT_READ, MAX_COMMIT_CHUNKS, MODE_LEN, REPLY_HEAD_LEN,
+    mode_request, StagingServer, CHUNK_ENTRY_LEN, COMMIT_HEAD_LEN, COMMIT_READ, MAX_COMMIT_CHUNKS, REPLY_HEAD_LEN,
     STAGING_LEN,
 };
 use super::tcp::server::ServeCtx;
@@ -123,9 +123,9 @@ fn restricted_writes_from_a_same_host_peer_are_staged_checked_and_equal() {
 /// mode (two copies).
 fn dial(srv: &StagingServer) -> (UnixStream, crate::mem::MappedMemory) {
     let (s, staging) = dial_buffer(srv);
-    let mut mode = [0u8; MODE_LEN];
-    (&s).write_all(&mode).unwrap();
-    (&s).read_exact(&mut mode[..1]).unwrap();
+    (&s).write_all(&mode_request(false, 0, &[0u8; 16])).unwrap();
+    let mut mode = [9u8; 1];
+    (&s).read_exact(&mut mode).unwrap();
     assert_eq!(mode[0], 0, "the server took a staging-mode peer for one-copy");
     (s, staging)
 }

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use super::config::{Counters, StagedCopy};
 use super::region::RegionTable;
-use super::staged_server::{COMMIT_READ_DIRECT, COMMIT_WRITE, COMMIT_WRITE_DIRECT, MODE_LEN, STATUS_COPY_FAILED};
+use super::staged_server::{mode_request, COMMIT_READ_DIRECT, COMMIT_WRITE, COMMIT_WRITE_DIRECT, STATUS_COPY_FAILED};
 use super::tests::{bytes, fill, req, T};
 use super::tests_staged::{code, commit_op, dial_buffer, engine_copying, links, read_replies, server};
 use super::*;
@@ -23,11 +23,7 @@ use super::*;
 /// Sends the mode request (one-copy or not, the probe address, the nonce) and reads the
 /// answer: whether the server copies directly.
 fn ask(s: &UnixStream, want: bool, probe: u64, nonce: &[u8; 16]) -> bool {
-    let mut m = Vec::with_capacity(MODE_LEN);
-    m.extend_from_slice(&u64::from(want).to_le_bytes());
-    m.extend_from_slice(&probe.to_le_bytes());
-    m.extend_from_slice(nonce);
-    (&*s).write_all(&m).unwrap();
+    (&*s).write_all(&mode_request(want, probe, nonce)).unwrap();
     let mut a = [9u8; 1];
     (&*s).read_exact(&mut a).unwrap();
     assert!(a[0] <= 1, "mode answer {}", a[0]);
@@ -41,7 +37,8 @@ fn restricted(regions: &Arc<RegionTable>, len: usize) -> Arc<region::Region> {
 
 // One-copy mode only for a process that proves it is the one at the socket's other end
 // (the nonce at the address it named), and only when asked; one-copy commits on a
-// connection that did not get it close the connection before anything moves.
+// connection that did not get it, and commits from a peer that sent no mode request (one
+// from before it), close the connection before anything moves.
 #[test]
 fn one_copy_is_granted_only_to_a_proven_process_that_asks() {
     let regions = Arc::new(RegionTable::default());
@@ -66,10 +63,16 @@ fn one_copy_is_granted_only_to_a_proven_process_that_asks() {
         commit_op(&s, 1, COMMIT_WRITE_DIRECT, &[(region.id, 0, 4096, src.as_ptr() as u64)]);
         assert!(read_replies(&s, 1).is_err(), "a one-copy commit was served on a staging connection");
     }
+    // A peer from before the mode request commits at once: closed, nothing lands.
+    let (s, staging) = dial_buffer(&srv);
+    // SAFETY: 4096 bytes of our mapping of the staging buffer.
+    unsafe { std::ptr::write_bytes(staging.as_ptr(), 0x5A, 4096) };
+    commit_op(&s, 1, COMMIT_WRITE, &[(region.id, 0, 4096, 0)]);
+    assert!(read_replies(&s, 1).is_err(), "a commit without a mode request was served");
     // SAFETY: 4096 bytes of the 64 KiB region, read after every connection above ended.
     let landed = unsafe { std::slice::from_raw_parts(region.ptr(), 4096) }.to_vec();
-    assert!(landed.iter().all(|&b| b == 0), "bytes of a refused one-copy commit landed");
-    assert_eq!(counters.bad_frames.load(std::sync::atomic::Ordering::Relaxed), 3);
+    assert!(landed.iter().all(|&b| b == 0), "bytes of a refused commit landed");
+    assert_eq!(counters.bad_frames.load(std::sync::atomic::Ordering::Relaxed), 4);
     srv.close();
 }
 
