@@ -84,10 +84,11 @@ pub const COMMIT_READ_DIRECT: u32 = 3;
 /// op, and closes the connection (that peer's restricted regions then go over TCP).
 pub const MODE_LEN: usize = 24 + NONCE_LEN;
 pub const MODE_MAGIC: u64 = u64::from_le_bytes(*b"mc1copy\0");
-/// A one-copy commit of at least this many bytes is copied by two threads: from 16 x 1 MiB
-/// on that took 0.41-0.46x of shm to 0.66-0.72x; a 16 x 128 KiB commit (2 MiB) did no
-/// better split, the second thread's start costing what it saves (BENCHMARKS.md, "k26t").
-pub const SPLIT_MIN: u64 = 4 << 20;
+/// A one-copy commit of at least this many bytes is copied by two threads (the second one
+/// kept for the connection): from 16 x 1 MiB on that took 0.41-0.46x of shm to
+/// 0.66-0.72x; a 16 x 128 KiB commit (2 MiB) gained nothing while each split started a
+/// thread, and is at least as fast split since the thread is kept (BENCHMARKS.md, "k26t").
+pub const SPLIT_MIN: u64 = 2 << 20;
 /// A chunk's answer (beside `protocol::status_to_u8`'s): granted, but the server's copy
 /// to or from the peer's address failed (`EFAULT`, a short copy); only that chunk fails.
 pub const STATUS_COPY_FAILED: u8 = 0x80;
@@ -218,6 +219,21 @@ fn serve(s: &UnixStream, ctx: &ServeCtx) {
     // An authenticated peer may idle; without a token, only for idle_timeout.
     let _ = s.set_read_timeout(if ctx.key.is_some() { None } else { Some(ctx.idle_timeout) });
     ctx.counters.connections.fetch_add(1, Ordering::Relaxed);
+    std::thread::scope(|sc| serve_commits(sc, s, ctx, &peer, &mem, direct.as_ref()));
+}
+
+/// Reads, checks and serves commits until the connection ends. A large one-copy commit is
+/// split with a helper thread (in `sc`) that lives as long as the connection, started at
+/// the first such commit: each later split costs a wake-up, not a thread's start.
+fn serve_commits<'scope, 'env>(
+    sc: &'scope std::thread::Scope<'scope, 'env>,
+    s: &'env UnixStream,
+    ctx: &'env ServeCtx,
+    peer: &'env str,
+    mem: &'env MappedMemory,
+    direct: Option<&'env PeerProcess>,
+) {
+    let mut helper: Option<Option<Helper>> = None;
     let mut head = [0u8; COMMIT_HEAD_LEN];
     let mut entries = Vec::with_capacity(MAX_COMMIT_CHUNKS * CHUNK_ENTRY_LEN);
     let mut reply = Vec::with_capacity(REPLY_HEAD_LEN + MAX_COMMIT_CHUNKS);
@@ -264,9 +280,12 @@ fn serve(s: &UnixStream, ctx: &ServeCtx) {
         reply.clear();
         reply.extend_from_slice(&id.to_le_bytes());
         reply.extend_from_slice(&(count as u32).to_le_bytes());
-        let serve_one = |k: usize| serve_chunk(ctx, &peer, op, chunk(k), &mem, direct.as_ref());
+        let serve_one = |k: usize| serve_chunk(ctx, peer, op, chunk(k), mem, direct);
         let bytes: u64 = (0..count).map(|k| chunk(k).2).sum();
-        if direct_op && count >= 2 && bytes >= SPLIT_MIN {
+        let split = direct_op && count >= 2 && bytes >= SPLIT_MIN;
+        let helper =
+            if split { helper.get_or_insert_with(|| Helper::start(sc, ctx, peer, mem, direct)).as_ref() } else { None };
+        if let Some(helper) = helper {
             // One thread's kernel copies are about a core's worth: a large one-copy commit
             // is served by two, each checking every chunk of its half just before it moves
             // it (so a revoke still refuses each side's next chunk).
@@ -277,16 +296,12 @@ fn serve(s: &UnixStream, ctx: &ServeCtx) {
                 half += 1;
             }
             let half = half.max(1);
-            let (a, b) = std::thread::scope(|sc| {
-                let other = sc.spawn(|| (half..count).map(serve_one).collect::<Vec<u8>>());
-                let mine = (0..half).map(serve_one).collect::<Vec<u8>>();
-                (mine, other.join())
-            });
-            // A panic in the helper is a bug of ours; its chunks are reported failed.
-            reply.extend_from_slice(&a);
-            match b {
-                Ok(b) => reply.extend_from_slice(&b),
-                Err(_) => reply.extend(std::iter::repeat_n(STATUS_COPY_FAILED, count - half)),
+            let given = helper.jobs.send((op, (half..count).map(chunk).collect())).is_ok();
+            reply.extend((0..half).map(serve_one));
+            // A helper that is gone (a bug of ours) leaves its chunks failed.
+            match given.then(|| helper.done.recv().ok()).flatten() {
+                Some(theirs) => reply.extend_from_slice(&theirs),
+                None => reply.extend(std::iter::repeat_n(STATUS_COPY_FAILED, count - half)),
             }
         } else {
             reply.extend((0..count).map(serve_one));
@@ -294,6 +309,43 @@ fn serve(s: &UnixStream, ctx: &ServeCtx) {
         if (&*s).write_all(&reply).is_err() {
             return;
         }
+    }
+}
+
+/// A commit's chunks as the wire has them: (region, offset, len, staging offset or address).
+type ChunkEntry = (u64, u64, u64, u64);
+
+/// The second thread of a connection's large one-copy commits: takes (op, chunks) and
+/// answers each chunk's status, in order.
+struct Helper {
+    jobs: std::sync::mpsc::Sender<(u32, Vec<ChunkEntry>)>,
+    done: std::sync::mpsc::Receiver<Vec<u8>>,
+}
+
+impl Helper {
+    /// `None` when no thread could be started (the commits are then served by one).
+    fn start<'scope, 'env>(
+        sc: &'scope std::thread::Scope<'scope, 'env>,
+        ctx: &'env ServeCtx,
+        peer: &'env str,
+        mem: &'env MappedMemory,
+        direct: Option<&'env PeerProcess>,
+    ) -> Option<Helper> {
+        let (jobs, job_rx) = std::sync::mpsc::channel::<(u32, Vec<ChunkEntry>)>();
+        let (done_tx, done) = std::sync::mpsc::channel();
+        // Ends when the connection's loop drops `jobs`; the scope then joins it.
+        std::thread::Builder::new()
+            .name("mc-stage-copy".into())
+            .spawn_scoped(sc, move || {
+                for (op, chunks) in job_rx {
+                    let answers = chunks.into_iter().map(|c| serve_chunk(ctx, peer, op, c, mem, direct)).collect();
+                    if done_tx.send(answers).is_err() {
+                        return;
+                    }
+                }
+            })
+            .ok()?;
+        Some(Helper { jobs, done })
     }
 }
 
@@ -337,7 +389,7 @@ fn serve_chunk(
     ctx: &ServeCtx,
     peer: &str,
     op: u32,
-    (region, offset, len, at): (u64, u64, u64, u64),
+    (region, offset, len, at): ChunkEntry,
     mem: &MappedMemory,
     direct: Option<&PeerProcess>,
 ) -> u8 {
