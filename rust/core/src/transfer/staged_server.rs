@@ -87,7 +87,7 @@ pub const MODE_MAGIC: u64 = u64::from_le_bytes(*b"mc1copy\0");
 /// A one-copy commit of at least this many bytes is copied by two threads (the second one
 /// kept for the connection): from 16 x 1 MiB on that took 0.41-0.46x of shm to
 /// 0.66-0.72x; a 16 x 128 KiB commit (2 MiB) gained nothing while each split started a
-/// thread, and is at least as fast split since the thread is kept (BENCHMARKS.md, "k26t").
+/// thread, and measured no slower split since the thread is kept (BENCHMARKS.md, "k26t").
 pub const SPLIT_MIN: u64 = 2 << 20;
 /// A chunk's answer (beside `protocol::status_to_u8`'s): granted, but the server's copy
 /// to or from the peer's address failed (`EFAULT`, a short copy); only that chunk fails.
