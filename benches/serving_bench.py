@@ -123,8 +123,9 @@ def _serve_kv(kv_grants: bool, rounds: int) -> dict[str, float]:
 
 def bench_transfer_grants(rounds: int = 3) -> None:
     print("== kv_grants off vs on, processes=True (wide-KV model, 2 prefill + 1 decode, 24-block prompts); "
-          "on: restricted decode arena, per-request grants, per-prefill tokens: KV through per-peer staging buffers "
-          "(a sealed memfd each, every commit checked against the live grants), not a mapping of the arena")
+          "on: restricted decode arena, per-request grants, per-prefill tokens: KV through the staged path (one copy "
+          "by the decode's server from the prefill's buffer, or per-peer staging buffers where the kernel refuses; "
+          "every chunk checked against the live grants), not a mapping of the arena")
     off, on = _serve_kv(False, rounds), _serve_kv(True, rounds)
     print(f"{'':11s} {'GB/s in flight':>15s} {'KV-ready ms (median)':>21s} {'wall s':>7s} {'MB':>7s}")
     for name, r in (("off (shm)", off), ("on (staged)", on)):

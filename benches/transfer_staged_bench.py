@@ -4,17 +4,22 @@ against shm (the same region unrestricted) and TCP (what restricted regions used
 in one run.
 
   python benches/transfer_staged_bench.py [--rounds 5] [--batches 50] [--ops write,read]
+                                          [--with-staging] [--sizes 128,1024,4096]
 
 Two engines of one process that reach each other as same-host peers (separate
 registries), both with a token. Each round moves ``--batches`` batches of 16 requests
 per size and op through each path in turn; the medians over rounds of GB/s and of the ratio to
-shm in the same round are printed. Serving's own figure (GB/s while a transfer is in
-flight, KV-ready time) is ``benches/serving_bench.py --only transfer_grants``.
+shm in the same round are printed. The staged path takes one copy where the kernel allows
+(``MOONCAKE_STAGED_COPY``, docs/transfer.md); ``--with-staging`` adds a row for the same
+path forced through its staging buffer (two copies), in the same rounds. Serving's own
+figure (GB/s while a transfer is in flight, KV-ready time) is
+``benches/serving_bench.py --only transfer_grants``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -32,7 +37,17 @@ def engines(transports):
 
 
 def setup(path):
-    d, p = engines(["tcp"] if path == "tcp" else ["shm", "tcp"])
+    # The staged-copy mode is read when an engine is made: "staging" forces two copies.
+    old = os.environ.get("MOONCAKE_STAGED_COPY")
+    if path == "staging":
+        os.environ["MOONCAKE_STAGED_COPY"] = "staging"
+    try:
+        d, p = engines(["tcp"] if path == "tcp" else ["shm", "tcp"])
+    finally:
+        if old is None:
+            os.environ.pop("MOONCAKE_STAGED_COPY", None)
+        else:
+            os.environ["MOONCAKE_STAGED_COPY"] = old
     arena = d.allocate(ARENA, restricted=path != "shm")
     if arena.restricted:
         d.grant(arena, "prefill-0", 0, ARENA)
@@ -57,9 +72,11 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batches", type=int, default=50)
     ap.add_argument("--ops", default="write,read", help="comma-separated: write, read")
+    ap.add_argument("--sizes", default="128,1024,4096", help="comma-separated request sizes in KiB")
+    ap.add_argument("--with-staging", action="store_true", help="also the staged path through its staging buffer")
     args = ap.parse_args()
     ops = args.ops.split(",")
-    paths = ("shm", "staged", "tcp")
+    paths = ("shm", "staged", "staging", "tcp") if args.with_staging else ("shm", "staged", "tcp")
     cases = {k: setup(k) for k in paths}
     # A build without staged reads (before issue 26's second part) has no read counter:
     # its "staged" read row is TCP, which is what an A/B against it should show.
@@ -68,15 +85,17 @@ def main():
     try:
         staged_before = {op: counted(op, "staged") for op in ops}
         for op in ops:
-            for size in (128 << 10, 1 << 20, 4 << 20):
+            for size in (int(k) << 10 for k in args.sizes.split(",")):
                 got = {k: [] for k in paths}
                 for _ in range(args.rounds):
                     for k in paths:
                         got[k].append(rate(cases[k], op, size, args.batches))
                 med = {k: statistics.median(v) for k, v in got.items()}
                 ratio = lambda k: statistics.median(a / b for a, b in zip(got[k], got["shm"]))  # noqa: E731
+                two = (f" | staging buffer {med['staging']:6.2f} ({ratio('staging'):.2f}x shm)"
+                       if "staging" in paths else "")
                 print(f"16 x {size >> 10:5d} KiB {op + 's':6s}: shm {med['shm']:6.2f} GB/s | restricted, staged "
-                      f"{med['staged']:6.2f} ({ratio('staged'):.2f}x shm) | restricted, tcp {med['tcp']:6.2f} "
+                      f"{med['staged']:6.2f} ({ratio('staged'):.2f}x shm){two} | restricted, tcp {med['tcp']:6.2f} "
                       f"({ratio('tcp'):.2f}x shm)", flush=True)
         for op in ops:
             staged = counted(op, "staged") > staged_before[op]

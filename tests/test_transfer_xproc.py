@@ -114,6 +114,44 @@ def test_random_data_every_op_byte_for_byte(peers, transport):
         assert (served == 0) if transport == "shm" else (served == 2 * n)
 
 
+@pytest.mark.parametrize("copy", ["direct", "staging"])
+def test_restricted_region_of_another_process_byte_for_byte(peers, copy, monkeypatch):
+    # One copy by the region's server into this process's buffers, or (forced) two through
+    # a staging buffer: the same bytes, every write and read counted by the server's
+    # staged path (no TCP), odd sizes and offsets across the chunk size.
+    monkeypatch.setenv("MOONCAKE_STAGED_COPY", copy)
+    n = 5 * MiB + 777
+    srv = peers(auth_token="t", regions=[{"name": "arena", "length": 8 * MiB, "seed": 21, "restricted": True}])
+    arena = srv.regions["arena"]
+    assert int(srv.ask(f"grant {arena} init3 1000 {n}")) > 0
+    with mc.TransferEngine("init3", auth_token="t", registry=mc.TransferRegistry()) as eng:
+        p = eng.connect("peer", srv.address)
+        assert p.transport == "shm"
+        mine = eng.allocate(n)
+        data = expected(n, 31)
+        np.asarray(mine)[:n] = data
+        sizes = [4096 + 3, 128 * 1024, MiB - 1, MiB + 1, 2 * MiB + 5]
+        reqs, off = [], 0
+        while off < n:
+            ln = min(sizes[len(reqs) % len(sizes)], n - off)
+            reqs.append(mc.TransferRequest("write", mine, off, p, arena, 1000 + off, ln))
+            off += ln
+        out = eng.submit(reqs, timeout_s=60).wait()
+        assert all(s.ok for s in out), [s for s in out if not s.ok]
+        pulled = eng.allocate(n + 64)
+        out = eng.submit([mc.TransferRequest("read", pulled, 64, p, arena, 1000, n)], timeout_s=60).wait()
+        assert out[0].ok, out[0]
+        assert sha(np.asarray(pulled)[64 : 64 + n]) == sha(data)
+        # Outside the grant: refused, nothing moved.
+        out = eng.submit([mc.TransferRequest("write", mine, 0, p, arena, 0, 1000)]).wait()
+        assert not out[0].ok and out[0].code == "no_grant"
+    st = srv.stats()
+    assert st["bytes_staged"] == n and st["bytes_staged_read"] == n, st
+    whole = np.asarray(expected(8 * MiB, 21)).copy()
+    whole[1000 : 1000 + n] = data
+    assert srv.sha("arena") == sha(whole)
+
+
 def test_non_shared_region_of_a_same_host_peer_goes_over_tcp(peers):
     srv = peers(regions=[{"name": "plain", "length": MiB, "seed": 5, "shared": False}])
     with mc.TransferEngine("init2", registry=mc.TransferRegistry()) as eng:

@@ -327,7 +327,7 @@ class Instance:
                                  "free_pages": self.engine.num_free_pages, "pages": self.engine.cache.num_pages,
                                  # live transfer grants on the arena (kv_grants: none once idle)
                                  "grants": len(t.te.grants(t.region)) if t.region.restricted else 0,
-                                 # bytes same-host peers wrote into the arena through staging buffers
+                                 # bytes same-host peers wrote into the arena on the staged path
                                  "staged_bytes": t.te.stats().bytes_staged}
         # messages this instance sent, by op (the hop count, docs/serving.md)
         for link in [self.ch, *self.peers.values()]:

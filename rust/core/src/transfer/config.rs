@@ -85,6 +85,36 @@ impl WireProtection {
     }
 }
 
+/// How a same-host peer's restricted regions are reached (the staged path).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StagedCopy {
+    /// One copy, by the region's server, between the region and the initiator's own buffer
+    /// (`process_vm_readv` / `process_vm_writev`), where the kernel allows it (else, per
+    /// connection, `Staging`).
+    Direct,
+    /// Two copies through a staging buffer the server hands over.
+    Staging,
+}
+
+/// The environment variable that picks the default [`StagedCopy`]: `staging` forces the
+/// staging buffer; unset (or `direct`) asks for one copy.
+pub const STAGED_COPY_ENV: &str = "MOONCAKE_STAGED_COPY";
+
+impl StagedCopy {
+    /// The default: [`STAGED_COPY_ENV`], else `Direct`. An unknown value is said (once per
+    /// engine config) and read as `Direct`.
+    pub fn from_env() -> StagedCopy {
+        match std::env::var(STAGED_COPY_ENV).as_deref() {
+            Ok("staging") => StagedCopy::Staging,
+            Ok("direct") | Ok("") | Err(_) => StagedCopy::Direct,
+            Ok(other) => {
+                tracing::warn!(value = other, "{STAGED_COPY_ENV} takes \"direct\" or \"staging\"; using direct");
+                StagedCopy::Direct
+            }
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     pub name: String,
@@ -127,6 +157,8 @@ pub struct EngineConfig {
     /// A TCP batch of at most this many bytes is sent by the submitting thread itself
     /// when a connection to the peer is idle (0: always through the sender threads).
     pub inline_send_bytes: usize,
+    /// How restricted regions of same-host peers are reached (default: [`STAGED_COPY_ENV`]).
+    pub staged_copy: StagedCopy,
 }
 
 impl Default for EngineConfig {
@@ -148,6 +180,7 @@ impl Default for EngineConfig {
             max_attempts: 3,
             copy_threads: 2,
             inline_send_bytes: 16 << 10,
+            staged_copy: StagedCopy::from_env(),
         }
     }
 }

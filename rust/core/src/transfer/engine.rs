@@ -300,7 +300,7 @@ impl Engine {
                 };
                 let tcp = TcpPeer::connect(&inner.name, endpoints, inner.key.clone(), cfg, inner.counters.clone())?;
                 let same_host = tcp.hello.host == inner.host && inner.host != [0u8; 16];
-                let shm = (t.shm && same_host).then(ShmPeer::default);
+                let shm = (t.shm && same_host).then(|| ShmPeer::new(inner.cfg.staged_copy));
                 Peer { name: peer_name.into(), kind: PeerKind::Remote { tcp, shm } }
             }
         };

@@ -127,6 +127,16 @@ pub fn recv_with_fd(s: &UnixStream, buf: &mut [u8]) -> io::Result<OwnedFd> {
 
 /// The user id of the process at the other end of `s` (`SO_PEERCRED`).
 pub fn peer_uid(s: &UnixStream) -> io::Result<u32> {
+    peer_cred(s).map(|c| c.uid)
+}
+
+/// The pid of the process that connected `s` (`SO_PEERCRED`, as numbered in our pid
+/// namespace; 0 when it has no number there), from the kernel, not from a message.
+pub fn peer_pid(s: &UnixStream) -> io::Result<libc::pid_t> {
+    peer_cred(s).map(|c| c.pid)
+}
+
+fn peer_cred(s: &UnixStream) -> io::Result<libc::ucred> {
     // SAFETY: getsockopt fills a plain ucred struct of the size we pass.
     unsafe {
         let mut cred: libc::ucred = std::mem::zeroed();
@@ -141,7 +151,7 @@ pub fn peer_uid(s: &UnixStream) -> io::Result<u32> {
         {
             return Err(io::Error::last_os_error());
         }
-        Ok(cred.uid)
+        Ok(cred)
     }
 }
 
@@ -169,6 +179,7 @@ mod tests {
             assert_eq!(*theirs.as_ptr().add(100), 42, "the two mappings are not the same memory");
         }
         assert_eq!(peer_uid(&a).unwrap(), unsafe { libc::getuid() });
+        assert_eq!(peer_pid(&a).unwrap() as u32, std::process::id());
         // A message without an fd is refused, and an unsealed memfd is not accepted.
         a.try_clone().unwrap();
         io::Write::write_all(&mut &a, b"x").unwrap();

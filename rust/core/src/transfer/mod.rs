@@ -27,6 +27,7 @@ pub mod region;
 pub mod registry;
 pub mod shm;
 pub mod staged;
+mod staged_direct;
 mod staged_ring;
 pub mod staged_server;
 pub mod stream_copy;
@@ -225,5 +226,7 @@ mod tests_rights;
 mod tests_sealed;
 #[cfg(test)]
 mod tests_staged;
+#[cfg(test)]
+mod tests_staged_direct;
 #[cfg(test)]
 mod tests_staged_pipeline;

@@ -14,6 +14,7 @@ use hashbrown::HashMap;
 use parking_lot::{Condvar, Mutex};
 
 use super::batch::Batch;
+use super::config::StagedCopy;
 use super::local::{CopyJob, Keep, Span};
 use super::region::{Region, RegionId};
 use super::staged::StagedLink;
@@ -53,15 +54,25 @@ enum Entry {
 }
 
 /// Per-peer cache of mapped regions (region ids are never reused by an engine).
-#[derive(Default)]
 pub struct ShmPeer {
     cache: Mutex<HashMap<RegionId, Entry>>,
     resolved: Condvar,
     /// Staging links by socket name (a peer's restricted regions share one).
     links: Mutex<HashMap<String, Arc<StagedLink>>>,
+    /// What the staging links ask their server for.
+    staged_copy: StagedCopy,
 }
 
 impl ShmPeer {
+    pub fn new(staged_copy: StagedCopy) -> ShmPeer {
+        ShmPeer {
+            cache: Mutex::new(HashMap::new()),
+            resolved: Condvar::new(),
+            links: Mutex::new(HashMap::new()),
+            staged_copy,
+        }
+    }
+
     pub fn lookup(&self, id: RegionId) -> Lookup {
         match self.cache.lock().get(&id) {
             Some(Entry::Mapped(r)) => Lookup::Mapped(r.clone()),
@@ -152,7 +163,7 @@ impl ShmPeer {
             return Some(l.clone());
         }
         let (key, me, io_timeout) = tcp.identity();
-        match StagedLink::connect(name, key, me, io_timeout) {
+        match StagedLink::connect(name, key, me, io_timeout, self.staged_copy) {
             Ok(l) => {
                 if let Some(old) = links.insert(name.to_string(), l.clone()) {
                     old.close();

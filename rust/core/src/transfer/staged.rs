@@ -23,6 +23,11 @@
 //! destination when its answer says the server checked and copied it; so a read commit
 //! k+1 is filled by the server while the worker copies commit k out. A commit carries
 //! one op, so an open commit is sent when the next chunk's op differs.
+//!
+//! In one-copy mode (`staged_direct`; the server said yes to it at connect) no chunk goes
+//! through the buffer: each names the address of its bytes in the request's own memory,
+//! which the server copies to or from itself, and the request is held (`begin_io`) until
+//! the answer. Nothing is copied here, so `submit_many` commits a whole batch at once.
 
 use std::collections::VecDeque;
 use std::io::{Read, Write};
@@ -38,11 +43,12 @@ use parking_lot::{Mutex, MutexGuard};
 
 use super::auth::AuthKey;
 use super::batch::Batch;
+use super::config::StagedCopy;
 use super::fdpass;
 use super::local::Span;
 use super::protocol::status_from_u8;
 use super::staged_ring::{seal_commit, Chunk, Ring};
-use super::staged_server::REPLY_HEAD_LEN;
+use super::staged_server::{mode_request, MAX_COMMIT_CHUNKS, REPLY_HEAD_LEN, STATUS_COPY_FAILED};
 use super::tcp::handshake;
 use super::Op;
 use super::TransferError;
@@ -87,18 +93,23 @@ pub struct StagedLink {
     /// second wake-up to tell it a commit went out.
     bell: OwnedFd,
     dead: AtomicBool,
+    /// The server copies each chunk itself between the region and our request's own
+    /// memory (one copy; see `staged_direct`): no chunk touches the staging buffer.
+    direct: bool,
     inline_commits: AtomicU64,
     worker: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl StagedLink {
-    /// Connects to the peer's staging socket `name`, passes the handshake as `local_name`
-    /// and maps the staging buffer it hands over.
+    /// Connects to the peer's staging socket `name`, passes the handshake as `local_name`,
+    /// maps the staging buffer it hands over and asks for one-copy mode when `copy` is
+    /// [`StagedCopy::Direct`] (the server says whether it can).
     pub fn connect(
         name: &str,
         key: Option<&AuthKey>,
         local_name: &str,
         io_timeout: Duration,
+        copy: StagedCopy,
     ) -> Result<Arc<StagedLink>, TransferError> {
         let addr = SocketAddr::from_abstract_name(name.as_bytes()).map_err(TransferError::io)?;
         let mut s =
@@ -115,6 +126,7 @@ impl StagedLink {
             return Err(TransferError::Protocol(format!("staging buffer of {size} bytes announced as {len}")));
         }
         let staging = MappedMemory::map_fd(fd.as_fd(), len).map_err(TransferError::io)?;
+        let direct = ask_mode(&s, copy)?;
         let link = Arc::new(StagedLink {
             stream: s,
             staging,
@@ -123,6 +135,7 @@ impl StagedLink {
             queue: Mutex::new(VecDeque::new()),
             bell: new_bell().map_err(TransferError::io)?,
             dead: AtomicBool::new(false),
+            direct,
             inline_commits: AtomicU64::new(0),
             worker: Mutex::new(None),
         });
@@ -137,6 +150,11 @@ impl StagedLink {
 
     pub fn is_dead(&self) -> bool {
         self.dead.load(Ordering::SeqCst)
+    }
+
+    /// Whether the server copies chunks directly to and from our memory (one copy).
+    pub fn is_direct(&self) -> bool {
+        self.direct
     }
 
     /// Bytes per commit: [`CHUNK`], or a quarter of a smaller staging buffer.
@@ -174,6 +192,8 @@ impl StagedLink {
         // A small batch is copied and committed here; a larger one's leading reads are
         // committed here (no copy), so the server starts on them without waiting for the
         // worker's wake-up.
+        // One-copy mode costs `submit` no copy at all: everything that fits is committed here.
+        let inline = inline || self.direct;
         if inline || ws.front().is_some_and(|w| w.op == Op::Read) {
             if let Some(ring) = self.ring.try_lock() {
                 // Behind queued writes, commits would overtake them: only with none queued.
@@ -247,7 +267,12 @@ impl StagedLink {
             // of the open commit's op.
             let other_op = !ring.open.is_empty() && ring.open_read != (w.op == Op::Read);
             let not_taken = !whole && w.op != Op::Read;
-            if w.len > chunk || other_op || not_taken || ring.place(w.len, cap).is_none() {
+            let fits = if self.direct {
+                ring.in_flight + ring.open.len() + w.len.div_ceil(chunk) as usize <= MAX_COMMIT_CHUNKS
+            } else {
+                w.len <= chunk && ring.place(w.len, cap).is_some()
+            };
+            if !fits || other_op || not_taken {
                 break;
             }
             let Some(w) = ws.pop_front() else { break };
@@ -264,7 +289,7 @@ impl StagedLink {
         if ring.open.is_empty() {
             return Ok(());
         }
-        let frame = seal_commit(&mut ring);
+        let frame = seal_commit(&mut ring, self.direct);
         // Frames go out in the order their commits entered the ring.
         let sending = self.send_lock.lock();
         drop(ring);
@@ -359,6 +384,7 @@ impl StagedLink {
             .into_iter()
             .chain(ring.open.drain(..).collect::<Vec<_>>());
         for c in chunks {
+            c.release();
             c.batch.fail(c.index, err.clone());
         }
         let left = self.queue.lock().drain(..).collect::<Vec<_>>();
@@ -399,6 +425,39 @@ impl StagedLink {
                 self.send(ring)?;
             }
             let n = (w.len - off).min(chunk);
+            // SAFETY: `off + n <= len`, checked against the local region at submit, which
+            // `w.local` keeps mapped: the pointer stays inside it.
+            let local_ptr = unsafe { w.local.ptr.add(off as usize) };
+            if self.direct {
+                // Only the count of chunks in flight bounds a one-copy commit.
+                while ring.in_flight + ring.open.len() >= MAX_COMMIT_CHUNKS {
+                    if ring.open.is_empty() {
+                        self.settle(ring)?
+                    } else {
+                        self.send(ring)?
+                    }
+                }
+                // The server reads (a write) or fills (a read) these bytes until it answers:
+                // the request must not end, nor its memory go back to the caller, before.
+                // The answer (or the link's end) lets go of it.
+                if !w.batch.begin_io(w.index) {
+                    return Ok(());
+                }
+                ring.open_read = read;
+                ring.open.push(Chunk {
+                    batch: w.batch.clone(),
+                    index: w.index,
+                    region: w.region,
+                    offset: w.offset + off,
+                    at: local_ptr as u64,
+                    len: n,
+                    read_into: None,
+                    held: Some(Span { keep: w.local.keep.clone(), ptr: local_ptr }),
+                });
+                ring.open_bytes += n;
+                off += n;
+                continue;
+            }
             let at = loop {
                 match ring.place(n, cap) {
                     Some(at) => break at,
@@ -406,9 +465,6 @@ impl StagedLink {
                     None => self.settle(ring)?,
                 }
             };
-            // SAFETY: `off + n <= len`, checked against the local region at submit, which
-            // `w.local` keeps mapped: the pointer stays inside it.
-            let local_ptr = unsafe { w.local.ptr.add(off as usize) };
             if !read {
                 if !w.batch.begin_io(w.index) {
                     return Ok(());
@@ -437,6 +493,7 @@ impl StagedLink {
                 len: n,
                 // Only a read keeps (a clone of) its destination's span.
                 read_into: read.then(|| Span { keep: w.local.keep.clone(), ptr: local_ptr }),
+                held: None,
             });
             ring.open_bytes += n;
             ring.head = at + n;
@@ -450,7 +507,7 @@ impl StagedLink {
 
     /// Sends the open commit: one frame for all its chunks.
     fn send(&self, ring: &mut Ring) -> Result<(), TransferError> {
-        let frame = seal_commit(ring);
+        let frame = seal_commit(ring, self.direct);
         let _sending = self.send_lock.lock();
         (&self.stream).write_all(&frame).map_err(|e| TransferError::ConnectionLost(format!("staging link: {e}")))
     }
@@ -479,20 +536,34 @@ impl StagedLink {
         ring.in_flight -= p.chunks.len();
         let rid = u64::from_le_bytes(reply[..8].try_into().unwrap_or_default());
         let count = u32::from_le_bytes(reply[8..12].try_into().unwrap_or_default());
-        let statuses: Result<Vec<_>, _> = reply[REPLY_HEAD_LEN..].iter().map(|&b| status_from_u8(b)).collect();
+        // A one-copy chunk's copy that failed (a bad address of ours) is `None` here.
+        let statuses: Result<Vec<_>, _> = reply[REPLY_HEAD_LEN..]
+            .iter()
+            .map(|&b| if b == STATUS_COPY_FAILED && self.direct { Ok(None) } else { status_from_u8(b).map(Some) })
+            .collect();
         let statuses = match statuses {
             Ok(s) if rid == id && p.id == id && count as usize == p.chunks.len() => s,
             _ => {
                 let e = TransferError::Protocol("bad answer on the staging link".into());
                 for c in &p.chunks {
+                    c.release();
                     c.batch.fail(c.index, e.clone());
                 }
                 return Err(e);
             }
         };
         for (c, status) in p.chunks.iter().zip(statuses) {
+            // The server is done with a one-copy chunk's memory once it answered.
+            c.release();
             match status {
-                Ok(()) => {
+                None => c.batch.fail(
+                    c.index,
+                    TransferError::Io(format!(
+                        "the peer's server could not copy {} bytes to or from this process's memory",
+                        c.len
+                    )),
+                ),
+                Some(Ok(())) => {
                     if let Some(dst) = &c.read_into {
                         if !c.batch.begin_io(c.index) {
                             continue; // ended meanwhile: its buffer is the caller's again
@@ -511,10 +582,35 @@ impl StagedLink {
                     }
                     c.batch.slice_done(c.index, c.len)
                 }
-                Err(reason) => c.batch.fail(c.index, TransferError::Refused { side: "peer", region: c.region, reason }),
+                Some(Err(reason)) => {
+                    c.batch.fail(c.index, TransferError::Refused { side: "peer", region: c.region, reason })
+                }
             }
         }
         Ok(())
+    }
+}
+
+/// Sends the mode request that follows the staging buffer (see `staged_server::MODE_LEN`)
+/// and reads the answer: whether the server copies directly from now on. For one-copy
+/// mode the server reads a fresh nonce at an address we name, so it knows it reached
+/// this process (the pid it took from the socket).
+fn ask_mode(s: &UnixStream, copy: StagedCopy) -> Result<bool, TransferError> {
+    let random = super::auth::nonce().map_err(TransferError::io)?;
+    let mut nonce = Box::new([0u8; super::staged_direct::NONCE_LEN]);
+    let n = nonce.len().min(random.len());
+    nonce[..n].copy_from_slice(&random[..n]);
+    let m = mode_request(copy == StagedCopy::Direct, nonce.as_ptr() as u64, &nonce);
+    let mut answer = [0u8; 1];
+    let lost = |e: std::io::Error| TransferError::ConnectionLost(format!("staging link: {e}"));
+    (&*s).write_all(&m).map_err(lost)?;
+    // The nonce must stay where we said until the server answered.
+    (&*s).read_exact(&mut answer).map_err(lost)?;
+    drop(nonce);
+    match answer[0] {
+        0 => Ok(false),
+        1 if copy == StagedCopy::Direct => Ok(true),
+        b => Err(TransferError::Protocol(format!("staging mode answer {b}"))),
     }
 }
 

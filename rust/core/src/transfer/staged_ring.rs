@@ -7,11 +7,15 @@ use std::sync::Arc;
 
 use super::batch::Batch;
 use super::local::Span;
-use super::staged_server::{CHUNK_ENTRY_LEN, COMMIT_HEAD_LEN, COMMIT_READ, COMMIT_WRITE, MAX_COMMIT_CHUNKS};
+use super::staged_server::{
+    CHUNK_ENTRY_LEN, COMMIT_HEAD_LEN, COMMIT_READ, COMMIT_READ_DIRECT, COMMIT_WRITE, COMMIT_WRITE_DIRECT,
+    MAX_COMMIT_CHUNKS,
+};
 
 /// One chunk of a request at `at..at + len` of the staging buffer: a write's bytes,
 /// copied in, or the space a read's bytes are copied into by the server; those bytes
-/// stay untouched by us until the answer to its commit.
+/// stay untouched by us until the answer to its commit. In one-copy mode `at` is the
+/// address of the chunk's bytes in the request's own memory, which `held` keeps.
 pub(super) struct Chunk {
     pub(super) batch: Arc<Batch>,
     pub(super) index: usize,
@@ -21,6 +25,18 @@ pub(super) struct Chunk {
     pub(super) len: u64,
     /// A read's destination (`len` bytes of the request's local range); `None` for a write.
     pub(super) read_into: Option<Span>,
+    /// A one-copy chunk's own memory: kept mapped, and its request kept from ending
+    /// (`Batch::begin_io`, taken when the chunk was made), until the answer.
+    pub(super) held: Option<Span>,
+}
+
+impl Chunk {
+    /// The answer came or never will: a one-copy chunk lets go of its request's memory.
+    pub(super) fn release(&self) {
+        if self.held.is_some() {
+            self.batch.end_io(self.index);
+        }
+    }
 }
 
 /// A commit that is out (its chunks in order), waiting for its answer.
@@ -67,8 +83,9 @@ impl Ring {
     }
 }
 
-/// Moves the open commit into the ring's commits in flight; its frame, to be sent next.
-pub(super) fn seal_commit(ring: &mut Ring) -> Vec<u8> {
+/// Moves the open commit into the ring's commits in flight; its frame, to be sent next
+/// (`direct`: a one-copy commit, whose chunks name addresses of ours, not the buffer).
+pub(super) fn seal_commit(ring: &mut Ring, direct: bool) -> Vec<u8> {
     let chunks = std::mem::take(&mut ring.open);
     ring.open_bytes = 0;
     ring.next_id += 1;
@@ -76,7 +93,13 @@ pub(super) fn seal_commit(ring: &mut Ring) -> Vec<u8> {
     let mut frame = Vec::with_capacity(COMMIT_HEAD_LEN + chunks.len() * CHUNK_ENTRY_LEN);
     frame.extend_from_slice(&id.to_le_bytes());
     frame.extend_from_slice(&(chunks.len() as u32).to_le_bytes());
-    frame.extend_from_slice(&(if ring.open_read { COMMIT_READ } else { COMMIT_WRITE }).to_le_bytes());
+    let op = match (ring.open_read, direct) {
+        (false, false) => COMMIT_WRITE,
+        (true, false) => COMMIT_READ,
+        (false, true) => COMMIT_WRITE_DIRECT,
+        (true, true) => COMMIT_READ_DIRECT,
+    };
+    frame.extend_from_slice(&op.to_le_bytes());
     for c in &chunks {
         for v in [c.region, c.offset, c.len, c.at] {
             frame.extend_from_slice(&v.to_le_bytes());

@@ -11,13 +11,14 @@ use std::sync::Arc;
 use hashbrown::HashMap;
 
 use super::auth::{host_id, AuthKey};
-use super::config::Counters;
+use super::config::{Counters, StagedCopy};
 use super::fdpass;
 use super::inner::PeerKind;
 use super::region::RegionTable;
 use super::staged::StagedLink;
 use super::staged_server::{
-    StagingServer, CHUNK_ENTRY_LEN, COMMIT_HEAD_LEN, COMMIT_READ, MAX_COMMIT_CHUNKS, REPLY_HEAD_LEN, STAGING_LEN,
+    mode_request, StagingServer, CHUNK_ENTRY_LEN, COMMIT_HEAD_LEN, COMMIT_READ, MAX_COMMIT_CHUNKS, REPLY_HEAD_LEN,
+    STAGING_LEN,
 };
 use super::tcp::server::ServeCtx;
 use super::tests::{bytes, cfg, fill, req, T};
@@ -26,8 +27,15 @@ use super::*;
 const TOKEN: &str = "cluster-token";
 
 pub(super) fn engine(name: &str) -> Engine {
+    engine_copying(name, StagedCopy::from_env())
+}
+
+/// `engine`, whose staging links ask for `copy` (one copy by the server, or two through
+/// the staging buffer).
+pub(super) fn engine_copying(name: &str, copy: StagedCopy) -> Engine {
     let mut c = cfg(name, &["shm", "tcp"]);
     c.auth_token = Some(TOKEN.into());
+    c.staged_copy = copy;
     // No registry: the engines reach each other as same-host peers, not in-process.
     Engine::new(c, None).unwrap()
 }
@@ -111,8 +119,19 @@ fn restricted_writes_from_a_same_host_peer_are_staged_checked_and_equal() {
 }
 
 /// Connects to `srv` as engine "x" with the token, as a staging link does, checks the
-/// length it announces, and maps the staging buffer it hands over.
+/// length it announces, maps the staging buffer it hands over and asks for the staging
+/// mode (two copies).
 fn dial(srv: &StagingServer) -> (UnixStream, crate::mem::MappedMemory) {
+    let (s, staging) = dial_buffer(srv);
+    (&s).write_all(&mode_request(false, 0, &[0u8; 16])).unwrap();
+    let mut mode = [9u8; 1];
+    (&s).read_exact(&mut mode).unwrap();
+    assert_eq!(mode[0], 0, "the server took a staging-mode peer for one-copy");
+    (s, staging)
+}
+
+/// `dial` up to the mode request.
+pub(super) fn dial_buffer(srv: &StagingServer) -> (UnixStream, crate::mem::MappedMemory) {
     let addr = SocketAddr::from_abstract_name(srv.name().as_bytes()).unwrap();
     let mut s = UnixStream::connect_addr(&addr).unwrap();
     s.set_read_timeout(Some(T)).unwrap();
@@ -124,7 +143,7 @@ fn dial(srv: &StagingServer) -> (UnixStream, crate::mem::MappedMemory) {
     (s, staging)
 }
 
-fn server(regions: &Arc<RegionTable>, counters: &Arc<Counters>) -> StagingServer {
+pub(super) fn server(regions: &Arc<RegionTable>, counters: &Arc<Counters>) -> StagingServer {
     StagingServer::start(ServeCtx {
         name: "srv".into(),
         regions: regions.clone(),
@@ -159,7 +178,7 @@ fn commit(s: &UnixStream, id: u64, region: u64, offset: u64, len: u64, at: u64) 
 }
 
 /// The answer to a commit of `n` chunks: its id and one status byte a chunk.
-fn read_replies(s: &UnixStream, n: usize) -> std::io::Result<(u64, Vec<u8>)> {
+pub(super) fn read_replies(s: &UnixStream, n: usize) -> std::io::Result<(u64, Vec<u8>)> {
     let mut r = vec![0u8; REPLY_HEAD_LEN + n];
     (&*s).read_exact(&mut r)?;
     assert_eq!(u32::from_le_bytes(r[8..12].try_into().unwrap()) as usize, n);
@@ -175,7 +194,7 @@ fn the_staging_socket_checks_token_grant_and_buffer_bounds() {
     let srv = server(&regions, &counters);
 
     // A wrong token gets no buffer.
-    let wrong = StagedLink::connect(srv.name(), Some(&AuthKey::from_token("wrong")), "x", T);
+    let wrong = StagedLink::connect(srv.name(), Some(&AuthKey::from_token("wrong")), "x", T, StagedCopy::Direct);
     assert!(matches!(wrong, Err(TransferError::Unauthorized(_))), "{:?}", wrong.err());
 
     // By hand: the right token, then commits.
@@ -480,7 +499,7 @@ fn staged_reads_match_tcp_and_a_plain_copy() {
 }
 
 /// A commit of `chunks` with op `op` in its head (framed by hand, as `commit_many`).
-fn commit_op(s: &UnixStream, id: u64, op: u32, chunks: &[(u64, u64, u64, u64)]) {
+pub(super) fn commit_op(s: &UnixStream, id: u64, op: u32, chunks: &[(u64, u64, u64, u64)]) {
     let mut c = Vec::with_capacity(COMMIT_HEAD_LEN + chunks.len() * CHUNK_ENTRY_LEN);
     c.extend_from_slice(&id.to_le_bytes());
     c.extend_from_slice(&(chunks.len() as u32).to_le_bytes());
@@ -548,12 +567,12 @@ fn a_read_commit_is_checked_chunk_by_chunk_and_copies_only_granted_bytes() {
     srv.close();
 }
 
-/// Two same-host engines with a token, and a restricted arena of `len` bytes filled
-/// (seed 1) and granted whole to "prefill-0" for reads; the reading engine's region of
-/// `len` bytes.
-fn read_pair(len: usize) -> (Engine, Engine, Arc<Peer>, RegionId, Vec<u8>, RegionId) {
+/// Two same-host engines with a token, the reader's links asking for `copy`, and a
+/// restricted arena of `len` bytes filled (seed 1) and granted whole to "prefill-0" for
+/// reads; the reading engine's region of `len` bytes.
+fn read_pair(len: usize, copy: StagedCopy) -> (Engine, Engine, Arc<Peer>, RegionId, Vec<u8>, RegionId) {
     let decode = engine("decode-0");
-    let prefill = engine("prefill-0");
+    let prefill = engine_copying("prefill-0", copy);
     let p = prefill.connect("decode-0", Some(&decode.address())).unwrap();
     let arena = decode.allocate_with(len, Access { restricted: true, ..Access::default() }).unwrap().id;
     let arena_bytes = fill(&decode, arena, 1);
@@ -582,6 +601,7 @@ fn reads_under_way(
 ) -> Arc<Batch> {
     let st = prefill.submit(vec![req(Op::Read, l, 0, p, arena, 0, 4096)], T).unwrap().wait(None);
     assert_eq!(code(&st[0]), "ok");
+    assert_mode(p, prefill.config().staged_copy);
     let before = decode.stats().bytes_staged_read;
     let batch = prefill.submit(read_rounds(p, l, arena, len, 16), T).unwrap();
     while decode.stats().bytes_staged_read == before && !batch.is_done() {
@@ -590,15 +610,28 @@ fn reads_under_way(
     batch
 }
 
-// A grant revoked while a batch of staged reads is in flight: every request ends, ok
-// ones hold the arena's bytes, the others are `no_grant`; the next batch is refused
-// whole. (Whether a batch straddles the revoke is up to the scheduler: a few tries.)
+/// The staging links of `p` (at least one) copy as `copy` asked (this host allows one copy).
+pub(super) fn assert_mode(p: &Arc<Peer>, copy: StagedCopy) {
+    let direct: Vec<bool> = links(p).iter().map(|k| k.is_direct()).collect();
+    assert!(!direct.is_empty() && direct.iter().all(|&d| d == (copy == StagedCopy::Direct)), "{copy:?}: {direct:?}");
+}
+
+// A grant revoked while a batch of staged reads is in flight, in one-copy mode and
+// through the staging buffer: every request ends, ok ones hold the arena's bytes, the
+// others are `no_grant`; the next batch is refused whole. (Whether a batch straddles the
+// revoke is up to the scheduler: a few tries.)
 #[test]
 fn a_grant_revoked_mid_batch_refuses_the_following_staged_reads() {
+    for copy in [StagedCopy::Direct, StagedCopy::Staging] {
+        revoke_mid_read_batch(copy);
+    }
+}
+
+fn revoke_mid_read_batch(copy: StagedCopy) {
     let len = 16usize << 20;
     let mut straddled = false;
     for _ in 0..5 {
-        let (decode, prefill, p, arena, arena_bytes, l) = read_pair(len);
+        let (decode, prefill, p, arena, arena_bytes, l) = read_pair(len, copy);
         let batch = reads_under_way(&decode, &prefill, &p, l, arena, len as u64);
         decode.revoke(arena, "prefill-0", None).unwrap();
         let st = batch.wait(None);
@@ -614,7 +647,7 @@ fn a_grant_revoked_mid_batch_refuses_the_following_staged_reads() {
             break;
         }
     }
-    assert!(straddled, "no batch of staged reads straddled the revoke in five tries");
+    assert!(straddled, "{copy:?}: no batch of staged reads straddled the revoke in five tries");
 }
 
 /// Each `slot_len` slot of `got` into which every request was ok (`slot_of(i)`: the slot
@@ -636,13 +669,19 @@ pub(super) fn assert_ok_slots_hold(
     }
 }
 
-// The server engine goes away while staged reads are in flight: every request ends (ok
-// with the arena's bytes, or `connection_lost`/`closed`), none hangs, and a read after
-// that fails rather than waiting.
+// The server engine goes away while staged reads are in flight (one copy, and through
+// the staging buffer): every request ends (ok with the arena's bytes, or
+// `connection_lost`/`closed`), none hangs, and a read after that fails rather than waiting.
 #[test]
 fn staged_reads_end_when_the_server_goes_away() {
+    for copy in [StagedCopy::Direct, StagedCopy::Staging] {
+        server_gone_mid_read_batch(copy);
+    }
+}
+
+fn server_gone_mid_read_batch(copy: StagedCopy) {
     let len = 16usize << 20;
-    let (decode, prefill, p, arena, arena_bytes, l) = read_pair(len);
+    let (decode, prefill, p, arena, arena_bytes, l) = read_pair(len, copy);
     let batch = reads_under_way(&decode, &prefill, &p, l, arena, len as u64);
     decode.close();
     let t0 = std::time::Instant::now();

@@ -10,9 +10,10 @@ use std::sync::Arc;
 use rand::{Rng, SeedableRng};
 
 use super::batch::Batch;
+use super::config::StagedCopy;
 use super::staged::{CHUNK, STREAMING_MIN};
 use super::tests::{bytes, cfg, fill, req, T};
-use super::tests_staged::{assert_ok_slots_hold, code, engine, links, wait_links_idle};
+use super::tests_staged::{assert_mode, assert_ok_slots_hold, code, engine, engine_copying, links, wait_links_idle};
 use super::*;
 
 const KIB: u64 = 1 << 10;
@@ -68,10 +69,11 @@ struct MixedRun {
 /// `submit` on the staged path) and a large one (reads committed by `submit`, the rest
 /// by the worker, ops alternating in runs), each request into its own bytes of both
 /// regions, some crossing a grant's end.
-fn mixed_batches(transports: &[&str], seed: u64) -> MixedRun {
+fn mixed_batches(transports: &[&str], seed: u64, copy: StagedCopy) -> MixedRun {
     let engine_on = |name: &str| {
         let mut c = cfg(name, transports);
         c.auth_token = Some("cluster-token".into());
+        c.staged_copy = copy;
         Engine::new(c, None).unwrap()
     };
     let (decode, prefill) = (engine_on("decode-0"), engine_on("prefill-0"));
@@ -119,6 +121,8 @@ fn mixed_batches(transports: &[&str], seed: u64) -> MixedRun {
     wait_links_idle(&p);
     codes.extend(run(&small));
     codes.extend(run(&large));
+    let direct = links(&p).iter().map(|k| k.is_direct()).collect::<Vec<_>>();
+    assert!(direct.iter().all(|&d| d == (copy == StagedCopy::Direct)), "{copy:?} asked, links direct: {direct:?}");
     MixedRun {
         reqs: [&opening[..], &small, &large].concat(),
         codes,
@@ -131,15 +135,22 @@ fn mixed_batches(transports: &[&str], seed: u64) -> MixedRun {
 }
 
 // Mixed reads and writes around every size the staged path switches at (streaming
-// stores, commit size, chunk size), in a small and a large batch: the same codes as
-// TCP, and both regions equal to a plain copy of what the ok requests move (a refused
-// request of several chunks may have moved its earlier chunks, on either path: its
-// bytes are masked).
+// stores, commit size, chunk size, the server's two-thread split), in a small and a large
+// batch, in one-copy mode and through the staging buffer: the same codes as TCP, and both
+// regions equal to a plain copy of what the ok requests move (a refused request of several
+// chunks may have moved its earlier chunks, on either path: its bytes are masked).
 #[test]
 fn mixed_batches_around_the_switch_sizes_match_tcp_and_a_plain_copy() {
-    for seed in [1u64, 2, 3] {
-        let staged = mixed_batches(&["shm", "tcp"], seed);
-        let tcp = mixed_batches(&["tcp"], seed);
+    for (seed, copy) in [
+        (1u64, StagedCopy::Direct),
+        (2, StagedCopy::Direct),
+        (3, StagedCopy::Direct),
+        (1, StagedCopy::Staging),
+        (2, StagedCopy::Staging),
+        (3, StagedCopy::Staging),
+    ] {
+        let staged = mixed_batches(&["shm", "tcp"], seed, copy);
+        let tcp = mixed_batches(&["tcp"], seed, copy);
         assert!(staged.staged > 0 && tcp.staged == 0, "seed {seed}: staged {} over TCP {}", staged.staged, tcp.staged);
         assert_eq!(staged.reqs, tcp.reqs);
         assert_eq!(staged.codes, tcp.codes, "seed {seed}");
@@ -164,18 +175,22 @@ fn mixed_batches_around_the_switch_sizes_match_tcp_and_a_plain_copy() {
             }
             for (side, got, want) in [("local", &got_local, &want_local), ("arena", &got_arena, &want_arena)] {
                 let first_diff = got.iter().zip(want.iter()).position(|(a, b)| a != b);
-                assert!(first_diff.is_none(), "seed {seed}: {what}: the {side} region differs at byte {first_diff:?}");
+                assert!(
+                    first_diff.is_none(),
+                    "seed {seed} {copy:?}: {what}: the {side} region differs at byte {first_diff:?}"
+                );
             }
         }
     }
 }
 
 // A read batch larger than what `submit` copies (16 x 128 KiB) is committed from
-// `submit` itself, in several commits (reads cost it no copy), and lands exactly.
+// `submit` itself, in several commits (reads cost it no copy), and lands exactly. (Through
+// the staging buffer: a one-copy link commits everything from `submit` in one commit.)
 #[test]
 fn a_large_read_batch_is_committed_from_submit_in_several_commits() {
     let decode = engine("decode-0");
-    let prefill = engine("prefill-0");
+    let prefill = engine_copying("prefill-0", StagedCopy::Staging);
     let p = prefill.connect("decode-0", Some(&decode.address())).unwrap();
     let len = 4usize << 20;
     let arena = decode.allocate_with(len, Access { restricted: true, ..Access::default() }).unwrap().id;
@@ -208,6 +223,7 @@ fn a_large_read_batch_is_committed_from_submit_in_several_commits() {
 fn writes_under_way(decode: &Engine, prefill: &Engine, p: &Arc<Peer>, l: RegionId, arena: RegionId) -> Arc<Batch> {
     let st = prefill.submit(vec![req(Op::Write, l, 0, p, arena, 0, 4096)], T).unwrap().wait(None);
     assert_eq!(code(&st[0]), "ok");
+    assert_mode(p, prefill.config().staged_copy);
     let before = decode.stats().bytes_staged;
     let k = FLUSH;
     let reqs = (0..16 * ARENA / k).map(|i| req(Op::Write, l, (i * k) % ARENA, p, arena, (i * k) % ARENA, k)).collect();
@@ -218,9 +234,11 @@ fn writes_under_way(decode: &Engine, prefill: &Engine, p: &Arc<Peer>, l: RegionI
     batch
 }
 
-fn write_pair() -> (Engine, Engine, Arc<Peer>, RegionId, Vec<u8>, RegionId, Vec<u8>) {
+/// Two same-host engines, the writer's links asking for `copy`, a restricted arena
+/// (pattern 1) granted whole to the writer for writes, and the writer's region (pattern 2).
+fn write_pair(copy: StagedCopy) -> (Engine, Engine, Arc<Peer>, RegionId, Vec<u8>, RegionId, Vec<u8>) {
     let decode = engine("decode-0");
-    let prefill = engine("prefill-0");
+    let prefill = engine_copying("prefill-0", copy);
     let p = prefill.connect("decode-0", Some(&decode.address())).unwrap();
     let arena = decode.allocate_with(ARENA as usize, Access { restricted: true, ..Access::default() }).unwrap().id;
     let arena_bytes = fill(&decode, arena, 1);
@@ -230,15 +248,22 @@ fn write_pair() -> (Engine, Engine, Arc<Peer>, RegionId, Vec<u8>, RegionId, Vec<
     (decode, prefill, p, arena, arena_bytes, l, local_bytes)
 }
 
-// A grant revoked while a batch of staged writes is in flight: every request ends ok
-// or `no_grant`; each 512 KiB slot of the arena holds either its old bytes or the
-// written ones wherever every write into it was ok; the next write is refused.
-// (Whether a batch straddles the revoke is up to the scheduler: a few tries.)
+// A grant revoked while a batch of staged writes is in flight (one copy, and through the
+// staging buffer): every request ends ok or `no_grant`; each 512 KiB slot of the arena
+// holds either its old bytes or the written ones wherever every write into it was ok;
+// the next write is refused. (Whether a batch straddles the revoke is up to the
+// scheduler: a few tries.)
 #[test]
 fn a_grant_revoked_mid_batch_refuses_the_following_staged_writes() {
+    for copy in [StagedCopy::Direct, StagedCopy::Staging] {
+        revoke_mid_write_batch(copy);
+    }
+}
+
+fn revoke_mid_write_batch(copy: StagedCopy) {
     let mut straddled = false;
     for _ in 0..5 {
-        let (decode, prefill, p, arena, _, l, local_bytes) = write_pair();
+        let (decode, prefill, p, arena, _, l, local_bytes) = write_pair(copy);
         let batch = writes_under_way(&decode, &prefill, &p, l, arena);
         decode.revoke(arena, "prefill-0", None).unwrap();
         let codes: Vec<_> = batch.wait(None).iter().map(code).collect();
@@ -252,15 +277,21 @@ fn a_grant_revoked_mid_batch_refuses_the_following_staged_writes() {
             break;
         }
     }
-    assert!(straddled, "no batch of staged writes straddled the revoke in five tries");
+    assert!(straddled, "{copy:?}: no batch of staged writes straddled the revoke in five tries");
 }
 
-// The server engine goes away while staged writes are in flight: every request ends
-// (ok, `connection_lost` or `closed`) well before the batch's timeout, and a write after
-// that fails rather than waiting.
+// The server engine goes away while staged writes are in flight (one copy, and through
+// the staging buffer): every request ends (ok, `connection_lost` or `closed`) well
+// before the batch's timeout, and a write after that fails rather than waiting.
 #[test]
 fn staged_writes_end_when_the_server_goes_away() {
-    let (decode, prefill, p, arena, _, l, _) = write_pair();
+    for copy in [StagedCopy::Direct, StagedCopy::Staging] {
+        server_gone_mid_write_batch(copy);
+    }
+}
+
+fn server_gone_mid_write_batch(copy: StagedCopy) {
+    let (decode, prefill, p, arena, _, l, _) = write_pair(copy);
     let batch = writes_under_way(&decode, &prefill, &p, l, arena);
     decode.close();
     let t0 = std::time::Instant::now();
