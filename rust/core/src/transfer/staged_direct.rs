@@ -132,6 +132,27 @@ impl PeerProcess {
     }
 }
 
+/// A page of this process followed by an unmapped one (its address): a copy that runs off
+/// its end meets a hole (for the tests of a bad peer address). The caller unmaps the page.
+#[cfg(test)]
+pub(crate) fn page_before_a_hole() -> u64 {
+    // SAFETY: a fresh anonymous mapping of two pages, its second page unmapped at once;
+    // nothing else knows of it.
+    unsafe {
+        let m = libc::mmap(
+            std::ptr::null_mut(),
+            8192,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
+        assert_ne!(m, libc::MAP_FAILED);
+        assert_eq!(libc::munmap((m as *mut u8).add(4096).cast(), 4096), 0);
+        m as u64
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -177,23 +198,13 @@ mod tests {
             assert!(dst == src[off..off + len], "write {off}+{len}");
         }
         // Two pages, the second unmapped: a copy across them fails (after a short count).
-        // SAFETY: a fresh anonymous mapping of two pages, its second page unmapped at once;
-        // only the first is touched here.
+        let m = page_before_a_hole();
+        let mut got = vec![0u8; 200];
+        assert!(me.read_into(got.as_mut_ptr(), m + 4000, 200).is_err(), "a copy past a mapping's end");
+        me.read_into(got.as_mut_ptr(), m + 3896, 200).unwrap();
+        // SAFETY: the mapped first page of `m`, touched by nothing after this.
         unsafe {
-            let m = libc::mmap(
-                std::ptr::null_mut(),
-                8192,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            );
-            assert_ne!(m, libc::MAP_FAILED);
-            assert_eq!(libc::munmap((m as *mut u8).add(4096).cast(), 4096), 0);
-            let mut got = vec![0u8; 200];
-            assert!(me.read_into(got.as_mut_ptr(), m as u64 + 4000, 200).is_err(), "a copy past a mapping's end");
-            me.read_into(got.as_mut_ptr(), m as u64 + 3896, 200).unwrap();
-            libc::munmap(m, 4096);
+            libc::munmap(m as *mut libc::c_void, 4096);
         }
     }
 }

@@ -95,20 +95,7 @@ fn a_bad_peer_address_fails_only_its_chunk() {
 
     let src: Vec<u8> = (0..16384u32).map(|i| (i.wrapping_mul(2654435761) >> 24) as u8).collect();
     // Two pages whose second is unmapped: a chunk starting 100 bytes before its end.
-    // SAFETY: a fresh anonymous two-page mapping, its second page unmapped at once.
-    let edge = unsafe {
-        let m = libc::mmap(
-            std::ptr::null_mut(),
-            8192,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        );
-        assert_ne!(m, libc::MAP_FAILED);
-        assert_eq!(libc::munmap((m as *mut u8).add(4096).cast(), 4096), 0);
-        m as u64
-    };
+    let edge = super::staged_direct::page_before_a_hole();
     let at = |k: usize| src[k * 4096..].as_ptr() as u64;
     commit_op(
         &s,
