@@ -48,6 +48,16 @@ def test_many_requests_in_flight_each_gets_its_own_answer(etcd_url, node):
             assert p.result().values == [100 + 37 * (i % 20), int(KeyStatus.MISSING)]
 
 
+def _run_threads(worker, n: int = 4) -> None:
+    """``worker(t)`` for t in 0..n, each on its own thread, all joined (90 s each at most);
+    the workers report their own failures."""
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(90)
+
+
 def test_threads_sharing_one_client_read_their_own_bytes(etcd_url, node):
     sizes = [3000, 70_000, 300_000]  # inline, one chunk, several chunks
     errors: list[str] = []
@@ -69,11 +79,7 @@ def test_threads_sharing_one_client_read_their_own_bytes(etcd_url, node):
             except Exception as e:  # noqa: BLE001 - reported by the main thread
                 errors.append(f"thread {t}: {type(e).__name__}: {e}")
 
-        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(90)
+        _run_threads(worker)
         assert not errors, errors
         assert len(s.backend.nodes.links) == 1  # one connection carried all of it
 
@@ -110,11 +116,7 @@ def test_direct_calls_mixed_with_submits_and_posts_get_their_own_answers(etcd_ur
                 errors.append(f"thread {t}: {type(e).__name__}: {e}")
 
         worker(99)  # alone first: every call takes the direct path
-        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(90)
+        _run_threads(worker)
         assert not errors, errors
         assert not link.broken and not link._waiting and not link._reading
 

@@ -53,6 +53,15 @@ def _steps(seed: int) -> list[list[int]]:
     return [first, second, third]
 
 
+def _submit_held(c, gated_write, prompt: list[int]):
+    """Submits ``prompt`` with every KV hand-off held, and waits until its own has started
+    (so it cannot end before what is submitted next has arrived); its handle."""
+    gated_write.open.clear()
+    handle = c.submit(prompt, GREEDY)
+    wait_for(lambda: gated_write.held, "the first step's KV hand-off started")
+    return handle
+
+
 def test_next_steps_queued_behind_their_predecessor_reuse_its_blocks(gated_write):
     from mooncake_rs import Cluster
 
@@ -61,9 +70,7 @@ def test_next_steps_queued_behind_their_predecessor_reuse_its_blocks(gated_write
     with Cluster(ModelConfig.tiny(), prefill=1, decode=1, block_size=BLOCK, dram_bytes_per_instance=8 << 20,
                  seed=3) as c:
         p = c.prefill_ids[0]
-        gated_write.open.clear()
-        first = c.submit(steps[0], GREEDY)
-        wait_for(lambda: gated_write.held, "the first step's KV hand-off started")
+        first = _submit_held(c, gated_write, steps[0])
         later = [c.submit(s, GREEDY) for s in steps[1:]]
         wait_for(lambda: c.instance_stats()[p]["requests"] == 3, "every step reached the prefill instance")
         time.sleep(0.2)  # time to compute them, had they not waited
@@ -88,9 +95,7 @@ def test_an_unrelated_request_does_not_wait(gated_write):
     ref = reference_outputs([steps[0], other], GREEDY, seed=3)
     with Cluster(ModelConfig.tiny(), prefill=1, decode=1, block_size=BLOCK, dram_bytes_per_instance=8 << 20,
                  seed=3) as c:
-        gated_write.open.clear()
-        first = c.submit(steps[0], GREEDY)
-        wait_for(lambda: gated_write.held, "the first step's KV hand-off started")
+        first = _submit_held(c, gated_write, steps[0])
         quick = c.submit(other, GREEDY)
         # it computes while the first is held: its own hand-off starts too
         wait_for(lambda: len(gated_write.held) >= 2 or quick.done, "the unrelated request computed")
@@ -156,9 +161,7 @@ def test_a_waiting_step_computes_what_its_cancelled_predecessor_did_not_store(ga
     with Cluster(ModelConfig.tiny(), prefill=1, decode=1, block_size=BLOCK, dram_bytes_per_instance=8 << 20,
                  seed=3) as c:
         p = c.prefill_ids[0]
-        gated_write.open.clear()
-        first = c.submit(steps[0], GREEDY)
-        wait_for(lambda: gated_write.held, "the first step's KV hand-off started")
+        first = _submit_held(c, gated_write, steps[0])
         second = c.submit(steps[1], GREEDY)
         wait_for(lambda: c.instance_stats()[p]["requests"] == 2, "the second step reached the prefill instance")
         assert first.cancel()

@@ -216,10 +216,7 @@ class FrameIO:
             raise EOFError("connection closed")
         if len(data) > _HDR.size and _HDR.unpack_from(data)[0] == len(data) - _HDR.size:
             self._buf, self._pos = b"", 0
-            try:
-                return self._dec.decode(memoryview(data)[_HDR.size:])
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                raise InvalidArgument(f"malformed pool message: {e}") from None
+            return self._decode(memoryview(data)[_HDR.size:])
         self._buf, self._pos = data, 0
         return self._recv_buffered()
 
@@ -233,8 +230,12 @@ class FrameIO:
             self._fill(_HDR.size + n)
         start = self._pos + _HDR.size
         self._pos = start + n
+        return self._decode(memoryview(self._buf)[start:start + n])
+
+    def _decode(self, body: memoryview) -> Any:
+        """One frame's body as a message of the union; InvalidArgument if malformed."""
         try:
-            return self._dec.decode(memoryview(self._buf)[start:start + n])
+            return self._dec.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise InvalidArgument(f"malformed pool message: {e}") from None
 

@@ -281,7 +281,8 @@ fn serve_commits<'scope, 'env>(
         reply.extend_from_slice(&id.to_le_bytes());
         reply.extend_from_slice(&(count as u32).to_le_bytes());
         let serve_one = |k: usize| serve_chunk(ctx, peer, op, chunk(k), mem, direct);
-        let bytes: u64 = (0..count).map(|k| chunk(k).2).sum();
+        // (only a one-copy commit is ever split: the others' sizes need not be summed)
+        let bytes: u64 = if direct_op { (0..count).map(|k| chunk(k).2).sum() } else { 0 };
         let split = direct_op && count >= 2 && bytes >= SPLIT_MIN;
         let helper =
             if split { helper.get_or_insert_with(|| Helper::start(sc, ctx, peer, mem, direct)).as_ref() } else { None };
