@@ -1,13 +1,15 @@
-"""The bounded poll before a blocking read (net/spin_wait.py) and FrameIO with it: it
-reports a socket readable when bytes (or the end of the stream) are there or arrive while
-it polls, gives up when nothing comes, and frames read with it are the frames read
-without it, on a plain socket and on a sealed one (whose own read-ahead it must not wait
-on)."""
+"""The bounded poll before a blocking read (net/spin_wait.py, native: SpinWait) and FrameIO
+with it: it reports a socket readable when bytes (or the end of the stream) are there or
+arrive while it polls, gives up when nothing comes, its read returns what a plain read
+returns (bytes, b"" at the end, the socket's receive timeout as BlockingIOError), and
+frames read with it are the frames read without it, on a plain socket and on a sealed one
+(whose own read-ahead it must not wait on)."""
 
 from __future__ import annotations
 
 import os
 import socket
+import struct
 import threading
 import time
 
@@ -25,14 +27,14 @@ def test_readable_at_once_when_bytes_wait():
     a, b = socket.socketpair()
     with a, b:
         b.sendall(b"x")
-        assert SpinWait(a, 1e-3).wait() is True
+        assert SpinWait(1e-3).wait(a.fileno()) is True
         assert a.recv(1) == b"x"
 
 
 def test_gives_up_when_nothing_comes():
     a, b = socket.socketpair()
     with a, b:
-        assert SpinWait(a, 1e-4).wait() is False
+        assert SpinWait(1e-4).wait(a.fileno()) is False
 
 
 def test_sees_bytes_that_arrive_while_it_polls():
@@ -42,9 +44,9 @@ def test_sees_bytes_that_arrive_while_it_polls():
         t.start()
         # a spin far longer than the writer's delay ends because the bytes came, or gives
         # up early when the writer took this CPU (SHARED_CPU_S); never True without bytes
-        spin = SpinWait(a, 30.0)
+        spin = SpinWait(10.0)
         deadline = time.monotonic() + 30
-        while not spin.wait():
+        while not spin.wait(a.fileno()):
             assert time.monotonic() < deadline
         t.join()
         assert a.recv(4, socket.MSG_DONTWAIT) == b"late"
@@ -54,7 +56,7 @@ def test_the_end_of_the_stream_is_readable():
     a, b = socket.socketpair()
     with a:
         b.close()
-        assert SpinWait(a, 30.0).wait() is True
+        assert SpinWait(10.0).wait(a.fileno()) is True
         assert a.recv(1) == b""
 
 
@@ -64,19 +66,53 @@ def test_polls_that_give_up_make_the_next_waits_skip_polling():
     there); once the skips are used up, bytes already there are seen at once."""
     a, b = socket.socketpair()
     with a, b:
-        spin = SpinWait(a, 1e-4)
+        spin = SpinWait(1e-4)
+        fd = a.fileno()
         skips = []
         for _ in range(4):
-            assert spin.wait() is False  # gave up: nothing came
-            skips.append(spin._skip)
-            while spin._skip:
-                assert spin.wait() is False  # skipped
+            assert spin.wait(fd) is False  # gave up: nothing came
+            skips.append(spin.skip)
+            while spin.skip:
+                assert spin.wait(fd) is False  # skipped
         assert skips == [1, 3, 7, 15]
-        spin._skip = 1
+        spin.skip = 1
         b.sendall(b"x")
-        assert spin.wait() is False and spin._skip == 0  # skipped: the caller's read finds the byte
-        assert spin.wait() is True  # readable already
+        assert spin.wait(fd) is False and spin.skip == 0  # skipped: the caller's read finds the byte
+        assert spin.wait(fd) is True  # readable already
         assert a.recv(1) == b"x"
+
+
+@pytest.mark.parametrize("spin_s", [0.0, 1e-4, 5.0])
+def test_its_read_returns_what_a_plain_read_returns(spin_s):
+    """Bytes already there, bytes that come later (read after the poll, or by the blocking
+    read after it gave up), at most ``max_bytes`` a read, b"" at the end of the stream, the
+    socket's own receive timeout as BlockingIOError (a pool link's "node silent"), and a
+    closed socket (descriptor -1) as OSError: never a hang."""
+    a, b = socket.socketpair()
+    spin = SpinWait(spin_s)
+    with a, b:
+        b.sendall(b"abcdef")
+        assert spin.recv(a.fileno(), 4) == b"abcd"
+        assert spin.recv(a.fileno(), 64) == b"ef"
+        t = threading.Thread(target=lambda: (time.sleep(0.02), b.sendall(b"late")))
+        t.start()
+        assert spin.recv(a.fileno(), 64) == b"late"
+        t.join()
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 50_000))
+        t0 = time.monotonic()
+        with pytest.raises(BlockingIOError):
+            spin.recv(a.fileno(), 64)
+        assert time.monotonic() - t0 < 5 + spin_s
+        b.shutdown(socket.SHUT_WR)
+        assert spin.recv(a.fileno(), 64) == b""
+    with pytest.raises(OSError):
+        spin.recv(a.fileno(), 64)  # (closed: fileno() is -1)
+    with pytest.raises(OSError):
+        spin.wait(a.fileno())
+    with pytest.raises(ValueError):
+        spin.recv(0, 0)
+    with pytest.raises(ValueError):
+        SpinWait(-1.0)
 
 
 def test_spin_bounds_are_checked():

@@ -43,10 +43,9 @@ class NodeLinks:
         return [n for n in names if self._down.get(n, 0.0) <= now]
 
     def link(self, node: str) -> NodeLink:
-        with self._lock:
-            link = self.links.get(node)
-            if link is not None and not link.broken:
-                return link
+        link = self.links.get(node)  # (one dict read is atomic: no lock on a small call's path)
+        if link is not None and not link.broken:
+            return link
         with self._connecting:  # one connection per node: threads that need it together share it
             with self._lock:
                 link = self.links.get(node)

@@ -188,8 +188,12 @@ class FrameIO:
 
     def __init__(self, sock: StreamSocket, types: object, spin_s: float = 0.0) -> None:
         self.sock = sock
-        self._spin = SpinWait(sock, spin_s) if spin_s > 0 else None
+        self._spin = SpinWait(spin_s) if spin_s > 0 else None
         self._sock_buffers = hasattr(sock, "buffered")  # (asked once: a plain socket has no such attribute)
+        # a plain blocking socket's poll and read are one native call (a sealed socket's
+        # reads decrypt in its own layer: it is only polled; a socket with a Python-level
+        # timeout is non-blocking underneath, and its reads must go through Python's wait)
+        self._spin_recv = self._spin is not None and not self._sock_buffers and sock.gettimeout() is None
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(types)
         self._buf = b""  # bytes read and not yet handed out, from _pos on
@@ -209,9 +213,12 @@ class FrameIO:
         """``recv`` with nothing buffered: one wait and one read; a read that brings exactly
         one whole frame (a small answer or request) is decoded straight from it, anything
         else goes through the buffer."""
-        if self._spin is not None:
-            self._wait()
-        data = self.sock.recv(self.READ_AHEAD)
+        if self._spin_recv:
+            data = self._spin.recv(self.sock.fileno(), self.READ_AHEAD)  # type: ignore[union-attr]
+        else:
+            if self._spin is not None:
+                self._wait()
+            data = self.sock.recv(self.READ_AHEAD)
         if not data:
             raise EOFError("connection closed")
         if len(data) > _HDR.size and _HDR.unpack_from(data)[0] == len(data) - _HDR.size:
@@ -243,7 +250,7 @@ class FrameIO:
         """The poll before a read (``_spin`` set); none when a sealed socket holds a
         record's plaintext already: nothing to wait for."""
         if not (self._sock_buffers and self.sock.buffered):  # type: ignore[attr-defined]
-            self._spin.wait()  # type: ignore[union-attr]
+            self._spin.wait(self.sock.fileno())  # type: ignore[union-attr]
 
     def _fill(self, need: int) -> None:
         """Until at least ``need`` unread bytes are buffered."""

@@ -158,7 +158,8 @@ class ObjectSegment:
         """Drops every object that lost a chunk to eviction (from the stores' events)."""
         self._since_reap = 0
         dropped = 0
-        sources = [(sc.store.drain_events_batch().to_bytes(), sc.ssd) for sc in self.classes]
+        sources = [(sc.store.drain_events_batch().to_bytes(), sc.ssd) for sc in self.classes
+                   if sc.store.pending_events()]  # (none, on most calls: a node's every Exists asks)
         if self.durable is not None:
             sources.append((self.durable.events(), True))
         for events, ssd in sources:

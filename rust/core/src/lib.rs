@@ -31,6 +31,7 @@ pub mod key_set;
 pub mod mem;
 pub mod object_layout;
 pub mod seal;
+pub mod spin_read;
 pub mod store;
 pub mod token_array;
 pub mod transfer;

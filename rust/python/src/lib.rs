@@ -31,6 +31,7 @@ mod pyint;
 mod request_saver;
 mod seal;
 mod segment_copy;
+mod spin_read;
 mod store;
 mod store_block;
 mod store_events;
@@ -65,5 +66,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     page_gather_each::register(m)?;
     request_saver::register(m)?;
     key_table::register(m)?;
+    spin_read::register(m)?;
     Ok(())
 }

@@ -601,6 +601,11 @@ impl PyStore {
         PyStoreEvents { events: Arc::new(self.inner.drain_events()) }
     }
 
+    /// How many events wait to be drained (cheaper than draining none).
+    fn pending_events(&self) -> usize {
+        self.inner.pending_events()
+    }
+
     /// What the store holds now, as a `StoreEvents` batch of `stored` events (one per
     /// block and tier): tells an index that was not fed this store's events from the
     /// start (a new conductor, a new pool) everything at once. Drains nothing.

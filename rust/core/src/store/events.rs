@@ -89,6 +89,15 @@ impl EventLog {
     pub fn drain(&self) -> Vec<StoreEvent> {
         self.queue.lock().drain(..).collect()
     }
+
+    /// Events waiting to be drained.
+    pub fn len(&self) -> usize {
+        self.queue.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// Monotonic counters, updated without locks.

@@ -402,6 +402,12 @@ impl Store {
         self.log.drain()
     }
 
+    /// Events waiting for `drain_events` (a caller that drains often asks first: most
+    /// times there are none).
+    pub fn pending_events(&self) -> usize {
+        self.log.len()
+    }
+
     /// Waits until every queued demotion is on disk (and synced); reports the first
     /// write error since the last flush as `StoreError::Io`.
     pub fn flush(&self) -> Result<(), StoreError> {
