@@ -19,8 +19,8 @@ from mooncake_rs.compat.mooncake_store import MooncakeDistributedStore
 from mooncake_rs.errors import InvalidArgument
 from mooncake_rs.pool import DistributedStore, KeyStatus
 from mooncake_rs.pool.node import StoreNode
-from mooncake_rs.pool.protocol import (INLINE_MAX, Answer, Exists, Failure, Leased, Lookup, NodeRequest, PutInline,
-                                       Request)
+from mooncake_rs.pool.protocol import (INLINE_MAX, Answer, Exists, Failure, GetValue, Leased, Lookup, NodeRequest,
+                                       PutInline, Request, Value)
 from mooncake_rs.pool.remote import RemoteBackend
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -140,18 +140,38 @@ def test_get_one_maps_the_answer_as_the_ranked_path_does():
     for trial in range(200):
         kind = rng.choice(["hit", "miss", "error", "none"])
         data = rng.randbytes(rng.randint(1, INLINE_MAX))
-        answer = {"hit": Leased(1, [0], [0], [len(data)], [0], [0], [[]], [data]),
-                  "miss": Leased(1, [int(KeyStatus.MISSING)], [0], [0], [0], [0], [[]], [b""]),
-                  "error": Leased(1, [int(KeyStatus.RPC_FAILED)], [0], [0], [0], [0], [[]], [b""]),
-                  "none": None}[kind]
+        st = {"hit": 0, "miss": int(KeyStatus.MISSING), "error": int(KeyStatus.RPC_FAILED), "none": 0}[kind]
+        leased = Leased(1, [st], [0], [len(data) if st == 0 else 0], [0], [0], [[]], [data if st == 0 else b""])
+        value = Value(1, st, len(data), data) if st == 0 else Value(1, st)
         fast, ref = _backend(), _backend()
-        fast.nodes.answer = ref.nodes.answer = answer  # type: ignore[attr-defined]
+        fast.nodes.answer = None if kind == "none" else value  # type: ignore[attr-defined]
+        ref.nodes.answer = None if kind == "none" else leased  # type: ignore[attr-defined]
         ref.ranked = __import__("mooncake_rs.pool.ranked", fromlist=["RankedAsks"]).RankedAsks(ref.nodes)
         got, want = fast.get_one("k"), ref._get_bytes_ranked(["k"])[0]
         assert got == want == (data if kind == "hit" else None)
         assert fast.replicas_lost == ref.replicas_lost
-        assert fast.nodes.asked[0][0] is Lookup  # type: ignore[attr-defined]
-        assert fast.nodes.asked[0][1]["keys"] == ["k"] and fast.nodes.asked[0][1]["lease_large"] is False  # type: ignore[attr-defined]
+        assert fast.nodes.asked == [(GetValue, {"key": "k"})]  # type: ignore[attr-defined]
+        assert ref.nodes.asked[0][0] is Lookup  # type: ignore[attr-defined]
+
+
+def test_a_get_value_off_the_wire_answers_as_a_one_key_lookup(etcd_url, node):
+    """A node answers ``GetValue`` with what a one-key ``Lookup`` without leases answers,
+    in ``Value``'s three fields: the bytes of a small value, the size alone of one past
+    ``INLINE_MAX`` (the client then reads it as the batch path does), the missing code."""
+    rng = random.Random(19)
+    with DistributedStore.connect(etcd_url, auth_token=TOKEN, prefix=PREFIX, transports=("tcp",)) as pool:
+        link = pool.backend.nodes.link("single")
+        for i in range(60):
+            key = f"gv{i}"
+            size = rng.choice([1, 128, INLINE_MAX, INLINE_MAX + 1, 70_000])
+            if i % 5:
+                assert pool.batch_put_values([key], [rng.randbytes(size)]) == [KeyStatus.OK]
+            ref = link.call(Lookup, keys=[key], inline_max=INLINE_MAX, lease_large=False)
+            got = link.call(GetValue, key=key)
+            assert isinstance(got, Value) and got.rid != ref.rid
+            assert (got.status, got.size if got.status == 0 else 0) == (ref.statuses[0], ref.sizes[0])
+            assert got.data == (ref.data[0] if got.status == 0 and got.size <= INLINE_MAX else b"")
+            assert pool.get_or_none(key) == pool.batch_get_bytes([key])[0]
 
 
 def test_the_node_dispatches_every_request_type_and_refuses_others(etcd_url, node):

@@ -23,7 +23,7 @@ import msgspec
 from ..errors import InvalidArgument
 from ..net.spin_wait import SpinWait
 
-__all__ = ["INLINE_MAX", "Reserve", "Commit", "PutInline", "Lookup", "Release", "Exists", "Sizes", "Remove", "RemoveAll", "Stats",
+__all__ = ["INLINE_MAX", "Reserve", "Commit", "PutInline", "Lookup", "GetValue", "Value", "Release", "Exists", "Sizes", "Remove", "RemoveAll", "Stats",
            "ExistsKeys", "Reserved", "Leased", "Answer", "FlagsAnswer", "Failure", "Request", "NodeRequest", "Reply",
            "FrameIO", "MAX_FRAME"]
 
@@ -75,6 +75,15 @@ class Lookup(_M, frozen=True, tag="lookup"):
     inline_max: int = 0
     lease_large: bool = True
     engine: str = ""
+
+
+class GetValue(_M, frozen=True, tag="get_value"):
+    """One key's value, answered by ``Value``: what one small ``get`` asks for. A
+    ``Lookup`` of one key answers with ``Leased``'s eight lists; decoding and encoding
+    them cost both ends ~0.8 us, a twentieth of a small get's round trip."""
+
+    rid: int
+    key: str
 
 
 class Release(_M, frozen=True, tag="release"):
@@ -138,6 +147,17 @@ class Leased(_M, frozen=True, tag="leased"):
     data: list[bytes] = []
 
 
+class Value(_M, frozen=True, tag="value"):
+    """The answer to ``GetValue``: ``status`` a KeyStatus; when OK, ``size`` and, for a
+    value of at most ``INLINE_MAX`` bytes, ``data`` (a larger one is only sized: the
+    client reads it by ``Lookup``)."""
+
+    rid: int
+    status: int
+    size: int = 0
+    data: bytes = b""
+
+
 class Answer(_M, frozen=True, tag="answer"):
     rid: int
     values: list[int] = []
@@ -158,10 +178,10 @@ class Failure(_M, frozen=True, tag="failure"):
     message: str
 
 
-Request = Union[Reserve, Commit, PutInline, Lookup, Release, Exists, Sizes, Remove, RemoveAll, Stats]
+Request = Union[Reserve, Commit, PutInline, Lookup, GetValue, Release, Exists, Sizes, Remove, RemoveAll, Stats]
 #: what a store node decodes: ``Request`` with ``Exists`` read as ``ExistsKeys``
-NodeRequest = Union[Reserve, Commit, PutInline, Lookup, Release, ExistsKeys, Sizes, Remove, RemoveAll, Stats]
-Reply = Union[Reserved, Leased, Answer, Failure]
+NodeRequest = Union[Reserve, Commit, PutInline, Lookup, GetValue, Release, ExistsKeys, Sizes, Remove, RemoveAll, Stats]
+Reply = Union[Reserved, Leased, Value, Answer, Failure]
 
 
 class StreamSocket(Protocol):

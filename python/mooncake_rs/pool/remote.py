@@ -35,7 +35,7 @@ from .metrics import PoolMetrics
 from .placement import rank_nodes
 from .ranked import RankedAsks
 from .objects import clip_sizes
-from .protocol import (INLINE_MAX, Commit, Exists, Leased, Lookup, PutInline, Release, Remove, RemoveAll, Reserve,
+from .protocol import (INLINE_MAX, Commit, Exists, GetValue, Leased, Lookup, PutInline, Release, Remove, RemoveAll, Reserve,
                        Reserved, Sizes, Stats)
 from .status import KeyStatus
 
@@ -377,20 +377,20 @@ class RemoteBackend:
         return self._read_sized(keys, out, large)
 
     def get_one(self, key: str) -> bytes | None:
-        """``get_bytes_many([key])[0]``; of a one-node pool, one ``Lookup`` with no ranking,
-        closures or per-key lists (what one Mooncake ``get`` pays for)."""
+        """``get_bytes_many([key])[0]``; of a one-node pool, one ``GetValue`` with no
+        ranking, closures or per-key lists (what one Mooncake ``get`` pays for)."""
         live = self.nodes.live()
         if len(live) != 1:
             return self._get_bytes_ranked([key])[0]
-        one = self.nodes.ask_one(live[0], Lookup, keys=[key], inline_max=INLINE_MAX, lease_large=False)
+        one = self.nodes.ask_one(live[0], GetValue, key=key)
         if one is None:
             self.replicas_lost += 1
             return None
-        if one.statuses[0] != 0:
+        if one.status != 0:
             return None
-        if one.sizes[0] <= INLINE_MAX:
-            return bytes(one.data[0])
-        return self._read_sized([key], [None], {0: one.sizes[0]})[0]
+        if one.size <= INLINE_MAX:
+            return one.data
+        return self._read_sized([key], [None], {0: one.size})[0]
 
     def _read_sized(self, keys: list[str], out: list[bytes | None], large: dict[int, int]) -> list[bytes | None]:
         """``out`` with the values too large to come inline (index -> size) read by ``get_many``."""
