@@ -57,10 +57,6 @@ impl SpinRead {
         Self { spin, skip: 0, penalty: 0 }
     }
 
-    pub fn spin(&self) -> Duration {
-        self.spin
-    }
-
     /// Waits left that skip the poll (tests read and set it).
     pub fn skip(&self) -> u32 {
         self.skip

@@ -94,10 +94,6 @@ impl EventLog {
     pub fn len(&self) -> usize {
         self.queue.lock().len()
     }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }
 
 /// Monotonic counters, updated without locks.
