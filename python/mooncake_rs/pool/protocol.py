@@ -23,8 +23,8 @@ import msgspec
 from ..errors import InvalidArgument
 from ..net.spin_wait import SpinWait
 
-__all__ = ["INLINE_MAX", "Reserve", "Commit", "PutInline", "Lookup", "GetValue", "Value", "Release", "Exists", "Sizes", "Remove", "RemoveAll", "Stats",
-           "ExistsKeys", "Reserved", "Leased", "Answer", "FlagsAnswer", "Failure", "Request", "NodeRequest", "Reply",
+__all__ = ["INLINE_MAX", "Reserve", "Commit", "PutInline", "Lookup", "GetValue", "Release", "Exists", "Sizes", "Remove",
+           "RemoveAll", "Stats", "Value", "ExistsKeys", "Reserved", "Leased", "Answer", "FlagsAnswer", "Failure", "Request", "NodeRequest", "Reply",
            "FrameIO", "MAX_FRAME"]
 
 MAX_FRAME = 64 << 20
@@ -79,8 +79,9 @@ class Lookup(_M, frozen=True, tag="lookup"):
 
 class GetValue(_M, frozen=True, tag="get_value"):
     """One key's value, answered by ``Value``: what one small ``get`` asks for. A
-    ``Lookup`` of one key answers with ``Leased``'s eight lists; decoding and encoding
-    them cost both ends ~0.8 us, a twentieth of a small get's round trip."""
+    ``Lookup`` of one key is answered with ``Leased``'s eight lists; building, encoding
+    and decoding them cost the two ends ~1.2 us more (BENCHMARKS.md, "k24v"), about a
+    thirteenth of a small get's round trip."""
 
     rid: int
     key: str
