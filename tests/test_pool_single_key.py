@@ -204,3 +204,32 @@ def test_an_exists_off_the_wire_answers_as_the_list_path_and_refuses_a_bad_key_l
         assert isinstance(refused, Failure) and refused.rid == 99 and refused.kind == "InvalidArgument"
         assert "key 1 of the list is not a msgpack str" in refused.message
         assert link.call(Exists, keys=["e1", "zz"]).values == [1, 0]
+
+
+def test_str_subclass_keys_are_their_plain_str_against_a_node(etcd_url, node):
+    """A key of a str subclass (``numpy.str_``, a ``StrEnum`` member: what an integration
+    may pass) names the same object as the plain str of its characters, through the facade's
+    single-key and batch calls: msgpack encodes str itself only, so the client turns them
+    into plain str (before, a facade ``get`` raised TypeError and a ``put`` returned -600)."""
+    import enum
+
+    class Kind(enum.StrEnum):
+        A = "sub-a"
+
+    class Tagged(str):
+        def __str__(self) -> str:  # (an override must not change the key)
+            return "not-the-key"
+
+    with DistributedStore.connect(etcd_url, auth_token=TOKEN, prefix=PREFIX, transports=("tcp",)) as pool:
+        f = _facade(pool)
+        for i, key in enumerate([np.str_("sub-np"), Kind.A, Tagged("sub-tagged")]):
+            plain = "".join(key)
+            value = bytes([i + 1]) * 128
+            assert f.put(key, value) == 0
+            assert f.get(plain) == f.get(key) == value
+            assert f.is_exist(key) == 1
+            assert f.batch_is_exist([plain, key]) == [1, 1]
+            assert f.get_batch([key, plain]) == [value, value]
+            assert f.put_batch([key], [b"other"]) == f.put_batch([plain], [b"other"])  # (put-if-absent: kept)
+            assert pool.get_or_none(plain) == pool.batch_get_bytes([key])[0] == value
+            assert f.remove(key) == 0 and f.get(plain) == b""

@@ -37,17 +37,19 @@ Pieces = list[int]
 
 
 def _check_key(key: object) -> str:
+    """``key`` as a plain str; InvalidArgument unless it is a non-empty str. A str subclass
+    (``numpy.str_``, a ``StrEnum`` member) comes back as the plain str of its characters:
+    the wire's msgpack encoder takes str itself only, and the pool compares keys by value."""
     if not isinstance(key, str) or not key:
         raise InvalidArgument(f"a pool key is a non-empty str, got {key!r}")
-    return key
+    return key if key.__class__ is str else str.__str__(key)
 
 
 def _check_keys(keys: Sequence[str]) -> list[str]:
     """``keys`` as a list, each checked as ``_check_key`` does (one pass, no call per key)."""
     keys = list(keys)
     if not all_nonempty_str(keys):  # (one Rust pass; the per-key check below names a bad key)
-        for k in keys:
-            _check_key(k)
+        keys = [_check_key(k) for k in keys]
     return keys
 
 
@@ -186,7 +188,7 @@ class DistributedStore:
         key, replica count or an empty value), without the batch's lists where the backend
         has a single-key path (a small value to a one-node pool: remote.py ``put_one``)."""
         if key.__class__ is not str or not key:
-            _check_key(key)
+            key = _check_key(key)
         _check_replicas(replicas)
         if (len(value) if value.__class__ is bytes else memoryview(value).nbytes) == 0:
             raise InvalidArgument(f"an empty value cannot be stored (key {key!r})")
@@ -208,7 +210,7 @@ class DistributedStore:
         """``batch_get_bytes([key])[0]``: the value, None when missing; without the batch's
         lists where the backend has a single-key path (remote.py ``get_one``)."""
         if key.__class__ is not str or not key:
-            _check_key(key)
+            key = _check_key(key)
         one = getattr(self._backend, "get_one", None)
         return one(key) if one is not None else self._backend.get_bytes_many([key])[0]
 

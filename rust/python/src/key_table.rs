@@ -22,11 +22,12 @@ fn present_flags<'py>(
     PyList::new(py, flags)
 }
 
-/// True when every item of `keys` is a non-empty str (the caller then skips its per-key
-/// check; on False it runs that check to raise the error that names the bad key).
+/// True when every item of `keys` is a non-empty str of type str itself (the caller then
+/// skips its per-key check; on False it runs that check, which raises the error that names
+/// a bad key and turns a str subclass into a plain str).
 #[pyfunction]
 fn all_nonempty_str(keys: &Bound<'_, PyList>) -> bool {
-    keys.iter().all(|k| k.is_instance_of::<PyString>() && k.len().is_ok_and(|n| n > 0))
+    keys.iter().all(|k| k.is_exact_instance_of::<PyString>() && k.len().is_ok_and(|n| n > 0))
 }
 
 /// The keys a store node holds (its object table's keys, kept beside it under the
