@@ -428,7 +428,10 @@ impl StagedLink {
             // SAFETY: `off + n <= len`, checked against the local region at submit, which
             // `w.local` keeps mapped: the pointer stays inside it.
             let local_ptr = unsafe { w.local.ptr.add(off as usize) };
-            if self.direct {
+            let span = || Span { keep: w.local.keep.clone(), ptr: local_ptr };
+            // Where the chunk's bytes are for the server: the request's own memory (one
+            // copy), or space in the buffer; and what the chunk holds of the request.
+            let (at, read_into, held) = if self.direct {
                 // Only the count of chunks in flight bounds a one-copy commit.
                 while ring.in_flight + ring.open.len() >= MAX_COMMIT_CHUNKS {
                     if ring.open.is_empty() {
@@ -443,46 +446,36 @@ impl StagedLink {
                 if !w.batch.begin_io(w.index) {
                     return Ok(());
                 }
-                ring.open_read = read;
-                ring.open.push(Chunk {
-                    batch: w.batch.clone(),
-                    index: w.index,
-                    region: w.region,
-                    offset: w.offset + off,
-                    at: local_ptr as u64,
-                    len: n,
-                    read_into: None,
-                    held: Some(Span { keep: w.local.keep.clone(), ptr: local_ptr }),
-                });
-                ring.open_bytes += n;
-                off += n;
-                continue;
-            }
-            let at = loop {
-                match ring.place(n, cap) {
-                    Some(at) => break at,
-                    None if !ring.open.is_empty() => self.send(ring)?,
-                    None => self.settle(ring)?,
-                }
-            };
-            if !read {
-                if !w.batch.begin_io(w.index) {
-                    return Ok(());
-                }
-                // SAFETY: the local range was checked at submit and `w.local` keeps it
-                // mapped; begin_io keeps the request from ending (and its buffer being
-                // reused) while we read it. `at + n` <= the staging mapping's length
-                // (place), and no commit in flight or open covers those bytes, so the
-                // server is not reading them.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        local_ptr as *const u8,
-                        self.staging.as_ptr().add(at as usize),
-                        n as usize,
-                    )
+                (local_ptr as u64, None, Some(span()))
+            } else {
+                let at = loop {
+                    match ring.place(n, cap) {
+                        Some(at) => break at,
+                        None if !ring.open.is_empty() => self.send(ring)?,
+                        None => self.settle(ring)?,
+                    }
                 };
-                w.batch.end_io(w.index);
-            }
+                if !read {
+                    if !w.batch.begin_io(w.index) {
+                        return Ok(());
+                    }
+                    // SAFETY: the local range was checked at submit and `w.local` keeps it
+                    // mapped; begin_io keeps the request from ending (and its buffer being
+                    // reused) while we read it. `at + n` <= the staging mapping's length
+                    // (place), and no commit in flight or open covers those bytes, so the
+                    // server is not reading them.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            local_ptr as *const u8,
+                            self.staging.as_ptr().add(at as usize),
+                            n as usize,
+                        )
+                    };
+                    w.batch.end_io(w.index);
+                }
+                // Only a read keeps (a clone of) its destination's span.
+                (at, read.then(span), None)
+            };
             ring.open_read = read;
             ring.open.push(Chunk {
                 batch: w.batch.clone(),
@@ -491,13 +484,15 @@ impl StagedLink {
                 offset: w.offset + off,
                 at,
                 len: n,
-                // Only a read keeps (a clone of) its destination's span.
-                read_into: read.then(|| Span { keep: w.local.keep.clone(), ptr: local_ptr }),
-                held: None,
+                read_into,
+                held,
             });
             ring.open_bytes += n;
-            ring.head = at + n;
             off += n;
+            if self.direct {
+                continue; // (no buffer space taken; commits are bounded by their chunk count)
+            }
+            ring.head = at + n;
             if ring.open_bytes >= FLUSH_BYTES && !ring.one_commit {
                 self.send(ring)?;
             }
