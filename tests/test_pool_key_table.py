@@ -35,7 +35,8 @@ def test_present_flags_match_the_dict_test_key_by_key():
 
 
 def test_all_nonempty_str_matches_the_per_key_check():
-    cases = [[], ["a"], ["a", ""], ["a", None], ["a", b"b"], [StrKey("x"), "y"], [""], ["é" * 3, "k"], [1]]
+    cases = [[], ["a"], ["a", ""], ["a", None], ["a", b"b"], [StrKey("x"), "y"], [""], ["é" * 3, "k"], [1],
+             ["k"] * 500 + [""], ["k"] * 500 + [StrKey("x")], ["k"] * 500, ["\ud800"], [str(i) for i in range(300)]]
     for keys in cases:
         # (a str subclass is False: the per-key check then makes it a plain str, the one
         # type the wire's encoder takes)

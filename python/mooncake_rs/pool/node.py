@@ -99,12 +99,25 @@ class StoreNode:
     # ---- one connection
     def _serve(self, sock: SealedSocket | socket.socket, peer: str) -> None:
         io = FrameIO(sock, NodeRequest, spin_s=self.spin_s)
+        # a plain socket's reads go through a native reader that answers Exists frames
+        # itself (a batch_is_exist's round trip without the interpreter on this end); a
+        # sealed socket's reads decrypt in its own layer, and every frame comes here
+        answers = self.segment.exists_responder(self.spin_s) if io.plain_blocking else None
         conn = ConnHolds(self.te, self.lease_ttl_s, self._free)
         with self._conns_lock:
             self._conns.add(conn)
         try:
             while not self._closed.is_set():
-                msg = io.recv()
+                if answers is not None and io.drained:
+                    rest = answers.serve(sock.fileno())
+                    if rest is None:
+                        break  # (the client closed the connection)
+                    conn.touch()
+                    if not rest:
+                        continue
+                    msg = io.recv_from(rest)
+                else:
+                    msg = io.recv()
                 conn.touch()  # any request renews the connection's holds
                 try:
                     reply = self._handle(msg, conn)  # (looked up each time: a test swaps it to stall the node)

@@ -15,11 +15,14 @@ node with a lease deadline (holds.py) also when the connection stays silent that
 
 from __future__ import annotations
 
+import socket
 import struct
+import typing
 from typing import Any, Protocol, Union
 
 import msgspec
 
+from .._core import exists_flags
 from ..errors import InvalidArgument
 from ..net.spin_wait import SpinWait
 
@@ -214,9 +217,11 @@ class FrameIO:
         # a plain blocking socket's poll and read are one native call (a sealed socket's
         # reads decrypt in its own layer: it is only polled; a socket with a Python-level
         # timeout is non-blocking underneath, and its reads must go through Python's wait)
-        self._spin_recv = self._spin is not None and not self._sock_buffers and sock.gettimeout() is None
+        self.plain_blocking = isinstance(sock, socket.socket) and sock.gettimeout() is None
+        self._spin_recv = self._spin is not None and self.plain_blocking
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(types)
+        self._reads_answers = Answer in typing.get_args(types)
         self._buf = b""  # bytes read and not yet handed out, from _pos on
         self._pos = 0
 
@@ -230,20 +235,41 @@ class FrameIO:
             return self._recv_fresh()
         return self._recv_buffered()
 
+    @property
+    def drained(self) -> bool:
+        """Nothing read and not yet handed out (the next read goes to the socket)."""
+        return self._pos == len(self._buf)
+
+    def recv_from(self, data: bytes) -> Any:
+        """``recv`` whose read was done by another reader of this socket (pool/node.py's
+        responder): the next message from ``data`` and, when it ends inside a frame, from
+        the socket; only when ``drained``."""
+        if not self.drained:
+            raise RuntimeError("bytes read elsewhere came while unread bytes are buffered")
+        return self._take(data)
+
     def _recv_fresh(self) -> Any:
-        """``recv`` with nothing buffered: one wait and one read; a read that brings exactly
-        one whole frame (a small answer or request) is decoded straight from it, anything
-        else goes through the buffer."""
+        """``recv`` with nothing buffered: one wait and one read."""
         if self._spin_recv:
             data = self._spin.recv(self.sock.fileno(), self.READ_AHEAD)  # type: ignore[union-attr]
         else:
             if self._spin is not None:
                 self._wait()
             data = self.sock.recv(self.READ_AHEAD)
+        return self._take(data)
+
+    def _take(self, data: bytes) -> Any:
+        """The next message from a fresh read: a read that brings exactly one whole frame
+        (a small answer or request) is decoded straight from it, anything else goes
+        through the buffer."""
         if not data:
             raise EOFError("connection closed")
         if len(data) > _HDR.size and _HDR.unpack_from(data)[0] == len(data) - _HDR.size:
             self._buf, self._pos = b"", 0
+            if self._reads_answers:  # (a 1/0 answer, a batch_is_exist's, read natively)
+                flags = exists_flags(data)
+                if flags is not None:
+                    return Answer(*flags)
             return self._decode(memoryview(data)[_HDR.size:])
         self._buf, self._pos = data, 0
         return self._recv_buffered()

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .._core import HeldKeys, present_flags
+from .._core import ExistsResponder, HeldKeys, present_flags
 from ..errors import InvalidArgument, StoreFull
 from .buffers import gather, scatter, view_at
 from .chunks import chunk_key, chunk_keys, evicted_oids, new_oid
@@ -424,6 +424,14 @@ class ObjectSegment:
         pass: no str object, Python hash or dict probe a key. InvalidArgument when ``keys``
         is not a msgpack array of str."""
         return self._held.flags_msgpack(keys)
+
+    def exists_responder(self, spin_s: float) -> ExistsResponder:
+        """A reader for one plain connection of this segment's node that answers its
+        ``Exists`` frames itself, from the same key set as ``exists_encoded``, and only
+        while no store has an eviction event waiting for ``reap_evicted`` (rust/core/src/
+        exists_frames.rs)."""
+        stores = [sc.store for sc in self.classes] + ([self.durable.store] if self.durable is not None else [])
+        return ExistsResponder(self._held, stores, spin_s)
 
     def size_of(self, key: str) -> int | None:
         meta = self._objects.get(key)

@@ -141,7 +141,8 @@ impl<'a> Reader<'a> {
     }
 }
 
-fn write_array_len(out: &mut Vec<u8>, n: usize) {
+/// A msgpack array header for `n` items, in its shortest form (as msgspec writes it).
+pub(crate) fn write_array_len(out: &mut Vec<u8>, n: usize) {
     if n < 16 {
         out.push(0x90 | n as u8);
     } else if let Ok(n) = u16::try_from(n) {

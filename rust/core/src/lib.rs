@@ -23,6 +23,7 @@ pub mod args;
 pub mod block_keys;
 pub mod conductor;
 pub mod error;
+pub mod exists_frames;
 pub mod hash;
 pub mod hash_xxh3;
 pub mod index;

@@ -4,6 +4,7 @@
 
 use mooncake_core::key_set::KeySet;
 use parking_lot::Mutex;
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 
@@ -25,17 +26,29 @@ fn present_flags<'py>(
 /// True when every item of `keys` is a non-empty str of type str itself (the caller then
 /// skips its per-key check; on False it runs that check, which raises the error that names
 /// a bad key and turns a str subclass into a plain str).
+///
+/// Read through the C API without a reference taken per item (a small call's 100 keys
+/// cost 0.68 us through `Bound` items and `len()`, ~0.3 us here).
 #[pyfunction]
 fn all_nonempty_str(keys: &Bound<'_, PyList>) -> bool {
-    keys.iter().all(|k| k.is_exact_instance_of::<PyString>() && k.len().is_ok_and(|n| n > 0))
+    let list = keys.as_ptr();
+    let str_type = std::ptr::addr_of_mut!(ffi::PyUnicode_Type); // (the address of the static str type)
+    (0..keys.len()).all(|i| {
+        // SAFETY: the GIL is held and no Python code runs inside this loop, so the list
+        // cannot change: `i` is in range and the borrowed item stays alive while it is read.
+        unsafe {
+            let item = ffi::PyList_GetItem(list, i as ffi::Py_ssize_t);
+            !item.is_null() && ffi::Py_TYPE(item) == str_type && ffi::PyUnicode_GetLength(item) > 0
+        }
+    })
 }
 
 /// The keys a store node holds (its object table's keys, kept beside it under the
 /// table's lock), answering a `batch_is_exist` from the request's msgpack key list as it
 /// came off the wire (mooncake_core::key_set).
 #[pyclass(name = "HeldKeys", module = "mooncake_rs._core", frozen)]
-struct PyHeldKeys {
-    inner: Mutex<KeySet>,
+pub(crate) struct PyHeldKeys {
+    pub(crate) inner: Mutex<KeySet>,
 }
 
 #[pymethods]

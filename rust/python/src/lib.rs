@@ -14,6 +14,7 @@ mod conductor_cost;
 mod conductor_types;
 mod convert;
 mod errors;
+mod exists_frames;
 mod gil;
 mod hash;
 mod hash_xxh3;
@@ -66,6 +67,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     page_gather_each::register(m)?;
     request_saver::register(m)?;
     key_table::register(m)?;
+    exists_frames::register(m)?;
     spin_read::register(m)?;
     Ok(())
 }

@@ -606,6 +606,12 @@ impl PyStore {
         self.inner.pending_events()
     }
 
+    /// How many of them are evictions or removals (a table kept from the events is
+    /// current while this is 0: `stored` events only add).
+    fn pending_losses(&self) -> usize {
+        self.inner.pending_losses()
+    }
+
     /// What the store holds now, as a `StoreEvents` batch of `stored` events (one per
     /// block and tier): tells an index that was not fed this store's events from the
     /// start (a new conductor, a new pool) everything at once. Drains nothing.

@@ -1,7 +1,7 @@
 //! Store events (for the conductor's index) and the counters behind `stats()`.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
@@ -67,11 +67,15 @@ pub struct EventLog {
     queue: Mutex<VecDeque<StoreEvent>>,
     cap: usize,
     pub dropped: AtomicU64,
+    /// `Evicted` and `Removed` events pushed since the last drain (a reader that keeps a
+    /// table of what the store holds must drain before it answers from that table; a log
+    /// of `Stored` events alone changes nothing it answers)
+    losses: AtomicUsize,
 }
 
 impl EventLog {
     pub fn new(cap: usize) -> Self {
-        EventLog { queue: Mutex::new(VecDeque::new()), cap, dropped: AtomicU64::new(0) }
+        EventLog { queue: Mutex::new(VecDeque::new()), cap, dropped: AtomicU64::new(0), losses: AtomicUsize::new(0) }
     }
 
     pub fn push(&self, kind: EventKind, key: BlockHash, tier: Tier) {
@@ -83,11 +87,23 @@ impl EventLog {
             q.pop_front();
             self.dropped.fetch_add(1, Ordering::Relaxed);
         }
+        if matches!(kind, EventKind::Evicted | EventKind::Removed) {
+            // (under the queue's lock, as the drain that resets it: never reset past a loss)
+            self.losses.fetch_add(1, Ordering::Release);
+        }
         q.push_back(StoreEvent { kind, key, tier });
     }
 
     pub fn drain(&self) -> Vec<StoreEvent> {
-        self.queue.lock().drain(..).collect()
+        let mut q = self.queue.lock();
+        self.losses.store(0, Ordering::Release);
+        q.drain(..).collect()
+    }
+
+    /// `Evicted` and `Removed` events pushed since the last drain (counted even when the
+    /// log was full and dropped them: a reader must still drain).
+    pub fn pending_losses(&self) -> usize {
+        self.losses.load(Ordering::Acquire)
     }
 
     /// Events waiting to be drained.

@@ -408,6 +408,13 @@ impl Store {
         self.log.len()
     }
 
+    /// `Evicted` and `Removed` events waiting for `drain_events`: a table of what this
+    /// store holds, kept from its events, is current while this is 0 (`Stored` events
+    /// only add).
+    pub fn pending_losses(&self) -> usize {
+        self.log.pending_losses()
+    }
+
     /// Waits until every queued demotion is on disk (and synced); reports the first
     /// write error since the last flush as `StoreError::Io`.
     pub fn flush(&self) -> Result<(), StoreError> {
