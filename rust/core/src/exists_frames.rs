@@ -79,7 +79,7 @@ pub fn answer_leading(buf: &[u8], keys: &KeySet, out: &mut Vec<u8>) -> usize {
 /// UTF-8 bytes) to `out`, laid out as msgspec writes it: what a client sends (the client
 /// writes it with msgspec; the tests here with this).
 #[cfg(test)]
-fn write_exists_frame<'k>(out: &mut Vec<u8>, rid: u64, keys: &[&'k [u8]]) {
+fn write_exists_frame(out: &mut Vec<u8>, rid: u64, keys: &[&[u8]]) {
     let start = out.len();
     out.extend_from_slice(&[0; HDR]);
     out.extend_from_slice(EXISTS_HEAD);
