@@ -112,8 +112,8 @@ class StoreNode:
                     rest = answers.serve(sock.fileno())
                     if rest is None:
                         break  # (the client closed the connection)
-                    conn.touch()
-                    if not rest:
+                    if not rest:  # every frame was an Exists, answered there
+                        conn.touch()
                         continue
                     msg = io.recv_from(rest)
                 else:
