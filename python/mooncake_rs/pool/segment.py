@@ -428,8 +428,8 @@ class ObjectSegment:
     def exists_responder(self, spin_s: float) -> ExistsResponder:
         """A reader for one plain connection of this segment's node that answers its
         ``Exists`` frames itself, from the same key set as ``exists_encoded``, and only
-        while no store has an eviction event waiting for ``reap_evicted`` (rust/core/src/
-        exists_frames.rs)."""
+        while no store has an eviction or removal event waiting for ``reap_evicted``
+        (``Store.pending_losses``; rust/core/src/exists_frames.rs)."""
         stores = [sc.store for sc in self.classes] + ([self.durable.store] if self.durable is not None else [])
         return ExistsResponder(self._held, stores, spin_s)
 

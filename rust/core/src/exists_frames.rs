@@ -65,7 +65,7 @@ pub fn write_answer_frame(out: &mut Vec<u8>, rid: u64, flags_msgpack: &[u8]) {
 /// refuses, for the caller's decoder to answer with its error).
 pub fn answer_leading(buf: &[u8], keys: &KeySet, out: &mut Vec<u8>) -> usize {
     let mut pos = 0;
-    while let Some(len) = buf.get(pos..pos + HDR).map(|h| u32::from_be_bytes(h.try_into().unwrap()) as usize) {
+    while let Some(len) = frame_len(&buf[pos..]) {
         let Some(body) = buf.get(pos + HDR..pos + HDR + len) else { break };
         let Some((rid, key_list)) = parse_exists(body) else { break };
         let Ok(flags) = keys.flags_msgpack(key_list) else { break };
@@ -73,6 +73,12 @@ pub fn answer_leading(buf: &[u8], keys: &KeySet, out: &mut Vec<u8>) -> usize {
         pos += HDR + len;
     }
     pos
+}
+
+/// The body length a frame's prefix gives, when `buf` holds the prefix.
+pub fn frame_len(buf: &[u8]) -> Option<usize> {
+    let prefix: [u8; HDR] = buf.get(..HDR)?.try_into().ok()?;
+    Some(u32::from_be_bytes(prefix) as usize)
 }
 
 /// Appends an `Exists` request frame (length prefix included) for `keys` (each a key's

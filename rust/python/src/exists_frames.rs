@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use mooncake_core::exists_frames::{answer_leading, parse_flags_answer, ExistsReader, Served, HDR};
+use mooncake_core::exists_frames::{answer_leading, frame_len, parse_flags_answer, ExistsReader, Served, HDR};
 use mooncake_core::spin_read::SpinRead;
 use mooncake_core::store::Store;
 use parking_lot::Mutex;
@@ -28,8 +28,8 @@ const READ_BYTES: usize = 64 << 10;
 #[pyclass(name = "ExistsResponder", module = "mooncake_rs._core", frozen)]
 struct PyExistsResponder {
     held: Py<PyHeldKeys>,
-    /// the stores whose eviction events the node's key set must have taken in before it
-    /// answers (their events are drained in Python, which updates the set)
+    /// the stores whose eviction and removal events the node's key set must have taken in
+    /// before it answers (their events are drained in Python, which updates the set)
     stores: Vec<Arc<Store>>,
     spin: Duration,
     reader: Mutex<Option<ExistsReader>>,
@@ -50,9 +50,10 @@ impl PyExistsResponder {
 
     /// One read of `fd` (a plain blocking socket); the `Exists` frames at its front are
     /// answered on `fd`, unless an eviction or removal event is waiting to be taken into
-    /// the key set (then nothing is: the handler reaps them first). Returns the bytes left for the caller's frame decoder (b"": all
-    /// answered), or None when the peer closed the stream. BlockingIOError when the
-    /// socket's receive timeout expired; OSError otherwise.
+    /// the key set (then nothing is: the handler reaps them first). Returns the bytes left
+    /// for the caller's frame decoder (b"": all answered), or None when the peer closed
+    /// the stream. BlockingIOError when the socket's receive timeout expired; OSError
+    /// otherwise.
     fn serve<'py>(&self, py: Python<'py>, fd: i32) -> PyResult<Option<Bound<'py, PyBytes>>> {
         // (taken out for the call: a `parking_lot` guard cannot cross `detach`; one thread
         // reads a connection, so a second caller meanwhile gets a fresh reader)
@@ -83,8 +84,8 @@ impl PyExistsResponder {
 /// frame, several, a part of one: the caller's frame decoder reads those).
 #[pyfunction]
 fn exists_flags<'py>(py: Python<'py>, data: &[u8]) -> PyResult<Option<(u64, Bound<'py, PyList>)>> {
-    let Some(body) = data.get(HDR..) else { return Ok(None) };
-    if u32::from_be_bytes(data[..HDR].try_into().expect("4 bytes")) as usize != body.len() {
+    let (Some(len), Some(body)) = (frame_len(data), data.get(HDR..)) else { return Ok(None) };
+    if len != body.len() {
         return Ok(None);
     }
     let Some((rid, flags)) = parse_flags_answer(body) else { return Ok(None) };
