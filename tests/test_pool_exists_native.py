@@ -6,6 +6,7 @@ natively too (``exists_flags``): the same message msgspec's decoder makes of it.
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import time
@@ -16,8 +17,8 @@ import pytest
 from mooncake_rs._core import exists_flags
 from mooncake_rs.net.plain_socket import connect_plain
 from mooncake_rs.pool.node import StoreNode
-from mooncake_rs.pool.protocol import (INLINE_MAX, Answer, Exists, ExistsKeys, Failure, FlagsAnswer, PutInline, Reply,
-                                       Sizes, Value)
+from mooncake_rs.pool.protocol import (INLINE_MAX, Answer, Exists, ExistsKeys, Failure, FlagsAnswer, FrameIO, PutInline,
+                                       Reply, Sizes, Value)
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -174,3 +175,22 @@ def test_a_flags_answer_reads_as_the_decoder_reads_it():
         assert exists_flags(frame(msg)) is None, msg
     for raw in (b"", b"\x00\x00\x00", b"\x00\x00\x00\x00", b"\x00\x00\x00\x01\x90", b"\xff\xff\xff\xff\x83"):
         assert exists_flags(raw) is None
+
+
+class _SocketSubclass(socket.socket):
+    """A socket class of its own (as ``ssl.SSLSocket`` is): its descriptor may carry
+    records of another layer, not pool frames."""
+
+
+def test_only_a_plain_blocking_socket_is_read_natively():
+    a, b = socket.socketpair()
+    try:
+        assert FrameIO(a, Reply).plain_blocking
+        sub = _SocketSubclass(family=b.family, type=b.type, fileno=os.dup(b.fileno()))
+        with sub:
+            assert not FrameIO(sub, Reply).plain_blocking
+        a.settimeout(1.0)  # (non-blocking underneath: its reads wait in Python)
+        assert not FrameIO(a, Reply).plain_blocking
+    finally:
+        a.close()
+        b.close()

@@ -216,8 +216,9 @@ class FrameIO:
         self._sock_buffers = hasattr(sock, "buffered")  # (asked once: a plain socket has no such attribute)
         # a plain blocking socket's poll and read are one native call (a sealed socket's
         # reads decrypt in its own layer: it is only polled; a socket with a Python-level
-        # timeout is non-blocking underneath, and its reads must go through Python's wait)
-        self.plain_blocking = isinstance(sock, socket.socket) and sock.gettimeout() is None
+        # timeout is non-blocking underneath, and its reads must go through Python's wait;
+        # a subclass such as ssl.SSLSocket would carry records, not frames, on its descriptor)
+        self.plain_blocking = type(sock) is socket.socket and sock.gettimeout() is None
         self._spin_recv = self._spin is not None and self.plain_blocking
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(types)
