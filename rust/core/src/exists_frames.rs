@@ -163,11 +163,6 @@ impl ExistsReader {
     pub fn bytes(&self, range: Range<usize>) -> &[u8] {
         &self.buf[range]
     }
-
-    /// The poll's back-off state (tests read it).
-    pub fn spin(&self) -> &SpinRead {
-        &self.spin
-    }
 }
 
 /// Writes all of `data` on a blocking socket (bounded by its own send timeout:
@@ -351,11 +346,6 @@ mod tests {
         assert_eq!(r.serve(node.as_raw_fd(), |buf, out| answer_leading(buf, &s, out)).unwrap(), Served::End);
         assert!(r.serve(-1, |_, _| 0).is_err());
     }
-}
-
-#[cfg(test)]
-mod client_tests {
-    use super::*;
 
     #[test]
     fn a_written_request_reads_back_with_every_key_form() {

@@ -14,11 +14,11 @@ use std::time::Duration;
 use mooncake_core::exists_frames::{answer_leading, frame_len, parse_flags_answer, ExistsReader, Served, HDR};
 use mooncake_core::spin_read::SpinRead;
 use mooncake_core::store::Store;
-use parking_lot::Mutex;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
+use crate::gil::Lent;
 use crate::key_table::PyHeldKeys;
 use crate::store::PyStore;
 
@@ -32,7 +32,7 @@ struct PyExistsResponder {
     /// before it answers (their events are drained in Python, which updates the set)
     stores: Vec<Arc<Store>>,
     spin: Duration,
-    reader: Mutex<Option<ExistsReader>>,
+    reader: Lent<ExistsReader>,
 }
 
 #[pymethods]
@@ -45,7 +45,7 @@ impl PyExistsResponder {
             return Err(PyValueError::new_err(format!("spin_s is seconds in 0..10, got {spin_s}")));
         }
         let spin = Duration::from_secs_f64(spin_s);
-        Ok(Self { held, stores: stores.iter().map(|s| Arc::clone(&s.inner)).collect(), spin, reader: Mutex::new(None) })
+        Ok(Self { held, stores: stores.iter().map(|s| Arc::clone(&s.inner)).collect(), spin, reader: Lent::new(None) })
     }
 
     /// One read of `fd` (a plain blocking socket); the `Exists` frames at its front are
@@ -55,10 +55,7 @@ impl PyExistsResponder {
     /// the stream. BlockingIOError when the socket's receive timeout expired; OSError
     /// otherwise.
     fn serve<'py>(&self, py: Python<'py>, fd: i32) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        // (taken out for the call: a `parking_lot` guard cannot cross `detach`; one thread
-        // reads a connection, so a second caller meanwhile gets a fresh reader)
-        let mut reader =
-            self.reader.lock().take().unwrap_or_else(|| ExistsReader::new(SpinRead::new(self.spin), READ_BYTES));
+        let mut reader = self.reader.take_or(|| ExistsReader::new(SpinRead::new(self.spin), READ_BYTES));
         let held = self.held.get();
         let stores = &self.stores;
         let served = py.detach(|| {
@@ -74,7 +71,7 @@ impl PyExistsResponder {
             Ok(Served::Rest(range)) => Ok(Some(PyBytes::new(py, reader.bytes(range)))),
             Err(e) => Err(e.into()),
         };
-        *self.reader.lock() = Some(reader);
+        self.reader.put_back(reader);
         out
     }
 }

@@ -6,8 +6,11 @@
 //! - [`detached_infallible`]: a call that cannot fail (or maps its own error), released;
 //! - [`detached_if`]: released only when the call is costly (the table below), since
 //!   releasing and re-taking the GIL costs more than a small call itself.
+//!
+//! [`Lent`] holds a pyclass's per-connection state across such calls.
 
 use mooncake_core::Categorized;
+use parking_lot::Mutex;
 use pyo3::prelude::*;
 
 /// Keys (block hashes, cache keys, store events) in one call at or above which it runs
@@ -84,5 +87,34 @@ impl RawBytes {
     /// The range is writable for `'a`, and nothing else reads or writes it meanwhile.
     pub unsafe fn slice_mut<'a>(self) -> &'a mut [u8] {
         std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len)
+    }
+}
+
+/// State a frozen pyclass lends to calls that run with the GIL released: taken out of its
+/// lock for the call and put back after. A `parking_lot` guard cannot be held across
+/// `detach`: a second caller that holds the GIL while it waits for the lock would keep the
+/// first from taking the GIL back to return. Such a state belongs to one connection end,
+/// used by one thread at a time; a second caller meanwhile gets a fresh one.
+pub struct Lent<T> {
+    slot: Mutex<Option<T>>,
+}
+
+impl<T> Lent<T> {
+    pub fn new(value: Option<T>) -> Self {
+        Lent { slot: Mutex::new(value) }
+    }
+
+    /// The state, or `make()` when it is lent out (or was never made).
+    pub fn take_or(&self, make: impl FnOnce() -> T) -> T {
+        self.slot.lock().take().unwrap_or_else(make)
+    }
+
+    pub fn put_back(&self, value: T) {
+        *self.slot.lock() = Some(value);
+    }
+
+    /// `f` of the state where it is in (None while it is lent out or was never made).
+    pub fn with<R>(&self, f: impl FnOnce(&mut T) -> R) -> Option<R> {
+        self.slot.lock().as_mut().map(f)
     }
 }

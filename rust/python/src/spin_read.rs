@@ -6,10 +6,11 @@
 use std::time::Duration;
 
 use mooncake_core::spin_read::{SpinRead, MAX_SKIP};
-use parking_lot::Mutex;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
+
+use crate::gil::Lent;
 
 /// The most one read asks for: a pool frame reader asks for 64 KiB.
 const MAX_READ: usize = 16 << 20;
@@ -23,19 +24,12 @@ struct State {
 #[pyclass(name = "SpinWait", module = "mooncake_rs._core", frozen)]
 struct PySpinWait {
     spin: Duration,
-    state: Mutex<Option<State>>,
+    state: Lent<State>,
 }
 
 impl PySpinWait {
-    /// The state, taken out for a call that runs without the GIL (a `parking_lot` guard
-    /// cannot cross `detach`); a connection end is read by one thread at a time, so a
-    /// second caller meanwhile gets a fresh state rather than waiting.
     fn take(&self) -> State {
-        self.state.lock().take().unwrap_or_else(|| State { spin: SpinRead::new(self.spin), buf: Vec::new() })
-    }
-
-    fn put(&self, st: State) {
-        *self.state.lock() = Some(st);
+        self.state.take_or(|| State { spin: SpinRead::new(self.spin), buf: Vec::new() })
     }
 }
 
@@ -48,7 +42,7 @@ impl PySpinWait {
             return Err(PyValueError::new_err(format!("spin_s is seconds in 0..10, got {spin_s}")));
         }
         let spin = Duration::from_secs_f64(spin_s);
-        Ok(Self { spin, state: Mutex::new(Some(State { spin: SpinRead::new(spin), buf: Vec::new() })) })
+        Ok(Self { spin, state: Lent::new(Some(State { spin: SpinRead::new(spin), buf: Vec::new() })) })
     }
 
     /// True when `fd` became readable (bytes, the end of the stream or an error: the
@@ -57,7 +51,7 @@ impl PySpinWait {
     fn wait(&self, py: Python<'_>, fd: i32) -> PyResult<bool> {
         let mut st = self.take();
         let r = py.detach(|| st.spin.wait(fd));
-        self.put(st);
+        self.state.put_back(st);
         Ok(r?)
     }
 
@@ -77,21 +71,19 @@ impl PySpinWait {
             spin.recv(fd, &mut buf[..max_bytes])
         });
         let out = r.map(|n| PyBytes::new(py, &st.buf[..n]));
-        self.put(st);
+        self.state.put_back(st);
         Ok(out?)
     }
 
     /// Waits left that skip the poll (back-off; tests read and set it).
     #[getter]
     fn skip(&self) -> u32 {
-        self.state.lock().as_ref().map_or(0, |s| s.spin.skip())
+        self.state.with(|s| s.spin.skip()).unwrap_or(0)
     }
 
     #[setter]
     fn set_skip(&self, skip: u32) {
-        if let Some(s) = self.state.lock().as_mut() {
-            s.spin.set_skip(skip);
-        }
+        self.state.with(|s| s.spin.set_skip(skip));
     }
 
     #[getter]
