@@ -142,3 +142,30 @@ def test_a_nodes_commit_aborts_a_failed_transfer_and_publishes_the_rest():
         again = node._handle(Commit(4, rep.put_ids, [True] * 3), conn)
         assert again.values == [int(KeyStatus.INVALID)] * 3
         conn.close()
+
+
+def test_reserved_objects_commit_many_is_commit_of_each():
+    from mooncake_rs._core import HeldKeys, ReservedObject
+
+    s, ref = Store(BB, 64 * BB), Store(BB, 64 * BB)
+    counts, pins = [1, 3, 2], [False, True, False]
+    oids = [new_oid() for _ in counts]
+    got, refs = s.reserve_objects(oids, counts), ref.reserve_objects(oids, counts)
+    assert ReservedObject.commit_many(got, pins) == [o.commit(p) for o, p in zip(refs, pins)] == [True] * 3
+    for oid, n in zip(oids, counts):
+        for j in range(n):
+            assert (chunk_key(oid, j) in s) and (chunk_key(oid, j) in ref)
+    assert s.stats().pinned == ref.stats().pinned == 3
+    # one closed object refuses the whole batch before anything is published
+    fresh = s.reserve_objects([new_oid()], [2])[0]
+    with pytest.raises(InvalidArgument, match="already committed or aborted"):
+        ReservedObject.commit_many([fresh, got[0]], [False, False])
+    assert fresh.commit()
+    with pytest.raises(InvalidArgument, match="one pin per object"):
+        ReservedObject.commit_many(got, [False])
+    # HeldKeys.add_many: add of each, all or nothing on a key that is no str
+    held = HeldKeys()
+    assert held.add_many(["a", "b", "a"]) == 2 and len(held) == 2
+    with pytest.raises(TypeError):
+        held.add_many(["c", 7])  # type: ignore[list-item]
+    assert "c" not in held and held.add_many([]) == 0

@@ -37,6 +37,9 @@ log = logging.getLogger("mooncake_rs.pool")
 #: how long an expired hold's slots stay unused after its grants were revoked
 GRACE_S = 1.0
 
+#: how many outcomes of landed groups a connection keeps for its client's Commit
+OUTCOMES_KEPT = 4096
+
 Held = Union[Reservation, Lease]
 
 
@@ -56,10 +59,17 @@ class ConnHolds:
     """The holds of one connection. ``te`` / ``ttl_s`` None / 0: holds end only with the
     connection (no grants, no deadline)."""
 
-    def __init__(self, te: TransferEngine | None, ttl_s: float, free: Callable[[Held], None]) -> None:
+    def __init__(self, te: TransferEngine | None, ttl_s: float, free: Callable[[Held], None],
+                 ended: Callable[[int], object] | None = None) -> None:
         self._te = te if ttl_s > 0 else None
         self.ttl_s = ttl_s
         self._free = free  # (held) -> None: aborts a reservation / releases a lease
+        # (reservation id) -> _: told of each reservation that ends here without being
+        # taken (expiry, the connection's close), so nothing waits for its bytes any more
+        self._ended = ended
+        # reservation id -> its status when its group landed and was not all published, kept
+        # for the client's Commit of it (node.py ``_landed``); bounded, dropped with the connection
+        self._outcomes: dict[int, int] = {}
         self._lock = threading.Lock()  # the serving thread and the node's reaper
         self.reservations: dict[int, Reservation] = {}
         self.leases: dict[int, Lease] = {}
@@ -124,6 +134,19 @@ class ConnHolds:
                 log.debug("revoke of grant %s failed: %s", gid, e)
         return taken
 
+    def note_outcomes(self, statuses: dict[int, int]) -> None:
+        """The reservations of a group that landed, not all of them published (node.py
+        ``_landed``): the client's Commit of each gets its status (``take_outcome``)."""
+        with self._lock:
+            for pid, st in statuses.items():
+                if len(self._outcomes) >= OUTCOMES_KEPT:  # a client that never asks: oldest first out
+                    self._outcomes.pop(next(iter(self._outcomes)))
+                self._outcomes[pid] = st
+
+    def take_outcome(self, pid: int) -> int | None:
+        with self._lock:
+            return self._outcomes.pop(pid, None) if self._outcomes else None
+
     def take_reservation(self, pid: int) -> Reservation | None:
         return self.take_reservations([pid])[0]
 
@@ -156,6 +179,7 @@ class ConnHolds:
             self._expired = [(t, h) for t, h in self._expired if t > now]
         for hid, held in ended:
             self._revoke(hid)
+        self._tell_ended(ended)
         if ended:
             with self._lock:
                 self._expired.extend((now + GRACE_S, held) for _, held in ended)
@@ -173,7 +197,15 @@ class ConnHolds:
             self.reservations, self.leases = {}, {}
             late = [h for _, h in self._expired]
             self._expired = []
+            self._outcomes = {}
         for hid, h in held:
             self._revoke(hid)
+        self._tell_ended(held)
         for h in [h for _, h in held] + late:
             self._free(h)
+
+    def _tell_ended(self, ended: list[tuple[int, Held]]) -> None:
+        if self._ended is not None:
+            for hid, held in ended:
+                if isinstance(held, Reservation):
+                    self._ended(hid)

@@ -110,6 +110,10 @@ class NodeLink:
         self._reading = False
         self._rids = itertools.count(1)
         self.broken = False
+        # whether this engine's writes into the node's regions were last seen to go over
+        # TCP, where the node sees them land (remote.py: a put then asks the node to publish
+        # its objects as they land, Reserve.commit_on_landing); False until a put has shown it
+        self.writes_land = False
 
     def submit(self, make: type, **fields: object) -> Pending:
         """Sends ``make(rid=..., **fields)`` now; the answer comes with ``.result()``."""

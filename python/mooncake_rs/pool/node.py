@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from .._core import TransferEngine
+from .._core import LandingWatch, TransferEngine
 from ..net.auth_socket import AuthListener
 from ..net.plain_socket import PlainListener
 from ..net.etcd import EtcdClient
@@ -79,6 +79,11 @@ class StoreNode:
         # peers write reserved slots and read leased ones; the store decides which are which
         # (restricted with a lease deadline: reachable only inside the grants of holds.py)
         self.regions = [self.te.register(sc.store, restricted=self.lease_ttl_s > 0) for sc in self.segment.classes]
+        # a reservation whose client asked for it is published when its last byte lands
+        # over TCP, before that write is answered (``_landed``): no Commit round trip
+        self.landing = LandingWatch(self._landed)
+        for region, sc in zip(self.regions, self.segment.classes):
+            self.te.watch_writes(region, self.landing, sc.chunk_bytes)
         self._conns: set[ConnHolds] = set()
         self._conns_lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -103,7 +108,7 @@ class StoreNode:
         # itself (a batch_is_exist's round trip without the interpreter on this end); a
         # sealed socket's reads decrypt in its own layer, and every frame comes here
         answers = self.segment.exists_responder(self.spin_s) if io.plain_blocking else None
-        conn = ConnHolds(self.te, self.lease_ttl_s, self._free)
+        conn = ConnHolds(self.te, self.lease_ttl_s, self._free, ended=self.landing.forget)
         with self._conns_lock:
             self._conns.add(conn)
         try:
@@ -124,6 +129,7 @@ class StoreNode:
                 except MooncakeError as e:
                     reply = Failure(msg.rid, type(e).__name__, str(e))
                 io.send(reply)
+                self.segment.reap_if_due()  # (puts leave it for after their answers)
         except EOFError:
             pass
         except (OSError, InvalidArgument) as e:
@@ -175,18 +181,48 @@ class StoreNode:
         out = [int(KeyStatus.INVALID)] * n  # (unknown, or expired: the client was silent for the lease deadline)
         done: list[int] = []
         moved: list[Reservation] = []
+        waited = self.landing.pending > 0
         for j, (res, ok) in enumerate(zip(taken, msg.ok)):
-            if res is None:
+            if res is None:  # landed with a group that was not all published (``_landed``), or unknown / expired
+                landed = conn.take_outcome(msg.put_ids[j])
+                if landed is not None:
+                    out[j] = landed
                 continue
+            if waited:
+                self.landing.forget(msg.put_ids[j])
             if ok:
                 done.append(j)
                 moved.append(res)
             else:  # its transfer failed: the slots go back, nothing is published
                 seg.abort(res)
                 out[j] = int(KeyStatus.TRANSFER_FAILED)
-        for j, st in zip(done, seg.commit_many(moved) if moved else []):
+        for j, st in zip(done, seg.commit_many(moved, reap=False) if moved else []):
             out[j] = int(st)
         return Answer(msg.rid, out)
+
+    def _landed(self, pids: list[int], conn: ConnHolds) -> int:
+        """LandingWatch's callback, on the transfer engine's serving thread: the last byte
+        of the last of one Reserve's objects (``pids``) has landed over TCP. Publishes them
+        as their client's Commit would; the write that landed it is answered after this,
+        with an error unless 0. Then the client, whose writes all succeeded, sends no
+        Commit; on an error it sends one, answered with each object's outcome from here."""
+        taken = conn.take_reservations(pids)
+        held = [res for res in taken if res is not None]
+        try:
+            published = self.segment.commit_many(held, reap=False) if held else []
+        except Exception:  # noqa: BLE001 - a serving thread: logged, the write refused, the slots given back
+            log.exception("store node %s: publishing landed objects failed", self.name)
+            for res in held:
+                self.segment.abort(res)
+            published = [KeyStatus.INVALID] * len(held)
+        each = iter(published)
+        # (a reservation that had ended, by expiry or the connection's close: INVALID, as its Commit)
+        out = [int(next(each)) if res is not None else int(KeyStatus.INVALID) for res in taken]
+        self.segment.counters.puts_landed += out.count(0)
+        if any(out):
+            conn.note_outcomes(dict(zip(pids, out)))
+            return next(st for st in out if st)
+        return 0
 
     def _put_inline(self, msg: PutInline, conn: ConnHolds) -> Answer:
         values = msg.values
@@ -256,7 +292,12 @@ class StoreNode:
                 for _, res, _, _ in holds:  # nothing else would free them
                     seg.abort(res)
                 raise
-        return Reserved(msg.rid, st, ids, regions, chunk, offsets)
+            # (an empty object has no byte to land: its client commits it)
+            landing = [(pid, region.id, res.offsets, res.meta.size) for pid, res, region, _ in holds if res.meta.size]
+            if msg.commit_on_landing and landing:
+                pids, region_ids, offs, sizes = zip(*landing)
+                self.landing.expect(list(pids), list(region_ids), list(offs), list(sizes), conn)
+        return Reserved(msg.rid, st, ids, regions, chunk, offsets, commit_on_landing=msg.commit_on_landing)
 
     def _get_value(self, msg: GetValue, conn: ConnHolds) -> Value:
         """One key's value inline when it is small, else its size (``Lookup``'s one-key

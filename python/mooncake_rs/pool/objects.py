@@ -25,6 +25,8 @@ class SegmentCounters:
     puts: int = 0
     puts_existing: int = 0
     puts_no_space: int = 0
+    #: remote puts' objects published as their last byte landed (no Commit: node.py ``_landed``)
+    puts_landed: int = 0
     hits: int = 0
     misses: int = 0
     #: in the table, but a chunk was gone when read ("present but failed to read")

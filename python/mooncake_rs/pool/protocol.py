@@ -40,15 +40,21 @@ class _M(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"
     pass
 
 
-class Reserve(_M, frozen=True, tag="reserve"):
+class Reserve(_M, frozen=True, tag="reserve", omit_defaults=True):
     """Slots for each key (``sizes[i]`` bytes); ``pin``: never evicted. ``engine``: the
-    client's transfer engine name (a node with a lease deadline grants the slots to it)."""
+    client's transfer engine name (a node with a lease deadline grants the slots to it).
+    ``commit_on_landing``: the client's writes reach the node over TCP, so the node may
+    publish each object when its last byte lands, before that write is answered, and the
+    client sends no ``Commit`` for it (the node says whether it will in ``Reserved``).
+    Defaults are left off the wire, so a client that asks nothing new talks to older
+    nodes as before."""
 
     rid: int
     keys: list[str]
     sizes: list[int]
     pin: bool = False
     engine: str = ""
+    commit_on_landing: bool = False
 
 
 class Commit(_M, frozen=True, tag="commit"):
@@ -126,9 +132,12 @@ class Stats(_M, frozen=True, tag="stats"):
     rid: int
 
 
-class Reserved(_M, frozen=True, tag="reserved"):
+class Reserved(_M, frozen=True, tag="reserved", omit_defaults=True):
     """Per key: a KeyStatus (OK with ``put_ids[i]`` > 0: write into ``offsets[i]`` of
-    region ``regions[i]``, ``chunk_bytes[i]`` per chunk; OK with put id 0: already held)."""
+    region ``regions[i]``, ``chunk_bytes[i]`` per chunk; OK with put id 0: already held).
+    ``commit_on_landing``: the node publishes each of these objects (of at least one
+    byte) when its last byte lands over TCP; a write that landed but could not be
+    published fails, and the client's ``Commit`` of it (ok false) gets the reason."""
 
     rid: int
     statuses: list[int]
@@ -136,6 +145,7 @@ class Reserved(_M, frozen=True, tag="reserved"):
     regions: list[int]
     chunk_bytes: list[int]
     offsets: list[list[int]]
+    commit_on_landing: bool = False
 
 
 class Leased(_M, frozen=True, tag="leased"):

@@ -132,7 +132,8 @@ class RemoteBackend:
                 inline = self.nodes.asked(node, PutInline, keys=[keys[i] for i in small], values=values, pin=pin)
             if large:
                 reserve = self.nodes.asked(node, Reserve, keys=[keys[i] for i in large],
-                                           sizes=[totals[i] for i in large], pin=pin, engine=self.name)
+                                           sizes=[totals[i] for i in large], pin=pin, engine=self.name,
+                                           commit_on_landing=self._writes_land(node))
             asked.append((node, small, inline, large, reserve))
         batches: list[ObjectBatch] = []
         pending = []  # (node, link, idx, reserved, batch, the answer's entries it moves)
@@ -179,6 +180,17 @@ class RemoteBackend:
                     for j, moved in zip(take, batch.wait()):
                         ok[j] = moved
                 mine = [j for j in range(len(idx)) if rep.put_ids[j] > 0]
+                over_tcp = all(link.peer.route(r) == "tcp" for r in {rep.regions[j] for j in take})
+                if rep.commit_on_landing and over_tcp and all(ok):
+                    # every write succeeded over TCP: the node published the objects before
+                    # it answered the last one (Reserved.commit_on_landing); only empty
+                    # objects, which have no byte to land, are left to commit
+                    for j in mine:
+                        if totals[idx[j]]:
+                            done[idx[j]] += 1
+                    mine = [j for j in mine if not totals[idx[j]]]
+                if take:
+                    link.writes_land = over_tcp  # (what the next put to this node asks for)
                 if mine:
                     try:  # on the connection that holds the reservations
                         commit: Pending | NodeDown = link.submit(Commit, put_ids=[rep.put_ids[j] for j in mine],
@@ -196,6 +208,15 @@ class RemoteBackend:
             for b in batches:
                 b.release()
         return self._outcome(done, errors, replicas)
+
+    def _writes_land(self, node: str) -> bool:
+        """Whether this engine's last writes into ``node``'s regions went over TCP, where the
+        node sees them land (not a same-host node's shared memory or staging link; the
+        first put to a node finds out: its writes' routes are known once they were sent)."""
+        try:
+            return self.nodes.link(node).writes_land
+        except NodeDown:
+            return False  # (the Reserve fails the same way)
 
     def _outcome(self, done: list[int], errors: list[KeyStatus | None], replicas: int) -> list[KeyStatus]:
         """OK for a key at least one replica took (fewer than asked: counted), else why not."""

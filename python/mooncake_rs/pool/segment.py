@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .._core import ExistsResponder, HeldKeys, present_flags
+from .._core import ExistsResponder, HeldKeys, ReservedObject, present_flags
 from ..errors import InvalidArgument, StoreFull
 from .buffers import gather, scatter, view_at
 from .chunks import chunk_key, chunk_keys, evicted_oids, new_oid
@@ -135,14 +135,17 @@ class ObjectSegment:
         lost: list[ObjectMeta] = []
         with self._lock:
             objects, by_oid = self._objects, self._by_oid
+            fresh: dict[str, ObjectMeta] = {}
             for key, meta in written:
-                if key in objects:
+                if key in objects or key in fresh:
                     lost.append(meta)
                 else:
-                    self._held.add(key)  # (first: a key that is no str is refused before the table changes)
-                    objects[key] = meta
-                    by_oid[meta.oid] = key
-            self.counters.puts += len(written) - len(lost)
+                    fresh[key] = meta
+            self._held.add_many(list(fresh))  # (first: a key that is no str is refused before the table changes)
+            objects.update(fresh)
+            for key, meta in fresh.items():
+                by_oid[meta.oid] = key
+            self.counters.puts += len(fresh)
         for meta in lost:
             self._drop_chunks(meta)
         self.counters.puts_existing += len(lost)
@@ -151,6 +154,11 @@ class ObjectSegment:
         """After every 64 writes: reads and existence checks find a lost chunk themselves,
         this only keeps the table (and the event log) from carrying the dead for long."""
         self._since_reap += writes
+        self.reap_if_due()
+
+    def reap_if_due(self) -> None:
+        """``reap_evicted`` when 64 writes were published since the last one (a store
+        node calls this after it answered, off the put's path: ``commit_many(reap=False)``)."""
         if self._since_reap >= 64:
             self.reap_evicted()
 
@@ -357,22 +365,27 @@ class ObjectSegment:
         self._maybe_reap()
         return st
 
-    def commit_many(self, reservations: list[Reservation]) -> list[KeyStatus]:
-        """``commit`` of a batch: each object's chunks published (one Rust call an object),
-        then every object made visible under one lock. A durable segment writes each
-        to disk first: object by object, as ``commit``."""
+    def commit_many(self, reservations: list[Reservation], reap: bool = True) -> list[KeyStatus]:
+        """``commit`` of a batch: every object's chunks published (one Rust call), then
+        every object made visible under one lock. A durable segment writes each to disk
+        first: object by object, as ``commit``. ``reap`` False: the dead are reaped later,
+        by ``reap_if_due`` (a store node's, after its answer left)."""
         if self.durable is not None:
             return [self.commit(res) for res in reservations]
         out = [KeyStatus.OK] * len(reservations)
         whole = []
-        for j, res in enumerate(reservations):
-            if res.slots.commit(res.meta.pinned):
+        published = ReservedObject.commit_many([res.slots for res in reservations],
+                                               [res.meta.pinned for res in reservations])
+        for j, (res, ok) in enumerate(zip(reservations, published)):
+            if ok:
                 whole.append(res)
             else:  # a chunk evicted before its pin: nothing of it kept
                 self.counters.puts_no_space += 1
                 out[j] = KeyStatus.NO_SPACE
         self._enter([(res.key, res.meta) for res in whole])
-        self._maybe_reap(len(reservations))
+        self._since_reap += len(reservations)
+        if reap:
+            self.reap_if_due()
         return out
 
     def abort(self, res: Reservation) -> None:

@@ -64,6 +64,14 @@ impl PyHeldKeys {
         Ok(self.inner.lock().insert(key.as_bytes()))
     }
 
+    /// `add` of a list of keys under one lock; how many were not held before. Every key
+    /// must be a str (checked first: nothing is added when one is not).
+    fn add_many(&self, keys: Vec<Bound<'_, PyString>>) -> PyResult<usize> {
+        let keys: Vec<&str> = keys.iter().map(|k| k.to_str()).collect::<PyResult<_>>()?;
+        let mut set = self.inner.lock();
+        Ok(keys.iter().filter(|k| set.insert(k.as_bytes())).count())
+    }
+
     /// True when the key was held.
     fn discard(&self, key: &Bound<'_, PyString>) -> PyResult<bool> {
         let key = key.to_str()?;

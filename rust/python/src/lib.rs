@@ -41,6 +41,7 @@ mod store_object;
 mod store_run;
 mod transfer;
 mod transfer_completion;
+mod transfer_landing;
 mod transfer_objects;
 mod transfer_rights;
 
@@ -60,6 +61,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     store::register(m)?;
     transfer::register(m)?;
     transfer_rights::register(m)?;
+    transfer_landing::register(m)?;
     mem::register(m)?;
     seal::register(m)?;
     segment_copy::register(m)?;

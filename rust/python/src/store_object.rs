@@ -48,6 +48,30 @@ impl PyReservedObject {
         }
     }
 
+    /// `commit` of a batch in one call (`pins[i]` for `objects[i]`): per object whether it
+    /// was published whole. Every object must be open (none committed or aborted yet);
+    /// one that is not refuses the batch before anything is published.
+    #[staticmethod]
+    fn commit_many(py: Python<'_>, objects: Vec<PyRef<'_, PyReservedObject>>, pins: Vec<bool>) -> PyResult<Vec<bool>> {
+        if objects.len() != pins.len() {
+            return Err(invalid(
+                py,
+                format!("{} objects and {} pins: give one pin per object", objects.len(), pins.len()),
+            ));
+        }
+        if objects.iter().any(|o| o.obj.lock().is_none()) {
+            return Err(invalid(py, "a ReservedObject of the batch was already committed or aborted"));
+        }
+        Ok(objects
+            .iter()
+            .zip(pins)
+            .map(|(o, pin)| {
+                let taken = o.obj.lock().take();
+                taken.is_some_and(|obj| o.store.commit_object(obj, pin))
+            })
+            .collect())
+    }
+
     /// Frees the slots without publishing; nothing if already committed or aborted.
     fn abort(&self) {
         let taken = self.obj.lock().take();

@@ -107,6 +107,12 @@ impl PyPeer {
     fn transport(&self) -> &'static str {
         self.peer.transport()
     }
+    /// How a request on the peer's region `region` (a Region or its id) travels now:
+    /// "local", "shm", "staged", "tcp" (the peer's server sees a write land), or
+    /// "unknown" (not looked up yet: the first request to it asks the peer).
+    fn route(&self, region: &Bound<'_, PyAny>) -> PyResult<&'static str> {
+        Ok(self.peer.route(region_id(region)?))
+    }
     /// TCP connections up.
     #[getter]
     fn connections(&self) -> usize {
@@ -585,6 +591,19 @@ impl PyTransferEngine {
         region: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<crate::transfer_rights::PyTransferGrant>> {
         crate::transfer_rights::grants(py, &self.engine, region_id(region)?)
+    }
+
+    /// Runs `watch`'s callback for the objects it waits for in `region` (slots of
+    /// `chunk_bytes`) when a peer's write over TCP completes one, before that write is
+    /// answered (LandingWatch). One watch a region.
+    fn watch_writes(
+        &self,
+        py: Python<'_>,
+        region: &Bound<'_, PyAny>,
+        watch: PyRef<'_, crate::transfer_landing::PyLandingWatch>,
+        chunk_bytes: u64,
+    ) -> PyResult<()> {
+        crate::transfer_landing::watch(py, &self.engine, region_id(region)?, &watch, chunk_bytes)
     }
 
     /// Unregisters a region (a Region or its id); returns whether it was registered.

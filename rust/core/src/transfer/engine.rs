@@ -241,6 +241,20 @@ impl Engine {
         Ok(self.restricted_region(id, "grants()")?.grants())
     }
 
+    /// Tells `w` of every peer write that this engine's TCP server lands in region `id`,
+    /// before the write is answered (landing.rs). Once per region.
+    pub fn watch_writes(&self, id: RegionId, w: Arc<dyn super::landing::WriteLanded>) -> Result<(), TransferError> {
+        let region = self.inner.regions.get(id).ok_or_else(|| {
+            TransferError::InvalidRequest(format!("watch_writes(): region {id} is not registered here"))
+        })?;
+        if !region.set_landing(w) {
+            return Err(TransferError::InvalidRequest(format!(
+                "watch_writes(): region {id} is watched already (one watcher a region)"
+            )));
+        }
+        Ok(())
+    }
+
     pub fn region(&self, id: RegionId) -> Option<Arc<Region>> {
         self.inner.regions.get(id)
     }

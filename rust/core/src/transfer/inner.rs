@@ -12,8 +12,8 @@ use parking_lot::Mutex;
 use super::auth::AuthKey;
 use super::config::{Counters, EngineConfig};
 use super::local::CopyPool;
-use super::region::RegionTable;
-use super::shm::ShmPeer;
+use super::region::{RegionId, RegionTable};
+use super::shm::{Lookup, ShmPeer};
 use super::tcp::client::TcpPeer;
 use super::tcp::server::Server;
 
@@ -45,6 +45,23 @@ impl Peer {
             PeerKind::Local(_) => "local",
             PeerKind::Remote { shm: Some(_), .. } => "shm",
             PeerKind::Remote { shm: None, .. } => "tcp",
+        }
+    }
+
+    /// How a request on the peer's region `region` travels now: "local", "shm" (a mapping
+    /// of its segment), "staged" (the same-host staging link), "tcp" (the peer's server
+    /// reads or writes it, and tells the region's owner of a landed write: landing.rs), or
+    /// "unknown" (not looked up yet: the first request asks the peer).
+    pub fn route(&self, region: RegionId) -> &'static str {
+        match &self.kind {
+            PeerKind::Local(_) => "local",
+            PeerKind::Remote { shm: None, .. } => "tcp",
+            PeerKind::Remote { shm: Some(s), .. } => match s.lookup(region) {
+                Lookup::Mapped(_) => "shm",
+                Lookup::Staged(_) => "staged",
+                Lookup::NotShared => "tcp",
+                Lookup::Unknown => "unknown",
+            },
         }
     }
 

@@ -20,6 +20,8 @@ mod dispatch;
 pub mod engine;
 pub mod fdpass;
 mod inner;
+pub mod landing;
+pub mod landing_table;
 pub mod local;
 pub mod objects;
 pub mod protocol;
@@ -111,6 +113,8 @@ pub enum AccessError {
     TooLarge,
     /// The region is restricted and no live grant of the asking peer covers the access.
     NoGrant,
+    /// The write landed, and the region's owner refused what it completed (`landing.rs`).
+    OwnerRefused,
 }
 
 impl AccessError {
@@ -121,6 +125,7 @@ impl AccessError {
             AccessError::ReadOnly => "read_only",
             AccessError::TooLarge => "too_large",
             AccessError::NoGrant => "no_grant",
+            AccessError::OwnerRefused => "refused_by_owner",
         }
     }
 }
@@ -136,6 +141,10 @@ impl fmt::Display for AccessError {
                 "no live grant covers this access: the region is restricted, so its owner must first call \
                  grant(region, peer=<the initiating engine's name>, offset, length, write=...) for this range \
                  (or the grant was revoked or expired)"
+            }
+            AccessError::OwnerRefused => {
+                "the write landed, but the region's owner refused what it completed (for a store node: the \
+                 reservation it was written for had ended, or the object could not be published)"
             }
         })
     }
@@ -216,6 +225,8 @@ mod tests_adversarial;
 mod tests_completion;
 #[cfg(test)]
 mod tests_integrity;
+#[cfg(test)]
+mod tests_landing;
 #[cfg(test)]
 mod tests_objects;
 #[cfg(test)]

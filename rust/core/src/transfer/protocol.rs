@@ -135,6 +135,7 @@ pub fn status_to_u8(s: Result<(), AccessError>) -> u8 {
         Err(AccessError::ReadOnly) => 3,
         Err(AccessError::TooLarge) => 4,
         Err(AccessError::NoGrant) => 5,
+        Err(AccessError::OwnerRefused) => 6,
     }
 }
 
@@ -146,6 +147,7 @@ pub fn status_from_u8(b: u8) -> Result<Result<(), AccessError>, FrameError> {
         3 => Err(AccessError::ReadOnly),
         4 => Err(AccessError::TooLarge),
         5 => Err(AccessError::NoGrant),
+        6 => Err(AccessError::OwnerRefused),
         b => return Err(FrameError::BadStatus(b)),
     })
 }

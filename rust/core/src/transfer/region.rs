@@ -2,12 +2,13 @@
 
 use std::any::Any;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use hashbrown::HashMap;
 use parking_lot::{Mutex, RwLock};
 
+use super::landing::WriteLanded;
 use super::{AccessError, TransferError};
 use crate::mem::MappedMemory;
 
@@ -105,6 +106,8 @@ pub struct Region {
     /// The grants of a restricted region (empty otherwise). Held only to check or edit,
     /// never across I/O.
     grants: Mutex<Vec<Grant>>,
+    /// Told of each peer write the TCP server lands here (landing.rs); set once.
+    landing: OnceLock<Arc<dyn WriteLanded>>,
     owner: RegionOwner,
 }
 
@@ -126,6 +129,16 @@ impl Region {
 
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Attaches the region's [`WriteLanded`]; false if it has one already (it stays).
+    pub fn set_landing(&self, w: Arc<dyn WriteLanded>) -> bool {
+        self.landing.set(w).is_ok()
+    }
+
+    /// What is told of the peer writes the TCP server lands here, if anything.
+    pub fn landing(&self) -> Option<&Arc<dyn WriteLanded>> {
+        self.landing.get()
     }
 
     /// The shm segment name and its mapped length, for a shared mapping.
@@ -264,6 +277,7 @@ impl RegionTable {
             remote_readonly: a.remote_readonly,
             restricted: a.restricted,
             grants: Mutex::new(Vec::new()),
+            landing: OnceLock::new(),
             owner,
         });
         self.regions.write().insert(id, region.clone());

@@ -396,7 +396,11 @@ fn handle(
                     // an unverified byte never reaches `dst`.
                     r.read_payload_verified(dst)?;
                     ctx.counters.bytes_served.fetch_add(data_len as u64, Ordering::Relaxed);
-                    Ok(())
+                    // The owner hears of it before the writer does (landing.rs).
+                    match reg.landing() {
+                        Some(l) => l.landed(region, peer, offset, data_len as u64).or_else(|e| refuse(ctx, e)),
+                        None => Ok(()),
+                    }
                 }
                 Err(e) => {
                     r.discard_payload(data_len)?;
