@@ -60,12 +60,13 @@ class ConnHolds:
     connection (no grants, no deadline)."""
 
     def __init__(self, te: TransferEngine | None, ttl_s: float, free: Callable[[Held], None],
-                 ended: Callable[[int], object] | None = None) -> None:
+                 ended: Callable[[list[int]], object] | None = None) -> None:
         self._te = te if ttl_s > 0 else None
         self.ttl_s = ttl_s
         self._free = free  # (held) -> None: aborts a reservation / releases a lease
-        # (reservation id) -> _: told of each reservation that ends here without being
-        # taken (expiry, the connection's close), so nothing waits for its bytes any more
+        # (reservation ids) -> _: told of the reservations that leave this connection
+        # (taken by a Commit or a landing, expired, or the connection closed), so nothing
+        # waits for their bytes any more; one call a batch
         self._ended = ended
         # reservation id -> its status when its group landed and was not all published, kept
         # for the client's Commit of it (node.py ``_landed``); bounded, dropped with the connection
@@ -127,6 +128,8 @@ class ConnHolds:
                 grants = [g for pid, res in zip(pids, taken) if res is not None for g in gpop(pid, [])]
             else:
                 grants = []
+        if self._ended is not None:
+            self._ended(pids)
         for region, gid in grants:
             try:
                 self._te.revoke(region, self.engine, gid)  # type: ignore[union-attr]
@@ -205,7 +208,5 @@ class ConnHolds:
             self._free(h)
 
     def _tell_ended(self, ended: list[tuple[int, Held]]) -> None:
-        if self._ended is not None:
-            for hid, held in ended:
-                if isinstance(held, Reservation):
-                    self._ended(hid)
+        if self._ended is not None and ended:
+            self._ended([hid for hid, held in ended if isinstance(held, Reservation)])

@@ -108,7 +108,7 @@ class StoreNode:
         # itself (a batch_is_exist's round trip without the interpreter on this end); a
         # sealed socket's reads decrypt in its own layer, and every frame comes here
         answers = self.segment.exists_responder(self.spin_s) if io.plain_blocking else None
-        conn = ConnHolds(self.te, self.lease_ttl_s, self._free, ended=self.landing.forget)
+        conn = ConnHolds(self.te, self.lease_ttl_s, self._free, ended=self.landing.forget_many)
         with self._conns_lock:
             self._conns.add(conn)
         try:
@@ -181,15 +181,12 @@ class StoreNode:
         out = [int(KeyStatus.INVALID)] * n  # (unknown, or expired: the client was silent for the lease deadline)
         done: list[int] = []
         moved: list[Reservation] = []
-        waited = self.landing.pending > 0
         for j, (res, ok) in enumerate(zip(taken, msg.ok)):
             if res is None:  # landed with a group that was not all published (``_landed``), or unknown / expired
                 landed = conn.take_outcome(msg.put_ids[j])
                 if landed is not None:
                     out[j] = landed
                 continue
-            if waited:
-                self.landing.forget(msg.put_ids[j])
             if ok:
                 done.append(j)
                 moved.append(res)
@@ -292,11 +289,13 @@ class StoreNode:
                 for _, res, _, _ in holds:  # nothing else would free them
                     seg.abort(res)
                 raise
-            # (an empty object has no byte to land: its client commits it)
-            landing = [(pid, region.id, res.offsets, res.meta.size) for pid, res, region, _ in holds if res.meta.size]
-            if msg.commit_on_landing and landing:
-                pids, region_ids, offs, sizes = zip(*landing)
-                self.landing.expect(list(pids), list(region_ids), list(offs), list(sizes), conn)
+            if msg.commit_on_landing:
+                # (an empty object has no byte to land: its client commits it)
+                landing = [(pid, region.id, res.offsets, res.meta.size) for pid, res, region, _ in holds
+                           if res.meta.size]
+                if landing:
+                    pids, region_ids, offs, sizes = zip(*landing)
+                    self.landing.expect(list(pids), list(region_ids), list(offs), list(sizes), conn)
         return Reserved(msg.rid, st, ids, regions, chunk, offsets, commit_on_landing=msg.commit_on_landing)
 
     def _get_value(self, msg: GetValue, conn: ConnHolds) -> Value:

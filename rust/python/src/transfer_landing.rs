@@ -100,6 +100,12 @@ impl PyLandingWatch {
         self.table.forget(put_id)
     }
 
+    /// `forget` of each id under one lock (the reservations of a batch that ended); how
+    /// many were waited for.
+    fn forget_many(&self, put_ids: Vec<u64>) -> usize {
+        self.table.forget_many(&put_ids)
+    }
+
     /// How many objects are waited for.
     #[getter]
     fn pending(&self) -> usize {

@@ -13,8 +13,8 @@ use super::{AccessError, RegionId};
 
 /// What a region's owner is told of each peer write into the region.
 pub trait WriteLanded: Send + Sync {
-    /// `len` bytes at `offset` of region `region` were written by peer `peer` (its
-    /// engine name). Runs on the serving thread before the write is answered; an error
-    /// is the write's answer (the bytes stay written: the owner decides what they mean).
-    fn landed(&self, region: RegionId, peer: &str, offset: u64, len: u64) -> Result<(), AccessError>;
+    /// `len` bytes at `offset` of region `region` were written by a peer. Runs on the
+    /// serving thread before the write is answered; an error is the write's answer (the
+    /// bytes stay written: the owner decides what they mean).
+    fn landed(&self, region: RegionId, offset: u64, len: u64) -> Result<(), AccessError>;
 }

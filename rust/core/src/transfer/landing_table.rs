@@ -14,7 +14,7 @@
 //! `ceil(size / chunk_bytes)` of them, not necessarily adjacent, and of its last slot only
 //! `size - (n - 1) * chunk_bytes` bytes.
 
-use hashbrown::HashMap;
+use hashbrown::{HashMap, HashSet};
 use parking_lot::Mutex;
 
 use super::landing::WriteLanded;
@@ -132,12 +132,12 @@ impl<T> LandingTable<T> {
         let mut pending = Vec::with_capacity(objects.len());
         for o in objects {
             let cb = *st.chunk.get(&o.region).ok_or_else(|| format!("region {} is not watched here", o.region))?;
-            pending.push((o.id, st.validate(o, cb)?));
+            pending.push((o.id, Pending::new(o, cb)?));
         }
         let Some(&(group, _)) = pending.first() else { return Err("a group needs at least one object".into()) };
-        let mut seen_slots = hashbrown::HashSet::new();
-        for (i, (id, p)) in pending.iter().enumerate() {
-            if pending[..i].iter().any(|(other, _)| other == id) {
+        let (mut seen_ids, mut seen_slots) = (HashSet::new(), HashSet::new());
+        for (id, p) in &pending {
+            if !seen_ids.insert(*id) {
                 return Err(format!("object {id} is twice in the group"));
             }
             if let Some(s) = p.slots.iter().find(|s| !seen_slots.insert((p.region, s.index))) {
@@ -169,6 +169,15 @@ impl<T> LandingTable<T> {
     /// complete); whether it was waited for.
     pub fn forget(&self, id: u64) -> bool {
         self.state.lock().forget(id)
+    }
+
+    /// `forget` of each id, under one lock; how many were waited for.
+    pub fn forget_many(&self, ids: &[u64]) -> usize {
+        let mut st = self.state.lock();
+        if st.objects.is_empty() {
+            return 0;
+        }
+        ids.iter().filter(|&&id| st.forget(id)).count()
     }
 
     /// How many objects are waited for.
@@ -211,8 +220,9 @@ impl<T> LandingTable<T> {
     }
 }
 
-impl<T> State<T> {
-    fn validate(&self, o: &Expected<'_>, cb: u64) -> Result<Pending, String> {
+impl Pending {
+    /// Object `o` in slots of `cb` bytes, nothing landed yet (its group set by `expect`).
+    fn new(o: &Expected<'_>, cb: u64) -> Result<Pending, String> {
         if o.size == 0 {
             return Err(format!("object {}: an empty object has no byte to land", o.id));
         }
@@ -241,7 +251,9 @@ impl<T> State<T> {
             .collect();
         Ok(Pending { group: 0, region: o.region, missing: o.size, slots })
     }
+}
 
+impl<T> State<T> {
     /// Removes object `id` and its slots; its group, if any.
     fn take_object(&mut self, id: u64) -> Option<u64> {
         let p = self.objects.remove(&id)?;
@@ -253,12 +265,12 @@ impl<T> State<T> {
         Some(p.group)
     }
 
-    fn forget_group(&mut self, group: u64) -> bool {
-        let Some(g) = self.groups.remove(&group) else { return false };
-        for id in g.ids {
-            self.take_object(id);
+    fn forget_group(&mut self, group: u64) {
+        if let Some(g) = self.groups.remove(&group) {
+            for id in g.ids {
+                self.take_object(id);
+            }
         }
-        true
     }
 
     fn forget(&mut self, id: u64) -> bool {
@@ -273,7 +285,7 @@ impl<T> State<T> {
 }
 
 impl<T: Send> WriteLanded for LandingTable<T> {
-    fn landed(&self, region: RegionId, _peer: &str, offset: u64, len: u64) -> Result<(), AccessError> {
+    fn landed(&self, region: RegionId, offset: u64, len: u64) -> Result<(), AccessError> {
         let mut result = Ok(());
         for (ids, token) in self.land(region, offset, len) {
             result = result.and((self.on_complete)(ids, token));
@@ -318,7 +330,7 @@ mod tests {
     }
 
     fn land(t: &LandingTable<&'static str>, region: RegionId, offset: u64, len: u64) -> Result<(), AccessError> {
-        t.landed(region, "peer", offset, len)
+        t.landed(region, offset, len)
     }
 
     #[test]

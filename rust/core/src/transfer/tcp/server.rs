@@ -398,7 +398,7 @@ fn handle(
                     ctx.counters.bytes_served.fetch_add(data_len as u64, Ordering::Relaxed);
                     // The owner hears of it before the writer does (landing.rs).
                     match reg.landing() {
-                        Some(l) => l.landed(region, peer, offset, data_len as u64).or_else(|e| refuse(ctx, e)),
+                        Some(l) => l.landed(region, offset, data_len as u64).or_else(|e| refuse(ctx, e)),
                         None => Ok(()),
                     }
                 }
