@@ -25,6 +25,16 @@ def value_of(key: str, size: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
+def assert_stored(reader, keys: list[str], values: list[np.ndarray]) -> None:  # noqa: ANN001 - a DistributedStore
+    """Every key is in the pool and reads back byte for byte (``values[i]`` under ``keys[i]``)."""
+    assert reader.batch_exists(keys) == [True] * len(keys)
+    outs = [np.zeros(v.nbytes, np.uint8) for v in values]
+    got = reader.batch_get_into(keys, [[o.ctypes.data] for o in outs], [[o.nbytes] for o in outs])
+    assert got == [v.nbytes for v in values]
+    for k, o, v in zip(keys, outs, values):
+        assert np.array_equal(o, v), k
+
+
 def env() -> dict[str, str]:
     e = dict(os.environ, MOONCAKE_AUTH_TOKEN=TOKEN, MOONCAKE_LOG="warn")
     e["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), e.get("PYTHONPATH", "")])

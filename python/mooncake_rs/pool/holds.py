@@ -71,6 +71,8 @@ class ConnHolds:
         # reservation id -> its status when its group landed and was not all published, kept
         # for the client's Commit of it (node.py ``_landed``); bounded, dropped with the connection
         self._outcomes: dict[int, int] = {}
+        # reservation id -> bytes, of the spare slots not yet named by a Bind (node.py ``_spares``)
+        self._spares: dict[int, int] = {}
         self._lock = threading.Lock()  # the serving thread and the node's reaper
         self.reservations: dict[int, Reservation] = {}
         self.leases: dict[int, Lease] = {}
@@ -92,12 +94,12 @@ class ConnHolds:
         to the client's engine when the node has a deadline (``hold_many`` of one)."""
         self.hold_many([(hid, held, region, chunk_bytes)], write)
 
-    def hold_many(self, holds: Sequence[tuple[int, Held, Region, int]], write: bool) -> None:
+    def hold_many(self, holds: Sequence[tuple[int, Held, Region, int]], write: bool, spare: bool = False) -> None:
         """Records a batch of reservations (``write``) or leases ``(id, held, region,
         chunk_bytes)`` under one lock (a node's request of 32 objects took the lock 32
         times), granting their slots to the client's engine when the node has a deadline;
         all or none: when a grant fails, the batch's grants are revoked and nothing is
-        recorded."""
+        recorded. ``spare``: reservations of spare slots, unbound until ``bind_spares``."""
         grants: dict[int, list[tuple[Region, int]]] = {}
         if self._te is not None:
             try:
@@ -114,6 +116,8 @@ class ConnHolds:
             table = self.reservations if write else self.leases
             for hid, held, _, _ in holds:
                 table[hid] = held  # type: ignore[assignment]
+            if spare:
+                self._spares.update((hid, held.meta.size) for hid, held, _, _ in holds)  # type: ignore[union-attr]
             if grants:
                 self._grants.update(grants)
 
@@ -123,6 +127,9 @@ class ConnHolds:
         with self._lock:
             pop = self.reservations.pop
             taken = [pop(pid, None) for pid in pids]
+            if self._spares:
+                for pid in pids:
+                    self._spares.pop(pid, None)
             if self._grants:
                 gpop = self._grants.pop
                 grants = [g for pid, res in zip(pids, taken) if res is not None for g in gpop(pid, [])]
@@ -136,6 +143,26 @@ class ConnHolds:
             except Exception as e:  # noqa: BLE001 - the engine closed: nothing reaches the slots any more
                 log.debug("revoke of grant %s failed: %s", gid, e)
         return taken
+
+    def bind_spares(self, pids: list[int]) -> list[Reservation] | None:
+        """The spare reservations ``pids``, which stay held and are no longer spare (a Bind
+        names their keys); None, changing nothing, unless every one is an unbound spare of
+        this connection (given, not expired, not bound or given back already)."""
+        with self._lock:
+            spares = self._spares
+            if len(set(pids)) != len(pids) or not all(pid in spares for pid in pids):
+                return None
+            for pid in pids:
+                del spares[pid]
+            return [self.reservations[pid] for pid in pids]
+
+    @property
+    def spare_count(self) -> int:
+        return len(self._spares)
+
+    @property
+    def spare_bytes(self) -> int:
+        return sum(self._spares.values())
 
     def note_outcomes(self, statuses: dict[int, int]) -> None:
         """The reservations of a group that landed, not all of them published (node.py
@@ -178,6 +205,7 @@ class ConnHolds:
             if self.ttl_s > 0 and now - self.last_use > self.ttl_s and (self.reservations or self.leases):
                 ended = [*self.reservations.items(), *self.leases.items()]
                 self.reservations, self.leases = {}, {}
+                self._spares = {}
             due = [h for t, h in self._expired if t <= now]
             self._expired = [(t, h) for t, h in self._expired if t > now]
         for hid, held in ended:
@@ -198,6 +226,7 @@ class ConnHolds:
         with self._lock:
             held: list[tuple[int, Held]] = [*self.reservations.items(), *self.leases.items()]
             self.reservations, self.leases = {}, {}
+            self._spares = {}
             late = [h for _, h in self._expired]
             self._expired = []
             self._outcomes = {}

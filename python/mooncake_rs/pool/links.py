@@ -25,15 +25,13 @@ from .._core import TransferEngine
 from ..net import auth_socket, plain_socket
 from ..errors import InvalidArgument, MooncakeError
 from .members import StoreNodeRecord
+from .node_down import NodeDown
+from .spare_slots import SpareSlots
 from .protocol import Failure, FrameIO, Reply
 
 __all__ = ["NodeLink", "NodeDown", "Pending"]
 
 log = logging.getLogger("mooncake_rs.pool")
-
-
-class NodeDown(Exception):
-    """The node could not be asked (unreachable, closed, timed out, malformed answer)."""
 
 
 class Pending:
@@ -112,8 +110,12 @@ class NodeLink:
         self.broken = False
         # whether this engine's writes into the node's regions were last seen to go over
         # TCP, where the node sees them land (remote.py: a put then asks the node to publish
-        # its objects as they land, Reserve.commit_on_landing); False until a put has shown it
-        self.writes_land = False
+        # its objects as they land, Reserve.commit_on_landing). Known at once for a peer
+        # reached over TCP alone; a same-host peer's (shm) regions may still route over TCP
+        # (a node that shares no memory): False until a put has shown it
+        self.writes_land = self.peer.transport == "tcp"
+        # the spare slots the node holds for this connection (remote.py's puts into them)
+        self.spares = SpareSlots(self)
 
     def submit(self, make: type, **fields: object) -> Pending:
         """Sends ``make(rid=..., **fields)`` now; the answer comes with ``.result()``."""

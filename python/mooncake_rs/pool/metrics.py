@@ -30,6 +30,8 @@ class PoolMetrics:
     puts_no_space: int = 0
     #: objects of remote puts published as their last byte landed over TCP, without a Commit
     puts_landed: int = 0
+    #: objects of remote puts written into spare slots the client held (no Reserve round trip)
+    puts_into_spares: int = 0
     #: chunk evictions per tier, and whole objects dropped because a chunk was evicted
     evictions_dram: int = 0
     evictions_ssd: int = 0
@@ -65,6 +67,7 @@ def segment_metrics(segment, nodes: int = 1) -> PoolMetrics:  # noqa: ANN001 - O
     c = segment.counters
     m.object_hits, m.object_misses, m.object_failed_reads = c.hits, c.misses, c.failed_reads
     m.puts, m.puts_existing, m.puts_no_space, m.puts_landed = c.puts, c.puts_existing, c.puts_no_space, c.puts_landed
+    m.puts_into_spares = c.puts_into_spares
     m.objects_evicted, m.removes = c.objects_evicted, c.removes
     m.objects_recovered, m.objects_recovery_dropped = c.recovered, c.recovery_dropped
     return m
@@ -78,6 +81,7 @@ _HELP = {
     "object_failed_reads": "reads of keys present in the table whose bytes could not be read",
     "replicas_lost": "reads that found a replica's node gone",
     "puts_landed": "objects of remote puts published as their last byte landed over TCP (no Commit round trip)",
+    "puts_into_spares": "objects of remote puts written into spare slots the client held (no Reserve round trip)",
     "objects_recovery_dropped": "objects found damaged or incomplete on disk at start, dropped",
 }
 

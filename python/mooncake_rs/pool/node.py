@@ -30,8 +30,9 @@ from ..net.spin_wait import DEFAULT_SPIN_US, spin_us_checked
 from ..errors import InvalidArgument, MooncakeError
 from .members import NodeRegistration, StoreNodeRecord
 from .metrics import prometheus_text, segment_metrics
-from .protocol import (INLINE_MAX, Answer, Commit, Exists, ExistsKeys, Failure, FlagsAnswer, FrameIO, GetValue, Leased,
-                       Lookup, NodeRequest, PutInline, Release, Remove, RemoveAll, Reserve, Reserved, Sizes, Stats, Value)
+from .protocol import (INLINE_MAX, SPARE_BYTES_MAX, Answer, Bind, Bound, Commit, Exists, ExistsKeys, Failure, FlagsAnswer,
+                       FrameIO, GetValue, Leased, Lookup, NodeRequest, PutInline, Release, Remove, RemoveAll, Reserve,
+                       Reserved, Sizes, Spares, Stats, Value)
 from .holds import ConnHolds
 from .objects import Lease, Reservation
 from .segment import DEFAULT_CHUNK_BYTES, ObjectSegment
@@ -187,22 +188,32 @@ class StoreNode:
                 if landed is not None:
                     out[j] = landed
                 continue
-            if ok:
+            if ok and res.key:
                 done.append(j)
                 moved.append(res)
-            else:  # its transfer failed: the slots go back, nothing is published
+            else:  # its transfer failed (or a spare no Bind named): the slots go back, nothing is published
                 seg.abort(res)
-                out[j] = int(KeyStatus.TRANSFER_FAILED)
+                out[j] = int(KeyStatus.TRANSFER_FAILED if res.key else KeyStatus.INVALID)
         for j, st in zip(done, seg.commit_many(moved, reap=False) if moved else []):
             out[j] = int(st)
         return Answer(msg.rid, out)
 
     def _landed(self, pids: list[int], conn: ConnHolds) -> int:
         """LandingWatch's callback, on the transfer engine's serving thread: the last byte
-        of the last of one Reserve's objects (``pids``) has landed over TCP. Publishes them
-        as their client's Commit would; the write that landed it is answered after this,
-        with an error unless 0. Then the client, whose writes all succeeded, sends no
-        Commit; on an error it sends one, answered with each object's outcome from here."""
+        of the last of one Reserve's (or Bind's) objects (``pids``) has landed over TCP.
+        Publishes them as their client's Commit would; the write that landed it is answered
+        after this, with an error unless 0. Then the client, whose writes all succeeded,
+        sends no Commit; on an error it sends one, answered with each object's outcome from
+        here."""
+        out = self._publish_landed(pids, conn)
+        if any(out):
+            conn.note_outcomes(dict(zip(pids, out)))
+            return next(st for st in out if st)
+        return 0
+
+    def _publish_landed(self, pids: list[int], conn: ConnHolds) -> list[int]:
+        """Publishes the held reservations ``pids``, whose bytes all landed: each one's
+        KeyStatus (INVALID: it had ended, by expiry or the connection's close)."""
         taken = conn.take_reservations(pids)
         held = [res for res in taken if res is not None]
         try:
@@ -216,10 +227,62 @@ class StoreNode:
         # (a reservation that had ended, by expiry or the connection's close: INVALID, as its Commit)
         out = [int(next(each)) if res is not None else int(KeyStatus.INVALID) for res in taken]
         self.segment.counters.puts_landed += out.count(0)
-        if any(out):
-            conn.note_outcomes(dict(zip(pids, out)))
-            return next(st for st in out if st)
-        return 0
+        return out
+
+    def _bind(self, msg: Bind, conn: ConnHolds) -> Bound:
+        """A put into this connection's spare slots (protocol.py ``Bind``): names their
+        keys, then arms their landing. Its answer may leave before or after the objects'
+        last byte lands; which of the two publishes them, the landing table decides."""
+        n = len(msg.put_ids)
+        if len(msg.keys) != n or not n or not all(msg.keys):
+            raise InvalidArgument("bind: one non-empty key per spare put id, at least one")
+        held = conn.bind_spares(msg.put_ids)
+        if held is None:
+            raise InvalidArgument("bind: a put id is not an unbound spare slot of this connection (its holds "
+                                  "expired, or it was bound or given back already): reserve instead")
+        for res, key in zip(held, msg.keys):
+            res.key = key
+            res.meta = res.meta._replace(pinned=msg.pin)
+        self.segment.counters.puts_into_spares += n
+        # (the keys are in place before the landing may publish them, on the serving thread)
+        published = self.landing.arm(list(msg.put_ids), conn)
+        statuses = self._publish_landed(msg.put_ids, conn) if published else []
+        return Bound(msg.rid, published, statuses)
+
+    def _spares(self, conn: ConnHolds, count: int, size: int) -> Spares | None:
+        """Spare slots for the connection's next put (``Reserve.spares``): ``count``
+        objects of ``size`` bytes, held as its reservations and watched unbound
+        (LandingWatch.expect_unbound) until a ``Bind`` names them. All or none (a put
+        uses them only when they hold it whole): none beyond ``SPARE_BYTES_MAX`` bytes a
+        connection, or an eighth of the size class for all connections together (idle
+        spares are capacity that objects cannot use), or when they do not fit."""
+        if count <= 0 or size <= INLINE_MAX:
+            return None
+        seg = self.segment
+        sc = seg.classes[seg.class_of(size)]
+        with self._conns_lock:
+            held = sum(c.spare_bytes for c in self._conns)
+        if (count * size + conn.spare_bytes > SPARE_BYTES_MAX
+                or count * size + held > sc.capacity_chunks * sc.chunk_bytes // 8):
+            return None
+        got = seg.reserve_unbound(count, size)
+        if len(got) < count:
+            for res in got:
+                seg.abort(res)
+            return None
+        holds = [(next(self._ids), res, self.regions[res.meta.cls], seg.classes[res.meta.cls].chunk_bytes)
+                 for res in got]
+        try:
+            conn.hold_many(holds, write=True, spare=True)  # (all or none)
+        except Exception:
+            for _, res, _, _ in holds:
+                seg.abort(res)
+            raise
+        pids = [pid for pid, _, _, _ in holds]
+        regions = [region.id for _, _, region, _ in holds]
+        offsets = [res.offsets for _, res, _, _ in holds]
+        self.landing.expect_unbound(pids, regions, offsets, [size] * len(holds))
+        return Spares(size, pids, regions, [cb for _, _, _, cb in holds], offsets)
 
     def _put_inline(self, msg: PutInline, conn: ConnHolds) -> Answer:
         values = msg.values
@@ -296,7 +359,9 @@ class StoreNode:
                 if landing:
                     pids, region_ids, offs, sizes = zip(*landing)
                     self.landing.expect(list(pids), list(region_ids), list(offs), list(sizes), conn)
-        return Reserved(msg.rid, st, ids, regions, chunk, offsets, commit_on_landing=msg.commit_on_landing)
+        spares = self._spares(conn, msg.spares, msg.spare_size) if msg.commit_on_landing else None
+        return Reserved(msg.rid, st, ids, regions, chunk, offsets, commit_on_landing=msg.commit_on_landing,
+                        spares=spares)
 
     def _get_value(self, msg: GetValue, conn: ConnHolds) -> Value:
         """One key's value inline when it is small, else its size (``Lookup``'s one-key
@@ -401,7 +466,7 @@ class StoreNode:
 
 
 StoreNode._handlers = {
-    Reserve: StoreNode._reserve, Commit: StoreNode._commit, PutInline: StoreNode._put_inline,
+    Reserve: StoreNode._reserve, Bind: StoreNode._bind, Commit: StoreNode._commit, PutInline: StoreNode._put_inline,
     Lookup: StoreNode._lookup, GetValue: StoreNode._get_value, Release: StoreNode._release, Sizes: StoreNode._sizes,
     Remove: StoreNode._remove, RemoveAll: StoreNode._remove_all, Stats: StoreNode._stats,
     ExistsKeys: StoreNode._exists,  # (off the wire: NodeRequest)

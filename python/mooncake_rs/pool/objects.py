@@ -27,6 +27,8 @@ class SegmentCounters:
     puts_no_space: int = 0
     #: remote puts' objects published as their last byte landed (no Commit: node.py ``_landed``)
     puts_landed: int = 0
+    #: remote puts' objects written into spare slots a client held, named by its Bind (node.py ``_bind``)
+    puts_into_spares: int = 0
     hits: int = 0
     misses: int = 0
     #: in the table, but a chunk was gone when read ("present but failed to read")

@@ -26,13 +26,15 @@ from .._core import exists_flags
 from ..errors import InvalidArgument
 from ..net.spin_wait import SpinWait
 
-__all__ = ["INLINE_MAX", "Reserve", "Commit", "PutInline", "Lookup", "GetValue", "Release", "Exists", "Sizes", "Remove",
-           "RemoveAll", "Stats", "Value", "ExistsKeys", "Reserved", "Leased", "Answer", "FlagsAnswer", "Failure", "Request", "NodeRequest", "Reply",
-           "FrameIO", "MAX_FRAME"]
+__all__ = ["INLINE_MAX", "SPARE_BYTES_MAX", "Reserve", "Bind", "Spares", "Bound", "Commit", "PutInline", "Lookup",
+           "GetValue", "Release", "Exists", "Sizes", "Remove", "RemoveAll", "Stats", "Value", "ExistsKeys", "Reserved",
+           "Leased", "Answer", "FlagsAnswer", "Failure", "Request", "NodeRequest", "Reply", "FrameIO", "MAX_FRAME"]
 
 MAX_FRAME = 64 << 20
 #: values up to this size travel inside control messages (PutInline, Lookup.inline_max)
 INLINE_MAX = 4096
+#: the most bytes of spare slots (``Spares``) a node holds for one connection
+SPARE_BYTES_MAX = 256 << 20
 _HDR = struct.Struct(">I")
 
 
@@ -55,6 +57,41 @@ class Reserve(_M, frozen=True, tag="reserve", omit_defaults=True):
     pin: bool = False
     engine: str = ""
     commit_on_landing: bool = False
+    #: also reserve this many spare slots of ``spare_size`` bytes each for the client's
+    #: next put (``Reserved.spares``; with ``commit_on_landing`` only; all or none). A
+    #: Reserve of no key asks for spares alone
+    spares: int = 0
+    spare_size: int = 0
+
+
+class Bind(_M, frozen=True, tag="bind", omit_defaults=True):
+    """A put into spare slots the connection holds (``Spares``): spare ``put_ids[i]``
+    becomes object ``keys[i]`` (of exactly the spare's size). The client sends it and its
+    writes into those slots together, without waiting for the answer: the node publishes
+    the objects when their last byte has landed over TCP and it knows their keys, whichever
+    comes last (``Bound``). All or nothing: a put id that is not an unbound spare of this
+    connection (expired with its holds, or never given) refuses the whole Bind, changing
+    nothing. The next put's spares are asked after this put's bytes landed, by a
+    ``Reserve`` of no key: the node reserves them between puts, not while bytes stream in."""
+
+    rid: int
+    put_ids: list[int]
+    keys: list[str]
+    pin: bool = False
+
+
+class Spares(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Spare slots held for a client's next put, each for one object of ``size`` bytes:
+    spare ``put_ids[i]`` is written at ``offsets[i]`` of region ``regions[i]``,
+    ``chunk_bytes[i]`` a chunk, and named by a ``Bind``. They are the connection's
+    reservations: they end with its holds (holds.py), and a client that will not use them
+    gives them back with a ``Commit`` (ok false) of their ids."""
+
+    size: int
+    put_ids: list[int]
+    regions: list[int]
+    chunk_bytes: list[int]
+    offsets: list[list[int]]
 
 
 class Commit(_M, frozen=True, tag="commit"):
@@ -146,6 +183,20 @@ class Reserved(_M, frozen=True, tag="reserved", omit_defaults=True):
     chunk_bytes: list[int]
     offsets: list[list[int]]
     commit_on_landing: bool = False
+    #: the spare slots the Reserve asked for (as many as fit; None: none)
+    spares: Spares | None = None
+
+
+class Bound(_M, frozen=True, tag="bound", omit_defaults=True):
+    """The answer to ``Bind``. ``published`` True: every byte had landed when the keys
+    arrived, so the node published the objects itself; ``statuses`` are their outcomes.
+    False: the write that lands their last byte publishes them before it is answered
+    (as ``Reserved.commit_on_landing``), so a client whose writes all succeeded is done,
+    and one whose writes did not sends a ``Commit`` of them."""
+
+    rid: int
+    published: bool = False
+    statuses: list[int] = []
 
 
 class Leased(_M, frozen=True, tag="leased"):
@@ -192,10 +243,11 @@ class Failure(_M, frozen=True, tag="failure"):
     message: str
 
 
-Request = Union[Reserve, Commit, PutInline, Lookup, GetValue, Release, Exists, Sizes, Remove, RemoveAll, Stats]
+Request = Union[Reserve, Bind, Commit, PutInline, Lookup, GetValue, Release, Exists, Sizes, Remove, RemoveAll, Stats]
 #: what a store node decodes: ``Request`` with ``Exists`` read as ``ExistsKeys``
-NodeRequest = Union[Reserve, Commit, PutInline, Lookup, GetValue, Release, ExistsKeys, Sizes, Remove, RemoveAll, Stats]
-Reply = Union[Reserved, Leased, Value, Answer, Failure]
+NodeRequest = Union[Reserve, Bind, Commit, PutInline, Lookup, GetValue, Release, ExistsKeys, Sizes, Remove, RemoveAll,
+                    Stats]
+Reply = Union[Reserved, Bound, Leased, Value, Answer, Failure]
 
 
 class StreamSocket(Protocol):

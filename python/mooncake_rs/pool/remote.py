@@ -5,7 +5,10 @@ the caller's memory and the nodes' slots.
 A put reserves slots on each of the key's ``replicas`` top nodes, writes every replica
 with one transfer batch per node (all nodes' batches in flight together), then commits
 the replicas whose transfer succeeded; a key is OK when at least one replica committed
-(fewer than asked is counted as ``under_replicated``). A get asks the key's nodes in
+(fewer than asked is counted as ``under_replicated``). Over TCP the node publishes the
+objects as their last byte lands (no commit), and a put of the last put's object size
+writes into spare slots the node held for it, named by a ``Bind`` sent beside the writes
+(no reservation round trip): docs/store-service.md. A get asks the key's nodes in
 rank order: a node that is down or does not hold the key passes the key to the next
 one; the first that holds it leases the chunks, the client reads them, then releases.
 So a lost node's keys come from their other replicas, or are reported missing once
@@ -19,7 +22,7 @@ import logging
 import os
 import secrets
 from collections import defaultdict
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -28,15 +31,15 @@ from ..net.etcd import EtcdClient
 from ..deploy.settings import read_token
 from ..errors import InvalidArgument, ServiceUnavailable
 from .buffers import RegisteredBuffer, RegisteredBuffers, address_of, scatter, view_at
-from .links import NodeDown, Pending
+from .links import NodeDown, NodeLink, Pending
 from .members import NodeDirectory
 from .node_links import NodeLinks
 from .metrics import PoolMetrics
 from .placement import rank_nodes
 from .ranked import RankedAsks
 from .objects import clip_sizes
-from .protocol import (INLINE_MAX, Commit, Exists, GetValue, Leased, Lookup, PutInline, Release, Remove, RemoveAll, Reserve,
-                       Reserved, Sizes, Stats)
+from .protocol import (INLINE_MAX, SPARE_BYTES_MAX, Bind, Bound, Commit, Exists, GetValue, Leased, Lookup, PutInline,
+                       Release, Remove, RemoveAll, Reserve, Reserved, Sizes, Stats)
 from .status import KeyStatus
 
 __all__ = ["RemoteBackend"]
@@ -48,6 +51,17 @@ def _taken(values: list, take: list[int]) -> list:
     """The entries ``take`` (ascending positions) of one node's per-entry list: the list
     itself when every entry is taken."""
     return values if len(take) == len(values) else [values[j] for j in take]
+
+
+class _SparePut(NamedTuple):
+    """One node's part of a put into its spare slots: the Bind in flight, the slots as a
+    ``Reserved``, and the writes' batch."""
+
+    link: NodeLink
+    bind: Pending
+    rep: Reserved
+    batch: ObjectBatch
+    take: list[int]
 
 
 class RemoteBackend:
@@ -102,13 +116,27 @@ class RemoteBackend:
         live = self.nodes.live()
         if not live:
             return [KeyStatus.RPC_FAILED] * len(keys)
-        totals = [sum(s) for s in sizes]
         by_node: dict[str, list[int]] = defaultdict(list)
         for i, k in enumerate(keys):
             for node in rank_nodes(k, live)[:replicas]:
                 by_node[node].append(i)
         done = [0] * len(keys)
         errors: list[KeyStatus | None] = [None] * len(keys)
+        retry = self._put_on(by_node, keys, ptrs, sizes, pin, done, errors, spares=True)
+        if retry:  # nodes that refused a Bind (its spares had expired): those keys again, with a Reserve
+            self._put_on(retry, keys, ptrs, sizes, pin, done, errors, spares=False)
+        return self._outcome(done, errors, replicas)
+
+    def _put_on(self, by_node: dict[str, list[int]], keys: list[str], ptrs: list[list[int]],
+                sizes: list[list[int]], pin: bool, done: list[int], errors: list[KeyStatus | None],
+                spares: bool) -> dict[str, list[int]]:
+        """Puts key ``i`` on each node whose ``by_node`` entry lists it, counting a replica
+        placed in ``done[i]`` and the first reason one was not in ``errors[i]``. ``spares``
+        False: no spare slots are used. Returns the nodes that refused a Bind, each with its
+        keys, placed nowhere there yet."""
+        totals = [sum(s) for s in sizes]
+        retry: dict[str, list[int]] = {}
+        refill: list[tuple[NodeLink, int, int]] = []  # links whose spares this put used: (link, count, size)
 
         def fail(idx: list[int], st: KeyStatus) -> None:
             for i in idx:
@@ -121,23 +149,35 @@ class RemoteBackend:
                 else:
                     errors[i] = errors[i] or KeyStatus(st)
 
-        # every node is asked before any answer is read: their round trips overlap
-        asked = []  # (node, small indices, their PutInline, large indices, their Reserve)
-        for node, all_idx in by_node.items():
-            small = [i for i in all_idx if 0 < totals[i] <= INLINE_MAX]
-            large = [i for i in all_idx if not 0 < totals[i] <= INLINE_MAX]
-            inline = reserve = None
-            if small:
-                values = [b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs[i], sizes[i])) for i in small]
-                inline = self.nodes.asked(node, PutInline, keys=[keys[i] for i in small], values=values, pin=pin)
-            if large:
-                reserve = self.nodes.asked(node, Reserve, keys=[keys[i] for i in large],
-                                           sizes=[totals[i] for i in large], pin=pin, engine=self.name,
-                                           commit_on_landing=self._writes_land(node))
-            asked.append((node, small, inline, large, reserve))
         batches: list[ObjectBatch] = []
-        pending = []  # (node, link, idx, reserved, batch, the answer's entries it moves)
         try:
+            # every node is asked before any answer is read: their round trips overlap. A
+            # node whose spare slots fit the put gets a Bind and its writes at once
+            asked = []  # (node, small indices, their PutInline, large indices, their Reserve or _SparePut)
+            for node, all_idx in by_node.items():
+                small = [i for i in all_idx if 0 < totals[i] <= INLINE_MAX]
+                large = [i for i in all_idx if not 0 < totals[i] <= INLINE_MAX]
+                inline = None
+                reserve: _SparePut | Pending | NodeDown | None = None
+                if small:
+                    values = [b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs[i], sizes[i])) for i in small]
+                    inline = self.nodes.asked(node, PutInline, keys=[keys[i] for i in small], values=values, pin=pin)
+                if large:
+                    size = totals[large[0]]
+                    lands, want = self._spares_wanted(node, [totals[i] for i in large], spares)
+                    reserve = self._put_into_spares(node, [keys[i] for i in large], [ptrs[i] for i in large],
+                                                    [sizes[i] for i in large], size, pin) if want else None
+                    if reserve is not None:
+                        batches.append(reserve.batch)
+                    else:
+                        held = self._spares_held(node, size) if want else 0
+                        reserve = self.nodes.asked(node, Reserve, keys=[keys[i] for i in large],
+                                                   sizes=[totals[i] for i in large], pin=pin, engine=self.name,
+                                                   commit_on_landing=lands, spares=max(want - held, 0),
+                                                   spare_size=size if want > held else 0)
+                asked.append((node, small, inline, large, reserve))
+            # (node, link, idx, reserved, batch, the answer's entries it moves, _SparePut or None)
+            pending: list[tuple[str, NodeLink, list[int], Reserved, ObjectBatch | None, list[int], _SparePut | None]] = []
             for node, small, inline, idx, reserve in asked:
                 if inline is not None:
                     try:
@@ -146,6 +186,9 @@ class RemoteBackend:
                         log.warning("put: %s", e)
                         fail(small, KeyStatus.RPC_FAILED)
                 if reserve is None:
+                    continue
+                if isinstance(reserve, _SparePut):
+                    pending.append((node, reserve.link, idx, reserve.rep, reserve.batch, reserve.take, reserve))
                     continue
                 try:
                     rep: Reserved = self.nodes.answer(node, reserve)
@@ -157,6 +200,7 @@ class RemoteBackend:
                 if link.broken:  # closed since the answer: its reservations went with it
                     fail(idx, KeyStatus.RPC_FAILED)
                     continue
+                link.spares.add(rep.spares)
                 take = []
                 for j, i in enumerate(idx):
                     st = rep.statuses[j]
@@ -172,15 +216,27 @@ class RemoteBackend:
                     batch = self._submit("write", link.peer, [ptrs[i] for i in sel], [sizes[i] for i in sel],
                                          [totals[i] for i in sel], rep, take)
                     batches.append(batch)
-                pending.append((node, link, idx, rep, batch, take))
+                pending.append((node, link, idx, rep, batch, take, None))
             commits = []  # each node's Commit leaves as soon as its own transfer ended
-            for node, link, idx, rep, batch, take in pending:
+            for node, link, idx, rep, batch, take, spare in pending:
                 ok = [True] * len(idx)
                 if batch is not None:
                     for j, moved in zip(take, batch.wait()):
                         ok[j] = moved
                 mine = [j for j in range(len(idx)) if rep.put_ids[j] > 0]
                 over_tcp = all(link.peer.route(r) == "tcp" for r in {rep.regions[j] for j in take})
+                if spare is not None:
+                    bound = self._bound(node, spare)
+                    if bound is None:  # refused (its spares had expired) or the node is gone
+                        if link.broken:
+                            fail(idx, KeyStatus.RPC_FAILED)
+                        else:
+                            retry[node] = idx
+                        continue
+                    refill.append((link, len(idx), totals[idx[0]]))
+                    if bound.published:  # every byte had landed when the keys arrived
+                        settle(idx, bound.statuses)
+                        continue
                 if rep.commit_on_landing and over_tcp and all(ok):
                     # every write succeeded over TCP: the node published the objects before
                     # it answered the last one (Reserved.commit_on_landing); only empty
@@ -207,16 +263,88 @@ class RemoteBackend:
         finally:
             for b in batches:
                 b.release()
-        return self._outcome(done, errors, replicas)
+        for link, count, size in refill:  # the next put's spares, asked now that these bytes landed
+            link.spares.ask(count, size, self.name)
+        return retry
 
-    def _writes_land(self, node: str) -> bool:
+    def _put_into_spares(self, node: str, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]],
+                         size: int, pin: bool) -> _SparePut | None:
+        """A put of ``len(keys)`` objects of ``size`` bytes into spare slots the node holds
+        for this client: its Bind and its writes leave together, nobody waits for a
+        Reserve's answer first (the put asks for the next put's spares once its bytes
+        landed). None when the link holds too few spares of that size."""
+        try:
+            link = self.nodes.link(node)
+        except NodeDown:
+            return None
+        taken = link.spares.take(len(keys), size)
+        if taken is None:
+            return None
+        ids, regions, chunk, offsets = (list(col) for col in zip(*taken))
+        # (the spare slots as a Reserve would have answered them: the rest of the put is its)
+        rep = Reserved(0, [0] * len(keys), ids, regions, chunk, offsets, commit_on_landing=True)
+        take = list(range(len(keys)))
+        try:
+            batch = self._submit("write", link.peer, ptrs, sizes, [size] * len(keys), rep, take)
+        except BaseException:
+            link.spares.give_back(ids)  # (nothing was sent into them)
+            raise
+        try:
+            bind = link.submit(Bind, put_ids=ids, keys=keys, pin=pin)
+        except NodeDown:  # (the link broke: the spares went with its connection)
+            batch.wait()
+            batch.release()
+            self.nodes.mark_down(node)
+            return None
+        return _SparePut(link, bind, rep, batch, take)
+
+    def _bound(self, node: str, spare: _SparePut) -> Bound | None:
+        """The answer to a spare put's Bind, read after its writes ended. None when the node
+        refused it (its spares had expired: they are given back, and the caller puts the
+        keys again through a Reserve) or its link broke."""
+        link = spare.link
+        try:
+            bound: Bound = spare.bind.result()
+        except NodeDown as e:
+            if link.broken:
+                log.warning("put: %s", e)
+                self.nodes.mark_down(node)
+            else:
+                log.info("put into spare slots: %s; reserving instead", e)
+                # (the writes ended: nothing reaches them any more; the link's other spares
+                # ended with the same holds, most likely)
+                link.spares.give_back(spare.rep.put_ids + link.spares.drop())
+            return None
+        return bound
+
+    def _spares_held(self, node: str, size: int) -> int:
+        try:
+            return self.nodes.link(node).spares.held(size)
+        except NodeDown:
+            return 0
+
+    def _spares_wanted(self, node: str, totals: list[int], spares: bool) -> tuple[bool, int]:
         """Whether this engine's last writes into ``node``'s regions went over TCP, where the
         node sees them land (not a same-host node's shared memory or staging link; the
-        first put to a node finds out: its writes' routes are known once they were sent)."""
+        first put to a node finds out: its writes' routes are known once they were sent),
+        and how many spare slots a put of objects of ``totals`` bytes to it wants: one an
+        object when they land, are all of one size (above ``INLINE_MAX``, at most
+        ``SPARE_BYTES_MAX`` in all) and the last put to that node had that size too (a
+        one-off put holds no spares for nothing, and a client whose sizes change from put
+        to put would only churn them: those held for another size are given back)."""
         try:
-            return self.nodes.link(node).writes_land
+            link = self.nodes.link(node)
         except NodeDown:
-            return False  # (the Reserve fails the same way)
+            return False, 0  # (the Reserve fails the same way)
+        slots = link.spares
+        size, last = totals[0], slots.last_put_size
+        slots.last_put_size = size if all(n == size for n in totals) else 0
+        if slots.size not in (0, size) and slots.held(slots.size):
+            slots.give_back(slots.drop())
+        if not (spares and link.writes_land and last == size and size > INLINE_MAX
+                and len(totals) * size <= SPARE_BYTES_MAX and slots.last_put_size):
+            return link.writes_land, 0
+        return True, len(totals)
 
     def _outcome(self, done: list[int], errors: list[KeyStatus | None], replicas: int) -> list[KeyStatus]:
         """OK for a key at least one replica took (fewer than asked: counted), else why not."""

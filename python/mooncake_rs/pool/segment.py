@@ -81,13 +81,14 @@ class ObjectSegment:
             self.counters.recovered, self.counters.recovery_dropped = recover(self, self.durable)
 
     # ---- helpers
-    def _class_of(self, size: int) -> int:
+    def class_of(self, size: int) -> int:
+        """The size class an object of ``size`` bytes goes to."""
         return 0 if size <= self.classes[0].chunk_bytes else 1
 
     def _new_meta(self, size: int, pin: bool) -> ObjectMeta | KeyStatus:
         if not isinstance(size, int) or size < 0:
             return KeyStatus.INVALID
-        c = self._class_of(size)
+        c = self.class_of(size)
         sc = self.classes[c]
         n = max(1, -(-size // sc.chunk_bytes))
         if n > sc.capacity_chunks:  # would evict everything, itself included: refuse at once
@@ -338,6 +339,29 @@ class ObjectSegment:
                 out[i] = meta
                 continue
             by_class[meta.cls].append((i, key, meta))
+        self._reserve_slots(by_class, out)
+        return out
+
+    def reserve_unbound(self, count: int, size: int) -> list[Reservation]:
+        """Slots for ``count`` objects of ``size`` bytes whose keys are not known yet (a
+        store node's spare slots: the put that fills them names the keys, and whether to
+        pin, before it commits; ``Reservation.key`` is "" until then). As many as fit, up
+        to ``count``."""
+        meta = self._new_meta(size, False)
+        if isinstance(meta, KeyStatus) or count <= 0:
+            return []
+        items = [(i, "", meta if i == 0 else meta._replace(oid=new_oid())) for i in range(count)]
+        by_class: list[list[tuple[int, str, ObjectMeta]]] = [[] for _ in self.classes]
+        by_class[meta.cls] = items
+        out: list[Reservation | KeyStatus] = [KeyStatus.NO_SPACE] * count
+        self._reserve_slots(by_class, out, puts=False)
+        return [r for r in out if isinstance(r, Reservation)]
+
+    def _reserve_slots(self, by_class: list[list[tuple[int, str, ObjectMeta]]],
+                       out: list[Reservation | KeyStatus], puts: bool = True) -> None:
+        """One store call a size class: ``out[i]`` becomes the reservation of each ``(i,
+        key, meta)`` whose chunks fit, NO_SPACE for the others (counted as puts refused
+        when they are ``puts``)."""
         for cls, items in enumerate(by_class):
             if not items:
                 continue
@@ -345,11 +369,10 @@ class ObjectSegment:
                                                             [m.nchunks for _, _, m in items])
             for (i, key, meta), obj in zip(items, slots):
                 if obj is None:  # its chunks did not fit: none of its slots kept
-                    self.counters.puts_no_space += 1
+                    self.counters.puts_no_space += puts
                     out[i] = KeyStatus.NO_SPACE
                 else:
                     out[i] = Reservation(key, meta, obj, obj.offsets)
-        return out
 
     def reserve(self, key: str, size: int, pin: bool = False) -> Reservation | KeyStatus:
         """``reserve_many`` of one key."""

@@ -84,14 +84,32 @@ impl PyLandingWatch {
         sizes: Vec<u64>,
         token: Py<PyAny>,
     ) -> PyResult<()> {
-        let n = put_ids.len();
-        if regions.len() != n || offsets.len() != n || sizes.len() != n {
-            return Err(invalid(py, "expect(): put_ids, regions, offsets and sizes differ in length"));
-        }
-        let group: Vec<Expected<'_>> = (0..n)
-            .map(|i| Expected { id: put_ids[i], region: regions[i], offsets: &offsets[i], size: sizes[i] })
-            .collect();
+        let group = objects(py, "expect", &put_ids, &regions, &offsets, &sizes)?;
         self.table.expect(&group, token).map_err(|e| invalid(py, format!("expect(): {e}")))
+    }
+
+    /// Counts the writes landing in these objects' slots (as `expect` takes them) without
+    /// completing anything: they are spare slots whose contents the owner learns later,
+    /// by `arm`. All or nothing.
+    fn expect_unbound(
+        &self,
+        py: Python<'_>,
+        put_ids: Vec<u64>,
+        regions: Vec<RegionId>,
+        offsets: Vec<Vec<u64>>,
+        sizes: Vec<u64>,
+    ) -> PyResult<()> {
+        let group = objects(py, "expect_unbound", &put_ids, &regions, &offsets, &sizes)?;
+        self.table.expect_unbound(&group).map_err(|e| invalid(py, format!("expect_unbound(): {e}")))
+    }
+
+    /// Makes unbound objects `put_ids` one group whose completion calls the callback with
+    /// `token`. True: all their bytes had landed already, so no write will complete them
+    /// and the caller must (they are no longer waited for); False: the write of their last
+    /// missing byte does. `InvalidArgument`, changing nothing, when an id is not an unbound
+    /// object of this watch.
+    fn arm(&self, py: Python<'_>, put_ids: Vec<u64>, token: Py<PyAny>) -> PyResult<bool> {
+        self.table.arm(&put_ids, token).map_err(|e| invalid(py, format!("arm(): {e}")))
     }
 
     /// Stops waiting for `put_id`'s group (its reservation ended, so the group cannot
@@ -115,6 +133,22 @@ impl PyLandingWatch {
     fn __repr__(&self) -> String {
         format!("LandingWatch(pending={})", self.table.pending())
     }
+}
+
+/// The objects of an `expect` call, checked for equal lengths.
+fn objects<'a>(
+    py: Python<'_>,
+    call: &str,
+    put_ids: &[u64],
+    regions: &[RegionId],
+    offsets: &'a [Vec<u64>],
+    sizes: &[u64],
+) -> PyResult<Vec<Expected<'a>>> {
+    let n = put_ids.len();
+    if regions.len() != n || offsets.len() != n || sizes.len() != n {
+        return Err(invalid(py, format!("{call}(): put_ids, regions, offsets and sizes differ in length")));
+    }
+    Ok((0..n).map(|i| Expected { id: put_ids[i], region: regions[i], offsets: &offsets[i], size: sizes[i] }).collect())
 }
 
 /// `TransferEngine.watch_writes`: `w` told of the writes landed in `region`, whose slots

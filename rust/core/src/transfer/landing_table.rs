@@ -10,6 +10,13 @@
 //! after losing a connection (its first copy may have landed) covers nothing new, so an
 //! object is never complete while a range of it is still unwritten.
 //!
+//! Objects may also be held *unbound* (`expect_unbound`): slots reserved before their
+//! writer knew what it would put in them (a store node's spare slots). Their writes are
+//! counted as they land, but nothing completes until the owner `arm`s a group of them,
+//! once it knows what they are; `arm` says whether that group has landed whole already
+//! (then the owner completes it itself), else the write that completes it does. So the
+//! owner may learn what the slots hold before, during or after their bytes arrive.
+//!
 //! A watched region's slots all have its `chunk_bytes`; an object of `size` bytes holds
 //! `ceil(size / chunk_bytes)` of them, not necessarily adjacent, and of its last slot only
 //! `size - (n - 1) * chunk_bytes` bytes.
@@ -50,7 +57,8 @@ struct State<T> {
 }
 
 struct Pending {
-    group: u64,
+    /// None: unbound, not in a group until `arm`.
+    group: Option<u64>,
     region: RegionId,
     /// Bytes of the object not yet covered by a landed write.
     missing: u64,
@@ -128,6 +136,16 @@ impl<T> LandingTable<T> {
     /// `forget`) is taken over, and that object's group forgotten whole. Nothing is
     /// recorded when any object is refused.
     pub fn expect(&self, objects: &[Expected<'_>], token: T) -> Result<(), String> {
+        self.add(objects, Some(token))
+    }
+
+    /// Counts the writes that land in these objects' slots without waiting for them as a
+    /// group: nothing completes until `arm` names them. Refused as `expect` refuses.
+    pub fn expect_unbound(&self, objects: &[Expected<'_>]) -> Result<(), String> {
+        self.add(objects, None)
+    }
+
+    fn add(&self, objects: &[Expected<'_>], token: Option<T>) -> Result<(), String> {
         let mut st = self.state.lock();
         let mut pending = Vec::with_capacity(objects.len());
         for o in objects {
@@ -154,15 +172,54 @@ impl<T> LandingTable<T> {
         }
         st.forget_group(group);
         let ids: Vec<u64> = pending.iter().map(|(id, _)| *id).collect();
+        let bound = token.is_some();
         for (id, mut p) in pending {
-            p.group = group;
+            p.group = bound.then_some(group);
             for (k, s) in p.slots.iter().enumerate() {
                 st.slots.insert((p.region, s.index), (id, k));
             }
             st.objects.insert(id, p);
         }
-        st.groups.insert(group, Group { waiting: ids.len(), ids, token });
+        if let Some(token) = token {
+            st.groups.insert(group, Group { waiting: ids.len(), ids, token });
+        }
         Ok(())
+    }
+
+    /// Makes unbound objects `ids` one group completed with `token`. `Ok(true)`: every
+    /// byte of them had landed already, so nothing will complete them: the caller does
+    /// (they are no longer waited for). `Ok(false)`: the write that lands their last
+    /// missing byte completes them. Refused, changing nothing, when an id is not an
+    /// unbound object here (never held, forgotten, or armed already) or is named twice.
+    pub fn arm(&self, ids: &[u64], token: T) -> Result<bool, String> {
+        let mut st = self.state.lock();
+        let Some(&group) = ids.first() else { return Err("arm: a group needs at least one object".into()) };
+        let mut seen = HashSet::new();
+        for id in ids {
+            if !seen.insert(*id) {
+                return Err(format!("arm: object {id} is named twice"));
+            }
+            match st.objects.get(id) {
+                Some(p) if p.group.is_none() => {}
+                Some(_) => return Err(format!("arm: object {id} is in a group already")),
+                None => return Err(format!("arm: object {id} is not held unbound here")),
+            }
+        }
+        let mut waiting = 0;
+        for id in ids {
+            let landed = st.objects.get(id).is_some_and(|p| p.missing == 0);
+            if landed {
+                st.take_object(*id);
+            } else if let Some(p) = st.objects.get_mut(id) {
+                p.group = Some(group);
+                waiting += 1;
+            }
+        }
+        if waiting == 0 {
+            return Ok(true);
+        }
+        st.groups.insert(group, Group { waiting, ids: ids.to_vec(), token });
+        Ok(false)
     }
 
     /// Stops waiting for object `id`'s group (its reservation ended, so the group cannot
@@ -204,9 +261,10 @@ impl<T> LandingTable<T> {
             if lo >= hi {
                 continue; // (only the unused tail of the object's last slot)
             }
-            p.missing -= s.cover(lo, hi);
-            if p.missing == 0 {
-                let group = p.group;
+            let newly = s.cover(lo, hi);
+            p.missing -= newly;
+            // (an unbound object stays, complete, until `arm` makes it part of a group)
+            if let (0, Some(group), true) = (p.missing, p.group, newly > 0) {
                 st.take_object(id);
                 if let Some(g) = st.groups.get_mut(&group) {
                     g.waiting -= 1;
@@ -249,13 +307,14 @@ impl Pending {
                 covered: Vec::new(),
             })
             .collect();
-        Ok(Pending { group: 0, region: o.region, missing: o.size, slots })
+        Ok(Pending { group: None, region: o.region, missing: o.size, slots })
     }
 }
 
 impl<T> State<T> {
-    /// Removes object `id` and its slots; its group, if any.
-    fn take_object(&mut self, id: u64) -> Option<u64> {
+    /// Removes object `id` and its slots; `Some(its group)` if it was held (an unbound
+    /// object's: None inside).
+    fn take_object(&mut self, id: u64) -> Option<Option<u64>> {
         let p = self.objects.remove(&id)?;
         for s in &p.slots {
             if self.slots.get(&(p.region, s.index)).is_some_and(|&(o, _)| o == id) {
@@ -276,7 +335,9 @@ impl<T> State<T> {
     fn forget(&mut self, id: u64) -> bool {
         match self.take_object(id) {
             Some(group) => {
-                self.forget_group(group);
+                if let Some(group) = group {
+                    self.forget_group(group);
+                }
                 true
             }
             None => false,
@@ -416,6 +477,52 @@ mod tests {
         assert_eq!(land(&t, R, 200, 100), Ok(()));
         assert_eq!(land(&t, R, 600, 100), Ok(()));
         assert_eq!(*seen.lock(), vec![(vec![9], "f")]);
+    }
+
+    #[test]
+    fn unbound_objects_complete_only_once_armed_before_during_or_after_landing() {
+        let (t, seen) = table();
+        t.expect_unbound(&[obj(20, R, &[0], 100), obj(21, R, &[100], 100), obj(22, R, &[200, 300], 150)]).unwrap();
+        t.expect_unbound(&[obj(23, R2, &[0], 10)]).unwrap();
+        // all of 20 and 21 land before anything is armed: nothing completes
+        assert_eq!(land(&t, R, 0, 200), Ok(()));
+        assert!(seen.lock().is_empty());
+        assert_eq!(t.pending(), 4);
+        // armed after landing: the caller completes them, nothing else will
+        assert_eq!(t.arm(&[21, 20], "late"), Ok(true));
+        assert!(seen.lock().is_empty());
+        assert_eq!(t.pending(), 2);
+        // armed while half landed: the write of its last byte completes it
+        assert_eq!(land(&t, R, 200, 100), Ok(()));
+        assert_eq!(t.arm(&[22], "during"), Ok(false));
+        assert_eq!(land(&t, R, 300, 49), Ok(()));
+        assert!(seen.lock().is_empty(), "byte 349 is missing");
+        assert_eq!(land(&t, R, 300, 50), Ok(()));
+        assert_eq!(*seen.lock(), vec![(vec![22], "during")]);
+        // armed before any byte
+        assert_eq!(t.arm(&[23], "early"), Ok(false));
+        assert_eq!(land(&t, R2, 0, 10), Ok(()));
+        assert_eq!(seen.lock().last(), Some(&(vec![23], "early")));
+        assert_eq!(t.pending(), 0);
+    }
+
+    #[test]
+    fn arming_what_is_not_unbound_is_refused_and_changes_nothing() {
+        let (t, seen) = table();
+        t.expect_unbound(&[obj(30, R, &[0], 10), obj(31, R, &[100], 10)]).unwrap();
+        t.expect(&[obj(32, R, &[200], 10)], "bound").unwrap();
+        assert!(t.arm(&[], "x").is_err());
+        assert!(t.arm(&[30, 99], "x").is_err(), "99 was never held");
+        assert!(t.arm(&[30, 32], "x").is_err(), "32 is in a group");
+        assert!(t.arm(&[30, 30], "x").is_err());
+        assert_eq!(t.arm(&[30], "a"), Ok(false));
+        assert!(t.arm(&[30], "again").is_err(), "armed already");
+        // an unbound object forgotten (its slots given back) takes no other object with it
+        assert!(t.forget(31));
+        assert!(t.arm(&[31], "x").is_err());
+        assert_eq!(t.pending(), 2);
+        assert_eq!(land(&t, R, 0, 300), Ok(()));
+        assert_eq!(*seen.lock(), vec![(vec![30], "a"), (vec![32], "bound")]);
     }
 
     #[test]
