@@ -71,8 +71,8 @@ class ConnHolds:
         # reservation id -> its status when its group landed and was not all published, kept
         # for the client's Commit of it (node.py ``_landed``); bounded, dropped with the connection
         self._outcomes: dict[int, int] = {}
-        # reservation id -> bytes, of the spare slots not yet named by a Bind (node.py ``_spares``)
-        self._spares: dict[int, int] = {}
+        # reservation ids of the spare slots not yet named by a Bind (node.py ``_spares``)
+        self._spares: set[int] = set()
         self._lock = threading.Lock()  # the serving thread and the node's reaper
         self.reservations: dict[int, Reservation] = {}
         self.leases: dict[int, Lease] = {}
@@ -117,7 +117,7 @@ class ConnHolds:
             for hid, held, _, _ in holds:
                 table[hid] = held  # type: ignore[assignment]
             if spare:
-                self._spares.update((hid, held.meta.size) for hid, held, _, _ in holds)  # type: ignore[union-attr]
+                self._spares.update(hid for hid, _, _, _ in holds)
             if grants:
                 self._grants.update(grants)
 
@@ -128,8 +128,7 @@ class ConnHolds:
             pop = self.reservations.pop
             taken = [pop(pid, None) for pid in pids]
             if self._spares:
-                for pid in pids:
-                    self._spares.pop(pid, None)
+                self._spares.difference_update(pids)
             if self._grants:
                 gpop = self._grants.pop
                 grants = [g for pid, res in zip(pids, taken) if res is not None for g in gpop(pid, [])]
@@ -152,8 +151,7 @@ class ConnHolds:
             spares = self._spares
             if len(set(pids)) != len(pids) or not all(pid in spares for pid in pids):
                 return None
-            for pid in pids:
-                del spares[pid]
+            spares.difference_update(pids)
             return [self.reservations[pid] for pid in pids]
 
     @property
@@ -162,7 +160,9 @@ class ConnHolds:
 
     @property
     def spare_bytes(self) -> int:
-        return sum(self._spares.values())
+        """The bytes of the objects the spare slots are for."""
+        with self._lock:
+            return sum(self.reservations[pid].meta.size for pid in self._spares)
 
     def note_outcomes(self, statuses: dict[int, int]) -> None:
         """The reservations of a group that landed, not all of them published (node.py
@@ -205,7 +205,7 @@ class ConnHolds:
             if self.ttl_s > 0 and now - self.last_use > self.ttl_s and (self.reservations or self.leases):
                 ended = [*self.reservations.items(), *self.leases.items()]
                 self.reservations, self.leases = {}, {}
-                self._spares = {}
+                self._spares = set()
             due = [h for t, h in self._expired if t <= now]
             self._expired = [(t, h) for t, h in self._expired if t > now]
         for hid, held in ended:
@@ -226,7 +226,7 @@ class ConnHolds:
         with self._lock:
             held: list[tuple[int, Held]] = [*self.reservations.items(), *self.leases.items()]
             self.reservations, self.leases = {}, {}
-            self._spares = {}
+            self._spares = set()
             late = [h for _, h in self._expired]
             self._expired = []
             self._outcomes = {}

@@ -261,7 +261,8 @@ class StoreNode:
         seg = self.segment
         sc = seg.classes[seg.class_of(size)]
         with self._conns_lock:
-            held = sum(c.spare_bytes for c in self._conns)
+            conns = list(self._conns)
+        held = sum(c.spare_bytes for c in conns)
         if (count * size + conn.spare_bytes > SPARE_BYTES_MAX
                 or count * size + held > sc.capacity_chunks * sc.chunk_bytes // 8):
             return None
@@ -270,14 +271,7 @@ class StoreNode:
             for res in got:
                 seg.abort(res)
             return None
-        holds = [(next(self._ids), res, self.regions[res.meta.cls], seg.classes[res.meta.cls].chunk_bytes)
-                 for res in got]
-        try:
-            conn.hold_many(holds, write=True, spare=True)  # (all or none)
-        except Exception:
-            for _, res, _, _ in holds:
-                seg.abort(res)
-            raise
+        holds = self._hold_writes(conn, got, spare=True)
         pids = [pid for pid, _, _, _ in holds]
         regions = [region.id for _, _, region, _ in holds]
         offsets = [res.offsets for _, res, _, _ in holds]
@@ -328,12 +322,11 @@ class StoreNode:
         seg = self.segment
         st, ids, regions, chunk, offsets = [], [], [], [], []
         got = seg.reserve_many(msg.keys, msg.sizes, msg.pin)  # one store call a size class
-        holds = []
+        holds = self._hold_writes(conn, [res for res in got if isinstance(res, Reservation)])
+        each = iter(holds)
         for res in got:
             if isinstance(res, Reservation):
-                pid = next(self._ids)
-                region, cb = self.regions[res.meta.cls], seg.classes[res.meta.cls].chunk_bytes
-                holds.append((pid, res, region, cb))
+                pid, _, region, cb = next(each)
                 st.append(0)
                 ids.append(pid)
                 regions.append(region.id)
@@ -346,12 +339,6 @@ class StoreNode:
                 chunk.append(0)
                 offsets.append([])
         if holds:
-            try:
-                conn.hold_many(holds, write=True)  # (all or none)
-            except Exception:
-                for _, res, _, _ in holds:  # nothing else would free them
-                    seg.abort(res)
-                raise
             if msg.commit_on_landing:
                 # (an empty object has no byte to land: its client commits it)
                 landing = [(pid, region.id, res.offsets, res.meta.size) for pid, res, region, _ in holds
@@ -362,6 +349,23 @@ class StoreNode:
         spares = self._spares(conn, msg.spares, msg.spare_size) if msg.commit_on_landing else None
         return Reserved(msg.rid, st, ids, regions, chunk, offsets, commit_on_landing=msg.commit_on_landing,
                         spares=spares)
+
+    def _hold_writes(self, conn: ConnHolds, reserved: list[Reservation],
+                     spare: bool = False) -> list[tuple[int, Reservation, Any, int]]:
+        """Gives each reservation a put id and holds them all for the connection (``spare``:
+        as its spare slots), all or none: when holding fails they are aborted, since nothing
+        else would free them. ``(put id, reservation, region, chunk bytes)`` each."""
+        seg = self.segment
+        holds = [(next(self._ids), res, self.regions[res.meta.cls], seg.classes[res.meta.cls].chunk_bytes)
+                 for res in reserved]
+        if holds:
+            try:
+                conn.hold_many(holds, write=True, spare=spare)
+            except Exception:
+                for _, res, _, _ in holds:
+                    seg.abort(res)
+                raise
+        return holds
 
     def _get_value(self, msg: GetValue, conn: ConnHolds) -> Value:
         """One key's value inline when it is small, else its size (``Lookup``'s one-key

@@ -164,13 +164,13 @@ class RemoteBackend:
                     inline = self.nodes.asked(node, PutInline, keys=[keys[i] for i in small], values=values, pin=pin)
                 if large:
                     size = totals[large[0]]
-                    lands, want = self._spares_wanted(node, [totals[i] for i in large], spares)
-                    reserve = self._put_into_spares(node, [keys[i] for i in large], [ptrs[i] for i in large],
-                                                    [sizes[i] for i in large], size, pin) if want else None
+                    link, lands, want = self._spares_wanted(node, [totals[i] for i in large], spares)
+                    reserve = self._put_into_spares(link, node, [keys[i] for i in large], [ptrs[i] for i in large],
+                                                    [sizes[i] for i in large], size, pin) if link and want else None
                     if reserve is not None:
                         batches.append(reserve.batch)
                     else:
-                        held = self._spares_held(node, size) if want else 0
+                        held = link.spares.held(size) if link and want else 0
                         reserve = self.nodes.asked(node, Reserve, keys=[keys[i] for i in large],
                                                    sizes=[totals[i] for i in large], pin=pin, engine=self.name,
                                                    commit_on_landing=lands, spares=max(want - held, 0),
@@ -267,16 +267,12 @@ class RemoteBackend:
             link.spares.ask(count, size, self.name)
         return retry
 
-    def _put_into_spares(self, node: str, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]],
-                         size: int, pin: bool) -> _SparePut | None:
+    def _put_into_spares(self, link: NodeLink, node: str, keys: list[str], ptrs: list[list[int]],
+                         sizes: list[list[int]], size: int, pin: bool) -> _SparePut | None:
         """A put of ``len(keys)`` objects of ``size`` bytes into spare slots the node holds
         for this client: its Bind and its writes leave together, nobody waits for a
         Reserve's answer first (the put asks for the next put's spares once its bytes
         landed). None when the link holds too few spares of that size."""
-        try:
-            link = self.nodes.link(node)
-        except NodeDown:
-            return None
         taken = link.spares.take(len(keys), size)
         if taken is None:
             return None
@@ -317,25 +313,19 @@ class RemoteBackend:
             return None
         return bound
 
-    def _spares_held(self, node: str, size: int) -> int:
-        try:
-            return self.nodes.link(node).spares.held(size)
-        except NodeDown:
-            return 0
-
-    def _spares_wanted(self, node: str, totals: list[int], spares: bool) -> tuple[bool, int]:
-        """Whether this engine's last writes into ``node``'s regions went over TCP, where the
-        node sees them land (not a same-host node's shared memory or staging link; the
-        first put to a node finds out: its writes' routes are known once they were sent),
-        and how many spare slots a put of objects of ``totals`` bytes to it wants: one an
-        object when they land, are all of one size (above ``INLINE_MAX``, at most
-        ``SPARE_BYTES_MAX`` in all) and the last put to that node had that size too (a
-        one-off put holds no spares for nothing, and a client whose sizes change from put
-        to put would only churn them: those held for another size are given back)."""
+    def _spares_wanted(self, node: str, totals: list[int], spares: bool) -> tuple[NodeLink | None, bool, int]:
+        """The link to ``node`` (None: it cannot be asked); whether this engine's writes into
+        its regions go over TCP, where the node sees them land (``NodeLink.writes_land``: not
+        a same-host node's shared memory or staging link); and how many spare slots a put of
+        objects of ``totals`` bytes to it wants: one an object when they land, are all of
+        one size (above ``INLINE_MAX``, at most ``SPARE_BYTES_MAX`` in all) and the last put
+        to that node had that size too (a one-off put holds no spares for nothing, and a
+        client whose sizes change from put to put would only churn them: those held for
+        another size are given back)."""
         try:
             link = self.nodes.link(node)
         except NodeDown:
-            return False, 0  # (the Reserve fails the same way)
+            return None, False, 0  # (the Reserve fails the same way)
         slots = link.spares
         size, last = totals[0], slots.last_put_size
         slots.last_put_size = size if all(n == size for n in totals) else 0
@@ -343,8 +333,8 @@ class RemoteBackend:
             slots.give_back(slots.drop())
         if not (spares and link.writes_land and last == size and size > INLINE_MAX
                 and len(totals) * size <= SPARE_BYTES_MAX and slots.last_put_size):
-            return link.writes_land, 0
-        return True, len(totals)
+            return link, link.writes_land, 0
+        return link, True, len(totals)
 
     def _outcome(self, done: list[int], errors: list[KeyStatus | None], replicas: int) -> list[KeyStatus]:
         """OK for a key at least one replica took (fewer than asked: counted), else why not."""
