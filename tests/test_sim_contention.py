@@ -142,6 +142,10 @@ def test_no_fetch_pays_so_mooncake_decides_like_local_cache_aware(n, seed, prefi
 
 #: Tolerance of the mean-TTFT property, in requests: ``mooncake``'s total TTFT may exceed
 #: the best baseline's by at most this many times that baseline's largest single TTFT.
+#: Some tolerance is needed by any policy that places requests on arrival: on a trace and
+#: its own prefix no placement is within the best baseline on both
+#: (tests/test_sim_online_bound.py). What that forces on the cases found is up to 1.08x
+#: (0.24 request-worths); the rest of this tolerance covers mooncake's own greedy choices.
 TOLERANCE_REQUESTS = 3
 
 # Figures since k25x (the property test's docstring below is left as it is: hypothesis
