@@ -17,7 +17,7 @@ import numpy as np
 
 KiB, MiB = 1 << 10, 1 << 20
 # (value size, rounds) for batches of 32. A 512 KiB batch lasts ~8 ms, and one pair of
-# batches (the pool's and the engine's beside it) reads 0.6-1.3x of the other on this host:
+# batches (the pool's and the engine's beside it) reads 0.4-1.3x of the other on this host:
 # 24 pairs, not 8, so a run's median of them moves less than the 0.8x target's margin.
 BULK = [(512 * KiB, 24), (4 * MiB, 8)]
 

@@ -11,10 +11,11 @@ The subnet's third octet is one that no address or route of this machine uses, c
 under a file lock, so concurrent runs do not collide and neither does a bridge that a
 killed run left behind (its route would take the replies to our hosts); every name
 carries the octet too, and ``close()`` removes all of them (also after a failed setup).
-Such leftovers (a test bridge with no ports and no namespaces) are deleted on the way. Needs CAP_NET_ADMIN (root here and in CI); ``available()`` says whether
-namespaces can be made, so tests can fall back; ``require()`` skips a test that cannot
-run without them, or fails it under ``MOONCAKE_REQUIRE_NETNS=1`` (CI sets it, so these
-tests cannot vanish from a green run).
+Such leftovers (a test bridge with no ports and no namespaces) are deleted on the way.
+Needs CAP_NET_ADMIN (root here and in CI); ``available()`` says whether namespaces can
+be made, so tests can fall back; ``require()`` skips a test that cannot run without them,
+or fails it under ``MOONCAKE_REQUIRE_NETNS=1`` (CI sets it, so these tests cannot vanish
+from a green run).
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def _remove_leftovers() -> None:
     """Deletes test bridges that no run owns any more: no port on them and none of their
     namespaces left (what a run killed between its setup and its ``close()`` leaves)."""
     namespaces = _ip("netns", "list", check=False).stdout
-    for m in re.finditer(r"^\d+: (mrbr(\d+))[:@]", _ip("-o", "link", "show", "type", "bridge", check=False).stdout, re.M):
+    bridges = _ip("-o", "link", "show", "type", "bridge", check=False).stdout
+    for m in re.finditer(r"^\d+: (mrbr(\d+))[:@]", bridges, re.M):
         bridge, tag = m.group(1), m.group(2)
         if _ip("-o", "link", "show", "master", bridge, check=False).stdout.strip():
             continue
@@ -80,8 +82,9 @@ def _remove_leftovers() -> None:
 def _free_octet() -> int:
     """A third octet of 10.213.0.0/16 that no address, route or test link here uses (the
     first free one after a start taken from the process id, so concurrent runs spread)."""
-    used_text = _ip("-o", "-4", "addr", "show", check=False).stdout + _ip("-4", "route", "show", "table", "all", check=False).stdout
-    used = {int(o) for o in re.findall(r"\b10\.213\.(\d+)\.", used_text)}
+    addresses = _ip("-o", "-4", "addr", "show", check=False).stdout
+    routes = _ip("-4", "route", "show", "table", "all", check=False).stdout
+    used = {int(o) for o in re.findall(r"\b10\.213\.(\d+)\.", addresses + routes)}
     links = _ip("-o", "link", "show", check=False).stdout + _ip("netns", "list", check=False).stdout
     used |= {int(t) for t in re.findall(r"\bmr(?:br|h|v)(\d+)", links)}
     start = os.getpid() % len(_OCTETS)
