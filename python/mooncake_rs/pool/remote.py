@@ -319,20 +319,16 @@ class RemoteBackend:
         a same-host node's shared memory or staging link); and how many spare slots a put of
         objects of ``totals`` bytes to it wants: one an object when they land, are all of
         one size (above ``INLINE_MAX``, at most ``SPARE_BYTES_MAX`` in all) and the last put
-        to that node had that size too (a one-off put holds no spares for nothing, and a
-        client whose sizes change from put to put would only churn them: those held for
-        another size are given back)."""
+        to that node had that size too (``SpareSlots.note_put``: a client whose sizes change
+        from put to put would only churn them)."""
         try:
             link = self.nodes.link(node)
         except NodeDown:
             return None, False, 0  # (the Reserve fails the same way)
-        slots = link.spares
-        size, last = totals[0], slots.last_put_size
-        slots.last_put_size = size if all(n == size for n in totals) else 0
-        if slots.size not in (0, size) and slots.held(slots.size):
-            slots.give_back(slots.drop())
-        if not (spares and link.writes_land and last == size and size > INLINE_MAX
-                and len(totals) * size <= SPARE_BYTES_MAX and slots.last_put_size):
+        repeated = link.spares.note_put(totals)
+        size = totals[0]
+        if not (spares and link.writes_land and repeated and size > INLINE_MAX
+                and len(totals) * size <= SPARE_BYTES_MAX):
             return link, link.writes_land, 0
         return link, True, len(totals)
 

@@ -39,6 +39,16 @@ class SpareSlots:
         self._coming: _Answer | None = None  # the answer to ``ask``, not read yet
         self.last_put_size = 0  # the object size of the last put to the node (0: none, or mixed)
 
+    def note_put(self, totals: list[int]) -> bool:
+        """Records a put of objects of ``totals`` bytes to the node; whether they are all of
+        one size and the last put's were too (a one-off put holds no spares for nothing).
+        Spares held for another size, which this client has moved on from, are given back."""
+        size, last = totals[0], self.last_put_size
+        self.last_put_size = size if all(n == size for n in totals) else 0
+        if self.size not in (0, size) and self.held(self.size):
+            self.give_back(self.drop())
+        return self.last_put_size != 0 and last == size
+
     def ask(self, count: int, size: int, engine: str) -> None:
         """Asks the node for ``count`` spare slots of ``size`` bytes (a ``Reserve`` of no
         key), unless an ask is in flight; the answer is read by the next ``take``. A put
