@@ -74,8 +74,14 @@ def unavoidable_excess(trace: Sequence[Any], m: int, *, prefill: int, decode: in
     on its first ``m`` requests, whichever is worse: an online policy places those ``m``
     the same way in both (it cannot tell them apart when it decides), so it is above on
     one of them by at least this much. 0 when one placement is within both."""
-    full = every_placement(trace, prefill=prefill, decode=decode, nic=nic)
-    head = every_placement(trace[:m], prefill=prefill, decode=decode, nic=nic)
-    best_full = best_baseline(trace, prefill=prefill, decode=decode, nic=nic)
-    best_head = best_baseline(trace[:m], prefill=prefill, decode=decode, nic=nic)
+    shape = dict(prefill=prefill, decode=decode, nic=nic)
+    return excess_over(every_placement(trace, **shape), best_baseline(trace, **shape),
+                       every_placement(trace[:m], **shape), best_baseline(trace[:m], **shape))
+
+
+def excess_over(full: dict[tuple[int, ...], float], best_full: float,
+                head: dict[tuple[int, ...], float], best_head: float) -> float:
+    """``unavoidable_excess`` from the two traces' placements already simulated (``head``:
+    those of the first m requests) and their best baselines."""
+    m = len(next(iter(head)))
     return max(0.0, min(max(full[v] - best_full, head[v[:m]] - best_head) for v in full))

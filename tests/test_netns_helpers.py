@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -22,12 +21,11 @@ def _namespaces() -> None:
     require()  # skips without namespaces, fails instead under MOONCAKE_REQUIRE_NETNS=1
 
 
-def _ip(*args: str, check: bool = True) -> None:
-    subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=10)
+_ip = netns_helpers._ip
 
 
 def _links() -> str:
-    return subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    return _ip("-o", "link", "show").stdout
 
 
 def _first_choice() -> int:
@@ -90,5 +88,5 @@ def test_close_removes_everything_it_made() -> None:
         spaces = list(hosts.names)
     links = _links()
     assert not [name for name in made if f" {name}:" in links or f" {name}@" in links]
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    listed = _ip("netns", "list").stdout
     assert not [ns for ns in spaces if ns in listed.split()]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from mooncake_rs.sim import generate_trace
-from placement_helpers import BASELINES, every_placement, run, unavoidable_excess
+from placement_helpers import BASELINES, best_baseline, every_placement, excess_over, run
 
 SHAPE = dict(prefill=2, decode=1, nic=1e9)
 
@@ -32,13 +32,13 @@ def test_no_online_placement_is_within_the_best_baseline_on_a_trace_and_its_pref
     trace = generate_trace(n, kind=kind, seed=seed, rate=rate)
     full = every_placement(trace, **SHAPE)
     head = every_placement(trace[:m], **SHAPE)
-    best_full = min(run(trace, p, **SHAPE)[0] for p in BASELINES)
-    best_head = min(run(trace[:m], p, **SHAPE)[0] for p in BASELINES)
+    best_full = best_baseline(trace, **SHAPE)
+    best_head = best_baseline(trace[:m], **SHAPE)
     within_full = {v[:m] for v, mean in full.items() if mean <= best_full + 1e-9}
     within_head = {v for v, mean in head.items() if mean <= best_head + 1e-9}
     assert within_full and within_head  # each trace alone can be met (by its best baseline at least)
     assert not within_full & within_head  # but no first m placements meet both
-    assert unavoidable_excess(trace, m, **SHAPE) > 0
+    assert excess_over(full, best_full, head, best_head) > 0
     # fetches are no way out here: the conductor's own pricing, on every placement, fetches
     # nothing at 1 GB/s (mooncake's forced runs are local_cache_aware's)
     assert every_placement(trace, **SHAPE, policy="mooncake") == full
