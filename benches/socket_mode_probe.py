@@ -2,6 +2,7 @@
 """What decides the plain socket stream's speed at 64 KiB on a 2-core host (issue 26).
 
   python benches/socket_mode_probe.py [--sizes 64] [--batches 32,64] [--trials 6] [--seconds 0.4]
+  python benches/socket_mode_probe.py --sizes 512 --engine write --engine-auth integrity
 
 The reference of ``transfer_bench.py`` (``SocketRef``: a Python sender, a Python
 receiver child, ``size``-byte sends of ``size x batch`` bytes a call walking a 256 MiB
@@ -121,13 +122,15 @@ def trial(ref, size, nb, seconds, k0):
 
 
 class EngineSide:
-    """Our engine (no token) writing to / reading from a peer process, the bench's case."""
+    """Our engine writing to / reading from a peer process, the bench's case: no token, or
+    with a token and the given ``wire_protection`` (``encrypted`` or ``integrity``)."""
 
-    def __init__(self, conns=None):
+    def __init__(self, conns=None, protection=None):
+        tok = {} if protection is None else {"auth_token": "probe-token", "wire_protection": protection}
         self.peer, info = start_peer(name="probe-peer", regions=[{"name": "r", "length": WS, "fill": False}],
-                                     transports=["tcp"])
+                                     transports=["tcp"], **tok)
         extra = {} if conns is None else {"connections_per_endpoint": conns}
-        self.e = mc.TransferEngine("probe-init", transports=["tcp"], registry=mc.TransferRegistry(), **extra)
+        self.e = mc.TransferEngine("probe-init", transports=["tcp"], registry=mc.TransferRegistry(), **tok, **extra)
         self.p = self.e.connect("probe-peer", info["address"])
         self.mine = self.e.allocate(WS)
         self.rid = info["regions"]["r"]
@@ -186,12 +189,14 @@ def main():
     ap.add_argument("--trials", type=int, default=6)
     ap.add_argument("--seconds", type=float, default=0.4)
     ap.add_argument("--placements", default="free,same,split")
-    ap.add_argument("--engine", default="", help="also our engine's ops, no token (write,read)")
+    ap.add_argument("--engine", default="", help="also our engine's ops (write,read)")
+    ap.add_argument("--engine-auth", default=None, choices=("encrypted", "integrity"),
+                    help="our engine with a token and this wire protection (default: no token)")
     ap.add_argument("--engine-placements", default="free", help="placements of our engine's two processes")
     ap.add_argument("--engine-conns", type=int, default=None, help="connections_per_endpoint (default: the engine's)")
     a = ap.parse_args()
     ref = SocketRef()
-    eng = EngineSide(a.engine_conns) if a.engine else None
+    eng = EngineSide(a.engine_conns, a.engine_auth) if a.engine else None
     erows: dict[tuple, list[dict]] = {}
     rows: dict[tuple, list[dict]] = {}
     k = 0

@@ -1,5 +1,8 @@
-//! Does splicing a sender's pages into a loopback TCP socket cost fewer CPU-seconds per
-//! byte than writing them? (issue 26, 512 KiB authenticated TCP.)
+//! Two questions of issue 26 (512 KiB authenticated TCP) on bare loopback sockets, with no
+//! transfer engine around them: does splicing a sender's pages into the socket cost fewer
+//! CPU-seconds per byte than writing them, and what does the cheapest integrity-only
+//! stream (a tag per record made by the sender and checked by the receiver) reach against
+//! the plain stream?
 //!
 //! A plain socket stream over loopback pays two copies: the sender's `write` copies user
 //! bytes into socket buffers, the receiver's `read` copies them out. `vmsplice(2)` of
@@ -22,20 +25,111 @@
 //! first). A single mode is for `perf record`. `SPLICE_BENCH_FIXED=1`: every call at
 //! offset 0 instead of walking.
 //!
+//! Modes that also check the tags at the receiver (what any integrity-only TCP path must
+//! do at both ends, with nothing else: no requests, no answers, no threads between):
+//! `tag-check` (the sender tags each record, then hands a chunk's records and their tags
+//! to the socket in one vectored write; the receiver reads each record and its tag
+//! straight into the destination and checks it there, still hot), and `frames` /
+//! `frames-none` (the transfer engine's own framing layer, `FrameWriter` and
+//! `FrameReader::read_payload_verified`, integrity-only and without a token, over the
+//! same bare socket: one frame a chunk). `stream` is `write` with the receiver reading
+//! each chunk whole, as `transfer_bench.py`'s socket reference does. Run
+//! `SPLICE_BENCH_MODES=stream,tag-check,frames,frames-none` for the integrity question
+//! (BENCHMARKS.md, "k26w"). `SPLICE_BENCH_SPLIT=1` pins the sender to CPU 0 and the
+//! receiver to CPU 1.
+//!
 //! Result on the development host (BENCHMARKS.md, "k26z: authenticated 512 KiB"): the
 //! splice removes most of the sender's CPU, but the receiver's copy out of spliced pages
 //! costs 2-3x its copy out of written ones, 1.4-1.7x the CPU per byte in all; so the
 //! transfer engine does not splice.
 
 use std::io::{self, Read, Write};
+use std::io::{IoSlice, IoSliceMut};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::time::Instant;
 
 use aws_lc_rs::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM};
+use mooncake_core::transfer::tcp::seal::{FrameKey, FrameReader, FrameWriter, TAG_LEN};
+use mooncake_core::transfer::WireProtection;
 
 const WS: usize = 256 << 20;
 const PER_CALL: usize = 32;
+/// Bytes a tag covers (the transfer engine's record).
+const RECORD: usize = 64 << 10;
+/// The head of a `frames` frame (a request header's size).
+const HEAD: [u8; 24] = [3u8; 24];
+
+/// The GMAC key and nonces both ends of the tagging modes use.
+fn gmac_key() -> io::Result<LessSafeKey> {
+    Ok(LessSafeKey::new(UnboundKey::new(&AES_256_GCM, &[7u8; 32]).map_err(|_| io::Error::other("key"))?))
+}
+
+/// The GMAC tag of record `seq` (the record as associated data, nothing encrypted).
+fn gmac(key: &LessSafeKey, seq: u64, rec: &[u8]) -> io::Result<[u8; TAG_LEN]> {
+    let mut n = [0u8; 12];
+    n[..8].copy_from_slice(&seq.to_le_bytes());
+    let t = key
+        .seal_in_place_separate_tag(Nonce::assume_unique_for_key(n), Aad::from(rec), &mut [])
+        .map_err(|_| io::Error::other("gmac"))?;
+    let mut out = [0u8; TAG_LEN];
+    out.copy_from_slice(t.as_ref());
+    Ok(out)
+}
+
+/// The key of the `frames` modes (`None`: `frames-none`, no token).
+fn frame_key(mode: &str) -> Option<FrameKey> {
+    (mode == "frames").then_some(FrameKey { key: [5u8; 32], protection: WireProtection::Integrity })
+}
+
+/// `tag-check`'s sender: a chunk's records tagged, then the records and tags in one
+/// vectored write.
+fn tag_check_send(s: &mut TcpStream, key: &LessSafeKey, seq: &mut u64, bytes: &[u8]) -> io::Result<()> {
+    let tags: Vec<[u8; TAG_LEN]> = bytes
+        .chunks(RECORD)
+        .map(|rec| {
+            *seq += 1;
+            gmac(key, *seq, rec)
+        })
+        .collect::<io::Result<_>>()?;
+    let mut slices: Vec<IoSlice> =
+        bytes.chunks(RECORD).zip(&tags).flat_map(|(r, t)| [IoSlice::new(r), IoSlice::new(t)]).collect();
+    let mut slices = &mut slices[..];
+    while !slices.is_empty() {
+        match s.write_vectored(slices) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut slices, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// `tag-check`'s receiver of one chunk: each record and its tag read into `dst` and a
+/// tag buffer (one system call for both where the socket holds them), then checked.
+fn tag_check_recv(c: &mut TcpStream, key: &LessSafeKey, seq: &mut u64, dst: &mut [u8]) -> io::Result<usize> {
+    let mut reads = 0;
+    for rec in dst.chunks_mut(RECORD) {
+        let mut tag = [0u8; TAG_LEN];
+        let (mut r, mut t) = (0, 0);
+        while r < rec.len() || t < TAG_LEN {
+            let n = c.read_vectored(&mut [IoSliceMut::new(&mut rec[r..]), IoSliceMut::new(&mut tag[t..])])?;
+            if n == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            reads += 1;
+            let into_rec = n.min(rec.len() - r);
+            r += into_rec;
+            t += n - into_rec;
+        }
+        *seq += 1;
+        if gmac(key, *seq, rec)? != tag {
+            return Err(io::Error::other("bad tag"));
+        }
+    }
+    Ok(reads)
+}
 
 /// Offset of call `k`: walking through the 256 MiB, or with `SPLICE_BENCH_FIXED=1` always
 /// 0 (a window that stays in cache, to see the paths without memory's cost).
@@ -45,6 +139,19 @@ fn call_base(k: usize, total: usize) -> usize {
         0
     } else {
         (k * total) % (WS - total + 1)
+    }
+}
+
+/// With `SPLICE_BENCH_SPLIT=1` the calling thread runs on CPU `cpu` only (the sender on
+/// 0, the receiver on 1: the placement of the plain stream's fast mode on 2 cores).
+fn pin(cpu: usize) {
+    if std::env::var_os("SPLICE_BENCH_SPLIT").is_some_and(|v| !v.is_empty()) {
+        // SAFETY: a zeroed cpu_set_t is empty; CPU_SET writes inside it; the call reads it.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(cpu, &mut set);
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+        }
     }
 }
 
@@ -115,21 +222,50 @@ fn splice_mode(s: &TcpStream, pr: &OwnedFd, pw: &OwnedFd, mut bytes: &[u8]) -> i
 
 /// Receives `calls` calls of `PER_CALL x chunk` bytes at walking offsets; returns its
 /// CPU-s and how many reads that took.
-fn receiver(mut c: TcpStream, calls: usize, chunk: usize, first: usize) -> io::Result<(f64, usize)> {
+fn receiver(mut c: TcpStream, mode: &str, calls: usize, chunk: usize, first: usize) -> io::Result<(f64, usize)> {
     let mut dst = vec![0u8; WS];
     dst.iter_mut().step_by(4096).for_each(|b| *b = 1); // fault the pages in up front
     let total = PER_CALL * chunk;
+    let key = gmac_key()?;
+    let mut seq = 0u64;
+    let framed = mode.starts_with("frames");
+    let mut frames = FrameReader::new(c.try_clone()?, frame_key(mode));
+    // Ready: the sender's clock starts after the destination's pages are in.
+    c.write_all(b"r")?;
     let cpu0 = thread_cpu_s();
     let mut reads = 0usize;
     for k in first..first + calls {
         let base = call_base(k, total);
-        let mut got = 0;
-        while got < total {
-            match c.read(&mut dst[base + got..base + total])? {
-                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
-                n => got += n,
+        if mode == "stream" {
+            for i in 0..PER_CALL {
+                let at = base + i * chunk;
+                c.read_exact(&mut dst[at..at + chunk])?;
+                reads += 1;
             }
-            reads += 1;
+        } else if mode == "tag-check" {
+            for i in 0..PER_CALL {
+                let at = base + i * chunk;
+                reads += tag_check_recv(&mut c, &key, &mut seq, &mut dst[at..at + chunk])?;
+            }
+        } else if framed {
+            for i in 0..PER_CALL {
+                let at = base + i * chunk;
+                let mut head = [0u8; HEAD.len()];
+                frames.read_exact(&mut head)?;
+                frames
+                    .read_payload_verified(&mut dst[at..at + chunk])
+                    .map_err(|e| io::Error::other(format!("{e:?}")))?;
+                reads += 1;
+            }
+        } else {
+            let mut got = 0;
+            while got < total {
+                match c.read(&mut dst[base + got..base + total])? {
+                    0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                    n => got += n,
+                }
+                reads += 1;
+            }
         }
         c.write_all(b"a")?;
     }
@@ -147,31 +283,32 @@ struct Row {
 fn run(mode: &str, src: &[u8], calls: usize, chunk: usize, first: usize) -> io::Result<Row> {
     let l = TcpListener::bind("127.0.0.1:0")?;
     let addr = l.local_addr()?;
+    let recv_mode = mode.to_string();
     let rx = std::thread::Builder::new().name(format!("recv-{mode}")).spawn(move || -> io::Result<(f64, usize)> {
+        pin(1);
         let (c, _) = l.accept()?;
         c.set_nodelay(true)?;
-        receiver(c, calls, chunk, first)
+        receiver(c, &recv_mode, calls, chunk, first)
     })?;
+    pin(0);
     let mut s = TcpStream::connect(addr)?;
     s.set_nodelay(true)?;
     let (pr, pw) = pipe()?;
     let total = PER_CALL * chunk;
+    let mut ack = [0u8; 1];
+    s.read_exact(&mut ack)?; // the receiver is ready
     let cpu0 = thread_cpu_s();
     let t0 = Instant::now();
-    let mut ack = [0u8; 1];
-    let key = LessSafeKey::new(UnboundKey::new(&AES_256_GCM, &[7u8; 32]).map_err(|_| io::Error::other("key"))?);
+    let key = gmac_key()?;
+    let mut check_seq = 0u64;
+    let mut frames = FrameWriter::new(s.try_clone()?, frame_key(mode));
     let mut tags = 0u8;
     let mut seq = 0u64;
     let mut tag = |b: &[u8]| -> io::Result<()> {
-        // As an integrity-only sender does: a GMAC tag per 64 KiB record.
-        for rec in b.chunks(64 << 10) {
-            let mut n = [0u8; 12];
-            n[..8].copy_from_slice(&seq.to_le_bytes());
+        // As an integrity-only sender does: a GMAC tag per record.
+        for rec in b.chunks(RECORD) {
             seq += 1;
-            let t = key
-                .seal_in_place_separate_tag(Nonce::assume_unique_for_key(n), Aad::from(rec), &mut [])
-                .map_err(|_| io::Error::other("gmac"))?;
-            tags ^= t.as_ref()[0];
+            tags ^= gmac(&key, seq, rec)?[0];
         }
         Ok(())
     };
@@ -180,7 +317,7 @@ fn run(mode: &str, src: &[u8], calls: usize, chunk: usize, first: usize) -> io::
         for i in 0..PER_CALL {
             let b = &src[base + i * chunk..base + (i + 1) * chunk];
             match mode {
-                "write" => write_mode(&mut s, b)?,
+                "write" | "stream" => write_mode(&mut s, b)?,
                 "splice" => splice_mode(&s, &pr, &pw, b)?,
                 "tag-write" => {
                     tag(b)?;
@@ -194,6 +331,8 @@ fn run(mode: &str, src: &[u8], calls: usize, chunk: usize, first: usize) -> io::
                     tag(b)?;
                     splice_mode(&s, &pr, &pw, b)?
                 }
+                "tag-check" => tag_check_send(&mut s, &key, &mut check_seq, b)?,
+                "frames" | "frames-none" => frames.send(&HEAD, b)?,
                 _ => return Err(io::Error::other(format!("unknown mode {mode}"))),
             }
         }
