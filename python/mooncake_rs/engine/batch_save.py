@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["cpu_saver", "save_requests", "saved_nbytes", "save_blocks_each"]
 
 
-def cpu_saver(cache: "KVCache", requests: "Mapping[str, Request]", block_size: int,
+def cpu_saver(cache: "KVCache", requests: "dict[str, Request]", block_size: int,
               page_size: int) -> RequestBlockSaver | None:
     """The one-call saves over ``cache`` for the engine's ``requests`` (its dict, read at
     each call), or ``None`` on CUDA (no Rust gather there: :func:`save_requests`)."""
