@@ -27,7 +27,7 @@ import statistics
 import time
 
 import mooncake_rs as mc
-from transfer_bench import WS, SocketRef, call_base, cpu_s, start_peer, stop
+from transfer_bench import AUTH_VARIANTS, WS, SocketRef, call_base, cpu_s, start_peer, stop
 
 MB = 1e6
 
@@ -190,7 +190,7 @@ def main():
     ap.add_argument("--seconds", type=float, default=0.4)
     ap.add_argument("--placements", default="free,same,split")
     ap.add_argument("--engine", default="", help="also our engine's ops (write,read)")
-    ap.add_argument("--engine-auth", default=None, choices=("encrypted", "integrity"),
+    ap.add_argument("--engine-auth", default=None, choices=sorted(AUTH_VARIANTS),
                     help="our engine with a token and this wire protection (default: no token)")
     ap.add_argument("--engine-placements", default="free", help="placements of our engine's two processes")
     ap.add_argument("--engine-conns", type=int, default=None, help="connections_per_endpoint (default: the engine's)")

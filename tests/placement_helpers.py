@@ -69,19 +69,13 @@ def best_baseline(trace: Sequence[Any], *, prefill: int, decode: int, nic: float
     return min(run(trace, p, prefill=prefill, decode=decode, nic=nic)[0] for p in BASELINES)
 
 
-def unavoidable_excess(trace: Sequence[Any], m: int, *, prefill: int, decode: int, nic: float) -> float:
-    """The least seconds by which any placement is above the best baseline on ``trace`` or
-    on its first ``m`` requests, whichever is worse: an online policy places those ``m``
-    the same way in both (it cannot tell them apart when it decides), so it is above on
-    one of them by at least this much. 0 when one placement is within both."""
-    shape = dict(prefill=prefill, decode=decode, nic=nic)
-    return excess_over(every_placement(trace, **shape), best_baseline(trace, **shape),
-                       every_placement(trace[:m], **shape), best_baseline(trace[:m], **shape))
-
-
 def excess_over(full: dict[tuple[int, ...], float], best_full: float,
                 head: dict[tuple[int, ...], float], best_head: float) -> float:
-    """``unavoidable_excess`` from the two traces' placements already simulated (``head``:
-    those of the first m requests) and their best baselines."""
+    """The *unavoidable excess* of a trace and its first m requests: the least seconds by
+    which any placement is above the best baseline on the trace or on its prefix, whichever
+    is worse. An online policy places those m the same way in both (it cannot tell them
+    apart when it decides), so it is above on one of them by at least this much; 0 when one
+    placement is within both. ``full`` and ``head``: ``every_placement`` of the trace and of
+    its prefix; ``best_full``, ``best_head``: their ``best_baseline``."""
     m = len(next(iter(head)))
     return max(0.0, min(max(full[v] - best_full, head[v[:m]] - best_head) for v in full))
