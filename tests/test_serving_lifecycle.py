@@ -871,3 +871,40 @@ def test_handle_result_waits_for_every_waiter_and_times_out():
     assert slow.done and cancelled == [(2, "timed_out")]
     with pytest.raises(TransferTimeout):
         slow.result(0)
+
+
+def test_a_token_queued_after_a_cancel_is_not_streamed():
+    """A cancel from another thread (the HTTP front's drain at shutdown) ends the handle
+    while the router may still deliver a token it already had: that token lands behind the
+    end marker. The async stream ends at the marker and raises the cancel's error; the
+    late token is dropped, not handed out as a token (it was, with the marker, to the
+    HTTP front's detokenizer: a TypeError instead of the shutdown's error)."""
+    import asyncio
+
+    from mooncake_rs.client.handle import RequestHandle
+
+    async def stream(h: RequestHandle) -> tuple[list[list[int]], BaseException | None]:
+        got: list[list[int]] = []
+        try:
+            async for batch in h.batches():
+                got.append(batch)
+        except MooncakeError as e:
+            return got, e
+        return got, None
+
+    h = RequestHandle(1, [1, 2])
+    h._token(5)
+    h.cancel(MooncakeError("shutting down"))
+    h._token(6)  # the router's late delivery
+    got, err = asyncio.run(asyncio.wait_for(stream(h), 10))  # (it waited forever for a marker it had passed)
+    assert got == [[5]] and str(err) == "shutting down"
+
+    sync = RequestHandle(2, [1])
+    sync._token(5)
+    sync.cancel(MooncakeError("shutting down"))
+    sync._token(6)
+    toks = []
+    with pytest.raises(MooncakeError, match="shutting down"):
+        for t in sync:
+            toks.append(t)
+    assert toks == [5]

@@ -195,8 +195,11 @@ class RequestHandle:
                 if not items:
                     await ready.wait()
                     continue
-                end = items[-1] is _END
-                toks = items[:-1] if end else items
+                # The end marker may not be last: a cancel from another thread ends the
+                # handle while the producer still delivers a token it had (queued behind
+                # the marker). The stream ends at the marker, as the sync one does.
+                end = _END in items
+                toks = items[:items.index(_END)] if end else items
                 if toks:
                     yield toks
                 if end:
