@@ -36,7 +36,17 @@
 //! each chunk whole, as `transfer_bench.py`'s socket reference does. Run
 //! `SPLICE_BENCH_MODES=stream,tag-check,frames,frames-none` for the integrity question
 //! (BENCHMARKS.md, "k26w"). `SPLICE_BENCH_SPLIT=1` pins the sender to CPU 0 and the
-//! receiver to CPU 1.
+//! receiver to CPU 1. `tag-helper` is `tag-check` with the tags computed off the send
+//! path: a tagger thread tags the chunks in the sender's order, up to
+//! `SPLICE_BENCH_AHEAD` (default 2) chunks ahead, and the sender thread only writes (its
+//! CPU is reported apart, in `tagger_cpu_s/GB`, and counted in the total).
+//!
+//! When the modes include one without a MAC (`stream`, `write`, `frames-none`), each round
+//! ends with the ceiling of any integrity-only stream on this host, as a ratio to the first
+//! mode: such a stream must move the bytes (at least the cheapest no-MAC mode's CPU per
+//! byte that round) and pass a MAC over every byte at both ends (GMAC with the bytes in
+//! cache, timed on this thread that round), and the host has
+//! `available_parallelism` CPU-seconds a second (BENCHMARKS.md, "k26x").
 //!
 //! Result on the development host (BENCHMARKS.md, "k26z: authenticated 512 KiB"): the
 //! splice removes most of the sender's CPU, but the receiver's copy out of spliced pages
@@ -100,8 +110,13 @@ fn record_tags(key: &LessSafeKey, seq: &mut u64, bytes: &[u8]) -> io::Result<Vec
 /// none of its code.)
 fn tag_check_send(s: &mut TcpStream, key: &LessSafeKey, seq: &mut u64, bytes: &[u8]) -> io::Result<()> {
     let tags = record_tags(key, seq, bytes)?;
+    write_records_and_tags(s, bytes, &tags)
+}
+
+/// A chunk's records, each followed by its tag, in one vectored write.
+fn write_records_and_tags(s: &mut TcpStream, bytes: &[u8], tags: &[[u8; TAG_LEN]]) -> io::Result<()> {
     let mut slices: Vec<IoSlice> =
-        bytes.chunks(RECORD).zip(&tags).flat_map(|(r, t)| [IoSlice::new(r), IoSlice::new(t)]).collect();
+        bytes.chunks(RECORD).zip(tags).flat_map(|(r, t)| [IoSlice::new(r), IoSlice::new(t)]).collect();
     let mut slices = &mut slices[..];
     while !slices.is_empty() {
         match s.write_vectored(slices) {
@@ -250,7 +265,7 @@ fn receiver(mut c: TcpStream, mode: &str, calls: usize, chunk: usize, first: usi
                 c.read_exact(&mut dst[at..at + chunk])?;
                 reads += 1;
             }
-        } else if mode == "tag-check" {
+        } else if mode == "tag-check" || mode == "tag-helper" {
             for i in 0..PER_CALL {
                 let at = base + i * chunk;
                 reads += tag_check_recv(&mut c, &key, &mut seq, &mut dst[at..at + chunk])?;
@@ -283,12 +298,14 @@ fn receiver(mut c: TcpStream, mode: &str, calls: usize, chunk: usize, first: usi
 struct Row {
     secs: f64,
     send_cpu: f64,
+    /// `tag-helper`'s tagger thread (0 in the other modes).
+    helper_cpu: f64,
     recv_cpu: f64,
     reads: usize,
     bytes: usize,
 }
 
-fn run(mode: &str, src: &[u8], calls: usize, chunk: usize, first: usize) -> io::Result<Row> {
+fn run(mode: &str, src: &'static [u8], calls: usize, chunk: usize, first: usize) -> io::Result<Row> {
     let l = TcpListener::bind("127.0.0.1:0")?;
     let addr = l.local_addr()?;
     let recv_mode = mode.to_string();
@@ -315,6 +332,37 @@ fn run(mode: &str, src: &[u8], calls: usize, chunk: usize, first: usize) -> io::
         std::hint::black_box(record_tags(&key, seq, b)?);
         Ok(())
     };
+    // `tag-helper`: a thread tags the chunks in the order the sender writes them, up to
+    // `SPLICE_BENCH_AHEAD` chunks ahead, so the sender thread only writes.
+    let helper_tags = (mode == "tag-helper").then(|| {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<io::Result<Vec<[u8; TAG_LEN]>>>(tagger_ahead());
+        let tagger = std::thread::spawn(move || -> f64 {
+            let cpu0 = thread_cpu_s();
+            let key = match gmac_key() {
+                Ok(k) => k,
+                Err(e) => {
+                    let _ = tx.send(Err(e));
+                    return 0.0;
+                }
+            };
+            let mut seq = 0u64;
+            'all: for k in first..first + calls {
+                let base = call_base(k, total);
+                for i in 0..PER_CALL {
+                    let b = &src[base + i * chunk..base + (i + 1) * chunk];
+                    if tx.send(record_tags(&key, &mut seq, b)).is_err() {
+                        break 'all;
+                    }
+                }
+            }
+            thread_cpu_s() - cpu0
+        });
+        (rx, tagger)
+    });
+    let (helper_tags, tagger) = match helper_tags {
+        Some((rx, t)) => (Some(rx), Some(t)),
+        None => (None, None),
+    };
     for k in first..first + calls {
         let base = call_base(k, total);
         for i in 0..PER_CALL {
@@ -335,6 +383,13 @@ fn run(mode: &str, src: &[u8], calls: usize, chunk: usize, first: usize) -> io::
                     splice_mode(&s, &pr, &pw, b)?
                 }
                 "tag-check" => tag_check_send(&mut s, &key, &mut seq, b)?,
+                "tag-helper" => {
+                    let tags = helper_tags
+                        .as_ref()
+                        .and_then(|h| h.recv().ok())
+                        .ok_or_else(|| io::Error::other("tagger ended"))??;
+                    write_records_and_tags(&mut s, b, &tags)?
+                }
                 "frames" | "frames-none" => frames.send(&HEAD, b)?,
                 _ => return Err(io::Error::other(format!("unknown mode {mode}"))),
             }
@@ -343,8 +398,28 @@ fn run(mode: &str, src: &[u8], calls: usize, chunk: usize, first: usize) -> io::
     }
     let secs = t0.elapsed().as_secs_f64();
     let send_cpu = thread_cpu_s() - cpu0;
+    let helper_cpu = tagger.map_or(0.0, |t| t.join().unwrap_or(f64::NAN));
     let (recv_cpu, reads) = rx.join().map_err(|_| io::Error::other("receiver panicked"))??;
-    Ok(Row { secs, send_cpu, recv_cpu, reads, bytes: calls * total })
+    Ok(Row { secs, send_cpu, helper_cpu, recv_cpu, reads, bytes: calls * total })
+}
+
+/// CPU-seconds per GB of GMAC on this thread with the bytes in cache (the cheapest a MAC
+/// pass can be here): `bytes` tagged record by record for ~0.1 s.
+fn gmac_cpu_s_per_gb(bytes: &[u8]) -> io::Result<f64> {
+    let key = gmac_key()?;
+    let mut seq = 0u64;
+    std::hint::black_box(record_tags(&key, &mut seq, bytes)?); // warm
+    let (cpu0, mut done) = (thread_cpu_s(), 0usize);
+    while thread_cpu_s() - cpu0 < 0.1 {
+        std::hint::black_box(record_tags(&key, &mut seq, bytes)?);
+        done += bytes.len();
+    }
+    Ok((thread_cpu_s() - cpu0) / (done as f64 / 1e9))
+}
+
+/// Chunks the `tag-helper` tagger may run ahead (`SPLICE_BENCH_AHEAD`, default 2).
+fn tagger_ahead() -> usize {
+    std::env::var("SPLICE_BENCH_AHEAD").ok().and_then(|v| v.parse().ok()).unwrap_or(2)
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -362,7 +437,8 @@ fn main() -> io::Result<()> {
         .split(',')
         .map(str::to_string)
         .collect();
-    let mut src = vec![0u8; WS];
+    // Leaked: `tag-helper`'s tagger thread reads it too.
+    let src: &'static mut [u8] = Vec::leak(vec![0u8; WS]);
     let mut x = 0x9e37_79b9_7f4a_7c15u64;
     for w in src.chunks_mut(8) {
         x ^= x << 13;
@@ -371,19 +447,30 @@ fn main() -> io::Result<()> {
         w.copy_from_slice(&x.to_le_bytes()[..w.len()]);
     }
     println!("{} x {} KiB a call, {} calls a mode a round, {} rounds", PER_CALL, chunk >> 10, calls, rounds);
-    println!("round mode        GB/s  send_cpu_s/GB recv_cpu_s/GB total_cpu_s/GB reads/MiB");
+    println!("round mode        GB/s  send_cpu_s/GB tagger_cpu_s/GB recv_cpu_s/GB total_cpu_s/GB reads/MiB");
     // per mode after the first: (throughput, CPU per byte) relative to the first, per round
     let mut rel: Vec<(Vec<f64>, Vec<f64>)> = vec![(Vec::new(), Vec::new()); modes.len()];
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
     for r in 0..rounds {
         let mut first: Option<(f64, f64)> = None;
+        // The cheapest CPU per byte of a mode without a MAC this round, and the first
+        // mode's GB/s: what the ceiling below is computed from.
+        let (mut plain_cpu, mut ref_gbs) = (f64::INFINITY, f64::NAN);
         for (m, mode) in modes.iter().enumerate() {
-            let row = run(mode, &src, calls, chunk, r * calls)?;
+            let row = run(mode, src, calls, chunk, r * calls)?;
             let gb = row.bytes as f64 / 1e9;
-            let cpu = (row.send_cpu + row.recv_cpu) / gb;
+            let cpu = (row.send_cpu + row.helper_cpu + row.recv_cpu) / gb;
+            if m == 0 {
+                ref_gbs = gb / row.secs;
+            }
+            if matches!(mode.as_str(), "stream" | "write" | "frames-none") {
+                plain_cpu = plain_cpu.min(cpu);
+            }
             println!(
-                "{r:5} {mode:10} {:6.2} {:13.3} {:13.3} {:14.3} {:9.1}",
+                "{r:5} {mode:10} {:6.2} {:13.3} {:15.3} {:13.3} {:14.3} {:9.1}",
                 gb / row.secs,
                 row.send_cpu / gb,
+                row.helper_cpu / gb,
                 row.recv_cpu / gb,
                 cpu,
                 row.reads as f64 / (row.bytes as f64 / (1 << 20) as f64)
@@ -391,6 +478,17 @@ fn main() -> io::Result<()> {
             let (secs0, cpu0) = *first.get_or_insert((row.secs, cpu));
             rel[m].0.push(secs0 / row.secs);
             rel[m].1.push(cpu / cpu0);
+        }
+        if plain_cpu.is_finite() {
+            // Any integrity-only stream tags every byte at the sender and checks it at the
+            // receiver: at least two MAC passes on top of moving the bytes, and the host
+            // has `cpus` CPU-seconds a second.
+            let mac = gmac_cpu_s_per_gb(&src[..chunk])?;
+            let ceiling = cpus / ((plain_cpu + 2.0 * mac) * ref_gbs);
+            println!(
+                "{r:5} ceiling of any integrity stream: {ceiling:.2}x of {} ({cpus} CPUs; moving the bytes {plain_cpu:.3} + 2 x GMAC {mac:.3} CPU-s/GB)",
+                modes[0]
+            );
         }
     }
     for (mode, (speed, cpu)) in modes.iter().zip(rel).skip(1) {
